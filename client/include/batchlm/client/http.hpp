@@ -1,0 +1,87 @@
+#pragma once
+// HTTP on libcurl's multi interface, driven by Asio: curl_multi_socket_action with Asio
+// watching curl's sockets and its one timer. One thread holds thousands of transfers; there
+// is no thread per request and no polling loop. Connections are reused across requests and
+// HTTP/2 is used when the server offers it (ALPN over TLS).
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/awaitable.hpp>
+
+#include "batchlm/core/types.hpp"
+
+namespace batchlm::client {
+
+using Headers = std::vector<std::pair<std::string, std::string>>;
+
+// One deadline per stage. Zero disables a stage.
+struct HttpTimeouts {
+  std::chrono::milliseconds connect{10'000};     // TCP + TLS handshake
+  std::chrono::milliseconds first_byte{120'000}; // request sent -> first response body byte
+  std::chrono::milliseconds idle{60'000};        // between two received chunks
+  std::chrono::milliseconds total{900'000};      // the whole transfer
+};
+
+struct HttpRequest {
+  std::string url;
+  Headers headers;         // sent as given
+  std::string body;        // POST body (the request is a GET when method == "GET")
+  std::string method = "POST";
+  HttpTimeouts timeouts;
+  std::size_t max_response_bytes = 64 << 20;  // whole body; larger is ErrorKind::TooLarge
+};
+
+struct HttpResponse {
+  int status = 0;
+  Headers headers;   // names lower-cased, in arrival order, of the final response
+  std::string body;  // the body when no body handler consumed it (always for non-2xx)
+  std::optional<Error> error;  // transport failure: Timeout, Connection, TooLarge, Cancelled
+  std::chrono::steady_clock::time_point first_byte_at{};  // of the body; {} if none arrived
+
+  const std::string* header(std::string_view lower_name) const;
+};
+
+// Called with each chunk of a 2xx response body as it arrives. Return false to abort the
+// transfer (the response then carries whatever error the handler recorded on its side).
+using BodyHandler = std::function<bool(std::string_view chunk)>;
+
+struct HttpClientOptions {
+  bool verify_tls = true;            // never off by default
+  long max_host_connections = 0;     // 0: unlimited
+  long max_total_connections = 0;    // 0: unlimited
+  bool http2 = true;                 // offer h2 via ALPN (TLS) — plain http stays HTTP/1.1
+  std::string user_agent = "batchlm";
+  std::string ca_info;               // extra CA bundle path; empty: the system's
+};
+
+class HttpClient {
+ public:
+  // All transfers run on `executor`, which must be single-threaded (one io_context thread or a
+  // strand).
+  HttpClient(boost::asio::any_io_executor executor, HttpClientOptions options = {});
+  ~HttpClient();
+  HttpClient(const HttpClient&) = delete;
+  HttpClient& operator=(const HttpClient&) = delete;
+
+  // One transfer. Follows no redirects. Never throws for transfer failures (see
+  // HttpResponse::error). Honours per-operation cancellation: the transfer is removed at once
+  // and the result carries ErrorKind::Cancelled.
+  boost::asio::awaitable<HttpResponse> perform(HttpRequest request, BodyHandler on_body = {});
+
+  std::size_t in_flight() const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace batchlm::client

@@ -1,0 +1,60 @@
+#pragma once
+// The OpenAI chat-completions API over HttpClient, streaming (SSE with
+// stream_options.include_usage) and not.
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <boost/asio/any_io_executor.hpp>
+
+#include "batchlm/client/http.hpp"
+#include "batchlm/client/sse.hpp"
+#include "batchlm/core/backend.hpp"
+
+namespace batchlm::client {
+
+struct OpenAIOptions {
+  std::string base_url = "https://api.openai.com/v1";  // ".../v1"; "/chat/completions" is appended
+  std::string api_key;                                 // sent as a bearer token when not empty
+  Headers extra_headers;
+  HttpTimeouts timeouts;
+  SseLimits sse_limits;
+  std::size_t max_response_bytes = 64 << 20;
+  HttpClientOptions http;
+};
+
+// The JSON body for a Request (model, messages, sampling fields, stop, seed, extra fields;
+// with stream: true and stream_options.include_usage when streaming).
+nlohmann::json to_openai_body(const Request& request);
+
+// Server hints from response headers: `retry-after-ms` (milliseconds, wins), else
+// `Retry-After` as seconds or as an HTTP date (relative to `now`). Negative values are zero.
+std::optional<std::chrono::milliseconds> parse_retry_after(
+    const HttpResponse& response,
+    std::chrono::system_clock::time_point now = std::chrono::system_clock::now());
+
+// `x-should-retry: true|false`, when present.
+std::optional<bool> parse_should_retry(const HttpResponse& response);
+
+// Maps a non-2xx response to an Error: status, the API error's code and message from the body
+// ({"error": {"message", "type", "code"}}), retry hints.
+Error http_error(const HttpResponse& response);
+
+class OpenAIBackend final : public Backend {
+ public:
+  OpenAIBackend(boost::asio::any_io_executor executor, OpenAIOptions options);
+  ~OpenAIBackend() override;
+
+  boost::asio::awaitable<Outcome> complete(const Request& request, TokenSink sink) override;
+  std::string describe() const override;
+
+  HttpClient& http() { return http_; }
+
+ private:
+  OpenAIOptions options_;
+  HttpClient http_;
+};
+
+}  // namespace batchlm::client

@@ -1,0 +1,26 @@
+#pragma once
+// The one seam between the runner and whatever produces text. The runner calls complete()
+// once per attempt; it owns retries, rate limits and concurrency, a backend owns none of them.
+
+#include <string>
+
+#include <boost/asio/awaitable.hpp>
+
+#include "batchlm/core/types.hpp"
+
+namespace batchlm {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // One attempt. Never throws for request-level failures: they come back as Outcome::error.
+  // Honours Asio per-operation cancellation (the runner cancels on a hard stop); a cancelled
+  // attempt returns ErrorKind::Cancelled.
+  virtual boost::asio::awaitable<Outcome> complete(const Request& request, TokenSink sink) = 0;
+
+  // A short description for logs and the summary: "openai http://127.0.0.1:8000/v1".
+  virtual std::string describe() const = 0;
+};
+
+}  // namespace batchlm

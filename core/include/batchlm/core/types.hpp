@@ -1,0 +1,109 @@
+#pragma once
+// The values that cross the Backend seam: what the runner asks for (Request) and what a
+// backend answers (Outcome = Completion or Error). Both backends, the remote client and the
+// embedded engine, speak only these types.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace batchlm {
+
+struct ChatMessage {
+  std::string role;     // "system" | "user" | "assistant" | ...
+  std::string content;
+};
+
+// One chat-completion call. Fields left empty are not sent, so the server's defaults apply.
+struct Request {
+  std::string model;
+  std::vector<ChatMessage> messages;
+  std::optional<int> max_tokens;
+  std::optional<double> temperature;
+  std::optional<double> top_p;
+  std::vector<std::string> stop;
+  std::optional<std::int64_t> seed;
+  bool stream = true;
+  // Further body fields passed through as given (e.g. from an OpenAI Batch-API line's body:
+  // response_format, logprobs, ...). A JSON object or null.
+  nlohmann::json extra;
+};
+
+struct Usage {
+  std::int64_t prompt_tokens = 0;
+  std::int64_t completion_tokens = 0;
+  bool reported = false;  // false: the backend did not say; counts are estimates or zero
+};
+
+// Per-attempt timings, measured by the backend from the moment the request is handed to it.
+struct Timings {
+  double ttft_ms = 0;   // time to first content token (non-streaming: time to the full body)
+  double tpot_ms = 0;   // mean time per output token after the first
+  double total_ms = 0;  // whole attempt
+};
+
+struct Completion {
+  std::string text;
+  std::string finish_reason;  // "stop", "length", ... as the backend reported it
+  Usage usage;
+  Timings timings;
+};
+
+enum class ErrorKind {
+  Http,        // a non-2xx status
+  Timeout,     // a stage deadline passed (connect, first byte, idle, total): message says which
+  Connection,  // could not connect, or the connection broke
+  Protocol,    // malformed JSON or SSE, an unexpected body
+  Truncated,   // the stream ended without [DONE] and without a finish reason
+  TooLarge,    // a line, an event or a response exceeded its cap
+  StreamError, // an error object or `event: error` inside a 200 stream
+  Cancelled,   // the caller cancelled the request
+  Internal,    // a bug or an unexpected local failure
+};
+
+std::string_view to_string(ErrorKind kind);
+
+struct Error {
+  ErrorKind kind = ErrorKind::Internal;
+  int http_status = 0;    // 0 when there was no HTTP status
+  std::string code;       // the API's error code when it gave one, e.g. "insufficient_quota"
+  std::string message;
+  // Server hints, parsed from headers: `retry-after-ms` / `Retry-After` (seconds or HTTP date),
+  // and `x-should-retry: true|false`.
+  std::optional<std::chrono::milliseconds> retry_after;
+  std::optional<bool> should_retry;
+
+  nlohmann::json to_json() const;  // {"kind": "http", "status": 429, "code": ..., "message": ...}
+};
+
+// Exactly one of completion / error is set.
+struct Outcome {
+  std::optional<Completion> completion;
+  std::optional<Error> error;
+  Timings timings;  // also set for failed attempts, as far as they got
+
+  bool ok() const { return completion.has_value(); }
+  static Outcome success(Completion c) {
+    Outcome o;
+    o.timings = c.timings;
+    o.completion = std::move(c);
+    return o;
+  }
+  static Outcome failure(Error e, Timings t = {}) {
+    Outcome o;
+    o.error = std::move(e);
+    o.timings = t;
+    return o;
+  }
+};
+
+// Receives each piece of output text as it arrives (one call per streamed delta).
+using TokenSink = std::function<void(std::string_view delta)>;
+
+}  // namespace batchlm

@@ -1,0 +1,164 @@
+#pragma once
+// A job file, validated. Loading either returns a complete JobSpec or throws ConfigError
+// naming the file, line and field; nothing is sent before the whole job validates.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "batchlm/client/http.hpp"
+#include "batchlm/core/types.hpp"
+
+namespace batchlm::runner {
+
+using std::chrono::milliseconds;
+
+// A mistake in a job file or an override. what() is the whole message, e.g.
+//   jobs/gsm8k.yaml:14:3: retry.max_attemps: unknown key (did you mean 'max_attempts'?)
+class ConfigError : public std::runtime_error {
+ public:
+  ConfigError(std::string file, int line, int column, std::string field, std::string message);
+  const std::string& file() const { return file_; }
+  int line() const { return line_; }      // 1-based; 0 when not tied to a line
+  int column() const { return column_; }  // 1-based; 0 when unknown
+  const std::string& field() const { return field_; }  // dotted path: "rate_limit.tokens_per_minute"
+  const std::string& message() const { return message_; }
+
+ private:
+  std::string file_, field_, message_;
+  int line_, column_;
+};
+
+enum class JobKind { Eval, Synth };
+enum class InputFormat { Auto, Jsonl, Batch };  // Batch: OpenAI Batch-API lines {custom_id, body}
+enum class ScoringKind { None, Gsm8k, ExactMatch, Regex };
+
+struct InputSpec {
+  std::string path;  // empty for a synth job that generates its items
+  InputFormat format = InputFormat::Auto;  // Auto: Batch when the first line has custom_id and body
+};
+
+// kind: synth without an input: `count` items whose variables are drawn, seeded, from lists.
+struct SynthSpec {
+  std::int64_t count = 0;
+  std::uint64_t seed = 0;
+  std::map<std::string, std::vector<std::string>> variables;  // name -> choices
+};
+
+// The request of every item; message contents and string fields may use {{field}}.
+struct RequestTemplate {
+  std::vector<ChatMessage> messages;
+  std::string model;  // empty: the backend's model
+  std::optional<int> max_tokens;
+  std::optional<double> temperature;
+  std::optional<double> top_p;
+  std::vector<std::string> stop;
+  std::optional<std::int64_t> seed;
+  nlohmann::json extra = nlohmann::json::object();  // further body fields, passed through
+};
+
+// Few-shot examples drawn from a file and placed, as user/assistant turns, before the last
+// message of the template.
+struct FewShotSpec {
+  std::string path;      // empty: no few-shot examples
+  int count = 0;
+  std::uint64_t seed = 0;
+  std::string user = "{{question}}";     // rendered with each example's fields
+  std::string assistant = "{{answer}}";
+};
+
+struct BackendSpec {
+  std::string type = "openai";  // "openai"; "local" once the embedded engine lands
+  std::string base_url;         // resolved: job value, else $OPENAI_BASE_URL, else api.openai.com
+  std::string model;            // default model for requests that name none
+  std::string api_key_env = "OPENAI_API_KEY";  // the variable the key is read from
+  client::Headers headers;                     // extra headers
+  client::HttpTimeouts timeouts;
+  bool stream = true;
+};
+
+struct RateLimitSpec {
+  double requests_per_minute = 0;  // 0: unlimited
+  double tokens_per_minute = 0;    // 0: unlimited
+};
+
+struct RetrySpec {
+  int max_attempts = 6;               // attempts in all, the first included
+  milliseconds base{500};
+  milliseconds cap{30'000};
+  milliseconds max_retry_after{120'000};  // server hints honoured up to this
+  double budget_ratio = 0.2;          // retries may be at most this fraction of first attempts...
+  double budget_min_per_second = 1;   // ...plus this many per second, always allowed
+};
+
+struct OutputSpec {
+  std::string path;                   // the JSONL output
+  int flush_every = 64;               // records
+  milliseconds flush_interval{1000};
+  std::vector<std::string> input_fields;  // input fields copied to each record; empty: all
+};
+
+struct ScoringSpec {
+  ScoringKind kind = ScoringKind::None;
+  std::string reference_field = "answer";  // input field holding the expected answer
+  std::string pattern;                     // Regex: the pattern the output must match
+};
+
+struct JobSpec {
+  std::string file;  // where it was loaded from ("<builtin:stories>" for built-ins)
+  std::string name;
+  JobKind kind = JobKind::Eval;
+  InputSpec input;
+  SynthSpec synth;
+  RequestTemplate request;
+  FewShotSpec few_shot;
+  BackendSpec backend;
+  int concurrency = 32;
+  RateLimitSpec rate_limit;
+  RetrySpec retry;
+  OutputSpec output;
+  ScoringSpec scoring;
+  std::optional<std::int64_t> limit;  // first N items only
+  milliseconds grace_period{30'000};  // on SIGINT: how long in-flight items may finish
+};
+
+// Environment lookup (tests pass a map; the program passes getenv).
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+EnvLookup process_env();
+
+// `--set key.path=value` overrides, applied to the YAML tree before validation; the value is
+// parsed as YAML (so `concurrency=8` is a number and `request.stop=[a, b]` a list).
+struct Override {
+  std::string path;
+  std::string value;
+};
+Override parse_override(std::string_view text);  // throws ConfigError (file "--set")
+
+// Loads, expands ${VAR} / ${VAR:-default} in every string scalar, applies overrides,
+// validates. Relative paths in the job (input, few_shot.path, output.path) are taken as given,
+// relative to the working directory, like a shell would.
+JobSpec load_job_file(const std::string& path, const std::vector<Override>& overrides,
+                      const EnvLookup& env);
+JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
+                      const std::vector<Override>& overrides, const EnvLookup& env);
+
+// The built-in short-story recipe (`batchlm synth` with no job file; same as jobs/stories.yaml).
+std::string_view builtin_stories_yaml();
+
+// ${VAR} and ${VAR:-default} expansion; "$$" is a literal "$". An unset ${VAR} without a
+// default throws ConfigError at (file, line, field).
+std::string expand_env(std::string_view text, const EnvLookup& env, const std::string& file,
+                       int line, const std::string& field);
+
+// The valid key nearest to `key` (edit distance), or empty when none is close.
+std::string nearest_key(std::string_view key, const std::vector<std::string>& valid);
+
+}  // namespace batchlm::runner

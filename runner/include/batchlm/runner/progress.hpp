@@ -1,0 +1,85 @@
+#pragma once
+// Live progress on stderr and the end-of-run summary.
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace batchlm::runner {
+
+// What the runner knows at a moment; the Progress display only reads it.
+struct ProgressCounters {
+  std::int64_t total = 0;        // items in this job (resumed ones included)
+  std::int64_t resumed = 0;      // done before this run started
+  std::int64_t done = 0;         // finished in this run, succeeded or failed
+  std::int64_t failed = 0;       // finished in this run with an error
+  std::int64_t in_flight = 0;
+  std::int64_t retries = 0;      // retry attempts started
+  std::int64_t output_tokens = 0;  // streamed so far (deltas until usage corrects them)
+};
+
+class Progress {
+ public:
+  // tty: draw a bar redrawn in place at most 10 times a second; otherwise a plain line every
+  // `plain_interval`. `width`: terminal columns (0: ask the terminal, else 80).
+  Progress(std::FILE* out, bool tty, std::chrono::milliseconds plain_interval = std::chrono::seconds(5),
+           int width = 0);
+  // Draws if it is time (tty: 100 ms since the last draw; plain: the interval).
+  void update(const ProgressCounters& c,
+              std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
+  // Final draw and newline, before the summary.
+  void finish(const ProgressCounters& c);
+  // The bar line for counters (without "\r"), for tests.
+  std::string render_bar(const ProgressCounters& c, double elapsed_seconds) const;
+
+ private:
+  std::FILE* out_;
+  bool tty_;
+  std::chrono::milliseconds plain_interval_;
+  int width_;
+  std::chrono::steady_clock::time_point start_, last_draw_{};
+  bool drawn_ = false;
+};
+
+// Per item, what the summary needs.
+struct ItemResult {
+  bool ok = false;
+  std::string error_kind;   // "" when ok; else Error kind name ("http" ...)
+  int http_status = 0;
+  nlohmann::json score;     // null when not scored
+  double ttft_ms = 0, tpot_ms = 0, total_ms = 0;
+  std::int64_t prompt_tokens = 0, completion_tokens = 0;
+  int attempts = 0;
+  bool resumed = false;     // from an earlier run
+};
+
+class Summary {
+ public:
+  void add(const ItemResult& r);
+  // Accuracy per metric over scored items only; failures by kind ("http 429": n, "timeout": n);
+  // p50/p90/p99 of ttft, tpot, end-to-end over this run's successes; tokens; throughput over
+  // wall_seconds; counts (total, succeeded, failed, resumed, interrupted-unfinished).
+  nlohmann::json to_json(double wall_seconds, std::int64_t total_items) const;
+  // Human-readable, a few lines.
+  std::string to_text(double wall_seconds, std::int64_t total_items) const;
+  std::int64_t failed() const { return failed_; }
+  std::int64_t succeeded() const { return succeeded_; }
+
+ private:
+  std::int64_t succeeded_ = 0, failed_ = 0, resumed_ = 0;
+  std::int64_t prompt_tokens_ = 0, completion_tokens_ = 0, attempts_ = 0;
+  std::map<std::string, std::int64_t> failures_;
+  std::map<std::string, std::pair<std::int64_t, std::int64_t>> metrics_;  // name -> (true, scored)
+  std::vector<double> ttft_, tpot_, total_;
+};
+
+// Nearest-rank percentile of unsorted values (copied); nullopt when empty.
+std::optional<double> percentile(std::vector<double> values, double p);
+
+}  // namespace batchlm::runner

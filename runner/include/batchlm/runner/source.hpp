@@ -1,0 +1,41 @@
+#pragma once
+// Sources stream the job's items; memory stays flat whatever the input size.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "batchlm/core/types.hpp"
+#include "batchlm/runner/job.hpp"
+
+namespace batchlm::runner {
+
+struct Item {
+  nlohmann::json id;     // custom_id (string) or the input line number (1-based) / synth index
+  std::string id_key;    // id.dump(): the key used for resume
+  nlohmann::json input;  // the item's input fields (object); for Batch lines the whole line
+  Request request;       // rendered
+  std::int64_t estimated_prompt_tokens = 0;  // rough (bytes / 4), for rate limits and dry runs
+};
+
+class Source {
+ public:
+  virtual ~Source() = default;
+  virtual std::optional<Item> next() = 0;
+  // Number of items the source will yield (after the job's limit).
+  virtual std::int64_t total() const = 0;
+};
+
+// Opens the job's source. Validates the whole input first (every line parses, every
+// {{field}} resolves), throwing ConfigError naming the input file and line, so nothing is sent
+// before the whole job validates.
+std::unique_ptr<Source> open_source(const JobSpec& job);
+
+// {{field}} / {{a.b}} substitution from a JSON object; strings inserted as-is, other values
+// dumped as JSON. A missing field throws std::out_of_range naming the field.
+std::string render_template(std::string_view tmpl, const nlohmann::json& fields);
+
+}  // namespace batchlm::runner

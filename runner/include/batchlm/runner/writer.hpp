@@ -1,0 +1,71 @@
+#pragma once
+// The output JSONL: one line per finished item, buffered, flushed by count and by time,
+// fsynced on flush. Opening it resumes: a torn last line is dropped, failed records are
+// dropped (their items run again), and the ids of the successful records are returned so the
+// runner skips them. A lock file refuses a second run on the same output.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <unordered_set>
+
+#include <nlohmann/json.hpp>
+
+namespace batchlm::runner {
+
+class OutputLockedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct ResumeInfo {
+  std::unordered_set<std::string> done_ids;  // record["id"].dump() of every kept record
+  std::int64_t kept = 0;             // successful records kept
+  std::int64_t dropped_failed = 0;   // failed records removed (they will be retried)
+  bool dropped_torn_line = false;    // a partial last line was cut off
+};
+
+class OutputWriter {
+ public:
+  struct Options {
+    std::string path;
+    int flush_every = 64;
+    std::chrono::milliseconds flush_interval{1000};
+    bool fresh = false;  // start over: the existing output is replaced
+  };
+
+  // Takes the lock (`<path>.lock`, flock; released by the kernel even on kill -9), creates
+  // parent directories, then reads and repairs the existing file. `on_kept` sees each kept
+  // record (for the summary). Throws OutputLockedError when another run holds the lock, and
+  // std::runtime_error (with the path) for I/O errors.
+  OutputWriter(Options options, const std::function<void(const nlohmann::json&)>& on_kept = {});
+  ~OutputWriter();  // flushes
+  OutputWriter(const OutputWriter&) = delete;
+  OutputWriter& operator=(const OutputWriter&) = delete;
+
+  const ResumeInfo& resume_info() const { return resume_; }
+
+  // Buffers one record (must contain "id"); flushes when flush_every records are buffered.
+  void append(const nlohmann::json& record);
+  // Flushes when the interval has passed since the last flush and something is buffered.
+  void flush_if_due(std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
+  // write + fsync of everything buffered.
+  void flush();
+
+  const std::string& path() const { return options_.path; }
+  std::int64_t written() const { return written_; }
+
+ private:
+  Options options_;
+  ResumeInfo resume_;
+  int fd_ = -1;
+  int lock_fd_ = -1;
+  std::string buffer_;
+  int buffered_records_ = 0;
+  std::int64_t written_ = 0;
+  std::chrono::steady_clock::time_point last_flush_;
+};
+
+}  // namespace batchlm::runner
