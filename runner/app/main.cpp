@@ -1,0 +1,2 @@
+// Placeholder replaced by the CLI.
+int main() { return 0; }
