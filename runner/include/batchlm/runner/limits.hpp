@@ -37,12 +37,19 @@ class TokenBucket {
  public:
   TokenBucket(boost::asio::any_io_executor executor, double rate_per_second, double burst);
   boost::asio::awaitable<void> acquire(double tokens);
+  // The clock-driven core of acquire(), callable with any clock reading: takes the tokens
+  // when nobody is queued and they are there now.
+  bool try_acquire(double tokens, std::chrono::steady_clock::time_point now);
+  // How long until `tokens` would be there (zero when they are), ignoring queued waiters.
+  std::chrono::steady_clock::duration wait_time(double tokens, std::chrono::steady_clock::time_point now);
   void adjust(double delta);
   double level(std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
   bool unlimited() const { return rate_ <= 0; }
 
  private:
   void refill(std::chrono::steady_clock::time_point now);
+  void wake_front();
+  void leave(const std::shared_ptr<boost::asio::steady_timer>& waiter);
   boost::asio::any_io_executor executor_;
   double rate_, burst_, level_;
   std::chrono::steady_clock::time_point last_;

@@ -25,6 +25,8 @@ struct ResumeInfo {
   std::int64_t kept = 0;             // successful records kept
   std::int64_t dropped_failed = 0;   // failed records removed (they will be retried)
   bool dropped_torn_line = false;    // a partial last line was cut off
+  std::int64_t dropped_duplicates = 0;  // later records for an id already kept
+  std::int64_t dropped_invalid = 0;     // complete lines that were not a JSON record with an id
 };
 
 class OutputWriter {

@@ -1,0 +1,51 @@
+#pragma once
+// The one path every item takes: Source -> Dispatcher -> Backend -> Scorer -> Writer, with
+// Progress and the Summary watching. One coroutine per in-flight item on one Asio thread.
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <boost/asio/io_context.hpp>
+
+#include "batchlm/core/backend.hpp"
+#include "batchlm/runner/job.hpp"
+#include "batchlm/runner/source.hpp"
+
+namespace batchlm::runner {
+
+// Documented exit codes of `batchlm run` / `batchlm synth`.
+enum ExitCode : int {
+  kExitOk = 0,           // every item succeeded
+  kExitSomeFailed = 1,   // the run finished, some items failed (they are retried on rerun)
+  kExitUsage = 2,        // bad configuration or usage: nothing was sent
+  kExitInterrupted = 130,
+};
+
+struct RunOptions {
+  bool fresh = false;                   // ignore and replace earlier results
+  std::FILE* progress_out = stderr;     // bar, plain lines and the summary
+  std::optional<bool> tty;              // default: isatty(progress_out)
+  bool install_signal_handlers = true;  // SIGINT/SIGTERM: graceful stop, second SIGINT: exit now
+};
+
+struct RunResult {
+  int exit_code = kExitOk;
+  std::int64_t total = 0, succeeded = 0, failed = 0, resumed = 0, unfinished = 0;
+  bool interrupted = false;
+  std::string summary_path;
+};
+
+// Runs the job to the end (or to an interruption) on `io`, which must not be running already;
+// it is run on the calling thread. Throws OutputLockedError / std::runtime_error for a
+// failure to open the output.
+RunResult run_job(const JobSpec& job, Source& source, Backend& backend, boost::asio::io_context& io,
+                  const RunOptions& options);
+
+// `--dry-run`: validates (already done by the caller), prints the first `show` requests as the
+// JSON bodies that would be sent, and an estimate of the tokens of the whole job. Sends nothing.
+void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show = 3);
+
+}  // namespace batchlm::runner

@@ -1,0 +1,480 @@
+#include "batchlm/runner/dispatcher.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <list>
+#include <random>
+
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include "batchlm/client/openai.hpp"
+#include "batchlm/runner/limits.hpp"
+#include "batchlm/runner/progress.hpp"
+#include "batchlm/runner/retry.hpp"
+#include "batchlm/runner/scoring.hpp"
+#include "batchlm/runner/writer.hpp"
+
+namespace batchlm::runner {
+
+namespace asio = boost::asio;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+namespace {
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// Tokens an attempt may use, for the tokens/min bucket before the usage is known.
+std::int64_t estimate_tokens(const Item& item) {
+  return item.estimated_prompt_tokens + item.request.max_tokens.value_or(256);
+}
+
+json select_input(const json& input, const std::vector<std::string>& fields) {
+  if (fields.empty() || !input.is_object()) return input;
+  json out = json::object();
+  for (const auto& f : fields)
+    if (auto it = input.find(f); it != input.end()) out[f] = *it;
+  return out;
+}
+
+// What the summary needs from a record already in the output (resumed from an earlier run).
+ItemResult item_result_from_record(const json& record) {
+  ItemResult r;
+  r.resumed = true;
+  r.ok = record.value("error", json()).is_null();
+  r.score = record.value("score", json());
+  const json usage = record.value("usage", json::object());
+  if (usage.is_object()) {
+    r.prompt_tokens = usage.value("prompt_tokens", std::int64_t{0});
+    r.completion_tokens = usage.value("completion_tokens", std::int64_t{0});
+  }
+  r.attempts = record.value("attempts", 0);
+  return r;
+}
+
+// The writer a second SIGINT flushes before exiting.
+OutputWriter* g_writer_for_hard_exit = nullptr;
+
+}  // namespace
+
+class Dispatcher {
+ public:
+  Dispatcher(const JobSpec& job, Source& source, Backend& backend, asio::io_context& io,
+             const RunOptions& options)
+      : job_(job),
+        source_(source),
+        backend_(backend),
+        io_(io),
+        options_(options),
+        slots_(io.get_executor(), static_cast<std::size_t>(job.concurrency)),
+        // Items alive at once (in flight, waiting for a slot, or backing off) are bounded so a
+        // failing server cannot make the runner read the whole input into memory.
+        live_(io.get_executor(), static_cast<std::size_t>(job.concurrency) * 4 + 16),
+        requests_(io.get_executor(), job.rate_limit.requests_per_minute / 60.0,
+                  std::max(1.0, job.rate_limit.requests_per_minute / 60.0)),
+        tokens_(io.get_executor(), job.rate_limit.tokens_per_minute / 60.0,
+                std::max(1.0, job.rate_limit.tokens_per_minute / 60.0 * 5)),
+        retry_(job.retry),
+        budget_(job.retry.budget_ratio, job.retry.budget_min_per_second),
+        scorer_(make_scorer(job.scoring)),
+        rng_(std::random_device{}()),
+        progress_(options.progress_out,
+                  options.tty.value_or(::isatty(::fileno(options.progress_out)) != 0)),
+        all_done_(io.get_executor()),
+        grace_timer_(io.get_executor()) {}
+
+  RunResult run() {
+    start_ = Clock::now();
+    writer_ = std::make_unique<OutputWriter>(
+        OutputWriter::Options{job_.output.path, job_.output.flush_every, job_.output.flush_interval,
+                              options_.fresh},
+        [this](const json& record) { summary_.add(item_result_from_record(record)); });
+    const ResumeInfo& resume = writer_->resume_info();
+    counters_.total = source_.total();
+    counters_.resumed = static_cast<std::int64_t>(resume.done_ids.size());
+    if (resume.kept > 0 || resume.dropped_failed > 0 || resume.dropped_torn_line) {
+      std::fprintf(options_.progress_out,
+                   "batchlm: resuming %s: %lld done, %lld failed to retry%s\n",
+                   job_.output.path.c_str(), static_cast<long long>(resume.kept),
+                   static_cast<long long>(resume.dropped_failed),
+                   resume.dropped_torn_line ? ", a torn last line dropped" : "");
+    }
+
+    std::optional<asio::signal_set> signals;
+    if (options_.install_signal_handlers) {
+      g_writer_for_hard_exit = writer_.get();
+      signals.emplace(io_, SIGINT, SIGTERM);
+      wait_for_signal(*signals);
+    }
+
+    asio::co_spawn(io_, produce(), [this](std::exception_ptr e) {
+      if (e) {
+        producer_error_ = e;
+        io_.stop();
+      }
+    });
+    asio::co_spawn(io_, tick(), asio::detached);
+    io_.run();
+    g_writer_for_hard_exit = nullptr;
+    if (producer_error_) std::rethrow_exception(producer_error_);
+
+    writer_->flush();
+    progress_.finish(counters_);
+    return finish();
+  }
+
+ private:
+  // Per live item: the cancellation signal for a stop, and whether an attempt is under way.
+  struct LiveItem {
+    asio::cancellation_signal cancel;
+    bool in_attempt = false;
+  };
+
+  void wait_for_signal(asio::signal_set& signals) {
+    signals.async_wait([this, &signals](boost::system::error_code ec, int signo) {
+      if (ec) return;
+      ++interrupts_;
+      if (interrupts_ >= 2 && signo == SIGINT) hard_exit();
+      begin_stop(signo == SIGINT ? "interrupted" : "terminated");
+      wait_for_signal(signals);
+    });
+  }
+
+  // The second SIGINT: the output holds only whole records; write what is buffered and go.
+  [[noreturn]] static void hard_exit() {
+    if (g_writer_for_hard_exit != nullptr) {
+      try {
+        g_writer_for_hard_exit->flush();
+      } catch (...) {
+      }
+    }
+    std::fputs("\nbatchlm: interrupted twice, exiting now (finished items are saved)\n", stderr);
+    std::_Exit(kExitInterrupted);
+  }
+
+  void begin_stop(const char* why) {
+    if (stopping_) return;
+    stopping_ = true;
+    interrupted_ = true;
+    std::fprintf(options_.progress_out,
+                 "\nbatchlm: %s: no new items; waiting up to %.0fs for %lld in flight "
+                 "(Ctrl-C again to exit now)\n",
+                 why, std::chrono::duration<double>(job_.grace_period).count(),
+                 static_cast<long long>(counters_.in_flight));
+    // Items not inside an attempt (waiting for a slot, a rate limit or a backoff) stop now.
+    for (auto& item : items_)
+      if (!item.in_attempt) item.cancel.emit(asio::cancellation_type::terminal);
+    producer_cancel_.emit(asio::cancellation_type::terminal);
+    grace_timer_.expires_after(job_.grace_period);
+    grace_timer_.async_wait([this](boost::system::error_code ec) {
+      if (ec) return;
+      for (auto& item : items_) item.cancel.emit(asio::cancellation_type::terminal);
+    });
+  }
+
+  asio::awaitable<void> produce() {
+    try {
+      co_await asio::co_spawn(io_, produce_items(),
+                              asio::bind_cancellation_slot(producer_cancel_.slot(), asio::use_awaitable));
+    } catch (const boost::system::system_error& e) {
+      if (e.code() != asio::error::operation_aborted) throw;
+    }
+    // Wait for the live items to finish.
+    while (!items_.empty()) {
+      all_done_.expires_at(Clock::time_point::max());
+      boost::system::error_code ec;
+      co_await all_done_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+    }
+    grace_timer_.cancel();
+    io_.stop();
+  }
+
+  asio::awaitable<void> produce_items() {
+    const auto& done = writer_->resume_info().done_ids;
+    while (!stopping_) {
+      std::optional<Item> item = source_.next();
+      if (!item) break;
+      if (done.contains(item->id_key)) continue;
+      co_await live_.acquire();
+      if (stopping_) {
+        live_.release();
+        break;
+      }
+      if (item->request.model.empty()) item->request.model = job_.backend.model;
+      item->request.stream = job_.backend.stream;
+      items_.emplace_back();
+      auto it = std::prev(items_.end());
+      asio::co_spawn(io_, serve_item(std::move(*item), it),
+                     asio::bind_cancellation_slot(it->cancel.slot(), [this, it](std::exception_ptr) {
+                       // Erase after the spawn machinery is done with the slot.
+                       asio::post(io_, [this, it] {
+                         items_.erase(it);
+                         live_.release();
+                         all_done_.cancel();
+                       });
+                     }));
+    }
+  }
+
+  // What one item has been through so far.
+  struct ItemRun {
+    int attempts = 0;
+    std::optional<Clock::time_point> first_attempt_at;
+    Outcome outcome;
+    std::int64_t streamed = 0;  // deltas of the last attempt
+    bool cancelled = false;
+  };
+
+  asio::awaitable<void> serve_item(Item item, std::list<LiveItem>::iterator live) {
+    const auto spawned = Clock::now();
+    ItemRun run;
+    try {
+      for (;;) {
+        const std::optional<std::chrono::milliseconds> backoff = co_await attempt(item, *live, run);
+        if (!backoff) break;
+        // The backoff is waited out without a concurrency slot.
+        asio::steady_timer timer(io_);
+        timer.expires_after(*backoff);
+        co_await timer.async_wait(asio::use_awaitable);
+        if (stopping_) co_return;
+      }
+    } catch (const boost::system::system_error& e) {
+      if (e.code() == asio::error::operation_aborted) co_return;  // stopped; a rerun redoes it
+      run.outcome = Outcome::failure(Error{ErrorKind::Internal, 0, "", e.what()});
+    } catch (const std::exception& e) {
+      run.outcome = Outcome::failure(Error{ErrorKind::Internal, 0, "", e.what()});
+    }
+    if (run.cancelled) co_return;
+    record(item, run, spawned);
+  }
+
+  // One attempt, holding a concurrency slot. Returns the backoff before the next attempt, or
+  // nothing when the item is finished (run.outcome) or cancelled (run.cancelled).
+  asio::awaitable<std::optional<std::chrono::milliseconds>> attempt(const Item& item, LiveItem& live,
+                                                                    ItemRun& run) {
+    co_await slots_.acquire();
+    struct SlotGuard {
+      AsyncSemaphore& slots;
+      ~SlotGuard() { slots.release(); }
+    } guard{slots_};
+    const std::int64_t estimate = estimate_tokens(item);
+    co_await requests_.acquire(1);
+    co_await tokens_.acquire(static_cast<double>(estimate));
+    if (stopping_) {
+      run.cancelled = true;
+      co_return std::nullopt;
+    }
+    ++run.attempts;
+    if (!run.first_attempt_at) {
+      run.first_attempt_at = Clock::now();
+      budget_.on_first_attempt();
+    } else {
+      ++counters_.retries;
+    }
+    live.in_attempt = true;
+    ++counters_.in_flight;
+    run.streamed = 0;
+    run.outcome = co_await backend_.complete(item.request, [this, &run](std::string_view) {
+      ++run.streamed;
+      ++counters_.output_tokens;
+    });
+    --counters_.in_flight;
+    live.in_attempt = false;
+
+    if (run.outcome.ok()) {
+      const Usage& usage = run.outcome.completion->usage;
+      if (usage.reported) {
+        // The estimate taken from the bucket is replaced by what the server counted.
+        tokens_.adjust(static_cast<double>(usage.prompt_tokens + usage.completion_tokens - estimate));
+        counters_.output_tokens += usage.completion_tokens - run.streamed;
+      }
+      co_return std::nullopt;
+    }
+    counters_.output_tokens -= run.streamed;
+    Error& error = *run.outcome.error;
+    if (error.kind == ErrorKind::Cancelled) {
+      run.cancelled = true;
+      co_return std::nullopt;
+    }
+    if (!retry_.retryable(error) || run.attempts >= retry_.max_attempts() || stopping_)
+      co_return std::nullopt;
+    if (!budget_.try_spend()) {
+      error.message += " (not retried: the retry budget is spent, the server is failing)";
+      co_return std::nullopt;
+    }
+    co_return retry_.delay(run.attempts + 1, error, rng_);
+  }
+
+  void record(const Item& item, const ItemRun& run, Clock::time_point spawned) {
+    const auto now = Clock::now();
+    const Timings& t = run.outcome.timings;
+    json timings = {
+        {"queued_ms", run.first_attempt_at ? ms_between(spawned, *run.first_attempt_at) : 0.0},
+        {"ttft_ms", t.ttft_ms},
+        {"tpot_ms", t.tpot_ms},
+        {"total_ms", t.total_ms},
+        {"elapsed_ms", ms_between(run.first_attempt_at.value_or(spawned), now)}};
+    json record = {{"id", item.id}, {"input", select_input(item.input, job_.output.input_fields)}};
+    ItemResult result;
+    result.attempts = run.attempts;
+    if (run.outcome.ok()) {
+      const Completion& c = *run.outcome.completion;
+      json usage = {{"prompt_tokens", c.usage.prompt_tokens},
+                    {"completion_tokens", c.usage.completion_tokens}};
+      if (!c.usage.reported) {
+        // The server did not count: estimate so tokens/s stays meaningful, and say so.
+        usage = {{"prompt_tokens", item.estimated_prompt_tokens},
+                 {"completion_tokens", run.streamed},
+                 {"estimated", true}};
+      }
+      json score = scorer_ ? scorer_->score(item.input, c.text) : json();
+      record["output"] = c.text;
+      record["finish_reason"] = c.finish_reason;
+      record["usage"] = usage;
+      record["timings"] = timings;
+      record["attempts"] = run.attempts;
+      record["score"] = score;
+      record["error"] = nullptr;
+      result.ok = true;
+      result.score = score;
+      result.ttft_ms = t.ttft_ms;
+      result.tpot_ms = t.tpot_ms;
+      result.total_ms = t.total_ms;
+      result.prompt_tokens = usage["prompt_tokens"].get<std::int64_t>();
+      result.completion_tokens = usage["completion_tokens"].get<std::int64_t>();
+    } else {
+      const Error& e = *run.outcome.error;
+      record["output"] = nullptr;
+      record["finish_reason"] = nullptr;
+      record["usage"] = nullptr;
+      record["timings"] = timings;
+      record["attempts"] = run.attempts;
+      record["score"] = nullptr;
+      record["error"] = e.to_json();
+      result.ok = false;
+      result.error_kind = std::string(to_string(e.kind));
+      result.http_status = e.http_status;
+      ++counters_.failed;
+    }
+    ++counters_.done;
+    summary_.add(result);
+    writer_->append(record);
+  }
+
+  asio::awaitable<void> tick() {
+    asio::steady_timer timer(io_);
+    while (!io_.stopped()) {
+      progress_.update(counters_);
+      try {
+        writer_->flush_if_due();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "batchlm: %s\n", e.what());
+      }
+      timer.expires_after(std::chrono::milliseconds(100));
+      co_await timer.async_wait(asio::use_awaitable);
+    }
+  }
+
+  RunResult finish() {
+    RunResult r;
+    r.total = counters_.total;
+    r.resumed = counters_.resumed;
+    r.succeeded = summary_.succeeded();
+    r.failed = summary_.failed();
+    r.interrupted = interrupted_;
+    r.unfinished = std::max<std::int64_t>(0, r.total - r.succeeded - r.failed);
+    const double wall = std::chrono::duration<double>(Clock::now() - start_).count();
+    json summary = summary_.to_json(wall, counters_.total);
+    summary["job"] = job_.name;
+    summary["backend"] = backend_.describe();
+    summary["output"] = job_.output.path;
+    summary["interrupted"] = interrupted_;
+    r.summary_path = job_.output.path + ".summary.json";
+    {
+      std::ofstream f(r.summary_path, std::ios::trunc);
+      f << summary.dump(2) << '\n';
+      if (!f) std::fprintf(stderr, "batchlm: could not write %s\n", r.summary_path.c_str());
+    }
+    std::fputs(summary_.to_text(wall, counters_.total).c_str(), options_.progress_out);
+    std::fprintf(options_.progress_out, "output: %s\nsummary: %s\n", job_.output.path.c_str(),
+                 r.summary_path.c_str());
+    if (interrupted_) {
+      r.exit_code = kExitInterrupted;
+      std::fprintf(options_.progress_out,
+                   "interrupted: %lld items not finished; run the same command again to resume\n",
+                   static_cast<long long>(r.unfinished));
+    } else {
+      r.exit_code = r.failed > 0 || r.unfinished > 0 ? kExitSomeFailed : kExitOk;
+    }
+    return r;
+  }
+
+  const JobSpec& job_;
+  Source& source_;
+  Backend& backend_;
+  asio::io_context& io_;
+  RunOptions options_;
+  AsyncSemaphore slots_, live_;
+  TokenBucket requests_, tokens_;
+  RetryPolicy retry_;
+  RetryBudget budget_;
+  std::unique_ptr<Scorer> scorer_;
+  std::mt19937_64 rng_;
+  Progress progress_;
+  Summary summary_;
+  ProgressCounters counters_;
+  std::unique_ptr<OutputWriter> writer_;
+  std::list<LiveItem> items_;
+  asio::cancellation_signal producer_cancel_;
+  asio::steady_timer all_done_, grace_timer_;
+  std::exception_ptr producer_error_;
+  Clock::time_point start_;
+  bool stopping_ = false, interrupted_ = false;
+  int interrupts_ = 0;
+};
+
+RunResult run_job(const JobSpec& job, Source& source, Backend& backend, asio::io_context& io,
+                  const RunOptions& options) {
+  Dispatcher dispatcher(job, source, backend, io, options);
+  return dispatcher.run();
+}
+
+void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
+  std::int64_t items = 0, prompt_tokens = 0, max_output_tokens = 0;
+  while (std::optional<Item> item = source.next()) {
+    if (item->request.model.empty()) item->request.model = job.backend.model;
+    item->request.stream = job.backend.stream;
+    if (items < show) {
+      std::fprintf(out, "--- item %s: POST %s/chat/completions\n%s\n", item->id.dump().c_str(),
+                   job.backend.base_url.c_str(), client::to_openai_body(item->request).dump(2).c_str());
+    }
+    ++items;
+    prompt_tokens += item->estimated_prompt_tokens;
+    max_output_tokens += item->request.max_tokens.value_or(0);
+  }
+  std::fprintf(out,
+               "--- dry run: job '%s' is valid; %lld items to %s (%s), concurrency %d\n"
+               "estimated prompt tokens: %lld (about %lld per item); output tokens at most %lld\n"
+               "output: %s\nnothing was sent.\n",
+               job.name.c_str(), static_cast<long long>(items), job.backend.base_url.c_str(),
+               job.backend.type.c_str(), job.concurrency, static_cast<long long>(prompt_tokens),
+               static_cast<long long>(items > 0 ? prompt_tokens / items : 0),
+               static_cast<long long>(max_output_tokens), job.output.path.c_str());
+}
+
+}  // namespace batchlm::runner

@@ -1,0 +1,819 @@
+// Job files: YAML -> env expansion -> --set overrides -> validation -> JobSpec.
+// One table of known keys (kSections) serves both the validator and the override paths, so a
+// typo is reported the same way whether it sits in the file or on the command line.
+
+#include "batchlm/runner/job.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include <yaml-cpp/yaml.h>
+
+namespace batchlm::runner {
+
+namespace {
+
+std::string format_error(const std::string& file, int line, int column, const std::string& field,
+                         const std::string& message) {
+  std::string out = file;
+  if (line > 0) {
+    out += ":" + std::to_string(line);
+    if (column > 0) out += ":" + std::to_string(column);
+  }
+  out += ": ";
+  if (!field.empty()) out += field + ": ";
+  out += message;
+  return out;
+}
+
+}  // namespace
+
+ConfigError::ConfigError(std::string file, int line, int column, std::string field,
+                         std::string message)
+    : std::runtime_error(format_error(file, line, column, field, message)),
+      file_(std::move(file)),
+      field_(std::move(field)),
+      message_(std::move(message)),
+      line_(line),
+      column_(column) {}
+
+EnvLookup process_env() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    if (const char* value = std::getenv(name.c_str())) return std::string(value);
+    return std::nullopt;
+  };
+}
+
+std::string expand_env(std::string_view text, const EnvLookup& env, const std::string& file,
+                       int line, const std::string& field) {
+  std::string out;
+  out.reserve(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    char c = text[i];
+    if (c != '$' || i + 1 == text.size()) {
+      out += c;
+      continue;
+    }
+    if (text[i + 1] == '$') {
+      out += '$';
+      ++i;
+      continue;
+    }
+    if (text[i + 1] != '{') {
+      out += c;  // a lone '$' (prices in prompts) stays as written
+      continue;
+    }
+    std::size_t close = text.find('}', i + 2);
+    if (close == std::string_view::npos)
+      throw ConfigError(file, line, 0, field, "unterminated '${' in '" + std::string(text) + "'");
+    std::string_view inner = text.substr(i + 2, close - i - 2);
+    std::optional<std::string_view> fallback;
+    std::size_t sep = inner.find(":-");
+    std::string_view name = inner;
+    if (sep != std::string_view::npos) {
+      name = inner.substr(0, sep);
+      fallback = inner.substr(sep + 2);
+    }
+    bool valid_name = !name.empty() && !std::isdigit(static_cast<unsigned char>(name[0]));
+    for (char n : name)
+      if (!std::isalnum(static_cast<unsigned char>(n)) && n != '_') valid_name = false;
+    if (!valid_name)
+      throw ConfigError(file, line, 0, field,
+                        "bad variable name '" + std::string(name) + "' in '${" +
+                            std::string(inner) + "}'");
+    std::optional<std::string> value = env(std::string(name));
+    // Like the shell's ${VAR:-x}: an empty value takes the default too.
+    if (value && !(value->empty() && fallback)) {
+      out += *value;
+    } else if (fallback) {
+      out += *fallback;
+    } else {
+      throw ConfigError(file, line, 0, field,
+                        "environment variable '" + std::string(name) +
+                            "' is not set (give a default with ${" + std::string(name) +
+                            ":-value})");
+    }
+    i = close;
+  }
+  return out;
+}
+
+std::string nearest_key(std::string_view key, const std::vector<std::string>& valid) {
+  auto distance = [](std::string_view a, std::string_view b) {
+    std::vector<std::size_t> row(b.size() + 1);
+    for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (std::size_t i = 1; i <= a.size(); ++i) {
+      std::size_t diagonal = row[0];
+      row[0] = i;
+      for (std::size_t j = 1; j <= b.size(); ++j) {
+        std::size_t above = row[j];
+        std::size_t substitute = diagonal + (a[i - 1] == b[j - 1] ? 0 : 1);
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitute});
+        diagonal = above;
+      }
+    }
+    return row[b.size()];
+  };
+  // Allow about one edit per three letters: close enough to be a typo, far enough that an
+  // unrelated word gets no suggestion.
+  std::size_t limit = std::max<std::size_t>(2, key.size() / 3);
+  std::string best;
+  std::size_t best_distance = limit + 1;
+  for (const std::string& candidate : valid) {
+    std::size_t d = distance(key, candidate);
+    if (d < best_distance && d < std::max(key.size(), candidate.size())) {
+      best = candidate;
+      best_distance = d;
+    }
+  }
+  return best;
+}
+
+Override parse_override(std::string_view text) {
+  std::size_t eq = text.find('=');
+  if (eq == std::string_view::npos)
+    throw ConfigError("--set", 0, 0, std::string(text), "expected key.path=value");
+  std::string path(text.substr(0, eq));
+  auto trim = [](std::string& s) {
+    s.erase(0, s.find_first_not_of(" \t"));
+    s.erase(s.find_last_not_of(" \t") + 1);
+  };
+  trim(path);
+  if (path.empty() || path.front() == '.' || path.back() == '.' ||
+      path.find("..") != std::string::npos)
+    throw ConfigError("--set", 0, 0, path, "expected key.path=value, got '" + std::string(text) + "'");
+  return Override{path, std::string(text.substr(eq + 1))};
+}
+
+namespace {
+
+namespace fs = std::filesystem;
+using Keys = std::vector<std::string>;
+
+// Known keys of each section. Sections named in kFreeMaps take any key.
+const std::map<std::string, Keys>& sections() {
+  static const std::map<std::string, Keys> table = {
+      {"", {"name", "kind", "input", "synth", "request", "few_shot", "backend", "concurrency",
+            "rate_limit", "retry", "output", "scoring", "limit", "grace_period"}},
+      {"input", {"path", "format"}},
+      {"synth", {"count", "seed", "variables"}},
+      {"request",
+       {"messages", "model", "max_tokens", "temperature", "top_p", "stop", "seed", "extra"}},
+      {"request.messages", {"role", "content"}},
+      {"few_shot", {"path", "count", "seed", "user", "assistant"}},
+      {"backend", {"type", "base_url", "model", "api_key_env", "headers", "timeouts", "stream"}},
+      {"backend.timeouts", {"connect", "first_byte", "idle", "total"}},
+      {"rate_limit", {"requests_per_minute", "tokens_per_minute"}},
+      {"retry",
+       {"max_attempts", "base", "cap", "max_retry_after", "budget_ratio", "budget_min_per_second"}},
+      {"output", {"path", "flush_every", "flush_interval", "input_fields"}},
+      {"scoring", {"type", "reference_field", "pattern"}},
+  };
+  return table;
+}
+
+const std::set<std::string> kFreeMaps = {"synth.variables", "request.extra", "backend.headers"};
+
+// Sections that may be written as one scalar: `input: data.jsonl` means {path: data.jsonl}.
+const std::map<std::string, std::string> kShorthand = {
+    {"input", "path"}, {"output", "path"}, {"scoring", "type"}};
+
+std::string join(const Keys& keys) {
+  std::string out;
+  for (const auto& k : keys) out += (out.empty() ? "" : ", ") + k;
+  return out;
+}
+
+std::string describe(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map: return "a map";
+    case YAML::NodeType::Sequence: return "a list";
+    case YAML::NodeType::Null: return "nothing";
+    case YAML::NodeType::Scalar: return "'" + node.Scalar() + "'";
+    default: return "nothing";
+  }
+}
+
+bool is_unsigned_index(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// Dotted field path with list indices: request.messages[1].content.
+std::string child_path(const std::string& parent, const std::string& key) {
+  return parent.empty() ? key : parent + "." + key;
+}
+std::string index_path(const std::string& parent, std::size_t index) {
+  return parent + "[" + std::to_string(index) + "]";
+}
+
+// YAML -> JSON for body fields passed through as given. Plain scalars take the type YAML 1.2
+// would give them; quoted scalars stay strings.
+nlohmann::json yaml_to_json(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map: {
+      nlohmann::json out = nlohmann::json::object();
+      for (auto it = node.begin(); it != node.end(); ++it)
+        out[it->first.Scalar()] = yaml_to_json(it->second);
+      return out;
+    }
+    case YAML::NodeType::Sequence: {
+      nlohmann::json out = nlohmann::json::array();
+      for (const auto& child : node) out.push_back(yaml_to_json(child));
+      return out;
+    }
+    case YAML::NodeType::Scalar: {
+      const std::string& text = node.Scalar();
+      if (node.Tag() == "!") return text;
+      if (text == "~" || text == "null" || text == "Null" || text == "NULL") return nullptr;
+      if (text == "true" || text == "True" || text == "TRUE") return true;
+      if (text == "false" || text == "False" || text == "FALSE") return false;
+      const char* end = text.data() + text.size();
+      std::int64_t integer = 0;
+      if (auto [p, ec] = std::from_chars(text.data(), end, integer); ec == std::errc() && p == end)
+        return integer;
+      double real = 0;
+      if (auto [p, ec] = std::from_chars(text.data(), end, real);
+          ec == std::errc() && p == end && !text.empty())
+        return real;
+      return text;
+    }
+    default: return nullptr;
+  }
+}
+
+void expand_tree(YAML::Node node, const std::string& path, const std::string& file,
+                 const EnvLookup& env) {
+  switch (node.Type()) {
+    case YAML::NodeType::Scalar:
+      if (node.Scalar().find('$') != std::string::npos) {
+        int line = node.Mark().is_null() ? 0 : node.Mark().line + 1;
+        node = expand_env(node.Scalar(), env, file, line, path);
+      }
+      break;
+    case YAML::NodeType::Sequence:
+      for (std::size_t i = 0; i < node.size(); ++i)
+        expand_tree(node[i], index_path(path, i), file, env);
+      break;
+    case YAML::NodeType::Map:
+      for (auto it = node.begin(); it != node.end(); ++it)
+        expand_tree(it->second, child_path(path, it->first.Scalar()), file, env);
+      break;
+    default: break;
+  }
+}
+
+// The schema section a dotted override path walks through, list indices left out.
+void check_override_path(const std::vector<std::string>& segments, const std::string& full) {
+  std::string section;
+  for (const std::string& segment : segments) {
+    if (kFreeMaps.count(section)) return;
+    if (is_unsigned_index(segment) && section == "request.messages") continue;
+    auto known = sections().find(section);
+    if (known == sections().end())
+      throw ConfigError("--set", 0, 0, full,
+                        "unknown key ('" + section + "' has no fields)");
+    const Keys& keys = known->second;
+    if (std::find(keys.begin(), keys.end(), segment) == keys.end()) {
+      std::string message = "unknown key";
+      std::string suggestion = nearest_key(segment, keys);
+      if (!suggestion.empty()) message += " (did you mean '" + suggestion + "'?)";
+      throw ConfigError("--set", 0, 0, full, message);
+    }
+    section = child_path(section, segment);
+  }
+}
+
+void apply_override(YAML::Node& root, const Override& override_value, const EnvLookup& env) {
+  std::vector<std::string> segments;
+  std::stringstream stream(override_value.path);
+  for (std::string segment; std::getline(stream, segment, '.');) segments.push_back(segment);
+  check_override_path(segments, override_value.path);
+
+  YAML::Node value;
+  try {
+    value = YAML::Load(override_value.value);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError("--set", 0, 0, override_value.path, "value is not valid YAML: " + e.msg);
+  }
+  expand_tree(value, override_value.path, "--set", env);
+
+  if (!root.IsMap()) root = YAML::Node(YAML::NodeType::Map);
+  YAML::Node node = root;
+  std::string walked;
+  for (std::size_t i = 0; i + 1 < segments.size(); ++i) {
+    const std::string& segment = segments[i];
+    std::string here = child_path(walked, segment);
+    if (node.IsSequence()) {
+      if (!is_unsigned_index(segment) || std::stoul(segment) >= node.size())
+        throw ConfigError("--set", 0, 0, override_value.path,
+                          "'" + walked + "' is a list of " + std::to_string(node.size()) +
+                              " entries; index it, e.g. " + walked + ".0");
+      node.reset(node[std::stoul(segment)]);
+      walked = here;
+      continue;
+    }
+    YAML::Node next = node[segment];
+    if (next.IsScalar() && kShorthand.count(here)) {
+      // Turn `input: x.jsonl` into {path: x.jsonl} so `input.format=batch` can sit beside it.
+      YAML::Node expanded(YAML::NodeType::Map);
+      expanded[kShorthand.at(here)] = next.Scalar();
+      node[segment] = expanded;
+      next.reset(node[segment]);
+    } else if (!next.IsMap() && !next.IsSequence()) {
+      node[segment] = YAML::Node(YAML::NodeType::Map);
+      next.reset(node[segment]);
+    }
+    node.reset(next);
+    walked = here;
+  }
+  const std::string& last = segments.back();
+  if (node.IsSequence()) {
+    if (!is_unsigned_index(last) || std::stoul(last) >= node.size())
+      throw ConfigError("--set", 0, 0, override_value.path,
+                        "'" + walked + "' is a list of " + std::to_string(node.size()) +
+                            " entries; index it, e.g. " + walked + ".0");
+    node[std::stoul(last)] = value;
+  } else {
+    node[last] = value;
+  }
+}
+
+// Reads typed values out of the tree; every failure names file, line, column and field.
+class Reader {
+ public:
+  Reader(std::string file, std::vector<std::string> override_paths)
+      : file_(std::move(file)), override_paths_(std::move(override_paths)) {}
+
+  const std::string& file() const { return file_; }
+
+  [[noreturn]] void fail(const YAML::Node& at, const std::string& field,
+                         const std::string& message) const {
+    for (const std::string& o : override_paths_) {
+      bool covers = field == o || field.rfind(o + ".", 0) == 0 || field.rfind(o + "[", 0) == 0;
+      // A leading index path like request.messages[0] matches the override request.messages.0.
+      std::string dotted = field;
+      std::replace(dotted.begin(), dotted.end(), '[', '.');
+      dotted.erase(std::remove(dotted.begin(), dotted.end(), ']'), dotted.end());
+      covers = covers || dotted == o || dotted.rfind(o + ".", 0) == 0;
+      if (covers) throw ConfigError("--set", 0, 0, field, message);
+    }
+    int line = 0, column = 0;
+    if (at.IsDefined() && !at.Mark().is_null()) {
+      line = at.Mark().line + 1;
+      column = at.Mark().column + 1;
+    }
+    throw ConfigError(file_, line, column, field, message);
+  }
+
+  // Present and not null.
+  static bool has(const YAML::Node& node) { return node.IsDefined() && !node.IsNull(); }
+
+  // Checks a map's keys against kSections; returns the map (or an empty one when absent).
+  void check_map(const YAML::Node& node, const std::string& path) const {
+    if (!node.IsMap()) fail(node, path.empty() ? "job" : path, "expected a map, got " + describe(node));
+    const Keys& keys = sections().at(path);
+    std::set<std::string> seen;
+    for (auto it = node.begin(); it != node.end(); ++it) {
+      const YAML::Node& key = it->first;
+      std::string name = key.IsScalar() ? key.Scalar() : describe(key);
+      std::string field = child_path(path, name);
+      if (!seen.insert(name).second) fail(key, field, "duplicate key");
+      if (std::find(keys.begin(), keys.end(), name) == keys.end()) {
+        std::string message = "unknown key";
+        std::string suggestion = nearest_key(name, keys);
+        if (!suggestion.empty())
+          message += " (did you mean '" + suggestion + "'?)";
+        else
+          message += " (valid keys: " + join(keys) + ")";
+        fail(key, field, message);
+      }
+    }
+  }
+
+  std::string string(const YAML::Node& node, const std::string& field) const {
+    if (!node.IsScalar()) fail(node, field, "expected a string, got " + describe(node));
+    return node.Scalar();
+  }
+
+  std::int64_t integer(const YAML::Node& node, const std::string& field, std::int64_t min,
+                       std::int64_t max = std::numeric_limits<std::int64_t>::max()) const {
+    if (!node.IsScalar()) fail(node, field, "expected an integer, got " + describe(node));
+    const std::string& text = node.Scalar();
+    std::int64_t value = 0;
+    const char* begin = text.data() + (text.starts_with('+') ? 1 : 0);
+    auto [end, error] = std::from_chars(begin, text.data() + text.size(), value);
+    if (error != std::errc() || end != text.data() + text.size()) {
+      double as_double = 0;
+      auto [dend, derror] = std::from_chars(begin, text.data() + text.size(), as_double);
+      if (derror == std::errc() && dend == text.data() + text.size() &&
+          as_double == std::floor(as_double) && std::abs(as_double) < 9e15) {
+        value = static_cast<std::int64_t>(as_double);  // 1e3 is a fine integer
+      } else {
+        fail(node, field, "expected an integer, got '" + text + "'");
+      }
+    }
+    if (value < min || value > max) fail(node, field, range_message(text, min, max));
+    return value;
+  }
+
+  std::uint64_t unsigned_integer(const YAML::Node& node, const std::string& field) const {
+    if (!node.IsScalar()) fail(node, field, "expected an integer, got " + describe(node));
+    const std::string& text = node.Scalar();
+    std::uint64_t value = 0;
+    auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (error != std::errc() || end != text.data() + text.size())
+      fail(node, field, "expected a non-negative integer, got '" + text + "'");
+    return value;
+  }
+
+  double number(const YAML::Node& node, const std::string& field, double min, double max) const {
+    if (!node.IsScalar()) fail(node, field, "expected a number, got " + describe(node));
+    const std::string& text = node.Scalar();
+    double value = 0;
+    const char* begin = text.data() + (text.starts_with('+') ? 1 : 0);
+    auto [end, error] = std::from_chars(begin, text.data() + text.size(), value);
+    if (error != std::errc() || end != text.data() + text.size() || !std::isfinite(value))
+      fail(node, field, "expected a number, got '" + text + "'");
+    if (value < min || value > max) fail(node, field, range_message(text, min, max));
+    return value;
+  }
+
+  bool boolean(const YAML::Node& node, const std::string& field) const {
+    static const std::set<std::string> yes = {"true", "True", "TRUE", "yes", "on"};
+    static const std::set<std::string> no = {"false", "False", "FALSE", "no", "off"};
+    if (node.IsScalar()) {
+      if (yes.count(node.Scalar())) return true;
+      if (no.count(node.Scalar())) return false;
+    }
+    fail(node, field, "expected true or false, got " + describe(node));
+  }
+
+  // 0.5s, 500ms, 2m, 1h, or a bare number of seconds.
+  milliseconds duration(const YAML::Node& node, const std::string& field) const {
+    if (!node.IsScalar()) fail(node, field, "expected a duration like 500ms, 2s or 1m, got " + describe(node));
+    const std::string& text = node.Scalar();
+    double value = 0;
+    auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+    std::string_view unit(end, static_cast<std::size_t>(text.data() + text.size() - end));
+    double scale = 0;
+    if (unit.empty() || unit == "s") scale = 1000;
+    else if (unit == "ms") scale = 1;
+    else if (unit == "m") scale = 60'000;
+    else if (unit == "h") scale = 3'600'000;
+    if (error != std::errc() || scale == 0 || !std::isfinite(value))
+      fail(node, field, "expected a duration like 500ms, 2s or 1m, got '" + text + "'");
+    if (value < 0) fail(node, field, "must not be negative, got '" + text + "'");
+    return milliseconds(static_cast<std::int64_t>(std::llround(value * scale)));
+  }
+
+  template <typename Enum>
+  Enum choice(const YAML::Node& node, const std::string& field,
+              const std::vector<std::pair<std::string, Enum>>& options) const {
+    std::string text = string(node, field);
+    Keys names;
+    for (const auto& [name, value] : options) {
+      if (name == text) return value;
+      names.push_back(name);
+    }
+    std::string message = "bad value '" + text + "' (expected one of: " + join(names) + ")";
+    fail(node, field, message);
+  }
+
+  std::vector<std::string> string_list(const YAML::Node& node, const std::string& field) const {
+    std::vector<std::string> out;
+    if (node.IsScalar()) return {node.Scalar()};
+    if (!node.IsSequence()) fail(node, field, "expected a string or a list of strings, got " + describe(node));
+    for (std::size_t i = 0; i < node.size(); ++i) out.push_back(string(node[i], index_path(field, i)));
+    return out;
+  }
+
+  void require_file(const YAML::Node& node, const std::string& field, const std::string& path,
+                    const std::string& what) const {
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec)) fail(node, field, what + " not found: '" + path + "'");
+    std::ifstream probe(path);
+    if (!probe) fail(node, field, what + " is not readable: '" + path + "'");
+  }
+
+ private:
+  template <typename T>
+  static std::string range_message(const std::string& text, T min, T max) {
+    auto show = [](T v) {
+      std::ostringstream s;
+      s << v;
+      return s.str();
+    };
+    if (max == std::numeric_limits<T>::max()) return "must be >= " + show(min) + ", got " + text;
+    return "must be between " + show(min) + " and " + show(max) + ", got " + text;
+  }
+
+  std::string file_;
+  std::vector<std::string> override_paths_;
+};
+
+std::string file_stem(const std::string& label) {
+  std::string stem = fs::path(label).stem().string();
+  return stem.empty() ? "job" : stem;
+}
+
+void read_input(const Reader& r, const YAML::Node& node, InputSpec& input) {
+  if (node.IsScalar()) {
+    input.path = node.Scalar();
+    if (input.path.empty()) r.fail(node, "input", "empty path");
+    r.require_file(node, "input", input.path, "input file");
+    return;
+  }
+  r.check_map(node, "input");
+  const YAML::Node path = node["path"];
+  if (!Reader::has(path)) r.fail(node, "input.path", "required (the input file)");
+  input.path = r.string(path, "input.path");
+  if (input.path.empty()) r.fail(path, "input.path", "empty path");
+  if (Reader::has(node["format"]))
+    input.format = r.choice<InputFormat>(node["format"], "input.format",
+                                         {{"auto", InputFormat::Auto},
+                                          {"jsonl", InputFormat::Jsonl},
+                                          {"batch", InputFormat::Batch}});
+  r.require_file(path, "input.path", input.path, "input file");
+}
+
+void read_synth(const Reader& r, const YAML::Node& node, SynthSpec& synth) {
+  r.check_map(node, "synth");
+  if (Reader::has(node["count"])) synth.count = r.integer(node["count"], "synth.count", 1);
+  if (Reader::has(node["seed"])) synth.seed = r.unsigned_integer(node["seed"], "synth.seed");
+  const YAML::Node variables = node["variables"];
+  if (!Reader::has(variables)) return;
+  if (!variables.IsMap()) r.fail(variables, "synth.variables", "expected a map of name: [choices], got " + describe(variables));
+  for (auto it = variables.begin(); it != variables.end(); ++it) {
+    std::string name = it->first.Scalar();
+    std::string field = "synth.variables." + name;
+    if (synth.variables.count(name)) r.fail(it->first, field, "duplicate key");
+    const YAML::Node& choices = it->second;
+    if (!choices.IsSequence()) r.fail(choices, field, "expected a list of choices, got " + describe(choices));
+    if (choices.size() == 0) r.fail(choices, field, "needs at least one choice");
+    synth.variables[name] = r.string_list(choices, field);
+  }
+}
+
+void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMessage>& messages) {
+  if (!node.IsSequence()) r.fail(node, "request.messages", "expected a list of {role, content}, got " + describe(node));
+  for (std::size_t i = 0; i < node.size(); ++i) {
+    const YAML::Node m = node[i];
+    std::string field = index_path("request.messages", i);
+    if (!m.IsMap()) r.fail(m, field, "expected a map {role, content}, got " + describe(m));
+    std::set<std::string> seen;
+    for (auto it = m.begin(); it != m.end(); ++it) {
+      std::string key = it->first.Scalar();
+      const Keys& keys = sections().at("request.messages");
+      if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
+        std::string suggestion = nearest_key(key, keys);
+        r.fail(it->first, field + "." + key,
+               "unknown key" + (suggestion.empty() ? std::string(" (valid keys: role, content)")
+                                                   : " (did you mean '" + suggestion + "'?)"));
+      }
+    }
+    ChatMessage message;
+    if (!Reader::has(m["role"])) r.fail(m, field + ".role", "required");
+    if (!Reader::has(m["content"])) r.fail(m, field + ".content", "required");
+    message.role = r.choice<std::string>(m["role"], field + ".role",
+                                         {{"system", "system"}, {"developer", "developer"},
+                                          {"user", "user"}, {"assistant", "assistant"},
+                                          {"tool", "tool"}});
+    message.content = r.string(m["content"], field + ".content");
+    messages.push_back(std::move(message));
+  }
+}
+
+void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& request) {
+  r.check_map(node, "request");
+  if (Reader::has(node["messages"])) read_messages(r, node["messages"], request.messages);
+  if (Reader::has(node["model"])) request.model = r.string(node["model"], "request.model");
+  if (Reader::has(node["max_tokens"]))
+    request.max_tokens = static_cast<int>(r.integer(node["max_tokens"], "request.max_tokens", 1,
+                                                    std::numeric_limits<int>::max()));
+  if (Reader::has(node["temperature"]))
+    request.temperature = r.number(node["temperature"], "request.temperature", 0, 2);
+  if (Reader::has(node["top_p"])) request.top_p = r.number(node["top_p"], "request.top_p", 0, 1);
+  if (Reader::has(node["stop"])) request.stop = r.string_list(node["stop"], "request.stop");
+  if (Reader::has(node["seed"]))
+    request.seed = r.integer(node["seed"], "request.seed", std::numeric_limits<std::int64_t>::min());
+  if (Reader::has(node["extra"])) {
+    const YAML::Node extra = node["extra"];
+    if (!extra.IsMap()) r.fail(extra, "request.extra", "expected a map of body fields, got " + describe(extra));
+    request.extra = yaml_to_json(extra);
+  }
+}
+
+void read_few_shot(const Reader& r, const YAML::Node& node, FewShotSpec& few_shot) {
+  r.check_map(node, "few_shot");
+  const YAML::Node path = node["path"];
+  if (Reader::has(path)) few_shot.path = r.string(path, "few_shot.path");
+  if (Reader::has(node["count"]))
+    few_shot.count = static_cast<int>(r.integer(node["count"], "few_shot.count", 0, 1'000'000));
+  if (Reader::has(node["seed"])) few_shot.seed = r.unsigned_integer(node["seed"], "few_shot.seed");
+  if (Reader::has(node["user"])) few_shot.user = r.string(node["user"], "few_shot.user");
+  if (Reader::has(node["assistant"]))
+    few_shot.assistant = r.string(node["assistant"], "few_shot.assistant");
+  if (few_shot.path.empty()) {
+    if (few_shot.count > 0) r.fail(node, "few_shot.path", "required when few_shot.count is set");
+    return;
+  }
+  if (!Reader::has(node["count"]))
+    r.fail(node, "few_shot.count", "required when few_shot.path is set (how many examples)");
+  r.require_file(path, "few_shot.path", few_shot.path, "few-shot file");
+}
+
+void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend) {
+  r.check_map(node, "backend");
+  if (Reader::has(node["type"]))
+    backend.type = r.choice<std::string>(node["type"], "backend.type", {{"openai", "openai"}});
+  if (Reader::has(node["base_url"])) {
+    backend.base_url = r.string(node["base_url"], "backend.base_url");
+    if (!backend.base_url.starts_with("http://") && !backend.base_url.starts_with("https://"))
+      r.fail(node["base_url"], "backend.base_url",
+             "expected an http:// or https:// URL, got '" + backend.base_url + "'");
+  }
+  if (Reader::has(node["model"])) backend.model = r.string(node["model"], "backend.model");
+  if (Reader::has(node["api_key_env"]))
+    backend.api_key_env = r.string(node["api_key_env"], "backend.api_key_env");
+  if (Reader::has(node["headers"])) {
+    const YAML::Node headers = node["headers"];
+    if (!headers.IsMap()) r.fail(headers, "backend.headers", "expected a map of name: value, got " + describe(headers));
+    for (auto it = headers.begin(); it != headers.end(); ++it) {
+      std::string name = it->first.Scalar();
+      backend.headers.emplace_back(name, r.string(it->second, "backend.headers." + name));
+    }
+  }
+  if (Reader::has(node["timeouts"])) {
+    const YAML::Node t = node["timeouts"];
+    r.check_map(t, "backend.timeouts");
+    auto& out = backend.timeouts;
+    if (Reader::has(t["connect"])) out.connect = r.duration(t["connect"], "backend.timeouts.connect");
+    if (Reader::has(t["first_byte"])) out.first_byte = r.duration(t["first_byte"], "backend.timeouts.first_byte");
+    if (Reader::has(t["idle"])) out.idle = r.duration(t["idle"], "backend.timeouts.idle");
+    if (Reader::has(t["total"])) out.total = r.duration(t["total"], "backend.timeouts.total");
+  }
+  if (Reader::has(node["stream"])) backend.stream = r.boolean(node["stream"], "backend.stream");
+}
+
+void read_retry(const Reader& r, const YAML::Node& node, RetrySpec& retry) {
+  r.check_map(node, "retry");
+  if (Reader::has(node["max_attempts"]))
+    retry.max_attempts = static_cast<int>(r.integer(node["max_attempts"], "retry.max_attempts", 1, 1000));
+  if (Reader::has(node["base"])) retry.base = r.duration(node["base"], "retry.base");
+  if (Reader::has(node["cap"])) retry.cap = r.duration(node["cap"], "retry.cap");
+  if (Reader::has(node["max_retry_after"]))
+    retry.max_retry_after = r.duration(node["max_retry_after"], "retry.max_retry_after");
+  if (Reader::has(node["budget_ratio"]))
+    retry.budget_ratio = r.number(node["budget_ratio"], "retry.budget_ratio", 0, 1e9);
+  if (Reader::has(node["budget_min_per_second"]))
+    retry.budget_min_per_second =
+        r.number(node["budget_min_per_second"], "retry.budget_min_per_second", 0, 1e9);
+  if (retry.cap < retry.base)
+    r.fail(Reader::has(node["cap"]) ? node["cap"] : node, "retry.cap",
+           "must be >= retry.base (" + std::to_string(retry.base.count()) + "ms), got " +
+               std::to_string(retry.cap.count()) + "ms");
+}
+
+void read_output(const Reader& r, const YAML::Node& node, OutputSpec& output) {
+  if (node.IsScalar()) {
+    output.path = node.Scalar();
+    return;
+  }
+  r.check_map(node, "output");
+  if (Reader::has(node["path"])) output.path = r.string(node["path"], "output.path");
+  if (Reader::has(node["flush_every"]))
+    output.flush_every = static_cast<int>(r.integer(node["flush_every"], "output.flush_every", 1, 1'000'000));
+  if (Reader::has(node["flush_interval"]))
+    output.flush_interval = r.duration(node["flush_interval"], "output.flush_interval");
+  if (Reader::has(node["input_fields"])) {
+    const YAML::Node fields = node["input_fields"];
+    if (!fields.IsSequence()) r.fail(fields, "output.input_fields", "expected a list of field names, got " + describe(fields));
+    output.input_fields = r.string_list(fields, "output.input_fields");
+  }
+}
+
+void read_scoring(const Reader& r, const YAML::Node& node, ScoringSpec& scoring) {
+  const std::vector<std::pair<std::string, ScoringKind>> kinds = {
+      {"none", ScoringKind::None},
+      {"gsm8k", ScoringKind::Gsm8k},
+      {"exact_match", ScoringKind::ExactMatch},
+      {"regex", ScoringKind::Regex}};
+  YAML::Node type_node = node;
+  if (node.IsMap()) {
+    r.check_map(node, "scoring");
+    type_node = node["type"];
+    if (!Reader::has(type_node)) r.fail(node, "scoring.type", "required (none, gsm8k, exact_match, regex)");
+    if (Reader::has(node["reference_field"]))
+      scoring.reference_field = r.string(node["reference_field"], "scoring.reference_field");
+    if (Reader::has(node["pattern"])) scoring.pattern = r.string(node["pattern"], "scoring.pattern");
+  }
+  std::string field = node.IsMap() ? "scoring.type" : "scoring";
+  scoring.kind = r.choice<ScoringKind>(type_node, field, kinds);
+  if (scoring.kind == ScoringKind::Regex) {
+    if (scoring.pattern.empty()) r.fail(node, "scoring.pattern", "required for regex scoring");
+    try {
+      std::regex compiled(scoring.pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      r.fail(node["pattern"], "scoring.pattern", std::string("not a valid regex: ") + e.what());
+    }
+  }
+}
+
+JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) {
+  JobSpec job;
+  job.file = r.file();
+  if (root.IsNull() || !root.IsDefined())
+    r.fail(root, "input", "required (the job file is empty)");
+  if (!root.IsMap()) r.fail(root, "", "expected a map of job settings, got " + describe(root));
+  r.check_map(root, "");
+
+  job.name = Reader::has(root["name"]) ? r.string(root["name"], "name") : file_stem(r.file());
+  if (job.name.empty()) r.fail(root["name"], "name", "must not be empty");
+  bool has_synth = Reader::has(root["synth"]);
+  job.kind = has_synth ? JobKind::Synth : JobKind::Eval;
+  if (Reader::has(root["kind"]))
+    job.kind = r.choice<JobKind>(root["kind"], "kind", {{"eval", JobKind::Eval}, {"synth", JobKind::Synth}});
+
+  if (Reader::has(root["input"])) read_input(r, root["input"], job.input);
+  if (has_synth) read_synth(r, root["synth"], job.synth);
+  if (job.input.path.empty()) {
+    if (job.kind == JobKind::Eval)
+      r.fail(root, "input", "required (a JSONL file, or {path, format})");
+    if (job.synth.count == 0)
+      r.fail(has_synth ? root["synth"] : root, "synth.count",
+             "required for a synth job without an input (how many items to generate)");
+  }
+  if (Reader::has(root["request"])) read_request(r, root["request"], job.request);
+  if (job.kind == JobKind::Synth && job.input.path.empty() && job.request.messages.empty())
+    r.fail(Reader::has(root["request"]) ? root["request"] : root, "request.messages",
+           "required for a synth job (the prompt to fill with the variables)");
+  if (Reader::has(root["few_shot"])) read_few_shot(r, root["few_shot"], job.few_shot);
+  if (Reader::has(root["backend"])) read_backend(r, root["backend"], job.backend);
+  if (job.backend.base_url.empty())
+    job.backend.base_url = env("OPENAI_BASE_URL").value_or("https://api.openai.com/v1");
+  if (job.backend.model.empty())
+    job.backend.model = env("BATCHLM_MODEL_NAME").value_or("gpt-4o-mini");
+  if (Reader::has(root["concurrency"]))
+    job.concurrency = static_cast<int>(r.integer(root["concurrency"], "concurrency", 1, 100'000));
+  if (Reader::has(root["rate_limit"])) {
+    const YAML::Node rl = root["rate_limit"];
+    r.check_map(rl, "rate_limit");
+    if (Reader::has(rl["requests_per_minute"]))
+      job.rate_limit.requests_per_minute = r.number(rl["requests_per_minute"], "rate_limit.requests_per_minute", 0, 1e12);
+    if (Reader::has(rl["tokens_per_minute"]))
+      job.rate_limit.tokens_per_minute = r.number(rl["tokens_per_minute"], "rate_limit.tokens_per_minute", 0, 1e15);
+  }
+  if (Reader::has(root["retry"])) read_retry(r, root["retry"], job.retry);
+  if (Reader::has(root["output"])) read_output(r, root["output"], job.output);
+  if (job.output.path.empty()) job.output.path = "out/" + job.name + ".jsonl";
+  if (Reader::has(root["scoring"])) read_scoring(r, root["scoring"], job.scoring);
+  if (Reader::has(root["limit"])) job.limit = r.integer(root["limit"], "limit", 0);
+  if (Reader::has(root["grace_period"]))
+    job.grace_period = r.duration(root["grace_period"], "grace_period");
+  return job;
+}
+
+}  // namespace
+
+JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
+                      const std::vector<Override>& overrides, const EnvLookup& env) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml));
+  } catch (const YAML::ParserException& e) {
+    int line = e.mark.is_null() ? 0 : e.mark.line + 1;
+    int column = e.mark.is_null() ? 0 : e.mark.column + 1;
+    throw ConfigError(file_label, line, column, "", "invalid YAML: " + e.msg);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(file_label, 0, 0, "", "invalid YAML: " + e.msg);
+  }
+  expand_tree(root, "", file_label, env);
+  std::vector<std::string> override_paths;
+  for (const Override& o : overrides) {
+    apply_override(root, o, env);
+    override_paths.push_back(o.path);
+  }
+  Reader reader(file_label, std::move(override_paths));
+  return validate(root, reader, env);
+}
+
+JobSpec load_job_file(const std::string& path, const std::vector<Override>& overrides,
+                      const EnvLookup& env) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError(path, 0, 0, "", std::string("cannot read job file: ") + std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return load_job_text(text.str(), path, overrides, env);
+}
+
+}  // namespace batchlm::runner

@@ -1,0 +1,71 @@
+#include "batchlm/runner/retry.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace batchlm::runner {
+
+namespace {
+
+bool retryable_status(int status, const std::string& code) {
+  // A 429 for an exhausted quota will not clear by waiting; retrying only burns the budget.
+  if (status == 429) return code != "insufficient_quota";
+  if (status == 408 || status == 409) return true;  // request timeout, lock conflict
+  if (status >= 500 && status <= 599) return true;
+  return false;  // every other status: the request itself is wrong, resending changes nothing
+}
+
+}  // namespace
+
+bool RetryPolicy::retryable(const Error& error) const {
+  if (error.should_retry.has_value()) return *error.should_retry;
+  switch (error.kind) {
+    case ErrorKind::Http:
+      return retryable_status(error.http_status, error.code);
+    case ErrorKind::Timeout:
+    case ErrorKind::Connection:
+    case ErrorKind::Truncated:
+    case ErrorKind::StreamError:
+    case ErrorKind::Protocol:
+      return true;
+    case ErrorKind::TooLarge:   // the same request produces the same oversized answer
+    case ErrorKind::Cancelled:  // the user asked to stop
+    case ErrorKind::Internal:   // a local bug does not go away on a second try
+      return false;
+  }
+  return false;
+}
+
+std::chrono::milliseconds RetryPolicy::delay(int next_attempt, const Error& error,
+                                             std::mt19937_64& rng) const {
+  using std::chrono::milliseconds;
+  if (error.retry_after.has_value()) {
+    return std::clamp(*error.retry_after, milliseconds{0}, std::max(spec_.max_retry_after, milliseconds{0}));
+  }
+  // Computed in double so that a large attempt number saturates at the cap instead of
+  // overflowing the shift.
+  const int exponent = std::max(0, next_attempt - 2);
+  const double grown = static_cast<double>(spec_.base.count()) * std::pow(2.0, std::min(exponent, 62));
+  const double ceiling = std::max(0.0, std::min(static_cast<double>(spec_.cap.count()), grown));
+  // Full jitter: spreading retries over the whole window keeps a crowd of failed requests
+  // from coming back at the same instant.
+  std::uniform_int_distribution<std::int64_t> draw(0, static_cast<std::int64_t>(ceiling));
+  return milliseconds{draw(rng)};
+}
+
+RetryBudget::RetryBudget(double ratio, double min_per_second,
+                         std::chrono::steady_clock::time_point start)
+    : ratio_(ratio), min_per_second_(min_per_second), start_(start) {}
+
+void RetryBudget::on_first_attempt() { first_attempts_ += 1; }
+
+bool RetryBudget::try_spend(std::chrono::steady_clock::time_point now) {
+  const double elapsed = std::max(0.0, std::chrono::duration<double>(now - start_).count());
+  const double allowed = ratio_ * first_attempts_ + min_per_second_ * elapsed - spent_;
+  // The epsilon absorbs rounding in ratio * count (0.1 * 10 must allow one retry).
+  if (allowed + 1e-9 < 1.0) return false;
+  spent_ += 1;
+  return true;
+}
+
+}  // namespace batchlm::runner
