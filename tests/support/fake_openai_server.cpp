@@ -589,10 +589,11 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     include_usage = so->value("include_usage", false);
   }
   std::optional<std::int64_t> max_tokens;
-  for (const char* key : {"max_tokens", "max_completion_tokens"}) {
-    if (auto it = body.find(key); it != body.end() && it->is_number_integer()) {
-      max_tokens = it->get<std::int64_t>();
-    }
+  if (auto it = body.find("max_completion_tokens"); it != body.end() && it->is_number_integer()) {
+    max_tokens = it->get<std::int64_t>();
+  }
+  if (auto it = body.find("max_tokens"); it != body.end() && it->is_number_integer()) {
+    max_tokens = it->get<std::int64_t>();
   }
   const std::string model = body.contains("model") && body["model"].is_string()
                                 ? body["model"].get<std::string>()
@@ -611,12 +612,16 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
 
   std::optional<FaultSpec> fault;
   if (auto it = request.find("x-fake-fault"); it != request.end()) {
+    std::string bad_spec;
     try {
       fault = FaultSpec::parse(std::string_view(it->value().data(), it->value().size()));
     } catch (const std::invalid_argument& e) {
+      bad_spec = e.what();
+    }
+    if (!bad_spec.empty()) {
       co_return !co_await write_all(
           socket, simple_response(400, "application/json",
-                                  error_body(e.what(), "invalid_request_error", "bad_fault"),
+                                  error_body(bad_spec, "invalid_request_error", "bad_fault"),
                                   keep_alive));
     }
   } else {
@@ -728,9 +733,10 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
   };
 
   co_await sleep_ms(opts.ttft_ms);
-  if (co_await events.data(chunk_json({{"role", "assistant"}, {"content", ""}}, nullptr))) {
-    co_return false;
-  }
+  // Built before the co_await: a braced initialiser list alive across a suspension point is
+  // more than some compilers' coroutine frames can hold.
+  const std::string role_chunk = chunk_json({{"role", "assistant"}, {"content", ""}}, nullptr);
+  if (co_await events.data(role_chunk)) co_return false;
 
   if (f.oversize_bytes) {
     std::string prefix = "data: " + json{{"id", id}, {"object", "chat.completion.chunk"}}.dump();
@@ -772,7 +778,8 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     }
     if (i == tokens.size()) break;
     if (i > 0) co_await sleep_ms(opts.token_delay_ms);
-    if (co_await events.data(chunk_json({{"content", tokens[i]}}, nullptr))) co_return false;
+    const std::string content_chunk = chunk_json({{"content", tokens[i]}}, nullptr);
+    if (co_await events.data(content_chunk)) co_return false;
   }
 
   if (co_await events.data(chunk_json(json::object(), finish_reason))) co_return false;

@@ -42,7 +42,8 @@ class SseParser {
   bool has_unterminated_event() const;
 
  private:
-  void process_line(std::string_view line, const std::function<void(const SseEvent&)>& on_event);
+  Status process_line(std::string_view line,
+                      const std::function<void(const SseEvent&)>& on_event);
 
   SseLimits limits_;
   std::string line_;         // the current, not yet terminated line

@@ -34,11 +34,17 @@ class Progress {
   void update(const ProgressCounters& c,
               std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
   // Final draw and newline, before the summary.
-  void finish(const ProgressCounters& c);
+  void finish(const ProgressCounters& c,
+              std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
   // The bar line for counters (without "\r"), for tests.
   std::string render_bar(const ProgressCounters& c, double elapsed_seconds) const;
+  // The line printed when stderr is not a terminal (without "\n").
+  std::string render_plain(const ProgressCounters& c, double elapsed_seconds) const;
 
  private:
+  void draw(const ProgressCounters& c, std::chrono::steady_clock::time_point now, bool final);
+  int columns() const;
+
   std::FILE* out_;
   bool tty_;
   std::chrono::milliseconds plain_interval_;

@@ -60,6 +60,9 @@ class OutputWriter {
   std::int64_t written() const { return written_; }
 
  private:
+  // Reads the existing output, fills resume_, and cuts or rewrites it when lines must go.
+  void resume(const std::function<void(const nlohmann::json&)>& on_kept);
+
   Options options_;
   ResumeInfo resume_;
   int fd_ = -1;

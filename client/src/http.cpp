@@ -1,0 +1,529 @@
+#include "batchlm/client/http.hpp"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <cctype>
+#include <memory>
+#include <string>
+#include <unordered_map>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <curl/curl.h>
+
+namespace batchlm::client {
+
+namespace asio = boost::asio;
+using Clock = std::chrono::steady_clock;
+
+const std::string* HttpResponse::header(std::string_view lower_name) const {
+  for (const auto& [name, value] : headers) {
+    if (name == lower_name) return &value;
+  }
+  return nullptr;
+}
+
+namespace {
+
+// libcurl's global state must be set up once before any handle exists, and not concurrently.
+void ensure_curl_global_init() {
+  static const bool initialized = [] { return curl_global_init(CURL_GLOBAL_DEFAULT) == CURLE_OK; }();
+  (void)initialized;
+}
+
+struct EasyDeleter {
+  void operator()(CURL* easy) const { curl_easy_cleanup(easy); }
+};
+struct MultiDeleter {
+  void operator()(CURLM* multi) const { curl_multi_cleanup(multi); }
+};
+struct SlistDeleter {
+  void operator()(curl_slist* list) const { curl_slist_free_all(list); }
+};
+using EasyHandle = std::unique_ptr<CURL, EasyDeleter>;
+using MultiHandle = std::unique_ptr<CURLM, MultiDeleter>;
+using Slist = std::unique_ptr<curl_slist, SlistDeleter>;
+
+void append_header(Slist& list, const std::string& line) {
+  curl_slist* grown = curl_slist_append(list.get(), line.c_str());
+  if (grown != nullptr) {
+    (void)list.release();
+    list.reset(grown);
+  }
+}
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r' || s.back() == '\n'))
+    s.remove_suffix(1);
+  return s;
+}
+
+std::string ms_text(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
+
+Error make_error(ErrorKind kind, std::string message) {
+  Error error;
+  error.kind = kind;
+  error.message = std::move(message);
+  return error;
+}
+
+}  // namespace
+
+// One transfer: its easy handle, what it sends, and what has arrived. Owned by the coroutine
+// that awaits it; the multi handle only refers to it while it is attached.
+struct Transfer {
+  explicit Transfer(asio::any_io_executor executor) : wakeup(std::move(executor)) {}
+
+  EasyHandle easy;
+  Slist header_list;
+  HttpRequest request;
+  BodyHandler on_body;
+  HttpResponse response;
+  char error_buffer[CURL_ERROR_SIZE] = {};
+
+  std::size_t upload_offset = 0;
+  std::size_t body_bytes = 0;
+  bool attached = false;
+  bool done = false;
+  CURLcode result = CURLE_OK;
+  std::optional<Error> local_error;  // set by a callback that aborts the transfer
+
+  Clock::time_point started_at;
+  std::optional<Clock::time_point> sent_at;       // the request body fully handed to curl
+  std::optional<Clock::time_point> last_body_at;  // the latest body chunk
+
+  // The awaiting coroutine sleeps on this timer until the next stage deadline; completion
+  // cancels it early. A timer doubles as the wake-up signal because its wait also carries
+  // the coroutine's cancellation slot.
+  asio::steady_timer wakeup;
+
+  // The earliest deadline still ahead, and which stage it belongs to.
+  std::pair<Clock::time_point, std::string> next_deadline() const {
+    const HttpTimeouts& t = request.timeouts;
+    std::pair<Clock::time_point, std::string> best{Clock::time_point::max(), {}};
+    auto consider = [&](std::chrono::milliseconds limit, Clock::time_point from,
+                        std::string message) {
+      if (limit.count() <= 0) return;
+      if (from + limit < best.first) best = {from + limit, std::move(message)};
+    };
+    consider(t.total, started_at, "transfer exceeded " + ms_text(t.total) + " (total timeout)");
+    if (last_body_at) {
+      consider(t.idle, *last_body_at, "no data for " + ms_text(t.idle) + " (idle timeout)");
+    } else {
+      consider(t.first_byte, sent_at.value_or(started_at),
+               "no response body within " + ms_text(t.first_byte) + " (first-byte timeout)");
+    }
+    return best;
+  }
+};
+
+struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
+  // One socket curl asked us to watch. Asio only borrows the descriptor: it is released, never
+  // closed, because curl owns it (and may keep it open in its connection cache).
+  struct Watch {
+    Watch(asio::any_io_executor executor, curl_socket_t fd)
+        : fd(fd), descriptor(std::move(executor), fd) {}
+    curl_socket_t fd;
+    asio::posix::stream_descriptor descriptor;
+    int wanted = 0;  // CURL_POLL_IN / CURL_POLL_OUT bits
+    bool read_armed = false;
+    bool write_armed = false;
+    bool removed = false;
+  };
+
+  Impl(asio::any_io_executor executor, HttpClientOptions options)
+      : executor(executor), options(std::move(options)), timer(executor) {}
+
+  ~Impl() {
+    for (auto& [fd, watch] : watches) release(*watch);
+    watches.clear();
+    if (multi) {
+      // The connection cache closes its sockets during cleanup; nothing may call back into
+      // this object by then.
+      curl_multi_setopt(multi.get(), CURLMOPT_SOCKETFUNCTION, nullptr);
+      curl_multi_setopt(multi.get(), CURLMOPT_TIMERFUNCTION, nullptr);
+    }
+  }
+
+  bool start() {
+    ensure_curl_global_init();
+    multi.reset(curl_multi_init());
+    if (!multi) return false;
+    CURLM* m = multi.get();
+    curl_multi_setopt(m, CURLMOPT_SOCKETFUNCTION, &Impl::on_socket);
+    curl_multi_setopt(m, CURLMOPT_SOCKETDATA, this);
+    curl_multi_setopt(m, CURLMOPT_TIMERFUNCTION, &Impl::on_timer);
+    curl_multi_setopt(m, CURLMOPT_TIMERDATA, this);
+    curl_multi_setopt(m, CURLMOPT_PIPELINING, long{CURLPIPE_MULTIPLEX});
+    if (options.max_host_connections > 0)
+      curl_multi_setopt(m, CURLMOPT_MAX_HOST_CONNECTIONS, options.max_host_connections);
+    if (options.max_total_connections > 0)
+      curl_multi_setopt(m, CURLMOPT_MAX_TOTAL_CONNECTIONS, options.max_total_connections);
+    return true;
+  }
+
+  // --- curl -> Asio -------------------------------------------------------------------------
+
+  static int on_socket(CURL*, curl_socket_t fd, int what, void* self_ptr, void*) {
+    auto* self = static_cast<Impl*>(self_ptr);
+    if (what == CURL_POLL_REMOVE) {
+      if (auto it = self->watches.find(fd); it != self->watches.end()) {
+        self->release(*it->second);
+        self->watches.erase(it);
+      }
+      return 0;
+    }
+    auto& watch = self->watches[fd];
+    if (!watch) {
+      try {
+        watch = std::make_shared<Watch>(self->executor, fd);
+      } catch (const std::exception&) {
+        self->watches.erase(fd);
+        return -1;  // curl fails the transfers on this socket
+      }
+    }
+    watch->wanted = what;
+    self->arm(watch);
+    return 0;
+  }
+
+  static int on_timer(CURLM*, long timeout_ms, void* self_ptr) {
+    auto* self = static_cast<Impl*>(self_ptr);
+    if (timeout_ms < 0) {
+      self->timer.cancel();
+      return 0;
+    }
+    // Even a zero timeout goes through the timer: curl must not be re-entered from inside
+    // its own callback.
+    self->timer.expires_after(std::chrono::milliseconds(timeout_ms));
+    self->timer.async_wait([weak = self->weak_from_this()](boost::system::error_code ec) {
+      if (ec) return;
+      if (auto impl = weak.lock()) impl->socket_action(CURL_SOCKET_TIMEOUT, 0);
+    });
+    return 0;
+  }
+
+  void release(Watch& watch) {
+    watch.removed = true;
+    boost::system::error_code ignored;
+    watch.descriptor.cancel(ignored);
+    (void)watch.descriptor.release();
+  }
+
+  // Asio's epoll reactor is edge-triggered and curl may stop reading before a socket is
+  // drained (its buffer is finite), so readiness is checked with a zero-timeout poll before
+  // each wait: a socket that is ready already is handed back to curl instead of waiting for
+  // an edge that will never come.
+  void arm(const std::shared_ptr<Watch>& watch) {
+    const bool want_read = (watch->wanted & CURL_POLL_IN) != 0 && !watch->read_armed;
+    const bool want_write = (watch->wanted & CURL_POLL_OUT) != 0 && !watch->write_armed;
+    if (!want_read && !want_write) return;
+
+    pollfd probe{watch->fd, static_cast<short>((want_read ? POLLIN : 0) | (want_write ? POLLOUT : 0)), 0};
+    if (::poll(&probe, 1, 0) > 0 && probe.revents != 0) {
+      int flags = 0;
+      if (probe.revents & (POLLIN | POLLHUP)) flags |= CURL_CSELECT_IN;
+      if (probe.revents & POLLOUT) flags |= CURL_CSELECT_OUT;
+      if (probe.revents & POLLERR) flags |= CURL_CSELECT_ERR;
+      if (flags & CURL_CSELECT_IN) watch->read_armed = true;
+      if (flags & CURL_CSELECT_OUT) watch->write_armed = true;
+      asio::post(executor, [weak = weak_from_this(), watch, flags] {
+        if (flags & CURL_CSELECT_IN) watch->read_armed = false;
+        if (flags & CURL_CSELECT_OUT) watch->write_armed = false;
+        if (watch->removed) return;
+        if (auto impl = weak.lock()) impl->on_ready(watch, flags);
+      });
+      return;
+    }
+    if (want_read) wait(watch, asio::posix::descriptor_base::wait_read);
+    if (want_write) wait(watch, asio::posix::descriptor_base::wait_write);
+  }
+
+  void wait(const std::shared_ptr<Watch>& watch, asio::posix::descriptor_base::wait_type type) {
+    const bool read = type == asio::posix::descriptor_base::wait_read;
+    (read ? watch->read_armed : watch->write_armed) = true;
+    watch->descriptor.async_wait(
+        type, [weak = weak_from_this(), watch, read](boost::system::error_code ec) {
+          (read ? watch->read_armed : watch->write_armed) = false;
+          if (watch->removed || ec == asio::error::operation_aborted) return;
+          auto impl = weak.lock();
+          if (!impl) return;
+          const int flags = ec ? CURL_CSELECT_ERR : (read ? CURL_CSELECT_IN : CURL_CSELECT_OUT);
+          impl->on_ready(watch, flags);
+        });
+  }
+
+  void on_ready(const std::shared_ptr<Watch>& watch, int flags) {
+    // Interest may have changed since the wait began; curl is only told what it asked for.
+    const int relevant = flags & (CURL_CSELECT_ERR | ((watch->wanted & CURL_POLL_IN) ? CURL_CSELECT_IN : 0) |
+                                  ((watch->wanted & CURL_POLL_OUT) ? CURL_CSELECT_OUT : 0));
+    if (relevant != 0) socket_action(watch->fd, relevant);
+    if (!watch->removed) arm(watch);
+  }
+
+  void socket_action(curl_socket_t fd, int flags) {
+    int running = 0;
+    curl_multi_socket_action(multi.get(), fd, flags, &running);
+    collect_finished();
+  }
+
+  void collect_finished() {
+    int queued = 0;
+    while (CURLMsg* message = curl_multi_info_read(multi.get(), &queued)) {
+      if (message->msg != CURLMSG_DONE) continue;
+      Transfer* transfer = nullptr;
+      curl_easy_getinfo(message->easy_handle, CURLINFO_PRIVATE, &transfer);
+      const CURLcode result = message->data.result;  // `message` dies with the removal
+      if (transfer == nullptr) continue;
+      finish(*transfer, result, std::nullopt);
+    }
+  }
+
+  // Detaches a transfer and wakes its coroutine. `error` overrides what curl reported.
+  void finish(Transfer& transfer, CURLcode result, std::optional<Error> error) {
+    if (transfer.done) return;
+    detach(transfer);
+    transfer.result = result;
+    if (error && !transfer.local_error) transfer.local_error = std::move(error);
+    transfer.done = true;
+    transfer.wakeup.cancel();
+  }
+
+  void detach(Transfer& transfer) {
+    if (!transfer.attached) return;
+    transfer.attached = false;
+    curl_multi_remove_handle(multi.get(), transfer.easy.get());
+    --attached_count;
+  }
+
+  // --- per-transfer curl callbacks ----------------------------------------------------------
+
+  static size_t on_header(char* data, size_t size, size_t count, void* user) {
+    auto& t = *static_cast<Transfer*>(user);
+    const std::string_view line(data, size * count);
+    if (line.rfind("HTTP/", 0) == 0) {
+      // A new status line starts a new response (after a 1xx, or a proxy's CONNECT reply):
+      // only the final one's headers are kept.
+      t.response.headers.clear();
+      const std::size_t space = line.find(' ');
+      t.response.status = space == std::string_view::npos ? 0 : std::atoi(std::string(line.substr(space + 1, 3)).c_str());
+      return size * count;
+    }
+    const std::size_t colon = line.find(':');
+    if (colon == std::string_view::npos) return size * count;
+    std::string name(trim(line.substr(0, colon)));
+    std::transform(name.begin(), name.end(), name.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    t.response.headers.emplace_back(std::move(name), std::string(trim(line.substr(colon + 1))));
+    return size * count;
+  }
+
+  static size_t on_body_bytes(char* data, size_t size, size_t count, void* user) {
+    auto& t = *static_cast<Transfer*>(user);
+    const std::size_t n = size * count;
+    const auto now = Clock::now();
+    if (!t.last_body_at) t.response.first_byte_at = now;
+    t.last_body_at = now;
+    if (t.body_bytes + n > t.request.max_response_bytes) {
+      t.local_error = make_error(ErrorKind::TooLarge, "response body exceeds " +
+                                                          std::to_string(t.request.max_response_bytes) +
+                                                          " bytes");
+      return 0;  // curl aborts with CURLE_WRITE_ERROR
+    }
+    t.body_bytes += n;
+    const bool success = t.response.status >= 200 && t.response.status < 300;
+    if (success && t.on_body) {
+      // The handler is caller code running inside curl: nothing may unwind through curl.
+      try {
+        if (!t.on_body(std::string_view(data, n))) {
+          t.local_error = make_error(ErrorKind::Internal, "transfer aborted by the body handler");
+          return 0;
+        }
+      } catch (const std::exception& e) {
+        t.local_error = make_error(ErrorKind::Internal, std::string("body handler threw: ") + e.what());
+        return 0;
+      } catch (...) {
+        t.local_error = make_error(ErrorKind::Internal, "body handler threw");
+        return 0;
+      }
+    } else {
+      t.response.body.append(data, n);
+    }
+    return n;
+  }
+
+  static size_t on_upload(char* buffer, size_t size, size_t count, void* user) {
+    auto& t = *static_cast<Transfer*>(user);
+    const std::size_t n = std::min(size * count, t.request.body.size() - t.upload_offset);
+    std::copy_n(t.request.body.data() + t.upload_offset, n, buffer);
+    t.upload_offset += n;
+    if (t.upload_offset == t.request.body.size() && !t.sent_at) t.sent_at = Clock::now();
+    return n;
+  }
+
+  // --- setup --------------------------------------------------------------------------------
+
+  bool configure(Transfer& t) {
+    t.easy.reset(curl_easy_init());
+    if (!t.easy) return false;
+    CURL* e = t.easy.get();
+    const HttpRequest& r = t.request;
+    curl_easy_setopt(e, CURLOPT_URL, r.url.c_str());
+    curl_easy_setopt(e, CURLOPT_PRIVATE, &t);
+    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, t.error_buffer);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 0L);
+    curl_easy_setopt(e, CURLOPT_SSL_VERIFYPEER, options.verify_tls ? 1L : 0L);
+    curl_easy_setopt(e, CURLOPT_SSL_VERIFYHOST, options.verify_tls ? 2L : 0L);
+    if (!options.ca_info.empty()) curl_easy_setopt(e, CURLOPT_CAINFO, options.ca_info.c_str());
+    curl_easy_setopt(e, CURLOPT_USERAGENT, options.user_agent.c_str());
+    curl_easy_setopt(e, CURLOPT_TCP_KEEPALIVE, 1L);
+    if (options.http2) {
+      curl_easy_setopt(e, CURLOPT_HTTP_VERSION, long{CURL_HTTP_VERSION_2TLS});
+      // Waiting for the first TLS connection to show whether it multiplexes keeps a burst of
+      // requests from opening one connection each. Plain http never multiplexes here.
+      if (r.url.rfind("https://", 0) == 0) curl_easy_setopt(e, CURLOPT_PIPEWAIT, 1L);
+    } else {
+      curl_easy_setopt(e, CURLOPT_HTTP_VERSION, long{CURL_HTTP_VERSION_1_1});
+    }
+    if (r.timeouts.connect.count() > 0)
+      curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(r.timeouts.connect.count()));
+    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, &Impl::on_header);
+    curl_easy_setopt(e, CURLOPT_HEADERDATA, &t);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, &Impl::on_body_bytes);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, &t);
+
+    for (const auto& [name, value] : r.headers) append_header(t.header_list, name + ": " + value);
+    // An empty Expect header stops curl from waiting on `100 Continue` for larger bodies.
+    append_header(t.header_list, "Expect:");
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, t.header_list.get());
+
+    if (r.method == "GET") {
+      curl_easy_setopt(e, CURLOPT_HTTPGET, 1L);
+      t.sent_at = t.started_at;
+    } else {
+      // The body goes through the read callback rather than POSTFIELDS so the moment it has
+      // been handed over is known: the first-byte deadline counts from there.
+      curl_easy_setopt(e, CURLOPT_POST, 1L);
+      curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(r.body.size()));
+      curl_easy_setopt(e, CURLOPT_READFUNCTION, &Impl::on_upload);
+      curl_easy_setopt(e, CURLOPT_READDATA, &t);
+      if (r.body.empty()) t.sent_at = t.started_at;
+      if (r.method != "POST") curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, r.method.c_str());
+    }
+    return true;
+  }
+
+  // Turns what the transfer saw into the response handed back.
+  HttpResponse result_of(Transfer& t) {
+    HttpResponse response = std::move(t.response);
+    if (t.local_error) {
+      response.error = std::move(t.local_error);
+      return response;
+    }
+    if (t.result == CURLE_OK) return response;
+    std::string detail = t.error_buffer[0] != '\0' ? t.error_buffer : curl_easy_strerror(t.result);
+    switch (t.result) {
+      case CURLE_OPERATION_TIMEDOUT:
+        // Only the connect stage is left to curl's own clock.
+        response.error = make_error(ErrorKind::Timeout, "could not connect within " +
+                                                            ms_text(t.request.timeouts.connect) +
+                                                            " (connect timeout): " + detail);
+        break;
+      case CURLE_URL_MALFORMAT:
+      case CURLE_UNSUPPORTED_PROTOCOL:
+      case CURLE_BAD_FUNCTION_ARGUMENT:
+      case CURLE_OUT_OF_MEMORY:
+        response.error = make_error(ErrorKind::Internal, detail);
+        break;
+      default:
+        response.error = make_error(ErrorKind::Connection, detail);
+        break;
+    }
+    return response;
+  }
+
+  asio::any_io_executor executor;
+  HttpClientOptions options;
+  MultiHandle multi;
+  asio::steady_timer timer;  // curl's one timer
+  std::unordered_map<curl_socket_t, std::shared_ptr<Watch>> watches;
+  std::unordered_map<Transfer*, std::weak_ptr<Transfer>> transfers;  // attached ones
+  std::size_t attached_count = 0;
+  bool shut_down = false;
+};
+
+HttpClient::HttpClient(asio::any_io_executor executor, HttpClientOptions options)
+    : impl_(std::make_shared<Impl>(executor, std::move(options))) {
+  if (!impl_->start()) impl_->shut_down = true;
+}
+
+HttpClient::~HttpClient() {
+  // In-flight transfers end now with Cancelled; their coroutines resume later and still hold
+  // the Impl, so nothing they touch is freed under them.
+  impl_->shut_down = true;
+  auto transfers = std::move(impl_->transfers);
+  for (auto& [raw, weak] : transfers) {
+    if (auto transfer = weak.lock()) {
+      impl_->finish(*transfer, CURLE_OK, make_error(ErrorKind::Cancelled, "HTTP client shut down"));
+    }
+  }
+  impl_->timer.cancel();
+  for (auto& [fd, watch] : impl_->watches) impl_->release(*watch);
+  impl_->watches.clear();
+}
+
+std::size_t HttpClient::in_flight() const { return impl_->attached_count; }
+
+asio::awaitable<HttpResponse> HttpClient::perform(HttpRequest request, BodyHandler on_body) {
+  std::shared_ptr<Impl> impl = impl_;
+  co_await asio::this_coro::reset_cancellation_state(asio::enable_total_cancellation());
+  co_await asio::this_coro::throw_if_cancelled(false);
+
+  auto transfer = std::make_shared<Transfer>(impl->executor);
+  Transfer& t = *transfer;
+  t.request = std::move(request);
+  t.on_body = std::move(on_body);
+  t.started_at = Clock::now();
+
+  if (impl->shut_down) {
+    t.response.error = make_error(ErrorKind::Cancelled, "HTTP client shut down");
+    co_return std::move(t.response);
+  }
+  if (!impl->configure(t)) {
+    t.response.error = make_error(ErrorKind::Internal, "could not create a transfer");
+    co_return std::move(t.response);
+  }
+  if (const CURLMcode code = curl_multi_add_handle(impl->multi.get(), t.easy.get()); code != CURLM_OK) {
+    t.response.error = make_error(ErrorKind::Internal, curl_multi_strerror(code));
+    co_return std::move(t.response);
+  }
+  t.attached = true;
+  ++impl->attached_count;
+  impl->transfers.emplace(&t, transfer);
+
+  while (!t.done) {
+    auto [when, stage] = t.next_deadline();
+    t.wakeup.expires_at(when);
+    auto [ec] = co_await t.wakeup.async_wait(asio::as_tuple(asio::use_awaitable));
+    if (t.done) break;
+    const bool cancelled = (co_await asio::this_coro::cancellation_state).cancelled() !=
+                           asio::cancellation_type::none;
+    if (cancelled || ec) {
+      impl->finish(t, CURLE_OK, make_error(ErrorKind::Cancelled, "request cancelled"));
+      break;
+    }
+    if (Clock::now() >= when) impl->finish(t, CURLE_OK, make_error(ErrorKind::Timeout, stage));
+    // Otherwise activity moved the deadline while we slept: sleep again until the new one.
+  }
+  impl->transfers.erase(&t);
+  co_return impl->result_of(t);
+}
+
+}  // namespace batchlm::client

@@ -1,0 +1,441 @@
+#include "batchlm/client/openai.hpp"
+
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+
+#include <boost/asio/use_awaitable.hpp>
+
+namespace batchlm::client {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::size_t kMaxRawBodyInMessage = 500;
+
+double ms_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double, std::milli>(to - from).count();
+}
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+bool iequals(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(a[i])) != std::tolower(static_cast<unsigned char>(b[i])))
+      return false;
+  }
+  return true;
+}
+
+// A non-negative decimal number, possibly with a fraction ("1.5"); a leading '-' gives a
+// negative value. Anything else (units, trailing text) is not a number.
+std::optional<double> parse_number(std::string_view text) {
+  text = trim(text);
+  if (text.empty()) return std::nullopt;
+  bool negative = false;
+  if (text.front() == '-') {
+    negative = true;
+    text.remove_prefix(1);
+  }
+  double value = 0;
+  bool digits = false;
+  std::size_t i = 0;
+  for (; i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])); ++i) {
+    value = value * 10 + (text[i] - '0');
+    digits = true;
+  }
+  if (i < text.size() && text[i] == '.') {
+    double scale = 0.1;
+    for (++i; i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])); ++i) {
+      value += (text[i] - '0') * scale;
+      scale /= 10;
+      digits = true;
+    }
+  }
+  if (!digits || i != text.size() || !std::isfinite(value)) return std::nullopt;
+  return negative ? -value : value;
+}
+
+std::chrono::milliseconds clamp_ms(double ms) {
+  if (ms <= 0) return std::chrono::milliseconds(0);
+  // A day is already far beyond any sensible back-off; larger values are clamped rather
+  // than overflowing.
+  constexpr double kMax = 24.0 * 3600 * 1000;
+  return std::chrono::milliseconds(static_cast<long long>(std::min(ms, kMax)));
+}
+
+int month_index(std::string_view name) {
+  static constexpr std::string_view kMonths[] = {"jan", "feb", "mar", "apr", "may", "jun",
+                                                 "jul", "aug", "sep", "oct", "nov", "dec"};
+  for (int i = 0; i < 12; ++i) {
+    if (iequals(name, kMonths[i])) return i + 1;
+  }
+  return 0;
+}
+
+std::optional<int> parse_int(std::string_view s) {
+  int value = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+  if (ec != std::errc() || end != s.data() + s.size()) return std::nullopt;
+  return value;
+}
+
+// HTTP dates in the three forms RFC 9110 accepts: IMF-fixdate ("Sun, 06 Nov 1994 08:49:37
+// GMT"), the obsolete RFC 850 form ("Sunday, 06-Nov-94 08:49:37 GMT") and asctime ("Sun Nov  6
+// 08:49:37 1994").
+std::optional<std::chrono::system_clock::time_point> parse_http_date(std::string_view text) {
+  text = trim(text);
+  std::vector<std::string_view> parts;
+  std::size_t i = 0;
+  while (i < text.size()) {
+    while (i < text.size() && text[i] == ' ') ++i;
+    std::size_t start = i;
+    while (i < text.size() && text[i] != ' ') ++i;
+    if (i > start) parts.push_back(text.substr(start, i - start));
+  }
+  std::optional<int> day, year;
+  int month = 0;
+  std::string_view clock;
+  if (parts.size() == 6 && iequals(parts[5], "GMT")) {  // IMF-fixdate
+    day = parse_int(parts[1]);
+    month = month_index(parts[2]);
+    year = parse_int(parts[3]);
+    clock = parts[4];
+  } else if (parts.size() == 4 && iequals(parts[3], "GMT")) {  // RFC 850
+    std::string_view dmy = parts[1];
+    if (dmy.size() != 9 || dmy[2] != '-' || dmy[6] != '-') return std::nullopt;
+    day = parse_int(dmy.substr(0, 2));
+    month = month_index(dmy.substr(3, 3));
+    year = parse_int(dmy.substr(7, 2));
+    // Two-digit years: the RFC says to read them as within 50 years of now; all relevant
+    // dates are after 2000.
+    if (year) *year += 2000;
+    clock = parts[2];
+  } else if (parts.size() == 5) {  // asctime
+    month = month_index(parts[1]);
+    day = parse_int(parts[2]);
+    clock = parts[3];
+    year = parse_int(parts[4]);
+  } else {
+    return std::nullopt;
+  }
+  if (!day || !year || month == 0 || clock.size() != 8 || clock[2] != ':' || clock[5] != ':')
+    return std::nullopt;
+  auto hour = parse_int(clock.substr(0, 2));
+  auto minute = parse_int(clock.substr(3, 2));
+  auto second = parse_int(clock.substr(6, 2));
+  if (!hour || !minute || !second || *hour > 23 || *minute > 59 || *second > 60) return std::nullopt;
+  const std::chrono::year_month_day date{std::chrono::year(*year),
+                                         std::chrono::month(static_cast<unsigned>(month)),
+                                         std::chrono::day(static_cast<unsigned>(*day))};
+  if (!date.ok()) return std::nullopt;
+  return std::chrono::sys_days(date) + std::chrono::hours(*hour) + std::chrono::minutes(*minute) +
+         std::chrono::seconds(*second);
+}
+
+std::int64_t int_field(const nlohmann::json& object, const char* key) {
+  auto it = object.find(key);
+  if (it == object.end() || !it->is_number()) return 0;
+  return it->get<std::int64_t>();
+}
+
+// Usage as the API reports it; `reported` stays false when the object is missing or null.
+Usage usage_from(const nlohmann::json& body) {
+  Usage usage;
+  auto it = body.find("usage");
+  if (it == body.end() || !it->is_object()) return usage;
+  usage.prompt_tokens = int_field(*it, "prompt_tokens");
+  usage.completion_tokens = int_field(*it, "completion_tokens");
+  usage.reported = true;
+  return usage;
+}
+
+// The code and message of an API error object ({"message", "type", "code"}) or string.
+void fill_from_error_object(const nlohmann::json& error_value, Error& error) {
+  if (error_value.is_string()) {
+    error.message = error_value.get<std::string>();
+    return;
+  }
+  if (!error_value.is_object()) return;
+  if (auto m = error_value.find("message"); m != error_value.end() && m->is_string())
+    error.message = m->get<std::string>();
+  if (auto c = error_value.find("code"); c != error_value.end()) {
+    if (c->is_string()) error.code = c->get<std::string>();
+    else if (c->is_number()) error.code = c->dump();
+  }
+  if (error.code.empty()) {
+    if (auto t = error_value.find("type"); t != error_value.end() && t->is_string())
+      error.code = t->get<std::string>();
+  }
+}
+
+std::string truncated(std::string_view text) {
+  if (text.size() <= kMaxRawBodyInMessage) return std::string(text);
+  return std::string(text.substr(0, kMaxRawBodyInMessage)) + "...";
+}
+
+Error make_error(ErrorKind kind, std::string message) {
+  Error error;
+  error.kind = kind;
+  error.message = std::move(message);
+  return error;
+}
+
+// What a streamed response has produced so far.
+struct StreamState {
+  explicit StreamState(SseLimits limits) : parser(limits) {}
+
+  SseParser parser;
+  std::string text;
+  std::string finish_reason;
+  Usage usage;
+  bool done = false;  // `data: [DONE]` seen
+  std::optional<Error> error;
+  std::size_t deltas = 0;
+  Clock::time_point first_delta_at{};
+  Clock::time_point last_delta_at{};
+
+  void on_event(const SseEvent& event, const TokenSink& sink) {
+    if (done || error) return;
+    if (event.type == "error") {
+      Error e = make_error(ErrorKind::StreamError, truncated(event.data));
+      if (auto body = nlohmann::json::parse(event.data, nullptr, false); !body.is_discarded()) {
+        fill_from_error_object(body.is_object() && body.contains("error") ? body["error"] : body, e);
+      }
+      error = std::move(e);
+      return;
+    }
+    if (trim(event.data) == "[DONE]") {
+      done = true;
+      return;
+    }
+    auto chunk = nlohmann::json::parse(event.data, nullptr, false);
+    if (chunk.is_discarded() || !chunk.is_object()) {
+      error = make_error(ErrorKind::Protocol, "malformed JSON in stream: " + truncated(event.data));
+      return;
+    }
+    if (auto e = chunk.find("error"); e != chunk.end() && !e->is_null()) {
+      Error stream_error = make_error(ErrorKind::StreamError, "error in stream");
+      fill_from_error_object(*e, stream_error);
+      error = std::move(stream_error);
+      return;
+    }
+    if (auto choices = chunk.find("choices"); choices != chunk.end() && choices->is_array() &&
+                                              !choices->empty() && (*choices)[0].is_object()) {
+      const nlohmann::json& choice = (*choices)[0];
+      if (auto delta = choice.find("delta"); delta != choice.end() && delta->is_object()) {
+        if (auto content = delta->find("content"); content != delta->end() && content->is_string()) {
+          const auto& piece = content->get_ref<const std::string&>();
+          if (!piece.empty()) {
+            const auto now = Clock::now();
+            if (deltas == 0) first_delta_at = now;
+            last_delta_at = now;
+            ++deltas;
+            text += piece;
+            if (sink) sink(piece);
+          }
+        }
+      }
+      if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
+        finish_reason = reason->get<std::string>();
+    }
+    if (Usage u = usage_from(chunk); u.reported) usage = u;
+  }
+};
+
+}  // namespace
+
+nlohmann::json to_openai_body(const Request& request) {
+  nlohmann::json body = nlohmann::json::object();
+  // Pass-through fields go in first so the typed fields of the Request win over them.
+  if (request.extra.is_object()) body.update(request.extra);
+  if (!request.model.empty()) body["model"] = request.model;
+  nlohmann::json messages = nlohmann::json::array();
+  for (const auto& m : request.messages) messages.push_back({{"role", m.role}, {"content", m.content}});
+  if (!request.messages.empty() || !body.contains("messages")) body["messages"] = std::move(messages);
+  if (request.max_tokens) body["max_tokens"] = *request.max_tokens;
+  if (request.temperature) body["temperature"] = *request.temperature;
+  if (request.top_p) body["top_p"] = *request.top_p;
+  if (!request.stop.empty()) body["stop"] = request.stop;
+  if (request.seed) body["seed"] = *request.seed;
+  body["stream"] = request.stream;
+  if (request.stream) {
+    if (!body.contains("stream_options") || !body["stream_options"].is_object())
+      body["stream_options"] = nlohmann::json::object();
+    body["stream_options"]["include_usage"] = true;
+  } else {
+    // The API rejects stream_options on a request that does not stream.
+    body.erase("stream_options");
+  }
+  return body;
+}
+
+std::optional<std::chrono::milliseconds> parse_retry_after(const HttpResponse& response,
+                                                           std::chrono::system_clock::time_point now) {
+  if (const std::string* ms = response.header("retry-after-ms")) {
+    if (auto value = parse_number(*ms)) return clamp_ms(*value);
+  }
+  if (const std::string* after = response.header("retry-after")) {
+    if (auto seconds = parse_number(*after)) return clamp_ms(*seconds * 1000);
+    if (auto date = parse_http_date(*after)) {
+      return clamp_ms(std::chrono::duration<double, std::milli>(*date - now).count());
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<bool> parse_should_retry(const HttpResponse& response) {
+  const std::string* value = response.header("x-should-retry");
+  if (value == nullptr) return std::nullopt;
+  if (iequals(trim(*value), "true")) return true;
+  if (iequals(trim(*value), "false")) return false;
+  return std::nullopt;
+}
+
+Error http_error(const HttpResponse& response) {
+  Error error;
+  error.kind = ErrorKind::Http;
+  error.http_status = response.status;
+  error.retry_after = parse_retry_after(response);
+  error.should_retry = parse_should_retry(response);
+  auto body = nlohmann::json::parse(response.body, nullptr, false);
+  if (!body.is_discarded() && body.is_object()) {
+    if (auto e = body.find("error"); e != body.end()) fill_from_error_object(*e, error);
+    else if (auto m = body.find("message"); m != body.end() && m->is_string())
+      error.message = m->get<std::string>();
+  }
+  if (error.message.empty()) {
+    error.message = response.body.empty() ? "HTTP " + std::to_string(response.status)
+                                          : truncated(response.body);
+  }
+  return error;
+}
+
+OpenAIBackend::OpenAIBackend(boost::asio::any_io_executor executor, OpenAIOptions options)
+    : options_(std::move(options)), http_(std::move(executor), options_.http) {
+  while (!options_.base_url.empty() && options_.base_url.back() == '/') options_.base_url.pop_back();
+}
+
+OpenAIBackend::~OpenAIBackend() = default;
+
+std::string OpenAIBackend::describe() const { return "openai " + options_.base_url; }
+
+boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, TokenSink sink) {
+  const auto started = Clock::now();
+  HttpRequest http_request;
+  http_request.url = options_.base_url + "/chat/completions";
+  http_request.timeouts = options_.timeouts;
+  http_request.max_response_bytes = options_.max_response_bytes;
+  http_request.headers.emplace_back("Content-Type", "application/json");
+  http_request.headers.emplace_back("Accept", request.stream ? "text/event-stream" : "application/json");
+  if (!options_.api_key.empty())
+    http_request.headers.emplace_back("Authorization", "Bearer " + options_.api_key);
+  for (const auto& header : options_.extra_headers) http_request.headers.push_back(header);
+  try {
+    // Invalid UTF-8 in a prompt makes dump() throw; replacing it keeps the request sendable.
+    http_request.body = to_openai_body(request).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  } catch (const std::exception& e) {
+    co_return Outcome::failure(make_error(ErrorKind::Internal, std::string("cannot encode request: ") + e.what()));
+  }
+
+  auto timings_until = [&](Clock::time_point end) {
+    Timings t;
+    t.total_ms = ms_between(started, end);
+    return t;
+  };
+
+  if (!request.stream) {
+    HttpResponse response = co_await http_.perform(std::move(http_request));
+    const auto finished = Clock::now();
+    Timings timings = timings_until(finished);
+    if (response.error) co_return Outcome::failure(std::move(*response.error), timings);
+    if (response.status < 200 || response.status >= 300) co_return Outcome::failure(http_error(response), timings);
+    auto body = nlohmann::json::parse(response.body, nullptr, false);
+    if (body.is_discarded() || !body.is_object())
+      co_return Outcome::failure(make_error(ErrorKind::Protocol, "malformed JSON body: " + truncated(response.body)), timings);
+    if (auto e = body.find("error"); e != body.end() && !e->is_null()) {
+      Error error = make_error(ErrorKind::StreamError, "error in response");
+      error.http_status = response.status;
+      fill_from_error_object(*e, error);
+      co_return Outcome::failure(std::move(error), timings);
+    }
+    auto choices = body.find("choices");
+    if (choices == body.end() || !choices->is_array() || choices->empty() || !(*choices)[0].is_object())
+      co_return Outcome::failure(make_error(ErrorKind::Protocol, "response has no choices: " + truncated(response.body)), timings);
+    const nlohmann::json& choice = (*choices)[0];
+    Completion completion;
+    if (auto message = choice.find("message"); message != choice.end() && message->is_object()) {
+      if (auto content = message->find("content"); content != message->end() && content->is_string())
+        completion.text = content->get<std::string>();
+    }
+    if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
+      completion.finish_reason = reason->get<std::string>();
+    completion.usage = usage_from(body);
+    timings.ttft_ms = timings.total_ms;
+    completion.timings = timings;
+    if (sink && !completion.text.empty()) {
+      try {
+        sink(completion.text);
+      } catch (const std::exception& e) {
+        co_return Outcome::failure(make_error(ErrorKind::Internal, std::string("token sink threw: ") + e.what()), timings);
+      }
+    }
+    co_return Outcome::success(std::move(completion));
+  }
+
+  StreamState state(options_.sse_limits);
+  auto on_body = [&state, &sink](std::string_view chunk) -> bool {
+    const auto status = state.parser.feed(chunk, [&](const SseEvent& event) { state.on_event(event, sink); });
+    if (status == SseParser::Status::LineTooLong) {
+      state.error = make_error(ErrorKind::TooLarge, "SSE line exceeds the size limit");
+    } else if (status == SseParser::Status::EventTooLarge) {
+      state.error = make_error(ErrorKind::TooLarge, "SSE event exceeds the size limit");
+    }
+    // Bytes after [DONE] are not read: the answer is complete.
+    return !state.error;
+  };
+  HttpResponse response;
+  try {
+    response = co_await http_.perform(std::move(http_request), on_body);
+  } catch (const std::exception& e) {
+    co_return Outcome::failure(make_error(ErrorKind::Internal, e.what()), timings_until(Clock::now()));
+  }
+  const auto finished = Clock::now();
+  Timings timings = timings_until(finished);
+  if (state.deltas > 0) {
+    timings.ttft_ms = ms_between(started, state.first_delta_at);
+    if (state.deltas > 1)
+      timings.tpot_ms = ms_between(state.first_delta_at, state.last_delta_at) / static_cast<double>(state.deltas - 1);
+  }
+  // The handler's own error explains an aborted transfer better than the transport does.
+  if (state.error) {
+    state.error->http_status = response.status;
+    co_return Outcome::failure(std::move(*state.error), timings);
+  }
+  if (response.error) {
+    // A transport failure after [DONE] or a finish reason loses nothing the caller needs.
+    if (!(state.done && response.error->kind == ErrorKind::Connection))
+      co_return Outcome::failure(std::move(*response.error), timings);
+  }
+  if (response.status < 200 || response.status >= 300) co_return Outcome::failure(http_error(response), timings);
+  if (!state.done && state.finish_reason.empty()) {
+    Error error = make_error(ErrorKind::Truncated, "stream ended without [DONE] and without a finish reason");
+    error.http_status = response.status;
+    co_return Outcome::failure(std::move(error), timings);
+  }
+  Completion completion;
+  completion.text = std::move(state.text);
+  completion.finish_reason = std::move(state.finish_reason);
+  completion.usage = state.usage;
+  completion.timings = timings;
+  co_return Outcome::success(std::move(completion));
+}
+
+}  // namespace batchlm::client

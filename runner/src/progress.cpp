@@ -1,0 +1,320 @@
+#include "batchlm/runner/progress.hpp"
+
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+
+namespace batchlm::runner {
+
+namespace {
+
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string format(const char* fmt, ...) {
+  char text[256];
+  va_list args;
+  va_start(args, fmt);
+  const int n = std::vsnprintf(text, sizeof text, fmt, args);
+  va_end(args);
+  return std::string(text, static_cast<std::size_t>(std::clamp(n, 0, static_cast<int>(sizeof text) - 1)));
+}
+
+// "42s", "1m24s", "2h05m": precise enough for an estimate, short enough for a status line.
+std::string format_duration(double seconds) {
+  const auto s = static_cast<std::int64_t>(std::llround(std::max(0.0, seconds)));
+  if (s < 60) return format("%llds", static_cast<long long>(s));
+  if (s < 3600) return format("%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
+  return format("%lldh%02lldm", static_cast<long long>(s / 3600), static_cast<long long>(s % 3600 / 60));
+}
+
+// What both the bar and the plain line show, computed once.
+struct Figures {
+  std::string count;         // "120/1319", or "120" while the total is unknown
+  std::string percent;       // "9.1%", empty while the total is unknown
+  double fraction = 0;       // of the whole job, resumed items included
+  std::string requests_rate; // "14.2 req/s"
+  std::string tokens_rate;   // "812 tok/s"
+  std::string eta;           // "eta 1m24s", "eta --" before anything finished
+  std::string in_flight, retries, failed;
+  bool known_total = false;
+};
+
+Figures figures(const ProgressCounters& c, double elapsed) {
+  Figures f;
+  const std::int64_t finished = c.resumed + c.done;
+  f.known_total = c.total > 0;
+  if (f.known_total) {
+    f.fraction = std::clamp(static_cast<double>(finished) / static_cast<double>(c.total), 0.0, 1.0);
+    f.count = format("%lld/%lld", static_cast<long long>(finished), static_cast<long long>(c.total));
+    f.percent = format("%.1f%%", 100.0 * f.fraction);
+  } else {
+    f.count = format("%lld", static_cast<long long>(finished));
+  }
+  // Rates count this run only: resumed items cost no time and would inflate them.
+  const double requests_per_second = elapsed > 0 ? static_cast<double>(c.done) / elapsed : 0;
+  const double tokens_per_second = elapsed > 0 ? static_cast<double>(c.output_tokens) / elapsed : 0;
+  f.requests_rate = format("%.1f req/s", requests_per_second);
+  f.tokens_rate = format("%.0f tok/s", tokens_per_second);
+  const std::int64_t remaining = c.total - finished;
+  if (!f.known_total || requests_per_second <= 0) {
+    f.eta = remaining <= 0 && f.known_total ? "eta 0s" : "eta --";
+  } else {
+    f.eta = "eta " + format_duration(static_cast<double>(std::max<std::int64_t>(0, remaining)) / requests_per_second);
+  }
+  f.in_flight = format("in-flight %lld", static_cast<long long>(c.in_flight));
+  f.retries = format("retries %lld", static_cast<long long>(c.retries));
+  f.failed = format("failed %lld", static_cast<long long>(c.failed));
+  return f;
+}
+
+constexpr int kMinBar = 10;  // inner cells; narrower than this a bar says nothing
+constexpr int kMaxBar = 40;
+
+std::string bar(double fraction, int cells) {
+  const int filled = static_cast<int>(std::floor(fraction * cells));
+  return "[" + std::string(static_cast<std::size_t>(filled), '#') +
+         std::string(static_cast<std::size_t>(cells - filled), '.') + "]";
+}
+
+}  // namespace
+
+Progress::Progress(std::FILE* out, bool tty, std::chrono::milliseconds plain_interval, int width)
+    : out_(out), tty_(tty), plain_interval_(plain_interval), width_(width),
+      start_(std::chrono::steady_clock::now()) {
+  // The first plain line comes one interval in; a line at zero would say nothing.
+  last_draw_ = start_;
+}
+
+int Progress::columns() const {
+  if (width_ > 0) return width_;
+  winsize size{};
+  // Asked at every draw so that a resized terminal is followed.
+  if (out_ != nullptr && ::ioctl(::fileno(out_), TIOCGWINSZ, &size) == 0 && size.ws_col > 0) {
+    return size.ws_col;
+  }
+  return 80;
+}
+
+std::string Progress::render_bar(const ProgressCounters& c, double elapsed_seconds) const {
+  const Figures f = figures(c, elapsed_seconds);
+  // One column fewer than the terminal: writing the last column makes some terminals wrap,
+  // and the next "\r" would then redraw on a new line.
+  const int avail = std::max(1, columns() - 1);
+
+  // Fields in display order; when the line is too narrow the lowest priority goes first.
+  struct Field {
+    std::string text;  // empty: the bar
+    int priority;
+    bool present = true;
+  };
+  std::vector<Field> fields{
+      {f.count, 100}, {f.percent, 95}, {"", 70}, {f.requests_rate, 80}, {f.tokens_rate, 60},
+      {f.eta, 90},    {f.in_flight, 50}, {f.retries, 40}, {f.failed, 85}};
+  if (!f.known_total) fields[1].present = fields[2].present = false;
+  for (auto& field : fields) {
+    if (!field.text.empty() || &field == &fields[2]) continue;
+    field.present = false;
+  }
+
+  auto length = [&](int bar_cells) {
+    int total = 0, count = 0;
+    for (std::size_t i = 0; i < fields.size(); ++i) {
+      if (!fields[i].present) continue;
+      total += i == 2 ? bar_cells + 2 : static_cast<int>(fields[i].text.size());
+      ++count;
+    }
+    return total + std::max(0, count - 1);  // one space between fields
+  };
+  while (length(kMinBar) > avail) {
+    auto lowest = fields.end();
+    for (auto it = fields.begin(); it != fields.end(); ++it) {
+      if (it->present && it->priority < 100 && (lowest == fields.end() || it->priority < lowest->priority)) {
+        lowest = it;
+      }
+    }
+    if (lowest == fields.end()) break;  // only the count is left; cut below
+    lowest->present = false;
+  }
+  const int cells = std::clamp(avail - length(0), kMinBar, kMaxBar);
+
+  std::string line;
+  for (std::size_t i = 0; i < fields.size(); ++i) {
+    if (!fields[i].present) continue;
+    if (!line.empty()) line.push_back(' ');
+    line += i == 2 ? bar(f.fraction, cells) : fields[i].text;
+  }
+  if (static_cast<int>(line.size()) > avail) line.resize(static_cast<std::size_t>(avail));
+  return line;
+}
+
+std::string Progress::render_plain(const ProgressCounters& c, double elapsed_seconds) const {
+  const Figures f = figures(c, elapsed_seconds);
+  std::string line = "[batchlm] " + f.count;
+  if (f.known_total) line += " (" + f.percent + ")";
+  return line + " " + f.requests_rate + " " + f.tokens_rate + " " + f.eta + " " + f.in_flight + " " +
+         f.retries + " " + f.failed;
+}
+
+void Progress::draw(const ProgressCounters& c, std::chrono::steady_clock::time_point now, bool final) {
+  const double elapsed = std::chrono::duration<double>(now - start_).count();
+  if (tty_) {
+    // "\r" returns to the start of the line, ESC[K clears what a longer earlier line left.
+    std::fprintf(out_, "\r%s\x1b[K%s", render_bar(c, elapsed).c_str(), final ? "\n" : "");
+  } else {
+    std::fprintf(out_, "%s\n", render_plain(c, elapsed).c_str());
+  }
+  std::fflush(out_);
+  last_draw_ = now;
+  drawn_ = true;
+}
+
+void Progress::update(const ProgressCounters& c, std::chrono::steady_clock::time_point now) {
+  if (tty_) {
+    if (drawn_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+  } else if (now - last_draw_ < plain_interval_) {
+    return;
+  }
+  draw(c, now, false);
+}
+
+void Progress::finish(const ProgressCounters& c, std::chrono::steady_clock::time_point now) {
+  draw(c, now, true);
+}
+
+// --- Summary ----------------------------------------------------------------------------
+
+std::optional<double> percentile(std::vector<double> values, double p) {
+  if (values.empty()) return std::nullopt;
+  std::sort(values.begin(), values.end());
+  // Nearest rank: the smallest value with at least p% of the values at or below it.
+  const double rank = std::ceil(std::clamp(p, 0.0, 100.0) / 100.0 * static_cast<double>(values.size()));
+  const auto index = static_cast<std::size_t>(std::max(1.0, rank)) - 1;
+  return values[std::min(index, values.size() - 1)];
+}
+
+void Summary::add(const ItemResult& r) {
+  if (r.resumed) ++resumed_;
+  if (!r.ok) {
+    ++failed_;
+    attempts_ += r.attempts;
+    std::string key = r.error_kind.empty() ? std::string("unknown") : r.error_kind;
+    if (r.http_status != 0) key += " " + std::to_string(r.http_status);
+    ++failures_[key];
+    return;  // an infrastructure failure says nothing about the model: never scored
+  }
+  ++succeeded_;
+  // Scores count for resumed items too (the accuracy is the job's); everything else describes
+  // the work of this run.
+  auto count_metric = [&](const std::string& name, const nlohmann::json& value) {
+    if (!value.is_boolean()) return;
+    auto& [correct, scored] = metrics_[name];
+    scored += 1;
+    if (value.get<bool>()) correct += 1;
+  };
+  if (r.score.is_object()) {
+    for (const auto& [name, value] : r.score.items()) count_metric(name, value);
+  } else {
+    count_metric("score", r.score);
+  }
+  if (r.resumed) return;
+  attempts_ += r.attempts;
+  prompt_tokens_ += r.prompt_tokens;
+  completion_tokens_ += r.completion_tokens;
+  ttft_.push_back(r.ttft_ms);
+  // No per-token time exists for an answer of one token or less.
+  if (r.tpot_ms > 0) tpot_.push_back(r.tpot_ms);
+  total_.push_back(r.total_ms);
+}
+
+namespace {
+
+nlohmann::json percentiles_json(const std::vector<double>& values) {
+  nlohmann::json out = nlohmann::json::object();
+  for (auto [name, p] : {std::pair{"p50", 50.0}, {"p90", 90.0}, {"p99", 99.0}}) {
+    auto v = percentile(values, p);
+    out[name] = v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+  }
+  return out;
+}
+
+}  // namespace
+
+nlohmann::json Summary::to_json(double wall_seconds, std::int64_t total_items) const {
+  const std::int64_t this_run = succeeded_ - resumed_ + failed_;
+  const std::int64_t not_run = std::max<std::int64_t>(0, total_items - succeeded_ - failed_);
+  nlohmann::json j;
+  j["counts"] = {{"total", total_items}, {"succeeded", succeeded_}, {"failed", failed_},
+                 {"resumed", resumed_},  {"not_run", not_run}};
+  j["failures"] = nlohmann::json::object();
+  for (const auto& [kind, n] : failures_) j["failures"][kind] = n;
+  j["accuracy"] = nlohmann::json::object();
+  for (const auto& [name, counts] : metrics_) {
+    const auto [correct, scored] = counts;
+    j["accuracy"][name] = {{"correct", correct},
+                           {"scored", scored},
+                           {"accuracy", scored > 0 ? static_cast<double>(correct) / static_cast<double>(scored) : 0.0}};
+  }
+  j["latency_ms"] = {{"ttft", percentiles_json(ttft_)},
+                     {"tpot", percentiles_json(tpot_)},
+                     {"e2e", percentiles_json(total_)}};
+  j["tokens"] = {{"prompt", prompt_tokens_}, {"completion", completion_tokens_}};
+  j["wall_seconds"] = wall_seconds;
+  const double seconds = wall_seconds > 0 ? wall_seconds : 0;
+  j["throughput"] = {
+      {"requests_per_second", seconds > 0 ? static_cast<double>(this_run) / seconds : 0.0},
+      {"output_tokens_per_second", seconds > 0 ? static_cast<double>(completion_tokens_) / seconds : 0.0}};
+  j["attempts"] = {{"total", attempts_}, {"retries", std::max<std::int64_t>(0, attempts_ - this_run)}};
+  return j;
+}
+
+std::string Summary::to_text(double wall_seconds, std::int64_t total_items) const {
+  const nlohmann::json j = to_json(wall_seconds, total_items);
+  const auto& counts = j["counts"];
+  std::string text = format("%lld items: %lld succeeded", static_cast<long long>(total_items),
+                            static_cast<long long>(succeeded_));
+  if (resumed_ > 0) text += format(" (%lld resumed)", static_cast<long long>(resumed_));
+  text += format(", %lld failed", static_cast<long long>(failed_));
+  if (counts["not_run"].get<std::int64_t>() > 0) {
+    text += format(", %lld not run", static_cast<long long>(counts["not_run"].get<std::int64_t>()));
+  }
+  text += " in " + format_duration(wall_seconds) + "\n";
+
+  if (!failures_.empty()) {
+    text += "failures:";
+    bool first = true;
+    for (const auto& [kind, n] : failures_) {
+      text += format("%s %s: %lld", first ? "" : ",", kind.c_str(), static_cast<long long>(n));
+      first = false;
+    }
+    text += "\n";
+  }
+  if (!metrics_.empty()) {
+    text += "accuracy:";
+    for (const auto& [name, counts_of] : metrics_) {
+      const auto [correct, scored] = counts_of;
+      text += format(" %s %.1f%% (%lld/%lld)", name.c_str(),
+                     scored > 0 ? 100.0 * static_cast<double>(correct) / static_cast<double>(scored) : 0.0,
+                     static_cast<long long>(correct), static_cast<long long>(scored));
+    }
+    text += "\n";
+  }
+  if (!total_.empty()) {
+    auto triple = [](const std::vector<double>& values, int decimals) {
+      if (values.empty()) return std::string("-");
+      return format("%.*f/%.*f/%.*f", decimals, *percentile(values, 50), decimals, *percentile(values, 90),
+                    decimals, *percentile(values, 99));
+    };
+    // Per-token times are a few milliseconds, so they keep a decimal the others do not need.
+    text += "latency ms p50/p90/p99: ttft " + triple(ttft_, 0) + "  tpot " + triple(tpot_, 1) + "  e2e " +
+            triple(total_, 0) + "\n";
+  }
+  text += format("tokens: %lld in, %lld out; %.1f req/s, %.0f out tok/s; %lld attempts\n",
+                 static_cast<long long>(prompt_tokens_), static_cast<long long>(completion_tokens_),
+                 j["throughput"]["requests_per_second"].get<double>(),
+                 j["throughput"]["output_tokens_per_second"].get<double>(), static_cast<long long>(attempts_));
+  return text;
+}
+
+}  // namespace batchlm::runner

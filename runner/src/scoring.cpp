@@ -1,0 +1,207 @@
+// Scorers. GSM8K follows the usual two readings of an answer: strict takes only the
+// "#### N" line the prompt asks for, flexible takes the last number anywhere, so a model that
+// reasons well but ignores the format is visible as the gap between the two.
+
+#include "batchlm/runner/scoring.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <regex>
+
+namespace batchlm::runner {
+
+namespace {
+
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
+// A number starting at `at`: [sign][$]digits[,ddd...][.digits]. Returns its end, or `at` when
+// there is none. Commas count only between groups of three digits, so "3,4" is two numbers.
+std::size_t scan_number(std::string_view text, std::size_t at) {
+  std::size_t i = at;
+  if (i < text.size() && (text[i] == '-' || text[i] == '+')) ++i;
+  if (i < text.size() && text[i] == '$') ++i;
+  if (i < text.size() && (text[i] == '-' || text[i] == '+') && i > at && text[i - 1] == '$') ++i;
+  std::size_t digits = i;
+  while (i < text.size() && is_digit(text[i])) ++i;
+  if (i == digits) {
+    // ".5" has no integer part.
+    if (i + 1 < text.size() && text[i] == '.' && is_digit(text[i + 1])) {
+      ++i;
+      while (i < text.size() && is_digit(text[i])) ++i;
+      return i;
+    }
+    return at;
+  }
+  while (i + 3 < text.size() && text[i] == ',' && is_digit(text[i + 1]) &&
+         is_digit(text[i + 2]) && is_digit(text[i + 3]) &&
+         (i + 4 == text.size() || !is_digit(text[i + 4])))
+    i += 4;
+  if (i + 1 < text.size() && text[i] == '.' && is_digit(text[i + 1])) {
+    ++i;
+    while (i < text.size() && is_digit(text[i])) ++i;
+  }
+  return i;
+}
+
+// A sign belongs to the number only where it cannot be an operator: "5-3" is 5 and 3.
+bool sign_allowed(std::string_view text, std::size_t at) {
+  if (at == 0) return true;
+  char before = text[at - 1];
+  return !std::isalnum(static_cast<unsigned char>(before)) && before != ')' && before != '.';
+}
+
+struct Found {
+  std::size_t begin, end;
+};
+
+// Every number in the text, left to right.
+std::vector<Found> numbers(std::string_view text) {
+  std::vector<Found> out;
+  std::size_t i = 0;
+  while (i < text.size()) {
+    char c = text[i];
+    bool could_start = is_digit(c) || c == '$' || c == '.' ||
+                       ((c == '-' || c == '+') && sign_allowed(text, i));
+    // A digit inside a word ("x2", "COVID19") is not an answer.
+    bool glued = i > 0 && is_digit(c) && std::isalpha(static_cast<unsigned char>(text[i - 1]));
+    if (could_start && !glued) {
+      std::size_t end = scan_number(text, i);
+      if (end > i) {
+        out.push_back({i, end});
+        i = end;
+        continue;
+      }
+    }
+    ++i;
+  }
+  return out;
+}
+
+std::string trim(std::string_view text) {
+  std::size_t begin = 0, end = text.size();
+  while (begin < end && std::isspace(static_cast<unsigned char>(text[begin]))) ++begin;
+  while (end > begin && std::isspace(static_cast<unsigned char>(text[end - 1]))) --end;
+  return std::string(text.substr(begin, end - begin));
+}
+
+// The reference field as text: strings as they are, numbers as JSON writes them.
+std::optional<std::string> reference_text(const nlohmann::json& input, const std::string& field) {
+  if (!input.is_object()) return std::nullopt;
+  auto it = input.find(field);
+  if (it == input.end() || it->is_null()) return std::nullopt;
+  if (it->is_string()) return it->get<std::string>();
+  return it->dump();
+}
+
+class Gsm8kScorer : public Scorer {
+ public:
+  explicit Gsm8kScorer(std::string field) : field_(std::move(field)) {}
+  nlohmann::json score(const nlohmann::json& input, std::string_view output) const override {
+    std::optional<std::string> reference = reference_text(input, field_);
+    if (!reference) return nullptr;
+    std::optional<std::string> gold = gsm8k_gold(*reference);
+    if (!gold) return nullptr;
+    std::optional<std::string> strict = gsm8k_extract_strict(output);
+    std::optional<std::string> flexible = gsm8k_extract_flexible(output);
+    return {{"strict", strict == gold}, {"flexible", flexible == gold}};
+  }
+  std::vector<std::string> metrics() const override { return {"strict", "flexible"}; }
+
+ private:
+  std::string field_;
+};
+
+class ExactMatchScorer : public Scorer {
+ public:
+  explicit ExactMatchScorer(std::string field) : field_(std::move(field)) {}
+  nlohmann::json score(const nlohmann::json& input, std::string_view output) const override {
+    std::optional<std::string> reference = reference_text(input, field_);
+    if (!reference) return nullptr;
+    return {{"exact", trim(output) == trim(*reference)}};
+  }
+  std::vector<std::string> metrics() const override { return {"exact"}; }
+
+ private:
+  std::string field_;
+};
+
+class RegexScorer : public Scorer {
+ public:
+  explicit RegexScorer(const std::string& pattern) : pattern_(pattern, std::regex::ECMAScript) {}
+  nlohmann::json score(const nlohmann::json&, std::string_view output) const override {
+    return {{"match", std::regex_search(output.begin(), output.end(), pattern_)}};
+  }
+  std::vector<std::string> metrics() const override { return {"match"}; }
+
+ private:
+  std::regex pattern_;
+};
+
+}  // namespace
+
+std::string normalize_number(std::string_view number) {
+  std::string s;
+  for (char c : trim(number))
+    if (c != ',' && c != '$' && c != ' ') s += c;
+  while (!s.empty() && s.back() == '.') s.pop_back();
+  bool negative = false;
+  if (!s.empty() && (s.front() == '+' || s.front() == '-')) {
+    negative = s.front() == '-';
+    s.erase(0, 1);
+  }
+  bool numeric = !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
+    return is_digit(c) || c == '.';
+  }) && std::count(s.begin(), s.end(), '.') <= 1;
+  if (!numeric) return (negative ? "-" : "") + s;
+  if (s.find('.') != std::string::npos) {
+    while (s.back() == '0') s.pop_back();  // 42.50 -> 42.5, 42.0 -> 42.
+    if (s.back() == '.') s.pop_back();
+  }
+  std::size_t first = s.find_first_not_of('0');
+  if (first == std::string::npos) s = "0";
+  else if (s[first] == '.') s = "0" + s.substr(first);
+  else s = s.substr(first);
+  if (s == "0") negative = false;
+  return (negative ? "-" : "") + s;
+}
+
+std::optional<std::string> gsm8k_extract_strict(std::string_view output) {
+  // The last "####" followed by a number; a later "####" with no number does not hide it.
+  std::optional<std::string> found;
+  std::size_t at = output.find("####");
+  while (at != std::string_view::npos) {
+    std::size_t i = at + 4;
+    while (i < output.size() && output[i] == '#') ++i;
+    while (i < output.size() && (output[i] == ' ' || output[i] == '\t' || output[i] == ':')) ++i;
+    std::size_t end = scan_number(output, i);
+    if (end > i) found = normalize_number(output.substr(i, end - i));
+    at = output.find("####", std::max(i, at + 4));
+  }
+  return found;
+}
+
+std::optional<std::string> gsm8k_extract_flexible(std::string_view output) {
+  std::vector<Found> all = numbers(output);
+  if (all.empty()) return std::nullopt;
+  return normalize_number(output.substr(all.back().begin, all.back().end - all.back().begin));
+}
+
+std::optional<std::string> gsm8k_gold(std::string_view reference) {
+  if (auto gold = gsm8k_extract_strict(reference)) return gold;
+  // A bare number ("42", " $1,000 ") is its own gold.
+  std::string text = trim(reference);
+  if (!text.empty() && scan_number(text, 0) == text.size()) return normalize_number(text);
+  return std::nullopt;
+}
+
+std::unique_ptr<Scorer> make_scorer(const ScoringSpec& spec) {
+  switch (spec.kind) {
+    case ScoringKind::None: return nullptr;
+    case ScoringKind::Gsm8k: return std::make_unique<Gsm8kScorer>(spec.reference_field);
+    case ScoringKind::ExactMatch: return std::make_unique<ExactMatchScorer>(spec.reference_field);
+    case ScoringKind::Regex: return std::make_unique<RegexScorer>(spec.pattern);
+  }
+  return nullptr;
+}
+
+}  // namespace batchlm::runner

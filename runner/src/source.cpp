@@ -1,0 +1,474 @@
+// Sources: a JSONL file, an OpenAI Batch-API file, or N synthesized items. Each reads its
+// input once up front to validate it and count items, then streams it again line by line, so
+// memory holds one line at a time whatever the input size. The validation pass builds every
+// item exactly as next() will, so next() cannot fail on content that passed.
+
+#include "batchlm/runner/source.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace batchlm::runner {
+
+namespace {
+
+using nlohmann::json;
+
+// A template named a field the item lacks.
+class MissingField : public std::out_of_range {
+ public:
+  explicit MissingField(std::string field)
+      : std::out_of_range("no field '" + field + "'"), field_(std::move(field)) {}
+  const std::string& field() const { return field_; }
+
+ private:
+  std::string field_;
+};
+
+const json* lookup(const json& fields, std::string_view path) {
+  const json* node = &fields;
+  while (true) {
+    std::size_t dot = path.find('.');
+    std::string key(path.substr(0, dot));
+    if (node->is_object()) {
+      auto it = node->find(key);
+      if (it == node->end()) return nullptr;
+      node = &*it;
+    } else if (node->is_array() && !key.empty() &&
+               std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      std::size_t index = std::stoul(key);
+      if (index >= node->size()) return nullptr;
+      node = &(*node)[index];
+    } else {
+      return nullptr;
+    }
+    if (dot == std::string_view::npos) return node;
+    path.remove_prefix(dot + 1);
+  }
+}
+
+// splitmix64: a tiny PRNG whose output is fixed by its definition, so a seed draws the same
+// items on every platform and standard library (std::uniform_int_distribution does not).
+class Rng {
+ public:
+  explicit Rng(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next() {
+    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [0, n): rejection keeps the draw unbiased for every n.
+  std::uint64_t below(std::uint64_t n) {
+    std::uint64_t threshold = (0 - n) % n;
+    while (true) {
+      std::uint64_t r = next();
+      if (r >= threshold) return r % n;
+    }
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+std::uint64_t mix(std::uint64_t value) { return Rng(value).next(); }
+
+bool is_blank(const std::string& line) {
+  return line.find_first_not_of(" \t\r\n") == std::string::npos;
+}
+
+// Reads lines, counting every line (blank ones too) so errors name the line an editor shows.
+class LineReader {
+ public:
+  explicit LineReader(const std::string& path) : path_(path), in_(path, std::ios::binary) {
+    if (!in_) throw ConfigError(path, 0, 0, "", "cannot open input file");
+  }
+  // The next non-blank line, or false at the end.
+  bool next(std::string& line) {
+    while (std::getline(in_, line)) {
+      ++line_number_;
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (!is_blank(line)) return true;
+    }
+    if (in_.bad()) throw ConfigError(path_, line_number_, 0, "", "read error");
+    return false;
+  }
+  std::int64_t line_number() const { return line_number_; }
+
+ private:
+  std::string path_;
+  std::ifstream in_;
+  std::int64_t line_number_ = 0;
+};
+
+json parse_object(const std::string& line, const std::string& file, std::int64_t line_number) {
+  json value;
+  try {
+    value = json::parse(line);
+  } catch (const json::parse_error& e) {
+    throw ConfigError(file, static_cast<int>(line_number), 0, "",
+                      "not valid JSON (at byte " + std::to_string(e.byte) + ")");
+  }
+  if (!value.is_object())
+    throw ConfigError(file, static_cast<int>(line_number), 0, "",
+                      std::string("expected a JSON object, got ") + value.type_name());
+  return value;
+}
+
+std::string render_or_throw(std::string_view tmpl, const json& fields, const std::string& file,
+                            std::int64_t line, const std::string& used_by) {
+  try {
+    return render_template(tmpl, fields);
+  } catch (const MissingField& e) {
+    throw ConfigError(file, static_cast<int>(line), 0, e.field(),
+                      "missing field (used by " + used_by + ")");
+  }
+}
+
+std::int64_t estimate_tokens(const std::vector<ChatMessage>& messages) {
+  // About four bytes per token for English text, plus the few tokens each message's framing
+  // costs; only rate limits and dry runs rely on it.
+  std::int64_t bytes = 0;
+  for (const auto& m : messages) bytes += static_cast<std::int64_t>(m.content.size());
+  return bytes / 4 + 4 * static_cast<std::int64_t>(messages.size());
+}
+
+// A chat message list from JSON (a Batch body, or an input line's own "messages").
+std::vector<ChatMessage> parse_messages(const json& value, const std::string& file,
+                                        std::int64_t line, const std::string& field) {
+  int line_int = static_cast<int>(line);
+  if (!value.is_array() || value.empty())
+    throw ConfigError(file, line_int, 0, field, "expected a non-empty list of {role, content}");
+  std::vector<ChatMessage> out;
+  for (std::size_t i = 0; i < value.size(); ++i) {
+    const json& m = value[i];
+    std::string here = field + "[" + std::to_string(i) + "]";
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      throw ConfigError(file, line_int, 0, here, "expected {role, content} with a string role");
+    ChatMessage message{m["role"].get<std::string>(), ""};
+    const json content = m.value("content", json());
+    if (content.is_string()) {
+      message.content = content.get<std::string>();
+    } else if (content.is_array()) {
+      // Content parts: only text reaches a chat backend; anything else would be dropped
+      // silently, so it is refused.
+      for (const json& part : content) {
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+            !part["text"].is_string())
+          throw ConfigError(file, line_int, 0, here + ".content",
+                            "only text content parts are supported");
+        message.content += part["text"].get<std::string>();
+      }
+    } else if (!content.is_null()) {
+      throw ConfigError(file, line_int, 0, here + ".content", "expected a string or text parts");
+    }
+    out.push_back(std::move(message));
+  }
+  return out;
+}
+
+// Few-shot turns, drawn once and shared by every item.
+std::vector<ChatMessage> load_few_shot(const FewShotSpec& spec) {
+  if (spec.path.empty() || spec.count <= 0) return {};
+  std::int64_t available = 0;
+  {
+    LineReader reader(spec.path);
+    for (std::string line; reader.next(line);) ++available;
+  }
+  auto count = static_cast<std::int64_t>(spec.count);
+  if (count > available)
+    throw ConfigError(spec.path, 0, 0, "few_shot.count",
+                      "asks for " + std::to_string(count) + " examples but the file has " +
+                          std::to_string(available));
+  // Floyd's sampling draws `count` distinct examples in O(count) memory, then a shuffle fixes
+  // their order, both from the seed alone.
+  Rng rng(mix(spec.seed));
+  std::vector<std::int64_t> chosen;
+  std::unordered_set<std::int64_t> taken;
+  for (std::int64_t j = available - count; j < available; ++j) {
+    auto t = static_cast<std::int64_t>(rng.below(static_cast<std::uint64_t>(j + 1)));
+    std::int64_t pick = taken.count(t) ? j : t;
+    taken.insert(pick);
+    chosen.push_back(pick);
+  }
+  for (std::size_t i = chosen.size(); i > 1; --i)
+    std::swap(chosen[i - 1], chosen[rng.below(i)]);
+
+  std::unordered_map<std::int64_t, std::pair<json, std::int64_t>> examples;  // index -> (line, number)
+  LineReader reader(spec.path);
+  std::int64_t index = 0;
+  for (std::string line; reader.next(line); ++index)
+    if (taken.count(index))
+      examples.emplace(index, std::make_pair(parse_object(line, spec.path, reader.line_number()),
+                                             reader.line_number()));
+  std::vector<ChatMessage> turns;
+  for (std::int64_t pick : chosen) {
+    const auto& [fields, line] = examples.at(pick);
+    turns.push_back({"user", render_or_throw(spec.user, fields, spec.path, line, "few_shot.user")});
+    turns.push_back({"assistant", render_or_throw(spec.assistant, fields, spec.path, line,
+                                                  "few_shot.assistant")});
+  }
+  return turns;
+}
+
+void insert_few_shot(std::vector<ChatMessage>& messages, const std::vector<ChatMessage>& turns) {
+  if (turns.empty()) return;
+  auto at = messages.empty() ? messages.end() : messages.end() - 1;
+  messages.insert(at, turns.begin(), turns.end());
+}
+
+// The job's template applied to one item's fields; `file`/`line` name the item in errors.
+Request render_request(const JobSpec& job, const json& fields, const std::string& file,
+                       std::int64_t line) {
+  const RequestTemplate& t = job.request;
+  Request request;
+  for (std::size_t i = 0; i < t.messages.size(); ++i)
+    request.messages.push_back(
+        {t.messages[i].role,
+         render_or_throw(t.messages[i].content, fields, file, line,
+                         "request.messages[" + std::to_string(i) + "].content")});
+  request.model = render_or_throw(t.model, fields, file, line, "request.model");
+  request.max_tokens = t.max_tokens;
+  request.temperature = t.temperature;
+  request.top_p = t.top_p;
+  request.stop = t.stop;
+  request.seed = t.seed;
+  request.stream = job.backend.stream;
+  request.extra = t.extra.is_object() ? t.extra : json::object();
+  return request;
+}
+
+Item finish(json id, json input, Request request, const std::vector<ChatMessage>& few_shot) {
+  insert_few_shot(request.messages, few_shot);
+  Item item;
+  item.id_key = id.dump();
+  item.id = std::move(id);
+  item.input = std::move(input);
+  item.estimated_prompt_tokens = estimate_tokens(request.messages);
+  item.request = std::move(request);
+  return item;
+}
+
+// One line of a plain JSONL input.
+Item jsonl_item(const JobSpec& job, json fields, std::int64_t line,
+                const std::vector<ChatMessage>& few_shot) {
+  const std::string& file = job.input.path;
+  Request request = render_request(job, fields, file, line);
+  if (job.request.messages.empty()) {
+    // No template: the line carries its own conversation, or a bare prompt.
+    if (fields.contains("messages")) {
+      request.messages = parse_messages(fields["messages"], file, line, "messages");
+    } else if (fields.contains("prompt") && fields["prompt"].is_string()) {
+      request.messages.push_back({"user", fields["prompt"].get<std::string>()});
+    } else {
+      throw ConfigError(file, static_cast<int>(line), 0, "prompt",
+                        "missing field (the job has no request.messages, so each line needs "
+                        "'messages' or 'prompt')");
+    }
+  }
+  return finish(json(line), std::move(fields), std::move(request), few_shot);
+}
+
+// One line of an OpenAI Batch-API file: {"custom_id", "method", "url", "body"}.
+Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
+                const std::vector<ChatMessage>& few_shot) {
+  const std::string& file = job.input.path;
+  int line_int = static_cast<int>(line);
+  if (!line_value.contains("custom_id") ||
+      !(line_value["custom_id"].is_string() || line_value["custom_id"].is_number_integer()))
+    throw ConfigError(file, line_int, 0, "custom_id", "missing (a string) in a Batch-API line");
+  if (!line_value.contains("body") || !line_value["body"].is_object())
+    throw ConfigError(file, line_int, 0, "body", "missing (an object) in a Batch-API line");
+  const json& body = line_value["body"];
+
+  // The template fills what the body leaves out; its messages are not used, the body's are.
+  Request request;
+  request.model = job.request.model;
+  request.max_tokens = job.request.max_tokens;
+  request.temperature = job.request.temperature;
+  request.top_p = job.request.top_p;
+  request.stop = job.request.stop;
+  request.seed = job.request.seed;
+  request.stream = job.backend.stream;
+  request.extra = job.request.extra.is_object() ? job.request.extra : json::object();
+
+  auto wrong = [&](const std::string& key, const char* expected) {
+    return ConfigError(file, line_int, 0, "body." + key, std::string("expected ") + expected);
+  };
+  if (!body.contains("messages"))
+    throw ConfigError(file, line_int, 0, "body.messages", "missing (only chat completions are supported)");
+  for (const auto& [key, value] : body.items()) {
+    if (key == "messages") {
+      request.messages = parse_messages(value, file, line, "body.messages");
+    } else if (key == "model") {
+      if (!value.is_string()) throw wrong(key, "a string");
+      request.model = value.get<std::string>();
+    } else if (key == "max_tokens" || key == "max_completion_tokens") {
+      if (!value.is_number_integer() || value.get<std::int64_t>() < 1) throw wrong(key, "an integer >= 1");
+      request.max_tokens = value.get<int>();
+    } else if (key == "temperature" || key == "top_p") {
+      if (!value.is_number()) throw wrong(key, "a number");
+      (key == "temperature" ? request.temperature : request.top_p) = value.get<double>();
+    } else if (key == "stop") {
+      request.stop.clear();
+      if (value.is_string()) {
+        request.stop.push_back(value.get<std::string>());
+      } else if (value.is_array()) {
+        for (const json& s : value) {
+          if (!s.is_string()) throw wrong(key, "a string or a list of strings");
+          request.stop.push_back(s.get<std::string>());
+        }
+      } else if (!value.is_null()) {
+        throw wrong(key, "a string or a list of strings");
+      }
+    } else if (key == "seed") {
+      if (!value.is_number_integer()) throw wrong(key, "an integer");
+      request.seed = value.get<std::int64_t>();
+    } else if (key == "stream" || key == "stream_options") {
+      // The backend spec decides streaming for the whole job.
+    } else {
+      request.extra[key] = value;
+    }
+  }
+  json id = line_value["custom_id"];
+  return finish(std::move(id), std::move(line_value), std::move(request), few_shot);
+}
+
+bool looks_like_batch(const json& first_line) {
+  return first_line.contains("custom_id") && first_line.contains("body");
+}
+
+class FileSource : public Source {
+ public:
+  explicit FileSource(const JobSpec& job) : job_(job), few_shot_(load_few_shot(job.few_shot)) {
+    std::int64_t limit = job.limit.value_or(std::numeric_limits<std::int64_t>::max());
+    LineReader reader(job.input.path);
+    std::unordered_map<std::string, std::int64_t> custom_ids;  // id -> line, for duplicates
+    std::string line;
+    batch_ = job.input.format == InputFormat::Batch;
+    while (total_ < limit && reader.next(line)) {
+      json value = parse_object(line, job.input.path, reader.line_number());
+      if (total_ == 0 && job.input.format == InputFormat::Auto) batch_ = looks_like_batch(value);
+      Item item = build(std::move(value), reader.line_number());
+      if (batch_) {
+        auto [it, fresh] = custom_ids.emplace(item.id_key, reader.line_number());
+        if (!fresh)
+          throw ConfigError(job.input.path, static_cast<int>(reader.line_number()), 0, "custom_id",
+                            "duplicate custom_id " + item.id_key + " (first on line " +
+                                std::to_string(it->second) + ")");
+      }
+      ++total_;
+    }
+    reader_.emplace(job.input.path);
+  }
+
+  std::optional<Item> next() override {
+    if (yielded_ >= total_) return std::nullopt;
+    std::string line;
+    if (!reader_->next(line))
+      throw ConfigError(job_.input.path, static_cast<int>(reader_->line_number()), 0, "",
+                        "input changed while the job ran (fewer lines than validated)");
+    ++yielded_;
+    return build(parse_object(line, job_.input.path, reader_->line_number()),
+                 reader_->line_number());
+  }
+
+  std::int64_t total() const override { return total_; }
+
+ private:
+  Item build(json value, std::int64_t line) const {
+    return batch_ ? batch_item(job_, std::move(value), line, few_shot_)
+                  : jsonl_item(job_, std::move(value), line, few_shot_);
+  }
+
+  const JobSpec job_;
+  std::vector<ChatMessage> few_shot_;
+  bool batch_ = false;
+  std::int64_t total_ = 0;
+  std::int64_t yielded_ = 0;
+  std::optional<LineReader> reader_;
+};
+
+class SynthSource : public Source {
+ public:
+  explicit SynthSource(const JobSpec& job) : job_(job), few_shot_(load_few_shot(job.few_shot)) {
+    total_ = std::min(job.synth.count, job.limit.value_or(job.synth.count));
+    // Every item has the same fields, so one item checks the template for all of them.
+    json probe = json::object();
+    for (const auto& [name, choices] : job.synth.variables) probe[name] = choices.front();
+    std::string names;
+    for (const auto& [name, choices] : job.synth.variables) names += (names.empty() ? "" : ", ") + name;
+    auto check = [&](const std::string& tmpl, const std::string& used_by) {
+      try {
+        (void)render_template(tmpl, probe);
+      } catch (const MissingField& e) {
+        throw ConfigError(job.file, 0, 0, used_by,
+                          "{{" + e.field() + "}} is not a synth variable (variables: " +
+                              (names.empty() ? "none" : names) + ")");
+      }
+    };
+    for (std::size_t i = 0; i < job.request.messages.size(); ++i)
+      check(job.request.messages[i].content, "request.messages[" + std::to_string(i) + "].content");
+    check(job.request.model, "request.model");
+  }
+
+  std::optional<Item> next() override {
+    if (index_ >= total_) return std::nullopt;
+    ++index_;
+    return item(index_);
+  }
+
+  std::int64_t total() const override { return total_; }
+
+ private:
+  // Item `index` (1-based) depends only on (seed, index), so a resumed run regenerates exactly
+  // the items it has not written yet.
+  Item item(std::int64_t index) const {
+    Rng rng(mix(job_.synth.seed) ^ mix(static_cast<std::uint64_t>(index) + 0x5eed));
+    json fields = json::object();
+    for (const auto& [name, choices] : job_.synth.variables)
+      fields[name] = choices[rng.below(choices.size())];
+    Request request = render_request(job_, fields, job_.file, 0);
+    return finish(json(index), std::move(fields), std::move(request), few_shot_);
+  }
+
+  const JobSpec job_;
+  std::vector<ChatMessage> few_shot_;
+  std::int64_t total_ = 0;
+  std::int64_t index_ = 0;
+};
+
+}  // namespace
+
+std::string render_template(std::string_view tmpl, const nlohmann::json& fields) {
+  std::string out;
+  out.reserve(tmpl.size());
+  std::size_t at = 0;
+  while (true) {
+    std::size_t open = tmpl.find("{{", at);
+    std::size_t close = open == std::string_view::npos ? open : tmpl.find("}}", open + 2);
+    if (close == std::string_view::npos) {
+      out.append(tmpl.substr(at));
+      return out;
+    }
+    out.append(tmpl.substr(at, open - at));
+    std::string_view name = tmpl.substr(open + 2, close - open - 2);
+    while (!name.empty() && name.front() == ' ') name.remove_prefix(1);
+    while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
+    const json* value = lookup(fields, name);
+    if (!value) throw MissingField(std::string(name));
+    // Values are inserted once, never rescanned: a question containing "{{" stays as written.
+    out += value->is_string() ? value->get_ref<const std::string&>() : value->dump();
+    at = close + 2;
+  }
+}
+
+std::unique_ptr<Source> open_source(const JobSpec& job) {
+  if (!job.input.path.empty()) return std::make_unique<FileSource>(job);
+  return std::make_unique<SynthSource>(job);
+}
+
+}  // namespace batchlm::runner

@@ -1,0 +1,302 @@
+#include "batchlm/runner/writer.hpp"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+namespace batchlm::runner {
+
+namespace {
+
+[[noreturn]] void throw_io(const std::string& action, const std::string& path, int err) {
+  throw std::runtime_error(action + " " + path + ": " + std::strerror(err));
+}
+
+// Owns a descriptor for the few places that open one only for the span of a function.
+class ScopedFd {
+ public:
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ~ScopedFd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+int open_or_throw(const std::string& path, int flags, mode_t mode = 0644) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) throw_io("cannot open", path, errno);
+  return fd;
+}
+
+// Writes everything or throws; `done` tells the caller how far it got, so a retry after an
+// error (disk full) continues at the exact byte instead of duplicating a prefix.
+void write_all(int fd, std::string_view data, const std::string& path, std::size_t& done) {
+  done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw_io("cannot write", path, errno);
+    }
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+void write_all(int fd, std::string_view data, const std::string& path) {
+  std::size_t done = 0;
+  write_all(fd, data, path, done);
+}
+
+void fsync_or_throw(int fd, const std::string& path) {
+  while (::fsync(fd) != 0) {
+    if (errno != EINTR) throw_io("cannot fsync", path, errno);
+  }
+}
+
+std::string parent_directory(const std::string& path) {
+  auto parent = std::filesystem::path(path).parent_path();
+  return parent.empty() ? std::string(".") : parent.string();
+}
+
+// A rename or a new file is durable only once its directory entry is; without this a crash
+// can bring back the old file or lose the new one.
+void fsync_directory(const std::string& path) {
+  const std::string dir = parent_directory(path);
+  ScopedFd fd(open_or_throw(dir, O_RDONLY | O_DIRECTORY));
+  // Some file systems cannot fsync a directory (EINVAL); they give no stronger guarantee to
+  // ask for, so that is not an error.
+  while (::fsync(fd.get()) != 0) {
+    if (errno == EINTR) continue;
+    if (errno == EINVAL) return;
+    throw_io("cannot fsync directory", dir, errno);
+  }
+}
+
+// Streams the file line by line in blocks, so that resuming a large output keeps memory flat.
+// on_line(line, offset of its first byte, whether it ended with '\n').
+template <typename OnLine>
+void for_each_line(int fd, const std::string& path, OnLine&& on_line) {
+  std::vector<char> block(1 << 20);
+  std::string partial;
+  std::int64_t partial_offset = 0, offset = 0;
+  for (;;) {
+    const ssize_t n = ::read(fd, block.data(), block.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw_io("cannot read", path, errno);
+    }
+    if (n == 0) break;
+    std::string_view chunk(block.data(), static_cast<std::size_t>(n));
+    while (!chunk.empty()) {
+      const auto newline = chunk.find('\n');
+      if (newline == std::string_view::npos) {
+        if (partial.empty()) partial_offset = offset;
+        partial.append(chunk);
+        offset += static_cast<std::int64_t>(chunk.size());
+        break;
+      }
+      const std::string_view piece = chunk.substr(0, newline);
+      if (partial.empty()) {
+        on_line(piece, offset, true);
+      } else {
+        partial.append(piece);
+        on_line(std::string_view(partial), partial_offset, true);
+        partial.clear();
+      }
+      offset += static_cast<std::int64_t>(newline + 1);
+      chunk.remove_prefix(newline + 1);
+    }
+  }
+  if (!partial.empty()) on_line(std::string_view(partial), partial_offset, false);
+}
+
+bool blank(std::string_view line) {
+  return line.find_first_not_of(" \t\r") == std::string_view::npos;
+}
+
+}  // namespace
+
+OutputWriter::OutputWriter(Options options, const std::function<void(const nlohmann::json&)>& on_kept)
+    : options_(std::move(options)), last_flush_(std::chrono::steady_clock::now()) {
+  const std::string& path = options_.path;
+  if (path.empty()) throw std::runtime_error("output path is empty");
+  try {
+    std::error_code ec;
+    std::filesystem::create_directories(parent_directory(path), ec);
+    if (ec) throw std::runtime_error("cannot create directory for " + path + ": " + ec.message());
+
+    // The lock lives in its own file so that rewriting the output (rename over it) does not
+    // drop it, and the kernel releases it however this process ends.
+    const std::string lock_path = path + ".lock";
+    lock_fd_ = open_or_throw(lock_path, O_RDWR | O_CREAT);
+    if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      if (err != EWOULDBLOCK) throw_io("cannot lock", lock_path, err);
+      char holder[32] = {};
+      const ssize_t n = ::pread(lock_fd_, holder, sizeof holder - 1, 0);
+      std::string pid = n > 0 ? std::string(holder, static_cast<std::size_t>(n)) : std::string();
+      pid.erase(std::remove_if(pid.begin(), pid.end(), [](char c) { return c < '0' || c > '9'; }),
+                pid.end());
+      throw OutputLockedError("output " + path + " is in use by another run (pid " +
+                              (pid.empty() ? std::string("unknown") : pid) + ", lock " + lock_path +
+                              ")");
+    }
+    const std::string pid = std::to_string(::getpid()) + "\n";
+    if (::ftruncate(lock_fd_, 0) != 0) throw_io("cannot write", lock_path, errno);
+    if (::pwrite(lock_fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+      throw_io("cannot write", lock_path, errno);
+    }
+
+    if (options_.fresh) {
+      fd_ = open_or_throw(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND);
+      fsync_or_throw(fd_, path);
+      fsync_directory(path);
+      return;
+    }
+
+    struct stat info {};
+    const bool exists = ::stat(path.c_str(), &info) == 0;
+    if (exists) resume(on_kept);
+    fd_ = open_or_throw(path, O_WRONLY | O_CREAT | O_APPEND);
+    if (!exists) fsync_directory(path);
+  } catch (...) {
+    if (fd_ >= 0) ::close(fd_);
+    if (lock_fd_ >= 0) ::close(lock_fd_);
+    fd_ = lock_fd_ = -1;
+    throw;
+  }
+}
+
+void OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_kept) {
+  const std::string& path = options_.path;
+  ScopedFd file(open_or_throw(path, O_RDWR));
+
+  // Pass 1: decide. Only the positions of dropped lines are remembered, so a rewrite can
+  // replay the decisions without parsing again.
+  std::vector<std::int64_t> dropped;  // offsets of dropped lines, ascending
+  bool kept_after_drop = false;
+  for_each_line(file.get(), path, [&](std::string_view line, std::int64_t offset, bool complete) {
+    if (complete && blank(line)) return;
+    auto drop = [&] { dropped.push_back(offset); };
+    if (!complete) {  // only the last line can lack '\n': the write of it was cut short
+      resume_.dropped_torn_line = true;
+      return drop();
+    }
+    auto record = nlohmann::json::parse(line, nullptr, false);
+    if (record.is_discarded() || !record.is_object() || !record.contains("id")) {
+      ++resume_.dropped_invalid;
+      return drop();
+    }
+    if (auto error = record.find("error"); error != record.end() && !error->is_null()) {
+      ++resume_.dropped_failed;
+      return drop();
+    }
+    if (!resume_.done_ids.insert(record["id"].dump()).second) {
+      ++resume_.dropped_duplicates;
+      return drop();
+    }
+    ++resume_.kept;
+    if (!dropped.empty()) kept_after_drop = true;
+    if (on_kept) on_kept(record);
+  });
+  if (dropped.empty()) return;
+
+  if (!kept_after_drop) {
+    // Everything to drop sits at the end (the usual case after a kill): cutting the file there
+    // is one atomic step and costs nothing however large the output is.
+    if (::ftruncate(file.get(), dropped.front()) != 0) throw_io("cannot truncate", path, errno);
+    fsync_or_throw(file.get(), path);
+    return;
+  }
+
+  // Pass 2: copy the kept lines to a temporary file and rename it over the output, so a kill
+  // during the rewrite leaves either the old file or the new one, never a mix.
+  if (::lseek(file.get(), 0, SEEK_SET) != 0) throw_io("cannot seek", path, errno);
+  const std::string tmp_path = path + ".tmp";
+  ScopedFd tmp(open_or_throw(tmp_path, O_WRONLY | O_CREAT | O_TRUNC));
+  std::string out;
+  auto next_drop = dropped.begin();
+  for_each_line(file.get(), path, [&](std::string_view line, std::int64_t offset, bool complete) {
+    if (next_drop != dropped.end() && *next_drop == offset) {
+      ++next_drop;
+      return;
+    }
+    if (!complete || blank(line)) return;
+    out.append(line);
+    out.push_back('\n');
+    if (out.size() >= (1u << 20)) {
+      write_all(tmp.get(), out, tmp_path);
+      out.clear();
+    }
+  });
+  write_all(tmp.get(), out, tmp_path);
+  fsync_or_throw(tmp.get(), tmp_path);
+  if (::rename(tmp_path.c_str(), path.c_str()) != 0) throw_io("cannot rename " + tmp_path + " to", path, errno);
+  fsync_directory(path);
+}
+
+OutputWriter::~OutputWriter() {
+  try {
+    if (fd_ >= 0) flush();
+  } catch (...) {
+    // A destructor cannot report it; what was not written is rerun on resume.
+  }
+  if (fd_ >= 0) ::close(fd_);
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
+}
+
+void OutputWriter::append(const nlohmann::json& record) {
+  if (!record.is_object() || !record.contains("id")) {
+    throw std::invalid_argument("output record without an id");
+  }
+  // Model output cut at an arbitrary byte may not be valid UTF-8; replacing the bad bytes
+  // keeps the record instead of failing the item at the last step.
+  buffer_ += record.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  buffer_.push_back('\n');
+  ++buffered_records_;
+  if (buffered_records_ >= std::max(1, options_.flush_every)) flush();
+}
+
+void OutputWriter::flush_if_due(std::chrono::steady_clock::time_point now) {
+  if (buffered_records_ > 0 && now - last_flush_ >= options_.flush_interval) flush();
+}
+
+void OutputWriter::flush() {
+  if (fd_ < 0) throw std::runtime_error("output " + options_.path + " is not open");
+  if (!buffer_.empty()) {
+    // One write of whole lines: a kill can tear at most the last of them, which resume drops.
+    std::size_t done = 0;
+    try {
+      write_all(fd_, buffer_, options_.path, done);
+    } catch (...) {
+      buffer_.erase(0, done);
+      throw;
+    }
+    buffer_.clear();
+    fsync_or_throw(fd_, options_.path);
+    written_ += buffered_records_;
+    buffered_records_ = 0;
+  }
+  last_flush_ = std::chrono::steady_clock::now();
+}
+
+}  // namespace batchlm::runner

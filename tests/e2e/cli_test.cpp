@@ -1,0 +1,313 @@
+// The `batchlm` executable end to end against the fake OpenAI server: a GSM8K slice killed
+// with SIGKILL and resumed, transient faults retried, permanent ones recorded and retried on
+// rerun, SIGINT, the output lock, dry runs, configuration errors, the built-in synth recipe.
+
+#include <cctype>
+#include <set>
+
+#include "harness.hpp"
+
+namespace batchlm::e2e {
+namespace {
+
+struct JobParams {
+  std::string base_url;
+  int limit = 60;
+  int concurrency = 8;
+  int max_attempts = 4;
+  std::string extra;  // more YAML lines
+};
+
+std::string gsm8k_job(const JobParams& p) {
+  return "name: e2e\n"
+         "kind: eval\n"
+         "input: " + gsm8k_test_file() + "\n"
+         "request:\n"
+         "  messages:\n"
+         "    - {role: system, content: \"Solve the problem. End with '#### <number>'.\"}\n"
+         "    - {role: user, content: \"{{question}}\"}\n"
+         "  max_tokens: 64\n"
+         "  temperature: 0\n"
+         "backend: {type: openai, base_url: \"" + p.base_url + "\", model: fake-model}\n"
+         "concurrency: " + std::to_string(p.concurrency) + "\n"
+         "retry: {max_attempts: " + std::to_string(p.max_attempts) + ", base: 10ms, cap: 100ms}\n"
+         "output: {path: out/e2e.jsonl, flush_every: 4, flush_interval: 100ms}\n"
+         "scoring: gsm8k\n"
+         "limit: " + std::to_string(p.limit) + "\n" + p.extra;
+}
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+RunResult run_batchlm(const fs::path& dir, std::vector<std::string> args,
+                      std::map<std::string, std::string> env = {}) {
+  args.insert(args.begin(), binary("batchlm"));
+  env.emplace("OPENAI_API_KEY", "");
+  Process p({.args = args, .env = env, .cwd = dir, .out_file = dir / "stdout.txt",
+             .err_file = dir / "stderr.txt"});
+  auto code = p.wait(180s);
+  RunResult r;
+  r.exit_code = code.value_or(-1);
+  r.out = read_file(dir / "stdout.txt");
+  r.err = read_file(dir / "stderr.txt");
+  return r;
+}
+
+// ids 1..n each exactly once, every record successful.
+void expect_each_id_once(const std::vector<json>& records, int n) {
+  std::map<long long, int> seen;
+  for (const auto& r : records) {
+    ASSERT_TRUE(r.contains("id"));
+    ++seen[r["id"].get<long long>()];
+    EXPECT_TRUE(r["error"].is_null()) << r.dump();
+  }
+  EXPECT_EQ(seen.size(), static_cast<std::size_t>(n));
+  for (const auto& [id, count] : seen) {
+    EXPECT_GE(id, 1);
+    EXPECT_LE(id, n);
+    EXPECT_EQ(count, 1) << "id " << id << " appears " << count << " times";
+  }
+}
+
+// Questions whose line number is divisible by 5 are answered wrong by the fake server.
+int expected_correct(int n) { return n - n / 5; }
+
+int count_strict_correct(const std::vector<json>& records) {
+  int correct = 0;
+  for (const auto& r : records)
+    if (r["score"].is_object() && r["score"]["strict"].get<bool>()) ++correct;
+  return correct;
+}
+
+TEST(BatchlmRun, Gsm8kSliceScoresEveryItemOnce) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--wrong-every", "5"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 40}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto records = read_jsonl(dir.path / "out/e2e.jsonl");
+  expect_each_id_once(records, 40);
+  EXPECT_EQ(count_strict_correct(records), expected_correct(40));
+  for (const auto& rec : records) {
+    EXPECT_EQ(rec["finish_reason"], "stop");
+    EXPECT_GT(rec["usage"]["completion_tokens"].get<long long>(), 0);
+    EXPECT_GE(rec["timings"]["ttft_ms"].get<double>(), 0.0);
+    EXPECT_EQ(rec["attempts"], 1);
+    EXPECT_TRUE(rec["input"].contains("question"));
+  }
+  json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_NE(summary.dump().find("0.8"), std::string::npos) << summary.dump(2);
+  EXPECT_NE(r.err.find("0.8"), std::string::npos) << r.err;  // 80% accuracy, printed
+}
+
+TEST(BatchlmRun, SurvivesSigkillAndResumesWithoutLossOrDuplicates) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--wrong-every", "5", "--tokens", "30",
+                               "--token-delay-ms", "4"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 80}));
+  const fs::path out = dir.path / "out/e2e.jsonl";
+  {
+    Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+               .out_file = dir.path / "run1.out", .err_file = dir.path / "run1.err"});
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (std::chrono::steady_clock::now() < deadline && (!fs::exists(out) || count_lines(out) < 20))
+      std::this_thread::sleep_for(5ms);
+    p.signal(SIGKILL);
+    ASSERT_EQ(p.wait(10s), 128 + SIGKILL);
+  }
+  const std::size_t before = count_lines(out);
+  ASSERT_GE(before, 20u);
+  ASSERT_LT(before, 80u) << "the run finished before it could be killed";
+  // Simulate a write torn by the kill, on top of whatever the kill left.
+  { std::ofstream f(out, std::ios::app); f << "{\"id\": 999, \"outp"; }
+
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("resum"), std::string::npos) << r.err;
+  auto records = read_jsonl(out);
+  expect_each_id_once(records, 80);
+  EXPECT_EQ(count_strict_correct(records), expected_correct(80));
+  // The items finished before the kill were not asked again.
+  json stats = server.stats();
+  EXPECT_LT(stats["requests"].get<long long>(), 80 + 8 + 8) << stats.dump();
+}
+
+TEST(BatchlmRun, RetriesTransientFaultsToSuccess) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--fault-rate", "1", "--faults",
+                               "status=500,status=429;retry_after=0,status=503,reset_after=2,truncate",
+                               "--fault-first-attempts", "1", "--seed", "7"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 20}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto records = read_jsonl(dir.path / "out/e2e.jsonl");
+  expect_each_id_once(records, 20);
+  for (const auto& rec : records) EXPECT_EQ(rec["attempts"], 2) << rec.dump();
+  EXPECT_EQ(server.stats()["requests"].get<long long>(), 40);
+}
+
+TEST(BatchlmRun, RecordsPermanentFailuresAndRetriesThemOnRerun) {
+  TempDir dir;
+  {
+    FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--fault-rate", "1", "--faults",
+                                 "status=400", "--fault-first-attempts", "1"});
+    write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 10}));
+    RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+    ASSERT_EQ(r.exit_code, 1) << r.err;
+    auto records = read_jsonl(dir.path / "out/e2e.jsonl");
+    ASSERT_EQ(records.size(), 10u);
+    for (const auto& rec : records) {
+      EXPECT_EQ(rec["attempts"], 1);
+      ASSERT_TRUE(rec["error"].is_object()) << rec.dump();
+      EXPECT_EQ(rec["error"]["kind"], "http");
+      EXPECT_EQ(rec["error"]["status"], 400);
+      EXPECT_TRUE(rec["score"].is_null());
+    }
+    // The same server now answers (only first attempts fail): a rerun retries every item.
+    RunResult again = run_batchlm(dir.path, {"run", "job.yaml"});
+    ASSERT_EQ(again.exit_code, 0) << again.err;
+    expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 10);
+  }
+}
+
+TEST(BatchlmRun, SigintFinishesInFlightItemsAndExits130) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "10"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 200, .concurrency = 4}));
+  const fs::path out = dir.path / "out/e2e.jsonl";
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (std::chrono::steady_clock::now() < deadline && (!fs::exists(out) || count_lines(out) < 8))
+    std::this_thread::sleep_for(5ms);
+  p.signal(SIGINT);
+  auto code = p.wait(30s);
+  ASSERT_EQ(code, 130) << read_file(dir.path / "run.err");
+  const std::string err = read_file(dir.path / "run.err");
+  EXPECT_NE(err.find("interrupted"), std::string::npos) << err;
+  auto records = read_jsonl(out);
+  EXPECT_GE(records.size(), 8u);
+  EXPECT_LT(records.size(), 200u);
+  for (const auto& rec : records) EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
+  EXPECT_TRUE(fs::exists(dir.path / "out/e2e.jsonl.summary.json"));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  expect_each_id_once(read_jsonl(out), 200);
+}
+
+TEST(BatchlmRun, RefusesASecondRunOnTheSameOutput) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--tokens", "50", "--token-delay-ms", "20"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 50, .concurrency = 2}));
+  Process first({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+                 .out_file = dir.path / "first.out", .err_file = dir.path / "first.err"});
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (std::chrono::steady_clock::now() < deadline && !fs::exists(dir.path / "out/e2e.jsonl.lock"))
+    std::this_thread::sleep_for(5ms);
+  std::this_thread::sleep_for(200ms);
+  RunResult second = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(second.exit_code, 2);
+  EXPECT_NE(second.err.find("out/e2e.jsonl"), std::string::npos) << second.err;
+  first.signal(SIGKILL);
+}
+
+TEST(BatchlmRun, DryRunValidatesAndSendsNothing) {
+  TempDir dir;
+  FakeServer server(dir.path);
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 5}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "--dry-run"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"messages\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Janet"), std::string::npos) << r.out;  // the first test question
+  EXPECT_EQ(server.stats()["requests"].get<long long>(), 0);
+  EXPECT_FALSE(fs::exists(dir.path / "out/e2e.jsonl"));
+}
+
+TEST(BatchlmRun, ConfigErrorNamesFileLineFieldAndSuggestion) {
+  TempDir dir;
+  write_file(dir.path / "job.yaml",
+             gsm8k_job({.base_url = "http://127.0.0.1:9/v1", .extra = "retry_policy: {max_attempts: 3}\n"}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("job.yaml:15"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("retry_policy"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("did you mean"), std::string::npos) << r.err;
+}
+
+TEST(BatchlmRun, SetOverridesAJobField) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url()}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "--set", "limit=3", "--output", "other.jsonl"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  expect_each_id_once(read_jsonl(dir.path / "other.jsonl"), 3);
+  RunResult bad = run_batchlm(dir.path, {"run", "job.yaml", "--set", "concurrency=lots"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("concurrency"), std::string::npos) << bad.err;
+}
+
+TEST(BatchlmSynth, BuiltInRecipeWritesTheRequestedCount) {
+  TempDir dir;
+  FakeServer server(dir.path);
+  RunResult r = run_batchlm(dir.path, {"synth", "--concurrency", "20", "--count", "25", "--output", "stories.jsonl"},
+                            {{"OPENAI_BASE_URL", server.base_url()}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto records = read_jsonl(dir.path / "stories.jsonl");
+  ASSERT_EQ(records.size(), 25u);
+  std::set<std::string> prompts;
+  for (const auto& rec : records) {
+    EXPECT_FALSE(rec["output"].get<std::string>().empty());
+    prompts.insert(rec["input"].dump());
+  }
+  EXPECT_GT(prompts.size(), 20u);  // variables drawn per item
+}
+
+TEST(BatchlmCli, HelpVersionAndUsageErrors) {
+  TempDir dir;
+  RunResult help = run_batchlm(dir.path, {"--help"});
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.out.find("Exit codes"), std::string::npos);
+  RunResult version = run_batchlm(dir.path, {"--version"});
+  EXPECT_EQ(version.exit_code, 0);
+  EXPECT_NE(version.out.find("batchlm"), std::string::npos);
+  RunResult bad = run_batchlm(dir.path, {"run", "missing.yaml"});
+  EXPECT_EQ(bad.exit_code, 2);
+  RunResult unknown = run_batchlm(dir.path, {"frobnicate"});
+  EXPECT_EQ(unknown.exit_code, 2);
+}
+
+TEST(BatchlmProgress, DrawsABarOnATerminalAndPrintsTheSummary) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--wrong-every", "5", "--tokens", "20",
+                               "--token-delay-ms", "10"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 30, .concurrency = 3}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"OPENAI_API_KEY", ""}},
+             .cwd = dir.path, .out_file = {}, .err_file = {}, .use_pty = true, .pty_columns = 120});
+  ASSERT_EQ(p.wait(120s), 0);
+  const std::string& screen = p.pty_output();
+  // Redrawn in place: several carriage returns, a percentage, the final count.
+  EXPECT_GE(std::count(screen.begin(), screen.end(), '\r'), 3) << screen;
+  EXPECT_NE(screen.find("30/30"), std::string::npos) << screen;
+  EXPECT_NE(screen.find("%"), std::string::npos) << screen;
+  EXPECT_NE(screen.find("0.8"), std::string::npos) << screen;  // accuracy in the summary
+  // No line drawn is wider than the terminal (escape sequences take no columns; a UTF-8
+  // character takes one).
+  std::size_t columns = 0, widest = 0;
+  for (std::size_t i = 0; i < screen.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(screen[i]);
+    if (c == '\r' || c == '\n') {
+      columns = 0;
+    } else if (c == 0x1b) {
+      while (i + 1 < screen.size() && !std::isalpha(static_cast<unsigned char>(screen[i + 1]))) ++i;
+      ++i;
+    } else if ((c & 0xC0) != 0x80) {
+      widest = std::max(widest, ++columns);
+    }
+  }
+  EXPECT_LE(widest, 120u) << screen;
+}
+
+}  // namespace
+}  // namespace batchlm::e2e

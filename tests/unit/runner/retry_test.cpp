@@ -1,0 +1,223 @@
+#include "batchlm/runner/retry.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+namespace batchlm::runner {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+Error http(int status, std::string code = "") {
+  Error e;
+  e.kind = ErrorKind::Http;
+  e.http_status = status;
+  e.code = std::move(code);
+  return e;
+}
+
+Error of_kind(ErrorKind kind) {
+  Error e;
+  e.kind = kind;
+  return e;
+}
+
+RetrySpec spec(milliseconds base, milliseconds cap, milliseconds max_retry_after = milliseconds{120'000}) {
+  RetrySpec s;
+  s.base = base;
+  s.cap = cap;
+  s.max_retry_after = max_retry_after;
+  return s;
+}
+
+TEST(RetryPolicy, RetriesTransientHttpStatuses) {
+  RetryPolicy policy{RetrySpec{}};
+  for (int status : {408, 409, 429, 500, 501, 502, 503, 504, 529, 599}) {
+    EXPECT_TRUE(policy.retryable(http(status))) << status;
+  }
+}
+
+TEST(RetryPolicy, NeverRetriesClientErrors) {
+  RetryPolicy policy{RetrySpec{}};
+  for (int status = 400; status <= 499; ++status) {
+    if (status == 408 || status == 409 || status == 429) continue;
+    EXPECT_FALSE(policy.retryable(http(status))) << status;
+  }
+  for (int status : {400, 401, 403, 404, 422}) EXPECT_FALSE(policy.retryable(http(status))) << status;
+}
+
+TEST(RetryPolicy, NeverRetriesStatusesOutsideErrorRanges) {
+  RetryPolicy policy{RetrySpec{}};
+  for (int status : {0, 200, 301, 600}) EXPECT_FALSE(policy.retryable(http(status))) << status;
+}
+
+TEST(RetryPolicy, NeverRetriesA429ForInsufficientQuota) {
+  RetryPolicy policy{RetrySpec{}};
+  EXPECT_FALSE(policy.retryable(http(429, "insufficient_quota")));
+  EXPECT_TRUE(policy.retryable(http(429, "rate_limit_exceeded")));
+}
+
+TEST(RetryPolicy, ClassifiesEveryErrorKind) {
+  RetryPolicy policy{RetrySpec{}};
+  EXPECT_TRUE(policy.retryable(of_kind(ErrorKind::Timeout)));
+  EXPECT_TRUE(policy.retryable(of_kind(ErrorKind::Connection)));
+  EXPECT_TRUE(policy.retryable(of_kind(ErrorKind::Protocol)));
+  EXPECT_TRUE(policy.retryable(of_kind(ErrorKind::Truncated)));
+  EXPECT_TRUE(policy.retryable(of_kind(ErrorKind::StreamError)));
+  EXPECT_FALSE(policy.retryable(of_kind(ErrorKind::TooLarge)));
+  EXPECT_FALSE(policy.retryable(of_kind(ErrorKind::Cancelled)));
+  EXPECT_FALSE(policy.retryable(of_kind(ErrorKind::Internal)));
+}
+
+TEST(RetryPolicy, ShouldRetryHeaderTrueOverridesAFatalError) {
+  RetryPolicy policy{RetrySpec{}};
+  for (Error e : {http(400), http(401), http(429, "insufficient_quota"), of_kind(ErrorKind::TooLarge),
+                  of_kind(ErrorKind::Internal)}) {
+    e.should_retry = true;
+    EXPECT_TRUE(policy.retryable(e)) << e.to_json().dump();
+  }
+}
+
+TEST(RetryPolicy, ShouldRetryHeaderFalseOverridesATransientError) {
+  RetryPolicy policy{RetrySpec{}};
+  for (Error e : {http(429), http(503), http(408), of_kind(ErrorKind::Timeout), of_kind(ErrorKind::Connection)}) {
+    e.should_retry = false;
+    EXPECT_FALSE(policy.retryable(e)) << e.to_json().dump();
+  }
+}
+
+TEST(RetryPolicy, FullJitterStaysWithinTheExponentialWindow) {
+  RetryPolicy policy{spec(milliseconds{100}, milliseconds{10'000})};
+  std::mt19937_64 rng(7);
+  const Error e = http(503);
+  for (int attempt = 2; attempt <= 6; ++attempt) {
+    const milliseconds window{100 << (attempt - 2)};  // 100, 200, 400, 800, 1600
+    milliseconds lowest = milliseconds::max(), highest = milliseconds::min();
+    for (int i = 0; i < 4000; ++i) {
+      const auto d = policy.delay(attempt, e, rng);
+      ASSERT_GE(d, milliseconds{0});
+      ASSERT_LE(d, window) << "attempt " << attempt;
+      lowest = std::min(lowest, d);
+      highest = std::max(highest, d);
+    }
+    // Full jitter spreads over the whole window, not just near its top.
+    EXPECT_LT(lowest, window / 10) << "attempt " << attempt;
+    EXPECT_GT(highest, window * 9 / 10) << "attempt " << attempt;
+  }
+}
+
+TEST(RetryPolicy, MeanDelayDoublesWithEachAttempt) {
+  RetryPolicy policy{spec(milliseconds{100}, milliseconds{100'000})};
+  std::mt19937_64 rng(11);
+  auto mean = [&](int attempt) {
+    double sum = 0;
+    for (int i = 0; i < 4000; ++i) sum += static_cast<double>(policy.delay(attempt, http(500), rng).count());
+    return sum / 4000;
+  };
+  double previous = mean(2);
+  EXPECT_NEAR(previous, 50, 5);
+  for (int attempt = 3; attempt <= 7; ++attempt) {
+    const double current = mean(attempt);
+    EXPECT_NEAR(current / previous, 2.0, 0.25) << "attempt " << attempt;
+    previous = current;
+  }
+}
+
+TEST(RetryPolicy, DelayNeverExceedsTheCap) {
+  RetryPolicy policy{spec(milliseconds{500}, milliseconds{2'000})};
+  std::mt19937_64 rng(3);
+  bool reached_near_cap = false;
+  for (int attempt : {5, 10, 40, 100, 1000, 1 << 30}) {
+    for (int i = 0; i < 500; ++i) {
+      const auto d = policy.delay(attempt, of_kind(ErrorKind::Timeout), rng);
+      ASSERT_LE(d, milliseconds{2'000}) << "attempt " << attempt;
+      if (d > milliseconds{1'800}) reached_near_cap = true;
+    }
+  }
+  EXPECT_TRUE(reached_near_cap);
+}
+
+TEST(RetryPolicy, HonoursServerRetryAfter) {
+  RetryPolicy policy{spec(milliseconds{500}, milliseconds{30'000})};
+  std::mt19937_64 rng(1);
+  Error e = http(429);
+  e.retry_after = milliseconds{7'250};
+  for (int attempt : {2, 3, 6}) EXPECT_EQ(policy.delay(attempt, e, rng), milliseconds{7'250});
+  e.retry_after = milliseconds{0};
+  EXPECT_EQ(policy.delay(2, e, rng), milliseconds{0});
+}
+
+TEST(RetryPolicy, CapsServerRetryAfterAtMaxRetryAfter) {
+  RetryPolicy policy{spec(milliseconds{500}, milliseconds{30'000}, milliseconds{60'000})};
+  std::mt19937_64 rng(1);
+  Error e = http(503);
+  e.retry_after = std::chrono::duration_cast<milliseconds>(std::chrono::hours{1});
+  EXPECT_EQ(policy.delay(2, e, rng), milliseconds{60'000});
+  // The cap on backoff does not shorten a server's hint below it.
+  e.retry_after = milliseconds{45'000};
+  EXPECT_EQ(policy.delay(2, e, rng), milliseconds{45'000});
+}
+
+TEST(RetryPolicy, SameSeedGivesSameDelays) {
+  RetryPolicy policy{RetrySpec{}};
+  std::mt19937_64 a(42), b(42);
+  for (int i = 2; i < 8; ++i) EXPECT_EQ(policy.delay(i, http(500), a), policy.delay(i, http(500), b));
+}
+
+TEST(RetryPolicy, ReportsMaxAttempts) {
+  RetrySpec s;
+  s.max_attempts = 3;
+  EXPECT_EQ(RetryPolicy{s}.max_attempts(), 3);
+}
+
+TEST(RetryBudget, AllowsRetriesInProportionToFirstAttempts) {
+  const auto start = std::chrono::steady_clock::now();
+  RetryBudget budget(0.2, 0.0, start);
+  for (int i = 0; i < 10; ++i) budget.on_first_attempt();
+  EXPECT_TRUE(budget.try_spend(start));
+  EXPECT_TRUE(budget.try_spend(start));
+  EXPECT_FALSE(budget.try_spend(start));
+  for (int i = 0; i < 5; ++i) budget.on_first_attempt();
+  EXPECT_TRUE(budget.try_spend(start));
+  EXPECT_FALSE(budget.try_spend(start));
+}
+
+TEST(RetryBudget, RoundingInTheRatioStillAllowsTheWholeRetry) {
+  const auto start = std::chrono::steady_clock::now();
+  RetryBudget budget(0.1, 0.0, start);
+  for (int i = 0; i < 10; ++i) budget.on_first_attempt();
+  EXPECT_TRUE(budget.try_spend(start));
+  EXPECT_FALSE(budget.try_spend(start));
+}
+
+TEST(RetryBudget, AllowsAMinimumRatePerSecondWithoutTraffic) {
+  const auto start = std::chrono::steady_clock::now();
+  RetryBudget budget(0.2, 2.0, start);
+  EXPECT_FALSE(budget.try_spend(start));
+  EXPECT_TRUE(budget.try_spend(start + milliseconds{500}));
+  EXPECT_FALSE(budget.try_spend(start + milliseconds{500}));
+  const auto later = start + seconds{3};  // 6 allowed in all, 1 spent
+  int spent = 0;
+  while (budget.try_spend(later)) ++spent;
+  EXPECT_EQ(spent, 5);
+}
+
+TEST(RetryBudget, ExhaustedBudgetRefusesUntilMoreTrafficOrTime) {
+  const auto start = std::chrono::steady_clock::now();
+  RetryBudget budget(0.5, 1.0, start);
+  budget.on_first_attempt();
+  budget.on_first_attempt();
+  EXPECT_TRUE(budget.try_spend(start));
+  EXPECT_FALSE(budget.try_spend(start));
+  EXPECT_TRUE(budget.try_spend(start + seconds{1}));
+  EXPECT_FALSE(budget.try_spend(start + seconds{1}));
+  budget.on_first_attempt();
+  budget.on_first_attempt();
+  EXPECT_TRUE(budget.try_spend(start + seconds{1}));
+}
+
+}  // namespace
+}  // namespace batchlm::runner
