@@ -449,6 +449,10 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     return response;
   }
 
+  // One transfer, start to finish, in the awaiting coroutine.
+  static asio::awaitable<HttpResponse> run(std::shared_ptr<Impl> impl, HttpRequest request,
+                                           BodyHandler on_body);
+
   asio::any_io_executor executor;
   HttpClientOptions options;
   MultiHandle multi;
@@ -458,6 +462,58 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
   std::size_t attached_count = 0;
   bool shut_down = false;
 };
+
+namespace {
+
+bool cancellation_requested(const asio::cancellation_state& state) {
+  return state.cancelled() != asio::cancellation_type::none;
+}
+
+}  // namespace
+
+asio::awaitable<HttpResponse> HttpClient::Impl::run(std::shared_ptr<Impl> impl, HttpRequest request,
+                                                    BodyHandler on_body) {
+  auto transfer = std::make_shared<Transfer>(impl->executor);
+  Transfer& t = *transfer;
+  t.request = std::move(request);
+  t.on_body = std::move(on_body);
+  t.started_at = Clock::now();
+
+  if (impl->shut_down) {
+    t.response.error = make_error(ErrorKind::Cancelled, "HTTP client shut down");
+    co_return std::move(t.response);
+  }
+  if (cancellation_requested(co_await asio::this_coro::cancellation_state)) {
+    t.response.error = make_error(ErrorKind::Cancelled, "request cancelled");
+    co_return std::move(t.response);
+  }
+  if (!impl->configure(t)) {
+    t.response.error = make_error(ErrorKind::Internal, "could not create a transfer");
+    co_return std::move(t.response);
+  }
+  if (const CURLMcode code = curl_multi_add_handle(impl->multi.get(), t.easy.get()); code != CURLM_OK) {
+    t.response.error = make_error(ErrorKind::Internal, curl_multi_strerror(code));
+    co_return std::move(t.response);
+  }
+  t.attached = true;
+  ++impl->attached_count;
+  impl->transfers.emplace(&t, transfer);
+
+  while (!t.done) {
+    auto [when, stage] = t.next_deadline();
+    t.wakeup.expires_at(when);
+    auto [ec] = co_await t.wakeup.async_wait(asio::as_tuple(asio::use_awaitable));
+    if (t.done) break;
+    if (ec || cancellation_requested(co_await asio::this_coro::cancellation_state)) {
+      impl->finish(t, CURLE_OK, make_error(ErrorKind::Cancelled, "request cancelled"));
+      break;
+    }
+    if (Clock::now() >= when) impl->finish(t, CURLE_OK, make_error(ErrorKind::Timeout, stage));
+    // Otherwise activity moved the deadline while we slept: sleep again until the new one.
+  }
+  impl->transfers.erase(&t);
+  co_return impl->result_of(t);
+}
 
 HttpClient::HttpClient(asio::any_io_executor executor, HttpClientOptions options)
     : impl_(std::make_shared<Impl>(executor, std::move(options))) {
@@ -482,48 +538,13 @@ HttpClient::~HttpClient() {
 std::size_t HttpClient::in_flight() const { return impl_->attached_count; }
 
 asio::awaitable<HttpResponse> HttpClient::perform(HttpRequest request, BodyHandler on_body) {
-  std::shared_ptr<Impl> impl = impl_;
-  co_await asio::this_coro::reset_cancellation_state(asio::enable_total_cancellation());
+  // The cancellation state belongs to the whole coroutine stack: the caller's setting is
+  // restored on the way out so that this function only changes how it waits itself.
+  const bool caller_throws = co_await asio::this_coro::throw_if_cancelled();
   co_await asio::this_coro::throw_if_cancelled(false);
-
-  auto transfer = std::make_shared<Transfer>(impl->executor);
-  Transfer& t = *transfer;
-  t.request = std::move(request);
-  t.on_body = std::move(on_body);
-  t.started_at = Clock::now();
-
-  if (impl->shut_down) {
-    t.response.error = make_error(ErrorKind::Cancelled, "HTTP client shut down");
-    co_return std::move(t.response);
-  }
-  if (!impl->configure(t)) {
-    t.response.error = make_error(ErrorKind::Internal, "could not create a transfer");
-    co_return std::move(t.response);
-  }
-  if (const CURLMcode code = curl_multi_add_handle(impl->multi.get(), t.easy.get()); code != CURLM_OK) {
-    t.response.error = make_error(ErrorKind::Internal, curl_multi_strerror(code));
-    co_return std::move(t.response);
-  }
-  t.attached = true;
-  ++impl->attached_count;
-  impl->transfers.emplace(&t, transfer);
-
-  while (!t.done) {
-    auto [when, stage] = t.next_deadline();
-    t.wakeup.expires_at(when);
-    auto [ec] = co_await t.wakeup.async_wait(asio::as_tuple(asio::use_awaitable));
-    if (t.done) break;
-    const bool cancelled = (co_await asio::this_coro::cancellation_state).cancelled() !=
-                           asio::cancellation_type::none;
-    if (cancelled || ec) {
-      impl->finish(t, CURLE_OK, make_error(ErrorKind::Cancelled, "request cancelled"));
-      break;
-    }
-    if (Clock::now() >= when) impl->finish(t, CURLE_OK, make_error(ErrorKind::Timeout, stage));
-    // Otherwise activity moved the deadline while we slept: sleep again until the new one.
-  }
-  impl->transfers.erase(&t);
-  co_return impl->result_of(t);
+  HttpResponse response = co_await Impl::run(impl_, std::move(request), std::move(on_body));
+  co_await asio::this_coro::throw_if_cancelled(caller_throws);
+  co_return response;
 }
 
 }  // namespace batchlm::client

@@ -114,9 +114,8 @@ std::optional<std::chrono::system_clock::time_point> parse_http_date(std::string
     day = parse_int(dmy.substr(0, 2));
     month = month_index(dmy.substr(3, 3));
     year = parse_int(dmy.substr(7, 2));
-    // Two-digit years: the RFC says to read them as within 50 years of now; all relevant
-    // dates are after 2000.
-    if (year) *year += 2000;
+    // Two-digit years: a fixed pivot stands in for the RFC's "within 50 years of now".
+    if (year) *year += *year < 70 ? 2000 : 1900;
     clock = parts[2];
   } else if (parts.size() == 5) {  // asctime
     month = month_index(parts[1]);

@@ -384,7 +384,7 @@ class Reader {
     const Keys& keys = sections().at(path);
     std::set<std::string> seen;
     for (auto it = node.begin(); it != node.end(); ++it) {
-      const YAML::Node& key = it->first;
+      const YAML::Node key = it->first;
       std::string name = key.IsScalar() ? key.Scalar() : describe(key);
       std::string field = child_path(path, name);
       if (!seen.insert(name).second) fail(key, field, "duplicate key");
@@ -557,7 +557,7 @@ void read_synth(const Reader& r, const YAML::Node& node, SynthSpec& synth) {
     std::string name = it->first.Scalar();
     std::string field = "synth.variables." + name;
     if (synth.variables.count(name)) r.fail(it->first, field, "duplicate key");
-    const YAML::Node& choices = it->second;
+    const YAML::Node choices = it->second;
     if (!choices.IsSequence()) r.fail(choices, field, "expected a list of choices, got " + describe(choices));
     if (choices.size() == 0) r.fail(choices, field, "needs at least one choice");
     synth.variables[name] = r.string_list(choices, field);
@@ -708,10 +708,11 @@ void read_scoring(const Reader& r, const YAML::Node& node, ScoringSpec& scoring)
       {"gsm8k", ScoringKind::Gsm8k},
       {"exact_match", ScoringKind::ExactMatch},
       {"regex", ScoringKind::Regex}};
-  YAML::Node type_node = node;
+  // Not `type_node = node["type"]`: assigning one yaml-cpp handle to another rewrites the
+  // node it points at.
+  const YAML::Node type_node = node.IsMap() ? node["type"] : node;
   if (node.IsMap()) {
     r.check_map(node, "scoring");
-    type_node = node["type"];
     if (!Reader::has(type_node)) r.fail(node, "scoring.type", "required (none, gsm8k, exact_match, regex)");
     if (Reader::has(node["reference_field"]))
       scoring.reference_field = r.string(node["reference_field"], "scoring.reference_field");

@@ -310,7 +310,7 @@ std::string Summary::to_text(double wall_seconds, std::int64_t total_items) cons
     text += "latency ms p50/p90/p99: ttft " + triple(ttft_, 0) + "  tpot " + triple(tpot_, 1) + "  e2e " +
             triple(total_, 0) + "\n";
   }
-  text += format("tokens: %lld in, %lld out; %.1f req/s, %.0f out tok/s; %lld attempts\n",
+  text += format("tokens: %lld in, %lld out; %.2f req/s, %.1f out tok/s; %lld attempts\n",
                  static_cast<long long>(prompt_tokens_), static_cast<long long>(completion_tokens_),
                  j["throughput"]["requests_per_second"].get<double>(),
                  j["throughput"]["output_tokens_per_second"].get<double>(), static_cast<long long>(attempts_));

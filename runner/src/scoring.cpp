@@ -64,7 +64,11 @@ std::vector<Found> numbers(std::string_view text) {
                        ((c == '-' || c == '+') && sign_allowed(text, i));
     // A digit inside a word ("x2", "COVID19") is not an answer.
     bool glued = i > 0 && is_digit(c) && std::isalpha(static_cast<unsigned char>(text[i - 1]));
-    if (could_start && !glued) {
+    if (glued) {
+      while (i < text.size() && (is_digit(text[i]) || std::isalpha(static_cast<unsigned char>(text[i])))) ++i;
+      continue;
+    }
+    if (could_start) {
       std::size_t end = scan_number(text, i);
       if (end > i) {
         out.push_back({i, end});

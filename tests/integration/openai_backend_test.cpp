@@ -1,0 +1,398 @@
+// The real OpenAI backend (libcurl multi on Asio, SSE parsing) against the fake server:
+// successful answers, every injected fault mapped to its Error, cancellation, and many
+// concurrent streams on one thread.
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/experimental/awaitable_operators.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <gtest/gtest.h>
+
+#include "integration_support.hpp"
+
+namespace {
+
+namespace asio = boost::asio;
+using batchlm::ErrorKind;
+using batchlm::Outcome;
+using batchlm::Request;
+using batchlm::client::OpenAIBackend;
+using batchlm::client::OpenAIOptions;
+using batchlm::integration::backend_options;
+using batchlm::integration::chat_request;
+using batchlm::integration::run_on;
+using batchlm::integration::wait_on;
+using batchlm::testing::FakeOpenAIOptions;
+using batchlm::testing::FakeOpenAIServer;
+using namespace std::chrono_literals;
+
+constexpr int kTokens = 8;
+
+FakeOpenAIOptions small_answers() {
+  FakeOpenAIOptions options;
+  options.tokens = kTokens;
+  options.ttft_ms = 2;
+  options.token_delay_ms = 1;
+  return options;
+}
+
+class OpenAIBackendTest : public ::testing::Test {
+ protected:
+  struct Result {
+    Outcome outcome;
+    std::vector<std::string> deltas;
+  };
+
+  Result complete(const OpenAIOptions& options, const Request& request) {
+    OpenAIBackend backend(ioc_.get_executor(), options);
+    Result result;
+    batchlm::TokenSink sink = [&result](std::string_view delta) {
+      result.deltas.emplace_back(delta);
+    };
+    result.outcome = run_on(ioc_, backend.complete(request, sink));
+    return result;
+  }
+
+  Result complete_with_fault(const std::string& fault, bool stream = true) {
+    return complete(backend_options(server_, fault), chat_request("item", stream));
+  }
+
+  batchlm::Error error_of(const Result& result) {
+    EXPECT_FALSE(result.outcome.ok());
+    if (!result.outcome.error) throw std::runtime_error("expected an error, got a completion");
+    return *result.outcome.error;
+  }
+
+  asio::io_context ioc_;
+  FakeOpenAIServer server_{small_answers()};
+};
+
+std::string joined(const std::vector<std::string>& pieces) {
+  std::string out;
+  for (const auto& p : pieces) out += p;
+  return out;
+}
+
+std::size_t non_empty(const std::vector<std::string>& pieces) {
+  std::size_t n = 0;
+  for (const auto& p : pieces) n += p.empty() ? 0 : 1;
+  return n;
+}
+
+// ---- successes --------------------------------------------------------------------------------
+
+TEST_F(OpenAIBackendTest, StreamingAnswerCarriesTextFinishReasonUsageAndTimings) {
+  auto result = complete(backend_options(server_), chat_request("item"));
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  const auto& c = *result.outcome.completion;
+  EXPECT_EQ(c.text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(c.finish_reason, "stop");
+  EXPECT_TRUE(c.usage.reported);
+  EXPECT_EQ(c.usage.completion_tokens, kTokens);
+  EXPECT_EQ(c.usage.prompt_tokens, 3);  // "Answer briefly." + "item", in words
+  EXPECT_GT(c.timings.ttft_ms, 0);
+  EXPECT_GE(c.timings.total_ms, c.timings.ttft_ms);
+  EXPECT_GT(result.outcome.timings.total_ms, 0);
+}
+
+TEST_F(OpenAIBackendTest, StreamingAnswerCallsTheSinkOncePerDelta) {
+  auto result = complete(backend_options(server_), chat_request("item"));
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(non_empty(result.deltas), static_cast<std::size_t>(kTokens));
+  EXPECT_EQ(joined(result.deltas), result.outcome.completion->text);
+}
+
+TEST_F(OpenAIBackendTest, NonStreamingAnswerCarriesTextFinishReasonAndUsage) {
+  auto result = complete(backend_options(server_), chat_request("item", false));
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  const auto& c = *result.outcome.completion;
+  EXPECT_EQ(c.text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(c.finish_reason, "stop");
+  EXPECT_TRUE(c.usage.reported);
+  EXPECT_EQ(c.usage.completion_tokens, kTokens);
+  EXPECT_GT(c.timings.ttft_ms, 0);
+  EXPECT_GT(c.timings.total_ms, 0);
+}
+
+TEST_F(OpenAIBackendTest, MaxTokensCutsTheAnswerWithFinishReasonLength) {
+  Request request = chat_request("item");
+  request.max_tokens = 3;
+  auto result = complete(backend_options(server_), request);
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(3));
+  EXPECT_EQ(result.outcome.completion->finish_reason, "length");
+}
+
+TEST_F(OpenAIBackendTest, CrlfLineEndsGiveTheSameText) {
+  auto result = complete_with_fault("crlf");
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(result.outcome.completion->finish_reason, "stop");
+}
+
+TEST_F(OpenAIBackendTest, LoneCrLineEndsGiveTheSameText) {
+  auto result = complete_with_fault("cr");
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(result.outcome.completion->finish_reason, "stop");
+}
+
+TEST_F(OpenAIBackendTest, OneByteChunksGiveTheSameText) {
+  auto result = complete_with_fault("byte_chunks");
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_TRUE(result.outcome.completion->usage.reported);
+}
+
+TEST_F(OpenAIBackendTest, OneByteChunksWithCrlfGiveTheSameText) {
+  // A CR ending one read and its LF starting the next must count as one line end.
+  auto result = complete_with_fault("crlf;byte_chunks");
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+}
+
+TEST_F(OpenAIBackendTest, OneByteChunksWithLoneCrGiveTheSameText) {
+  auto result = complete_with_fault("cr;byte_chunks");
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+}
+
+// ---- HTTP errors and their hints ------------------------------------------------------------
+
+TEST_F(OpenAIBackendTest, Status429WithRetryAfterSecondsIsHttpWithRetryAfter) {
+  const auto e = error_of(complete_with_fault("status=429;retry_after=2"));
+  EXPECT_EQ(e.kind, ErrorKind::Http);
+  EXPECT_EQ(e.http_status, 429);
+  ASSERT_TRUE(e.retry_after.has_value());
+  EXPECT_EQ(*e.retry_after, 2000ms);
+}
+
+TEST_F(OpenAIBackendTest, RetryAfterMsWinsOverRetryAfter) {
+  const auto e = error_of(complete_with_fault("status=429;retry_after=5;retry_after_ms=1500"));
+  EXPECT_EQ(e.http_status, 429);
+  ASSERT_TRUE(e.retry_after.has_value());
+  EXPECT_EQ(*e.retry_after, 1500ms);
+}
+
+TEST_F(OpenAIBackendTest, RetryAfterAsHttpDateIsMeasuredFromNow) {
+  const auto e = error_of(complete_with_fault("status=503;retry_after_date=30"));
+  EXPECT_EQ(e.kind, ErrorKind::Http);
+  EXPECT_EQ(e.http_status, 503);
+  ASSERT_TRUE(e.retry_after.has_value());
+  // The date has whole seconds: up to one second is lost to truncation.
+  EXPECT_GE(*e.retry_after, 28'000ms);
+  EXPECT_LE(*e.retry_after, 30'000ms);
+}
+
+TEST_F(OpenAIBackendTest, StatusWithoutRetryAfterHasNoRetryAfter) {
+  const auto e = error_of(complete_with_fault("status=500", false));
+  EXPECT_EQ(e.kind, ErrorKind::Http);
+  EXPECT_EQ(e.http_status, 500);
+  EXPECT_FALSE(e.retry_after.has_value());
+  EXPECT_FALSE(e.should_retry.has_value());
+}
+
+TEST_F(OpenAIBackendTest, InsufficientQuotaCodeAndMessageAreCarried) {
+  const auto& e =
+      error_of(complete_with_fault("status=429;code=insufficient_quota;message=no credit left"));
+  EXPECT_EQ(e.kind, ErrorKind::Http);
+  EXPECT_EQ(e.http_status, 429);
+  EXPECT_EQ(e.code, "insufficient_quota");
+  EXPECT_NE(e.message.find("no credit left"), std::string::npos) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, ShouldRetryFalseIsCarried) {
+  const auto e = error_of(complete_with_fault("status=500;should_retry=false"));
+  ASSERT_TRUE(e.should_retry.has_value());
+  EXPECT_FALSE(*e.should_retry);
+}
+
+TEST_F(OpenAIBackendTest, ShouldRetryTrueIsCarried) {
+  const auto e = error_of(complete_with_fault("status=409;should_retry=true", false));
+  EXPECT_EQ(e.http_status, 409);
+  ASSERT_TRUE(e.should_retry.has_value());
+  EXPECT_TRUE(*e.should_retry);
+}
+
+TEST_F(OpenAIBackendTest, ErrorStatusWithEmptyBodyIsHttp) {
+  const auto e = error_of(complete_with_fault("status=502;no_body"));
+  EXPECT_EQ(e.kind, ErrorKind::Http);
+  EXPECT_EQ(e.http_status, 502);
+}
+
+// ---- broken transports and streams ----------------------------------------------------------
+
+TEST_F(OpenAIBackendTest, ConnectionResetMidStreamIsConnectionError) {
+  auto result = complete_with_fault("reset_after=3");
+  const auto e = error_of(result);
+  EXPECT_EQ(e.kind, ErrorKind::Connection) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, ConnectionResetBeforeAnyByteIsConnectionError) {
+  const auto e = error_of(complete_with_fault("reset_after=0", false));
+  EXPECT_EQ(e.kind, ErrorKind::Connection) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, StalledStreamIsIdleTimeout) {
+  auto options = backend_options(server_, "stall_ms=5000;after=2");
+  options.timeouts.idle = 200ms;
+  auto result = complete(options, chat_request("item"));
+  const auto e = error_of(result);
+  EXPECT_EQ(e.kind, ErrorKind::Timeout);
+  EXPECT_NE(e.message.find("idle"), std::string::npos) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, SlowFirstByteIsFirstByteTimeout) {
+  auto options = backend_options(server_, "slow_first_byte=5000");
+  options.timeouts.first_byte = 200ms;
+  auto result = complete(options, chat_request("item"));
+  const auto e = error_of(result);
+  EXPECT_EQ(e.kind, ErrorKind::Timeout);
+  EXPECT_NE(e.message.find("first"), std::string::npos) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, StreamEndingWithoutDoneOrFinishReasonIsTruncated) {
+  const auto e = error_of(complete_with_fault("truncate;after=3"));
+  EXPECT_EQ(e.kind, ErrorKind::Truncated) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, NonStreamingBodyCutShortIsAnError) {
+  const auto e = error_of(complete_with_fault("truncate", false));
+  EXPECT_TRUE(e.kind == ErrorKind::Connection || e.kind == ErrorKind::Truncated ||
+              e.kind == ErrorKind::Protocol)
+      << batchlm::to_string(e.kind) << ": " << e.message;
+}
+
+TEST_F(OpenAIBackendTest, ErrorObjectInsideA200StreamIsStreamError) {
+  const auto e = error_of(complete_with_fault("error_event;code=overloaded;message=busy"));
+  EXPECT_EQ(e.kind, ErrorKind::StreamError);
+  EXPECT_EQ(e.code, "overloaded");
+  EXPECT_NE(e.message.find("busy"), std::string::npos) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, ErrorEventInsideA200StreamIsStreamError) {
+  const auto e = error_of(complete_with_fault("event_error;code=overloaded"));
+  EXPECT_EQ(e.kind, ErrorKind::StreamError);
+  EXPECT_EQ(e.code, "overloaded");
+}
+
+TEST_F(OpenAIBackendTest, MalformedJsonInADataLineIsProtocolError) {
+  const auto e = error_of(complete_with_fault("malformed"));
+  EXPECT_EQ(e.kind, ErrorKind::Protocol) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, GiantSseLineIsTooLarge) {
+  auto options = backend_options(server_, "oversize=4000000");
+  options.sse_limits.max_line_bytes = 1 << 20;
+  const auto e = error_of(complete(options, chat_request("item")));
+  EXPECT_EQ(e.kind, ErrorKind::TooLarge) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, OversizedBodyIsTooLarge) {
+  auto options = backend_options(server_, "oversize=3000000");
+  options.max_response_bytes = 1 << 20;
+  const auto e = error_of(complete(options, chat_request("item", false)));
+  EXPECT_EQ(e.kind, ErrorKind::TooLarge) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, ConnectionRefusedIsConnectionError) {
+  OpenAIOptions options = backend_options(server_);
+  {
+    // A port that was just free: nothing listens there any more.
+    FakeOpenAIServer gone;
+    options.base_url = gone.base_url();
+  }
+  const auto e = error_of(complete(options, chat_request("item")));
+  EXPECT_EQ(e.kind, ErrorKind::Connection) << e.message;
+}
+
+// ---- cancellation ----------------------------------------------------------------------------
+
+TEST_F(OpenAIBackendTest, CancellationByARacingTimerYieldsPromptly) {
+  using namespace asio::experimental::awaitable_operators;
+  OpenAIBackend backend(ioc_.get_executor(), backend_options(server_, "slow_first_byte=10000"));
+  Request request = chat_request("item");
+  const auto started = std::chrono::steady_clock::now();
+  auto winner = run_on(ioc_, [&]() -> asio::awaitable<std::size_t> {
+    asio::steady_timer timer(co_await asio::this_coro::executor, 100ms);
+    auto raced = co_await (backend.complete(request, {}) || timer.async_wait(asio::use_awaitable));
+    co_return raced.index();
+  }());
+  const auto elapsed = std::chrono::steady_clock::now() - started;
+  EXPECT_EQ(winner, 1u);  // the timer
+  // Far below the server's 10 s: the transfer was dropped, not waited for.
+  EXPECT_LT(elapsed, 5s);
+  EXPECT_EQ(backend.http().in_flight(), 0u);
+}
+
+TEST_F(OpenAIBackendTest, CancelledAttemptReturnsCancelled) {
+  OpenAIBackend backend(ioc_.get_executor(), backend_options(server_, "stall_ms=10000;after=1"));
+  Request request = chat_request("item");
+  asio::cancellation_signal cancel;
+  auto result = asio::co_spawn(ioc_, backend.complete(request, {}),
+                               asio::bind_cancellation_slot(cancel.slot(), asio::use_future));
+  asio::steady_timer timer(ioc_, 100ms);
+  timer.async_wait([&](boost::system::error_code) { cancel.emit(asio::cancellation_type::terminal); });
+  Outcome outcome = wait_on(ioc_, result, 5s);
+  ASSERT_FALSE(outcome.ok());
+  EXPECT_EQ(outcome.error->kind, ErrorKind::Cancelled) << outcome.error->message;
+  EXPECT_EQ(backend.http().in_flight(), 0u);
+}
+
+// ---- connections -----------------------------------------------------------------------------
+
+TEST_F(OpenAIBackendTest, SequentialRequestsReuseOneConnection) {
+  OpenAIBackend backend(ioc_.get_executor(), backend_options(server_));
+  for (int i = 0; i < 5; ++i) {
+    SCOPED_TRACE("request " + std::to_string(i));
+    Request request = chat_request("item-" + std::to_string(i), i % 2 == 0);
+    Outcome outcome = run_on(ioc_, backend.complete(request, {}));
+    ASSERT_TRUE(outcome.ok()) << outcome.error->message;
+  }
+  EXPECT_EQ(server_.requests(), 5u);
+  EXPECT_EQ(server_.connections(), 1u);
+}
+
+TEST_F(OpenAIBackendTest, ManyConcurrentStreamsOnOneThreadAllSucceedAndReuseConnections) {
+  constexpr int kStreams = 300;
+  OpenAIBackend backend(ioc_.get_executor(), backend_options(server_));
+  auto wave = [&](int wave_number) {
+    std::vector<Request> requests;
+    for (int i = 0; i < kStreams; ++i) {
+      requests.push_back(chat_request("wave-" + std::to_string(wave_number) + "-" + std::to_string(i)));
+    }
+    std::vector<std::future<Outcome>> results;
+    for (const auto& request : requests) {
+      results.push_back(asio::co_spawn(ioc_, backend.complete(request, {}), asio::use_future));
+    }
+    int ok = 0;
+    for (auto& r : results) {
+      Outcome outcome = wait_on(ioc_, r);
+      if (outcome.ok() && outcome.completion->text == FakeOpenAIServer::generated_text(kTokens)) {
+        ++ok;
+      } else if (!outcome.ok()) {
+        ADD_FAILURE() << batchlm::to_string(outcome.error->kind) << ": " << outcome.error->message;
+      }
+    }
+    return ok;
+  };
+  EXPECT_EQ(wave(1), kStreams);
+  const auto after_first = server_.connections();
+  EXPECT_LE(after_first, static_cast<std::uint64_t>(kStreams));
+  EXPECT_EQ(wave(2), kStreams);
+  EXPECT_EQ(server_.requests(), 2u * kStreams);
+  // The second wave rides mostly on the first wave's connections.
+  EXPECT_LT(server_.connections(), after_first + kStreams / 2)
+      << "first wave opened " << after_first << " connections";
+}
+
+}  // namespace

@@ -1,0 +1,502 @@
+#include "batchlm/runner/job.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+namespace fs = std::filesystem;
+using namespace batchlm::runner;
+using namespace std::chrono_literals;
+
+namespace {
+
+using Env = std::map<std::string, std::string>;
+
+EnvLookup env_of(Env values) {
+  return [values = std::move(values)](const std::string& name) -> std::optional<std::string> {
+    auto it = values.find(name);
+    if (it == values.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+class JobFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::random_device rd;
+    dir_ = fs::temp_directory_path() / ("batchlm-job-test-" + std::to_string(rd()));
+    fs::create_directories(dir_);
+    input_ = write("in.jsonl", "{\"question\": \"1+1?\", \"answer\": \"#### 2\"}\n");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string write(const std::string& name, const std::string& text) {
+    fs::path path = dir_ / name;
+    std::ofstream(path) << text;
+    return path.string();
+  }
+
+  // A job text with the temp input prepended, so each test shows only what it is about.
+  std::string with_input(const std::string& rest) { return "input: " + input_ + "\n" + rest; }
+
+  JobSpec load(const std::string& yaml, const std::vector<Override>& overrides = {},
+               Env env = {}) {
+    return load_job_text(yaml, "jobs/t.yaml", overrides, env_of(std::move(env)));
+  }
+
+  ConfigError error_of(const std::string& yaml, const std::vector<Override>& overrides = {},
+                       Env env = {}) {
+    try {
+      load(yaml, overrides, std::move(env));
+    } catch (const ConfigError& e) {
+      return e;
+    }
+    ADD_FAILURE() << "no ConfigError for:\n" << yaml;
+    return ConfigError("", 0, 0, "", "");
+  }
+
+  fs::path dir_;
+  std::string input_;
+};
+
+}  // namespace
+
+TEST(ConfigErrorTest, WhatReadsFileLineColumnFieldMessage) {
+  ConfigError e("jobs/x.yaml", 14, 3, "retry.max_attemps", "unknown key");
+  EXPECT_STREQ(e.what(), "jobs/x.yaml:14:3: retry.max_attemps: unknown key");
+  EXPECT_EQ(e.line(), 14);
+  EXPECT_EQ(e.column(), 3);
+  EXPECT_EQ(e.field(), "retry.max_attemps");
+  EXPECT_EQ(e.message(), "unknown key");
+  EXPECT_STREQ(ConfigError("--set", 0, 0, "concurrency", "bad").what(), "--set: concurrency: bad");
+}
+
+TEST_F(JobFile, MinimalJobGetsDocumentedDefaults) {
+  JobSpec job = load(with_input(""));
+  EXPECT_EQ(job.file, "jobs/t.yaml");
+  EXPECT_EQ(job.name, "t");  // the file stem
+  EXPECT_EQ(job.kind, JobKind::Eval);
+  EXPECT_EQ(job.input.path, input_);
+  EXPECT_EQ(job.input.format, InputFormat::Auto);
+  EXPECT_EQ(job.concurrency, 32);
+  EXPECT_EQ(job.backend.type, "openai");
+  EXPECT_EQ(job.backend.base_url, "https://api.openai.com/v1");
+  EXPECT_EQ(job.backend.model, "gpt-4o-mini");
+  EXPECT_EQ(job.backend.api_key_env, "OPENAI_API_KEY");
+  EXPECT_TRUE(job.backend.stream);
+  EXPECT_EQ(job.retry.max_attempts, 6);
+  EXPECT_EQ(job.retry.base, 500ms);
+  EXPECT_EQ(job.retry.cap, 30s);
+  EXPECT_EQ(job.output.path, "out/t.jsonl");
+  EXPECT_EQ(job.output.flush_every, 64);
+  EXPECT_EQ(job.output.flush_interval, 1s);
+  EXPECT_EQ(job.scoring.kind, ScoringKind::None);
+  EXPECT_EQ(job.rate_limit.requests_per_minute, 0);
+  EXPECT_FALSE(job.limit.has_value());
+  EXPECT_EQ(job.grace_period, 30s);
+  EXPECT_TRUE(job.request.messages.empty());
+}
+
+TEST_F(JobFile, BaseUrlAndModelDefaultFromEnvironment) {
+  JobSpec job = load(with_input(""), {},
+                     {{"OPENAI_BASE_URL", "http://localhost:9/v1"}, {"BATCHLM_MODEL_NAME", "m"}});
+  EXPECT_EQ(job.backend.base_url, "http://localhost:9/v1");
+  EXPECT_EQ(job.backend.model, "m");
+}
+
+TEST_F(JobFile, OutputPathDefaultsToNameOfJob) {
+  EXPECT_EQ(load(with_input("name: demo\n")).output.path, "out/demo.jsonl");
+}
+
+TEST_F(JobFile, ReadsEveryField) {
+  std::string few = write("train.jsonl", "{\"question\": \"q\", \"answer\": \"a\"}\n");
+  JobSpec job = load(R"(name: full
+kind: eval
+input: {path: )" + input_ + R"(, format: jsonl}
+request:
+  messages:
+    - {role: system, content: "Be brief."}
+    - {role: user, content: "{{question}}"}
+  model: m1
+  max_tokens: 128
+  temperature: 0.7
+  top_p: 0.9
+  stop: ["\n\n", "END"]
+  seed: 7
+  extra: {logprobs: true, top_logprobs: 2, response_format: {type: text}, note: "01"}
+few_shot: {path: )" + few + R"(, count: 1, seed: 3, user: "Q: {{question}}", assistant: "A: {{answer}}"}
+backend:
+  type: openai
+  base_url: http://127.0.0.1:8000/v1
+  model: m2
+  api_key_env: MY_KEY
+  headers: {X-Team: evals}
+  timeouts: {connect: 2s, first_byte: 10s, idle: 5s, total: 2m}
+  stream: false
+concurrency: 8
+rate_limit: {requests_per_minute: 500, tokens_per_minute: 200000}
+retry: {max_attempts: 3, base: 100ms, cap: 5s, max_retry_after: 1m, budget_ratio: 0.5, budget_min_per_second: 2}
+output: {path: o.jsonl, flush_every: 10, flush_interval: 250ms, input_fields: [question]}
+scoring: {type: exact_match, reference_field: gold}
+limit: 5
+grace_period: 3s
+)");
+  EXPECT_EQ(job.name, "full");
+  EXPECT_EQ(job.input.format, InputFormat::Jsonl);
+  ASSERT_EQ(job.request.messages.size(), 2u);
+  EXPECT_EQ(job.request.messages[0].role, "system");
+  EXPECT_EQ(job.request.messages[1].content, "{{question}}");
+  EXPECT_EQ(job.request.model, "m1");
+  EXPECT_EQ(job.request.max_tokens, 128);
+  EXPECT_DOUBLE_EQ(*job.request.temperature, 0.7);
+  EXPECT_DOUBLE_EQ(*job.request.top_p, 0.9);
+  EXPECT_EQ(job.request.stop, (std::vector<std::string>{"\n\n", "END"}));
+  EXPECT_EQ(job.request.seed, 7);
+  EXPECT_EQ(job.request.extra, nlohmann::json::parse(
+      R"({"logprobs": true, "top_logprobs": 2, "response_format": {"type": "text"}, "note": "01"})"));
+  EXPECT_EQ(job.few_shot.count, 1);
+  EXPECT_EQ(job.few_shot.seed, 3u);
+  EXPECT_EQ(job.few_shot.user, "Q: {{question}}");
+  EXPECT_EQ(job.backend.base_url, "http://127.0.0.1:8000/v1");
+  EXPECT_EQ(job.backend.model, "m2");
+  EXPECT_EQ(job.backend.api_key_env, "MY_KEY");
+  ASSERT_EQ(job.backend.headers.size(), 1u);
+  EXPECT_EQ(job.backend.headers[0], (std::pair<std::string, std::string>{"X-Team", "evals"}));
+  EXPECT_EQ(job.backend.timeouts.connect, 2s);
+  EXPECT_EQ(job.backend.timeouts.first_byte, 10s);
+  EXPECT_EQ(job.backend.timeouts.idle, 5s);
+  EXPECT_EQ(job.backend.timeouts.total, 2min);
+  EXPECT_FALSE(job.backend.stream);
+  EXPECT_EQ(job.concurrency, 8);
+  EXPECT_EQ(job.rate_limit.requests_per_minute, 500);
+  EXPECT_EQ(job.rate_limit.tokens_per_minute, 200000);
+  EXPECT_EQ(job.retry.max_attempts, 3);
+  EXPECT_EQ(job.retry.base, 100ms);
+  EXPECT_EQ(job.retry.cap, 5s);
+  EXPECT_EQ(job.retry.max_retry_after, 1min);
+  EXPECT_DOUBLE_EQ(job.retry.budget_ratio, 0.5);
+  EXPECT_DOUBLE_EQ(job.retry.budget_min_per_second, 2);
+  EXPECT_EQ(job.output.path, "o.jsonl");
+  EXPECT_EQ(job.output.flush_every, 10);
+  EXPECT_EQ(job.output.flush_interval, 250ms);
+  EXPECT_EQ(job.output.input_fields, (std::vector<std::string>{"question"}));
+  EXPECT_EQ(job.scoring.kind, ScoringKind::ExactMatch);
+  EXPECT_EQ(job.scoring.reference_field, "gold");
+  EXPECT_EQ(job.limit, 5);
+  EXPECT_EQ(job.grace_period, 3s);
+}
+
+TEST_F(JobFile, StopAcceptsASingleString) {
+  EXPECT_EQ(load(with_input("request: {stop: END}\n")).request.stop, std::vector<std::string>{"END"});
+}
+
+TEST_F(JobFile, DurationsAcceptUnitsAndBareSeconds) {
+  auto grace = [&](const std::string& value) {
+    return load(with_input("grace_period: " + value + "\n")).grace_period;
+  };
+  EXPECT_EQ(grace("0.5s"), 500ms);
+  EXPECT_EQ(grace("500ms"), 500ms);
+  EXPECT_EQ(grace("2m"), 120s);
+  EXPECT_EQ(grace("1h"), 3600s);
+  EXPECT_EQ(grace("3"), 3s);
+  EXPECT_EQ(grace("1.25"), 1250ms);
+  EXPECT_EQ(grace("0"), 0ms);
+}
+
+TEST_F(JobFile, BadDurationNamesExpectedForms) {
+  ConfigError e = error_of(with_input("retry:\n  base: 5 parsecs\n"));
+  EXPECT_EQ(e.line(), 3);
+  EXPECT_EQ(e.column(), 9);
+  EXPECT_EQ(e.field(), "retry.base");
+  EXPECT_EQ(e.message(), "expected a duration like 500ms, 2s or 1m, got '5 parsecs'");
+  EXPECT_EQ(error_of(with_input("grace_period: -1s\n")).message(), "must not be negative, got '-1s'");
+}
+
+TEST_F(JobFile, UnknownKeyNamesLineFieldAndNearestKey) {
+  ConfigError e = error_of(with_input("concurrency: 4\nretry:\n  base: 1s\n  max_attemps: 3\n"));
+  EXPECT_STREQ(e.what(), "jobs/t.yaml:5:3: retry.max_attemps: unknown key (did you mean 'max_attempts'?)");
+}
+
+TEST_F(JobFile, UnknownKeyFarFromAnyListsValidKeys) {
+  ConfigError e = error_of(with_input("rate_limit: {bananas: 3}\n"));
+  EXPECT_EQ(e.field(), "rate_limit.bananas");
+  EXPECT_EQ(e.message(), "unknown key (valid keys: requests_per_minute, tokens_per_minute)");
+}
+
+TEST_F(JobFile, UnknownTopLevelAndMessageKeysSuggest) {
+  EXPECT_EQ(error_of(with_input("concurency: 3\n")).message(),
+            "unknown key (did you mean 'concurrency'?)");
+  ConfigError e = error_of(with_input("request:\n  messages:\n    - {role: user, contnet: hi}\n"));
+  EXPECT_EQ(e.field(), "request.messages[0].contnet");
+  EXPECT_EQ(e.message(), "unknown key (did you mean 'content'?)");
+  EXPECT_EQ(e.line(), 4);
+}
+
+TEST_F(JobFile, DuplicateKeyIsAnError) {
+  ConfigError e = error_of(with_input("limit: 3\nlimit: 4\n"));
+  EXPECT_EQ(e.field(), "limit");
+  EXPECT_EQ(e.message(), "duplicate key");
+  EXPECT_EQ(e.line(), 3);
+}
+
+TEST_F(JobFile, WrongTypeQuotesTheValue) {
+  ConfigError e = error_of(with_input("request:\n  temperature: abc\n"));
+  EXPECT_STREQ(e.what(), "jobs/t.yaml:3:16: request.temperature: expected a number, got 'abc'");
+  EXPECT_EQ(error_of(with_input("concurrency: 1.5\n")).message(), "expected an integer, got '1.5'");
+  EXPECT_EQ(error_of(with_input("backend: {stream: maybe}\n")).message(),
+            "expected true or false, got 'maybe'");
+  EXPECT_EQ(error_of(with_input("retry: [1, 2]\n")).message(), "expected a map, got a list");
+  EXPECT_EQ(error_of(with_input("request: {model: [a]}\n")).message(),
+            "expected a string, got a list");
+  EXPECT_EQ(error_of(with_input("synth: {variables: {x: 3}}\nkind: eval\n")).message(),
+            "expected a list of choices, got '3'");
+}
+
+TEST_F(JobFile, OutOfRangeValuesAreRejectedWithBounds) {
+  struct Case {
+    std::string yaml, field, message;
+  };
+  std::vector<Case> cases = {
+      {"concurrency: 0", "concurrency", "must be between 1 and 100000, got 0"},
+      {"retry: {max_attempts: 0}", "retry.max_attempts", "must be between 1 and 1000, got 0"},
+      {"request: {temperature: 2.5}", "request.temperature", "must be between 0 and 2, got 2.5"},
+      {"request: {top_p: 1.5}", "request.top_p", "must be between 0 and 1, got 1.5"},
+      {"request: {max_tokens: 0}", "request.max_tokens", "must be between 1 and 2147483647, got 0"},
+      {"rate_limit: {requests_per_minute: -5}", "rate_limit.requests_per_minute",
+       "must be between 0 and 1e+12, got -5"},
+      {"output: {flush_every: 0}", "output.flush_every", "must be between 1 and 1000000, got 0"},
+      {"limit: -1", "limit", "must be >= 0, got -1"},
+      {"retry: {base: 10s, cap: 1s}", "retry.cap", "must be >= retry.base (10000ms), got 1000ms"},
+  };
+  for (const Case& c : cases) {
+    ConfigError e = error_of(with_input(c.yaml + "\n"));
+    EXPECT_EQ(e.field(), c.field) << c.yaml;
+    EXPECT_EQ(e.message(), c.message) << c.yaml;
+    EXPECT_EQ(e.line(), 2) << c.yaml;
+  }
+}
+
+TEST_F(JobFile, BadEnumValueListsTheValidOnes) {
+  EXPECT_EQ(error_of(with_input("kind: evaluate\n")).message(),
+            "bad value 'evaluate' (expected one of: eval, synth)");
+  ConfigError e = error_of(with_input("scoring: gsm9k\n"));
+  EXPECT_EQ(e.field(), "scoring");
+  EXPECT_EQ(e.message(), "bad value 'gsm9k' (expected one of: none, gsm8k, exact_match, regex)");
+  EXPECT_EQ(error_of(with_input("scoring: {type: fuzzy}\n")).field(), "scoring.type");
+  EXPECT_EQ(error_of("input: {path: " + input_ + ", format: csv}\n").message(),
+            "bad value 'csv' (expected one of: auto, jsonl, batch)");
+  EXPECT_EQ(error_of(with_input("request:\n  messages: [{role: robot, content: x}]\n")).field(),
+            "request.messages[0].role");
+}
+
+TEST_F(JobFile, MissingInputFileIsReportedAtLoad) {
+  ConfigError e = error_of("name: x\ninput: " + (dir_ / "nope.jsonl").string() + "\n");
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.column(), 8);
+  EXPECT_EQ(e.field(), "input");
+  EXPECT_EQ(e.message(), "input file not found: '" + (dir_ / "nope.jsonl").string() + "'");
+  EXPECT_EQ(error_of("input: {path: /nonexistent/x.jsonl}\n").field(), "input.path");
+}
+
+TEST_F(JobFile, MissingFewShotFileIsReportedAtLoad) {
+  ConfigError e = error_of(with_input("few_shot: {path: /nonexistent/train.jsonl, count: 2}\n"));
+  EXPECT_EQ(e.field(), "few_shot.path");
+  EXPECT_EQ(e.message(), "few-shot file not found: '/nonexistent/train.jsonl'");
+  EXPECT_EQ(error_of(with_input("few_shot: {path: " + input_ + "}\n")).field(), "few_shot.count");
+}
+
+TEST_F(JobFile, InputIsRequiredForAnEvalJob) {
+  ConfigError e = error_of("name: x\n");
+  EXPECT_EQ(e.field(), "input");
+  EXPECT_EQ(e.message(), "required (a JSONL file, or {path, format})");
+  EXPECT_EQ(error_of("").field(), "input");
+}
+
+TEST_F(JobFile, SynthJobWithCountNeedsNoInput) {
+  JobSpec job = load(R"(kind: synth
+synth: {count: 5, seed: 9, variables: {animal: [cat, dog]}}
+request: {messages: [{role: user, content: "A story about a {{animal}}"}]}
+)");
+  EXPECT_EQ(job.kind, JobKind::Synth);
+  EXPECT_TRUE(job.input.path.empty());
+  EXPECT_EQ(job.synth.count, 5);
+  EXPECT_EQ(job.synth.seed, 9u);
+  EXPECT_EQ(job.synth.variables.at("animal"), (std::vector<std::string>{"cat", "dog"}));
+  ConfigError e = error_of("kind: synth\nrequest: {messages: [{role: user, content: hi}]}\n");
+  EXPECT_EQ(e.field(), "synth.count");
+  EXPECT_EQ(error_of("synth: {count: 3}\n").field(), "request.messages");
+}
+
+TEST_F(JobFile, InvalidYamlReportsTheParserPosition) {
+  ConfigError e = error_of("name: x\nrequest: {messages: [\n  oops: : :\n");
+  EXPECT_EQ(e.file(), "jobs/t.yaml");
+  EXPECT_GT(e.line(), 1);
+  EXPECT_GT(e.column(), 0);
+  EXPECT_EQ(e.message().rfind("invalid YAML: ", 0), 0u) << e.what();
+}
+
+TEST_F(JobFile, RootThatIsNotAMapIsAnError) {
+  EXPECT_EQ(error_of("- a\n- b\n").message(), "expected a map of job settings, got a list");
+}
+
+TEST_F(JobFile, RegexScoringNeedsAValidPattern) {
+  EXPECT_EQ(error_of(with_input("scoring: regex\n")).field(), "scoring.pattern");
+  ConfigError e = error_of(with_input("scoring: {type: regex, pattern: \"a(b\"}\n"));
+  EXPECT_EQ(e.field(), "scoring.pattern");
+  EXPECT_EQ(e.message().rfind("not a valid regex", 0), 0u);
+  EXPECT_EQ(load(with_input("scoring: {type: regex, pattern: '^yes'}\n")).scoring.pattern, "^yes");
+}
+
+TEST_F(JobFile, BaseUrlMustBeHttp) {
+  EXPECT_EQ(error_of(with_input("backend: {base_url: localhost:8000}\n")).field(), "backend.base_url");
+}
+
+TEST_F(JobFile, ExpandsEnvironmentInEveryStringScalar) {
+  JobSpec job = load(R"(input: ${DIR}/in.jsonl
+name: run-${TAG:-dev}
+request:
+  messages: [{role: user, content: "Cost: $$5, ${GREETING}"}]
+  stop: ["${STOP:-END}"]
+backend: {headers: {X-User: "${USER_NAME}"}}
+concurrency: ${CONC:-4}
+)",
+                     {}, {{"DIR", dir_.string()}, {"GREETING", "hi"}, {"USER_NAME", "ann"}});
+  EXPECT_EQ(job.input.path, input_);
+  EXPECT_EQ(job.name, "run-dev");
+  EXPECT_EQ(job.request.messages[0].content, "Cost: $5, hi");
+  EXPECT_EQ(job.request.stop, std::vector<std::string>{"END"});
+  EXPECT_EQ(job.backend.headers[0].second, "ann");
+  EXPECT_EQ(job.concurrency, 4);
+}
+
+TEST_F(JobFile, UnsetVariableWithoutDefaultIsAnErrorAtItsLine) {
+  ConfigError e = error_of(with_input("name: x\nbackend:\n  model: ${MODEL}\n"));
+  EXPECT_STREQ(e.what(),
+               "jobs/t.yaml:4: backend.model: environment variable 'MODEL' is not set (give a "
+               "default with ${MODEL:-value})");
+}
+
+TEST(ExpandEnv, HandlesDefaultsEmptyValuesAndLiterals) {
+  EnvLookup env = env_of({{"A", "1"}, {"EMPTY", ""}});
+  EXPECT_EQ(expand_env("x${A}y", env, "f", 1, "k"), "x1y");
+  EXPECT_EQ(expand_env("${B:-two}", env, "f", 1, "k"), "two");
+  EXPECT_EQ(expand_env("${B:-}", env, "f", 1, "k"), "");
+  EXPECT_EQ(expand_env("${EMPTY:-d}", env, "f", 1, "k"), "d");
+  EXPECT_EQ(expand_env("${EMPTY}", env, "f", 1, "k"), "");
+  EXPECT_EQ(expand_env("$$A and $$${A}", env, "f", 1, "k"), "$A and $1");
+  EXPECT_EQ(expand_env("costs $5", env, "f", 1, "k"), "costs $5");
+  EXPECT_THROW(expand_env("${A", env, "f", 1, "k"), ConfigError);
+  EXPECT_THROW(expand_env("${1X}", env, "f", 1, "k"), ConfigError);
+}
+
+TEST_F(JobFile, OverridesApplyTypedValuesBeforeValidation) {
+  JobSpec job = load(with_input("concurrency: 4\n"),
+                     {parse_override("concurrency=8"), parse_override("retry.base=2s"),
+                      parse_override("request.stop=[a, b]"),
+                      parse_override("backend.headers.X-Run=7"),
+                      parse_override("scoring=gsm8k")});
+  EXPECT_EQ(job.concurrency, 8);
+  EXPECT_EQ(job.retry.base, 2s);
+  EXPECT_EQ(job.request.stop, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(job.backend.headers[0].second, "7");
+  EXPECT_EQ(job.scoring.kind, ScoringKind::Gsm8k);
+}
+
+TEST_F(JobFile, OverrideExtendsAShorthandScalar) {
+  JobSpec job = load(with_input(""), {parse_override("input.format=batch")});
+  EXPECT_EQ(job.input.path, input_);
+  EXPECT_EQ(job.input.format, InputFormat::Batch);
+}
+
+TEST_F(JobFile, OverrideIndexesIntoMessages) {
+  JobSpec job = load(with_input("request: {messages: [{role: user, content: a}]}\n"),
+                     {parse_override("request.messages.0.content=b")});
+  EXPECT_EQ(job.request.messages[0].content, "b");
+}
+
+TEST_F(JobFile, OverrideWithUnknownPathNamesSetAndSuggests) {
+  ConfigError e = error_of(with_input(""), {parse_override("retry.max_attemps=3")});
+  EXPECT_STREQ(e.what(), "--set: retry.max_attemps: unknown key (did you mean 'max_attempts'?)");
+  EXPECT_EQ(error_of(with_input(""), {parse_override("concurrency.x=1")}).file(), "--set");
+}
+
+TEST_F(JobFile, OverrideWithBadValueIsBlamedOnSet) {
+  ConfigError e = error_of(with_input(""), {parse_override("concurrency=0")});
+  EXPECT_STREQ(e.what(), "--set: concurrency: must be between 1 and 100000, got 0");
+}
+
+TEST(ParseOverride, SplitsAtTheFirstEquals) {
+  Override o = parse_override("request.extra.note=a=b");
+  EXPECT_EQ(o.path, "request.extra.note");
+  EXPECT_EQ(o.value, "a=b");
+  EXPECT_THROW(parse_override("concurrency"), ConfigError);
+  EXPECT_THROW(parse_override("=3"), ConfigError);
+  EXPECT_THROW(parse_override("a..b=3"), ConfigError);
+}
+
+TEST(NearestKey, SuggestsOnlyCloseKeys) {
+  std::vector<std::string> keys = {"max_attempts", "base", "cap", "budget_ratio"};
+  EXPECT_EQ(nearest_key("max_attemps", keys), "max_attempts");
+  EXPECT_EQ(nearest_key("bsae", keys), "base");
+  EXPECT_EQ(nearest_key("cpa", keys), "cap");
+  EXPECT_EQ(nearest_key("budget_ration", keys), "budget_ratio");
+  EXPECT_EQ(nearest_key("zebra_stripes", keys), "");
+  EXPECT_EQ(nearest_key("x", {"y"}), "");
+}
+
+TEST_F(JobFile, LoadJobFileReadsFromDiskAndNamesIt) {
+  std::string path = write("my-job.yaml", with_input("concurrency: nope\n"));
+  try {
+    load_job_file(path, {}, env_of({}));
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.file(), path);
+    EXPECT_EQ(e.line(), 2);
+  }
+  std::string good = write("my-job2.yaml", with_input(""));
+  EXPECT_EQ(load_job_file(good, {}, env_of({})).name, "my-job2");
+  EXPECT_THROW(load_job_file((dir_ / "missing.yaml").string(), {}, env_of({})), ConfigError);
+}
+
+TEST(ShippedJobs, Gsm8kLoadsWithTheSharedData) {
+  std::string file = std::string(BATCHLM_SOURCE_DIR) + "/jobs/gsm8k.yaml";
+  JobSpec job = load_job_file(file, {}, env_of({{"BATCHLM_DATA", BATCHLM_SHARED_DATA}}));
+  EXPECT_EQ(job.name, "gsm8k");
+  EXPECT_EQ(job.kind, JobKind::Eval);
+  EXPECT_EQ(job.input.path, std::string(BATCHLM_SHARED_DATA) + "/gsm8k/test.jsonl");
+  EXPECT_EQ(job.few_shot.path, std::string(BATCHLM_SHARED_DATA) + "/gsm8k/train.jsonl");
+  EXPECT_EQ(job.few_shot.count, 8);
+  EXPECT_EQ(job.request.temperature, 0.0);
+  EXPECT_EQ(job.request.max_tokens, 512);
+  EXPECT_EQ(job.scoring.kind, ScoringKind::Gsm8k);
+  EXPECT_EQ(job.backend.base_url, "https://api.openai.com/v1");
+  EXPECT_EQ(job.backend.model, "gpt-4o-mini");
+  EXPECT_EQ(job.concurrency, 32);
+  EXPECT_EQ(job.output.path, "out/gsm8k.jsonl");
+}
+
+TEST(ShippedJobs, StoriesLoadsAsASynthJob) {
+  std::string file = std::string(BATCHLM_SOURCE_DIR) + "/jobs/stories.yaml";
+  JobSpec job = load_job_file(file, {}, env_of({}));
+  EXPECT_EQ(job.kind, JobKind::Synth);
+  EXPECT_EQ(job.synth.count, 1000);
+  EXPECT_EQ(job.request.temperature, 1.0);
+  EXPECT_EQ(job.scoring.kind, ScoringKind::None);
+  EXPECT_EQ(job.output.path, "out/stories.jsonl");
+  for (const char* name : {"verb", "noun", "adjective", "feature"}) {
+    ASSERT_TRUE(job.synth.variables.count(name)) << name;
+    EXPECT_GE(job.synth.variables.at(name).size(), 20u) << name;
+  }
+}
+
+TEST(ShippedJobs, BuiltinStoriesIsTheShippedFile) {
+  std::ifstream in(std::string(BATCHLM_SOURCE_DIR) + "/jobs/stories.yaml", std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_EQ(builtin_stories_yaml(), text.str());
+  JobSpec job = load_job_text(builtin_stories_yaml(), "<builtin:stories>", {}, env_of({}));
+  EXPECT_EQ(job.name, "stories");
+}

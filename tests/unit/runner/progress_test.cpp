@@ -1,0 +1,328 @@
+#include "batchlm/runner/progress.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+
+namespace batchlm::runner {
+namespace {
+
+using nlohmann::json;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+ProgressCounters counters() {
+  ProgressCounters c;
+  c.total = 1319;
+  c.resumed = 20;
+  c.done = 100;  // 120 of 1319 done
+  c.failed = 2;
+  c.in_flight = 32;
+  c.retries = 3;
+  c.output_tokens = 8120;
+  return c;
+}
+
+// Everything written to a tmpfile, read back.
+std::string contents(std::FILE* file) {
+  std::fflush(file);
+  std::rewind(file);
+  std::string text;
+  char block[1024];
+  std::size_t n;
+  while ((n = std::fread(block, 1, sizeof block, file)) > 0) text.append(block, n);
+  return text;
+}
+
+std::size_t count(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// --- The bar ------------------------------------------------------------------------------
+
+TEST(ProgressBar, WideTerminalShowsEveryField) {
+  Progress progress(nullptr, true, seconds{5}, 160);
+  // 100 done in 10 s: 10 req/s, 1199 left: 2 minutes.
+  const std::string line = progress.render_bar(counters(), 10.0);
+  for (const char* field : {"120/1319", "9.1%", "10.0 req/s", "812 tok/s", "eta 2m00s", "in-flight 32",
+                            "retries 3", "failed 2"}) {
+    EXPECT_NE(line.find(field), std::string::npos) << field << " missing in: " << line;
+  }
+  EXPECT_NE(line.find("[###."), std::string::npos) << line;  // 9.1% of 40 cells
+  EXPECT_LT(line.size(), 160u);
+  EXPECT_GT(line.size(), 100u);  // the bar grows to use the room
+}
+
+TEST(ProgressBar, BarFillMatchesTheFractionDone) {
+  Progress progress(nullptr, true, seconds{5}, 200);
+  ProgressCounters c = counters();
+  c.total = 100;
+  c.resumed = 0;
+  c.done = 50;
+  const std::string line = progress.render_bar(c, 10.0);
+  const auto open = line.find('['), close = line.find(']');
+  ASSERT_NE(open, std::string::npos);
+  ASSERT_NE(close, std::string::npos);
+  const std::string bar = line.substr(open + 1, close - open - 1);
+  EXPECT_EQ(bar.size(), 40u);  // the widest bar
+  EXPECT_EQ(count(bar, "#"), 20u);
+  EXPECT_EQ(count(bar, "."), 20u);
+}
+
+TEST(ProgressBar, NeverReachesTheLastColumn) {
+  for (int width : {200, 120, 100, 80, 60, 40, 30, 20, 10, 5, 1}) {
+    Progress progress(nullptr, true, seconds{5}, width);
+    const std::string line = progress.render_bar(counters(), 10.0);
+    EXPECT_LE(static_cast<int>(line.size()), std::max(1, width - 1)) << width << ": " << line;
+    EXPECT_FALSE(line.empty()) << width;
+  }
+}
+
+TEST(ProgressBar, EightyColumnsKeepsTheBarAndTheEssentials) {
+  Progress progress(nullptr, true, seconds{5}, 80);
+  const std::string line = progress.render_bar(counters(), 10.0);
+  for (const char* field : {"120/1319", "9.1%", "[", "req/s", "eta 2m00s", "failed 2"}) {
+    EXPECT_NE(line.find(field), std::string::npos) << field << " missing in: " << line;
+  }
+}
+
+TEST(ProgressBar, NarrowTerminalDropsTheLeastImportantFieldsFirst) {
+  Progress progress(nullptr, true, seconds{5}, 40);
+  const std::string line = progress.render_bar(counters(), 10.0);
+  EXPECT_NE(line.find("120/1319"), std::string::npos) << line;
+  EXPECT_NE(line.find("eta"), std::string::npos) << line;
+  EXPECT_EQ(line.find("retries"), std::string::npos) << line;
+  EXPECT_EQ(line.find("in-flight"), std::string::npos) << line;
+  EXPECT_EQ(line.find("tok/s"), std::string::npos) << line;
+}
+
+TEST(ProgressBar, VeryNarrowTerminalKeepsTheCount) {
+  Progress progress(nullptr, true, seconds{5}, 12);
+  EXPECT_EQ(progress.render_bar(counters(), 10.0), "120/1319");
+}
+
+TEST(ProgressBar, EtaIsUnknownBeforeAnythingFinishes) {
+  Progress progress(nullptr, true, seconds{5}, 160);
+  ProgressCounters c = counters();
+  c.done = 0;
+  EXPECT_NE(progress.render_bar(c, 0.0).find("eta --"), std::string::npos);
+  EXPECT_NE(progress.render_bar(c, 5.0).find("eta --"), std::string::npos);
+}
+
+TEST(ProgressBar, UnknownTotalShowsTheCountWithoutABar) {
+  Progress progress(nullptr, true, seconds{5}, 160);
+  ProgressCounters c = counters();
+  c.total = 0;
+  const std::string line = progress.render_bar(c, 10.0);
+  EXPECT_EQ(line.rfind("120 ", 0), 0u) << line;
+  EXPECT_EQ(line.find('['), std::string::npos) << line;
+  EXPECT_EQ(line.find('%'), std::string::npos) << line;
+}
+
+TEST(ProgressBar, CompleteJobShowsAFullBar) {
+  Progress progress(nullptr, true, seconds{5}, 100);
+  ProgressCounters c = counters();
+  c.done = c.total - c.resumed;
+  c.in_flight = 0;
+  const std::string line = progress.render_bar(c, 60.0);
+  EXPECT_NE(line.find("1319/1319 100.0%"), std::string::npos) << line;
+  const auto open = line.find('['), close = line.find(']');
+  ASSERT_LT(open, close) << line;
+  EXPECT_EQ(count(line.substr(open, close - open), "."), 0u) << line;
+  EXPECT_NE(line.find("eta 0s"), std::string::npos) << line;
+}
+
+// --- Drawing ----------------------------------------------------------------------------
+
+TEST(Progress, PlainModePrintsALineEveryInterval) {
+  std::FILE* file = std::tmpfile();
+  ASSERT_NE(file, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  Progress progress(file, false, seconds{5});
+  progress.update(counters(), start + seconds{1});
+  progress.update(counters(), start + seconds{4});
+  EXPECT_EQ(contents(file), "");
+  progress.update(counters(), start + seconds{10});
+  progress.update(counters(), start + seconds{11});
+  const std::string text = contents(file);
+  EXPECT_EQ(count(text, "\n"), 1u) << text;
+  EXPECT_EQ(text, "[batchlm] 120/1319 (9.1%) 10.0 req/s 812 tok/s eta 2m00s in-flight 32 retries 3 failed 2\n");
+  EXPECT_EQ(text.find('\r'), std::string::npos);
+  EXPECT_EQ(text.find('\x1b'), std::string::npos);
+  std::fclose(file);
+}
+
+TEST(Progress, PlainModeFinishPrintsTheFinalLine) {
+  std::FILE* file = std::tmpfile();
+  ASSERT_NE(file, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  Progress progress(file, false, seconds{5});
+  ProgressCounters c = counters();
+  c.done = c.total - c.resumed;
+  c.in_flight = 0;
+  progress.finish(c, start + seconds{10});
+  const std::string text = contents(file);
+  EXPECT_EQ(text.rfind("[batchlm] 1319/1319 (100.0%)", 0), 0u) << text;
+  EXPECT_EQ(text.back(), '\n');
+  std::fclose(file);
+}
+
+TEST(Progress, TtyModeRedrawsInPlaceAtMostTenTimesASecond) {
+  std::FILE* file = std::tmpfile();
+  ASSERT_NE(file, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  Progress progress(file, true, seconds{5}, 100);
+  for (int ms = 0; ms < 1000; ms += 10) progress.update(counters(), start + milliseconds{ms});
+  const std::string text = contents(file);
+  EXPECT_EQ(count(text, "\r"), 10u);
+  EXPECT_EQ(count(text, "\x1b[K"), 10u);
+  EXPECT_EQ(text.find('\n'), std::string::npos);
+  EXPECT_EQ(text.rfind("\r120/1319", 0), 0u);
+  std::fclose(file);
+}
+
+TEST(Progress, TtyFinishEndsTheLine) {
+  std::FILE* file = std::tmpfile();
+  ASSERT_NE(file, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  Progress progress(file, true, seconds{5}, 100);
+  progress.update(counters(), start);
+  progress.finish(counters(), start + milliseconds{10});  // drawn even right after an update
+  const std::string text = contents(file);
+  EXPECT_EQ(count(text, "\r"), 2u);
+  EXPECT_EQ(text.substr(text.size() - 4), "\x1b[K\n");
+  std::fclose(file);
+}
+
+// --- Summary ----------------------------------------------------------------------------
+
+TEST(Percentile, UsesNearestRank) {
+  std::vector<double> values;
+  for (int i = 100; i >= 1; --i) values.push_back(i);  // unsorted on purpose
+  EXPECT_EQ(percentile(values, 50), 50);
+  EXPECT_EQ(percentile(values, 90), 90);
+  EXPECT_EQ(percentile(values, 99), 99);
+  EXPECT_EQ(percentile(values, 100), 100);
+  EXPECT_EQ(percentile(values, 0), 1);
+  EXPECT_EQ(percentile({3, 1, 2}, 50), 2);
+  EXPECT_EQ(percentile({10, 20, 30, 40}, 50), 20);
+  EXPECT_EQ(percentile({10, 20, 30, 40}, 51), 30);
+  EXPECT_EQ(percentile({7}, 99), 7);
+  EXPECT_FALSE(percentile({}, 50).has_value());
+}
+
+ItemResult success(double ttft, double tpot, double total, json score) {
+  ItemResult r;
+  r.ok = true;
+  r.ttft_ms = ttft;
+  r.tpot_ms = tpot;
+  r.total_ms = total;
+  r.prompt_tokens = 100;
+  r.completion_tokens = 20;
+  r.attempts = 1;
+  r.score = std::move(score);
+  return r;
+}
+
+ItemResult failure(std::string kind, int status, int attempts) {
+  ItemResult r;
+  r.ok = false;
+  r.error_kind = std::move(kind);
+  r.http_status = status;
+  r.attempts = attempts;
+  // A failed item carries no score; one set by mistake must not count either.
+  r.score = {{"strict", false}, {"flexible", false}};
+  return r;
+}
+
+Summary known_summary() {
+  Summary s;
+  // Ten successes of this run with latencies 10..100 ms.
+  for (int i = 1; i <= 10; ++i) {
+    json score = {{"strict", i <= 6}, {"flexible", i <= 8}};
+    if (i == 10) score = nullptr;  // not scored
+    s.add(success(i * 10.0, i * 1.0, i * 100.0, score));
+  }
+  // Two resumed successes: they count for accuracy, not for latency or tokens.
+  ItemResult resumed = success(9999, 9999, 9999, {{"strict", true}, {"flexible", true}});
+  resumed.resumed = true;
+  s.add(resumed);
+  s.add(resumed);
+  s.add(failure("http", 429, 6));
+  s.add(failure("http", 429, 6));
+  s.add(failure("timeout", 0, 3));
+  return s;
+}
+
+TEST(Summary, CountsSucceededFailedResumedAndNotRun) {
+  const json j = known_summary().to_json(10.0, 20);
+  EXPECT_EQ(j["counts"]["total"], 20);
+  EXPECT_EQ(j["counts"]["succeeded"], 12);
+  EXPECT_EQ(j["counts"]["failed"], 3);
+  EXPECT_EQ(j["counts"]["resumed"], 2);
+  EXPECT_EQ(j["counts"]["not_run"], 5);
+}
+
+TEST(Summary, GroupsFailuresByKindAndStatus) {
+  const json j = known_summary().to_json(10.0, 20);
+  EXPECT_EQ(j["failures"], (json{{"http 429", 2}, {"timeout", 1}}));
+}
+
+TEST(Summary, AccuracyCountsScoredItemsOnly) {
+  const json j = known_summary().to_json(10.0, 20);
+  // Scored: nine of this run plus two resumed; failures and the null score excluded.
+  EXPECT_EQ(j["accuracy"]["strict"]["scored"], 11);
+  EXPECT_EQ(j["accuracy"]["strict"]["correct"], 8);
+  EXPECT_DOUBLE_EQ(j["accuracy"]["strict"]["accuracy"].get<double>(), 8.0 / 11.0);
+  EXPECT_EQ(j["accuracy"]["flexible"]["correct"], 10);
+  EXPECT_DOUBLE_EQ(j["accuracy"]["flexible"]["accuracy"].get<double>(), 10.0 / 11.0);
+}
+
+TEST(Summary, LatencyPercentilesCoverThisRunsSuccesses) {
+  const json j = known_summary().to_json(10.0, 20);
+  EXPECT_EQ(j["latency_ms"]["ttft"], (json{{"p50", 50.0}, {"p90", 90.0}, {"p99", 100.0}}));
+  EXPECT_EQ(j["latency_ms"]["tpot"], (json{{"p50", 5.0}, {"p90", 9.0}, {"p99", 10.0}}));
+  EXPECT_EQ(j["latency_ms"]["e2e"], (json{{"p50", 500.0}, {"p90", 900.0}, {"p99", 1000.0}}));
+}
+
+TEST(Summary, TokensThroughputAndAttemptsDescribeThisRun) {
+  const json j = known_summary().to_json(10.0, 20);
+  EXPECT_EQ(j["tokens"]["prompt"], 1000);
+  EXPECT_EQ(j["tokens"]["completion"], 200);
+  EXPECT_DOUBLE_EQ(j["wall_seconds"].get<double>(), 10.0);
+  EXPECT_DOUBLE_EQ(j["throughput"]["requests_per_second"].get<double>(), 1.3);  // 13 items in 10 s
+  EXPECT_DOUBLE_EQ(j["throughput"]["output_tokens_per_second"].get<double>(), 20.0);
+  EXPECT_EQ(j["attempts"]["total"], 25);  // 10 + 6 + 6 + 3
+  EXPECT_EQ(j["attempts"]["retries"], 12);
+}
+
+TEST(Summary, EmptyRunHasNullPercentilesAndNoAccuracy) {
+  const json j = Summary{}.to_json(0.0, 0);
+  EXPECT_TRUE(j["latency_ms"]["ttft"]["p50"].is_null());
+  EXPECT_TRUE(j["accuracy"].empty());
+  EXPECT_TRUE(j["failures"].empty());
+  EXPECT_DOUBLE_EQ(j["throughput"]["requests_per_second"].get<double>(), 0.0);
+}
+
+TEST(Summary, OneTokenAnswersHaveNoTimePerOutputToken) {
+  Summary s;
+  s.add(success(10, 0, 10, nullptr));
+  s.add(success(10, 4, 50, nullptr));
+  EXPECT_EQ(s.to_json(1.0, 2)["latency_ms"]["tpot"]["p50"], 4.0);
+}
+
+TEST(Summary, TextNamesTheFiguresThatMatter) {
+  const std::string text = known_summary().to_text(92.0, 20);
+  for (const char* part : {"20 items", "12 succeeded", "(2 resumed)", "3 failed", "5 not run", "1m32s",
+                           "http 429: 2", "timeout: 1", "strict 72.7% (8/11)", "flexible 90.9% (10/11)",
+                           "ttft 50/90/100", "tpot 5.0/9.0/10.0", "e2e 500/900/1000", "1000 in", "200 out"}) {
+    EXPECT_NE(text.find(part), std::string::npos) << part << " missing in:\n" << text;
+  }
+  EXPECT_LE(count(text, "\n"), 6u);
+}
+
+}  // namespace
+}  // namespace batchlm::runner

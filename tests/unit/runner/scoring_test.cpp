@@ -1,0 +1,147 @@
+#include "batchlm/runner/scoring.hpp"
+
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+using namespace batchlm::runner;
+using nlohmann::json;
+
+TEST(NormalizeNumber, RemovesFormattingButKeepsValue) {
+  EXPECT_EQ(normalize_number("1,234"), "1234");
+  EXPECT_EQ(normalize_number("$18"), "18");
+  EXPECT_EQ(normalize_number("18."), "18");
+  EXPECT_EQ(normalize_number("42.0"), "42");
+  EXPECT_EQ(normalize_number("42.50"), "42.5");
+  EXPECT_EQ(normalize_number("+7"), "7");
+  EXPECT_EQ(normalize_number("-3"), "-3");
+  EXPECT_EQ(normalize_number("-0.0"), "0");
+  EXPECT_EQ(normalize_number("007"), "7");
+  EXPECT_EQ(normalize_number("0.5"), "0.5");
+  EXPECT_EQ(normalize_number(".5"), "0.5");
+  EXPECT_EQ(normalize_number(" $1,000,000.00 "), "1000000");
+}
+
+TEST(Gsm8kGold, ReadsTheHashLineOfTheReference) {
+  EXPECT_EQ(gsm8k_gold("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = "
+                       "$<<9*2=18>>18 every day at the farmer’s market.\n#### 18"),
+            "18");
+  EXPECT_EQ(gsm8k_gold("...\n#### 1,600"), "1600");
+  EXPECT_EQ(gsm8k_gold("...\n#### -12"), "-12");
+  EXPECT_EQ(gsm8k_gold("42"), "42");
+  EXPECT_EQ(gsm8k_gold("no number here"), std::nullopt);
+}
+
+TEST(Gsm8kStrict, TakesTheLastHashAnswer) {
+  struct Case {
+    const char* output;
+    std::optional<std::string> expected;
+  };
+  std::vector<Case> cases = {
+      {"She has 3 + 4 = 7 apples.\n#### 7", "7"},
+      {"#### 7", "7"},
+      {"####7", "7"},
+      {"#### $1,250.", "1250"},
+      {"#### 18 dollars", "18"},
+      {"The answer is 12.\n#### 12.00", "12"},
+      {"#### -5", "-5"},
+      {"#### +5", "5"},
+      {"First guess #### 3\nWait, recheck.\n#### 4", "4"},
+      {"#### 4\n#### see above", "4"},
+      {"#### : 9", "9"},
+      {"The answer is 7.", std::nullopt},
+      {"#### seven", std::nullopt},
+      {"", std::nullopt},
+  };
+  for (const Case& c : cases) EXPECT_EQ(gsm8k_extract_strict(c.output), c.expected) << c.output;
+}
+
+TEST(Gsm8kFlexible, TakesTheLastNumberAnywhere) {
+  struct Case {
+    const char* output;
+    std::optional<std::string> expected;
+  };
+  std::vector<Case> cases = {
+      {"So she makes 9 * 2 = $18 per day.", "18"},
+      {"The total is 1,234 apples", "1234"},
+      {"He lost $1,000.50 overall.", "1000.5"},
+      {"The temperature dropped to -4 degrees.", "-4"},
+      {"10 - 3 = 7", "7"},
+      {"5-3", "3"},
+      {"x = 0.25", "0.25"},
+      {"Answer: 42.0", "42"},
+      {"Step 1: 3 boxes.\nStep 2: 4 boxes.\nTotal: 7", "7"},
+      {"the values 3,4 and 5", "5"},
+      {"There are 12 eggs in 1 dozen and she bought 3 dozens, so 36.", "36"},
+      {"#### 18", "18"},
+      {"I am not sure.", std::nullopt},
+      {"Covid19 is a word", std::nullopt},
+  };
+  for (const Case& c : cases) EXPECT_EQ(gsm8k_extract_flexible(c.output), c.expected) << c.output;
+}
+
+TEST(Gsm8kScorer, ReportsStrictAndFlexibleSeparately) {
+  auto scorer = make_scorer({ScoringKind::Gsm8k, "answer", ""});
+  ASSERT_TRUE(scorer);
+  json input = {{"question", "?"}, {"answer", "work\n#### 72"}};
+  EXPECT_EQ(scorer->score(input, "48 + 24 = 72\n#### 72"), (json{{"strict", true}, {"flexible", true}}));
+  EXPECT_EQ(scorer->score(input, "So the answer is 72."), (json{{"strict", false}, {"flexible", true}}));
+  EXPECT_EQ(scorer->score(input, "#### 72\nThat makes 3 groups"),
+            (json{{"strict", true}, {"flexible", false}}));
+  EXPECT_EQ(scorer->score(input, "#### 70"), (json{{"strict", false}, {"flexible", false}}));
+  EXPECT_EQ(scorer->score(input, "#### $72.00"), (json{{"strict", true}, {"flexible", true}}));
+  EXPECT_EQ(scorer->metrics(), (std::vector<std::string>{"strict", "flexible"}));
+}
+
+TEST(Gsm8kScorer, NegativeGoldMatchesNegativeAnswerOnly) {
+  auto scorer = make_scorer({ScoringKind::Gsm8k, "answer", ""});
+  json input = {{"answer", "#### -8"}};
+  EXPECT_EQ(scorer->score(input, "#### -8"), (json{{"strict", true}, {"flexible", true}}));
+  EXPECT_EQ(scorer->score(input, "#### 8"), (json{{"strict", false}, {"flexible", false}}));
+}
+
+TEST(Gsm8kScorer, ItemWithoutReferenceGetsNullScore) {
+  auto scorer = make_scorer({ScoringKind::Gsm8k, "answer", ""});
+  EXPECT_TRUE(scorer->score(json{{"question", "?"}}, "#### 1").is_null());
+  EXPECT_TRUE(scorer->score(json{{"answer", nullptr}}, "#### 1").is_null());
+  EXPECT_TRUE(scorer->score(json{{"answer", "unknown"}}, "#### 1").is_null());
+}
+
+TEST(Gsm8kScorer, UsesTheConfiguredReferenceFieldAndNumericReferences) {
+  auto scorer = make_scorer({ScoringKind::Gsm8k, "gold", ""});
+  EXPECT_EQ(scorer->score(json{{"gold", 5}}, "#### 5"), (json{{"strict", true}, {"flexible", true}}));
+}
+
+TEST(ExactMatchScorer, ComparesTrimmedText) {
+  auto scorer = make_scorer({ScoringKind::ExactMatch, "answer", ""});
+  EXPECT_EQ(scorer->score(json{{"answer", "Paris"}}, "  Paris\n"), (json{{"exact", true}}));
+  EXPECT_EQ(scorer->score(json{{"answer", "Paris"}}, "paris"), (json{{"exact", false}}));
+  EXPECT_EQ(scorer->score(json{{"answer", 4}}, "4"), (json{{"exact", true}}));
+  EXPECT_TRUE(scorer->score(json{{"q", "x"}}, "Paris").is_null());
+  EXPECT_EQ(scorer->metrics(), std::vector<std::string>{"exact"});
+}
+
+TEST(RegexScorer, SearchesTheOutput) {
+  auto scorer = make_scorer({ScoringKind::Regex, "answer", "^(yes|no)\\b"});
+  EXPECT_EQ(scorer->score(json::object(), "yes, because"), (json{{"match", true}}));
+  EXPECT_EQ(scorer->score(json::object(), "maybe yes"), (json{{"match", false}}));
+  EXPECT_EQ(scorer->metrics(), std::vector<std::string>{"match"});
+}
+
+TEST(MakeScorer, NoneGivesNoScorer) { EXPECT_EQ(make_scorer({}), nullptr); }
+
+TEST(Gsm8kScorer, EveryReferenceAnswerOfTheSharedTestSetScoresAsCorrect) {
+  // The reference solutions are model-style answers: worked steps with <<calc>> annotations,
+  // then "#### N". Each must yield a gold and be judged right by both readings.
+  std::ifstream in(std::string(BATCHLM_SHARED_DATA) + "/gsm8k/test.jsonl");
+  ASSERT_TRUE(in) << "missing " << BATCHLM_SHARED_DATA << "/gsm8k/test.jsonl";
+  auto scorer = make_scorer({ScoringKind::Gsm8k, "answer", ""});
+  int lines = 0;
+  for (std::string line; std::getline(in, line); ++lines) {
+    json item = json::parse(line);
+    std::string answer = item["answer"];
+    ASSERT_TRUE(gsm8k_gold(answer).has_value()) << answer;
+    EXPECT_EQ(scorer->score(item, answer), (json{{"strict", true}, {"flexible", true}})) << answer;
+  }
+  EXPECT_EQ(lines, 1319);
+}

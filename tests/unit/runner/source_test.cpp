@@ -1,0 +1,360 @@
+#include "batchlm/runner/source.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+
+#include <gtest/gtest.h>
+
+namespace fs = std::filesystem;
+using namespace batchlm::runner;
+using nlohmann::json;
+
+namespace {
+
+EnvLookup no_env() {
+  return [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
+}
+
+class SourceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::random_device rd;
+    dir_ = fs::temp_directory_path() / ("batchlm-source-test-" + std::to_string(rd()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string write(const std::string& name, const std::string& text) {
+    fs::path path = dir_ / name;
+    std::ofstream(path) << text;
+    return path.string();
+  }
+
+  static JobSpec job(const std::string& yaml) {
+    return load_job_text(yaml, "jobs/t.yaml", {}, no_env());
+  }
+
+  static std::vector<Item> drain(Source& source) {
+    std::vector<Item> items;
+    while (auto item = source.next()) items.push_back(std::move(*item));
+    return items;
+  }
+
+  static ConfigError open_error(const JobSpec& spec) {
+    try {
+      open_source(spec);
+    } catch (const ConfigError& e) {
+      return e;
+    }
+    ADD_FAILURE() << "open_source did not throw";
+    return ConfigError("", 0, 0, "", "");
+  }
+
+  fs::path dir_;
+};
+
+const char* kQuestionTemplate = R"(
+request:
+  messages:
+    - {role: system, content: "Answer."}
+    - {role: user, content: "Q: {{question}}"}
+)";
+
+}  // namespace
+
+TEST(RenderTemplate, SubstitutesFieldsAndNestedPaths) {
+  json fields = {{"q", "why?"}, {"n", 3}, {"meta", {{"lang", "en"}, {"tags", {"a", "b"}}}}};
+  EXPECT_EQ(render_template("{{q}} {{ n }} {{meta.lang}} {{meta.tags.1}}", fields), "why? 3 en b");
+  EXPECT_EQ(render_template("{{meta.tags}}", fields), R"(["a","b"])");
+  EXPECT_EQ(render_template("no fields {{ unclosed", fields), "no fields {{ unclosed");
+}
+
+TEST(RenderTemplate, InsertsValuesWithoutRescanningThem) {
+  EXPECT_EQ(render_template("{{a}}", json{{"a", "{{b}}"}}), "{{b}}");
+}
+
+TEST(RenderTemplate, MissingFieldThrowsOutOfRangeNamingIt) {
+  try {
+    render_template("{{meta.lang}}", json{{"meta", json::object()}});
+    FAIL() << "expected std::out_of_range";
+  } catch (const std::out_of_range& e) {
+    EXPECT_NE(std::string(e.what()).find("meta.lang"), std::string::npos);
+  }
+}
+
+TEST_F(SourceTest, JsonlItemsAreNumberedByLineSkippingBlankLines) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n\n  \n{\"question\": \"b\"}\r\n");
+  auto source = open_source(job("input: " + in + kQuestionTemplate));
+  EXPECT_EQ(source->total(), 2);
+  std::vector<Item> items = drain(*source);
+  ASSERT_EQ(items.size(), 2u);
+  EXPECT_EQ(items[0].id, json(1));
+  EXPECT_EQ(items[1].id, json(4));
+  EXPECT_EQ(items[1].id_key, "4");
+  EXPECT_EQ(items[1].input, (json{{"question", "b"}}));
+  ASSERT_EQ(items[1].request.messages.size(), 2u);
+  EXPECT_EQ(items[1].request.messages[0].content, "Answer.");
+  EXPECT_EQ(items[1].request.messages[1].role, "user");
+  EXPECT_EQ(items[1].request.messages[1].content, "Q: b");
+  EXPECT_EQ(items[1].request.model, "");  // the dispatcher fills the backend's
+}
+
+TEST_F(SourceTest, JsonlRequestCarriesTemplateParameters) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\", \"m\": \"small\"}\n");
+  auto source = open_source(job("input: " + in + R"(
+request:
+  messages: [{role: user, content: "{{question}}"}]
+  model: "model-{{m}}"
+  max_tokens: 7
+  temperature: 0.5
+  top_p: 0.25
+  stop: [END]
+  seed: 11
+  extra: {logprobs: true}
+backend: {stream: false}
+)"));
+  Item item = *source->next();
+  EXPECT_EQ(item.request.model, "model-small");
+  EXPECT_EQ(item.request.max_tokens, 7);
+  EXPECT_EQ(item.request.temperature, 0.5);
+  EXPECT_EQ(item.request.top_p, 0.25);
+  EXPECT_EQ(item.request.stop, std::vector<std::string>{"END"});
+  EXPECT_EQ(item.request.seed, 11);
+  EXPECT_EQ(item.request.extra, (json{{"logprobs", true}}));
+  EXPECT_FALSE(item.request.stream);
+}
+
+TEST_F(SourceTest, EstimatesPromptTokensFromBytes) {
+  std::string in = write("in.jsonl", "{\"question\": \"" + std::string(400, 'x') + "\"}\n");
+  Item item = *open_source(job("input: " + in + kQuestionTemplate))->next();
+  // 7 + 403 bytes / 4, plus framing for two messages.
+  EXPECT_EQ(item.estimated_prompt_tokens, 410 / 4 + 2 * 4);
+}
+
+TEST_F(SourceTest, LinesWithoutTemplateUseTheirOwnMessagesOrPrompt) {
+  std::string in = write("in.jsonl",
+                         "{\"prompt\": \"hello\"}\n"
+                         "{\"messages\": [{\"role\": \"system\", \"content\": \"s\"}, "
+                         "{\"role\": \"user\", \"content\": \"u\"}]}\n");
+  std::vector<Item> items = drain(*open_source(job("input: " + in + "\n")));
+  ASSERT_EQ(items.size(), 2u);
+  ASSERT_EQ(items[0].request.messages.size(), 1u);
+  EXPECT_EQ(items[0].request.messages[0].content, "hello");
+  ASSERT_EQ(items[1].request.messages.size(), 2u);
+  EXPECT_EQ(items[1].request.messages[1].content, "u");
+}
+
+TEST_F(SourceTest, LimitYieldsOnlyTheFirstItems) {
+  std::string lines;
+  for (int i = 0; i < 10; ++i) lines += "{\"question\": \"" + std::to_string(i) + "\"}\n";
+  std::string in = write("in.jsonl", lines);
+  auto source = open_source(job("input: " + in + "\nlimit: 3\n" + kQuestionTemplate));
+  EXPECT_EQ(source->total(), 3);
+  std::vector<Item> items = drain(*source);
+  ASSERT_EQ(items.size(), 3u);
+  EXPECT_EQ(items[2].input["question"], "2");
+  EXPECT_EQ(open_source(job("input: " + in + "\nlimit: 30\n" + kQuestionTemplate))->total(), 10);
+}
+
+TEST_F(SourceTest, MissingTemplateFieldNamesFileLineAndField) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n{\"q\": \"b\"}\n");
+  ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
+  EXPECT_EQ(e.file(), in);
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.field(), "question");
+  EXPECT_EQ(e.message(), "missing field (used by request.messages[1].content)");
+}
+
+TEST_F(SourceTest, LineThatIsNotAnObjectIsAnError) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n[1, 2]\n");
+  ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.message(), "expected a JSON object, got array");
+  std::string broken = write("broken.jsonl", "{\"question\": \"a\"}\n\n{\"question\": \n");
+  EXPECT_EQ(open_error(job("input: " + broken + kQuestionTemplate)).line(), 3);
+}
+
+TEST_F(SourceTest, BatchFormatIsDetectedAndMapped) {
+  std::string in = write("batch.jsonl", R"({"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 20, "temperature": 0.2, "top_p": 0.9, "stop": "END", "seed": 5, "response_format": {"type": "json_object"}, "stream": true}}
+{"custom_id": "req-2", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]}}
+)");
+  auto source = open_source(job("input: " + in + "\nrequest: {model: fallback, max_tokens: 64}\n"));
+  EXPECT_EQ(source->total(), 2);
+  std::vector<Item> items = drain(*source);
+  ASSERT_EQ(items.size(), 2u);
+  EXPECT_EQ(items[0].id, json("req-1"));
+  EXPECT_EQ(items[0].id_key, "\"req-1\"");
+  EXPECT_EQ(items[0].input["custom_id"], "req-1");  // the whole line
+  EXPECT_EQ(items[0].request.model, "gpt-x");
+  EXPECT_EQ(items[0].request.max_tokens, 20);
+  EXPECT_EQ(items[0].request.temperature, 0.2);
+  EXPECT_EQ(items[0].request.top_p, 0.9);
+  EXPECT_EQ(items[0].request.stop, std::vector<std::string>{"END"});
+  EXPECT_EQ(items[0].request.seed, 5);
+  EXPECT_EQ(items[0].request.extra, (json{{"response_format", {{"type", "json_object"}}}}));
+  EXPECT_EQ(items[0].request.messages[0].content, "Hi");
+  // What the body leaves out comes from the job.
+  EXPECT_EQ(items[1].request.model, "fallback");
+  EXPECT_EQ(items[1].request.max_tokens, 64);
+  EXPECT_EQ(items[1].request.messages[0].content, "Hello");
+}
+
+TEST_F(SourceTest, DuplicateCustomIdNamesBothLines) {
+  std::string body = R"("body": {"messages": [{"role": "user", "content": "x"}]})";
+  std::string in = write("batch.jsonl", "{\"custom_id\": \"a\", " + body + "}\n{\"custom_id\": \"b\", " +
+                                            body + "}\n{\"custom_id\": \"a\", " + body + "}\n");
+  ConfigError e = open_error(job("input: " + in + "\n"));
+  EXPECT_EQ(e.file(), in);
+  EXPECT_EQ(e.line(), 3);
+  EXPECT_EQ(e.field(), "custom_id");
+  EXPECT_EQ(e.message(), "duplicate custom_id \"a\" (first on line 1)");
+}
+
+TEST_F(SourceTest, ExplicitBatchFormatRejectsPlainLines) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n");
+  ConfigError e = open_error(job("input: {path: " + in + ", format: batch}\n"));
+  EXPECT_EQ(e.line(), 1);
+  EXPECT_EQ(e.field(), "custom_id");
+}
+
+TEST_F(SourceTest, ExplicitJsonlFormatTreatsBatchLikeLinesAsPlainItems) {
+  std::string in = write("in.jsonl", R"({"custom_id": "a", "body": {}, "prompt": "p"})" "\n");
+  Item item = *open_source(job("input: {path: " + in + ", format: jsonl}\n"))->next();
+  EXPECT_EQ(item.id, json(1));
+  EXPECT_EQ(item.request.messages[0].content, "p");
+}
+
+namespace {
+const char* kSynthJob = R"(kind: synth
+synth:
+  count: 50
+  seed: 7
+  variables:
+    animal: [cat, dog, owl, fox, bee]
+    color: [red, blue, green]
+request:
+  messages: [{role: user, content: "A {{color}} {{animal}}"}]
+)";
+}
+
+TEST_F(SourceTest, SynthDrawsVariablesFromTheirChoices) {
+  auto source = open_source(job(kSynthJob));
+  EXPECT_EQ(source->total(), 50);
+  std::vector<Item> items = drain(*source);
+  ASSERT_EQ(items.size(), 50u);
+  EXPECT_EQ(items.front().id, json(1));
+  EXPECT_EQ(items.back().id, json(50));
+  std::set<std::string> animals;
+  for (const Item& item : items) {
+    std::string animal = item.input["animal"], color = item.input["color"];
+    animals.insert(animal);
+    EXPECT_EQ(item.request.messages[0].content, "A " + color + " " + animal);
+  }
+  EXPECT_GE(animals.size(), 4u);  // 50 draws from 5 choices miss at most one, all but surely
+}
+
+TEST_F(SourceTest, SynthItemDependsOnlyOnSeedAndIndex) {
+  std::vector<Item> all = drain(*open_source(job(kSynthJob)));
+  std::vector<Item> first = drain(*open_source(job(std::string(kSynthJob) + "limit: 10\n")));
+  ASSERT_EQ(first.size(), 10u);
+  for (std::size_t i = 0; i < first.size(); ++i) EXPECT_EQ(first[i].input, all[i].input);
+  // A longer run keeps the same first items.
+  std::string more = kSynthJob;
+  more.replace(more.find("count: 50"), 9, "count: 80");
+  std::vector<Item> longer = drain(*open_source(job(more)));
+  for (std::size_t i = 0; i < all.size(); ++i) EXPECT_EQ(longer[i].input, all[i].input);
+  // Another seed draws other items.
+  std::string reseeded = kSynthJob;
+  reseeded.replace(reseeded.find("seed: 7"), 7, "seed: 8");
+  std::vector<Item> other = drain(*open_source(job(reseeded)));
+  int same = 0;
+  for (std::size_t i = 0; i < all.size(); ++i) same += other[i].input == all[i].input;
+  EXPECT_LT(same, 25);
+}
+
+TEST_F(SourceTest, SynthTemplateFieldMustBeAVariable) {
+  std::string yaml = kSynthJob;
+  yaml.replace(yaml.find("{{color}}"), 9, "{{colour}}");
+  ConfigError e = open_error(job(yaml));
+  EXPECT_EQ(e.file(), "jobs/t.yaml");
+  EXPECT_EQ(e.field(), "request.messages[0].content");
+  EXPECT_EQ(e.message(), "{{colour}} is not a synth variable (variables: animal, color)");
+}
+
+TEST_F(SourceTest, FewShotGoesBeforeTheLastMessageAndIsSharedByAllItems) {
+  std::string train;
+  for (int i = 0; i < 20; ++i)
+    train += "{\"question\": \"tq" + std::to_string(i) + "\", \"answer\": \"ta" + std::to_string(i) + "\"}\n";
+  std::string few = write("train.jsonl", train);
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n{\"question\": \"b\"}\n");
+  std::string yaml = "input: " + in + "\nfew_shot: {path: " + few +
+                     ", count: 3, seed: 5, user: 'Q: {{question}}', assistant: 'A: {{answer}}'}\n" +
+                     kQuestionTemplate;
+  std::vector<Item> items = drain(*open_source(job(yaml)));
+  ASSERT_EQ(items.size(), 2u);
+  const auto& m = items[0].request.messages;
+  ASSERT_EQ(m.size(), 2u + 6u);
+  EXPECT_EQ(m[0].content, "Answer.");
+  std::set<std::string> questions;
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(m[1 + 2 * k].role, "user");
+    EXPECT_EQ(m[2 + 2 * k].role, "assistant");
+    std::string q = m[1 + 2 * k].content.substr(5);  // "Q: tq"
+    EXPECT_EQ(m[2 + 2 * k].content, "A: ta" + q);  // the pair comes from one example
+    questions.insert(q);
+  }
+  EXPECT_EQ(questions.size(), 3u);  // without replacement
+  EXPECT_EQ(m.back().content, "Q: a");
+  for (std::size_t i = 0; i + 1 < m.size(); ++i)
+    EXPECT_EQ(items[1].request.messages[i].content, m[i].content);  // shared prefix
+  // The same seed draws the same examples on every run; another seed, others.
+  EXPECT_EQ(drain(*open_source(job(yaml)))[0].request.messages[3].content, m[3].content);
+  std::string reseeded = yaml;
+  reseeded.replace(reseeded.find("seed: 5"), 7, "seed: 6");
+  std::vector<batchlm::ChatMessage> other = drain(*open_source(job(reseeded)))[0].request.messages;
+  bool differs = false;
+  for (std::size_t i = 1; i < 7; ++i) differs |= other[i].content != m[i].content;
+  EXPECT_TRUE(differs);
+}
+
+TEST_F(SourceTest, FewShotErrorsNameTheFewShotFile) {
+  std::string few = write("train.jsonl", "{\"question\": \"q\"}\n");
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n");
+  ConfigError e = open_error(job("input: " + in + "\nfew_shot: {path: " + few + ", count: 2}\n" +
+                                 kQuestionTemplate));
+  EXPECT_EQ(e.file(), few);
+  EXPECT_EQ(e.message(), "asks for 2 examples but the file has 1");
+  e = open_error(job("input: " + in + "\nfew_shot: {path: " + few + ", count: 1}\n" + kQuestionTemplate));
+  EXPECT_EQ(e.line(), 1);
+  EXPECT_EQ(e.field(), "answer");
+}
+
+TEST(ShippedJobSources, Gsm8kStreamsTheTestSetWithEightShots) {
+  std::string file = std::string(BATCHLM_SOURCE_DIR) + "/jobs/gsm8k.yaml";
+  EnvLookup env = [](const std::string& name) -> std::optional<std::string> {
+    if (name == "BATCHLM_DATA") return std::string(BATCHLM_SHARED_DATA);
+    return std::nullopt;
+  };
+  JobSpec spec = load_job_file(file, {}, env);
+  auto source = open_source(spec);
+  EXPECT_EQ(source->total(), 1319);
+  Item first = *source->next();
+  EXPECT_EQ(first.id, json(1));
+  ASSERT_EQ(first.request.messages.size(), 2u + 16u);
+  EXPECT_EQ(first.request.messages.back().content, first.input["question"]);
+  EXPECT_NE(first.request.messages[2].content.find("####"), std::string::npos);
+}
+
+TEST(ShippedJobSources, StoriesPromptsNameTheirWords) {
+  EnvLookup env = [](const std::string&) -> std::optional<std::string> { return std::nullopt; };
+  JobSpec spec = load_job_text(builtin_stories_yaml(), "<builtin:stories>", {}, env);
+  auto source = open_source(spec);
+  EXPECT_EQ(source->total(), 1000);
+  Item item = *source->next();
+  const std::string& prompt = item.request.messages.at(0).content;
+  EXPECT_NE(prompt.find("'" + item.input["verb"].get<std::string>() + "'"), std::string::npos);
+  EXPECT_NE(prompt.find("'" + item.input["noun"].get<std::string>() + "'"), std::string::npos);
+  EXPECT_EQ(prompt.find("{{"), std::string::npos);
+}

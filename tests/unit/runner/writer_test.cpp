@@ -1,0 +1,378 @@
+#include "batchlm/runner/writer.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+namespace batchlm::runner {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using std::chrono::milliseconds;
+
+// A fresh directory per test, removed afterwards.
+class OutputWriterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::temp_directory_path() / "batchlm-writer-XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+    path_ = (dir_ / "out.jsonl").string();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  OutputWriter::Options options(int flush_every = 64, milliseconds interval = milliseconds{1000}) const {
+    OutputWriter::Options o;
+    o.path = path_;
+    o.flush_every = flush_every;
+    o.flush_interval = interval;
+    return o;
+  }
+
+  void write_raw(const std::string& text) const {
+    std::ofstream out(path_, std::ios::binary | std::ios::trunc);
+    out << text;
+  }
+
+  // Read through a separate descriptor: what another process would see.
+  std::string read_raw() const {
+    std::string text;
+    const int fd = ::open(path_.c_str(), O_RDONLY);
+    if (fd < 0) return text;
+    char block[4096];
+    ssize_t n;
+    while ((n = ::read(fd, block, sizeof block)) > 0) text.append(block, static_cast<std::size_t>(n));
+    ::close(fd);
+    return text;
+  }
+
+  std::vector<json> read_records() const {
+    std::vector<json> records;
+    std::istringstream in(read_raw());
+    for (std::string line; std::getline(in, line);) records.push_back(json::parse(line));
+    return records;
+  }
+
+  fs::path dir_;
+  std::string path_;
+};
+
+json ok(int id, std::string output = "answer") {
+  return {{"id", id}, {"output", std::move(output)}, {"error", nullptr}};
+}
+
+json failed(int id) {
+  return {{"id", id}, {"output", nullptr}, {"error", {{"kind", "http"}, {"status", 503}, {"message", "busy"}}}};
+}
+
+std::string line(const json& record) { return record.dump() + "\n"; }
+
+TEST_F(OutputWriterTest, FreshFileStartsEmptyAndCreatesParentDirectories) {
+  path_ = (dir_ / "a" / "b" / "out.jsonl").string();
+  {
+    OutputWriter writer(options());
+    EXPECT_EQ(writer.resume_info().kept, 0);
+    EXPECT_TRUE(writer.resume_info().done_ids.empty());
+    EXPECT_TRUE(fs::exists(path_));
+    writer.append(ok(1));
+  }
+  EXPECT_EQ(read_raw(), line(ok(1)));
+}
+
+TEST_F(OutputWriterTest, ResumeReportsDoneIdsAndAppendsAfterThem) {
+  write_raw(line(ok(1)) + line(ok(2)) + line(json{{"id", "x-7"}, {"output", "o"}}));
+  std::vector<json> seen;
+  {
+    OutputWriter writer(options(), [&](const json& r) { seen.push_back(r); });
+    const auto& info = writer.resume_info();
+    EXPECT_EQ(info.kept, 3);
+    EXPECT_EQ(info.done_ids, (std::unordered_set<std::string>{"1", "2", "\"x-7\""}));
+    EXPECT_FALSE(info.dropped_torn_line);
+    EXPECT_EQ(info.dropped_failed, 0);
+    writer.append(ok(3));
+  }
+  ASSERT_EQ(seen.size(), 3u);
+  EXPECT_EQ(seen[0], ok(1));
+  const auto records = read_records();
+  ASSERT_EQ(records.size(), 4u);
+  EXPECT_EQ(records[3], ok(3));
+}
+
+TEST_F(OutputWriterTest, UntouchedFileIsNotRewritten) {
+  write_raw(line(ok(1)));
+  struct stat before {}, after {};
+  ASSERT_EQ(::stat(path_.c_str(), &before), 0);
+  { OutputWriter writer(options()); }
+  ASSERT_EQ(::stat(path_.c_str(), &after), 0);
+  EXPECT_EQ(before.st_ino, after.st_ino);
+  EXPECT_EQ(read_raw(), line(ok(1)));
+}
+
+TEST_F(OutputWriterTest, TornLastLineIsDropped) {
+  const std::string torn = line(ok(3)).substr(0, 9);  // a kill in the middle of a write
+  write_raw(line(ok(1)) + line(ok(2)) + torn);
+  {
+    OutputWriter writer(options());
+    EXPECT_TRUE(writer.resume_info().dropped_torn_line);
+    EXPECT_EQ(writer.resume_info().kept, 2);
+    EXPECT_EQ(writer.resume_info().done_ids.count("3"), 0u);
+    writer.append(ok(3));
+  }
+  EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(2)) + line(ok(3)));
+}
+
+TEST_F(OutputWriterTest, LastLineMissingOnlyItsNewlineIsDropped) {
+  const std::string whole = line(ok(2));
+  write_raw(line(ok(1)) + whole.substr(0, whole.size() - 1));
+  OutputWriter writer(options());
+  EXPECT_TRUE(writer.resume_info().dropped_torn_line);
+  EXPECT_EQ(writer.resume_info().done_ids, (std::unordered_set<std::string>{"1"}));
+  EXPECT_EQ(read_raw(), line(ok(1)));
+}
+
+TEST_F(OutputWriterTest, UnparseableLinesAreDropped) {
+  write_raw(line(ok(1)) + "{\"id\": 2, \"outp\n" + line(ok(3)) + "[1,2]\n" + "{\"no_id\": true}\n");
+  OutputWriter writer(options());
+  EXPECT_EQ(writer.resume_info().dropped_invalid, 3);
+  EXPECT_EQ(writer.resume_info().done_ids, (std::unordered_set<std::string>{"1", "3"}));
+  EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(3)));
+}
+
+TEST_F(OutputWriterTest, FailedRecordsAreDroppedSoTheyRunAgain) {
+  write_raw(line(ok(1)) + line(failed(2)) + line(ok(3)) + line(failed(4)));
+  std::vector<json> seen;
+  {
+    OutputWriter writer(options(), [&](const json& r) { seen.push_back(r); });
+    EXPECT_EQ(writer.resume_info().dropped_failed, 2);
+    EXPECT_EQ(writer.resume_info().kept, 2);
+    EXPECT_EQ(writer.resume_info().done_ids, (std::unordered_set<std::string>{"1", "3"}));
+  }
+  EXPECT_EQ(seen, (std::vector<json>{ok(1), ok(3)}));
+  EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(3)));
+  EXPECT_FALSE(fs::exists(path_ + ".tmp"));
+}
+
+TEST_F(OutputWriterTest, DuplicateIdsKeepTheFirstRecord) {
+  write_raw(line(ok(1, "first")) + line(ok(2)) + line(ok(1, "second")) + line(failed(2)));
+  OutputWriter writer(options());
+  EXPECT_EQ(writer.resume_info().kept, 2);
+  EXPECT_EQ(writer.resume_info().dropped_duplicates, 1);
+  EXPECT_EQ(read_raw(), line(ok(1, "first")) + line(ok(2)));
+}
+
+TEST_F(OutputWriterTest, SuccessAfterAFailureForTheSameIdIsKept) {
+  write_raw(line(failed(5)) + line(ok(5)));
+  OutputWriter writer(options());
+  EXPECT_EQ(writer.resume_info().done_ids, (std::unordered_set<std::string>{"5"}));
+  EXPECT_EQ(read_raw(), line(ok(5)));
+}
+
+TEST_F(OutputWriterTest, FreshTruncatesTheExistingOutput) {
+  write_raw(line(ok(1)) + line(ok(2)));
+  auto o = options();
+  o.fresh = true;
+  {
+    OutputWriter writer(o);
+    EXPECT_EQ(writer.resume_info().kept, 0);
+    EXPECT_TRUE(writer.resume_info().done_ids.empty());
+    EXPECT_EQ(read_raw(), "");
+    writer.append(ok(9));
+  }
+  EXPECT_EQ(read_raw(), line(ok(9)));
+}
+
+TEST_F(OutputWriterTest, SecondWriterInTheSameProcessIsRefused) {
+  OutputWriter first(options());
+  try {
+    OutputWriter second(options());
+    FAIL() << "a second writer opened a locked output";
+  } catch (const OutputLockedError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find(path_), std::string::npos) << message;
+    EXPECT_NE(message.find("pid " + std::to_string(::getpid())), std::string::npos) << message;
+  }
+}
+
+TEST_F(OutputWriterTest, RefusalLeavesTheOutputUntouched) {
+  write_raw(line(ok(1)) + line(failed(2)));
+  OutputWriter first(options());
+  const std::string after_first = read_raw();
+  EXPECT_THROW(OutputWriter second(options()), OutputLockedError);
+  EXPECT_EQ(read_raw(), after_first);
+}
+
+TEST_F(OutputWriterTest, WriterInAnotherProcessIsRefused) {
+  OutputWriter first(options());
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    int code = 1;
+    try {
+      OutputWriter second(options());
+    } catch (const OutputLockedError& e) {
+      code = std::string(e.what()).find("pid " + std::to_string(::getppid())) != std::string::npos ? 0 : 2;
+    } catch (...) {
+      code = 3;
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: not refused, 2: message without the holder's pid, 3: other error";
+}
+
+TEST_F(OutputWriterTest, LockIsReleasedWhenTheWriterCloses) {
+  { OutputWriter first(options()); }
+  EXPECT_NO_THROW(OutputWriter second(options()));
+}
+
+TEST_F(OutputWriterTest, FlushesAfterFlushEveryRecords) {
+  OutputWriter writer(options(3, std::chrono::hours{1}));
+  writer.append(ok(1));
+  writer.append(ok(2));
+  EXPECT_EQ(read_raw(), "");
+  EXPECT_EQ(writer.written(), 0);
+  writer.append(ok(3));
+  EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(2)) + line(ok(3)));
+  EXPECT_EQ(writer.written(), 3);
+}
+
+TEST_F(OutputWriterTest, FlushIfDueWaitsForTheInterval) {
+  OutputWriter writer(options(1000, milliseconds{500}));
+  const auto start = std::chrono::steady_clock::now();
+  writer.append(ok(1));
+  writer.flush_if_due(start);
+  EXPECT_EQ(read_raw(), "");
+  writer.flush_if_due(start + milliseconds{600});
+  EXPECT_EQ(read_raw(), line(ok(1)));
+  EXPECT_EQ(writer.written(), 1);
+}
+
+TEST_F(OutputWriterTest, FlushIfDueWithNothingBufferedWritesNothing) {
+  OutputWriter writer(options(1000, milliseconds{0}));
+  writer.flush_if_due(std::chrono::steady_clock::now() + std::chrono::hours{1});
+  EXPECT_EQ(read_raw(), "");
+  EXPECT_EQ(writer.written(), 0);
+}
+
+TEST_F(OutputWriterTest, FlushMakesContentVisibleToOtherReaders) {
+  OutputWriter writer(options(1000, std::chrono::hours{1}));
+  for (int i = 0; i < 100; ++i) writer.append(ok(i, std::string(100, 'x')));
+  EXPECT_EQ(read_raw(), "");
+  writer.flush();
+  const auto records = read_records();
+  ASSERT_EQ(records.size(), 100u);
+  EXPECT_EQ(records[99], ok(99, std::string(100, 'x')));
+}
+
+TEST_F(OutputWriterTest, DestructorFlushesWhatIsBuffered) {
+  {
+    OutputWriter writer(options(1000, std::chrono::hours{1}));
+    writer.append(ok(1));
+  }
+  EXPECT_EQ(read_raw(), line(ok(1)));
+}
+
+TEST_F(OutputWriterTest, InvalidUtf8InOutputIsReplacedNotFatal) {
+  {
+    OutputWriter writer(options());
+    writer.append(ok(1, std::string("caf\xc3", 4)));
+  }
+  const auto records = read_records();
+  ASSERT_EQ(records.size(), 1u);
+  EXPECT_EQ(records[0]["output"], "caf\xef\xbf\xbd");
+}
+
+TEST_F(OutputWriterTest, RecordWithoutIdIsRejected) {
+  OutputWriter writer(options());
+  EXPECT_THROW(writer.append(json{{"output", "x"}}), std::invalid_argument);
+}
+
+TEST_F(OutputWriterTest, KilledRunResumesWithNothingLostAndNothingTwice) {
+  // First run: flushed records, then a kill during the write of the next batch.
+  {
+    OutputWriter writer(options(2, std::chrono::hours{1}));
+    for (int i = 0; i < 4; ++i) writer.append(i == 2 ? failed(i) : ok(i));
+  }
+  {
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_APPEND);
+    ASSERT_GE(fd, 0);
+    const std::string partial = line(ok(4)) + line(ok(5)).substr(0, 5);
+    ASSERT_EQ(::write(fd, partial.data(), partial.size()), static_cast<ssize_t>(partial.size()));
+    ::close(fd);
+  }
+  // Second run: skips 0, 1, 3, 4; reruns 2 (failed) and 5 (torn).
+  std::unordered_set<std::string> done;
+  {
+    OutputWriter writer(options());
+    done = writer.resume_info().done_ids;
+    EXPECT_TRUE(writer.resume_info().dropped_torn_line);
+    EXPECT_EQ(writer.resume_info().dropped_failed, 1);
+    for (int i = 0; i < 6; ++i) {
+      if (!done.count(std::to_string(i))) writer.append(ok(i));
+    }
+  }
+  EXPECT_EQ(done, (std::unordered_set<std::string>{"0", "1", "3", "4"}));
+  std::vector<int> ids;
+  for (const auto& r : read_records()) {
+    EXPECT_TRUE(r["error"].is_null());
+    ids.push_back(r["id"].get<int>());
+  }
+  std::sort(ids.begin(), ids.end());
+  EXPECT_EQ(ids, (std::vector<int>{0, 1, 2, 3, 4, 5}));
+  // A third run finds everything done and changes nothing.
+  const std::string before = read_raw();
+  {
+    OutputWriter writer(options());
+    EXPECT_EQ(writer.resume_info().kept, 6);
+  }
+  EXPECT_EQ(read_raw(), before);
+}
+
+TEST_F(OutputWriterTest, BlankLinesAreIgnored) {
+  write_raw(line(ok(1)) + "\n" + line(ok(2)));
+  OutputWriter writer(options());
+  EXPECT_EQ(writer.resume_info().kept, 2);
+  EXPECT_EQ(writer.resume_info().dropped_invalid, 0);
+}
+
+TEST_F(OutputWriterTest, LongRecordsSpanningReadBlocksResume) {
+  std::string text;
+  for (int i = 0; i < 5; ++i) text += line(ok(i, std::string(700'000, static_cast<char>('a' + i))));
+  write_raw(text + line(failed(5)) + line(ok(6)));
+  OutputWriter writer(options());
+  EXPECT_EQ(writer.resume_info().kept, 6);
+  EXPECT_EQ(writer.resume_info().dropped_failed, 1);
+  const auto records = read_records();
+  ASSERT_EQ(records.size(), 6u);
+  EXPECT_EQ(records[3], ok(3, std::string(700'000, 'd')));
+  EXPECT_EQ(records[5], ok(6));
+}
+
+TEST_F(OutputWriterTest, UnwritableLocationIsAnErrorNamingThePath) {
+  write_raw("");
+  path_ = path_ + "/inside-a-file.jsonl";  // the parent is a regular file
+  try {
+    OutputWriter writer(options());
+    FAIL() << "opened an output under a regular file";
+  } catch (const OutputLockedError&) {
+    FAIL() << "reported as locked";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("out.jsonl"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace batchlm::runner
