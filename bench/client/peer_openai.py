@@ -33,6 +33,8 @@ def parse_args():
     p.add_argument("--concurrency", type=int, required=True)
     p.add_argument("--model", default="bench-model")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--connect-timeout", type=float, default=None,
+                   help="seconds to connect (default: the SDK's, 5 s)")
     p.add_argument("--stats", help="write {import_cpu_s, ...} as JSON here at the end")
     return p.parse_args()
 
@@ -47,7 +49,11 @@ def make_client(args):
     # max_retries=2, redirects) stays the SDK's default: DefaultAsyncHttpxClient keeps them.
     limits = httpx2.Limits(max_connections=args.concurrency,
                            max_keepalive_connections=args.concurrency)
-    http_client = openai.DefaultAsyncHttpxClient(limits=limits)
+    kwargs = {"limits": limits}
+    if args.connect_timeout is not None:
+        # The SDK's default is 600 s overall and 5 s to connect; only the latter changes.
+        kwargs["timeout"] = httpx2.Timeout(600.0, connect=args.connect_timeout)
+    http_client = openai.DefaultAsyncHttpxClient(**kwargs)
     return AsyncOpenAI(base_url=args.base_url, http_client=http_client)
 
 
@@ -78,7 +84,9 @@ async def one(client, sem, item_id, prompt, args, out):
                                        "completion_tokens": chunk.usage.completion_tokens}
             record["output"] = "".join(parts)
         except Exception as e:  # noqa: BLE001 -- record every failure, as batchlm does
-            record["error"] = {"kind": type(e).__name__, "message": str(e)}
+            cause = e.__cause__ or e.__context__
+            record["error"] = {"kind": type(e).__name__, "message": str(e),
+                               "cause": type(cause).__name__ if cause else None}
         record["timings"] = {"total_ms": (time.monotonic() - start) * 1000.0}
     out.write(json.dumps(record) + "\n")
     return record["error"] is None

@@ -52,6 +52,8 @@ def parse_args():
                    help="delay between streamed words (default: 20)")
     p.add_argument("--ttft-ms", type=int, default=0, help="delay before the first word")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
+    p.add_argument("--peer-connect-timeout", type=float, default=None,
+                   help="connect timeout of the Python peer in s (default: the SDK's, 5 s)")
     p.add_argument("--batchlm", default=str(BIN / "batchlm"))
     p.add_argument("--server", default=str(BIN / "fake_openai_server"))
     p.add_argument("--python", default=str(ROOT / "bench" / ".venv" / "bin" / "python"))
@@ -167,6 +169,8 @@ def check_output(path, n, client):
                     ok += 1
                 else:
                     kind = (err or {}).get("kind", "no text or usage")
+                    if (err or {}).get("cause"):
+                        kind += f" ({err['cause']})"
                     errors[kind] = errors.get(kind, 0) + 1
     return {"records": len(ids), "succeeded": ok, "errors": errors, "stream_s": busy_ms / 1000.0,
             "complete": len(ids) == n and ok == n}
@@ -187,6 +191,8 @@ def run_client(client, args, server, tmp, prompts, n, conc, tag):
         cmd = [args.python, str(HERE / "peer_openai.py"), "--input", str(prompts),
                "--output", str(out), "--base-url", server.base_url, "--concurrency", str(conc),
                "--max-tokens", str(args.max_tokens), "--stats", str(stats_path)]
+        if args.peer_connect_timeout is not None:
+            cmd += ["--connect-timeout", str(args.peer_connect_timeout)]
     server_cpu0 = server.cpu()
     code, wall, user, sys_, rss = run_child(cmd, env, log, args.timeout)
     server_cpu = server.cpu() - server_cpu0
@@ -301,6 +307,7 @@ def main():
             "server": {"threads": args.threads, "tokens": args.tokens,
                        "token_delay_ms": args.token_delay_ms, "ttft_ms": args.ttft_ms},
             "max_tokens": args.max_tokens, "open_file_limit": nofile,
+            "peer_connect_timeout_s": args.peer_connect_timeout,
             "results": results, "ratios": ratios}
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     if not args.keep and not failed:

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/post.hpp>
@@ -91,6 +92,7 @@ struct Transfer {
   std::size_t body_bytes = 0;
   bool attached = false;
   bool done = false;
+  bool rearm = false;  // the wake-up was cancelled because the next deadline moved earlier
   CURLcode result = CURLE_OK;
   std::optional<Error> local_error;  // set by a callback that aborts the transfer
 
@@ -161,6 +163,10 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     curl_multi_setopt(m, CURLMOPT_TIMERFUNCTION, &Impl::on_timer);
     curl_multi_setopt(m, CURLMOPT_TIMERDATA, this);
     curl_multi_setopt(m, CURLMOPT_PIPELINING, long{CURLPIPE_MULTIPLEX});
+    // curl sizes its idle-connection cache by the transfers active at the moment, so after a
+    // burst the connections of finished transfers would be closed instead of reused by the
+    // next wave. Keep as many as the caller may run at once.
+    curl_multi_setopt(m, CURLMOPT_MAXCONNECTS, options.max_cached_connections);
     if (options.max_host_connections > 0)
       curl_multi_setopt(m, CURLMOPT_MAX_HOST_CONNECTIONS, options.max_host_connections);
     if (options.max_total_connections > 0)
@@ -328,7 +334,13 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     auto& t = *static_cast<Transfer*>(user);
     const std::size_t n = size * count;
     const auto now = Clock::now();
-    if (!t.last_body_at) t.response.first_byte_at = now;
+    if (!t.last_body_at) {
+      t.response.first_byte_at = now;
+      // The idle deadline usually comes sooner than the first-byte one the coroutine sleeps
+      // on: wake it to re-arm. Later chunks only push the deadline back, which needs no wake.
+      t.rearm = true;
+      t.wakeup.cancel();
+    }
     t.last_body_at = now;
     if (t.body_bytes + n > t.request.max_response_bytes) {
       t.local_error = make_error(ErrorKind::TooLarge, "response body exceeds " +
@@ -504,10 +516,12 @@ asio::awaitable<HttpResponse> HttpClient::Impl::run(std::shared_ptr<Impl> impl, 
     t.wakeup.expires_at(when);
     auto [ec] = co_await t.wakeup.async_wait(asio::as_tuple(asio::use_awaitable));
     if (t.done) break;
-    if (ec || cancellation_requested(co_await asio::this_coro::cancellation_state)) {
+    const bool rearm = std::exchange(t.rearm, false);
+    if (cancellation_requested(co_await asio::this_coro::cancellation_state) || (ec && !rearm)) {
       impl->finish(t, CURLE_OK, make_error(ErrorKind::Cancelled, "request cancelled"));
       break;
     }
+    if (ec) continue;
     if (Clock::now() >= when) impl->finish(t, CURLE_OK, make_error(ErrorKind::Timeout, stage));
     // Otherwise activity moved the deadline while we slept: sleep again until the new one.
   }

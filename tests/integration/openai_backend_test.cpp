@@ -243,12 +243,25 @@ TEST_F(OpenAIBackendTest, ConnectionResetBeforeAnyByteIsConnectionError) {
 }
 
 TEST_F(OpenAIBackendTest, StalledStreamIsIdleTimeout) {
-  auto options = backend_options(server_, "stall_ms=5000;after=2");
+  auto options = backend_options(server_, "stall_ms=3000;after=2");
   options.timeouts.idle = 200ms;
   auto result = complete(options, chat_request("item"));
   const auto e = error_of(result);
   EXPECT_EQ(e.kind, ErrorKind::Timeout);
   EXPECT_NE(e.message.find("idle"), std::string::npos) << e.message;
+}
+
+TEST_F(OpenAIBackendTest, StreamLongerThanTheFirstByteDeadlineSucceeds) {
+  // The first-byte deadline ends with the first byte: a steady stream may run past it.
+  FakeOpenAIOptions slow = small_answers();
+  slow.token_delay_ms = 60;
+  FakeOpenAIServer server(slow);
+  auto options = backend_options(server);
+  options.timeouts.first_byte = 200ms;
+  options.timeouts.idle = 2'000ms;
+  auto result = complete(options, chat_request("item"));
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
 }
 
 TEST_F(OpenAIBackendTest, SlowFirstByteIsFirstByteTimeout) {

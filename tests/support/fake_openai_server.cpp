@@ -22,6 +22,8 @@
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
+#include <boost/beast/core/string.hpp>
+#include <boost/beast/http/field.hpp>
 #include <boost/beast/http/parser.hpp>
 #include <boost/beast/http/read.hpp>
 #include <boost/beast/http/status.hpp>
@@ -496,6 +498,14 @@ asio::awaitable<void> FakeOpenAIServer::Impl::serve_connection(tcp::socket socke
   for (;;) {
     http::request_parser<http::string_body> parser;
     parser.body_limit(64 << 20);
+    auto [header_ec, header_bytes] = co_await http::async_read_header(socket, buffer, parser, use_tuple);
+    (void)header_bytes;
+    if (header_ec) break;
+    // Clients hold back large bodies until told to go on; without this they wait a second.
+    if (auto expect = parser.get().find(http::field::expect);
+        expect != parser.get().end() && boost::beast::iequals(expect->value(), "100-continue")) {
+      if (co_await write_all(socket, "HTTP/1.1 100 Continue\r\n\r\n")) break;
+    }
     auto [read_ec, n] = co_await http::async_read(socket, buffer, parser, use_tuple);
     (void)n;
     if (read_ec) break;

@@ -129,9 +129,8 @@ class FakeOpenAIServer {
   // The text a plain (non-GSM8K) answer of `tokens` words holds.
   static std::string generated_text(int tokens);
 
-  struct Impl;
-
  private:
+  struct Impl;
   std::shared_ptr<Impl> impl_;
 };
 

@@ -58,6 +58,7 @@ struct HttpClientOptions {
   bool verify_tls = true;            // never off by default
   long max_host_connections = 0;     // 0: unlimited
   long max_total_connections = 0;    // 0: unlimited
+  long max_cached_connections = 8192; // idle connections kept open for reuse
   bool http2 = true;                 // offer h2 via ALPN (TLS) — plain http stays HTTP/1.1
   std::string user_agent = "batchlm";
   std::string ca_info;               // extra CA bundle path; empty: the system's
