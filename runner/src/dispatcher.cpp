@@ -251,6 +251,11 @@ class Dispatcher {
         asio::steady_timer timer(io_);
         timer.expires_after(*backoff);
         co_await timer.async_wait(asio::use_awaitable);
+        // A failing server gets retries at the budget's pace, not at the items' pace.
+        while (!stopping_ && !budget_.try_spend()) {
+          timer.expires_after(budget_.time_until_refill());
+          co_await timer.async_wait(asio::use_awaitable);
+        }
         if (stopping_) co_return;
       }
     } catch (const boost::system::system_error& e) {
@@ -313,10 +318,6 @@ class Dispatcher {
     }
     if (!retry_.retryable(error) || run.attempts >= retry_.max_attempts() || stopping_)
       co_return std::nullopt;
-    if (!budget_.try_spend()) {
-      error.message += " (not retried: the retry budget is spent, the server is failing)";
-      co_return std::nullopt;
-    }
     co_return retry_.delay(run.attempts + 1, error, rng_);
   }
 

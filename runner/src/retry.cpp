@@ -53,19 +53,37 @@ std::chrono::milliseconds RetryPolicy::delay(int next_attempt, const Error& erro
   return milliseconds{draw(rng)};
 }
 
-RetryBudget::RetryBudget(double ratio, double min_per_second,
-                         std::chrono::steady_clock::time_point start)
+RetryBudget::RetryBudget(double ratio, double min_per_second, Clock::time_point start)
     : ratio_(ratio), min_per_second_(min_per_second), start_(start) {}
 
-void RetryBudget::on_first_attempt() { first_attempts_ += 1; }
+RetryBudget::Bucket& RetryBudget::bucket(Clock::time_point now) {
+  const long long second =
+      std::max<long long>(0, std::chrono::duration_cast<std::chrono::seconds>(now - start_).count());
+  Bucket& b = buckets_[static_cast<std::size_t>(second % kWindowSeconds)];
+  if (b.second != second) b = Bucket{second, 0, 0};  // a bucket from an older window
+  return b;
+}
 
-bool RetryBudget::try_spend(std::chrono::steady_clock::time_point now) {
-  const double elapsed = std::max(0.0, std::chrono::duration<double>(now - start_).count());
-  const double allowed = ratio_ * first_attempts_ + min_per_second_ * elapsed - spent_;
+void RetryBudget::on_first_attempt(Clock::time_point now) { bucket(now).first_attempts += 1; }
+
+bool RetryBudget::try_spend(Clock::time_point now) {
+  const long long current = bucket(now).second;
+  double first_attempts = 0, retries = 0;
+  for (const Bucket& b : buckets_) {
+    if (b.second < 0 || b.second <= current - kWindowSeconds) continue;
+    first_attempts += b.first_attempts;
+    retries += b.retries;
+  }
+  const double allowed = ratio_ * first_attempts + min_per_second_ * kWindowSeconds - retries;
   // The epsilon absorbs rounding in ratio * count (0.1 * 10 must allow one retry).
   if (allowed + 1e-9 < 1.0) return false;
-  spent_ += 1;
+  bucket(now).retries += 1;
   return true;
+}
+
+std::chrono::milliseconds RetryBudget::time_until_refill(Clock::time_point now) const {
+  const auto since = std::chrono::duration_cast<std::chrono::milliseconds>(now - start_);
+  return std::chrono::milliseconds(1000 - since.count() % 1000);
 }
 
 }  // namespace batchlm::runner

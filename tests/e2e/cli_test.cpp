@@ -98,8 +98,10 @@ TEST(BatchlmRun, Gsm8kSliceScoresEveryItemOnce) {
     EXPECT_TRUE(rec["input"].contains("question"));
   }
   json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
-  EXPECT_NE(summary.dump().find("0.8"), std::string::npos) << summary.dump(2);
-  EXPECT_NE(r.err.find("0.8"), std::string::npos) << r.err;  // 80% accuracy, printed
+  EXPECT_EQ(summary["accuracy"]["strict"]["correct"], expected_correct(40)) << summary.dump(2);
+  EXPECT_EQ(summary["accuracy"]["strict"]["scored"], 40) << summary.dump(2);
+  EXPECT_EQ(summary["counts"]["succeeded"], 40) << summary.dump(2);
+  EXPECT_NE(r.err.find("strict 80.0% (32/40)"), std::string::npos) << r.err;
 }
 
 TEST(BatchlmRun, SurvivesSigkillAndResumesWithoutLossOrDuplicates) {
@@ -228,11 +230,11 @@ TEST(BatchlmRun, DryRunValidatesAndSendsNothing) {
 TEST(BatchlmRun, ConfigErrorNamesFileLineFieldAndSuggestion) {
   TempDir dir;
   write_file(dir.path / "job.yaml",
-             gsm8k_job({.base_url = "http://127.0.0.1:9/v1", .extra = "retry_policy: {max_attempts: 3}\n"}));
+             gsm8k_job({.base_url = "http://127.0.0.1:9/v1", .extra = "retyr: {max_attempts: 3}\n"}));
   RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.err.find("job.yaml:15"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("retry_policy"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("job.yaml:16:1: retyr"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("'retry'"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("did you mean"), std::string::npos) << r.err;
 }
 
@@ -291,7 +293,7 @@ TEST(BatchlmProgress, DrawsABarOnATerminalAndPrintsTheSummary) {
   EXPECT_GE(std::count(screen.begin(), screen.end(), '\r'), 3) << screen;
   EXPECT_NE(screen.find("30/30"), std::string::npos) << screen;
   EXPECT_NE(screen.find("%"), std::string::npos) << screen;
-  EXPECT_NE(screen.find("0.8"), std::string::npos) << screen;  // accuracy in the summary
+  EXPECT_NE(screen.find("strict 80.0% (24/30)"), std::string::npos) << screen;  // the summary
   // No line drawn is wider than the terminal (escape sequences take no columns; a UTF-8
   // character takes one).
   std::size_t columns = 0, widest = 0;

@@ -176,11 +176,11 @@ TEST(RetryPolicy, ReportsMaxAttempts) {
 TEST(RetryBudget, AllowsRetriesInProportionToFirstAttempts) {
   const auto start = std::chrono::steady_clock::now();
   RetryBudget budget(0.2, 0.0, start);
-  for (int i = 0; i < 10; ++i) budget.on_first_attempt();
+  for (int i = 0; i < 10; ++i) budget.on_first_attempt(start);
   EXPECT_TRUE(budget.try_spend(start));
   EXPECT_TRUE(budget.try_spend(start));
   EXPECT_FALSE(budget.try_spend(start));
-  for (int i = 0; i < 5; ++i) budget.on_first_attempt();
+  for (int i = 0; i < 5; ++i) budget.on_first_attempt(start);
   EXPECT_TRUE(budget.try_spend(start));
   EXPECT_FALSE(budget.try_spend(start));
 }
@@ -188,35 +188,41 @@ TEST(RetryBudget, AllowsRetriesInProportionToFirstAttempts) {
 TEST(RetryBudget, RoundingInTheRatioStillAllowsTheWholeRetry) {
   const auto start = std::chrono::steady_clock::now();
   RetryBudget budget(0.1, 0.0, start);
-  for (int i = 0; i < 10; ++i) budget.on_first_attempt();
+  for (int i = 0; i < 10; ++i) budget.on_first_attempt(start);
   EXPECT_TRUE(budget.try_spend(start));
   EXPECT_FALSE(budget.try_spend(start));
 }
 
-TEST(RetryBudget, AllowsAMinimumRatePerSecondWithoutTraffic) {
+TEST(RetryBudget, AllowsAMinimumRatePerSecondOverTheWindowWithoutTraffic) {
   const auto start = std::chrono::steady_clock::now();
-  RetryBudget budget(0.2, 2.0, start);
-  EXPECT_FALSE(budget.try_spend(start));
-  EXPECT_TRUE(budget.try_spend(start + milliseconds{500}));
-  EXPECT_FALSE(budget.try_spend(start + milliseconds{500}));
-  const auto later = start + seconds{3};  // 6 allowed in all, 1 spent
+  RetryBudget budget(0.2, 2.0, start);  // 2/s over a 10 s window: 20
   int spent = 0;
-  while (budget.try_spend(later)) ++spent;
-  EXPECT_EQ(spent, 5);
+  while (budget.try_spend(start + milliseconds{500})) ++spent;
+  EXPECT_EQ(spent, 20);
+  EXPECT_FALSE(budget.try_spend(start + seconds{9}));
+  // The retries of the first second leave the window.
+  EXPECT_TRUE(budget.try_spend(start + seconds{10} + milliseconds{1}));
 }
 
-TEST(RetryBudget, ExhaustedBudgetRefusesUntilMoreTrafficOrTime) {
+TEST(RetryBudget, FirstAttemptsOutsideTheWindowNoLongerCount) {
   const auto start = std::chrono::steady_clock::now();
-  RetryBudget budget(0.5, 1.0, start);
-  budget.on_first_attempt();
-  budget.on_first_attempt();
-  EXPECT_TRUE(budget.try_spend(start));
-  EXPECT_FALSE(budget.try_spend(start));
+  RetryBudget budget(0.5, 0.0, start);
+  for (int i = 0; i < 10; ++i) budget.on_first_attempt(start);
   EXPECT_TRUE(budget.try_spend(start + seconds{1}));
-  EXPECT_FALSE(budget.try_spend(start + seconds{1}));
-  budget.on_first_attempt();
-  budget.on_first_attempt();
-  EXPECT_TRUE(budget.try_spend(start + seconds{1}));
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(budget.try_spend(start + seconds{2}));
+  EXPECT_FALSE(budget.try_spend(start + seconds{2}));
+  const auto later = start + seconds{12};
+  EXPECT_FALSE(budget.try_spend(later));
+  budget.on_first_attempt(later);
+  budget.on_first_attempt(later);
+  EXPECT_TRUE(budget.try_spend(later));
+}
+
+TEST(RetryBudget, RefillIsAtTheNextBucketBoundary) {
+  const auto start = std::chrono::steady_clock::now();
+  RetryBudget budget(0.0, 0.0, start);
+  EXPECT_EQ(budget.time_until_refill(start + milliseconds{300}), milliseconds{700});
+  EXPECT_EQ(budget.time_until_refill(start + seconds{4}), milliseconds{1000});
 }
 
 }  // namespace

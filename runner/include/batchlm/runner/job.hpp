@@ -95,8 +95,8 @@ struct RetrySpec {
   milliseconds base{500};
   milliseconds cap{30'000};
   milliseconds max_retry_after{120'000};  // server hints honoured up to this
-  double budget_ratio = 0.2;          // retries may be at most this fraction of first attempts...
-  double budget_min_per_second = 1;   // ...plus this many per second, always allowed
+  double budget_ratio = 0.2;          // retries in a 10 s window: this fraction of first attempts...
+  double budget_min_per_second = 10;  // ...plus this many per second; beyond it retries wait
 };
 
 struct OutputSpec {

@@ -2,6 +2,7 @@
 // The one retry policy: what is retried, how long to wait, and a budget that keeps retries a
 // fraction of traffic when a server is failing.
 
+#include <array>
 #include <chrono>
 #include <random>
 #include <string>
@@ -32,21 +33,33 @@ class RetryPolicy {
   RetrySpec spec_;
 };
 
-// Retries allowed = ratio * first attempts + min_per_second * elapsed seconds, minus retries
-// already spent. Not thread-safe: used from the runner's one thread.
+// Keeps retries a fraction of traffic over a sliding window (10 s, in 1 s buckets): retries in
+// the window may be at most ratio * first attempts in the window + min_per_second * 10. A
+// retry that finds the budget spent waits for it rather than failing its item: a failing
+// server then sees a trickle of retries, and every item still gets its attempts. Not
+// thread-safe: used from the runner's one thread.
 class RetryBudget {
  public:
-  RetryBudget(double ratio, double min_per_second,
-              std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now());
-  void on_first_attempt();
+  using Clock = std::chrono::steady_clock;
+  static constexpr int kWindowSeconds = 10;
+
+  RetryBudget(double ratio, double min_per_second, Clock::time_point start = Clock::now());
+  void on_first_attempt(Clock::time_point now = Clock::now());
   // Takes one retry from the budget if there is one.
-  bool try_spend(std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
+  bool try_spend(Clock::time_point now = Clock::now());
+  // When a spent budget can next change: the start of the next 1 s bucket.
+  std::chrono::milliseconds time_until_refill(Clock::time_point now = Clock::now()) const;
 
  private:
+  struct Bucket {
+    long long second = -1;  // seconds since start_ this bucket counts; -1: unused
+    double first_attempts = 0;
+    double retries = 0;
+  };
+  Bucket& bucket(Clock::time_point now);
   double ratio_, min_per_second_;
-  std::chrono::steady_clock::time_point start_;
-  double first_attempts_ = 0;
-  double spent_ = 0;
+  Clock::time_point start_;
+  std::array<Bucket, kWindowSeconds> buckets_{};
 };
 
 }  // namespace batchlm::runner
