@@ -92,6 +92,21 @@ def cpu_model():
     return platform.machine()
 
 
+def describe_build(batchlm):
+    """The batchlm version and the source tree's commit, so figures can be tied to a build."""
+    def out(cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10,
+                                  cwd=ROOT).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return {"batchlm_version": out([batchlm, "--version"]),
+            "commit": out(["git", "describe", "--always", "--dirty", "--abbrev=12"]),
+            "binary_mtime": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                          time.gmtime(os.stat(batchlm).st_mtime))
+            if os.path.exists(batchlm) else None}
+
+
 def proc_cpu_seconds(pid):
     """user+sys CPU of a running process (all its threads), from /proc."""
     try:
@@ -306,6 +321,8 @@ def main():
                         "python": platform.python_version()},
             "server": {"threads": args.threads, "tokens": args.tokens,
                        "token_delay_ms": args.token_delay_ms, "ttft_ms": args.ttft_ms},
+            "build": describe_build(args.batchlm),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "max_tokens": args.max_tokens, "open_file_limit": nofile,
             "peer_connect_timeout_s": args.peer_connect_timeout,
             "results": results, "ratios": ratios}

@@ -330,7 +330,9 @@ class Dispatcher {
         {"tpot_ms", t.tpot_ms},
         {"total_ms", t.total_ms},
         {"elapsed_ms", ms_between(run.first_attempt_at.value_or(spawned), now)}};
-    json record = {{"id", item.id}, {"input", select_input(item.input, job_.output.input_fields)}};
+    // Keys in the documented order: id first, error last.
+    nlohmann::ordered_json record = {{"id", item.id},
+                                     {"input", select_input(item.input, job_.output.input_fields)}};
     ItemResult result;
     result.attempts = run.attempts;
     if (run.outcome.ok()) {

@@ -264,13 +264,29 @@ OutputWriter::~OutputWriter() {
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
 }
 
-void OutputWriter::append(const nlohmann::json& record) {
+namespace {
+template <typename Json>
+void check_record(const Json& record) {
   if (!record.is_object() || !record.contains("id")) {
     throw std::invalid_argument("output record without an id");
   }
+}
+}  // namespace
+
+void OutputWriter::append(const nlohmann::json& record) {
+  check_record(record);
   // Model output cut at an arbitrary byte may not be valid UTF-8; replacing the bad bytes
   // keeps the record instead of failing the item at the last step.
-  buffer_ += record.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  append_line(record.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+void OutputWriter::append(const nlohmann::ordered_json& record) {
+  check_record(record);
+  append_line(record.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
+}
+
+void OutputWriter::append_line(std::string line) {
+  buffer_ += line;
   buffer_.push_back('\n');
   ++buffered_records_;
   if (buffered_records_ >= std::max(1, options_.flush_every)) flush();

@@ -51,6 +51,8 @@ class OutputWriter {
 
   // Buffers one record (must contain "id"); flushes when flush_every records are buffered.
   void append(const nlohmann::json& record);
+  // The same, keeping the record's key order (the runner writes id first).
+  void append(const nlohmann::ordered_json& record);
   // Flushes when the interval has passed since the last flush and something is buffered.
   void flush_if_due(std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
   // write + fsync of everything buffered.
@@ -60,6 +62,7 @@ class OutputWriter {
   std::int64_t written() const { return written_; }
 
  private:
+  void append_line(std::string line);
   // Reads the existing output, fills resume_, and cuts or rewrites it when lines must go.
   void resume(const std::function<void(const nlohmann::json&)>& on_kept);
 
