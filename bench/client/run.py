@@ -276,6 +276,8 @@ def main():
     if nofile < need:
         print(f"run.py: warning: open-file limit {nofile} < {need}", file=sys.stderr)
 
+    build = describe_build(args.batchlm)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     tmp = Path(tempfile.mkdtemp(prefix="batchlm-client-bench-"))
     server = Server(args, tmp)
     print(f"fake server on {server.base_url} (threads {args.threads}, {args.tokens} words, "
@@ -321,8 +323,7 @@ def main():
                         "python": platform.python_version()},
             "server": {"threads": args.threads, "tokens": args.tokens,
                        "token_delay_ms": args.token_delay_ms, "ttft_ms": args.ttft_ms},
-            "build": describe_build(args.batchlm),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "build": build, "date": started,
             "max_tokens": args.max_tokens, "open_file_limit": nofile,
             "peer_connect_timeout_s": args.peer_connect_timeout,
             "results": results, "ratios": ratios}
