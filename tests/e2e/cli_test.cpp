@@ -177,7 +177,7 @@ TEST(BatchlmRun, RecordsPermanentFailuresAndRetriesThemOnRerun) {
 TEST(BatchlmRun, SigintFinishesInFlightItemsAndExits130) {
   TempDir dir;
   FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "10"});
-  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 200, .concurrency = 4}));
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 100, .concurrency = 4}));
   const fs::path out = dir.path / "out/e2e.jsonl";
   Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
              .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
@@ -191,12 +191,12 @@ TEST(BatchlmRun, SigintFinishesInFlightItemsAndExits130) {
   EXPECT_NE(err.find("interrupted"), std::string::npos) << err;
   auto records = read_jsonl(out);
   EXPECT_GE(records.size(), 8u);
-  EXPECT_LT(records.size(), 200u);
+  EXPECT_LT(records.size(), 100u);
   for (const auto& rec : records) EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
   EXPECT_TRUE(fs::exists(dir.path / "out/e2e.jsonl.summary.json"));
   RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  expect_each_id_once(read_jsonl(out), 200);
+  expect_each_id_once(read_jsonl(out), 100);
 }
 
 TEST(BatchlmRun, RefusesASecondRunOnTheSameOutput) {
@@ -309,6 +309,38 @@ TEST(BatchlmProgress, DrawsABarOnATerminalAndPrintsTheSummary) {
     }
   }
   EXPECT_LE(widest, 120u) << screen;
+}
+
+}  // namespace
+}  // namespace batchlm::e2e
+
+namespace batchlm::e2e {
+namespace {
+
+TEST(BatchlmRun, ShippedJobsAndExamplesValidate) {
+  TempDir dir;
+  std::vector<fs::path> files;
+  for (const char* folder : {"jobs", "examples"})
+    for (const auto& entry : fs::directory_iterator(fs::path(BATCHLM_SOURCE_DIR) / folder))
+      if (entry.path().extension() == ".yaml") files.push_back(entry.path());
+  ASSERT_GE(files.size(), 4u);
+  for (const auto& file : files) {
+    // Relative inputs in the examples are relative to the checkout.
+    Process p({.args = {binary("batchlm"), "run", file.string(), "--dry-run"},
+               .env = {{"BATCHLM_DATA", BATCHLM_SHARED_DATA}, {"OPENAI_API_KEY", "unused"}},
+               .cwd = BATCHLM_SOURCE_DIR, .out_file = dir.path / "out.txt", .err_file = dir.path / "err.txt"});
+    EXPECT_EQ(p.wait(60s), 0) << file << ": " << read_file(dir.path / "err.txt");
+    EXPECT_NE(read_file(dir.path / "out.txt").find("nothing was sent"), std::string::npos) << file;
+  }
+}
+
+TEST(BatchlmRun, MissingApiKeyForTheOpenAIHostIsAUsageError) {
+  TempDir dir;
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = "https://api.openai.com/v1", .limit = 2}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("OPENAI_API_KEY is not set"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir.path / "out/e2e.jsonl"));
 }
 
 }  // namespace
