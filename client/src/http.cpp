@@ -1,6 +1,5 @@
 #include "batchlm/client/http.hpp"
 
-#include <poll.h>
 
 #include <algorithm>
 #include <cctype>
@@ -222,33 +221,16 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     (void)watch.descriptor.release();
   }
 
-  // Asio's epoll reactor is edge-triggered and curl may stop reading before a socket is
-  // drained (its buffer is finite), so readiness is checked with a zero-timeout poll before
-  // each wait: a socket that is ready already is handed back to curl instead of waiting for
-  // an edge that will never come.
+  // curl may stop reading before a socket is drained, and Asio's epoll reactor is
+  // edge-triggered, so a wait must fire for a socket that is readable already. It does:
+  // Asio starts every descriptor wait with EPOLL_CTL_MOD, and the kernel re-checks readiness
+  // on a MOD and reports a ready socket at once. (A poll() probe here would cost one more
+  // system call per received chunk.)
   void arm(const std::shared_ptr<Watch>& watch) {
-    const bool want_read = (watch->wanted & CURL_POLL_IN) != 0 && !watch->read_armed;
-    const bool want_write = (watch->wanted & CURL_POLL_OUT) != 0 && !watch->write_armed;
-    if (!want_read && !want_write) return;
-
-    pollfd probe{watch->fd, static_cast<short>((want_read ? POLLIN : 0) | (want_write ? POLLOUT : 0)), 0};
-    if (::poll(&probe, 1, 0) > 0 && probe.revents != 0) {
-      int flags = 0;
-      if (probe.revents & (POLLIN | POLLHUP)) flags |= CURL_CSELECT_IN;
-      if (probe.revents & POLLOUT) flags |= CURL_CSELECT_OUT;
-      if (probe.revents & POLLERR) flags |= CURL_CSELECT_ERR;
-      if (flags & CURL_CSELECT_IN) watch->read_armed = true;
-      if (flags & CURL_CSELECT_OUT) watch->write_armed = true;
-      asio::post(executor, [weak = weak_from_this(), watch, flags] {
-        if (flags & CURL_CSELECT_IN) watch->read_armed = false;
-        if (flags & CURL_CSELECT_OUT) watch->write_armed = false;
-        if (watch->removed) return;
-        if (auto impl = weak.lock()) impl->on_ready(watch, flags);
-      });
-      return;
-    }
-    if (want_read) wait(watch, asio::posix::descriptor_base::wait_read);
-    if (want_write) wait(watch, asio::posix::descriptor_base::wait_write);
+    if ((watch->wanted & CURL_POLL_IN) != 0 && !watch->read_armed)
+      wait(watch, asio::posix::descriptor_base::wait_read);
+    if ((watch->wanted & CURL_POLL_OUT) != 0 && !watch->write_armed)
+      wait(watch, asio::posix::descriptor_base::wait_write);
   }
 
   void wait(const std::shared_ptr<Watch>& watch, asio::posix::descriptor_base::wait_type type) {
