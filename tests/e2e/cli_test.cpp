@@ -345,3 +345,39 @@ TEST(BatchlmRun, MissingApiKeyForTheOpenAIHostIsAUsageError) {
 
 }  // namespace
 }  // namespace batchlm::e2e
+
+namespace batchlm::e2e {
+namespace {
+
+TEST(BatchlmRun, SecondSigintExitsAtOnceWithWholeRecords) {
+  TempDir dir;
+  // Slow streams and a long grace period: only the second Ctrl-C can end this run quickly.
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "200", "--token-delay-ms", "50"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 100, .concurrency = 8,
+                                               .extra = "grace_period: 10m\n"}));
+  const fs::path out = dir.path / "out/e2e.jsonl";
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  std::this_thread::sleep_for(500ms);
+  p.signal(SIGINT);
+  std::this_thread::sleep_for(300ms);
+  const auto before = std::chrono::steady_clock::now();
+  p.signal(SIGINT);
+  ASSERT_EQ(p.wait(20s), 130) << read_file(dir.path / "run.err");
+  EXPECT_LT(std::chrono::steady_clock::now() - before, 5s);  // not the 10 minute grace period
+  EXPECT_NE(read_file(dir.path / "run.err").find("exiting now"), std::string::npos);
+  // Whatever was written is whole records; the rerun completes the job.
+  if (fs::exists(out)) {
+    const std::string text = read_file(out);
+    EXPECT_TRUE(text.empty() || text.back() == '\n');
+    for (const auto& rec : read_jsonl(out)) EXPECT_TRUE(rec["error"].is_null());
+  }
+  FakeServer fast(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = fast.base_url(), .limit = 100}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  expect_each_id_once(read_jsonl(out), 100);
+}
+
+}  // namespace
+}  // namespace batchlm::e2e

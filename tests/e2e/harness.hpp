@@ -181,6 +181,7 @@ class FakeServer {
  public:
   explicit FakeServer(const fs::path& dir, std::vector<std::string> extra_args = {}) {
     const fs::path port_file = dir / "fake.port";
+    fs::remove(port_file);  // a server started earlier in the same directory left its port
     std::vector<std::string> args = {binary("fake_openai_server"), "--host", "127.0.0.1",
                                      "--port", "0", "--port-file", port_file.string()};
     args.insert(args.end(), extra_args.begin(), extra_args.end());
