@@ -279,7 +279,9 @@ std::string Summary::to_text(double wall_seconds, std::int64_t total_items) cons
   if (counts["not_run"].get<std::int64_t>() > 0) {
     text += format(", %lld not run", static_cast<long long>(counts["not_run"].get<std::int64_t>()));
   }
-  text += " in " + format_duration(wall_seconds) + "\n";
+  // Short runs show tenths: "in 0s" would read as nothing happened.
+  text += " in " + (wall_seconds < 10 ? format("%.1fs", std::max(0.0, wall_seconds)) : format_duration(wall_seconds)) +
+          "\n";
 
   if (!failures_.empty()) {
     text += "failures:";
