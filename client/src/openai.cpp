@@ -196,12 +196,18 @@ struct StreamState {
   std::string finish_reason;
   Usage usage;
   bool done = false;  // `data: [DONE]` seen
+  bool saw_event = false;
+  std::string raw;    // the body while no event has been seen (a JSON answer instead of a stream)
   std::optional<Error> error;
   std::size_t deltas = 0;
   Clock::time_point first_delta_at{};
   Clock::time_point last_delta_at{};
 
   void on_event(const SseEvent& event, const TokenSink& sink) {
+    if (!saw_event) {
+      saw_event = true;
+      std::string().swap(raw);
+    }
     if (done || error) return;
     if (event.type == "error") {
       Error e = make_error(ErrorKind::StreamError, truncated(event.data));
@@ -326,6 +332,43 @@ OpenAIBackend::~OpenAIBackend() = default;
 
 std::string OpenAIBackend::describe() const { return "openai " + options_.base_url; }
 
+// A chat.completion JSON body: the non-streaming answer, or what a server that ignores
+// `stream: true` sends instead of a stream.
+static Outcome completion_from_body(int status, const std::string& body_text, Timings timings,
+                                    const TokenSink& sink) {
+  auto body = nlohmann::json::parse(body_text, nullptr, false);
+  if (body.is_discarded() || !body.is_object())
+    return Outcome::failure(make_error(ErrorKind::Protocol, "malformed JSON body: " + truncated(body_text)), timings);
+  if (auto e = body.find("error"); e != body.end() && !e->is_null()) {
+    Error error = make_error(ErrorKind::StreamError, "error in response");
+    error.http_status = status;
+    fill_from_error_object(*e, error);
+    return Outcome::failure(std::move(error), timings);
+  }
+  auto choices = body.find("choices");
+  if (choices == body.end() || !choices->is_array() || choices->empty() || !(*choices)[0].is_object())
+    return Outcome::failure(make_error(ErrorKind::Protocol, "response has no choices: " + truncated(body_text)), timings);
+  const nlohmann::json& choice = (*choices)[0];
+  Completion completion;
+  if (auto message = choice.find("message"); message != choice.end() && message->is_object()) {
+    if (auto content = message->find("content"); content != message->end() && content->is_string())
+      completion.text = content->get<std::string>();
+  }
+  if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
+    completion.finish_reason = reason->get<std::string>();
+  completion.usage = usage_from(body);
+  timings.ttft_ms = timings.total_ms;
+  completion.timings = timings;
+  if (sink && !completion.text.empty()) {
+    try {
+      sink(completion.text);
+    } catch (const std::exception& e) {
+      return Outcome::failure(make_error(ErrorKind::Internal, std::string("token sink threw: ") + e.what()), timings);
+    }
+  }
+  return Outcome::success(std::move(completion));
+}
+
 boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, TokenSink sink) {
   const auto started = Clock::now();
   HttpRequest http_request;
@@ -356,41 +399,12 @@ boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, 
     Timings timings = timings_until(finished);
     if (response.error) co_return Outcome::failure(std::move(*response.error), timings);
     if (response.status < 200 || response.status >= 300) co_return Outcome::failure(http_error(response), timings);
-    auto body = nlohmann::json::parse(response.body, nullptr, false);
-    if (body.is_discarded() || !body.is_object())
-      co_return Outcome::failure(make_error(ErrorKind::Protocol, "malformed JSON body: " + truncated(response.body)), timings);
-    if (auto e = body.find("error"); e != body.end() && !e->is_null()) {
-      Error error = make_error(ErrorKind::StreamError, "error in response");
-      error.http_status = response.status;
-      fill_from_error_object(*e, error);
-      co_return Outcome::failure(std::move(error), timings);
-    }
-    auto choices = body.find("choices");
-    if (choices == body.end() || !choices->is_array() || choices->empty() || !(*choices)[0].is_object())
-      co_return Outcome::failure(make_error(ErrorKind::Protocol, "response has no choices: " + truncated(response.body)), timings);
-    const nlohmann::json& choice = (*choices)[0];
-    Completion completion;
-    if (auto message = choice.find("message"); message != choice.end() && message->is_object()) {
-      if (auto content = message->find("content"); content != message->end() && content->is_string())
-        completion.text = content->get<std::string>();
-    }
-    if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
-      completion.finish_reason = reason->get<std::string>();
-    completion.usage = usage_from(body);
-    timings.ttft_ms = timings.total_ms;
-    completion.timings = timings;
-    if (sink && !completion.text.empty()) {
-      try {
-        sink(completion.text);
-      } catch (const std::exception& e) {
-        co_return Outcome::failure(make_error(ErrorKind::Internal, std::string("token sink threw: ") + e.what()), timings);
-      }
-    }
-    co_return Outcome::success(std::move(completion));
+    co_return completion_from_body(response.status, response.body, timings, sink);
   }
 
   StreamState state(options_.sse_limits);
   auto on_body = [&state, &sink](std::string_view chunk) -> bool {
+    if (!state.saw_event) state.raw.append(chunk);  // bounded by max_response_bytes
     const auto status = state.parser.feed(chunk, [&](const SseEvent& event) { state.on_event(event, sink); });
     if (status == SseParser::Status::LineTooLong) {
       state.error = make_error(ErrorKind::TooLarge, "SSE line exceeds the size limit");
@@ -424,6 +438,11 @@ boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, 
       co_return Outcome::failure(std::move(*response.error), timings);
   }
   if (response.status < 200 || response.status >= 300) co_return Outcome::failure(http_error(response), timings);
+  if (!state.saw_event) {
+    const std::string* type = response.header("content-type");
+    if (type != nullptr && type->find("application/json") != std::string::npos)
+      co_return completion_from_body(response.status, state.raw, timings, sink);
+  }
   if (!state.done && state.finish_reason.empty()) {
     Error error = make_error(ErrorKind::Truncated, "stream ended without [DONE] and without a finish reason");
     error.http_status = response.status;

@@ -153,6 +153,16 @@ TEST_F(OpenAIBackendTest, OneByteChunksGiveTheSameText) {
   EXPECT_TRUE(result.outcome.completion->usage.reported);
 }
 
+TEST_F(OpenAIBackendTest, JsonAnswerToAStreamingRequestIsAccepted) {
+  // A server that ignores `stream: true` and answers with a chat.completion body.
+  auto result = complete_with_fault("ignore_stream");
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(result.outcome.completion->finish_reason, "stop");
+  EXPECT_TRUE(result.outcome.completion->usage.reported);
+  EXPECT_EQ(joined(result.deltas), FakeOpenAIServer::generated_text(kTokens));
+}
+
 TEST_F(OpenAIBackendTest, OneByteChunksWithCrlfGiveTheSameText) {
   // A CR ending one read and its LF starting the next must count as one line end.
   auto result = complete_with_fault("crlf;byte_chunks");

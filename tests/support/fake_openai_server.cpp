@@ -308,6 +308,8 @@ FaultSpec FaultSpec::parse(std::string_view spec) {
       f.cr = true;
     } else if (key == "byte_chunks") {
       f.byte_chunks = true;
+    } else if (key == "ignore_stream") {
+      f.ignore_stream = true;
     } else if (key == "oversize") {
       f.oversize_bytes = has_value ? static_cast<std::size_t>(parse_ll(key, value))
                                    : std::size_t{100} << 20;
@@ -678,7 +680,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
                       {"completion_tokens", completion_tokens},
                       {"total_tokens", prompt_tokens + completion_tokens}};
 
-  if (!stream) {
+  if (!stream || f.ignore_stream) {
     if (f.reset_after) {
       reset_connection(socket);
       co_return false;

@@ -28,6 +28,7 @@
 //   malformed              after `after` chunks send a data line that is not valid JSON
 //   crlf | cr              SSE lines end in CRLF | a lone CR
 //   byte_chunks            every byte of the body in its own HTTP chunk, each written at once
+//   ignore_stream          answer a streaming request with a chat.completion JSON body
 //   oversize[=BYTES]       a BYTES-long body (non-streaming) or one BYTES-long SSE data line
 //                          (streaming); default 100 MiB
 //   slow_first_byte=MS     wait MS before sending anything, headers included
@@ -69,6 +70,7 @@ struct FaultSpec {
   bool crlf = false;
   bool cr = false;
   bool byte_chunks = false;
+  bool ignore_stream = false;
   std::optional<std::size_t> oversize_bytes;
   int slow_first_byte_ms = 0;
 
