@@ -16,7 +16,6 @@
 #include "batchlm/runner/dispatcher.hpp"
 #include "batchlm/runner/job.hpp"
 #include "batchlm/runner/source.hpp"
-#include "batchlm/runner/writer.hpp"
 
 namespace {
 
@@ -160,13 +159,9 @@ int main(int argc, char** argv) {
   try {
     if (*run) return run_command(run_opts, false);
     if (*synth) return run_command(synth_opts, true);
-  } catch (const ConfigError& e) {
-    std::fprintf(stderr, "batchlm: error: %s\n", e.what());
-    return kExitUsage;
-  } catch (const OutputLockedError& e) {
-    std::fprintf(stderr, "batchlm: error: %s\n", e.what());
-    return kExitUsage;
   } catch (const std::exception& e) {
+    // ConfigError (file:line:field), OutputLockedError (the holder's pid), I/O errors naming
+    // the path: the message says it all.
     std::fprintf(stderr, "batchlm: error: %s\n", e.what());
     return kExitUsage;
   }
