@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -13,9 +14,11 @@
 #include <boost/asio/io_context.hpp>
 
 #include "batchlm/client/openai.hpp"
+#include "batchlm/local_engine/local_backend.hpp"
 #include "batchlm/runner/dispatcher.hpp"
 #include "batchlm/runner/job.hpp"
 #include "batchlm/runner/source.hpp"
+#include "engine_commands.hpp"
 
 namespace {
 
@@ -29,6 +32,12 @@ constexpr const char* kExamples = R"(Examples:
   batchlm run jobs/gsm8k.yaml --set request.temperature=0.7 --set retry.max_attempts=3
   batchlm run jobs/gsm8k.yaml --base-url http://127.0.0.1:8000/v1 --model my-model
   batchlm synth --concurrency 20 --count 1000 --output stories.jsonl
+  batchlm generate -p "Once upon a time" --max-tokens 64
+  batchlm generate --chat -p "What is 17 * 3?" --temperature 0
+  batchlm inspect models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+Without a backend section or --base-url, jobs run on the embedded engine with the default
+model (scripts/fetch-model.sh downloads it; $BATCHLM_MODEL or --model picks another GGUF).
 
 Rerunning the same command resumes: finished items are skipped, failed ones retried.
 
@@ -60,8 +69,8 @@ void add_job_options(CLI::App& cmd, JobOptions& o, bool with_count) {
   cmd.add_flag("--dry-run", o.dry_run,
                "Validate, print the first requests and a token estimate; send nothing");
   cmd.add_option("--set", o.sets, "Override a job field: --set key.path=value (repeatable)");
-  cmd.add_option("--backend", o.backend, "Backend type (openai)");
-  cmd.add_option("--model,-m", o.model, "Model name sent to the backend");
+  cmd.add_option("--backend", o.backend, "Backend type: local (the embedded engine) or openai");
+  cmd.add_option("--model,-m", o.model, "Local: the GGUF file; openai: the model name sent");
   cmd.add_option("--base-url", o.base_url, "API base URL, e.g. http://127.0.0.1:8000/v1");
 }
 
@@ -86,9 +95,17 @@ bool is_openai_host(const std::string& url) {
 
 std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_context& io,
                                       const EnvLookup& env) {
-  if (job.backend.type != "openai") {
-    throw ConfigError(job.file, 0, 0, "backend.type",
-                      "backend '" + job.backend.type + "' is not available in this build (valid: openai)");
+  if (job.backend.type == "local") {
+    if (!std::filesystem::exists(job.backend.model)) {
+      throw ConfigError(job.file, 0, 0, "backend.model",
+                        "model file '" + job.backend.model + "' not found; run scripts/fetch-model.sh "
+                        "for the default model, or set backend.model, $BATCHLM_MODEL or --model");
+    }
+    local_engine::LocalBackendOptions options;
+    options.model = job.backend.model;
+    options.threads = job.backend.threads;
+    options.context = job.backend.context;
+    return std::make_unique<local_engine::LocalBackend>(io.get_executor(), options);
   }
   client::OpenAIOptions options;
   options.base_url = job.backend.base_url;
@@ -148,6 +165,7 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   add_job_options(*synth, synth_opts, true);
   synth->footer(kExamples);
+  app::add_engine_commands(app);
 
   try {
     app.parse(argc, argv);
@@ -159,6 +177,7 @@ int main(int argc, char** argv) {
   try {
     if (*run) return run_command(run_opts, false);
     if (*synth) return run_command(synth_opts, true);
+    if (const int code = app::run_engine_command(); code >= 0) return code;
   } catch (const std::exception& e) {
     // ConfigError (file:line:field), OutputLockedError (the holder's pid), I/O errors naming
     // the path: the message says it all.

@@ -459,12 +459,16 @@ RunResult run_job(const JobSpec& job, Source& source, Backend& backend, asio::io
 
 void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
   std::int64_t items = 0, prompt_tokens = 0, max_output_tokens = 0;
+  const bool local = job.backend.type == "local";
+  const std::string target = local ? job.backend.model : job.backend.base_url;
   while (std::optional<Item> item = source.next()) {
     if (item->request.model.empty()) item->request.model = job.backend.model;
     item->request.stream = job.backend.stream;
     if (items < show) {
-      std::fprintf(out, "--- item %s: POST %s/chat/completions\n%s\n", item->id.dump().c_str(),
-                   job.backend.base_url.c_str(), client::to_openai_body(item->request).dump(2).c_str());
+      std::fprintf(out, "--- item %s: %s%s%s\n%s\n", item->id.dump().c_str(),
+                   local ? "local engine, model " : "POST ", target.c_str(),
+                   (local ? std::string() : "/chat/completions").c_str(),
+                   client::to_openai_body(item->request).dump(2).c_str());
     }
     ++items;
     prompt_tokens += item->estimated_prompt_tokens;
@@ -474,7 +478,7 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
                "--- dry run: job '%s' is valid; %lld items to %s (%s), concurrency %d\n"
                "estimated prompt tokens: %lld (about %lld per item); output tokens at most %lld\n"
                "output: %s\nnothing was sent.\n",
-               job.name.c_str(), static_cast<long long>(items), job.backend.base_url.c_str(),
+               job.name.c_str(), static_cast<long long>(items), target.c_str(),
                job.backend.type.c_str(), job.concurrency, static_cast<long long>(prompt_tokens),
                static_cast<long long>(items > 0 ? prompt_tokens / items : 0),
                static_cast<long long>(max_output_tokens), job.output.path.c_str());

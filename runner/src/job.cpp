@@ -171,7 +171,8 @@ const std::map<std::string, Keys>& sections() {
        {"messages", "model", "max_tokens", "temperature", "top_p", "stop", "seed", "extra"}},
       {"request.messages", {"role", "content"}},
       {"few_shot", {"path", "count", "seed", "user", "assistant"}},
-      {"backend", {"type", "base_url", "model", "api_key_env", "headers", "timeouts", "stream"}},
+      {"backend", {"type", "base_url", "model", "api_key_env", "headers", "timeouts", "stream",
+                   "threads", "context"}},
       {"backend.timeouts", {"connect", "first_byte", "idle", "total"}},
       {"rate_limit", {"requests_per_minute", "tokens_per_minute"}},
       {"retry",
@@ -635,7 +636,8 @@ void read_few_shot(const Reader& r, const YAML::Node& node, FewShotSpec& few_sho
 void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend) {
   r.check_map(node, "backend");
   if (Reader::has(node["type"]))
-    backend.type = r.choice<std::string>(node["type"], "backend.type", {{"openai", "openai"}});
+    backend.type = r.choice<std::string>(node["type"], "backend.type",
+                                         {{"openai", "openai"}, {"local", "local"}});
   if (Reader::has(node["base_url"])) {
     backend.base_url = r.string(node["base_url"], "backend.base_url");
     if (!backend.base_url.starts_with("http://") && !backend.base_url.starts_with("https://"))
@@ -663,6 +665,10 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
     if (Reader::has(t["total"])) out.total = r.duration(t["total"], "backend.timeouts.total");
   }
   if (Reader::has(node["stream"])) backend.stream = r.boolean(node["stream"], "backend.stream");
+  if (Reader::has(node["threads"]))
+    backend.threads = static_cast<int>(r.integer(node["threads"], "backend.threads", 0, 1024));
+  if (Reader::has(node["context"]))
+    backend.context = r.integer(node["context"], "backend.context", 0, 1 << 24);
 }
 
 void read_retry(const Reader& r, const YAML::Node& node, RetrySpec& retry) {
@@ -760,10 +766,18 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
            "required for a synth job (the prompt to fill with the variables)");
   if (Reader::has(root["few_shot"])) read_few_shot(r, root["few_shot"], job.few_shot);
   if (Reader::has(root["backend"])) read_backend(r, root["backend"], job.backend);
-  if (job.backend.base_url.empty())
-    job.backend.base_url = env("OPENAI_BASE_URL").value_or("https://api.openai.com/v1");
-  if (job.backend.model.empty())
-    job.backend.model = env("BATCHLM_MODEL_NAME").value_or("gpt-4o-mini");
+  // No type: a job that names a base_url talks to that API; any other runs on the embedded
+  // engine with the default model.
+  if (job.backend.type.empty()) job.backend.type = job.backend.base_url.empty() ? "local" : "openai";
+  if (job.backend.type == "local") {
+    if (job.backend.model.empty())
+      job.backend.model = env("BATCHLM_MODEL").value_or(std::string(kDefaultLocalModel));
+  } else {
+    if (job.backend.base_url.empty())
+      job.backend.base_url = env("OPENAI_BASE_URL").value_or("https://api.openai.com/v1");
+    if (job.backend.model.empty())
+      job.backend.model = env("BATCHLM_MODEL_NAME").value_or("gpt-4o-mini");
+  }
   if (Reader::has(root["concurrency"]))
     job.concurrency = static_cast<int>(r.integer(root["concurrency"], "concurrency", 1, 100'000));
   if (Reader::has(root["rate_limit"])) {

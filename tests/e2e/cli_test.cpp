@@ -253,8 +253,8 @@ TEST(BatchlmRun, SetOverridesAJobField) {
 TEST(BatchlmSynth, BuiltInRecipeWritesTheRequestedCount) {
   TempDir dir;
   FakeServer server(dir.path);
-  RunResult r = run_batchlm(dir.path, {"synth", "--concurrency", "20", "--count", "25", "--output", "stories.jsonl"},
-                            {{"OPENAI_BASE_URL", server.base_url()}});
+  RunResult r = run_batchlm(dir.path, {"synth", "--concurrency", "20", "--count", "25", "--output",
+                                       "stories.jsonl", "--base-url", server.base_url()});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto records = read_jsonl(dir.path / "stories.jsonl");
   ASSERT_EQ(records.size(), 25u);

@@ -74,6 +74,25 @@ TEST(ConfigErrorTest, WhatReadsFileLineColumnFieldMessage) {
   EXPECT_STREQ(ConfigError("--set", 0, 0, "concurrency", "bad").what(), "--set: concurrency: bad");
 }
 
+TEST_F(JobFile, BackendTypeFollowsBaseUrl) {
+  JobSpec remote = load(with_input("backend: {base_url: http://127.0.0.1:9/v1}\n"));
+  EXPECT_EQ(remote.backend.type, "openai");
+  EXPECT_EQ(remote.backend.model, "gpt-4o-mini");
+  JobSpec openai = load(with_input("backend: {type: openai}\n"));
+  EXPECT_EQ(openai.backend.base_url, "https://api.openai.com/v1");
+  JobSpec local = load(with_input("backend: {type: local, model: m.gguf, threads: 3, context: 2048}\n"));
+  EXPECT_EQ(local.backend.type, "local");
+  EXPECT_EQ(local.backend.model, "m.gguf");
+  EXPECT_EQ(local.backend.threads, 3);
+  EXPECT_EQ(local.backend.context, 2048);
+  try {
+    load(with_input("backend: {type: local, threads: -1}\n"));
+    FAIL() << "expected a ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("backend.threads"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(JobFile, MinimalJobGetsDocumentedDefaults) {
   JobSpec job = load(with_input(""));
   EXPECT_EQ(job.file, "jobs/t.yaml");
@@ -82,9 +101,9 @@ TEST_F(JobFile, MinimalJobGetsDocumentedDefaults) {
   EXPECT_EQ(job.input.path, input_);
   EXPECT_EQ(job.input.format, InputFormat::Auto);
   EXPECT_EQ(job.concurrency, 32);
-  EXPECT_EQ(job.backend.type, "openai");
-  EXPECT_EQ(job.backend.base_url, "https://api.openai.com/v1");
-  EXPECT_EQ(job.backend.model, "gpt-4o-mini");
+  EXPECT_EQ(job.backend.type, "local");  // the embedded engine with the default model
+  EXPECT_EQ(job.backend.model, "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+  EXPECT_EQ(job.backend.threads, 0);
   EXPECT_EQ(job.backend.api_key_env, "OPENAI_API_KEY");
   EXPECT_TRUE(job.backend.stream);
   EXPECT_EQ(job.retry.max_attempts, 6);
@@ -101,10 +120,13 @@ TEST_F(JobFile, MinimalJobGetsDocumentedDefaults) {
 }
 
 TEST_F(JobFile, BaseUrlAndModelDefaultFromEnvironment) {
-  JobSpec job = load(with_input(""), {},
+  JobSpec job = load(with_input("backend: {type: openai}\n"), {},
                      {{"OPENAI_BASE_URL", "http://localhost:9/v1"}, {"BATCHLM_MODEL_NAME", "m"}});
   EXPECT_EQ(job.backend.base_url, "http://localhost:9/v1");
   EXPECT_EQ(job.backend.model, "m");
+  JobSpec local = load(with_input(""), {}, {{"BATCHLM_MODEL", "/models/x.gguf"}});
+  EXPECT_EQ(local.backend.type, "local");
+  EXPECT_EQ(local.backend.model, "/models/x.gguf");
 }
 
 TEST_F(JobFile, OutputPathDefaultsToNameOfJob) {

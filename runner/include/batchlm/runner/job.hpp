@@ -75,14 +75,24 @@ struct FewShotSpec {
   std::string assistant = "{{answer}}";
 };
 
+// The GGUF the local backend loads when neither the job nor $BATCHLM_MODEL names one
+// (scripts/fetch-model.sh puts it there).
+inline constexpr std::string_view kDefaultLocalModel = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
 struct BackendSpec {
-  std::string type = "openai";  // "openai"; "local" once the embedded engine lands
-  std::string base_url;         // resolved: job value, else $OPENAI_BASE_URL, else api.openai.com
-  std::string model;            // default model for requests that name none
+  // "openai" or "local". Resolved: the job's value; else "openai" when base_url is given, else
+  // "local" (the embedded engine).
+  std::string type;
+  std::string base_url;         // openai: job value, else $OPENAI_BASE_URL, else api.openai.com
+  // openai: the model name for requests that name none. local: the GGUF path (job value, else
+  // $BATCHLM_MODEL, else kDefaultLocalModel), relative to the working directory.
+  std::string model;
   std::string api_key_env = "OPENAI_API_KEY";  // the variable the key is read from
   client::Headers headers;                     // extra headers
   client::HttpTimeouts timeouts;
   bool stream = true;
+  int threads = 0;              // local: compute threads, 0 = one per hardware thread
+  std::int64_t context = 0;     // local: tokens per sequence, 0 = min(model's, 4096)
 };
 
 struct RateLimitSpec {

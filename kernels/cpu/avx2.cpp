@@ -1,0 +1,285 @@
+// The AVX2 + FMA + F16C inner loops. This file alone is compiled with those instructions
+// enabled; ops.cpp calls into it only when the CPU reports all three.
+
+#include "cpu_kernels.hpp"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+#include <immintrin.h>
+
+#include <cmath>
+
+namespace batchlm::kernels::cpu {
+
+namespace {
+
+inline float h2f(std::uint16_t h) { return _cvtsh_ss(h); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 4-bit values of a block as 32 bytes in element order: the low nibbles are elements 0..15,
+// the high nibbles elements 16..31.
+inline __m256i unpack_nibbles(const std::uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(raw, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  return _mm256_set_m128i(hi, lo);
+}
+
+// Sum of products of 32 unsigned bytes u and 32 signed bytes s, as 8 float partial sums.
+inline __m256 dot_us8(__m256i u, __m256i s) {
+  const __m256i p16 = _mm256_maddubs_epi16(u, s);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+// The same for two signed operands: move the sign of a onto b, then multiply |a| by it.
+inline __m256 dot_ss8(__m256i a, __m256i b) {
+  return dot_us8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+
+template <int NR, int NT>
+void tile_q4_1_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+                 std::int64_t nb, float* y, std::int64_t ys) {
+  __m256 acc[NR][NT];
+  float mins[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) {
+      acc[r][t] = _mm256_setzero_ps();
+      mins[r][t] = 0.0f;
+    }
+  for (std::int64_t b = 0; b < nb; ++b) {
+    __m256i xq[NT];
+    float xd[NT], xs[NT];
+    for (int t = 0; t < NT; ++t) {
+      const auto* xb = reinterpret_cast<const BlockQ8_1*>(x + t * xrb) + b;
+      xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb->qs));
+      xd[t] = h2f(xb->d);
+      xs[t] = h2f(xb->s);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const auto* wb = reinterpret_cast<const BlockQ4_1*>(w + r * wrb) + b;
+      const __m256i wq = unpack_nibbles(wb->qs);
+      const float wd = h2f(wb->d), wm = h2f(wb->m);
+      for (int t = 0; t < NT; ++t) {
+        acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[t]), dot_us8(wq, xq[t]), acc[r][t]);
+        mins[r][t] += wm * xs[t];
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * ys + r] = hsum(acc[r][t]) + mins[r][t];
+}
+
+template <int NR, int NT>
+void tile_q4_0_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+                 std::int64_t nb, float* y, std::int64_t ys) {
+  __m256 acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  const __m256i eight = _mm256_set1_epi8(8);
+  for (std::int64_t b = 0; b < nb; ++b) {
+    __m256i xq[NT];
+    float xd[NT];
+    for (int t = 0; t < NT; ++t) {
+      const auto* xb = reinterpret_cast<const BlockQ8_0*>(x + t * xrb) + b;
+      xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb->qs));
+      xd[t] = h2f(xb->d);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const auto* wb = reinterpret_cast<const BlockQ4_0*>(w + r * wrb) + b;
+      const __m256i wq = _mm256_sub_epi8(unpack_nibbles(wb->qs), eight);
+      const float wd = h2f(wb->d);
+      for (int t = 0; t < NT; ++t)
+        acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[t]), dot_ss8(wq, xq[t]), acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * ys + r] = hsum(acc[r][t]);
+}
+
+template <int NR, int NT>
+void tile_q8_0_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+                 std::int64_t nb, float* y, std::int64_t ys) {
+  __m256 acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (std::int64_t b = 0; b < nb; ++b) {
+    __m256i xq[NT];
+    float xd[NT];
+    for (int t = 0; t < NT; ++t) {
+      const auto* xb = reinterpret_cast<const BlockQ8_0*>(x + t * xrb) + b;
+      xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb->qs));
+      xd[t] = h2f(xb->d);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const auto* wb = reinterpret_cast<const BlockQ8_0*>(w + r * wrb) + b;
+      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb->qs));
+      const float wd = h2f(wb->d);
+      for (int t = 0; t < NT; ++t)
+        acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[t]), dot_ss8(wq, xq[t]), acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * ys + r] = hsum(acc[r][t]);
+}
+
+// Picks the instantiation for an nr x nt tile (nr <= 4, nt <= 2).
+
+#define BATCHLM_TILE_FN(name, impl)                                                          \
+  void name(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,           \
+            std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {           \
+    switch (nr * 4 + nt) {                                                                   \
+      case 1 * 4 + 1: impl<1, 1>(w, wrb, x, xrb, nb, y, ys); break;                          \
+      case 1 * 4 + 2: impl<1, 2>(w, wrb, x, xrb, nb, y, ys); break;                          \
+      case 2 * 4 + 1: impl<2, 1>(w, wrb, x, xrb, nb, y, ys); break;                          \
+      case 2 * 4 + 2: impl<2, 2>(w, wrb, x, xrb, nb, y, ys); break;                          \
+      case 3 * 4 + 1: impl<3, 1>(w, wrb, x, xrb, nb, y, ys); break;                          \
+      case 3 * 4 + 2: impl<3, 2>(w, wrb, x, xrb, nb, y, ys); break;                          \
+      case 4 * 4 + 1: impl<4, 1>(w, wrb, x, xrb, nb, y, ys); break;                          \
+      default: impl<4, 2>(w, wrb, x, xrb, nb, y, ys); break;                                 \
+    }                                                                                        \
+  }
+
+BATCHLM_TILE_FN(tile_q4_1, tile_q4_1_t)
+BATCHLM_TILE_FN(tile_q4_0, tile_q4_0_t)
+BATCHLM_TILE_FN(tile_q8_0, tile_q8_0_t)
+#undef BATCHLM_TILE_FN
+
+void tile_f16(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+              std::size_t xrb, int nt, std::int64_t n, float* y, std::int64_t ys) {
+  for (int r = 0; r < nr; ++r) {
+    const auto* wr = reinterpret_cast<const std::uint16_t*>(w + r * wrb);
+    for (int t = 0; t < nt; ++t) {
+      const auto* xr = reinterpret_cast<const std::uint16_t*>(x + t * xrb);
+      __m256 acc = _mm256_setzero_ps();
+      std::int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + i)));
+        const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + i)));
+        acc = _mm256_fmadd_ps(a, b, acc);
+      }
+      float sum = hsum(acc);
+      for (; i < n; ++i) sum += h2f(wr[i]) * h2f(xr[i]);
+      y[t * ys + r] = sum;
+    }
+  }
+}
+
+void tile_f32(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+              std::size_t xrb, int nt, std::int64_t n, float* y, std::int64_t ys) {
+  for (int r = 0; r < nr; ++r) {
+    const auto* wr = reinterpret_cast<const float*>(w + r * wrb);
+    for (int t = 0; t < nt; ++t) {
+      const auto* xr = reinterpret_cast<const float*>(x + t * xrb);
+      __m256 acc = _mm256_setzero_ps();
+      std::int64_t i = 0;
+      for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(wr + i), _mm256_loadu_ps(xr + i), acc);
+      float sum = hsum(acc);
+      for (; i < n; ++i) sum += wr[i] * xr[i];
+      y[t * ys + r] = sum;
+    }
+  }
+}
+
+// As the portable version: d = max|x| / 127, q = round_half_even(x * 127 / max|x|).
+template <bool WithSum>
+void quantize_q8_t(const float* x, std::int64_t n, void* out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (std::int64_t b = 0; b < n / 32; ++b) {
+    const float* xb = x + b * 32;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float max = _mm_cvtss_f32(m);
+    const float d = max / 127.0f;
+    const __m256 id = _mm256_set1_ps(max != 0.0f ? 127.0f / max : 0.0f);
+    alignas(32) std::int32_t q[32];
+    __m256i isum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i qi = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      isum = _mm256_add_epi32(isum, qi);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j), qi);
+    }
+    if constexpr (WithSum) {
+      auto* blk = static_cast<BlockQ8_1*>(out) + b;
+      blk->d = fp32_to_fp16(d);
+      for (int j = 0; j < 32; ++j) blk->qs[j] = static_cast<std::int8_t>(q[j]);
+      alignas(32) std::int32_t s[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s), isum);
+      const int sum = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+      blk->s = fp32_to_fp16(d * static_cast<float>(sum));
+    } else {
+      auto* blk = static_cast<BlockQ8_0*>(out) + b;
+      blk->d = fp32_to_fp16(d);
+      for (int j = 0; j < 32; ++j) blk->qs[j] = static_cast<std::int8_t>(q[j]);
+    }
+  }
+}
+
+float dot_f16(const float* q, const std::uint16_t* k, std::int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i),
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i))), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8),
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i + 8))), a1);
+  }
+  float sum = hsum(_mm256_add_ps(a0, a1));
+  for (; i < n; ++i) sum += q[i] * h2f(k[i]);
+  return sum;
+}
+
+void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
+  const __m256 pv = _mm256_set1_ps(p);
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i)));
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, vv, _mm256_loadu_ps(out + i)));
+  }
+  for (; i < n; ++i) out[i] += p * h2f(v[i]);
+}
+
+}  // namespace
+
+const Kernels* avx2_kernels() {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+      !__builtin_cpu_supports("f16c")) {
+    return nullptr;
+  }
+  static const Kernels k{"avx2",
+                         tile_q4_0,
+                         tile_q4_1,
+                         tile_q8_0,
+                         tile_f16,
+                         portable_kernels().tile_bf16,
+                         tile_f32,
+                         quantize_q8_t<false>,
+                         quantize_q8_t<true>,
+                         dot_f16,
+                         axpy_f16};
+  return &k;
+}
+
+}  // namespace batchlm::kernels::cpu
+
+#else
+
+namespace batchlm::kernels::cpu {
+const Kernels* avx2_kernels() { return nullptr; }
+}  // namespace batchlm::kernels::cpu
+
+#endif

@@ -1,0 +1,138 @@
+// The portable inner loops: plain C++ the compiler may vectorise for the baseline ISA. They
+// define the arithmetic that the SIMD versions must reproduce (up to summation order).
+
+#include <algorithm>
+#include <cmath>
+
+#include "cpu_kernels.hpp"
+
+namespace batchlm::kernels::cpu {
+
+namespace {
+
+float h2f(std::uint16_t h) { return fp16_to_fp32(h); }
+
+// Integer dot of one weight block and one activation block, and the block's float scale(s).
+template <typename WBlock, typename XBlock, typename BlockDot>
+void tile_blocks(const std::uint8_t* w, std::size_t w_row_bytes, int nr, const std::uint8_t* x,
+                 std::size_t x_row_bytes, int nt, std::int64_t n_blocks, float* y,
+                 std::int64_t y_stride, BlockDot block_dot) {
+  for (int r = 0; r < nr; ++r) {
+    const auto* wb = reinterpret_cast<const WBlock*>(w + r * w_row_bytes);
+    for (int t = 0; t < nt; ++t) {
+      const auto* xb = reinterpret_cast<const XBlock*>(x + t * x_row_bytes);
+      float sum = 0.0f;
+      for (std::int64_t b = 0; b < n_blocks; ++b) sum += block_dot(wb[b], xb[b]);
+      y[t * y_stride + r] = sum;
+    }
+  }
+}
+
+void tile_q4_0(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+               std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
+  tile_blocks<BlockQ4_0, BlockQ8_0>(w, wrb, nr, x, xrb, nt, nb, y, ys,
+                                    [](const BlockQ4_0& a, const BlockQ8_0& b) {
+                                      int s = 0;
+                                      for (int j = 0; j < 16; ++j) {
+                                        s += ((a.qs[j] & 0x0f) - 8) * b.qs[j];
+                                        s += ((a.qs[j] >> 4) - 8) * b.qs[j + 16];
+                                      }
+                                      return h2f(a.d) * h2f(b.d) * static_cast<float>(s);
+                                    });
+}
+
+void tile_q4_1(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+               std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
+  tile_blocks<BlockQ4_1, BlockQ8_1>(w, wrb, nr, x, xrb, nt, nb, y, ys,
+                                    [](const BlockQ4_1& a, const BlockQ8_1& b) {
+                                      int s = 0;
+                                      for (int j = 0; j < 16; ++j) {
+                                        s += (a.qs[j] & 0x0f) * b.qs[j];
+                                        s += (a.qs[j] >> 4) * b.qs[j + 16];
+                                      }
+                                      return h2f(a.d) * h2f(b.d) * static_cast<float>(s) +
+                                             h2f(a.m) * h2f(b.s);
+                                    });
+}
+
+void tile_q8_0(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+               std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
+  tile_blocks<BlockQ8_0, BlockQ8_0>(w, wrb, nr, x, xrb, nt, nb, y, ys,
+                                    [](const BlockQ8_0& a, const BlockQ8_0& b) {
+                                      int s = 0;
+                                      for (int j = 0; j < 32; ++j) s += a.qs[j] * b.qs[j];
+                                      return h2f(a.d) * h2f(b.d) * static_cast<float>(s);
+                                    });
+}
+
+template <typename T, typename Load>
+void tile_elements(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+                   std::size_t xrb, int nt, std::int64_t n, float* y, std::int64_t ys,
+                   Load load) {
+  for (int r = 0; r < nr; ++r) {
+    const auto* wr = reinterpret_cast<const T*>(w + r * wrb);
+    for (int t = 0; t < nt; ++t) {
+      const auto* xr = reinterpret_cast<const T*>(x + t * xrb);
+      float sum = 0.0f;
+      for (std::int64_t i = 0; i < n; ++i) sum += load(wr[i]) * load(xr[i]);
+      y[t * ys + r] = sum;
+    }
+  }
+}
+
+void tile_f16(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+              std::size_t xrb, int nt, std::int64_t n, float* y, std::int64_t ys) {
+  tile_elements<std::uint16_t>(w, wrb, nr, x, xrb, nt, n, y, ys, h2f);
+}
+void tile_bf16(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+               std::size_t xrb, int nt, std::int64_t n, float* y, std::int64_t ys) {
+  tile_elements<std::uint16_t>(w, wrb, nr, x, xrb, nt, n, y, ys, bf16_to_fp32);
+}
+void tile_f32(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+              std::size_t xrb, int nt, std::int64_t n, float* y, std::int64_t ys) {
+  tile_elements<float>(w, wrb, nr, x, xrb, nt, n, y, ys, [](float v) { return v; });
+}
+
+// Q8_0 / Q8_1 of one block: d = max|x| / 127, q = x * (127 / max|x|) rounded half to even.
+template <typename Block>
+void quantize_q8(const float* x, std::int64_t n, void* out) {
+  auto* blocks = static_cast<Block*>(out);
+  for (std::int64_t b = 0; b < n / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    Block& blk = blocks[b];
+    blk.d = fp32_to_fp16(d);
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int q = static_cast<int>(std::nearbyint(xb[j] * id));
+      blk.qs[j] = static_cast<std::int8_t>(q);
+      sum += q;
+    }
+    if constexpr (requires { blk.s; }) blk.s = fp32_to_fp16(d * static_cast<float>(sum));
+  }
+}
+
+float dot_f16(const float* q, const std::uint16_t* k, std::int64_t n) {
+  float sum = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) sum += q[i] * h2f(k[i]);
+  return sum;
+}
+
+void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] += p * h2f(v[i]);
+}
+
+}  // namespace
+
+const Kernels& portable_kernels() {
+  static const Kernels k{"portable",        tile_q4_0,        tile_q4_1,
+                         tile_q8_0,         tile_f16,         tile_bf16,
+                         tile_f32,          quantize_q8<BlockQ8_0>, quantize_q8<BlockQ8_1>,
+                         dot_f16,           axpy_f16};
+  return k;
+}
+
+}  // namespace batchlm::kernels::cpu

@@ -1,0 +1,89 @@
+#include "batchlm/kernels/thread_pool.hpp"
+
+#include <algorithm>
+#include <chrono>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define BATCHLM_PAUSE() _mm_pause()
+#else
+#define BATCHLM_PAUSE() ((void)0)
+#endif
+
+namespace batchlm::kernels {
+
+namespace {
+// How long an idle worker spins for the next job before it sleeps. A decode step issues a job
+// every few tens of microseconds; a pause between requests is far longer.
+constexpr auto kSpin = std::chrono::microseconds(2000);
+}  // namespace
+
+ThreadPool::ThreadPool(int n_threads) {
+  if (n_threads <= 0) n_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  n_threads_ = n_threads;
+  for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_.store(true);
+    generation_.fetch_add(1);
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::parallel_for(std::int64_t n, std::int64_t grain, const Body& fn) {
+  if (n <= 0) return;
+  grain = std::max<std::int64_t>(grain, 1);
+  const std::int64_t parts =
+      std::min<std::int64_t>(n_threads_, (n + grain - 1) / grain);
+  if (parts <= 1) {
+    fn(0, n, 0);
+    return;
+  }
+  body_ = &fn;
+  n_ = n;
+  chunk_ = (n + parts - 1) / parts;
+  pending_.store(n_threads_ - 1);
+  generation_.fetch_add(1);
+  if (sleepers_.load() > 0) {
+    { std::lock_guard lock(mutex_); }
+    wake_.notify_all();
+  }
+  fn(0, std::min(n, chunk_), 0);
+  while (pending_.load(std::memory_order_acquire) != 0) BATCHLM_PAUSE();
+  body_ = nullptr;
+}
+
+void ThreadPool::worker(int index) {
+  // Generation 0 is the state at construction; a job published before this thread got going
+  // is still generation 1 and must not be missed.
+  std::uint64_t seen = 0;
+  for (;;) {
+    // Spin, then sleep, until a new job (or stop) is published.
+    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+    int spins = 0;
+    while (generation_.load(std::memory_order_acquire) == seen) {
+      BATCHLM_PAUSE();
+      if (++spins == 1024) {
+        spins = 0;
+        if (std::chrono::steady_clock::now() > spin_until) {
+          sleepers_.fetch_add(1);
+          std::unique_lock lock(mutex_);
+          wake_.wait(lock, [&] { return generation_.load() != seen; });
+          sleepers_.fetch_sub(1);
+        }
+      }
+    }
+    seen = generation_.load();
+    if (stop_.load()) return;
+    const std::int64_t begin = index * chunk_;
+    const std::int64_t end = std::min(n_, begin + chunk_);
+    if (begin < end) (*body_)(begin, end, index);
+    pending_.fetch_sub(1, std::memory_order_release);
+  }
+}
+
+}  // namespace batchlm::kernels

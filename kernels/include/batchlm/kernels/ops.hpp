@@ -1,0 +1,77 @@
+#pragma once
+// The operations the forward pass is written against. kernels/cpu implements them with
+// threads and SIMD (AVX2 + FMA + F16C where the CPU has them, portable code otherwise, chosen
+// once at run time) and is the reference for other devices.
+//
+// Numerics follow the GGUF ecosystem's CPU conventions so that our tokens match llama.cpp's:
+// activations are quantized to the weight's "dot type" (Q8_0 for Q4_0/Q8_0 weights, Q8_1 for
+// Q4_1, F16 for F16, BF16 for BF16) and quantized dot products run on integers, block by block,
+// without dequantizing the matrix; the KV cache holds F16; attention rounds queries and
+// probabilities to F16 as a F16 matrix product would.
+
+#include <cstdint>
+#include <span>
+
+#include "batchlm/kernels/dtype.hpp"
+#include "batchlm/kernels/thread_pool.hpp"
+
+namespace batchlm::kernels {
+
+// A row-major weight matrix in its stored type: `rows` rows of `cols` elements.
+struct Matrix {
+  DType type = DType::F32;
+  const void* data = nullptr;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+};
+
+// Which SIMD path the CPU kernels use ("avx2" or "portable"); BATCHLM_CPU_SIMD=portable forces
+// the portable path.
+const char* cpu_simd_name();
+
+// y[t * w.rows + r] = dot(w row r, x[t * w.cols ...]) for t in [0, n).
+// `scratch` must hold activation_bytes(w, n) bytes (the quantized copy of x).
+std::size_t activation_bytes(const Matrix& w, std::int64_t n);
+void matmul(const Matrix& w, const float* x, std::int64_t n, float* y, void* scratch,
+            ThreadPool& pool);
+
+// out[i * w.cols ...] = row ids[i] of w, dequantized.
+void get_rows(const Matrix& w, std::span<const std::int32_t> ids, float* out);
+
+// out = x / rms(x) * weight, per row of `dim`, for n rows (in place allowed).
+void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t dim, float eps,
+              float* out);
+
+// Rotary embedding on adjacent pairs (x[2i], x[2i+1]) of the first rot_dim dims of each head,
+// angle pos * base^(-2i/rot_dim). x is [n][n_heads][head_dim].
+void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
+          std::int64_t rot_dim, const std::int32_t* positions, float base);
+
+// gate[i] = silu(gate[i]) * up[i].
+void swiglu(float* gate, const float* up, std::int64_t n);
+void add(float* x, const float* y, std::int64_t n);  // x += y
+
+// Stores n rows of `width` floats as F16.
+void store_f16(const float* x, std::int64_t n, std::int64_t width, std::uint16_t* out,
+               std::int64_t out_stride);
+
+// Causal attention of n query tokens of one sequence over its F16 KV cache.
+// q: [n][n_heads][head_dim]; the KV cache of this layer: key/value of position p, kv head h at
+// k + p * kv_stride + h * head_dim. Query i sits at position positions[i] and sees cache
+// positions [0, positions[i]]. out: [n][n_heads][head_dim]. Grouped-query: query head h uses
+// kv head h / (n_heads / n_kv_heads).
+struct AttentionShape {
+  std::int64_t n_heads = 0;
+  std::int64_t n_kv_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t kv_stride = 0;  // elements between positions in k and v
+  float scale = 1.0f;
+};
+void attention(const AttentionShape& shape, const float* q, std::int64_t n,
+               const std::int32_t* positions, const std::uint16_t* k, const std::uint16_t* v,
+               float* out, ThreadPool& pool);
+
+// Index of the largest value (the first one on ties).
+std::int64_t argmax(const float* x, std::int64_t n);
+
+}  // namespace batchlm::kernels

@@ -1,0 +1,106 @@
+#include "batchlm/local_engine/engine.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+namespace batchlm::local_engine {
+
+namespace {
+
+std::int64_t choose_context(const ModelConfig& c, std::int64_t requested) {
+  if (requested > 0) return std::min(requested, c.n_ctx_train);
+  return std::min<std::int64_t>(c.n_ctx_train, 4096);
+}
+
+double ms_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
+
+}  // namespace
+
+Engine::Engine(std::shared_ptr<const Model> model, const EngineOptions& options)
+    : model_(std::move(model)),
+      context_(choose_context(model_->config(), options.context)),
+      pool_(options.threads),
+      cache_(model_->config(), context_),
+      logits_(static_cast<std::size_t>(model_->config().n_vocab)) {}
+
+std::vector<Token> Engine::chat_prompt(std::span<const ChatMessage> messages) const {
+  return text_prompt(model_->chat_template().apply(messages, /*add_generation_prompt=*/true));
+}
+
+std::vector<Token> Engine::text_prompt(std::string_view text) const {
+  const Tokenizer& tok = model_->tokenizer();
+  std::vector<Token> out;
+  if (tok.add_bos() && tok.vocab().bos >= 0) out.push_back(tok.vocab().bos);
+  std::vector<Token> body = tok.encode(text, /*parse_special=*/true);
+  out.insert(out.end(), body.begin(), body.end());
+  return out;
+}
+
+GenerateResult Engine::generate(std::span<const Token> prompt, const GenerateParams& params,
+                                const std::function<bool(std::string_view)>& on_text) {
+  const auto n_prompt = static_cast<std::int64_t>(prompt.size());
+  if (n_prompt == 0) throw std::invalid_argument("the prompt is empty");
+  if (n_prompt >= context_) {
+    throw std::invalid_argument("the prompt has " + std::to_string(n_prompt) +
+                                " tokens; the context holds " + std::to_string(context_));
+  }
+  const Tokenizer& tok = model_->tokenizer();
+  const std::int64_t room = context_ - n_prompt;
+  const std::int64_t max_tokens = params.max_tokens > 0 ? std::min(params.max_tokens, room) : room;
+
+  GenerateResult result;
+  result.stats.prompt_tokens = n_prompt;
+  cache_.resize(0);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::int64_t i = 0; i < n_prompt; i += Model::kMaxBatch) {
+    const std::int64_t n = std::min(Model::kMaxBatch, n_prompt - i);
+    model_->forward(prompt.subspan(i, n), cache_, logits_, /*all_logits=*/false, pool_);
+  }
+
+  Sampler sampler(params.sampling);
+  StreamDecoder decoder(tok);
+  StopMatcher stops(params.stop);
+  auto emit = [&](const std::string& text) {
+    if (text.empty()) return true;
+    result.text += text;
+    return on_text ? on_text(text) : true;
+  };
+
+  Token next = sampler.sample(logits_);
+  result.stats.prompt_ms = ms_since(t0);
+  const auto t1 = std::chrono::steady_clock::now();
+  for (;;) {
+    ++result.stats.generated_tokens;
+    if (!params.ignore_eos && tok.is_end_of_generation(next)) {
+      result.finish_reason = "stop";
+      break;
+    }
+    if (!emit(stops.feed(decoder.push(next)))) {
+      result.finish_reason = "cancelled";
+      break;
+    }
+    if (stops.stopped()) {
+      result.finish_reason = "stop";
+      break;
+    }
+    if (result.stats.generated_tokens >= max_tokens) {
+      result.finish_reason = "length";
+      break;
+    }
+    const Token one[1] = {next};
+    model_->forward(one, cache_, logits_, /*all_logits=*/false, pool_);
+    ++result.stats.decode_steps;
+    next = sampler.sample(logits_);
+  }
+  result.stats.generate_ms = ms_since(t1);
+  if (result.finish_reason != "cancelled" && !stops.stopped()) {
+    emit(stops.feed(decoder.finish()));
+    emit(stops.finish());
+  }
+  return result;
+}
+
+}  // namespace batchlm::local_engine

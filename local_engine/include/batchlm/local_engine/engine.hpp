@@ -1,0 +1,74 @@
+#pragma once
+// One sequence at a time through the model: prompt in chunks, then token by token, with
+// sampling, stop strings and streaming text. `batchlm generate` calls it directly; the engine
+// thread of LocalBackend calls it for each request it takes off its queue.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "batchlm/core/types.hpp"
+#include "batchlm/kernels/thread_pool.hpp"
+#include "batchlm/local_engine/model.hpp"
+#include "batchlm/local_engine/sampling.hpp"
+
+namespace batchlm::local_engine {
+
+struct EngineOptions {
+  int threads = 0;             // 0: one per hardware thread
+  std::int64_t context = 0;    // tokens per sequence; 0: min(training context, 4096)
+};
+
+struct GenerateParams {
+  std::int64_t max_tokens = 0;  // 0: until the context is full
+  SamplingParams sampling;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;      // keep going past end-of-generation tokens (benchmarks)
+};
+
+struct GenerateStats {
+  std::int64_t prompt_tokens = 0;
+  std::int64_t generated_tokens = 0;  // sampled tokens, an end-of-generation token included
+  std::int64_t decode_steps = 0;      // single-token forward passes after the prompt
+  double prompt_ms = 0;               // the prompt's forward passes and the first sample
+  double generate_ms = 0;             // the decode steps and their samples
+};
+
+struct GenerateResult {
+  std::string text;
+  std::string finish_reason;  // "stop" (end of turn or a stop string), "length", "cancelled"
+  GenerateStats stats;
+};
+
+class Engine {
+ public:
+  Engine(std::shared_ptr<const Model> model, const EngineOptions& options);
+
+  const Model& model() const { return *model_; }
+  std::int64_t context() const { return context_; }
+  int threads() const { return pool_.size(); }
+
+  // The chat template applied to `messages`, tokenized with special tokens recognised.
+  std::vector<Token> chat_prompt(std::span<const ChatMessage> messages) const;
+  // Raw text, tokenized with special tokens recognised (and a BOS if the model wants one).
+  std::vector<Token> text_prompt(std::string_view text) const;
+
+  // Generates a continuation of `prompt`. on_text receives each piece of text as it becomes
+  // final (never half a UTF-8 character, never part of a stop string) and returns false to
+  // cancel. Throws std::invalid_argument when the prompt does not fit the context.
+  GenerateResult generate(std::span<const Token> prompt, const GenerateParams& params,
+                          const std::function<bool(std::string_view)>& on_text);
+
+ private:
+  std::shared_ptr<const Model> model_;
+  std::int64_t context_;
+  kernels::ThreadPool pool_;
+  KvCache cache_;
+  std::vector<float> logits_;
+};
+
+}  // namespace batchlm::local_engine

@@ -1,0 +1,95 @@
+#pragma once
+// A Llama-architecture model loaded from GGUF: the hyper-parameters, the weights (views into
+// the mapped file), the tokenizer, and the forward pass, written once against kernels/ops.hpp.
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "batchlm/kernels/ops.hpp"
+#include "batchlm/kernels/thread_pool.hpp"
+#include "batchlm/local_engine/gguf.hpp"
+#include "batchlm/local_engine/tokenizer.hpp"
+
+namespace batchlm::local_engine {
+
+struct ModelConfig {
+  std::string architecture;   // "llama"
+  std::string name;           // general.name, may be empty
+  std::int64_t n_vocab = 0;
+  std::int64_t n_ctx_train = 0;
+  std::int64_t n_embd = 0;
+  std::int64_t n_ff = 0;
+  std::int64_t n_layers = 0;
+  std::int64_t n_heads = 0;
+  std::int64_t n_kv_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t rope_dim = 0;
+  float rope_base = 10000.0f;
+  float rms_eps = 1e-5f;
+  bool tied_embeddings = false;
+
+  std::int64_t kv_width() const { return n_kv_heads * head_dim; }
+};
+
+struct LayerWeights {
+  kernels::Matrix attn_q, attn_k, attn_v, attn_out, ffn_gate, ffn_up, ffn_down;
+  const float* attn_norm = nullptr;
+  const float* ffn_norm = nullptr;
+};
+
+// The keys and values of one sequence, in F16: layer l, position p, kv head h at
+// k(l) + p * kv_width + h * head_dim.
+class KvCache {
+ public:
+  KvCache(const ModelConfig& config, std::int64_t capacity);
+  std::int64_t capacity() const { return capacity_; }
+  std::int64_t size() const { return size_; }   // positions filled
+  void resize(std::int64_t n);                   // drop positions >= n (n <= size)
+  std::uint16_t* k(std::int64_t layer) { return k_.get() + layer * layer_stride_; }
+  std::uint16_t* v(std::int64_t layer) { return v_.get() + layer * layer_stride_; }
+
+ private:
+  friend class Model;
+  std::int64_t capacity_;
+  std::int64_t size_ = 0;
+  std::int64_t layer_stride_;
+  std::unique_ptr<std::uint16_t[]> k_, v_;
+};
+
+class Model {
+ public:
+  // Maps the file and checks every tensor the architecture needs against the metadata.
+  // Throws gguf::Error naming the file and the problem.
+  static std::shared_ptr<Model> load(const std::filesystem::path& path);
+
+  const ModelConfig& config() const { return config_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const ChatTemplate& chat_template() const;  // throws when the template is unsupported
+  const gguf::File& file() const { return file_; }
+  // The most tokens one forward() call takes; longer prompts are split by the caller.
+  static constexpr std::int64_t kMaxBatch = 512;
+
+  // Runs `tokens` at the next positions of `cache` (appending their keys and values) and writes
+  // the logits of the last token (all_logits = false) or of every token into `logits`
+  // ([n][n_vocab]). tokens.size() <= kMaxBatch and the cache must have room.
+  void forward(std::span<const Token> tokens, KvCache& cache, std::span<float> logits,
+               bool all_logits, kernels::ThreadPool& pool) const;
+
+ private:
+  explicit Model(gguf::File file);
+  struct Scratch;
+
+  gguf::File file_;
+  ModelConfig config_;
+  kernels::Matrix token_embd_, output_;
+  const float* output_norm_ = nullptr;
+  std::vector<LayerWeights> layers_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<ChatTemplate> chat_template_;
+};
+
+}  // namespace batchlm::local_engine

@@ -1,0 +1,53 @@
+#pragma once
+// Choosing the next token from logits (greedy, temperature, top-k, top-p, a seed per request),
+// and watching the generated text for stop strings.
+
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "batchlm/local_engine/tokenizer.hpp"
+
+namespace batchlm::local_engine {
+
+struct SamplingParams {
+  float temperature = 0.8f;  // <= 0: greedy
+  float top_p = 1.0f;        // nucleus: the smallest set of tokens with this much probability
+  int top_k = 0;             // 0: no limit
+  std::uint64_t seed = 0;
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& params);
+  Token sample(std::span<const float> logits);
+
+ private:
+  double uniform();  // [0, 1) from the request's own generator
+  SamplingParams params_;
+  std::mt19937_64 rng_;
+  std::vector<std::pair<float, Token>> candidates_;
+};
+
+// Watches text as it is generated for any of the stop strings. feed() returns the part of the
+// text that is safe to show: everything except a tail that could still become a stop string.
+// Once a stop string is seen, stopped() is true and the text before it has been returned.
+class StopMatcher {
+ public:
+  explicit StopMatcher(std::vector<std::string> stops);
+  std::string feed(std::string_view text);
+  std::string finish();  // the held-back tail, when generation ends for another reason
+  bool stopped() const { return stopped_; }
+
+ private:
+  std::vector<std::string> stops_;
+  std::size_t longest_ = 0;
+  std::string pending_;
+  bool stopped_ = false;
+};
+
+}  // namespace batchlm::local_engine

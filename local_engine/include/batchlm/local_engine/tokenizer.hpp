@@ -1,0 +1,101 @@
+#pragma once
+// Byte-level BPE over a GGUF vocabulary (tokenizer.ggml.model = "gpt2"), with the model
+// family's pre-tokenizer (tokenizer.ggml.pre), special and control tokens, and a streaming
+// decoder that never splits a UTF-8 character. Also the family's chat template.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "batchlm/core/types.hpp"
+#include "batchlm/local_engine/gguf.hpp"
+
+namespace batchlm::local_engine {
+
+using Token = std::int32_t;
+
+// tokenizer.ggml.token_type values.
+enum class TokenType : std::int32_t {
+  Undefined = 0, Normal = 1, Unknown = 2, Control = 3, UserDefined = 4, Unused = 5, Byte = 6,
+};
+
+// What the GGUF says about the vocabulary; Tokenizer validates it.
+struct Vocab {
+  std::string model = "gpt2";            // tokenizer.ggml.model
+  std::string pre = "default";           // tokenizer.ggml.pre
+  std::vector<std::string> tokens;       // byte-level-encoded token text
+  std::vector<TokenType> types;          // same length as tokens (Normal when absent)
+  std::vector<std::string> merges;       // "a b", by rank
+  Token bos = -1, eos = -1, eot = -1, eom = -1, unk = -1, pad = -1;
+  bool add_bos = false;
+  std::string chat_template;             // tokenizer.chat_template, may be empty
+
+  // Reads the tokenizer.* keys. Throws gguf::Error naming the file and key.
+  static Vocab from_gguf(const gguf::File& file);
+};
+
+class Tokenizer {
+ public:
+  // Throws std::invalid_argument for an unsupported model or pre-tokenizer, or a merge that
+  // names a token not in the vocabulary.
+  explicit Tokenizer(Vocab vocab);
+  ~Tokenizer();
+  Tokenizer(Tokenizer&&) noexcept;
+
+  // Text to tokens. With parse_special, the text of control and user-defined tokens
+  // ("<|im_start|>") becomes that token; without, it is tokenized as plain text. No BOS is
+  // added here; add_bos() tells the caller whether the model wants one.
+  std::vector<Token> encode(std::string_view text, bool parse_special) const;
+
+  // The bytes a token stands for. Control tokens give "" unless render_special.
+  std::string token_bytes(Token t, bool render_special = false) const;
+  std::string decode(std::span<const Token> tokens, bool render_special = false) const;
+
+  std::size_t size() const;
+  const Vocab& vocab() const;
+  bool add_bos() const;
+  // End of generation: eos, eot (<|im_end|> for ChatML models), eom.
+  bool is_end_of_generation(Token t) const;
+  // The id of a token given by its exact text, or -1.
+  Token find(std::string_view text) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Turns a token stream into text; holds back the bytes of an incomplete UTF-8 character until
+// the token that completes it arrives.
+class StreamDecoder {
+ public:
+  explicit StreamDecoder(const Tokenizer& tokenizer, bool render_special = false);
+  std::string push(Token t);   // the newly completed text, possibly empty
+  std::string finish();        // whatever is left, invalid bytes replaced by U+FFFD
+
+ private:
+  const Tokenizer* tokenizer_;
+  bool render_special_;
+  std::string pending_;
+};
+
+// The chat template of the model family. ChatML (<|im_start|>role\ncontent<|im_end|>\n) is
+// recognised from the GGUF template text; a default system message that the template inserts
+// when the conversation has none (SmolLM2 does) is recognised and applied too.
+class ChatTemplate {
+ public:
+  // Throws std::invalid_argument when the template is not one this build supports.
+  static ChatTemplate from_vocab(const Vocab& vocab);
+  std::string apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
+  std::string_view name() const { return name_; }
+  const std::string& default_system() const { return default_system_; }
+
+ private:
+  std::string name_ = "chatml";
+  std::string default_system_;
+};
+
+}  // namespace batchlm::local_engine

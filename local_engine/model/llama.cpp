@@ -1,0 +1,221 @@
+// The Llama forward pass: embeddings, then per layer RMSNorm, attention with rotary positions
+// and grouped-query heads over the F16 KV cache, RMSNorm and a SwiGLU MLP, each with a
+// residual; then the final norm and the output head (the embedding matrix when tied).
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+#include "batchlm/local_engine/model.hpp"
+
+namespace batchlm::local_engine {
+
+namespace kops = batchlm::kernels;
+
+KvCache::KvCache(const ModelConfig& config, std::int64_t capacity)
+    : capacity_(capacity), layer_stride_(capacity * config.kv_width()) {
+  // Left uninitialised: pages are touched only as positions fill.
+  const auto total = static_cast<std::size_t>(config.n_layers * layer_stride_);
+  k_ = std::make_unique_for_overwrite<std::uint16_t[]>(total);
+  v_ = std::make_unique_for_overwrite<std::uint16_t[]>(total);
+}
+
+void KvCache::resize(std::int64_t n) {
+  if (n < 0 || n > size_) throw std::out_of_range("KvCache::resize beyond the filled positions");
+  size_ = n;
+}
+
+Model::Model(gguf::File file) : file_(std::move(file)) {}
+
+std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
+  std::shared_ptr<Model> m(new Model(gguf::File::open(path)));
+  const gguf::File& f = m->file_;
+  ModelConfig& c = m->config_;
+
+  c.architecture = f.get_string("general.architecture");
+  if (c.architecture != "llama") {
+    f.fail("architecture '" + c.architecture +
+           "' is not supported (this build runs the 'llama' architecture)");
+  }
+  c.name = f.find_string("general.name").value_or("");
+  const std::string a = c.architecture + ".";
+  auto positive = [&](const std::string& key) {
+    const std::uint64_t v = f.get_u64(key);
+    if (v == 0 || v > (1u << 24)) f.fail("metadata '" + key + "' = " + std::to_string(v) + " is out of range");
+    return static_cast<std::int64_t>(v);
+  };
+  c.n_layers = positive(a + "block_count");
+  c.n_embd = positive(a + "embedding_length");
+  c.n_ff = positive(a + "feed_forward_length");
+  c.n_heads = positive(a + "attention.head_count");
+  c.n_kv_heads = f.find(a + "attention.head_count_kv") ? positive(a + "attention.head_count_kv")
+                                                         : c.n_heads;
+  c.n_ctx_train = f.find(a + "context_length") ? positive(a + "context_length") : 2048;
+  if (c.n_embd % c.n_heads != 0) {
+    f.fail("embedding_length " + std::to_string(c.n_embd) + " is not a multiple of head_count " +
+           std::to_string(c.n_heads));
+  }
+  if (c.n_heads % c.n_kv_heads != 0) {
+    f.fail("head_count " + std::to_string(c.n_heads) + " is not a multiple of head_count_kv " +
+           std::to_string(c.n_kv_heads));
+  }
+  c.head_dim = f.find(a + "attention.key_length") ? positive(a + "attention.key_length")
+                                                   : c.n_embd / c.n_heads;
+  if (c.head_dim * c.n_heads != c.n_embd) f.fail("attention.key_length does not match the heads");
+  c.rope_dim = f.find(a + "rope.dimension_count") ? positive(a + "rope.dimension_count") : c.head_dim;
+  if (c.rope_dim > c.head_dim || c.rope_dim % 2 != 0) {
+    f.fail("rope.dimension_count " + std::to_string(c.rope_dim) + " does not fit head size " +
+           std::to_string(c.head_dim));
+  }
+  c.rope_base = static_cast<float>(f.find_f64(a + "rope.freq_base").value_or(10000.0));
+  c.rms_eps = static_cast<float>(f.find_f64(a + "attention.layer_norm_rms_epsilon").value_or(1e-5));
+  if (f.find(a + "rope.scaling.type")) {
+    const std::string type = f.get_string(a + "rope.scaling.type");
+    if (type != "none") f.fail("rope scaling '" + type + "' is not supported");
+  }
+
+  // Tokenizer first: the vocabulary size it gives is what the embedding must have.
+  Vocab vocab = Vocab::from_gguf(f);
+  try {
+    m->tokenizer_ = std::make_unique<Tokenizer>(vocab);
+  } catch (const std::invalid_argument& e) {
+    f.fail(std::string("tokenizer: ") + e.what());
+  }
+  try {
+    m->chat_template_ = std::make_unique<ChatTemplate>(ChatTemplate::from_vocab(vocab));
+  } catch (const std::invalid_argument&) {
+    // Raw-text generation still works; chat_template() reports the problem when asked.
+  }
+  c.n_vocab = static_cast<std::int64_t>(m->tokenizer_->size());
+  if (auto declared = f.find_u64(a + "vocab_size");
+      declared && static_cast<std::int64_t>(*declared) != c.n_vocab) {
+    f.fail("vocab_size " + std::to_string(*declared) + " does not match the " +
+           std::to_string(c.n_vocab) + " tokens of the tokenizer");
+  }
+
+  auto matrix = [&](const std::string& name, std::int64_t cols, std::int64_t rows) {
+    const gguf::TensorInfo& t = f.tensor(name, std::vector<std::int64_t>{cols, rows});
+    return kops::Matrix{t.type, t.data, rows, cols};
+  };
+  auto vector = [&](const std::string& name, std::int64_t n) {
+    const gguf::TensorInfo& t = f.tensor(name, std::vector<std::int64_t>{n});
+    if (t.type != kops::DType::F32) {
+      f.fail("tensor '" + name + "' has type " + std::string(kops::to_string(t.type)) +
+             ", expected F32");
+    }
+    return reinterpret_cast<const float*>(t.data);
+  };
+
+  m->token_embd_ = matrix("token_embd.weight", c.n_embd, c.n_vocab);
+  m->output_norm_ = vector("output_norm.weight", c.n_embd);
+  if (f.find_tensor("output.weight")) {
+    m->output_ = matrix("output.weight", c.n_embd, c.n_vocab);
+  } else {
+    m->output_ = m->token_embd_;
+    c.tied_embeddings = true;
+  }
+  const std::int64_t kv = c.kv_width();
+  for (std::int64_t i = 0; i < c.n_layers; ++i) {
+    const std::string p = "blk." + std::to_string(i) + ".";
+    LayerWeights l;
+    l.attn_norm = vector(p + "attn_norm.weight", c.n_embd);
+    l.attn_q = matrix(p + "attn_q.weight", c.n_embd, c.n_embd);
+    l.attn_k = matrix(p + "attn_k.weight", c.n_embd, kv);
+    l.attn_v = matrix(p + "attn_v.weight", c.n_embd, kv);
+    l.attn_out = matrix(p + "attn_output.weight", c.n_embd, c.n_embd);
+    l.ffn_norm = vector(p + "ffn_norm.weight", c.n_embd);
+    l.ffn_gate = matrix(p + "ffn_gate.weight", c.n_embd, c.n_ff);
+    l.ffn_up = matrix(p + "ffn_up.weight", c.n_embd, c.n_ff);
+    l.ffn_down = matrix(p + "ffn_down.weight", c.n_ff, c.n_embd);
+    m->layers_.push_back(l);
+  }
+  return m;
+}
+
+const ChatTemplate& Model::chat_template() const {
+  if (!chat_template_) {
+    throw std::runtime_error(file_.path().string() +
+                             ": the model's chat template is not one this build supports "
+                             "(supported: ChatML)");
+  }
+  return *chat_template_;
+}
+
+void Model::forward(std::span<const Token> tokens, KvCache& cache, std::span<float> logits,
+                    bool all_logits, kops::ThreadPool& pool) const {
+  const ModelConfig& c = config_;
+  const auto n = static_cast<std::int64_t>(tokens.size());
+  if (n == 0) return;
+  if (n > kMaxBatch) throw std::invalid_argument("forward: more tokens than kMaxBatch");
+  if (cache.size() + n > cache.capacity()) throw std::length_error("forward: KV cache is full");
+  const std::int64_t n_out = all_logits ? n : 1;
+  if (static_cast<std::int64_t>(logits.size()) < n_out * c.n_vocab) {
+    throw std::invalid_argument("forward: logits buffer too small");
+  }
+  for (Token t : tokens) {
+    if (t < 0 || t >= c.n_vocab) {
+      throw std::out_of_range("forward: token id " + std::to_string(t) + " is outside the vocabulary");
+    }
+  }
+
+  const std::int64_t E = c.n_embd, KV = c.kv_width(), F = c.n_ff;
+  const std::int64_t pos0 = cache.size();
+  std::vector<std::int32_t> positions(static_cast<std::size_t>(n));
+  std::iota(positions.begin(), positions.end(), static_cast<std::int32_t>(pos0));
+
+  std::vector<float> x(n * E), xn(n * E), q(n * E), k(n * KV), v(n * KV), att(n * E);
+  std::vector<float> gate(n * F), up(n * F);
+  std::size_t scratch_bytes = 0;
+  for (const LayerWeights& l : layers_) {
+    for (const kops::Matrix* w : {&l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out, &l.ffn_gate,
+                                  &l.ffn_up, &l.ffn_down})
+      scratch_bytes = std::max(scratch_bytes, kops::activation_bytes(*w, n));
+  }
+  scratch_bytes = std::max(scratch_bytes, kops::activation_bytes(output_, n_out));
+  std::vector<std::uint8_t> scratch(scratch_bytes);
+
+  kops::get_rows(token_embd_, tokens, x.data());
+
+  kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
+                             1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  for (std::int64_t li = 0; li < c.n_layers; ++li) {
+    const LayerWeights& l = layers_[li];
+    kops::rms_norm(x.data(), l.attn_norm, n, E, c.rms_eps, xn.data());
+    kops::matmul(l.attn_q, xn.data(), n, q.data(), scratch.data(), pool);
+    kops::matmul(l.attn_k, xn.data(), n, k.data(), scratch.data(), pool);
+    kops::matmul(l.attn_v, xn.data(), n, v.data(), scratch.data(), pool);
+    kops::rope(q.data(), n, c.n_heads, c.head_dim, c.rope_dim, positions.data(), c.rope_base);
+    kops::rope(k.data(), n, c.n_kv_heads, c.head_dim, c.rope_dim, positions.data(), c.rope_base);
+    std::uint16_t* kc = cache.k(li);
+    std::uint16_t* vc = cache.v(li);
+    kops::store_f16(k.data(), n, KV, kc + pos0 * KV, KV);
+    kops::store_f16(v.data(), n, KV, vc + pos0 * KV, KV);
+    kops::attention(shape, q.data(), n, positions.data(), kc, vc, att.data(), pool);
+
+    // After the last layer's attention only the rows whose logits are wanted go on.
+    std::int64_t rows = n;
+    float* xr = x.data();
+    const float* ar = att.data();
+    if (li == c.n_layers - 1 && !all_logits) {
+      rows = 1;
+      xr = x.data() + (n - 1) * E;
+      ar = att.data() + (n - 1) * E;
+    }
+    kops::matmul(l.attn_out, ar, rows, xn.data(), scratch.data(), pool);
+    kops::add(xr, xn.data(), rows * E);
+    kops::rms_norm(xr, l.ffn_norm, rows, E, c.rms_eps, xn.data());
+    kops::matmul(l.ffn_gate, xn.data(), rows, gate.data(), scratch.data(), pool);
+    kops::matmul(l.ffn_up, xn.data(), rows, up.data(), scratch.data(), pool);
+    kops::swiglu(gate.data(), up.data(), rows * F);
+    kops::matmul(l.ffn_down, gate.data(), rows, xn.data(), scratch.data(), pool);
+    kops::add(xr, xn.data(), rows * E);
+  }
+  const float* last = all_logits ? x.data() : x.data() + (n - 1) * E;
+  kops::rms_norm(last, output_norm_, n_out, E, c.rms_eps, xn.data());
+  kops::matmul(output_, xn.data(), n_out, logits.data(), scratch.data(), pool);
+  cache.size_ += n;
+}
+
+}  // namespace batchlm::local_engine

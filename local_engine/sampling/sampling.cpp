@@ -1,0 +1,107 @@
+#include "batchlm/local_engine/sampling.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "batchlm/kernels/ops.hpp"
+
+namespace batchlm::local_engine {
+
+Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {}
+
+double Sampler::uniform() {
+  // 53 random bits: the same sequence on every platform for a given seed.
+  return static_cast<double>(rng_() >> 11) * 0x1.0p-53;
+}
+
+Token Sampler::sample(std::span<const float> logits) {
+  const auto n = static_cast<std::int64_t>(logits.size());
+  if (params_.temperature <= 0.0f || params_.top_k == 1) {
+    return static_cast<Token>(kernels::argmax(logits.data(), n));
+  }
+  const float t = params_.temperature;
+  const float max = *std::max_element(logits.begin(), logits.end());
+  // Tokens more than 30 nats (after temperature) below the best have probability < 1e-13 of
+  // the best one's: they cannot matter, and skipping them keeps the sort short.
+  candidates_.clear();
+  for (std::int64_t i = 0; i < n; ++i) {
+    if ((logits[i] - max) / t > -30.0f) candidates_.emplace_back(logits[i], static_cast<Token>(i));
+  }
+  auto by_logit = [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  };
+  std::size_t keep = candidates_.size();
+  if (params_.top_k > 0 && static_cast<std::size_t>(params_.top_k) < keep) {
+    keep = static_cast<std::size_t>(params_.top_k);
+    std::partial_sort(candidates_.begin(), candidates_.begin() + keep, candidates_.end(), by_logit);
+  } else {
+    std::sort(candidates_.begin(), candidates_.end(), by_logit);
+  }
+  candidates_.resize(keep);
+  std::vector<double> probs(keep);
+  double sum = 0.0;
+  for (std::size_t i = 0; i < keep; ++i) {
+    probs[i] = std::exp(static_cast<double>((candidates_[i].first - max) / t));
+    sum += probs[i];
+  }
+  if (params_.top_p < 1.0f) {
+    double cum = 0.0;
+    std::size_t cut = keep;
+    for (std::size_t i = 0; i < keep; ++i) {
+      cum += probs[i] / sum;
+      if (cum >= params_.top_p) {
+        cut = i + 1;
+        break;
+      }
+    }
+    keep = cut;
+    sum = 0.0;
+    for (std::size_t i = 0; i < keep; ++i) sum += probs[i];
+  }
+  double r = uniform() * sum;
+  for (std::size_t i = 0; i < keep; ++i) {
+    r -= probs[i];
+    if (r < 0.0) return candidates_[i].second;
+  }
+  return candidates_[keep - 1].second;
+}
+
+StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {
+  std::erase_if(stops_, [](const std::string& s) { return s.empty(); });
+  for (const auto& s : stops_) longest_ = std::max(longest_, s.size());
+}
+
+std::string StopMatcher::feed(std::string_view text) {
+  if (stopped_) return {};
+  pending_.append(text);
+  if (stops_.empty()) return std::exchange(pending_, {});
+  // The earliest stop string in the pending text ends generation there.
+  std::size_t first = std::string::npos;
+  for (const auto& s : stops_) first = std::min(first, pending_.find(s));
+  if (first != std::string::npos) {
+    stopped_ = true;
+    std::string out = pending_.substr(0, first);
+    pending_.clear();
+    return out;
+  }
+  // Hold back the longest tail that is a prefix of some stop string.
+  std::size_t hold = 0;
+  for (const auto& s : stops_) {
+    for (std::size_t len = std::min(s.size() - 1, pending_.size()); len > hold; --len) {
+      if (pending_.compare(pending_.size() - len, len, s, 0, len) == 0) {
+        hold = len;
+        break;
+      }
+    }
+  }
+  std::string out = pending_.substr(0, pending_.size() - hold);
+  pending_.erase(0, pending_.size() - hold);
+  return out;
+}
+
+std::string StopMatcher::finish() {
+  if (stopped_) return {};
+  return std::exchange(pending_, {});
+}
+
+}  // namespace batchlm::local_engine

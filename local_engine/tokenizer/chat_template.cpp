@@ -1,0 +1,214 @@
+#include "batchlm/local_engine/tokenizer.hpp"
+
+// The chat template is a Jinja program in the GGUF (tokenizer.chat_template). Rather than run
+// Jinja, this recognises the one family the engine supports, ChatML,
+//
+//   <|im_start|>{role}\n{content}<|im_end|>\n   per message, then <|im_start|>assistant\n
+//
+// and reads from the template text the one thing that varies between ChatML models: a default
+// system message written out as a constant that the template emits when the conversation does
+// not start with a system message. SmolLM2's template, for instance, has
+//
+//   {% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a
+//   helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}
+//
+// Such a constant is found by scanning the string literals inside the template's {{ }} and
+// {% %} blocks (adjacent literals joined by '+' count as one) for one that holds a whole system
+// turn, "<|im_start|>system\n...<|im_end|>". A literal that only opens the system turn, as in
+// '<|im_start|>system\n' + message['content'], is not a default.
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace batchlm::local_engine {
+
+namespace {
+
+constexpr std::string_view kTurnStart = "<|im_start|>";
+constexpr std::string_view kTurnEnd = "<|im_end|>";
+constexpr std::string_view kSystemTurnStart = "<|im_start|>system\n";
+
+[[noreturn]] void unsupported(const std::string& why) {
+  throw std::invalid_argument("chat template: " + why);
+}
+
+void append_code_point(std::string& out, char32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+// Reads the Jinja string literal whose opening quote is at text[i]; returns its value and
+// leaves i after the closing quote. Escapes are Python's (\n, \t, \\, \', \xHH, \uXXXX, ...);
+// an unknown escape keeps its backslash, as Python does.
+std::string read_string_literal(std::string_view text, std::size_t& i) {
+  const char quote = text[i++];
+  std::string value;
+  const auto hex_value = [&](std::size_t digits) -> std::optional<char32_t> {
+    if (i + digits > text.size()) return std::nullopt;
+    char32_t cp = 0;
+    for (std::size_t k = 0; k < digits; ++k) {
+      const char c = text[i + k];
+      int digit = -1;
+      if (c >= '0' && c <= '9') digit = c - '0';
+      if (c >= 'a' && c <= 'f') digit = c - 'a' + 10;
+      if (c >= 'A' && c <= 'F') digit = c - 'A' + 10;
+      if (digit < 0) return std::nullopt;
+      cp = cp * 16 + static_cast<char32_t>(digit);
+    }
+    i += digits;
+    return cp;
+  };
+  while (i < text.size()) {
+    const char c = text[i++];
+    if (c == quote) return value;
+    if (c != '\\' || i == text.size()) {
+      value += c;
+      continue;
+    }
+    const char escaped = text[i++];
+    switch (escaped) {
+      case 'n': value += '\n'; break;
+      case 't': value += '\t'; break;
+      case 'r': value += '\r'; break;
+      case 'f': value += '\f'; break;
+      case 'b': value += '\b'; break;
+      case 'v': value += '\v'; break;
+      case '0': value += '\0'; break;
+      case '\\': value += '\\'; break;
+      case '\'': value += '\''; break;
+      case '"': value += '"'; break;
+      case '\n': break;  // a backslash-newline continues the line
+      case 'x':
+      case 'u':
+      case 'U': {
+        const std::optional<char32_t> cp = hex_value(escaped == 'x' ? 2 : escaped == 'u' ? 4 : 8);
+        if (!cp) unsupported("malformed \\" + std::string(1, escaped) + " escape in a string literal");
+        append_code_point(value, *cp);
+        break;
+      }
+      default:
+        value += '\\';
+        value += escaped;
+    }
+  }
+  unsupported("unterminated string literal");
+}
+
+// The constant strings of the template's {{ }} and {% %} blocks, in order. Literals joined by
+// '+' with nothing else between them are joined into one.
+std::vector<std::string> constant_strings(std::string_view tmpl) {
+  std::vector<std::string> constants;
+  std::size_t i = 0;
+  while (i < tmpl.size()) {
+    const std::size_t open = tmpl.find('{', i);
+    if (open == std::string_view::npos || open + 1 >= tmpl.size()) break;
+    const char kind = tmpl[open + 1];
+    if (kind == '#') {  // a comment
+      const std::size_t close = tmpl.find("#}", open + 2);
+      if (close == std::string_view::npos) unsupported("unterminated comment");
+      i = close + 2;
+      continue;
+    }
+    if (kind != '{' && kind != '%') {
+      i = open + 1;  // text outside a block
+      continue;
+    }
+    const std::string_view close = kind == '{' ? "}}" : "%}";
+    std::optional<std::string> chain;  // the literal (or literals joined by '+') being read
+    bool after_plus = false;           // the chain so far ends in '+'
+    const auto end_chain = [&] {
+      if (chain) constants.push_back(std::move(*chain));
+      chain.reset();
+      after_plus = false;
+    };
+    i = open + 2;
+    bool closed = false;
+    while (i < tmpl.size()) {
+      const char c = tmpl[i];
+      if (tmpl.substr(i, close.size()) == close) {
+        i += close.size();
+        closed = true;
+        break;
+      }
+      if (c == '\'' || c == '"') {
+        std::string value = read_string_literal(tmpl, i);
+        if (chain && after_plus) {
+          *chain += value;
+        } else {
+          end_chain();
+          chain = std::move(value);
+        }
+        after_plus = false;
+      } else if (c == '+') {
+        after_plus = chain.has_value();
+        ++i;
+      } else if (c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '-') {
+        ++i;  // spacing, and the '-' of whitespace control ({{- ... -}})
+      } else {
+        end_chain();  // a name, number or other operator: no longer a constant
+        ++i;
+      }
+    }
+    if (!closed) unsupported("unterminated " + std::string(kind == '{' ? "{{ expression" : "{% statement"));
+    end_chain();
+  }
+  return constants;
+}
+
+}  // namespace
+
+ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
+  ChatTemplate result;
+  const std::string& tmpl = vocab.chat_template;
+  if (tmpl.empty()) return result;  // no template in the file: plain ChatML
+  if (tmpl.find(kTurnStart) == std::string::npos) {
+    unsupported("only ChatML templates (<|im_start|>role ... <|im_end|>) are supported; this one begins '" +
+                tmpl.substr(0, 80) + "'");
+  }
+  for (const std::string& constant : constant_strings(tmpl)) {
+    if (constant.compare(0, kSystemTurnStart.size(), kSystemTurnStart) != 0) continue;
+    const std::size_t end = constant.find(kTurnEnd, kSystemTurnStart.size());
+    if (end == std::string::npos) continue;  // opens the system turn for a message's content
+    result.default_system_ = constant.substr(kSystemTurnStart.size(), end - kSystemTurnStart.size());
+    break;
+  }
+  return result;
+}
+
+std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
+  std::string out;
+  const auto append_turn = [&](std::string_view role, std::string_view content) {
+    out += kTurnStart;
+    out += role;
+    out += '\n';
+    out += content;
+    out += kTurnEnd;
+    out += '\n';
+  };
+  // As the SmolLM2 template does: the default goes before the first message, when that is not
+  // a system message (and so not at all for an empty conversation).
+  if (!default_system_.empty() && !messages.empty() && messages.front().role != "system") {
+    append_turn("system", default_system_);
+  }
+  for (const ChatMessage& message : messages) append_turn(message.role, message.content);
+  if (add_generation_prompt) out += "<|im_start|>assistant\n";
+  return out;
+}
+
+}  // namespace batchlm::local_engine

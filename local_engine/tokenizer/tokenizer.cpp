@@ -1,0 +1,847 @@
+#include "batchlm/local_engine/tokenizer.hpp"
+
+// Byte-level BPE as GPT-2 introduced it and llama.cpp runs it for `tokenizer.ggml.model =
+// "gpt2"` vocabularies. Encoding a text takes four steps:
+//
+//   1. Special tokens. The text of control, user-defined and unknown-type tokens is cut out
+//      first and becomes those ids directly (control and unknown ones only with parse_special).
+//   2. Pre-tokenizer. Each remaining stretch of text is split into pieces by the model family's
+//      sequence of regular expressions (tokenizer.ggml.pre); BPE never merges across pieces.
+//   3. BPE. Each piece starts as one symbol per byte; the adjacent pair with the lowest merge
+//      rank is merged (the leftmost on a tie) until no adjacent pair has a merge.
+//   4. Lookup. Every final symbol is a vocabulary token.
+//
+// Token text is stored "byte-level encoded": every byte maps to one printable code point (the
+// GPT-2 bytes_to_unicode table), so a token such as "Ġworld" stands for the bytes " world".
+// Because every merge joins two tokens into a token, the BPE works on token ids throughout
+// and never builds strings; the pair -> merge table is keyed by the two ids.
+//
+// The reference is llama.cpp (src/llama-vocab.cpp, src/unicode.cpp); for valid UTF-8 the ids
+// are meant to be identical. Where llama.cpp replaces invalid UTF-8 bytes by U+FFFD before
+// tokenizing, this tokenizer keeps the bytes (they still split the text as U+FFFD would), so
+// decode(encode(x)) == x for every byte string, given a vocabulary with all 256 byte tokens.
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace batchlm::local_engine {
+
+namespace {
+
+// --- UTF-8 ------------------------------------------------------------------------------------
+
+enum class Utf8Status { Complete, Truncated, Invalid };
+
+struct Utf8Sequence {
+  Utf8Status status;
+  // Complete: the sequence's length. Truncated: the bytes present (a valid start that the
+  // end of the buffer cuts off). Invalid: the bytes to replace by one U+FFFD, which is the
+  // "maximal subpart" of Unicode's recommended practice (what Python's errors="replace" does).
+  std::size_t length;
+};
+
+// Classifies the sequence that starts at s[i] by the well-formed byte sequences of the Unicode
+// standard (table 3-7): no overlong forms, no surrogates, nothing above U+10FFFF.
+Utf8Sequence classify_utf8(std::string_view s, std::size_t i) {
+  const auto lead = static_cast<unsigned char>(s[i]);
+  if (lead < 0x80) return {Utf8Status::Complete, 1};
+  std::size_t need = 0;
+  unsigned char second_lo = 0x80, second_hi = 0xBF;  // the second byte's range depends on the lead
+  if (lead >= 0xC2 && lead <= 0xDF) {
+    need = 2;
+  } else if (lead == 0xE0) {
+    need = 3, second_lo = 0xA0;
+  } else if ((lead >= 0xE1 && lead <= 0xEC) || lead == 0xEE || lead == 0xEF) {
+    need = 3;
+  } else if (lead == 0xED) {
+    need = 3, second_hi = 0x9F;
+  } else if (lead == 0xF0) {
+    need = 4, second_lo = 0x90;
+  } else if (lead >= 0xF1 && lead <= 0xF3) {
+    need = 4;
+  } else if (lead == 0xF4) {
+    need = 4, second_hi = 0x8F;
+  } else {
+    return {Utf8Status::Invalid, 1};
+  }
+  for (std::size_t k = 1; k < need; ++k) {
+    if (i + k >= s.size()) return {Utf8Status::Truncated, k};
+    const auto byte = static_cast<unsigned char>(s[i + k]);
+    const unsigned char lo = k == 1 ? second_lo : 0x80, hi = k == 1 ? second_hi : 0xBF;
+    if (byte < lo || byte > hi) return {Utf8Status::Invalid, k};
+  }
+  return {Utf8Status::Complete, need};
+}
+
+bool is_valid_utf8(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const Utf8Sequence seq = classify_utf8(s, i);
+    if (seq.status != Utf8Status::Complete) return false;
+    i += seq.length;
+  }
+  return true;
+}
+
+constexpr std::string_view kReplacementCharacter = "\xEF\xBF\xBD";  // U+FFFD
+
+void append_utf8(std::string& out, char32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+// The code point of the complete sequence of `length` bytes at s[i].
+char32_t decode_utf8(std::string_view s, std::size_t i, std::size_t length) {
+  const auto byte = [&](std::size_t k) { return static_cast<char32_t>(static_cast<unsigned char>(s[i + k])); };
+  switch (length) {
+    case 1: return byte(0);
+    case 2: return ((byte(0) & 0x1F) << 6) | (byte(1) & 0x3F);
+    case 3: return ((byte(0) & 0x0F) << 12) | ((byte(1) & 0x3F) << 6) | (byte(2) & 0x3F);
+    default:
+      return ((byte(0) & 0x07) << 18) | ((byte(1) & 0x3F) << 12) | ((byte(2) & 0x3F) << 6) |
+             (byte(3) & 0x3F);
+  }
+}
+
+// --- The byte-level alphabet --------------------------------------------------------------------
+
+// GPT-2's bytes_to_unicode: the 188 bytes that are printable Latin-1 characters ('!'..'~',
+// U+00A1..U+00AC, U+00AE..U+00FF) stand for themselves; the other 68 (controls, space, DEL,
+// U+0080..U+00A0, soft hyphen) are moved, in byte order, to U+0100, U+0101, ... U+0143. So a
+// space is "Ġ" (U+0120) and a newline "Ċ" (U+010A).
+struct ByteAlphabet {
+  std::array<char32_t, 256> char_of_byte{};
+  std::array<std::int16_t, 0x144> byte_of_char{};  // by code point; -1: not in the alphabet
+};
+
+constexpr ByteAlphabet make_byte_alphabet() {
+  ByteAlphabet alphabet;
+  for (auto& b : alphabet.byte_of_char) b = -1;
+  char32_t next_moved = 0x100;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    const char32_t cp = printable ? static_cast<char32_t>(b) : next_moved++;
+    alphabet.char_of_byte[b] = cp;
+    alphabet.byte_of_char[cp] = static_cast<std::int16_t>(b);
+  }
+  return alphabet;
+}
+
+constexpr ByteAlphabet kByteAlphabet = make_byte_alphabet();
+
+// The vocabulary form of raw bytes: each byte as its alphabet character.
+void append_byte_level(std::string& out, std::string_view bytes) {
+  for (const char c : bytes) append_utf8(out, kByteAlphabet.char_of_byte[static_cast<unsigned char>(c)]);
+}
+
+// The inverse: the bytes a byte-level token text stands for. Characters outside the alphabet
+// (a vocabulary may hold a few) are kept as their own UTF-8, and so are stray invalid bytes.
+std::string bytes_of_byte_level(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (std::size_t i = 0; i < text.size();) {
+    const Utf8Sequence seq = classify_utf8(text, i);
+    if (seq.status != Utf8Status::Complete) {
+      out += text[i++];
+      continue;
+    }
+    const char32_t cp = decode_utf8(text, i, seq.length);
+    if (cp < kByteAlphabet.byte_of_char.size() && kByteAlphabet.byte_of_char[cp] >= 0) {
+      out += static_cast<char>(kByteAlphabet.byte_of_char[cp]);
+    } else {
+      out.append(text.substr(i, seq.length));
+    }
+    i += seq.length;
+  }
+  return out;
+}
+
+// "<0x41>" -> 0x41 for Byte-type tokens; -1 for any other text.
+int parse_byte_token(std::string_view text) {
+  if (text.size() != 6 || text.substr(0, 3) != "<0x" || text[5] != '>') return -1;
+  int value = 0;
+  for (const char c : text.substr(3, 2)) {
+    int digit = -1;
+    if (c >= '0' && c <= '9') digit = c - '0';
+    if (c >= 'A' && c <= 'F') digit = c - 'A' + 10;
+    if (c >= 'a' && c <= 'f') digit = c - 'a' + 10;
+    if (digit < 0) return -1;
+    value = value * 16 + digit;
+  }
+  return value;
+}
+
+// --- Pre-tokenizer --------------------------------------------------------------------------------
+
+// \s as llama.cpp (and Hugging Face's Rust regex) define it: the Unicode White_Space property.
+// PCRE2's own \s under UCP misses U+0085, so the patterns spell the class out. {WS} in a pattern
+// below is replaced by this list, inside brackets.
+constexpr std::string_view kWhitespaceClass =
+    "\\t\\n\\x0B\\f\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}"
+    "\\x{205F}\\x{3000}";
+
+// GPT-2: contractions, letters, numbers and other symbols each with an optional leading space,
+// and whitespace, keeping the last whitespace character for the word that follows. (llama.cpp
+// writes it without the final "|\s+" but its hand-written matcher behaves as if it were there;
+// the two alternatives only differ where a gap would be left, and gaps become pieces anyway.)
+constexpr std::string_view kGpt2Pattern =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^{WS}\\p{L}\\p{N}]+|[{WS}]+(?![^{WS}])|[{WS}]+";
+
+// Llama 3 (tiktoken cl100k style): case-insensitive contractions, a letter run that may take one
+// leading non-letter, numbers in groups of at most three, symbols that take trailing newlines.
+constexpr std::string_view kLlama3Pattern =
+    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+    "\\p{N}{1,3}| ?[^{WS}\\p{L}\\p{N}]+[\\r\\n]*|[{WS}]*[\\r\\n]+|[{WS}]+(?![^{WS}])|[{WS}]+";
+
+std::string expand_whitespace(std::string_view pattern) {
+  std::string out;
+  for (std::size_t i = 0; i < pattern.size();) {
+    if (pattern.substr(i, 4) == "{WS}") {
+      out += kWhitespaceClass;
+      i += 4;
+    } else {
+      out += pattern[i++];
+    }
+  }
+  return out;
+}
+
+struct CodeDeleter {
+  void operator()(pcre2_code* code) const { pcre2_code_free(code); }
+};
+struct MatchDataDeleter {
+  void operator()(pcre2_match_data* data) const { pcre2_match_data_free(data); }
+};
+using RegexCode = std::unique_ptr<pcre2_code, CodeDeleter>;
+using MatchData = std::unique_ptr<pcre2_match_data, MatchDataDeleter>;
+
+std::string pcre2_message(int error_code) {
+  std::array<PCRE2_UCHAR, 256> buffer{};
+  pcre2_get_error_message(error_code, buffer.data(), buffer.size());
+  return reinterpret_cast<const char*>(buffer.data());
+}
+
+// A byte range [begin, end) of the text being tokenized.
+struct Range {
+  std::size_t begin = 0;
+  std::size_t end = 0;
+};
+
+// Splits text into the pieces that BPE works on, by a sequence of regular expressions: the
+// first splits the whole text, each later one splits every piece the one before produced.
+// Within a piece, each match is a piece and so is each stretch of text between matches (it is
+// kept, not dropped). A regex sees only its piece: a lookahead at the piece's end sees the end.
+class PreTokenizer {
+ public:
+  // Throws std::invalid_argument for a pre-tokenizer this build does not know.
+  explicit PreTokenizer(std::string_view name) {
+    std::vector<std::string> patterns;
+    if (name == "smollm" || name == "starcoder" || name == "refact") {
+      // Every digit its own piece first, then GPT-2's pattern.
+      patterns = {"\\p{N}", std::string(kGpt2Pattern)};
+    } else if (name == "gpt2" || name == "gpt-2") {
+      patterns = {std::string(kGpt2Pattern)};
+    } else if (name == "default" || name.empty()) {
+      // llama.cpp's fallback for a vocabulary that names no known pre-tokenizer.
+      patterns = {"[\\p{P}\\$\\+<=>\\^~\\|]+", std::string(kGpt2Pattern), "\\p{N}+", "[0-9][0-9][0-9]"};
+    } else if (name == "llama3" || name == "llama-v3" || name == "llama-bpe") {
+      patterns = {std::string(kLlama3Pattern)};
+      // A piece that is itself a token is taken whole, whatever the merges would make of it.
+      ignore_merges_ = true;
+    } else {
+      throw std::invalid_argument("tokenizer: unsupported pre-tokenizer '" + std::string(name) + "'");
+    }
+    for (const std::string& pattern : patterns) {
+      const std::string expanded = expand_whitespace(pattern);
+      int error = 0;
+      PCRE2_SIZE error_offset = 0;
+      RegexCode code(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(expanded.data()), expanded.size(),
+                                   PCRE2_UTF | PCRE2_UCP, &error, &error_offset, nullptr));
+      if (!code) {
+        throw std::logic_error("tokenizer: pattern '" + expanded + "' does not compile at offset " +
+                               std::to_string(error_offset) + ": " + pcre2_message(error));
+      }
+      // JIT makes matching several times faster; where it is unavailable the interpreter runs.
+      (void)pcre2_jit_compile(code.get(), PCRE2_JIT_COMPLETE);
+      regexes_.push_back(std::move(code));
+    }
+  }
+
+  bool ignore_merges() const { return ignore_merges_; }
+
+  // Appends the pieces of text (offsets into text) to `pieces`. `scratch` is reused storage.
+  void split(std::string_view text, std::vector<Range>& pieces, std::vector<Range>& scratch) const {
+    // PCRE2 in UTF mode needs valid UTF-8. Invalid bytes are matched as U+FFFD (as llama.cpp
+    // decodes them) in a copy, and the piece boundaries are mapped back to the original bytes.
+    std::string sanitized;
+    std::vector<std::size_t> original_offset;  // (sanitized.size() + 1): sanitized -> original
+    std::string_view subject = text;
+    if (!is_valid_utf8(text)) {
+      sanitized.reserve(text.size() + 8);
+      original_offset.reserve(text.size() + 8);
+      for (std::size_t i = 0; i < text.size();) {
+        const Utf8Sequence seq = classify_utf8(text, i);
+        if (seq.status == Utf8Status::Complete) {
+          sanitized.append(text.substr(i, seq.length));
+          for (std::size_t k = 0; k < seq.length; ++k) original_offset.push_back(i + k);
+          i += seq.length;
+        } else {
+          // One U+FFFD per invalid byte, as llama.cpp does.
+          sanitized.append(kReplacementCharacter);
+          original_offset.insert(original_offset.end(), kReplacementCharacter.size(), i);
+          i += 1;
+        }
+      }
+      original_offset.push_back(text.size());
+      subject = sanitized;
+    }
+
+    std::vector<Range>& current = scratch;
+    current.assign(1, Range{0, subject.size()});
+    std::vector<Range> next;
+    MatchData match(pcre2_match_data_create(1, nullptr));
+    if (!match) throw std::bad_alloc();
+    for (const RegexCode& regex : regexes_) {
+      next.clear();
+      next.reserve(current.size() * 2);
+      for (const Range piece : current) split_piece(regex.get(), match.get(), subject, piece, next);
+      current.swap(next);
+    }
+
+    for (const Range piece : current) {
+      if (original_offset.empty()) {
+        pieces.push_back(piece);
+      } else {
+        pieces.push_back({original_offset[piece.begin], original_offset[piece.end]});
+      }
+    }
+  }
+
+ private:
+  static void split_piece(pcre2_code* regex, pcre2_match_data* match, std::string_view subject,
+                          Range piece, std::vector<Range>& out) {
+    const auto* base = reinterpret_cast<PCRE2_SPTR>(subject.data() + piece.begin);
+    const std::size_t length = piece.end - piece.begin;
+    std::size_t position = 0;   // where the next search starts, relative to the piece
+    std::size_t kept_to = 0;    // everything before this is in `out` already
+    while (position < length) {
+      const int rc = pcre2_match(regex, base, length, position, PCRE2_NO_UTF_CHECK, match, nullptr);
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) throw std::runtime_error("tokenizer: pre-tokenizer regex failed: " + pcre2_message(rc));
+      const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(match);
+      const std::size_t start = ovector[0], end = ovector[1];
+      if (end == start) {
+        // None of the patterns can match empty; should one ever, step over one character.
+        position = start + classify_utf8(subject, piece.begin + start).length;
+        continue;
+      }
+      if (start > kept_to) out.push_back({piece.begin + kept_to, piece.begin + start});
+      out.push_back({piece.begin + start, piece.begin + end});
+      kept_to = position = end;
+    }
+    if (kept_to < length) out.push_back({piece.begin + kept_to, piece.end});
+  }
+
+  std::vector<RegexCode> regexes_;
+  bool ignore_merges_ = false;
+};
+
+// --- BPE --------------------------------------------------------------------------------------
+
+constexpr Token kNoToken = -1;   // a byte whose one-character token the vocabulary lacks
+constexpr Token kMergedAway = -2;  // a symbol absorbed by its left neighbour
+
+struct Merge {
+  std::int32_t rank;
+  Token result;
+};
+
+std::uint64_t pair_key(Token left, Token right) {
+  return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(left)) << 32) |
+         static_cast<std::uint32_t>(right);
+}
+
+// One symbol of the piece being merged, in a doubly linked list over the piece's bytes.
+struct Symbol {
+  Token token;
+  std::int32_t prev;  // -1 at the start
+  std::int32_t next;  // -1 at the end
+};
+
+// A pair that may merge. It is stale once either side has changed since it was queued, which
+// the token ids tell: a symbol's token changes with every merge it takes part in.
+struct Candidate {
+  std::int32_t rank;
+  std::int32_t left, right;  // symbol indices
+  Token left_token, right_token, result;
+};
+
+// Orders the heap so that the top is the lowest rank, and of equal ranks the leftmost.
+struct LaterCandidate {
+  bool operator()(const Candidate& a, const Candidate& b) const {
+    return a.rank != b.rank ? a.rank > b.rank : a.left > b.left;
+  }
+};
+
+// Per-call storage, reused across the pieces of one encode() call.
+struct Workspace {
+  std::vector<Range> pieces, split_scratch;
+  std::vector<Symbol> symbols;
+  std::vector<Candidate> heap;
+  std::string byte_level;
+};
+
+struct Fragment {
+  Range range;           // the text, when token is kNoToken
+  Token token = kNoToken;
+};
+
+// Texts at which generation stops besides the eos/eot/eom ids, as in llama.cpp's
+// end-of-generation set: the end of a turn or a document in the families it knows, and the
+// fill-in-the-middle padding, repository and file separators. For SmolLM2 that adds
+// <|endoftext|> (0) and <reponame> (4) to <|im_end|> (2), the same three llama.cpp stops at.
+constexpr std::array<std::string_view, 18> kEndOfGenerationTexts = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "<|end_of_text|>",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
+    "<REPO>", "<reponame>", "<|file_sep|>", "<PAD>",
+};
+
+}  // namespace
+
+// --- Vocab::from_gguf -----------------------------------------------------------------------------
+
+namespace {
+
+const gguf::Array& require_array(const gguf::File& file, const std::string& key,
+                                 gguf::ValueType element_type) {
+  const gguf::Array& array = file.require(key).as_array(key);
+  if (array.element_type != element_type && !array.items.empty()) {
+    file.fail("metadata key '" + key + "' is an array of " +
+              std::string(gguf::to_string(array.element_type)) + ", expected an array of " +
+              std::string(gguf::to_string(element_type)));
+  }
+  return array;
+}
+
+}  // namespace
+
+Vocab Vocab::from_gguf(const gguf::File& file) {
+  Vocab vocab;
+  vocab.model = file.get_string("tokenizer.ggml.model");
+  vocab.pre = file.find_string("tokenizer.ggml.pre").value_or("default");
+
+  const std::string tokens_key = "tokenizer.ggml.tokens";
+  const gguf::Array& tokens = require_array(file, tokens_key, gguf::ValueType::String);
+  if (tokens.items.empty()) file.fail("metadata key '" + tokens_key + "' is empty");
+  if (tokens.items.size() > static_cast<std::size_t>(INT32_MAX)) {
+    file.fail("metadata key '" + tokens_key + "' has more tokens than a token id can number");
+  }
+  vocab.tokens.reserve(tokens.items.size());
+  for (const gguf::Value& item : tokens.items) vocab.tokens.push_back(item.as_string(tokens_key));
+
+  const std::string types_key = "tokenizer.ggml.token_type";
+  if (file.find(types_key) != nullptr) {
+    const gguf::Array& types = file.require(types_key).as_array(types_key);
+    // llama.cpp reads the first n_tokens entries and rejects fewer.
+    if (types.items.size() < vocab.tokens.size()) {
+      file.fail("metadata key '" + types_key + "' has " + std::to_string(types.items.size()) +
+                " entries for " + std::to_string(vocab.tokens.size()) + " tokens");
+    }
+    vocab.types.reserve(vocab.tokens.size());
+    for (std::size_t i = 0; i < vocab.tokens.size(); ++i) {
+      const std::int64_t type = types.items[i].as_i64(types_key);
+      // Out-of-range types are Undefined, as in llama.cpp.
+      vocab.types.push_back(type >= 0 && type <= 6 ? static_cast<TokenType>(type) : TokenType::Undefined);
+    }
+  } else {
+    vocab.types.assign(vocab.tokens.size(), TokenType::Normal);
+  }
+
+  const std::string merges_key = "tokenizer.ggml.merges";
+  if (vocab.model == "gpt2" || file.find(merges_key) != nullptr) {
+    const gguf::Array& merges = require_array(file, merges_key, gguf::ValueType::String);
+    vocab.merges.reserve(merges.items.size());
+    for (const gguf::Value& item : merges.items) vocab.merges.push_back(item.as_string(merges_key));
+  }
+
+  // An id past the vocabulary is ignored rather than fatal, as llama.cpp does: published files
+  // exist whose padding id is one past the end, and nothing here depends on it.
+  const auto token_id = [&](const std::string& key) -> Token {
+    const std::optional<std::uint64_t> id = file.find_u64(key);
+    if (!id || *id >= vocab.tokens.size()) return -1;
+    return static_cast<Token>(*id);
+  };
+  vocab.bos = token_id("tokenizer.ggml.bos_token_id");
+  vocab.eos = token_id("tokenizer.ggml.eos_token_id");
+  vocab.eot = token_id("tokenizer.ggml.eot_token_id");
+  vocab.eom = token_id("tokenizer.ggml.eom_token_id");
+  vocab.unk = token_id("tokenizer.ggml.unknown_token_id");
+  vocab.pad = token_id("tokenizer.ggml.padding_token_id");
+  vocab.add_bos = file.find_bool("tokenizer.ggml.add_bos_token").value_or(false);
+  vocab.chat_template = file.find_string("tokenizer.chat_template").value_or("");
+
+  // Converters often leave the end-of-turn id out; find it by its text, as llama.cpp does.
+  const auto find_text = [&](std::initializer_list<std::string_view> texts) -> Token {
+    for (const std::string_view text : texts) {
+      const auto it = std::find(vocab.tokens.begin(), vocab.tokens.end(), text);
+      if (it != vocab.tokens.end()) return static_cast<Token>(it - vocab.tokens.begin());
+    }
+    return -1;
+  };
+  if (vocab.eot < 0) vocab.eot = find_text({"<|im_end|>", "<|eot_id|>", "<|end|>"});
+  if (vocab.eom < 0) vocab.eom = find_text({"<|eom_id|>"});
+  return vocab;
+}
+
+// --- Tokenizer --------------------------------------------------------------------------------
+
+struct Tokenizer::Impl {
+  Vocab vocab;
+  PreTokenizer pre_tokenizer;
+  // Token text -> id. The keys view vocab.tokens, which never changes after construction.
+  std::unordered_map<std::string_view, Token> ids;
+  // Raw byte -> the id of the token that is that byte's alphabet character, or kNoToken.
+  std::array<Token, 256> byte_tokens{};
+  // (left id, right id) -> rank and merged id; pair_key() packs the two ids. 48,900 entries
+  // for SmolLM2, one lookup per adjacent pair a piece ever forms.
+  std::unordered_map<std::uint64_t, Merge> merges;
+  // Id -> the bytes the token stands for when special tokens are rendered.
+  std::vector<std::string> pieces;
+  // Tokens cut out of the text before pre-tokenizing: longest text first, then lowest id.
+  std::vector<Token> special_tokens;
+  std::vector<bool> end_of_generation;  // by id
+
+  explicit Impl(Vocab v) : vocab(std::move(v)), pre_tokenizer(vocab.pre) {}
+
+  void encode_text(std::string_view text, Workspace& work, std::vector<Token>& out) const;
+  void encode_piece(std::string_view piece, Workspace& work, std::vector<Token>& out) const;
+};
+
+Tokenizer::Tokenizer(Vocab vocab) {
+  if (vocab.model != "gpt2") {
+    throw std::invalid_argument("tokenizer: unsupported tokenizer model '" + vocab.model +
+                                "' (only byte-level BPE, \"gpt2\", is supported)");
+  }
+  impl_ = std::make_unique<Impl>(std::move(vocab));
+  Impl& impl = *impl_;
+  const Vocab& v = impl.vocab;
+  const std::size_t n = v.tokens.size();
+  if (n == 0) throw std::invalid_argument("tokenizer: the vocabulary is empty");
+  if (n > static_cast<std::size_t>(INT32_MAX)) throw std::invalid_argument("tokenizer: vocabulary too large");
+  if (!v.types.empty() && v.types.size() != n) {
+    throw std::invalid_argument("tokenizer: " + std::to_string(v.types.size()) + " token types for " +
+                                std::to_string(n) + " tokens");
+  }
+  if (v.types.empty()) impl.vocab.types.assign(n, TokenType::Normal);
+
+  const std::array<std::pair<const char*, Token>, 6> special_ids = {{
+      {"bos", v.bos}, {"eos", v.eos}, {"eot", v.eot}, {"eom", v.eom}, {"unk", v.unk}, {"pad", v.pad}}};
+  for (const auto& [name, id] : special_ids) {
+    if (id < -1 || id >= static_cast<Token>(n)) {
+      throw std::invalid_argument(std::string("tokenizer: ") + name + " id " + std::to_string(id) +
+                                  " is outside the vocabulary of " + std::to_string(n));
+    }
+  }
+
+  impl.ids.reserve(n);
+  for (std::size_t id = 0; id < n; ++id) {
+    const std::string& text = v.tokens[id];
+    if (text.empty()) continue;  // can be neither matched nor merged into
+    const auto [it, inserted] = impl.ids.emplace(text, static_cast<Token>(id));
+    if (!inserted) {
+      throw std::invalid_argument("tokenizer: token '" + text + "' appears twice, as ids " +
+                                  std::to_string(it->second) + " and " + std::to_string(id));
+    }
+  }
+
+  for (int b = 0; b < 256; ++b) {
+    std::string text;
+    append_utf8(text, kByteAlphabet.char_of_byte[b]);
+    const auto it = impl.ids.find(text);
+    impl.byte_tokens[b] = it == impl.ids.end() ? kNoToken : it->second;
+  }
+
+  impl.merges.reserve(v.merges.size());
+  for (std::size_t rank = 0; rank < v.merges.size(); ++rank) {
+    const std::string& merge = v.merges[rank];
+    // "a b": split at the first space after the first character, as llama.cpp does.
+    const std::size_t space = merge.find(' ', 1);
+    const auto lookup = [&](std::string_view text) {
+      const auto it = impl.ids.find(text);
+      if (it == impl.ids.end()) {
+        throw std::invalid_argument("tokenizer: merge " + std::to_string(rank) + " '" + merge +
+                                    "' names '" + std::string(text) + "', which is not a token");
+      }
+      return it->second;
+    };
+    if (space == std::string::npos || space + 1 == merge.size()) {
+      throw std::invalid_argument("tokenizer: merge " + std::to_string(rank) + " '" + merge +
+                                  "' is not two tokens separated by a space");
+    }
+    const std::string_view left = std::string_view(merge).substr(0, space);
+    const std::string_view right = std::string_view(merge).substr(space + 1);
+    const Token left_id = lookup(left), right_id = lookup(right);
+    const Token result = lookup(std::string(left) + std::string(right));
+    // A repeated pair keeps its first (best) rank.
+    impl.merges.emplace(pair_key(left_id, right_id), Merge{static_cast<std::int32_t>(rank), result});
+  }
+
+  impl.pieces.resize(n);
+  impl.end_of_generation.assign(n, false);
+  for (std::size_t id = 0; id < n; ++id) {
+    const std::string& text = v.tokens[id];
+    switch (v.types[id]) {
+      case TokenType::Normal:
+        impl.pieces[id] = bytes_of_byte_level(text);
+        break;
+      case TokenType::Byte: {
+        const int byte = parse_byte_token(text);
+        impl.pieces[id] = byte >= 0 ? std::string(1, static_cast<char>(byte)) : bytes_of_byte_level(text);
+        break;
+      }
+      case TokenType::Control:
+      case TokenType::Unknown:
+      case TokenType::UserDefined:
+        // Stored as the raw text, not byte-level encoded.
+        impl.pieces[id] = text;
+        if (!text.empty()) impl.special_tokens.push_back(static_cast<Token>(id));
+        break;
+      case TokenType::Unused:
+      case TokenType::Undefined:
+        break;  // render as nothing, as in llama.cpp
+    }
+    if (std::find(kEndOfGenerationTexts.begin(), kEndOfGenerationTexts.end(), text) !=
+        kEndOfGenerationTexts.end()) {
+      impl.end_of_generation[id] = true;
+    }
+  }
+  for (const Token id : {v.eos, v.eot, v.eom}) {
+    if (id >= 0) impl.end_of_generation[static_cast<std::size_t>(id)] = true;
+  }
+  // llama.cpp cuts longer special texts out first; equal lengths go by id here, so the order
+  // is deterministic.
+  std::stable_sort(impl.special_tokens.begin(), impl.special_tokens.end(), [&](Token a, Token b) {
+    return v.tokens[static_cast<std::size_t>(a)].size() > v.tokens[static_cast<std::size_t>(b)].size();
+  });
+}
+
+Tokenizer::~Tokenizer() = default;
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+
+std::vector<Token> Tokenizer::encode(std::string_view text, bool parse_special) const {
+  const Impl& impl = *impl_;
+  const Vocab& v = impl.vocab;
+
+  // 1. Cut special tokens out, one token at a time, longest first: each token splits every
+  //    text fragment that the tokens before it left, at each of its occurrences. Control and
+  //    unknown tokens count only with parse_special; user-defined ones always (as in llama.cpp
+  //    and Hugging Face, where added tokens are matched before the pre-tokenizer).
+  std::vector<Fragment> fragments;
+  if (!text.empty()) fragments.push_back({{0, text.size()}, kNoToken});
+  std::vector<Fragment> next;
+  for (const Token special : impl.special_tokens) {
+    const TokenType type = v.types[static_cast<std::size_t>(special)];
+    if (!parse_special && type != TokenType::UserDefined) continue;
+    const std::string_view needle = v.tokens[static_cast<std::size_t>(special)];
+    if (text.find(needle) == std::string_view::npos) continue;
+    next.clear();
+    for (const Fragment& fragment : fragments) {
+      if (fragment.token != kNoToken) {
+        next.push_back(fragment);
+        continue;
+      }
+      const std::string_view within = text.substr(0, fragment.range.end);
+      std::size_t position = fragment.range.begin;
+      for (std::size_t hit; (hit = within.find(needle, position)) != std::string_view::npos;) {
+        if (hit > position) next.push_back({{position, hit}, kNoToken});
+        next.push_back({{hit, hit + needle.size()}, special});
+        position = hit + needle.size();
+      }
+      if (position < fragment.range.end) next.push_back({{position, fragment.range.end}, kNoToken});
+    }
+    fragments.swap(next);
+  }
+
+  // 2-4. Pre-tokenize and merge each text fragment.
+  std::vector<Token> out;
+  out.reserve(text.size() / 3 + 8);
+  Workspace work;
+  for (const Fragment& fragment : fragments) {
+    if (fragment.token != kNoToken) {
+      out.push_back(fragment.token);
+    } else {
+      impl.encode_text(text.substr(fragment.range.begin, fragment.range.end - fragment.range.begin),
+                       work, out);
+    }
+  }
+  return out;
+}
+
+void Tokenizer::Impl::encode_text(std::string_view text, Workspace& work, std::vector<Token>& out) const {
+  work.pieces.clear();
+  pre_tokenizer.split(text, work.pieces, work.split_scratch);
+  for (const Range piece : work.pieces) encode_piece(text.substr(piece.begin, piece.end - piece.begin), work, out);
+}
+
+void Tokenizer::Impl::encode_piece(std::string_view piece, Workspace& work, std::vector<Token>& out) const {
+  // A byte without a token of its own is dropped, as llama.cpp and Hugging Face do. Vocabularies
+  // may lack a few: SmolLM2's has no token for 0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, nor for the
+  // bytes UTF-8 never uses (0xC0, 0xC1, 0xF5..0xFF) and two it rarely does (0xF1, 0xF2). (Its
+  // unknown token, <|endoftext|>, would end the document in the middle of the prompt.)
+  const auto emit = [&](Token token) {
+    if (token >= 0) out.push_back(token);
+  };
+
+  if (piece.size() == 1) {
+    emit(byte_tokens[static_cast<unsigned char>(piece[0])]);
+    return;
+  }
+  if (pre_tokenizer.ignore_merges()) {
+    work.byte_level.clear();
+    append_byte_level(work.byte_level, piece);
+    const auto it = ids.find(work.byte_level);
+    if (it != ids.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  }
+
+  // One symbol per byte, linked in order.
+  std::vector<Symbol>& symbols = work.symbols;
+  symbols.resize(piece.size());
+  const auto count = static_cast<std::int32_t>(piece.size());
+  for (std::int32_t i = 0; i < count; ++i) {
+    symbols[i] = {byte_tokens[static_cast<unsigned char>(piece[i])], i - 1, i + 1 < count ? i + 1 : -1};
+  }
+
+  std::vector<Candidate>& heap = work.heap;
+  heap.clear();
+  const auto consider = [&](std::int32_t left, std::int32_t right) {
+    if (left < 0 || right < 0) return;
+    const Token left_token = symbols[left].token, right_token = symbols[right].token;
+    if (left_token < 0 || right_token < 0) return;
+    const auto it = merges.find(pair_key(left_token, right_token));
+    if (it == merges.end()) return;
+    heap.push_back({it->second.rank, left, right, left_token, right_token, it->second.result});
+    std::push_heap(heap.begin(), heap.end(), LaterCandidate{});
+  };
+  for (std::int32_t i = 0; i + 1 < count; ++i) consider(i, i + 1);
+
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), LaterCandidate{});
+    const Candidate best = heap.back();
+    heap.pop_back();
+    Symbol& left = symbols[best.left];
+    Symbol& right = symbols[best.right];
+    if (left.token != best.left_token || left.next != best.right || right.token != best.right_token) {
+      continue;  // stale: one side has merged since this pair was queued
+    }
+    // The right symbol joins the left one and leaves the list.
+    left.token = best.result;
+    left.next = right.next;
+    if (right.next >= 0) symbols[right.next].prev = best.left;
+    right.token = kMergedAway;
+    consider(left.prev, best.left);
+    consider(best.left, left.next);
+  }
+
+  // Symbol 0 is never merged away (merges absorb rightwards), so the list starts there.
+  for (std::int32_t i = 0; i >= 0; i = symbols[i].next) emit(symbols[i].token);
+}
+
+std::string Tokenizer::token_bytes(Token t, bool render_special) const {
+  if (t < 0 || static_cast<std::size_t>(t) >= impl_->pieces.size()) {
+    throw std::out_of_range("tokenizer: token id " + std::to_string(t) + " is outside the vocabulary of " +
+                            std::to_string(impl_->pieces.size()));
+  }
+  const TokenType type = impl_->vocab.types[static_cast<std::size_t>(t)];
+  if (!render_special && (type == TokenType::Control || type == TokenType::Unknown)) return {};
+  return impl_->pieces[static_cast<std::size_t>(t)];
+}
+
+std::string Tokenizer::decode(std::span<const Token> tokens, bool render_special) const {
+  std::string out;
+  for (const Token t : tokens) out += token_bytes(t, render_special);
+  return out;
+}
+
+std::size_t Tokenizer::size() const { return impl_->vocab.tokens.size(); }
+const Vocab& Tokenizer::vocab() const { return impl_->vocab; }
+bool Tokenizer::add_bos() const { return impl_->vocab.add_bos; }
+
+bool Tokenizer::is_end_of_generation(Token t) const {
+  return t >= 0 && static_cast<std::size_t>(t) < impl_->end_of_generation.size() &&
+         impl_->end_of_generation[static_cast<std::size_t>(t)];
+}
+
+Token Tokenizer::find(std::string_view text) const {
+  const auto it = impl_->ids.find(text);
+  return it == impl_->ids.end() ? -1 : it->second;
+}
+
+// --- StreamDecoder ------------------------------------------------------------------------------
+
+namespace {
+
+// Moves the text that is ready out of `pending`: every complete character, and U+FFFD for each
+// invalid sequence. A valid start of a character that the buffer's end cuts off stays behind,
+// unless `at_end`, when it is invalid too.
+std::string take_ready_text(std::string& pending, bool at_end) {
+  std::string out;
+  out.reserve(pending.size());
+  std::size_t i = 0;
+  while (i < pending.size()) {
+    const Utf8Sequence seq = classify_utf8(pending, i);
+    if (seq.status == Utf8Status::Complete) {
+      out.append(pending, i, seq.length);
+    } else if (seq.status == Utf8Status::Truncated && !at_end) {
+      break;
+    } else {
+      out += kReplacementCharacter;
+    }
+    i += seq.length;
+  }
+  pending.erase(0, i);
+  return out;
+}
+
+}  // namespace
+
+StreamDecoder::StreamDecoder(const Tokenizer& tokenizer, bool render_special)
+    : tokenizer_(&tokenizer), render_special_(render_special) {}
+
+std::string StreamDecoder::push(Token t) {
+  pending_ += tokenizer_->token_bytes(t, render_special_);
+  return take_ready_text(pending_, /*at_end=*/false);
+}
+
+std::string StreamDecoder::finish() { return take_ready_text(pending_, /*at_end=*/true); }
+
+}  // namespace batchlm::local_engine

@@ -1,0 +1,243 @@
+#include "engine_commands.hpp"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <map>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "batchlm/kernels/ops.hpp"
+#include "batchlm/local_engine/engine.hpp"
+#include "batchlm/local_engine/model.hpp"
+#include "batchlm/runner/job.hpp"
+
+namespace batchlm::app {
+
+namespace {
+
+using namespace batchlm::local_engine;
+
+struct GenerateOptions {
+  std::string model;
+  std::string prompt;
+  std::string file;
+  std::string system;
+  bool chat = false;
+  long long max_tokens = 256;
+  float temperature = 0.8f;
+  float top_p = 0.95f;
+  int top_k = 40;
+  std::optional<unsigned long long> seed;
+  int threads = 0;
+  long long context = 0;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+  bool timings = false;
+};
+
+struct InspectOptions {
+  std::string model;
+  bool tensors = false;
+};
+
+GenerateOptions g;
+InspectOptions in;
+CLI::App* generate_cmd = nullptr;
+CLI::App* inspect_cmd = nullptr;
+
+std::string default_model() {
+  if (const char* env = std::getenv("BATCHLM_MODEL"); env && *env) return env;
+  return std::string(runner::kDefaultLocalModel);
+}
+
+std::string read_prompt() {
+  if (!g.prompt.empty() && !g.file.empty()) throw CLI::ValidationError("give --prompt or --file, not both");
+  if (!g.file.empty()) {
+    if (g.file == "-") return std::string(std::istreambuf_iterator<char>(std::cin), {});
+    std::ifstream f(g.file, std::ios::binary);
+    if (!f) throw std::runtime_error(g.file + ": cannot read the prompt file");
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }
+  if (g.prompt.empty()) throw std::runtime_error("no prompt: give --prompt TEXT or --file PATH (- for stdin)");
+  return g.prompt;
+}
+
+int run_generate() {
+  const std::string text = read_prompt();
+  std::shared_ptr<const Model> model = Model::load(g.model);
+  Engine engine(model, EngineOptions{g.threads, g.context});
+  std::vector<Token> prompt;
+  if (g.chat) {
+    std::vector<ChatMessage> messages;
+    if (!g.system.empty()) messages.push_back({"system", g.system});
+    messages.push_back({"user", text});
+    prompt = engine.chat_prompt(messages);
+  } else {
+    prompt = engine.text_prompt(text);
+  }
+  GenerateParams params;
+  params.max_tokens = g.max_tokens;
+  params.sampling.temperature = g.temperature;
+  params.sampling.top_p = g.top_p;
+  params.sampling.top_k = g.top_k;
+  params.sampling.seed = g.seed ? *g.seed : std::random_device{}();
+  params.stop = g.stop;
+  params.ignore_eos = g.ignore_eos;
+  GenerateResult r = engine.generate(prompt, params, [](std::string_view piece) {
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+    return true;
+  });
+  if (!r.text.empty() && r.text.back() != '\n') std::fputc('\n', stdout);
+  std::fflush(stdout);
+  if (g.timings) {
+    const GenerateStats& s = r.stats;
+    nlohmann::json j = {
+        {"prompt_tokens", s.prompt_tokens},
+        {"prompt_ms", s.prompt_ms},
+        {"generated_tokens", s.generated_tokens},
+        {"decode_steps", s.decode_steps},
+        {"generate_ms", s.generate_ms},
+        {"prompt_tok_s", s.prompt_ms > 0 ? s.prompt_tokens * 1000.0 / s.prompt_ms : 0.0},
+        {"generate_tok_s", s.generate_ms > 0 ? s.decode_steps * 1000.0 / s.generate_ms : 0.0},
+        {"finish_reason", r.finish_reason},
+        {"threads", engine.threads()},
+        {"simd", kernels::cpu_simd_name()},
+    };
+    std::fprintf(stderr, "%s\n", j.dump().c_str());
+  }
+  return 0;
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (b >= 1024 && u < 3) {
+    b /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", b, units[u]);
+  return buf;
+}
+
+std::string token_text(const Tokenizer& tok, Token t) {
+  if (t < 0 || static_cast<std::size_t>(t) >= tok.size()) return "(none)";
+  return std::to_string(t) + " " + nlohmann::json(tok.vocab().tokens[t]).dump();
+}
+
+int run_inspect() {
+  const gguf::File file = gguf::File::open(in.model);
+  std::printf("file          %s (%s, GGUF v%u)\n", file.path().c_str(),
+              human_bytes(static_cast<double>(file.file_size())).c_str(), file.version());
+  const std::string arch = file.find_string("general.architecture").value_or("(unknown)");
+  std::printf("architecture  %s\n", arch.c_str());
+  if (auto name = file.find_string("general.name")) std::printf("name          %s\n", name->c_str());
+
+  std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> by_type;  // count, bytes
+  std::uint64_t params = 0;
+  for (const auto& t : file.tensors()) {
+    auto& e = by_type[std::string(kernels::to_string(t.type))];
+    ++e.first;
+    e.second += t.n_bytes;
+    params += t.n_elements;
+  }
+  std::printf("parameters    %.1f M in %zu tensors\n", static_cast<double>(params) / 1e6, file.tensors().size());
+  std::printf("tensor types ");
+  for (const auto& [type, e] : by_type)
+    std::printf(" %s x%llu (%s)", type.c_str(), static_cast<unsigned long long>(e.first),
+                human_bytes(static_cast<double>(e.second)).c_str());
+  std::printf("\n");
+
+  try {
+    std::shared_ptr<const Model> model = Model::load(in.model);
+    const ModelConfig& c = model->config();
+    std::printf("layers        %lld\n", static_cast<long long>(c.n_layers));
+    std::printf("embedding     %lld, feed-forward %lld\n", static_cast<long long>(c.n_embd),
+                static_cast<long long>(c.n_ff));
+    std::printf("heads         %lld query, %lld key/value, head size %lld\n",
+                static_cast<long long>(c.n_heads), static_cast<long long>(c.n_kv_heads),
+                static_cast<long long>(c.head_dim));
+    std::printf("context       %lld (training)\n", static_cast<long long>(c.n_ctx_train));
+    std::printf("rope          base %g, %lld dims; rms eps %g\n", static_cast<double>(c.rope_base),
+                static_cast<long long>(c.rope_dim), static_cast<double>(c.rms_eps));
+    std::printf("output head   %s\n", c.tied_embeddings ? "tied to the embeddings" : "separate");
+    const Tokenizer& tok = model->tokenizer();
+    const Vocab& v = tok.vocab();
+    std::printf("tokenizer     %s (pre-tokenizer %s), %zu tokens, %zu merges\n", v.model.c_str(),
+                v.pre.c_str(), tok.size(), v.merges.size());
+    std::printf("special       bos %s, eos %s, eot %s%s\n", token_text(tok, v.bos).c_str(),
+                token_text(tok, v.eos).c_str(), token_text(tok, v.eot).c_str(),
+                v.add_bos ? ", BOS added" : "");
+    try {
+      const ChatTemplate& ct = model->chat_template();
+      std::printf("chat template %s%s\n", std::string(ct.name()).c_str(),
+                  ct.default_system().empty() ? "" : (", default system: " +
+                  nlohmann::json(ct.default_system()).dump()).c_str());
+    } catch (const std::exception& e) {
+      std::printf("chat template unsupported (%s)\n", e.what());
+    }
+    std::printf("runs          yes (CPU kernels: %s)\n", kernels::cpu_simd_name());
+  } catch (const std::exception& e) {
+    std::printf("runs          no: %s\n", e.what());
+  }
+  if (in.tensors) {
+    for (const auto& t : file.tensors()) {
+      std::string shape;
+      for (std::size_t i = 0; i < t.shape.size(); ++i) shape += (i ? " x " : "") + std::to_string(t.shape[i]);
+      std::printf("  %-32s %-5s %-16s %s\n", t.name.c_str(), std::string(kernels::to_string(t.type)).c_str(),
+                  shape.c_str(), human_bytes(static_cast<double>(t.n_bytes)).c_str());
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_engine_commands(CLI::App& app) {
+  generate_cmd = app.add_subcommand("generate", "Stream a completion from a local GGUF model");
+  g.model = default_model();
+  generate_cmd->add_option("--model,-m", g.model, "GGUF model file")->capture_default_str();
+  generate_cmd->add_option("--prompt,-p", g.prompt, "Prompt text");
+  generate_cmd->add_option("--file,-f", g.file, "Read the prompt from a file (- for stdin)");
+  generate_cmd->add_flag("--chat", g.chat, "Apply the model's chat template (the prompt is the user turn)");
+  generate_cmd->add_option("--system", g.system, "System message (with --chat)");
+  generate_cmd->add_option("--max-tokens,-n", g.max_tokens, "Tokens to generate at most")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  generate_cmd->add_option("--temperature", g.temperature, "Sampling temperature; 0 is greedy")
+      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+  generate_cmd->add_option("--top-p", g.top_p, "Nucleus sampling threshold")
+      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  generate_cmd->add_option("--top-k", g.top_k, "Sample among the k most likely tokens; 0: all")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  generate_cmd->add_option("--seed", g.seed, "Random seed (default: random)");
+  generate_cmd->add_option("--threads,-t", g.threads, "Compute threads; 0: one per hardware thread")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  generate_cmd->add_option("--context", g.context, "Context size in tokens; 0: min(model's, 4096)")
+      ->check(CLI::NonNegativeNumber);
+  generate_cmd->add_option("--stop", g.stop, "Stop before this text (repeatable)");
+  generate_cmd->add_flag("--ignore-eos", g.ignore_eos, "Keep generating past end-of-turn tokens");
+  generate_cmd->add_flag("--timings", g.timings,
+                         "Print prompt and generation speed as one JSON line on stderr");
+
+  inspect_cmd = app.add_subcommand("inspect", "Describe a GGUF model: architecture, sizes, types, tokenizer");
+  in.model = default_model();
+  inspect_cmd->add_option("model", in.model, "GGUF model file")->capture_default_str();
+  inspect_cmd->add_flag("--tensors", in.tensors, "List every tensor");
+}
+
+int run_engine_command() {
+  if (generate_cmd && *generate_cmd) return run_generate();
+  if (inspect_cmd && *inspect_cmd) return run_inspect();
+  return -1;
+}
+
+}  // namespace batchlm::app

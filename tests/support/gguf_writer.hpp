@@ -1,0 +1,166 @@
+#pragma once
+// Builds GGUF files for tests: metadata of every type (nested arrays included), tensors from
+// raw bytes or from floats quantized with ggml's reference formulas, any alignment, and
+// deliberate corruption (magic, version, counts, a tensor's type id, dims or offset, truncation,
+// byte flips on the encoded bytes). Also writes a complete random-weight Llama model small
+// enough for the forward-pass tests, so no test needs a downloaded model.
+//
+// The writer does not use the reader it helps to test: it encodes the format on its own.
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "batchlm/kernels/dtype.hpp"
+
+namespace batchlm::testing {
+
+using kernels::DType;
+
+// Metadata value type ids, numbered as in the file (and as gguf::ValueType).
+enum class GgufType : std::uint32_t {
+  U8 = 0, I8 = 1, U16 = 2, I16 = 3, U32 = 4, I32 = 5, F32 = 6, Bool = 7,
+  String = 8, Array = 9, U64 = 10, I64 = 11, F64 = 12,
+};
+
+// One metadata value, already encoded: its type id and the bytes that follow the type id in the
+// file. Build it with the named constructors; `raw` writes any type id and payload at all.
+struct GgufValue {
+  std::uint32_t type = 0;
+  std::vector<std::byte> bytes;
+
+  static GgufValue u8(std::uint8_t v);
+  static GgufValue i8(std::int8_t v);
+  static GgufValue u16(std::uint16_t v);
+  static GgufValue i16(std::int16_t v);
+  static GgufValue u32(std::uint32_t v);
+  static GgufValue i32(std::int32_t v);
+  static GgufValue f32(float v);
+  static GgufValue boolean(bool v);
+  static GgufValue str(std::string_view v);
+  static GgufValue u64(std::uint64_t v);
+  static GgufValue i64(std::int64_t v);
+  static GgufValue f64(double v);
+  // An array whose items all have type `element_type` (throws std::invalid_argument otherwise);
+  // items may themselves be arrays, of any element type each.
+  static GgufValue array(GgufType element_type, const std::vector<GgufValue>& items);
+  static GgufValue str_array(const std::vector<std::string>& items);
+  static GgufValue i32_array(std::span<const std::int32_t> items);
+  static GgufValue u32_array(std::span<const std::uint32_t> items);
+  static GgufValue f32_array(std::span<const float> items);
+  // Any type id with any payload, for corruption tests.
+  static GgufValue raw(std::uint32_t type, std::vector<std::byte> bytes);
+};
+
+// Quantizes `values` (a multiple of block_size(type) long) to `type`'s blocks with ggml's
+// reference formulas; F32, F16, BF16, Q8_0, Q8_1, Q4_0 and Q4_1.
+std::vector<std::byte> quantize(DType type, std::span<const float> values);
+// The inverse: `n` elements from `data`.
+std::vector<float> dequantize(DType type, std::span<const std::byte> data, std::int64_t n);
+
+// Writes `bytes` to `path`, replacing the file. Throws std::runtime_error on failure.
+void write_file(const std::filesystem::path& path, std::span<const std::byte> bytes);
+
+class GgufWriter {
+ public:
+  // What the tensor table says about a tensor, replacing what the writer would say. The
+  // tensor's data is laid out as usual either way.
+  struct TensorOverride {
+    std::optional<std::uint32_t> type_id;
+    std::optional<std::uint64_t> offset;       // from the start of the data section
+    std::optional<std::vector<std::uint64_t>> dims;
+    std::optional<std::uint32_t> n_dims;       // default: dims.size()
+  };
+
+  // The encoded file and where its parts begin.
+  struct Encoded {
+    std::vector<std::byte> bytes;
+    std::uint64_t data_start = 0;                // first byte of the data section
+    std::vector<std::uint64_t> tensor_offsets;   // per tensor, from data_start
+  };
+
+  // Metadata in the order added. Duplicate keys are written as given (for corruption tests).
+  GgufWriter& add(std::string key, GgufValue value);
+  // Writes general.alignment (u32) at this point of the metadata and lays the data out at
+  // this alignment; a value that is not a non-zero power of two is written, but the data is
+  // then laid out at the default 32.
+  GgufWriter& set_alignment(std::uint32_t alignment);
+
+  // A tensor from its encoded bytes, which must be row_bytes(type, shape[0]) * rows long
+  // (throws std::invalid_argument otherwise). shape[0] is the row length, as in the file.
+  GgufWriter& add_tensor(std::string name, DType type, std::vector<std::int64_t> shape,
+                         std::vector<std::byte> data);
+  // A tensor from floats (product of shape long), quantized to `type`.
+  GgufWriter& add_tensor(std::string name, DType type, std::vector<std::int64_t> shape,
+                         std::span<const float> values);
+
+  // Corruption hooks.
+  GgufWriter& override_tensor(std::string_view name, TensorOverride override_with);
+  GgufWriter& set_magic(std::string magic);   // written as given, any length
+  GgufWriter& set_version(std::uint32_t version);
+  GgufWriter& set_tensor_count(std::uint64_t count);
+  GgufWriter& set_kv_count(std::uint64_t count);
+  GgufWriter& append_bytes(std::vector<std::byte> bytes);  // after the data section
+
+  Encoded encode() const;
+  void write(const std::filesystem::path& path) const;
+  // Only the first `size` bytes of the file.
+  void write_truncated(const std::filesystem::path& path, std::size_t size) const;
+
+ private:
+  struct Tensor {
+    std::string name;
+    DType type;
+    std::vector<std::int64_t> shape;
+    std::vector<std::byte> data;
+    TensorOverride override_with;
+  };
+
+  std::string magic_ = "GGUF";
+  std::uint32_t version_ = 3;
+  std::optional<std::uint64_t> tensor_count_, kv_count_;
+  std::uint64_t alignment_ = 32;  // for the layout
+  std::vector<std::pair<std::string, GgufValue>> metadata_;
+  std::vector<Tensor> tensors_;
+  std::vector<std::byte> trailer_;
+};
+
+// A random-weight Llama in llama.cpp's GGUF layout for the `llama` architecture, with a small
+// byte-level GPT-2 BPE vocabulary (ChatML special tokens, as SmolLM2 has).
+struct TinyLlamaOptions {
+  std::int64_t n_embd = 64;
+  std::int64_t n_ff = 128;
+  std::int64_t n_heads = 4;
+  std::int64_t n_kv_heads = 2;
+  std::int64_t n_layers = 2;
+  std::int64_t context_length = 256;
+  float rope_freq_base = 10000.0f;
+  float rms_norm_eps = 1e-5f;
+  DType weight_dtype = DType::F32;      // the attention and feed-forward matrices
+  DType embedding_dtype = DType::F32;   // token_embd.weight (and output.weight unless tied)
+  std::uint64_t seed = 1;
+  bool tied = false;                    // no output.weight: the output reuses token_embd
+};
+
+struct TinyLlamaInfo {
+  std::int64_t n_vocab = 0;
+  std::int64_t head_dim = 0;
+  std::vector<std::string> tokens;      // by id, byte-level encoded as in the file
+  std::vector<std::string> merges;      // "a b", by rank
+};
+
+// The vocabulary alone (tokens and merges of write_tiny_llama).
+TinyLlamaInfo tiny_llama_vocab();
+
+// Writes the model to `path`. Weights are deterministic in options.seed. Throws
+// std::invalid_argument for sizes that do not make a model (n_embd not a multiple of
+// n_heads, rows not whole blocks of the chosen dtypes, ...).
+TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path,
+                               const TinyLlamaOptions& options = {});
+
+}  // namespace batchlm::testing

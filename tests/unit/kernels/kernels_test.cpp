@@ -1,0 +1,246 @@
+// The CPU kernels: conversions, quantized dot products against a plain float reference, the
+// AVX2 path against the portable one, and the drivers (matmul, attention, rope, norm).
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "../../../kernels/cpu/cpu_kernels.hpp"
+#include "batchlm/kernels/ops.hpp"
+
+namespace {
+
+using namespace batchlm::kernels;
+
+std::vector<float> random_floats(std::size_t n, std::uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+TEST(Fp16, RoundTripsEveryHalf) {
+  for (std::uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = fp16_to_fp32(static_cast<std::uint16_t>(h));
+    if (std::isnan(f)) continue;
+    EXPECT_EQ(fp32_to_fp16(f), h) << std::hex << h;
+  }
+}
+
+TEST(Fp16, RoundsToNearestEven) {
+  EXPECT_EQ(fp32_to_fp16(1.0f), 0x3c00);
+  EXPECT_EQ(fp32_to_fp16(65504.0f), 0x7bff);
+  EXPECT_EQ(fp32_to_fp16(1e6f), 0x7c00);  // overflow to infinity
+  EXPECT_EQ(fp32_to_fp16(1.0f + 1.0f / 2048), 0x3c00);  // halfway, to even
+  EXPECT_EQ(fp32_to_fp16(1.0f + 3.0f / 2048), 0x3c02);  // halfway, to even (up)
+  EXPECT_EQ(fp32_to_fp16(5.96046448e-8f), 0x0001);      // smallest subnormal
+  EXPECT_FLOAT_EQ(bf16_to_fp32(fp32_to_bf16(3.140625f)), 3.140625f);
+}
+
+// Quantizes a float row into `type` blocks the way GGUF writers do (for the tests).
+std::vector<std::uint8_t> quantize_weights(DType type, const std::vector<float>& x) {
+  std::vector<std::uint8_t> out(row_bytes(type, static_cast<std::int64_t>(x.size())));
+  const std::size_t nb = x.size() / 32;
+  for (std::size_t b = 0; b < nb; ++b) {
+    const float* xb = x.data() + b * 32;
+    if (type == DType::Q4_1) {
+      float mn = xb[0], mx = xb[0];
+      for (int j = 0; j < 32; ++j) mn = std::min(mn, xb[j]), mx = std::max(mx, xb[j]);
+      const float d = (mx - mn) / 15.0f, id = d ? 1.0f / d : 0.0f;
+      auto* blk = reinterpret_cast<BlockQ4_1*>(out.data()) + b;
+      blk->d = fp32_to_fp16(d);
+      blk->m = fp32_to_fp16(mn);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = std::min(15, static_cast<int>((xb[j] - mn) * id + 0.5f));
+        const int hi = std::min(15, static_cast<int>((xb[j + 16] - mn) * id + 0.5f));
+        blk->qs[j] = static_cast<std::uint8_t>(lo | (hi << 4));
+      }
+    } else if (type == DType::Q4_0) {
+      float amax = 0, max = 0;
+      for (int j = 0; j < 32; ++j)
+        if (std::fabs(xb[j]) > amax) amax = std::fabs(xb[j]), max = xb[j];
+      const float d = max / -8.0f, id = d ? 1.0f / d : 0.0f;
+      auto* blk = reinterpret_cast<BlockQ4_0*>(out.data()) + b;
+      blk->d = fp32_to_fp16(d);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = std::min(15, static_cast<int>(xb[j] * id + 8.5f));
+        const int hi = std::min(15, static_cast<int>(xb[j + 16] * id + 8.5f));
+        blk->qs[j] = static_cast<std::uint8_t>(lo | (hi << 4));
+      }
+    } else if (type == DType::Q8_0) {
+      cpu::portable_kernels().quantize_q8_0(xb, 32, out.data() + b * sizeof(BlockQ8_0));
+    }
+  }
+  if (type == DType::F16 || type == DType::BF16) {
+    auto* o = reinterpret_cast<std::uint16_t*>(out.data());
+    for (std::size_t i = 0; i < x.size(); ++i) o[i] = type == DType::F16 ? fp32_to_fp16(x[i]) : fp32_to_bf16(x[i]);
+  }
+  if (type == DType::F32) std::memcpy(out.data(), x.data(), x.size() * 4);
+  return out;
+}
+
+class MatmulTest : public ::testing::TestWithParam<DType> {};
+
+// matmul of quantized weights must be close to the float product of the dequantized weights
+// (the activations' 8-bit rounding is the only further error), on every thread count.
+TEST_P(MatmulTest, MatchesDequantizedReference) {
+  const DType type = GetParam();
+  const std::int64_t rows = 37, cols = 256, n = 5;
+  std::vector<std::uint8_t> w;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    auto row = quantize_weights(type, random_floats(cols, 100 + r, 0.5f));
+    w.insert(w.end(), row.begin(), row.end());
+  }
+  const Matrix m{type, w.data(), rows, cols};
+  std::vector<float> deq(rows * cols);
+  std::vector<std::int32_t> ids(rows);
+  for (std::int64_t r = 0; r < rows; ++r) ids[r] = static_cast<std::int32_t>(r);
+  get_rows(m, ids, deq.data());
+  const auto x = random_floats(n * cols, 7);
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    std::vector<float> y(n * rows);
+    std::vector<std::uint8_t> scratch(activation_bytes(m, n));
+    matmul(m, x.data(), n, y.data(), scratch.data(), pool);
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t r = 0; r < rows; ++r) {
+        double ref = 0, mag = 0;
+        for (std::int64_t c = 0; c < cols; ++c) {
+          ref += static_cast<double>(deq[r * cols + c]) * x[t * cols + c];
+          mag += std::fabs(deq[r * cols + c] * x[t * cols + c]);
+        }
+        const double tol = (type == DType::F32 ? 1e-5 : type == DType::BF16 ? 1e-2 : 2e-2) * mag + 1e-4;
+        EXPECT_NEAR(y[t * rows + r], ref, tol) << to_string(type) << " t=" << t << " r=" << r;
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, MatmulTest,
+                         ::testing::Values(DType::F32, DType::F16, DType::BF16, DType::Q8_0,
+                                           DType::Q4_0, DType::Q4_1),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+// The AVX2 path computes what the portable path computes, up to float summation order.
+TEST(Avx2, AgreesWithPortable) {
+  const cpu::Kernels* avx2 = cpu::avx2_kernels();
+  if (avx2 == nullptr) GTEST_SKIP() << "this CPU or build has no AVX2 path";
+  const cpu::Kernels& ref = cpu::portable_kernels();
+  const std::int64_t cols = 320;
+  const auto x = random_floats(2 * cols, 3);
+  // Quantization is exact: the same blocks bit for bit.
+  for (bool q81 : {false, true}) {
+    const std::size_t bytes = row_bytes(q81 ? DType::Q8_1 : DType::Q8_0, cols);
+    std::vector<std::uint8_t> a(bytes), b(bytes);
+    (q81 ? ref.quantize_q8_1 : ref.quantize_q8_0)(x.data(), cols, a.data());
+    (q81 ? avx2->quantize_q8_1 : avx2->quantize_q8_0)(x.data(), cols, b.data());
+    EXPECT_EQ(a, b) << (q81 ? "Q8_1" : "Q8_0");
+  }
+  struct Case { DType w, act; cpu::TileFn cpu::Kernels::*fn; };
+  const Case cases[] = {{DType::Q4_0, DType::Q8_0, &cpu::Kernels::tile_q4_0},
+                        {DType::Q4_1, DType::Q8_1, &cpu::Kernels::tile_q4_1},
+                        {DType::Q8_0, DType::Q8_0, &cpu::Kernels::tile_q8_0},
+                        {DType::F16, DType::F16, &cpu::Kernels::tile_f16},
+                        {DType::F32, DType::F32, &cpu::Kernels::tile_f32}};
+  for (const Case& c : cases) {
+    std::vector<std::uint8_t> w;
+    for (int r = 0; r < 4; ++r) {
+      auto row = quantize_weights(c.w, random_floats(cols, 50 + r));
+      w.insert(w.end(), row.begin(), row.end());
+    }
+    const std::size_t xrb = row_bytes(c.act, cols);
+    std::vector<std::uint8_t> xq(2 * xrb);
+    for (int t = 0; t < 2; ++t) {
+      if (c.act == DType::Q8_0) ref.quantize_q8_0(x.data() + t * cols, cols, xq.data() + t * xrb);
+      if (c.act == DType::Q8_1) ref.quantize_q8_1(x.data() + t * cols, cols, xq.data() + t * xrb);
+      if (c.act == DType::F16 || c.act == DType::F32) {
+        auto row = quantize_weights(c.act, std::vector<float>(x.begin() + t * cols, x.begin() + (t + 1) * cols));
+        std::memcpy(xq.data() + t * xrb, row.data(), xrb);
+      }
+    }
+    const std::int64_t nb = cols / block_size(c.w);
+    const std::size_t wrb = row_bytes(c.w, cols);
+    for (int nr = 1; nr <= 4; ++nr)
+      for (int nt = 1; nt <= 2; ++nt) {
+        float ya[8] = {}, yb[8] = {};
+        (ref.*c.fn)(w.data(), wrb, nr, xq.data(), xrb, nt, nb, ya, 4);
+        (avx2->*c.fn)(w.data(), wrb, nr, xq.data(), xrb, nt, nb, yb, 4);
+        for (int t = 0; t < nt; ++t)
+          for (int r = 0; r < nr; ++r)
+            EXPECT_NEAR(ya[t * 4 + r], yb[t * 4 + r], 1e-3f * (1.0f + std::fabs(ya[t * 4 + r])))
+                << to_string(c.w) << " tile " << nr << "x" << nt;
+      }
+  }
+}
+
+TEST(Attention, MatchesSoftmaxReference) {
+  const AttentionShape s{4, 2, 16, 2 * 16, 0.25f};
+  const std::int64_t n_ctx = 9, n = 3;
+  const auto kf = random_floats(n_ctx * s.kv_stride, 11), vf = random_floats(n_ctx * s.kv_stride, 12);
+  std::vector<std::uint16_t> k(kf.size()), v(vf.size());
+  for (std::size_t i = 0; i < kf.size(); ++i) k[i] = fp32_to_fp16(kf[i]), v[i] = fp32_to_fp16(vf[i]);
+  const auto q = random_floats(n * s.n_heads * s.head_dim, 13);
+  const std::int32_t positions[3] = {6, 7, 8};
+  std::vector<float> out(q.size());
+  ThreadPool pool(2);
+  attention(s, q.data(), n, positions, k.data(), v.data(), out.data(), pool);
+  for (std::int64_t t = 0; t < n; ++t)
+    for (std::int64_t h = 0; h < s.n_heads; ++h) {
+      const std::int64_t kvh = h / 2;
+      std::vector<double> p(positions[t] + 1);
+      double sum = 0, mx = -1e30;
+      for (std::int64_t j = 0; j <= positions[t]; ++j) {
+        double d = 0;
+        for (std::int64_t i = 0; i < s.head_dim; ++i)
+          d += q[(t * s.n_heads + h) * s.head_dim + i] * fp16_to_fp32(k[j * s.kv_stride + kvh * s.head_dim + i]);
+        p[j] = d * s.scale;
+        mx = std::max(mx, p[j]);
+      }
+      for (auto& x : p) sum += (x = std::exp(x - mx));
+      for (std::int64_t i = 0; i < s.head_dim; ++i) {
+        double ref = 0;
+        for (std::int64_t j = 0; j <= positions[t]; ++j)
+          ref += p[j] / sum * fp16_to_fp32(v[j * s.kv_stride + kvh * s.head_dim + i]);
+        EXPECT_NEAR(out[(t * s.n_heads + h) * s.head_dim + i], ref, 5e-3);
+      }
+    }
+}
+
+TEST(Rope, RotatesPairsByPosition) {
+  std::vector<float> x = {1, 0, 1, 0, 0, 1, 0, 1};  // 1 token, 2 heads of 4
+  const std::int32_t pos[1] = {3};
+  rope(x.data(), 1, 2, 4, 4, pos, 10000.0f);
+  EXPECT_NEAR(x[0], std::cos(3.0f), 1e-6);
+  EXPECT_NEAR(x[1], std::sin(3.0f), 1e-6);
+  EXPECT_NEAR(x[2], std::cos(3.0f / 100.0f), 1e-6);  // theta = 3 * 10000^(-2/4)
+  EXPECT_NEAR(x[5], std::cos(3.0f), 1e-6);
+  EXPECT_NEAR(x[4], -std::sin(3.0f), 1e-6);
+}
+
+TEST(RmsNorm, NormalisesAndScales) {
+  const float x[4] = {1, 2, 3, 4}, w[4] = {1, 1, 2, 2};
+  float out[4];
+  rms_norm(x, w, 1, 4, 0.0f, out);
+  const float rms = std::sqrt((1 + 4 + 9 + 16) / 4.0f);
+  EXPECT_NEAR(out[0], 1 / rms, 1e-6);
+  EXPECT_NEAR(out[3], 8 / rms, 1e-6);
+}
+
+TEST(ThreadPool, CoversTheRangeExactlyOnce) {
+  for (int threads : {1, 2, 4}) {
+    ThreadPool pool(threads);
+    for (std::int64_t n : {1, 2, 7, 1000}) {
+      std::vector<std::atomic<int>> hits(static_cast<std::size_t>(n));
+      for (int rep = 0; rep < 50; ++rep)
+        pool.parallel_for(n, 1, [&](std::int64_t b, std::int64_t e, int) {
+          for (std::int64_t i = b; i < e; ++i) hits[i]++;
+        });
+      for (auto& h : hits) EXPECT_EQ(h.load(), 50);
+    }
+  }
+}
+
+}  // namespace

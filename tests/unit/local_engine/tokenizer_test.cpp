@@ -1,0 +1,623 @@
+#include "batchlm/local_engine/tokenizer.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "gguf_writer.hpp"
+
+namespace batchlm::local_engine {
+namespace {
+
+// --- A hand-built vocabulary ---------------------------------------------------------------------
+
+// GPT-2's byte -> character table, written out independently of the tokenizer's: printable
+// Latin-1 bytes stand for themselves, the other 68 move to U+0100.. in byte order.
+std::string byte_char(unsigned char b) {
+  static const std::array<std::string, 256> table = [] {
+    std::array<std::string, 256> t;
+    int moved = 0;
+    for (int byte = 0; byte < 256; ++byte) {
+      const bool printable = (byte >= '!' && byte <= '~') || (byte >= 0xA1 && byte <= 0xAC) || byte >= 0xAE;
+      const unsigned cp = printable ? static_cast<unsigned>(byte) : 0x100u + static_cast<unsigned>(moved++);
+      std::string utf8;
+      if (cp < 0x80) {
+        utf8 += static_cast<char>(cp);
+      } else {
+        utf8 += static_cast<char>(0xC0 | (cp >> 6));
+        utf8 += static_cast<char>(0x80 | (cp & 0x3F));
+      }
+      t[static_cast<std::size_t>(byte)] = utf8;
+    }
+    return t;
+  }();
+  return table[b];
+}
+
+// The vocabulary form of raw bytes, e.g. " he" -> "Ġhe".
+std::string byte_level(std::string_view bytes) {
+  std::string out;
+  for (const char c : bytes) out += byte_char(static_cast<unsigned char>(c));
+  return out;
+}
+
+constexpr Token kEndOfText = 0, kImStart = 1, kImEnd = 2, kImStartSystem = 3, kUserTool = 4;
+constexpr Token kFirstByte = 5;  // ids 5..260 are the 256 byte tokens, in byte order
+
+Token byte_id(unsigned char b) { return kFirstByte + b; }
+
+// Specials, all 256 bytes, then one token per merge. The merge ranks are chosen to test:
+//   "b c" before "a b" (rank decides, not position); "a a" (leftmost on ties);
+//   "l l", "h e", "he ll", "hell o" (merging goes on until no pair has a rank);
+//   "Ġ Ġ", "Ġ w" (whitespace before a word stays a piece of its own);
+//   "1 2", "3 4" (merges across digits, which the smollm pre-tokenizer keeps apart).
+Vocab toy_vocab(std::string pre = "gpt2") {
+  Vocab vocab;
+  vocab.model = "gpt2";
+  vocab.pre = std::move(pre);
+  vocab.tokens = {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_start|>system", "<tool>"};
+  vocab.types = {TokenType::Control, TokenType::Control, TokenType::Control, TokenType::Control,
+                 TokenType::UserDefined};
+  for (int b = 0; b < 256; ++b) {
+    vocab.tokens.push_back(byte_char(static_cast<unsigned char>(b)));
+    vocab.types.push_back(TokenType::Normal);
+  }
+  vocab.merges = {"b c", "a b", "a a", "l l", "h e", "he ll", "hell o", "Ġ Ġ", "Ġ w", "1 2", "3 4"};
+  for (const std::string& merge : vocab.merges) {
+    const auto space = merge.find(' ');
+    vocab.tokens.push_back(merge.substr(0, space) + merge.substr(space + 1));
+    vocab.types.push_back(TokenType::Normal);
+  }
+  vocab.bos = kEndOfText;
+  vocab.eos = kImEnd;
+  return vocab;
+}
+
+class ToyTokenizer : public ::testing::Test {
+ protected:
+  Tokenizer tokenizer{toy_vocab()};
+
+  Token id(std::string_view bytes) const {
+    const Token t = tokenizer.find(byte_level(bytes));
+    EXPECT_GE(t, 0) << "no token for '" << bytes << "'";
+    return t;
+  }
+};
+
+// --- BPE ----------------------------------------------------------------------------------------
+
+TEST_F(ToyTokenizer, MergesTheLowestRankFirstWhereverItIs) {
+  // "a b" is the leftmost pair but "b c" has the lower rank.
+  EXPECT_EQ(tokenizer.encode("abc", false), (std::vector<Token>{id("a"), id("bc")}));
+}
+
+TEST_F(ToyTokenizer, MergesTheLeftmostPairOnEqualRanks) {
+  EXPECT_EQ(tokenizer.encode("aaa", false), (std::vector<Token>{id("aa"), id("a")}));
+  EXPECT_EQ(tokenizer.encode("aaaa", false), (std::vector<Token>{id("aa"), id("aa")}));
+}
+
+TEST_F(ToyTokenizer, MergesUntilNoAdjacentPairHasARank) {
+  EXPECT_EQ(tokenizer.encode("hello", false), (std::vector<Token>{id("hello")}));
+  EXPECT_EQ(tokenizer.encode("hell", false), (std::vector<Token>{id("hell")}));
+  // "x" has no merge, so "hello" forms next to it but never joins it.
+  EXPECT_EQ(tokenizer.encode("helloxhello", false),
+            (std::vector<Token>{id("hello"), id("x"), id("hello")}));
+}
+
+TEST_F(ToyTokenizer, NeverMergesAcrossPreTokenizerPieces) {
+  // GPT-2's pattern: "a", " " (whitespace keeps its last character for the word), " w".
+  EXPECT_EQ(tokenizer.encode("a  w", false), (std::vector<Token>{id("a"), id(" "), id(" w")}));
+  // Trailing whitespace is one piece.
+  EXPECT_EQ(tokenizer.encode("a  ", false), (std::vector<Token>{id("a"), id("  ")}));
+  // A letter run is one piece, so "b c" applies inside it; the space goes with the next word.
+  EXPECT_EQ(tokenizer.encode("abc abc", false),
+            (std::vector<Token>{id("a"), id("bc"), id(" "), id("a"), id("bc")}));
+}
+
+TEST(Tokenizer, SmolLMPreTokenizerSplitsEveryDigit) {
+  const Tokenizer gpt2(toy_vocab("gpt2"));
+  const Tokenizer smollm(toy_vocab("smollm"));
+  const Token one = gpt2.find("1"), two = gpt2.find("2"), twelve = gpt2.find("12");
+  EXPECT_EQ(gpt2.encode("12", false), (std::vector<Token>{twelve}));
+  EXPECT_EQ(smollm.encode("12", false), (std::vector<Token>{one, two}));
+}
+
+TEST(Tokenizer, Llama3AndDefaultPreTokenizersGroupDigitsByThree) {
+  const Tokenizer gpt2(toy_vocab("gpt2"));
+  const Token one = gpt2.find("1"), twelve = gpt2.find("12"), three = gpt2.find("3"),
+              four = gpt2.find("4"), five = gpt2.find("5"), thirty_four = gpt2.find("34");
+  // GPT-2 keeps "12345" whole, so "3 4" can merge; the others cut it into "123" and "45".
+  EXPECT_EQ(gpt2.encode("12345", false), (std::vector<Token>{twelve, thirty_four, five}));
+  for (const char* pre : {"llama3", "llama-bpe", "default"}) {
+    const Tokenizer tokenizer(toy_vocab(pre));
+    EXPECT_EQ(tokenizer.encode("12345", false), (std::vector<Token>{twelve, three, four, five})) << pre;
+    EXPECT_EQ(tokenizer.encode("1", false), (std::vector<Token>{one})) << pre;
+  }
+}
+
+TEST_F(ToyTokenizer, EncodesEveryByteAsItsByteToken) {
+  for (int b = 0; b < 256; ++b) {
+    const std::string text(1, static_cast<char>(b));
+    EXPECT_EQ(tokenizer.encode(text, false), (std::vector<Token>{byte_id(static_cast<unsigned char>(b))}))
+        << "byte " << b;
+    EXPECT_EQ(tokenizer.token_bytes(byte_id(static_cast<unsigned char>(b))), text) << "byte " << b;
+  }
+  std::string all_bytes;
+  for (int b = 0; b < 256; ++b) all_bytes += static_cast<char>(b);
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode(all_bytes, false)), all_bytes);
+}
+
+TEST_F(ToyTokenizer, RoundTripsAnyBytes) {
+  std::vector<std::string> texts = {
+      "", "hello world", "  leading", "trailing  ", "\n\n\t \r\n", "日本語 テキスト", "😀👍🏽🇫🇷",
+      "café naïve", "x = f(1, 2) + 3.14;\n", "\xff\xfe", "ab\x80\x80" "cd", "\xe2\x82",  // invalid
+      "\xed\xa0\x80 surrogate", "\xc0\x80 overlong", "\xf4\x90\x80\x80 too high", "tail \xf0\x9f\x98",
+      "<|im_start|>user\nhi<|im_end|>", "<tool>x</tool>",
+  };
+  std::mt19937 rng(1234);
+  for (int i = 0; i < 300; ++i) {
+    std::string random(rng() % 40, '\0');
+    for (char& c : random) c = static_cast<char>(rng() % 256);
+    texts.push_back(random);
+  }
+  for (const std::string& text : texts) {
+    for (const bool parse_special : {false, true}) {
+      const std::vector<Token> tokens = tokenizer.encode(text, parse_special);
+      EXPECT_EQ(tokenizer.decode(tokens, /*render_special=*/true), text) << "parse_special " << parse_special;
+    }
+  }
+}
+
+// --- Special tokens -----------------------------------------------------------------------------
+
+TEST_F(ToyTokenizer, ParseSpecialTurnsControlTextIntoItsToken) {
+  const std::vector<Token> tokens = tokenizer.encode("<|im_start|>user\nhi<|im_end|>", true);
+  ASSERT_GE(tokens.size(), 3u);
+  EXPECT_EQ(tokens.front(), kImStart);
+  EXPECT_EQ(tokens.back(), kImEnd);
+  EXPECT_EQ(std::count(tokens.begin(), tokens.end(), kImStart), 1);
+  const std::vector<Token> middle(tokens.begin() + 1, tokens.end() - 1);
+  EXPECT_EQ(middle, tokenizer.encode("user\nhi", true));
+}
+
+TEST_F(ToyTokenizer, WithoutParseSpecialControlTextIsPlainText) {
+  const std::vector<Token> tokens = tokenizer.encode("<|im_start|>user", false);
+  for (const Token t : tokens) EXPECT_GE(t, kFirstByte);
+  EXPECT_EQ(tokenizer.decode(tokens), "<|im_start|>user");
+}
+
+TEST_F(ToyTokenizer, LongerSpecialTextWins) {
+  EXPECT_EQ(tokenizer.encode("<|im_start|>system", true), (std::vector<Token>{kImStartSystem}));
+  EXPECT_EQ(tokenizer.encode("<|im_start|>sys", true).front(), kImStart);
+}
+
+TEST_F(ToyTokenizer, AdjacentAndRepeatedSpecialTokens) {
+  EXPECT_EQ(tokenizer.encode("<|im_end|><|im_start|><|im_end|>", true),
+            (std::vector<Token>{kImEnd, kImStart, kImEnd}));
+  EXPECT_EQ(tokenizer.encode("a<|im_end|>a", true), (std::vector<Token>{id("a"), kImEnd, id("a")}));
+}
+
+TEST_F(ToyTokenizer, UserDefinedTokensAreMatchedEvenWithoutParseSpecial) {
+  // As in llama.cpp and Hugging Face: added (user-defined) tokens are always split out.
+  EXPECT_EQ(tokenizer.encode("a<tool>a", false), (std::vector<Token>{id("a"), kUserTool, id("a")}));
+}
+
+TEST_F(ToyTokenizer, ControlTokensRenderOnlyWhenAsked) {
+  EXPECT_EQ(tokenizer.token_bytes(kImStart), "");
+  EXPECT_EQ(tokenizer.token_bytes(kImStart, /*render_special=*/true), "<|im_start|>");
+  EXPECT_EQ(tokenizer.token_bytes(kUserTool), "<tool>");
+  const std::vector<Token> tokens = tokenizer.encode("<|im_start|>hi<|im_end|>", true);
+  EXPECT_EQ(tokenizer.decode(tokens), "hi");
+  EXPECT_EQ(tokenizer.decode(tokens, true), "<|im_start|>hi<|im_end|>");
+  EXPECT_THROW((void)tokenizer.token_bytes(-1), std::out_of_range);
+  EXPECT_THROW((void)tokenizer.token_bytes(static_cast<Token>(tokenizer.size())), std::out_of_range);
+}
+
+TEST_F(ToyTokenizer, FindsTokensAndEndsOfGeneration) {
+  EXPECT_EQ(tokenizer.find("<|im_end|>"), kImEnd);
+  EXPECT_EQ(tokenizer.find("Ġw"), id(" w"));
+  EXPECT_EQ(tokenizer.find("no such token"), -1);
+  EXPECT_TRUE(tokenizer.is_end_of_generation(kImEnd));      // eos
+  EXPECT_TRUE(tokenizer.is_end_of_generation(kEndOfText));  // an end-of-text marker
+  EXPECT_FALSE(tokenizer.is_end_of_generation(kImStart));
+  EXPECT_FALSE(tokenizer.is_end_of_generation(id("a")));
+  EXPECT_FALSE(tokenizer.is_end_of_generation(-1));
+}
+
+TEST(Tokenizer, EncodesConcurrentlyFromManyThreads) {
+  const Tokenizer tokenizer(toy_vocab("smollm"));
+  const std::string text = "hello world 123 <|im_start|>abc aaa\n";
+  const std::vector<Token> expected = tokenizer.encode(text, true);
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) mismatches[static_cast<std::size_t>(t)] += tokenizer.encode(text, true) != expected;
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(mismatches, (std::vector<int>{0, 0, 0, 0}));
+}
+
+// --- Validation ---------------------------------------------------------------------------------
+
+template <typename F>
+std::string invalid_argument_message(F&& make) {
+  try {
+    make();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "(no std::invalid_argument)";
+}
+
+TEST(Tokenizer, RejectsAnUnknownPreTokenizerByName) {
+  EXPECT_NE(invalid_argument_message([] { Tokenizer t(toy_vocab("qwen9")); }).find("'qwen9'"), std::string::npos);
+}
+
+TEST(Tokenizer, RejectsAModelOtherThanByteLevelBpe) {
+  Vocab vocab = toy_vocab();
+  vocab.model = "llama";
+  EXPECT_NE(invalid_argument_message([&] { Tokenizer t(vocab); }).find("'llama'"), std::string::npos);
+}
+
+TEST(Tokenizer, RejectsAMergeOfUnknownTokens) {
+  Vocab vocab = toy_vocab();
+  vocab.merges.push_back("q zz");
+  EXPECT_NE(invalid_argument_message([&] { Tokenizer t(vocab); }).find("'zz'"), std::string::npos);
+  vocab.merges.back() = "nospace";
+  EXPECT_NE(invalid_argument_message([&] { Tokenizer t(vocab); }).find("nospace"), std::string::npos);
+}
+
+TEST(Tokenizer, RejectsMismatchedTypesAndSpecialIds) {
+  Vocab vocab = toy_vocab();
+  vocab.types.pop_back();
+  EXPECT_THROW(Tokenizer{vocab}, std::invalid_argument);
+  vocab = toy_vocab();
+  vocab.eos = static_cast<Token>(vocab.tokens.size());
+  EXPECT_NE(invalid_argument_message([&] { Tokenizer t(vocab); }).find("eos"), std::string::npos);
+  vocab = toy_vocab();
+  vocab.tokens.push_back("a");
+  vocab.types.push_back(TokenType::Normal);
+  EXPECT_NE(invalid_argument_message([&] { Tokenizer t(vocab); }).find("twice"), std::string::npos);
+}
+
+// --- StreamDecoder --------------------------------------------------------------------------------
+
+TEST_F(ToyTokenizer, StreamDecoderHoldsBackAnEmojiUntilItsLastByte) {
+  StreamDecoder decoder(tokenizer);
+  const std::string emoji = "\xF0\x9F\x98\x80";  // U+1F600
+  EXPECT_EQ(decoder.push(id("a")), "a");
+  EXPECT_EQ(decoder.push(byte_id(0xF0)), "");
+  EXPECT_EQ(decoder.push(byte_id(0x9F)), "");
+  EXPECT_EQ(decoder.push(byte_id(0x98)), "");
+  EXPECT_EQ(decoder.push(byte_id(0x80)), emoji);
+  EXPECT_EQ(decoder.finish(), "");
+}
+
+TEST_F(ToyTokenizer, StreamDecoderJoinsSplitCharactersOfAnyLength) {
+  const std::string text = "é€😀a日";
+  StreamDecoder decoder(tokenizer);
+  std::string streamed;
+  for (const char c : text) {
+    const std::string chunk = decoder.push(byte_id(static_cast<unsigned char>(c)));
+    // Each chunk is whole characters: it never ends inside one.
+    if (!chunk.empty()) {
+      EXPECT_NE(static_cast<unsigned char>(chunk.back()) & 0xC0, 0xC0u);
+    }
+    streamed += chunk;
+  }
+  streamed += decoder.finish();
+  EXPECT_EQ(streamed, text);
+}
+
+TEST_F(ToyTokenizer, StreamDecoderReplacesInvalidBytes) {
+  StreamDecoder decoder(tokenizer);
+  // 0xFF can never start a character: replaced at once.
+  EXPECT_EQ(decoder.push(byte_id(0xFF)), "\xEF\xBF\xBD");
+  // A started character that the next byte breaks: one U+FFFD, then the byte.
+  EXPECT_EQ(decoder.push(byte_id(0xE2)), "");
+  EXPECT_EQ(decoder.push(id("a")), "\xEF\xBF\xBD" "a");
+  // One left unfinished at the end: finish() replaces it.
+  EXPECT_EQ(decoder.push(byte_id(0xE2)), "");
+  EXPECT_EQ(decoder.push(byte_id(0x82)), "");
+  EXPECT_EQ(decoder.finish(), "\xEF\xBF\xBD");
+  EXPECT_EQ(decoder.finish(), "");
+}
+
+TEST_F(ToyTokenizer, StreamDecoderRendersControlTokensOnlyWhenAsked) {
+  StreamDecoder plain(tokenizer);
+  EXPECT_EQ(plain.push(kImEnd), "");
+  StreamDecoder rendered(tokenizer, /*render_special=*/true);
+  EXPECT_EQ(rendered.push(kImEnd), "<|im_end|>");
+}
+
+// --- Chat template --------------------------------------------------------------------------------
+
+// SmolLM2-135M-Instruct's tokenizer.chat_template, as in its GGUF (with real newlines).
+const std::string kSmolLM2Template =
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+ChatTemplate template_from(std::string text) {
+  Vocab vocab = toy_vocab();
+  vocab.chat_template = std::move(text);
+  return ChatTemplate::from_vocab(vocab);
+}
+
+TEST(ChatTemplate, FindsSmolLM2sDefaultSystemMessage) {
+  const ChatTemplate chat = template_from(kSmolLM2Template);
+  EXPECT_EQ(chat.name(), "chatml");
+  EXPECT_EQ(chat.default_system(), "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+}
+
+TEST(ChatTemplate, InsertsTheDefaultSystemMessageWhenTheFirstMessageIsNotSystem) {
+  const ChatTemplate chat = template_from(kSmolLM2Template);
+  const std::vector<ChatMessage> messages = {{"user", "Hi!"}, {"assistant", "Hello."}, {"user", "2+2?"}};
+  EXPECT_EQ(chat.apply(messages, true),
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\nHi!<|im_end|>\n"
+            "<|im_start|>assistant\nHello.<|im_end|>\n"
+            "<|im_start|>user\n2+2?<|im_end|>\n"
+            "<|im_start|>assistant\n");
+}
+
+TEST(ChatTemplate, KeepsTheCallersSystemMessage) {
+  const ChatTemplate chat = template_from(kSmolLM2Template);
+  const std::vector<ChatMessage> messages = {{"system", "Be brief."}, {"user", "Hi"}};
+  EXPECT_EQ(chat.apply(messages, false),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
+  EXPECT_EQ(chat.apply({}, true), "<|im_start|>assistant\n");
+}
+
+TEST(ChatTemplate, EmptyTemplateIsChatMLWithoutDefault) {
+  const ChatTemplate chat = template_from("");
+  EXPECT_EQ(chat.default_system(), "");
+  const std::vector<ChatMessage> messages = {{"user", "Hi"}};
+  EXPECT_EQ(chat.apply(messages, true), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+}
+
+TEST(ChatTemplate, PlainChatMLHasNoDefault) {
+  // The system turn opens for the message's own content: not a default.
+  const ChatTemplate chat = template_from(
+      "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+      "'<|im_end|>' + '\\n'}}{% endfor %}{% if messages[0]['role'] != 'system' %}"
+      "{{ '<|im_start|>system\\n' + message['content'] }}{% endif %}");
+  EXPECT_EQ(chat.default_system(), "");
+}
+
+TEST(ChatTemplate, ReadsEscapedAndConcatenatedDefaults) {
+  // Qwen2.5 style: whitespace control, an escaped newline, a double-quoted literal joined by '+'.
+  const ChatTemplate chat = template_from(
+      "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] "
+      "+ '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, it\\'s ' + \"nice.\" + "
+      "'<|im_end|>\\n' -}}{%- endif %}{% for m in messages %}{{'<|im_start|>' + m['role'] }}{% endfor %}");
+  EXPECT_EQ(chat.default_system(), "You are Qwen, it's nice.");
+}
+
+TEST(ChatTemplate, RejectsTemplatesThatAreNotChatML) {
+  EXPECT_THROW(template_from("{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"),
+               std::invalid_argument);
+  EXPECT_THROW(template_from("<|im_start|>{{ 'unterminated }}"), std::invalid_argument);
+}
+
+// --- Vocab::from_gguf -----------------------------------------------------------------------------
+
+namespace support = batchlm::testing;  // the GGUF writer
+
+class TempFile {
+ public:
+  explicit TempFile(const std::string& name)
+      : path_(std::filesystem::temp_directory_path() /
+              (name + "-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "-" +
+               std::to_string(reinterpret_cast<std::uintptr_t>(this)) + ".gguf")) {}
+  ~TempFile() { std::filesystem::remove(path_); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+support::GgufWriter tokenizer_gguf(const Vocab& vocab) {
+  using support::GgufValue;
+  std::vector<std::int32_t> types;
+  for (const TokenType type : vocab.types) types.push_back(static_cast<std::int32_t>(type));
+  support::GgufWriter writer;
+  writer.add("general.architecture", GgufValue::str("llama"))
+      .add("tokenizer.ggml.model", GgufValue::str(vocab.model))
+      .add("tokenizer.ggml.pre", GgufValue::str(vocab.pre))
+      .add("tokenizer.ggml.tokens", GgufValue::str_array(vocab.tokens))
+      .add("tokenizer.ggml.token_type", GgufValue::i32_array(types))
+      .add("tokenizer.ggml.merges", GgufValue::str_array(vocab.merges))
+      .add("tokenizer.ggml.bos_token_id", GgufValue::u32(0))
+      .add("tokenizer.ggml.eos_token_id", GgufValue::u32(2))
+      .add("tokenizer.ggml.padding_token_id", GgufValue::u32(99999))  // out of range: ignored
+      .add("tokenizer.ggml.add_bos_token", GgufValue::boolean(true))
+      .add("tokenizer.chat_template", GgufValue::str(kSmolLM2Template));
+  return writer;
+}
+
+TEST(VocabFromGguf, ReadsTheTokenizerKeys) {
+  const Vocab expected = toy_vocab("smollm");
+  const TempFile file("vocab");
+  tokenizer_gguf(expected).write(file.path());
+  const Vocab vocab = Vocab::from_gguf(gguf::File::open(file.path()));
+  EXPECT_EQ(vocab.model, "gpt2");
+  EXPECT_EQ(vocab.pre, "smollm");
+  EXPECT_EQ(vocab.tokens, expected.tokens);
+  EXPECT_EQ(vocab.types, expected.types);
+  EXPECT_EQ(vocab.merges, expected.merges);
+  EXPECT_EQ(vocab.bos, 0);
+  EXPECT_EQ(vocab.eos, 2);
+  EXPECT_EQ(vocab.eot, kImEnd);  // not in the file: found by its text
+  EXPECT_EQ(vocab.pad, -1);
+  EXPECT_EQ(vocab.unk, -1);
+  EXPECT_TRUE(vocab.add_bos);
+  EXPECT_EQ(vocab.chat_template, kSmolLM2Template);
+  const Tokenizer tokenizer(vocab);
+  EXPECT_EQ(tokenizer.encode("12", false), (std::vector<Token>{byte_id('1'), byte_id('2')}));
+}
+
+std::string gguf_error(const support::GgufWriter& writer) {
+  const TempFile file("bad-vocab");
+  writer.write(file.path());
+  try {
+    (void)Vocab::from_gguf(gguf::File::open(file.path()));
+  } catch (const gguf::Error& e) {
+    return e.what();
+  }
+  return "(no gguf::Error)";
+}
+
+TEST(VocabFromGguf, ErrorsNameTheFileAndKey) {
+  support::GgufWriter missing_tokens;
+  missing_tokens.add("tokenizer.ggml.model", support::GgufValue::str("gpt2"));
+  const std::string missing = gguf_error(missing_tokens);
+  EXPECT_NE(missing.find("tokenizer.ggml.tokens"), std::string::npos) << missing;
+  EXPECT_NE(missing.find(".gguf"), std::string::npos) << missing;
+
+  support::GgufWriter wrong_type;
+  wrong_type.add("tokenizer.ggml.model", support::GgufValue::str("gpt2"))
+      .add("tokenizer.ggml.tokens", support::GgufValue::str_array({"a", "b"}))
+      .add("tokenizer.ggml.merges", support::GgufValue::u32(3));
+  const std::string wrong = gguf_error(wrong_type);
+  EXPECT_NE(wrong.find("tokenizer.ggml.merges"), std::string::npos) << wrong;
+
+  support::GgufWriter short_types;
+  const std::array<std::int32_t, 1> one_type = {1};
+  short_types.add("tokenizer.ggml.model", support::GgufValue::str("gpt2"))
+      .add("tokenizer.ggml.tokens", support::GgufValue::str_array({"a", "b"}))
+      .add("tokenizer.ggml.token_type", support::GgufValue::i32_array(one_type))
+      .add("tokenizer.ggml.merges", support::GgufValue::str_array({}));
+  const std::string short_message = gguf_error(short_types);
+  EXPECT_NE(short_message.find("tokenizer.ggml.token_type"), std::string::npos) << short_message;
+}
+
+// --- The real SmolLM2 vocabulary ------------------------------------------------------------------
+
+// Expected ids were checked against Hugging Face `tokenizers` built from this GGUF's vocabulary
+// and merges with SmolLM2's pre-tokenizer (digits split individually, then byte-level GPT-2),
+// which llama.cpp reproduces; the golden-file test compares with llama.cpp itself.
+class SmolLM2Tokenizer : public ::testing::Test {
+ protected:
+  static std::filesystem::path model_path() {
+    return std::filesystem::path(BATCHLM_SOURCE_DIR) / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
+  }
+
+  static void SetUpTestSuite() {
+    if (!std::filesystem::exists(model_path())) return;
+    vocab_ = std::make_unique<Vocab>(Vocab::from_gguf(gguf::File::open(model_path())));
+    tokenizer_ = std::make_unique<Tokenizer>(*vocab_);
+  }
+  static void TearDownTestSuite() {
+    tokenizer_.reset();
+    vocab_.reset();
+  }
+
+  void SetUp() override {
+    if (!tokenizer_) GTEST_SKIP() << "model not found: " << model_path() << " (download SmolLM2-135M-Instruct.Q4_1.gguf into models/)";
+  }
+
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+
+  static std::unique_ptr<Vocab> vocab_;
+  static std::unique_ptr<Tokenizer> tokenizer_;
+};
+
+std::unique_ptr<Vocab> SmolLM2Tokenizer::vocab_;
+std::unique_ptr<Tokenizer> SmolLM2Tokenizer::tokenizer_;
+
+TEST_F(SmolLM2Tokenizer, ReadsTheVocabularyMetadata) {
+  const Vocab& vocab = tokenizer().vocab();
+  EXPECT_EQ(vocab.model, "gpt2");
+  EXPECT_EQ(vocab.pre, "smollm");
+  EXPECT_EQ(tokenizer().size(), 49152u);
+  EXPECT_EQ(vocab.merges.size(), 48900u);
+  EXPECT_EQ(vocab.bos, 1);
+  EXPECT_EQ(vocab.eos, 2);
+  EXPECT_EQ(vocab.unk, 0);
+  EXPECT_EQ(vocab.pad, 2);
+  EXPECT_EQ(vocab.eot, 2);  // <|im_end|>, found by its text
+  EXPECT_FALSE(tokenizer().add_bos());
+  EXPECT_EQ(tokenizer().find("<|im_start|>"), 1);
+  // llama.cpp's end-of-generation set for this vocabulary: <|endoftext|>, <|im_end|>, <reponame>.
+  std::vector<Token> end_of_generation;
+  for (Token t = 0; t < static_cast<Token>(tokenizer().size()); ++t) {
+    if (tokenizer().is_end_of_generation(t)) end_of_generation.push_back(t);
+  }
+  EXPECT_EQ(end_of_generation, (std::vector<Token>{0, 2, 4}));
+}
+
+TEST_F(SmolLM2Tokenizer, EncodesKnownTexts) {
+  EXPECT_EQ(tokenizer().encode("Hello world", false), (std::vector<Token>{19556, 905}));
+  EXPECT_EQ(tokenizer().token_bytes(905), " world");
+  // Every digit is a token of its own.
+  EXPECT_EQ(tokenizer().encode("12345", false), (std::vector<Token>{33, 34, 35, 36, 37}));
+  EXPECT_EQ(tokenizer().encode("I'm here, aren't you?", false),
+            (std::vector<Token>{57, 5248, 1535, 28, 4775, 982, 346, 47}));
+  EXPECT_EQ(tokenizer().encode("  indented\n\n", false), (std::vector<Token>{216, 641, 6574, 1116}));
+  EXPECT_EQ(tokenizer().encode("café 😀", false), (std::vector<Token>{83, 1939, 2756, 40303, 218}));
+  EXPECT_EQ(tokenizer().encode("日本語", false), (std::vector<Token>{23274, 115, 40993, 179, 120, 248}));
+}
+
+TEST_F(SmolLM2Tokenizer, ParsesChatMLSpecialTokens) {
+  EXPECT_EQ(tokenizer().encode("<|im_start|>user\nHi!<|im_end|>\n", true),
+            (std::vector<Token>{1, 4093, 198, 26843, 17, 2, 198}));
+  EXPECT_EQ(tokenizer().encode("<|im_start|>", false), (std::vector<Token>{44, 108, 306, 79, 3738, 108, 46}));
+}
+
+TEST_F(SmolLM2Tokenizer, RoundTripsVariedText) {
+  for (const std::string text : {
+           "The quick brown fox jumps over the lazy dog.", "日本語のテキストです。中文测试。한국어",
+           "Emoji: 😀👍🏽👨‍👩‍👧‍👦 🇫🇷", "Accents: café naïve résumé Ångström", "tabs\tand   spaces \t\n  end  ",
+           "def f(x):\n    return x**2 + 3.14159  # comment\n", "Numbers 1,234,567.89 ²³ ٣٤٥",
+           "a\u00a0b\u2003c\u3000d\u0085e", "\n\n\n", "   ", "!!!???...", "\xe2\x82 invalid \xc3"}) {
+    EXPECT_EQ(tokenizer().decode(tokenizer().encode(text, false)), text);
+  }
+}
+
+TEST_F(SmolLM2Tokenizer, DropsBytesTheVocabularyHasNoTokenFor) {
+  // SmolLM2 has no token for 0x04 (nor for 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1,
+  // 0xF2, 0xF5..0xFF); llama.cpp and Hugging Face drop such bytes.
+  EXPECT_EQ(tokenizer().encode("a\x04" "b", false), (std::vector<Token>{81, 82}));
+  EXPECT_EQ(tokenizer().encode("\xff", false), (std::vector<Token>{}));
+}
+
+TEST_F(SmolLM2Tokenizer, StreamsAnEmojiSplitAcrossTokens) {
+  // 😀 ends up split between " \xF0\x9F\x98" (40303) and "\x80" (218).
+  const std::vector<Token> tokens = tokenizer().encode("café 😀!", false);
+  StreamDecoder decoder(tokenizer());
+  std::vector<std::string> chunks;
+  for (const Token t : tokens) chunks.push_back(decoder.push(t));
+  ASSERT_EQ(chunks.size(), 6u);
+  EXPECT_EQ(chunks[3], " ");  // the space goes out, the emoji's first three bytes wait
+  EXPECT_EQ(chunks[4], "😀");
+  std::string all;
+  for (const std::string& chunk : chunks) all += chunk;
+  EXPECT_EQ(all + decoder.finish(), "café 😀!");
+}
+
+TEST_F(SmolLM2Tokenizer, ChatTemplateFromTheFile) {
+  const ChatTemplate chat = ChatTemplate::from_vocab(tokenizer().vocab());
+  EXPECT_EQ(chat.default_system(), "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+  const std::vector<ChatMessage> messages = {{"user", "Hi"}};
+  const std::string prompt = chat.apply(messages, true);
+  const std::vector<Token> tokens = tokenizer().encode(prompt, true);
+  EXPECT_EQ(tokens.front(), 1);
+  EXPECT_EQ(tokenizer().decode(tokens, true), prompt);
+}
+
+}  // namespace
+}  // namespace batchlm::local_engine
