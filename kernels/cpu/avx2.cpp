@@ -1,9 +1,24 @@
 // The AVX2 + FMA + F16C inner loops. This file alone is compiled with those instructions
-// enabled; ops.cpp calls into it only when the CPU reports all three.
+// enabled; ops.cpp calls into it only when the CPU reports all three. avx_vnni.cpp compiles
+// it a second time with AVX-VNNI for the 8-bit dot products.
 
 #include "cpu_kernels.hpp"
 
+#if defined(BATCHLM_KERNELS_VNNI)
+#define BATCHLM_KERNELS_ENTRY avx_vnni_kernels
+#define BATCHLM_KERNELS_NAME "avx-vnni"
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVXVNNI__)
+#define BATCHLM_KERNELS_ENABLED 1
+#endif
+#else
+#define BATCHLM_KERNELS_ENTRY avx2_kernels
+#define BATCHLM_KERNELS_NAME "avx2"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BATCHLM_KERNELS_ENABLED 1
+#endif
+#endif
+
+#if defined(BATCHLM_KERNELS_ENABLED)
 
 #include <immintrin.h>
 
@@ -34,8 +49,12 @@ inline __m256i unpack_nibbles(const std::uint8_t* qs) {
 
 // Sum of products of 32 unsigned bytes u and 32 signed bytes s, as 8 float partial sums.
 inline __m256 dot_us8(__m256i u, __m256i s) {
+#if defined(BATCHLM_KERNELS_VNNI)
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s));
+#else
   const __m256i p16 = _mm256_maddubs_epi16(u, s);
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+#endif
 }
 // The same for two signed operands: move the sign of a onto b, then multiply |a| by it.
 inline __m256 dot_ss8(__m256i a, __m256i b) {
@@ -253,14 +272,35 @@ void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
   for (; i < n; ++i) out[i] += p * h2f(v[i]);
 }
 
+void to_f16(const float* x, std::uint16_t* out, std::int64_t n) {
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) out[i] = fp32_to_fp16(x[i]);
+}
+
+void round_f16(float* x, std::int64_t n) {
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i]));
+}
+
 }  // namespace
 
-const Kernels* avx2_kernels() {
+const Kernels* BATCHLM_KERNELS_ENTRY() {
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
       !__builtin_cpu_supports("f16c")) {
     return nullptr;
   }
-  static const Kernels k{"avx2",
+#if defined(BATCHLM_KERNELS_VNNI)
+  if (!__builtin_cpu_supports("avxvnni")) return nullptr;
+#endif
+  static const Kernels k{BATCHLM_KERNELS_NAME,
                          tile_q4_0,
                          tile_q4_1,
                          tile_q8_0,
@@ -270,7 +310,9 @@ const Kernels* avx2_kernels() {
                          quantize_q8_t<false>,
                          quantize_q8_t<true>,
                          dot_f16,
-                         axpy_f16};
+                         axpy_f16,
+                         to_f16,
+                         round_f16};
   return &k;
 }
 
@@ -279,7 +321,7 @@ const Kernels* avx2_kernels() {
 #else
 
 namespace batchlm::kernels::cpu {
-const Kernels* avx2_kernels() { return nullptr; }
+const Kernels* BATCHLM_KERNELS_ENTRY() { return nullptr; }
 }  // namespace batchlm::kernels::cpu
 
 #endif

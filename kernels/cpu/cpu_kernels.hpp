@@ -23,6 +23,10 @@ using DotF16Fn = float (*)(const float* q, const std::uint16_t* k, std::int64_t 
 // out += p * v for an F16 row v.
 using AxpyF16Fn = void (*)(float p, const std::uint16_t* v, float* out, std::int64_t n);
 
+// Rows of floats to F16, and floats rounded to the nearest F16 value in place.
+using ToF16Fn = void (*)(const float* x, std::uint16_t* out, std::int64_t n);
+using RoundF16Fn = void (*)(float* x, std::int64_t n);
+
 struct Kernels {
   const char* name;
   TileFn tile_q4_0;
@@ -35,11 +39,15 @@ struct Kernels {
   QuantizeFn quantize_q8_1;
   DotF16Fn dot_f16;
   AxpyF16Fn axpy_f16;
+  ToF16Fn to_f16;
+  RoundF16Fn round_f16;
 };
 
 const Kernels& portable_kernels();
-// nullptr when this build has no AVX2 code.
+// nullptr when this build has no such code or the CPU lacks the instructions. The AVX-VNNI
+// set is the AVX2 set with the 8-bit dot products done by one VNNI instruction (same results).
 const Kernels* avx2_kernels();
+const Kernels* avx_vnni_kernels();
 
 // The largest tile the drivers ask for.
 inline constexpr int kTileRows = 4;

@@ -18,11 +18,14 @@ namespace {
 
 const cpu::Kernels& kernels() {
   static const cpu::Kernels& chosen = [] () -> const cpu::Kernels& {
-    const char* force = std::getenv("BATCHLM_CPU_SIMD");
-    const bool portable = force != nullptr && std::string(force) == "portable";
-    if (!portable) {
-      if (const cpu::Kernels* avx2 = cpu::avx2_kernels()) return *avx2;
+    // BATCHLM_CPU_SIMD=portable|avx2 caps the path (for tests and comparisons).
+    const char* env = std::getenv("BATCHLM_CPU_SIMD");
+    const std::string force = env ? env : "";
+    if (force == "portable") return cpu::portable_kernels();
+    if (force != "avx2") {
+      if (const cpu::Kernels* vnni = cpu::avx_vnni_kernels()) return *vnni;
     }
+    if (const cpu::Kernels* avx2 = cpu::avx2_kernels()) return *avx2;
     return cpu::portable_kernels();
   }();
   return chosen;
@@ -76,9 +79,6 @@ void convert_row(DType to, const float* x, std::int64_t n, void* out) {
   }
 }
 
-// Rounds a float to the nearest F16 value (what storing it as F16 would keep).
-float round_f16(float x) { return fp16_to_fp32(fp32_to_fp16(x)); }
-
 }  // namespace
 
 const char* cpu_simd_name() { return kernels().name; }
@@ -89,32 +89,73 @@ std::size_t activation_bytes(const Matrix& w, std::int64_t n) {
 
 void matmul(const Matrix& w, const float* x, std::int64_t n, float* y, void* scratch,
             ThreadPool& pool) {
-  const DType xt = dot_type(w.type);
-  const std::size_t x_row = row_bytes(xt, w.cols);
-  const std::size_t w_row = row_bytes(w.type, w.cols);
-  const std::int64_t n_blocks = w.cols / block_size(w.type);
-  auto* xq = static_cast<std::uint8_t*>(scratch);
-  if (n >= 8) {
-    pool.parallel_for(n, 4, [&](std::int64_t b, std::int64_t e, int) {
-      for (std::int64_t t = b; t < e; ++t) convert_row(xt, x + t * w.cols, w.cols, xq + t * x_row);
-    });
-  } else {
-    for (std::int64_t t = 0; t < n; ++t) convert_row(xt, x + t * w.cols, w.cols, xq + t * x_row);
+  float* const ys[1] = {y};
+  matmul_group(std::span<const Matrix>(&w, 1), x, n, ys, scratch, pool);
+}
+
+std::size_t group_activation_bytes(std::span<const Matrix> w, std::int64_t n) {
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    bool seen = false;
+    for (std::size_t j = 0; j < i; ++j) seen = seen || dot_type(w[j].type) == dot_type(w[i].type);
+    if (!seen) total += activation_bytes(w[i], n);
   }
-  const cpu::TileFn tile = tile_for(w.type);
-  const auto* wd = static_cast<const std::uint8_t*>(w.data);
-  // Rows are split over threads in multiples of the tile height; each thread walks its rows a
-  // tile at a time and, for each row tile, every token, so the weight tile stays in L1 while
-  // the (smaller) quantized activations stream from L2.
-  const std::int64_t row_tiles = (w.rows + cpu::kTileRows - 1) / cpu::kTileRows;
-  pool.parallel_for(row_tiles, 4, [&](std::int64_t b, std::int64_t e, int) {
-    for (std::int64_t rt = b; rt < e; ++rt) {
-      const std::int64_t r0 = rt * cpu::kTileRows;
-      const int nr = static_cast<int>(std::min<std::int64_t>(cpu::kTileRows, w.rows - r0));
+  return total;
+}
+
+void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
+                  std::span<float* const> y, void* scratch, ThreadPool& pool) {
+  constexpr std::size_t kMax = 8;
+  if (w.empty() || w.size() > kMax || y.size() != w.size()) {
+    throw std::invalid_argument("matmul_group: 1 to 8 matrices, one output each");
+  }
+  const std::int64_t cols = w[0].cols;
+  // Convert x once per distinct dot type.
+  const std::uint8_t* xq[kMax];
+  std::size_t x_row[kMax];
+  std::int64_t first_tile[kMax + 1];
+  auto* free_scratch = static_cast<std::uint8_t*>(scratch);
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    if (w[i].cols != cols) throw std::invalid_argument("matmul_group: matrices differ in cols");
+    const DType xt = dot_type(w[i].type);
+    x_row[i] = row_bytes(xt, cols);
+    std::size_t same = i;
+    for (std::size_t j = 0; j < i; ++j)
+      if (dot_type(w[j].type) == xt) same = j;
+    if (same != i) {
+      xq[i] = xq[same];
+      continue;
+    }
+    std::uint8_t* dst = free_scratch;
+    free_scratch += x_row[i] * static_cast<std::size_t>(n);
+    xq[i] = dst;
+    if (n >= 8) {
+      pool.parallel_for(n, 4, [&](std::int64_t b, std::int64_t e, int) {
+        for (std::int64_t t = b; t < e; ++t) convert_row(xt, x + t * cols, cols, dst + t * x_row[i]);
+      });
+    } else {
+      for (std::int64_t t = 0; t < n; ++t) convert_row(xt, x + t * cols, cols, dst + t * x_row[i]);
+    }
+  }
+  first_tile[0] = 0;
+  for (std::size_t i = 0; i < w.size(); ++i)
+    first_tile[i + 1] = first_tile[i] + (w[i].rows + cpu::kTileRows - 1) / cpu::kTileRows;
+  // Row tiles of all matrices are one range over the threads; for each row tile every token,
+  // so the weight tile stays in L1 while the (smaller) converted activations stream from L2.
+  pool.parallel_for(first_tile[w.size()], 4, [&](std::int64_t b, std::int64_t e, int) {
+    std::size_t m = 0;
+    for (std::int64_t tile = b; tile < e; ++tile) {
+      while (tile >= first_tile[m + 1]) ++m;
+      const Matrix& wm = w[m];
+      const std::size_t w_row = row_bytes(wm.type, cols);
+      const std::int64_t r0 = (tile - first_tile[m]) * cpu::kTileRows;
+      const int nr = static_cast<int>(std::min<std::int64_t>(cpu::kTileRows, wm.rows - r0));
+      const cpu::TileFn fn = tile_for(wm.type);
+      const auto* wd = static_cast<const std::uint8_t*>(wm.data) + r0 * w_row;
       for (std::int64_t t0 = 0; t0 < n; t0 += cpu::kTileTokens) {
         const int nt = static_cast<int>(std::min<std::int64_t>(cpu::kTileTokens, n - t0));
-        tile(wd + r0 * w_row, w_row, nr, xq + t0 * x_row, x_row, nt, n_blocks,
-             y + t0 * w.rows + r0, w.rows);
+        fn(wd, w_row, nr, xq[m] + t0 * x_row[m], x_row[m], nt, wm.cols / block_size(wm.type),
+           y[m] + t0 * wm.rows + r0, wm.rows);
       }
     }
   });
@@ -222,8 +263,7 @@ void add(float* x, const float* y, std::int64_t n) {
 
 void store_f16(const float* x, std::int64_t n, std::int64_t width, std::uint16_t* out,
                std::int64_t out_stride) {
-  for (std::int64_t t = 0; t < n; ++t)
-    for (std::int64_t i = 0; i < width; ++i) out[t * out_stride + i] = fp32_to_fp16(x[t * width + i]);
+  for (std::int64_t t = 0; t < n; ++t) kernels().to_f16(x + t * width, out + t * out_stride, width);
 }
 
 void attention(const AttentionShape& s, const float* q, std::int64_t n,
@@ -234,13 +274,16 @@ void attention(const AttentionShape& s, const float* q, std::int64_t n,
   pool.parallel_for(n * s.n_heads, 1, [&](std::int64_t b, std::int64_t e, int) {
     std::vector<float> qh(static_cast<std::size_t>(s.head_dim));
     std::vector<float> scores;
-    for (std::int64_t item = b; item < e; ++item) {
+    for (std::int64_t index = b; index < e; ++index) {
+      // Latest tokens first: they see the most positions, so the longest items start first.
+      const std::int64_t item = n * s.n_heads - 1 - index;
       const std::int64_t t = item / s.n_heads;
       const std::int64_t h = item % s.n_heads;
       const std::int64_t kvh = h / group;
       const std::int64_t n_ctx = positions[t] + 1;
       const float* qsrc = q + (t * s.n_heads + h) * s.head_dim;
-      for (std::int64_t i = 0; i < s.head_dim; ++i) qh[i] = round_f16(qsrc[i]);
+      std::copy(qsrc, qsrc + s.head_dim, qh.begin());
+      kern.round_f16(qh.data(), s.head_dim);
       scores.resize(static_cast<std::size_t>(n_ctx));
       float max = -INFINITY;
       for (std::int64_t p = 0; p < n_ctx; ++p) {
@@ -254,12 +297,12 @@ void attention(const AttentionShape& s, const float* q, std::int64_t n,
         sum += scores[p];
       }
       const float inv = static_cast<float>(1.0 / sum);
+      for (std::int64_t p = 0; p < n_ctx; ++p) scores[p] *= inv;
+      kern.round_f16(scores.data(), n_ctx);
       float* o = out + (t * s.n_heads + h) * s.head_dim;
       std::fill(o, o + s.head_dim, 0.0f);
-      for (std::int64_t p = 0; p < n_ctx; ++p) {
-        kern.axpy_f16(round_f16(scores[p] * inv), v + p * s.kv_stride + kvh * s.head_dim, o,
-                      s.head_dim);
-      }
+      for (std::int64_t p = 0; p < n_ctx; ++p)
+        kern.axpy_f16(scores[p], v + p * s.kv_stride + kvh * s.head_dim, o, s.head_dim);
     }
   });
 }

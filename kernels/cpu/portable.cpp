@@ -125,13 +125,22 @@ void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) out[i] += p * h2f(v[i]);
 }
 
+void to_f16(const float* x, std::uint16_t* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] = fp32_to_fp16(x[i]);
+}
+
+void round_f16(float* x, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) x[i] = h2f(fp32_to_fp16(x[i]));
+}
+
 }  // namespace
 
 const Kernels& portable_kernels() {
   static const Kernels k{"portable",        tile_q4_0,        tile_q4_1,
                          tile_q8_0,         tile_f16,         tile_bf16,
                          tile_f32,          quantize_q8<BlockQ8_0>, quantize_q8<BlockQ8_1>,
-                         dot_f16,           axpy_f16};
+                         dot_f16,           axpy_f16,         to_f16,
+                         round_f16};
   return k;
 }
 

@@ -37,24 +37,42 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::parallel_for(std::int64_t n, std::int64_t grain, const Body& fn) {
   if (n <= 0) return;
   grain = std::max<std::int64_t>(grain, 1);
-  const std::int64_t parts =
-      std::min<std::int64_t>(n_threads_, (n + grain - 1) / grain);
+  const std::int64_t parts = std::min<std::int64_t>(n_threads_, (n + grain - 1) / grain);
   if (parts <= 1) {
     fn(0, n, 0);
     return;
   }
+  // Threads take chunks from a shared counter, about four per thread, so uneven items (the
+  // causal attention of a prompt: later tokens see more) still end at about the same time.
   body_ = &fn;
   n_ = n;
-  chunk_ = (n + parts - 1) / parts;
+  chunk_ = std::max(grain, (n + parts * 4 - 1) / (parts * 4));
+  next_.store(0);
   pending_.store(n_threads_ - 1);
   generation_.fetch_add(1);
   if (sleepers_.load() > 0) {
     { std::lock_guard lock(mutex_); }
     wake_.notify_all();
   }
-  fn(0, std::min(n, chunk_), 0);
-  while (pending_.load(std::memory_order_acquire) != 0) BATCHLM_PAUSE();
+  run_chunks(0);
+  // Wait for the workers. On a machine with more runnable threads than cores a worker may be
+  // descheduled; yielding now and then lets it run instead of spinning against it.
+  for (int spins = 0; pending_.load(std::memory_order_acquire) != 0;) {
+    BATCHLM_PAUSE();
+    if (++spins == 256) {
+      spins = 0;
+      std::this_thread::yield();
+    }
+  }
   body_ = nullptr;
+}
+
+void ThreadPool::run_chunks(int index) {
+  for (;;) {
+    const std::int64_t begin = next_.fetch_add(chunk_);
+    if (begin >= n_) return;
+    (*body_)(begin, std::min(n_, begin + chunk_), index);
+  }
 }
 
 void ThreadPool::worker(int index) {
@@ -67,8 +85,9 @@ void ThreadPool::worker(int index) {
     int spins = 0;
     while (generation_.load(std::memory_order_acquire) == seen) {
       BATCHLM_PAUSE();
-      if (++spins == 1024) {
+      if (++spins == 256) {
         spins = 0;
+        std::this_thread::yield();
         if (std::chrono::steady_clock::now() > spin_until) {
           sleepers_.fetch_add(1);
           std::unique_lock lock(mutex_);
@@ -79,9 +98,7 @@ void ThreadPool::worker(int index) {
     }
     seen = generation_.load();
     if (stop_.load()) return;
-    const std::int64_t begin = index * chunk_;
-    const std::int64_t end = std::min(n_, begin + chunk_);
-    if (begin < end) (*body_)(begin, end, index);
+    run_chunks(index);
     pending_.fetch_sub(1, std::memory_order_release);
   }
 }

@@ -169,9 +169,12 @@ void Model::forward(std::span<const Token> tokens, KvCache& cache, std::span<flo
   std::vector<float> gate(n * F), up(n * F);
   std::size_t scratch_bytes = 0;
   for (const LayerWeights& l : layers_) {
-    for (const kops::Matrix* w : {&l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out, &l.ffn_gate,
-                                  &l.ffn_up, &l.ffn_down})
-      scratch_bytes = std::max(scratch_bytes, kops::activation_bytes(*w, n));
+    const kops::Matrix qkv[3] = {l.attn_q, l.attn_k, l.attn_v};
+    const kops::Matrix gate_up[2] = {l.ffn_gate, l.ffn_up};
+    scratch_bytes = std::max({scratch_bytes, kops::group_activation_bytes(qkv, n),
+                              kops::group_activation_bytes(gate_up, n),
+                              kops::activation_bytes(l.attn_out, n),
+                              kops::activation_bytes(l.ffn_down, n)});
   }
   scratch_bytes = std::max(scratch_bytes, kops::activation_bytes(output_, n_out));
   std::vector<std::uint8_t> scratch(scratch_bytes);
@@ -183,9 +186,9 @@ void Model::forward(std::span<const Token> tokens, KvCache& cache, std::span<flo
   for (std::int64_t li = 0; li < c.n_layers; ++li) {
     const LayerWeights& l = layers_[li];
     kops::rms_norm(x.data(), l.attn_norm, n, E, c.rms_eps, xn.data());
-    kops::matmul(l.attn_q, xn.data(), n, q.data(), scratch.data(), pool);
-    kops::matmul(l.attn_k, xn.data(), n, k.data(), scratch.data(), pool);
-    kops::matmul(l.attn_v, xn.data(), n, v.data(), scratch.data(), pool);
+    const kops::Matrix qkv[3] = {l.attn_q, l.attn_k, l.attn_v};
+    float* const qkv_out[3] = {q.data(), k.data(), v.data()};
+    kops::matmul_group(qkv, xn.data(), n, qkv_out, scratch.data(), pool);
     kops::rope(q.data(), n, c.n_heads, c.head_dim, c.rope_dim, positions.data(), c.rope_base);
     kops::rope(k.data(), n, c.n_kv_heads, c.head_dim, c.rope_dim, positions.data(), c.rope_base);
     std::uint16_t* kc = cache.k(li);
@@ -206,8 +209,9 @@ void Model::forward(std::span<const Token> tokens, KvCache& cache, std::span<flo
     kops::matmul(l.attn_out, ar, rows, xn.data(), scratch.data(), pool);
     kops::add(xr, xn.data(), rows * E);
     kops::rms_norm(xr, l.ffn_norm, rows, E, c.rms_eps, xn.data());
-    kops::matmul(l.ffn_gate, xn.data(), rows, gate.data(), scratch.data(), pool);
-    kops::matmul(l.ffn_up, xn.data(), rows, up.data(), scratch.data(), pool);
+    const kops::Matrix gate_up[2] = {l.ffn_gate, l.ffn_up};
+    float* const gate_up_out[2] = {gate.data(), up.data()};
+    kops::matmul_group(gate_up, xn.data(), rows, gate_up_out, scratch.data(), pool);
     kops::swiglu(gate.data(), up.data(), rows * F);
     kops::matmul(l.ffn_down, gate.data(), rows, xn.data(), scratch.data(), pool);
     kops::add(xr, xn.data(), rows * E);

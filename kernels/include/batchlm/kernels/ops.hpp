@@ -35,6 +35,14 @@ std::size_t activation_bytes(const Matrix& w, std::int64_t n);
 void matmul(const Matrix& w, const float* x, std::int64_t n, float* y, void* scratch,
             ThreadPool& pool);
 
+// Several products of the same input (the query, key and value projections; the gate and up
+// projections): x is converted once per dot type and all rows run in one parallel pass.
+// Every w must have the same cols; y[i] receives [n][w[i].rows]. scratch: the sum of
+// activation_bytes over the distinct dot types (group_activation_bytes).
+std::size_t group_activation_bytes(std::span<const Matrix> w, std::int64_t n);
+void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
+                  std::span<float* const> y, void* scratch, ThreadPool& pool);
+
 // out[i * w.cols ...] = row ids[i] of w, dequantized.
 void get_rows(const Matrix& w, std::span<const std::int32_t> ids, float* out);
 

@@ -23,12 +23,14 @@ class ThreadPool {
 
   int size() const { return n_threads_; }
 
-  // fn(begin, end, thread_index) over [0, n) in contiguous parts of at least `grain` items.
+  // fn(begin, end, thread_index) over [0, n) in contiguous parts of at least `grain` items,
+  // handed out to the threads as they become free.
   using Body = std::function<void(std::int64_t, std::int64_t, int)>;
   void parallel_for(std::int64_t n, std::int64_t grain, const Body& fn);
 
  private:
   void worker(int index);
+  void run_chunks(int index);
 
   int n_threads_;
   std::vector<std::thread> workers_;
@@ -38,6 +40,7 @@ class ThreadPool {
   std::int64_t n_ = 0;
   std::int64_t chunk_ = 0;
   std::atomic<std::uint64_t> generation_{0};
+  std::atomic<std::int64_t> next_{0};
   std::atomic<int> pending_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
