@@ -152,10 +152,17 @@ void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
       const int nr = static_cast<int>(std::min<std::int64_t>(cpu::kTileRows, wm.rows - r0));
       const cpu::TileFn fn = tile_for(wm.type);
       const auto* wd = static_cast<const std::uint8_t*>(wm.data) + r0 * w_row;
+      const std::int64_t nb = wm.cols / block_size(wm.type);
+      if (n == 1) {
+        // One token: nothing to reuse across rows, so read the weights row after row, one
+        // sequential stream the hardware prefetcher follows (four interleaved short streams
+        // stall on memory).
+        for (int r = 0; r < nr; ++r) fn(wd + r * w_row, w_row, 1, xq[m], x_row[m], 1, nb, y[m] + r0 + r, wm.rows);
+        continue;
+      }
       for (std::int64_t t0 = 0; t0 < n; t0 += cpu::kTileTokens) {
         const int nt = static_cast<int>(std::min<std::int64_t>(cpu::kTileTokens, n - t0));
-        fn(wd, w_row, nr, xq[m] + t0 * x_row[m], x_row[m], nt, wm.cols / block_size(wm.type),
-           y[m] + t0 * wm.rows + r0, wm.rows);
+        fn(wd, w_row, nr, xq[m] + t0 * x_row[m], x_row[m], nt, nb, y[m] + t0 * wm.rows + r0, wm.rows);
       }
     }
   });
