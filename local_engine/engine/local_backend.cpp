@@ -7,9 +7,11 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <tuple>
 #include <variant>
 
 #include <boost/asio/as_tuple.hpp>
+#include <boost/asio/error.hpp>
 #include <boost/asio/experimental/concurrent_channel.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -64,6 +66,7 @@ struct LocalBackend::State {
   std::mutex mutex;
   std::condition_variable wake;
   std::deque<std::shared_ptr<Job>> queue;
+  std::shared_ptr<Job> current;  // the job on the engine now, so shutdown can cancel it
   bool stopping = false;
   std::thread thread;
 
@@ -76,6 +79,7 @@ struct LocalBackend::State {
         if (stopping) return;
         job = std::move(queue.front());
         queue.pop_front();
+        current = job;
       }
       if (job->cancelled.load()) continue;
       try {
@@ -91,6 +95,8 @@ struct LocalBackend::State {
                   false};
         job->send(Failed{std::move(err)});
       }
+      std::lock_guard lock(mutex);
+      current.reset();
     }
   }
 };
@@ -109,6 +115,7 @@ LocalBackend::~LocalBackend() {
     std::lock_guard lock(state_->mutex);
     state_->stopping = true;
     for (auto& job : state_->queue) job->cancelled = true;
+    if (state_->current) state_->current->cancelled = true;
   }
   state_->wake.notify_all();
   state_->thread.join();
@@ -122,6 +129,9 @@ std::string LocalBackend::describe() const {
 }
 
 asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSink sink) {
+  // A cancellation must come back as an Outcome (and stop the engine's work on this request),
+  // not as an exception from the next co_await.
+  co_await asio::this_coro::throw_if_cancelled(false);
   const auto start = Clock::now();
   auto job = std::make_shared<Job>();
   job->channel = std::make_shared<Channel>(co_await asio::this_coro::executor, 256);
@@ -152,7 +162,16 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   std::optional<Clock::time_point> first;
   std::string text;
   for (;;) {
-    auto [ec, event] = co_await job->channel->async_receive(asio::as_tuple(asio::use_awaitable));
+    // A cancellation that arrived while this coroutine ran (inside the sink, say) is seen here;
+    // one that arrives while it waits aborts the receive.
+    boost::system::error_code ec;
+    Event event;
+    if (!(co_await asio::this_coro::cancellation_state).cancelled()) {
+      std::tie(ec, event) =
+          co_await job->channel->async_receive(asio::as_tuple(asio::use_awaitable));
+    } else {
+      ec = asio::error::operation_aborted;
+    }
     const auto now = Clock::now();
     if (ec) {
       job->cancelled = true;

@@ -115,12 +115,18 @@ TEST_F(Reference, GreedyContinuationsMatchLlamaCpp) {
 }
 
 // Teacher forced: llama.cpp's 64 tokens are fed in, and at every step our top token must be
-// the one llama.cpp chose unless llama.cpp's own top two are within kForcedTie. Deep into a
-// sequence llama.cpp's single-token steps drift from ours as its attention sums in another
-// order, as much as its batched path drifts from its token-by-token one.
-constexpr double kForcedTie = 0.3;
+// the one llama.cpp chose unless llama.cpp's own top two are closer than its own rounding
+// noise: the largest self_spread of the goldens plus 0.05. Deep into a sequence llama.cpp's
+// single-token steps drift from ours as its attention sums in another order, by about as much
+// as its batched path drifts from its token-by-token one.
+double forced_tie(const nlohmann::json& goldens) {
+  double spread = 0;
+  for (const auto& c : goldens["cases"]) spread = std::max(spread, c["self_spread"].get<double>());
+  return spread + 0.05;
+}
 TEST_F(Reference, EveryGreedyStepMatchesLlamaCpp) {
   const nlohmann::json goldens = read_json(kGoldens / "generate.json");
+  const double kForcedTie = forced_tie(goldens);
   batchlm::kernels::ThreadPool pool(2);
   int steps = 0, same = 0;
   for (const auto& c : goldens["cases"]) {
@@ -143,7 +149,8 @@ TEST_F(Reference, EveryGreedyStepMatchesLlamaCpp) {
       model_->forward(one, cache, logits, false, pool);
     }
   }
-  std::printf("[ note ] %d of %d greedy steps choose llama.cpp's token\n", same, steps);
+  std::printf("[ note ] %d of %d greedy steps choose llama.cpp's token (near-tie bound %.3f)\n",
+              same, steps, kForcedTie);
 }
 
 TEST_F(Reference, TopLogitsMatchLlamaCpp) {

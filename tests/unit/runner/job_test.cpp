@@ -494,10 +494,14 @@ TEST(ShippedJobs, Gsm8kLoadsWithTheSharedData) {
   EXPECT_EQ(job.request.temperature, 0.0);
   EXPECT_EQ(job.request.max_tokens, 512);
   EXPECT_EQ(job.scoring.kind, ScoringKind::Gsm8k);
-  EXPECT_EQ(job.backend.base_url, "https://api.openai.com/v1");
-  EXPECT_EQ(job.backend.model, "gpt-4o-mini");
+  EXPECT_EQ(job.backend.type, "local");  // the embedded engine, unless --base-url says otherwise
+  EXPECT_EQ(job.backend.model, "models/SmolLM2-135M-Instruct.Q4_1.gguf");
   EXPECT_EQ(job.concurrency, 32);
   EXPECT_EQ(job.output.path, "out/gsm8k.jsonl");
+  JobSpec remote = load_job_file(file, {{"backend.base_url", "http://127.0.0.1:8000/v1"}},
+                                 env_of({{"BATCHLM_DATA", BATCHLM_SHARED_DATA}}));
+  EXPECT_EQ(remote.backend.type, "openai");
+  EXPECT_EQ(remote.backend.model, "gpt-4o-mini");
 }
 
 TEST(ShippedJobs, StoriesLoadsAsASynthJob) {

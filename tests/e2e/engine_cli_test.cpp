@@ -1,0 +1,393 @@
+// The `batchlm` executable on the embedded engine: `generate` and `inspect` on a random-weight
+// tiny Llama written into the test's directory (write_tiny_llama), `run` with a local backend,
+// the errors for missing and broken models; and, when it has been fetched, the real default
+// model (skipped otherwise).
+
+#include <algorithm>
+#include <cctype>
+#include <set>
+
+#include "gguf_writer.hpp"
+#include "harness.hpp"
+
+namespace batchlm::e2e {
+namespace {
+
+const fs::path kRealModel = fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+RunResult run_batchlm(const fs::path& dir, std::vector<std::string> args,
+                      std::map<std::string, std::string> env = {}) {
+  args.insert(args.begin(), binary("batchlm"));
+  // A model named by the environment must not stand in for the one the test names.
+  env.emplace("BATCHLM_MODEL", "");
+  env.emplace("OPENAI_API_KEY", "");
+  Process p({.args = args, .env = env, .cwd = dir, .out_file = dir / "stdout.txt",
+             .err_file = dir / "stderr.txt"});
+  auto code = p.wait(180s);
+  RunResult r;
+  r.exit_code = code.value_or(-1);
+  r.out = read_file(dir / "stdout.txt");
+  r.err = read_file(dir / "stderr.txt");
+  return r;
+}
+
+// The last line of `text` that parses as a JSON object.
+std::optional<json> last_json_line(const std::string& text) {
+  std::istringstream in(text);
+  std::string line;
+  std::optional<json> found;
+  while (std::getline(in, line)) {
+    if (line.empty() || line.front() != '{') continue;
+    try {
+      found = json::parse(line);
+    } catch (const std::exception&) {
+    }
+  }
+  return found;
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+// A temporary directory holding tiny.gguf.
+class EngineCli : public ::testing::Test {
+ protected:
+  void SetUp() override { info_ = batchlm::testing::write_tiny_llama(dir_.path / "tiny.gguf"); }
+  const fs::path& dir() const { return dir_.path; }
+
+  RunResult generate(std::vector<std::string> extra) {
+    std::vector<std::string> args = {"generate", "-m", "tiny.gguf"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_batchlm(dir(), args);
+  }
+
+  TempDir dir_;
+  batchlm::testing::TinyLlamaInfo info_;
+};
+
+// ---- generate ----------------------------------------------------------------------------------
+
+TEST_F(EngineCli, GenerateGreedyPrintsTextAndTimings) {
+  RunResult r = generate({"-p", "Hello", "-n", "8", "--temperature", "0", "--ignore-eos", "--timings"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_FALSE(r.out.empty());
+  EXPECT_EQ(r.out.back(), '\n');
+  const std::optional<json> timings = last_json_line(r.err);
+  ASSERT_TRUE(timings) << r.err;
+  EXPECT_EQ((*timings)["generated_tokens"], 8) << timings->dump();
+  EXPECT_EQ((*timings)["decode_steps"], 7) << timings->dump();
+  EXPECT_EQ((*timings)["finish_reason"], "length") << timings->dump();
+  EXPECT_GT((*timings)["prompt_tokens"].get<long long>(), 0) << timings->dump();
+  EXPECT_GE((*timings)["generate_ms"].get<double>(), 0.0) << timings->dump();
+  EXPECT_TRUE((*timings)["simd"].is_string()) << timings->dump();
+
+  // Without --timings, no JSON on stderr.
+  RunResult quiet = generate({"-p", "Hello", "-n", "8", "--temperature", "0", "--ignore-eos"});
+  ASSERT_EQ(quiet.exit_code, 0) << quiet.err;
+  EXPECT_FALSE(last_json_line(quiet.err)) << quiet.err;
+  EXPECT_EQ(quiet.out, r.out);
+}
+
+TEST_F(EngineCli, GenerateIsReproducible) {
+  const std::vector<std::string> greedy = {"-p", "Hello", "-n", "8", "--temperature", "0", "--ignore-eos"};
+  RunResult first = generate(greedy);
+  RunResult second = generate(greedy);
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  EXPECT_EQ(first.out, second.out);
+
+  // Sampling with a seed is reproducible too, and the seed matters.
+  auto sampled = [&](const std::string& seed) {
+    RunResult r = generate({"-p", "Hello", "-n", "16", "--temperature", "1.5", "--top-k", "0",
+                            "--top-p", "1", "--ignore-eos", "--seed", seed});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return r.out;
+  };
+  EXPECT_EQ(sampled("5"), sampled("5"));
+  std::set<std::string> outputs;
+  for (const char* seed : {"1", "2", "3"}) outputs.insert(sampled(seed));
+  EXPECT_GE(outputs.size(), 2u);
+}
+
+TEST_F(EngineCli, GenerateChatAppliesTheTemplate) {
+  RunResult raw = generate({"-p", "Hello", "-n", "4", "--temperature", "0", "--ignore-eos", "--timings"});
+  RunResult chat = generate({"--chat", "-p", "Hello", "-n", "4", "--temperature", "0", "--ignore-eos",
+                             "--timings"});
+  RunResult system = generate({"--chat", "--system", "Be brief.", "-p", "Hello", "-n", "4",
+                               "--temperature", "0", "--ignore-eos", "--timings"});
+  for (const RunResult* r : {&raw, &chat, &system}) {
+    ASSERT_EQ(r->exit_code, 0) << r->err;
+    ASSERT_TRUE(last_json_line(r->err)) << r->err;
+    EXPECT_FALSE(r->out.empty());
+  }
+  // "Hello" is one token; the template wraps it in <|im_start|>user\n ... <|im_start|>assistant\n.
+  const auto prompt_tokens = [](const RunResult& r) {
+    return (*last_json_line(r.err))["prompt_tokens"].get<long long>();
+  };
+  EXPECT_EQ(prompt_tokens(raw), 1);
+  EXPECT_GT(prompt_tokens(chat), prompt_tokens(raw) + 5);
+  EXPECT_GT(prompt_tokens(system), prompt_tokens(chat) + 3);
+}
+
+TEST_F(EngineCli, GenerateStopsBeforeAStopString) {
+  RunResult free_run = generate({"-p", "Hello", "-n", "24", "--temperature", "0", "--ignore-eos"});
+  ASSERT_EQ(free_run.exit_code, 0) << free_run.err;
+  const std::string text = free_run.out.substr(0, free_run.out.size() - 1);  // the newline added
+  ASSERT_GE(text.size(), 10u) << text;
+  // Three bytes of the greedy output that first occur after its start (the earliest such
+  // position from the middle on): the same run hits them, after some text.
+  std::size_t at = std::string::npos;
+  for (std::size_t p = text.size() / 2; p > 0 && at == std::string::npos; --p)
+    if (text.find(text.substr(p, 3)) == p) at = p;
+  ASSERT_NE(at, std::string::npos) << json(text).dump();
+  const std::string stop = text.substr(at, 3);
+  RunResult stopped = generate({"-p", "Hello", "-n", "24", "--temperature", "0", "--ignore-eos",
+                                "--timings", "--stop", stop});
+  ASSERT_EQ(stopped.exit_code, 0) << stopped.err;
+  const std::string before = text.substr(0, at);
+  EXPECT_EQ(stopped.out, before.back() == '\n' ? before : before + "\n")
+      << "text " << json(text).dump() << " stop " << json(stop).dump();
+  EXPECT_EQ((*last_json_line(stopped.err))["finish_reason"], "stop");
+}
+
+TEST_F(EngineCli, GeneratePromptLongerThanTheContextIsAUsageError) {
+  std::string words;
+  for (int i = 0; i < 40; ++i) words += " the cat";
+  RunResult r = generate({"-p", words, "--context", "32", "-n", "4"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "context")) << r.err;
+}
+
+TEST_F(EngineCli, GenerateWithoutAPromptIsAUsageError) {
+  RunResult r = generate({"-n", "4"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "prompt")) << r.err;
+}
+
+TEST_F(EngineCli, GenerateMissingModelNamesThePath) {
+  RunResult r = run_batchlm(dir(), {"generate", "-m", "no-such-model.gguf", "-p", "Hello", "-n", "4"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;  // a configuration error, not a crash (>= 128)
+  EXPECT_TRUE(contains(r.err, "no-such-model.gguf")) << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+}
+
+TEST_F(EngineCli, GenerateTruncatedModelNamesTheFile) {
+  for (const std::uintmax_t size : {std::uintmax_t{0}, std::uintmax_t{3}, std::uintmax_t{2000},
+                                    fs::file_size(dir() / "tiny.gguf") - 100}) {
+    fs::copy_file(dir() / "tiny.gguf", dir() / "cut.gguf", fs::copy_options::overwrite_existing);
+    fs::resize_file(dir() / "cut.gguf", size);
+    RunResult r = run_batchlm(dir(), {"generate", "-m", "cut.gguf", "-p", "Hello", "-n", "4"});
+    EXPECT_EQ(r.exit_code, 2) << size << ": " << r.err;
+    EXPECT_TRUE(contains(r.err, "cut.gguf")) << size << ": " << r.err;
+    EXPECT_TRUE(contains(r.err, "truncated") || contains(r.err, "past the end")) << size << ": " << r.err;
+  }
+}
+
+TEST_F(EngineCli, GenerateNotAModelNamesTheFile) {
+  write_file(dir() / "notes.gguf", "these are not the weights you are looking for\n");
+  RunResult r = run_batchlm(dir(), {"generate", "-m", "notes.gguf", "-p", "Hello", "-n", "4"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "notes.gguf")) << r.err;
+  EXPECT_TRUE(contains(r.err, "magic")) << r.err;
+}
+
+// ---- inspect -----------------------------------------------------------------------------------
+
+TEST_F(EngineCli, InspectDescribesTheModel) {
+  RunResult r = run_batchlm(dir(), {"inspect", "tiny.gguf"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "tiny.gguf")) << r.out;
+  EXPECT_TRUE(contains(r.out, "architecture  llama")) << r.out;
+  EXPECT_TRUE(contains(r.out, "name          tiny-llama")) << r.out;
+  EXPECT_TRUE(contains(r.out, "layers        2")) << r.out;
+  EXPECT_TRUE(contains(r.out, "embedding     64, feed-forward 128")) << r.out;
+  EXPECT_TRUE(contains(r.out, "4 query, 2 key/value, head size 16")) << r.out;
+  EXPECT_TRUE(contains(r.out, "context       256")) << r.out;
+  EXPECT_TRUE(contains(r.out, "output head   separate")) << r.out;
+  EXPECT_TRUE(contains(r.out, "tokenizer     gpt2 (pre-tokenizer smollm), " +
+                                  std::to_string(info_.n_vocab) + " tokens, " +
+                                  std::to_string(info_.merges.size()) + " merges"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "eos 2 \"<|im_end|>\"")) << r.out;
+  EXPECT_TRUE(contains(r.out, "chat template chatml")) << r.out;
+  EXPECT_TRUE(contains(r.out, "runs          yes")) << r.out;
+  EXPECT_FALSE(contains(r.out, "blk.0.attn_q.weight")) << r.out;  // only with --tensors
+
+  RunResult tensors = run_batchlm(dir(), {"inspect", "tiny.gguf", "--tensors"});
+  ASSERT_EQ(tensors.exit_code, 0) << tensors.err;
+  EXPECT_TRUE(contains(tensors.out, "blk.1.ffn_down.weight")) << tensors.out;
+  EXPECT_TRUE(contains(tensors.out, "output.weight")) << tensors.out;
+}
+
+TEST_F(EngineCli, InspectQuantizedTiedModel) {
+  batchlm::testing::TinyLlamaOptions options;
+  options.weight_dtype = kernels::DType::Q4_1;
+  options.embedding_dtype = kernels::DType::Q8_0;
+  options.tied = true;
+  options.n_layers = 3;
+  batchlm::testing::write_tiny_llama(dir() / "q.gguf", options);
+  RunResult r = run_batchlm(dir(), {"inspect", "q.gguf"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "layers        3")) << r.out;
+  EXPECT_TRUE(contains(r.out, "Q4_1 x21")) << r.out;  // 7 matrices in each of 3 layers
+  EXPECT_TRUE(contains(r.out, "Q8_0 x1")) << r.out;   // the embedding, also the output head
+  EXPECT_TRUE(contains(r.out, "output head   tied to the embeddings")) << r.out;
+}
+
+TEST_F(EngineCli, InspectTruncatedModelNamesTheFile) {
+  fs::copy_file(dir() / "tiny.gguf", dir() / "cut.gguf");
+  fs::resize_file(dir() / "cut.gguf", 2000);
+  RunResult r = run_batchlm(dir(), {"inspect", "cut.gguf"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "cut.gguf")) << r.err;
+  EXPECT_TRUE(contains(r.err, "truncated")) << r.err;
+  RunResult missing = run_batchlm(dir(), {"inspect", "absent.gguf"});
+  EXPECT_EQ(missing.exit_code, 2) << missing.err;
+  EXPECT_TRUE(contains(missing.err, "absent.gguf")) << missing.err;
+}
+
+// ---- run with a local backend ------------------------------------------------------------------
+
+std::string local_job(const std::string& model, int limit, const std::string& backend_extra = "") {
+  return "name: e2e-local\n"
+         "kind: eval\n"
+         "input: " + gsm8k_test_file() + "\n"
+         "request:\n"
+         "  messages:\n"
+         "    - {role: system, content: \"Solve the problem. End with '#### <number>'.\"}\n"
+         "    - {role: user, content: \"{{question}}\"}\n"
+         "  max_tokens: 8\n"
+         "  temperature: 0\n"
+         "backend: {type: local, model: " + model + ", threads: 1" + backend_extra + "}\n"
+         "concurrency: 2\n"
+         "output: {path: out/local.jsonl}\n"
+         "scoring: gsm8k\n"
+         "limit: " + std::to_string(limit) + "\n";
+}
+
+TEST_F(EngineCli, RunALocalJobWritesEveryRecord) {
+  // The tiny vocabulary spends about a token per character: a GSM8K question needs more than
+  // the 256 positions of the default tiny model.
+  batchlm::testing::TinyLlamaOptions options;
+  options.context_length = 1024;
+  batchlm::testing::write_tiny_llama(dir() / "long.gguf", options);
+  write_file(dir() / "job.yaml", local_job("long.gguf", 5));
+  RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<json> records = read_jsonl(dir() / "out/local.jsonl");
+  ASSERT_EQ(records.size(), 5u);
+  std::set<long long> ids;
+  for (const auto& rec : records) {
+    ids.insert(rec["id"].get<long long>());
+    EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
+    ASSERT_TRUE(rec["output"].is_string()) << rec.dump();
+    EXPECT_TRUE(rec["finish_reason"] == "length" || rec["finish_reason"] == "stop") << rec.dump();
+    ASSERT_TRUE(rec["usage"].is_object()) << rec.dump();
+    EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 20) << rec.dump();
+    EXPECT_GE(rec["usage"]["completion_tokens"].get<long long>(), 1) << rec.dump();
+    EXPECT_LE(rec["usage"]["completion_tokens"].get<long long>(), 8) << rec.dump();
+    EXPECT_FALSE(rec["usage"].contains("estimated")) << "the engine counts its tokens: " << rec.dump();
+    EXPECT_EQ(rec["attempts"], 1) << rec.dump();
+    EXPECT_TRUE(rec["score"].is_object()) << rec.dump();
+    EXPECT_TRUE(rec["input"].contains("question")) << rec.dump();
+  }
+  EXPECT_EQ(ids, (std::set<long long>{1, 2, 3, 4, 5}));
+  const json summary = json::parse(read_file(dir() / "out/local.jsonl.summary.json"));
+  EXPECT_EQ(summary["counts"]["succeeded"], 5) << summary.dump(2);
+
+  // A rerun finds every item done.
+  RunResult again = run_batchlm(dir(), {"run", "job.yaml"});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(read_jsonl(dir() / "out/local.jsonl").size(), 5u);
+}
+
+TEST_F(EngineCli, RunALocalJobWhosePromptsOverflowTheContextRecordsA400) {
+  write_file(dir() / "job.yaml", local_job("tiny.gguf", 3, ", context: 64"));
+  RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 1) << r.err;  // the run finished, some items failed
+  const std::vector<json> records = read_jsonl(dir() / "out/local.jsonl");
+  ASSERT_EQ(records.size(), 3u);
+  for (const auto& rec : records) {
+    ASSERT_TRUE(rec["error"].is_object()) << rec.dump();
+    EXPECT_EQ(rec["error"]["kind"], "http") << rec.dump();
+    EXPECT_EQ(rec["error"]["status"], 400) << rec.dump();
+    EXPECT_EQ(rec["attempts"], 1) << "not retried: " << rec.dump();
+    EXPECT_TRUE(rec["output"].is_null()) << rec.dump();
+  }
+}
+
+TEST_F(EngineCli, RunALocalJobWithAMissingModelIsAUsageError) {
+  write_file(dir() / "job.yaml", local_job("missing/model.gguf", 5));
+  RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "backend.model")) << r.err;
+  EXPECT_TRUE(contains(r.err, "missing/model.gguf")) << r.err;
+  EXPECT_FALSE(fs::exists(dir() / "out/local.jsonl"));
+}
+
+TEST_F(EngineCli, RunALocalJobWithABrokenModelIsAUsageError) {
+  fs::copy_file(dir() / "tiny.gguf", dir() / "cut.gguf");
+  fs::resize_file(dir() / "cut.gguf", 2000);
+  write_file(dir() / "job.yaml", local_job("cut.gguf", 5));
+  RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "cut.gguf")) << r.err;
+  EXPECT_FALSE(fs::exists(dir() / "out/local.jsonl"));
+}
+
+// ---- The real default model, when fetched -------------------------------------------------------
+
+class RealModel : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!fs::exists(kRealModel)) GTEST_SKIP() << kRealModel << " is absent (scripts/fetch-model.sh fetches it)";
+  }
+  TempDir dir_;
+};
+
+TEST_F(RealModel, GenerateAnswersAChatQuestion) {
+  RunResult r = run_batchlm(dir_.path, {"generate", "-m", kRealModel.string(), "--chat", "-p",
+                                        "What is the capital of France?", "-n", "24",
+                                        "--temperature", "0", "--timings"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::string text = r.out;
+  text.erase(std::remove_if(text.begin(), text.end(), [](char c) { return std::isspace(static_cast<unsigned char>(c)); }),
+             text.end());
+  EXPECT_FALSE(text.empty()) << r.out;
+  EXPECT_TRUE(contains(r.out, "Paris")) << r.out;
+  const std::optional<json> timings = last_json_line(r.err);
+  ASSERT_TRUE(timings) << r.err;
+  EXPECT_LE((*timings)["generated_tokens"].get<long long>(), 24);
+}
+
+TEST_F(RealModel, RunsTheShippedGsm8kJob) {
+  const fs::path data = dir_.path / "data";
+  fs::create_directories(data / "gsm8k");
+  for (const char* name : {"test.jsonl", "train.jsonl"})
+    fs::create_symlink(fs::path(BATCHLM_SHARED_DATA) / "gsm8k" / name, data / "gsm8k" / name);
+  const fs::path output = dir_.path / "g.jsonl";
+  RunResult r = run_batchlm(dir_.path,
+                            {"run", (fs::path(BATCHLM_SOURCE_DIR) / "jobs/gsm8k.yaml").string(), "--limit", "2",
+                             "--set", "request.max_tokens=48", "--output", output.string()},
+                            {{"BATCHLM_DATA", data.string()}, {"BATCHLM_MODEL", kRealModel.string()}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<json> records = read_jsonl(output);
+  ASSERT_EQ(records.size(), 2u);
+  for (const auto& rec : records) {
+    EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
+    EXPECT_FALSE(rec["output"].get<std::string>().empty()) << rec.dump();
+    EXPECT_LE(rec["usage"]["completion_tokens"].get<long long>(), 48) << rec.dump();
+    // Eight worked examples precede each question.
+    EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 500) << rec.dump();
+    EXPECT_TRUE(rec["score"].is_object()) << rec.dump();
+  }
+}
+
+}  // namespace
+}  // namespace batchlm::e2e

@@ -1,0 +1,866 @@
+// The engine on a random-weight tiny Llama (write_tiny_llama): generation limits, determinism,
+// seeds, stop strings, cancellation and streaming; the Sampler and StopMatcher on their own;
+// LocalBackend behind the Backend seam in an io_context (usage, concurrency, errors,
+// per-operation cancellation).
+
+#include "batchlm/local_engine/engine.hpp"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/system/system_error.hpp>
+
+#include "batchlm/kernels/ops.hpp"
+#include "batchlm/local_engine/local_backend.hpp"
+#include "batchlm/local_engine/sampling.hpp"
+#include "gguf_writer.hpp"
+
+namespace batchlm::local_engine {
+namespace {
+
+namespace asio = boost::asio;
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+// One tiny model for the whole program, in a directory removed at exit.
+class TinyModelFile {
+ public:
+  static const TinyModelFile& get() {
+    static const TinyModelFile instance;
+    return instance;
+  }
+  const fs::path& path() const { return path_; }
+  const std::shared_ptr<const Model>& model() const { return model_; }
+  ~TinyModelFile() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
+ private:
+  TinyModelFile() {
+    std::string tmpl = (fs::temp_directory_path() / "batchlm-engine-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    dir_ = tmpl;
+    path_ = dir_ / "tiny.gguf";
+    batchlm::testing::write_tiny_llama(path_);
+    model_ = Model::load(path_);
+  }
+  fs::path dir_, path_;
+  std::shared_ptr<const Model> model_;
+};
+
+std::shared_ptr<const Model> tiny_model() { return TinyModelFile::get().model(); }
+
+GenerateParams greedy(std::int64_t max_tokens) {
+  GenerateParams p;
+  p.max_tokens = max_tokens;
+  p.sampling.temperature = 0;
+  p.ignore_eos = true;
+  return p;
+}
+
+// What generate() streamed, piece by piece.
+struct Streamed {
+  std::vector<std::string> pieces;
+  std::string joined() const {
+    std::string s;
+    for (const auto& p : pieces) s += p;
+    return s;
+  }
+};
+
+GenerateResult generate(Engine& engine, std::string_view prompt, const GenerateParams& params,
+                        Streamed* streamed = nullptr) {
+  const std::vector<Token> tokens = engine.text_prompt(prompt);
+  return engine.generate(tokens, params, [&](std::string_view piece) {
+    if (streamed) streamed->pieces.emplace_back(piece);
+    return true;
+  });
+}
+
+// ---- Engine ----------------------------------------------------------------------------------
+
+TEST(Engine, ContextDefaultsToTheTrainingContextAndIsCapped) {
+  Engine whole(tiny_model(), EngineOptions{1, 0});
+  EXPECT_EQ(whole.context(), 256);  // the tiny model's llama.context_length
+  EXPECT_EQ(whole.threads(), 1);
+  Engine small(tiny_model(), EngineOptions{1, 40});
+  EXPECT_EQ(small.context(), 40);
+  Engine large(tiny_model(), EngineOptions{1, 100000});
+  EXPECT_EQ(large.context(), 256);
+}
+
+TEST(Engine, ChatPromptAppliesChatMl) {
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  const std::vector<ChatMessage> messages = {{"system", "Be brief."}, {"user", "Hello world"}};
+  const std::vector<Token> tokens = engine.chat_prompt(messages);
+  const Tokenizer& tok = engine.model().tokenizer();
+  EXPECT_EQ(tok.decode(tokens, /*render_special=*/true),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello world<|im_end|>\n"
+            "<|im_start|>assistant\n");
+  ASSERT_FALSE(tokens.empty());
+  EXPECT_EQ(tokens.front(), tok.find("<|im_start|>"));  // a special token, not its characters
+  EXPECT_EQ(std::count(tokens.begin(), tokens.end(), tok.find("<|im_end|>")), 2);
+}
+
+TEST(Engine, MaxTokensStopsWithLengthAfterExactlyThatMany) {
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  for (std::int64_t n : {1, 2, 7, 20}) {
+    const GenerateResult r = generate(engine, "Hello world", greedy(n));
+    EXPECT_EQ(r.finish_reason, "length") << n;
+    EXPECT_EQ(r.stats.generated_tokens, n);
+    EXPECT_EQ(r.stats.decode_steps, n - 1);
+    EXPECT_EQ(r.stats.prompt_tokens, static_cast<std::int64_t>(engine.text_prompt("Hello world").size()));
+  }
+}
+
+TEST(Engine, NoMaxTokensRunsUntilTheContextIsFull) {
+  Engine engine(tiny_model(), EngineOptions{1, 24});
+  const auto n_prompt = static_cast<std::int64_t>(engine.text_prompt("Hello world").size());
+  const GenerateResult r = generate(engine, "Hello world", greedy(0));
+  EXPECT_EQ(r.finish_reason, "length");
+  EXPECT_EQ(r.stats.generated_tokens, 24 - n_prompt);
+  // A max_tokens beyond the room left is cut to it.
+  const GenerateResult capped = generate(engine, "Hello world", greedy(1000));
+  EXPECT_EQ(capped.stats.generated_tokens, 24 - n_prompt);
+  EXPECT_EQ(capped.text, r.text);
+}
+
+TEST(Engine, PromptThatFillsTheContextThrowsInvalidArgument) {
+  Engine engine(tiny_model(), EngineOptions{1, 16});
+  const std::vector<Token> fits(15, 40);   // leaves room for one token
+  const std::vector<Token> full(16, 40);
+  const std::vector<Token> longer(100, 40);
+  const GenerateResult r = engine.generate(fits, greedy(10), nullptr);
+  EXPECT_EQ(r.stats.generated_tokens, 1);
+  EXPECT_EQ(r.finish_reason, "length");
+  EXPECT_THROW(engine.generate(full, greedy(10), nullptr), std::invalid_argument);
+  EXPECT_THROW(engine.generate(longer, greedy(10), nullptr), std::invalid_argument);
+  EXPECT_THROW(engine.generate(std::vector<Token>{}, greedy(10), nullptr), std::invalid_argument);
+  // The engine still works after the errors.
+  EXPECT_EQ(engine.generate(fits, greedy(10), nullptr).text, r.text);
+}
+
+TEST(Engine, PromptLongerThanOneBatchIsSplit) {
+  // More than Model::kMaxBatch prompt tokens go through forward() in chunks.
+  const fs::path dir = TinyModelFile::get().path().parent_path();
+  batchlm::testing::TinyLlamaOptions options;
+  options.context_length = 1024;
+  batchlm::testing::write_tiny_llama(dir / "long.gguf", options);
+  auto model = Model::load(dir / "long.gguf");
+  Engine engine(model, EngineOptions{2, 0});
+  std::vector<Token> prompt(Model::kMaxBatch + 100);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<Token>(3 + i % 250);
+  const GenerateResult r = engine.generate(prompt, greedy(4), nullptr);
+  EXPECT_EQ(r.stats.prompt_tokens, Model::kMaxBatch + 100);
+  EXPECT_EQ(r.stats.generated_tokens, 4);
+
+  // The same as running the prompt through the model in chunks of another size and decoding
+  // greedily by hand.
+  KvCache cache(model->config(), 1024);
+  const std::int64_t V = model->config().n_vocab;
+  std::vector<float> logits(static_cast<std::size_t>(V));
+  kernels::ThreadPool pool(2);
+  for (std::size_t i = 0; i < prompt.size(); i += 100) {
+    const std::size_t n = std::min<std::size_t>(100, prompt.size() - i);
+    model->forward(std::span<const Token>(prompt).subspan(i, n), cache, logits, false, pool);
+  }
+  StreamDecoder decoder(model->tokenizer());
+  std::string text;
+  for (int step = 0; step < 4; ++step) {
+    const Token next[1] = {static_cast<Token>(kernels::argmax(logits.data(), V))};
+    text += decoder.push(next[0]);
+    if (step < 3) model->forward(next, cache, logits, false, pool);
+  }
+  text += decoder.finish();
+  EXPECT_EQ(r.text, text);
+}
+
+TEST(Engine, GreedyIsDeterministic) {
+  Engine a(tiny_model(), EngineOptions{1, 0});
+  Engine b(tiny_model(), EngineOptions{2, 0});
+  const GenerateResult first = generate(a, "Hello world", greedy(24));
+  EXPECT_FALSE(first.text.empty());
+  EXPECT_EQ(generate(a, "Hello world", greedy(24)).text, first.text);  // the same engine again
+  EXPECT_EQ(generate(b, "Hello world", greedy(24)).text, first.text);  // another engine
+  // Greedy ignores the seed.
+  GenerateParams seeded = greedy(24);
+  seeded.sampling.seed = 99;
+  EXPECT_EQ(generate(a, "Hello world", seeded).text, first.text);
+  EXPECT_NE(generate(a, "the cat and the dog", greedy(24)).text, first.text);
+}
+
+TEST(Engine, SameSeedSameTextDifferentSeedsDiffer) {
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  auto sampled = [&](std::uint64_t seed) {
+    GenerateParams p = greedy(24);
+    p.sampling.temperature = 1.5f;
+    p.sampling.seed = seed;
+    return generate(engine, "Hello world", p).text;
+  };
+  EXPECT_EQ(sampled(7), sampled(7));
+  std::set<std::string> texts;
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) texts.insert(sampled(seed));
+  EXPECT_GE(texts.size(), 4u) << "six seeds at temperature 1.5 gave mostly the same text";
+}
+
+TEST(Engine, StreamedPiecesConcatenateToTheText) {
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  GenerateParams p = greedy(40);
+  p.sampling.temperature = 1.0f;
+  p.sampling.seed = 3;
+  Streamed streamed;
+  const GenerateResult r = generate(engine, "Hello world", p, &streamed);
+  EXPECT_EQ(streamed.joined(), r.text);
+  EXPECT_GE(streamed.pieces.size(), 2u);
+  for (const auto& piece : streamed.pieces) EXPECT_FALSE(piece.empty());
+}
+
+TEST(Engine, StopStringEndsGenerationBeforeIt) {
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  const GenerateResult free_run = generate(engine, "Hello world", greedy(40));
+  ASSERT_GE(free_run.text.size(), 12u) << free_run.text;
+  // A stop string taken from what greedy decoding writes, so it is hit: three bytes that first
+  // occur after some text (the earliest such position from the middle on).
+  std::size_t first = std::string::npos;
+  for (std::size_t p = free_run.text.size() / 2; p > 0 && first == std::string::npos; --p)
+    if (free_run.text.find(free_run.text.substr(p, 3)) == p) first = p;
+  ASSERT_NE(first, std::string::npos) << free_run.text;
+  const std::string stop = free_run.text.substr(first, 3);
+  GenerateParams p = greedy(40);
+  p.stop = {"a string that never appears", stop};
+  Streamed streamed;
+  const GenerateResult r = generate(engine, "Hello world", p, &streamed);
+  EXPECT_EQ(r.finish_reason, "stop");
+  EXPECT_EQ(r.text, free_run.text.substr(0, first));
+  EXPECT_FALSE(r.text.empty());
+  EXPECT_EQ(r.text.find(stop), std::string::npos);
+  EXPECT_EQ(streamed.joined(), r.text);
+  for (const auto& piece : streamed.pieces) EXPECT_EQ(piece.find(stop), std::string::npos);
+  EXPECT_LT(r.stats.generated_tokens, free_run.stats.generated_tokens);
+
+  // A stop string that is never hit changes nothing.
+  GenerateParams never = greedy(40);
+  never.stop = {"\x01\x02never"};
+  const GenerateResult same = generate(engine, "Hello world", never);
+  EXPECT_EQ(same.text, free_run.text);
+  EXPECT_EQ(same.finish_reason, "length");
+}
+
+TEST(Engine, EndOfTurnTokenStopsUnlessIgnored) {
+  // At temperature 2 the tiny model samples <|im_end|> now and then: find a seed that does.
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  GenerateParams p;
+  p.max_tokens = 200;
+  p.sampling.temperature = 2.0f;
+  std::optional<GenerateResult> ended;
+  for (std::uint64_t seed = 1; seed <= 60 && !ended; ++seed) {
+    p.sampling.seed = seed;
+    GenerateResult r = generate(engine, "Hello world", p);
+    if (r.finish_reason == "stop") ended = std::move(r);
+    else EXPECT_EQ(r.finish_reason, "length");
+  }
+  ASSERT_TRUE(ended) << "no seed sampled an end-of-turn token";
+  EXPECT_LT(ended->stats.generated_tokens, 200);  // the end-of-turn token counted
+  EXPECT_EQ(ended->text.find("<|im_end|>"), std::string::npos);
+
+  // The same seed with ignore_eos goes on past it, from the same text.
+  p.ignore_eos = true;
+  const GenerateResult past = generate(engine, "Hello world", p);
+  EXPECT_EQ(past.finish_reason, "length");
+  EXPECT_EQ(past.stats.generated_tokens, 200);
+  EXPECT_EQ(past.text.substr(0, ended->text.size()), ended->text);
+  EXPECT_GT(past.text.size(), ended->text.size());
+}
+
+TEST(Engine, OnTextReturningFalseCancels) {
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  std::vector<std::string> pieces;
+  const std::vector<Token> prompt = engine.text_prompt("Hello world");
+  const GenerateResult r = engine.generate(prompt, greedy(100), [&](std::string_view piece) {
+    pieces.emplace_back(piece);
+    return false;
+  });
+  EXPECT_EQ(r.finish_reason, "cancelled");
+  ASSERT_EQ(pieces.size(), 1u);
+  EXPECT_EQ(r.text, pieces[0]);
+  EXPECT_LT(r.stats.generated_tokens, 10);
+  // The next request starts from a clean cache.
+  EXPECT_EQ(generate(engine, "Hello world", greedy(30)).text,
+            Engine(tiny_model(), EngineOptions{1, 0}).generate(prompt, greedy(30), nullptr).text);
+}
+
+// ---- Sampler ---------------------------------------------------------------------------------
+
+std::vector<float> random_logits(std::mt19937& rng, int n) {
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> logits(static_cast<std::size_t>(n));
+  for (float& x : logits) x = normal(rng);
+  return logits;
+}
+
+TEST(Sampler, GreedySettingsPickTheArgmax) {
+  std::mt19937 rng(1);
+  for (int trial = 0; trial < 50; ++trial) {
+    const std::vector<float> logits = random_logits(rng, 300);
+    const auto best = static_cast<Token>(kernels::argmax(logits.data(), 300));
+    Sampler zero_temperature(SamplingParams{.temperature = 0.0f, .seed = std::uint64_t(trial)});
+    Sampler top_one(SamplingParams{.temperature = 1.0f, .top_k = 1, .seed = std::uint64_t(trial)});
+    Sampler tiny_nucleus(SamplingParams{.temperature = 1.0f, .top_p = 1e-6f, .seed = std::uint64_t(trial)});
+    for (int i = 0; i < 5; ++i) {
+      EXPECT_EQ(zero_temperature.sample(logits), best);
+      EXPECT_EQ(top_one.sample(logits), best);
+      EXPECT_EQ(tiny_nucleus.sample(logits), best);
+    }
+  }
+}
+
+TEST(Sampler, GreedyTiesGoToTheFirst) {
+  const std::vector<float> logits = {0.0f, 2.0f, 1.0f, 2.0f};
+  Sampler s(SamplingParams{.temperature = 0.0f});
+  EXPECT_EQ(s.sample(logits), 1);
+}
+
+// Counts of `draws` samples from `logits`, one Sampler per seed (what requests with different
+// seeds see) or one Sampler for all.
+std::vector<int> histogram(const std::vector<float>& logits, SamplingParams params, int draws,
+                           bool sampler_per_seed) {
+  std::vector<int> counts(logits.size(), 0);
+  Sampler shared(params);
+  for (int i = 0; i < draws; ++i) {
+    if (sampler_per_seed) {
+      params.seed = static_cast<std::uint64_t>(i) + 1;
+      Sampler s(params);
+      ++counts[static_cast<std::size_t>(s.sample(logits))];
+    } else {
+      ++counts[static_cast<std::size_t>(shared.sample(logits))];
+    }
+  }
+  return counts;
+}
+
+// Pearson's chi-square of `counts` against probabilities `p` (zero-probability cells must be
+// empty).
+double chi_square(const std::vector<int>& counts, const std::vector<double>& p) {
+  double total = 0, chi = 0;
+  for (int c : counts) total += c;
+  for (std::size_t i = 0; i < counts.size(); ++i) {
+    if (p[i] == 0) {
+      EXPECT_EQ(counts[i], 0) << "cell " << i << " has probability 0";
+      continue;
+    }
+    const double expected = total * p[i];
+    chi += (counts[i] - expected) * (counts[i] - expected) / expected;
+  }
+  return chi;
+}
+
+std::vector<double> softmax(const std::vector<float>& logits, double temperature) {
+  std::vector<double> p(logits.size());
+  const double max = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (std::size_t i = 0; i < p.size(); ++i) sum += p[i] = std::exp((logits[i] - max) / temperature);
+  for (double& x : p) x /= sum;
+  return p;
+}
+
+// With 5 cells (4 degrees of freedom) chi-square exceeds 25 with probability about 5e-5; a
+// sampler that ignored the temperature would score in the thousands here.
+constexpr double kChiSquareBound4 = 25.0;
+
+TEST(Sampler, SamplesFollowTheSoftmaxAtTheTemperature) {
+  const std::vector<float> logits = {1.0f, 0.5f, 0.0f, -1.0f, 2.0f};
+  for (const float temperature : {0.7f, 1.0f, 2.0f}) {
+    for (const bool per_seed : {true, false}) {
+      SamplingParams params{.temperature = temperature, .seed = 42};
+      const std::vector<int> counts = histogram(logits, params, 20000, per_seed);
+      EXPECT_LT(chi_square(counts, softmax(logits, temperature)), kChiSquareBound4)
+          << "T " << temperature << (per_seed ? ", a sampler per seed" : ", one sampler");
+      // The wrong temperature is rejected by the same bound (the test can fail).
+      EXPECT_GT(chi_square(counts, softmax(logits, temperature * 1.5)), kChiSquareBound4);
+    }
+  }
+}
+
+TEST(Sampler, TopKAndTopPRenormaliseOverTheKeptTokens) {
+  const std::vector<float> logits = {1.0f, 0.5f, 0.0f, -1.0f, 2.0f};
+  const std::vector<double> full = softmax(logits, 1.0);  // 0.23, 0.14, 0.08, 0.03, 0.52
+  auto restricted = [&](std::set<int> kept) {
+    std::vector<double> p(full.size(), 0.0);
+    double sum = 0;
+    for (int i : kept) sum += full[static_cast<std::size_t>(i)];
+    for (int i : kept) p[static_cast<std::size_t>(i)] = full[static_cast<std::size_t>(i)] / sum;
+    return p;
+  };
+  // top_k 2: the two best tokens, 4 and 0 (1 degree of freedom: 15 is p ~ 1e-4).
+  EXPECT_LT(chi_square(histogram(logits, {.temperature = 1.0f, .top_k = 2}, 20000, true),
+                       restricted({4, 0})), 15.0);
+  // top_p 0.7: tokens 4 (0.52) and 0 (0.75 cumulative) make the nucleus.
+  EXPECT_LT(chi_square(histogram(logits, {.temperature = 1.0f, .top_p = 0.7f}, 20000, true),
+                       restricted({4, 0})), 15.0);
+  // top_p 0.8: one more, token 1 (0.89 cumulative).
+  EXPECT_LT(chi_square(histogram(logits, {.temperature = 1.0f, .top_p = 0.8f}, 20000, true),
+                       restricted({4, 0, 1})), 20.0);
+  // top_k 3 and top_p 0.7 together: the smaller set.
+  EXPECT_LT(chi_square(histogram(logits, {.temperature = 1.0f, .top_p = 0.7f, .top_k = 3}, 20000, true),
+                       restricted({4, 0})), 15.0);
+}
+
+TEST(Sampler, SameSeedSameSequence) {
+  std::mt19937 rng(5);
+  const std::vector<float> logits = random_logits(rng, 100);
+  auto sequence = [&](std::uint64_t seed) {
+    Sampler s(SamplingParams{.temperature = 1.5f, .seed = seed});
+    std::vector<Token> out;
+    for (int i = 0; i < 50; ++i) out.push_back(s.sample(logits));
+    return out;
+  };
+  EXPECT_EQ(sequence(11), sequence(11));
+  EXPECT_NE(sequence(11), sequence(12));
+}
+
+// ---- StopMatcher -----------------------------------------------------------------------------
+
+TEST(StopMatcher, WithoutStopsPassesEverything) {
+  StopMatcher m({});
+  EXPECT_EQ(m.feed("abc"), "abc");
+  EXPECT_EQ(m.feed(""), "");
+  EXPECT_EQ(m.finish(), "");
+  StopMatcher empty_only({""});  // an empty stop string is ignored, not matched everywhere
+  EXPECT_EQ(empty_only.feed("abc"), "abc");
+  EXPECT_FALSE(empty_only.stopped());
+}
+
+TEST(StopMatcher, HoldsBackAPartialMatchUntilItCompletes) {
+  StopMatcher m({"END"});
+  EXPECT_EQ(m.feed("abcE"), "abc");
+  EXPECT_FALSE(m.stopped());
+  EXPECT_EQ(m.feed("N"), "");
+  EXPECT_FALSE(m.stopped());
+  EXPECT_EQ(m.feed("D and more"), "");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.feed("later"), "");
+  EXPECT_EQ(m.finish(), "");
+}
+
+TEST(StopMatcher, ReleasesAHeldTailThatIsNotAStop) {
+  StopMatcher m({"END"});
+  EXPECT_EQ(m.feed("abEN"), "ab");
+  EXPECT_EQ(m.feed("x"), "ENx");
+  EXPECT_EQ(m.feed("E"), "");
+  EXPECT_EQ(m.feed("E"), "E");  // "EE": only the second E can still start "END"
+  EXPECT_FALSE(m.stopped());
+}
+
+TEST(StopMatcher, StopInsideOneFeedReturnsTheTextBeforeIt) {
+  StopMatcher m({"STOP"});
+  EXPECT_EQ(m.feed("abSTOPcd"), "ab");
+  EXPECT_TRUE(m.stopped());
+}
+
+TEST(StopMatcher, EarliestOfSeveralStopsWins) {
+  StopMatcher m({"world", "lo w"});
+  EXPECT_EQ(m.feed("hello world"), "hel");
+  StopMatcher n({"lo w", "ell"});
+  EXPECT_EQ(n.feed("hel"), "h");   // "el" could become "ell"
+  EXPECT_EQ(n.feed("lo world"), "");  // "ell" at 1 comes before "lo w" at 3
+  EXPECT_TRUE(n.stopped());
+}
+
+TEST(StopMatcher, OverlappingPrefixes) {
+  StopMatcher m({"aab"});
+  EXPECT_EQ(m.feed("aaa"), "a");
+  EXPECT_EQ(m.feed("b"), "");
+  EXPECT_TRUE(m.stopped());
+}
+
+TEST(StopMatcher, FinishFlushesTheHeldTail) {
+  StopMatcher m({"END", "<|x|>"});
+  EXPECT_EQ(m.feed("abcEN"), "abc");
+  EXPECT_EQ(m.finish(), "EN");
+  StopMatcher n({"<|x|>"});
+  EXPECT_EQ(n.feed("q<|"), "q");
+  EXPECT_EQ(n.finish(), "<|");
+}
+
+// Random texts, stop strings and chunkings against a plain model of the rule: generation stops
+// at the first chunk after which the text so far contains a stop string, and the text shown is
+// everything before the earliest stop string in it. (So when one stop string completes inside a
+// chunk and another that starts earlier completes only in a later chunk, the first one wins:
+// generation has stopped by then.) The text shown never contains a stop string and is never
+// ahead of that rule, chunk by chunk.
+TEST(StopMatcher, RandomChunkingsFollowTheRule) {
+  std::mt19937 rng(9);
+  const std::string alphabet = "abAB";
+  int stopped = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    std::string text;
+    const int length = static_cast<int>(rng() % 30);
+    for (int i = 0; i < length; ++i) text += alphabet[rng() % 2 + (rng() % 5 == 0 ? 2 : 0)];
+    std::vector<std::string> stops;
+    for (int s = 0; s < 1 + static_cast<int>(rng() % 2); ++s) {
+      std::string stop;
+      for (int i = 0; i < 1 + static_cast<int>(rng() % 4); ++i) stop += alphabet[rng() % 3];
+      stops.push_back(stop);
+    }
+    std::vector<std::size_t> chunk_sizes;
+    for (std::size_t i = 0; i < text.size();) {
+      chunk_sizes.push_back(std::min<std::size_t>(text.size() - i, 1 + rng() % 4));
+      i += chunk_sizes.back();
+    }
+    // The rule.
+    std::string expected = text;
+    bool expect_stop = false;
+    for (std::size_t end = 0, c = 0; c < chunk_sizes.size() && !expect_stop; ++c) {
+      end += chunk_sizes[c];
+      std::size_t cut = std::string::npos;
+      for (const auto& s : stops) cut = std::min(cut, text.substr(0, end).find(s));
+      if (cut != std::string::npos) {
+        expected = text.substr(0, cut);
+        expect_stop = true;
+      }
+    }
+
+    std::string described = "text '" + text + "', stops";
+    for (const auto& s : stops) described += " '" + s + "'";
+    described += ", fed";
+    StopMatcher m(stops);
+    std::string shown;
+    std::size_t i = 0;
+    for (std::size_t n : chunk_sizes) {
+      described += " '" + text.substr(i, n) + "'";
+      shown += m.feed(std::string_view(text).substr(i, n));
+      i += n;
+      ASSERT_EQ(expected.compare(0, shown.size(), shown), 0) << described << ": shown '" << shown << "'";
+    }
+    EXPECT_EQ(m.stopped(), expect_stop) << described;
+    shown += m.finish();
+    ASSERT_EQ(shown, expected) << described;
+    for (const auto& s : stops) EXPECT_EQ(shown.find(s), std::string::npos) << described;
+    stopped += expect_stop;
+  }
+  EXPECT_GT(stopped, 500);  // both outcomes are well represented
+  EXPECT_LT(stopped, 2900);
+}
+
+// The same text fed whole: the earliest stop string in it wins, wherever it ends.
+TEST(StopMatcher, OneFeedCutsAtTheEarliestStart) {
+  StopMatcher whole({"aAa", "A"});
+  EXPECT_EQ(whole.feed("aaAab"), "a");
+  StopMatcher chunked({"aAa", "A"});
+  EXPECT_EQ(chunked.feed("aaA"), "aa");  // "A" is complete first; "aAa" never will be
+  EXPECT_TRUE(chunked.stopped());
+}
+
+// ---- LocalBackend ----------------------------------------------------------------------------
+
+Request hello_request(int max_tokens, std::int64_t seed = 1) {
+  Request r;
+  r.messages = {{"user", "Hello world"}};
+  r.max_tokens = max_tokens;
+  r.temperature = 0.0;
+  r.seed = seed;
+  return r;
+}
+
+// The result of one complete() call run as its own coroutine.
+struct Call {
+  std::function<void()> on_piece;  // runs inside the sink after each piece is stored
+  std::optional<Outcome> outcome;
+  std::vector<std::string> pieces;
+  std::exception_ptr thrown;
+  std::string joined() const {
+    std::string s;
+    for (const auto& p : pieces) s += p;
+    return s;
+  }
+};
+
+// Runs complete() and stores what it returned, streamed and threw.
+asio::awaitable<void> call_complete(Backend& backend, Request request, Call& call) {
+  try {
+    Outcome outcome = co_await backend.complete(request, [&call](std::string_view piece) {
+      call.pieces.emplace_back(piece);
+      if (call.on_piece) call.on_piece();
+    });
+    call.outcome = std::move(outcome);
+  } catch (...) {
+    call.thrown = std::current_exception();
+  }
+}
+
+std::string describe_exception(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+// Runs `io` until every call in `calls` has an outcome or threw, or `timeout` passes.
+bool run_until_done(asio::io_context& io, const std::vector<Call*>& calls,
+                    std::chrono::milliseconds timeout = 30s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto all_done = [&] {
+    return std::all_of(calls.begin(), calls.end(), [](Call* c) { return c->outcome || c->thrown; });
+  };
+  while (!all_done() && std::chrono::steady_clock::now() < deadline) {
+    io.restart();
+    io.run_for(20ms);
+  }
+  return all_done();
+}
+
+LocalBackendOptions tiny_options(std::int64_t context = 0) {
+  LocalBackendOptions o;
+  o.model = TinyModelFile::get().path();
+  o.threads = 1;
+  o.context = context;
+  return o;
+}
+
+TEST(LocalBackend, CompletesARequestWithUsageAndStreamedText) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  Call call;
+  asio::co_spawn(io, call_complete(backend, hello_request(8), call), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&call}));
+  ASSERT_FALSE(call.thrown) << describe_exception(call.thrown);
+  ASSERT_TRUE(call.outcome->ok()) << call.outcome->error->message;
+  const Completion& c = *call.outcome->completion;
+  EXPECT_TRUE(c.usage.reported);
+  EXPECT_GT(c.usage.prompt_tokens, 0);
+  EXPECT_GE(c.usage.completion_tokens, 1);
+  EXPECT_LE(c.usage.completion_tokens, 8);
+  EXPECT_TRUE(c.finish_reason == "length" || c.finish_reason == "stop") << c.finish_reason;
+  if (c.finish_reason == "length") {
+    EXPECT_EQ(c.usage.completion_tokens, 8);
+  }
+  EXPECT_EQ(call.joined(), c.text);
+  EXPECT_FALSE(c.text.empty());
+  EXPECT_GE(c.timings.total_ms, c.timings.ttft_ms);
+  EXPECT_GT(c.timings.total_ms, 0.0);
+
+  // The same text as the engine gives for the chat prompt.
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  const std::vector<ChatMessage> messages = {{"user", "Hello world"}};
+  GenerateParams p;
+  p.max_tokens = 8;
+  p.sampling.temperature = 0;
+  const GenerateResult expected = engine.generate(engine.chat_prompt(messages), p, nullptr);
+  EXPECT_EQ(c.text, expected.text);
+  EXPECT_EQ(c.usage.prompt_tokens, expected.stats.prompt_tokens);
+  EXPECT_EQ(c.usage.completion_tokens, expected.stats.generated_tokens);
+}
+
+TEST(LocalBackend, DescribeNamesTheModelFile) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  const std::string d = backend.describe();
+  EXPECT_NE(d.find(TinyModelFile::get().path().string()), std::string::npos) << d;
+  EXPECT_NE(d.find("tiny-llama"), std::string::npos) << d;
+}
+
+TEST(LocalBackend, MissingModelThrowsGgufErrorNamingIt) {
+  asio::io_context io;
+  LocalBackendOptions o = tiny_options();
+  o.model = TinyModelFile::get().path().parent_path() / "absent.gguf";
+  try {
+    LocalBackend backend(io.get_executor(), o);
+    ADD_FAILURE() << "a missing model loaded";
+  } catch (const gguf::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("absent.gguf"), std::string::npos) << e.what();
+  }
+}
+
+TEST(LocalBackend, ConcurrentRequestsAllComplete) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  std::vector<Call> calls(4);
+  std::vector<Call*> pointers;
+  for (auto& call : calls) {
+    asio::co_spawn(io, call_complete(backend, hello_request(12), call), asio::detached);
+    pointers.push_back(&call);
+  }
+  ASSERT_TRUE(run_until_done(io, pointers));
+  for (const auto& call : calls) {
+    ASSERT_FALSE(call.thrown) << describe_exception(call.thrown);
+    ASSERT_TRUE(call.outcome->ok()) << call.outcome->error->message;
+    // Greedy: every request gets the same text, and its own pieces only.
+    EXPECT_EQ(call.outcome->completion->text, calls[0].outcome->completion->text);
+    EXPECT_EQ(call.joined(), call.outcome->completion->text);
+  }
+}
+
+TEST(LocalBackend, PromptLongerThanTheContextIsANonRetryable400) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options(64));
+  Request long_request = hello_request(8);
+  std::string words;
+  for (int i = 0; i < 80; ++i) words += " the cat";
+  long_request.messages = {{"user", words}};
+  Call call;
+  asio::co_spawn(io, call_complete(backend, long_request, call), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&call}));
+  ASSERT_FALSE(call.thrown) << describe_exception(call.thrown);
+  ASSERT_FALSE(call.outcome->ok());
+  const Error& e = *call.outcome->error;
+  EXPECT_EQ(e.kind, ErrorKind::Http);
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_EQ(e.should_retry, std::optional<bool>(false));
+  EXPECT_NE(e.message.find("context"), std::string::npos) << e.message;
+  EXPECT_TRUE(call.pieces.empty());
+
+  // The backend serves the next request.
+  Call next;
+  asio::co_spawn(io, call_complete(backend, hello_request(4), next), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&next}));
+  ASSERT_TRUE(next.outcome && next.outcome->ok());
+}
+
+// Terminal cancellation of a request that is waiting in the engine's queue behind another:
+// its coroutine is suspended in the receive and nothing has been sent to it, so this is the
+// plain path: ErrorKind::Cancelled, the engine skips the request, the one running is unharmed,
+// and the backend serves the next.
+TEST(LocalBackend, CancellingAQueuedRequestReturnsCancelledAndTheBackendGoesOn) {
+  const fs::path path = TinyModelFile::get().path().parent_path() / "long-context-queued.gguf";
+  batchlm::testing::TinyLlamaOptions options;
+  options.context_length = 2048;
+  batchlm::testing::write_tiny_llama(path, options);
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), LocalBackendOptions{path, 1, 0});
+  asio::cancellation_signal cancel_queued;
+  Call running, queued;
+  // The running request has some 1500 tokens to go (about 0.1 s) when it cancels the other.
+  running.on_piece = [&] {
+    if (running.pieces.size() == 1) cancel_queued.emit(asio::cancellation_type::terminal);
+  };
+  Request request = hello_request(1500);
+  asio::co_spawn(io, call_complete(backend, request, running), asio::detached);
+  asio::co_spawn(io, call_complete(backend, hello_request(8), queued),
+                 asio::bind_cancellation_slot(cancel_queued.slot(), asio::detached));
+  ASSERT_TRUE(run_until_done(io, {&running, &queued}));
+  ASSERT_FALSE(queued.thrown) << describe_exception(queued.thrown);
+  ASSERT_FALSE(queued.outcome->ok());
+  EXPECT_EQ(queued.outcome->error->kind, ErrorKind::Cancelled);
+  EXPECT_TRUE(queued.pieces.empty());
+  ASSERT_FALSE(running.thrown) << describe_exception(running.thrown);
+  ASSERT_TRUE(running.outcome->ok()) << running.outcome->error->message;
+  EXPECT_EQ(running.outcome->completion->usage.completion_tokens, 1500);
+
+  Call next;
+  asio::co_spawn(io, call_complete(backend, hello_request(8), next), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&next}));
+  ASSERT_FALSE(next.thrown) << describe_exception(next.thrown);
+  ASSERT_TRUE(next.outcome->ok()) << next.outcome->error->message;
+  EXPECT_EQ(next.joined(), next.outcome->completion->text);
+}
+
+// Terminal cancellation from a handler of its own (the way the runner's stop emits it), at a
+// moment when pieces are already waiting in the channel: the sink holds the io thread for 50 ms
+// on the first piece (the engine sends the rest meanwhile) and posts the emit, which then runs
+// before the completion of the next receive. Backend::complete must return ErrorKind::Cancelled.
+TEST(LocalBackend, CancellationWithPiecesAlreadySentReturnsCancelled) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  asio::cancellation_signal signal;
+  Call call;
+  call.on_piece = [&] {
+    if (call.pieces.size() != 1) return;
+    std::this_thread::sleep_for(50ms);
+    asio::post(io, [&] { signal.emit(asio::cancellation_type::terminal); });
+  };
+  asio::co_spawn(io, call_complete(backend, hello_request(200), call),
+                 asio::bind_cancellation_slot(signal.slot(), asio::detached));
+  ASSERT_TRUE(run_until_done(io, {&call}));
+  EXPECT_FALSE(call.thrown) << "complete() threw: " << describe_exception(call.thrown);
+  if (call.outcome) {
+    ASSERT_FALSE(call.outcome->ok());
+    EXPECT_EQ(call.outcome->error->kind, ErrorKind::Cancelled);
+  }
+  EXPECT_LT(call.pieces.size(), 200u);
+
+  Call next;
+  asio::co_spawn(io, call_complete(backend, hello_request(8), next), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&next}));
+  ASSERT_FALSE(next.thrown) << describe_exception(next.thrown);
+  ASSERT_TRUE(next.outcome->ok()) << next.outcome->error->message;
+}
+
+// The same cancellation arriving while complete() is running rather than suspended: here from
+// inside the sink; in the runner, when its stop fires after a piece has been received but before
+// the coroutine has resumed to take it. Backend::complete must still return
+// ErrorKind::Cancelled (it "never throws" for request-level failures) and the engine must drop
+// the request.
+//
+// (A complete() that let Asio throw "Operation canceled" from its next co_await, instead of
+// returning Cancelled and marking the job, left the engine thread generating for nobody until
+// the channel filled, and then stuck for good: this test guards against that.)
+TEST(LocalBackend, CancellationDuringTheSinkReturnsCancelledAndTheBackendGoesOn) {
+  // A context long enough for more pieces than the channel holds.
+  const fs::path path = TinyModelFile::get().path().parent_path() / "long-context.gguf";
+  batchlm::testing::TinyLlamaOptions options;
+  options.context_length = 2048;
+  batchlm::testing::write_tiny_llama(path, options);
+  // Both on the heap: if the engine thread gets stuck they are leaked rather than destroyed
+  // under it (its channel needs the io_context).
+  auto io_owner = std::make_unique<asio::io_context>();
+  asio::io_context& io = *io_owner;
+  auto backend = std::make_unique<LocalBackend>(io.get_executor(), LocalBackendOptions{path, 1, 0});
+  asio::cancellation_signal signal;
+  Call call;
+  call.on_piece = [&] {
+    if (call.pieces.size() == 1) signal.emit(asio::cancellation_type::terminal);
+  };
+  Request request = hello_request(1500);
+  asio::co_spawn(io, call_complete(*backend, request, call),
+                 asio::bind_cancellation_slot(signal.slot(), asio::detached));
+  ASSERT_TRUE(run_until_done(io, {&call}));
+  EXPECT_FALSE(call.thrown) << "complete() threw: " << describe_exception(call.thrown);
+  if (call.outcome) {
+    ASSERT_FALSE(call.outcome->ok());
+    EXPECT_EQ(call.outcome->error->kind, ErrorKind::Cancelled);
+  }
+  EXPECT_EQ(call.pieces.size(), 1u);
+
+  // 1500 tokens take the tiny model well under a second; the next request must not wait for
+  // more than that.
+  Call next;
+  asio::co_spawn(io, call_complete(*backend, hello_request(8), next), asio::detached);
+  if (!run_until_done(io, {&next}, 5s)) {
+    // The engine thread is stuck: ~LocalBackend would join it forever. Leak it instead.
+    (void)backend.release();
+    (void)io_owner.release();
+    FAIL() << "the backend did not serve the next request after a cancelled one";
+  }
+  ASSERT_FALSE(next.thrown) << describe_exception(next.thrown);
+  ASSERT_TRUE(next.outcome->ok()) << next.outcome->error->message;
+}
+
+}  // namespace
+}  // namespace batchlm::local_engine
