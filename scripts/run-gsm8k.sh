@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 limit=${1:-20}
 shift || true
-scripts/build.sh release
+scripts/build.sh release batchlm
 scripts/fetch-data.sh
 scripts/fetch-model.sh
 exec build/release/bin/batchlm run jobs/gsm8k.yaml --limit "$limit" "$@"
