@@ -1,4 +1,5 @@
 #include "batchlm/local_engine/tokenizer.hpp"
+#include "utf8.hpp"
 
 // The chat template is a Jinja program in the GGUF (tokenizer.chat_template). Rather than run
 // Jinja, this recognises the one family the engine supports, ChatML,
@@ -33,24 +34,6 @@ constexpr std::string_view kSystemTurnStart = "<|im_start|>system\n";
 
 [[noreturn]] void unsupported(const std::string& why) {
   throw std::invalid_argument("chat template: " + why);
-}
-
-void append_code_point(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
 }
 
 // Reads the Jinja string literal whose opening quote is at text[i]; returns its value and
@@ -99,7 +82,7 @@ std::string read_string_literal(std::string_view text, std::size_t& i) {
       case 'U': {
         const std::optional<char32_t> cp = hex_value(escaped == 'x' ? 2 : escaped == 'u' ? 4 : 8);
         if (!cp) unsupported("malformed \\" + std::string(1, escaped) + " escape in a string literal");
-        append_code_point(value, *cp);
+        utf8::append(value, *cp);
         break;
       }
       default:

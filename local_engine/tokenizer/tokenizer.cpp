@@ -1,4 +1,5 @@
 #include "batchlm/local_engine/tokenizer.hpp"
+#include "utf8.hpp"
 
 // Byte-level BPE as GPT-2 introduced it and llama.cpp runs it for `tokenizer.ggml.model =
 // "gpt2"` vocabularies. Encoding a text takes four steps:
@@ -98,24 +99,6 @@ bool is_valid_utf8(std::string_view s) {
 
 constexpr std::string_view kReplacementCharacter = "\xEF\xBF\xBD";  // U+FFFD
 
-void append_utf8(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
 // The code point of the complete sequence of `length` bytes at s[i].
 char32_t decode_utf8(std::string_view s, std::size_t i, std::size_t length) {
   const auto byte = [&](std::size_t k) { return static_cast<char32_t>(static_cast<unsigned char>(s[i + k])); };
@@ -157,7 +140,7 @@ constexpr ByteAlphabet kByteAlphabet = make_byte_alphabet();
 
 // The vocabulary form of raw bytes: each byte as its alphabet character.
 void append_byte_level(std::string& out, std::string_view bytes) {
-  for (const char c : bytes) append_utf8(out, kByteAlphabet.char_of_byte[static_cast<unsigned char>(c)]);
+  for (const char c : bytes) utf8::append(out, kByteAlphabet.char_of_byte[static_cast<unsigned char>(c)]);
 }
 
 // The inverse: the bytes a byte-level token text stands for. Characters outside the alphabet
@@ -583,7 +566,7 @@ Tokenizer::Tokenizer(Vocab vocab) {
 
   for (int b = 0; b < 256; ++b) {
     std::string text;
-    append_utf8(text, kByteAlphabet.char_of_byte[b]);
+    utf8::append(text, kByteAlphabet.char_of_byte[b]);
     const auto it = impl.ids.find(text);
     impl.byte_tokens[b] = it == impl.ids.end() ? kNoToken : it->second;
   }
