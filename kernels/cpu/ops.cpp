@@ -276,11 +276,25 @@ void store_f16(const float* x, std::int64_t n, std::int64_t width, std::uint16_t
 void attention(const AttentionShape& s, const float* q, std::int64_t n,
                const std::int32_t* positions, const std::uint16_t* k, const std::uint16_t* v,
                float* out, ThreadPool& pool) {
+  // One sequence whose cache is a single block holding every position.
+  const std::int32_t table[1] = {0};
+  const std::span<const std::int32_t> tables[1] = {table};
+  std::vector<std::int32_t> sequence_of(static_cast<std::size_t>(n), 0);
+  std::int64_t n_ctx = 1;
+  for (std::int64_t t = 0; t < n; ++t) n_ctx = std::max<std::int64_t>(n_ctx, positions[t] + 1);
+  const PagedKv kv{k, v, n_ctx, tables, sequence_of.data()};
+  attention_paged(s, q, n, positions, kv, out, pool);
+}
+
+void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
+                     const std::int32_t* positions, const PagedKv& kv, float* out,
+                     ThreadPool& pool) {
   const auto& kern = kernels();
   const std::int64_t group = s.n_heads / s.n_kv_heads;
   pool.parallel_for(n * s.n_heads, 1, [&](std::int64_t b, std::int64_t e, int) {
     std::vector<float> qh(static_cast<std::size_t>(s.head_dim));
     std::vector<float> scores;
+    std::vector<std::int64_t> rows;  // element offset of each visible position in the pool
     for (std::int64_t index = b; index < e; ++index) {
       // Latest tokens first: they see the most positions, so the longest items start first.
       const std::int64_t item = n * s.n_heads - 1 - index;
@@ -288,14 +302,19 @@ void attention(const AttentionShape& s, const float* q, std::int64_t n,
       const std::int64_t h = item % s.n_heads;
       const std::int64_t kvh = h / group;
       const std::int64_t n_ctx = positions[t] + 1;
+      const std::span<const std::int32_t> table = kv.block_tables[kv.sequence_of[t]];
+      rows.resize(static_cast<std::size_t>(n_ctx));
+      for (std::int64_t p = 0; p < n_ctx; ++p) {
+        const std::int64_t block = table[p / kv.block_size];
+        rows[p] = (block * kv.block_size + p % kv.block_size) * s.kv_stride + kvh * s.head_dim;
+      }
       const float* qsrc = q + (t * s.n_heads + h) * s.head_dim;
       std::copy(qsrc, qsrc + s.head_dim, qh.begin());
       kern.round_f16(qh.data(), s.head_dim);
       scores.resize(static_cast<std::size_t>(n_ctx));
       float max = -INFINITY;
       for (std::int64_t p = 0; p < n_ctx; ++p) {
-        scores[p] = kern.dot_f16(qh.data(), k + p * s.kv_stride + kvh * s.head_dim, s.head_dim) *
-                    s.scale;
+        scores[p] = kern.dot_f16(qh.data(), kv.k_pool + rows[p], s.head_dim) * s.scale;
         max = std::max(max, scores[p]);
       }
       double sum = 0.0;
@@ -309,9 +328,20 @@ void attention(const AttentionShape& s, const float* q, std::int64_t n,
       float* o = out + (t * s.n_heads + h) * s.head_dim;
       std::fill(o, o + s.head_dim, 0.0f);
       for (std::int64_t p = 0; p < n_ctx; ++p)
-        kern.axpy_f16(scores[p], v + p * s.kv_stride + kvh * s.head_dim, o, s.head_dim);
+        kern.axpy_f16(scores[p], kv.v_pool + rows[p], o, s.head_dim);
     }
   });
+}
+
+void store_f16_paged(const float* x, std::int64_t n, std::int64_t width,
+                     const std::int32_t* positions, const PagedKv& kv, std::uint16_t* pool) {
+  for (std::int64_t t = 0; t < n; ++t) {
+    const std::span<const std::int32_t> table = kv.block_tables[kv.sequence_of[t]];
+    const std::int64_t p = positions[t];
+    const std::int64_t block = table[p / kv.block_size];
+    kernels().to_f16(x + t * width, pool + (block * kv.block_size + p % kv.block_size) * width,
+                     width);
+  }
 }
 
 std::int64_t argmax(const float* x, std::int64_t n) {

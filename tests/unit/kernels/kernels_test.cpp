@@ -1,6 +1,7 @@
 // The CPU kernels: conversions, quantized dot products against a plain float reference, the
 // AVX2 path against the portable one, and the drivers (matmul, attention, rope, norm).
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -207,6 +208,49 @@ TEST(Attention, MatchesSoftmaxReference) {
         EXPECT_NEAR(out[(t * s.n_heads + h) * s.head_dim + i], ref, 5e-3);
       }
     }
+}
+
+// Two sequences with their caches scattered over a shuffled block pool, their tokens mixed in
+// one batch: the paged kernel gives bit for bit what the contiguous one gives per sequence, and
+// store_f16_paged puts each position where the block table says.
+TEST(Attention, PagedEqualsContiguousPerSequence) {
+  const AttentionShape s{4, 2, 16, 2 * 16, 0.25f};
+  const std::int64_t block = 4, n_blocks = 12;
+  const std::int64_t lens[2] = {13, 22};  // positions filled per sequence (the last ones queried)
+  std::vector<std::int32_t> order(n_blocks);
+  for (std::int64_t i = 0; i < n_blocks; ++i) order[i] = static_cast<std::int32_t>(i);
+  std::shuffle(order.begin(), order.end(), std::mt19937(5));
+  std::vector<std::int32_t> table0(order.begin(), order.begin() + 4);   // 16 positions
+  std::vector<std::int32_t> table1(order.begin() + 4, order.begin() + 10);  // 24 positions
+  const std::span<const std::int32_t> tables[2] = {table0, table1};
+  std::vector<std::uint16_t> kpool(n_blocks * block * s.kv_stride), vpool(kpool.size());
+  std::vector<std::vector<std::uint16_t>> kc(2), vc(2);
+  ThreadPool pool(2);
+  for (int q = 0; q < 2; ++q) {
+    const auto kf = random_floats(lens[q] * s.kv_stride, 20 + q), vf = random_floats(lens[q] * s.kv_stride, 30 + q);
+    kc[q].resize(kf.size());
+    vc[q].resize(vf.size());
+    for (std::size_t i = 0; i < kf.size(); ++i) kc[q][i] = fp32_to_fp16(kf[i]), vc[q][i] = fp32_to_fp16(vf[i]);
+    std::vector<std::int32_t> pos(lens[q]), seq(lens[q], q);
+    for (std::int64_t p = 0; p < lens[q]; ++p) pos[p] = static_cast<std::int32_t>(p);
+    const PagedKv kv{kpool.data(), vpool.data(), block, tables, seq.data()};
+    store_f16_paged(kf.data(), lens[q], s.kv_stride, pos.data(), kv, kpool.data());
+    store_f16_paged(vf.data(), lens[q], s.kv_stride, pos.data(), kv, vpool.data());
+  }
+  // The batch: the last 3 positions of sequence 1 and the last 2 of sequence 0, interleaved.
+  const std::int32_t positions[5] = {19, 11, 20, 12, 21};
+  const std::int32_t sequence_of[5] = {1, 0, 1, 0, 1};
+  const auto q = random_floats(5 * s.n_heads * s.head_dim, 40);
+  std::vector<float> paged(q.size());
+  const PagedKv kv{kpool.data(), vpool.data(), block, tables, sequence_of};
+  attention_paged(s, q.data(), 5, positions, kv, paged.data(), pool);
+  const std::int64_t row = s.n_heads * s.head_dim;
+  for (int t = 0; t < 5; ++t) {
+    std::vector<float> ref(row);
+    attention(s, q.data() + t * row, 1, &positions[t], kc[sequence_of[t]].data(),
+              vc[sequence_of[t]].data(), ref.data(), pool);
+    for (std::int64_t i = 0; i < row; ++i) ASSERT_EQ(paged[t * row + i], ref[i]) << "token " << t << " element " << i;
+  }
 }
 
 TEST(Rope, RotatesPairsByPosition) {

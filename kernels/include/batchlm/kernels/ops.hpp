@@ -79,6 +79,28 @@ void attention(const AttentionShape& shape, const float* q, std::int64_t n,
                const std::int32_t* positions, const std::uint16_t* k, const std::uint16_t* v,
                float* out, ThreadPool& pool);
 
+// The paged form: keys and values live in a pool of blocks of `block_size` positions (for one
+// layer: position slot j of block b, kv head h at k_pool + (b * block_size + j) * kv_stride +
+// h * head_dim). The batch may mix tokens of several sequences: token i belongs to sequence
+// sequence_of[i], sits at positions[i] and sees that sequence's positions [0, positions[i]]
+// through its block table (block_tables[sequence_of[i]][p / block_size]). Same arithmetic as
+// attention(), which is the case of one sequence in one block.
+struct PagedKv {
+  const std::uint16_t* k_pool = nullptr;
+  const std::uint16_t* v_pool = nullptr;
+  std::int64_t block_size = 16;
+  std::span<const std::span<const std::int32_t>> block_tables;
+  const std::int32_t* sequence_of = nullptr;  // per token
+};
+void attention_paged(const AttentionShape& shape, const float* q, std::int64_t n,
+                     const std::int32_t* positions, const PagedKv& kv, float* out,
+                     ThreadPool& pool);
+
+// Stores n rows of `width` floats as F16 at their positions in the paged pool (the layout of
+// PagedKv; `pool` is k_pool or v_pool made writable).
+void store_f16_paged(const float* x, std::int64_t n, std::int64_t width,
+                     const std::int32_t* positions, const PagedKv& kv, std::uint16_t* pool);
+
 // Index of the largest value (the first one on ties).
 std::int64_t argmax(const float* x, std::int64_t n);
 
