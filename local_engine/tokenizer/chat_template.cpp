@@ -113,11 +113,13 @@ std::vector<std::string> constant_strings(std::string_view tmpl) {
       continue;
     }
     const std::string_view close = kind == '{' ? "}}" : "%}";
-    std::optional<std::string> chain;  // the literal (or literals joined by '+') being read
-    bool after_plus = false;           // the chain so far ends in '+'
+    std::string chain;         // the literal (or literals joined by '+') being read
+    bool in_chain = false;     // whether `chain` holds one
+    bool after_plus = false;   // the chain so far ends in '+'
     const auto end_chain = [&] {
-      if (chain) constants.push_back(std::move(*chain));
-      chain.reset();
+      if (in_chain) constants.push_back(std::move(chain));
+      chain.clear();
+      in_chain = false;
       after_plus = false;
     };
     i = open + 2;
@@ -131,15 +133,16 @@ std::vector<std::string> constant_strings(std::string_view tmpl) {
       }
       if (c == '\'' || c == '"') {
         std::string value = read_string_literal(tmpl, i);
-        if (chain && after_plus) {
-          *chain += value;
+        if (in_chain && after_plus) {
+          chain += value;
         } else {
           end_chain();
           chain = std::move(value);
+          in_chain = true;
         }
         after_plus = false;
       } else if (c == '+') {
-        after_plus = chain.has_value();
+        after_plus = in_chain;
         ++i;
       } else if (c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '-') {
         ++i;  // spacing, and the '-' of whitespace control ({{- ... -}})
