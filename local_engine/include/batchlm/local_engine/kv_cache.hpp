@@ -1,0 +1,137 @@
+#pragma once
+// The block allocator of a paged KV cache with prefix caching. BlockPool keeps the bookkeeping
+// only (reference counts, prefix keys, free and cached lists) for block ids 0..n_blocks-1; the
+// caller maps a block id to its K/V memory, e.g.
+//   k_cache; // (n_blocks, block_size, n_kv_heads, head_dim) per layer
+// SequenceBlocks is one sequence's block table on top of a pool.
+//
+// A block is in exactly one state:
+//   free    refcount 0, no key; never used or freed without a key.
+//   cached  refcount 0, keyed; still findable by lookup_and_acquire until evicted.
+//   used    refcount > 0, keyed (published) or not.
+// Every operation is O(1) expected (a hash map and two intrusive lists); check_invariants() is
+// O(n_blocks) and meant for tests. Thread-compatible: the engine thread alone uses a pool.
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+namespace batchlm::local_engine {
+
+using BlockId = std::int32_t;
+
+struct BlockPoolOptions {
+  int block_size = 16;        // tokens per block
+  std::int64_t n_blocks = 0;  // > 0 and <= INT32_MAX
+};
+
+struct BlockPoolStats {
+  std::int64_t n_blocks = 0;
+  std::int64_t used = 0;         // refcount > 0
+  std::int64_t free = 0;         // refcount 0, no key
+  std::int64_t cached_free = 0;  // refcount 0, keyed, evictable
+  std::int64_t hits = 0;         // lookup_and_acquire found the key
+  std::int64_t misses = 0;       // lookup_and_acquire did not
+  std::int64_t evictions = 0;    // cached blocks handed out by allocate()
+};
+
+class BlockPool {
+ public:
+  // The parent key of a sequence's first block.
+  static constexpr std::uint64_t kRootKey = 0x6b76'6361'6368'6531ULL;  // "kvcache1"
+
+  // Throws std::invalid_argument when block_size <= 0 or n_blocks is not in 1..INT32_MAX.
+  explicit BlockPool(BlockPoolOptions options);
+
+  int block_size() const { return block_size_; }
+  std::int64_t n_blocks() const { return static_cast<std::int64_t>(blocks_.size()) - 2; }
+  // Blocks allocate() can still hand out: free plus cached (by evicting).
+  std::int64_t available() const { return n_free_ + n_cached_; }
+
+  // A block with refcount 1. Takes a free block first; else evicts the cached block released
+  // longest ago (its key is forgotten); nullopt when every block is used.
+  std::optional<BlockId> allocate();
+  // Drops one reference. At 0 a keyed block becomes cached (most recently freed), any other
+  // block free. Throws std::logic_error when the block is not used (refcount would go < 0).
+  void release(BlockId id);
+
+  // The key of a full block: a 64-bit hash of the parent's key and the block's token ids, so
+  // equal keys mean equal prefixes (up to a 2^-64 collision). Chain from kRootKey.
+  static std::uint64_t block_key(std::uint64_t parent, std::span<const std::int32_t> tokens);
+  // Makes a used, full block findable under `key`. When another block already holds the key
+  // the existing one is kept and this one stays unpublished: returns false. Publishing a block
+  // again under its own key is a no-op (true). Throws std::logic_error when the block is not
+  // used or already holds a different key.
+  bool publish(BlockId id, std::uint64_t key);
+  // The block published under `key`, its refcount incremented (out of the cached list when it
+  // was cached); nullopt on a miss. Counts a hit or a miss.
+  std::optional<BlockId> lookup_and_acquire(std::uint64_t key);
+
+  std::int32_t ref_count(BlockId id) const;
+  BlockPoolStats stats() const;
+  // Throws std::logic_error describing the first broken invariant.
+  void check_invariants() const;
+
+ private:
+  enum class State : std::uint8_t { kFree, kCached, kUsed };
+  struct Block {
+    std::int32_t ref_count = 0;
+    State state = State::kFree;
+    bool has_key = false;
+    std::uint64_t key = 0;
+    BlockId prev = -1, next = -1;  // links of the free or cached list this block is on
+  };
+
+  // Circular doubly linked lists threaded through blocks_, with sentinels at the end of blocks_.
+  BlockId free_head() const { return static_cast<BlockId>(blocks_.size() - 2); }
+  BlockId cached_head() const { return static_cast<BlockId>(blocks_.size() - 1); }
+  void push_back(BlockId head, BlockId id);
+  void unlink(BlockId id);
+  const Block& checked(BlockId id, const char* operation) const;  // throws when out of range
+  Block& checked(BlockId id, const char* operation);
+
+  int block_size_;
+  std::vector<Block> blocks_;                       // n_blocks + 2 sentinels
+  std::unordered_map<std::uint64_t, BlockId> by_key_;  // published blocks, used or cached
+  std::int64_t n_free_ = 0, n_cached_ = 0, n_used_ = 0;
+  std::int64_t hits_ = 0, misses_ = 0, evictions_ = 0;
+};
+
+// One sequence's block table: block i holds positions [i*block_size, (i+1)*block_size).
+// The leading full blocks that were taken from the cache or published by this sequence carry
+// chained keys; the rest are private to it and written by it alone.
+class SequenceBlocks {
+ public:
+  explicit SequenceBlocks(int block_size);
+
+  int block_size() const { return block_size_; }
+  std::span<const BlockId> table() const { return table_; }
+  std::int64_t capacity_tokens() const {
+    return static_cast<std::int64_t>(table_.size()) * block_size_;
+  }
+
+  // On an empty table: takes the longest chain of cached full blocks matching the prompt's
+  // prefix and returns the tokens they cover. Stops before the block holding the last prompt
+  // token, which must be computed to get logits, so at most (size-1)/block_size blocks.
+  std::int64_t acquire_prefix(BlockPool& pool, std::span<const std::int32_t> prompt);
+  // Appends blocks until the table covers n_tokens. When the pool cannot supply them all it
+  // takes none (and evicts nothing) and returns false.
+  bool ensure_capacity(BlockPool& pool, std::int64_t n_tokens);
+  // `tokens` are the sequence's tokens whose K/V are now written (a prefix of its table).
+  // Publishes every full block not yet keyed, under its chained key.
+  void commit_full_blocks(BlockPool& pool, std::span<const std::int32_t> tokens);
+  // Releases every block, the last first: the cache then evicts a chain from its tail, since a
+  // block is useless once its parent is gone.
+  void release_all(BlockPool& pool);
+
+ private:
+  void check_pool(const BlockPool& pool) const;
+
+  int block_size_;
+  std::vector<BlockId> table_;
+  std::vector<std::uint64_t> keys_;  // chained keys of the leading keyed blocks
+};
+
+}  // namespace batchlm::local_engine

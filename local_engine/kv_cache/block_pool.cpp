@@ -1,0 +1,297 @@
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "batchlm/local_engine/kv_cache.hpp"
+
+namespace batchlm::local_engine {
+namespace {
+
+// The splitmix64 / murmur3 finalizer: a bijection on 64 bits in which every input bit flips
+// each output bit with probability ~1/2.
+std::uint64_t mix64(std::uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return x;
+}
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::logic_error("BlockPool: " + what);
+}
+
+}  // namespace
+
+BlockPool::BlockPool(BlockPoolOptions options) : block_size_(options.block_size) {
+  if (options.block_size <= 0) throw std::invalid_argument("BlockPool: block_size must be > 0");
+  if (options.n_blocks <= 0 || options.n_blocks > std::numeric_limits<BlockId>::max() - 2)
+    throw std::invalid_argument("BlockPool: n_blocks must be in 1..INT32_MAX-2");
+  blocks_.resize(static_cast<std::size_t>(options.n_blocks) + 2);
+  for (BlockId head : {free_head(), cached_head()}) {
+    blocks_[static_cast<std::size_t>(head)].prev = head;
+    blocks_[static_cast<std::size_t>(head)].next = head;
+  }
+  // Ascending order, so a fresh pool hands out 0, 1, 2, ...
+  for (BlockId id = 0; id < options.n_blocks; ++id) push_back(free_head(), id);
+  n_free_ = options.n_blocks;
+  by_key_.reserve(static_cast<std::size_t>(options.n_blocks));
+}
+
+void BlockPool::push_back(BlockId head, BlockId id) {
+  Block& h = blocks_[static_cast<std::size_t>(head)];
+  Block& b = blocks_[static_cast<std::size_t>(id)];
+  b.prev = h.prev;
+  b.next = head;
+  blocks_[static_cast<std::size_t>(h.prev)].next = id;
+  h.prev = id;
+}
+
+void BlockPool::unlink(BlockId id) {
+  Block& b = blocks_[static_cast<std::size_t>(id)];
+  blocks_[static_cast<std::size_t>(b.prev)].next = b.next;
+  blocks_[static_cast<std::size_t>(b.next)].prev = b.prev;
+  b.prev = b.next = -1;
+}
+
+const BlockPool::Block& BlockPool::checked(BlockId id, const char* operation) const {
+  if (id < 0 || id >= n_blocks())
+    fail(std::string(operation) + " of block " + std::to_string(id) + " out of range");
+  return blocks_[static_cast<std::size_t>(id)];
+}
+
+BlockPool::Block& BlockPool::checked(BlockId id, const char* operation) {
+  return const_cast<Block&>(std::as_const(*this).checked(id, operation));
+}
+
+std::optional<BlockId> BlockPool::allocate() {
+  BlockId id;
+  if (n_free_ > 0) {
+    id = blocks_[static_cast<std::size_t>(free_head())].next;
+    --n_free_;
+  } else if (n_cached_ > 0) {
+    id = blocks_[static_cast<std::size_t>(cached_head())].next;  // released longest ago
+    Block& b = blocks_[static_cast<std::size_t>(id)];
+    by_key_.erase(b.key);
+    b.has_key = false;
+    b.key = 0;
+    --n_cached_;
+    ++evictions_;
+  } else {
+    return std::nullopt;
+  }
+  unlink(id);
+  Block& b = blocks_[static_cast<std::size_t>(id)];
+  b.state = State::kUsed;
+  b.ref_count = 1;
+  ++n_used_;
+  return id;
+}
+
+void BlockPool::release(BlockId id) {
+  Block& b = checked(id, "release");
+  if (b.state != State::kUsed) fail("release of block " + std::to_string(id) + " not in use");
+  if (--b.ref_count > 0) return;
+  --n_used_;
+  if (b.has_key) {
+    b.state = State::kCached;
+    push_back(cached_head(), id);  // most recently freed: evicted last
+    ++n_cached_;
+  } else {
+    b.state = State::kFree;
+    push_back(free_head(), id);
+    ++n_free_;
+  }
+}
+
+std::uint64_t BlockPool::block_key(std::uint64_t parent, std::span<const std::int32_t> tokens) {
+  // Each step is a bijection of the state for a fixed token, so two blocks with the same parent
+  // that differ in one token never collide; the length is mixed in last.
+  std::uint64_t h = mix64(parent ^ 0x9e3779b97f4a7c15ULL);
+  for (std::int32_t token : tokens) h = mix64(h + static_cast<std::uint32_t>(token));
+  return mix64(h ^ static_cast<std::uint64_t>(tokens.size()));
+}
+
+bool BlockPool::publish(BlockId id, std::uint64_t key) {
+  Block& b = checked(id, "publish");
+  if (b.state != State::kUsed) fail("publish of block " + std::to_string(id) + " not in use");
+  if (b.has_key) {
+    if (b.key != key) fail("publish of block " + std::to_string(id) + " under a second key");
+    return true;
+  }
+  auto [it, inserted] = by_key_.try_emplace(key, id);
+  if (!inserted) return false;  // another block holds the same prefix: keep that one
+  b.has_key = true;
+  b.key = key;
+  return true;
+}
+
+std::optional<BlockId> BlockPool::lookup_and_acquire(std::uint64_t key) {
+  auto it = by_key_.find(key);
+  if (it == by_key_.end()) {
+    ++misses_;
+    return std::nullopt;
+  }
+  ++hits_;
+  BlockId id = it->second;
+  Block& b = blocks_[static_cast<std::size_t>(id)];
+  if (b.state == State::kCached) {
+    unlink(id);
+    b.state = State::kUsed;
+    --n_cached_;
+    ++n_used_;
+  }
+  ++b.ref_count;
+  return id;
+}
+
+std::int32_t BlockPool::ref_count(BlockId id) const {
+  return checked(id, "ref_count").ref_count;
+}
+
+BlockPoolStats BlockPool::stats() const {
+  return {.n_blocks = n_blocks(),
+          .used = n_used_,
+          .free = n_free_,
+          .cached_free = n_cached_,
+          .hits = hits_,
+          .misses = misses_,
+          .evictions = evictions_};
+}
+
+void BlockPool::check_invariants() const {
+  const std::int64_t n = n_blocks();
+  auto name = [](BlockId id) { return "block " + std::to_string(id); };
+  // Walk each list, checking links and that its members are in the list's state.
+  auto walk = [&](BlockId head, State state, const char* list) {
+    std::int64_t count = 0;
+    BlockId prev = head;
+    for (BlockId id = blocks_[static_cast<std::size_t>(head)].next; id != head;
+         id = blocks_[static_cast<std::size_t>(id)].next) {
+      if (id < 0 || id >= n) fail(std::string(list) + " list links out of range");
+      if (++count > n) fail(std::string(list) + " list has a cycle");
+      const Block& b = blocks_[static_cast<std::size_t>(id)];
+      if (b.prev != prev) fail(name(id) + " has a broken prev link");
+      if (b.state != state) fail(name(id) + " on the " + list + " list in another state");
+      prev = id;
+    }
+    if (blocks_[static_cast<std::size_t>(head)].prev != prev)
+      fail(std::string(list) + " list tail link broken");
+    return count;
+  };
+  const std::int64_t free_listed = walk(free_head(), State::kFree, "free");
+  const std::int64_t cached_listed = walk(cached_head(), State::kCached, "cached");
+
+  std::int64_t free = 0, cached = 0, used = 0, keyed = 0;
+  for (BlockId id = 0; id < n; ++id) {
+    const Block& b = blocks_[static_cast<std::size_t>(id)];
+    switch (b.state) {
+      case State::kFree:
+        ++free;
+        if (b.ref_count != 0) fail(name(id) + " is free with refcount != 0");
+        if (b.has_key) fail(name(id) + " is free but keyed");
+        break;
+      case State::kCached:
+        ++cached;
+        if (b.ref_count != 0) fail(name(id) + " is cached with refcount != 0");
+        if (!b.has_key) fail(name(id) + " is cached without a key");
+        break;
+      case State::kUsed:
+        ++used;
+        if (b.ref_count <= 0) fail(name(id) + " is used with refcount <= 0");
+        if (b.prev != -1 || b.next != -1) fail(name(id) + " is used but linked on a list");
+        break;
+    }
+    if (b.has_key) {
+      ++keyed;
+      auto it = by_key_.find(b.key);
+      if (it == by_key_.end() || it->second != id) fail(name(id) + " key missing from the map");
+    }
+  }
+  if (free != free_listed || cached != cached_listed)
+    fail("list lengths disagree with block states");
+  if (free != n_free_ || cached != n_cached_ || used != n_used_)
+    fail("counters disagree with block states");
+  if (free + cached + used != n) fail("free + cached + used != n_blocks");
+  if (keyed != static_cast<std::int64_t>(by_key_.size()))
+    fail("key map holds entries for blocks without that key");
+  for (const auto& [key, id] : by_key_) {
+    if (id < 0 || id >= n) fail("key map points out of range");
+    const Block& b = blocks_[static_cast<std::size_t>(id)];
+    if (!b.has_key || b.key != key) fail("key map entry disagrees with " + name(id));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+SequenceBlocks::SequenceBlocks(int block_size) : block_size_(block_size) {
+  if (block_size <= 0) throw std::invalid_argument("SequenceBlocks: block_size must be > 0");
+}
+
+void SequenceBlocks::check_pool(const BlockPool& pool) const {
+  if (pool.block_size() != block_size_)
+    throw std::logic_error("SequenceBlocks: pool has a different block_size");
+}
+
+std::int64_t SequenceBlocks::acquire_prefix(BlockPool& pool,
+                                            std::span<const std::int32_t> prompt) {
+  check_pool(pool);
+  if (!table_.empty()) throw std::logic_error("SequenceBlocks: acquire_prefix on a used table");
+  if (prompt.empty()) return 0;
+  const std::size_t bs = static_cast<std::size_t>(block_size_);
+  const std::size_t max_blocks = (prompt.size() - 1) / bs;
+  std::uint64_t parent = BlockPool::kRootKey;
+  for (std::size_t i = 0; i < max_blocks; ++i) {
+    const std::uint64_t key = BlockPool::block_key(parent, prompt.subspan(i * bs, bs));
+    std::optional<BlockId> block = pool.lookup_and_acquire(key);
+    if (!block) break;
+    table_.push_back(*block);
+    keys_.push_back(key);
+    parent = key;
+  }
+  return capacity_tokens();
+}
+
+bool SequenceBlocks::ensure_capacity(BlockPool& pool, std::int64_t n_tokens) {
+  check_pool(pool);
+  const std::int64_t needed_blocks = (n_tokens + block_size_ - 1) / block_size_;
+  const std::int64_t missing = needed_blocks - static_cast<std::int64_t>(table_.size());
+  if (missing <= 0) return true;
+  // Checked up front so that a failure neither leaks nor evicts cached blocks for nothing.
+  if (missing > pool.available()) return false;
+  table_.reserve(static_cast<std::size_t>(needed_blocks));
+  for (std::int64_t i = 0; i < missing; ++i) table_.push_back(*pool.allocate());
+  return true;
+}
+
+void SequenceBlocks::commit_full_blocks(BlockPool& pool, std::span<const std::int32_t> tokens) {
+  check_pool(pool);
+  const std::size_t bs = static_cast<std::size_t>(block_size_);
+  const std::size_t full = tokens.size() / bs;
+  if (full > table_.size())
+    throw std::logic_error("SequenceBlocks: commit of tokens beyond the table");
+  for (std::size_t i = keys_.size(); i < full; ++i) {
+    const std::uint64_t parent = keys_.empty() ? BlockPool::kRootKey : keys_.back();
+    const std::uint64_t key = BlockPool::block_key(parent, tokens.subspan(i * bs, bs));
+    // When an identical block is already published this one stays private; the chain goes on
+    // from the same key either way, since the key depends on the tokens alone.
+    pool.publish(table_[i], key);
+    keys_.push_back(key);
+  }
+}
+
+void SequenceBlocks::release_all(BlockPool& pool) {
+  check_pool(pool);
+  for (auto it = table_.rbegin(); it != table_.rend(); ++it) pool.release(*it);
+  table_.clear();
+  keys_.clear();
+}
+
+}  // namespace batchlm::local_engine
