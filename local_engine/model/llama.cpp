@@ -145,26 +145,63 @@ const ChatTemplate& Model::chat_template() const {
 
 void Model::forward(std::span<const Token> tokens, KvCache& cache, std::span<float> logits,
                     bool all_logits, kops::ThreadPool& pool) const {
-  const ModelConfig& c = config_;
   const auto n = static_cast<std::int64_t>(tokens.size());
   if (n == 0) return;
-  if (n > kMaxBatch) throw std::invalid_argument("forward: more tokens than kMaxBatch");
   if (cache.size() + n > cache.capacity()) throw std::length_error("forward: KV cache is full");
-  const std::int64_t n_out = all_logits ? n : 1;
+  std::vector<std::int32_t> positions(static_cast<std::size_t>(n));
+  std::iota(positions.begin(), positions.end(), static_cast<std::int32_t>(cache.size()));
+  const std::vector<std::int32_t> sequence_of(static_cast<std::size_t>(n), 0);
+  const std::int32_t block[1] = {0};
+  const std::span<const std::int32_t> tables[1] = {block};
+  std::vector<std::int32_t> rows;
+  if (all_logits) {
+    rows.resize(static_cast<std::size_t>(n));
+    std::iota(rows.begin(), rows.end(), 0);
+  } else {
+    rows.push_back(static_cast<std::int32_t>(n - 1));
+  }
+  forward_batch(Batch{tokens, positions, sequence_of, tables, rows}, cache.pool(), logits, pool);
+  cache.size_ += n;
+}
+
+void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> logits,
+                          kops::ThreadPool& pool) const {
+  const ModelConfig& c = config_;
+  const auto n = static_cast<std::int64_t>(b.tokens.size());
+  if (n == 0) return;
+  if (n > kMaxBatch) throw std::invalid_argument("forward: more tokens than kMaxBatch");
+  if (static_cast<std::int64_t>(b.positions.size()) != n ||
+      static_cast<std::int64_t>(b.sequence_of.size()) != n) {
+    throw std::invalid_argument("forward: tokens, positions and sequence_of differ in length");
+  }
+  const auto n_out = static_cast<std::int64_t>(b.logits_rows.size());
   if (static_cast<std::int64_t>(logits.size()) < n_out * c.n_vocab) {
     throw std::invalid_argument("forward: logits buffer too small");
   }
-  for (Token t : tokens) {
+  for (std::int64_t i = 0; i < n_out; ++i) {
+    if (b.logits_rows[i] < 0 || b.logits_rows[i] >= n || (i > 0 && b.logits_rows[i] <= b.logits_rows[i - 1]))
+      throw std::invalid_argument("forward: logits_rows must be increasing token indices");
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    const Token t = b.tokens[i];
     if (t < 0 || t >= c.n_vocab) {
       throw std::out_of_range("forward: token id " + std::to_string(t) + " is outside the vocabulary");
     }
+    const std::int32_t s = b.sequence_of[i];
+    if (s < 0 || static_cast<std::size_t>(s) >= b.block_tables.size() || b.positions[i] < 0)
+      throw std::invalid_argument("forward: token " + std::to_string(i) + " has no sequence or position");
+    const auto& table = b.block_tables[s];
+    // Every block this token's attention reads, up to its own position, must be in the pool.
+    const std::int64_t last_block = b.positions[i] / kv.block_size;
+    if (last_block >= static_cast<std::int64_t>(table.size()))
+      throw std::invalid_argument("forward: position " + std::to_string(b.positions[i]) +
+                                  " is beyond its sequence's block table");
+    for (std::int64_t j = 0; j <= last_block; ++j)
+      if (table[j] < 0 || table[j] >= kv.n_blocks)
+        throw std::invalid_argument("forward: block " + std::to_string(table[j]) + " is outside the pool");
   }
 
   const std::int64_t E = c.n_embd, KV = c.kv_width(), F = c.n_ff;
-  const std::int64_t pos0 = cache.size();
-  std::vector<std::int32_t> positions(static_cast<std::size_t>(n));
-  std::iota(positions.begin(), positions.end(), static_cast<std::int32_t>(pos0));
-
   std::vector<float> x(n * E), xn(n * E), q(n * E), k(n * KV), v(n * KV), att(n * E);
   std::vector<float> gate(n * F), up(n * F);
   std::size_t scratch_bytes = 0;
@@ -179,47 +216,51 @@ void Model::forward(std::span<const Token> tokens, KvCache& cache, std::span<flo
   scratch_bytes = std::max(scratch_bytes, kops::activation_bytes(output_, n_out));
   std::vector<std::uint8_t> scratch(scratch_bytes);
 
-  kops::get_rows(token_embd_, tokens, x.data());
+  kops::get_rows(token_embd_, b.tokens, x.data());
 
-  kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
-                             1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  const kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
+                                   1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   for (std::int64_t li = 0; li < c.n_layers; ++li) {
     const LayerWeights& l = layers_[li];
     kops::rms_norm(x.data(), l.attn_norm, n, E, c.rms_eps, xn.data());
     const kops::Matrix qkv[3] = {l.attn_q, l.attn_k, l.attn_v};
     float* const qkv_out[3] = {q.data(), k.data(), v.data()};
     kops::matmul_group(qkv, xn.data(), n, qkv_out, scratch.data(), pool);
-    kops::rope(q.data(), n, c.n_heads, c.head_dim, c.rope_dim, positions.data(), c.rope_base);
-    kops::rope(k.data(), n, c.n_kv_heads, c.head_dim, c.rope_dim, positions.data(), c.rope_base);
-    std::uint16_t* kc = cache.k(li);
-    std::uint16_t* vc = cache.v(li);
-    kops::store_f16(k.data(), n, KV, kc + pos0 * KV, KV);
-    kops::store_f16(v.data(), n, KV, vc + pos0 * KV, KV);
-    kops::attention(shape, q.data(), n, positions.data(), kc, vc, att.data(), pool);
+    kops::rope(q.data(), n, c.n_heads, c.head_dim, c.rope_dim, b.positions.data(), c.rope_base);
+    kops::rope(k.data(), n, c.n_kv_heads, c.head_dim, c.rope_dim, b.positions.data(), c.rope_base);
+    std::uint16_t* kc = kv.k + li * kv.layer_stride;
+    std::uint16_t* vc = kv.v + li * kv.layer_stride;
+    const kops::PagedKv paged{kc, vc, kv.block_size, b.block_tables, b.sequence_of.data()};
+    kops::store_f16_paged(k.data(), n, KV, b.positions.data(), paged, kc);
+    kops::store_f16_paged(v.data(), n, KV, b.positions.data(), paged, vc);
+    kops::attention_paged(shape, q.data(), n, b.positions.data(), paged, att.data(), pool);
 
-    // After the last layer's attention only the rows whose logits are wanted go on.
+    // After the last layer's attention only the rows whose logits are wanted go on: they are
+    // gathered to the front of x and att.
     std::int64_t rows = n;
-    float* xr = x.data();
-    const float* ar = att.data();
-    if (li == c.n_layers - 1 && !all_logits) {
-      rows = 1;
-      xr = x.data() + (n - 1) * E;
-      ar = att.data() + (n - 1) * E;
+    if (li == c.n_layers - 1 && n_out < n) {
+      for (std::int64_t i = 0; i < n_out; ++i) {
+        const std::int64_t r = b.logits_rows[i];
+        if (r == i) continue;
+        std::copy_n(x.data() + r * E, E, x.data() + i * E);
+        std::copy_n(att.data() + r * E, E, att.data() + i * E);
+      }
+      rows = n_out;
     }
-    kops::matmul(l.attn_out, ar, rows, xn.data(), scratch.data(), pool);
-    kops::add(xr, xn.data(), rows * E);
-    kops::rms_norm(xr, l.ffn_norm, rows, E, c.rms_eps, xn.data());
+    if (rows == 0) break;
+    kops::matmul(l.attn_out, att.data(), rows, xn.data(), scratch.data(), pool);
+    kops::add(x.data(), xn.data(), rows * E);
+    kops::rms_norm(x.data(), l.ffn_norm, rows, E, c.rms_eps, xn.data());
     const kops::Matrix gate_up[2] = {l.ffn_gate, l.ffn_up};
     float* const gate_up_out[2] = {gate.data(), up.data()};
     kops::matmul_group(gate_up, xn.data(), rows, gate_up_out, scratch.data(), pool);
     kops::swiglu(gate.data(), up.data(), rows * F);
     kops::matmul(l.ffn_down, gate.data(), rows, xn.data(), scratch.data(), pool);
-    kops::add(xr, xn.data(), rows * E);
+    kops::add(x.data(), xn.data(), rows * E);
   }
-  const float* last = all_logits ? x.data() : x.data() + (n - 1) * E;
-  kops::rms_norm(last, output_norm_, n_out, E, c.rms_eps, xn.data());
+  if (n_out == 0) return;
+  kops::rms_norm(x.data(), output_norm_, n_out, E, c.rms_eps, xn.data());
   kops::matmul(output_, xn.data(), n_out, logits.data(), scratch.data(), pool);
-  cache.size_ += n;
 }
 
 }  // namespace batchlm::local_engine

@@ -41,6 +41,27 @@ struct LayerWeights {
   const float* ffn_norm = nullptr;
 };
 
+// Where the keys and values of a batch live, in F16: for layer l a pool of n_blocks blocks of
+// block_size positions at k + l * layer_stride (v likewise), in the layout of kernels::PagedKv.
+struct KvPool {
+  std::uint16_t* k = nullptr;
+  std::uint16_t* v = nullptr;
+  std::int64_t layer_stride = 0;  // elements between layers
+  std::int64_t block_size = 16;
+  std::int64_t n_blocks = 0;
+};
+
+// One forward pass over tokens of any number of sequences (continuous batching): token i of
+// sequence sequence_of[i] at positions[i], its keys and values stored through that sequence's
+// block table. Each sequence's earlier positions must already be in the pool.
+struct Batch {
+  std::span<const Token> tokens;
+  std::span<const std::int32_t> positions;
+  std::span<const std::int32_t> sequence_of;                   // index into block_tables
+  std::span<const std::span<const std::int32_t>> block_tables;
+  std::span<const std::int32_t> logits_rows;  // increasing token indices whose logits are wanted
+};
+
 // The keys and values of one sequence, in F16: layer l, position p, kv head h at
 // k(l) + p * kv_width + h * head_dim.
 class KvCache {
@@ -49,6 +70,7 @@ class KvCache {
   std::int64_t capacity() const { return capacity_; }
   std::int64_t size() const { return size_; }   // positions filled
   void resize(std::int64_t n);                   // drop positions >= n (n <= size)
+  KvPool pool() { return KvPool{k_.get(), v_.get(), layer_stride_, capacity_, 1}; }  // one block
   std::uint16_t* k(std::int64_t layer) { return k_.get() + layer * layer_stride_; }
   std::uint16_t* v(std::int64_t layer) { return v_.get() + layer * layer_stride_; }
 
@@ -78,6 +100,13 @@ class Model {
   // ([n][n_vocab]). tokens.size() <= kMaxBatch and the cache must have room.
   void forward(std::span<const Token> tokens, KvCache& cache, std::span<float> logits,
                bool all_logits, kernels::ThreadPool& pool) const;
+
+  // The batched, paged form: writes the logits of batch.logits_rows into `logits`
+  // ([logits_rows.size()][n_vocab]). Throws std::invalid_argument for an inconsistent batch
+  // (sizes, a position its block table does not cover, a block outside the pool, a token
+  // outside the vocabulary). forward() is the case of one sequence in one block.
+  void forward_batch(const Batch& batch, const KvPool& kv, std::span<float> logits,
+                     kernels::ThreadPool& pool) const;
 
  private:
   explicit Model(gguf::File file);
