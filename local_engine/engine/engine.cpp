@@ -53,11 +53,19 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
 
   GenerateResult result;
   result.stats.prompt_tokens = n_prompt;
-  cache_.resize(0);
+  // Keep the keys and values of the prefix this prompt shares with the cached tokens; at least
+  // the last prompt token is computed again, for its logits.
+  std::int64_t keep = 0;
+  const auto limit = std::min<std::int64_t>(static_cast<std::int64_t>(cached_.size()), n_prompt - 1);
+  while (keep < limit && cached_[keep] == prompt[keep]) ++keep;
+  cache_.resize(keep);
+  cached_.resize(static_cast<std::size_t>(keep));
+  result.stats.cached_prompt_tokens = keep;
   const auto t0 = std::chrono::steady_clock::now();
-  for (std::int64_t i = 0; i < n_prompt; i += Model::kMaxBatch) {
+  for (std::int64_t i = keep; i < n_prompt; i += Model::kMaxBatch) {
     const std::int64_t n = std::min(Model::kMaxBatch, n_prompt - i);
     model_->forward(prompt.subspan(i, n), cache_, logits_, /*all_logits=*/false, pool_);
+    cached_.insert(cached_.end(), prompt.begin() + i, prompt.begin() + i + n);
   }
 
   Sampler sampler(params.sampling);
@@ -92,6 +100,7 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
     }
     const Token one[1] = {next};
     model_->forward(one, cache_, logits_, /*all_logits=*/false, pool_);
+    cached_.push_back(next);
     ++result.stats.decode_steps;
     next = sampler.sample(logits_);
   }

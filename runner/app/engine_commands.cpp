@@ -102,6 +102,7 @@ int run_generate() {
     const GenerateStats& s = r.stats;
     nlohmann::json j = {
         {"prompt_tokens", s.prompt_tokens},
+        {"cached_prompt_tokens", s.cached_prompt_tokens},
         {"prompt_ms", s.prompt_ms},
         {"generated_tokens", s.generated_tokens},
         {"decode_steps", s.decode_steps},

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "batchlm/kernels/ops.hpp"
+#include "batchlm/local_engine/engine.hpp"
 #include "batchlm/local_engine/model.hpp"
 #include "gguf_writer.hpp"
 
@@ -151,6 +152,38 @@ TEST(BatchedForward, RealModelMatchesOneSequenceAtATime) {
   std::vector<Alone> alone;
   for (const auto& p : prompts) alone.push_back(run_alone(*m, p, 16, pool));
   expect_same(alone, run_batched(*m, prompts, 16, pool));
+}
+
+// The engine keeps the cache of the previous request: a prompt sharing its prefix computes only
+// the rest, and generates exactly what a fresh engine generates.
+TEST(Engine, ReusesTheSharedPrefixOfThePreviousRequest) {
+  const fs::path dir = fs::temp_directory_path() / ("batchlm-prefix-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  batchlm::testing::TinyLlamaOptions options;
+  options.weight_dtype = batchlm::kernels::DType::Q4_1;
+  options.embedding_dtype = batchlm::kernels::DType::Q8_0;
+  batchlm::testing::write_tiny_llama(dir / "tiny.gguf", options);
+  const std::shared_ptr<const Model> m = Model::load(dir / "tiny.gguf");
+  GenerateParams params;
+  params.max_tokens = 10;
+  params.sampling.temperature = 0;
+  params.ignore_eos = true;
+  const std::string shared = "Hello world, the and ing. Hello world, the and ing. ";
+  Engine warm(m, EngineOptions{2, 256});
+  const auto first = warm.generate(warm.text_prompt(shared + "first"), params, nullptr);
+  EXPECT_EQ(first.stats.cached_prompt_tokens, 0);
+  const auto prompt = warm.text_prompt(shared + "second one");
+  const auto second = warm.generate(prompt, params, nullptr);
+  EXPECT_GT(second.stats.cached_prompt_tokens, 10);
+  EXPECT_LT(second.stats.cached_prompt_tokens, second.stats.prompt_tokens);
+  // The same prompt again reuses all but its last token.
+  const auto again = warm.generate(prompt, params, nullptr);
+  EXPECT_EQ(again.stats.cached_prompt_tokens, again.stats.prompt_tokens - 1);
+  Engine fresh(m, EngineOptions{2, 256});
+  const auto reference = fresh.generate(prompt, params, nullptr);
+  EXPECT_EQ(second.text, reference.text);
+  EXPECT_EQ(again.text, reference.text);
+  fs::remove_all(dir);
 }
 
 TEST(BatchedForward, RejectsAnInconsistentBatch) {

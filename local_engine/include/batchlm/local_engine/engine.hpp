@@ -32,6 +32,7 @@ struct GenerateParams {
 
 struct GenerateStats {
   std::int64_t prompt_tokens = 0;
+  std::int64_t cached_prompt_tokens = 0;  // reused from the previous request's cache
   std::int64_t generated_tokens = 0;  // sampled tokens, an end-of-generation token included
   std::int64_t decode_steps = 0;      // single-token forward passes after the prompt
   double prompt_ms = 0;               // the prompt's forward passes and the first sample
@@ -57,7 +58,9 @@ class Engine {
   // Raw text, tokenized with special tokens recognised (and a BOS if the model wants one).
   std::vector<Token> text_prompt(std::string_view text) const;
 
-  // Generates a continuation of `prompt`. on_text receives each piece of text as it becomes
+  // Generates a continuation of `prompt`, reusing the keys and values of the longest prefix it
+  // shares with what the cache holds from the previous request (few-shot prompts share most of
+  // their tokens). on_text receives each piece of text as it becomes
   // final (never half a UTF-8 character, never part of a stop string) and returns false to
   // cancel. Throws std::invalid_argument when the prompt does not fit the context.
   GenerateResult generate(std::span<const Token> prompt, const GenerateParams& params,
@@ -68,6 +71,7 @@ class Engine {
   std::int64_t context_;
   kernels::ThreadPool pool_;
   KvCache cache_;
+  std::vector<Token> cached_;  // the tokens whose keys and values cache_ holds, in order
   std::vector<float> logits_;
 };
 
