@@ -26,17 +26,25 @@ Engine::Engine(std::shared_ptr<const Model> model, const EngineOptions& options)
       cache_(model_->config(), context_),
       logits_(static_cast<std::size_t>(model_->config().n_vocab)) {}
 
-std::vector<Token> Engine::chat_prompt(std::span<const ChatMessage> messages) const {
-  return text_prompt(model_->chat_template().apply(messages, /*add_generation_prompt=*/true));
-}
-
-std::vector<Token> Engine::text_prompt(std::string_view text) const {
-  const Tokenizer& tok = model_->tokenizer();
+std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text) {
+  const Tokenizer& tok = model.tokenizer();
   std::vector<Token> out;
   if (tok.add_bos() && tok.vocab().bos >= 0) out.push_back(tok.vocab().bos);
   std::vector<Token> body = tok.encode(text, /*parse_special=*/true);
   out.insert(out.end(), body.begin(), body.end());
   return out;
+}
+
+std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages) {
+  return text_prompt_tokens(model, model.chat_template().apply(messages, /*add_generation_prompt=*/true));
+}
+
+std::vector<Token> Engine::chat_prompt(std::span<const ChatMessage> messages) const {
+  return chat_prompt_tokens(*model_, messages);
+}
+
+std::vector<Token> Engine::text_prompt(std::string_view text) const {
+  return text_prompt_tokens(*model_, text);
 }
 
 GenerateResult Engine::generate(std::span<const Token> prompt, const GenerateParams& params,

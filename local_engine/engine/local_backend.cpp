@@ -7,6 +7,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <unordered_map>
 #include <tuple>
 #include <variant>
 
@@ -18,6 +19,8 @@
 
 #include "batchlm/kernels/ops.hpp"
 #include "batchlm/local_engine/engine.hpp"
+#include "batchlm/local_engine/kv_cache.hpp"
+#include "batchlm/local_engine/scheduler.hpp"
 
 namespace batchlm::local_engine {
 
@@ -27,13 +30,13 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 // What the engine thread sends back for one request: text pieces, then one final result.
-struct Finished {
+struct Done {
   GenerateResult result;
 };
 struct Failed {
   Error error;
 };
-using Event = std::variant<std::string, Finished, Failed>;
+using Event = std::variant<std::string, Done, Failed>;
 using Channel = asio::experimental::concurrent_channel<void(boost::system::error_code, Event)>;
 
 struct Job {
@@ -58,56 +61,198 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 
 }  // namespace
 
+// The engine thread: continuous batching. Every step it takes new requests off the queue into
+// the scheduler, drops cancelled ones, runs one batched forward pass over the tokens the
+// scheduler planned (prefill chunks and one decode token per running sequence, their keys and
+// values in a paged pool with prefix sharing), samples each sequence that produced logits, and
+// streams the text back to its request.
 struct LocalBackend::State {
   std::shared_ptr<const Model> model;
-  std::unique_ptr<Engine> engine;
   std::filesystem::path path;
+  std::int64_t context = 0;
+  std::unique_ptr<kernels::ThreadPool> threads;
+  std::unique_ptr<BlockPool> blocks;
+  std::unique_ptr<Scheduler> scheduler;
+  std::unique_ptr<std::uint16_t[]> k_pool, v_pool;
+  KvPool kv;
 
   std::mutex mutex;
   std::condition_variable wake;
   std::deque<std::shared_ptr<Job>> queue;
-  std::shared_ptr<Job> current;  // the job on the engine now, so shutdown can cancel it
   bool stopping = false;
   std::thread thread;
 
+  // A request in the scheduler.
+  struct Active {
+    std::shared_ptr<Job> job;
+    Sampler sampler;
+    StreamDecoder decoder;
+    StopMatcher stops;
+    GenerateResult result;
+    std::string reason;  // set when the engine ended it (end of turn, stop string, cancel)
+    Clock::time_point start = Clock::now();
+    std::optional<Clock::time_point> first;
+  };
+  std::unordered_map<SequenceId, Active> active;
+
+  void fail(Job& job, ErrorKind kind, int status, std::string code, std::string message) {
+    job.send(Failed{Error{kind, status, std::move(code), std::move(message), std::nullopt, false}});
+  }
+
+  void admit(const std::shared_ptr<Job>& job) {
+    if (job->cancelled.load()) return;
+    const auto n_prompt = static_cast<std::int64_t>(job->prompt.size());
+    if (n_prompt == 0) return fail(*job, ErrorKind::Http, 400, "invalid_request", "the prompt is empty");
+    if (n_prompt >= context) {
+      return fail(*job, ErrorKind::Http, 400, "context_length_exceeded",
+                  "the prompt has " + std::to_string(n_prompt) + " tokens; the context holds " +
+                      std::to_string(context));
+    }
+    const std::int64_t room = context - n_prompt;
+    const std::int64_t max_new =
+        job->params.max_tokens > 0 ? std::min(job->params.max_tokens, room) : room;
+    SequenceId id = 0;
+    try {
+      id = scheduler->add(job->prompt, max_new);
+    } catch (const std::invalid_argument& e) {
+      return fail(*job, ErrorKind::Http, 400, "context_length_exceeded", e.what());
+    }
+    Active a{job, Sampler(job->params.sampling), StreamDecoder(model->tokenizer()),
+             StopMatcher(job->params.stop), {}, {}, Clock::now(), std::nullopt};
+    a.result.stats.prompt_tokens = n_prompt;
+    active.emplace(id, std::move(a));
+  }
+
+  // Samples the sequence's next token from its logits and streams its text; true when the
+  // request is over (end of turn, a stop string, or the client went away).
+  bool sample(Active& a, std::span<const float> logits, Token& token) {
+    token = a.sampler.sample(logits);
+    ++a.result.stats.generated_tokens;
+    if (!a.first) a.first = Clock::now();
+    if (!a.job->params.ignore_eos && model->tokenizer().is_end_of_generation(token)) {
+      a.reason = "stop";
+      return true;
+    }
+    const std::string text = a.stops.feed(a.decoder.push(token));
+    if (!text.empty()) {
+      a.result.text += text;
+      if (!a.job->send(text)) {
+        a.reason = "cancelled";
+        return true;
+      }
+    }
+    if (a.stops.stopped()) {
+      a.reason = "stop";
+      return true;
+    }
+    return false;
+  }
+
+  void finish(const Finished& f) {
+    auto it = active.find(f.id);
+    if (it == active.end()) return;
+    Active& a = it->second;
+    std::string reason = a.reason.empty() ? std::string(to_string(f.reason)) : a.reason;
+    if (reason != "cancelled" && !a.job->cancelled.load()) {
+      if (!a.stops.stopped()) {
+        std::string tail = a.stops.feed(a.decoder.finish()) + a.stops.finish();
+        if (!tail.empty()) {
+          a.result.text += tail;
+          a.job->send(tail);
+        }
+      }
+      a.result.finish_reason = reason;
+      const auto now = Clock::now();
+      a.result.stats.generate_ms = a.first ? ms_between(*a.first, now) : 0;
+      a.result.stats.prompt_ms = a.first ? ms_between(a.start, *a.first) : ms_between(a.start, now);
+      a.job->send(Done{std::move(a.result)});
+    }
+    active.erase(it);
+  }
+
+  void step(std::vector<float>& logits) {
+    StepPlan plan = scheduler->plan();
+    if (plan.empty()) return;
+    std::vector<std::int32_t> positions(plan.positions.begin(), plan.positions.end());
+    std::vector<std::span<const std::int32_t>> tables;
+    tables.reserve(plan.entries.size());
+    for (const auto& e : plan.entries) tables.emplace_back(e.block_table);
+    const std::size_t n_vocab = static_cast<std::size_t>(model->config().n_vocab);
+    logits.resize(plan.logits_rows.size() * n_vocab);
+    model->forward_batch(Batch{plan.tokens, positions, plan.sequence_of, tables, plan.logits_rows},
+                         kv, logits, *threads);
+    std::vector<StepResult> results;
+    std::size_t row = 0;
+    for (const auto& e : plan.entries) {
+      if (!e.wants_logits) continue;
+      const std::span<const float> l(logits.data() + row++ * n_vocab, n_vocab);
+      StepResult r{e.id, 0, false};
+      if (auto it = active.find(e.id); it != active.end()) {
+        r.finished = sample(it->second, l, r.token);
+      } else {
+        r.finished = true;
+      }
+      results.push_back(r);
+    }
+    scheduler->complete(plan, results);
+  }
+
   void run() {
+    std::vector<float> logits;
     for (;;) {
-      std::shared_ptr<Job> job;
+      std::deque<std::shared_ptr<Job>> arrived;
       {
         std::unique_lock lock(mutex);
-        wake.wait(lock, [&] { return stopping || !queue.empty(); });
+        wake.wait(lock, [&] { return stopping || !queue.empty() || !active.empty(); });
         if (stopping) return;
-        job = std::move(queue.front());
-        queue.pop_front();
-        current = job;
+        arrived.swap(queue);
       }
-      if (job->cancelled.load()) continue;
       try {
-        GenerateResult r = engine->generate(job->prompt, job->params, [&](std::string_view text) {
-          return job->send(std::string(text));
-        });
-        job->send(Finished{std::move(r)});
-      } catch (const std::invalid_argument& e) {
-        Error err{ErrorKind::Http, 400, "context_length_exceeded", e.what(), std::nullopt, false};
-        job->send(Failed{std::move(err)});
+        for (const auto& job : arrived) admit(job);
+        for (auto& [id, a] : active) {
+          if (a.job->cancelled.load()) {
+            a.reason = "cancelled";
+            scheduler->cancel(id);
+          }
+        }
+        step(logits);
+        for (const Finished& f : scheduler->take_finished()) finish(f);
       } catch (const std::exception& e) {
-        Error err{ErrorKind::Internal, 0, "", std::string("engine: ") + e.what(), std::nullopt,
-                  false};
-        job->send(Failed{std::move(err)});
+        // A bug, not a request's fault: fail every request in flight rather than hang them.
+        for (auto& [id, a] : active) {
+          scheduler->cancel(id);
+          fail(*a.job, ErrorKind::Internal, 0, "", std::string("engine: ") + e.what());
+        }
+        active.clear();
+        (void)scheduler->take_finished();
       }
-      std::lock_guard lock(mutex);
-      current.reset();
     }
   }
 };
 
 LocalBackend::LocalBackend(asio::any_io_executor executor, const LocalBackendOptions& options)
     : executor_(std::move(executor)), state_(std::make_shared<State>()) {
-  state_->path = options.model;
-  state_->model = Model::load(options.model);
-  state_->engine = std::make_unique<Engine>(state_->model,
-                                            EngineOptions{options.threads, options.context});
-  state_->thread = std::thread([s = state_.get()] { s->run(); });
+  State& s = *state_;
+  s.path = options.model;
+  s.model = Model::load(options.model);
+  const ModelConfig& c = s.model->config();
+  s.context = options.context > 0 ? std::min(options.context, c.n_ctx_train)
+                                  : std::min<std::int64_t>(c.n_ctx_train, 4096);
+  s.threads = std::make_unique<kernels::ThreadPool>(options.threads);
+  // The pool holds the context of one full sequence and at least 16384 tokens in all; pages
+  // are touched only as blocks are first used.
+  constexpr int kBlock = 16;
+  const std::int64_t pool_tokens = std::max<std::int64_t>(s.context, 16384);
+  const std::int64_t n_blocks = (pool_tokens + kBlock - 1) / kBlock;
+  s.blocks = std::make_unique<BlockPool>(BlockPoolOptions{kBlock, n_blocks});
+  s.scheduler = std::make_unique<Scheduler>(
+      *s.blocks, SchedulerOptions{options.max_sequences, Model::kMaxBatch, Model::kMaxBatch});
+  const std::int64_t layer_stride = n_blocks * kBlock * c.kv_width();
+  const auto total = static_cast<std::size_t>(c.n_layers * layer_stride);
+  s.k_pool = std::make_unique_for_overwrite<std::uint16_t[]>(total);
+  s.v_pool = std::make_unique_for_overwrite<std::uint16_t[]>(total);
+  s.kv = KvPool{s.k_pool.get(), s.v_pool.get(), layer_stride, kBlock, n_blocks};
+  s.thread = std::thread([p = state_.get()] { p->run(); });
 }
 
 LocalBackend::~LocalBackend() {
@@ -115,7 +260,6 @@ LocalBackend::~LocalBackend() {
     std::lock_guard lock(state_->mutex);
     state_->stopping = true;
     for (auto& job : state_->queue) job->cancelled = true;
-    if (state_->current) state_->current->cancelled = true;
   }
   state_->wake.notify_all();
   state_->thread.join();
@@ -124,7 +268,7 @@ LocalBackend::~LocalBackend() {
 std::string LocalBackend::describe() const {
   const ModelConfig& c = state_->model->config();
   return "local " + state_->path.string() + " (" + (c.name.empty() ? c.architecture : c.name) +
-         ", " + std::to_string(state_->engine->threads()) + " threads, " +
+         ", " + std::to_string(state_->threads->size()) + " threads, " +
          kernels::cpu_simd_name() + ")";
 }
 
@@ -136,7 +280,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   auto job = std::make_shared<Job>();
   job->channel = std::make_shared<Channel>(co_await asio::this_coro::executor, 256);
   try {
-    job->prompt = state_->engine->chat_prompt(request.messages);
+    job->prompt = chat_prompt_tokens(*state_->model, request.messages);
   } catch (const std::exception& e) {
     co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request", e.what(),
                                      std::nullopt, false});
@@ -190,7 +334,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     }
     timings.total_ms = ms_between(start, now);
     if (auto* failed = std::get_if<Failed>(&event)) co_return Outcome::failure(failed->error, timings);
-    const GenerateResult& r = std::get<Finished>(event).result;
+    const GenerateResult& r = std::get<Done>(event).result;
     if (!first) timings.ttft_ms = timings.total_ms;
     if (r.stats.generated_tokens > 1 && first) {
       timings.tpot_ms = ms_between(*first, now) / static_cast<double>(r.stats.generated_tokens - 1);

@@ -743,10 +743,10 @@ TEST(LocalBackend, PromptLongerThanTheContextIsANonRetryable400) {
   ASSERT_TRUE(next.outcome && next.outcome->ok());
 }
 
-// Terminal cancellation of a request that is waiting in the engine's queue behind another:
-// its coroutine is suspended in the receive and nothing has been sent to it, so this is the
-// plain path: ErrorKind::Cancelled, the engine skips the request, the one running is unharmed,
-// and the backend serves the next.
+// Terminal cancellation of one of two requests that the engine runs together (continuous
+// batching): its coroutine is suspended in the receive, so this is the plain path:
+// ErrorKind::Cancelled, the engine drops the sequence, the other one is unharmed, and the
+// backend serves the next.
 TEST(LocalBackend, CancellingAQueuedRequestReturnsCancelledAndTheBackendGoesOn) {
   const fs::path path = TinyModelFile::get().path().parent_path() / "long-context-queued.gguf";
   batchlm::testing::TinyLlamaOptions options;
@@ -768,7 +768,7 @@ TEST(LocalBackend, CancellingAQueuedRequestReturnsCancelledAndTheBackendGoesOn) 
   ASSERT_FALSE(queued.thrown) << describe_exception(queued.thrown);
   ASSERT_FALSE(queued.outcome->ok());
   EXPECT_EQ(queued.outcome->error->kind, ErrorKind::Cancelled);
-  EXPECT_TRUE(queued.pieces.empty());
+  EXPECT_LE(queued.pieces.size(), 2u);  // cancelled within a step or two of its start
   ASSERT_FALSE(running.thrown) << describe_exception(running.thrown);
   ASSERT_TRUE(running.outcome->ok()) << running.outcome->error->message;
   EXPECT_EQ(running.outcome->completion->usage.completion_tokens, 1500);

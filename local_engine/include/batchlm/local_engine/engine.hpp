@@ -45,6 +45,11 @@ struct GenerateResult {
   GenerateStats stats;
 };
 
+// A raw-text prompt, tokenized with special tokens recognised (and a BOS if the model wants
+// one); and the chat template applied to messages, then tokenized the same way.
+std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text);
+std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages);
+
 class Engine {
  public:
   Engine(std::shared_ptr<const Model> model, const EngineOptions& options);

@@ -1,7 +1,8 @@
 #pragma once
-// The embedded engine behind the Backend seam. The model runs on the engine's own thread;
-// complete() queues the request and awaits its text through an Asio channel, so the runner
-// cannot tell it from a remote API.
+// The embedded engine behind the Backend seam. The model runs on the engine's own thread with
+// continuous batching (all requests in flight share each forward pass, their prompts' common
+// prefixes share cache blocks); complete() queues the request and awaits its text through an
+// Asio channel, so the runner cannot tell it from a remote API.
 
 #include <filesystem>
 #include <memory>
@@ -17,6 +18,7 @@ struct LocalBackendOptions {
   std::filesystem::path model;  // a GGUF file
   int threads = 0;              // compute threads; 0: one per hardware thread
   std::int64_t context = 0;     // tokens per sequence; 0: min(training context, 4096)
+  int max_sequences = 32;       // sequences decoded together (continuous batching)
 };
 
 class LocalBackend final : public Backend {
