@@ -36,25 +36,6 @@ std::string gsm8k_job(const JobParams& p) {
          "limit: " + std::to_string(p.limit) + "\n" + p.extra;
 }
 
-struct RunResult {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-RunResult run_batchlm(const fs::path& dir, std::vector<std::string> args,
-                      std::map<std::string, std::string> env = {}) {
-  args.insert(args.begin(), binary("batchlm"));
-  env.emplace("OPENAI_API_KEY", "");
-  Process p({.args = args, .env = env, .cwd = dir, .out_file = dir / "stdout.txt",
-             .err_file = dir / "stderr.txt"});
-  auto code = p.wait(180s);
-  RunResult r;
-  r.exit_code = code.value_or(-1);
-  r.out = read_file(dir / "stdout.txt");
-  r.err = read_file(dir / "stderr.txt");
-  return r;
-}
-
 // ids 1..n each exactly once, every record successful.
 void expect_each_id_once(const std::vector<json>& records, int n) {
   std::map<long long, int> seen;

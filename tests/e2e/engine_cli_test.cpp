@@ -15,27 +15,6 @@ namespace {
 
 const fs::path kRealModel = fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
-struct RunResult {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-RunResult run_batchlm(const fs::path& dir, std::vector<std::string> args,
-                      std::map<std::string, std::string> env = {}) {
-  args.insert(args.begin(), binary("batchlm"));
-  // A model named by the environment must not stand in for the one the test names.
-  env.emplace("BATCHLM_MODEL", "");
-  env.emplace("OPENAI_API_KEY", "");
-  Process p({.args = args, .env = env, .cwd = dir, .out_file = dir / "stdout.txt",
-             .err_file = dir / "stderr.txt"});
-  auto code = p.wait(180s);
-  RunResult r;
-  r.exit_code = code.value_or(-1);
-  r.out = read_file(dir / "stdout.txt");
-  r.err = read_file(dir / "stderr.txt");
-  return r;
-}
-
 // The last line of `text` that parses as a JSON object.
 std::optional<json> last_json_line(const std::string& text) {
   std::istringstream in(text);

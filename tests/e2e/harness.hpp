@@ -230,6 +230,29 @@ class FakeServer {
 };
 
 // Parses a JSONL output file; fails the test on a line that does not parse.
+// Runs the batchlm executable in `dir` and waits for it. Variables that would point it at a
+// real API key or another model are cleared unless the test sets them.
+struct RunResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+inline RunResult run_batchlm(const fs::path& dir, std::vector<std::string> args,
+                             std::map<std::string, std::string> env = {}) {
+  using namespace std::chrono_literals;
+  args.insert(args.begin(), binary("batchlm"));
+  env.emplace("BATCHLM_MODEL", "");
+  env.emplace("OPENAI_API_KEY", "");
+  Process p({.args = args, .env = env, .cwd = dir, .out_file = dir / "stdout.txt",
+             .err_file = dir / "stderr.txt"});
+  auto code = p.wait(180s);
+  RunResult r;
+  r.exit_code = code.value_or(-1);
+  r.out = read_file(dir / "stdout.txt");
+  r.err = read_file(dir / "stderr.txt");
+  return r;
+}
+
 inline std::vector<json> read_jsonl(const fs::path& p) {
   std::vector<json> out;
   std::istringstream in(read_file(p));
