@@ -35,6 +35,8 @@ import numpy as np
 import llama_cpp
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
+from llama_c import decode, fresh_context, last_logits  # noqa: E402  (the shared C-API helpers)
 
 # Written for this benchmark; repeated and cut to exactly --pp tokens.
 PARAGRAPH = (
@@ -85,61 +87,29 @@ class LlamaCpp:
             raise RuntimeError("llama_detokenize failed")
         return out.raw[:n].decode("utf-8", errors="replace")
 
-    def _params(self):
-        p = llama_cpp.llama_context_default_params()
-        p.n_ctx = self.n_ctx
-        p.n_batch = self.n_batch
-        p.n_ubatch = self.n_batch
-        p.n_seq_max = 1
-        p.n_threads = self.threads
-        p.n_threads_batch = self.threads
-        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        p.type_k = llama_cpp.GGML_TYPE_F16
-        p.type_v = llama_cpp.GGML_TYPE_F16
-        p.no_perf = False
-        return p
-
     def run(self, prompt_tokens, n_gen):
         """One repetition in a fresh context: returns figures and the generated tokens."""
-        ctx = llama_cpp.llama_init_from_model(self.model, self._params())
-        if not ctx:
-            raise RuntimeError("llama_init_from_model failed")
-        batch = llama_cpp.llama_batch_init(max(self.n_batch, 1), 0, 1)
-        try:
+        with fresh_context(self.model, self.n_ctx, self.n_batch, self.threads, perf=True) as (ctx, batch):
             llama_cpp.llama_perf_context_reset(ctx)
 
-            def decode(tokens, n_past):
-                batch.n_tokens = len(tokens)
-                for i, t in enumerate(tokens):
-                    batch.token[i] = t
-                    batch.pos[i] = n_past + i
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = 0
-                    batch.logits[i] = i == len(tokens) - 1
-                rc = llama_cpp.llama_decode(ctx, batch)
-                if rc != 0:
-                    raise RuntimeError(f"llama_decode returned {rc}")
-                # Reading the logits waits for the computation to finish.
-                ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
-                return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+            def decode_argmax(tokens, n_past):
+                decode(ctx, batch, tokens, n_past)
+                return int(np.argmax(last_logits(ctx, self.n_vocab)))
 
             t0 = time.perf_counter()
             n_past = 0
             for i in range(0, len(prompt_tokens), self.n_batch):
                 chunk = prompt_tokens[i:i + self.n_batch]
-                tok = decode(chunk, n_past)
+                tok = decode_argmax(chunk, n_past)
                 n_past += len(chunk)
             t1 = time.perf_counter()
             generated = []
             for _ in range(n_gen):   # every generated token is fed back, as llama-bench's tg
                 generated.append(tok)
-                tok = decode([tok], n_past)
+                tok = decode_argmax([tok], n_past)
                 n_past += 1
             t2 = time.perf_counter()
             perf = llama_cpp.llama_perf_context(ctx)
-        finally:
-            llama_cpp.llama_batch_free(batch)
-            llama_cpp.llama_free(ctx)
         if perf.n_p_eval != len(prompt_tokens) or perf.n_eval != n_gen:
             raise RuntimeError(f"unexpected perf counters: n_p_eval {perf.n_p_eval}, "
                                f"n_eval {perf.n_eval}")

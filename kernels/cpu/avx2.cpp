@@ -94,13 +94,14 @@ void tile_q4_1_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, 
     for (int t = 0; t < NT; ++t) y[t * ys + r] = hsum(acc[r][t]) + mins[r][t];
 }
 
-template <int NR, int NT>
-void tile_q4_0_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
-                 std::int64_t nb, float* y, std::int64_t ys) {
+// Signed 8-bit weights against Q8_0 activations: `load` gives a weight block's 32 values as
+// signed bytes (Q4_0: the nibbles minus 8; Q8_0: as stored).
+template <typename WBlock, __m256i (*load)(const WBlock&), int NR, int NT>
+void tile_signed_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x,
+                   std::size_t xrb, std::int64_t nb, float* y, std::int64_t ys) {
   __m256 acc[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
-  const __m256i eight = _mm256_set1_epi8(8);
   for (std::int64_t b = 0; b < nb; ++b) {
     __m256i xq[NT];
     float xd[NT];
@@ -110,9 +111,9 @@ void tile_q4_0_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, 
       xd[t] = h2f(xb->d);
     }
     for (int r = 0; r < NR; ++r) {
-      const auto* wb = reinterpret_cast<const BlockQ4_0*>(w + r * wrb) + b;
-      const __m256i wq = _mm256_sub_epi8(unpack_nibbles(wb->qs), eight);
-      const float wd = h2f(wb->d);
+      const WBlock& wb = reinterpret_cast<const WBlock*>(w + r * wrb)[b];
+      const __m256i wq = load(wb);
+      const float wd = h2f(wb.d);
       for (int t = 0; t < NT; ++t)
         acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[t]), dot_ss8(wq, xq[t]), acc[r][t]);
     }
@@ -121,30 +122,23 @@ void tile_q4_0_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, 
     for (int t = 0; t < NT; ++t) y[t * ys + r] = hsum(acc[r][t]);
 }
 
+inline __m256i load_q4_0(const BlockQ4_0& b) {
+  return _mm256_sub_epi8(unpack_nibbles(b.qs), _mm256_set1_epi8(8));
+}
+inline __m256i load_q8_0(const BlockQ8_0& b) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
+}
+
+template <int NR, int NT>
+void tile_q4_0_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+                 std::int64_t nb, float* y, std::int64_t ys) {
+  tile_signed_t<BlockQ4_0, load_q4_0, NR, NT>(w, wrb, x, xrb, nb, y, ys);
+}
+
 template <int NR, int NT>
 void tile_q8_0_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
                  std::int64_t nb, float* y, std::int64_t ys) {
-  __m256 acc[NR][NT];
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (std::int64_t b = 0; b < nb; ++b) {
-    __m256i xq[NT];
-    float xd[NT];
-    for (int t = 0; t < NT; ++t) {
-      const auto* xb = reinterpret_cast<const BlockQ8_0*>(x + t * xrb) + b;
-      xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb->qs));
-      xd[t] = h2f(xb->d);
-    }
-    for (int r = 0; r < NR; ++r) {
-      const auto* wb = reinterpret_cast<const BlockQ8_0*>(w + r * wrb) + b;
-      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb->qs));
-      const float wd = h2f(wb->d);
-      for (int t = 0; t < NT; ++t)
-        acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[t]), dot_ss8(wq, xq[t]), acc[r][t]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) y[t * ys + r] = hsum(acc[r][t]);
+  tile_signed_t<BlockQ8_0, load_q8_0, NR, NT>(w, wrb, x, xrb, nb, y, ys);
 }
 
 // Picks the instantiation for an nr x nt tile (nr <= 4, nt <= 2).

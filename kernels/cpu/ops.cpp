@@ -112,13 +112,17 @@ void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
   const std::int64_t cols = w[0].cols;
   // Convert x once per distinct dot type.
   const std::uint8_t* xq[kMax];
-  std::size_t x_row[kMax];
-  std::int64_t first_tile[kMax + 1];
+  std::size_t x_row[kMax], w_row[kMax];
+  std::int64_t first_tile[kMax + 1], n_blocks[kMax];
+  cpu::TileFn tile[kMax];
   auto* free_scratch = static_cast<std::uint8_t*>(scratch);
   for (std::size_t i = 0; i < w.size(); ++i) {
     if (w[i].cols != cols) throw std::invalid_argument("matmul_group: matrices differ in cols");
     const DType xt = dot_type(w[i].type);
     x_row[i] = row_bytes(xt, cols);
+    w_row[i] = row_bytes(w[i].type, cols);
+    n_blocks[i] = cols / block_size(w[i].type);
+    tile[i] = tile_for(w[i].type);
     std::size_t same = i;
     for (std::size_t j = 0; j < i; ++j)
       if (dot_type(w[j].type) == xt) same = j;
@@ -144,25 +148,24 @@ void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
   // so the weight tile stays in L1 while the (smaller) converted activations stream from L2.
   pool.parallel_for(first_tile[w.size()], 4, [&](std::int64_t b, std::int64_t e, int) {
     std::size_t m = 0;
-    for (std::int64_t tile = b; tile < e; ++tile) {
-      while (tile >= first_tile[m + 1]) ++m;
-      const Matrix& wm = w[m];
-      const std::size_t w_row = row_bytes(wm.type, cols);
-      const std::int64_t r0 = (tile - first_tile[m]) * cpu::kTileRows;
-      const int nr = static_cast<int>(std::min<std::int64_t>(cpu::kTileRows, wm.rows - r0));
-      const cpu::TileFn fn = tile_for(wm.type);
-      const auto* wd = static_cast<const std::uint8_t*>(wm.data) + r0 * w_row;
-      const std::int64_t nb = wm.cols / block_size(wm.type);
+    for (std::int64_t t = b; t < e; ++t) {
+      while (t >= first_tile[m + 1]) ++m;
+      const std::int64_t rows = w[m].rows;
+      const std::int64_t r0 = (t - first_tile[m]) * cpu::kTileRows;
+      const int nr = static_cast<int>(std::min<std::int64_t>(cpu::kTileRows, rows - r0));
+      const auto* wd = static_cast<const std::uint8_t*>(w[m].data) + r0 * w_row[m];
       if (n == 1) {
         // One token: nothing to reuse across rows, so read the weights row after row, one
         // sequential stream the hardware prefetcher follows (four interleaved short streams
         // stall on memory).
-        for (int r = 0; r < nr; ++r) fn(wd + r * w_row, w_row, 1, xq[m], x_row[m], 1, nb, y[m] + r0 + r, wm.rows);
+        for (int r = 0; r < nr; ++r)
+          tile[m](wd + r * w_row[m], w_row[m], 1, xq[m], x_row[m], 1, n_blocks[m], y[m] + r0 + r, rows);
         continue;
       }
       for (std::int64_t t0 = 0; t0 < n; t0 += cpu::kTileTokens) {
         const int nt = static_cast<int>(std::min<std::int64_t>(cpu::kTileTokens, n - t0));
-        fn(wd, w_row, nr, xq[m] + t0 * x_row[m], x_row[m], nt, nb, y[m] + t0 * wm.rows + r0, wm.rows);
+        tile[m](wd, w_row[m], nr, xq[m] + t0 * x_row[m], x_row[m], nt, n_blocks[m],
+                y[m] + t0 * rows + r0, rows);
       }
     }
   });
@@ -266,11 +269,6 @@ void swiglu(float* gate, const float* up, std::int64_t n) {
 
 void add(float* x, const float* y, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) x[i] += y[i];
-}
-
-void store_f16(const float* x, std::int64_t n, std::int64_t width, std::uint16_t* out,
-               std::int64_t out_stride) {
-  for (std::int64_t t = 0; t < n; ++t) kernels().to_f16(x + t * width, out + t * out_stride, width);
 }
 
 void attention(const AttentionShape& s, const float* q, std::int64_t n,

@@ -26,6 +26,35 @@ Engine::Engine(std::shared_ptr<const Model> model, const EngineOptions& options)
       cache_(model_->config(), context_),
       logits_(static_cast<std::size_t>(model_->config().n_vocab)) {}
 
+Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params)
+    : tokenizer_(&tokenizer),
+      ignore_eos_(params.ignore_eos),
+      sampler_(params.sampling),
+      decoder_(tokenizer),
+      stops_(params.stop) {}
+
+bool Generation::next(std::span<const float> logits, Token& token, std::string& text) {
+  token = sampler_.sample(logits);
+  ++generated_;
+  text.clear();
+  if (!ignore_eos_ && tokenizer_->is_end_of_generation(token)) {
+    reason_ = "stop";
+    return true;
+  }
+  text = stops_.feed(decoder_.push(token));
+  if (stops_.stopped()) {
+    reason_ = "stop";
+    return true;
+  }
+  return false;
+}
+
+std::string Generation::flush() {
+  if (stops_.stopped()) return {};
+  std::string text = stops_.feed(decoder_.finish());
+  return text + stops_.finish();
+}
+
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text) {
   const Tokenizer& tok = model.tokenizer();
   std::vector<Token> out;
@@ -76,33 +105,28 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
     cached_.insert(cached_.end(), prompt.begin() + i, prompt.begin() + i + n);
   }
 
-  Sampler sampler(params.sampling);
-  StreamDecoder decoder(tok);
-  StopMatcher stops(params.stop);
+  Generation gen(tok, params);
   auto emit = [&](const std::string& text) {
     if (text.empty()) return true;
     result.text += text;
     return on_text ? on_text(text) : true;
   };
 
-  Token next = sampler.sample(logits_);
+  Token next = 0;
+  std::string text;
+  bool done = gen.next(logits_, next, text);
   result.stats.prompt_ms = ms_since(t0);
   const auto t1 = std::chrono::steady_clock::now();
   for (;;) {
-    ++result.stats.generated_tokens;
-    if (!params.ignore_eos && tok.is_end_of_generation(next)) {
-      result.finish_reason = "stop";
-      break;
-    }
-    if (!emit(stops.feed(decoder.push(next)))) {
+    if (!emit(text)) {
       result.finish_reason = "cancelled";
       break;
     }
-    if (stops.stopped()) {
-      result.finish_reason = "stop";
+    if (done) {
+      result.finish_reason = gen.finish_reason();
       break;
     }
-    if (result.stats.generated_tokens >= max_tokens) {
+    if (gen.generated() >= max_tokens) {
       result.finish_reason = "length";
       break;
     }
@@ -110,13 +134,11 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
     model_->forward(one, cache_, logits_, /*all_logits=*/false, pool_);
     cached_.push_back(next);
     ++result.stats.decode_steps;
-    next = sampler.sample(logits_);
+    done = gen.next(logits_, next, text);
   }
+  result.stats.generated_tokens = gen.generated();
   result.stats.generate_ms = ms_since(t1);
-  if (result.finish_reason != "cancelled" && !stops.stopped()) {
-    emit(stops.feed(decoder.finish()));
-    emit(stops.finish());
-  }
+  if (result.finish_reason != "cancelled") emit(gen.flush());
   return result;
 }
 

@@ -73,8 +73,7 @@ struct LocalBackend::State {
   std::unique_ptr<kernels::ThreadPool> threads;
   std::unique_ptr<BlockPool> blocks;
   std::unique_ptr<Scheduler> scheduler;
-  std::unique_ptr<std::uint16_t[]> k_pool, v_pool;
-  KvPool kv;
+  std::unique_ptr<KvStore> kv;
 
   std::mutex mutex;
   std::condition_variable wake;
@@ -85,9 +84,7 @@ struct LocalBackend::State {
   // A request in the scheduler.
   struct Active {
     std::shared_ptr<Job> job;
-    Sampler sampler;
-    StreamDecoder decoder;
-    StopMatcher stops;
+    Generation gen;
     GenerateResult result;
     std::string reason;  // set when the engine ended it (end of turn, stop string, cancel)
     Clock::time_point start = Clock::now();
@@ -117,8 +114,7 @@ struct LocalBackend::State {
     } catch (const std::invalid_argument& e) {
       return fail(*job, ErrorKind::Http, 400, "context_length_exceeded", e.what());
     }
-    Active a{job, Sampler(job->params.sampling), StreamDecoder(model->tokenizer()),
-             StopMatcher(job->params.stop), {}, {}, Clock::now(), std::nullopt};
+    Active a{job, Generation(model->tokenizer(), job->params), {}, {}, Clock::now(), std::nullopt};
     a.result.stats.prompt_tokens = n_prompt;
     active.emplace(id, std::move(a));
   }
@@ -126,14 +122,9 @@ struct LocalBackend::State {
   // Samples the sequence's next token from its logits and streams its text; true when the
   // request is over (end of turn, a stop string, or the client went away).
   bool sample(Active& a, std::span<const float> logits, Token& token) {
-    token = a.sampler.sample(logits);
-    ++a.result.stats.generated_tokens;
+    std::string text;
+    const bool done = a.gen.next(logits, token, text);
     if (!a.first) a.first = Clock::now();
-    if (!a.job->params.ignore_eos && model->tokenizer().is_end_of_generation(token)) {
-      a.reason = "stop";
-      return true;
-    }
-    const std::string text = a.stops.feed(a.decoder.push(token));
     if (!text.empty()) {
       a.result.text += text;
       if (!a.job->send(text)) {
@@ -141,11 +132,8 @@ struct LocalBackend::State {
         return true;
       }
     }
-    if (a.stops.stopped()) {
-      a.reason = "stop";
-      return true;
-    }
-    return false;
+    if (done) a.reason = a.gen.finish_reason();
+    return done;
   }
 
   void finish(const Finished& f) {
@@ -154,13 +142,11 @@ struct LocalBackend::State {
     Active& a = it->second;
     std::string reason = a.reason.empty() ? std::string(to_string(f.reason)) : a.reason;
     if (reason != "cancelled" && !a.job->cancelled.load()) {
-      if (!a.stops.stopped()) {
-        std::string tail = a.stops.feed(a.decoder.finish()) + a.stops.finish();
-        if (!tail.empty()) {
-          a.result.text += tail;
-          a.job->send(tail);
-        }
+      if (std::string tail = a.gen.flush(); !tail.empty()) {
+        a.result.text += tail;
+        a.job->send(tail);
       }
+      a.result.stats.generated_tokens = a.gen.generated();
       a.result.finish_reason = reason;
       const auto now = Clock::now();
       a.result.stats.generate_ms = a.first ? ms_between(*a.first, now) : 0;
@@ -180,7 +166,7 @@ struct LocalBackend::State {
     const std::size_t n_vocab = static_cast<std::size_t>(model->config().n_vocab);
     logits.resize(plan.logits_rows.size() * n_vocab);
     model->forward_batch(Batch{plan.tokens, positions, plan.sequence_of, tables, plan.logits_rows},
-                         kv, logits, *threads);
+                         kv->pool(), logits, *threads);
     std::vector<StepResult> results;
     std::size_t row = 0;
     for (const auto& e : plan.entries) {
@@ -247,11 +233,7 @@ LocalBackend::LocalBackend(asio::any_io_executor executor, const LocalBackendOpt
   s.blocks = std::make_unique<BlockPool>(BlockPoolOptions{kBlock, n_blocks});
   s.scheduler = std::make_unique<Scheduler>(
       *s.blocks, SchedulerOptions{options.max_sequences, Model::kMaxBatch, Model::kMaxBatch});
-  const std::int64_t layer_stride = n_blocks * kBlock * c.kv_width();
-  const auto total = static_cast<std::size_t>(c.n_layers * layer_stride);
-  s.k_pool = std::make_unique_for_overwrite<std::uint16_t[]>(total);
-  s.v_pool = std::make_unique_for_overwrite<std::uint16_t[]>(total);
-  s.kv = KvPool{s.k_pool.get(), s.v_pool.get(), layer_stride, kBlock, n_blocks};
+  s.kv = std::make_unique<KvStore>(c, kBlock, n_blocks);
   s.thread = std::thread([p = state_.get()] { p->run(); });
 }
 

@@ -14,12 +14,12 @@ namespace batchlm::local_engine {
 
 namespace kops = batchlm::kernels;
 
-KvCache::KvCache(const ModelConfig& config, std::int64_t capacity)
-    : capacity_(capacity), layer_stride_(capacity * config.kv_width()) {
-  // Left uninitialised: pages are touched only as positions fill.
-  const auto total = static_cast<std::size_t>(config.n_layers * layer_stride_);
+KvStore::KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_t n_blocks) {
+  const std::int64_t layer_stride = n_blocks * block_size * config.kv_width();
+  const auto total = static_cast<std::size_t>(config.n_layers * layer_stride);
   k_ = std::make_unique_for_overwrite<std::uint16_t[]>(total);
   v_ = std::make_unique_for_overwrite<std::uint16_t[]>(total);
+  pool_ = KvPool{k_.get(), v_.get(), layer_stride, block_size, n_blocks};
 }
 
 void KvCache::resize(std::int64_t n) {

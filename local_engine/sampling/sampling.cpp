@@ -38,7 +38,8 @@ Token Sampler::sample(std::span<const float> logits) {
     std::sort(candidates_.begin(), candidates_.end(), by_logit);
   }
   candidates_.resize(keep);
-  std::vector<double> probs(keep);
+  std::vector<double>& probs = probs_;
+  probs.resize(keep);
   double sum = 0.0;
   for (std::size_t i = 0; i < keep; ++i) {
     probs[i] = std::exp(static_cast<double>((candidates_[i].first - max) / t));

@@ -17,7 +17,6 @@ n_ubatch 512, flash attention off, f16 KV cache), so the output is deterministic
 """
 
 import argparse
-import ctypes
 import hashlib
 import json
 import os
@@ -27,6 +26,8 @@ import numpy as np
 
 import llama_cpp
 from llama_cpp import Llama
+
+from llama_c import decode, fresh_context, last_logits, n_vocab_of
 
 N_PREDICT = 64
 N_CTX = 2048
@@ -150,40 +151,6 @@ def sha256_of(path):
     return h.hexdigest()
 
 
-def context_params():
-    p = llama_cpp.llama_context_default_params()
-    p.n_ctx = N_CTX
-    p.n_batch = N_BATCH
-    p.n_ubatch = N_BATCH
-    p.n_seq_max = 1
-    p.n_threads = N_THREADS
-    p.n_threads_batch = N_THREADS
-    p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    p.type_k = llama_cpp.GGML_TYPE_F16
-    p.type_v = llama_cpp.GGML_TYPE_F16
-    return p
-
-
-def decode(ctx, batch, tokens, n_past):
-    """Decodes tokens at positions n_past.., asking for logits of the last one only."""
-    assert 0 < len(tokens) <= N_BATCH
-    batch.n_tokens = len(tokens)
-    for i, t in enumerate(tokens):
-        batch.token[i] = t
-        batch.pos[i] = n_past + i
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = 0
-        batch.logits[i] = i == len(tokens) - 1
-    rc = llama_cpp.llama_decode(ctx, batch)
-    if rc != 0:
-        raise RuntimeError(f"llama_decode returned {rc}")
-
-
-def last_logits(ctx, n_vocab):
-    ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
-    return np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
-
-
 def top_n(logits, n):
     """Indices of the n largest logits, largest first; ties: lowest id first."""
     order = np.argsort(-logits, kind="stable")
@@ -192,12 +159,8 @@ def top_n(logits, n):
 
 def generate(llm, prompt_tokens):
     model = llm._model.model
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    ctx = llama_cpp.llama_init_from_model(model, context_params())
-    if not ctx:
-        raise RuntimeError("llama_init_from_model failed")
-    batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
-    try:
+    n_vocab = n_vocab_of(model)
+    with fresh_context(model, N_CTX, N_BATCH, N_THREADS) as (ctx, batch):
         n_past = 0
         for i in range(0, len(prompt_tokens), N_BATCH):
             chunk = prompt_tokens[i:i + N_BATCH]
@@ -216,9 +179,6 @@ def generate(llm, prompt_tokens):
             n_past += 1
             logits = last_logits(ctx, n_vocab)
         return tokens, top, margins
-    finally:
-        llama_cpp.llama_batch_free(batch)
-        llama_cpp.llama_free(ctx)
 
 
 def one_by_one_logits(llm, prompt_tokens, ids):
@@ -229,19 +189,11 @@ def one_by_one_logits(llm, prompt_tokens, ids):
     is recorded so that tests can tell llama.cpp's own rounding noise from a real difference.
     """
     model = llm._model.model
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    ctx = llama_cpp.llama_init_from_model(model, context_params())
-    if not ctx:
-        raise RuntimeError("llama_init_from_model failed")
-    batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
-    try:
+    with fresh_context(model, N_CTX, N_BATCH, N_THREADS) as (ctx, batch):
         for i, t in enumerate(prompt_tokens):
             decode(ctx, batch, [t], i)
-        logits = last_logits(ctx, n_vocab)
+        logits = last_logits(ctx, n_vocab_of(model))
         return [float(logits[t]) for t in ids]
-    finally:
-        llama_cpp.llama_batch_free(batch)
-        llama_cpp.llama_free(ctx)
 
 
 def write_json(path, obj):

@@ -49,10 +49,9 @@ Alone run_alone(const Model& m, const std::vector<Token>& prompt, int steps,
 // of each sequence; blocks of 8 positions handed out from a shuffled pool.
 std::vector<Alone> run_batched(const Model& m, const std::vector<std::vector<Token>>& prompts,
                                int steps, batchlm::kernels::ThreadPool& pool) {
-  const std::int64_t block = 8, n_blocks = 96, kv = m.config().kv_width();
-  const std::int64_t layer_stride = n_blocks * block * kv;
-  std::vector<std::uint16_t> k(m.config().n_layers * layer_stride), v(k.size());
-  const KvPool kv_pool{k.data(), v.data(), layer_stride, block, n_blocks};
+  const std::int64_t block = 8, n_blocks = 96;
+  const KvStore store(m.config(), block, n_blocks);
+  const KvPool& kv_pool = store.pool();
   std::vector<std::int32_t> free_blocks(n_blocks);
   for (std::int64_t i = 0; i < n_blocks; ++i) free_blocks[i] = static_cast<std::int32_t>(i);
   std::shuffle(free_blocks.begin(), free_blocks.end(), std::mt19937(3));
@@ -192,9 +191,8 @@ TEST(BatchedForward, RejectsAnInconsistentBatch) {
   batchlm::testing::write_tiny_llama(dir / "tiny.gguf");
   const auto m = Model::load(dir / "tiny.gguf");
   batchlm::kernels::ThreadPool pool(1);
-  const std::int64_t block = 4, n_blocks = 2, stride = n_blocks * block * m->config().kv_width();
-  std::vector<std::uint16_t> k(m->config().n_layers * stride), v(k.size());
-  const KvPool kv{k.data(), v.data(), stride, block, n_blocks};
+  const KvStore store(m->config(), 4, 2);  // blocks of 4 positions, 2 of them
+  const KvPool& kv = store.pool();
   const std::int32_t table[1] = {1};
   const std::span<const std::int32_t> tables[1] = {table};
   const Token tokens[2] = {3, 4};

@@ -59,10 +59,6 @@ void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
 void swiglu(float* gate, const float* up, std::int64_t n);
 void add(float* x, const float* y, std::int64_t n);  // x += y
 
-// Stores n rows of `width` floats as F16.
-void store_f16(const float* x, std::int64_t n, std::int64_t width, std::uint16_t* out,
-               std::int64_t out_stride);
-
 // Causal attention of n query tokens of one sequence over its F16 KV cache.
 // q: [n][n_heads][head_dim]; the KV cache of this layer: key/value of position p, kv head h at
 // k + p * kv_stride + h * head_dim. Query i sits at position positions[i] and sees cache

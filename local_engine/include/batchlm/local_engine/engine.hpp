@@ -45,6 +45,30 @@ struct GenerateResult {
   GenerateStats stats;
 };
 
+// The output side of one request: samples each next token, recognises the end of the turn and
+// the stop strings, and turns tokens into text that never splits a UTF-8 character nor shows
+// the start of a stop string. Engine::generate and LocalBackend's batching loop both use it.
+class Generation {
+ public:
+  Generation(const Tokenizer& tokenizer, const GenerateParams& params);
+  // Samples the next token from `logits` and sets `text` to the text that became final (maybe
+  // empty). True when generation is over for a reason of its own (finish_reason() says which).
+  bool next(std::span<const float> logits, Token& token, std::string& text);
+  // The text held back so far, when generation ends for another reason (length).
+  std::string flush();
+  const std::string& finish_reason() const { return reason_; }  // "" while it goes on
+  std::int64_t generated() const { return generated_; }         // tokens sampled
+
+ private:
+  const Tokenizer* tokenizer_;
+  bool ignore_eos_;
+  Sampler sampler_;
+  StreamDecoder decoder_;
+  StopMatcher stops_;
+  std::string reason_;
+  std::int64_t generated_ = 0;
+};
+
 // A raw-text prompt, tokenized with special tokens recognised (and a BOS if the model wants
 // one); and the chat template applied to messages, then tokenized the same way.
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text);

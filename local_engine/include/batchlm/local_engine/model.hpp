@@ -62,24 +62,33 @@ struct Batch {
   std::span<const std::int32_t> logits_rows;  // increasing token indices whose logits are wanted
 };
 
-// The keys and values of one sequence, in F16: layer l, position p, kv head h at
-// k(l) + p * kv_width + h * head_dim.
+// The memory of a KvPool: n_blocks blocks of block_size positions for every layer, in F16.
+// Left uninitialised: pages are touched only as blocks are first written.
+class KvStore {
+ public:
+  KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_t n_blocks);
+  const KvPool& pool() const { return pool_; }
+
+ private:
+  std::unique_ptr<std::uint16_t[]> k_, v_;
+  KvPool pool_;
+};
+
+// The keys and values of one sequence: a store of one block that holds every position.
 class KvCache {
  public:
-  KvCache(const ModelConfig& config, std::int64_t capacity);
+  KvCache(const ModelConfig& config, std::int64_t capacity)
+      : capacity_(capacity), store_(config, capacity, 1) {}
   std::int64_t capacity() const { return capacity_; }
   std::int64_t size() const { return size_; }   // positions filled
   void resize(std::int64_t n);                   // drop positions >= n (n <= size)
-  KvPool pool() { return KvPool{k_.get(), v_.get(), layer_stride_, capacity_, 1}; }  // one block
-  std::uint16_t* k(std::int64_t layer) { return k_.get() + layer * layer_stride_; }
-  std::uint16_t* v(std::int64_t layer) { return v_.get() + layer * layer_stride_; }
+  const KvPool& pool() const { return store_.pool(); }
 
  private:
   friend class Model;
   std::int64_t capacity_;
   std::int64_t size_ = 0;
-  std::int64_t layer_stride_;
-  std::unique_ptr<std::uint16_t[]> k_, v_;
+  KvStore store_;
 };
 
 class Model {

@@ -31,6 +31,7 @@ class Sampler {
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, Token>> candidates_;
+  std::vector<double> probs_;
 };
 
 // Watches text as it is generated for any of the stop strings. feed() returns the part of the
