@@ -9,4 +9,5 @@ export BATCHLM_MIRROR=${BATCHLM_MIRROR:-$(cd .. && pwd)/shared/data}
 scripts/build.sh dev
 scripts/fetch-data.sh
 scripts/fetch-model.sh
+scripts/setup-python.sh
 ctest --preset dev -j2

@@ -235,17 +235,22 @@ struct StreamState {
     if (auto choices = chunk.find("choices"); choices != chunk.end() && choices->is_array() &&
                                               !choices->empty() && (*choices)[0].is_object()) {
       const nlohmann::json& choice = (*choices)[0];
+      // Chat chunks carry delta.content, text-completion chunks carry text.
+      const nlohmann::json* content = nullptr;
       if (auto delta = choice.find("delta"); delta != choice.end() && delta->is_object()) {
-        if (auto content = delta->find("content"); content != delta->end() && content->is_string()) {
-          const auto& piece = content->get_ref<const std::string&>();
-          if (!piece.empty()) {
-            const auto now = Clock::now();
-            if (deltas == 0) first_delta_at = now;
-            last_delta_at = now;
-            ++deltas;
-            text += piece;
-            if (sink) sink(piece);
-          }
+        if (auto c = delta->find("content"); c != delta->end()) content = &*c;
+      } else if (auto t = choice.find("text"); t != choice.end()) {
+        content = &*t;
+      }
+      if (content && content->is_string()) {
+        const auto& piece = content->get_ref<const std::string&>();
+        if (!piece.empty()) {
+          const auto now = Clock::now();
+          if (deltas == 0) first_delta_at = now;
+          last_delta_at = now;
+          ++deltas;
+          text += piece;
+          if (sink) sink(piece);
         }
       }
       if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
@@ -262,9 +267,13 @@ nlohmann::json to_openai_body(const Request& request) {
   // Pass-through fields go in first so the typed fields of the Request win over them.
   if (request.extra.is_object()) body.update(request.extra);
   if (!request.model.empty()) body["model"] = request.model;
-  nlohmann::json messages = nlohmann::json::array();
-  for (const auto& m : request.messages) messages.push_back({{"role", m.role}, {"content", m.content}});
-  if (!request.messages.empty() || !body.contains("messages")) body["messages"] = std::move(messages);
+  if (request.prompt) {
+    body["prompt"] = *request.prompt;
+  } else {
+    nlohmann::json messages = nlohmann::json::array();
+    for (const auto& m : request.messages) messages.push_back({{"role", m.role}, {"content", m.content}});
+    if (!request.messages.empty() || !body.contains("messages")) body["messages"] = std::move(messages);
+  }
   if (request.max_tokens) body["max_tokens"] = *request.max_tokens;
   if (request.temperature) body["temperature"] = *request.temperature;
   if (request.top_p) body["top_p"] = *request.top_p;
@@ -353,6 +362,8 @@ static Outcome completion_from_body(int status, const std::string& body_text, Ti
   if (auto message = choice.find("message"); message != choice.end() && message->is_object()) {
     if (auto content = message->find("content"); content != message->end() && content->is_string())
       completion.text = content->get<std::string>();
+  } else if (auto text = choice.find("text"); text != choice.end() && text->is_string()) {
+    completion.text = text->get<std::string>();  // a text completion
   }
   if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
     completion.finish_reason = reason->get<std::string>();
@@ -372,7 +383,7 @@ static Outcome completion_from_body(int status, const std::string& body_text, Ti
 boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, TokenSink sink) {
   const auto started = Clock::now();
   HttpRequest http_request;
-  http_request.url = options_.base_url + "/chat/completions";
+  http_request.url = options_.base_url + (request.prompt ? "/completions" : "/chat/completions");
   http_request.timeouts = options_.timeouts;
   http_request.max_response_bytes = options_.max_response_bytes;
   http_request.headers.emplace_back("Content-Type", "application/json");

@@ -24,4 +24,33 @@ nlohmann::json Error::to_json() const {
   return j;
 }
 
+double EngineStats::cache_hit_rate() const {
+  const std::int64_t total = prompt_tokens_computed + prompt_tokens_cached;
+  return total > 0 ? static_cast<double>(prompt_tokens_cached) / static_cast<double>(total) : 0.0;
+}
+
+std::string EngineStats::brief() const {
+  auto percent = [](double x) { return std::to_string(static_cast<int>(x * 100.0 + 0.5)) + "%"; };
+  std::string s = std::to_string(running) + " run " + std::to_string(waiting) + " wait";
+  if (preemptions > 0) s += " " + std::to_string(preemptions) + " preempted";
+  s += " cache " + percent(cache_hit_rate());
+  if (blocks_total > 0)
+    s += " kv " + percent(static_cast<double>(blocks_used) / static_cast<double>(blocks_total));
+  return s;
+}
+
+nlohmann::json EngineStats::to_json() const {
+  return {{"running", running},
+          {"waiting", waiting},
+          {"preemptions", preemptions},
+          {"prompt_tokens_computed", prompt_tokens_computed},
+          {"prompt_tokens_cached", prompt_tokens_cached},
+          {"cache_hit_rate", cache_hit_rate()},
+          {"generated_tokens", generated_tokens},
+          {"steps", steps},
+          {"blocks_used", blocks_used},
+          {"blocks_total", blocks_total},
+          {"block_size", block_size}};
+}
+
 }  // namespace batchlm

@@ -4,6 +4,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -74,6 +77,10 @@ struct LocalBackend::State {
   std::unique_ptr<BlockPool> blocks;
   std::unique_ptr<Scheduler> scheduler;
   std::unique_ptr<KvStore> kv;
+
+  // A snapshot for engine_stats(), refreshed after every step.
+  mutable std::mutex stats_mutex;
+  EngineStats stats;
 
   std::mutex mutex;
   std::condition_variable wake;
@@ -183,12 +190,28 @@ struct LocalBackend::State {
     scheduler->complete(plan, results);
   }
 
+  void publish_stats() {
+    const SchedulerStats s = scheduler->stats();
+    std::lock_guard lock(stats_mutex);
+    stats.running = s.running;
+    stats.waiting = s.waiting;
+    stats.preemptions = s.preemptions;
+    stats.prompt_tokens_computed = s.prompt_tokens_computed;
+    stats.prompt_tokens_cached = s.prompt_tokens_cached;
+    stats.generated_tokens = s.decode_tokens;
+    stats.steps = s.steps;
+    stats.blocks_used = s.blocks_used;
+    stats.blocks_total = s.blocks_total;
+    stats.block_size = blocks->block_size();
+  }
+
   void run() {
     std::vector<float> logits;
     for (;;) {
       std::deque<std::shared_ptr<Job>> arrived;
       {
         std::unique_lock lock(mutex);
+        if (queue.empty() && active.empty()) publish_stats();
         wake.wait(lock, [&] { return stopping || !queue.empty() || !active.empty(); });
         if (stopping) return;
         arrived.swap(queue);
@@ -203,6 +226,7 @@ struct LocalBackend::State {
         }
         step(logits);
         for (const Finished& f : scheduler->take_finished()) finish(f);
+        publish_stats();
       } catch (const std::exception& e) {
         // A bug, not a request's fault: fail every request in flight rather than hang them.
         for (auto& [id, a] : active) {
@@ -216,8 +240,55 @@ struct LocalBackend::State {
   }
 };
 
+std::int64_t available_memory_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    std::istringstream fields(line);
+    std::string key;
+    std::int64_t kib = 0;
+    if (fields >> key >> kib && key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+std::int64_t kv_pool_tokens(const LocalBackendOptions& o, std::int64_t context,
+                            std::int64_t bytes_per_token, std::int64_t available_bytes) {
+  if (o.kv_tokens < 0) throw std::invalid_argument("kv_tokens must be >= 0");
+  if (o.kv_bytes < 0) throw std::invalid_argument("kv_bytes must be >= 0");
+  std::int64_t tokens = 0;
+  if (o.kv_tokens > 0) {
+    tokens = o.kv_tokens;
+  } else if (o.kv_bytes > 0) {
+    tokens = o.kv_bytes / bytes_per_token;
+  } else {
+    tokens = static_cast<std::int64_t>(o.max_sequences) * context;
+    if (available_bytes > 0) tokens = std::min(tokens, available_bytes / 4 / bytes_per_token);
+    return std::max(tokens, context);
+  }
+  if (tokens < context) {
+    throw std::invalid_argument(
+        (o.kv_tokens > 0 ? "kv_tokens " + std::to_string(o.kv_tokens)
+                         : "kv_bytes " + std::to_string(o.kv_bytes) + " (" +
+                               std::to_string(tokens) + " tokens)") +
+        " is less than one context of " + std::to_string(context) + " tokens");
+  }
+  return tokens;
+}
+
 LocalBackend::LocalBackend(asio::any_io_executor executor, const LocalBackendOptions& options)
     : executor_(std::move(executor)), state_(std::make_shared<State>()) {
+  if (options.max_sequences < 1) throw std::invalid_argument("max_sequences must be >= 1");
+  if (options.block_size < 1 || options.block_size > 256)
+    throw std::invalid_argument("block_size must be in 1..256, not " + std::to_string(options.block_size));
+  const std::int64_t budget = options.token_budget > 0 ? options.token_budget : Model::kMaxBatch;
+  if (budget > Model::kMaxBatch)
+    throw std::invalid_argument("token_budget must be at most " + std::to_string(Model::kMaxBatch));
+  if (budget < options.max_sequences) {
+    throw std::invalid_argument("token_budget " + std::to_string(budget) +
+                                " is less than max_sequences " + std::to_string(options.max_sequences) +
+                                ": every running sequence needs a token each step");
+  }
   State& s = *state_;
   s.path = options.model;
   s.model = Model::load(options.model);
@@ -225,15 +296,17 @@ LocalBackend::LocalBackend(asio::any_io_executor executor, const LocalBackendOpt
   s.context = options.context > 0 ? std::min(options.context, c.n_ctx_train)
                                   : std::min<std::int64_t>(c.n_ctx_train, 4096);
   s.threads = std::make_unique<kernels::ThreadPool>(options.threads);
-  // The pool holds the context of one full sequence and at least 16384 tokens in all; pages
-  // are touched only as blocks are first used.
-  constexpr int kBlock = 16;
-  const std::int64_t pool_tokens = std::max<std::int64_t>(s.context, 16384);
-  const std::int64_t n_blocks = (pool_tokens + kBlock - 1) / kBlock;
-  s.blocks = std::make_unique<BlockPool>(BlockPoolOptions{kBlock, n_blocks});
+  // Pages of the pool are touched only as blocks are first used.
+  const std::int64_t block = options.block_size;
+  const std::int64_t bytes_per_token = 2 * c.n_layers * c.kv_width() * 2;  // K and V, F16
+  const std::int64_t pool_tokens =
+      kv_pool_tokens(options, s.context, bytes_per_token, available_memory_bytes());
+  const std::int64_t n_blocks = (pool_tokens + block - 1) / block;
+  s.blocks = std::make_unique<BlockPool>(BlockPoolOptions{options.block_size, n_blocks});
   s.scheduler = std::make_unique<Scheduler>(
-      *s.blocks, SchedulerOptions{options.max_sequences, Model::kMaxBatch, Model::kMaxBatch});
-  s.kv = std::make_unique<KvStore>(c, kBlock, n_blocks);
+      *s.blocks, SchedulerOptions{options.max_sequences, budget, budget});
+  s.kv = std::make_unique<KvStore>(c, block, n_blocks);
+  s.publish_stats();
   s.thread = std::thread([p = state_.get()] { p->run(); });
 }
 
@@ -246,6 +319,16 @@ LocalBackend::~LocalBackend() {
   state_->wake.notify_all();
   state_->thread.join();
 }
+
+std::optional<EngineStats> LocalBackend::engine_stats() const {
+  std::lock_guard lock(state_->stats_mutex);
+  EngineStats stats = state_->stats;
+  return stats;
+}
+
+std::string LocalBackend::model_name() const { return state_->path.stem().string(); }
+
+std::int64_t LocalBackend::context() const { return state_->context; }
 
 std::string LocalBackend::describe() const {
   const ModelConfig& c = state_->model->config();
@@ -262,7 +345,8 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   auto job = std::make_shared<Job>();
   job->channel = std::make_shared<Channel>(co_await asio::this_coro::executor, 256);
   try {
-    job->prompt = chat_prompt_tokens(*state_->model, request.messages);
+    job->prompt = request.prompt ? text_prompt_tokens(*state_->model, *request.prompt)
+                                 : chat_prompt_tokens(*state_->model, request.messages);
   } catch (const std::exception& e) {
     co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request", e.what(),
                                      std::nullopt, false});

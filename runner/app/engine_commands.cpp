@@ -21,6 +21,11 @@
 
 namespace batchlm::app {
 
+std::string default_model() {
+  if (const char* env = std::getenv("BATCHLM_MODEL"); env && *env) return env;
+  return std::string(runner::kDefaultLocalModel);
+}
+
 namespace {
 
 using namespace batchlm::local_engine;
@@ -53,10 +58,6 @@ InspectOptions in;
 CLI::App* generate_cmd = nullptr;
 CLI::App* inspect_cmd = nullptr;
 
-std::string default_model() {
-  if (const char* env = std::getenv("BATCHLM_MODEL"); env && *env) return env;
-  return std::string(runner::kDefaultLocalModel);
-}
 
 std::string read_prompt() {
   if (!g.prompt.empty() && !g.file.empty()) throw CLI::ValidationError("give --prompt or --file, not both");

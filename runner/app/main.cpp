@@ -35,6 +35,7 @@ constexpr const char* kExamples = R"(Examples:
   batchlm generate -p "Once upon a time" --max-tokens 64
   batchlm generate --chat -p "What is 17 * 3?" --temperature 0
   batchlm inspect models/SmolLM2-135M-Instruct.Q4_1.gguf
+  batchlm serve --port 8000                         # the engine behind an OpenAI-style API
 
 Without a backend section or --base-url, jobs run on the embedded engine with the default
 model (scripts/fetch-model.sh downloads it; $BATCHLM_MODEL or --model picks another GGUF).
@@ -105,7 +106,16 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
     options.model = job.backend.model;
     options.threads = job.backend.threads;
     options.context = job.backend.context;
-    return std::make_unique<local_engine::LocalBackend>(io.get_executor(), options);
+    options.max_sequences = job.backend.max_sequences;
+    options.token_budget = job.backend.token_budget;
+    options.block_size = job.backend.block_size;
+    options.kv_tokens = job.backend.kv_tokens;
+    options.kv_bytes = job.backend.kv_bytes;
+    try {
+      return std::make_unique<local_engine::LocalBackend>(io.get_executor(), options);
+    } catch (const std::invalid_argument& e) {
+      throw ConfigError(job.file, 0, 0, "backend", e.what());
+    }
   }
   client::OpenAIOptions options;
   options.base_url = job.backend.base_url;
@@ -166,6 +176,7 @@ int main(int argc, char** argv) {
   add_job_options(*synth, synth_opts, true);
   synth->footer(kExamples);
   app::add_engine_commands(app);
+  app::add_serve_command(app);
 
   try {
     app.parse(argc, argv);
@@ -178,6 +189,7 @@ int main(int argc, char** argv) {
     if (*run) return run_command(run_opts, false);
     if (*synth) return run_command(synth_opts, true);
     if (const int code = app::run_engine_command(); code >= 0) return code;
+    if (const int code = app::run_serve_command(); code >= 0) return code;
   } catch (const std::exception& e) {
     // ConfigError (file:line:field), OutputLockedError (the holder's pid), I/O errors naming
     // the path: the message says it all.

@@ -134,6 +134,7 @@ class Dispatcher {
     if (producer_error_) std::rethrow_exception(producer_error_);
 
     writer_->flush();
+    if (auto stats = backend_.engine_stats()) counters_.engine = stats->brief();
     progress_.finish(counters_);
     return finish();
   }
@@ -382,6 +383,7 @@ class Dispatcher {
   asio::awaitable<void> tick() {
     asio::steady_timer timer(io_);
     while (!io_.stopped()) {
+      if (auto stats = backend_.engine_stats()) counters_.engine = stats->brief();
       progress_.update(counters_);
       try {
         writer_->flush_if_due();
@@ -407,6 +409,8 @@ class Dispatcher {
     summary["backend"] = backend_.describe();
     summary["output"] = job_.output.path;
     summary["interrupted"] = interrupted_;
+    const std::optional<EngineStats> engine = backend_.engine_stats();
+    if (engine) summary["engine"] = engine->to_json();
     r.summary_path = job_.output.path + ".summary.json";
     {
       std::ofstream f(r.summary_path, std::ios::trunc);
@@ -414,6 +418,15 @@ class Dispatcher {
       if (!f) std::fprintf(stderr, "batchlm: could not write %s\n", r.summary_path.c_str());
     }
     std::fputs(summary_.to_text(wall, counters_.total).c_str(), options_.progress_out);
+    if (engine) {
+      std::fprintf(options_.progress_out,
+                   "engine: %lld prompt tokens computed, %lld from the prefix cache (%.0f%%), "
+                   "%lld generated in %lld batched steps, %lld preemptions\n",
+                   static_cast<long long>(engine->prompt_tokens_computed),
+                   static_cast<long long>(engine->prompt_tokens_cached), 100.0 * engine->cache_hit_rate(),
+                   static_cast<long long>(engine->generated_tokens), static_cast<long long>(engine->steps),
+                   static_cast<long long>(engine->preemptions));
+    }
     std::fprintf(options_.progress_out, "output: %s\nsummary: %s\n", job_.output.path.c_str(),
                  r.summary_path.c_str());
     if (interrupted_) {

@@ -5,6 +5,7 @@
 #include "batchlm/runner/job.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -172,7 +174,8 @@ const std::map<std::string, Keys>& sections() {
       {"request.messages", {"role", "content"}},
       {"few_shot", {"path", "count", "seed", "user", "assistant"}},
       {"backend", {"type", "base_url", "model", "api_key_env", "headers", "timeouts", "stream",
-                   "threads", "context"}},
+                   "threads", "context", "max_sequences", "token_budget", "block_size",
+                   "kv_tokens", "kv_memory"}},
       {"backend.timeouts", {"connect", "first_byte", "idle", "total"}},
       {"rate_limit", {"requests_per_minute", "tokens_per_minute"}},
       {"retry",
@@ -669,7 +672,61 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
     backend.threads = static_cast<int>(r.integer(node["threads"], "backend.threads", 0, 1024));
   if (Reader::has(node["context"]))
     backend.context = r.integer(node["context"], "backend.context", 0, 1 << 24);
+  if (Reader::has(node["max_sequences"]))
+    backend.max_sequences = static_cast<int>(r.integer(node["max_sequences"], "backend.max_sequences", 1, 512));
+  if (Reader::has(node["token_budget"]))
+    backend.token_budget = r.integer(node["token_budget"], "backend.token_budget", 0, 512);
+  if (Reader::has(node["block_size"]))
+    backend.block_size = static_cast<int>(r.integer(node["block_size"], "backend.block_size", 1, 256));
+  if (Reader::has(node["kv_tokens"]))
+    backend.kv_tokens = r.integer(node["kv_tokens"], "backend.kv_tokens", 0, std::int64_t{1} << 32);
+  if (Reader::has(node["kv_memory"])) {
+    const YAML::Node m = node["kv_memory"];
+    const std::optional<std::int64_t> bytes = m.IsScalar() ? parse_byte_size(m.Scalar()) : std::nullopt;
+    if (!bytes) {
+      r.fail(m, "backend.kv_memory",
+             "expected a size such as 2GiB, 512MiB or 1073741824, got " +
+                 (m.IsScalar() ? "'" + m.Scalar() + "'" : describe(m)));
+    }
+    backend.kv_bytes = *bytes;
+  }
+  if (backend.token_budget > 0 && backend.token_budget < backend.max_sequences) {
+    r.fail(node["token_budget"], "backend.token_budget",
+           "token_budget " + std::to_string(backend.token_budget) + " is less than max_sequences " +
+               std::to_string(backend.max_sequences) + ": every running sequence needs a token each step");
+  }
 }
+
+}  // namespace
+
+std::optional<std::int64_t> parse_byte_size(std::string_view text) {
+  while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
+  while (!text.empty() && text.back() == ' ') text.remove_suffix(1);
+  std::size_t digits = 0;
+  while (digits < text.size() && (std::isdigit(static_cast<unsigned char>(text[digits])) || text[digits] == '.'))
+    ++digits;
+  if (digits == 0) return std::nullopt;
+  double value = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + digits, value);
+  if (error != std::errc() || end != text.data() + digits) return std::nullopt;
+  std::string unit;
+  for (char c : text.substr(digits)) {
+    if (c != ' ') unit += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  static const std::map<std::string, double> units = {
+      {"", 1.0},         {"b", 1.0},
+      {"k", 0x1p10},     {"kib", 0x1p10}, {"ki", 0x1p10}, {"kb", 1e3},
+      {"m", 0x1p20},     {"mib", 0x1p20}, {"mi", 0x1p20}, {"mb", 1e6},
+      {"g", 0x1p30},     {"gib", 0x1p30}, {"gi", 0x1p30}, {"gb", 1e9},
+      {"t", 0x1p40},     {"tib", 0x1p40}, {"ti", 0x1p40}, {"tb", 1e12}};
+  auto it = units.find(unit);
+  if (it == units.end()) return std::nullopt;
+  const double bytes = value * it->second;
+  if (!(bytes >= 0) || bytes > 9e18) return std::nullopt;
+  return static_cast<std::int64_t>(bytes);
+}
+
+namespace {
 
 void read_retry(const Reader& r, const YAML::Node& node, RetrySpec& retry) {
   r.check_map(node, "retry");

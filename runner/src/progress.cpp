@@ -38,6 +38,7 @@ struct Figures {
   std::string tokens_rate;   // "812 tok/s"
   std::string eta;           // "eta 1m24s", "eta --" before anything finished
   std::string in_flight, retries, failed;
+  std::string engine;        // "engine 12 run 20 wait cache 87% kv 41%", empty for remote APIs
   bool known_total = false;
 };
 
@@ -66,6 +67,7 @@ Figures figures(const ProgressCounters& c, double elapsed) {
   f.in_flight = format("in-flight %lld", static_cast<long long>(c.in_flight));
   f.retries = format("retries %lld", static_cast<long long>(c.retries));
   f.failed = format("failed %lld", static_cast<long long>(c.failed));
+  if (!c.engine.empty()) f.engine = "engine " + c.engine;
   return f;
 }
 
@@ -111,7 +113,7 @@ std::string Progress::render_bar(const ProgressCounters& c, double elapsed_secon
   };
   std::vector<Field> fields{
       {f.count, 100}, {f.percent, 95}, {"", 70}, {f.requests_rate, 80}, {f.tokens_rate, 60},
-      {f.eta, 90},    {f.in_flight, 50}, {f.retries, 40}, {f.failed, 85}};
+      {f.eta, 90},    {f.in_flight, 50}, {f.retries, 40}, {f.failed, 85}, {f.engine, 55}};
   if (!f.known_total) fields[1].present = fields[2].present = false;
   for (auto& field : fields) {
     if (!field.text.empty() || &field == &fields[2]) continue;
@@ -153,8 +155,10 @@ std::string Progress::render_plain(const ProgressCounters& c, double elapsed_sec
   const Figures f = figures(c, elapsed_seconds);
   std::string line = "[batchlm] " + f.count;
   if (f.known_total) line += " (" + f.percent + ")";
-  return line + " " + f.requests_rate + " " + f.tokens_rate + " " + f.eta + " " + f.in_flight + " " +
-         f.retries + " " + f.failed;
+  line += " " + f.requests_rate + " " + f.tokens_rate + " " + f.eta + " " + f.in_flight + " " +
+          f.retries + " " + f.failed;
+  if (!f.engine.empty()) line += " " + f.engine;
+  return line;
 }
 
 void Progress::draw(const ProgressCounters& c, std::chrono::steady_clock::time_point now, bool final) {

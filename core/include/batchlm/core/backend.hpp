@@ -2,6 +2,7 @@
 // The one seam between the runner and whatever produces text. The runner calls complete()
 // once per attempt; it owns retries, rate limits and concurrency, a backend owns none of them.
 
+#include <optional>
 #include <string>
 
 #include <boost/asio/awaitable.hpp>
@@ -21,6 +22,9 @@ class Backend {
 
   // A short description for logs and the summary: "openai http://127.0.0.1:8000/v1".
   virtual std::string describe() const = 0;
+
+  // A snapshot of the engine's state, for backends that run one; callable from any thread.
+  virtual std::optional<EngineStats> engine_stats() const { return std::nullopt; }
 };
 
 }  // namespace batchlm

@@ -24,6 +24,9 @@ struct ChatMessage {
 struct Request {
   std::string model;
   std::vector<ChatMessage> messages;
+  // A text completion (/v1/completions) instead of a chat: the prompt as given, no chat
+  // template; messages are then empty.
+  std::optional<std::string> prompt;
   std::optional<int> max_tokens;
   std::optional<double> temperature;
   std::optional<double> top_p;
@@ -101,6 +104,27 @@ struct Outcome {
     o.timings = t;
     return o;
   }
+};
+
+// What an engine behind a backend is doing, for the progress bar and the summary (the embedded
+// engine reports it; remote APIs do not).
+struct EngineStats {
+  std::int64_t running = 0;      // sequences being decoded or prefilled
+  std::int64_t waiting = 0;      // queued, not yet admitted (preempted ones included)
+  std::int64_t preemptions = 0;  // since start
+  std::int64_t prompt_tokens_computed = 0;  // prefill tokens run through the model
+  std::int64_t prompt_tokens_cached = 0;    // prompt tokens taken from the prefix cache
+  std::int64_t generated_tokens = 0;
+  std::int64_t steps = 0;        // batched forward passes
+  std::int64_t blocks_used = 0;  // KV blocks held by sequences
+  std::int64_t blocks_total = 0;
+  std::int64_t block_size = 0;   // tokens per block
+
+  // Share of prompt tokens served from the prefix cache, 0..1 (0 before any prompt).
+  double cache_hit_rate() const;
+  // "12 run 20 wait 3 preempted cache 87% kv 41%": a short field for the progress bar.
+  std::string brief() const;
+  nlohmann::json to_json() const;
 };
 
 // Receives each piece of output text as it arrives (one call per streamed delta).

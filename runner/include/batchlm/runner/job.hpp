@@ -93,6 +93,14 @@ struct BackendSpec {
   bool stream = true;
   int threads = 0;              // local: compute threads, 0 = one per hardware thread
   std::int64_t context = 0;     // local: tokens per sequence, 0 = min(model's, 4096)
+  // local, continuous batching: sequences decoded together, tokens per batched forward pass
+  // (0: the engine's maximum), tokens per KV block, and the KV pool in tokens or bytes (0: a
+  // default from free memory).
+  int max_sequences = 32;
+  std::int64_t token_budget = 0;
+  int block_size = 16;
+  std::int64_t kv_tokens = 0;
+  std::int64_t kv_bytes = 0;
 };
 
 struct RateLimitSpec {
@@ -150,7 +158,10 @@ struct Override {
   std::string path;
   std::string value;
 };
-Override parse_override(std::string_view text);  // throws ConfigError (file "--set")
+Override parse_override(std::string_view text);
+// "1073741824", "512MiB", "2GiB", "1.5GB", "64k": bytes (binary suffixes K/M/G/T, KiB..., and
+// decimal KB/MB/GB/TB; case-insensitive; a trailing "B" optional). nullopt when malformed.
+std::optional<std::int64_t> parse_byte_size(std::string_view text);  // throws ConfigError (file "--set")
 
 // Loads, expands ${VAR} / ${VAR:-default} in every string scalar, applies overrides,
 // validates. Relative paths in the job (input, few_shot.path, output.path) are taken as given,

@@ -22,6 +22,7 @@ struct ProgressCounters {
   std::int64_t in_flight = 0;
   std::int64_t retries = 0;      // retry attempts started
   std::int64_t output_tokens = 0;  // streamed so far (deltas until usage corrects them)
+  std::string engine;              // the embedded engine's state (EngineStats::brief), or ""
 };
 
 class Progress {

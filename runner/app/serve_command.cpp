@@ -1,0 +1,163 @@
+// `batchlm serve`: the embedded engine behind an OpenAI-compatible HTTP API.
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/signal_set.hpp>
+
+#include "batchlm/kernels/ops.hpp"
+#include "batchlm/local_engine/local_backend.hpp"
+#include "batchlm/runner/job.hpp"
+#include "batchlm/server/server.hpp"
+#include "engine_commands.hpp"
+
+namespace batchlm::app {
+
+namespace {
+
+namespace asio = boost::asio;
+
+struct ServeOptions {
+  std::string model;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string served_name;
+  std::string api_key;
+  int threads = 0;
+  long long context = 0;
+  int max_sequences = 32;
+  long long token_budget = 0;
+  int block_size = 16;
+  long long kv_tokens = 0;
+  std::string kv_memory;
+  int max_queue = 256;
+  double shutdown_grace = 30;
+};
+
+ServeOptions s;
+CLI::App* serve_cmd = nullptr;
+
+constexpr const char* kServeExamples = R"(Examples:
+  batchlm serve                                   # the default model on 127.0.0.1:8000
+  batchlm serve --model M.gguf --port 8080 --max-sequences 64
+  batchlm serve --api-key secret                  # clients send "Authorization: Bearer secret"
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
+  batchlm run jobs/gsm8k.yaml --base-url http://127.0.0.1:8000/v1 --model NAME
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
+GET /v1/models, GET /health. SIGINT/SIGTERM: stop accepting, finish requests in flight (up to
+--shutdown-grace seconds), exit 0; a second signal cancels what is left.
+)";
+
+}  // namespace
+
+void add_serve_command(CLI::App& app) {
+  serve_cmd = app.add_subcommand("serve", "Serve a GGUF model over an OpenAI-compatible HTTP API");
+  serve_cmd->add_option("--model,-m", s.model, "GGUF file (default: $BATCHLM_MODEL or the default model)");
+  serve_cmd->add_option("--host", s.host, "Address to listen on")->capture_default_str();
+  serve_cmd->add_option("--port,-p", s.port, "Port (0: any free port)")->check(CLI::Range(0, 65535))->capture_default_str();
+  serve_cmd->add_option("--served-model-name", s.served_name,
+                        "Model id in /v1/models and responses (default: the model's name)");
+  serve_cmd->add_option("--api-key", s.api_key,
+                        "Require 'Authorization: Bearer KEY' on /v1/* (default: $BATCHLM_API_KEY, else none)");
+  serve_cmd->add_option("--threads,-t", s.threads, "Compute threads (0: one per hardware thread)")
+      ->check(CLI::Range(0, 1024));
+  serve_cmd->add_option("--context", s.context, "Tokens per sequence (0: min(model's, 4096))")
+      ->check(CLI::NonNegativeNumber);
+  serve_cmd->add_option("--max-sequences", s.max_sequences, "Sequences decoded together")
+      ->check(CLI::Range(1, 512))->capture_default_str();
+  serve_cmd->add_option("--token-budget", s.token_budget,
+                        "Tokens per batched forward pass (0: 512); at least --max-sequences")
+      ->check(CLI::Range(0, 512));
+  serve_cmd->add_option("--block-size", s.block_size, "Tokens per KV block")
+      ->check(CLI::Range(1, 256))->capture_default_str();
+  serve_cmd->add_option("--kv-tokens", s.kv_tokens, "KV pool size in tokens (default: from free memory)")
+      ->check(CLI::NonNegativeNumber);
+  serve_cmd->add_option("--kv-memory", s.kv_memory, "KV pool size in bytes, e.g. 2GiB (default: from free memory)");
+  serve_cmd->add_option("--max-queue", s.max_queue,
+                        "Requests waiting beyond --max-sequences before new ones get 429")
+      ->check(CLI::Range(0, 1 << 20))->capture_default_str();
+  serve_cmd->add_option("--shutdown-grace", s.shutdown_grace,
+                        "Seconds requests in flight get to finish after SIGTERM")
+      ->check(CLI::Range(0.0, 86400.0))->capture_default_str();
+  serve_cmd->footer(kServeExamples);
+}
+
+int run_serve_command() {
+  if (serve_cmd == nullptr || !*serve_cmd) return -1;
+  if (s.model.empty()) s.model = default_model();
+  if (!std::filesystem::exists(s.model)) {
+    throw std::runtime_error("model file '" + s.model + "' not found; run scripts/fetch-model.sh for the "
+                             "default model, or pass --model");
+  }
+  if (s.api_key.empty()) {
+    if (const char* env = std::getenv("BATCHLM_API_KEY"); env && *env) s.api_key = env;
+  }
+  local_engine::LocalBackendOptions engine;
+  engine.model = s.model;
+  engine.threads = s.threads;
+  engine.context = s.context;
+  engine.max_sequences = s.max_sequences;
+  engine.token_budget = s.token_budget;
+  engine.block_size = s.block_size;
+  engine.kv_tokens = s.kv_tokens;
+  if (!s.kv_memory.empty()) {
+    const auto bytes = runner::parse_byte_size(s.kv_memory);
+    if (!bytes) throw std::runtime_error("--kv-memory: expected a size such as 2GiB or 512MiB, got '" + s.kv_memory + "'");
+    engine.kv_bytes = *bytes;
+  }
+
+  asio::io_context io(1);
+  std::unique_ptr<local_engine::LocalBackend> backend;
+  try {
+    backend = std::make_unique<local_engine::LocalBackend>(io.get_executor(), engine);
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error(std::string("serve: ") + e.what());
+  }
+  server::ServerOptions options;
+  options.host = s.host;
+  options.port = static_cast<unsigned short>(s.port);
+  options.model_name = s.served_name.empty() ? backend->model_name() : s.served_name;
+  options.context = backend->context();
+  options.api_key = s.api_key;
+  options.max_in_flight = s.max_sequences + s.max_queue;
+  options.shutdown_grace = std::chrono::milliseconds(static_cast<long long>(s.shutdown_grace * 1000));
+  server::Server http(io, *backend, options);
+  http.start();
+
+  asio::signal_set signals(io, SIGINT, SIGTERM);
+  bool stopping = false;
+  std::function<void(const boost::system::error_code&, int)> on_signal =
+      [&](const boost::system::error_code& ec, int signal) {
+        if (ec) return;
+        signals.async_wait(on_signal);  // before shutdown(), whose `done` may cancel it at once
+        if (!stopping) {
+          stopping = true;
+          std::fprintf(stderr, "batchlm serve: %s: finishing %lld requests in flight, then exiting\n",
+                       signal == SIGINT ? "SIGINT" : "SIGTERM", static_cast<long long>(http.in_flight()));
+          http.shutdown([&] { signals.cancel(); });
+        } else {
+          std::fprintf(stderr, "batchlm serve: second signal: cancelling what is left\n");
+          http.shutdown();
+        }
+      };
+  signals.async_wait(on_signal);
+
+  std::printf("batchlm serve: listening on http://%s:%u/v1 (model %s, %s)\n", s.host.c_str(),
+              static_cast<unsigned>(http.port()), options.model_name.c_str(), backend->describe().c_str());
+  std::fflush(stdout);
+  io.run();
+  std::fprintf(stderr, "batchlm serve: stopped\n");
+  return 0;
+}
+
+}  // namespace batchlm::app

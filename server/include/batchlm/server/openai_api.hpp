@@ -1,0 +1,81 @@
+#pragma once
+// The OpenAI wire format as `batchlm serve` speaks it: request bodies of /v1/chat/completions
+// and /v1/completions checked and turned into a batchlm::Request, and the JSON of responses,
+// stream chunks and errors. No I/O here, so every rule is unit-tested on its own.
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "batchlm/core/types.hpp"
+
+namespace batchlm::server {
+
+// A request the API refuses: the HTTP status and the OpenAI error object's fields.
+class ApiError : public std::runtime_error {
+ public:
+  ApiError(int status, std::string type, std::string param, std::string message,
+           std::string code = {});
+  int status() const { return status_; }
+  const std::string& type() const { return type_; }
+  const std::string& param() const { return param_; }
+  const std::string& code() const { return code_; }
+  // {"error": {"message", "type", "param", "code"}} (param and code null when empty).
+  nlohmann::json body() const;
+
+ private:
+  int status_;
+  std::string type_, param_, code_;
+};
+
+enum class Endpoint { kChat, kCompletions };
+
+struct ApiRequest {
+  Endpoint endpoint = Endpoint::kChat;
+  Request request;             // for the backend; request.stream mirrors `stream`
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+};
+
+// Checks a request body against the endpoint's schema and what the engine supports. Unknown
+// fields are ignored (clients send many); fields that would change the output in a way the
+// engine cannot honour (n > 1, logprobs, tools, penalties, ...) are refused. `served_model`:
+// a body that names another model gets 404 model_not_found; a body without one is served.
+// Throws ApiError naming the field (param) and what was wrong.
+ApiRequest parse_request(Endpoint endpoint, const nlohmann::json& body, std::string_view served_model);
+// The same from the raw body text (400 when it is not a JSON object).
+ApiRequest parse_request_body(Endpoint endpoint, std::string_view body_text, std::string_view served_model);
+
+// What a response needs besides the completion.
+struct ResponseContext {
+  Endpoint endpoint = Endpoint::kChat;
+  std::string id;       // "chatcmpl-..." / "cmpl-..."
+  std::int64_t created = 0;
+  std::string model;
+};
+
+// A fresh id for the endpoint: "chatcmpl-" or "cmpl-" and 24 random hex digits.
+std::string new_response_id(Endpoint endpoint);
+
+// The whole (non-streaming) response.
+nlohmann::json completion_body(const ResponseContext& ctx, const Completion& completion);
+// One stream chunk carrying text (chat: a delta; the first chunk also carries the role).
+nlohmann::json text_chunk(const ResponseContext& ctx, std::string_view text, bool first,
+                          bool include_usage);
+// The chunk that ends the choice (empty delta or text, finish_reason set).
+nlohmann::json finish_chunk(const ResponseContext& ctx, std::string_view finish_reason,
+                            bool include_usage);
+// The last chunk when stream_options.include_usage: no choices, the usage.
+nlohmann::json usage_chunk(const ResponseContext& ctx, const Usage& usage);
+// {"prompt_tokens", "completion_tokens", "total_tokens"}
+nlohmann::json usage_json(const Usage& usage);
+
+// The HTTP status and error body for a failed backend outcome (the engine's own 400s keep
+// their status and code; anything else is a 500).
+ApiError error_from_outcome(const Error& error);
+
+}  // namespace batchlm::server

@@ -1,0 +1,60 @@
+#pragma once
+// `batchlm serve`: an OpenAI-compatible HTTP/1.1 server (Boost.Beast) over a Backend — the
+// embedded engine in practice. Every request becomes one Backend::complete() call, so the
+// engine's continuous batching serves concurrent clients together.
+//
+//   GET  /health                 200 {"status": "ok", ...}; 503 while shutting down
+//   GET  /v1/models[/ID]         the served model
+//   POST /v1/chat/completions    chat, streaming (SSE) or not
+//   POST /v1/completions         raw text completion, streaming or not
+//
+// Errors are OpenAI error objects naming the bad field. Beyond max_in_flight requests a new one
+// gets 429 with Retry-After. A client that goes away cancels its request, freeing its KV blocks.
+// shutdown() stops accepting, lets requests in flight finish for the grace period, then cancels
+// the rest.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <boost/asio/io_context.hpp>
+
+#include "batchlm/core/backend.hpp"
+
+namespace batchlm::server {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  unsigned short port = 8000;      // 0: any free port (see Server::port())
+  std::string model_name;          // the id in /v1/models and in responses
+  std::int64_t context = 0;        // tokens per sequence, reported as max_model_len
+  std::string api_key;             // non-empty: /v1/* requires "Authorization: Bearer KEY"
+  int max_in_flight = 256;         // requests served at once (running and queued); then 429
+  std::size_t max_body_bytes = 8u << 20;
+  std::chrono::milliseconds keep_alive{std::chrono::seconds(60)};  // idle connection timeout
+  std::chrono::milliseconds shutdown_grace{std::chrono::seconds(30)};
+};
+
+class Server {
+ public:
+  // Binds and listens; throws std::runtime_error naming host:port when it cannot.
+  Server(boost::asio::io_context& io, Backend& backend, ServerOptions options);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  unsigned short port() const;  // the bound port
+  void start();                 // starts accepting on the io_context
+  // Graceful stop (idempotent); `done` runs on the io_context once every connection is closed.
+  // A second call cuts the grace period short.
+  void shutdown(std::function<void()> done = {});
+  std::int64_t in_flight() const;  // completion requests being served
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace batchlm::server

@@ -1,0 +1,364 @@
+#include "batchlm/server/openai_api.hpp"
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+namespace batchlm::server {
+
+using nlohmann::json;
+
+ApiError::ApiError(int status, std::string type, std::string param, std::string message,
+                   std::string code)
+    : std::runtime_error(std::move(message)),
+      status_(status),
+      type_(std::move(type)),
+      param_(std::move(param)),
+      code_(std::move(code)) {}
+
+json ApiError::body() const {
+  return {{"error",
+           {{"message", what()},
+            {"type", type_},
+            {"param", param_.empty() ? json(nullptr) : json(param_)},
+            {"code", code_.empty() ? json(nullptr) : json(code_)}}}};
+}
+
+namespace {
+
+[[noreturn]] void invalid(const std::string& param, const std::string& message) {
+  throw ApiError(400, "invalid_request_error", param, message);
+}
+
+[[noreturn]] void unsupported(const std::string& param, const std::string& what) {
+  throw ApiError(400, "invalid_request_error", param,
+                 what + " is not supported by this server", "unsupported_parameter");
+}
+
+std::string type_name(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "a boolean";
+    case json::value_t::string: return "a string";
+    case json::value_t::array: return "an array";
+    case json::value_t::object: return "an object";
+    case json::value_t::number_float: return "a number";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned: return "an integer";
+    default: return "an unknown value";
+  }
+}
+
+// The field when present and not null.
+const json* field(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::int64_t integer(const json& v, const std::string& param, std::int64_t min, std::int64_t max) {
+  std::int64_t value = 0;
+  if (v.is_number_integer()) {
+    value = v.get<std::int64_t>();
+  } else if (v.is_number_unsigned()) {
+    const auto u = v.get<std::uint64_t>();
+    if (u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+      invalid(param, "'" + param + "' is out of range: " + v.dump());
+    }
+    value = static_cast<std::int64_t>(u);
+  } else if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() &&
+             std::abs(v.get<double>()) < 9e15) {
+    value = static_cast<std::int64_t>(v.get<double>());
+  } else {
+    invalid(param, "'" + param + "' must be an integer, not " + type_name(v) + " (" + v.dump() + ")");
+  }
+  if (value < min || value > max) {
+    invalid(param, "'" + param + "' must be between " + std::to_string(min) + " and " +
+                       std::to_string(max) + ", not " + v.dump());
+  }
+  return value;
+}
+
+double number(const json& v, const std::string& param, double min, double max, bool min_open = false) {
+  if (!v.is_number()) invalid(param, "'" + param + "' must be a number, not " + type_name(v));
+  const double x = v.get<double>();
+  if (!(min_open ? x > min : x >= min) || !(x <= max)) {
+    invalid(param, "'" + param + "' must be " + (min_open ? "greater than " : "between ") +
+                       json(min).dump() + (min_open ? " and at most " : " and ") + json(max).dump() +
+                       ", not " + v.dump());
+  }
+  return x;
+}
+
+bool boolean(const json& v, const std::string& param) {
+  if (!v.is_boolean()) invalid(param, "'" + param + "' must be a boolean, not " + type_name(v));
+  return v.get<bool>();
+}
+
+// Chat message content: a string, or an array of text parts {"type": "text", "text": ...}.
+std::string content_text(const json& v, const std::string& param) {
+  if (v.is_string()) return v.get<std::string>();
+  if (!v.is_array()) invalid(param, "'" + param + "' must be a string or an array of text parts, not " + type_name(v));
+  std::string text;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const std::string part = param + "[" + std::to_string(i) + "]";
+    const json& p = v[i];
+    if (!p.is_object()) invalid(part, "'" + part + "' must be an object, not " + type_name(p));
+    const json* type = field(p, "type");
+    if (!type || !type->is_string()) invalid(part + ".type", "'" + part + ".type' is required");
+    if (type->get<std::string>() != "text") unsupported(part + ".type", "content of type '" + type->get<std::string>() + "'");
+    const json* t = field(p, "text");
+    if (!t || !t->is_string()) invalid(part + ".text", "'" + part + ".text' must be a string");
+    text += t->get<std::string>();
+  }
+  return text;
+}
+
+std::vector<ChatMessage> read_messages(const json& body) {
+  const json* messages = field(body, "messages");
+  if (!messages) invalid("messages", "'messages' is required");
+  if (!messages->is_array()) invalid("messages", "'messages' must be an array, not " + type_name(*messages));
+  if (messages->empty()) invalid("messages", "'messages' must not be empty");
+  std::vector<ChatMessage> out;
+  for (std::size_t i = 0; i < messages->size(); ++i) {
+    const std::string param = "messages[" + std::to_string(i) + "]";
+    const json& m = (*messages)[i];
+    if (!m.is_object()) invalid(param, "'" + param + "' must be an object, not " + type_name(m));
+    const json* role = field(m, "role");
+    if (!role || !role->is_string()) invalid(param + ".role", "'" + param + ".role' is required and must be a string");
+    std::string r = role->get<std::string>();
+    if (r == "developer") r = "system";
+    if (r != "system" && r != "user" && r != "assistant") {
+      if (r == "tool" || r == "function") unsupported(param + ".role", "the role '" + r + "'");
+      invalid(param + ".role", "'" + param + ".role' must be one of system, developer, user, assistant, not '" +
+                                   role->get<std::string>() + "'");
+    }
+    if (field(m, "tool_calls") || field(m, "function_call")) unsupported(param + ".tool_calls", "tool calling");
+    const json* content = field(m, "content");
+    std::string text;
+    if (content) {
+      text = content_text(*content, param + ".content");
+    } else if (r != "assistant") {
+      invalid(param + ".content", "'" + param + ".content' is required");
+    }
+    out.push_back(ChatMessage{std::move(r), std::move(text)});
+  }
+  return out;
+}
+
+std::string read_prompt(const json& body) {
+  const json* prompt = field(body, "prompt");
+  if (!prompt) invalid("prompt", "'prompt' is required");
+  if (prompt->is_string()) return prompt->get<std::string>();
+  if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string()) return (*prompt)[0].get<std::string>();
+  if (prompt->is_array() && prompt->size() > 1) unsupported("prompt", "more than one prompt per request");
+  if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number()) unsupported("prompt", "a prompt of token ids");
+  invalid("prompt", "'prompt' must be a string, not " + type_name(*prompt));
+}
+
+std::vector<std::string> read_stop(const json& v) {
+  constexpr std::size_t kMaxStops = 16;
+  if (v.is_string()) {
+    if (v.get<std::string>().empty()) return {};
+    return {v.get<std::string>()};
+  }
+  if (!v.is_array()) invalid("stop", "'stop' must be a string or an array of strings, not " + type_name(v));
+  if (v.size() > kMaxStops) invalid("stop", "'stop' has " + std::to_string(v.size()) + " strings; at most 16 are allowed");
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (!v[i].is_string()) invalid("stop", "'stop[" + std::to_string(i) + "]' must be a string, not " + type_name(v[i]));
+    if (!v[i].get<std::string>().empty()) out.push_back(v[i].get<std::string>());
+  }
+  return out;
+}
+
+}  // namespace
+
+ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view served_model) {
+  if (!body.is_object()) invalid("", "the request body must be a JSON object, not " + type_name(body));
+  ApiRequest out;
+  out.endpoint = endpoint;
+  Request& r = out.request;
+  const bool chat = endpoint == Endpoint::kChat;
+
+  if (const json* model = field(body, "model")) {
+    if (!model->is_string()) invalid("model", "'model' must be a string, not " + type_name(*model));
+    r.model = model->get<std::string>();
+    if (!r.model.empty() && r.model != served_model) {
+      throw ApiError(404, "invalid_request_error", "model",
+                     "the model '" + r.model + "' does not exist; this server serves '" +
+                         std::string(served_model) + "'",
+                     "model_not_found");
+    }
+  }
+  if (chat) {
+    r.messages = read_messages(body);
+  } else {
+    r.prompt = read_prompt(body);
+  }
+
+  // Chat: max_completion_tokens is the current name, max_tokens the older one.
+  const json* max_tokens = chat ? field(body, "max_completion_tokens") : nullptr;
+  std::string max_param = "max_completion_tokens";
+  if (!max_tokens) {
+    max_tokens = field(body, "max_tokens");
+    max_param = "max_tokens";
+  }
+  if (max_tokens) {
+    r.max_tokens = static_cast<int>(integer(*max_tokens, max_param, 1, std::numeric_limits<int>::max()));
+  } else if (!chat) {
+    r.max_tokens = 16;  // the completions API's default
+  }
+  if (const json* t = field(body, "temperature")) r.temperature = number(*t, "temperature", 0.0, 2.0);
+  if (const json* p = field(body, "top_p")) r.top_p = number(*p, "top_p", 0.0, 1.0, true);
+  if (const json* k = field(body, "top_k")) {
+    r.extra = json::object();
+    r.extra["top_k"] = integer(*k, "top_k", -1, std::numeric_limits<int>::max());
+    if (r.extra["top_k"].get<std::int64_t>() < 0) r.extra["top_k"] = 0;  // -1: no limit
+  }
+  if (const json* seed = field(body, "seed")) {
+    r.seed = integer(*seed, "seed", std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max());
+  }
+  if (const json* stop = field(body, "stop")) r.stop = read_stop(*stop);
+  if (const json* n = field(body, "n")) {
+    if (integer(*n, "n", 1, 128) != 1) unsupported("n", "n > 1 (several choices per request)");
+  }
+  if (const json* s = field(body, "stream")) out.stream = boolean(*s, "stream");
+  if (const json* so = field(body, "stream_options")) {
+    if (!so->is_object()) invalid("stream_options", "'stream_options' must be an object, not " + type_name(*so));
+    if (!out.stream) invalid("stream_options", "'stream_options' is only allowed when 'stream' is true");
+    if (const json* u = field(*so, "include_usage")) out.include_usage = boolean(*u, "stream_options.include_usage");
+  }
+  r.stream = out.stream;
+
+  // Parameters that would change the output in ways the engine does not implement.
+  for (const char* name : {"presence_penalty", "frequency_penalty"}) {
+    if (const json* v = field(body, name)) {
+      if (number(*v, name, -2.0, 2.0) != 0.0) unsupported(name, std::string("'") + name + "' other than 0");
+    }
+  }
+  if (const json* v = field(body, "logit_bias")) {
+    if (!v->is_object()) invalid("logit_bias", "'logit_bias' must be an object, not " + type_name(*v));
+    if (!v->empty()) unsupported("logit_bias", "'logit_bias'");
+  }
+  if (const json* v = field(body, "logprobs")) {
+    if ((v->is_boolean() && v->get<bool>()) || (v->is_number() && v->get<double>() > 0))
+      unsupported("logprobs", "'logprobs'");
+  }
+  if (const json* v = field(body, "top_logprobs")) {
+    if (!v->is_number() || v->get<double>() != 0) unsupported("top_logprobs", "'top_logprobs'");
+  }
+  if (const json* v = field(body, "tools"); v && !(v->is_array() && v->empty())) unsupported("tools", "tool calling");
+  if (const json* v = field(body, "functions"); v && !(v->is_array() && v->empty())) unsupported("functions", "function calling");
+  if (const json* v = field(body, "response_format")) {
+    const json* type = v->is_object() ? field(*v, "type") : nullptr;
+    if (!type || !type->is_string()) invalid("response_format", "'response_format' must be an object with a 'type'");
+    if (type->get<std::string>() != "text") unsupported("response_format", "response_format '" + type->get<std::string>() + "'");
+  }
+  if (!chat) {
+    if (const json* v = field(body, "echo"); v && boolean(*v, "echo")) unsupported("echo", "'echo'");
+    if (const json* v = field(body, "suffix"); v && !(v->is_string() && v->get<std::string>().empty()))
+      unsupported("suffix", "'suffix'");
+    if (const json* v = field(body, "best_of"); v && integer(*v, "best_of", 1, 128) != 1)
+      unsupported("best_of", "best_of > 1");
+  }
+  return out;
+}
+
+ApiRequest parse_request_body(Endpoint endpoint, std::string_view body_text, std::string_view served_model) {
+  json body;
+  try {
+    body = json::parse(body_text);
+  } catch (const json::parse_error& e) {
+    // e.byte: the 1-based position where parsing failed.
+    invalid("", "the request body is not valid JSON (at byte " + std::to_string(e.byte) + ")");
+  }
+  return parse_request(endpoint, body, served_model);
+}
+
+std::string new_response_id(Endpoint endpoint) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id = endpoint == Endpoint::kChat ? "chatcmpl-" : "cmpl-";
+  for (int i = 0; i < 24; ++i) id.push_back(kHex[rng() & 15]);
+  return id;
+}
+
+json usage_json(const Usage& usage) {
+  return {{"prompt_tokens", usage.prompt_tokens},
+          {"completion_tokens", usage.completion_tokens},
+          {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
+}
+
+namespace {
+
+json envelope(const ResponseContext& ctx, bool chunk) {
+  const bool chat = ctx.endpoint == Endpoint::kChat;
+  return {{"id", ctx.id},
+          {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+          {"created", ctx.created},
+          {"model", ctx.model}};
+}
+
+json finish_value(std::string_view reason) {
+  return reason.empty() ? json(nullptr) : json(std::string(reason));
+}
+
+}  // namespace
+
+json completion_body(const ResponseContext& ctx, const Completion& completion) {
+  json body = envelope(ctx, false);
+  json choice = {{"index", 0}, {"finish_reason", finish_value(completion.finish_reason)}, {"logprobs", nullptr}};
+  if (ctx.endpoint == Endpoint::kChat) {
+    choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
+  } else {
+    choice["text"] = completion.text;
+  }
+  body["choices"] = json::array({choice});
+  body["usage"] = usage_json(completion.usage);
+  return body;
+}
+
+json text_chunk(const ResponseContext& ctx, std::string_view text, bool first, bool include_usage) {
+  json body = envelope(ctx, true);
+  json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
+  if (ctx.endpoint == Endpoint::kChat) {
+    json delta = {{"content", std::string(text)}};
+    if (first) delta["role"] = "assistant";
+    choice["delta"] = std::move(delta);
+  } else {
+    choice["text"] = std::string(text);
+  }
+  body["choices"] = json::array({choice});
+  if (include_usage) body["usage"] = nullptr;
+  return body;
+}
+
+json finish_chunk(const ResponseContext& ctx, std::string_view finish_reason, bool include_usage) {
+  json body = envelope(ctx, true);
+  json choice = {{"index", 0}, {"finish_reason", finish_value(finish_reason)}, {"logprobs", nullptr}};
+  if (ctx.endpoint == Endpoint::kChat) {
+    choice["delta"] = json::object();
+  } else {
+    choice["text"] = "";
+  }
+  body["choices"] = json::array({choice});
+  if (include_usage) body["usage"] = nullptr;
+  return body;
+}
+
+json usage_chunk(const ResponseContext& ctx, const Usage& usage) {
+  json body = envelope(ctx, true);
+  body["choices"] = json::array();
+  body["usage"] = usage_json(usage);
+  return body;
+}
+
+ApiError error_from_outcome(const Error& error) {
+  if (error.kind == ErrorKind::Http && error.http_status >= 400 && error.http_status < 500) {
+    return ApiError(error.http_status, "invalid_request_error", "", error.message, error.code);
+  }
+  return ApiError(500, "server_error", "", "the engine failed: " + error.message, error.code);
+}
+
+}  // namespace batchlm::server

@@ -1,0 +1,446 @@
+#include "batchlm/server/server.hpp"
+
+#include <chrono>
+#include <list>
+#include <optional>
+#include <stdexcept>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/experimental/awaitable_operators.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core/flat_buffer.hpp>
+#include <boost/beast/core/tcp_stream.hpp>
+#include <boost/beast/http/chunk_encode.hpp>
+#include <boost/beast/http/empty_body.hpp>
+#include <boost/beast/http/error.hpp>
+#include <boost/beast/http/parser.hpp>
+#include <boost/beast/http/read.hpp>
+#include <boost/beast/http/string_body.hpp>
+#include <boost/beast/http/write.hpp>
+
+#include "batchlm/server/openai_api.hpp"
+
+namespace batchlm::server {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using nlohmann::json;
+using namespace asio::experimental::awaitable_operators;
+
+namespace {
+
+constexpr auto use_tuple = asio::as_tuple(asio::use_awaitable);
+using HttpRequest = http::request<http::string_body>;
+using Header = std::optional<std::pair<http::field, std::string>>;
+
+std::int64_t unix_seconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string sse(const json& data) { return "data: " + data.dump() + "\n\n"; }
+
+// Compares without an early exit, so the time taken says nothing about the key.
+bool same_secret(std::string_view given, std::string_view key) {
+  if (key.empty()) return false;
+  std::size_t diff = given.size() ^ key.size();
+  for (std::size_t i = 0; i < given.size(); ++i)
+    diff |= static_cast<unsigned char>(given[i] ^ key[i % key.size()]);
+  return diff == 0;
+}
+
+}  // namespace
+
+struct Server::Impl : std::enable_shared_from_this<Impl> {
+  asio::io_context& io;
+  Backend& backend;
+  ServerOptions options;
+  tcp::acceptor acceptor;
+  std::int64_t created = unix_seconds();
+  std::int64_t in_flight = 0;
+  bool draining = false;
+  std::function<void()> on_drained;
+  asio::steady_timer grace;
+
+  struct Connection {
+    explicit Connection(tcp::socket socket) : stream(std::move(socket)) {}
+    beast::tcp_stream stream;
+    beast::flat_buffer buffer;
+    bool busy = false;
+  };
+  std::list<Connection*> connections;
+
+  Impl(asio::io_context& io_, Backend& backend_, ServerOptions options_)
+      : io(io_), backend(backend_), options(std::move(options_)), acceptor(io_), grace(io_) {}
+
+  // --- responses ---------------------------------------------------------------------------
+
+  asio::awaitable<void> send(Connection& c, const HttpRequest& req, http::status status,
+                             const json& body,
+                             Header header = std::nullopt) {
+    http::response<http::string_body> res{status, req.version()};
+    res.set(http::field::server, "batchlm");
+    res.set(http::field::content_type, "application/json");
+    if (header) res.set(header->first, header->second);
+    res.keep_alive(req.keep_alive() && !draining);
+    res.body() = body.dump();
+    res.prepare_payload();
+    co_await http::async_write(c.stream, res, asio::use_awaitable);
+  }
+
+  asio::awaitable<void> send_error(Connection& c, const HttpRequest& req, const ApiError& e,
+                                   Header header = std::nullopt) {
+    co_await send(c, req, static_cast<http::status>(e.status()), e.body(), header);
+  }
+
+  json model_json() const {
+    json m = {{"id", options.model_name}, {"object", "model"}, {"created", created}, {"owned_by", "batchlm"}};
+    if (options.context > 0) m["max_model_len"] = options.context;
+    return m;
+  }
+
+  // Completes when the peer closes or breaks the connection. Bytes it sends meanwhile (a
+  // pipelined request) are kept in the buffer for the next read.
+  static asio::awaitable<void> watch_peer(Connection& c) {
+    for (;;) {
+      auto [ec, n] = co_await c.stream.socket().async_read_some(c.buffer.prepare(4096), use_tuple);
+      if (ec) co_return;
+      c.buffer.commit(n);
+    }
+  }
+
+  // --- completions ------------------------------------------------------------------------
+
+  // A streamed response: SSE bytes the engine's tokens produced, written by one writer.
+  struct Stream {
+    explicit Stream(asio::any_io_executor ex) : wake(ex) {}
+    std::string pending;
+    bool started = false;  // headers written
+    bool done = false;
+    bool first = true;
+    std::optional<ApiError> error;  // failed before any output: a plain error response
+    asio::steady_timer wake;
+  };
+
+  asio::awaitable<void> produce(Stream& s, const ApiRequest& api, const ResponseContext& ctx) {
+    const Outcome o = co_await backend.complete(api.request, [&](std::string_view delta) {
+      s.pending += sse(text_chunk(ctx, delta, s.first, api.include_usage));
+      s.first = false;
+      s.wake.cancel();
+    });
+    if (o.ok()) {
+      s.pending += sse(finish_chunk(ctx, o.completion->finish_reason, api.include_usage));
+      if (api.include_usage) s.pending += sse(usage_chunk(ctx, o.completion->usage));
+      s.pending += "data: [DONE]\n\n";
+    } else if (o.error->kind != ErrorKind::Cancelled) {
+      ApiError e = error_from_outcome(*o.error);
+      if (!s.started && s.pending.empty()) {
+        s.error = std::move(e);
+      } else {
+        s.pending += sse(e.body());
+      }
+    }
+    s.done = true;
+    s.wake.cancel();
+  }
+
+  asio::awaitable<void> write_stream(Connection& c, const HttpRequest& req, Stream& s) {
+    for (;;) {
+      if (!s.pending.empty()) {
+        std::string out;
+        out.swap(s.pending);
+        boost::system::error_code ec;
+        if (!s.started) {
+          s.started = true;
+          http::response<http::empty_body> res{http::status::ok, req.version()};
+          res.set(http::field::server, "batchlm");
+          res.set(http::field::content_type, "text/event-stream");
+          res.set(http::field::cache_control, "no-cache");
+          res.keep_alive(req.keep_alive() && !draining);
+          res.chunked(true);
+          http::response_serializer<http::empty_body> sr{res};
+          std::tie(ec, std::ignore) = co_await http::async_write_header(c.stream, sr, use_tuple);
+        }
+        if (!ec) {
+          std::tie(ec, std::ignore) =
+              co_await asio::async_write(c.stream, http::make_chunk(asio::buffer(out)), use_tuple);
+        }
+        if (ec) {
+          // The client went away: closing ends watch_peer, which cancels the request.
+          c.stream.socket().close(ec);
+          throw boost::system::system_error(asio::error::connection_aborted);
+        }
+        continue;
+      }
+      if (s.done) break;
+      s.wake.expires_at(asio::steady_timer::time_point::max());
+      co_await s.wake.async_wait(use_tuple);  // woken by cancel(); a real cancellation throws
+    }
+    if (s.started) co_await asio::async_write(c.stream, http::make_chunk_last(), asio::use_awaitable);
+  }
+
+  asio::awaitable<Outcome> complete_whole(const ApiRequest& api) {
+    co_return co_await backend.complete(api.request, {});
+  }
+
+  // Returns false when the connection must close.
+  asio::awaitable<bool> completion(Connection& c, const HttpRequest& req, Endpoint endpoint) {
+    if (req.method() != http::verb::post) {
+      co_await send_error(c, req, ApiError(405, "invalid_request_error", "", "use POST for this endpoint"),
+                          std::pair(http::field::allow, std::string("POST")));
+      co_return true;
+    }
+    std::optional<ApiRequest> parsed;
+    std::optional<ApiError> invalid;
+    try {
+      parsed = parse_request_body(endpoint, req.body(), options.model_name);
+    } catch (const ApiError& e) {
+      invalid = e;
+    }
+    if (invalid) {
+      co_await send_error(c, req, *invalid);
+      co_return true;
+    }
+    if (in_flight >= options.max_in_flight) {
+      co_await send_error(c, req,
+                          ApiError(429, "rate_limit_error", "",
+                                   "the server is at capacity (" + std::to_string(in_flight) +
+                                       " requests in flight); retry after 1 s",
+                                   "rate_limit_exceeded"),
+                          std::pair(http::field::retry_after, std::string("1")));
+      co_return true;
+    }
+    ++in_flight;
+    struct Release {
+      std::int64_t& n;
+      ~Release() { --n; }
+    } release{in_flight};
+
+    const ResponseContext ctx{endpoint, new_response_id(endpoint), unix_seconds(), options.model_name};
+    if (!parsed->stream) {
+      auto result = co_await (complete_whole(*parsed) || watch_peer(c));
+      if (result.index() != 0) co_return false;  // the client went away; the request is cancelled
+      const Outcome& o = std::get<0>(result);
+      if (!o.ok()) {
+        if (o.error->kind == ErrorKind::Cancelled) co_return false;
+        co_await send_error(c, req, error_from_outcome(*o.error));
+        co_return true;
+      }
+      co_await send(c, req, http::status::ok, completion_body(ctx, *o.completion));
+      co_return true;
+    }
+
+    Stream s(co_await asio::this_coro::executor);
+    try {
+      auto result = co_await ((produce(s, *parsed, ctx) && write_stream(c, req, s)) || watch_peer(c));
+      if (result.index() != 0) co_return false;
+    } catch (const boost::system::system_error&) {
+      co_return false;
+    }
+    if (s.error) {
+      co_await send_error(c, req, *s.error);
+      co_return true;
+    }
+    co_return s.started;
+  }
+
+  // --- routing -----------------------------------------------------------------------------
+
+  asio::awaitable<bool> handle(Connection& c, const HttpRequest& req) {
+    std::string_view target(req.target().data(), req.target().size());
+    const std::string_view path = target.substr(0, target.find('?'));
+    const bool get = req.method() == http::verb::get;
+
+    if (path == "/health") {
+      if (!get) {
+        co_await send_error(c, req, ApiError(405, "invalid_request_error", "", "use GET for /health"),
+                            std::pair(http::field::allow, std::string("GET")));
+        co_return true;
+      }
+      json body = {{"status", std::string(draining ? "shutting_down" : "ok")}, {"model", options.model_name}, {"in_flight", in_flight}};
+      if (auto stats = backend.engine_stats()) body["engine"] = stats->to_json();
+      co_await send(c, req, draining ? http::status::service_unavailable : http::status::ok, body);
+      co_return true;
+    }
+    if (!path.starts_with("/v1/")) {
+      co_await send_error(c, req, ApiError(404, "invalid_request_error", "", "no such endpoint: " + std::string(path)));
+      co_return true;
+    }
+    if (!options.api_key.empty()) {
+      const auto it = req.find(http::field::authorization);
+      std::string_view given = it == req.end() ? std::string_view{} : std::string_view(it->value().data(), it->value().size());
+      constexpr std::string_view kBearer = "Bearer ";
+      const bool ok = given.starts_with(kBearer) && same_secret(given.substr(kBearer.size()), options.api_key);
+      if (!ok) {
+        co_await send_error(c, req,
+                            ApiError(401, "invalid_request_error", "",
+                                     it == req.end() ? "missing API key: send 'Authorization: Bearer KEY'"
+                                                     : "incorrect API key",
+                                     "invalid_api_key"),
+                            std::pair(http::field::www_authenticate, std::string("Bearer")));
+        co_return true;
+      }
+    }
+    if (path == "/v1/chat/completions") co_return co_await completion(c, req, Endpoint::kChat);
+    if (path == "/v1/completions") co_return co_await completion(c, req, Endpoint::kCompletions);
+    if (path == "/v1/models" || path.starts_with("/v1/models/")) {
+      if (!get) {
+        co_await send_error(c, req, ApiError(405, "invalid_request_error", "", "use GET for /v1/models"),
+                            std::pair(http::field::allow, std::string("GET")));
+        co_return true;
+      }
+      if (path == "/v1/models") {
+        json list = json::object();
+        list["object"] = "list";
+        list["data"] = json::array();
+        list["data"].push_back(model_json());
+        co_await send(c, req, http::status::ok, list);
+      } else if (path.substr(std::string_view("/v1/models/").size()) == options.model_name) {
+        co_await send(c, req, http::status::ok, model_json());
+      } else {
+        co_await send_error(c, req, ApiError(404, "invalid_request_error", "model",
+                                             "the model '" + std::string(path.substr(11)) +
+                                                 "' does not exist; this server serves '" + options.model_name + "'",
+                                             "model_not_found"));
+      }
+      co_return true;
+    }
+    co_await send_error(c, req, ApiError(404, "invalid_request_error", "", "no such endpoint: " + std::string(path)));
+    co_return true;
+  }
+
+  asio::awaitable<void> session(tcp::socket socket) {
+    auto self = shared_from_this();
+    Connection c(std::move(socket));
+    connections.push_back(&c);
+    const auto me = std::prev(connections.end());
+    try {
+      for (;;) {
+        if (draining) break;
+        http::request_parser<http::string_body> parser;
+        parser.body_limit(options.max_body_bytes);
+        parser.header_limit(64 * 1024);
+        c.stream.expires_after(options.keep_alive);
+        auto [ec, n] = co_await http::async_read(c.stream, c.buffer, parser, use_tuple);
+        if (ec) {
+          if (ec == http::error::body_limit) {
+            HttpRequest head = parser.release();
+            head.keep_alive(false);
+            co_await send_error(c, head,
+                                ApiError(413, "invalid_request_error", "",
+                                         "the request body exceeds " + std::to_string(options.max_body_bytes) + " bytes"));
+          } else if (ec != http::error::end_of_stream && ec != beast::error::timeout &&
+                     ec != asio::error::operation_aborted && ec != asio::error::connection_reset &&
+                     ec != asio::error::eof && ec != asio::error::bad_descriptor) {
+            HttpRequest bad{http::verb::unknown, "", 11};
+            bad.keep_alive(false);
+            co_await send_error(c, bad, ApiError(400, "invalid_request_error", "", "malformed HTTP request: " + ec.message()));
+          }
+          break;
+        }
+        c.stream.expires_never();
+        HttpRequest req = parser.release();
+        c.busy = true;
+        const bool keep = co_await handle(c, req);
+        c.busy = false;
+        if (!keep || !req.keep_alive()) break;
+      }
+    } catch (const std::exception&) {
+      // A write to a client that went away: nothing to answer.
+    }
+    boost::system::error_code ignored;
+    c.stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    c.stream.socket().close(ignored);
+    connections.erase(me);
+    if (draining) maybe_drained();
+  }
+
+  asio::awaitable<void> accept_loop() {
+    auto self = shared_from_this();
+    for (;;) {
+      auto [ec, socket] = co_await acceptor.async_accept(use_tuple);
+      if (ec) {
+        if (!acceptor.is_open()) co_return;
+        continue;  // e.g. too many open files: keep serving the connections we have
+      }
+      socket.set_option(tcp::no_delay(true), ec);
+      asio::co_spawn(io, session(std::move(socket)), asio::detached);
+    }
+  }
+
+  void maybe_drained() {
+    if (!connections.empty() || !on_drained) return;
+    grace.cancel();
+    auto done = std::move(on_drained);
+    on_drained = nullptr;
+    done();
+  }
+
+  void close_all() {
+    for (Connection* c : connections) {
+      boost::system::error_code ignored;
+      c->stream.socket().close(ignored);
+    }
+  }
+};
+
+Server::Server(asio::io_context& io, Backend& backend, ServerOptions options)
+    : impl_(std::make_shared<Impl>(io, backend, std::move(options))) {
+  Impl& s = *impl_;
+  const std::string where = s.options.host + ":" + std::to_string(s.options.port);
+  boost::system::error_code ec;
+  const auto address = asio::ip::make_address(s.options.host, ec);
+  if (ec) throw std::runtime_error("cannot listen on " + where + ": '" + s.options.host + "' is not an IP address");
+  const tcp::endpoint endpoint(address, s.options.port);
+  s.acceptor.open(endpoint.protocol(), ec);
+  if (!ec) s.acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) s.acceptor.bind(endpoint, ec);
+  if (!ec) s.acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) throw std::runtime_error("cannot listen on " + where + ": " + ec.message());
+}
+
+Server::~Server() {
+  boost::system::error_code ignored;
+  impl_->acceptor.close(ignored);
+}
+
+unsigned short Server::port() const { return impl_->acceptor.local_endpoint().port(); }
+
+void Server::start() { asio::co_spawn(impl_->io, impl_->accept_loop(), asio::detached); }
+
+std::int64_t Server::in_flight() const { return impl_->in_flight; }
+
+void Server::shutdown(std::function<void()> done) {
+  Impl& s = *impl_;
+  if (s.draining) {
+    s.close_all();  // a second request to stop: cancel what is still running
+    return;
+  }
+  s.draining = true;
+  s.on_drained = done ? std::move(done) : [] {};
+  boost::system::error_code ignored;
+  s.acceptor.close(ignored);
+  // Idle keep-alive connections close now; busy ones after their response.
+  for (auto* c : s.connections) {
+    if (!c->busy) c->stream.socket().close(ignored);
+  }
+  s.grace.expires_after(s.options.shutdown_grace);
+  s.grace.async_wait([impl = impl_](boost::system::error_code ec) {
+    if (!ec) impl->close_all();
+  });
+  s.maybe_drained();
+}
+
+}  // namespace batchlm::server
