@@ -81,6 +81,7 @@ struct LocalBackend::State {
   // A snapshot for engine_stats(), refreshed after every step.
   mutable std::mutex stats_mutex;
   EngineStats stats;
+  std::int64_t sampled = 0;  // tokens sampled, over all requests
 
   std::mutex mutex;
   std::condition_variable wake;
@@ -181,6 +182,7 @@ struct LocalBackend::State {
       const std::span<const float> l(logits.data() + row++ * n_vocab, n_vocab);
       StepResult r{e.id, 0, false};
       if (auto it = active.find(e.id); it != active.end()) {
+        ++sampled;
         r.finished = sample(it->second, l, r.token);
       } else {
         r.finished = true;
@@ -198,7 +200,7 @@ struct LocalBackend::State {
     stats.preemptions = s.preemptions;
     stats.prompt_tokens_computed = s.prompt_tokens_computed;
     stats.prompt_tokens_cached = s.prompt_tokens_cached;
-    stats.generated_tokens = s.decode_tokens;
+    stats.generated_tokens = sampled;
     stats.steps = s.steps;
     stats.blocks_used = s.blocks_used;
     stats.blocks_total = s.blocks_total;

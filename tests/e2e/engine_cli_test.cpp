@@ -279,6 +279,20 @@ TEST_F(EngineCli, RunALocalJobWritesEveryRecord) {
   EXPECT_EQ(ids, (std::set<long long>{1, 2, 3, 4, 5}));
   const json summary = json::parse(read_file(dir() / "out/local.jsonl.summary.json"));
   EXPECT_EQ(summary["counts"]["succeeded"], 5) << summary.dump(2);
+  // The engine's own account: every prompt token computed or cached, no block left held.
+  const json& engine = summary["engine"];
+  ASSERT_TRUE(engine.is_object()) << summary.dump(2);
+  long long prompt_tokens = 0, completion_tokens = 0;
+  for (const auto& rec : records) {
+    prompt_tokens += rec["usage"]["prompt_tokens"].get<long long>();
+    completion_tokens += rec["usage"]["completion_tokens"].get<long long>();
+  }
+  EXPECT_EQ(engine["prompt_tokens_computed"].get<long long>() + engine["prompt_tokens_cached"].get<long long>(),
+            prompt_tokens) << engine.dump();
+  EXPECT_EQ(engine["generated_tokens"].get<long long>(), completion_tokens) << engine.dump();
+  EXPECT_EQ(engine["blocks_used"], 0) << engine.dump();
+  EXPECT_EQ(engine["running"], 0) << engine.dump();
+  EXPECT_NE(r.err.find("engine: "), std::string::npos) << r.err;
 
   // A rerun finds every item done.
   RunResult again = run_batchlm(dir(), {"run", "job.yaml"});

@@ -717,6 +717,103 @@ TEST(LocalBackend, ConcurrentRequestsAllComplete) {
   }
 }
 
+TEST(LocalBackend, EngineStatsCountPrefixHitsAndFreeEveryBlock) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  const auto before = backend.engine_stats();
+  ASSERT_TRUE(before.has_value());
+  EXPECT_EQ(before->running, 0);
+  EXPECT_EQ(before->blocks_used, 0);
+  EXPECT_EQ(before->block_size, 16);
+  EXPECT_GT(before->blocks_total, 0);
+
+  // A prompt of several full blocks, then the same prompt again: the second is served from the
+  // prefix cache up to its last full block.
+  Request r;
+  std::string long_text;
+  for (int i = 0; i < 40; ++i) long_text += "word" + std::to_string(i) + " ";
+  r.messages = {{"user", long_text}};
+  r.max_tokens = 4;
+  r.temperature = 0.0;
+  Call first, second;
+  asio::co_spawn(io, call_complete(backend, r, first), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&first}));
+  asio::co_spawn(io, call_complete(backend, r, second), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&second}));
+  ASSERT_TRUE(first.outcome && first.outcome->ok());
+  ASSERT_TRUE(second.outcome && second.outcome->ok());
+  EXPECT_EQ(first.outcome->completion->text, second.outcome->completion->text);
+
+  const std::int64_t prompt = first.outcome->completion->usage.prompt_tokens;
+  ASSERT_GT(prompt, 32);
+  // Stats are published after the step that finished the request; wait for the idle snapshot.
+  std::optional<EngineStats> after;
+  for (int i = 0; i < 100; ++i) {
+    after = backend.engine_stats();
+    if (after->running == 0 && after->blocks_used == 0) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(after->running, 0);
+  EXPECT_EQ(after->waiting, 0);
+  EXPECT_EQ(after->blocks_used, 0);  // finished sequences hold no blocks
+  EXPECT_EQ(after->prompt_tokens_cached, (prompt - 1) / 16 * 16);
+  EXPECT_EQ(after->prompt_tokens_computed + after->prompt_tokens_cached, 2 * prompt);
+  EXPECT_GT(after->cache_hit_rate(), 0.0);
+  EXPECT_EQ(after->preemptions, 0);
+  EXPECT_GE(after->steps, 2);
+  EXPECT_NE(after->brief().find("0 run 0 wait cache "), std::string::npos) << after->brief();
+}
+
+TEST(LocalBackend, LimitsAreCheckedAndPoolSizeFollowsTheOptions) {
+  asio::io_context io;
+  LocalBackendOptions o = tiny_options(64);
+  o.max_sequences = 4;
+  o.block_size = 8;
+  o.kv_tokens = 1000;
+  {
+    LocalBackend backend(io.get_executor(), o);
+    const auto stats = backend.engine_stats();
+    EXPECT_EQ(stats->block_size, 8);
+    EXPECT_EQ(stats->blocks_total, 125);  // ceil(1000 / 8)
+  }
+  auto error_of = [&](LocalBackendOptions bad) -> std::string {
+    try {
+      LocalBackend backend(io.get_executor(), bad);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  LocalBackendOptions bad = o;
+  bad.token_budget = 2;
+  EXPECT_NE(error_of(bad).find("token_budget 2 is less than max_sequences 4"), std::string::npos) << error_of(bad);
+  bad = o;
+  bad.block_size = 0;
+  EXPECT_NE(error_of(bad).find("block_size"), std::string::npos);
+  bad = o;
+  bad.kv_tokens = 10;
+  EXPECT_NE(error_of(bad).find("kv_tokens 10 is less than one context of 64 tokens"), std::string::npos)
+      << error_of(bad);
+}
+
+TEST(LocalBackend, PoolSizeDefaultsFromMemory) {
+  LocalBackendOptions o;
+  o.max_sequences = 32;
+  // Enough memory: max_sequences full contexts.
+  EXPECT_EQ(kv_pool_tokens(o, 4096, 1000, std::int64_t{1} << 40), 32 * 4096);
+  // Little memory: a quarter of it...
+  EXPECT_EQ(kv_pool_tokens(o, 4096, 1000, 40'000'000), 10'000);
+  // ...but never less than one context.
+  EXPECT_EQ(kv_pool_tokens(o, 4096, 1000, 1'000'000), 4096);
+  // Unknown memory: max_sequences contexts.
+  EXPECT_EQ(kv_pool_tokens(o, 4096, 1000, 0), 32 * 4096);
+  o.kv_bytes = 50'000'000;
+  EXPECT_EQ(kv_pool_tokens(o, 4096, 1000, 0), 50'000);
+  o.kv_tokens = 8192;  // tokens win over bytes
+  EXPECT_EQ(kv_pool_tokens(o, 4096, 1000, 0), 8192);
+  EXPECT_GT(available_memory_bytes(), 0);
+}
+
 TEST(LocalBackend, PromptLongerThanTheContextIsANonRetryable400) {
   asio::io_context io;
   LocalBackend backend(io.get_executor(), tiny_options(64));

@@ -93,6 +93,61 @@ TEST_F(JobFile, BackendTypeFollowsBaseUrl) {
   }
 }
 
+TEST_F(JobFile, LocalEngineLimits) {
+  JobSpec job = load(with_input(
+      "backend: {type: local, max_sequences: 8, token_budget: 128, block_size: 32, kv_tokens: 65536}\n"));
+  EXPECT_EQ(job.backend.max_sequences, 8);
+  EXPECT_EQ(job.backend.token_budget, 128);
+  EXPECT_EQ(job.backend.block_size, 32);
+  EXPECT_EQ(job.backend.kv_tokens, 65536);
+  EXPECT_EQ(job.backend.kv_bytes, 0);
+  JobSpec bytes = load(with_input("backend: {type: local, kv_memory: 1.5GiB}\n"));
+  EXPECT_EQ(bytes.backend.kv_bytes, 1610612736);
+  JobSpec defaults = load(with_input(""));
+  EXPECT_EQ(defaults.backend.max_sequences, 32);
+  EXPECT_EQ(defaults.backend.token_budget, 0);
+  EXPECT_EQ(defaults.backend.block_size, 16);
+  EXPECT_EQ(defaults.backend.kv_tokens, 0);
+  EXPECT_EQ(defaults.backend.kv_bytes, 0);
+
+  auto error_of = [&](const std::string& yaml) -> std::string {
+    try {
+      load(with_input(yaml));
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_NE(error_of("backend: {max_sequences: 0}\n").find("backend.max_sequences"), std::string::npos);
+  EXPECT_NE(error_of("backend: {token_budget: 1000}\n").find("backend.token_budget"), std::string::npos);
+  EXPECT_NE(error_of("backend: {block_size: 0}\n").find("backend.block_size"), std::string::npos);
+  const std::string budget = error_of("backend: {max_sequences: 64, token_budget: 32}\n");
+  EXPECT_NE(budget.find("backend.token_budget"), std::string::npos) << budget;
+  EXPECT_NE(budget.find("less than max_sequences 64"), std::string::npos) << budget;
+  const std::string memory = error_of("backend: {kv_memory: lots}\n");
+  EXPECT_NE(memory.find("backend.kv_memory"), std::string::npos) << memory;
+  EXPECT_NE(memory.find("'lots'"), std::string::npos) << memory;
+  // Overrides reach the same keys.
+  JobSpec set = load(with_input(""), {parse_override("backend.max_sequences=4")});
+  EXPECT_EQ(set.backend.max_sequences, 4);
+}
+
+TEST(ByteSize, UnitsAndErrors) {
+  EXPECT_EQ(parse_byte_size("1073741824"), 1073741824);
+  EXPECT_EQ(parse_byte_size("512MiB"), 512ll << 20);
+  EXPECT_EQ(parse_byte_size("512M"), 512ll << 20);
+  EXPECT_EQ(parse_byte_size("2GiB"), 2ll << 30);
+  EXPECT_EQ(parse_byte_size("2gb"), 2000000000);
+  EXPECT_EQ(parse_byte_size("64k"), 65536);
+  EXPECT_EQ(parse_byte_size("1.5 GiB"), 1610612736);
+  EXPECT_EQ(parse_byte_size("100B"), 100);
+  EXPECT_EQ(parse_byte_size(""), std::nullopt);
+  EXPECT_EQ(parse_byte_size("GiB"), std::nullopt);
+  EXPECT_EQ(parse_byte_size("-1G"), std::nullopt);
+  EXPECT_EQ(parse_byte_size("2 parsecs"), std::nullopt);
+  EXPECT_EQ(parse_byte_size("1..2G"), std::nullopt);
+}
+
 TEST_F(JobFile, MinimalJobGetsDocumentedDefaults) {
   JobSpec job = load(with_input(""));
   EXPECT_EQ(job.file, "jobs/t.yaml");

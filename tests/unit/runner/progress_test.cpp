@@ -56,6 +56,23 @@ TEST(ProgressBar, WideTerminalShowsEveryField) {
   EXPECT_GT(line.size(), 100u);  // the bar grows to use the room
 }
 
+TEST(ProgressBar, EngineStatsShowWhenThereIsRoom) {
+  ProgressCounters c = counters();
+  c.engine = "12 run 20 wait cache 87% kv 41%";
+  Progress wide(nullptr, true, seconds{5}, 200);
+  EXPECT_NE(wide.render_bar(c, 10.0).find("engine 12 run 20 wait cache 87% kv 41%"), std::string::npos)
+      << wide.render_bar(c, 10.0);
+  // Narrower: the engine field goes before the rates and the eta.
+  Progress narrow(nullptr, true, seconds{5}, 100);
+  const std::string line = narrow.render_bar(c, 10.0);
+  EXPECT_EQ(line.find("engine"), std::string::npos) << line;
+  EXPECT_NE(line.find("eta 2m00s"), std::string::npos) << line;
+  // The plain line always has it; without an engine, nothing is added.
+  Progress plain(nullptr, false);
+  EXPECT_NE(plain.render_plain(c, 10.0).find(" engine 12 run 20 wait"), std::string::npos);
+  EXPECT_EQ(plain.render_plain(counters(), 10.0).find("engine"), std::string::npos);
+}
+
 TEST(ProgressBar, BarFillMatchesTheFractionDone) {
   Progress progress(nullptr, true, seconds{5}, 200);
   ProgressCounters c = counters();
