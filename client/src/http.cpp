@@ -2,6 +2,7 @@
 
 
 #include <algorithm>
+#include <cstdio>
 #include <cctype>
 #include <memory>
 #include <string>
@@ -352,6 +353,14 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     return n;
   }
 
+  static int on_upload_seek(void* user, curl_off_t offset, int origin) {
+    auto& t = *static_cast<Transfer*>(user);
+    if (origin != SEEK_SET || offset < 0 || static_cast<std::size_t>(offset) > t.request.body.size())
+      return CURL_SEEKFUNC_CANTSEEK;
+    t.upload_offset = static_cast<std::size_t>(offset);
+    return CURL_SEEKFUNC_OK;
+  }
+
   static size_t on_upload(char* buffer, size_t size, size_t count, void* user) {
     auto& t = *static_cast<Transfer*>(user);
     const std::size_t n = std::min(size * count, t.request.body.size() - t.upload_offset);
@@ -408,6 +417,10 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
       curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(r.body.size()));
       curl_easy_setopt(e, CURLOPT_READFUNCTION, &Impl::on_upload);
       curl_easy_setopt(e, CURLOPT_READDATA, &t);
+      // A reused keep-alive connection the server had closed makes curl send the request again
+      // on a new one; it rewinds the body through this.
+      curl_easy_setopt(e, CURLOPT_SEEKFUNCTION, &Impl::on_upload_seek);
+      curl_easy_setopt(e, CURLOPT_SEEKDATA, &t);
       if (r.body.empty()) t.sent_at = t.started_at;
       if (r.method != "POST") curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, r.method.c_str());
     }

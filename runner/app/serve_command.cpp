@@ -152,7 +152,8 @@ int run_serve_command() {
       };
   signals.async_wait(on_signal);
 
-  std::printf("batchlm serve: listening on http://%s:%u/v1 (model %s, %s)\n", s.host.c_str(),
+  const std::string host = s.host.find(':') != std::string::npos ? "[" + s.host + "]" : s.host;
+  std::printf("batchlm serve: listening on http://%s:%u/v1 (model %s, %s)\n", host.c_str(),
               static_cast<unsigned>(http.port()), options.model_name.c_str(), backend->describe().c_str());
   std::fflush(stdout);
   io.run();

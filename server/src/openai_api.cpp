@@ -58,14 +58,15 @@ const json* field(const json& body, const char* name) {
 
 std::int64_t integer(const json& v, const std::string& param, std::int64_t min, std::int64_t max) {
   std::int64_t value = 0;
-  if (v.is_number_integer()) {
-    value = v.get<std::int64_t>();
-  } else if (v.is_number_unsigned()) {
+  if (v.is_number_unsigned()) {  // before is_number_integer(), which is true for these too
     const auto u = v.get<std::uint64_t>();
     if (u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
-      invalid(param, "'" + param + "' is out of range: " + v.dump());
+      invalid(param, "'" + param + "' must be between " + std::to_string(min) + " and " +
+                         std::to_string(max) + ", not " + v.dump());
     }
     value = static_cast<std::int64_t>(u);
+  } else if (v.is_number_integer()) {
+    value = v.get<std::int64_t>();
   } else if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() &&
              std::abs(v.get<double>()) < 9e15) {
     value = static_cast<std::int64_t>(v.get<double>());
@@ -151,8 +152,8 @@ std::string read_prompt(const json& body) {
   if (!prompt) invalid("prompt", "'prompt' is required");
   if (prompt->is_string()) return prompt->get<std::string>();
   if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string()) return (*prompt)[0].get<std::string>();
-  if (prompt->is_array() && prompt->size() > 1) unsupported("prompt", "more than one prompt per request");
   if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number()) unsupported("prompt", "a prompt of token ids");
+  if (prompt->is_array() && prompt->size() > 1) unsupported("prompt", "more than one prompt per request");
   invalid("prompt", "'prompt' must be a string, not " + type_name(*prompt));
 }
 

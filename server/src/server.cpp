@@ -18,6 +18,7 @@
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
+#include <boost/beast/core/string.hpp>
 #include <boost/beast/core/tcp_stream.hpp>
 #include <boost/beast/http/chunk_encode.hpp>
 #include <boost/beast/http/empty_body.hpp>
@@ -162,20 +163,25 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         std::string out;
         out.swap(s.pending);
         boost::system::error_code ec;
+        // HTTP/1.1: chunked, the connection stays open; HTTP/1.0: the events as they are, and
+        // the end of the connection ends the stream.
+        const bool chunked = req.version() >= 11;
         if (!s.started) {
           s.started = true;
           http::response<http::empty_body> res{http::status::ok, req.version()};
           res.set(http::field::server, "batchlm");
           res.set(http::field::content_type, "text/event-stream");
           res.set(http::field::cache_control, "no-cache");
-          res.keep_alive(req.keep_alive() && !draining);
-          res.chunked(true);
+          res.keep_alive(chunked && req.keep_alive() && !draining);
+          res.chunked(chunked);
           http::response_serializer<http::empty_body> sr{res};
           std::tie(ec, std::ignore) = co_await http::async_write_header(c.stream, sr, use_tuple);
         }
-        if (!ec) {
+        if (!ec && chunked) {
           std::tie(ec, std::ignore) =
               co_await asio::async_write(c.stream, http::make_chunk(asio::buffer(out)), use_tuple);
+        } else if (!ec) {
+          std::tie(ec, std::ignore) = co_await asio::async_write(c.stream, asio::buffer(out), use_tuple);
         }
         if (ec) {
           // The client went away: closing ends watch_peer, which cancels the request.
@@ -188,7 +194,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       s.wake.expires_at(asio::steady_timer::time_point::max());
       co_await s.wake.async_wait(use_tuple);  // woken by cancel(); a real cancellation throws
     }
-    if (s.started) co_await asio::async_write(c.stream, http::make_chunk_last(), asio::use_awaitable);
+    if (s.started && req.version() >= 11)
+      co_await asio::async_write(c.stream, http::make_chunk_last(), asio::use_awaitable);
   }
 
   asio::awaitable<Outcome> complete_whole(const ApiRequest& api) {
@@ -253,7 +260,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       co_await send_error(c, req, *s.error);
       co_return true;
     }
-    co_return s.started;
+    co_return s.started && req.version() >= 11;
   }
 
   // --- routing -----------------------------------------------------------------------------
@@ -281,8 +288,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     if (!options.api_key.empty()) {
       const auto it = req.find(http::field::authorization);
       std::string_view given = it == req.end() ? std::string_view{} : std::string_view(it->value().data(), it->value().size());
-      constexpr std::string_view kBearer = "Bearer ";
-      const bool ok = given.starts_with(kBearer) && same_secret(given.substr(kBearer.size()), options.api_key);
+      // The scheme is case-insensitive (RFC 9110), the key is not.
+      const bool bearer = given.size() > 7 && beast::iequals(given.substr(0, 7), "bearer ");
+      const bool ok = bearer && same_secret(given.substr(7), options.api_key);
       if (!ok) {
         co_await send_error(c, req,
                             ApiError(401, "invalid_request_error", "",
@@ -333,7 +341,16 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         parser.body_limit(options.max_body_bytes);
         parser.header_limit(64 * 1024);
         c.stream.expires_after(options.keep_alive);
-        auto [ec, n] = co_await http::async_read(c.stream, c.buffer, parser, use_tuple);
+        auto [ec, n] = co_await http::async_read_header(c.stream, c.buffer, parser, use_tuple);
+        if (!ec && !parser.is_done()) {
+          // A client that waits for "100 Continue" before sending the body gets it at once.
+          const auto expect = parser.get().find(http::field::expect);
+          if (expect != parser.get().end() && beast::iequals(expect->value(), "100-continue")) {
+            http::response<http::empty_body> go_on{http::status::continue_, 11};
+            std::tie(ec, n) = co_await http::async_write(c.stream, go_on, use_tuple);
+          }
+          if (!ec) std::tie(ec, n) = co_await http::async_read(c.stream, c.buffer, parser, use_tuple);
+        }
         if (ec) {
           if (ec == http::error::body_limit) {
             HttpRequest head = parser.release();
@@ -401,9 +418,19 @@ Server::Server(asio::io_context& io, Backend& backend, ServerOptions options)
   Impl& s = *impl_;
   const std::string where = s.options.host + ":" + std::to_string(s.options.port);
   boost::system::error_code ec;
-  const auto address = asio::ip::make_address(s.options.host, ec);
-  if (ec) throw std::runtime_error("cannot listen on " + where + ": '" + s.options.host + "' is not an IP address");
-  const tcp::endpoint endpoint(address, s.options.port);
+  tcp::endpoint endpoint;
+  if (const auto address = asio::ip::make_address(s.options.host, ec); !ec) {
+    endpoint = tcp::endpoint(address, s.options.port);
+  } else {
+    // A host name ("localhost"): its first address.
+    tcp::resolver resolver(io);
+    const auto results = resolver.resolve(s.options.host, std::to_string(s.options.port),
+                                          tcp::resolver::passive | tcp::resolver::numeric_service, ec);
+    if (ec || results.empty())
+      throw std::runtime_error("cannot listen on " + where + ": cannot resolve '" + s.options.host + "'" +
+                               (ec ? ": " + ec.message() : std::string()));
+    endpoint = results.begin()->endpoint();
+  }
   s.acceptor.open(endpoint.protocol(), ec);
   if (!ec) s.acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
   if (!ec) s.acceptor.bind(endpoint, ec);

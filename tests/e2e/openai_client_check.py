@@ -1,0 +1,111 @@
+"""The official `openai` Python client against `batchlm serve` (run by serve_test.cpp).
+
+Usage: openai_client_check.py --base-url http://127.0.0.1:PORT/v1 --api-key KEY --model NAME
+
+Makes the calls a client makes (models.list, chat.completions.create whole and streamed with
+usage, completions.create, and requests the server must refuse) and prints one JSON object
+with what came back; the C++ test asserts on it. Exits non-zero when a call fails in a way the
+test did not expect.
+"""
+
+import argparse
+import json
+import sys
+
+import openai
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base-url", required=True)
+    parser.add_argument("--api-key", required=True)
+    parser.add_argument("--model", required=True)
+    args = parser.parse_args()
+
+    client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=60)
+    out = {}
+
+    out["models"] = [m.id for m in client.models.list()]
+
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    request = {"model": args.model, "messages": messages, "temperature": 0, "max_tokens": 24}
+
+    chat = client.chat.completions.create(**request)
+    choice = chat.choices[0]
+    out["chat"] = {
+        "request": request,
+        "text": choice.message.content,
+        "role": choice.message.role,
+        "finish_reason": choice.finish_reason,
+        "model": chat.model,
+        "id": chat.id,
+        "usage": {
+            "prompt_tokens": chat.usage.prompt_tokens,
+            "completion_tokens": chat.usage.completion_tokens,
+            "total_tokens": chat.usage.total_tokens,
+        },
+    }
+
+    stream = client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    text, first_role, finish_reason, usage, after_usage, ids = "", None, None, None, 0, set()
+    for index, chunk in enumerate(stream):
+        ids.add(chunk.id)
+        if usage is not None:
+            after_usage += 1
+        if chunk.usage is not None:
+            usage = {
+                "prompt_tokens": chunk.usage.prompt_tokens,
+                "completion_tokens": chunk.usage.completion_tokens,
+                "total_tokens": chunk.usage.total_tokens,
+            }
+        for c in chunk.choices:
+            if index == 0:
+                first_role = c.delta.role
+            if c.delta.content:
+                text += c.delta.content
+            if c.finish_reason is not None:
+                finish_reason = c.finish_reason
+    out["stream"] = {
+        "text": text,
+        "first_role": first_role,
+        "finish_reason": finish_reason,
+        "usage": usage,
+        "chunks_after_usage": after_usage,
+        "ids": len(ids),
+    }
+
+    completion = client.completions.create(
+        model=args.model, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    out["completion"] = {
+        "object": completion.object,
+        "text": completion.choices[0].text,
+        "finish_reason": completion.choices[0].finish_reason,
+        "completion_tokens": completion.usage.completion_tokens,
+    }
+
+    try:
+        client.chat.completions.create(model=args.model, messages=messages, temperature=5)
+        out["bad_request"] = {"status": None}
+    except openai.BadRequestError as e:
+        out["bad_request"] = {"status": e.status_code, "param": (e.body or {}).get("param"), "message": e.message}
+
+    try:
+        client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=1)
+        out["not_found"] = {"status": None}
+    except openai.NotFoundError as e:
+        out["not_found"] = {"status": e.status_code, "code": e.code}
+
+    try:
+        openai.OpenAI(base_url=args.base_url, api_key="wrong", max_retries=0, timeout=60).models.list()
+        out["unauthorized"] = {"status": None}
+    except openai.AuthenticationError as e:
+        out["unauthorized"] = {"status": e.status_code, "code": e.code}
+
+    json.dump(out, sys.stdout)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

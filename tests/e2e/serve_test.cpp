@@ -1,0 +1,1089 @@
+// `batchlm serve` end to end: the real executable as a child process on a free loopback port,
+// spoken to with the curl command-line tool, raw sockets (to hang up mid-response), the
+// official Python `openai` client, and `batchlm run --base-url`. Most tests serve a tiny
+// random-weight model written into the test's directory; the few that need real text use the
+// default model and are skipped when it is absent.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+#include <regex>
+
+#include "gguf_writer.hpp"
+#include "harness.hpp"
+
+namespace batchlm::e2e {
+namespace {
+
+const fs::path kRealModel = fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+const fs::path kPython = fs::path(BATCHLM_SOURCE_DIR) / ".venv/bin/python";
+const fs::path kClientCheck = fs::path(BATCHLM_SOURCE_DIR) / "tests/e2e/openai_client_check.py";
+constexpr const char* kCurl = "/usr/bin/curl";
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+// Polls `done` every 20 ms until it holds or `timeout` passes; returns whether it held.
+template <typename F>
+bool wait_until(F done, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    if (done()) return true;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+}
+
+// ---- the server as a child process ----------------------------------------------------------
+
+// `batchlm serve ... --port 0` with stdout on a pipe (read for the port) and stderr in a file.
+// The destructor kills and reaps it when the test has not.
+class ServeProcess {
+ public:
+  ServeProcess(const fs::path& dir, std::vector<std::string> args, std::map<std::string, std::string> env = {},
+               std::chrono::milliseconds startup = 60s)
+      : err_file_(dir / ("serve-" + std::to_string(++count_) + ".err")) {
+    args.insert(args.begin(), {binary("batchlm"), "serve", "--host", "127.0.0.1", "--port", "0"});
+    env.emplace("BATCHLM_API_KEY", "");
+    env.emplace("BATCHLM_MODEL", "");
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string kv = *e;
+      if (!env.contains(kv.substr(0, kv.find('=')))) env_strings.push_back(kv);
+    }
+    for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
+    std::vector<char*> argv, envp;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
+    pid_ = ::fork();
+    if (pid_ < 0) throw std::runtime_error("fork failed");
+    if (pid_ == 0) {
+      ::dup2(fds[1], STDOUT_FILENO);
+      const int err = ::open(err_file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(err, STDERR_FILENO);
+      ::dup2(::open("/dev/null", O_RDONLY), STDIN_FILENO);
+      if (::chdir(dir.c_str()) != 0) ::_exit(127);
+      ::execve(argv[0], argv.data(), envp.data());
+      ::_exit(127);
+    }
+    ::close(fds[1]);
+    out_fd_ = fds[0];
+    try {
+      read_listening_line(startup);
+    } catch (...) {
+      stop();  // the destructor does not run for an object that was never constructed
+      throw;
+    }
+  }
+
+  ~ServeProcess() { stop(); }
+
+  ServeProcess(const ServeProcess&) = delete;
+  ServeProcess& operator=(const ServeProcess&) = delete;
+
+  int port() const { return port_; }
+  const std::string& model() const { return model_; }
+  const std::string& listening_line() const { return line_; }
+  std::string base_url() const { return "http://127.0.0.1:" + std::to_string(port_) + "/v1"; }
+  std::string url(const std::string& path) const { return "http://127.0.0.1:" + std::to_string(port_) + path; }
+  std::string stderr_text() const { return read_file(err_file_); }
+  void signal(int sig) const { ::kill(pid_, sig); }
+
+  // The exit code (128 + signal for a signal death), or nullopt when it is still running
+  // after `timeout`.
+  std::optional<int> wait(std::chrono::milliseconds timeout) {
+    if (reaped_) return exit_code_;
+    const bool done = wait_until([&] {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) != pid_) return false;
+      reaped_ = true;
+      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      return true;
+    }, timeout);
+    return done ? std::optional<int>(exit_code_) : std::nullopt;
+  }
+
+ private:
+  // Kills and reaps the child unless that happened already.
+  void stop() {
+    if (pid_ > 0 && !reaped_) {
+      ::kill(pid_, SIGKILL);
+      int status = 0;
+      ::waitpid(pid_, &status, 0);
+      reaped_ = true;
+    }
+    if (out_fd_ >= 0) ::close(out_fd_);
+    out_fd_ = -1;
+  }
+
+  void read_listening_line(std::chrono::milliseconds timeout) {
+    static const std::regex kLine(R"(batchlm serve: listening on http://127\.0\.0\.1:(\d+)/v1 \(model ([^,]+), .*\))");
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::string text;
+    while (std::chrono::steady_clock::now() < deadline) {
+      pollfd p{out_fd_, POLLIN, 0};
+      if (::poll(&p, 1, 50) > 0) {
+        char buf[1024];
+        const ssize_t n = ::read(out_fd_, buf, sizeof buf);
+        if (n <= 0) break;  // stdout closed: it exited
+        text.append(buf, static_cast<std::size_t>(n));
+        const auto nl = text.find('\n');
+        if (nl != std::string::npos) {
+          line_ = text.substr(0, nl);
+          std::smatch m;
+          if (!std::regex_match(line_, m, kLine))
+            throw std::runtime_error("unexpected first line from batchlm serve: " + line_);
+          port_ = std::stoi(m[1]);
+          model_ = m[2];
+          return;
+        }
+      }
+    }
+    throw std::runtime_error("batchlm serve did not start (stdout: " + text + "; stderr: " + stderr_text() + ")");
+  }
+
+  static inline int count_ = 0;
+  fs::path err_file_;
+  pid_t pid_ = -1;
+  int out_fd_ = -1;
+  bool reaped_ = false;
+  int exit_code_ = -1;
+  int port_ = 0;
+  std::string model_, line_;
+};
+
+// ---- curl -------------------------------------------------------------------------------------
+
+struct HttpResponse {
+  int status = 0;  // 0: no response (see curl_exit and error)
+  std::map<std::string, std::string> headers;  // lower-case names, of the last response
+  std::string body;
+  int curl_exit = -1;
+  std::string error;  // curl's stderr
+
+  json json_body() const {
+    try {
+      return json::parse(body);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not JSON (" << e.what() << "): " << body;
+      return nullptr;
+    }
+  }
+  std::string header(const std::string& name) const {
+    auto it = headers.find(name);
+    return it == headers.end() ? std::string() : it->second;
+  }
+};
+
+struct CurlRequest {
+  std::string method = "GET";
+  std::string url;
+  std::optional<std::string> body;     // sent as application/json
+  std::vector<std::string> headers;    // "Name: value"
+  std::vector<std::string> extra;      // more curl arguments
+  int max_seconds = 30;
+};
+
+// One curl run in the background; wait() collects it. Files live in `dir`.
+class CurlCall {
+ public:
+  CurlCall(const fs::path& dir, const CurlRequest& r) {
+    const std::string stem = (dir / ("curl-" + std::to_string(++count_))).string();
+    head_ = stem + ".head";
+    body_ = stem + ".body";
+    max_seconds_ = r.max_seconds;
+    std::vector<std::string> args = {kCurl, "-sS", "-N", "--noproxy", "*", "--max-time", std::to_string(r.max_seconds),
+                                     "-X", r.method, "-D", head_.string(), "-o", body_.string(), "-w", "%{http_code}"};
+    if (r.body) {
+      const fs::path in = stem + ".in";
+      write_file(in, *r.body);
+      args.insert(args.end(), {"-H", "Content-Type: application/json", "--data-binary", "@" + in.string()});
+    }
+    for (const auto& h : r.headers) args.insert(args.end(), {"-H", h});
+    args.insert(args.end(), r.extra.begin(), r.extra.end());
+    args.push_back(r.url);
+    process_ = std::make_unique<Process>(Process::Options{
+        .args = args, .env = {}, .cwd = dir, .out_file = stem + ".out", .err_file = stem + ".err"});
+    out_ = stem + ".out";
+    err_ = stem + ".err";
+  }
+
+  bool finished() {
+    if (result_) return true;
+    const auto code = process_->wait(0ms);
+    if (!code) return false;
+    collect(*code);
+    return true;
+  }
+
+  HttpResponse wait() {
+    if (!result_) {
+      const auto code = process_->wait(std::chrono::seconds(max_seconds_ + 10));
+      collect(code.value_or(-1));
+    }
+    return *result_;
+  }
+
+  // Ends curl now (it hangs up).
+  void kill() { process_->signal(SIGKILL); }
+  // The response body received so far.
+  std::string body_so_far() const { return read_file(body_); }
+
+ private:
+  void collect(int code) {
+    HttpResponse r;
+    r.curl_exit = code;
+    const std::string w = read_file(out_);
+    try {
+      r.status = w.empty() ? 0 : std::stoi(w);
+    } catch (const std::exception&) {
+      r.status = 0;
+    }
+    r.body = read_file(body_);
+    r.error = read_file(err_);
+    std::istringstream head(read_file(head_));
+    for (std::string line; std::getline(head, line);) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (line.starts_with("HTTP/")) {
+        r.headers.clear();
+        continue;
+      }
+      const auto colon = line.find(':');
+      if (colon == std::string::npos) continue;
+      std::string name = line.substr(0, colon);
+      std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+      r.headers[name] = line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+    result_ = std::move(r);
+  }
+
+  static inline int count_ = 0;
+  std::unique_ptr<Process> process_;
+  fs::path head_, body_, out_, err_;
+  int max_seconds_ = 30;
+  std::optional<HttpResponse> result_;
+};
+
+// ---- raw sockets ------------------------------------------------------------------------------
+
+// A client socket with receive timeouts, for hanging up mid-response.
+class RawConnection {
+ public:
+  explicit RawConnection(int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      const int e = errno;
+      ::close(fd_);
+      fd_ = -1;
+      throw std::runtime_error(std::string("connect failed: ") + std::strerror(e));
+    }
+  }
+  ~RawConnection() { close(); }
+  RawConnection(const RawConnection&) = delete;
+  RawConnection& operator=(const RawConnection&) = delete;
+
+  void send_post(const std::string& path, const std::string& body, const std::string& version = "HTTP/1.1") {
+    send_raw("POST " + path + " " + version + "\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
+  }
+
+  void send_raw(const std::string& req) {
+    std::size_t sent = 0;
+    while (sent < req.size()) {
+      const ssize_t n = ::send(fd_, req.data() + sent, req.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) throw std::runtime_error("send failed");
+      sent += static_cast<std::size_t>(n);
+    }
+  }
+
+  // Reads until `needle` has arrived; false on timeout or when the server closed first.
+  bool read_until(const std::string& needle, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!contains(received_, needle)) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return false;
+      char buf[4096];
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n <= 0) return false;
+      received_.append(buf, static_cast<std::size_t>(n));
+    }
+    return true;
+  }
+
+  // Reads until the server closes; false on timeout.
+  bool read_to_end(std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return false;
+      char buf[4096];
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n <= 0) return true;
+      received_.append(buf, static_cast<std::size_t>(n));
+    }
+  }
+
+  const std::string& received() const { return received_; }
+
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+  std::string received_;
+};
+
+// Whether a TCP connect to the port is refused now.
+bool connection_refused(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  const int e = errno;
+  ::close(fd);
+  return rc != 0 && e == ECONNREFUSED;
+}
+
+// ---- SSE --------------------------------------------------------------------------------------
+
+// The events of an SSE body, each "data: ..." payload without the prefix. Fails the test on
+// framing errors (an event that is not one data line, a body not ending in a blank line).
+std::vector<std::string> sse_events(const std::string& body) {
+  std::vector<std::string> out;
+  EXPECT_TRUE(body.ends_with("\n\n")) << body;
+  std::size_t at = 0;
+  while (at < body.size()) {
+    const std::size_t end = body.find("\n\n", at);
+    if (end == std::string::npos) {
+      ADD_FAILURE() << "trailing bytes after the last event: " << body.substr(at);
+      break;
+    }
+    const std::string event = body.substr(at, end - at);
+    EXPECT_TRUE(event.starts_with("data: ")) << event;
+    EXPECT_FALSE(contains(event, "\n")) << "one data line per event: " << event;
+    out.push_back(event.substr(std::min<std::size_t>(6, event.size())));
+    at = end + 2;
+  }
+  return out;
+}
+
+// The chunks of an SSE body that ends with [DONE] (which is checked and dropped).
+std::vector<json> sse_chunks(const std::string& body) {
+  std::vector<std::string> events = sse_events(body);
+  std::vector<json> chunks;
+  if (events.empty() || events.back() != "[DONE]") {
+    ADD_FAILURE() << "the stream does not end with data: [DONE]: " << body;
+  } else {
+    events.pop_back();
+  }
+  for (const auto& e : events) {
+    try {
+      chunks.push_back(json::parse(e));
+    } catch (const std::exception& ex) {
+      ADD_FAILURE() << "event is not JSON: " << e;
+    }
+  }
+  return chunks;
+}
+
+// ---- fixtures ---------------------------------------------------------------------------------
+
+std::string chat_request(const std::string& user, json extra = json::object()) {
+  json body = {{"messages", json::array({{{"role", "user"}, {"content", user}}})}};
+  body.update(extra);
+  return body.dump();
+}
+
+// A temporary directory with the tiny model (tiny.gguf, 256 positions) in it.
+class Serve : public ::testing::Test {
+ protected:
+  void SetUp() override { batchlm::testing::write_tiny_llama(dir() / "tiny.gguf"); }
+  const fs::path& dir() const { return dir_.path; }
+
+  // A server on the tiny model with one compute thread.
+  std::unique_ptr<ServeProcess> serve(std::vector<std::string> extra = {}, std::map<std::string, std::string> env = {},
+                                      const std::string& model = "tiny.gguf") {
+    std::vector<std::string> args = {"--model", model, "--threads", "1"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return std::make_unique<ServeProcess>(dir(), args, env);
+  }
+
+  // A slower model: wider, deeper, 4096 positions, so one request can run for seconds (4000
+  // tokens take about 4 s on one thread). With these weights (seed 2) greedy decoding never
+  // ends the turn on the prompts used here.
+  void write_long_model() {
+    batchlm::testing::TinyLlamaOptions o;
+    o.context_length = 4096;
+    o.n_embd = 256;
+    o.n_ff = 768;
+    o.n_layers = 4;
+    o.seed = 2;
+    batchlm::testing::write_tiny_llama(dir() / "long.gguf", o);
+  }
+
+  HttpResponse request(const CurlRequest& r) { return CurlCall(dir(), r).wait(); }
+  HttpResponse get(const ServeProcess& s, const std::string& path, std::vector<std::string> headers = {}) {
+    return request({.method = "GET", .url = s.url(path), .body = std::nullopt, .headers = headers});
+  }
+  HttpResponse post(const ServeProcess& s, const std::string& path, const std::string& body,
+                    std::vector<std::string> headers = {}) {
+    return request({.method = "POST", .url = s.url(path), .body = body, .headers = headers});
+  }
+  json health(const ServeProcess& s) {
+    HttpResponse r = get(s, "/health");
+    EXPECT_EQ(r.status, 200) << r.body << r.error;
+    return r.json_body();
+  }
+
+  TempDir dir_;
+};
+
+// A 400/404/... OpenAI error object.
+void expect_error(const HttpResponse& r, int status, const std::string& type, const json& param, const json& code) {
+  EXPECT_EQ(r.status, status) << r.body;
+  EXPECT_EQ(r.header("content-type"), "application/json");
+  const json e = r.json_body();
+  ASSERT_TRUE(e.is_object() && e.contains("error")) << r.body;
+  EXPECT_EQ(e["error"]["type"], type) << r.body;
+  EXPECT_EQ(e["error"]["param"], param) << r.body;
+  EXPECT_EQ(e["error"]["code"], code) << r.body;
+  EXPECT_TRUE(e["error"]["message"].is_string() && !e["error"]["message"].get<std::string>().empty()) << r.body;
+}
+
+// ---- health and models -----------------------------------------------------------------------
+
+TEST_F(Serve, HealthAndModels) {
+  auto s = serve({"--served-model-name", "tiny-served"});
+  EXPECT_EQ(s->model(), "tiny-served");
+
+  HttpResponse h = get(*s, "/health");
+  ASSERT_EQ(h.status, 200) << h.body << h.error;
+  EXPECT_EQ(h.header("content-type"), "application/json");
+  const json health = h.json_body();
+  EXPECT_EQ(health["status"], "ok") << h.body;
+  EXPECT_EQ(health["model"], "tiny-served") << h.body;
+  EXPECT_EQ(health["in_flight"], 0) << h.body;
+  ASSERT_TRUE(health["engine"].is_object()) << h.body;
+  EXPECT_EQ(health["engine"]["running"], 0) << h.body;
+  EXPECT_EQ(health["engine"]["waiting"], 0) << h.body;
+  EXPECT_EQ(health["engine"]["blocks_used"], 0) << h.body;
+  EXPECT_EQ(health["engine"]["block_size"], 16) << h.body;
+  EXPECT_GE(health["engine"]["blocks_total"].get<long long>(), 256 / 16) << h.body;
+
+  HttpResponse m = get(*s, "/v1/models");
+  ASSERT_EQ(m.status, 200) << m.body;
+  const json models = m.json_body();
+  ASSERT_EQ(models["object"], "list") << m.body;
+  ASSERT_EQ(models["data"].size(), 1u) << m.body;
+  const json& model = models["data"][0];
+  EXPECT_EQ(model["id"], "tiny-served");
+  EXPECT_EQ(model["object"], "model");
+  EXPECT_EQ(model["owned_by"], "batchlm");
+  EXPECT_EQ(model["max_model_len"], 256);
+  const auto now = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  EXPECT_LE(model["created"].get<long long>(), now);
+  EXPECT_GT(model["created"].get<long long>(), now - 120);
+
+  HttpResponse one = get(*s, "/v1/models/tiny-served");
+  ASSERT_EQ(one.status, 200) << one.body;
+  EXPECT_EQ(one.json_body(), model);
+
+  expect_error(get(*s, "/v1/models/gpt-4o"), 404, "invalid_request_error", "model", "model_not_found");
+  EXPECT_EQ(get(*s, "/health?verbose=1").status, 200);
+}
+
+TEST_F(Serve, ModelNameDefaultsToTheFileName) {
+  auto s = serve();
+  EXPECT_EQ(s->model(), "tiny");
+  EXPECT_TRUE(contains(s->listening_line(), "local ")) << s->listening_line();
+  EXPECT_EQ(get(*s, "/v1/models").json_body()["data"][0]["id"], "tiny");
+  // Requests naming it, or no model, are served.
+  EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"model", "tiny"}, {"max_tokens", 2}})).status, 200);
+  EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 2}})).status, 200);
+}
+
+// ---- chat completions ------------------------------------------------------------------------
+
+TEST_F(Serve, ChatCompletion) {
+  auto s = serve();
+  const std::string body = chat_request("Hello there", {{"max_tokens", 8}, {"temperature", 0}, {"model", "tiny"}});
+  HttpResponse r = post(*s, "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body << r.error;
+  EXPECT_EQ(r.header("content-type"), "application/json");
+  const json c = r.json_body();
+  EXPECT_TRUE(std::regex_match(c["id"].get<std::string>(), std::regex("chatcmpl-[0-9a-f]{24}"))) << r.body;
+  EXPECT_EQ(c["object"], "chat.completion");
+  EXPECT_EQ(c["model"], "tiny");
+  EXPECT_TRUE(c["created"].is_number_integer());
+  ASSERT_EQ(c["choices"].size(), 1u) << r.body;
+  const json& choice = c["choices"][0];
+  EXPECT_EQ(choice["index"], 0);
+  EXPECT_EQ(choice["message"]["role"], "assistant");
+  ASSERT_TRUE(choice["message"]["content"].is_string()) << r.body;
+  // The tiny model does not end its turn this early.
+  EXPECT_EQ(choice["finish_reason"], "length") << r.body;
+  const json& usage = c["usage"];
+  EXPECT_EQ(usage["completion_tokens"], 8) << r.body;
+  EXPECT_EQ(usage["total_tokens"].get<long long>(), usage["prompt_tokens"].get<long long>() + 8) << r.body;
+  // The same as `batchlm generate --chat` on the same model: text, prompt size (the template).
+  RunResult g = run_batchlm(dir(), {"generate", "-m", "tiny.gguf", "--chat", "-p", "Hello there", "-n", "8",
+                                    "--temperature", "0", "--timings", "-t", "1"});
+  ASSERT_EQ(g.exit_code, 0) << g.err;
+  EXPECT_EQ(choice["message"]["content"].get<std::string>() + "\n", g.out);
+  EXPECT_TRUE(contains(g.err, "\"prompt_tokens\":" + usage["prompt_tokens"].dump() + ",")) << g.err << r.body;
+  EXPECT_GT(usage["prompt_tokens"].get<long long>(), 8) << r.body;
+
+  // Greedy: the same request gives the same text, under a fresh id.
+  HttpResponse again = post(*s, "/v1/chat/completions", body);
+  ASSERT_EQ(again.status, 200) << again.body;
+  EXPECT_EQ(again.json_body()["choices"][0]["message"]["content"], choice["message"]["content"]);
+  EXPECT_NE(again.json_body()["id"], c["id"]);
+}
+
+TEST_F(Serve, ChatCompletionStreamsServerSentEvents) {
+  auto s = serve();
+  const json params = {{"max_tokens", 12}, {"temperature", 0}};
+  HttpResponse whole = post(*s, "/v1/chat/completions", chat_request("Tell me a story", params));
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  const json expected = whole.json_body();
+
+  json stream_params = params;
+  stream_params["stream"] = true;
+  stream_params["stream_options"] = {{"include_usage", true}};
+  HttpResponse r = post(*s, "/v1/chat/completions", chat_request("Tell me a story", stream_params));
+  ASSERT_EQ(r.status, 200) << r.body << r.error;
+  EXPECT_EQ(r.header("content-type"), "text/event-stream");
+  EXPECT_EQ(r.header("cache-control"), "no-cache");
+  EXPECT_EQ(r.header("transfer-encoding"), "chunked");
+  const std::vector<json> chunks = sse_chunks(r.body);
+  // At least one text chunk, the finish chunk, the usage chunk.
+  ASSERT_GE(chunks.size(), 3u) << r.body;
+  const json& finish = chunks[chunks.size() - 2];
+  const json& usage = chunks.back();
+  std::string text;
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    const json& c = chunks[i];
+    EXPECT_EQ(c["object"], "chat.completion.chunk") << c.dump();
+    EXPECT_EQ(c["id"], chunks[0]["id"]) << c.dump();
+    EXPECT_EQ(c["created"], chunks[0]["created"]) << c.dump();
+    EXPECT_EQ(c["model"], "tiny") << c.dump();
+    if (i + 2 >= chunks.size()) continue;
+    // A text chunk: a content delta, no finish reason, usage null (include_usage).
+    ASSERT_EQ(c["choices"].size(), 1u) << c.dump();
+    EXPECT_TRUE(c["choices"][0]["finish_reason"].is_null()) << c.dump();
+    EXPECT_EQ(c["choices"][0]["delta"].contains("role"), i == 0) << c.dump();
+    if (i == 0) {
+      EXPECT_EQ(c["choices"][0]["delta"]["role"], "assistant") << c.dump();
+    }
+    ASSERT_TRUE(c.contains("usage")) << c.dump();
+    EXPECT_TRUE(c["usage"].is_null()) << c.dump();
+    text += c["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  EXPECT_TRUE(std::regex_match(chunks[0]["id"].get<std::string>(), std::regex("chatcmpl-[0-9a-f]{24}")));
+  EXPECT_EQ(finish["choices"][0]["delta"], json::object()) << finish.dump();
+  EXPECT_EQ(finish["choices"][0]["finish_reason"], expected["choices"][0]["finish_reason"]) << finish.dump();
+  EXPECT_TRUE(finish["usage"].is_null()) << finish.dump();
+  EXPECT_EQ(usage["choices"], json::array()) << usage.dump();
+  EXPECT_EQ(usage["usage"], expected["usage"]) << usage.dump();
+  // Greedy: the streamed text is the whole response's text.
+  EXPECT_EQ(text, expected["choices"][0]["message"]["content"].get<std::string>());
+
+  // Without stream_options: no usage anywhere; the finish chunk comes last before [DONE].
+  stream_params.erase("stream_options");
+  HttpResponse plain = post(*s, "/v1/chat/completions", chat_request("Tell me a story", stream_params));
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  const std::vector<json> plain_chunks = sse_chunks(plain.body);
+  ASSERT_GE(plain_chunks.size(), 2u) << plain.body;
+  std::string plain_text;
+  for (const json& c : plain_chunks) {
+    EXPECT_FALSE(c.contains("usage")) << c.dump();
+    ASSERT_EQ(c["choices"].size(), 1u) << c.dump();
+    plain_text += c["choices"][0]["delta"].value("content", "");
+  }
+  EXPECT_EQ(plain_chunks.back()["choices"][0]["finish_reason"], expected["choices"][0]["finish_reason"]);
+  EXPECT_EQ(plain_text, text);
+}
+
+// ---- text completions ------------------------------------------------------------------------
+
+TEST_F(Serve, TextCompletion) {
+  auto s = serve();
+  HttpResponse r = post(*s, "/v1/completions", R"({"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0})");
+  ASSERT_EQ(r.status, 200) << r.body << r.error;
+  const json c = r.json_body();
+  EXPECT_TRUE(std::regex_match(c["id"].get<std::string>(), std::regex("cmpl-[0-9a-f]{24}"))) << r.body;
+  EXPECT_EQ(c["object"], "text_completion");
+  EXPECT_EQ(c["model"], "tiny");
+  ASSERT_EQ(c["choices"].size(), 1u);
+  ASSERT_TRUE(c["choices"][0]["text"].is_string()) << r.body;
+  EXPECT_FALSE(c["choices"][0].contains("message")) << r.body;
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "length") << r.body;
+  EXPECT_EQ(c["usage"]["completion_tokens"], 5) << r.body;
+  // No chat template: the prompt's own tokens, as `batchlm generate` without --chat counts them.
+  RunResult g = run_batchlm(dir(), {"generate", "-m", "tiny.gguf", "-p", "Once upon a time", "-n", "5",
+                                    "--temperature", "0", "--timings", "-t", "1"});
+  ASSERT_EQ(g.exit_code, 0) << g.err;
+  EXPECT_EQ(c["choices"][0]["text"].get<std::string>() + "\n", g.out);
+  EXPECT_TRUE(contains(g.err, "\"prompt_tokens\":" + c["usage"]["prompt_tokens"].dump() + ",")) << g.err << r.body;
+
+  // The completions API's default of 16 tokens.
+  HttpResponse d = post(*s, "/v1/completions", R"({"prompt": ["Once upon a time"], "temperature": 0})");
+  ASSERT_EQ(d.status, 200) << d.body;
+  const json dc = d.json_body();
+  EXPECT_EQ(dc["choices"][0]["finish_reason"], "length") << d.body;
+  EXPECT_EQ(dc["usage"]["completion_tokens"], 16) << d.body;
+  EXPECT_EQ(dc["usage"]["prompt_tokens"], c["usage"]["prompt_tokens"]) << d.body;
+  EXPECT_TRUE(dc["choices"][0]["text"].get<std::string>().starts_with(c["choices"][0]["text"].get<std::string>()));
+
+  // Streamed: text chunks of object text_completion that add up to the same text.
+  HttpResponse st = post(*s, "/v1/completions",
+                         R"({"prompt": "Once upon a time", "temperature": 0, "stream": true,
+                             "stream_options": {"include_usage": true}})");
+  ASSERT_EQ(st.status, 200) << st.body;
+  const std::vector<json> chunks = sse_chunks(st.body);
+  ASSERT_GE(chunks.size(), 3u) << st.body;
+  std::string text;
+  for (std::size_t i = 0; i + 1 < chunks.size(); ++i) {
+    EXPECT_EQ(chunks[i]["object"], "text_completion") << chunks[i].dump();
+    ASSERT_EQ(chunks[i]["choices"].size(), 1u) << chunks[i].dump();
+    EXPECT_FALSE(chunks[i]["choices"][0].contains("delta")) << chunks[i].dump();
+    text += chunks[i]["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_EQ(text, dc["choices"][0]["text"].get<std::string>());
+  EXPECT_EQ(chunks[chunks.size() - 2]["choices"][0]["finish_reason"], dc["choices"][0]["finish_reason"]);
+  EXPECT_EQ(chunks.back()["choices"], json::array());
+  EXPECT_EQ(chunks.back()["usage"], dc["usage"]);
+}
+
+// ---- errors ----------------------------------------------------------------------------------
+
+TEST_F(Serve, BadRequestsNameTheField) {
+  auto s = serve();
+  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"temperature", 5}})), 400,
+               "invalid_request_error", "temperature", nullptr);
+  expect_error(post(*s, "/v1/chat/completions", R"({"model": "tiny"})"), 400, "invalid_request_error", "messages",
+               nullptr);
+  expect_error(post(*s, "/v1/chat/completions", R"({"messages": [{"role": "user"}]})"), 400,
+               "invalid_request_error", "messages[0].content", nullptr);
+  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 0}})), 400,
+               "invalid_request_error", "max_tokens", nullptr);
+  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"n", 2}})), 400, "invalid_request_error", "n",
+               "unsupported_parameter");
+  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"stream_options", {{"include_usage", true}}}})),
+               400, "invalid_request_error", "stream_options", nullptr);
+  expect_error(post(*s, "/v1/completions", R"({"prompt": "x", "echo": true})"), 400, "invalid_request_error", "echo",
+               "unsupported_parameter");
+  HttpResponse bad_json = post(*s, "/v1/chat/completions", R"({"messages": [)");
+  expect_error(bad_json, 400, "invalid_request_error", nullptr, nullptr);
+  EXPECT_TRUE(contains(bad_json.body, "not valid JSON")) << bad_json.body;
+  // The message says what was wrong.
+  const json e = post(*s, "/v1/chat/completions", chat_request("Hi", {{"top_p", 0}})).json_body();
+  EXPECT_EQ(e["error"]["message"], "'top_p' must be greater than 0.0 and at most 1.0, not 0") << e.dump();
+
+  // A prompt longer than the context: the engine's own 400.
+  std::string words;
+  for (int i = 0; i < 200; ++i) words += "the cat ";
+  HttpResponse too_long = post(*s, "/v1/completions", json({{"prompt", words}}).dump());
+  expect_error(too_long, 400, "invalid_request_error", nullptr, "context_length_exceeded");
+  // ... and as a stream: a plain error response, not an event stream.
+  HttpResponse too_long_stream = post(*s, "/v1/completions", json({{"prompt", words}, {"stream", true}}).dump());
+  expect_error(too_long_stream, 400, "invalid_request_error", nullptr, "context_length_exceeded");
+
+  // The server still serves.
+  EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 1}})).status, 200);
+}
+
+TEST_F(Serve, UnknownPathsAndModelsAre404) {
+  auto s = serve();
+  expect_error(get(*s, "/"), 404, "invalid_request_error", nullptr, nullptr);
+  expect_error(get(*s, "/v2/models"), 404, "invalid_request_error", nullptr, nullptr);
+  expect_error(post(*s, "/v1/embeddings", R"({"input": "x"})"), 404, "invalid_request_error", nullptr, nullptr);
+  HttpResponse model = post(*s, "/v1/chat/completions", chat_request("Hi", {{"model", "gpt-4o"}}));
+  expect_error(model, 404, "invalid_request_error", "model", "model_not_found");
+  EXPECT_TRUE(contains(model.body, "gpt-4o")) << model.body;
+  expect_error(post(*s, "/v1/completions", R"({"model": "other", "prompt": "x"})"), 404, "invalid_request_error",
+               "model", "model_not_found");
+}
+
+TEST_F(Serve, WrongMethodIs405WithAllow) {
+  auto s = serve();
+  HttpResponse chat = get(*s, "/v1/chat/completions");
+  expect_error(chat, 405, "invalid_request_error", nullptr, nullptr);
+  EXPECT_EQ(chat.header("allow"), "POST");
+  HttpResponse completions = request({.method = "PUT", .url = s->url("/v1/completions"), .body = "{}"});
+  expect_error(completions, 405, "invalid_request_error", nullptr, nullptr);
+  EXPECT_EQ(completions.header("allow"), "POST");
+  HttpResponse health = post(*s, "/health", "{}");
+  expect_error(health, 405, "invalid_request_error", nullptr, nullptr);
+  EXPECT_EQ(health.header("allow"), "GET");
+  HttpResponse models = request({.method = "DELETE", .url = s->url("/v1/models/tiny")});
+  expect_error(models, 405, "invalid_request_error", nullptr, nullptr);
+  EXPECT_EQ(models.header("allow"), "GET");
+}
+
+TEST_F(Serve, OversizedBodyIs413) {
+  auto s = serve();
+  // 8 MiB is the limit; the body is refused from its Content-Length.
+  std::string big = R"({"prompt": ")" + std::string(9u << 20, 'a') + R"("})";
+  HttpResponse r = request({.method = "POST", .url = s->url("/v1/completions"), .body = big, .headers = {"Expect:"}});
+  EXPECT_EQ(r.status, 413) << r.error;
+  if (r.status == 413) {
+    expect_error(r, 413, "invalid_request_error", nullptr, nullptr);
+  }
+  EXPECT_EQ(post(*s, "/v1/completions", R"({"prompt": "x", "max_tokens": 1})").status, 200);
+}
+
+// HTTP/1.0 has no chunked transfer coding (RFC 9112 6.1: a server must not send
+// Transfer-Encoding to a 1.0 client): a stream to a 1.0 client is the raw events, ended by
+// closing the connection. Disabled: the server answers chunked today (server.cpp, write_stream).
+TEST_F(Serve, StreamingToAnHttp10ClientIsNotChunked) {
+  auto s = serve();
+  RawConnection c(s->port());
+  c.send_post("/v1/completions", R"({"prompt": "Hi", "max_tokens": 2, "temperature": 0, "stream": true})",
+              "HTTP/1.0");
+  ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+  const std::string& text = c.received();
+  const std::size_t head_end = text.find("\r\n\r\n");
+  ASSERT_NE(head_end, std::string::npos) << text;
+  const std::string head = text.substr(0, head_end);
+  EXPECT_TRUE(head.starts_with("HTTP/1.0 200")) << head;
+  EXPECT_FALSE(contains(head, "Transfer-Encoding")) << head;
+  const std::vector<json> chunks = sse_chunks(text.substr(head_end + 4));
+  EXPECT_EQ(chunks.size(), 3u);  // two text chunks, the finish chunk
+}
+
+TEST_F(Serve, ExpectContinueIsAnsweredBeforeTheBody) {
+  auto s = serve();
+  RawConnection c(s->port());
+  const std::string body = R"({"prompt": "Hi", "max_tokens": 2, "temperature": 0})";
+  c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             "Expect: 100-continue\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n");
+  // Clients wait for this (curl: up to 1 s) before sending the body.
+  ASSERT_TRUE(c.read_until("HTTP/1.1 100 Continue\r\n\r\n", 3s)) << c.received();
+  c.send_raw(body);
+  ASSERT_TRUE(c.read_until("\"total_tokens\"", 10s)) << c.received();
+  EXPECT_TRUE(contains(c.received(), "HTTP/1.1 200 OK")) << c.received();
+}
+
+// ---- authentication --------------------------------------------------------------------------
+
+TEST_F(Serve, ApiKeyGuardsV1ButNotHealth) {
+  auto s = serve({"--api-key", "s3cret"});
+  HttpResponse none = get(*s, "/v1/models");
+  expect_error(none, 401, "invalid_request_error", nullptr, "invalid_api_key");
+  EXPECT_EQ(none.header("www-authenticate"), "Bearer");
+  HttpResponse wrong = get(*s, "/v1/models", {"Authorization: Bearer s3cre"});
+  expect_error(wrong, 401, "invalid_request_error", nullptr, "invalid_api_key");
+  EXPECT_EQ(wrong.json_body()["error"]["message"], "incorrect API key");
+  expect_error(get(*s, "/v1/models", {"Authorization: Bearer s3cret2"}), 401, "invalid_request_error", nullptr,
+               "invalid_api_key");
+  expect_error(get(*s, "/v1/models", {"Authorization: s3cret"}), 401, "invalid_request_error", nullptr,
+               "invalid_api_key");
+  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 1}})), 401,
+               "invalid_request_error", nullptr, "invalid_api_key");
+
+  EXPECT_EQ(get(*s, "/v1/models", {"Authorization: Bearer s3cret"}).status, 200);
+  EXPECT_EQ(get(*s, "/v1/models", {"Authorization: bearer s3cret"}).status, 200);  // the scheme is case-insensitive
+  HttpResponse chat = post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 1}}),
+                           {"Authorization: Bearer s3cret"});
+  EXPECT_EQ(chat.status, 200) << chat.body;
+  EXPECT_EQ(get(*s, "/health").status, 200);
+}
+
+TEST_F(Serve, ApiKeyFromTheEnvironment) {
+  auto s = serve({}, {{"BATCHLM_API_KEY", "from-env"}});
+  EXPECT_EQ(get(*s, "/v1/models").status, 401);
+  EXPECT_EQ(get(*s, "/v1/models", {"Authorization: Bearer from-env"}).status, 200);
+}
+
+// ---- load, hang-ups, shutdown ----------------------------------------------------------------
+
+// A long greedy chat on long.gguf: thousands of tokens, seconds of work.
+std::string long_chat(bool stream) {
+  return chat_request("Write a very long story.", {{"max_tokens", 4000}, {"temperature", 0}, {"stream", stream}});
+}
+
+TEST_F(Serve, ConcurrentRequestsAreServedTogether) {
+  auto s = serve({"--max-sequences", "4"});
+  const std::vector<std::string> prompts = {"Hello", "The weather", "Numbers: 1 2 3", "Why is the sky blue?"};
+  std::vector<std::string> alone;
+  for (const auto& p : prompts) {
+    HttpResponse r = post(*s, "/v1/chat/completions", chat_request(p, {{"max_tokens", 24}, {"temperature", 0}}));
+    ASSERT_EQ(r.status, 200) << r.body;
+    alone.push_back(r.json_body()["choices"][0]["message"]["content"]);
+  }
+  const long long steps_before = health(*s)["engine"]["steps"];
+  std::vector<std::unique_ptr<CurlCall>> calls;
+  for (const auto& p : prompts) {
+    calls.push_back(std::make_unique<CurlCall>(
+        dir(), CurlRequest{.method = "POST", .url = s->url("/v1/chat/completions"),
+                           .body = chat_request(p, {{"max_tokens", 24}, {"temperature", 0}})}));
+  }
+  for (std::size_t i = 0; i < calls.size(); ++i) {
+    HttpResponse r = calls[i]->wait();
+    ASSERT_EQ(r.status, 200) << r.body << r.error;
+    EXPECT_EQ(r.json_body()["choices"][0]["message"]["content"], alone[i]) << prompts[i];
+  }
+  const json after = health(*s);
+  EXPECT_EQ(after["in_flight"], 0);
+  EXPECT_EQ(after["engine"]["running"], 0);
+  EXPECT_GT(after["engine"]["steps"].get<long long>(), steps_before);
+}
+
+TEST_F(Serve, OverCapacityIs429WithRetryAfter) {
+  write_long_model();
+  auto s = serve({"--max-sequences", "1", "--max-queue", "0"}, {}, "long.gguf");
+  RawConnection first(s->port());
+  first.send_post("/v1/chat/completions", long_chat(true));
+  ASSERT_TRUE(first.read_until("data: ", 20s)) << first.received();
+
+  HttpResponse second = post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 4}}));
+  expect_error(second, 429, "rate_limit_error", nullptr, "rate_limit_exceeded");
+  EXPECT_EQ(second.header("retry-after"), "1");
+  EXPECT_EQ(health(*s)["in_flight"], 1);
+
+  // Hanging up frees the place.
+  first.close();
+  ASSERT_TRUE(wait_until([&] { return health(*s)["in_flight"] == 0; }, 5s)) << health(*s).dump();
+  HttpResponse third = post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 4}}));
+  EXPECT_EQ(third.status, 200) << third.body;
+}
+
+TEST_F(Serve, ClientHangingUpCancelsItsRequest) {
+  write_long_model();
+  auto s = serve({}, {}, "long.gguf");
+  for (const bool stream : {true, false}) {
+    SCOPED_TRACE(stream ? "streaming" : "whole");
+    const json before = health(*s);
+    RawConnection c(s->port());
+    c.send_post("/v1/chat/completions", long_chat(stream));
+    if (stream) {
+      ASSERT_TRUE(c.read_until("data: ", 20s)) << c.received();
+    } else {
+      ASSERT_TRUE(wait_until([&] { return health(*s)["engine"]["generated_tokens"] > before["engine"]["generated_tokens"]; }, 20s));
+    }
+    c.close();
+    json h;
+    const bool freed = wait_until([&] {
+      h = health(*s);
+      return h["in_flight"] == 0 && h["engine"]["running"] == 0 && h["engine"]["blocks_used"] == 0;
+    }, 5s);
+    EXPECT_TRUE(freed) << h.dump();
+    // Cancelled, not finished: far fewer than the 4000 tokens asked for.
+    const long long generated =
+        h["engine"]["generated_tokens"].get<long long>() - before["engine"]["generated_tokens"].get<long long>();
+    EXPECT_LT(generated, 2000) << h.dump();
+    EXPECT_EQ(h["engine"]["waiting"], 0) << h.dump();
+  }
+}
+
+TEST_F(Serve, SigtermFinishesRequestsInFlightThenExits) {
+  write_long_model();
+  auto s = serve({"--shutdown-grace", "30"}, {}, "long.gguf");
+  // Long enough to outlast the checks below (about a second), short enough to finish soon.
+  constexpr int kTokens = 1500;
+  const json params = {{"max_tokens", kTokens}, {"temperature", 0}};
+  json stream_params = params;
+  stream_params["stream"] = true;
+  stream_params["stream_options"] = {{"include_usage", true}};
+  CurlCall whole(dir(), {.method = "POST", .url = s->url("/v1/chat/completions"),
+                         .body = chat_request("Write a very long story.", params)});
+  CurlCall streamed(dir(), {.method = "POST", .url = s->url("/v1/chat/completions"),
+                            .body = chat_request("Write a very long story.", stream_params)});
+  ASSERT_TRUE(wait_until([&] { return contains(streamed.body_so_far(), "data: "); }, 20s));
+  ASSERT_TRUE(wait_until([&] { return health(*s)["in_flight"] == 2; }, 5s));
+
+  s->signal(SIGTERM);
+  EXPECT_TRUE(wait_until([&] { return connection_refused(s->port()); }, 3s)) << "still accepting after SIGTERM";
+  EXPECT_FALSE(whole.finished()) << "the request ended before the checks; make it longer";
+  EXPECT_FALSE(streamed.finished()) << "the request ended before the checks; make it longer";
+
+  HttpResponse w = whole.wait();
+  ASSERT_EQ(w.status, 200) << w.body << w.error;
+  EXPECT_EQ(w.curl_exit, 0) << w.error;
+  EXPECT_EQ(w.header("connection"), "close");
+  const json c = w.json_body();
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "length") << w.body;
+  EXPECT_EQ(c["usage"]["completion_tokens"], kTokens) << w.body;
+  const std::string text = c["choices"][0]["message"]["content"];
+
+  HttpResponse st = streamed.wait();
+  ASSERT_EQ(st.status, 200) << st.error;
+  EXPECT_EQ(st.curl_exit, 0) << st.error;
+  const std::vector<json> chunks = sse_chunks(st.body);  // checks the final [DONE]
+  ASSERT_GE(chunks.size(), 3u);
+  EXPECT_EQ(chunks.back()["usage"]["completion_tokens"], kTokens);
+  EXPECT_EQ(chunks[chunks.size() - 2]["choices"][0]["finish_reason"], "length");
+  std::string streamed_text;
+  for (std::size_t i = 0; i + 2 < chunks.size(); ++i) streamed_text += chunks[i]["choices"][0]["delta"]["content"];
+  EXPECT_EQ(streamed_text, text);
+
+  EXPECT_EQ(s->wait(5s), 0) << s->stderr_text();
+  const std::string err = s->stderr_text();
+  EXPECT_TRUE(contains(err, "SIGTERM: finishing 2 requests in flight")) << err;
+  EXPECT_TRUE(contains(err, "batchlm serve: stopped")) << err;
+}
+
+TEST_F(Serve, SigtermWhenIdleExitsAtOnce) {
+  auto s = serve();
+  EXPECT_EQ(get(*s, "/health").status, 200);
+  s->signal(SIGINT);
+  EXPECT_EQ(s->wait(5s), 0) << s->stderr_text();
+  EXPECT_TRUE(contains(s->stderr_text(), "SIGINT: finishing 0 requests in flight")) << s->stderr_text();
+}
+
+TEST_F(Serve, ASecondSignalCancelsWhatIsLeft) {
+  write_long_model();
+  auto s = serve({"--shutdown-grace", "60"}, {}, "long.gguf");
+  RawConnection c(s->port());
+  c.send_post("/v1/chat/completions", long_chat(true));
+  ASSERT_TRUE(c.read_until("data: ", 20s)) << c.received();
+  s->signal(SIGTERM);
+  ASSERT_TRUE(wait_until([&] { return connection_refused(s->port()); }, 3s));
+  EXPECT_FALSE(s->wait(300ms).has_value()) << "exited with a request in flight: " << s->stderr_text();
+  s->signal(SIGTERM);
+  EXPECT_EQ(s->wait(5s), 0) << s->stderr_text();
+  EXPECT_TRUE(contains(s->stderr_text(), "second signal")) << s->stderr_text();
+  // The stream was cut: no [DONE].
+  c.read_until("[DONE]", 1s);
+  EXPECT_FALSE(contains(c.received(), "data: [DONE]"));
+}
+
+TEST_F(Serve, ShutdownGraceCutsLongRequests) {
+  write_long_model();
+  auto s = serve({"--shutdown-grace", "0.5"}, {}, "long.gguf");
+  RawConnection c(s->port());
+  c.send_post("/v1/chat/completions", long_chat(true));
+  ASSERT_TRUE(c.read_until("data: ", 20s)) << c.received();
+  const auto start = std::chrono::steady_clock::now();
+  s->signal(SIGTERM);
+  EXPECT_EQ(s->wait(5s), 0) << s->stderr_text();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  c.read_until("[DONE]", 1s);
+  EXPECT_FALSE(contains(c.received(), "data: [DONE]"));
+}
+
+// ---- the real model: the official client, batchlm run -------------------------------------------
+
+class ServeRealModel : public Serve {
+ protected:
+  void SetUp() override {
+    if (!fs::exists(kRealModel)) GTEST_SKIP() << kRealModel << " is absent (scripts/fetch-model.sh fetches it)";
+  }
+};
+
+TEST_F(ServeRealModel, OfficialOpenAIPythonClient) {
+  if (!fs::exists(kPython)) GTEST_SKIP() << kPython << " is absent: run scripts/setup-python.sh";
+  {
+    Process probe({.args = {kPython.string(), "-c", "import openai"}, .env = {}, .cwd = dir(), .out_file = {},
+                   .err_file = dir() / "probe.err"});
+    if (probe.wait(30s) != 0) GTEST_SKIP() << "the openai package is missing: run scripts/setup-python.sh";
+  }
+  auto s = serve({"--api-key", "py-key", "--served-model-name", "smol"}, {}, kRealModel.string());
+  Process py({.args = {kPython.string(), kClientCheck.string(), "--base-url", s->base_url(), "--api-key", "py-key",
+                       "--model", "smol"},
+              .env = {{"OPENAI_API_KEY", ""}, {"OPENAI_BASE_URL", ""}, {"NO_PROXY", "*"}, {"no_proxy", "*"}},
+              .cwd = dir(),
+              .out_file = dir() / "py.out",
+              .err_file = dir() / "py.err"});
+  ASSERT_EQ(py.wait(60s), 0) << read_file(dir() / "py.out") << read_file(dir() / "py.err");
+  const std::string out = read_file(dir() / "py.out");
+  json r;
+  ASSERT_NO_THROW(r = json::parse(out)) << out;
+
+  EXPECT_EQ(r["models"], json::array({"smol"})) << out;
+  const std::string chat = r["chat"]["text"];
+  EXPECT_FALSE(chat.empty()) << out;
+  EXPECT_EQ(r["chat"]["model"], "smol") << out;
+  EXPECT_EQ(r["chat"]["role"], "assistant") << out;
+  EXPECT_EQ(r["stream"]["text"], chat) << "greedy: streamed and whole texts agree\n" << out;
+  EXPECT_EQ(r["stream"]["first_role"], "assistant") << out;
+  EXPECT_EQ(r["stream"]["usage"], r["chat"]["usage"]) << out;
+  EXPECT_EQ(r["stream"]["finish_reason"], r["chat"]["finish_reason"]) << out;
+  EXPECT_EQ(r["stream"]["chunks_after_usage"], 0) << out;
+  EXPECT_EQ(r["stream"]["ids"], 1) << "one id for all chunks\n" << out;
+  EXPECT_TRUE(contains(chat, "Paris")) << out;
+  EXPECT_EQ(r["completion"]["object"], "text_completion") << out;
+  EXPECT_TRUE(r["completion"]["text"].get<std::string>().starts_with(" Paris")) << out;
+  // No chat template, so no end of turn: the text runs on to max_tokens.
+  EXPECT_EQ(r["completion"]["finish_reason"], "length") << out;
+  EXPECT_EQ(r["completion"]["completion_tokens"], 8) << out;
+  EXPECT_EQ(r["bad_request"]["status"], 400) << out;
+  EXPECT_EQ(r["bad_request"]["param"], "temperature") << out;
+  EXPECT_EQ(r["not_found"]["status"], 404) << out;
+  EXPECT_EQ(r["not_found"]["code"], "model_not_found") << out;
+  EXPECT_EQ(r["unauthorized"]["status"], 401) << out;
+
+  // The same answer over curl.
+  HttpResponse c = post(*s, "/v1/chat/completions", json(r["chat"]["request"]).dump(), {"Authorization: Bearer py-key"});
+  ASSERT_EQ(c.status, 200) << c.body;
+  EXPECT_EQ(c.json_body()["choices"][0]["message"]["content"], chat);
+}
+
+TEST_F(ServeRealModel, BatchlmRunAgainstServeMatchesTheLocalBackend) {
+  const std::string job =
+      "name: serve-vs-local\n"
+      "kind: eval\n"
+      "input: " + gsm8k_test_file() + "\n"
+      "request:\n"
+      "  messages:\n"
+      "    - {role: system, content: \"Solve the problem. End with '#### <number>'.\"}\n"
+      "    - {role: user, content: \"{{question}}\"}\n"
+      "  max_tokens: 256\n"
+      "  temperature: 0\n"
+      "concurrency: 4\n"
+      "scoring: gsm8k\n";
+  write_file(dir() / "job.yaml", job);
+  const std::vector<std::string> common = {"run", "job.yaml", "--limit", "4", "--set", "request.max_tokens=48"};
+
+  std::vector<std::string> local = common;
+  local.insert(local.end(), {"--model", kRealModel.string(), "--set", "backend.threads=1", "-o", "A.jsonl"});
+  RunResult a = run_batchlm(dir(), local);
+  ASSERT_EQ(a.exit_code, 0) << a.err;
+
+  auto s = serve({"--max-sequences", "4"}, {}, kRealModel.string());
+  std::vector<std::string> remote = common;
+  remote.insert(remote.end(), {"--base-url", s->base_url(), "--model", s->model(), "-o", "B.jsonl"});
+  RunResult b = run_batchlm(dir(), remote, {{"NO_PROXY", "*"}, {"no_proxy", "*"}});
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+
+  std::map<long long, json> local_records, served_records;
+  for (const json& rec : read_jsonl(dir() / "A.jsonl")) local_records[rec["id"].get<long long>()] = rec;
+  for (const json& rec : read_jsonl(dir() / "B.jsonl")) served_records[rec["id"].get<long long>()] = rec;
+  ASSERT_EQ(local_records.size(), 4u);
+  ASSERT_EQ(served_records.size(), 4u);
+  for (const auto& [id, rec] : local_records) {
+    ASSERT_TRUE(served_records.contains(id)) << id;
+    const json& other = served_records[id];
+    ASSERT_TRUE(rec["output"].is_string()) << rec.dump();
+    EXPECT_FALSE(rec["output"].get<std::string>().empty()) << rec.dump();
+    EXPECT_EQ(other["output"], rec["output"]) << "id " << id;
+    EXPECT_EQ(other["finish_reason"], rec["finish_reason"]) << "id " << id;
+    EXPECT_EQ(other["usage"]["prompt_tokens"], rec["usage"]["prompt_tokens"]) << "id " << id;
+    EXPECT_EQ(other["usage"]["completion_tokens"], rec["usage"]["completion_tokens"]) << "id " << id;
+  }
+}
+
+}  // namespace
+}  // namespace batchlm::e2e

@@ -1,0 +1,727 @@
+// The OpenAI wire format of `batchlm serve` without a socket: parse_request / parse_request_body
+// (every validation rule, the field named in ApiError::param(), the message), and the JSON of
+// whole responses, stream chunks, usage and errors.
+
+#include "batchlm/server/openai_api.hpp"
+
+#include <functional>
+#include <limits>
+#include <regex>
+#include <set>
+#include <string>
+
+#include <gtest/gtest.h>
+
+namespace batchlm::server {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kModel = "tiny-llama";
+
+json chat_body(json extra = json::object()) {
+  json body = {{"model", kModel}, {"messages", json::array({{{"role", "user"}, {"content", "Hi"}}})}};
+  body.update(extra);
+  return body;
+}
+
+json completion_body_json(json extra = json::object()) {
+  json body = {{"model", kModel}, {"prompt", "Once upon a time"}};
+  body.update(extra);
+  return body;
+}
+
+ApiRequest chat(json extra = json::object()) { return parse_request(Endpoint::kChat, chat_body(std::move(extra)), kModel); }
+ApiRequest completion(json extra = json::object()) {
+  return parse_request(Endpoint::kCompletions, completion_body_json(std::move(extra)), kModel);
+}
+
+// The ApiError `f` throws (a failure, and a default error, when it throws none).
+ApiError error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ApiError& e) {
+    return e;
+  }
+  ADD_FAILURE() << "no ApiError thrown";
+  return ApiError(0, "", "", "");
+}
+
+ApiError chat_error(json body) {
+  return error_of([&] { parse_request(Endpoint::kChat, body, kModel); });
+}
+ApiError completion_error(json body) {
+  return error_of([&] { parse_request(Endpoint::kCompletions, body, kModel); });
+}
+
+// A 400 invalid_request_error naming `param`, with `message` exactly, and no code.
+void expect_invalid(const ApiError& e, const std::string& param, const std::string& message) {
+  EXPECT_EQ(e.status(), 400) << e.what();
+  EXPECT_EQ(e.type(), "invalid_request_error") << e.what();
+  EXPECT_EQ(e.param(), param) << e.what();
+  EXPECT_EQ(std::string(e.what()), message);
+  EXPECT_EQ(e.code(), "") << e.what();
+}
+
+// A 400 with code unsupported_parameter naming `param`.
+void expect_unsupported(const ApiError& e, const std::string& param, const std::string& message) {
+  EXPECT_EQ(e.status(), 400) << e.what();
+  EXPECT_EQ(e.type(), "invalid_request_error") << e.what();
+  EXPECT_EQ(e.param(), param) << e.what();
+  EXPECT_EQ(e.code(), "unsupported_parameter") << e.what();
+  EXPECT_EQ(std::string(e.what()), message);
+}
+
+// ---- a valid request ---------------------------------------------------------------------------
+
+TEST(ParseRequest, MinimalChatHasNoDefaults) {
+  ApiRequest r = chat();
+  EXPECT_EQ(r.endpoint, Endpoint::kChat);
+  ASSERT_EQ(r.request.messages.size(), 1u);
+  EXPECT_EQ(r.request.messages[0].role, "user");
+  EXPECT_EQ(r.request.messages[0].content, "Hi");
+  EXPECT_FALSE(r.request.prompt.has_value());
+  EXPECT_EQ(r.request.model, kModel);
+  EXPECT_FALSE(r.request.max_tokens.has_value());  // chat: until the context or end of turn
+  EXPECT_FALSE(r.request.temperature.has_value());
+  EXPECT_FALSE(r.request.top_p.has_value());
+  EXPECT_FALSE(r.request.seed.has_value());
+  EXPECT_TRUE(r.request.stop.empty());
+  EXPECT_FALSE(r.stream);
+  EXPECT_FALSE(r.request.stream);
+  EXPECT_FALSE(r.include_usage);
+  EXPECT_TRUE(r.request.extra.is_null());
+}
+
+TEST(ParseRequest, ChatCarriesEverySamplingField) {
+  ApiRequest r = chat({{"max_tokens", 32}, {"temperature", 0.5}, {"top_p", 0.9}, {"top_k", 40},
+                       {"seed", -7}, {"stop", json::array({"\n\n", "END"})}, {"stream", true},
+                       {"stream_options", {{"include_usage", true}}}});
+  EXPECT_EQ(r.request.max_tokens, 32);
+  EXPECT_EQ(r.request.temperature, 0.5);
+  EXPECT_EQ(r.request.top_p, 0.9);
+  EXPECT_EQ(r.request.extra, json({{"top_k", 40}}));
+  EXPECT_EQ(r.request.seed, -7);
+  EXPECT_EQ(r.request.stop, (std::vector<std::string>{"\n\n", "END"}));
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.request.stream);
+  EXPECT_TRUE(r.include_usage);
+}
+
+TEST(ParseRequest, MessagesKeepTheirOrderAndRoles) {
+  json body = chat_body();
+  body["messages"] = json::array({{{"role", "system"}, {"content", "Be brief."}},
+                                  {{"role", "user"}, {"content", "Hi"}},
+                                  {{"role", "assistant"}, {"content", "Hello!"}},
+                                  {{"role", "user"}, {"content", "Bye"}}});
+  ApiRequest r = parse_request(Endpoint::kChat, body, kModel);
+  ASSERT_EQ(r.request.messages.size(), 4u);
+  const std::vector<std::pair<std::string, std::string>> expected = {
+      {"system", "Be brief."}, {"user", "Hi"}, {"assistant", "Hello!"}, {"user", "Bye"}};
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(r.request.messages[i].role, expected[i].first) << i;
+    EXPECT_EQ(r.request.messages[i].content, expected[i].second) << i;
+  }
+}
+
+TEST(ParseRequest, DeveloperRoleBecomesSystem) {
+  json body = chat_body();
+  body["messages"] = json::array({{{"role", "developer"}, {"content", "Be brief."}},
+                                  {{"role", "user"}, {"content", "Hi"}}});
+  ApiRequest r = parse_request(Endpoint::kChat, body, kModel);
+  ASSERT_EQ(r.request.messages.size(), 2u);
+  EXPECT_EQ(r.request.messages[0].role, "system");
+  EXPECT_EQ(r.request.messages[0].content, "Be brief.");
+}
+
+TEST(ParseRequest, ContentAsArrayOfTextPartsIsConcatenated) {
+  json body = chat_body();
+  body["messages"][0]["content"] = json::array({{{"type", "text"}, {"text", "Hello, "}},
+                                                {{"type", "text"}, {"text", "world"}}});
+  ApiRequest r = parse_request(Endpoint::kChat, body, kModel);
+  EXPECT_EQ(r.request.messages[0].content, "Hello, world");
+
+  body["messages"][0]["content"] = json::array();
+  EXPECT_EQ(parse_request(Endpoint::kChat, body, kModel).request.messages[0].content, "");
+}
+
+TEST(ParseRequest, AssistantMessageMayOmitContent) {
+  json body = chat_body();
+  body["messages"].push_back({{"role", "assistant"}, {"content", nullptr}});
+  body["messages"].push_back({{"role", "assistant"}});
+  ApiRequest r = parse_request(Endpoint::kChat, body, kModel);
+  ASSERT_EQ(r.request.messages.size(), 3u);
+  EXPECT_EQ(r.request.messages[1].content, "");
+  EXPECT_EQ(r.request.messages[2].content, "");
+}
+
+TEST(ParseRequest, UnknownFieldsAreIgnored) {
+  ApiRequest r = chat({{"user", "someone"}, {"metadata", {{"a", 1}}}, {"store", false},
+                       {"parallel_tool_calls", true}, {"x_made_up", json::array({1, 2})},
+                       {"service_tier", "auto"}});
+  EXPECT_EQ(r.request.messages.size(), 1u);
+  EXPECT_TRUE(r.request.extra.is_null());
+}
+
+TEST(ParseRequest, NullFieldsCountAsAbsent) {
+  ApiRequest r = chat({{"max_tokens", nullptr}, {"temperature", nullptr}, {"stop", nullptr},
+                       {"n", nullptr}, {"tools", nullptr}, {"stream_options", nullptr}, {"model", nullptr}});
+  EXPECT_FALSE(r.request.max_tokens.has_value());
+  EXPECT_FALSE(r.request.temperature.has_value());
+  EXPECT_EQ(r.request.model, "");
+}
+
+TEST(ParseRequest, NeutralValuesOfUnsupportedFieldsAreAccepted) {
+  ApiRequest r = chat({{"n", 1}, {"presence_penalty", 0}, {"frequency_penalty", 0.0}, {"logit_bias", json::object()},
+                       {"logprobs", false}, {"top_logprobs", 0}, {"tools", json::array()},
+                       {"functions", json::array()}, {"response_format", {{"type", "text"}}}});
+  EXPECT_EQ(r.request.messages.size(), 1u);
+  ApiRequest c = completion({{"echo", false}, {"best_of", 1}, {"suffix", ""}, {"logprobs", 0}});
+  EXPECT_EQ(c.request.prompt, "Once upon a time");
+}
+
+// ---- the model -------------------------------------------------------------------------------
+
+TEST(ParseRequest, NoModelIsServed) {
+  json body = chat_body();
+  body.erase("model");
+  ApiRequest r = parse_request(Endpoint::kChat, body, kModel);
+  EXPECT_EQ(r.request.model, "");
+  body["model"] = "";
+  EXPECT_EQ(parse_request(Endpoint::kChat, body, kModel).request.model, "");
+}
+
+TEST(ParseRequest, AnotherModelIs404ModelNotFound) {
+  ApiError e = chat_error(chat_body({{"model", "gpt-4o"}}));
+  EXPECT_EQ(e.status(), 404);
+  EXPECT_EQ(e.type(), "invalid_request_error");
+  EXPECT_EQ(e.param(), "model");
+  EXPECT_EQ(e.code(), "model_not_found");
+  EXPECT_EQ(std::string(e.what()), "the model 'gpt-4o' does not exist; this server serves 'tiny-llama'");
+
+  ApiError c = completion_error(completion_body_json({{"model", "Tiny-Llama"}}));  // case matters
+  EXPECT_EQ(c.status(), 404);
+  EXPECT_EQ(c.code(), "model_not_found");
+}
+
+TEST(ParseRequest, ModelMustBeAString) {
+  expect_invalid(chat_error(chat_body({{"model", 3}})), "model", "'model' must be a string, not an integer");
+}
+
+// ---- messages ----------------------------------------------------------------------------------
+
+TEST(ParseRequest, MessagesAreRequired) {
+  json body = chat_body();
+  body.erase("messages");
+  expect_invalid(chat_error(body), "messages", "'messages' is required");
+  body["messages"] = nullptr;
+  expect_invalid(chat_error(body), "messages", "'messages' is required");
+}
+
+TEST(ParseRequest, MessagesMustNotBeEmpty) {
+  expect_invalid(chat_error(chat_body({{"messages", json::array()}})), "messages",
+                 "'messages' must not be empty");
+}
+
+TEST(ParseRequest, MessagesMustBeAnArray) {
+  expect_invalid(chat_error(chat_body({{"messages", "Hi"}})), "messages",
+                 "'messages' must be an array, not a string");
+  expect_invalid(chat_error(chat_body({{"messages", {{"role", "user"}}}})), "messages",
+                 "'messages' must be an array, not an object");
+}
+
+TEST(ParseRequest, EachMessageMustBeAnObject) {
+  json body = chat_body();
+  body["messages"].push_back("Hi again");
+  expect_invalid(chat_error(body), "messages[1]", "'messages[1]' must be an object, not a string");
+}
+
+TEST(ParseRequest, RoleIsRequiredAndKnown) {
+  json body = chat_body();
+  body["messages"][0].erase("role");
+  expect_invalid(chat_error(body), "messages[0].role", "'messages[0].role' is required and must be a string");
+  body["messages"][0]["role"] = 1;
+  expect_invalid(chat_error(body), "messages[0].role", "'messages[0].role' is required and must be a string");
+  body["messages"][0]["role"] = "wizard";
+  expect_invalid(chat_error(body), "messages[0].role",
+                 "'messages[0].role' must be one of system, developer, user, assistant, not 'wizard'");
+}
+
+TEST(ParseRequest, ToolRolesAreUnsupported) {
+  for (const char* role : {"tool", "function"}) {
+    json body = chat_body();
+    body["messages"].push_back({{"role", role}, {"content", "42"}});
+    expect_unsupported(chat_error(body), "messages[1].role",
+                       std::string("the role '") + role + "' is not supported by this server");
+  }
+}
+
+TEST(ParseRequest, ToolCallsInAMessageAreUnsupported) {
+  json body = chat_body();
+  body["messages"].push_back({{"role", "assistant"}, {"tool_calls", json::array({{{"id", "x"}}})}});
+  expect_unsupported(chat_error(body), "messages[1].tool_calls", "tool calling is not supported by this server");
+}
+
+TEST(ParseRequest, ContentIsRequiredExceptForTheAssistant) {
+  json body = chat_body();
+  body["messages"][0].erase("content");
+  expect_invalid(chat_error(body), "messages[0].content", "'messages[0].content' is required");
+}
+
+TEST(ParseRequest, ContentMustBeAStringOrTextParts) {
+  json body = chat_body();
+  body["messages"][0]["content"] = 5;
+  expect_invalid(chat_error(body), "messages[0].content",
+                 "'messages[0].content' must be a string or an array of text parts, not an integer");
+
+  body["messages"][0]["content"] = json::array({"plain"});
+  expect_invalid(chat_error(body), "messages[0].content[0]",
+                 "'messages[0].content[0]' must be an object, not a string");
+
+  body["messages"][0]["content"] = json::array({{{"text", "x"}}});
+  expect_invalid(chat_error(body), "messages[0].content[0].type", "'messages[0].content[0].type' is required");
+
+  body["messages"][0]["content"] = json::array({{{"type", "text"}, {"text", "a"}}, {{"type", "text"}}});
+  expect_invalid(chat_error(body), "messages[0].content[1].text", "'messages[0].content[1].text' must be a string");
+
+  body["messages"][0]["content"] =
+      json::array({{{"type", "image_url"}, {"image_url", {{"url", "http://x/y.png"}}}}});
+  expect_unsupported(chat_error(body), "messages[0].content[0].type",
+                     "content of type 'image_url' is not supported by this server");
+}
+
+// ---- the prompt (completions) --------------------------------------------------------------
+
+TEST(ParseRequest, CompletionPromptAndDefaults) {
+  ApiRequest r = completion();
+  EXPECT_EQ(r.endpoint, Endpoint::kCompletions);
+  ASSERT_TRUE(r.request.prompt.has_value());
+  EXPECT_EQ(*r.request.prompt, "Once upon a time");
+  EXPECT_TRUE(r.request.messages.empty());
+  EXPECT_EQ(r.request.max_tokens, 16);  // the completions API's default
+  EXPECT_EQ(completion({{"max_tokens", 100}}).request.max_tokens, 100);
+}
+
+TEST(ParseRequest, CompletionPromptAsOneStringArray) {
+  ApiRequest r = completion({{"prompt", json::array({"The sky is"})}});
+  EXPECT_EQ(r.request.prompt, "The sky is");
+}
+
+TEST(ParseRequest, CompletionPromptErrors) {
+  json body = completion_body_json();
+  body.erase("prompt");
+  expect_invalid(completion_error(body), "prompt", "'prompt' is required");
+  expect_unsupported(completion_error(completion_body_json({{"prompt", json::array({"a", "b"})}})), "prompt",
+                     "more than one prompt per request is not supported by this server");
+  expect_unsupported(completion_error(completion_body_json({{"prompt", json::array({1, 2, 3})}})), "prompt",
+                     "a prompt of token ids is not supported by this server");
+  expect_unsupported(completion_error(completion_body_json({{"prompt", json::array({7})}})), "prompt",
+                     "a prompt of token ids is not supported by this server");
+  expect_invalid(completion_error(completion_body_json({{"prompt", 12}})), "prompt",
+                 "'prompt' must be a string, not an integer");
+  expect_invalid(completion_error(completion_body_json({{"prompt", json::array()}})), "prompt",
+                 "'prompt' must be a string, not an array");
+}
+
+TEST(ParseRequest, ChatIgnoresPromptAndCompletionsIgnoresMessages) {
+  // Each endpoint reads only its own input field; the other is an unknown field.
+  ApiRequest r = chat({{"prompt", 5}});
+  EXPECT_FALSE(r.request.prompt.has_value());
+  ApiRequest c = completion({{"messages", "x"}});
+  EXPECT_TRUE(c.request.messages.empty());
+}
+
+// ---- max_tokens --------------------------------------------------------------------------------
+
+TEST(ParseRequest, MaxCompletionTokensWinsOverMaxTokens) {
+  EXPECT_EQ(chat({{"max_completion_tokens", 7}}).request.max_tokens, 7);
+  EXPECT_EQ(chat({{"max_tokens", 9}}).request.max_tokens, 9);
+  EXPECT_EQ(chat({{"max_completion_tokens", 7}, {"max_tokens", 9}}).request.max_tokens, 7);
+  // A bad max_tokens next to a valid max_completion_tokens is not read.
+  EXPECT_EQ(chat({{"max_completion_tokens", 7}, {"max_tokens", "lots"}}).request.max_tokens, 7);
+  // max_completion_tokens: null falls back to max_tokens.
+  EXPECT_EQ(chat({{"max_completion_tokens", nullptr}, {"max_tokens", 9}}).request.max_tokens, 9);
+}
+
+TEST(ParseRequest, MaxCompletionTokensIsAChatField) {
+  // The completions endpoint has only max_tokens: it keeps its default of 16.
+  EXPECT_EQ(completion({{"max_completion_tokens", 5}}).request.max_tokens, 16);
+}
+
+TEST(ParseRequest, MaxTokensRange) {
+  expect_invalid(chat_error(chat_body({{"max_tokens", 0}})), "max_tokens",
+                 "'max_tokens' must be between 1 and 2147483647, not 0");
+  expect_invalid(chat_error(chat_body({{"max_completion_tokens", -3}})), "max_completion_tokens",
+                 "'max_completion_tokens' must be between 1 and 2147483647, not -3");
+  expect_invalid(chat_error(chat_body({{"max_tokens", 2147483648LL}})), "max_tokens",
+                 "'max_tokens' must be between 1 and 2147483647, not 2147483648");
+  expect_invalid(chat_error(chat_body({{"max_tokens", std::numeric_limits<std::uint64_t>::max()}})), "max_tokens",
+                 "'max_tokens' must be between 1 and 2147483647, not 18446744073709551615");
+  expect_invalid(completion_error(completion_body_json({{"max_tokens", 0}})), "max_tokens",
+                 "'max_tokens' must be between 1 and 2147483647, not 0");
+  EXPECT_EQ(chat({{"max_tokens", 1}}).request.max_tokens, 1);
+  EXPECT_EQ(chat({{"max_tokens", 2147483647}}).request.max_tokens, 2147483647);
+}
+
+TEST(ParseRequest, MaxTokensType) {
+  expect_invalid(chat_error(chat_body({{"max_tokens", "64"}})), "max_tokens",
+                 "'max_tokens' must be an integer, not a string (\"64\")");
+  expect_invalid(chat_error(chat_body({{"max_tokens", 1.5}})), "max_tokens",
+                 "'max_tokens' must be an integer, not a number (1.5)");
+  expect_invalid(chat_error(chat_body({{"max_tokens", true}})), "max_tokens",
+                 "'max_tokens' must be an integer, not a boolean (true)");
+  EXPECT_EQ(chat({{"max_tokens", 64.0}}).request.max_tokens, 64);  // an integral float is fine
+}
+
+// ---- temperature, top_p, top_k, seed, stop -------------------------------------------------
+
+TEST(ParseRequest, TemperatureRange) {
+  EXPECT_EQ(chat({{"temperature", 0}}).request.temperature, 0.0);
+  EXPECT_EQ(chat({{"temperature", 2}}).request.temperature, 2.0);
+  expect_invalid(chat_error(chat_body({{"temperature", -0.1}})), "temperature",
+                 "'temperature' must be between 0.0 and 2.0, not -0.1");
+  expect_invalid(chat_error(chat_body({{"temperature", 2.5}})), "temperature",
+                 "'temperature' must be between 0.0 and 2.0, not 2.5");
+  expect_invalid(chat_error(chat_body({{"temperature", "hot"}})), "temperature",
+                 "'temperature' must be a number, not a string");
+  expect_invalid(completion_error(completion_body_json({{"temperature", 3}})), "temperature",
+                 "'temperature' must be between 0.0 and 2.0, not 3");
+}
+
+TEST(ParseRequest, TopPRangeExcludesZero) {
+  EXPECT_EQ(chat({{"top_p", 1}}).request.top_p, 1.0);
+  EXPECT_EQ(chat({{"top_p", 0.01}}).request.top_p, 0.01);
+  expect_invalid(chat_error(chat_body({{"top_p", 0}})), "top_p",
+                 "'top_p' must be greater than 0.0 and at most 1.0, not 0");
+  expect_invalid(chat_error(chat_body({{"top_p", 1.5}})), "top_p",
+                 "'top_p' must be greater than 0.0 and at most 1.0, not 1.5");
+  expect_invalid(chat_error(chat_body({{"top_p", nullptr}, {"temperature", json::array()}})), "temperature",
+                 "'temperature' must be a number, not an array");
+}
+
+TEST(ParseRequest, TopKGoesToExtraAndMinusOneMeansNoLimit) {
+  EXPECT_EQ(chat({{"top_k", 0}}).request.extra, json({{"top_k", 0}}));
+  EXPECT_EQ(chat({{"top_k", -1}}).request.extra, json({{"top_k", 0}}));
+  expect_invalid(chat_error(chat_body({{"top_k", -2}})), "top_k",
+                 "'top_k' must be between -1 and 2147483647, not -2");
+  expect_invalid(chat_error(chat_body({{"top_k", "5"}})), "top_k",
+                 "'top_k' must be an integer, not a string (\"5\")");
+}
+
+TEST(ParseRequest, SeedIsAnyInteger) {
+  EXPECT_EQ(chat({{"seed", std::numeric_limits<std::int64_t>::min()}}).request.seed,
+            std::numeric_limits<std::int64_t>::min());
+  EXPECT_EQ(chat({{"seed", 0}}).request.seed, 0);
+  expect_invalid(chat_error(chat_body({{"seed", 0.5}})), "seed", "'seed' must be an integer, not a number (0.5)");
+}
+
+TEST(ParseRequest, StopStringsAndList) {
+  EXPECT_EQ(chat({{"stop", "END"}}).request.stop, std::vector<std::string>{"END"});
+  EXPECT_TRUE(chat({{"stop", ""}}).request.stop.empty());
+  EXPECT_EQ(chat({{"stop", json::array({"", "a"})}}).request.stop, std::vector<std::string>{"a"});
+  expect_invalid(chat_error(chat_body({{"stop", 1}})), "stop",
+                 "'stop' must be a string or an array of strings, not an integer");
+  expect_invalid(chat_error(chat_body({{"stop", json::array({"a", 2})}})), "stop",
+                 "'stop[1]' must be a string, not an integer");
+  json many = json::array();
+  for (int i = 0; i < 17; ++i) many.push_back("s" + std::to_string(i));
+  expect_invalid(chat_error(chat_body({{"stop", many}})), "stop", "'stop' has 17 strings; at most 16 are allowed");
+  many.erase(many.begin());
+  EXPECT_EQ(chat({{"stop", many}}).request.stop.size(), 16u);
+}
+
+// ---- stream ------------------------------------------------------------------------------------
+
+TEST(ParseRequest, StreamMustBeABoolean) {
+  expect_invalid(chat_error(chat_body({{"stream", "yes"}})), "stream", "'stream' must be a boolean, not a string");
+  expect_invalid(chat_error(chat_body({{"stream", 1}})), "stream", "'stream' must be a boolean, not an integer");
+  ApiRequest r = chat({{"stream", false}});
+  EXPECT_FALSE(r.stream);
+  EXPECT_FALSE(r.request.stream);
+}
+
+TEST(ParseRequest, StreamOptionsWithoutStreamIs400) {
+  expect_invalid(chat_error(chat_body({{"stream_options", {{"include_usage", true}}}})), "stream_options",
+                 "'stream_options' is only allowed when 'stream' is true");
+  expect_invalid(chat_error(chat_body({{"stream", false}, {"stream_options", {{"include_usage", true}}}})),
+                 "stream_options", "'stream_options' is only allowed when 'stream' is true");
+  expect_invalid(completion_error(completion_body_json({{"stream_options", json::object()}})), "stream_options",
+                 "'stream_options' is only allowed when 'stream' is true");
+}
+
+TEST(ParseRequest, StreamOptionsShape) {
+  expect_invalid(chat_error(chat_body({{"stream", true}, {"stream_options", true}})), "stream_options",
+                 "'stream_options' must be an object, not a boolean");
+  expect_invalid(chat_error(chat_body({{"stream", true}, {"stream_options", {{"include_usage", "yes"}}}})),
+                 "stream_options.include_usage", "'stream_options.include_usage' must be a boolean, not a string");
+  ApiRequest r = chat({{"stream", true}, {"stream_options", json::object()}});
+  EXPECT_TRUE(r.stream);
+  EXPECT_FALSE(r.include_usage);
+  EXPECT_FALSE(chat({{"stream", true}, {"stream_options", {{"include_usage", false}}}}).include_usage);
+  EXPECT_TRUE(completion({{"stream", true}, {"stream_options", {{"include_usage", true}}}}).include_usage);
+}
+
+// ---- unsupported parameters ------------------------------------------------------------------
+
+TEST(ParseRequest, NGreaterThanOneIsUnsupported) {
+  expect_unsupported(chat_error(chat_body({{"n", 2}})), "n",
+                     "n > 1 (several choices per request) is not supported by this server");
+  expect_invalid(chat_error(chat_body({{"n", 0}})), "n", "'n' must be between 1 and 128, not 0");
+  expect_invalid(chat_error(chat_body({{"n", 129}})), "n", "'n' must be between 1 and 128, not 129");
+}
+
+TEST(ParseRequest, LogprobsAreUnsupported) {
+  expect_unsupported(chat_error(chat_body({{"logprobs", true}})), "logprobs",
+                     "'logprobs' is not supported by this server");
+  expect_unsupported(completion_error(completion_body_json({{"logprobs", 5}})), "logprobs",
+                     "'logprobs' is not supported by this server");
+  expect_unsupported(chat_error(chat_body({{"top_logprobs", 3}})), "top_logprobs",
+                     "'top_logprobs' is not supported by this server");
+}
+
+TEST(ParseRequest, ToolsAndFunctionsAreUnsupported) {
+  json tool = {{"type", "function"}, {"function", {{"name", "f"}, {"parameters", json::object()}}}};
+  expect_unsupported(chat_error(chat_body({{"tools", json::array({tool})}})), "tools",
+                     "tool calling is not supported by this server");
+  expect_unsupported(chat_error(chat_body({{"functions", json::array({tool["function"]})}})), "functions",
+                     "function calling is not supported by this server");
+}
+
+TEST(ParseRequest, NonZeroPenaltiesAreUnsupported) {
+  expect_unsupported(chat_error(chat_body({{"presence_penalty", 0.5}})), "presence_penalty",
+                     "'presence_penalty' other than 0 is not supported by this server");
+  expect_unsupported(chat_error(chat_body({{"frequency_penalty", -1}})), "frequency_penalty",
+                     "'frequency_penalty' other than 0 is not supported by this server");
+  // Out of the API's range is a plain 400.
+  expect_invalid(chat_error(chat_body({{"presence_penalty", 3}})), "presence_penalty",
+                 "'presence_penalty' must be between -2.0 and 2.0, not 3");
+  expect_invalid(chat_error(chat_body({{"frequency_penalty", "no"}})), "frequency_penalty",
+                 "'frequency_penalty' must be a number, not a string");
+}
+
+TEST(ParseRequest, LogitBiasIsUnsupported) {
+  expect_unsupported(chat_error(chat_body({{"logit_bias", {{"50256", -100}}}})), "logit_bias",
+                     "'logit_bias' is not supported by this server");
+  expect_invalid(chat_error(chat_body({{"logit_bias", json::array()}})), "logit_bias",
+                 "'logit_bias' must be an object, not an array");
+}
+
+TEST(ParseRequest, ResponseFormatOtherThanTextIsUnsupported) {
+  expect_unsupported(chat_error(chat_body({{"response_format", {{"type", "json_object"}}}})), "response_format",
+                     "response_format 'json_object' is not supported by this server");
+  expect_unsupported(chat_error(chat_body({{"response_format", {{"type", "json_schema"}, {"json_schema", json::object()}}}})),
+                     "response_format", "response_format 'json_schema' is not supported by this server");
+  expect_invalid(chat_error(chat_body({{"response_format", "json"}})), "response_format",
+                 "'response_format' must be an object with a 'type'");
+  expect_invalid(chat_error(chat_body({{"response_format", json::object()}})), "response_format",
+                 "'response_format' must be an object with a 'type'");
+}
+
+TEST(ParseRequest, CompletionOnlyUnsupportedFields) {
+  expect_unsupported(completion_error(completion_body_json({{"echo", true}})), "echo",
+                     "'echo' is not supported by this server");
+  expect_invalid(completion_error(completion_body_json({{"echo", "yes"}})), "echo",
+                 "'echo' must be a boolean, not a string");
+  expect_unsupported(completion_error(completion_body_json({{"best_of", 3}})), "best_of",
+                     "best_of > 1 is not supported by this server");
+  expect_invalid(completion_error(completion_body_json({{"best_of", 0}})), "best_of",
+                 "'best_of' must be between 1 and 128, not 0");
+  expect_unsupported(completion_error(completion_body_json({{"suffix", "the end"}})), "suffix",
+                     "'suffix' is not supported by this server");
+  // On the chat endpoint these are unknown fields, ignored.
+  EXPECT_EQ(chat({{"echo", true}, {"best_of", 3}, {"suffix", "x"}}).request.messages.size(), 1u);
+}
+
+// ---- the raw body ------------------------------------------------------------------------------
+
+TEST(ParseRequestBody, ValidJsonIsParsed) {
+  ApiRequest r = parse_request_body(Endpoint::kChat,
+                                    R"({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})", kModel);
+  EXPECT_EQ(r.request.messages.at(0).content, "Hi");
+  EXPECT_EQ(r.request.max_tokens, 3);
+  ApiRequest c = parse_request_body(Endpoint::kCompletions, R"({"prompt": "x"})", kModel);
+  EXPECT_EQ(c.request.prompt, "x");
+  EXPECT_EQ(c.request.max_tokens, 16);
+}
+
+TEST(ParseRequestBody, InvalidJsonIs400WithThePosition) {
+  ApiError e = error_of([] { parse_request_body(Endpoint::kChat, R"({"messages": [})", kModel); });
+  expect_invalid(e, "", "the request body is not valid JSON (at byte 15)");
+  EXPECT_EQ(e.body()["error"]["param"], nullptr);
+
+  expect_invalid(error_of([] { parse_request_body(Endpoint::kChat, "", kModel); }), "",
+                 "the request body is not valid JSON (at byte 1)");
+}
+
+TEST(ParseRequestBody, BodyMustBeAnObject) {
+  expect_invalid(error_of([] { parse_request_body(Endpoint::kChat, "[1, 2]", kModel); }), "",
+                 "the request body must be a JSON object, not an array");
+  expect_invalid(error_of([] { parse_request_body(Endpoint::kCompletions, "\"hi\"", kModel); }), "",
+                 "the request body must be a JSON object, not a string");
+  expect_invalid(error_of([] { parse_request_body(Endpoint::kChat, "null", kModel); }), "",
+                 "the request body must be a JSON object, not null");
+}
+
+TEST(ParseRequestBody, ErrorsAreCheckedInBodyOrder) {
+  // The model is checked before the messages: a wrong model and no messages is a 404.
+  ApiError e = error_of([] { parse_request_body(Endpoint::kChat, R"({"model": "other"})", kModel); });
+  EXPECT_EQ(e.status(), 404);
+  EXPECT_EQ(e.code(), "model_not_found");
+}
+
+// ---- errors as JSON ------------------------------------------------------------------------------
+
+TEST(ApiErrorBody, NamesEveryField) {
+  ApiError e(400, "invalid_request_error", "temperature", "too hot", "bad_value");
+  EXPECT_EQ(e.body(), json::parse(R"({"error": {"message": "too hot", "type": "invalid_request_error",
+                                     "param": "temperature", "code": "bad_value"}})"));
+  ApiError bare(500, "server_error", "", "boom");
+  EXPECT_EQ(bare.body(), json::parse(R"({"error": {"message": "boom", "type": "server_error",
+                                        "param": null, "code": null}})"));
+}
+
+TEST(ErrorFromOutcome, EngineClientErrorsKeepStatusAndCode) {
+  Error error{ErrorKind::Http, 400, "context_length_exceeded", "the prompt is 5000 tokens; the context is 4096",
+              std::nullopt, false};
+  ApiError e = error_from_outcome(error);
+  EXPECT_EQ(e.status(), 400);
+  EXPECT_EQ(e.type(), "invalid_request_error");
+  EXPECT_EQ(e.code(), "context_length_exceeded");
+  EXPECT_EQ(e.param(), "");
+  EXPECT_EQ(std::string(e.what()), "the prompt is 5000 tokens; the context is 4096");
+}
+
+TEST(ErrorFromOutcome, AnythingElseIs500) {
+  ApiError internal = error_from_outcome(Error{ErrorKind::Internal, 0, "", "out of memory", std::nullopt, std::nullopt});
+  EXPECT_EQ(internal.status(), 500);
+  EXPECT_EQ(internal.type(), "server_error");
+  EXPECT_EQ(std::string(internal.what()), "the engine failed: out of memory");
+  ApiError http500 = error_from_outcome(Error{ErrorKind::Http, 503, "overloaded", "busy", std::nullopt, std::nullopt});
+  EXPECT_EQ(http500.status(), 500);
+  EXPECT_EQ(http500.code(), "overloaded");
+}
+
+// ---- responses ---------------------------------------------------------------------------------
+
+ResponseContext chat_ctx() { return ResponseContext{Endpoint::kChat, "chatcmpl-abc", 1700000000, kModel}; }
+ResponseContext text_ctx() { return ResponseContext{Endpoint::kCompletions, "cmpl-xyz", 1700000001, kModel}; }
+
+Completion sample_completion() {
+  Completion c;
+  c.text = "Hello there";
+  c.finish_reason = "stop";
+  c.usage.prompt_tokens = 12;
+  c.usage.completion_tokens = 3;
+  c.usage.reported = true;
+  return c;
+}
+
+TEST(ResponseId, HasThePrefixAnd24HexDigits) {
+  const std::regex chat_re("chatcmpl-[0-9a-f]{24}"), text_re("cmpl-[0-9a-f]{24}");
+  std::set<std::string> ids;
+  for (int i = 0; i < 50; ++i) {
+    std::string a = new_response_id(Endpoint::kChat);
+    std::string b = new_response_id(Endpoint::kCompletions);
+    EXPECT_TRUE(std::regex_match(a, chat_re)) << a;
+    EXPECT_TRUE(std::regex_match(b, text_re)) << b;
+    ids.insert(a);
+    ids.insert(b);
+  }
+  EXPECT_EQ(ids.size(), 100u);
+}
+
+TEST(Usage, TotalIsTheSum) {
+  Usage u;
+  u.prompt_tokens = 10;
+  u.completion_tokens = 5;
+  EXPECT_EQ(usage_json(u), json({{"prompt_tokens", 10}, {"completion_tokens", 5}, {"total_tokens", 15}}));
+}
+
+TEST(CompletionBody, ChatShape) {
+  json body = completion_body(chat_ctx(), sample_completion());
+  EXPECT_EQ(body, json::parse(R"({
+    "id": "chatcmpl-abc", "object": "chat.completion", "created": 1700000000, "model": "tiny-llama",
+    "choices": [{"index": 0, "finish_reason": "stop", "logprobs": null,
+                 "message": {"role": "assistant", "content": "Hello there"}}],
+    "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}})"))
+      << body.dump();
+}
+
+TEST(CompletionBody, TextCompletionShape) {
+  Completion c = sample_completion();
+  c.finish_reason = "length";
+  json body = completion_body(text_ctx(), c);
+  EXPECT_EQ(body, json::parse(R"({
+    "id": "cmpl-xyz", "object": "text_completion", "created": 1700000001, "model": "tiny-llama",
+    "choices": [{"index": 0, "finish_reason": "length", "logprobs": null, "text": "Hello there"}],
+    "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}})"))
+      << body.dump();
+}
+
+TEST(CompletionBody, EmptyFinishReasonIsNull) {
+  Completion c = sample_completion();
+  c.finish_reason.clear();
+  EXPECT_TRUE(completion_body(chat_ctx(), c)["choices"][0]["finish_reason"].is_null());
+}
+
+TEST(StreamChunks, FirstChatChunkCarriesTheRole) {
+  json first = text_chunk(chat_ctx(), "Hel", true, false);
+  EXPECT_EQ(first, json::parse(R"({
+    "id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 1700000000, "model": "tiny-llama",
+    "choices": [{"index": 0, "finish_reason": null, "logprobs": null,
+                 "delta": {"role": "assistant", "content": "Hel"}}]})"))
+      << first.dump();
+  json later = text_chunk(chat_ctx(), "lo", false, false);
+  EXPECT_EQ(later["choices"][0]["delta"], json({{"content", "lo"}})) << later.dump();
+  EXPECT_FALSE(later["choices"][0]["delta"].contains("role"));
+  EXPECT_TRUE(later["choices"][0]["finish_reason"].is_null());
+  EXPECT_FALSE(later.contains("usage"));
+}
+
+TEST(StreamChunks, TextChunksCarryNullUsageWhenUsageIsRequested) {
+  json chunk = text_chunk(chat_ctx(), "x", false, true);
+  ASSERT_TRUE(chunk.contains("usage"));
+  EXPECT_TRUE(chunk["usage"].is_null());
+  json fin = finish_chunk(chat_ctx(), "stop", true);
+  ASSERT_TRUE(fin.contains("usage"));
+  EXPECT_TRUE(fin["usage"].is_null());
+  EXPECT_FALSE(finish_chunk(chat_ctx(), "stop", false).contains("usage"));
+}
+
+TEST(StreamChunks, CompletionTextChunkShape) {
+  json chunk = text_chunk(text_ctx(), " upon", true, false);
+  EXPECT_EQ(chunk, json::parse(R"({
+    "id": "cmpl-xyz", "object": "text_completion", "created": 1700000001, "model": "tiny-llama",
+    "choices": [{"index": 0, "finish_reason": null, "logprobs": null, "text": " upon"}]})"))
+      << chunk.dump();
+}
+
+TEST(StreamChunks, FinishChunkHasAnEmptyDeltaAndTheReason) {
+  json chat_fin = finish_chunk(chat_ctx(), "length", false);
+  EXPECT_EQ(chat_fin, json::parse(R"({
+    "id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 1700000000, "model": "tiny-llama",
+    "choices": [{"index": 0, "finish_reason": "length", "logprobs": null, "delta": {}}]})"))
+      << chat_fin.dump();
+  json text_fin = finish_chunk(text_ctx(), "stop", false);
+  EXPECT_EQ(text_fin["object"], "text_completion");
+  EXPECT_EQ(text_fin["choices"][0]["text"], "");
+  EXPECT_EQ(text_fin["choices"][0]["finish_reason"], "stop");
+  EXPECT_TRUE(finish_chunk(chat_ctx(), "", false)["choices"][0]["finish_reason"].is_null());
+}
+
+TEST(StreamChunks, UsageChunkHasNoChoices) {
+  Usage u;
+  u.prompt_tokens = 20;
+  u.completion_tokens = 4;
+  json chunk = usage_chunk(chat_ctx(), u);
+  EXPECT_EQ(chunk, json::parse(R"({
+    "id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 1700000000, "model": "tiny-llama",
+    "choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 4, "total_tokens": 24}})"))
+      << chunk.dump();
+  EXPECT_EQ(usage_chunk(text_ctx(), u)["object"], "text_completion");
+  EXPECT_TRUE(usage_chunk(text_ctx(), u)["choices"].is_array());
+  EXPECT_TRUE(usage_chunk(text_ctx(), u)["choices"].empty());
+}
+
+}  // namespace
+}  // namespace batchlm::server
