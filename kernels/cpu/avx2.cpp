@@ -266,6 +266,95 @@ void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
   for (; i < n; ++i) out[i] += p * h2f(v[i]);
 }
 
+// Head dimension 64 (the common case): the key or value row is converted from F16 once and
+// used for every query of the group; the arithmetic per query is that of dot_f16 / axpy_f16.
+void score_rows(const float* q, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
+                std::int64_t n_rows, std::int64_t dim, float scale, float* scores) {
+  if (dim != 64) {
+    for (int j = 0; j < n_q; ++j)
+      for (std::int64_t r = 0; r < n_rows; ++r)
+        scores[j * n_rows + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale;
+    return;
+  }
+  for (std::int64_t r = 0; r < n_rows; ++r) {
+    const auto* k = reinterpret_cast<const __m128i*>(pool + rows[r]);
+    __m256 kc[8];
+    for (int c = 0; c < 8; ++c) kc[c] = _mm256_cvtph_ps(_mm_loadu_si128(k + c));
+    for (int j = 0; j < n_q; ++j) {
+      const float* qj = q + j * 64;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      for (int c = 0; c < 8; c += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), kc[c], a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8 + 8), kc[c + 1], a1);
+      }
+      scores[j * n_rows + r] = hsum(_mm256_add_ps(a0, a1)) * scale;
+    }
+  }
+}
+
+void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
+              std::int64_t n_rows, std::int64_t dim, float* out) {
+  if (dim != 64) {
+    for (int j = 0; j < n_q; ++j)
+      for (std::int64_t r = 0; r < n_rows; ++r) axpy_f16(probs[j * n_rows + r], pool + rows[r], out + j * dim, dim);
+    return;
+  }
+  for (std::int64_t r = 0; r < n_rows; ++r) {
+    const auto* v = reinterpret_cast<const __m128i*>(pool + rows[r]);
+    __m256 vc[8];
+    for (int c = 0; c < 8; ++c) vc[c] = _mm256_cvtph_ps(_mm_loadu_si128(v + c));
+    for (int j = 0; j < n_q; ++j) {
+      const __m256 p = _mm256_set1_ps(probs[j * n_rows + r]);
+      float* o = out + j * 64;
+      for (int c = 0; c < 8; ++c)
+        _mm256_storeu_ps(o + c * 8, _mm256_fmadd_ps(p, vc[c], _mm256_loadu_ps(o + c * 8)));
+    }
+  }
+}
+
+// The exponentials are std::exp's, as in the portable path: a vector approximation (a degree-6
+// polynomial, within 2 ulp) measured 15% more batched throughput but moved a greedy continuation
+// of the llama.cpp reference off its tokens, so the softmax keeps the exact function and
+// vectorizes the rest (max, double sum, scaling, F16 rounding).
+void softmax_f16(float* x, std::int64_t n) {
+  float max = -INFINITY;
+  std::int64_t i = 0;
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    max = _mm_cvtss_f32(h);
+  }
+  for (; i < n; ++i) max = std::max(max, x[i]);
+  const __m256 vmax = _mm256_set1_ps(max);
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  for (i = 0; i + 8 <= n; i += 8) {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, _mm256_sub_ps(_mm256_loadu_ps(x + i), vmax));
+    for (float& v : t) v = std::exp(v);
+    const __m256 e = _mm256_load_ps(t);
+    _mm256_storeu_ps(x + i, e);
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
+  double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i] * inv));
+}
+
 void to_f16(const float* x, std::uint16_t* out, std::int64_t n) {
   std::int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -306,7 +395,10 @@ const Kernels* BATCHLM_KERNELS_ENTRY() {
                          dot_f16,
                          axpy_f16,
                          to_f16,
-                         round_f16};
+                         round_f16,
+                         score_rows,
+                         mix_rows,
+                         softmax_f16};
   return &k;
 }
 

@@ -23,6 +23,22 @@ using DotF16Fn = float (*)(const float* q, const std::uint16_t* k, std::int64_t 
 // out += p * v for an F16 row v.
 using AxpyF16Fn = void (*)(float p, const std::uint16_t* v, float* out, std::int64_t n);
 
+// Attention over gathered F16 rows (the positions a query sees, wherever their blocks are),
+// for n_q queries that share the rows (the query heads of one KV head).
+// scores[j * n_rows + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale, bit for bit.
+using ScoreRowsFn = void (*)(const float* q, int n_q, const std::uint16_t* pool,
+                             const std::int64_t* rows, std::int64_t n_rows, std::int64_t dim,
+                             float scale, float* scores);
+// out + j * dim += sum over r, in order, of probs[j * n_rows + r] * pool[rows[r]] (the same
+// sums as axpy_f16 row by row, bit for bit).
+using MixRowsFn = void (*)(const float* probs, int n_q, const std::uint16_t* pool,
+                           const std::int64_t* rows, std::int64_t n_rows, std::int64_t dim,
+                           float* out);
+
+// Softmax of one row of attention scores in place, each probability then rounded to the nearest
+// F16 value (std::exp on every path; the paths may differ in the last bit of the double sum).
+using SoftmaxF16Fn = void (*)(float* x, std::int64_t n);
+
 // Rows of floats to F16, and floats rounded to the nearest F16 value in place.
 using ToF16Fn = void (*)(const float* x, std::uint16_t* out, std::int64_t n);
 using RoundF16Fn = void (*)(float* x, std::int64_t n);
@@ -41,6 +57,9 @@ struct Kernels {
   AxpyF16Fn axpy_f16;
   ToF16Fn to_f16;
   RoundF16Fn round_f16;
+  ScoreRowsFn score_rows;
+  MixRowsFn mix_rows;
+  SoftmaxF16Fn softmax_f16;
 };
 
 const Kernels& portable_kernels();

@@ -289,16 +289,22 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
                      ThreadPool& pool) {
   const auto& kern = kernels();
   const std::int64_t group = s.n_heads / s.n_kv_heads;
-  pool.parallel_for(n * s.n_heads, 1, [&](std::int64_t b, std::int64_t e, int) {
-    std::vector<float> qh(static_cast<std::size_t>(s.head_dim));
+  // One work item is a token and `span` query heads of one KV head: the heads of a group share
+  // each key and value row. With few items (one token decoding), a head per item keeps every
+  // thread busy instead.
+  const std::int64_t span =
+      n * s.n_kv_heads >= 4 * static_cast<std::int64_t>(pool.size()) ? group : 1;
+  const std::int64_t per_token = s.n_heads / span;
+  pool.parallel_for(n * per_token, 1, [&](std::int64_t b, std::int64_t e, int) {
+    std::vector<float> qh;
     std::vector<float> scores;
     std::vector<std::int64_t> rows;  // element offset of each visible position in the pool
     for (std::int64_t index = b; index < e; ++index) {
       // Latest tokens first: they see the most positions, so the longest items start first.
-      const std::int64_t item = n * s.n_heads - 1 - index;
-      const std::int64_t t = item / s.n_heads;
-      const std::int64_t h = item % s.n_heads;
-      const std::int64_t kvh = h / group;
+      const std::int64_t item = n * per_token - 1 - index;
+      const std::int64_t t = item / per_token;
+      const std::int64_t h0 = item % per_token * span;  // first query head of the item
+      const std::int64_t kvh = h0 / group;
       const std::int64_t n_ctx = positions[t] + 1;
       const std::span<const std::int32_t> table = kv.block_tables[kv.sequence_of[t]];
       rows.resize(static_cast<std::size_t>(n_ctx));
@@ -306,27 +312,16 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
         const std::int64_t block = table[p / kv.block_size];
         rows[p] = (block * kv.block_size + p % kv.block_size) * s.kv_stride + kvh * s.head_dim;
       }
-      const float* qsrc = q + (t * s.n_heads + h) * s.head_dim;
-      std::copy(qsrc, qsrc + s.head_dim, qh.begin());
-      kern.round_f16(qh.data(), s.head_dim);
-      scores.resize(static_cast<std::size_t>(n_ctx));
-      float max = -INFINITY;
-      for (std::int64_t p = 0; p < n_ctx; ++p) {
-        scores[p] = kern.dot_f16(qh.data(), kv.k_pool + rows[p], s.head_dim) * s.scale;
-        max = std::max(max, scores[p]);
-      }
-      double sum = 0.0;
-      for (std::int64_t p = 0; p < n_ctx; ++p) {
-        scores[p] = std::exp(scores[p] - max);
-        sum += scores[p];
-      }
-      const float inv = static_cast<float>(1.0 / sum);
-      for (std::int64_t p = 0; p < n_ctx; ++p) scores[p] *= inv;
-      kern.round_f16(scores.data(), n_ctx);
-      float* o = out + (t * s.n_heads + h) * s.head_dim;
-      std::fill(o, o + s.head_dim, 0.0f);
-      for (std::int64_t p = 0; p < n_ctx; ++p)
-        kern.axpy_f16(scores[p], kv.v_pool + rows[p], o, s.head_dim);
+      const float* qsrc = q + (t * s.n_heads + h0) * s.head_dim;
+      qh.assign(qsrc, qsrc + span * s.head_dim);
+      kern.round_f16(qh.data(), span * s.head_dim);
+      scores.resize(static_cast<std::size_t>(span * n_ctx));
+      kern.score_rows(qh.data(), static_cast<int>(span), kv.k_pool, rows.data(), n_ctx, s.head_dim,
+                      s.scale, scores.data());
+      for (std::int64_t j = 0; j < span; ++j) kern.softmax_f16(scores.data() + j * n_ctx, n_ctx);
+      float* o = out + (t * s.n_heads + h0) * s.head_dim;
+      std::fill(o, o + span * s.head_dim, 0.0f);
+      kern.mix_rows(scores.data(), static_cast<int>(span), kv.v_pool, rows.data(), n_ctx, s.head_dim, o);
     }
   });
 }

@@ -125,6 +125,32 @@ void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) out[i] += p * h2f(v[i]);
 }
 
+// The gathered-row attention loops on top of dot_f16 / axpy_f16 (any dim).
+void score_rows_generic(const float* q, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
+                        std::int64_t n_rows, std::int64_t dim, float scale, float* scores) {
+  for (int j = 0; j < n_q; ++j)
+    for (std::int64_t r = 0; r < n_rows; ++r)
+      scores[j * n_rows + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale;
+}
+
+void mix_rows_generic(const float* probs, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
+                      std::int64_t n_rows, std::int64_t dim, float* out) {
+  for (int j = 0; j < n_q; ++j)
+    for (std::int64_t r = 0; r < n_rows; ++r) axpy_f16(probs[j * n_rows + r], pool + rows[r], out + j * dim, dim);
+}
+
+void softmax_f16(float* x, std::int64_t n) {
+  float max = -INFINITY;
+  for (std::int64_t i = 0; i < n; ++i) max = std::max(max, x[i]);
+  double sum = 0.0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (std::int64_t i = 0; i < n; ++i) x[i] = h2f(fp32_to_fp16(x[i] * inv));
+}
+
 void to_f16(const float* x, std::uint16_t* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = fp32_to_fp16(x[i]);
 }
@@ -140,7 +166,8 @@ const Kernels& portable_kernels() {
                          tile_q8_0,         tile_f16,         tile_bf16,
                          tile_f32,          quantize_q8<BlockQ8_0>, quantize_q8<BlockQ8_1>,
                          dot_f16,           axpy_f16,         to_f16,
-                         round_f16};
+                         round_f16,         score_rows_generic, mix_rows_generic,
+                         softmax_f16};
   return k;
 }
 

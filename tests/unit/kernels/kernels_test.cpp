@@ -177,6 +177,71 @@ TEST(Avx2, AgreesWithPortable) {
   }
 }
 
+// The gathered-row attention kernels give bit for bit what dot_f16 / axpy_f16 give row by row,
+// on every path, for the head size with a fast path (64) and one without (40).
+TEST(Attention, RowKernelsMatchRowByRow) {
+  std::vector<const cpu::Kernels*> paths = {&cpu::portable_kernels()};
+  if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
+  for (const std::int64_t dim : {64, 40}) {
+    const std::int64_t stride = 3 * dim, n_rows = 37, n_q = 3;
+    const auto pf = random_floats(50 * stride, 60);
+    std::vector<std::uint16_t> pool(pf.size());
+    for (std::size_t i = 0; i < pf.size(); ++i) pool[i] = fp32_to_fp16(pf[i]);
+    std::vector<std::int64_t> rows(n_rows);
+    std::mt19937 rng(7);
+    for (auto& r : rows) r = static_cast<std::int64_t>(rng() % 50) * stride + dim;
+    auto q = random_floats(n_q * dim, 61);
+    cpu::portable_kernels().round_f16(q.data(), n_q * dim);
+    const auto probs = random_floats(n_q * n_rows, 62);
+    for (const cpu::Kernels* k : paths) {
+      std::vector<float> scores(n_q * n_rows);
+      k->score_rows(q.data(), n_q, pool.data(), rows.data(), n_rows, dim, 0.125f, scores.data());
+      std::vector<float> out(n_q * dim, 0.5f), expected(n_q * dim, 0.5f);
+      k->mix_rows(probs.data(), n_q, pool.data(), rows.data(), n_rows, dim, out.data());
+      for (std::int64_t j = 0; j < n_q; ++j)
+        for (std::int64_t r = 0; r < n_rows; ++r) {
+          ASSERT_EQ(scores[j * n_rows + r], k->dot_f16(q.data() + j * dim, pool.data() + rows[r], dim) * 0.125f)
+              << k->name << " dim " << dim << " query " << j << " row " << r;
+          k->axpy_f16(probs[j * n_rows + r], pool.data() + rows[r], expected.data() + j * dim, dim);
+        }
+      for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], expected[i]) << k->name << " dim " << dim << " at " << i;
+    }
+  }
+}
+
+// Softmax rows on every path: probabilities within F16 rounding of the exact ones, each an F16
+// value, and the paths agree to one F16 step (the vector exp differs from std::exp in the last
+// float bits at most).
+TEST(Attention, SoftmaxF16MatchesExactOnEveryPath) {
+  std::vector<const cpu::Kernels*> paths = {&cpu::portable_kernels()};
+  if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
+  for (const std::int64_t n : {1, 7, 8, 37, 1700}) {
+    auto row = random_floats(n, 70 + static_cast<unsigned>(n));
+    for (std::int64_t i = 0; i < n; ++i) row[i] *= 30.0f;  // scores from about -30 to 30
+    if (n > 8) row[3] = -200.0f;                            // a term that vanishes
+    double mx = -1e30, sum = 0;
+    for (float v : row) mx = std::max<double>(mx, v);
+    for (float v : row) sum += std::exp(static_cast<double>(v) - mx);
+    std::vector<std::vector<float>> results;
+    for (const cpu::Kernels* k : paths) {
+      std::vector<float> x = row;
+      k->softmax_f16(x.data(), n);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const double exact = std::exp(static_cast<double>(row[i]) - mx) / sum;
+        EXPECT_NEAR(x[i], exact, exact * 1e-3 + 1e-7) << k->name << " n " << n << " at " << i;
+        EXPECT_EQ(fp16_to_fp32(fp32_to_fp16(x[i])), x[i]) << "not an F16 value: " << k->name;
+      }
+      results.push_back(std::move(x));
+    }
+    for (std::size_t p = 1; p < results.size(); ++p)
+      for (std::int64_t i = 0; i < n; ++i)
+        EXPECT_NEAR(results[p][i], results[0][i], std::fabs(results[0][i]) * 1e-3 + 1e-8)
+            << paths[p]->name << " n " << n << " at " << i;
+  }
+}
+
 TEST(Attention, MatchesSoftmaxReference) {
   const AttentionShape s{4, 2, 16, 2 * 16, 0.25f};
   const std::int64_t n_ctx = 9, n = 3;
