@@ -313,14 +313,7 @@ class RawConnection {
   bool read_until(const std::string& needle, std::chrono::milliseconds timeout) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (!contains(received_, needle)) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return false;
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return false;
-      char buf[4096];
-      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
-      if (n <= 0) return false;
-      received_.append(buf, static_cast<std::size_t>(n));
+      if (read_some(deadline) != Read::kData) return false;
     }
     return true;
   }
@@ -329,14 +322,11 @@ class RawConnection {
   bool read_to_end(std::chrono::milliseconds timeout) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return false;
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return false;
-      char buf[4096];
-      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
-      if (n <= 0) return true;
-      received_.append(buf, static_cast<std::size_t>(n));
+      switch (read_some(deadline)) {
+        case Read::kData: continue;
+        case Read::kClosed: return true;
+        case Read::kTimeout: return false;
+      }
     }
   }
 
@@ -348,6 +338,20 @@ class RawConnection {
   }
 
  private:
+  enum class Read { kData, kClosed, kTimeout };
+  // One recv() of what has arrived, waiting at most until `deadline`.
+  Read read_some(std::chrono::steady_clock::time_point deadline) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return Read::kTimeout;
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return Read::kTimeout;
+    char buf[4096];
+    const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+    if (n <= 0) return Read::kClosed;
+    received_.append(buf, static_cast<std::size_t>(n));
+    return Read::kData;
+  }
+
   int fd_ = -1;
   std::string received_;
 };
