@@ -37,6 +37,7 @@ import llama_cpp
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
 from llama_c import decode, fresh_context, last_logits  # noqa: E402  (the shared C-API helpers)
+from machine import cpu_model, git_commit  # noqa: E402  (shared with the other benchmark)
 
 # Written for this benchmark; repeated and cut to exactly --pp tokens.
 PARAGRAPH = (
@@ -182,29 +183,6 @@ def make_prompt(llama, n_tokens):
 def summary(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "runs": values}
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def git_commit():
-    try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip() != ""
-        return head, dirty
-    except (OSError, subprocess.CalledProcessError):
-        return None, None
 
 
 def batchlm_version(exe):

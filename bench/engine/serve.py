@@ -49,6 +49,8 @@ import urllib.error
 import urllib.request
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import cpu_model, git_commit  # noqa: E402  (shared with the other benchmark)
 RESULTS = os.path.join(ROOT, "bench", "engine", "serve-results.json")
 JOB = os.path.join(ROOT, "jobs", "gsm8k.yaml")
 SERVERS = ("batchlm", "llama")
@@ -379,24 +381,6 @@ def print_table(results):
           "same server's at c=1; retries: requests the client sent again)")
 
 
-def cpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def nproc():
     try:
         return int(subprocess.run(["nproc"], capture_output=True, text=True,
@@ -412,18 +396,6 @@ def version_of(exe, flag="--version"):
         return " / ".join(l.strip() for l in text.splitlines() if l.strip())[:300] or None
     except (OSError, subprocess.TimeoutExpired):
         return None
-
-
-def git_commit():
-    try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip() != ""
-        return head, dirty
-    except (OSError, subprocess.CalledProcessError):
-        return None, None
 
 
 def sha256_file(path, n=1 << 20):
