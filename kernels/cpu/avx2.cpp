@@ -22,7 +22,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace batchlm::kernels::cpu {
 
@@ -266,14 +268,14 @@ void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
   for (; i < n; ++i) out[i] += p * h2f(v[i]);
 }
 
-// Head dimension 64 (the common case): the key or value row is converted from F16 once and
-// used for every query of the group; the arithmetic per query is that of dot_f16 / axpy_f16.
+// Head dimension 64 (the common case): the key row is converted from F16 once and used for
+// every query sharing it; the arithmetic per query is that of dot_f16.
 void score_rows(const float* q, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
-                std::int64_t n_rows, std::int64_t dim, float scale, float* scores) {
+                std::int64_t n_rows, std::int64_t dim, float scale, float* scores, std::int64_t ld) {
   if (dim != 64) {
     for (int j = 0; j < n_q; ++j)
       for (std::int64_t r = 0; r < n_rows; ++r)
-        scores[j * n_rows + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale;
+        scores[j * ld + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale;
     return;
   }
   for (std::int64_t r = 0; r < n_rows; ++r) {
@@ -287,36 +289,99 @@ void score_rows(const float* q, int n_q, const std::uint16_t* pool, const std::i
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), kc[c], a0);
         a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8 + 8), kc[c + 1], a1);
       }
-      scores[j * n_rows + r] = hsum(_mm256_add_ps(a0, a1)) * scale;
+      scores[j * ld + r] = hsum(_mm256_add_ps(a0, a1)) * scale;
     }
   }
 }
 
+// Head dimension 64: value rows are converted to F32 a chunk at a time, then each query keeps
+// its 64 sums in registers across the chunk (the per-element sums of axpy_f16, in row order).
 void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
-              std::int64_t n_rows, std::int64_t dim, float* out) {
+              std::int64_t n_rows, std::int64_t dim, float* out, std::int64_t ld) {
   if (dim != 64) {
     for (int j = 0; j < n_q; ++j)
-      for (std::int64_t r = 0; r < n_rows; ++r) axpy_f16(probs[j * n_rows + r], pool + rows[r], out + j * dim, dim);
+      for (std::int64_t r = 0; r < n_rows; ++r) axpy_f16(probs[j * ld + r], pool + rows[r], out + j * dim, dim);
     return;
   }
-  for (std::int64_t r = 0; r < n_rows; ++r) {
-    const auto* v = reinterpret_cast<const __m128i*>(pool + rows[r]);
-    __m256 vc[8];
-    for (int c = 0; c < 8; ++c) vc[c] = _mm256_cvtph_ps(_mm_loadu_si128(v + c));
+  constexpr std::int64_t kChunk = 32;
+  alignas(32) float vf[kChunk * 64];
+  for (std::int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {
+    const std::int64_t nr = std::min(kChunk, n_rows - r0);
+    for (std::int64_t r = 0; r < nr; ++r) {
+      const auto* v = reinterpret_cast<const __m128i*>(pool + rows[r0 + r]);
+      for (int c = 0; c < 8; ++c) _mm256_store_ps(vf + r * 64 + c * 8, _mm256_cvtph_ps(_mm_loadu_si128(v + c)));
+    }
     for (int j = 0; j < n_q; ++j) {
-      const __m256 p = _mm256_set1_ps(probs[j * n_rows + r]);
       float* o = out + j * 64;
-      for (int c = 0; c < 8; ++c)
-        _mm256_storeu_ps(o + c * 8, _mm256_fmadd_ps(p, vc[c], _mm256_loadu_ps(o + c * 8)));
+      const float* p = probs + j * ld + r0;
+      __m256 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(o + c * 8);
+      for (std::int64_t r = 0; r < nr; ++r) {
+        const __m256 pr = _mm256_broadcast_ss(p + r);
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(pr, _mm256_load_ps(vf + r * 64 + c * 8), acc[c]);
+      }
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + c * 8, acc[c]);
     }
   }
 }
 
-// The exponentials are std::exp's, as in the portable path: a vector approximation (a degree-6
-// polynomial, within 2 ulp) measured 15% more batched throughput but moved a greedy continuation
-// of the llama.cpp reference off its tokens, so the softmax keeps the exact function and
-// vectorizes the rest (max, double sum, scaling, F16 rounding).
+// expf as glibc computes it on CPUs with FMA, four lanes at a time in double precision, so the
+// softmax gets std::exp's values bit for bit at vector speed: x * 32/ln2 = k + r with k an
+// integer, exp(x) = 2^(k/32) * 2^(r/32), the first factor from a 32-entry table of 2^(i/32)
+// (exponent bits folded in) and the second a cubic in r. The polynomial coefficients are
+// glibc's; the table is computed here. Lanes at or beyond |x| >= 88 (where expf overflows,
+// underflows or returns NaN/Inf) are handed to std::exp.
+struct ExpTable {
+  std::uint64_t entry[32];
+  ExpTable() {
+    for (int i = 0; i < 32; ++i) {
+      const double v = static_cast<double>(std::exp2l(static_cast<long double>(i) / 32.0L));
+      std::uint64_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      entry[i] = bits - (static_cast<std::uint64_t>(i) << 47);
+    }
+  }
+};
+const ExpTable& exp_table() {
+  static const ExpTable table;
+  return table;
+}
+
+inline __m128 exp4(__m128 x, const ExpTable& table) {
+  const __m256d inv_ln2_n = _mm256_set1_pd(0x1.71547652b82fep+0 * 32);
+  const __m256d shift = _mm256_set1_pd(0x1.8p+52);
+  const __m256d xd = _mm256_cvtps_pd(x);
+  const __m256d kd_shifted = _mm256_fmadd_pd(inv_ln2_n, xd, shift);
+  const __m256d kd = _mm256_sub_pd(kd_shifted, shift);
+  const __m256d r = _mm256_fmsub_pd(inv_ln2_n, xd, kd);
+  const __m256i ki = _mm256_castpd_si256(kd_shifted);
+  const __m256i index = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+  const __m256i t = _mm256_add_epi64(
+      _mm256_i64gather_epi64(reinterpret_cast<const long long*>(table.entry), index, 8),
+      _mm256_slli_epi64(ki, 47));
+  const __m256d z = _mm256_fmadd_pd(r, _mm256_set1_pd(0x1.c6af84b912394p-5 / (32.0 * 32.0 * 32.0)),
+                                    _mm256_set1_pd(0x1.ebfce50fac4f3p-3 / (32.0 * 32.0)));
+  const __m256d r2 = _mm256_mul_pd(r, r);
+  __m256d y = _mm256_fmadd_pd(r, _mm256_set1_pd(0x1.62e42ff0c52d6p-1 / 32.0), _mm256_set1_pd(1.0));
+  y = _mm256_fmadd_pd(z, r2, y);
+  y = _mm256_mul_pd(y, _mm256_castsi256_pd(t));
+  return _mm256_cvtpd_ps(y);
+}
+
+inline __m256 exp8(__m256 x, const ExpTable& table) {
+  const __m256 big = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(88.0f),
+                                   _CMP_NLT_UQ);  // |x| >= 88 or NaN
+  if (_mm256_movemask_ps(big) != 0) {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, x);
+    for (float& v : t) v = std::exp(v);
+    return _mm256_load_ps(t);
+  }
+  return _mm256_set_m128(exp4(_mm256_extractf128_ps(x, 1), table), exp4(_mm256_castps256_ps128(x), table));
+}
+
 void softmax_f16(float* x, std::int64_t n) {
+  const ExpTable& table = exp_table();
   float max = -INFINITY;
   std::int64_t i = 0;
   if (n >= 8) {
@@ -331,10 +396,7 @@ void softmax_f16(float* x, std::int64_t n) {
   const __m256 vmax = _mm256_set1_ps(max);
   __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
   for (i = 0; i + 8 <= n; i += 8) {
-    alignas(32) float t[8];
-    _mm256_store_ps(t, _mm256_sub_ps(_mm256_loadu_ps(x + i), vmax));
-    for (float& v : t) v = std::exp(v);
-    const __m256 e = _mm256_load_ps(t);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax), table);
     _mm256_storeu_ps(x + i, e);
     s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
     s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
@@ -353,6 +415,14 @@ void softmax_f16(float* x, std::int64_t n) {
     _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
   }
   for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i] * inv));
+}
+
+// out[i] = std::exp(x[i]) through the vector path (the softmax's exponentials, on their own).
+void exp_f32(const float* x, float* out, std::int64_t n) {
+  const ExpTable& table = exp_table();
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, exp8(_mm256_loadu_ps(x + i), table));
+  for (; i < n; ++i) out[i] = std::exp(x[i]);
 }
 
 void to_f16(const float* x, std::uint16_t* out, std::int64_t n) {
@@ -398,7 +468,8 @@ const Kernels* BATCHLM_KERNELS_ENTRY() {
                          round_f16,
                          score_rows,
                          mix_rows,
-                         softmax_f16};
+                         softmax_f16,
+                         exp_f32};
   return &k;
 }
 

@@ -24,20 +24,27 @@ using DotF16Fn = float (*)(const float* q, const std::uint16_t* k, std::int64_t 
 using AxpyF16Fn = void (*)(float p, const std::uint16_t* v, float* out, std::int64_t n);
 
 // Attention over gathered F16 rows (the positions a query sees, wherever their blocks are),
-// for n_q queries that share the rows (the query heads of one KV head).
-// scores[j * n_rows + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale, bit for bit.
+// for n_q queries that share the rows (the query heads of one KV head, or of several tokens
+// whose sequences share these cached blocks). Scores and probabilities of query j are at
+// j * ld, ld >= n_rows.
+// scores[j * ld + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale, bit for bit.
 using ScoreRowsFn = void (*)(const float* q, int n_q, const std::uint16_t* pool,
                              const std::int64_t* rows, std::int64_t n_rows, std::int64_t dim,
-                             float scale, float* scores);
-// out + j * dim += sum over r, in order, of probs[j * n_rows + r] * pool[rows[r]] (the same
-// sums as axpy_f16 row by row, bit for bit).
+                             float scale, float* scores, std::int64_t ld);
+// out + j * dim += sum over r, in order, of probs[j * ld + r] * pool[rows[r]] (the same sums
+// as axpy_f16 row by row, bit for bit).
 using MixRowsFn = void (*)(const float* probs, int n_q, const std::uint16_t* pool,
                            const std::int64_t* rows, std::int64_t n_rows, std::int64_t dim,
-                           float* out);
+                           float* out, std::int64_t ld);
 
 // Softmax of one row of attention scores in place, each probability then rounded to the nearest
-// F16 value (std::exp on every path; the paths may differ in the last bit of the double sum).
+// F16 value. The exponentials are std::exp's on every path (the AVX2 path computes glibc's
+// algorithm four lanes at a time, bit for bit); the paths may differ in the last bit of the
+// double sum.
 using SoftmaxF16Fn = void (*)(float* x, std::int64_t n);
+
+// out[i] = std::exp(x[i]), bit for bit on every path.
+using ExpFn = void (*)(const float* x, float* out, std::int64_t n);
 
 // Rows of floats to F16, and floats rounded to the nearest F16 value in place.
 using ToF16Fn = void (*)(const float* x, std::uint16_t* out, std::int64_t n);
@@ -60,6 +67,7 @@ struct Kernels {
   ScoreRowsFn score_rows;
   MixRowsFn mix_rows;
   SoftmaxF16Fn softmax_f16;
+  ExpFn exp_f32;
 };
 
 const Kernels& portable_kernels();

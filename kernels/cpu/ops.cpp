@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -284,44 +286,149 @@ void attention(const AttentionShape& s, const float* q, std::int64_t n,
   attention_paged(s, q, n, positions, kv, out, pool);
 }
 
+namespace {
+
+// Row offsets in the pool of positions [from, to) of a sequence with this block table, for
+// KV head kvh.
+void gather_rows(const AttentionShape& s, const PagedKv& kv, std::span<const std::int32_t> table,
+                 std::int64_t kvh, std::int64_t from, std::int64_t to, std::int64_t* rows) {
+  for (std::int64_t p = from; p < to; ++p) {
+    const std::int64_t block = table[p / kv.block_size];
+    rows[p - from] = (block * kv.block_size + p % kv.block_size) * s.kv_stride + kvh * s.head_dim;
+  }
+}
+
+// Few tokens (one sequence decoding): one work item per query head, so every thread is busy.
+void attention_per_head(const AttentionShape& s, const float* q, std::int64_t n,
+                        const std::int32_t* positions, const PagedKv& kv, float* out,
+                        ThreadPool& pool) {
+  const auto& kern = kernels();
+  const std::int64_t group = s.n_heads / s.n_kv_heads;
+  pool.parallel_for(n * s.n_heads, 1, [&](std::int64_t b, std::int64_t e, int) {
+    std::vector<float> qh(static_cast<std::size_t>(s.head_dim));
+    std::vector<float> scores;
+    std::vector<std::int64_t> rows;
+    for (std::int64_t index = b; index < e; ++index) {
+      // Latest tokens first: they see the most positions, so the longest items start first.
+      const std::int64_t item = n * s.n_heads - 1 - index;
+      const std::int64_t t = item / s.n_heads, h = item % s.n_heads;
+      const std::int64_t n_ctx = positions[t] + 1;
+      rows.resize(static_cast<std::size_t>(n_ctx));
+      gather_rows(s, kv, kv.block_tables[kv.sequence_of[t]], h / group, 0, n_ctx, rows.data());
+      const float* qsrc = q + (t * s.n_heads + h) * s.head_dim;
+      qh.assign(qsrc, qsrc + s.head_dim);
+      kern.round_f16(qh.data(), s.head_dim);
+      scores.resize(static_cast<std::size_t>(n_ctx));
+      kern.score_rows(qh.data(), 1, kv.k_pool, rows.data(), n_ctx, s.head_dim, s.scale, scores.data(), n_ctx);
+      kern.softmax_f16(scores.data(), n_ctx);
+      float* o = out + (t * s.n_heads + h) * s.head_dim;
+      std::fill(o, o + s.head_dim, 0.0f);
+      kern.mix_rows(scores.data(), 1, kv.v_pool, rows.data(), n_ctx, s.head_dim, o, n_ctx);
+    }
+  });
+}
+
+}  // namespace
+
 void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
                      const std::int32_t* positions, const PagedKv& kv, float* out,
                      ThreadPool& pool) {
-  const auto& kern = kernels();
-  const std::int64_t group = s.n_heads / s.n_kv_heads;
-  // One work item is a token and `span` query heads of one KV head: the heads of a group share
-  // each key and value row. With few items (one token decoding), a head per item keeps every
-  // thread busy instead.
-  const std::int64_t span =
-      n * s.n_kv_heads >= 4 * static_cast<std::int64_t>(pool.size()) ? group : 1;
-  const std::int64_t per_token = s.n_heads / span;
-  pool.parallel_for(n * per_token, 1, [&](std::int64_t b, std::int64_t e, int) {
-    std::vector<float> qh;
-    std::vector<float> scores;
-    std::vector<std::int64_t> rows;  // element offset of each visible position in the pool
-    for (std::int64_t index = b; index < e; ++index) {
-      // Latest tokens first: they see the most positions, so the longest items start first.
-      const std::int64_t item = n * per_token - 1 - index;
-      const std::int64_t t = item / per_token;
-      const std::int64_t h0 = item % per_token * span;  // first query head of the item
-      const std::int64_t kvh = h0 / group;
-      const std::int64_t n_ctx = positions[t] + 1;
-      const std::span<const std::int32_t> table = kv.block_tables[kv.sequence_of[t]];
-      rows.resize(static_cast<std::size_t>(n_ctx));
-      for (std::int64_t p = 0; p < n_ctx; ++p) {
-        const std::int64_t block = table[p / kv.block_size];
-        rows[p] = (block * kv.block_size + p % kv.block_size) * s.kv_stride + kvh * s.head_dim;
+  const std::int64_t threads = pool.size();
+  if (n * s.n_kv_heads < 4 * threads) {
+    attention_per_head(s, q, n, positions, kv, out, pool);
+    return;
+  }
+  // Tokens whose sequences share their first cached blocks (a common prompt prefix through the
+  // prefix cache, or several prompt tokens of one sequence) read those rows together: each key
+  // and value row of the shared part is gathered once for all their query heads instead of once
+  // per token. Every query's scores, softmax and sums are the same arithmetic in the same order
+  // as alone, so the result does not depend on what else is in the batch.
+  const auto table_of = [&](std::int64_t t) { return kv.block_tables[kv.sequence_of[t]]; };
+  std::vector<std::int64_t> order(static_cast<std::size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
+    const std::int32_t fa = table_of(a)[0], fb = table_of(b)[0];
+    if (fa != fb) return fa < fb;
+    if (kv.sequence_of[a] != kv.sequence_of[b]) return kv.sequence_of[a] < kv.sequence_of[b];
+    return positions[a] < positions[b];
+  });
+  struct Item {
+    std::int64_t begin, end;  // tokens order[begin, end)
+    std::int64_t kvh;
+    std::int64_t shared;  // positions [0, shared) are the same rows for all of them
+  };
+  const std::int64_t chunk = std::clamp<std::int64_t>(
+      (n * s.n_kv_heads + 4 * threads - 1) / (4 * threads), 1, 16);
+  std::vector<Item> items;
+  for (std::int64_t begin = 0; begin < n;) {
+    const std::int32_t first = table_of(order[begin])[0];
+    std::int64_t end = begin + 1;
+    while (end < n && table_of(order[end])[0] == first) ++end;
+    // Split the run into chunks of tokens; each chunk shares what all its tokens share.
+    for (std::int64_t c0 = begin; c0 < end; c0 += chunk) {
+      const std::int64_t c1 = std::min(end, c0 + chunk);
+      const std::span<const std::int32_t> lead = table_of(order[c0]);
+      std::int64_t shared = std::numeric_limits<std::int64_t>::max();
+      for (std::int64_t i = c0; i < c1; ++i) {
+        const std::int64_t t = order[i];
+        shared = std::min<std::int64_t>(shared, positions[t] + 1);
+        const std::span<const std::int32_t> table = table_of(t);
+        std::int64_t blocks = 0;
+        while (blocks * kv.block_size < shared && table[blocks] == lead[blocks]) ++blocks;
+        shared = std::min(shared, blocks * kv.block_size);
       }
-      const float* qsrc = q + (t * s.n_heads + h0) * s.head_dim;
-      qh.assign(qsrc, qsrc + span * s.head_dim);
-      kern.round_f16(qh.data(), span * s.head_dim);
-      scores.resize(static_cast<std::size_t>(span * n_ctx));
-      kern.score_rows(qh.data(), static_cast<int>(span), kv.k_pool, rows.data(), n_ctx, s.head_dim,
-                      s.scale, scores.data());
-      for (std::int64_t j = 0; j < span; ++j) kern.softmax_f16(scores.data() + j * n_ctx, n_ctx);
-      float* o = out + (t * s.n_heads + h0) * s.head_dim;
-      std::fill(o, o + span * s.head_dim, 0.0f);
-      kern.mix_rows(scores.data(), static_cast<int>(span), kv.v_pool, rows.data(), n_ctx, s.head_dim, o);
+      for (std::int64_t h = 0; h < s.n_kv_heads; ++h) items.push_back({c0, c1, h, shared});
+    }
+    begin = end;
+  }
+
+  const auto& kern = kernels();
+  const std::int64_t group = s.n_heads / s.n_kv_heads, dim = s.head_dim;
+  pool.parallel_for(static_cast<std::int64_t>(items.size()), 1, [&](std::int64_t b, std::int64_t e, int) {
+    std::vector<float> qbuf, scores, obuf;
+    std::vector<std::int64_t> shared_rows, tail_rows, tail_start;
+    for (std::int64_t index = b; index < e; ++index) {
+      const Item& it = items[index];
+      const std::int64_t m = it.end - it.begin, n_q = m * group;
+      std::int64_t ld = 0;
+      for (std::int64_t i = 0; i < m; ++i) ld = std::max<std::int64_t>(ld, positions[order[it.begin + i]] + 1);
+      qbuf.resize(static_cast<std::size_t>(n_q * dim));
+      for (std::int64_t i = 0; i < m; ++i) {
+        const float* src = q + (order[it.begin + i] * s.n_heads + it.kvh * group) * dim;
+        std::copy_n(src, group * dim, qbuf.data() + i * group * dim);
+      }
+      kern.round_f16(qbuf.data(), n_q * dim);
+      shared_rows.resize(static_cast<std::size_t>(it.shared));
+      gather_rows(s, kv, table_of(order[it.begin]), it.kvh, 0, it.shared, shared_rows.data());
+      tail_start.assign(1, 0);
+      tail_rows.clear();
+      for (std::int64_t i = 0; i < m; ++i) {
+        const std::int64_t t = order[it.begin + i], n_ctx = positions[t] + 1;
+        tail_rows.resize(static_cast<std::size_t>(tail_start.back() + n_ctx - it.shared));
+        gather_rows(s, kv, table_of(t), it.kvh, it.shared, n_ctx, tail_rows.data() + tail_start.back());
+        tail_start.push_back(static_cast<std::int64_t>(tail_rows.size()));
+      }
+      scores.resize(static_cast<std::size_t>(n_q * ld));
+      kern.score_rows(qbuf.data(), static_cast<int>(n_q), kv.k_pool, shared_rows.data(), it.shared, dim,
+                      s.scale, scores.data(), ld);
+      for (std::int64_t i = 0; i < m; ++i)
+        kern.score_rows(qbuf.data() + i * group * dim, static_cast<int>(group), kv.k_pool,
+                        tail_rows.data() + tail_start[i], tail_start[i + 1] - tail_start[i], dim, s.scale,
+                        scores.data() + i * group * ld + it.shared, ld);
+      for (std::int64_t i = 0; i < m; ++i) {
+        const std::int64_t n_ctx = positions[order[it.begin + i]] + 1;
+        for (std::int64_t j = 0; j < group; ++j) kern.softmax_f16(scores.data() + (i * group + j) * ld, n_ctx);
+      }
+      obuf.assign(static_cast<std::size_t>(n_q * dim), 0.0f);
+      kern.mix_rows(scores.data(), static_cast<int>(n_q), kv.v_pool, shared_rows.data(), it.shared, dim,
+                    obuf.data(), ld);
+      for (std::int64_t i = 0; i < m; ++i) {
+        kern.mix_rows(scores.data() + i * group * ld + it.shared, static_cast<int>(group), kv.v_pool,
+                      tail_rows.data() + tail_start[i], tail_start[i + 1] - tail_start[i], dim,
+                      obuf.data() + i * group * dim, ld);
+        std::copy_n(obuf.data() + i * group * dim, group * dim,
+                    out + (order[it.begin + i] * s.n_heads + it.kvh * group) * dim);
+      }
     }
   });
 }

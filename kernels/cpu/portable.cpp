@@ -127,16 +127,17 @@ void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
 
 // The gathered-row attention loops on top of dot_f16 / axpy_f16 (any dim).
 void score_rows_generic(const float* q, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
-                        std::int64_t n_rows, std::int64_t dim, float scale, float* scores) {
+                        std::int64_t n_rows, std::int64_t dim, float scale, float* scores,
+                        std::int64_t ld) {
   for (int j = 0; j < n_q; ++j)
     for (std::int64_t r = 0; r < n_rows; ++r)
-      scores[j * n_rows + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale;
+      scores[j * ld + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale;
 }
 
 void mix_rows_generic(const float* probs, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
-                      std::int64_t n_rows, std::int64_t dim, float* out) {
+                      std::int64_t n_rows, std::int64_t dim, float* out, std::int64_t ld) {
   for (int j = 0; j < n_q; ++j)
-    for (std::int64_t r = 0; r < n_rows; ++r) axpy_f16(probs[j * n_rows + r], pool + rows[r], out + j * dim, dim);
+    for (std::int64_t r = 0; r < n_rows; ++r) axpy_f16(probs[j * ld + r], pool + rows[r], out + j * dim, dim);
 }
 
 void softmax_f16(float* x, std::int64_t n) {
@@ -149,6 +150,10 @@ void softmax_f16(float* x, std::int64_t n) {
   }
   const float inv = static_cast<float>(1.0 / sum);
   for (std::int64_t i = 0; i < n; ++i) x[i] = h2f(fp32_to_fp16(x[i] * inv));
+}
+
+void exp_f32(const float* x, float* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] = std::exp(x[i]);
 }
 
 void to_f16(const float* x, std::uint16_t* out, std::int64_t n) {
@@ -167,7 +172,7 @@ const Kernels& portable_kernels() {
                          tile_f32,          quantize_q8<BlockQ8_0>, quantize_q8<BlockQ8_1>,
                          dot_f16,           axpy_f16,         to_f16,
                          round_f16,         score_rows_generic, mix_rows_generic,
-                         softmax_f16};
+                         softmax_f16,       exp_f32};
   return k;
 }
 

@@ -2,8 +2,10 @@
 // AVX2 path against the portable one, and the drivers (matmul, attention, rope, norm).
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -178,35 +180,74 @@ TEST(Avx2, AgreesWithPortable) {
 }
 
 // The gathered-row attention kernels give bit for bit what dot_f16 / axpy_f16 give row by row,
-// on every path, for the head size with a fast path (64) and one without (40).
+// on every path, for the head size with a fast path (64) and one without (40), with scores
+// spaced by a leading dimension and more rows than one chunk of the value conversion.
 TEST(Attention, RowKernelsMatchRowByRow) {
   std::vector<const cpu::Kernels*> paths = {&cpu::portable_kernels()};
   if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
   if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
-  for (const std::int64_t dim : {64, 40}) {
-    const std::int64_t stride = 3 * dim, n_rows = 37, n_q = 3;
-    const auto pf = random_floats(50 * stride, 60);
-    std::vector<std::uint16_t> pool(pf.size());
-    for (std::size_t i = 0; i < pf.size(); ++i) pool[i] = fp32_to_fp16(pf[i]);
-    std::vector<std::int64_t> rows(n_rows);
-    std::mt19937 rng(7);
-    for (auto& r : rows) r = static_cast<std::int64_t>(rng() % 50) * stride + dim;
-    auto q = random_floats(n_q * dim, 61);
-    cpu::portable_kernels().round_f16(q.data(), n_q * dim);
-    const auto probs = random_floats(n_q * n_rows, 62);
-    for (const cpu::Kernels* k : paths) {
-      std::vector<float> scores(n_q * n_rows);
-      k->score_rows(q.data(), n_q, pool.data(), rows.data(), n_rows, dim, 0.125f, scores.data());
-      std::vector<float> out(n_q * dim, 0.5f), expected(n_q * dim, 0.5f);
-      k->mix_rows(probs.data(), n_q, pool.data(), rows.data(), n_rows, dim, out.data());
-      for (std::int64_t j = 0; j < n_q; ++j)
-        for (std::int64_t r = 0; r < n_rows; ++r) {
-          ASSERT_EQ(scores[j * n_rows + r], k->dot_f16(q.data() + j * dim, pool.data() + rows[r], dim) * 0.125f)
-              << k->name << " dim " << dim << " query " << j << " row " << r;
-          k->axpy_f16(probs[j * n_rows + r], pool.data() + rows[r], expected.data() + j * dim, dim);
+  for (const std::int64_t dim : {64, 40})
+    for (const std::int64_t n_rows : {1, 37, 70})
+      for (const int n_q : {1, 3, 7}) {
+        const std::int64_t stride = 3 * dim, ld = n_rows + 5;
+        const auto pf = random_floats(50 * stride, 60);
+        std::vector<std::uint16_t> pool(pf.size());
+        for (std::size_t i = 0; i < pf.size(); ++i) pool[i] = fp32_to_fp16(pf[i]);
+        std::vector<std::int64_t> rows(n_rows);
+        std::mt19937 rng(7);
+        for (auto& r : rows) r = static_cast<std::int64_t>(rng() % 50) * stride + dim;
+        auto q = random_floats(n_q * dim, 61);
+        cpu::portable_kernels().round_f16(q.data(), n_q * dim);
+        const auto probs = random_floats(n_q * ld, 62);
+        for (const cpu::Kernels* k : paths) {
+          std::vector<float> scores(n_q * ld, -1.0f);
+          k->score_rows(q.data(), n_q, pool.data(), rows.data(), n_rows, dim, 0.125f, scores.data(), ld);
+          std::vector<float> out(n_q * dim, 0.5f), expected(n_q * dim, 0.5f);
+          k->mix_rows(probs.data(), n_q, pool.data(), rows.data(), n_rows, dim, out.data(), ld);
+          for (std::int64_t j = 0; j < n_q; ++j) {
+            for (std::int64_t r = 0; r < n_rows; ++r) {
+              ASSERT_EQ(scores[j * ld + r], k->dot_f16(q.data() + j * dim, pool.data() + rows[r], dim) * 0.125f)
+                  << k->name << " dim " << dim << " query " << j << " row " << r;
+              k->axpy_f16(probs[j * ld + r], pool.data() + rows[r], expected.data() + j * dim, dim);
+            }
+            for (std::int64_t r = n_rows; r < ld; ++r) ASSERT_EQ(scores[j * ld + r], -1.0f) << "wrote past n_rows";
+          }
+          for (std::size_t i = 0; i < out.size(); ++i)
+            ASSERT_EQ(out[i], expected[i]) << k->name << " dim " << dim << " rows " << n_rows << " at " << i;
         }
-      for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], expected[i]) << k->name << " dim " << dim << " at " << i;
+      }
+}
+
+// The softmax's exponentials are std::exp's bit for bit on every path: a spread of bit patterns
+// over the whole float range, the edges where expf stops being finite, and the special values.
+TEST(Attention, ExpIsStdExpBitForBit) {
+  std::vector<float> x;
+  for (std::uint64_t bits = 0; bits < (1ull << 32); bits += 4093) x.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(bits)));
+  for (const float edge : {88.0f, 88.7228f, 88.7229f, -87.33f, -88.0f, -103.28f, -103.97f, -104.0f, 0.0f, -0.0f,
+                           1e-30f, -1e-30f, 0.5f, -0.5f, std::numeric_limits<float>::infinity(),
+                           -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()})
+    for (const float direction : {-INFINITY, INFINITY}) {
+      float v = edge;
+      for (int step = 0; step < 8; ++step) x.push_back(v = std::nextafter(v, direction));
     }
+  // Softmax inputs: x - max, in [-60, 0].
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-60.0f, 0.0f);
+  for (int i = 0; i < 100000; ++i) x.push_back(u(rng));
+  std::vector<const cpu::Kernels*> paths = {&cpu::portable_kernels()};
+  if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
+  for (const cpu::Kernels* k : paths) {
+    std::vector<float> y(x.size());
+    k->exp_f32(x.data(), y.data(), static_cast<std::int64_t>(x.size()));
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const float e = std::exp(x[i]);
+      if (std::bit_cast<std::uint32_t>(e) != std::bit_cast<std::uint32_t>(y[i]) && !(std::isnan(e) && std::isnan(y[i]))) {
+        if (++wrong <= 5) ADD_FAILURE() << k->name << ": exp(" << x[i] << ") = " << y[i] << ", std::exp gives " << e;
+      }
+    }
+    EXPECT_EQ(wrong, 0u) << k->name << " on " << x.size() << " values";
   }
 }
 
@@ -315,6 +356,51 @@ TEST(Attention, PagedEqualsContiguousPerSequence) {
     attention(s, q.data() + t * row, 1, &positions[t], kc[sequence_of[t]].data(),
               vc[sequence_of[t]].data(), ref.data(), pool);
     for (std::int64_t i = 0; i < row; ++i) ASSERT_EQ(paged[t * row + i], ref[i]) << "token " << t << " element " << i;
+  }
+}
+
+// Sequences that share cached prefix blocks (the same block ids at the start of their tables),
+// one that diverges part-way, one that shares nothing, decoding tokens and a run of prompt
+// tokens in one batch: every token's output is bit for bit what it gets alone over a
+// contiguous copy of its cache, for the head size with a fast path and one without.
+TEST(Attention, SharedPrefixBlocksGiveTheSameResultAsAlone) {
+  for (const std::int64_t dim : {64, 40}) {
+    const AttentionShape s{6, 2, dim, 2 * dim, 0.2f};
+    const std::int64_t block = 4, n_blocks = 40;
+    // Blocks 0..5 hold a shared prefix of 24 positions; sequence 2 shares only blocks 0..2.
+    std::vector<std::vector<std::int32_t>> tables = {
+        {0, 1, 2, 3, 4, 5, 10, 11}, {0, 1, 2, 3, 4, 5, 12, 13, 14}, {0, 1, 2, 20, 21, 22, 23}, {30, 31, 32}};
+    const std::int64_t lens[4] = {30, 35, 27, 12};
+    std::vector<std::span<const std::int32_t>> spans(tables.begin(), tables.end());
+    const auto kf = random_floats(n_blocks * block * s.kv_stride, 80), vf = random_floats(kf.size(), 81);
+    std::vector<std::uint16_t> kpool(kf.size()), vpool(kf.size());
+    for (std::size_t i = 0; i < kf.size(); ++i) kpool[i] = fp32_to_fp16(kf[i]), vpool[i] = fp32_to_fp16(vf[i]);
+    // The batch: the last position of every sequence, and the 6 positions before sequence 1's.
+    std::vector<std::int32_t> positions, sequence_of;
+    for (int seq = 0; seq < 4; ++seq) positions.push_back(static_cast<std::int32_t>(lens[seq] - 1)), sequence_of.push_back(seq);
+    for (int p = 28; p < 34; ++p) positions.push_back(p), sequence_of.push_back(1);
+    const auto n = static_cast<std::int64_t>(positions.size());
+    const std::int64_t row = s.n_heads * s.head_dim;
+    const auto q = random_floats(n * row, 82);
+    std::vector<float> batched(q.size());
+    ThreadPool pool(2);
+    const PagedKv kv{kpool.data(), vpool.data(), block, spans, sequence_of.data()};
+    attention_paged(s, q.data(), n, positions.data(), kv, batched.data(), pool);
+    for (std::int64_t t = 0; t < n; ++t) {
+      // A contiguous copy of the positions this token sees.
+      const auto& table = tables[sequence_of[t]];
+      const std::int64_t n_ctx = positions[t] + 1;
+      std::vector<std::uint16_t> kc(n_ctx * s.kv_stride), vc(kc.size());
+      for (std::int64_t p = 0; p < n_ctx; ++p) {
+        const std::int64_t src = (table[p / block] * block + p % block) * s.kv_stride;
+        std::copy_n(kpool.data() + src, s.kv_stride, kc.data() + p * s.kv_stride);
+        std::copy_n(vpool.data() + src, s.kv_stride, vc.data() + p * s.kv_stride);
+      }
+      std::vector<float> alone(row);
+      attention(s, q.data() + t * row, 1, &positions[t], kc.data(), vc.data(), alone.data(), pool);
+      for (std::int64_t i = 0; i < row; ++i)
+        ASSERT_EQ(batched[t * row + i], alone[i]) << "dim " << dim << " token " << t << " element " << i;
+    }
   }
 }
 
