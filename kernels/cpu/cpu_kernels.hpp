@@ -52,6 +52,7 @@ using RoundF16Fn = void (*)(float* x, std::int64_t n);
 
 struct Kernels {
   const char* name;
+  int tile_tokens;  // the widest tile of the matrix products (tokens; rows are always kTileRows)
   TileFn tile_q4_0;
   TileFn tile_q4_1;
   TileFn tile_q8_0;
@@ -75,9 +76,12 @@ const Kernels& portable_kernels();
 // set is the AVX2 set with the 8-bit dot products done by one VNNI instruction (same results).
 const Kernels* avx2_kernels();
 const Kernels* avx_vnni_kernels();
+// The AVX-VNNI set again with AVX-512VL encodings: the same 256-bit arithmetic (same results)
+// with 32 registers, so each weight tile is used for 4 tokens instead of 2.
+const Kernels* avx512_kernels();
 
-// The largest tile the drivers ask for.
+// The row count of the largest tile the drivers ask for (its token count is tile_tokens).
 inline constexpr int kTileRows = 4;
-inline constexpr int kTileTokens = 2;
+inline constexpr int kMaxTileTokens = 4;
 
 }  // namespace batchlm::kernels::cpu

@@ -20,10 +20,13 @@ namespace {
 
 const cpu::Kernels& kernels() {
   static const cpu::Kernels& chosen = [] () -> const cpu::Kernels& {
-    // BATCHLM_CPU_SIMD=portable|avx2 caps the path (for tests and comparisons).
+    // BATCHLM_CPU_SIMD=portable|avx2|avx-vnni caps the path (for tests and comparisons).
     const char* env = std::getenv("BATCHLM_CPU_SIMD");
     const std::string force = env ? env : "";
     if (force == "portable") return cpu::portable_kernels();
+    if (force != "avx2" && force != "avx-vnni") {
+      if (const cpu::Kernels* wide = cpu::avx512_kernels()) return *wide;
+    }
     if (force != "avx2") {
       if (const cpu::Kernels* vnni = cpu::avx_vnni_kernels()) return *vnni;
     }
@@ -146,6 +149,7 @@ void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
   first_tile[0] = 0;
   for (std::size_t i = 0; i < w.size(); ++i)
     first_tile[i + 1] = first_tile[i] + (w[i].rows + cpu::kTileRows - 1) / cpu::kTileRows;
+  const int tile_tokens = kernels().tile_tokens;
   // Row tiles of all matrices are one range over the threads; for each row tile every token,
   // so the weight tile stays in L1 while the (smaller) converted activations stream from L2.
   pool.parallel_for(first_tile[w.size()], 4, [&](std::int64_t b, std::int64_t e, int) {
@@ -164,8 +168,8 @@ void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
           tile[m](wd + r * w_row[m], w_row[m], 1, xq[m], x_row[m], 1, n_blocks[m], y[m] + r0 + r, rows);
         continue;
       }
-      for (std::int64_t t0 = 0; t0 < n; t0 += cpu::kTileTokens) {
-        const int nt = static_cast<int>(std::min<std::int64_t>(cpu::kTileTokens, n - t0));
+      for (std::int64_t t0 = 0; t0 < n; t0 += tile_tokens) {
+        const int nt = static_cast<int>(std::min<std::int64_t>(tile_tokens, n - t0));
         tile[m](wd, w_row[m], nr, xq[m] + t0 * x_row[m], x_row[m], nt, n_blocks[m],
                 y[m] + t0 * rows + r0, rows);
       }

@@ -167,7 +167,7 @@ void round_f16(float* x, std::int64_t n) {
 }  // namespace
 
 const Kernels& portable_kernels() {
-  static const Kernels k{"portable",        tile_q4_0,        tile_q4_1,
+  static const Kernels k{"portable",        2,                tile_q4_0,        tile_q4_1,
                          tile_q8_0,         tile_f16,         tile_bf16,
                          tile_f32,          quantize_q8<BlockQ8_0>, quantize_q8<BlockQ8_1>,
                          dot_f16,           axpy_f16,         to_f16,

@@ -127,21 +127,28 @@ INSTANTIATE_TEST_SUITE_P(Types, MatmulTest,
                                            DType::Q4_0, DType::Q4_1),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
-// The AVX2 path computes what the portable path computes, up to float summation order.
+// The AVX2 path computes what the portable path computes, up to float summation order; the
+// AVX-VNNI and AVX-512VL paths compute what the AVX2 path computes bit for bit, for every tile
+// shape they offer.
 TEST(Avx2, AgreesWithPortable) {
   const cpu::Kernels* avx2 = cpu::avx2_kernels();
   if (avx2 == nullptr) GTEST_SKIP() << "this CPU or build has no AVX2 path";
+  std::vector<const cpu::Kernels*> paths = {avx2};
+  if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
   const cpu::Kernels& ref = cpu::portable_kernels();
   const std::int64_t cols = 320;
-  const auto x = random_floats(2 * cols, 3);
+  constexpr int kTokens = cpu::kMaxTileTokens;
+  const auto x = random_floats(kTokens * cols, 3);
   // Quantization is exact: the same blocks bit for bit.
-  for (bool q81 : {false, true}) {
-    const std::size_t bytes = row_bytes(q81 ? DType::Q8_1 : DType::Q8_0, cols);
-    std::vector<std::uint8_t> a(bytes), b(bytes);
-    (q81 ? ref.quantize_q8_1 : ref.quantize_q8_0)(x.data(), cols, a.data());
-    (q81 ? avx2->quantize_q8_1 : avx2->quantize_q8_0)(x.data(), cols, b.data());
-    EXPECT_EQ(a, b) << (q81 ? "Q8_1" : "Q8_0");
-  }
+  for (const cpu::Kernels* k : paths)
+    for (bool q81 : {false, true}) {
+      const std::size_t bytes = row_bytes(q81 ? DType::Q8_1 : DType::Q8_0, cols);
+      std::vector<std::uint8_t> a(bytes), b(bytes);
+      (q81 ? ref.quantize_q8_1 : ref.quantize_q8_0)(x.data(), cols, a.data());
+      (q81 ? k->quantize_q8_1 : k->quantize_q8_0)(x.data(), cols, b.data());
+      EXPECT_EQ(a, b) << k->name << (q81 ? " Q8_1" : " Q8_0");
+    }
   struct Case { DType w, act; cpu::TileFn cpu::Kernels::*fn; };
   const Case cases[] = {{DType::Q4_0, DType::Q8_0, &cpu::Kernels::tile_q4_0},
                         {DType::Q4_1, DType::Q8_1, &cpu::Kernels::tile_q4_1},
@@ -155,8 +162,8 @@ TEST(Avx2, AgreesWithPortable) {
       w.insert(w.end(), row.begin(), row.end());
     }
     const std::size_t xrb = row_bytes(c.act, cols);
-    std::vector<std::uint8_t> xq(2 * xrb);
-    for (int t = 0; t < 2; ++t) {
+    std::vector<std::uint8_t> xq(kTokens * xrb);
+    for (int t = 0; t < kTokens; ++t) {
       if (c.act == DType::Q8_0) ref.quantize_q8_0(x.data() + t * cols, cols, xq.data() + t * xrb);
       if (c.act == DType::Q8_1) ref.quantize_q8_1(x.data() + t * cols, cols, xq.data() + t * xrb);
       if (c.act == DType::F16 || c.act == DType::F32) {
@@ -166,16 +173,24 @@ TEST(Avx2, AgreesWithPortable) {
     }
     const std::int64_t nb = cols / block_size(c.w);
     const std::size_t wrb = row_bytes(c.w, cols);
-    for (int nr = 1; nr <= 4; ++nr)
-      for (int nt = 1; nt <= 2; ++nt) {
-        float ya[8] = {}, yb[8] = {};
-        (ref.*c.fn)(w.data(), wrb, nr, xq.data(), xrb, nt, nb, ya, 4);
-        (avx2->*c.fn)(w.data(), wrb, nr, xq.data(), xrb, nt, nb, yb, 4);
-        for (int t = 0; t < nt; ++t)
-          for (int r = 0; r < nr; ++r)
-            EXPECT_NEAR(ya[t * 4 + r], yb[t * 4 + r], 1e-3f * (1.0f + std::fabs(ya[t * 4 + r])))
-                << to_string(c.w) << " tile " << nr << "x" << nt;
-      }
+    for (int nr = 1; nr <= 4; ++nr) {
+      // The reference values: portable, and AVX2 two tokens at a time.
+      float ya[4 * kTokens] = {}, y2[4 * kTokens] = {};
+      (ref.*c.fn)(w.data(), wrb, nr, xq.data(), xrb, kTokens, nb, ya, 4);
+      for (int t0 = 0; t0 < kTokens; t0 += 2)
+        (avx2->*c.fn)(w.data(), wrb, nr, xq.data() + t0 * xrb, xrb, 2, nb, y2 + t0 * 4, 4);
+      for (const cpu::Kernels* k : paths)
+        for (int nt = 1; nt <= k->tile_tokens; ++nt) {
+          float yb[4 * kTokens] = {};
+          (k->*c.fn)(w.data(), wrb, nr, xq.data(), xrb, nt, nb, yb, 4);
+          for (int t = 0; t < nt; ++t)
+            for (int r = 0; r < nr; ++r) {
+              EXPECT_NEAR(ya[t * 4 + r], yb[t * 4 + r], 1e-3f * (1.0f + std::fabs(ya[t * 4 + r])))
+                  << k->name << " " << to_string(c.w) << " tile " << nr << "x" << nt;
+              EXPECT_EQ(y2[t * 4 + r], yb[t * 4 + r]) << k->name << " " << to_string(c.w) << " tile " << nr << "x" << nt;
+            }
+        }
+    }
   }
 }
 
@@ -186,6 +201,7 @@ TEST(Attention, RowKernelsMatchRowByRow) {
   std::vector<const cpu::Kernels*> paths = {&cpu::portable_kernels()};
   if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
   if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
   for (const std::int64_t dim : {64, 40})
     for (const std::int64_t n_rows : {1, 37, 70})
       for (const int n_q : {1, 3, 7}) {
@@ -237,6 +253,7 @@ TEST(Attention, ExpIsStdExpBitForBit) {
   std::vector<const cpu::Kernels*> paths = {&cpu::portable_kernels()};
   if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
   if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
   for (const cpu::Kernels* k : paths) {
     std::vector<float> y(x.size());
     k->exp_f32(x.data(), y.data(), static_cast<std::int64_t>(x.size()));
@@ -258,6 +275,7 @@ TEST(Attention, SoftmaxF16MatchesExactOnEveryPath) {
   std::vector<const cpu::Kernels*> paths = {&cpu::portable_kernels()};
   if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
   if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
   for (const std::int64_t n : {1, 7, 8, 37, 1700}) {
     auto row = random_floats(n, 70 + static_cast<unsigned>(n));
     for (std::int64_t i = 0; i < n; ++i) row[i] *= 30.0f;  // scores from about -30 to 30
