@@ -199,54 +199,73 @@ void tile_q4_1_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, 
 // Signed 8-bit weights against Q8_0 activations: `load` gives a weight block's 32 values as
 // signed bytes (Q4_0: the nibbles minus 8; Q8_0: as stored).
 template <typename WBlock, __m256i (*load)(const WBlock&), int NR, int NT>
-void tile_signed_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x,
-                   std::size_t xrb, std::int64_t nb, float* y, std::int64_t ys) {
+void tile_signed_scalar(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x,
+                        std::size_t xrb, std::int64_t nb, float* y, std::int64_t ys) {
   __m256 acc[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
-#if defined(BATCHLM_KERNELS_AVX512)
-  if constexpr (NR * NT >= 8) {  // as tile_q4_1_t
-    using H = TileHeaders<NR, NT>;
-    static const H idx;
-    alignas(32) float scale[H::kVectors * 8];
-    for (std::int64_t b = 0; b < nb; ++b) {
-      // Lane 2i of each header vector is block b's scale of row (token) i.
-      const __m256 wh = block_headers<NR>(w, wrb, b * sizeof(WBlock));
-      const __m256 xh = block_headers<NT>(x, xrb, b * sizeof(BlockQ8_0));
-      for (int v = 0; v < H::kVectors; ++v)
-        _mm256_store_ps(scale + v * 8, _mm256_mul_ps(_mm256_permutevar8x32_ps(wh, idx.w_first[v]),
-                                                     _mm256_permutevar8x32_ps(xh, idx.x_first[v])));
-      __m256i xq[NT];
-      for (int t = 0; t < NT; ++t)
-        xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>((reinterpret_cast<const BlockQ8_0*>(x + t * xrb) + b)->qs));
-      for (int r = 0; r < NR; ++r) {
-        const __m256i wq = load(reinterpret_cast<const WBlock*>(w + r * wrb)[b]);
-        for (int t = 0; t < NT; ++t)
-          acc[r][t] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + r * NT + t), dot_ss8(wq, xq[t]), acc[r][t]);
-      }
+  for (std::int64_t b = 0; b < nb; ++b) {
+    __m256i xq[NT];
+    float xd[NT];
+    for (int t = 0; t < NT; ++t) {
+      const auto* xb = reinterpret_cast<const BlockQ8_0*>(x + t * xrb) + b;
+      xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb->qs));
+      xd[t] = h2f(xb->d);
     }
-  } else
-#endif
-  {
-    for (std::int64_t b = 0; b < nb; ++b) {
-      __m256i xq[NT];
-      float xd[NT];
-      for (int t = 0; t < NT; ++t) {
-        const auto* xb = reinterpret_cast<const BlockQ8_0*>(x + t * xrb) + b;
-        xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb->qs));
-        xd[t] = h2f(xb->d);
-      }
-      for (int r = 0; r < NR; ++r) {
-        const WBlock& wb = reinterpret_cast<const WBlock*>(w + r * wrb)[b];
-        const __m256i wq = load(wb);
-        const float wd = h2f(wb.d);
-        for (int t = 0; t < NT; ++t)
-          acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[t]), dot_ss8(wq, xq[t]), acc[r][t]);
-      }
+    for (int r = 0; r < NR; ++r) {
+      const WBlock& wb = reinterpret_cast<const WBlock*>(w + r * wrb)[b];
+      const __m256i wq = load(wb);
+      const float wd = h2f(wb.d);
+      for (int t = 0; t < NT; ++t)
+        acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[t]), dot_ss8(wq, xq[t]), acc[r][t]);
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) y[t * ys + r] = hsum(acc[r][t]);
+}
+
+#if defined(BATCHLM_KERNELS_AVX512)
+// The same with the scale products of all pairs at once (as tile_q4_1_vec).
+template <typename WBlock, __m256i (*load)(const WBlock&), int NR, int NT>
+void tile_signed_vec(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x,
+                     std::size_t xrb, std::int64_t nb, float* y, std::int64_t ys) {
+  using H = TileHeaders<NR, NT>;
+  static const H idx;
+  alignas(32) float scale[H::kVectors * 8];
+  __m256 acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (std::int64_t b = 0; b < nb; ++b) {
+    // Lane 2i of each header vector is block b's scale of row (token) i.
+    const __m256 wh = block_headers<NR>(w, wrb, b * sizeof(WBlock));
+    const __m256 xh = block_headers<NT>(x, xrb, b * sizeof(BlockQ8_0));
+    for (int v = 0; v < H::kVectors; ++v)
+      _mm256_store_ps(scale + v * 8, _mm256_mul_ps(_mm256_permutevar8x32_ps(wh, idx.w_first[v]),
+                                                   _mm256_permutevar8x32_ps(xh, idx.x_first[v])));
+    __m256i xq[NT];
+    for (int t = 0; t < NT; ++t)
+      xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>((reinterpret_cast<const BlockQ8_0*>(x + t * xrb) + b)->qs));
+    for (int r = 0; r < NR; ++r) {
+      const __m256i wq = load(reinterpret_cast<const WBlock*>(w + r * wrb)[b]);
+      for (int t = 0; t < NT; ++t)
+        acc[r][t] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + r * NT + t), dot_ss8(wq, xq[t]), acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) y[t * ys + r] = hsum(acc[r][t]);
+}
+#endif
+
+template <typename WBlock, __m256i (*load)(const WBlock&), int NR, int NT>
+void tile_signed_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x,
+                   std::size_t xrb, std::int64_t nb, float* y, std::int64_t ys) {
+#if defined(BATCHLM_KERNELS_AVX512)
+  if constexpr (NR * NT >= 8) {  // as tile_q4_1_t
+    tile_signed_vec<WBlock, load, NR, NT>(w, wrb, x, xrb, nb, y, ys);
+    return;
+  }
+#endif
+  tile_signed_scalar<WBlock, load, NR, NT>(w, wrb, x, xrb, nb, y, ys);
 }
 
 inline __m256i load_q4_0(const BlockQ4_0& b) {
