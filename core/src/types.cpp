@@ -1,5 +1,7 @@
 #include "batchlm/core/types.hpp"
 
+#include <cstdio>
+
 namespace batchlm {
 
 std::string_view to_string(ErrorKind kind) {
@@ -29,6 +31,19 @@ double EngineStats::cache_hit_rate() const {
   return total > 0 ? static_cast<double>(prompt_tokens_cached) / static_cast<double>(total) : 0.0;
 }
 
+double EngineStats::acceptance_rate() const {
+  return drafted_tokens > 0 ? static_cast<double>(accepted_tokens) / static_cast<double>(drafted_tokens)
+                            : 0.0;
+}
+
+double EngineStats::tokens_per_pass() const {
+  return decode_passes > 0
+             ? static_cast<double>(decode_passes + accepted_tokens) / static_cast<double>(decode_passes)
+             : 0.0;
+}
+
+double EngineStats::draft_time_share() const { return step_ms > 0 ? draft_ms / step_ms : 0.0; }
+
 std::string EngineStats::brief() const {
   auto percent = [](double x) { return std::to_string(static_cast<int>(x * 100.0 + 0.5)) + "%"; };
   std::string s = std::to_string(running) + " run " + std::to_string(waiting) + " wait";
@@ -36,11 +51,16 @@ std::string EngineStats::brief() const {
   s += " cache " + percent(cache_hit_rate());
   if (blocks_total > 0)
     s += " kv " + percent(static_cast<double>(blocks_used) / static_cast<double>(blocks_total));
+  if (!speculative.empty() && drafted_tokens > 0) {
+    char pass[16];
+    std::snprintf(pass, sizeof pass, "%.1f", tokens_per_pass());
+    s += " spec " + percent(acceptance_rate()) + " x" + pass;
+  }
   return s;
 }
 
 nlohmann::json EngineStats::to_json() const {
-  return {{"running", running},
+  nlohmann::json j = {{"running", running},
           {"waiting", waiting},
           {"preemptions", preemptions},
           {"prompt_tokens_computed", prompt_tokens_computed},
@@ -51,6 +71,16 @@ nlohmann::json EngineStats::to_json() const {
           {"blocks_used", blocks_used},
           {"blocks_total", blocks_total},
           {"block_size", block_size}};
+  if (!speculative.empty()) {
+    j["speculative"] = {{"method", speculative},
+                        {"drafted_tokens", drafted_tokens},
+                        {"accepted_tokens", accepted_tokens},
+                        {"acceptance_rate", acceptance_rate()},
+                        {"decode_passes", decode_passes},
+                        {"tokens_per_pass", tokens_per_pass()},
+                        {"draft_time_share", draft_time_share()}};
+  }
+  return j;
 }
 
 }  // namespace batchlm

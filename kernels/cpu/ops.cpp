@@ -111,6 +111,7 @@ std::size_t group_activation_bytes(std::span<const Matrix> w, std::int64_t n) {
 void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
                   std::span<float* const> y, void* scratch, ThreadPool& pool) {
   constexpr std::size_t kMax = 8;
+  const std::int64_t kRowAtATimeTokens = kernels().tile_tokens;
   if (w.empty() || w.size() > kMax || y.size() != w.size()) {
     throw std::invalid_argument("matmul_group: 1 to 8 matrices, one output each");
   }
@@ -160,12 +161,13 @@ void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
       const std::int64_t r0 = (t - first_tile[m]) * cpu::kTileRows;
       const int nr = static_cast<int>(std::min<std::int64_t>(cpu::kTileRows, rows - r0));
       const auto* wd = static_cast<const std::uint8_t*>(w[m].data) + r0 * w_row[m];
-      if (n == 1) {
-        // One token: nothing to reuse across rows, so read the weights row after row, one
-        // sequential stream the hardware prefetcher follows (four interleaved short streams
-        // stall on memory).
+      if (n <= kRowAtATimeTokens) {
+        // A few tokens (one decoding sequence, or a short speculative verify): read the weights
+        // row after row, one sequential stream the hardware prefetcher follows (four
+        // interleaved short streams stall on memory), each row against every token.
         for (int r = 0; r < nr; ++r)
-          tile[m](wd + r * w_row[m], w_row[m], 1, xq[m], x_row[m], 1, n_blocks[m], y[m] + r0 + r, rows);
+          tile[m](wd + r * w_row[m], w_row[m], 1, xq[m], x_row[m], static_cast<int>(n),
+                  n_blocks[m], y[m] + r0 + r, rows);
         continue;
       }
       for (std::int64_t t0 = 0; t0 < n; t0 += tile_tokens) {

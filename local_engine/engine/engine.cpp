@@ -35,6 +35,10 @@ Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params)
 
 bool Generation::next(std::span<const float> logits, Token& token, std::string& text) {
   token = sampler_.sample(logits);
+  return accept(token, text);
+}
+
+bool Generation::accept(Token token, std::string& text) {
   ++generated_;
   text.clear();
   if (!ignore_eos_ && tokenizer_->is_end_of_generation(token)) {

@@ -65,249 +65,91 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 }  // namespace
 
 // The engine thread: continuous batching. Every step it takes new requests off the queue into
-// the scheduler, drops cancelled ones, runs one batched forward pass over the tokens the
-// scheduler planned (prefill chunks and one decode token per running sequence, their keys and
-// values in a paged pool with prefix sharing), samples each sequence that produced logits, and
-// streams the text back to its request.
+// the BatchEngine, cancels those whose caller went away, runs one engine step (drafting,
+// one batched forward pass, sampling or verifying) and streams the text back to each request.
 struct LocalBackend::State {
-  std::shared_ptr<const Model> model;
   std::filesystem::path path;
-  std::int64_t context = 0;
-  std::unique_ptr<kernels::ThreadPool> threads;
-  std::unique_ptr<BlockPool> blocks;
-  std::unique_ptr<Scheduler> scheduler;
-  std::unique_ptr<KvStore> kv;
+  std::unique_ptr<BatchEngine> engine;
 
   // A snapshot for engine_stats(), refreshed after every step.
   mutable std::mutex stats_mutex;
   EngineStats stats;
-  std::int64_t sampled = 0;  // tokens sampled, over all requests
 
   std::mutex mutex;
   std::condition_variable wake;
   std::deque<std::shared_ptr<Job>> queue;
   bool stopping = false;
   std::thread thread;
+  std::unordered_map<SequenceId, std::shared_ptr<Job>> jobs;  // in the engine
 
-  // A request in the scheduler.
-  struct Active {
-    std::shared_ptr<Job> job;
-    Generation gen;
-    GenerateResult result;
-    std::string reason;  // set when the engine ended it (end of turn, stop string, cancel)
-    Clock::time_point start = Clock::now();
-    std::optional<Clock::time_point> first;
-  };
-  std::unordered_map<SequenceId, Active> active;
-
-  void fail(Job& job, ErrorKind kind, int status, std::string code, std::string message) {
+  static void fail(Job& job, ErrorKind kind, int status, std::string code, std::string message) {
     job.send(Failed{Error{kind, status, std::move(code), std::move(message), std::nullopt, false}});
   }
 
   void admit(const std::shared_ptr<Job>& job) {
     if (job->cancelled.load()) return;
-    const auto n_prompt = static_cast<std::int64_t>(job->prompt.size());
-    if (n_prompt == 0) return fail(*job, ErrorKind::Http, 400, "invalid_request", "the prompt is empty");
-    if (n_prompt >= context) {
-      return fail(*job, ErrorKind::Http, 400, "context_length_exceeded",
-                  "the prompt has " + std::to_string(n_prompt) + " tokens; the context holds " +
-                      std::to_string(context));
-    }
-    const std::int64_t room = context - n_prompt;
-    const std::int64_t max_new =
-        job->params.max_tokens > 0 ? std::min(job->params.max_tokens, room) : room;
-    SequenceId id = 0;
     try {
-      id = scheduler->add(job->prompt, max_new);
-    } catch (const std::invalid_argument& e) {
-      return fail(*job, ErrorKind::Http, 400, "context_length_exceeded", e.what());
+      Job* raw = job.get();
+      const SequenceId id = engine->add(job->prompt, job->params,
+                                        [raw](std::string_view text) { return raw->send(std::string(text)); });
+      jobs.emplace(id, job);
+    } catch (const RequestRejected& e) {
+      fail(*job, ErrorKind::Http, 400, e.code, e.what());
     }
-    Active a{job, Generation(model->tokenizer(), job->params), {}, {}, Clock::now(), std::nullopt};
-    a.result.stats.prompt_tokens = n_prompt;
-    active.emplace(id, std::move(a));
   }
 
-  // Samples the sequence's next token from its logits and streams its text; true when the
-  // request is over (end of turn, a stop string, or the client went away).
-  bool sample(Active& a, std::span<const float> logits, Token& token) {
-    std::string text;
-    const bool done = a.gen.next(logits, token, text);
-    if (!a.first) a.first = Clock::now();
-    if (!text.empty()) {
-      a.result.text += text;
-      if (!a.job->send(text)) {
-        a.reason = "cancelled";
-        return true;
-      }
+  void deliver_finished() {
+    for (auto& [id, result] : engine->take_finished()) {
+      auto it = jobs.find(id);
+      if (it == jobs.end()) continue;
+      if (result.finish_reason != "cancelled" && !it->second->cancelled.load())
+        it->second->send(Done{std::move(result)});
+      jobs.erase(it);
     }
-    if (done) a.reason = a.gen.finish_reason();
-    return done;
-  }
-
-  void finish(const Finished& f) {
-    auto it = active.find(f.id);
-    if (it == active.end()) return;
-    Active& a = it->second;
-    std::string reason = a.reason.empty() ? std::string(to_string(f.reason)) : a.reason;
-    if (reason != "cancelled" && !a.job->cancelled.load()) {
-      if (std::string tail = a.gen.flush(); !tail.empty()) {
-        a.result.text += tail;
-        a.job->send(tail);
-      }
-      a.result.stats.generated_tokens = a.gen.generated();
-      a.result.finish_reason = reason;
-      const auto now = Clock::now();
-      a.result.stats.generate_ms = a.first ? ms_between(*a.first, now) : 0;
-      a.result.stats.prompt_ms = a.first ? ms_between(a.start, *a.first) : ms_between(a.start, now);
-      a.job->send(Done{std::move(a.result)});
-    }
-    active.erase(it);
-  }
-
-  void step(std::vector<float>& logits) {
-    StepPlan plan = scheduler->plan();
-    if (plan.empty()) return;
-    std::vector<std::int32_t> positions(plan.positions.begin(), plan.positions.end());
-    std::vector<std::span<const std::int32_t>> tables;
-    tables.reserve(plan.entries.size());
-    for (const auto& e : plan.entries) tables.emplace_back(e.block_table);
-    const std::size_t n_vocab = static_cast<std::size_t>(model->config().n_vocab);
-    logits.resize(plan.logits_rows.size() * n_vocab);
-    model->forward_batch(Batch{plan.tokens, positions, plan.sequence_of, tables, plan.logits_rows},
-                         kv->pool(), logits, *threads);
-    std::vector<StepResult> results;
-    std::size_t row = 0;
-    for (const auto& e : plan.entries) {
-      if (!e.wants_logits) continue;
-      const std::span<const float> l(logits.data() + row++ * n_vocab, n_vocab);
-      StepResult r{e.id, 0, false};
-      if (auto it = active.find(e.id); it != active.end()) {
-        ++sampled;
-        r.finished = sample(it->second, l, r.token);
-      } else {
-        r.finished = true;
-      }
-      results.push_back(r);
-    }
-    scheduler->complete(plan, results);
   }
 
   void publish_stats() {
-    const SchedulerStats s = scheduler->stats();
     std::lock_guard lock(stats_mutex);
-    stats.running = s.running;
-    stats.waiting = s.waiting;
-    stats.preemptions = s.preemptions;
-    stats.prompt_tokens_computed = s.prompt_tokens_computed;
-    stats.prompt_tokens_cached = s.prompt_tokens_cached;
-    stats.generated_tokens = sampled;
-    stats.steps = s.steps;
-    stats.blocks_used = s.blocks_used;
-    stats.blocks_total = s.blocks_total;
-    stats.block_size = blocks->block_size();
+    stats = engine->stats();
   }
 
   void run() {
-    std::vector<float> logits;
     for (;;) {
       std::deque<std::shared_ptr<Job>> arrived;
       {
         std::unique_lock lock(mutex);
-        if (queue.empty() && active.empty()) publish_stats();
-        wake.wait(lock, [&] { return stopping || !queue.empty() || !active.empty(); });
+        if (queue.empty() && jobs.empty()) publish_stats();
+        wake.wait(lock, [&] { return stopping || !queue.empty() || !jobs.empty(); });
         if (stopping) return;
         arrived.swap(queue);
       }
       try {
         for (const auto& job : arrived) admit(job);
-        for (auto& [id, a] : active) {
-          if (a.job->cancelled.load()) {
-            a.reason = "cancelled";
-            scheduler->cancel(id);
-          }
-        }
-        step(logits);
-        for (const Finished& f : scheduler->take_finished()) finish(f);
+        std::vector<SequenceId> gone;
+        for (const auto& [id, job] : jobs)
+          if (job->cancelled.load()) gone.push_back(id);
+        for (SequenceId id : gone) engine->cancel(id);
+        engine->step();
+        deliver_finished();
         publish_stats();
       } catch (const std::exception& e) {
         // A bug, not a request's fault: fail every request in flight rather than hang them.
-        for (auto& [id, a] : active) {
-          scheduler->cancel(id);
-          fail(*a.job, ErrorKind::Internal, 0, "", std::string("engine: ") + e.what());
+        for (auto& [id, job] : jobs) {
+          engine->cancel(id);
+          fail(*job, ErrorKind::Internal, 0, "", std::string("engine: ") + e.what());
         }
-        active.clear();
-        (void)scheduler->take_finished();
+        jobs.clear();
+        (void)engine->take_finished();
       }
     }
   }
 };
 
-std::int64_t available_memory_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string line;
-  while (std::getline(meminfo, line)) {
-    std::istringstream fields(line);
-    std::string key;
-    std::int64_t kib = 0;
-    if (fields >> key >> kib && key == "MemAvailable:") return kib * 1024;
-  }
-  return 0;
-}
-
-std::int64_t kv_pool_tokens(const LocalBackendOptions& o, std::int64_t context,
-                            std::int64_t bytes_per_token, std::int64_t available_bytes) {
-  if (o.kv_tokens < 0) throw std::invalid_argument("kv_tokens must be >= 0");
-  if (o.kv_bytes < 0) throw std::invalid_argument("kv_bytes must be >= 0");
-  std::int64_t tokens = 0;
-  if (o.kv_tokens > 0) {
-    tokens = o.kv_tokens;
-  } else if (o.kv_bytes > 0) {
-    tokens = o.kv_bytes / bytes_per_token;
-  } else {
-    tokens = static_cast<std::int64_t>(o.max_sequences) * context;
-    if (available_bytes > 0) tokens = std::min(tokens, available_bytes / 4 / bytes_per_token);
-    return std::max(tokens, context);
-  }
-  if (tokens < context) {
-    throw std::invalid_argument(
-        (o.kv_tokens > 0 ? "kv_tokens " + std::to_string(o.kv_tokens)
-                         : "kv_bytes " + std::to_string(o.kv_bytes) + " (" +
-                               std::to_string(tokens) + " tokens)") +
-        " is less than one context of " + std::to_string(context) + " tokens");
-  }
-  return tokens;
-}
-
 LocalBackend::LocalBackend(asio::any_io_executor executor, const LocalBackendOptions& options)
     : executor_(std::move(executor)), state_(std::make_shared<State>()) {
-  if (options.max_sequences < 1) throw std::invalid_argument("max_sequences must be >= 1");
-  if (options.block_size < 1 || options.block_size > 256)
-    throw std::invalid_argument("block_size must be in 1..256, not " + std::to_string(options.block_size));
-  const std::int64_t budget = options.token_budget > 0 ? options.token_budget : Model::kMaxBatch;
-  if (budget > Model::kMaxBatch)
-    throw std::invalid_argument("token_budget must be at most " + std::to_string(Model::kMaxBatch));
-  if (budget < options.max_sequences) {
-    throw std::invalid_argument("token_budget " + std::to_string(budget) +
-                                " is less than max_sequences " + std::to_string(options.max_sequences) +
-                                ": every running sequence needs a token each step");
-  }
   State& s = *state_;
   s.path = options.model;
-  s.model = Model::load(options.model);
-  const ModelConfig& c = s.model->config();
-  s.context = options.context > 0 ? std::min(options.context, c.n_ctx_train)
-                                  : std::min<std::int64_t>(c.n_ctx_train, 4096);
-  s.threads = std::make_unique<kernels::ThreadPool>(options.threads);
-  // Pages of the pool are touched only as blocks are first used.
-  const std::int64_t block = options.block_size;
-  const std::int64_t bytes_per_token = 2 * c.n_layers * c.kv_width() * 2;  // K and V, F16
-  const std::int64_t pool_tokens =
-      kv_pool_tokens(options, s.context, bytes_per_token, available_memory_bytes());
-  const std::int64_t n_blocks = (pool_tokens + block - 1) / block;
-  s.blocks = std::make_unique<BlockPool>(BlockPoolOptions{options.block_size, n_blocks});
-  s.scheduler = std::make_unique<Scheduler>(
-      *s.blocks, SchedulerOptions{options.max_sequences, budget, budget});
-  s.kv = std::make_unique<KvStore>(c, block, n_blocks);
+  s.engine = std::make_unique<BatchEngine>(Model::load(options.model), options);
   s.publish_stats();
   s.thread = std::thread([p = state_.get()] { p->run(); });
 }
@@ -330,13 +172,16 @@ std::optional<EngineStats> LocalBackend::engine_stats() const {
 
 std::string LocalBackend::model_name() const { return state_->path.stem().string(); }
 
-std::int64_t LocalBackend::context() const { return state_->context; }
+std::int64_t LocalBackend::context() const { return state_->engine->context(); }
 
 std::string LocalBackend::describe() const {
-  const ModelConfig& c = state_->model->config();
+  const ModelConfig& c = state_->engine->model().config();
+  std::string spec;
+  if (const EngineStats stats = state_->engine->stats(); !stats.speculative.empty())
+    spec = ", speculative " + stats.speculative;
   return "local " + state_->path.string() + " (" + (c.name.empty() ? c.architecture : c.name) +
-         ", " + std::to_string(state_->threads->size()) + " threads, " +
-         kernels::cpu_simd_name() + ")";
+         ", " + std::to_string(state_->engine->threads()) + " threads, " +
+         kernels::cpu_simd_name() + spec + ")";
 }
 
 asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSink sink) {
@@ -347,8 +192,9 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   auto job = std::make_shared<Job>();
   job->channel = std::make_shared<Channel>(co_await asio::this_coro::executor, 256);
   try {
-    job->prompt = request.prompt ? text_prompt_tokens(*state_->model, *request.prompt)
-                                 : chat_prompt_tokens(*state_->model, request.messages);
+    const Model& model = state_->engine->model();
+    job->prompt = request.prompt ? text_prompt_tokens(model, *request.prompt)
+                                 : chat_prompt_tokens(model, request.messages);
   } catch (const std::exception& e) {
     co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request", e.what(),
                                      std::nullopt, false});

@@ -287,6 +287,20 @@ void SequenceBlocks::commit_full_blocks(BlockPool& pool, std::span<const std::in
   }
 }
 
+void SequenceBlocks::truncate(BlockPool& pool, std::int64_t n_tokens) {
+  check_pool(pool);
+  if (n_tokens < 0) throw std::logic_error("SequenceBlocks: truncate to a negative length");
+  const auto keep = static_cast<std::size_t>((n_tokens + block_size_ - 1) / block_size_);
+  if (keep >= table_.size()) return;
+  if (keep < keys_.size())
+    throw std::logic_error("SequenceBlocks: truncate to " + std::to_string(n_tokens) +
+                           " tokens would release a published block");
+  while (table_.size() > keep) {
+    pool.release(table_.back());
+    table_.pop_back();
+  }
+}
+
 void SequenceBlocks::release_all(BlockPool& pool) {
   check_pool(pool);
   for (auto it = table_.rbegin(); it != table_.rend(); ++it) pool.release(*it);

@@ -14,9 +14,11 @@ namespace batchlm::local_engine {
 
 namespace kops = batchlm::kernels;
 
-KvStore::KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_t n_blocks) {
+KvStore::KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_t n_blocks,
+                 std::int64_t n_layers) {
   const std::int64_t layer_stride = n_blocks * block_size * config.kv_width();
-  const auto total = static_cast<std::size_t>(config.n_layers * layer_stride);
+  const std::int64_t layers = n_layers > 0 ? std::min(n_layers, config.n_layers) : config.n_layers;
+  const auto total = static_cast<std::size_t>(layers * layer_stride);
   k_ = std::make_unique_for_overwrite<std::uint16_t[]>(total);
   v_ = std::make_unique_for_overwrite<std::uint16_t[]>(total);
   pool_ = KvPool{k_.get(), v_.get(), layer_stride, block_size, n_blocks};
@@ -174,6 +176,10 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
       static_cast<std::int64_t>(b.sequence_of.size()) != n) {
     throw std::invalid_argument("forward: tokens, positions and sequence_of differ in length");
   }
+  if (b.layers < 0 || b.layers > c.n_layers)
+    throw std::invalid_argument("forward: layers " + std::to_string(b.layers) + " is not in 0.." +
+                                std::to_string(c.n_layers));
+  const std::int64_t n_layers = b.layers > 0 ? b.layers : c.n_layers;
   const auto n_out = static_cast<std::int64_t>(b.logits_rows.size());
   if (static_cast<std::int64_t>(logits.size()) < n_out * c.n_vocab) {
     throw std::invalid_argument("forward: logits buffer too small");
@@ -220,7 +226,7 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
 
   const kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
                                    1.0f / std::sqrt(static_cast<float>(c.head_dim))};
-  for (std::int64_t li = 0; li < c.n_layers; ++li) {
+  for (std::int64_t li = 0; li < n_layers; ++li) {
     const LayerWeights& l = layers_[li];
     kops::rms_norm(x.data(), l.attn_norm, n, E, c.rms_eps, xn.data());
     const kops::Matrix qkv[3] = {l.attn_q, l.attn_k, l.attn_v};
@@ -238,7 +244,7 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
     // After the last layer's attention only the rows whose logits are wanted go on: they are
     // gathered to the front of x and att.
     std::int64_t rows = n;
-    if (li == c.n_layers - 1 && n_out < n) {
+    if (li == n_layers - 1 && n_out < n) {
       for (std::int64_t i = 0; i < n_out; ++i) {
         const std::int64_t r = b.logits_rows[i];
         if (r == i) continue;

@@ -14,10 +14,32 @@ double Sampler::uniform() {
   return static_cast<double>(rng_() >> 11) * 0x1.0p-53;
 }
 
-Token Sampler::sample(std::span<const float> logits) {
+double TokenDistribution::probability(Token token) const {
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] == token) return weights[i] / total;
+  return 0.0;
+}
+
+Token TokenDistribution::draw(double u) const {
+  double r = u * total;
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    r -= weights[i];
+    if (r < 0.0) return tokens[i];
+  }
+  return tokens.back();
+}
+
+TokenDistribution TokenDistribution::point(Token token) {
+  return TokenDistribution{{token}, {1.0}, 1.0};
+}
+
+TokenDistribution Sampler::distribution(std::span<const float> logits) {
   const auto n = static_cast<std::int64_t>(logits.size());
-  if (params_.temperature <= 0.0f || params_.top_k == 1) {
-    return static_cast<Token>(kernels::argmax(logits.data(), n));
+  TokenDistribution out;
+  if (n == 0) return out;
+  if (greedy()) {
+    out = TokenDistribution::point(static_cast<Token>(kernels::argmax(logits.data(), n)));
+    return out;
   }
   const float t = params_.temperature;
   const float max = *std::max_element(logits.begin(), logits.end());
@@ -37,8 +59,7 @@ Token Sampler::sample(std::span<const float> logits) {
   } else {
     std::sort(candidates_.begin(), candidates_.end(), by_logit);
   }
-  candidates_.resize(keep);
-  std::vector<double>& probs = probs_;
+  std::vector<double>& probs = out.weights;
   probs.resize(keep);
   double sum = 0.0;
   for (std::size_t i = 0; i < keep; ++i) {
@@ -56,15 +77,19 @@ Token Sampler::sample(std::span<const float> logits) {
       }
     }
     keep = cut;
+    probs.resize(keep);
     sum = 0.0;
     for (std::size_t i = 0; i < keep; ++i) sum += probs[i];
   }
-  double r = uniform() * sum;
-  for (std::size_t i = 0; i < keep; ++i) {
-    r -= probs[i];
-    if (r < 0.0) return candidates_[i].second;
-  }
-  return candidates_[keep - 1].second;
+  out.tokens.resize(keep);
+  for (std::size_t i = 0; i < keep; ++i) out.tokens[i] = candidates_[i].second;
+  out.total = sum;
+  return out;
+}
+
+Token Sampler::sample(std::span<const float> logits) {
+  if (greedy()) return static_cast<Token>(kernels::argmax(logits.data(), logits.size()));
+  return distribution(logits).draw(uniform());
 }
 
 StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {

@@ -140,7 +140,7 @@ bool Scheduler::reserve(Sequence& sequence, std::int64_t& n_tokens, bool can_shr
   }
 }
 
-StepPlan Scheduler::plan() {
+StepPlan Scheduler::plan(const DraftsWanted& drafts_wanted) {
   if (outstanding_)
     throw std::logic_error("Scheduler: plan() before complete() of step " +
                            std::to_string(step_));
@@ -148,7 +148,7 @@ StepPlan Scheduler::plan() {
   std::vector<Pick> picks;
   auto budget_left = [&] {
     std::int64_t planned = 0;
-    for (const Pick& pick : picks) planned += pick.n_tokens;
+    for (const Pick& pick : picks) planned += pick.n_tokens + pick.drafts;
     return options_.token_budget - planned;
   };
 
@@ -163,6 +163,24 @@ StepPlan Scheduler::plan() {
     std::int64_t n_tokens = 1;
     if (reserve(it->second, n_tokens, /*can_shrink=*/false, picks))
       picks.push_back({&it->second, n_tokens, /*decode=*/true});
+  }
+
+  // 1b. Room for drafts after the decode tokens, oldest first, from the budget left and the
+  // blocks free now: a draft is a guess, never worth preempting anyone. Accepting all of them
+  // and sampling one more token must not pass max_new_tokens.
+  if (drafts_wanted) {
+    for (Pick& pick : picks) {
+      Sequence& sequence = *pick.sequence;
+      const std::int64_t room_to_max =
+          sequence.max_new_tokens - std::ssize(sequence.generated) - 1;
+      std::int64_t drafts =
+          std::min({static_cast<std::int64_t>(std::max(drafts_wanted(sequence.id), 0)),
+                    budget_left(), room_to_max, tokens_that_fit(sequence) - 1});
+      if (drafts < 1) continue;
+      if (!sequence.blocks.ensure_capacity(pool_, sequence.n_computed + 1 + drafts))
+        throw std::logic_error("Scheduler: draft blocks that fit could not be allocated");
+      pick.drafts = drafts;
+    }
   }
 
   // 2. Prefill chunks of running sequences, oldest first.
@@ -225,6 +243,9 @@ StepPlan Scheduler::plan() {
                             .token_offset = offset,
                             .n_tokens = pick.n_tokens,
                             .wants_logits = wants_logits,
+                            .decode = pick.decode,
+                            .max_drafts = static_cast<std::int32_t>(pick.drafts),
+                            .n_drafts = 0,
                             .block_table = sequence.blocks.table()});
     for (std::int64_t i = 0; i < pick.n_tokens; ++i) {
       const std::int64_t position = sequence.n_computed + i;
@@ -237,6 +258,49 @@ StepPlan Scheduler::plan() {
     (pick.decode ? counters_.decode_tokens : counters_.prompt_tokens_computed) += pick.n_tokens;
   }
   return plan;
+}
+
+void StepPlan::add_drafts(std::span<const std::vector<Token>> drafts) {
+  if (drafts.size() != entries.size())
+    throw std::invalid_argument("StepPlan::add_drafts: " + std::to_string(drafts.size()) +
+                                " draft lists for " + std::to_string(entries.size()) +
+                                " entries");
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].n_drafts != 0)
+      throw std::invalid_argument("StepPlan::add_drafts: drafts were already added");
+    if (std::ssize(drafts[i]) > entries[i].max_drafts)
+      throw std::invalid_argument("StepPlan::add_drafts: " + std::to_string(drafts[i].size()) +
+                                  " drafts for sequence " + std::to_string(entries[i].id) +
+                                  ", which has room for " +
+                                  std::to_string(entries[i].max_drafts));
+  }
+  std::vector<Token> new_tokens;
+  std::vector<std::int64_t> new_positions;
+  std::vector<std::int32_t> new_sequence_of, new_rows;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    PlannedSequence& entry = entries[i];
+    const auto offset = static_cast<std::int64_t>(new_tokens.size());
+    for (std::int64_t j = 0; j < entry.n_tokens; ++j) {
+      new_tokens.push_back(tokens[static_cast<std::size_t>(entry.token_offset + j)]);
+      new_positions.push_back(positions[static_cast<std::size_t>(entry.token_offset + j)]);
+    }
+    for (std::size_t j = 0; j < drafts[i].size(); ++j) {
+      new_tokens.push_back(drafts[i][j]);
+      new_positions.push_back(entry.first_position + entry.n_tokens + static_cast<std::int64_t>(j));
+    }
+    entry.token_offset = offset;
+    entry.n_drafts = static_cast<std::int32_t>(drafts[i].size());
+    entry.n_tokens += entry.n_drafts;
+    new_sequence_of.insert(new_sequence_of.end(), static_cast<std::size_t>(entry.n_tokens),
+                           static_cast<std::int32_t>(i));
+    const std::int64_t end = offset + entry.n_tokens;
+    for (std::int64_t row = end - entry.n_logits(); row < end; ++row)
+      new_rows.push_back(static_cast<std::int32_t>(row));
+  }
+  tokens = std::move(new_tokens);
+  positions = std::move(new_positions);
+  sequence_of = std::move(new_sequence_of);
+  logits_rows = std::move(new_rows);
 }
 
 void Scheduler::complete(const StepPlan& plan, std::span<const StepResult> results) {
@@ -257,6 +321,12 @@ void Scheduler::complete(const StepPlan& plan, std::span<const StepResult> resul
     if (!result_of.emplace(result.id, &result).second)
       throw std::invalid_argument("Scheduler: two results for sequence " +
                                   std::to_string(result.id));
+    const auto entry = std::find_if(plan.entries.begin(), plan.entries.end(),
+                                    [&](const PlannedSequence& e) { return e.id == result.id; });
+    if (result.accepted < 0 || result.accepted > entry->n_drafts)
+      throw std::invalid_argument("Scheduler: sequence " + std::to_string(result.id) +
+                                  " accepted " + std::to_string(result.accepted) + " of " +
+                                  std::to_string(entry->n_drafts) + " drafts");
   }
   for (const PlannedSequence& entry : plan.entries) {
     if (entry.wants_logits && sequences_.contains(entry.id) && !result_of.contains(entry.id))
@@ -273,15 +343,26 @@ void Scheduler::complete(const StepPlan& plan, std::span<const StepResult> resul
     if (sequence.n_computed != entry.first_position)
       throw std::logic_error("Scheduler: sequence " + std::to_string(entry.id) +
                              " changed between plan() and complete()");
-    sequence.n_computed += entry.n_tokens;
+    const StepResult* result = entry.wants_logits ? result_of.at(entry.id) : nullptr;
+    // The accepted drafts become tokens of the sequence; the positions of the rejected ones
+    // are rolled back (their blocks freed, their keys and values overwritten later).
+    const std::int32_t accepted = result ? result->accepted : 0;
+    const std::span<const Token> drafts =
+        plan.tokens_of(entry).subspan(static_cast<std::size_t>(entry.n_tokens - entry.n_drafts));
+    sequence.tokens.insert(sequence.tokens.end(), drafts.begin(), drafts.begin() + accepted);
+    sequence.generated.insert(sequence.generated.end(), drafts.begin(),
+                              drafts.begin() + accepted);
+    sequence.n_computed += entry.n_tokens - entry.n_drafts + accepted;
     sequence.blocks.commit_full_blocks(
         pool_, std::span<const Token>(sequence.tokens)
                    .first(static_cast<std::size_t>(sequence.n_computed)));
-    if (!entry.wants_logits) continue;
-    const StepResult& result = *result_of.at(entry.id);
-    sequence.tokens.push_back(result.token);
-    sequence.generated.push_back(result.token);
-    if (result.finished) {
+    if (entry.n_drafts > 0) sequence.blocks.truncate(pool_, sequence.n_computed);
+    counters_.drafted_tokens += entry.n_drafts;
+    counters_.accepted_tokens += accepted;
+    if (!result) continue;
+    sequence.tokens.push_back(result->token);
+    sequence.generated.push_back(result->token);
+    if (result->finished) {
       finish(sequence, FinishReason::kStop);
     } else if (std::ssize(sequence.generated) >= sequence.max_new_tokens) {
       finish(sequence, FinishReason::kLength);
@@ -296,6 +377,13 @@ const std::vector<Token>& Scheduler::generated(SequenceId id) const {
   if (it == sequences_.end())
     throw std::out_of_range("Scheduler: no live sequence " + std::to_string(id));
   return it->second.generated;
+}
+
+const std::vector<Token>& Scheduler::tokens(SequenceId id) const {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end())
+    throw std::out_of_range("Scheduler: no live sequence " + std::to_string(id));
+  return it->second.tokens;
 }
 
 SchedulerStats Scheduler::stats() const {

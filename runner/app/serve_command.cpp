@@ -40,6 +40,13 @@ struct ServeOptions {
   std::string kv_memory;
   int max_queue = 256;
   double shutdown_grace = 30;
+  std::string speculative = "none";
+  std::string draft_model;
+  int spec_layers = 0;
+  int k_max = 4;
+  int k_min = 0;
+  int ngram_max = 4;
+  int ngram_min = 1;
 };
 
 ServeOptions s;
@@ -48,6 +55,7 @@ CLI::App* serve_cmd = nullptr;
 constexpr const char* kServeExamples = R"(Examples:
   batchlm serve                                   # the default model on 127.0.0.1:8000
   batchlm serve --model M.gguf --port 8080 --max-sequences 64
+  batchlm serve --speculative ngram               # draft from the prompt: faster copying
   batchlm serve --api-key secret                  # clients send "Authorization: Bearer secret"
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
@@ -89,6 +97,21 @@ void add_serve_command(CLI::App& app) {
   serve_cmd->add_option("--shutdown-grace", s.shutdown_grace,
                         "Seconds requests in flight get to finish after SIGTERM")
       ->check(CLI::Range(0.0, 86400.0))->capture_default_str();
+  serve_cmd->add_option("--speculative", s.speculative,
+                        "Speculative decoding: none, ngram (look up the prompt and output), self "
+                        "(the model's first layers draft) or draft (--draft-model drafts)")
+      ->check(CLI::IsMember({"none", "ngram", "self", "draft"}))->capture_default_str();
+  serve_cmd->add_option("--draft-model", s.draft_model, "GGUF with the model's vocabulary (--speculative draft)");
+  serve_cmd->add_option("--spec-layers", s.spec_layers, "Layers that draft with --speculative self (0: a quarter)")
+      ->check(CLI::Range(0, 1024));
+  serve_cmd->add_option("--spec-k-max", s.k_max, "Most tokens drafted per sequence and step")
+      ->check(CLI::Range(1, 16))->capture_default_str();
+  serve_cmd->add_option("--spec-k-min", s.k_min, "Fewest while a sequence drafts (0 lets it stop)")
+      ->check(CLI::Range(0, 16))->capture_default_str();
+  serve_cmd->add_option("--ngram-max", s.ngram_max, "Longest n-gram looked up (--speculative ngram)")
+      ->check(CLI::Range(1, 64))->capture_default_str();
+  serve_cmd->add_option("--ngram-min", s.ngram_min, "Shortest n-gram looked up (--speculative ngram)")
+      ->check(CLI::Range(1, 64))->capture_default_str();
   serve_cmd->footer(kServeExamples);
 }
 
@@ -114,6 +137,18 @@ int run_serve_command() {
     const auto bytes = runner::parse_byte_size(s.kv_memory);
     if (!bytes) throw std::runtime_error("--kv-memory: expected a size such as 2GiB or 512MiB, got '" + s.kv_memory + "'");
     engine.kv_bytes = *bytes;
+  }
+  engine.speculative.method = *local_engine::parse_spec_method(s.speculative);
+  engine.speculative.model = s.draft_model;
+  engine.speculative.layers = s.spec_layers;
+  engine.speculative.k_max = s.k_max;
+  engine.speculative.k_min = s.k_min;
+  engine.speculative.ngram_max = s.ngram_max;
+  engine.speculative.ngram_min = s.ngram_min;
+  if (engine.speculative.method == local_engine::SpecMethod::kDraft) {
+    if (s.draft_model.empty()) throw std::runtime_error("--speculative draft needs --draft-model PATH");
+    if (!std::filesystem::exists(s.draft_model))
+      throw std::runtime_error("--draft-model: file '" + s.draft_model + "' not found");
   }
 
   asio::io_context io(1);

@@ -426,6 +426,14 @@ class Dispatcher {
                    static_cast<long long>(engine->prompt_tokens_cached), 100.0 * engine->cache_hit_rate(),
                    static_cast<long long>(engine->generated_tokens), static_cast<long long>(engine->steps),
                    static_cast<long long>(engine->preemptions));
+      if (!engine->speculative.empty()) {
+        std::fprintf(options_.progress_out,
+                     "speculative (%s): %lld of %lld drafts accepted (%.0f%%), %.2f tokens per "
+                     "target pass, %.0f%% of engine time drafting\n",
+                     engine->speculative.c_str(), static_cast<long long>(engine->accepted_tokens),
+                     static_cast<long long>(engine->drafted_tokens), 100.0 * engine->acceptance_rate(),
+                     engine->tokens_per_pass(), 100.0 * engine->draft_time_share());
+      }
     }
     std::fprintf(options_.progress_out, "output: %s\nsummary: %s\n", job_.output.path.c_str(),
                  r.summary_path.c_str());

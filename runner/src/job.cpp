@@ -175,7 +175,9 @@ const std::map<std::string, Keys>& sections() {
       {"few_shot", {"path", "count", "seed", "user", "assistant"}},
       {"backend", {"type", "base_url", "model", "api_key_env", "headers", "timeouts", "stream",
                    "threads", "context", "max_sequences", "token_budget", "block_size",
-                   "kv_tokens", "kv_memory"}},
+                   "kv_tokens", "kv_memory", "speculative"}},
+      {"backend.speculative", {"method", "model", "layers", "k_max", "k_min", "ngram_max",
+                               "ngram_min"}},
       {"backend.timeouts", {"connect", "first_byte", "idle", "total"}},
       {"rate_limit", {"requests_per_minute", "tokens_per_minute"}},
       {"retry",
@@ -689,6 +691,34 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
                  (m.IsScalar() ? "'" + m.Scalar() + "'" : describe(m)));
     }
     backend.kv_bytes = *bytes;
+  }
+  if (Reader::has(node["speculative"])) {
+    const YAML::Node n = node["speculative"];
+    r.check_map(n, "backend.speculative");
+    auto& spec = backend.speculative;
+    if (Reader::has(n["method"]))
+      spec.method = r.choice<std::string>(n["method"], "backend.speculative.method",
+                                          {{"none", "none"}, {"draft", "draft"},
+                                           {"self", "self"}, {"ngram", "ngram"}});
+    if (Reader::has(n["model"])) spec.model = r.string(n["model"], "backend.speculative.model");
+    auto small = [&](const char* key, int min, int max, int& out) {
+      if (Reader::has(n[key]))
+        out = static_cast<int>(r.integer(n[key], std::string("backend.speculative.") + key, min, max));
+    };
+    small("layers", 0, 1024, spec.layers);
+    small("k_max", 1, 16, spec.k_max);
+    small("k_min", 0, 16, spec.k_min);
+    small("ngram_max", 1, 64, spec.ngram_max);
+    small("ngram_min", 1, 64, spec.ngram_min);
+    if (spec.k_min > spec.k_max)
+      r.fail(n["k_min"], "backend.speculative.k_min",
+             "k_min " + std::to_string(spec.k_min) + " is more than k_max " + std::to_string(spec.k_max));
+    if (spec.ngram_min > spec.ngram_max)
+      r.fail(Reader::has(n["ngram_min"]) ? n["ngram_min"] : n, "backend.speculative.ngram_min",
+             "ngram_min " + std::to_string(spec.ngram_min) + " is more than ngram_max " +
+                 std::to_string(spec.ngram_max));
+    if (spec.method == "draft" && spec.model.empty())
+      r.fail(n, "backend.speculative.model", "required by method draft (a GGUF with the model's vocabulary)");
   }
   if (backend.token_budget > 0 && backend.token_budget < backend.max_sequences) {
     r.fail(node["token_budget"], "backend.token_budget",

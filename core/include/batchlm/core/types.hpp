@@ -119,10 +119,25 @@ struct EngineStats {
   std::int64_t blocks_used = 0;  // KV blocks held by sequences
   std::int64_t blocks_total = 0;
   std::int64_t block_size = 0;   // tokens per block
+  // Speculative decoding ("" when off): drafts scored by the model, drafts accepted, decoding
+  // sequence-steps (each yields its accepted drafts plus one token), and the time spent
+  // drafting against the time spent stepping the engine.
+  std::string speculative;
+  std::int64_t drafted_tokens = 0;
+  std::int64_t accepted_tokens = 0;
+  std::int64_t decode_passes = 0;
+  double draft_ms = 0;
+  double step_ms = 0;
 
   // Share of prompt tokens served from the prefix cache, 0..1 (0 before any prompt).
   double cache_hit_rate() const;
-  // "12 run 20 wait 3 preempted cache 87% kv 41%": a short field for the progress bar.
+  // Drafts accepted / drafted, 0..1; tokens each decoding sequence got per target pass (>= 1);
+  // the share of engine time spent drafting, 0..1. All 0 before any draft.
+  double acceptance_rate() const;
+  double tokens_per_pass() const;
+  double draft_time_share() const;
+  // "12 run 20 wait 3 preempted cache 87% kv 41% spec 72% x2.4": a short field for the
+  // progress bar.
   std::string brief() const;
   nlohmann::json to_json() const;
 };

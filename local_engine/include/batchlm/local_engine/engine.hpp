@@ -54,6 +54,9 @@ class Generation {
   // Samples the next token from `logits` and sets `text` to the text that became final (maybe
   // empty). True when generation is over for a reason of its own (finish_reason() says which).
   bool next(std::span<const float> logits, Token& token, std::string& text);
+  // The same for a token chosen elsewhere (speculative decoding's verifier).
+  bool accept(Token token, std::string& text);
+  Sampler& sampler() { return sampler_; }
   // The text held back so far, when generation ends for another reason (length).
   std::string flush();
   const std::string& finish_reason() const { return reason_; }  // "" while it goes on

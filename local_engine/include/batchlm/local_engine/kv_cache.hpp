@@ -122,6 +122,10 @@ class SequenceBlocks {
   // `tokens` are the sequence's tokens whose K/V are now written (a prefix of its table).
   // Publishes every full block not yet keyed, under its chained key.
   void commit_full_blocks(BlockPool& pool, std::span<const std::int32_t> tokens);
+  // Releases the blocks past those that hold positions [0, n_tokens), the last first: the
+  // rollback of positions written speculatively and then rejected. Throws std::logic_error when
+  // that would release a keyed block (keys cover only tokens known to be final).
+  void truncate(BlockPool& pool, std::int64_t n_tokens);
   // Releases every block, the last first: the cache then evicts a chain from its tail, since a
   // block is useless once its parent is gone.
   void release_all(BlockPool& pool);

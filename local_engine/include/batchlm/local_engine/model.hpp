@@ -60,13 +60,18 @@ struct Batch {
   std::span<const std::int32_t> sequence_of;                   // index into block_tables
   std::span<const std::span<const std::int32_t>> block_tables;
   std::span<const std::int32_t> logits_rows;  // increasing token indices whose logits are wanted
+  // Early exit: only the first `layers` layers run, then the final norm and the output head
+  // (the KvPool then needs only those layers). 0: every layer.
+  std::int64_t layers = 0;
 };
 
 // The memory of a KvPool: n_blocks blocks of block_size positions for every layer, in F16.
 // Left uninitialised: pages are touched only as blocks are first written.
 class KvStore {
  public:
-  KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_t n_blocks);
+  // n_layers: the layers it holds (0: all of the model's).
+  KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_t n_blocks,
+          std::int64_t n_layers = 0);
   const KvPool& pool() const { return pool_; }
 
  private:

@@ -21,17 +21,40 @@ struct SamplingParams {
   std::uint64_t seed = 0;
 };
 
+// The distribution a Sampler draws from: tokens with unnormalised weights (most likely first);
+// every token not listed has probability 0.
+struct TokenDistribution {
+  std::vector<Token> tokens;
+  std::vector<double> weights;
+  double total = 0.0;
+
+  bool empty() const { return tokens.empty(); }
+  // The probability of `token` (0 when not listed). O(size).
+  double probability(Token token) const;
+  // Draws with u uniform in [0, 1).
+  Token draw(double u) const;
+  // A point mass on `token`.
+  static TokenDistribution point(Token token);
+};
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
   Token sample(std::span<const float> logits);
 
+  // True when sample() takes the argmax (temperature <= 0 or top_k == 1) and uses no randomness.
+  bool greedy() const { return params_.temperature <= 0.0f || params_.top_k == 1; }
+  // The distribution sample() draws from for these logits (not for a greedy sampler).
+  // sample(logits) == distribution(logits).draw(uniform()) for the same generator state.
+  TokenDistribution distribution(std::span<const float> logits);
+  // [0, 1) from the request's own generator (53 bits).
+  double uniform();
+  const SamplingParams& params() const { return params_; }
+
  private:
-  double uniform();  // [0, 1) from the request's own generator
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, Token>> candidates_;
-  std::vector<double> probs_;
 };
 
 // Watches text as it is generated for any of the stop strings. feed() returns the part of the

@@ -11,8 +11,14 @@
 //     for (Finished& f : scheduler.take_finished()) reply(f);
 //   }
 //
+// Speculative decoding: plan() may reserve room (budget and blocks) for up to k drafted tokens
+// after a decoding sequence's token; the engine asks its proposer for them, adds them with
+// StepPlan::add_drafts, has the model score every token of the entry, and reports how many of
+// the drafts it accepted (StepResult::accepted). The rejected positions are rolled back: the
+// sequence's computed length stops after the accepted ones and blocks past it are freed.
+//
 // One step: every running sequence in decode gets one token (its last sampled one), oldest
-// first; then sequences with prompt left to compute get chunks of at most prefill_chunk tokens
+// first, then its draft reservation while the budget lasts; then sequences with prompt left to compute get chunks of at most prefill_chunk tokens
 // within what is left of token_budget, running ones first, then waiting ones admitted in FIFO
 // order while max_sequences, the budget and the KV blocks allow. A prompt's leading full blocks
 // found in the prefix cache are taken instead of computed.
@@ -30,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <span>
 #include <string_view>
 #include <unordered_map>
@@ -63,6 +70,14 @@ struct PlannedSequence {
   // The last token is the sequence's last known token (a decode token or the final prefill
   // chunk): its logits give the next token, and complete() expects a StepResult for it.
   bool wants_logits = false;
+  bool decode = false;  // a running sequence's next token (else a prompt chunk)
+  // Decode entries: drafted tokens the plan reserved room for (budget and blocks), and those
+  // add_drafts() put after the decode token (n_tokens counts them; every one of the entry's
+  // tokens then wants logits).
+  std::int32_t max_drafts = 0;
+  std::int32_t n_drafts = 0;
+  // Logits rows this entry owns in the forward's output (consecutive, in entry order).
+  std::int64_t n_logits() const { return wants_logits ? 1 + n_drafts : 0; }
   // Block i holds positions [i*block_size, (i+1)*block_size); covers every planned position.
   // Valid until the next plan(), complete() or cancel().
   std::span<const BlockId> block_table;
@@ -75,21 +90,27 @@ struct StepPlan {
   std::vector<Token> tokens;                // (T)
   std::vector<std::int64_t> positions;      // (T)
   std::vector<std::int32_t> sequence_of;    // (T) index into entries
-  std::vector<std::int32_t> logits_rows;    // (entries wanting logits) rows of tokens, in
-                                            // entry order
+  std::vector<std::int32_t> logits_rows;    // rows of tokens whose logits are wanted, in
+                                            // entry order (n_logits() per entry)
   bool empty() const { return entries.empty(); }
+  // Puts drafts[i] (at most entries[i].max_drafts tokens) after entry i's decode token and
+  // rebuilds the flat arrays. Once per plan, before the forward pass. Throws
+  // std::invalid_argument when drafts has not one list per entry or one is too long.
+  void add_drafts(std::span<const std::vector<Token>> drafts);
   std::span<const Token> tokens_of(const PlannedSequence& entry) const {
     return std::span<const Token>(tokens).subspan(static_cast<std::size_t>(entry.token_offset),
                                                   static_cast<std::size_t>(entry.n_tokens));
   }
 };
 
-// The sampled token of one entry that wanted logits. finished: the sampler saw a stop
-// condition (end-of-sequence token, stop string); the token is kept either way.
+// The sampled token of one entry that wanted logits, after the first `accepted` of the entry's
+// drafts (kept as they were drafted). finished: the sampler saw a stop condition
+// (end-of-sequence token, stop string) at `token`; every token reported is kept either way.
 struct StepResult {
   SequenceId id = 0;
   Token token = 0;
   bool finished = false;
+  std::int32_t accepted = 0;
 };
 
 struct Finished {
@@ -106,7 +127,9 @@ struct SchedulerStats {
   std::int64_t preemptions = 0;
   std::int64_t prompt_tokens_computed = 0;  // prefill tokens planned, recomputation included
   std::int64_t prompt_tokens_cached = 0;    // prompt tokens taken from the prefix cache
-  std::int64_t decode_tokens = 0;
+  std::int64_t decode_tokens = 0;           // one per decoding sequence and step
+  std::int64_t drafted_tokens = 0;          // drafts scored by the model
+  std::int64_t accepted_tokens = 0;         // drafts accepted
   std::int64_t finished = 0;                // any reason, cancelled included
   std::int64_t blocks_used = 0;
   std::int64_t blocks_total = 0;
@@ -125,9 +148,15 @@ class Scheduler {
   // the entry is skipped by complete(); its blocks are only handed out again by the next plan().
   void cancel(SequenceId id);
 
-  // Plans one step; an empty plan when nothing can run. Throws std::logic_error when the
-  // previous non-empty plan has not been completed.
-  StepPlan plan();
+  // How many tokens the engine would like to draft after a decoding sequence's next token.
+  using DraftsWanted = std::function<int(SequenceId)>;
+
+  // Plans one step; an empty plan when nothing can run. drafts_wanted (if set) is asked for
+  // each decoding sequence; the reservation is capped by the budget left after every decode,
+  // by free blocks (drafts never preempt anyone) and by max_new_tokens, so that accepting
+  // every draft plus one token never passes it. Throws std::logic_error when the previous
+  // non-empty plan has not been completed.
+  StepPlan plan(const DraftsWanted& drafts_wanted = {});
   // Reports the step: one StepResult per entry that wanted logits (any order; entries of
   // sequences cancelled meanwhile may be left out). Throws std::invalid_argument when `plan` is
   // not the outstanding plan or a result is missing or unexpected, before changing anything.
@@ -137,6 +166,8 @@ class Scheduler {
   bool contains(SequenceId id) const { return sequences_.contains(id); }
   // Tokens generated so far by a live sequence (for streaming); throws std::out_of_range.
   const std::vector<Token>& generated(SequenceId id) const;
+  // Prompt + generated tokens of a live sequence; throws std::out_of_range.
+  const std::vector<Token>& tokens(SequenceId id) const;
   SchedulerStats stats() const;
   const SchedulerOptions& options() const { return options_; }
   // Throws std::logic_error describing the first broken invariant; O(sequences + blocks).
@@ -161,6 +192,7 @@ class Scheduler {
     Sequence* sequence;
     std::int64_t n_tokens;
     bool decode;
+    std::int64_t drafts = 0;  // reserved after the decode token
   };
 
   // Makes room for `n_tokens` more tokens of a running sequence, preempting the newest running

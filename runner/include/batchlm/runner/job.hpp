@@ -101,6 +101,18 @@ struct BackendSpec {
   int block_size = 16;
   std::int64_t kv_tokens = 0;
   std::int64_t kv_bytes = 0;
+  // local, speculative decoding (backend.speculative): method none|draft|self|ngram, the draft
+  // model (draft), the target's layers that draft (self; 0: a quarter), the bounds of each
+  // sequence's draft length, and the n-gram lengths looked up (ngram).
+  struct Speculative {
+    std::string method = "none";
+    std::string model;
+    int layers = 0;
+    int k_max = 4;
+    int k_min = 0;
+    int ngram_max = 4;
+    int ngram_min = 1;
+  } speculative;
 };
 
 struct RateLimitSpec {

@@ -1,0 +1,364 @@
+#include "batchlm/local_engine/batch_engine.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "batchlm/kernels/ops.hpp"
+#include "batchlm/local_engine/kv_cache.hpp"
+
+namespace batchlm::local_engine {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace
+
+std::int64_t available_memory_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    std::istringstream fields(line);
+    std::string key;
+    std::int64_t kib = 0;
+    if (fields >> key >> kib && key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+std::int64_t kv_pool_tokens(const LocalBackendOptions& o, std::int64_t context,
+                            std::int64_t bytes_per_token, std::int64_t available_bytes) {
+  if (o.kv_tokens < 0) throw std::invalid_argument("kv_tokens must be >= 0");
+  if (o.kv_bytes < 0) throw std::invalid_argument("kv_bytes must be >= 0");
+  std::int64_t tokens = 0;
+  if (o.kv_tokens > 0) {
+    tokens = o.kv_tokens;
+  } else if (o.kv_bytes > 0) {
+    tokens = o.kv_bytes / bytes_per_token;
+  } else {
+    tokens = static_cast<std::int64_t>(o.max_sequences) * context;
+    if (available_bytes > 0) tokens = std::min(tokens, available_bytes / 4 / bytes_per_token);
+    return std::max(tokens, context);
+  }
+  if (tokens < context) {
+    throw std::invalid_argument(
+        (o.kv_tokens > 0 ? "kv_tokens " + std::to_string(o.kv_tokens)
+                         : "kv_bytes " + std::to_string(o.kv_bytes) + " (" +
+                               std::to_string(tokens) + " tokens)") +
+        " is less than one context of " + std::to_string(context) + " tokens");
+  }
+  return tokens;
+}
+
+void BatchEngine::ForwardCost::add(double tokens, double ms) {
+  // Forget slowly, so the fit follows the machine's load and the batch sizes of late.
+  constexpr double kKeep = 0.98;
+  w = kKeep * w + 1;
+  x = kKeep * x + tokens;
+  y = kKeep * y + ms;
+  xx = kKeep * xx + tokens * tokens;
+  xy = kKeep * xy + tokens * ms;
+}
+
+bool BatchEngine::ForwardCost::fitted(double& fixed, double& per_token) const {
+  const double var = w * xx - x * x;
+  if (w < 4 || var <= 1e-9 * w * xx) return false;  // too few steps, or all of one size
+  per_token = std::max(0.0, (w * xy - x * y) / var);
+  fixed = std::max(0.0, (y - per_token * x) / w);
+  return fixed + per_token > 0;
+}
+
+BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options)
+    : model_(std::move(model)), speculative_(options.speculative) {
+  if (options.max_sequences < 1) throw std::invalid_argument("max_sequences must be >= 1");
+  if (options.block_size < 1 || options.block_size > 256)
+    throw std::invalid_argument("block_size must be in 1..256, not " + std::to_string(options.block_size));
+  const std::int64_t budget = options.token_budget > 0 ? options.token_budget : Model::kMaxBatch;
+  if (budget > Model::kMaxBatch)
+    throw std::invalid_argument("token_budget must be at most " + std::to_string(Model::kMaxBatch));
+  if (budget < options.max_sequences) {
+    throw std::invalid_argument("token_budget " + std::to_string(budget) +
+                                " is less than max_sequences " + std::to_string(options.max_sequences) +
+                                ": every running sequence needs a token each step");
+  }
+  if (speculative_.method != SpecMethod::kNone) validate(speculative_);
+  const ModelConfig& c = model_->config();
+  context_ = options.context > 0 ? std::min(options.context, c.n_ctx_train)
+                                 : std::min<std::int64_t>(c.n_ctx_train, 4096);
+  // Pages of the pool are touched only as blocks are first used.
+  const std::int64_t block = options.block_size;
+  const std::int64_t bytes_per_token = 2 * c.n_layers * c.kv_width() * 2;  // K and V, F16
+  const std::int64_t pool_tokens =
+      kv_pool_tokens(options, context_, bytes_per_token, available_memory_bytes());
+  const std::int64_t n_blocks = (pool_tokens + block - 1) / block;
+
+  switch (speculative_.method) {
+    case SpecMethod::kNone: break;
+    case SpecMethod::kNgram:
+      proposer_ = make_ngram_proposer(speculative_.ngram_min, speculative_.ngram_max);
+      break;
+    case SpecMethod::kSelf: {
+      const std::int64_t layers =
+          speculative_.layers > 0 ? speculative_.layers : std::max<std::int64_t>(1, c.n_layers / 4);
+      if (layers >= c.n_layers)
+        throw std::invalid_argument("speculative.layers must be less than the model's " +
+                                    std::to_string(c.n_layers) + " layers, not " +
+                                    std::to_string(layers));
+      proposer_ = make_model_proposer(model_, layers, options.block_size, pool_tokens);
+      break;
+    }
+    case SpecMethod::kDraft: {
+      std::shared_ptr<const Model> draft = Model::load(speculative_.model);
+      check_same_vocabulary(*model_, *draft);
+      proposer_ = make_model_proposer(std::move(draft), 0, options.block_size, pool_tokens);
+      break;
+    }
+  }
+  threads_ = std::make_unique<kernels::ThreadPool>(options.threads);
+  blocks_ = std::make_unique<BlockPool>(BlockPoolOptions{options.block_size, n_blocks});
+  scheduler_ = std::make_unique<Scheduler>(
+      *blocks_, SchedulerOptions{options.max_sequences, budget, budget});
+  kv_ = std::make_unique<KvStore>(c, block, n_blocks);
+}
+
+BatchEngine::~BatchEngine() = default;
+
+int BatchEngine::threads() const { return threads_->size(); }
+
+SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& params,
+                            TextSink on_text) {
+  const auto n_prompt = static_cast<std::int64_t>(prompt.size());
+  if (n_prompt == 0) throw RequestRejected("invalid_request", "the prompt is empty");
+  if (n_prompt >= context_) {
+    throw RequestRejected("context_length_exceeded",
+                          "the prompt has " + std::to_string(n_prompt) +
+                              " tokens; the context holds " + std::to_string(context_));
+  }
+  const std::int64_t room = context_ - n_prompt;
+  const std::int64_t max_new = params.max_tokens > 0 ? std::min(params.max_tokens, room) : room;
+  SequenceId id = 0;
+  try {
+    id = scheduler_->add(std::move(prompt), max_new);
+  } catch (const std::invalid_argument& e) {
+    throw RequestRejected("context_length_exceeded", e.what());
+  }
+  Active a{std::move(on_text),
+           Generation(model_->tokenizer(), params),
+           params.sampling,
+           {},
+           {},
+           Clock::now(),
+           std::nullopt,
+           DraftLength(speculative_.k_min, speculative_.k_max)};
+  a.result.stats.prompt_tokens = n_prompt;
+  active_.emplace(id, std::move(a));
+  return id;
+}
+
+void BatchEngine::cancel(SequenceId id) {
+  auto it = active_.find(id);
+  if (it == active_.end()) return;
+  it->second.reason = "cancelled";
+  scheduler_->cancel(id);
+  for (const Finished& f : scheduler_->take_finished()) finish(f);
+}
+
+bool BatchEngine::idle() const { return active_.empty(); }
+
+bool BatchEngine::emit(Active& a, Token /*token*/, const std::string& text, bool done) {
+  if (!a.first) a.first = Clock::now();
+  if (!text.empty()) {
+    a.result.text += text;
+    if (a.on_text && !a.on_text(text)) {
+      a.reason = "cancelled";
+      return true;
+    }
+  }
+  if (done) a.reason = a.gen.finish_reason();
+  return done;
+}
+
+void BatchEngine::finish(const Finished& f) {
+  auto it = active_.find(f.id);
+  if (it == active_.end()) return;
+  if (proposer_) proposer_->forget(f.id);
+  Active& a = it->second;
+  const std::string reason = a.reason.empty() ? std::string(to_string(f.reason)) : a.reason;
+  GenerateResult result = std::move(a.result);
+  if (reason != "cancelled") {
+    if (std::string tail = a.gen.flush(); !tail.empty()) {
+      result.text += tail;
+      if (a.on_text) a.on_text(tail);
+    }
+  }
+  result.stats.generated_tokens = a.gen.generated();
+  result.finish_reason = reason;
+  const auto now = Clock::now();
+  result.stats.generate_ms = a.first ? ms_between(*a.first, now) : 0;
+  result.stats.prompt_ms = a.first ? ms_between(a.start, *a.first) : ms_between(a.start, now);
+  finished_.emplace_back(f.id, std::move(result));
+  active_.erase(it);
+}
+
+double BatchEngine::draft_cost(std::int64_t decoding) const {
+  // One drafted token against one sequence's share of a target pass: at one sequence the
+  // weights' reading dominates and a few more tokens are nearly free; in a large batch every
+  // token costs about as much as a sequence's own.
+  double fixed = 0, per_token = 0;
+  double cost = 0.1;
+  if (forward_cost_.fitted(fixed, per_token)) {
+    const double share = fixed / static_cast<double>(std::max<std::int64_t>(decoding, 1)) + per_token;
+    cost = per_token / share;
+    if (proposer_->runs_model()) cost += draft_ms_per_token_ / share;
+  }
+  return std::clamp(cost, 0.01, 10.0);
+}
+
+void BatchEngine::draft(StepPlan& plan, std::vector<Draft>& drafts) {
+  std::vector<DraftRequest> requests;
+  std::vector<std::size_t> entry_of;
+  for (std::size_t i = 0; i < plan.entries.size(); ++i) {
+    const PlannedSequence& e = plan.entries[i];
+    if (e.max_drafts < 1) continue;
+    const Active& a = active_.at(e.id);
+    requests.push_back({e.id, scheduler_->tokens(e.id), e.max_drafts, &a.sampling});
+    entry_of.push_back(i);
+  }
+  drafts.assign(plan.entries.size(), Draft{});
+  if (requests.empty()) return;
+  std::vector<Draft> proposed(requests.size());
+  const auto t0 = Clock::now();
+  proposer_->propose(requests, proposed, *threads_);
+  const double ms = ms_between(t0, Clock::now());
+  draft_ms_ += ms;
+  std::vector<std::vector<Token>> lists(plan.entries.size());
+  std::int64_t drafted = 0;
+  for (std::size_t r = 0; r < requests.size(); ++r) {
+    if (std::ssize(proposed[r].tokens) > requests[r].max_tokens) proposed[r].tokens.resize(requests[r].max_tokens);
+    lists[entry_of[r]] = proposed[r].tokens;
+    drafted += std::ssize(proposed[r].tokens);
+    drafts[entry_of[r]] = std::move(proposed[r]);
+  }
+  if (proposer_->runs_model() && drafted > 0) {
+    // Per drafted token of one sequence: the rounds ran all sequences together.
+    std::int64_t rounds = 0;
+    for (const auto& l : lists) rounds = std::max<std::int64_t>(rounds, std::ssize(l));
+    const double per_token = ms / static_cast<double>(rounds) /
+                             static_cast<double>(std::max<std::size_t>(requests.size(), 1));
+    draft_ms_per_token_ = draft_ms_per_token_ == 0 ? per_token : 0.9 * draft_ms_per_token_ + 0.1 * per_token;
+  }
+  plan.add_drafts(lists);
+}
+
+void BatchEngine::step() {
+  const auto t0 = Clock::now();
+  StepPlan plan;
+  if (proposer_) {
+    const double cost = draft_cost(decoding_);
+    plan = scheduler_->plan([&](SequenceId id) {
+      auto it = active_.find(id);
+      return it == active_.end() ? 0 : it->second.length.wanted(cost);
+    });
+  } else {
+    plan = scheduler_->plan();
+  }
+  if (plan.empty()) {
+    for (const Finished& f : scheduler_->take_finished()) finish(f);
+    return;
+  }
+  std::vector<Draft> drafts;
+  if (proposer_) draft(plan, drafts);
+
+  std::vector<std::int32_t> positions(plan.positions.begin(), plan.positions.end());
+  std::vector<std::span<const std::int32_t>> tables;
+  tables.reserve(plan.entries.size());
+  for (const auto& e : plan.entries) tables.emplace_back(e.block_table);
+  const std::size_t n_vocab = static_cast<std::size_t>(model_->config().n_vocab);
+  logits_.resize(plan.logits_rows.size() * n_vocab);
+  const auto t_forward = Clock::now();
+  model_->forward_batch(Batch{plan.tokens, positions, plan.sequence_of, tables, plan.logits_rows},
+                        kv_->pool(), logits_, *threads_);
+  forward_cost_.add(static_cast<double>(plan.tokens.size()), ms_between(t_forward, Clock::now()));
+
+  std::vector<StepResult> results;
+  std::size_t row = 0;
+  decoding_ = 0;
+  for (std::size_t i = 0; i < plan.entries.size(); ++i) {
+    const PlannedSequence& e = plan.entries[i];
+    if (!e.wants_logits) continue;
+    const std::span<const float> rows(logits_.data() + row * n_vocab,
+                                      static_cast<std::size_t>(e.n_logits()) * n_vocab);
+    row += static_cast<std::size_t>(e.n_logits());
+    StepResult r{e.id, 0, false, 0};
+    auto it = active_.find(e.id);
+    if (it == active_.end()) {
+      r.finished = true;
+      results.push_back(r);
+      continue;
+    }
+    Active& a = it->second;
+    std::string text;
+    if (e.decode) {
+      ++decoding_;
+      ++decode_passes_;
+    }
+    if (e.n_drafts == 0) {
+      ++sampled_;
+      const bool done = a.gen.next(rows, r.token, text);
+      r.finished = emit(a, r.token, text, done);
+    } else {
+      const Verdict verdict = verify(a.gen.sampler(), rows, static_cast<std::int64_t>(n_vocab), drafts[i]);
+      a.length.update(e.n_drafts, verdict.accepted);
+      int fed = 0;
+      for (Token token : verdict.tokens) {
+        ++fed;
+        ++sampled_;
+        const bool done = a.gen.accept(token, text);
+        r.token = token;
+        r.finished = emit(a, token, text, done);
+        if (r.finished) break;
+      }
+      r.accepted = fed - 1;
+    }
+    results.push_back(r);
+  }
+  scheduler_->complete(plan, results);
+  for (const Finished& f : scheduler_->take_finished()) finish(f);
+  step_ms_ += ms_between(t0, Clock::now());
+}
+
+std::vector<std::pair<SequenceId, GenerateResult>> BatchEngine::take_finished() {
+  return std::exchange(finished_, {});
+}
+
+EngineStats BatchEngine::stats() const {
+  const SchedulerStats s = scheduler_->stats();
+  EngineStats stats;
+  stats.running = s.running;
+  stats.waiting = s.waiting;
+  stats.preemptions = s.preemptions;
+  stats.prompt_tokens_computed = s.prompt_tokens_computed;
+  stats.prompt_tokens_cached = s.prompt_tokens_cached;
+  stats.generated_tokens = sampled_;
+  stats.steps = s.steps;
+  stats.blocks_used = s.blocks_used;
+  stats.blocks_total = s.blocks_total;
+  stats.block_size = blocks_->block_size();
+  if (proposer_) {
+    stats.speculative = std::string(to_string(speculative_.method));
+    stats.drafted_tokens = s.drafted_tokens;
+    stats.accepted_tokens = s.accepted_tokens;
+    stats.decode_passes = decode_passes_;
+    stats.draft_ms = draft_ms_;
+    stats.step_ms = step_ms_;
+  }
+  return stats;
+}
+
+}  // namespace batchlm::local_engine

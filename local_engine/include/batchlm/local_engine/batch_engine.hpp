@@ -1,0 +1,135 @@
+#pragma once
+// The continuous-batching engine, synchronous: requests are added, step() runs one scheduler
+// step (one batched forward pass of the target model, preceded by drafting when speculative
+// decoding is on), text streams to each request's sink, and finished requests come out of
+// take_finished(). LocalBackend runs it on its engine thread; tests drive it directly.
+//
+//   BatchEngine engine(model, options);
+//   SequenceId id = engine.add(prompt, params, on_text);
+//   while (!engine.idle()) engine.step();
+//   for (auto& [id, result] : engine.take_finished()) ...
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "batchlm/core/types.hpp"
+#include "batchlm/local_engine/engine.hpp"
+#include "batchlm/local_engine/scheduler.hpp"
+#include "batchlm/local_engine/spec.hpp"
+
+namespace batchlm::local_engine {
+
+struct LocalBackendOptions {
+  std::filesystem::path model;  // a GGUF file
+  int threads = 0;              // compute threads; 0: one per hardware thread
+  std::int64_t context = 0;     // tokens per sequence; 0: min(training context, 4096)
+  int max_sequences = 32;       // sequences decoded together (continuous batching)
+  std::int64_t token_budget = 0;  // tokens in one batched forward pass; 0: the model's maximum
+                                  // (512); at least max_sequences
+  int block_size = 16;          // tokens per KV block
+  // The KV pool: kv_tokens if set, else kv_bytes if set, else enough for max_sequences full
+  // contexts but at most a quarter of the memory available now. Never less than one context.
+  std::int64_t kv_tokens = 0;
+  std::int64_t kv_bytes = 0;
+  SpeculativeOptions speculative;  // method kNone: off
+};
+
+// The pool size in tokens those options give for a model with `bytes_per_token` of keys and
+// values (all layers); `available_bytes` is the memory free now. Throws std::invalid_argument
+// when the options are out of range (the message names the option).
+std::int64_t kv_pool_tokens(const LocalBackendOptions& options, std::int64_t context,
+                            std::int64_t bytes_per_token, std::int64_t available_bytes);
+// MemAvailable from /proc/meminfo (0 when unknown).
+std::int64_t available_memory_bytes();
+
+// A request the engine refuses; code is the OpenAI-style error code ("invalid_request",
+// "context_length_exceeded").
+struct RequestRejected : std::invalid_argument {
+  RequestRejected(std::string code, const std::string& message)
+      : std::invalid_argument(message), code(std::move(code)) {}
+  std::string code;
+};
+
+class BatchEngine {
+  struct Active;
+
+ public:
+  // Receives each piece of text as it becomes final; returns false to cancel the request.
+  using TextSink = std::function<bool(std::string_view)>;
+
+  // Throws std::invalid_argument naming a bad option, gguf::Error for a bad draft model file.
+  BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options);
+  ~BatchEngine();
+  BatchEngine(const BatchEngine&) = delete;
+  BatchEngine& operator=(const BatchEngine&) = delete;
+
+  // Queues a request; throws RequestRejected (empty prompt, longer than the context).
+  SequenceId add(std::vector<Token> prompt, const GenerateParams& params, TextSink on_text);
+  // Ends a request at once (its blocks freed); it comes out of take_finished() as "cancelled".
+  void cancel(SequenceId id);
+  bool idle() const;
+  // One scheduler step; nothing when idle.
+  void step();
+  // Requests that ended since the last call, with their text and statistics.
+  std::vector<std::pair<SequenceId, GenerateResult>> take_finished();
+
+  EngineStats stats() const;
+  const Model& model() const { return *model_; }
+  std::int64_t context() const { return context_; }
+  int threads() const;
+
+ private:
+  // A request in the scheduler.
+  struct Active {
+    TextSink on_text;
+    Generation gen;
+    SamplingParams sampling;
+    GenerateResult result;
+    std::string reason;  // set when the engine ended it (end of turn, stop string, cancel)
+    std::chrono::steady_clock::time_point start;
+    std::optional<std::chrono::steady_clock::time_point> first;
+    DraftLength length;
+  };
+  // Least squares over recent steps: forward time ~ fixed + per_token * tokens.
+  struct ForwardCost {
+    double w = 0, x = 0, y = 0, xx = 0, xy = 0;
+    void add(double tokens, double ms);
+    bool fitted(double& fixed, double& per_token) const;
+  };
+
+  void finish(const Finished& f);
+  // Feeds one token to the request's output side; true when the request is over.
+  bool emit(Active& a, Token token, const std::string& text, bool done);
+  void draft(StepPlan& plan, std::vector<Draft>& drafts);
+  double draft_cost(std::int64_t decoding) const;
+
+  std::shared_ptr<const Model> model_;
+  std::int64_t context_ = 0;
+  SpeculativeOptions speculative_;
+  std::unique_ptr<kernels::ThreadPool> threads_;
+  std::unique_ptr<BlockPool> blocks_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<KvStore> kv_;
+  std::unique_ptr<Proposer> proposer_;
+  std::unordered_map<SequenceId, Active> active_;
+  std::vector<std::pair<SequenceId, GenerateResult>> finished_;
+  std::vector<float> logits_;
+  std::int64_t sampled_ = 0;
+  double draft_ms_ = 0, step_ms_ = 0;
+  std::int64_t decode_passes_ = 0;
+  ForwardCost forward_cost_;
+  double draft_ms_per_token_ = 0;  // moving average, model proposers
+  std::int64_t decoding_ = 0;      // decoding sequences in the last step
+};
+
+}  // namespace batchlm::local_engine
