@@ -191,6 +191,7 @@ void BatchEngine::finish(const Finished& f) {
   Active& a = it->second;
   const std::string reason = a.reason.empty() ? std::string(to_string(f.reason)) : a.reason;
   GenerateResult result = std::move(a.result);
+  result.tokens = f.generated;
   if (reason != "cancelled") {
     if (std::string tail = a.gen.flush(); !tail.empty()) {
       result.text += tail;

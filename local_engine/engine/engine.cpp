@@ -119,6 +119,7 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
   Token next = 0;
   std::string text;
   bool done = gen.next(logits_, next, text);
+  result.tokens.push_back(next);
   result.stats.prompt_ms = ms_since(t0);
   const auto t1 = std::chrono::steady_clock::now();
   for (;;) {
@@ -139,6 +140,7 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
     cached_.push_back(next);
     ++result.stats.decode_steps;
     done = gen.next(logits_, next, text);
+    result.tokens.push_back(next);
   }
   result.stats.generated_tokens = gen.generated();
   result.stats.generate_ms = ms_since(t1);

@@ -41,6 +41,7 @@ struct GenerateStats {
 
 struct GenerateResult {
   std::string text;
+  std::vector<Token> tokens;  // the generated token ids, an end-of-generation token included
   std::string finish_reason;  // "stop" (end of turn or a stop string), "length", "cancelled"
   GenerateStats stats;
 };
