@@ -92,7 +92,7 @@ class ModelProposer final : public Proposer {
         const DraftRequest& r = requests[item.index];
         item.state->cached.assign(r.tokens.begin(), r.tokens.end());
         item.state->blocks.commit_full_blocks(pool_, r.tokens);
-        draw(*item.state, r, logits_row(f, n_vocab), drafts[item.index]);
+        draw(*item.state, logits_row(f, n_vocab), drafts[item.index]);
         item.drafted = 1;
       }
       // Sequences cut by the end of the pass have their computed part recorded.
@@ -120,7 +120,7 @@ class ModelProposer final : public Proposer {
       run_batch(threads);
       for (std::size_t f = 0; f < drafting.size(); ++f) {
         Work& item = work[drafting[f]];
-        draw(*item.state, requests[item.index], logits_row(f, n_vocab), drafts[item.index]);
+        draw(*item.state, logits_row(f, n_vocab), drafts[item.index]);
         ++item.drafted;
       }
     }
@@ -158,8 +158,7 @@ class ModelProposer final : public Proposer {
     return s;
   }
 
-  void draw(State& s, const DraftRequest& r, std::span<const float> logits, Draft& out) {
-    (void)r;
+  void draw(State& s, std::span<const float> logits, Draft& out) {
     if (s.sampler->greedy()) {
       out.tokens.push_back(static_cast<Token>(kernels::argmax(logits.data(), logits.size())));
       return;

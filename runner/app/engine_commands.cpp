@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -240,6 +241,23 @@ int run_engine_command() {
   if (generate_cmd && *generate_cmd) return run_generate();
   if (inspect_cmd && *inspect_cmd) return run_inspect();
   return -1;
+}
+
+local_engine::SpeculativeOptions speculative_options(const runner::BackendSpec::Speculative& spec) {
+  local_engine::SpeculativeOptions o;
+  o.method = local_engine::parse_spec_method(spec.method).value_or(local_engine::SpecMethod::kNone);
+  if (o.method == local_engine::SpecMethod::kDraft) {
+    if (spec.model.empty()) throw std::runtime_error("the draft method needs a draft model");
+    if (!std::filesystem::exists(spec.model))
+      throw std::runtime_error("draft model file '" + spec.model + "' not found");
+  }
+  o.model = spec.model;
+  o.layers = spec.layers;
+  o.k_max = spec.k_max;
+  o.k_min = spec.k_min;
+  o.ngram_max = spec.ngram_max;
+  o.ngram_min = spec.ngram_min;
+  return o;
 }
 
 }  // namespace batchlm::app

@@ -6,6 +6,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include "batchlm/local_engine/spec.hpp"
+#include "batchlm/runner/job.hpp"
+
 namespace batchlm::app {
 
 // Adds the subcommands to `app`; `run_engine_command` runs whichever was chosen and returns
@@ -19,5 +22,9 @@ int run_serve_command();
 
 // The GGUF used when none is named: $BATCHLM_MODEL, else the default model's path.
 std::string default_model();
+
+// The engine's speculative options from a job's (or serve's flags') validated settings.
+// Throws std::runtime_error when the draft method's model file is missing.
+local_engine::SpeculativeOptions speculative_options(const runner::BackendSpec::Speculative& spec);
 
 }  // namespace batchlm::app

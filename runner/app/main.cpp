@@ -111,19 +111,11 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
     options.block_size = job.backend.block_size;
     options.kv_tokens = job.backend.kv_tokens;
     options.kv_bytes = job.backend.kv_bytes;
-    const auto& spec = job.backend.speculative;
-    options.speculative.method = *local_engine::parse_spec_method(spec.method);
-    if (options.speculative.method == local_engine::SpecMethod::kDraft &&
-        !std::filesystem::exists(spec.model)) {
-      throw ConfigError(job.file, 0, 0, "backend.speculative.model",
-                        "draft model file '" + spec.model + "' not found");
+    try {
+      options.speculative = app::speculative_options(job.backend.speculative);
+    } catch (const std::runtime_error& e) {
+      throw ConfigError(job.file, 0, 0, "backend.speculative.model", e.what());
     }
-    options.speculative.model = spec.model;
-    options.speculative.layers = spec.layers;
-    options.speculative.k_max = spec.k_max;
-    options.speculative.k_min = spec.k_min;
-    options.speculative.ngram_max = spec.ngram_max;
-    options.speculative.ngram_min = spec.ngram_min;
     try {
       return std::make_unique<local_engine::LocalBackend>(io.get_executor(), options);
     } catch (const std::invalid_argument& e) {

@@ -40,13 +40,7 @@ struct ServeOptions {
   std::string kv_memory;
   int max_queue = 256;
   double shutdown_grace = 30;
-  std::string speculative = "none";
-  std::string draft_model;
-  int spec_layers = 0;
-  int k_max = 4;
-  int k_min = 0;
-  int ngram_max = 4;
-  int ngram_min = 1;
+  runner::BackendSpec::Speculative spec;
 };
 
 ServeOptions s;
@@ -97,20 +91,20 @@ void add_serve_command(CLI::App& app) {
   serve_cmd->add_option("--shutdown-grace", s.shutdown_grace,
                         "Seconds requests in flight get to finish after SIGTERM")
       ->check(CLI::Range(0.0, 86400.0))->capture_default_str();
-  serve_cmd->add_option("--speculative", s.speculative,
+  serve_cmd->add_option("--speculative", s.spec.method,
                         "Speculative decoding: none, ngram (look up the prompt and output), self "
                         "(the model's first layers draft) or draft (--draft-model drafts)")
       ->check(CLI::IsMember({"none", "ngram", "self", "draft"}))->capture_default_str();
-  serve_cmd->add_option("--draft-model", s.draft_model, "GGUF with the model's vocabulary (--speculative draft)");
-  serve_cmd->add_option("--spec-layers", s.spec_layers, "Layers that draft with --speculative self (0: a quarter)")
+  serve_cmd->add_option("--draft-model", s.spec.model, "GGUF with the model's vocabulary (--speculative draft)");
+  serve_cmd->add_option("--spec-layers", s.spec.layers, "Layers that draft with --speculative self (0: a quarter)")
       ->check(CLI::Range(0, 1024));
-  serve_cmd->add_option("--spec-k-max", s.k_max, "Most tokens drafted per sequence and step")
+  serve_cmd->add_option("--spec-k-max", s.spec.k_max, "Most tokens drafted per sequence and step")
       ->check(CLI::Range(1, 16))->capture_default_str();
-  serve_cmd->add_option("--spec-k-min", s.k_min, "Fewest while a sequence drafts (0 lets it stop)")
+  serve_cmd->add_option("--spec-k-min", s.spec.k_min, "Fewest while a sequence drafts (0 lets it stop)")
       ->check(CLI::Range(0, 16))->capture_default_str();
-  serve_cmd->add_option("--ngram-max", s.ngram_max, "Longest n-gram looked up (--speculative ngram)")
+  serve_cmd->add_option("--ngram-max", s.spec.ngram_max, "Longest n-gram looked up (--speculative ngram)")
       ->check(CLI::Range(1, 64))->capture_default_str();
-  serve_cmd->add_option("--ngram-min", s.ngram_min, "Shortest n-gram looked up (--speculative ngram)")
+  serve_cmd->add_option("--ngram-min", s.spec.ngram_min, "Shortest n-gram looked up (--speculative ngram)")
       ->check(CLI::Range(1, 64))->capture_default_str();
   serve_cmd->footer(kServeExamples);
 }
@@ -138,17 +132,10 @@ int run_serve_command() {
     if (!bytes) throw std::runtime_error("--kv-memory: expected a size such as 2GiB or 512MiB, got '" + s.kv_memory + "'");
     engine.kv_bytes = *bytes;
   }
-  engine.speculative.method = *local_engine::parse_spec_method(s.speculative);
-  engine.speculative.model = s.draft_model;
-  engine.speculative.layers = s.spec_layers;
-  engine.speculative.k_max = s.k_max;
-  engine.speculative.k_min = s.k_min;
-  engine.speculative.ngram_max = s.ngram_max;
-  engine.speculative.ngram_min = s.ngram_min;
-  if (engine.speculative.method == local_engine::SpecMethod::kDraft) {
-    if (s.draft_model.empty()) throw std::runtime_error("--speculative draft needs --draft-model PATH");
-    if (!std::filesystem::exists(s.draft_model))
-      throw std::runtime_error("--draft-model: file '" + s.draft_model + "' not found");
+  try {
+    engine.speculative = speculative_options(s.spec);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(std::string("--draft-model: ") + e.what());
   }
 
   asio::io_context io(1);
