@@ -30,6 +30,14 @@
 #define BATCHLM_KERNELS_TILE_TOKENS 2
 #endif
 
+// Tokens per pass of the packed tiles: an accumulator and an integer sum per token, held in
+// registers (16 of them without AVX-512, 32 with).
+#if defined(BATCHLM_KERNELS_AVX512)
+#define BATCHLM_KERNELS_PACKED_TOKENS 8
+#else
+#define BATCHLM_KERNELS_PACKED_TOKENS 4
+#endif
+
 #if defined(BATCHLM_KERNELS_ENABLED)
 
 #include <immintrin.h>
@@ -38,6 +46,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 
 namespace batchlm::kernels::cpu {
 
@@ -285,6 +294,291 @@ template <int NR, int NT>
 void tile_q8_0_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
                  std::int64_t nb, float* y, std::int64_t ys) {
   tile_signed_t<BlockQ8_0, load_q8_0, NR, NT>(w, wrb, x, xrb, nb, y, ys);
+}
+
+// Packed matrices (the layout in cpu_kernels.hpp): lane r of a vector is row r of a group, so
+// a block's products for all its rows and one token are integer dot products against 4
+// activation bytes broadcast to every lane, and its scales take one multiply and one FMA per
+// token for all the rows. Each lane does exactly the portable tile's arithmetic for its row.
+//
+// Rows8 holds one group in 256-bit vectors; with AVX-512, Rows16 holds two consecutive groups
+// in 512-bit vectors (the second group's rows in the upper lanes): the same lane arithmetic
+// with half the instructions (measured 1.8x faster on Zen 5, where 512-bit dot products issue
+// as fast as 256-bit ones).
+struct Rows8 {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kRows = 8;
+  // The 32 bytes at p, and the 8 F16 values at p as floats; `group` is the distance to the
+  // next group's, which Rows16 reads into its upper lanes.
+  static I load(const std::uint8_t* p, std::size_t) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static F load_f16(const std::uint8_t* p, std::size_t) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I bytes(char v) { return _mm256_set1_epi8(v); }
+  static I dwords(std::int32_t v) { return _mm256_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I shift4(I a) { return _mm256_srli_epi16(a, 4); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+#if defined(BATCHLM_KERNELS_AVX512) || defined(BATCHLM_KERNELS_VNNI)
+  // acc + the 4-byte dot products of unsigned u and signed s, per lane.
+  static I dot(I acc, I u, I s) {
+#if defined(BATCHLM_KERNELS_AVX512)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+  }
+#endif
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F floats(float v) { return _mm256_set1_ps(v); }
+  static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* y, F v) { _mm256_storeu_ps(y, v); }
+};
+
+#if defined(BATCHLM_KERNELS_AVX512)
+// The conversions and the insert are the zero-masking forms with every lane selected (the same
+// instructions): GCC 12's unmasked forms pass an undefined vector that -Wmaybe-uninitialized
+// reports.
+struct Rows16 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kRows = 16;
+  static I load(const std::uint8_t* p, std::size_t group) {
+    return _mm512_maskz_inserti64x4(0xff, _mm512_castsi256_si512(Rows8::load(p, 0)),
+                                    Rows8::load(p + group, 0), 1);
+  }
+  static F load_f16(const std::uint8_t* p, std::size_t group) {
+    return _mm512_maskz_cvtph_ps(0xffff, _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + group)), 1));
+  }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I bytes(char v) { return _mm512_set1_epi8(v); }
+  static I dwords(std::int32_t v) { return _mm512_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I shift4(I a) { return _mm512_srli_epi16(a, 4); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F floats(float v) { return _mm512_set1_ps(v); }
+  static F to_float(I a) { return _mm512_maskz_cvtepi32_ps(0xffff, a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* y, F v) { _mm512_storeu_ps(y, v); }
+};
+#endif
+
+#if defined(BATCHLM_KERNELS_AVX512) || defined(BATCHLM_KERNELS_VNNI)
+constexpr bool kDotInstruction = true;
+#else
+constexpr bool kDotInstruction = false;
+#endif
+
+// The 4 activation bytes at p in every lane.
+template <class V>
+inline typename V::I broadcast4(const std::int8_t* p) {
+  std::int32_t v;
+  std::memcpy(&v, p, 4);
+  return V::dwords(v);
+}
+
+// Per-lane sums over one block of unsigned weight bytes times the broadcast activation bytes.
+// With a dot-product instruction, one per vector. AVX2: the 16-bit pair sums of maddubs are
+// added in 16 bits and widened once, exact for 4-bit weights (8 vectors x 2 products x 15 x 128
+// < 2^15).
+template <class V>
+struct NibbleSum {
+  typename V::I v = V::zero();
+  void add(typename V::I u, typename V::I s) {
+    if constexpr (kDotInstruction) {
+      v = V::dot(v, u, s);
+    } else {
+      v = _mm256_add_epi16(v, _mm256_maddubs_epi16(u, s));
+    }
+  }
+  typename V::I total() const {
+    if constexpr (kDotInstruction) return v;
+    else return _mm256_madd_epi16(v, _mm256_set1_epi16(1));
+  }
+};
+
+// The same for signed weight bytes (Q8_0). With a dot-product instruction: the weights offset by
+// 128 into unsigned bytes, and the offset, 128 times the activations' sum, taken off at the end.
+// AVX2: |w| times x with w's sign, widened per vector (the 16-bit pairs reach 2 x 128 x 127).
+template <class V>
+struct ByteSum {
+  struct Weights {
+    typename V::I w, u;  // as stored; as the unsigned operand
+    explicit Weights(typename V::I q) : w(q) {
+      if constexpr (kDotInstruction) {
+        u = V::xor_(q, V::bytes(-128));
+      } else {
+        u = _mm256_sign_epi8(q, q);
+      }
+    }
+  };
+  typename V::I v = V::zero();
+  void add(const Weights& w, typename V::I s) {
+    if constexpr (kDotInstruction) {
+      v = V::dot(v, w.u, s);
+    } else {
+      const __m256i p16 = _mm256_maddubs_epi16(w.u, _mm256_sign_epi8(s, w.w));
+      v = _mm256_add_epi32(v, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+    }
+  }
+  // The products of the signed weights; x_sum is the sum of the block's 32 activation bytes.
+  typename V::I total(std::int32_t x_sum) const {
+    if constexpr (kDotInstruction) return V::sub(v, V::dwords(128 * x_sum));
+    else return v;
+  }
+};
+
+enum class PackedType { Q4_0, Q4_1, Q8_0 };
+
+template <PackedType F>
+constexpr std::size_t kPackedHeaders = F == PackedType::Q4_1 ? 32 : 16;
+template <PackedType F>
+constexpr std::size_t kPackedBlock = kPackedHeaders<F> + (F == PackedType::Q8_0 ? 256 : 128);
+template <PackedType F>
+using PackedScales = std::conditional_t<F == PackedType::Q4_1, ScalesQ8_1, ScalesQ8_0>;
+
+// The loops over tokens and chunks below must be unrolled for the sums and accumulators to
+// live in registers (GCC keeps them in memory otherwise).
+#define BATCHLM_UNROLL _Pragma("GCC unroll 16")
+
+// The rows of V against NT tokens (w: the first group's first block, the next group `group`
+// bytes further; x: the first token's row; scales: its first block's, the next block's
+// `stride` further).
+template <PackedType F, class V, int NT>
+void packed_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t* x,
+                 std::size_t xrb, const PackedScales<F>* xs, std::int64_t stride,
+                 std::int64_t nb, typename V::F (&acc)[NT]) {
+  using XBlock = std::conditional_t<F == PackedType::Q4_1, BlockQ8_1, BlockQ8_0>;
+  BATCHLM_UNROLL
+  for (int t = 0; t < NT; ++t) acc[t] = V::fzero();
+  for (std::int64_t b = 0; b < nb; ++b) {
+    const std::uint8_t* blk = w + b * kPackedBlock<F>;
+    const std::uint8_t* q = blk + kPackedHeaders<F>;
+    const PackedScales<F>* xb = xs + b * stride;
+    const std::int8_t* xq[NT];
+    BATCHLM_UNROLL
+    for (int t = 0; t < NT; ++t) xq[t] = reinterpret_cast<const XBlock*>(x + t * xrb)[b].qs;
+    typename V::I dot[NT];
+    if constexpr (F == PackedType::Q8_0) {
+      ByteSum<V> sum[NT];
+      BATCHLM_UNROLL
+      for (int c = 0; c < 8; ++c) {
+        const typename ByteSum<V>::Weights wc(V::load(q + 32 * c, group));
+        BATCHLM_UNROLL
+        for (int t = 0; t < NT; ++t) sum[t].add(wc, broadcast4<V>(xq[t] + 4 * c));
+      }
+      BATCHLM_UNROLL
+      for (int t = 0; t < NT; ++t) dot[t] = sum[t].total(xb[t].sum);
+    } else {
+      // Chunk c: the low nibbles pair with activation bytes 4c.., the high ones with 16+4c...
+      const typename V::I mask = V::bytes(0x0f);
+      NibbleSum<V> sum[NT];
+      BATCHLM_UNROLL
+      for (int c = 0; c < 4; ++c) {
+        const typename V::I raw = V::load(q + 32 * c, group);
+        const typename V::I lo = V::and_(raw, mask), hi = V::and_(V::shift4(raw), mask);
+        BATCHLM_UNROLL
+        for (int t = 0; t < NT; ++t) {
+          sum[t].add(lo, broadcast4<V>(xq[t] + 4 * c));
+          sum[t].add(hi, broadcast4<V>(xq[t] + 16 + 4 * c));
+        }
+      }
+      BATCHLM_UNROLL
+      for (int t = 0; t < NT; ++t) {
+        dot[t] = sum[t].total();
+        // Q4_0's weights are the nibbles minus 8.
+        if constexpr (F == PackedType::Q4_0) dot[t] = V::sub(dot[t], V::dwords(8 * xb[t].sum));
+      }
+    }
+    const typename V::F d = V::load_f16(blk, group);
+    BATCHLM_UNROLL
+    for (int t = 0; t < NT; ++t)
+      acc[t] = V::fma(V::mul(d, V::floats(xb[t].d)), V::to_float(dot[t]), acc[t]);
+    if constexpr (F == PackedType::Q4_1) {
+      const typename V::F m = V::load_f16(blk + 16, group);
+      BATCHLM_UNROLL
+      for (int t = 0; t < NT; ++t) acc[t] = V::fma(m, V::floats(xb[t].s), acc[t]);
+    }
+  }
+}
+
+#undef BATCHLM_UNROLL
+
+template <PackedType F, class V, int NT>
+void packed_pass(const std::uint8_t* w, std::size_t group, int nr, const std::uint8_t* x,
+                 std::size_t xrb, const PackedScales<F>* xs, std::int64_t stride,
+                 std::int64_t nb, float* y, std::int64_t ys) {
+  typename V::F acc[NT];
+  packed_rows<F, V, NT>(w, group, x, xrb, xs, stride, nb, acc);
+  if (nr == V::kRows) {
+    for (int t = 0; t < NT; ++t) V::store(y + t * ys, acc[t]);
+    return;
+  }
+  alignas(64) float lanes[V::kRows];
+  for (int t = 0; t < NT; ++t) {
+    V::store(lanes, acc[t]);
+    std::copy_n(lanes, nr, y + t * ys);
+  }
+}
+
+// Rows r < nr <= V::kRows against all nt tokens, BATCHLM_KERNELS_PACKED_TOKENS at a time (the
+// weights of the rows stay in L1).
+template <PackedType F, class V>
+void packed_tokens(const std::uint8_t* w, std::size_t group, int nr, const std::uint8_t* x,
+                   std::size_t xrb, const PackedScales<F>* xs, int nt, std::int64_t nb, float* y,
+                   std::int64_t ys) {
+  constexpr int kTokens = BATCHLM_KERNELS_PACKED_TOKENS;
+  int t0 = 0;
+  for (; t0 + kTokens <= nt; t0 += kTokens)
+    packed_pass<F, V, kTokens>(w, group, nr, x + t0 * xrb, xrb, xs + t0, nt, nb, y + t0 * ys, ys);
+  const auto rest = [&]<int NT>() {
+    packed_pass<F, V, NT>(w, group, nr, x + t0 * xrb, xrb, xs + t0, nt, nb, y + t0 * ys, ys);
+  };
+  switch (nt - t0) {
+    case 0: break;
+    case 1: rest.template operator()<1>(); break;
+    case 2: rest.template operator()<2>(); break;
+    case 3: rest.template operator()<3>(); break;
+#if BATCHLM_KERNELS_PACKED_TOKENS == 8
+    case 4: rest.template operator()<4>(); break;
+    case 5: rest.template operator()<5>(); break;
+    case 6: rest.template operator()<6>(); break;
+    case 7: rest.template operator()<7>(); break;
+#endif
+    default: throw std::logic_error("packed_tile: token remainder");
+  }
+}
+
+// Up to two groups: both at once in 512-bit vectors where there are two and AVX-512, else one
+// after the other.
+template <PackedType F>
+void packed_tile(const std::uint8_t* w, int nr, const std::uint8_t* x, std::size_t xrb,
+                 const void* scales, int nt, std::int64_t nb, float* y, std::int64_t ys) {
+  const auto* xs = static_cast<const PackedScales<F>*>(scales);
+  const std::size_t group = static_cast<std::size_t>(nb) * kPackedBlock<F>;
+#if defined(BATCHLM_KERNELS_AVX512)
+  if (nr > kPackRows) {
+    packed_tokens<F, Rows16>(w, group, nr, x, xrb, xs, nt, nb, y, ys);
+    return;
+  }
+#endif
+  packed_tokens<F, Rows8>(w, group, std::min(nr, kPackRows), x, xrb, xs, nt, nb, y, ys);
+  if (nr > kPackRows)
+    packed_tokens<F, Rows8>(w + group, group, nr - kPackRows, x, xrb, xs, nt, nb,
+                            y + kPackRows, ys);
 }
 
 // Picks the instantiation for an nr x nt tile (nr <= 4, nt <= BATCHLM_KERNELS_TILE_TOKENS).
@@ -613,7 +907,10 @@ const Kernels* BATCHLM_KERNELS_ENTRY() {
     return nullptr;
   }
 #if defined(BATCHLM_KERNELS_AVX512)
-  if (!__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni")) return nullptr;
+  if (!__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vnni")) {
+    return nullptr;
+  }
 #elif defined(BATCHLM_KERNELS_VNNI)
   if (!__builtin_cpu_supports("avxvnni")) return nullptr;
 #endif
@@ -625,6 +922,9 @@ const Kernels* BATCHLM_KERNELS_ENTRY() {
                          tile_f16,
                          portable_kernels().tile_bf16,
                          tile_f32,
+                         packed_tile<PackedType::Q4_0>,
+                         packed_tile<PackedType::Q4_1>,
+                         packed_tile<PackedType::Q8_0>,
                          quantize_q8_t<false>,
                          quantize_q8_t<true>,
                          dot_f16,

@@ -3,8 +3,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "batchlm/kernels/dtype.hpp"
+#include "batchlm/kernels/ops.hpp"
 
 namespace batchlm::kernels::cpu {
 
@@ -14,6 +16,37 @@ namespace batchlm::kernels::cpu {
 using TileFn = void (*)(const std::uint8_t* w, std::size_t w_row_bytes, int nr,
                         const std::uint8_t* x, std::size_t x_row_bytes, int nt,
                         std::int64_t n_blocks, float* y, std::int64_t y_stride);
+
+// Packed weights (pack_weights): rows in groups of kPackRows, each group's blocks one after the
+// other, the block of all 8 rows together so that one 256-bit vector holds a value of each row:
+//   Q4_0: d of the 8 rows (8 F16), then 4 chunks of 32 bytes       (144 bytes per block)
+//   Q4_1: d of the 8 rows, m of the 8 rows, then the 4 chunks        (160 bytes)
+//   Q8_0: d of the 8 rows, then 8 chunks of 32 bytes                 (272 bytes)
+// Chunk c holds bytes 4c..4c+3 of each row's quants (row r at 4r): for the 4-bit types the low
+// nibbles are elements 4c..4c+3 and the high nibbles elements 16+4c..16+4c+3; for Q8_0
+// elements 4c..4c+3. Rows past the end of the matrix are zero.
+inline constexpr int kPackRows = 8;
+// The rows of a packed tile: two groups, which AVX-512 takes at once in 512-bit vectors.
+inline constexpr int kPackedTileRows = 2 * kPackRows;
+std::size_t packed_block_bytes(DType t);  // 0 for types without a packed form
+
+// The scales of the activation blocks as the packed tiles read them, one per block of each
+// token's row ([block][token]), next to the quantized rows: the F16 values as floats, and for
+// Q8_0 the exact sum of the 32 quants (the packed tiles multiply unsigned weight bytes and
+// take the weights' offset off with it).
+struct ScalesQ8_0 { float d; std::int32_t sum; };
+struct ScalesQ8_1 { float d; float s; };
+
+// Rows r < nr <= kPackedTileRows of packed groups (w: the first group's first block; a second
+// group follows when nr > kPackRows) against nt tokens: y[t * y_stride + r] = dot(row r, x row
+// t). x rows in the dot type, x_row_bytes apart, their scales at x_scales[b * nt + t]
+// (ScalesQ8_0 or ScalesQ8_1).
+// Per row and token: each block's integer dot product exactly, then in block order
+// acc = fma(d_w * d_x, dot, acc) and for Q4_1 acc = fma(m_w, s_x, acc), from acc = 0: the
+// portable tiles' arithmetic, bit for bit.
+using PackedTileFn = void (*)(const std::uint8_t* w, int nr, const std::uint8_t* x,
+                              std::size_t x_row_bytes, const void* x_scales, int nt,
+                              std::int64_t n_blocks, float* y, std::int64_t y_stride);
 
 // Quantizes one row of n floats (n a multiple of 32 for the block types) to `type`.
 using QuantizeFn = void (*)(const float* x, std::int64_t n, void* out);
@@ -52,13 +85,16 @@ using RoundF16Fn = void (*)(float* x, std::int64_t n);
 
 struct Kernels {
   const char* name;
-  int tile_tokens;  // the widest tile of the matrix products (tokens; rows are always kTileRows)
+  int tile_tokens;  // the widest GGUF-layout tile (tokens; its rows are always kTileRows)
   TileFn tile_q4_0;
   TileFn tile_q4_1;
   TileFn tile_q8_0;
   TileFn tile_f16;
   TileFn tile_bf16;
   TileFn tile_f32;
+  PackedTileFn packed_q4_0;  // nullptr where the path reads the GGUF layout only
+  PackedTileFn packed_q4_1;
+  PackedTileFn packed_q8_0;
   QuantizeFn quantize_q8_0;
   QuantizeFn quantize_q8_1;
   DotF16Fn dot_f16;
@@ -77,11 +113,17 @@ const Kernels& portable_kernels();
 const Kernels* avx2_kernels();
 const Kernels* avx_vnni_kernels();
 // The AVX-VNNI set again with AVX-512VL encodings: the same 256-bit arithmetic (same results)
-// with 32 registers, so each weight tile is used for 4 tokens instead of 2.
+// with 32 registers, so each weight tile is used for 4 tokens instead of 2; its packed tiles
+// compute 16 rows per 512-bit vector, again with the same results.
 const Kernels* avx512_kernels();
 
-// The row count of the largest tile the drivers ask for (its token count is tile_tokens).
+// The row count of the largest GGUF-layout tile the drivers ask for (its token count is
+// tile_tokens).
 inline constexpr int kTileRows = 4;
 inline constexpr int kMaxTileTokens = 4;
+
+// matmul_group (ops.hpp) on the given kernels rather than the chosen ones (for tests).
+void matmul_group(const Kernels& k, std::span<const Matrix> w, const float* x, std::int64_t n,
+                  std::span<float* const> y, void* scratch, ThreadPool& pool);
 
 }  // namespace batchlm::kernels::cpu

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -51,8 +52,7 @@ DType dot_type(DType t) {
                               " are not supported");
 }
 
-cpu::TileFn tile_for(DType t) {
-  const auto& k = kernels();
+cpu::TileFn tile_for(const cpu::Kernels& k, DType t) {
   switch (t) {
     case DType::Q4_0: return k.tile_q4_0;
     case DType::Q4_1: return k.tile_q4_1;
@@ -65,10 +65,20 @@ cpu::TileFn tile_for(DType t) {
   throw std::invalid_argument("matmul: unsupported weight type");
 }
 
-void convert_row(DType to, const float* x, std::int64_t n, void* out) {
+// nullptr where the kernels have no packed tile for t.
+cpu::PackedTileFn packed_tile_for(const cpu::Kernels& k, DType t) {
+  switch (t) {
+    case DType::Q4_0: return k.packed_q4_0;
+    case DType::Q4_1: return k.packed_q4_1;
+    case DType::Q8_0: return k.packed_q8_0;
+    default: return nullptr;
+  }
+}
+
+void convert_row(const cpu::Kernels& k, DType to, const float* x, std::int64_t n, void* out) {
   switch (to) {
-    case DType::Q8_0: kernels().quantize_q8_0(x, n, out); return;
-    case DType::Q8_1: kernels().quantize_q8_1(x, n, out); return;
+    case DType::Q8_0: k.quantize_q8_0(x, n, out); return;
+    case DType::Q8_1: k.quantize_q8_1(x, n, out); return;
     case DType::F16: {
       auto* o = static_cast<std::uint16_t*>(out);
       for (std::int64_t i = 0; i < n; ++i) o[i] = fp32_to_fp16(x[i]);
@@ -84,12 +94,155 @@ void convert_row(DType to, const float* x, std::int64_t n, void* out) {
   }
 }
 
+// The bytes of the packed tiles' block scales (cpu_kernels.hpp) for n rows of dot type xt.
+std::size_t scales_bytes(DType xt, std::int64_t cols, std::int64_t n) {
+  const auto blocks = static_cast<std::size_t>(cols / kQuantBlock * n);
+  switch (xt) {
+    case DType::Q8_0: return blocks * sizeof(cpu::ScalesQ8_0);
+    case DType::Q8_1: return blocks * sizeof(cpu::ScalesQ8_1);
+    default: return 0;
+  }
+}
+
+// The block scales of converted row t of n, as the packed tiles read them (block-major).
+void write_scales(DType xt, const std::uint8_t* row, std::int64_t n_blocks, std::int64_t t,
+                  std::int64_t n, void* out) {
+  if (xt == DType::Q8_1) {
+    const auto* b = reinterpret_cast<const BlockQ8_1*>(row);
+    auto* o = static_cast<cpu::ScalesQ8_1*>(out) + t;
+    for (std::int64_t j = 0; j < n_blocks; ++j)
+      o[j * n] = {fp16_to_fp32(b[j].d), fp16_to_fp32(b[j].s)};
+    return;
+  }
+  const auto* b = reinterpret_cast<const BlockQ8_0*>(row);
+  auto* o = static_cast<cpu::ScalesQ8_0*>(out) + t;
+  for (std::int64_t j = 0; j < n_blocks; ++j) {
+    std::int32_t sum = 0;
+    for (const std::int8_t q : b[j].qs) sum += q;
+    o[j * n] = {fp16_to_fp32(b[j].d), sum};
+  }
+}
+
 }  // namespace
+
+namespace cpu {
+
+std::size_t packed_block_bytes(DType t) {
+  switch (t) {
+    case DType::Q4_0: return 16 + 128;
+    case DType::Q4_1: return 32 + 128;
+    case DType::Q8_0: return 16 + 256;
+    default: return 0;
+  }
+}
+
+void matmul_group(const Kernels& k, std::span<const Matrix> w, const float* x, std::int64_t n,
+                  std::span<float* const> y, void* scratch, ThreadPool& pool) {
+  constexpr std::size_t kMax = 8;
+  const std::int64_t kRowAtATimeTokens = k.tile_tokens;
+  if (w.empty() || w.size() > kMax || y.size() != w.size()) {
+    throw std::invalid_argument("matmul_group: 1 to 8 matrices, one output each");
+  }
+  const std::int64_t cols = w[0].cols;
+  // x is converted once per distinct dot type (a slot), with the block scales when a packed
+  // tile reads it.
+  struct Slot {
+    DType type;
+    std::size_t row_bytes;
+    bool scales;
+    const std::uint8_t* rows;
+    const void* scales_at;
+  };
+  Slot slots[kMax];
+  std::size_t n_slots = 0, slot_of[kMax], w_row[kMax];
+  std::int64_t n_blocks[kMax], tile_rows[kMax], first_tile[kMax + 1];
+  TileFn tile[kMax];
+  PackedTileFn packed[kMax];
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    if (w[i].cols != cols) throw std::invalid_argument("matmul_group: matrices differ in cols");
+    const DType xt = dot_type(w[i].type);
+    w_row[i] = row_bytes(w[i].type, cols);
+    n_blocks[i] = cols / block_size(w[i].type);
+    tile[i] = tile_for(k, w[i].type);
+    packed[i] = w[i].packed ? packed_tile_for(k, w[i].type) : nullptr;
+    tile_rows[i] = packed[i] ? kPackedTileRows : kTileRows;
+    std::size_t s = 0;
+    while (s < n_slots && slots[s].type != xt) ++s;
+    if (s == n_slots) slots[n_slots++] = Slot{xt, row_bytes(xt, cols), false, nullptr, nullptr};
+    slots[s].scales = slots[s].scales || packed[i] != nullptr;
+    slot_of[i] = s;
+  }
+  auto* free_scratch = static_cast<std::uint8_t*>(scratch);
+  for (std::size_t s = 0; s < n_slots; ++s) {
+    Slot& slot = slots[s];
+    std::uint8_t* rows = free_scratch;
+    free_scratch += slot.row_bytes * static_cast<std::size_t>(n);
+    std::uint8_t* scales = slot.scales ? free_scratch : nullptr;
+    if (slot.scales) free_scratch += scales_bytes(slot.type, cols, n);
+    slot.rows = rows;
+    slot.scales_at = scales;
+    const std::int64_t blocks = cols / kQuantBlock;
+    const auto convert = [&](std::int64_t b, std::int64_t e, int) {
+      for (std::int64_t t = b; t < e; ++t) {
+        convert_row(k, slot.type, x + t * cols, cols, rows + t * slot.row_bytes);
+        if (scales) write_scales(slot.type, rows + t * slot.row_bytes, blocks, t, n, scales);
+      }
+    };
+    if (n >= 8) {
+      pool.parallel_for(n, 4, convert);
+    } else {
+      convert(0, n, 0);
+    }
+  }
+  first_tile[0] = 0;
+  for (std::size_t i = 0; i < w.size(); ++i)
+    first_tile[i + 1] = first_tile[i] + (w[i].rows + tile_rows[i] - 1) / tile_rows[i];
+  const int tile_tokens = k.tile_tokens;
+  // Row tiles of all matrices are one range over the threads; for each row tile every token,
+  // so the weight tile stays in L1 while the (smaller) converted activations stream from L2.
+  pool.parallel_for(first_tile[w.size()], 4, [&](std::int64_t b, std::int64_t e, int) {
+    std::size_t m = 0;
+    for (std::int64_t t = b; t < e; ++t) {
+      while (t >= first_tile[m + 1]) ++m;
+      const Slot& slot = slots[slot_of[m]];
+      const std::int64_t rows = w[m].rows;
+      const std::int64_t r0 = (t - first_tile[m]) * tile_rows[m];
+      const int nr = static_cast<int>(std::min<std::int64_t>(tile_rows[m], rows - r0));
+      if (packed[m]) {
+        // Each packed group is one sequential stream of weights, whatever the token count.
+        const auto* group = static_cast<const std::uint8_t*>(w[m].packed) +
+                            (r0 / kPackRows) * n_blocks[m] * packed_block_bytes(w[m].type);
+        packed[m](group, nr, slot.rows, slot.row_bytes, slot.scales_at, static_cast<int>(n),
+                  n_blocks[m], y[m] + r0, rows);
+        continue;
+      }
+      const auto* wd = static_cast<const std::uint8_t*>(w[m].data) + r0 * w_row[m];
+      if (n <= kRowAtATimeTokens) {
+        // A few tokens (one decoding sequence, or a short speculative verify): read the weights
+        // row after row, one sequential stream the hardware prefetcher follows (four
+        // interleaved short streams stall on memory), each row against every token.
+        for (int r = 0; r < nr; ++r)
+          tile[m](wd + r * w_row[m], w_row[m], 1, slot.rows, slot.row_bytes, static_cast<int>(n),
+                  n_blocks[m], y[m] + r0 + r, rows);
+        continue;
+      }
+      for (std::int64_t t0 = 0; t0 < n; t0 += tile_tokens) {
+        const int nt = static_cast<int>(std::min<std::int64_t>(tile_tokens, n - t0));
+        tile[m](wd, w_row[m], nr, slot.rows + t0 * slot.row_bytes, slot.row_bytes, nt,
+                n_blocks[m], y[m] + t0 * rows + r0, rows);
+      }
+    }
+  });
+}
+
+}  // namespace cpu
 
 const char* cpu_simd_name() { return kernels().name; }
 
 std::size_t activation_bytes(const Matrix& w, std::int64_t n) {
-  return row_bytes(dot_type(w.type), w.cols) * static_cast<std::size_t>(n);
+  const DType xt = dot_type(w.type);
+  return row_bytes(xt, w.cols) * static_cast<std::size_t>(n) +
+         (w.packed ? scales_bytes(xt, w.cols, n) : 0);
 }
 
 void matmul(const Matrix& w, const float* x, std::int64_t n, float* y, void* scratch,
@@ -99,84 +252,64 @@ void matmul(const Matrix& w, const float* x, std::int64_t n, float* y, void* scr
 }
 
 std::size_t group_activation_bytes(std::span<const Matrix> w, std::int64_t n) {
+  // Per distinct dot type: the converted rows, and the block scales if a packed matrix reads it.
   std::size_t total = 0;
   for (std::size_t i = 0; i < w.size(); ++i) {
-    bool seen = false;
-    for (std::size_t j = 0; j < i; ++j) seen = seen || dot_type(w[j].type) == dot_type(w[i].type);
-    if (!seen) total += activation_bytes(w[i], n);
+    const DType xt = dot_type(w[i].type);
+    bool seen = false, packed = false;
+    for (std::size_t j = 0; j < w.size(); ++j) {
+      if (dot_type(w[j].type) != xt) continue;
+      seen = seen || j < i;
+      packed = packed || w[j].packed;
+    }
+    if (seen) continue;
+    total += row_bytes(xt, w[i].cols) * static_cast<std::size_t>(n);
+    if (packed) total += scales_bytes(xt, w[i].cols, n);
   }
   return total;
 }
 
 void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
                   std::span<float* const> y, void* scratch, ThreadPool& pool) {
-  constexpr std::size_t kMax = 8;
-  const std::int64_t kRowAtATimeTokens = kernels().tile_tokens;
-  if (w.empty() || w.size() > kMax || y.size() != w.size()) {
-    throw std::invalid_argument("matmul_group: 1 to 8 matrices, one output each");
+  cpu::matmul_group(kernels(), w, x, n, y, scratch, pool);
+}
+
+void PackedWeights::Free::operator()(std::byte* p) const {
+  ::operator delete[](p, std::align_val_t{64});
+}
+
+PackedWeights pack_weights(const Matrix& w) {
+  PackedWeights p;
+  const std::size_t block = cpu::packed_block_bytes(w.type);
+  if (block == 0) return p;
+  if (w.cols % kQuantBlock != 0 || w.rows < 0) {
+    throw std::invalid_argument("pack_weights: bad shape");
   }
-  const std::int64_t cols = w[0].cols;
-  // Convert x once per distinct dot type.
-  const std::uint8_t* xq[kMax];
-  std::size_t x_row[kMax], w_row[kMax];
-  std::int64_t first_tile[kMax + 1], n_blocks[kMax];
-  cpu::TileFn tile[kMax];
-  auto* free_scratch = static_cast<std::uint8_t*>(scratch);
-  for (std::size_t i = 0; i < w.size(); ++i) {
-    if (w[i].cols != cols) throw std::invalid_argument("matmul_group: matrices differ in cols");
-    const DType xt = dot_type(w[i].type);
-    x_row[i] = row_bytes(xt, cols);
-    w_row[i] = row_bytes(w[i].type, cols);
-    n_blocks[i] = cols / block_size(w[i].type);
-    tile[i] = tile_for(w[i].type);
-    std::size_t same = i;
-    for (std::size_t j = 0; j < i; ++j)
-      if (dot_type(w[j].type) == xt) same = j;
-    if (same != i) {
-      xq[i] = xq[same];
-      continue;
-    }
-    std::uint8_t* dst = free_scratch;
-    free_scratch += x_row[i] * static_cast<std::size_t>(n);
-    xq[i] = dst;
-    if (n >= 8) {
-      pool.parallel_for(n, 4, [&](std::int64_t b, std::int64_t e, int) {
-        for (std::int64_t t = b; t < e; ++t) convert_row(xt, x + t * cols, cols, dst + t * x_row[i]);
-      });
-    } else {
-      for (std::int64_t t = 0; t < n; ++t) convert_row(xt, x + t * cols, cols, dst + t * x_row[i]);
-    }
-  }
-  first_tile[0] = 0;
-  for (std::size_t i = 0; i < w.size(); ++i)
-    first_tile[i + 1] = first_tile[i] + (w[i].rows + cpu::kTileRows - 1) / cpu::kTileRows;
-  const int tile_tokens = kernels().tile_tokens;
-  // Row tiles of all matrices are one range over the threads; for each row tile every token,
-  // so the weight tile stays in L1 while the (smaller) converted activations stream from L2.
-  pool.parallel_for(first_tile[w.size()], 4, [&](std::int64_t b, std::int64_t e, int) {
-    std::size_t m = 0;
-    for (std::int64_t t = b; t < e; ++t) {
-      while (t >= first_tile[m + 1]) ++m;
-      const std::int64_t rows = w[m].rows;
-      const std::int64_t r0 = (t - first_tile[m]) * cpu::kTileRows;
-      const int nr = static_cast<int>(std::min<std::int64_t>(cpu::kTileRows, rows - r0));
-      const auto* wd = static_cast<const std::uint8_t*>(w[m].data) + r0 * w_row[m];
-      if (n <= kRowAtATimeTokens) {
-        // A few tokens (one decoding sequence, or a short speculative verify): read the weights
-        // row after row, one sequential stream the hardware prefetcher follows (four
-        // interleaved short streams stall on memory), each row against every token.
-        for (int r = 0; r < nr; ++r)
-          tile[m](wd + r * w_row[m], w_row[m], 1, xq[m], x_row[m], static_cast<int>(n),
-                  n_blocks[m], y[m] + r0 + r, rows);
-        continue;
-      }
-      for (std::int64_t t0 = 0; t0 < n; t0 += tile_tokens) {
-        const int nt = static_cast<int>(std::min<std::int64_t>(tile_tokens, n - t0));
-        tile[m](wd, w_row[m], nr, xq[m] + t0 * x_row[m], x_row[m], nt, n_blocks[m],
-                y[m] + t0 * rows + r0, rows);
+  const std::int64_t n_blocks = w.cols / kQuantBlock;
+  const std::int64_t groups = (w.rows + cpu::kPackRows - 1) / cpu::kPackRows;
+  p.size_ = block * static_cast<std::size_t>(n_blocks * groups);
+  // 64-byte aligned: every block of a group then starts 16-byte aligned and most of its
+  // 32-byte chunks sit within one cache line.
+  p.bytes_.reset(static_cast<std::byte*>(::operator new[](p.size_, std::align_val_t{64})));
+  std::memset(p.bytes_.get(), 0, p.size_);
+  // A GGUF block is F16 headers (d, and m for Q4_1) then the quants; the packed block holds the
+  // 8 rows' headers field by field, then the quants in 4-byte pieces, chunk by chunk.
+  const std::size_t headers = w.type == DType::Q4_1 ? 2 : 1;
+  const std::size_t chunks = w.type == DType::Q8_0 ? 8 : 4;
+  const std::size_t w_row = row_bytes(w.type, w.cols), w_block = block_bytes(w.type);
+  for (std::int64_t g = 0; g < groups; ++g)
+    for (std::int64_t b = 0; b < n_blocks; ++b) {
+      std::byte* out = p.bytes_.get() + static_cast<std::size_t>(g * n_blocks + b) * block;
+      for (std::int64_t r = 0; r < cpu::kPackRows && g * cpu::kPackRows + r < w.rows; ++r) {
+        const auto* in = static_cast<const std::byte*>(w.data) +
+                         static_cast<std::size_t>(g * cpu::kPackRows + r) * w_row +
+                         static_cast<std::size_t>(b) * w_block;
+        for (std::size_t h = 0; h < headers; ++h) std::memcpy(out + 16 * h + 2 * r, in + 2 * h, 2);
+        for (std::size_t c = 0; c < chunks; ++c)
+          std::memcpy(out + 16 * headers + 32 * c + 4 * r, in + 2 * headers + 4 * c, 4);
       }
     }
-  });
+  return p;
 }
 
 void get_rows(const Matrix& w, std::span<const std::int32_t> ids, float* out) {

@@ -1,5 +1,7 @@
 // The portable inner loops: plain C++ the compiler may vectorise for the baseline ISA. They
-// define the arithmetic that the SIMD versions must reproduce (up to summation order).
+// define the arithmetic that the SIMD versions must reproduce: the packed quantized tiles bit
+// for bit, the other tiles up to summation order. This path reads the GGUF layout only
+// (Matrix::packed is ignored here).
 
 #include <algorithm>
 #include <cmath>
@@ -12,7 +14,10 @@ namespace {
 
 float h2f(std::uint16_t h) { return fp16_to_fp32(h); }
 
-// Integer dot of one weight block and one activation block, and the block's float scale(s).
+// A quantized dot product, block by block: each block's integer dot product exactly, then
+// acc = fma(d_w * d_x, dot, acc) (and for Q4_1 acc = fma(m_w, s_x, acc)) in block order, the
+// arithmetic of one lane of the packed SIMD tiles. block_dot(w block, x block, acc) returns
+// the new acc.
 template <typename WBlock, typename XBlock, typename BlockDot>
 void tile_blocks(const std::uint8_t* w, std::size_t w_row_bytes, int nr, const std::uint8_t* x,
                  std::size_t x_row_bytes, int nt, std::int64_t n_blocks, float* y,
@@ -21,9 +26,9 @@ void tile_blocks(const std::uint8_t* w, std::size_t w_row_bytes, int nr, const s
     const auto* wb = reinterpret_cast<const WBlock*>(w + r * w_row_bytes);
     for (int t = 0; t < nt; ++t) {
       const auto* xb = reinterpret_cast<const XBlock*>(x + t * x_row_bytes);
-      float sum = 0.0f;
-      for (std::int64_t b = 0; b < n_blocks; ++b) sum += block_dot(wb[b], xb[b]);
-      y[t * y_stride + r] = sum;
+      float acc = 0.0f;
+      for (std::int64_t b = 0; b < n_blocks; ++b) acc = block_dot(wb[b], xb[b], acc);
+      y[t * y_stride + r] = acc;
     }
   }
 }
@@ -31,37 +36,37 @@ void tile_blocks(const std::uint8_t* w, std::size_t w_row_bytes, int nr, const s
 void tile_q4_0(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
                std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
   tile_blocks<BlockQ4_0, BlockQ8_0>(w, wrb, nr, x, xrb, nt, nb, y, ys,
-                                    [](const BlockQ4_0& a, const BlockQ8_0& b) {
+                                    [](const BlockQ4_0& a, const BlockQ8_0& b, float acc) {
                                       int s = 0;
                                       for (int j = 0; j < 16; ++j) {
                                         s += ((a.qs[j] & 0x0f) - 8) * b.qs[j];
                                         s += ((a.qs[j] >> 4) - 8) * b.qs[j + 16];
                                       }
-                                      return h2f(a.d) * h2f(b.d) * static_cast<float>(s);
+                                      return std::fma(h2f(a.d) * h2f(b.d), static_cast<float>(s), acc);
                                     });
 }
 
 void tile_q4_1(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
                std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
   tile_blocks<BlockQ4_1, BlockQ8_1>(w, wrb, nr, x, xrb, nt, nb, y, ys,
-                                    [](const BlockQ4_1& a, const BlockQ8_1& b) {
+                                    [](const BlockQ4_1& a, const BlockQ8_1& b, float acc) {
                                       int s = 0;
                                       for (int j = 0; j < 16; ++j) {
                                         s += (a.qs[j] & 0x0f) * b.qs[j];
                                         s += (a.qs[j] >> 4) * b.qs[j + 16];
                                       }
-                                      return h2f(a.d) * h2f(b.d) * static_cast<float>(s) +
-                                             h2f(a.m) * h2f(b.s);
+                                      acc = std::fma(h2f(a.d) * h2f(b.d), static_cast<float>(s), acc);
+                                      return std::fma(h2f(a.m), h2f(b.s), acc);
                                     });
 }
 
 void tile_q8_0(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
                std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
   tile_blocks<BlockQ8_0, BlockQ8_0>(w, wrb, nr, x, xrb, nt, nb, y, ys,
-                                    [](const BlockQ8_0& a, const BlockQ8_0& b) {
+                                    [](const BlockQ8_0& a, const BlockQ8_0& b, float acc) {
                                       int s = 0;
                                       for (int j = 0; j < 32; ++j) s += a.qs[j] * b.qs[j];
-                                      return h2f(a.d) * h2f(b.d) * static_cast<float>(s);
+                                      return std::fma(h2f(a.d) * h2f(b.d), static_cast<float>(s), acc);
                                     });
 }
 
@@ -169,7 +174,8 @@ void round_f16(float* x, std::int64_t n) {
 const Kernels& portable_kernels() {
   static const Kernels k{"portable",        2,                tile_q4_0,        tile_q4_1,
                          tile_q8_0,         tile_f16,         tile_bf16,
-                         tile_f32,          quantize_q8<BlockQ8_0>, quantize_q8<BlockQ8_1>,
+                         tile_f32,          nullptr,          nullptr,          nullptr,
+                         quantize_q8<BlockQ8_0>, quantize_q8<BlockQ8_1>,
                          dot_f16,           axpy_f16,         to_f16,
                          round_f16,         score_rows_generic, mix_rows_generic,
                          softmax_f16,       exp_f32};

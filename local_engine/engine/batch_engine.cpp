@@ -33,7 +33,8 @@ std::int64_t available_memory_bytes() {
 }
 
 std::int64_t kv_pool_tokens(const LocalBackendOptions& o, std::int64_t context,
-                            std::int64_t bytes_per_token, std::int64_t available_bytes) {
+                            std::int64_t bytes_per_token, std::int64_t available_bytes,
+                            bool device_memory) {
   if (o.kv_tokens < 0) throw std::invalid_argument("kv_tokens must be >= 0");
   if (o.kv_bytes < 0) throw std::invalid_argument("kv_bytes must be >= 0");
   std::int64_t tokens = 0;
@@ -42,8 +43,14 @@ std::int64_t kv_pool_tokens(const LocalBackendOptions& o, std::int64_t context,
   } else if (o.kv_bytes > 0) {
     tokens = o.kv_bytes / bytes_per_token;
   } else {
-    tokens = static_cast<std::int64_t>(o.max_sequences) * context;
-    if (available_bytes > 0) tokens = std::min(tokens, available_bytes / 4 / bytes_per_token);
+    if (device_memory) {
+      // A GPU's memory is there for the engine: the pool takes what the weights left, and
+      // every block beyond the running sequences' is prefix cache.
+      tokens = available_bytes / bytes_per_token;
+    } else {
+      tokens = static_cast<std::int64_t>(o.max_sequences) * context;
+      if (available_bytes > 0) tokens = std::min(tokens, available_bytes / 4 / bytes_per_token);
+    }
     return std::max(tokens, context);
   }
   if (tokens < context) {
@@ -91,45 +98,73 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
   const ModelConfig& c = model_->config();
   context_ = options.context > 0 ? std::min(options.context, c.n_ctx_train)
                                  : std::min<std::int64_t>(c.n_ctx_train, 4096);
-  // Pages of the pool are touched only as blocks are first used.
-  const std::int64_t block = options.block_size;
-  const std::int64_t bytes_per_token = 2 * c.n_layers * c.kv_width() * 2;  // K and V, F16
-  const std::int64_t pool_tokens =
-      kv_pool_tokens(options, context_, bytes_per_token, available_memory_bytes());
-  const std::int64_t n_blocks = (pool_tokens + block - 1) / block;
+  // The device: the target's weights go there first, then a drafting model's, and the KV
+  // pools share what memory is left.
+  threads_ = std::make_unique<kernels::ThreadPool>(options.threads);
+  ExecutorOptions device{.device = options.device,
+                         .thread_pool = threads_.get(),
+                         .context = context_,
+                         .graphs = options.cuda_graphs};
+  executor_ = make_executor(model_, device, &no_gpu_);
+  device.device = executor_->device();  // a drafting model runs where the target does
 
+  std::shared_ptr<const Model> drafter;
+  std::unique_ptr<Executor> draft_executor;
+  std::int64_t draft_layers = 0;
   switch (speculative_.method) {
-    case SpecMethod::kNone: break;
-    case SpecMethod::kNgram:
-      proposer_ = make_ngram_proposer(speculative_.ngram_min, speculative_.ngram_max);
-      break;
+    case SpecMethod::kNone:
+    case SpecMethod::kNgram: break;
     case SpecMethod::kSelf: {
-      const std::int64_t layers =
+      draft_layers =
           speculative_.layers > 0 ? speculative_.layers : std::max<std::int64_t>(1, c.n_layers / 4);
-      if (layers >= c.n_layers)
+      if (draft_layers >= c.n_layers)
         throw std::invalid_argument("speculative.layers must be less than the model's " +
                                     std::to_string(c.n_layers) + " layers, not " +
-                                    std::to_string(layers));
-      proposer_ = make_model_proposer(model_, layers, options.block_size, pool_tokens);
+                                    std::to_string(draft_layers));
+      drafter = model_;
       break;
     }
     case SpecMethod::kDraft: {
-      std::shared_ptr<const Model> draft = Model::load(speculative_.model);
-      check_same_vocabulary(*model_, *draft);
-      proposer_ = make_model_proposer(std::move(draft), 0, options.block_size, pool_tokens);
+      drafter = Model::load(speculative_.model);
+      check_same_vocabulary(*model_, *drafter);
+      draft_layers = drafter->config().n_layers;
       break;
     }
   }
-  threads_ = std::make_unique<kernels::ThreadPool>(options.threads);
+  if (drafter) {
+    ExecutorOptions d = device;
+    d.layers = draft_layers;
+    draft_executor = make_executor(drafter, d);
+  }
+
+  // On the CPU pages of the pool are touched only as blocks are first used.
+  const std::int64_t block = options.block_size;
+  std::int64_t bytes_per_token = 2 * c.n_layers * c.kv_width() * 2;  // K and V, F16
+  if (drafter) bytes_per_token += 2 * draft_layers * drafter->config().kv_width() * 2;
+  const std::int64_t pool_tokens =
+      kv_pool_tokens(options, context_, bytes_per_token, executor_->pool_memory_available(),
+                     executor_->device() != Device::kCpu);
+  const std::int64_t n_blocks = (pool_tokens + block - 1) / block;
+  executor_->allocate_pool(block, n_blocks);
+
+  if (speculative_.method == SpecMethod::kNgram)
+    proposer_ = make_ngram_proposer(speculative_.ngram_min, speculative_.ngram_max);
+  if (drafter)
+    proposer_ = make_model_proposer(drafter, std::move(draft_executor), options.block_size, pool_tokens);
   blocks_ = std::make_unique<BlockPool>(BlockPoolOptions{options.block_size, n_blocks});
   scheduler_ = std::make_unique<Scheduler>(
       *blocks_, SchedulerOptions{options.max_sequences, budget, budget});
-  kv_ = std::make_unique<KvStore>(c, block, n_blocks);
 }
 
 BatchEngine::~BatchEngine() = default;
 
 int BatchEngine::threads() const { return threads_->size(); }
+
+std::string BatchEngine::device() const {
+  std::string d = executor_->describe();
+  if (!no_gpu_.empty()) d += "; no GPU: " + no_gpu_;
+  return d;
+}
 
 SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& params,
                             TextSink on_text) {
@@ -235,7 +270,7 @@ void BatchEngine::draft(StepPlan& plan, std::vector<Draft>& drafts) {
   if (requests.empty()) return;
   std::vector<Draft> proposed(requests.size());
   const auto t0 = Clock::now();
-  proposer_->propose(requests, proposed, *threads_);
+  proposer_->propose(requests, proposed);
   const double ms = ms_between(t0, Clock::now());
   draft_ms_ += ms;
   std::vector<std::vector<Token>> lists(plan.entries.size());
@@ -281,10 +316,31 @@ void BatchEngine::step() {
   tables.reserve(plan.entries.size());
   for (const auto& e : plan.entries) tables.emplace_back(e.block_table);
   const std::size_t n_vocab = static_cast<std::size_t>(model_->config().n_vocab);
-  logits_.resize(plan.logits_rows.size() * n_vocab);
+  const Batch batch{plan.tokens, positions, plan.sequence_of, tables, plan.logits_rows};
+  // Without drafts to verify, a device that samples sends back token ids alone.
+  const bool device_sampling =
+      executor_->samples_on_device() &&
+      std::none_of(plan.entries.begin(), plan.entries.end(),
+                   [](const PlannedSequence& e) { return e.n_drafts > 0; });
+  std::vector<Token> sampled;
   const auto t_forward = Clock::now();
-  model_->forward_batch(Batch{plan.tokens, positions, plan.sequence_of, tables, plan.logits_rows},
-                        kv_->pool(), logits_, *threads_);
+  if (device_sampling) {
+    std::vector<RowSampling> sampling;
+    for (const PlannedSequence& e : plan.entries) {
+      if (!e.wants_logits) continue;
+      RowSampling r{.params = SamplingParams{.temperature = 0.0f}};
+      if (auto it = active_.find(e.id); it != active_.end()) {
+        r.params = it->second.sampling;
+        r.counter = static_cast<std::uint64_t>(it->second.gen.generated());
+      }
+      sampling.push_back(r);
+    }
+    sampled.resize(sampling.size());
+    executor_->forward_sample(batch, sampling, sampled);
+  } else {
+    logits_.resize(plan.logits_rows.size() * n_vocab);
+    executor_->forward(batch, logits_);
+  }
   forward_cost_.add(static_cast<double>(plan.tokens.size()), ms_between(t_forward, Clock::now()));
 
   std::vector<StepResult> results;
@@ -293,9 +349,12 @@ void BatchEngine::step() {
   for (std::size_t i = 0; i < plan.entries.size(); ++i) {
     const PlannedSequence& e = plan.entries[i];
     if (!e.wants_logits) continue;
-    const std::span<const float> rows(logits_.data() + row * n_vocab,
-                                      static_cast<std::size_t>(e.n_logits()) * n_vocab);
+    const std::size_t first_row = row;
     row += static_cast<std::size_t>(e.n_logits());
+    const std::span<const float> rows =
+        device_sampling ? std::span<const float>()
+                        : std::span<const float>(logits_.data() + first_row * n_vocab,
+                                                 static_cast<std::size_t>(e.n_logits()) * n_vocab);
     StepResult r{e.id, 0, false, 0};
     auto it = active_.find(e.id);
     if (it == active_.end()) {
@@ -311,7 +370,13 @@ void BatchEngine::step() {
     }
     if (e.n_drafts == 0) {
       ++sampled_;
-      const bool done = a.gen.next(rows, r.token, text);
+      bool done = false;
+      if (device_sampling) {
+        r.token = sampled[first_row];
+        done = a.gen.accept(r.token, text);
+      } else {
+        done = a.gen.next(rows, r.token, text);
+      }
       r.finished = emit(a, r.token, text, done);
     } else {
       const Verdict verdict = verify(a.gen.sampler(), rows, static_cast<std::int64_t>(n_vocab), drafts[i]);

@@ -180,8 +180,7 @@ std::string LocalBackend::describe() const {
   if (const EngineStats stats = state_->engine->stats(); !stats.speculative.empty())
     spec = ", speculative " + stats.speculative;
   return "local " + state_->path.string() + " (" + (c.name.empty() ? c.architecture : c.name) +
-         ", " + std::to_string(state_->engine->threads()) + " threads, " +
-         kernels::cpu_simd_name() + spec + ")";
+         spec + ") on " + state_->engine->device();
 }
 
 asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSink sink) {

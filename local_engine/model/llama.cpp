@@ -97,9 +97,13 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
            std::to_string(c.n_vocab) + " tokens of the tokenizer");
   }
 
+  // Quantized matrices also get the CPU kernels' packed copy (8 rows interleaved), which the
+  // products read instead of the file's layout; data stays the file's bytes.
   auto matrix = [&](const std::string& name, std::int64_t cols, std::int64_t rows) {
     const gguf::TensorInfo& t = f.tensor(name, std::vector<std::int64_t>{cols, rows});
-    return kops::Matrix{t.type, t.data, rows, cols};
+    kops::Matrix w{t.type, t.data, rows, cols};
+    w.packed = m->packed_.emplace_back(kops::pack_weights(w)).data();
+    return w;
   };
   auto vector = [&](const std::string& name, std::int64_t n) {
     const gguf::TensorInfo& t = f.tensor(name, std::vector<std::int64_t>{n});
@@ -166,11 +170,10 @@ void Model::forward(std::span<const Token> tokens, KvCache& cache, std::span<flo
   cache.size_ += n;
 }
 
-void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> logits,
-                          kops::ThreadPool& pool) const {
+std::int64_t Model::check_batch(const Batch& b, std::int64_t block_size, std::int64_t n_blocks,
+                               std::size_t logits_size) const {
   const ModelConfig& c = config_;
   const auto n = static_cast<std::int64_t>(b.tokens.size());
-  if (n == 0) return;
   if (n > kMaxBatch) throw std::invalid_argument("forward: more tokens than kMaxBatch");
   if (static_cast<std::int64_t>(b.positions.size()) != n ||
       static_cast<std::int64_t>(b.sequence_of.size()) != n) {
@@ -179,9 +182,8 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
   if (b.layers < 0 || b.layers > c.n_layers)
     throw std::invalid_argument("forward: layers " + std::to_string(b.layers) + " is not in 0.." +
                                 std::to_string(c.n_layers));
-  const std::int64_t n_layers = b.layers > 0 ? b.layers : c.n_layers;
   const auto n_out = static_cast<std::int64_t>(b.logits_rows.size());
-  if (static_cast<std::int64_t>(logits.size()) < n_out * c.n_vocab) {
+  if (static_cast<std::int64_t>(logits_size) < n_out * c.n_vocab) {
     throw std::invalid_argument("forward: logits buffer too small");
   }
   for (std::int64_t i = 0; i < n_out; ++i) {
@@ -198,14 +200,24 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
       throw std::invalid_argument("forward: token " + std::to_string(i) + " has no sequence or position");
     const auto& table = b.block_tables[s];
     // Every block this token's attention reads, up to its own position, must be in the pool.
-    const std::int64_t last_block = b.positions[i] / kv.block_size;
+    const std::int64_t last_block = b.positions[i] / block_size;
     if (last_block >= static_cast<std::int64_t>(table.size()))
       throw std::invalid_argument("forward: position " + std::to_string(b.positions[i]) +
                                   " is beyond its sequence's block table");
     for (std::int64_t j = 0; j <= last_block; ++j)
-      if (table[j] < 0 || table[j] >= kv.n_blocks)
+      if (table[j] < 0 || table[j] >= n_blocks)
         throw std::invalid_argument("forward: block " + std::to_string(table[j]) + " is outside the pool");
   }
+  return b.layers > 0 ? b.layers : c.n_layers;
+}
+
+void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> logits,
+                          kops::ThreadPool& pool) const {
+  const ModelConfig& c = config_;
+  const auto n = static_cast<std::int64_t>(b.tokens.size());
+  if (n == 0) return;
+  const std::int64_t n_layers = check_batch(b, kv.block_size, kv.n_blocks, logits.size());
+  const auto n_out = static_cast<std::int64_t>(b.logits_rows.size());
 
   const std::int64_t E = c.n_embd, KV = c.kv_width(), F = c.n_ff;
   std::vector<float> x(n * E), xn(n * E), q(n * E), k(n * KV), v(n * KV), att(n * E);

@@ -22,12 +22,13 @@ namespace {
 
 class ModelProposer final : public Proposer {
  public:
-  ModelProposer(std::shared_ptr<const Model> model, std::int64_t layers, int block_size,
-                std::int64_t pool_tokens)
+  ModelProposer(std::shared_ptr<const Model> model, std::unique_ptr<Executor> executor,
+                int block_size, std::int64_t pool_tokens)
       : model_(std::move(model)),
-        layers_(layers > 0 ? std::min(layers, model_->config().n_layers) : model_->config().n_layers),
-        pool_(BlockPoolOptions{block_size, (pool_tokens + block_size - 1) / block_size}),
-        store_(model_->config(), block_size, pool_.n_blocks(), layers_) {}
+        executor_(std::move(executor)),
+        pool_(BlockPoolOptions{block_size, (pool_tokens + block_size - 1) / block_size}) {
+    executor_->allocate_pool(block_size, pool_.n_blocks());
+  }
 
   bool runs_model() const override { return true; }
 
@@ -38,8 +39,7 @@ class ModelProposer final : public Proposer {
     sequences_.erase(it);
   }
 
-  void propose(std::span<const DraftRequest> requests, std::span<Draft> drafts,
-               kernels::ThreadPool& threads) override {
+  void propose(std::span<const DraftRequest> requests, std::span<Draft> drafts) override {
     const std::int64_t n_vocab = model_->config().n_vocab;
     struct Work {
       std::size_t index;    // into requests
@@ -86,7 +86,7 @@ class ModelProposer final : public Proposer {
           ++w;
         }
       }
-      run_batch(threads);
+      run_batch();
       for (std::size_t f = 0; f < finishing.size(); ++f) {
         Work& item = work[finishing[f]];
         const DraftRequest& r = requests[item.index];
@@ -117,7 +117,7 @@ class ModelProposer final : public Proposer {
         drafting.push_back(i);
       }
       if (drafting.empty()) break;
-      run_batch(threads);
+      run_batch();
       for (std::size_t f = 0; f < drafting.size(); ++f) {
         Work& item = work[drafting[f]];
         draw(*item.state, logits_row(f, n_vocab), drafts[item.index]);
@@ -188,11 +188,9 @@ class ModelProposer final : public Proposer {
     if (wants_logits) rows_.push_back(static_cast<std::int32_t>(tokens_.size() - 1));
   }
 
-  void run_batch(kernels::ThreadPool& threads) {
+  void run_batch() {
     logits_.resize(rows_.size() * static_cast<std::size_t>(model_->config().n_vocab));
-    Batch batch{tokens_, positions_, sequence_of_, tables_, rows_};
-    batch.layers = layers_;
-    model_->forward_batch(batch, store_.pool(), logits_, threads);
+    executor_->forward(Batch{tokens_, positions_, sequence_of_, tables_, rows_}, logits_);
   }
 
   std::span<const float> logits_row(std::size_t row, std::int64_t n_vocab) const {
@@ -201,9 +199,8 @@ class ModelProposer final : public Proposer {
   }
 
   std::shared_ptr<const Model> model_;
-  std::int64_t layers_;
+  std::unique_ptr<Executor> executor_;
   BlockPool pool_;
-  KvStore store_;
   std::unordered_map<SequenceId, State> sequences_;
   std::vector<Token> tokens_;
   std::vector<std::int32_t> positions_, sequence_of_, rows_;
@@ -214,9 +211,10 @@ class ModelProposer final : public Proposer {
 }  // namespace
 
 std::unique_ptr<Proposer> make_model_proposer(std::shared_ptr<const Model> model,
-                                              std::int64_t layers, int block_size,
+                                              std::unique_ptr<Executor> executor, int block_size,
                                               std::int64_t pool_tokens) {
-  return std::make_unique<ModelProposer>(std::move(model), layers, block_size, pool_tokens);
+  return std::make_unique<ModelProposer>(std::move(model), std::move(executor), block_size,
+                                         pool_tokens);
 }
 
 }  // namespace batchlm::local_engine

@@ -16,8 +16,7 @@ class NgramProposer final : public Proposer {
  public:
   NgramProposer(int ngram_min, int ngram_max) : min_(ngram_min), max_(ngram_max) {}
 
-  void propose(std::span<const DraftRequest> requests, std::span<Draft> drafts,
-               kernels::ThreadPool& /*pool*/) override {
+  void propose(std::span<const DraftRequest> requests, std::span<Draft> drafts) override {
     for (std::size_t i = 0; i < requests.size(); ++i) {
       drafts[i].tokens.clear();
       drafts[i].q.clear();

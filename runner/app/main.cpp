@@ -105,6 +105,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
     local_engine::LocalBackendOptions options;
     options.model = job.backend.model;
     options.threads = job.backend.threads;
+    options.device = local_engine::parse_device(job.backend.device).value_or(local_engine::Device::kAuto);
     options.context = job.backend.context;
     options.max_sequences = job.backend.max_sequences;
     options.token_budget = job.backend.token_budget;
@@ -118,6 +119,8 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
     }
     try {
       return std::make_unique<local_engine::LocalBackend>(io.get_executor(), options);
+    } catch (const local_engine::DeviceUnavailable& e) {
+      throw ConfigError(job.file, 0, 0, "backend.device", e.what());
     } catch (const std::invalid_argument& e) {
       throw ConfigError(job.file, 0, 0, "backend", e.what());
     }

@@ -32,6 +32,7 @@ struct ServeOptions {
   std::string served_name;
   std::string api_key;
   int threads = 0;
+  std::string device = "auto";
   long long context = 0;
   int max_sequences = 32;
   long long token_budget = 0;
@@ -73,6 +74,9 @@ void add_serve_command(CLI::App& app) {
                         "Require 'Authorization: Bearer KEY' on /v1/* (default: $BATCHLM_API_KEY, else none)");
   serve_cmd->add_option("--threads,-t", s.threads, "Compute threads (0: one per hardware thread)")
       ->check(CLI::Range(0, 1024));
+  serve_cmd->add_option("--device", s.device,
+                        "Where the model runs: auto (CUDA when a GPU is present), cuda or cpu")
+      ->check(CLI::IsMember({"auto", "cuda", "cpu"}))->capture_default_str();
   serve_cmd->add_option("--context", s.context, "Tokens per sequence (0: min(model's, 4096))")
       ->check(CLI::NonNegativeNumber);
   serve_cmd->add_option("--max-sequences", s.max_sequences, "Sequences decoded together")
@@ -122,6 +126,7 @@ int run_serve_command() {
   local_engine::LocalBackendOptions engine;
   engine.model = s.model;
   engine.threads = s.threads;
+  engine.device = local_engine::parse_device(s.device).value_or(local_engine::Device::kAuto);
   engine.context = s.context;
   engine.max_sequences = s.max_sequences;
   engine.token_budget = s.token_budget;

@@ -174,7 +174,7 @@ const std::map<std::string, Keys>& sections() {
       {"request.messages", {"role", "content"}},
       {"few_shot", {"path", "count", "seed", "user", "assistant"}},
       {"backend", {"type", "base_url", "model", "api_key_env", "headers", "timeouts", "stream",
-                   "threads", "context", "max_sequences", "token_budget", "block_size",
+                   "threads", "device", "context", "max_sequences", "token_budget", "block_size",
                    "kv_tokens", "kv_memory", "speculative"}},
       {"backend.speculative", {"method", "model", "layers", "k_max", "k_min", "ngram_max",
                                "ngram_min"}},
@@ -672,6 +672,9 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
   if (Reader::has(node["stream"])) backend.stream = r.boolean(node["stream"], "backend.stream");
   if (Reader::has(node["threads"]))
     backend.threads = static_cast<int>(r.integer(node["threads"], "backend.threads", 0, 1024));
+  if (Reader::has(node["device"]))
+    backend.device = r.choice<std::string>(node["device"], "backend.device",
+                                           {{"auto", "auto"}, {"cuda", "cuda"}, {"cpu", "cpu"}});
   if (Reader::has(node["context"]))
     backend.context = r.integer(node["context"], "backend.context", 0, 1 << 24);
   if (Reader::has(node["max_sequences"]))

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -88,38 +89,53 @@ std::vector<std::uint8_t> quantize_weights(DType type, const std::vector<float>&
 
 class MatmulTest : public ::testing::TestWithParam<DType> {};
 
+// A matrix of `rows` random rows quantized to `type` (the GGUF bytes).
+std::vector<std::uint8_t> random_matrix(DType type, std::int64_t rows, std::int64_t cols,
+                                        std::uint64_t seed) {
+  std::vector<std::uint8_t> w;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    auto row = quantize_weights(type, random_floats(cols, seed + r, 0.5f));
+    w.insert(w.end(), row.begin(), row.end());
+  }
+  return w;
+}
+
 // matmul of quantized weights must be close to the float product of the dequantized weights
-// (the activations' 8-bit rounding is the only further error), on every thread count.
+// (the activations' 8-bit rounding is the only further error), on every thread count, from the
+// GGUF layout and, for the types that have one, from the packed copy.
 TEST_P(MatmulTest, MatchesDequantizedReference) {
   const DType type = GetParam();
   const std::int64_t rows = 37, cols = 256, n = 5;
-  std::vector<std::uint8_t> w;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    auto row = quantize_weights(type, random_floats(cols, 100 + r, 0.5f));
-    w.insert(w.end(), row.begin(), row.end());
-  }
+  const std::vector<std::uint8_t> w = random_matrix(type, rows, cols, 100);
   const Matrix m{type, w.data(), rows, cols};
+  const PackedWeights packed = pack_weights(m);
+  const bool quantized = type == DType::Q4_0 || type == DType::Q4_1 || type == DType::Q8_0;
+  ASSERT_EQ(packed.data() != nullptr, quantized) << to_string(type);
   std::vector<float> deq(rows * cols);
   std::vector<std::int32_t> ids(rows);
   for (std::int64_t r = 0; r < rows; ++r) ids[r] = static_cast<std::int32_t>(r);
   get_rows(m, ids, deq.data());
   const auto x = random_floats(n * cols, 7);
-  for (int threads : {1, 2, 3}) {
-    ThreadPool pool(threads);
-    std::vector<float> y(n * rows);
-    std::vector<std::uint8_t> scratch(activation_bytes(m, n));
-    matmul(m, x.data(), n, y.data(), scratch.data(), pool);
-    for (std::int64_t t = 0; t < n; ++t)
-      for (std::int64_t r = 0; r < rows; ++r) {
-        double ref = 0, mag = 0;
-        for (std::int64_t c = 0; c < cols; ++c) {
-          ref += static_cast<double>(deq[r * cols + c]) * x[t * cols + c];
-          mag += std::fabs(deq[r * cols + c] * x[t * cols + c]);
+  std::vector<Matrix> forms = {m};
+  if (quantized) forms.push_back(Matrix{type, w.data(), rows, cols, packed.data()});
+  for (const Matrix& f : forms)
+    for (int threads : {1, 2, 3}) {
+      ThreadPool pool(threads);
+      std::vector<float> y(n * rows);
+      std::vector<std::uint8_t> scratch(activation_bytes(f, n));
+      matmul(f, x.data(), n, y.data(), scratch.data(), pool);
+      for (std::int64_t t = 0; t < n; ++t)
+        for (std::int64_t r = 0; r < rows; ++r) {
+          double ref = 0, mag = 0;
+          for (std::int64_t c = 0; c < cols; ++c) {
+            ref += static_cast<double>(deq[r * cols + c]) * x[t * cols + c];
+            mag += std::fabs(deq[r * cols + c] * x[t * cols + c]);
+          }
+          const double tol = (type == DType::F32 ? 1e-5 : type == DType::BF16 ? 1e-2 : 2e-2) * mag + 1e-4;
+          EXPECT_NEAR(y[t * rows + r], ref, tol)
+              << to_string(type) << (f.packed ? " packed" : "") << " t=" << t << " r=" << r;
         }
-        const double tol = (type == DType::F32 ? 1e-5 : type == DType::BF16 ? 1e-2 : 2e-2) * mag + 1e-4;
-        EXPECT_NEAR(y[t * rows + r], ref, tol) << to_string(type) << " t=" << t << " r=" << r;
-      }
-  }
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, MatmulTest,
@@ -191,6 +207,116 @@ TEST(Avx2, AgreesWithPortable) {
             }
         }
     }
+  }
+}
+
+std::vector<const cpu::Kernels*> simd_paths() {
+  std::vector<const cpu::Kernels*> paths;
+  if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
+  return paths;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b, std::string* where) {
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i])) {
+      *where = "element " + std::to_string(i) + ": " + std::to_string(a[i]) + " vs " + std::to_string(b[i]);
+      return false;
+    }
+  return true;
+}
+
+// The packed layout: 8 rows per group, each block of the group packed_block_bytes long; types
+// without a packed form get none.
+TEST(Packed, SizesAndTypes) {
+  for (const DType t : {DType::F32, DType::F16, DType::BF16}) {
+    std::vector<std::uint8_t> w(row_bytes(t, 64) * 3);
+    const PackedWeights p = pack_weights(Matrix{t, w.data(), 3, 64});
+    EXPECT_EQ(p.data(), nullptr) << to_string(t);
+    EXPECT_EQ(p.size(), 0u) << to_string(t);
+  }
+  for (const DType t : {DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+    const std::vector<std::uint8_t> w = random_matrix(t, 13, 96, 5);
+    const PackedWeights p = pack_weights(Matrix{t, w.data(), 13, 96});
+    ASSERT_NE(p.data(), nullptr) << to_string(t);
+    EXPECT_EQ(p.size(), 2 * 3 * cpu::packed_block_bytes(t)) << to_string(t);  // 2 groups of 3 blocks
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p.data()) % 64, 0u);
+  }
+  std::vector<std::uint8_t> w(row_bytes(DType::Q8_0, 64));
+  EXPECT_THROW(pack_weights(Matrix{DType::Q8_0, w.data(), 1, 48}), std::invalid_argument);
+}
+
+// Products of packed matrices on every SIMD path are bit for bit the portable path's (which
+// reads the GGUF layout): row counts that leave one or two groups of a 16-row tile partly
+// filled, token counts across the passes of the packed tiles (1..9, 17, 33), and each token's
+// result is what it gets alone (the portable path computes every (row, token) on its own).
+// Every block, quantized from its own range, reaches its type's extreme quants (4-bit 0 and
+// 15, 8-bit -127 or 127), weights and activations alike.
+TEST(Packed, AgreesBitForBitWithPortable) {
+  const std::vector<const cpu::Kernels*> paths = simd_paths();
+  if (paths.empty()) GTEST_SKIP() << "this CPU or build has no SIMD path";
+  const cpu::Kernels& portable = cpu::portable_kernels();
+  const std::int64_t cols = 320;
+  ThreadPool pool(3);
+  for (const DType type : {DType::Q4_0, DType::Q4_1, DType::Q8_0})
+    for (const std::int64_t rows : {1, 7, 8, 13, 16, 37}) {
+      const std::vector<std::uint8_t> w = random_matrix(type, rows, cols, 200 + rows);
+      const PackedWeights packed = pack_weights(Matrix{type, w.data(), rows, cols});
+      const Matrix plain{type, w.data(), rows, cols}, fast{type, w.data(), rows, cols, packed.data()};
+      for (const std::int64_t n : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33}) {
+        const auto x = random_floats(n * cols, 300 + n);
+        std::vector<std::uint8_t> scratch(activation_bytes(fast, n));
+        std::vector<float> ref(n * rows), got(n * rows);
+        float* const ref_out[1] = {ref.data()};
+        float* const got_out[1] = {got.data()};
+        cpu::matmul_group(portable, std::span(&plain, 1), x.data(), n, ref_out, scratch.data(), pool);
+        // The portable path ignores the packed copy: the same values from it.
+        cpu::matmul_group(portable, std::span(&fast, 1), x.data(), n, got_out, scratch.data(), pool);
+        std::string where;
+        EXPECT_TRUE(same_bits(ref, got, &where)) << "portable " << to_string(type) << " rows " << rows << " n " << n << " " << where;
+        for (const cpu::Kernels* k : paths) {
+          std::fill(got.begin(), got.end(), -1.0f);
+          cpu::matmul_group(*k, std::span(&fast, 1), x.data(), n, got_out, scratch.data(), pool);
+          EXPECT_TRUE(same_bits(ref, got, &where))
+              << k->name << " " << to_string(type) << " rows " << rows << " n " << n << " " << where;
+        }
+      }
+    }
+}
+
+// A group of packed and GGUF-layout matrices of several dot types, read from one converted
+// copy of x per type: each output is what the matrix gives alone, and the scratch that
+// group_activation_bytes sizes is enough (and activation_bytes for each alone).
+TEST(Packed, GroupOfMixedMatricesEqualsEachAlone) {
+  const std::int64_t cols = 192, n = 11;
+  struct Spec { DType type; std::int64_t rows; bool pack; };
+  const Spec specs[] = {{DType::Q4_1, 21, true}, {DType::Q4_0, 13, true}, {DType::F16, 5, false},
+                        {DType::Q8_0, 37, true}, {DType::Q4_1, 9, false}, {DType::Q8_0, 3, false}};
+  std::vector<std::vector<std::uint8_t>> bytes;
+  std::vector<PackedWeights> packed;
+  std::vector<Matrix> group;
+  for (const Spec& s : specs) {
+    bytes.push_back(random_matrix(s.type, s.rows, cols, 400 + s.rows));
+    packed.push_back(s.pack ? pack_weights(Matrix{s.type, bytes.back().data(), s.rows, cols}) : PackedWeights{});
+    group.push_back(Matrix{s.type, bytes.back().data(), s.rows, cols, packed.back().data()});
+  }
+  const auto x = random_floats(n * cols, 9);
+  ThreadPool pool(2);
+  std::vector<std::vector<float>> together(group.size());
+  std::vector<float*> outs;
+  for (std::size_t i = 0; i < group.size(); ++i) {
+    together[i].resize(n * group[i].rows);
+    outs.push_back(together[i].data());
+  }
+  std::vector<std::uint8_t> scratch(group_activation_bytes(group, n));
+  matmul_group(group, x.data(), n, outs, scratch.data(), pool);
+  for (std::size_t i = 0; i < group.size(); ++i) {
+    std::vector<float> alone(n * group[i].rows);
+    std::vector<std::uint8_t> own(activation_bytes(group[i], n));
+    matmul(group[i], x.data(), n, alone.data(), own.data(), pool);
+    std::string where;
+    EXPECT_TRUE(same_bits(alone, together[i], &where)) << "matrix " << i << " " << where;
   }
 }
 

@@ -2,10 +2,13 @@
 // default model, compared with the golden files tests/reference/make_goldens.py wrote from
 // llama.cpp. Skipped (not passed) when the model has not been fetched.
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -67,19 +70,42 @@ TEST_F(Reference, TokenizationRoundTrips) {
 
 // llama.cpp is not bit-for-bit consistent with itself: its batched and token-by-token prompt
 // paths add in different orders, and on this small quantized model that moves logits by up to
-// a few tenths (the goldens record the spread per case as self_spread). Our kernels follow its
-// token-by-token arithmetic, bit for bit on short prompts. So the tolerances below are
-// llama.cpp's own spread plus a small margin, and a greedy step may differ only where
-// llama.cpp's top two logits are closer than kTie.
-constexpr double kTie = 0.1;
-
-double tolerance(const nlohmann::json& c) { return 0.03 + 2.0 * c["self_spread"].get<double>(); }
+// a few tenths (the goldens record the spread per case as self_spread; it is 0 where a prompt
+// is short enough for both paths to add alike). Any other order moves them as much, because a
+// last-bit difference can flip the rounding of an activation when it is quantized to 8 bits for
+// the next product. Our quantized dot products add in another order than llama.cpp's (each
+// block's exact integer sum, then one FMA per block, where llama.cpp keeps 8 partial float sums
+// per row): on the prompts whose self_spread is 0 that moves the top logits by up to 0.18, and
+// summing every product in double instead moves them by up to 0.40; our AVX2 and portable
+// paths, whose matrix products are the same bit for bit and whose attention sums differ in the
+// last bits, are up to 0.8 apart on these prompts. So a case's spread is its self_spread, but at
+// least the smallest nonzero self_spread of the goldens (what a second order does to these
+// logits at the least); the tolerances are twice that plus a small margin, and a greedy step may
+// differ only where llama.cpp's top two logits are closer than its largest spread plus 0.05
+// (near_tie).
+double tolerance(const nlohmann::json& goldens, const nlohmann::json& c) {
+  double least = std::numeric_limits<double>::infinity();
+  for (const auto& other : goldens["cases"]) {
+    const double spread = other["self_spread"];
+    if (spread > 0) least = std::min(least, spread);
+  }
+  if (least == std::numeric_limits<double>::infinity()) {
+    throw std::runtime_error("goldens: no case measured a nonzero self_spread");
+  }
+  return 0.03 + 2.0 * std::max(c["self_spread"].get<double>(), least);
+}
+double near_tie(const nlohmann::json& goldens) {
+  double spread = 0;
+  for (const auto& c : goldens["cases"]) spread = std::max(spread, c["self_spread"].get<double>());
+  return spread + 0.05;
+}
 
 // Free running: our own greedy tokens, fed back, must be llama.cpp's; a divergence is allowed
 // only at a near-tie, and ends the comparison of that case.
 TEST_F(Reference, GreedyContinuationsMatchLlamaCpp) {
   const nlohmann::json goldens = read_json(kGoldens / "generate.json");
   ASSERT_GE(goldens["cases"].size(), 6u);
+  const double kTie = near_tie(goldens);
   Engine engine(model_, EngineOptions{2, 1024});
   batchlm::kernels::ThreadPool pool(2);
   int exact = 0;
@@ -116,17 +142,12 @@ TEST_F(Reference, GreedyContinuationsMatchLlamaCpp) {
 
 // Teacher forced: llama.cpp's 64 tokens are fed in, and at every step our top token must be
 // the one llama.cpp chose unless llama.cpp's own top two are closer than its own rounding
-// noise: the largest self_spread of the goldens plus 0.05. Deep into a sequence llama.cpp's
-// single-token steps drift from ours as its attention sums in another order, by about as much
-// as its batched path drifts from its token-by-token one.
-double forced_tie(const nlohmann::json& goldens) {
-  double spread = 0;
-  for (const auto& c : goldens["cases"]) spread = std::max(spread, c["self_spread"].get<double>());
-  return spread + 0.05;
-}
+// noise (near_tie). Deep into a sequence llama.cpp's single-token steps drift from ours as its
+// attention sums in another order, by about as much as its batched path drifts from its
+// token-by-token one.
 TEST_F(Reference, EveryGreedyStepMatchesLlamaCpp) {
   const nlohmann::json goldens = read_json(kGoldens / "generate.json");
-  const double kForcedTie = forced_tie(goldens);
+  const double kForcedTie = near_tie(goldens);
   batchlm::kernels::ThreadPool pool(2);
   int steps = 0, same = 0;
   for (const auto& c : goldens["cases"]) {
@@ -155,6 +176,7 @@ TEST_F(Reference, EveryGreedyStepMatchesLlamaCpp) {
 
 TEST_F(Reference, TopLogitsMatchLlamaCpp) {
   const nlohmann::json goldens = read_json(kGoldens / "generate.json");
+  const double kTie = near_tie(goldens);
   batchlm::kernels::ThreadPool pool(2);
   for (const auto& c : goldens["cases"]) {
     const std::vector<Token> prompt = c["prompt_tokens"];
@@ -166,7 +188,7 @@ TEST_F(Reference, TopLogitsMatchLlamaCpp) {
       const double theirs = top["logit"];
       const double ours = logits[top["token"].get<int>()];
       worst = std::max(worst, std::fabs(ours - theirs));
-      EXPECT_NEAR(ours, theirs, tolerance(c)) << "case " << c["name"] << ", token " << top["token"];
+      EXPECT_NEAR(ours, theirs, tolerance(goldens, c)) << "case " << c["name"] << ", token " << top["token"];
     }
     std::printf("[ note ] case %s (%zu prompt tokens): top-5 logits within %.4f of llama.cpp's "
                 "(llama.cpp's own spread %.4f)\n",

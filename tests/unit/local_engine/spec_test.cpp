@@ -194,11 +194,10 @@ TEST(SpecScheduler, RandomDraftsAndRollbacksLeakNoBlocks) {
 // N-gram lookup.
 
 std::vector<Token> ngram_draft(Proposer& p, const std::vector<Token>& tokens, int k) {
-  kernels::ThreadPool pool(1);
   const SamplingParams greedy{.temperature = 0.0f};
   const DraftRequest r{1, tokens, k, &greedy};
   std::vector<Draft> out(1);
-  p.propose(std::span(&r, 1), out, pool);
+  p.propose(std::span(&r, 1), out);
   EXPECT_TRUE(out[0].q.empty());
   return out[0].tokens;
 }

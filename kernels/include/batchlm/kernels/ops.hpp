@@ -7,9 +7,13 @@
 // activations are quantized to the weight's "dot type" (Q8_0 for Q4_0/Q8_0 weights, Q8_1 for
 // Q4_1, F16 for F16, BF16 for BF16) and quantized dot products run on integers, block by block,
 // without dequantizing the matrix; the KV cache holds F16; attention rounds queries and
-// probabilities to F16 as a F16 matrix product would.
+// probabilities to F16 as a F16 matrix product would. Each block's integer dot product is
+// exact and enters the sum with one FMA per block, in block order; llama.cpp keeps partial
+// float sums instead, so logits agree with its to rounding (tests/reference/README.md).
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 
 #include "batchlm/kernels/dtype.hpp"
@@ -18,12 +22,39 @@
 namespace batchlm::kernels {
 
 // A row-major weight matrix in its stored type: `rows` rows of `cols` elements.
+// `packed`, when set, is the same matrix as pack_weights(*this) lays it out; the CPU matrix
+// products then read that copy where their SIMD path has kernels for it (data stays the GGUF
+// bytes, for get_rows and for copies to other devices).
 struct Matrix {
   DType type = DType::F32;
   const void* data = nullptr;
   std::int64_t rows = 0;
   std::int64_t cols = 0;
+  const void* packed = nullptr;
 };
+
+// A copy of a quantized matrix's weights with rows interleaved in groups of 8, so that one
+// vector instruction works on 8 rows at once and the block scales of a row group are applied
+// once per token (kernels/cpu/cpu_kernels.hpp describes the layout). Built once, at load.
+class PackedWeights {
+ public:
+  PackedWeights() = default;
+  const void* data() const { return bytes_.get(); }  // nullptr when empty
+  std::size_t size() const { return size_; }
+
+ private:
+  friend PackedWeights pack_weights(const Matrix& w);
+  struct Free {
+    void operator()(std::byte* p) const;
+  };
+  std::unique_ptr<std::byte[], Free> bytes_;
+  std::size_t size_ = 0;
+};
+// w's weights packed (Q4_0, Q4_1, Q8_0; cols a multiple of 32); empty for the other types,
+// which have no packed form. Products of a packed matrix are the portable path's bit for bit on
+// every path (each block's integer dot product, then one FMA per block in block order); the
+// SIMD paths' GGUF-layout tiles, used without a packed copy, sum in another order.
+PackedWeights pack_weights(const Matrix& w);
 
 // Which SIMD path the CPU kernels use ("avx2" or "portable"); BATCHLM_CPU_SIMD=portable forces
 // the portable path.

@@ -24,6 +24,7 @@
 
 #include "batchlm/core/types.hpp"
 #include "batchlm/local_engine/engine.hpp"
+#include "batchlm/local_engine/executor.hpp"
 #include "batchlm/local_engine/scheduler.hpp"
 #include "batchlm/local_engine/spec.hpp"
 
@@ -42,13 +43,18 @@ struct LocalBackendOptions {
   std::int64_t kv_tokens = 0;
   std::int64_t kv_bytes = 0;
   SpeculativeOptions speculative;  // method kNone: off
+  Device device = Device::kAuto;   // auto: CUDA when a usable GPU is present, else the CPU
+  bool cuda_graphs = true;         // CUDA: replay decode steps from captured graphs
 };
 
 // The pool size in tokens those options give for a model with `bytes_per_token` of keys and
-// values (all layers); `available_bytes` is the memory free now. Throws std::invalid_argument
-// when the options are out of range (the message names the option).
+// values (all layers); `available_bytes` is the memory free now. On the CPU the default is
+// max_sequences contexts within a quarter of that memory; in device memory (a GPU's, after the
+// weights) it is all of it. Never less than one context. Throws std::invalid_argument when the
+// options are out of range (the message names the option).
 std::int64_t kv_pool_tokens(const LocalBackendOptions& options, std::int64_t context,
-                            std::int64_t bytes_per_token, std::int64_t available_bytes);
+                            std::int64_t bytes_per_token, std::int64_t available_bytes,
+                            bool device_memory = false);
 // MemAvailable from /proc/meminfo (0 when unknown).
 std::int64_t available_memory_bytes();
 
@@ -87,6 +93,8 @@ class BatchEngine {
   const Model& model() const { return *model_; }
   std::int64_t context() const { return context_; }
   int threads() const;
+  // Where the forward passes run, for the log (and why not on a GPU, when auto fell back).
+  std::string device() const;
 
  private:
   // A request in the scheduler.
@@ -119,7 +127,8 @@ class BatchEngine {
   std::unique_ptr<kernels::ThreadPool> threads_;
   std::unique_ptr<BlockPool> blocks_;
   std::unique_ptr<Scheduler> scheduler_;
-  std::unique_ptr<KvStore> kv_;
+  std::unique_ptr<Executor> executor_;
+  std::string no_gpu_;  // why auto did not pick a GPU
   std::unique_ptr<Proposer> proposer_;
   std::unordered_map<SequenceId, Active> active_;
   std::vector<std::pair<SequenceId, GenerateResult>> finished_;

@@ -121,6 +121,16 @@ class Model {
   // outside the vocabulary). forward() is the case of one sequence in one block.
   void forward_batch(const Batch& batch, const KvPool& kv, std::span<float> logits,
                      kernels::ThreadPool& pool) const;
+  // The checks forward_batch makes, for a pool of n_blocks blocks of block_size positions and a
+  // logits buffer of logits_size floats; returns the layers the batch runs.
+  std::int64_t check_batch(const Batch& batch, std::int64_t block_size, std::int64_t n_blocks,
+                           std::size_t logits_size) const;
+
+  // The weights, for executors that copy them to another device.
+  const kernels::Matrix& token_embedding() const { return token_embd_; }
+  const kernels::Matrix& output() const { return output_; }
+  const float* output_norm() const { return output_norm_; }
+  std::span<const LayerWeights> layers() const { return layers_; }
 
  private:
   explicit Model(gguf::File file);
@@ -129,6 +139,7 @@ class Model {
   gguf::File file_;
   ModelConfig config_;
   kernels::Matrix token_embd_, output_;
+  std::vector<kernels::PackedWeights> packed_;  // the matrices' packed copies (Matrix::packed)
   const float* output_norm_ = nullptr;
   std::vector<LayerWeights> layers_;
   std::unique_ptr<Tokenizer> tokenizer_;

@@ -21,7 +21,7 @@
 #include <string_view>
 #include <vector>
 
-#include "batchlm/kernels/thread_pool.hpp"
+#include "batchlm/local_engine/executor.hpp"
 #include "batchlm/local_engine/model.hpp"
 #include "batchlm/local_engine/sampling.hpp"
 #include "batchlm/local_engine/scheduler.hpp"
@@ -66,8 +66,7 @@ class Proposer {
   virtual ~Proposer() = default;
   // Fills drafts[i] (cleared first) with at most requests[i].max_tokens tokens; fewer, or none,
   // when it has no good guess or no room.
-  virtual void propose(std::span<const DraftRequest> requests, std::span<Draft> drafts,
-                       kernels::ThreadPool& pool) = 0;
+  virtual void propose(std::span<const DraftRequest> requests, std::span<Draft> drafts) = 0;
   // The sequence is over: drop what is kept for it.
   virtual void forget(SequenceId /*id*/) {}
   // Whether drafting runs a model (its time then counts against longer drafts).
@@ -76,10 +75,11 @@ class Proposer {
 
 std::unique_ptr<Proposer> make_ngram_proposer(int ngram_min, int ngram_max);
 
-// A proposer running `model` (its first `layers` layers; 0: all) with its own block pool of
-// pool_tokens tokens in blocks of block_size.
+// A proposer running `model` on `executor` (made for that model, with the layers it drafts
+// with: all of a draft model's, the first few of the target's for self-drafting). It allocates
+// the executor's pool: pool_tokens tokens in blocks of block_size.
 std::unique_ptr<Proposer> make_model_proposer(std::shared_ptr<const Model> model,
-                                              std::int64_t layers, int block_size,
+                                              std::unique_ptr<Executor> executor, int block_size,
                                               std::int64_t pool_tokens);
 
 // Throws std::invalid_argument when `draft` cannot draft for `target`: a different vocabulary

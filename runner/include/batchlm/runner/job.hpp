@@ -92,6 +92,7 @@ struct BackendSpec {
   client::HttpTimeouts timeouts;
   bool stream = true;
   int threads = 0;              // local: compute threads, 0 = one per hardware thread
+  std::string device = "auto";  // local: auto (CUDA when a GPU is present), cuda or cpu
   std::int64_t context = 0;     // local: tokens per sequence, 0 = min(model's, 4096)
   // local, continuous batching: sequences decoded together, tokens per batched forward pass
   // (0: the engine's maximum), tokens per KV block, and the KV pool in tokens or bytes (0: a

@@ -1,0 +1,210 @@
+// Element-wise and row operations of cuda.hpp (the definitions of ops.hpp, on the device):
+// rms_norm, add_rms_norm, rope, swiglu, add, gather_rows, store_f16_paged.
+//
+// Shapes: the norms run one 256-thread block per row (a block reduction of the sum of
+// squares, F32); everything else is a grid-stride loop over its elements, so any size runs
+// with a bounded grid. All index arithmetic is 64-bit. Sizes <= 0 launch nothing.
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "common.cuh"
+
+namespace batchlm::kernels::cuda {
+
+namespace {
+
+using detail::ceil_div;
+
+constexpr int kThreads = 256;          // a multiple of 32 (block_sum needs it)
+constexpr std::int64_t kMaxGrid = 65536;  // grid-stride loops: at most this many blocks
+
+// Blocks for a grid-stride loop over `total` items, `per_block` items per block per step.
+unsigned grid_for(std::int64_t total, std::int64_t per_block = kThreads) {
+  const std::int64_t blocks = ceil_div(total, per_block);
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > kMaxGrid ? kMaxGrid : blocks));
+}
+
+// The first thread index of this thread in a grid-stride loop, and the loop's stride.
+__device__ __forceinline__ std::int64_t grid_index() {
+  return static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ std::int64_t grid_stride() {
+  return static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// rms_norm / add_rms_norm: block b handles rows b, b + gridDim.x, ... (the row loop is uniform
+// over the block, so the __syncthreads inside block_sum are reached by every thread).
+// Each thread reads and writes only the elements i = threadIdx.x + k * blockDim.x of a row, and
+// the writes come after the reduction, so out == x (in place) is safe (hence no __restrict__).
+__global__ void rms_norm_kernel(const float* x_in, float* x_inout, const float* y,
+                                const float* __restrict__ weight, std::int64_t n, std::int64_t dim,
+                                float eps, float* out) {
+  __shared__ float partial[detail::kWarp];
+  for (std::int64_t row = blockIdx.x; row < n; row += gridDim.x) {
+    float sum = 0.0f;
+    if (y != nullptr) {
+      // add_rms_norm: x += y first (the thread writes the elements it later normalises).
+      float* xr = x_inout + row * dim;
+      const float* yr = y + row * dim;
+      for (std::int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = xr[i] + yr[i];
+        xr[i] = v;
+        sum += v * v;
+      }
+    } else {
+      const float* xr = x_in + row * dim;
+      for (std::int64_t i = threadIdx.x; i < dim; i += blockDim.x) sum += xr[i] * xr[i];
+    }
+    sum = detail::block_sum(sum, partial);
+    // Same expression as the CPU: 1 / sqrt(mean + eps), IEEE sqrt and division.
+    const float mean = sum / static_cast<float>(dim);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    const float* xr = (y != nullptr ? x_inout : x_in) + row * dim;
+    float* o = out + row * dim;
+    for (std::int64_t i = threadIdx.x; i < dim; i += blockDim.x) o[i] = xr[i] * scale * weight[i];
+  }
+}
+
+unsigned row_grid(std::int64_t n) {
+  return static_cast<unsigned>(n > kMaxGrid ? kMaxGrid : n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// rope: one thread per (token, pair i < rot_dim / 2); the thread rotates pair i of every head of
+// its token with one cos/sin. The angle pos * base^(-2i/rot_dim) and its cos/sin are computed in
+// double (positions reach 8k+ and more: a F32 angle of that size is off by ~1e-3 rad), then
+// rounded to F32; the rotation itself is F32 as on the CPU.
+__global__ void rope_kernel(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
+                            std::int64_t pairs, std::int64_t rot_dim,
+                            const std::int32_t* __restrict__ positions, double log_base) {
+  const std::int64_t total = n * pairs;
+  for (std::int64_t idx = grid_index(); idx < total; idx += grid_stride()) {
+    const std::int64_t t = idx / pairs;
+    const std::int64_t i = idx % pairs;
+    // base^(-2i/rot_dim) = exp(-(2i/rot_dim) * ln(base)).
+    const double inv_freq = exp(-(2.0 * static_cast<double>(i) / static_cast<double>(rot_dim)) * log_base);
+    const double angle = static_cast<double>(positions[t]) * inv_freq;
+    double sd, cd;
+    sincos(angle, &sd, &cd);
+    const float c = static_cast<float>(cd), s = static_cast<float>(sd);
+    float* v = x + t * n_heads * head_dim + 2 * i;
+    for (std::int64_t h = 0; h < n_heads; ++h, v += head_dim) {
+      const float a = v[0], b = v[1];
+      v[0] = a * c - b * s;
+      v[1] = a * s + b * c;
+    }
+  }
+}
+
+__global__ void swiglu_kernel(float* gate, const float* up, std::int64_t n) {
+  for (std::int64_t i = grid_index(); i < n; i += grid_stride()) {
+    const float g = gate[i];
+    gate[i] = g / (1.0f + expf(-g)) * up[i];
+  }
+}
+
+__global__ void add_kernel(float* x, const float* y, std::int64_t n) {
+  for (std::int64_t i = grid_index(); i < n; i += grid_stride()) x[i] += y[i];
+}
+
+// A negative row id gives a row of zeros (never a read out of bounds below the table).
+__global__ void gather_rows_kernel(const float* __restrict__ src, const std::int32_t* __restrict__ rows,
+                                   std::int64_t n, std::int64_t width, float* __restrict__ dst) {
+  const std::int64_t total = n * width;
+  for (std::int64_t idx = grid_index(); idx < total; idx += grid_stride()) {
+    const std::int64_t i = idx / width, c = idx % width;
+    const std::int32_t r = rows[i];
+    dst[idx] = r >= 0 ? src[static_cast<std::int64_t>(r) * width + c] : 0.0f;
+  }
+}
+
+// Element c of token t goes to pool[(block * block_size + pos % block_size) * width + c] with
+// block = block_tables[seq * max_blocks + pos / block_size]. Padding tokens (seq < 0) and
+// positions the table cannot hold (pos < 0, pos / block_size >= max_blocks, a negative block
+// id) write nothing.
+__global__ void store_f16_paged_kernel(const float* __restrict__ x, std::int64_t n, std::int64_t width,
+                                       std::int64_t block_size,
+                                       const std::int32_t* __restrict__ block_tables,
+                                       std::int32_t max_blocks,
+                                       const std::int32_t* __restrict__ sequence_of,
+                                       const std::int32_t* __restrict__ positions,
+                                       std::uint16_t* __restrict__ pool) {
+  const std::int64_t total = n * width;
+  for (std::int64_t idx = grid_index(); idx < total; idx += grid_stride()) {
+    const std::int64_t t = idx / width, c = idx % width;
+    const std::int32_t seq = sequence_of[t];
+    if (seq < 0) continue;
+    const std::int64_t pos = positions[t];
+    if (pos < 0) continue;
+    const std::int64_t slot_block = pos / block_size;
+    if (slot_block >= max_blocks) continue;
+    const std::int64_t block = block_tables[static_cast<std::int64_t>(seq) * max_blocks + slot_block];
+    if (block < 0) continue;
+    const std::int64_t row = block * block_size + pos % block_size;
+    // Round to nearest even, as the CPU's fp32_to_fp16.
+    pool[row * width + c] = __half_as_ushort(__float2half_rn(x[idx]));
+  }
+}
+
+}  // namespace
+
+void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t dim, float eps,
+              float* out, cudaStream_t stream) {
+  if (n <= 0 || dim <= 0) return;
+  rms_norm_kernel<<<row_grid(n), kThreads, 0, stream>>>(x, nullptr, nullptr, weight, n, dim, eps, out);
+  detail::check_launch("rms_norm");
+}
+
+void add_rms_norm(float* x, const float* y, const float* weight, std::int64_t n,
+                  std::int64_t dim, float eps, float* out, cudaStream_t stream) {
+  if (n <= 0 || dim <= 0) return;
+  rms_norm_kernel<<<row_grid(n), kThreads, 0, stream>>>(nullptr, x, y, weight, n, dim, eps, out);
+  detail::check_launch("add_rms_norm");
+}
+
+void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
+          std::int64_t rot_dim, const std::int32_t* positions, float base, cudaStream_t stream) {
+  if (rot_dim < 0 || rot_dim % 2 != 0 || rot_dim > head_dim) {
+    throw std::invalid_argument("rope: rot_dim " + std::to_string(rot_dim) +
+                                " must be even and at most head_dim " + std::to_string(head_dim));
+  }
+  const std::int64_t pairs = rot_dim / 2;
+  if (n <= 0 || n_heads <= 0 || pairs == 0) return;
+  rope_kernel<<<grid_for(n * pairs), kThreads, 0, stream>>>(
+      x, n, n_heads, head_dim, pairs, rot_dim, positions, std::log(static_cast<double>(base)));
+  detail::check_launch("rope");
+}
+
+void swiglu(float* gate, const float* up, std::int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  swiglu_kernel<<<grid_for(n), kThreads, 0, stream>>>(gate, up, n);
+  detail::check_launch("swiglu");
+}
+
+void add(float* x, const float* y, std::int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  add_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, y, n);
+  detail::check_launch("add");
+}
+
+void gather_rows(const float* src, const std::int32_t* rows, std::int64_t n, std::int64_t width,
+                 float* dst, cudaStream_t stream) {
+  if (n <= 0 || width <= 0) return;
+  gather_rows_kernel<<<grid_for(n * width), kThreads, 0, stream>>>(src, rows, n, width, dst);
+  detail::check_launch("gather_rows");
+}
+
+void store_f16_paged(const float* x, std::int64_t n, std::int64_t width, const PagedBatch& batch,
+                     std::uint16_t* pool, cudaStream_t stream) {
+  if (batch.block_size <= 0) throw std::invalid_argument("store_f16_paged: block_size must be positive");
+  if (n <= 0 || width <= 0) return;
+  store_f16_paged_kernel<<<grid_for(n * width), kThreads, 0, stream>>>(
+      x, n, width, batch.block_size, batch.block_tables, batch.max_blocks, batch.sequence_of,
+      batch.positions, pool);
+  detail::check_launch("store_f16_paged");
+}
+
+}  // namespace batchlm::kernels::cuda

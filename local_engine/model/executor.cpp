@@ -1,0 +1,108 @@
+// The CPU executor (Model::forward_batch over a KvStore in host memory) and the choice of
+// device.
+
+#include "batchlm/local_engine/executor.hpp"
+
+#include <stdexcept>
+
+#include "batchlm/kernels/ops.hpp"
+#include "batchlm/local_engine/batch_engine.hpp"
+#include "executor_cuda.hpp"
+
+namespace batchlm::local_engine {
+
+std::string_view to_string(Device d) {
+  switch (d) {
+    case Device::kAuto: return "auto";
+    case Device::kCpu: return "cpu";
+    case Device::kCuda: return "cuda";
+  }
+  return "?";
+}
+
+std::optional<Device> parse_device(std::string_view s) {
+  if (s == "auto") return Device::kAuto;
+  if (s == "cpu") return Device::kCpu;
+  if (s == "cuda") return Device::kCuda;
+  return std::nullopt;
+}
+
+void Executor::forward_sample(const Batch&, std::span<const RowSampling>, std::span<Token>) {
+  throw std::logic_error("this executor does not sample on the device");
+}
+
+namespace {
+
+class CpuExecutor final : public Executor {
+ public:
+  CpuExecutor(std::shared_ptr<const Model> model, const ExecutorOptions& options)
+      : model_(std::move(model)),
+        layers_(options.layers > 0 ? std::min(options.layers, model_->config().n_layers)
+                                   : model_->config().n_layers) {
+    if (options.thread_pool != nullptr) {
+      threads_ = options.thread_pool;
+    } else {
+      own_threads_ = std::make_unique<kernels::ThreadPool>(options.threads);
+      threads_ = own_threads_.get();
+    }
+  }
+
+  std::string describe() const override {
+    return std::string("cpu (") + kernels::cpu_simd_name() + ", " +
+           std::to_string(threads_->size()) + " threads)";
+  }
+  Device device() const override { return Device::kCpu; }
+  std::int64_t pool_memory_available() const override { return available_memory_bytes(); }
+
+  void allocate_pool(std::int64_t block_size, std::int64_t n_blocks) override {
+    if (store_) throw std::logic_error("allocate_pool: the pool exists already");
+    store_ = std::make_unique<KvStore>(model_->config(), block_size, n_blocks, layers_);
+  }
+  std::int64_t n_blocks() const override { return store_ ? store_->pool().n_blocks : 0; }
+
+  void forward(const Batch& batch, std::span<float> logits) override {
+    if (!store_) throw std::logic_error("forward: allocate_pool first");
+    Batch b = batch;
+    b.layers = layers_;
+    model_->forward_batch(b, store_->pool(), logits, *threads_);
+  }
+
+  kernels::ThreadPool& threads() override { return *threads_; }
+
+ private:
+  std::shared_ptr<const Model> model_;
+  std::int64_t layers_;
+  std::unique_ptr<kernels::ThreadPool> own_threads_;
+  kernels::ThreadPool* threads_ = nullptr;
+  std::unique_ptr<KvStore> store_;
+};
+
+}  // namespace
+
+bool built_with_cuda() {
+#ifdef BATCHLM_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<Executor> make_executor(std::shared_ptr<const Model> model,
+                                        const ExecutorOptions& options, std::string* why) {
+  if (options.layers < 0) throw std::invalid_argument("executor: layers must be >= 0");
+  if (why != nullptr) why->clear();
+  if (options.device != Device::kCpu) {
+    std::string why_not;
+#ifdef BATCHLM_HAVE_CUDA
+    if (cuda_device_usable(why_not)) return make_cuda_executor(std::move(model), options);
+#else
+    why_not = "this build has no CUDA support (nvcc was not found when it was built)";
+#endif
+    if (options.device == Device::kCuda)
+      throw DeviceUnavailable("device 'cuda' was asked for, but " + why_not);
+    if (why != nullptr) *why = why_not;
+  }
+  return std::make_unique<CpuExecutor>(std::move(model), options);
+}
+
+}  // namespace batchlm::local_engine

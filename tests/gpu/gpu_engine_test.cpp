@@ -1,0 +1,295 @@
+// The engine on the GPU against the CPU path: the CUDA executor's logits against the CPU
+// executor's on tiny random models of every weight type (mixed prefill and decode batches,
+// shuffled block tables, CUDA-graph replays), greedy generation teacher-forced along the CPU's
+// tokens, continuous batching, prefix caching, speculative decoding and device sampling through
+// BatchEngine, and the default model. Skipped where no GPU is present.
+//
+// Float rounding legitimately differs between the devices (the GPU does not quantize
+// activations to Q8 as the CPU does, and sums in another order), so greedy tokens are compared
+// up to near-ties: at every step the GPU's argmax must be the CPU's unless the CPU's two best
+// logits are within kTieMargin of each other, and the logits must agree within a relative L2
+// error bound.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "batchlm/local_engine/batch_engine.hpp"
+#include "batchlm/local_engine/executor.hpp"
+#include "batchlm/local_engine/model.hpp"
+#include "gguf_writer.hpp"
+#include "gpu_test.hpp"
+
+namespace batchlm::local_engine {
+namespace {
+
+namespace fs = std::filesystem;
+using batchlm::gpu_test::relative_error;
+
+// Bounds, relative L2 over a row of logits: F32 and F16 weights differ from the CPU only by
+// summation order (and F16 rounding of tensor-core inputs for many-token batches); quantized
+// weights add the CPU's Q8 rounding of activations, which the GPU does not do.
+double logits_bound(kernels::DType t) {
+  switch (t) {
+    case kernels::DType::F32: return 2e-3;
+    case kernels::DType::F16:
+    case kernels::DType::BF16: return 5e-3;
+    default: return 3e-2;
+  }
+}
+constexpr float kTieMargin = 0.05f;
+
+class GpuEngine : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    std::string tmpl = (fs::temp_directory_path() / "batchlm-gpu-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    dir_ = new fs::path(tmpl);
+    using kernels::DType;
+    for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+      batchlm::testing::TinyLlamaOptions o;
+      o.n_layers = 2;
+      o.context_length = 1024;
+      o.weight_dtype = t;
+      o.embedding_dtype = t == DType::BF16 ? DType::F16 : t;
+      write_tiny_llama(path(t), o);
+    }
+  }
+  static void TearDownTestSuite() {
+    fs::remove_all(*dir_);
+    delete dir_;
+  }
+  void SetUp() override { BATCHLM_REQUIRE_GPU(); }
+
+  static fs::path path(kernels::DType t) {
+    return *dir_ / (std::string("tiny-") + std::string(kernels::to_string(t)) + ".gguf");
+  }
+
+  static inline fs::path* dir_ = nullptr;
+};
+
+// One sequence's greedy continuation on `cpu`, teacher-forced through `gpu`: every step's
+// logits compared. Both executors have fresh pools of the same shape.
+void compare_greedy(Executor& cpu, Executor& gpu, const std::vector<Token>& prompt, int steps,
+                    std::int64_t n_vocab, double bound, const std::string& what) {
+  const std::vector<std::int32_t> table = {3, 0, 5, 1, 7, 2, 6, 4};  // shuffled blocks
+  const std::vector<std::span<const std::int32_t>> tables = {table};
+  std::vector<Token> tokens = prompt;
+  std::vector<float> a(n_vocab), b(n_vocab);
+  std::size_t done = 0;  // tokens already in both caches
+  for (int step = 0; step < steps; ++step) {
+    const std::vector<Token> fresh(tokens.begin() + static_cast<std::ptrdiff_t>(done), tokens.end());
+    std::vector<std::int32_t> positions(fresh.size()), seq(fresh.size(), 0);
+    std::iota(positions.begin(), positions.end(), static_cast<std::int32_t>(done));
+    const std::vector<std::int32_t> rows = {static_cast<std::int32_t>(fresh.size() - 1)};
+    const Batch batch{fresh, positions, seq, tables, rows};
+    cpu.forward(batch, a);
+    gpu.forward(batch, b);
+    ASSERT_LT(relative_error(b, a), bound) << what << " step " << step;
+    std::vector<float> sorted = a;
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+    const auto best_cpu = std::max_element(a.begin(), a.end()) - a.begin();
+    const auto best_gpu = std::max_element(b.begin(), b.end()) - b.begin();
+    if (sorted[0] - sorted[1] >= kTieMargin) {
+      ASSERT_EQ(best_gpu, best_cpu) << what << " step " << step << ": margin " << sorted[0] - sorted[1];
+    }
+    done = tokens.size();
+    tokens.push_back(static_cast<Token>(best_cpu));
+  }
+}
+
+TEST_F(GpuEngine, GreedyLogitsMatchTheCpuForEveryWeightType) {
+  using kernels::DType;
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
+    const auto model = Model::load(path(t));
+    auto cpu = make_executor(model, {.device = Device::kCpu, .threads = 2, .context = 512});
+    auto gpu = make_executor(model, {.device = Device::kCuda, .context = 512});
+    ASSERT_EQ(gpu->device(), Device::kCuda);
+    cpu->allocate_pool(16, 8);
+    gpu->allocate_pool(16, 8);
+    // A prompt long enough for the tensor-core path (more than 8 tokens), then decode steps
+    // through the CUDA graphs.
+    std::vector<Token> prompt(40);
+    for (std::size_t i = 0; i < prompt.size(); ++i)
+      prompt[i] = static_cast<Token>((i * 37 + 11) % model->config().n_vocab);
+    compare_greedy(*cpu, *gpu, prompt, 60, model->config().n_vocab, logits_bound(t),
+                   std::string(kernels::to_string(t)));
+  }
+}
+
+// A mixed batch (two prefill chunks and three decoding sequences, logits of some rows), then
+// the same decode batch replayed from a graph with other contents, and the eager path.
+TEST_F(GpuEngine, MixedBatchesAndGraphReplaysMatchTheCpu) {
+  const auto model = Model::load(path(kernels::DType::Q4_1));
+  const ModelConfig& c = model->config();
+  auto cpu = make_executor(model, {.device = Device::kCpu, .threads = 2, .context = 256});
+  auto gpu = make_executor(model, {.device = Device::kCuda, .context = 256});
+  auto eager = make_executor(model, {.device = Device::kCuda, .context = 256, .graphs = false});
+  for (Executor* e : {cpu.get(), gpu.get(), eager.get()}) e->allocate_pool(16, 64);
+
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<Token> token(0, static_cast<Token>(c.n_vocab - 1));
+  // Five sequences with their own shuffled blocks.
+  std::vector<std::int32_t> ids(64);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<std::vector<std::int32_t>> tables(5);
+  for (int s = 0; s < 5; ++s) tables[s].assign(ids.begin() + s * 12, ids.begin() + (s + 1) * 12);
+  std::vector<std::span<const std::int32_t>> spans(tables.begin(), tables.end());
+  std::vector<std::int32_t> length(5, 0);
+
+  auto step = [&](const std::vector<int>& counts, bool all_rows, const std::string& what) {
+    std::vector<Token> tokens;
+    std::vector<std::int32_t> positions, seq, rows;
+    for (int s = 0; s < 5; ++s) {
+      for (int j = 0; j < counts[s]; ++j) {
+        tokens.push_back(token(rng));
+        positions.push_back(length[s] + j);
+        seq.push_back(s);
+        if (all_rows || j + 1 == counts[s]) rows.push_back(static_cast<std::int32_t>(tokens.size() - 1));
+      }
+      length[s] += counts[s];
+    }
+    const Batch batch{tokens, positions, seq, spans, rows};
+    std::vector<float> a(rows.size() * c.n_vocab), b(a.size()), e(a.size());
+    cpu->forward(batch, a);
+    gpu->forward(batch, b);
+    eager->forward(batch, e);
+    EXPECT_LT(relative_error(b, a), logits_bound(kernels::DType::Q4_1)) << what;
+    EXPECT_LT(relative_error(e, a), logits_bound(kernels::DType::Q4_1)) << what;
+    EXPECT_LT(relative_error(b, e), 1e-5) << what << ": a graph replay differs from eager launches";
+  };
+  step({30, 1, 17, 5, 2}, false, "mixed prefill");
+  step({3, 4, 2, 1, 6}, true, "verify-shaped, every row");
+  for (int i = 0; i < 20; ++i) step({1, 1, 1, 1, 1}, true, "decode " + std::to_string(i));
+  step({1, 0, 1, 0, 1}, true, "decode, fewer sequences in the same bucket");
+  step({0, 1, 0, 0, 0}, true, "decode, one sequence");
+  step({40, 1, 1, 1, 1}, false, "a long chunk beside decodes");
+}
+
+// BatchEngine on the GPU: several prompts decoded together with a shared prefix, greedy.
+// Teacher-forced agreement is the test above; here the GPU's own continuations must be the
+// same whether a prompt runs alone or batched (same kernels, same rounding per row: a row's
+// result does not depend on its neighbours except through the matrix path, which the batch
+// size picks, so only prompts decoded in one batch are compared with each other).
+TEST_F(GpuEngine, BatchEngineRunsContinuousBatchingPrefixCachingAndSpeculation) {
+  const auto model = Model::load(path(kernels::DType::F16));
+  const ModelConfig& c = model->config();
+  std::vector<std::vector<Token>> prompts;
+  std::vector<Token> prefix(40);
+  for (std::size_t i = 0; i < prefix.size(); ++i) prefix[i] = static_cast<Token>((i * 13 + 5) % c.n_vocab);
+  for (int p = 0; p < 6; ++p) {
+    std::vector<Token> t = prefix;
+    for (int j = 0; j < 5 + p; ++j) t.push_back(static_cast<Token>((p * 31 + j * 7) % c.n_vocab));
+    // Repeat the prompt's own text so n-gram lookup finds something.
+    t.insert(t.end(), t.begin(), t.begin() + 10);
+    prompts.push_back(t);
+  }
+  GenerateParams params;
+  params.max_tokens = 24;
+  params.sampling.temperature = 0.0f;
+  params.ignore_eos = true;
+  auto run = [&](Device device, SpecMethod method) {
+    LocalBackendOptions o;
+    o.device = device;
+    o.threads = 2;
+    o.context = 256;
+    o.max_sequences = 8;
+    o.kv_tokens = 4096;
+    o.speculative.method = method;
+    if (method == SpecMethod::kSelf) o.speculative.layers = 1;
+    BatchEngine engine(model, o);
+    std::map<SequenceId, std::size_t> index;
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      index[engine.add(prompts[i], params, nullptr)] = i;
+      if (i == 0) engine.step();
+    }
+    std::vector<std::vector<Token>> out(prompts.size());
+    while (!engine.idle()) {
+      engine.step();
+      for (auto& [id, result] : engine.take_finished()) out[index.at(id)] = result.tokens;
+    }
+    const EngineStats s = engine.stats();
+    EXPECT_GT(s.prompt_tokens_cached, 0) << "the shared prefix was not reused";
+    return out;
+  };
+  const auto gpu = run(Device::kCuda, SpecMethod::kNone);
+  for (const auto& t : gpu) EXPECT_EQ(t.size(), 24u);
+  // Greedy speculation on the GPU gives the GPU's own tokens. The verify pass (several tokens
+  // per sequence) may take the tensor-core path where plain decoding takes the matrix-vector
+  // one, so a near-tie could legitimately flip a token; should this fail, look at the margin
+  // of the first differing token before suspecting the verifier.
+  EXPECT_EQ(run(Device::kCuda, SpecMethod::kNgram), gpu);
+  EXPECT_EQ(run(Device::kCuda, SpecMethod::kSelf), gpu);
+}
+
+// Sampling on the device: the same seed gives the same text, another seed another text, and
+// with top_k 1 it is the greedy text.
+TEST_F(GpuEngine, DeviceSamplingIsSeededPerRequest) {
+  const auto model = Model::load(path(kernels::DType::F32));
+  const ModelConfig& c = model->config();
+  std::vector<Token> prompt(12);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<Token>((i * 5 + 1) % c.n_vocab);
+  auto run = [&](std::uint64_t seed, float temperature, int top_k, int copies) {
+    LocalBackendOptions o;
+    o.device = Device::kCuda;
+    o.context = 128;
+    o.max_sequences = 8;
+    o.kv_tokens = 2048;
+    BatchEngine engine(model, o);
+    GenerateParams params;
+    params.max_tokens = 32;
+    params.ignore_eos = true;
+    params.sampling.temperature = temperature;
+    params.sampling.top_k = top_k;
+    params.sampling.seed = seed;
+    for (int i = 0; i < copies; ++i) engine.add(prompt, params, nullptr);
+    std::vector<std::vector<Token>> out;
+    while (!engine.idle()) {
+      engine.step();
+      for (auto& [id, result] : engine.take_finished()) out.push_back(result.tokens);
+    }
+    return out;
+  };
+  const auto a = run(42, 1.0f, 0, 3);
+  ASSERT_EQ(a.size(), 3u);
+  // Copies with one seed in one batch draw the same tokens: the draw depends on the seed and
+  // the step alone.
+  EXPECT_EQ(a[0], a[1]);
+  EXPECT_EQ(a[0], a[2]);
+  EXPECT_EQ(run(42, 1.0f, 0, 1)[0], a[0]);
+  EXPECT_NE(run(43, 1.0f, 0, 1)[0], a[0]);
+  EXPECT_EQ(run(42, 1.0f, 1, 1)[0], run(0, 0.0f, 0, 1)[0]);
+}
+
+// The default model: greedy logits along the CPU's continuation of GSM8K-style prompts.
+TEST_F(GpuEngine, DefaultModelFollowsTheCpu) {
+  const char* env = std::getenv("BATCHLM_MODEL");  // where bench/gpu/run.sh puts it
+  const fs::path model_path = env != nullptr && *env != '\0'
+                                  ? fs::path(env)
+                                  : fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!fs::exists(model_path)) GTEST_SKIP() << model_path << " is absent (scripts/fetch-model.sh fetches it)";
+  const auto model = Model::load(model_path);
+  auto cpu = make_executor(model, {.device = Device::kCpu, .threads = 2, .context = 512});
+  auto gpu = make_executor(model, {.device = Device::kCuda, .context = 512});
+  cpu->allocate_pool(16, 8);
+  gpu->allocate_pool(16, 8);
+  const std::vector<Token> prompt = text_prompt_tokens(
+      *model, "Question: Janet's ducks lay 16 eggs per day. She eats three for breakfast and bakes "
+              "muffins with four. How many eggs are left?\nAnswer:");
+  compare_greedy(*cpu, *gpu, prompt, 48, model->config().n_vocab, logits_bound(kernels::DType::Q4_1),
+                 "SmolLM2-135M Q4_1");
+}
+
+}  // namespace
+}  // namespace batchlm::local_engine

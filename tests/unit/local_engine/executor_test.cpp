@@ -1,0 +1,183 @@
+// The executor seam: the choice of device, and the CPU executor against Model::forward_batch.
+// (The CUDA executor against the CPU one is in tests/gpu.)
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include "batchlm/local_engine/batch_engine.hpp"
+#include "batchlm/local_engine/executor.hpp"
+#include "batchlm/local_engine/model.hpp"
+#include "gguf_writer.hpp"
+
+namespace batchlm::local_engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+class ExecutorTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    std::string tmpl = (fs::temp_directory_path() / "batchlm-executor-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    dir_ = new fs::path(tmpl);
+    batchlm::testing::TinyLlamaOptions o;
+    o.n_layers = 3;
+    o.context_length = 256;
+    batchlm::testing::write_tiny_llama(*dir_ / "tiny.gguf", o);
+  }
+  static void TearDownTestSuite() {
+    fs::remove_all(*dir_);
+    delete dir_;
+  }
+  static std::shared_ptr<const Model> model() { return Model::load(*dir_ / "tiny.gguf"); }
+
+  static bool gpu_here() {
+    std::string why;
+    auto ex = make_executor(model(), {.device = Device::kAuto, .threads = 1}, &why);
+    return ex->device() == Device::kCuda;
+  }
+
+  static inline fs::path* dir_ = nullptr;
+};
+
+TEST_F(ExecutorTest, ParsesDeviceNames) {
+  EXPECT_EQ(parse_device("auto"), Device::kAuto);
+  EXPECT_EQ(parse_device("cpu"), Device::kCpu);
+  EXPECT_EQ(parse_device("cuda"), Device::kCuda);
+  EXPECT_FALSE(parse_device("gpu"));
+  EXPECT_FALSE(parse_device("CUDA"));
+  for (Device d : {Device::kAuto, Device::kCpu, Device::kCuda}) EXPECT_EQ(parse_device(to_string(d)), d);
+}
+
+TEST_F(ExecutorTest, AutoFallsBackToTheCpuAndSaysWhy) {
+  std::string why = "stale";
+  auto ex = make_executor(model(), {.device = Device::kAuto, .threads = 1}, &why);
+  if (ex->device() == Device::kCuda) {
+    EXPECT_TRUE(why.empty());
+    GTEST_SKIP() << "a GPU is present: " << ex->describe();
+  }
+  EXPECT_EQ(ex->device(), Device::kCpu);
+  EXPECT_FALSE(why.empty());
+  if (!built_with_cuda()) {
+    EXPECT_NE(why.find("no CUDA support"), std::string::npos) << why;
+  }
+  EXPECT_NE(ex->describe().find("cpu"), std::string::npos) << ex->describe();
+  EXPECT_FALSE(ex->samples_on_device());
+}
+
+TEST_F(ExecutorTest, CudaWithoutAGpuIsAnErrorThatSaysWhy) {
+  if (gpu_here()) GTEST_SKIP() << "a GPU is present";
+  try {
+    make_executor(model(), {.device = Device::kCuda, .threads = 1});
+    FAIL() << "no error";
+  } catch (const DeviceUnavailable& e) {
+    EXPECT_NE(std::string(e.what()).find("device 'cuda' was asked for, but "), std::string::npos) << e.what();
+  }
+  // The engine passes the error on before allocating anything.
+  LocalBackendOptions o;
+  o.device = Device::kCuda;
+  o.threads = 1;
+  o.context = 128;
+  EXPECT_THROW(BatchEngine(model(), o), DeviceUnavailable);
+}
+
+TEST_F(ExecutorTest, CpuExecutorIsModelForwardBatch) {
+  const auto m = model();
+  const ModelConfig& c = m->config();
+  auto ex = make_executor(m, {.device = Device::kCpu, .threads = 2});
+  EXPECT_THROW(ex->forward(Batch{}, {}), std::logic_error);  // no pool yet
+  ex->allocate_pool(16, 8);
+  EXPECT_EQ(ex->n_blocks(), 8);
+  EXPECT_THROW(ex->allocate_pool(16, 8), std::logic_error);
+  KvStore store(c, 16, 8);
+  kernels::ThreadPool threads(2);
+
+  // Two sequences, one prefilling 20 tokens over two blocks (shuffled ids), one of 3 tokens.
+  const std::vector<Token> tokens = [&] {
+    std::vector<Token> t(23);
+    for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<Token>((i * 7 + 3) % c.n_vocab);
+    return t;
+  }();
+  std::vector<std::int32_t> positions(23), sequence_of(23);
+  for (int i = 0; i < 20; ++i) positions[i] = i, sequence_of[i] = 0;
+  for (int i = 20; i < 23; ++i) positions[i] = i - 20, sequence_of[i] = 1;
+  const std::vector<std::int32_t> t0 = {5, 2}, t1 = {7};
+  const std::vector<std::span<const std::int32_t>> tables = {t0, t1};
+  const std::vector<std::int32_t> rows = {3, 19, 22};
+  const Batch batch{tokens, positions, sequence_of, tables, rows};
+
+  std::vector<float> expected(rows.size() * c.n_vocab), got(expected.size(), -1.0f);
+  m->forward_batch(batch, store.pool(), expected, threads);
+  ex->forward(batch, got);
+  EXPECT_EQ(got, expected);
+
+  // An inconsistent batch is refused as Model::forward_batch refuses it.
+  const std::vector<std::int32_t> far = {200};
+  const std::vector<std::int32_t> one_seq = {0};
+  const std::vector<Token> one_token = {1};
+  EXPECT_THROW(ex->forward(Batch{one_token, far, one_seq, tables, one_seq}, got), std::invalid_argument);
+  // It has no device sampling.
+  const RowSampling greedy{};
+  Token out = 0;
+  EXPECT_THROW(ex->forward_sample(batch, std::span(&greedy, 1), std::span(&out, 1)), std::logic_error);
+}
+
+TEST_F(ExecutorTest, LayersRunOnlyTheFirstLayers) {
+  const auto m = model();
+  const ModelConfig& c = m->config();
+  auto ex = make_executor(m, {.device = Device::kCpu, .threads = 1, .layers = 1});
+  ex->allocate_pool(16, 4);
+  KvStore store(c, 16, 4, 1);
+  kernels::ThreadPool threads(1);
+  const std::vector<Token> tokens = {1, 2, 3, 4, 5};
+  std::vector<std::int32_t> positions(5), sequence_of(5, 0);
+  std::iota(positions.begin(), positions.end(), 0);
+  const std::vector<std::int32_t> t0 = {3};
+  const std::vector<std::span<const std::int32_t>> tables = {t0};
+  const std::vector<std::int32_t> rows = {4};
+  Batch batch{tokens, positions, sequence_of, tables, rows};
+  std::vector<float> got(c.n_vocab), early(c.n_vocab), full(c.n_vocab);
+  ex->forward(batch, got);  // the executor's own layer count, whatever the batch says
+  batch.layers = 1;
+  m->forward_batch(batch, store.pool(), early, threads);
+  EXPECT_EQ(got, early);
+  KvStore all(c, 16, 4);
+  batch.layers = 0;
+  m->forward_batch(batch, all.pool(), full, threads);
+  EXPECT_NE(got, full);
+}
+
+TEST_F(ExecutorTest, EngineReportsItsDevice) {
+  LocalBackendOptions o;
+  o.device = Device::kCpu;
+  o.threads = 1;
+  o.context = 128;
+  BatchEngine engine(model(), o);
+  EXPECT_EQ(engine.device().rfind("cpu (", 0), 0u) << engine.device();
+  EXPECT_EQ(engine.device().find("no GPU"), std::string::npos) << engine.device();
+}
+
+TEST(KvPoolSize, DeviceMemoryIsTakenWhole) {
+  LocalBackendOptions o;
+  o.max_sequences = 4;
+  // On the CPU: max_sequences contexts, within a quarter of what is available.
+  EXPECT_EQ(kv_pool_tokens(o, 1000, 100, 1'000'000'000, false), 4000);
+  EXPECT_EQ(kv_pool_tokens(o, 1000, 100, 1'000'000, false), 2500);
+  // In a GPU's memory: all that the weights left, never less than one context.
+  EXPECT_EQ(kv_pool_tokens(o, 1000, 100, 1'000'000'000, true), 10'000'000);
+  EXPECT_EQ(kv_pool_tokens(o, 1000, 100, 1'000, true), 1000);
+  // Explicit sizes win either way.
+  o.kv_tokens = 5000;
+  EXPECT_EQ(kv_pool_tokens(o, 1000, 100, 1'000'000'000, true), 5000);
+}
+
+}  // namespace
+}  // namespace batchlm::local_engine
