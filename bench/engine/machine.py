@@ -1,8 +1,12 @@
-"""What a benchmark records about the machine and the checkout (stdlib only)."""
+"""What a benchmark records about the machine and the checkout, and how it writes its results
+(stdlib only)."""
 
+import json
 import os
 import platform
+import shutil
 import subprocess
+import sys
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -37,3 +41,23 @@ def git_commit():
         return head, dirty
     except (OSError, subprocess.CalledProcessError):
         return None, None
+
+
+def write_results(path, root, doc):
+    """Writes a benchmark's results document as indented JSON and says where."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    print(f"wrote {os.path.relpath(path, root)}", file=sys.stderr)
+
+
+def finish(script, outdir, temp, keep, errors, interrupted):
+    """Removes a run's temporary outputs unless kept or the run failed; the exit status."""
+    failed = bool(errors) or interrupted
+    if temp and not keep and not failed:
+        shutil.rmtree(outdir, ignore_errors=True)
+    elif temp:
+        print(f"{script}: outputs and logs kept in {outdir}", file=sys.stderr)
+    if interrupted:
+        return 130
+    return 1 if errors else 0

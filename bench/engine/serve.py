@@ -37,7 +37,6 @@ import os
 import platform
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -50,7 +49,7 @@ import urllib.request
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import cpu_model, git_commit  # noqa: E402  (shared with the other benchmark)
+from machine import cpu_model, finish, git_commit, write_results  # noqa: E402  (shared with the other benchmark)
 RESULTS = os.path.join(ROOT, "bench", "engine", "serve-results.json")
 JOB = os.path.join(ROOT, "jobs", "gsm8k.yaml")
 SERVERS = ("batchlm", "llama")
@@ -620,19 +619,9 @@ def main():
             "results": [{k: v for k, v in r.items() if k != "output"} for r in results],
             "errors": errors,
         }
-        with open(RESULTS, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        print(f"wrote {os.path.relpath(RESULTS, ROOT)}", file=sys.stderr)
+        write_results(RESULTS, ROOT, doc)
 
-    failed = bool(errors) or interrupted
-    if temp and not args.keep and not failed:
-        shutil.rmtree(outdir, ignore_errors=True)
-    elif temp:
-        print(f"serve.py: outputs and logs kept in {outdir}", file=sys.stderr)
-    if interrupted:
-        return 130
-    return 1 if errors else 0
+    return finish("serve.py", outdir, temp, args.keep, errors, interrupted)
 
 
 if __name__ == "__main__":
