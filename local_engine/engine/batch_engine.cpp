@@ -256,6 +256,28 @@ double BatchEngine::draft_cost(std::int64_t decoding) const {
   return std::clamp(cost, 0.01, 10.0);
 }
 
+AcceptanceCurve& BatchEngine::curve(int evidence) {
+  if (curves_.empty())
+    curves_.assign(static_cast<std::size_t>(std::max(speculative_.ngram_max, 1)) + 1,
+                   AcceptanceCurve(speculative_.k_max));
+  return curves_[static_cast<std::size_t>(std::clamp(evidence, 0, static_cast<int>(curves_.size()) - 1))];
+}
+
+int BatchEngine::draft_while_planning(SequenceId id, double cost) {
+  auto it = active_.find(id);
+  if (it == active_.end()) return 0;
+  const auto t0 = Clock::now();
+  const DraftRequest request{id, scheduler_->tokens(id), speculative_.k_max, &it->second.sampling};
+  Draft& d = planned_drafts_[id];
+  proposer_->propose(std::span(&request, 1), std::span(&d, 1));
+  const auto k = static_cast<std::size_t>(
+      curve(d.evidence).best(cost, speculative_.k_min, static_cast<int>(d.tokens.size())));
+  if (d.tokens.size() > k) d.tokens.resize(k);
+  if (d.q.size() > k) d.q.resize(k);
+  draft_ms_ += ms_between(t0, Clock::now());
+  return static_cast<int>(k);
+}
+
 void BatchEngine::draft(StepPlan& plan, std::vector<Draft>& drafts) {
   std::vector<DraftRequest> requests;
   std::vector<std::size_t> entry_of;
@@ -270,13 +292,23 @@ void BatchEngine::draft(StepPlan& plan, std::vector<Draft>& drafts) {
   if (requests.empty()) return;
   std::vector<Draft> proposed(requests.size());
   const auto t0 = Clock::now();
-  proposer_->propose(requests, proposed);
+  if (proposer_->runs_model()) {
+    proposer_->propose(requests, proposed);
+  } else {
+    for (std::size_t r = 0; r < requests.size(); ++r) {
+      auto it = planned_drafts_.find(requests[r].id);
+      if (it != planned_drafts_.end()) proposed[r] = std::move(it->second);
+    }
+  }
   const double ms = ms_between(t0, Clock::now());
   draft_ms_ += ms;
   std::vector<std::vector<Token>> lists(plan.entries.size());
   std::int64_t drafted = 0;
   for (std::size_t r = 0; r < requests.size(); ++r) {
-    if (std::ssize(proposed[r].tokens) > requests[r].max_tokens) proposed[r].tokens.resize(requests[r].max_tokens);
+    if (std::ssize(proposed[r].tokens) > requests[r].max_tokens) {
+      proposed[r].tokens.resize(static_cast<std::size_t>(requests[r].max_tokens));
+      if (!proposed[r].q.empty()) proposed[r].q.resize(static_cast<std::size_t>(requests[r].max_tokens));
+    }
     lists[entry_of[r]] = proposed[r].tokens;
     drafted += std::ssize(proposed[r].tokens);
     drafts[entry_of[r]] = std::move(proposed[r]);
@@ -297,10 +329,15 @@ void BatchEngine::step() {
   StepPlan plan;
   if (proposer_) {
     const double cost = draft_cost(decoding_);
-    plan = scheduler_->plan([&](SequenceId id) {
-      auto it = active_.find(id);
-      return it == active_.end() ? 0 : it->second.length.wanted(cost);
-    });
+    planned_drafts_.clear();
+    if (proposer_->runs_model()) {
+      plan = scheduler_->plan([&](SequenceId id) {
+        auto it = active_.find(id);
+        return it == active_.end() ? 0 : it->second.length.wanted(cost);
+      });
+    } else {
+      plan = scheduler_->plan([&](SequenceId id) { return draft_while_planning(id, cost); });
+    }
   } else {
     plan = scheduler_->plan();
   }
@@ -381,6 +418,7 @@ void BatchEngine::step() {
     } else {
       const Verdict verdict = verify(a.gen.sampler(), rows, static_cast<std::int64_t>(n_vocab), drafts[i]);
       a.length.update(e.n_drafts, verdict.accepted);
+      if (!proposer_->runs_model()) curve(drafts[i].evidence).update(e.n_drafts, verdict.accepted);
       int fed = 0;
       for (Token token : verdict.tokens) {
         ++fed;

@@ -20,7 +20,7 @@ class NgramProposer final : public Proposer {
     for (std::size_t i = 0; i < requests.size(); ++i) {
       drafts[i].tokens.clear();
       drafts[i].q.clear();
-      lookup(requests[i].tokens, requests[i].max_tokens, drafts[i].tokens);
+      drafts[i].evidence = lookup(requests[i].tokens, requests[i].max_tokens, drafts[i].tokens);
     }
   }
 
@@ -28,8 +28,8 @@ class NgramProposer final : public Proposer {
 
  private:
   // The most recent earlier occurrence of the longest suffix of `tokens` that has one; the
-  // tokens that followed it, up to `max_tokens`.
-  void lookup(std::span<const Token> tokens, int max_tokens, std::vector<Token>& out) const {
+  // tokens that followed it, up to `max_tokens`. Returns the suffix's length (0: none found).
+  int lookup(std::span<const Token> tokens, int max_tokens, std::vector<Token>& out) const {
     const auto n = static_cast<std::int64_t>(tokens.size());
     for (std::int64_t len = std::min<std::int64_t>(max_, n - 1); len >= min_; --len) {
       const std::span<const Token> suffix = tokens.subspan(static_cast<std::size_t>(n - len));
@@ -40,9 +40,10 @@ class NgramProposer final : public Proposer {
         const std::int64_t from = s + len;
         const std::int64_t count = std::min<std::int64_t>(max_tokens, n - from);
         out.assign(tokens.begin() + from, tokens.begin() + from + count);
-        return;
+        return static_cast<int>(len);
       }
     }
+    return 0;
   }
 
   int min_, max_;

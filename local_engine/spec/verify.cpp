@@ -158,4 +158,47 @@ void DraftLength::update(int drafted, int accepted) {
   acceptance_ = successes_ / trials_;
 }
 
+AcceptanceCurve::AcceptanceCurve(int k_max)
+    : successes_(static_cast<std::size_t>(std::max(k_max, 1)), 1.0),
+      trials_(static_cast<std::size_t>(std::max(k_max, 1)), 2.0) {}
+
+double AcceptanceCurve::p(int i) const {
+  const auto at = static_cast<std::size_t>(std::clamp(i, 1, static_cast<int>(trials_.size())) - 1);
+  return successes_[at] / trials_[at];
+}
+
+int AcceptanceCurve::best(double cost, int k_min, int limit) {
+  limit = std::min(limit, static_cast<int>(trials_.size()));
+  if (limit <= 0) return 0;
+  k_min = std::clamp(k_min, 0, limit);
+  int best = k_min;
+  double best_value = -1.0, expected = 1.0, survival = 1.0;
+  for (int k = 0; k <= limit; ++k) {
+    if (k > 0) {
+      survival *= p(k);
+      expected += survival;
+    }
+    if (k < k_min) continue;
+    const double value = expected / (1.0 + cost * k);
+    if (value > best_value * 1.0001) {
+      best_value = value;
+      best = k;
+    }
+  }
+  if (best < limit && ++choices_ % 8 == 0) ++best;
+  return best;
+}
+
+void AcceptanceCurve::update(int drafted, int accepted) {
+  constexpr double kDecay = 0.97;
+  drafted = std::min(drafted, static_cast<int>(trials_.size()));
+  accepted = std::clamp(accepted, 0, drafted);
+  // Drafts 1..accepted were accepted; draft accepted + 1, when there was one, was rejected.
+  for (int i = 0; i < drafted && i <= accepted; ++i) {
+    const auto at = static_cast<std::size_t>(i);
+    successes_[at] = kDecay * successes_[at] + (i < accepted ? 1.0 : 0.0);
+    trials_[at] = kDecay * trials_[at] + 1.0;
+  }
+}
+
 }  // namespace batchlm::local_engine

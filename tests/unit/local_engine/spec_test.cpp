@@ -193,12 +193,15 @@ TEST(SpecScheduler, RandomDraftsAndRollbacksLeakNoBlocks) {
 // ---------------------------------------------------------------------------------------------
 // N-gram lookup.
 
-std::vector<Token> ngram_draft(Proposer& p, const std::vector<Token>& tokens, int k) {
+std::vector<Token> ngram_draft(Proposer& p, const std::vector<Token>& tokens, int k,
+                               int* evidence = nullptr) {
   const SamplingParams greedy{.temperature = 0.0f};
   const DraftRequest r{1, tokens, k, &greedy};
   std::vector<Draft> out(1);
+  out[0].evidence = -1;
   p.propose(std::span(&r, 1), out);
   EXPECT_TRUE(out[0].q.empty());
+  if (evidence) *evidence = out[0].evidence;
   return out[0].tokens;
 }
 
@@ -212,6 +215,14 @@ TEST(NgramProposer, ProposesWhatFollowedTheLongestMostRecentMatch) {
   EXPECT_EQ(ngram_draft(*p, {1, 2, 3, 1, 2}, 5), (std::vector<Token>{3, 1, 2}));
   // No match: nothing.
   EXPECT_TRUE(ngram_draft(*p, {1, 2, 3, 4}, 4).empty());
+  // The evidence is the matched suffix's length, 0 without a match.
+  int evidence = -1;
+  ngram_draft(*p, {5, 6, 7, 8, 9, 10, 6, 7, 1, 2, 5, 6, 7}, 3, &evidence);
+  EXPECT_EQ(evidence, 3);
+  ngram_draft(*p, {7, 1, 2, 7, 3, 4, 9, 7}, 2, &evidence);
+  EXPECT_EQ(evidence, 1);
+  ngram_draft(*p, {1, 2, 3, 4}, 4, &evidence);
+  EXPECT_EQ(evidence, 0);
   // Shorter than ngram_min: nothing.
   auto p2 = make_ngram_proposer(2, 3);
   EXPECT_TRUE(ngram_draft(*p2, {7, 1, 2, 7}, 2).empty());
@@ -337,6 +348,40 @@ TEST(DraftLength, GrowsWithAcceptanceAndStopsWhenNothingIsAccepted) {
   DraftLength floor(2, 4);
   for (int i = 0; i < 30; ++i) floor.update(4, 0);
   EXPECT_EQ(floor.wanted(0.5), 2);
+}
+
+TEST(AcceptanceCurve, LearnsEachPositionAndCutsWhereDraftsStopPaying) {
+  AcceptanceCurve curve(8);
+  EXPECT_DOUBLE_EQ(curve.p(1), 0.5);  // the prior
+  // Drafts of 8 that are either all accepted (30%) or rejected at once: p(1) ~ 0.3, every
+  // later position ~ 1. A geometric guess from the overall rate would cut them short.
+  for (int i = 0; i < 200; ++i) curve.update(8, i % 10 < 3 ? 8 : 0);
+  EXPECT_NEAR(curve.p(1), 0.3, 0.1);
+  for (int i = 2; i <= 8; ++i) EXPECT_GT(curve.p(i), 0.9) << "position " << i;
+  // Cheap drafts: the whole run pays. A draft as dear as a pass never pays at S(1) ~ 0.3, but
+  // every 8th choice short of the limit probes one draft further.
+  int probes = 0;
+  for (int i = 0; i < 16; ++i) {
+    EXPECT_GE(curve.best(0.05, 0, 8), 8);
+    const int k = curve.best(1.0, 0, 8);
+    EXPECT_LE(k, 1);
+    probes += k;
+  }
+  EXPECT_EQ(probes, 2);
+  // The limit (what the proposer found) and k_min bound the choice.
+  EXPECT_EQ(curve.best(0.05, 0, 3), 3);
+  EXPECT_EQ(curve.best(1.0, 2, 8), 2);
+  EXPECT_EQ(curve.best(0.05, 0, 0), 0);
+
+  // Rejections at position 3 after two acceptances: p(1), p(2) high, p(3) low, and nothing is
+  // learned about positions past the first rejection.
+  AcceptanceCurve later(6);
+  for (int i = 0; i < 100; ++i) later.update(6, 2);
+  EXPECT_GT(later.p(1), 0.95);
+  EXPECT_GT(later.p(2), 0.95);
+  EXPECT_LT(later.p(3), 0.05);
+  EXPECT_DOUBLE_EQ(later.p(4), 0.5);
+  EXPECT_EQ(later.best(0.2, 0, 6), 2);
 }
 
 TEST(SpeculativeOptions, OutOfRangeValuesNameTheOption) {

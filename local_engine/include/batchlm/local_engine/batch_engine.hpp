@@ -119,6 +119,10 @@ class BatchEngine {
   // Feeds one token to the request's output side; true when the request is over.
   bool emit(Active& a, Token token, const std::string& text, bool done);
   void draft(StepPlan& plan, std::vector<Draft>& drafts);
+  // A proposer without a model, asked while the step is planned: its draft for `id`, cut by
+  // the acceptance of drafts of the same evidence, kept for draft(); returns its length.
+  int draft_while_planning(SequenceId id, double cost);
+  AcceptanceCurve& curve(int evidence);
   double draft_cost(std::int64_t decoding) const;
 
   std::shared_ptr<const Model> model_;
@@ -138,6 +142,8 @@ class BatchEngine {
   std::int64_t decode_passes_ = 0;
   ForwardCost forward_cost_;
   double draft_ms_per_token_ = 0;  // moving average, model proposers
+  std::unordered_map<SequenceId, Draft> planned_drafts_;  // draft_while_planning's, this step
+  std::vector<AcceptanceCurve> curves_;  // by evidence, proposers without a model
   std::int64_t decoding_ = 0;      // decoding sequences in the last step
 };
 

@@ -10,7 +10,9 @@
 //          earlier in its prompt or output; proposes what followed it there. No model.
 //   draft  a second GGUF model with the target's vocabulary, run ahead with its own paged cache.
 //   self   the target's own first `layers` layers, then its final norm and head (early exit).
-// Each sequence's draft length adapts to its recent acceptance (DraftLength).
+// A model proposer's draft length adapts to each sequence's recent acceptance (DraftLength).
+// N-gram lookup costs nothing, so it proposes while the step is planned and its drafts are cut
+// to the length that pays for drafts of the same evidence (AcceptanceCurve).
 
 #include <cstdint>
 #include <filesystem>
@@ -59,6 +61,9 @@ struct DraftRequest {
 struct Draft {
   std::vector<Token> tokens;
   std::vector<TokenDistribution> q;
+  // How strong the guess is, in the proposer's terms (ngram: the length of the suffix it
+  // matched); 0 when the proposer does not say.
+  int evidence = 0;
 };
 
 class Proposer {
@@ -69,7 +74,9 @@ class Proposer {
   virtual void propose(std::span<const DraftRequest> requests, std::span<Draft> drafts) = 0;
   // The sequence is over: drop what is kept for it.
   virtual void forget(SequenceId /*id*/) {}
-  // Whether drafting runs a model (its time then counts against longer drafts).
+  // Whether drafting runs a model. Its time then counts against longer drafts, and it drafts
+  // after the step is planned; a proposer without a model drafts while the step is planned,
+  // and its drafts are cut by evidence.
   virtual bool runs_model() const = 0;
 };
 
@@ -117,6 +124,24 @@ class DraftLength {
   double successes_ = 1.4, trials_ = 2.0;  // decayed counts; the prior is 0.7
   double acceptance_ = 0.7;
   int idle_steps_ = 0;
+};
+
+// How far drafts of one kind get accepted, position by position: p(i) is the chance that
+// draft i is accepted once drafts 1..i-1 were, from decayed counts (prior 1/2). Drafts whose
+// acceptance is not geometric (an n-gram match either continues for a while or not at all)
+// are cut by it: best() picks the k with the most expected tokens per unit of work,
+// (1 + S(1) + ... + S(k)) / (1 + cost * k), S(i) = p(1) * ... * p(i). Every 8th choice that
+// stops short of the limit drafts one more, so positions past the usual cut stay measured.
+class AcceptanceCurve {
+ public:
+  explicit AcceptanceCurve(int k_max = 16);
+  int best(double cost, int k_min, int limit);
+  void update(int drafted, int accepted);
+  double p(int i) const;  // i in 1..k_max
+
+ private:
+  std::vector<double> successes_, trials_;
+  int choices_ = 0;
 };
 
 }  // namespace batchlm::local_engine
