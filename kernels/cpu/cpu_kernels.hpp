@@ -71,9 +71,9 @@ using MixRowsFn = void (*)(const float* probs, int n_q, const std::uint16_t* poo
                            float* out, std::int64_t ld);
 
 // Softmax of one row of attention scores in place, each probability then rounded to the nearest
-// F16 value. The exponentials are std::exp's on every path (the AVX2 path computes glibc's
-// algorithm four lanes at a time, bit for bit); the paths may differ in the last bit of the
-// double sum.
+// F16 value. The portable path takes std::exp; the AVX2 path a float polynomial within 2 ulp
+// of it (terms below e^-87 are 0), eight lanes at a time. The sum is in double on both; the
+// paths may differ by one F16 step.
 using SoftmaxF16Fn = void (*)(float* x, std::int64_t n);
 
 // out[i] = std::exp(x[i]), bit for bit on every path.

@@ -496,16 +496,21 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
     std::int64_t kvh;
     std::int64_t shared;  // positions [0, shared) are the same rows for all of them
   };
+  // About eight items per thread: enough for the threads to end together, few enough that a
+  // shared row serves several queries.
   const std::int64_t chunk = std::clamp<std::int64_t>(
-      (n * s.n_kv_heads + 4 * threads - 1) / (4 * threads), 1, 16);
+      (n * s.n_kv_heads + 8 * threads - 1) / (8 * threads), 1, 16);
   std::vector<Item> items;
   for (std::int64_t begin = 0; begin < n;) {
     const std::int32_t first = table_of(order[begin])[0];
     std::int64_t end = begin + 1;
     while (end < n && table_of(order[end])[0] == first) ++end;
-    // Split the run into chunks of tokens; each chunk shares what all its tokens share.
-    for (std::int64_t c0 = begin; c0 < end; c0 += chunk) {
-      const std::int64_t c1 = std::min(end, c0 + chunk);
+    // Split the run into chunks of tokens as even as can be (at most `chunk` each); each chunk
+    // shares what all its tokens share.
+    const std::int64_t n_chunks = (end - begin + chunk - 1) / chunk;
+    for (std::int64_t c = 0; c < n_chunks; ++c) {
+      const std::int64_t c0 = begin + (end - begin) * c / n_chunks;
+      const std::int64_t c1 = begin + (end - begin) * (c + 1) / n_chunks;
       const std::span<const std::int32_t> lead = table_of(order[c0]);
       std::int64_t shared = std::numeric_limits<std::int64_t>::max();
       for (std::int64_t i = c0; i < c1; ++i) {

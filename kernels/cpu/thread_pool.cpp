@@ -42,11 +42,12 @@ void ThreadPool::parallel_for(std::int64_t n, std::int64_t grain, const Body& fn
     fn(0, n, 0);
     return;
   }
-  // Threads take chunks from a shared counter, about four per thread, so uneven items (the
-  // causal attention of a prompt: later tokens see more) still end at about the same time.
+  // Threads take chunks from a shared counter, about eight per thread (single items when there
+  // are fewer), so uneven items (the causal attention of a prompt: later tokens see more) and
+  // item counts that do not divide by the threads still end at about the same time.
   body_ = &fn;
   n_ = n;
-  chunk_ = std::max(grain, (n + parts * 4 - 1) / (parts * 4));
+  chunk_ = std::max(grain, n / (parts * 8));
   next_.store(0);
   pending_.store(n_threads_ - 1);
   generation_.fetch_add(1);

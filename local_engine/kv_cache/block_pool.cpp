@@ -54,6 +54,15 @@ void BlockPool::push_back(BlockId head, BlockId id) {
   h.prev = id;
 }
 
+void BlockPool::push_front(BlockId head, BlockId id) {
+  Block& h = blocks_[static_cast<std::size_t>(head)];
+  Block& b = blocks_[static_cast<std::size_t>(id)];
+  b.prev = head;
+  b.next = h.next;
+  blocks_[static_cast<std::size_t>(h.next)].prev = id;
+  h.next = id;
+}
+
 void BlockPool::unlink(BlockId id) {
   Block& b = blocks_[static_cast<std::size_t>(id)];
   blocks_[static_cast<std::size_t>(b.prev)].next = b.next;
@@ -105,8 +114,10 @@ void BlockPool::release(BlockId id) {
     push_back(cached_head(), id);  // most recently freed: evicted last
     ++n_cached_;
   } else {
+    // Reused first: its memory is the most recently touched (in cache, and paged in, where a
+    // block never used yet would first be faulted in and zeroed by the system).
     b.state = State::kFree;
-    push_back(free_head(), id);
+    push_front(free_head(), id);
     ++n_free_;
   }
 }

@@ -88,6 +88,7 @@ class BlockPool {
   BlockId free_head() const { return static_cast<BlockId>(blocks_.size() - 2); }
   BlockId cached_head() const { return static_cast<BlockId>(blocks_.size() - 1); }
   void push_back(BlockId head, BlockId id);
+  void push_front(BlockId head, BlockId id);
   void unlink(BlockId id);
   const Block& checked(BlockId id, const char* operation) const;  // throws when out of range
   Block& checked(BlockId id, const char* operation);
