@@ -727,11 +727,51 @@ void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
 #if defined(BATCHLM_KERNELS_AVX512)
 // Zero-masking forms with every lane selected, as in Rows16.
 inline __m512 cvtph16(__m256i h) { return _mm512_maskz_cvtph_ps(0xffff, h); }
-inline __m256 lower8(__m512 a) {
-  return _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(a), 0));
+#endif
+
+#if defined(BATCHLM_KERNELS_AVX512)
+// Sixteen accumulators a[i] (lanes 0..7: a0, lanes 8..15: a1 of row i) to their sixteen sums,
+// lane i for row i, each paired as hsum(a0 + a1) pairs it: v = a0 + a1 (8 lanes), then
+// v[l] + v[l + 4], then (0 + 2) and (1 + 3), then the two. Float addition commutes, so the
+// same pairs give the same bits. (Zero-masking forms with every lane selected, as in Rows16.)
+inline __m512 reduce16(const __m512* a) {
+  __m512 w[8];  // rows 2m, 2m + 1: v of each, 8 lanes apiece
+  for (int m = 0; m < 8; ++m)
+    w[m] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(0xffff, a[2 * m], a[2 * m + 1], 0x44),
+                         _mm512_maskz_shuffle_f32x4(0xffff, a[2 * m], a[2 * m + 1], 0xEE));
+  __m512 s[4];  // rows 4m..4m + 3: v[l] + v[l + 4], 4 lanes apiece
+  for (int m = 0; m < 4; ++m)
+    s[m] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(0xffff, w[2 * m], w[2 * m + 1], 0x88),
+                         _mm512_maskz_shuffle_f32x4(0xffff, w[2 * m], w[2 * m + 1], 0xDD));
+  // 128-bit block k: rows k, 4 + k (u) and 8 + k, 12 + k (u2), two partial sums each.
+  const __m512 u = _mm512_add_ps(_mm512_maskz_shuffle_ps(0xffff, s[0], s[1], 0x44), _mm512_maskz_shuffle_ps(0xffff, s[0], s[1], 0xEE));
+  const __m512 u2 = _mm512_add_ps(_mm512_maskz_shuffle_ps(0xffff, s[2], s[3], 0x44), _mm512_maskz_shuffle_ps(0xffff, s[2], s[3], 0xEE));
+  // Block k, element e: the sum of row 4e + k.
+  const __m512 r = _mm512_add_ps(_mm512_maskz_shuffle_ps(0xffff, u, u2, 0x88), _mm512_maskz_shuffle_ps(0xffff, u, u2, 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_maskz_permutexvar_ps(0xffff, order, r);
 }
-inline __m256 upper8(__m512 a) {
-  return _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(a), 1));
+#endif
+
+#if defined(BATCHLM_KERNELS_AVX512)
+// Rows of 64 F16 values gathered from the pool into `out` as F32, 64 apiece, then zeros up to
+// the next multiple of 16 rows (at most 32 rows in all). The rows are scattered over the pool,
+// so each one is fetched eight rows ahead.
+inline void convert_rows(const std::uint16_t* pool, const std::int64_t* rows, std::int64_t n, float* out) {
+  for (std::int64_t r = 0; r < std::min<std::int64_t>(n, 8); ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(pool + rows[r]), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pool + rows[r]) + 64, _MM_HINT_T0);
+  }
+  for (std::int64_t r = 0; r < n; ++r) {
+    if (r + 8 < n) {
+      _mm_prefetch(reinterpret_cast<const char*>(pool + rows[r + 8]), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pool + rows[r + 8]) + 64, _MM_HINT_T0);
+    }
+    const auto* v = reinterpret_cast<const __m256i*>(pool + rows[r]);
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(out + r * 64 + c * 16, cvtph16(_mm256_loadu_si256(v + c)));
+  }
+  for (std::int64_t r = n; r < ((n + 15) & ~std::int64_t{15}); ++r)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(out + r * 64 + c * 16, _mm512_setzero_ps());
 }
 #endif
 
@@ -746,18 +786,35 @@ void score_rows(const float* q, int n_q, const std::uint16_t* pool, const std::i
     return;
   }
 #if defined(BATCHLM_KERNELS_AVX512)
-  // Sixteen lanes: lanes 0..7 of `a` take the even 8-element chunks and lanes 8..15 the odd
-  // ones, which is what a0 and a1 take below, in the same order: the same sums bit for bit, in
-  // half the instructions.
-  for (std::int64_t r = 0; r < n_rows; ++r) {
-    const auto* k = reinterpret_cast<const __m256i*>(pool + rows[r]);
-    __m512 kc[4];
-    for (int c = 0; c < 4; ++c) kc[c] = cvtph16(_mm256_loadu_si256(k + c));
+  // Sixteen lanes: lanes 0..7 of a row's accumulator take the even 8-element chunks and lanes
+  // 8..15 the odd ones, which is what a0 and a1 take below, in the same order. The key rows of
+  // a chunk are converted once; each query then scores 16 rows at a time and reduces their 16
+  // accumulators together (reduce16), pairing the lanes exactly as hsum(a0 + a1) does: the
+  // same scores bit for bit, one vector store per 16.
+  constexpr std::int64_t kChunk = 32;
+  alignas(64) float kf[kChunk * 64];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (std::int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {
+    const std::int64_t nr = std::min(kChunk, n_rows - r0);
+    convert_rows(pool, rows + r0, nr, kf);
     for (int j = 0; j < n_q; ++j) {
       const float* qj = q + j * 64;
-      __m512 a = _mm512_setzero_ps();
-      for (int c = 0; c < 4; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + c * 16), kc[c], a);
-      scores[j * ld + r] = hsum(_mm256_add_ps(lower8(a), upper8(a))) * scale;
+      const __m512 q0 = _mm512_loadu_ps(qj), q1 = _mm512_loadu_ps(qj + 16),
+                   q2 = _mm512_loadu_ps(qj + 32), q3 = _mm512_loadu_ps(qj + 48);
+      for (std::int64_t b = 0; b < nr; b += 16) {
+        const int n16 = static_cast<int>(std::min<std::int64_t>(16, nr - b));
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {  // rows past n_rows are zeros, their sums not stored
+          const float* kr = kf + (b + i) * 64;
+          __m512 a = _mm512_fmadd_ps(q0, _mm512_load_ps(kr), _mm512_setzero_ps());
+          a = _mm512_fmadd_ps(q1, _mm512_load_ps(kr + 16), a);
+          a = _mm512_fmadd_ps(q2, _mm512_load_ps(kr + 32), a);
+          acc[i] = _mm512_fmadd_ps(q3, _mm512_load_ps(kr + 48), a);
+        }
+        const __m512 sums = _mm512_mul_ps(reduce16(acc), vscale);
+        _mm512_mask_storeu_ps(scores + j * ld + r0 + b, static_cast<__mmask16>((1u << n16) - 1), sums);
+      }
     }
   }
 #else
@@ -794,10 +851,7 @@ void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std:
   // by row, so the results are those of the eight-lane loop below.
   for (std::int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {
     const std::int64_t nr = std::min(kChunk, n_rows - r0);
-    for (std::int64_t r = 0; r < nr; ++r) {
-      const auto* v = reinterpret_cast<const __m256i*>(pool + rows[r0 + r]);
-      for (int c = 0; c < 4; ++c) _mm512_store_ps(vf + r * 64 + c * 16, cvtph16(_mm256_loadu_si256(v + c)));
-    }
+    convert_rows(pool, rows + r0, nr, vf);
     int j = 0;
     for (; j + 2 <= n_q; j += 2) {
       float* o0 = out + j * 64;
