@@ -402,10 +402,30 @@ void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
 }
 
 void swiglu(float* gate, const float* up, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float g = gate[i];
-    gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+  const auto& kern = kernels();
+  constexpr std::int64_t kBlock = 256;
+  float neg[kBlock], e[kBlock];
+  for (std::int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const std::int64_t m = std::min(kBlock, n - i0);
+    for (std::int64_t i = 0; i < m; ++i) neg[i] = -gate[i0 + i];
+    kern.exp_f32(neg, e, m);
+    for (std::int64_t i = 0; i < m; ++i) gate[i0 + i] = gate[i0 + i] / (1.0f + e[i]) * up[i0 + i];
   }
+}
+
+void swiglu(float* gate, const float* up, std::int64_t n, ThreadPool& pool) {
+  constexpr std::int64_t kSpan = 4096;
+  pool.parallel_for((n + kSpan - 1) / kSpan, 1, [&](std::int64_t b, std::int64_t e, int) {
+    swiglu(gate + b * kSpan, up + b * kSpan, std::min(n, e * kSpan) - b * kSpan);
+  });
+}
+
+void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t dim, float eps,
+              float* out, ThreadPool& pool) {
+  pool.parallel_for(n, std::max<std::int64_t>(1, 8192 / std::max<std::int64_t>(dim, 1)),
+                    [&](std::int64_t b, std::int64_t e, int) {
+                      rms_norm(x + b * dim, weight, e - b, dim, eps, out + b * dim);
+                    });
 }
 
 void add(float* x, const float* y, std::int64_t n) {
@@ -496,10 +516,11 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
     std::int64_t kvh;
     std::int64_t shared;  // positions [0, shared) are the same rows for all of them
   };
-  // About eight items per thread: enough for the threads to end together, few enough that a
-  // shared row serves several queries.
-  const std::int64_t chunk = std::clamp<std::int64_t>(
-      (n * s.n_kv_heads + 8 * threads - 1) / (8 * threads), 1, 16);
+  // Every item reads and converts its shared rows, so items are few and large: per KV head,
+  // about 2 * threads / n_kv_heads chunks (6 items for 3 KV heads and 2 threads, 3 apiece),
+  // at most 16 tokens each.
+  const std::int64_t per_head = std::max<std::int64_t>(1, (2 * threads + s.n_kv_heads - 1) / s.n_kv_heads);
+  const std::int64_t chunk = std::clamp<std::int64_t>((n + per_head - 1) / per_head, 1, 16);
   std::vector<Item> items;
   for (std::int64_t begin = 0; begin < n;) {
     const std::int32_t first = table_of(order[begin])[0];

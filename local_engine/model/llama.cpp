@@ -240,7 +240,7 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
                                    1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   for (std::int64_t li = 0; li < n_layers; ++li) {
     const LayerWeights& l = layers_[li];
-    kops::rms_norm(x.data(), l.attn_norm, n, E, c.rms_eps, xn.data());
+    kops::rms_norm(x.data(), l.attn_norm, n, E, c.rms_eps, xn.data(), pool);
     const kops::Matrix qkv[3] = {l.attn_q, l.attn_k, l.attn_v};
     float* const qkv_out[3] = {q.data(), k.data(), v.data()};
     kops::matmul_group(qkv, xn.data(), n, qkv_out, scratch.data(), pool);
@@ -268,11 +268,11 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
     if (rows == 0) break;
     kops::matmul(l.attn_out, att.data(), rows, xn.data(), scratch.data(), pool);
     kops::add(x.data(), xn.data(), rows * E);
-    kops::rms_norm(x.data(), l.ffn_norm, rows, E, c.rms_eps, xn.data());
+    kops::rms_norm(x.data(), l.ffn_norm, rows, E, c.rms_eps, xn.data(), pool);
     const kops::Matrix gate_up[2] = {l.ffn_gate, l.ffn_up};
     float* const gate_up_out[2] = {gate.data(), up.data()};
     kops::matmul_group(gate_up, xn.data(), rows, gate_up_out, scratch.data(), pool);
-    kops::swiglu(gate.data(), up.data(), rows * F);
+    kops::swiglu(gate.data(), up.data(), rows * F, pool);
     kops::matmul(l.ffn_down, gate.data(), rows, xn.data(), scratch.data(), pool);
     kops::add(x.data(), xn.data(), rows * E);
   }

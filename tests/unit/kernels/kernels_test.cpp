@@ -568,6 +568,36 @@ TEST(RmsNorm, NormalisesAndScales) {
   EXPECT_NEAR(out[3], 8 / rms, 1e-6);
 }
 
+// SwiGLU is g / (1 + std::exp(-g)) * u bit for bit, alone and shared among threads, over a
+// length that is no multiple of the vector, block or thread spans, with gates far enough out
+// that the exponential overflows or vanishes.
+TEST(Swiglu, IsTheFormulaWithStdExpBitForBit) {
+  const std::int64_t n = 3 * 4096 + 1001;
+  auto gate = random_floats(n, 81);
+  const auto up = random_floats(n, 82);
+  for (std::int64_t i = 0; i < n; ++i) gate[i] *= (i % 97 == 0) ? 200.0f : 12.0f;
+  std::vector<float> expected(gate.size());
+  for (std::int64_t i = 0; i < n; ++i) expected[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  std::vector<float> alone = gate, shared = gate;
+  swiglu(alone.data(), up.data(), n);
+  ThreadPool pool(2);
+  swiglu(shared.data(), up.data(), n, pool);
+  std::string where;
+  EXPECT_TRUE(same_bits(expected, alone, &where)) << where;
+  EXPECT_TRUE(same_bits(expected, shared, &where)) << where;
+}
+
+TEST(RmsNorm, SharedAmongThreadsGivesTheSameValues) {
+  const std::int64_t n = 37, dim = 576;
+  const auto x = random_floats(n * dim, 83), w = random_floats(dim, 84);
+  std::vector<float> alone(x.size()), shared(x.size());
+  rms_norm(x.data(), w.data(), n, dim, 1e-5f, alone.data());
+  ThreadPool pool(2);
+  rms_norm(x.data(), w.data(), n, dim, 1e-5f, shared.data(), pool);
+  std::string where;
+  EXPECT_TRUE(same_bits(alone, shared, &where)) << where;
+}
+
 TEST(ThreadPool, CoversTheRangeExactlyOnce) {
   for (int threads : {1, 2, 4}) {
     ThreadPool pool(threads);

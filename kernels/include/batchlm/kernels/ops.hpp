@@ -77,17 +77,22 @@ void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
 // out[i * w.cols ...] = row ids[i] of w, dequantized.
 void get_rows(const Matrix& w, std::span<const std::int32_t> ids, float* out);
 
-// out = x / rms(x) * weight, per row of `dim`, for n rows (in place allowed).
+// out = x / rms(x) * weight, per row of `dim`, for n rows (in place allowed). With a pool, the
+// rows are shared among its threads (the same values).
 void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t dim, float eps,
               float* out);
+void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t dim, float eps,
+              float* out, ThreadPool& pool);
 
 // Rotary embedding on adjacent pairs (x[2i], x[2i+1]) of the first rot_dim dims of each head,
 // angle pos * base^(-2i/rot_dim). x is [n][n_heads][head_dim].
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
           std::int64_t rot_dim, const std::int32_t* positions, float base);
 
-// gate[i] = silu(gate[i]) * up[i].
+// gate[i] = silu(gate[i]) * up[i], the exponential std::exp's bit for bit at vector speed. With a
+// pool, shared among its threads (the same values).
 void swiglu(float* gate, const float* up, std::int64_t n);
+void swiglu(float* gate, const float* up, std::int64_t n, ThreadPool& pool);
 void add(float* x, const float* y, std::int64_t n);  // x += y
 
 // Causal attention of n query tokens of one sequence over its F16 KV cache.
