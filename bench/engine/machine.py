@@ -1,9 +1,11 @@
 """What a benchmark records about the machine and the checkout, and how it writes its results
 (stdlib only)."""
 
+import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -41,6 +43,37 @@ def git_commit():
         return head, dirty
     except (OSError, subprocess.CalledProcessError):
         return None, None
+
+
+def nproc():
+    """The processors this process may use, as nproc counts them."""
+    try:
+        return int(subprocess.run(["nproc"], capture_output=True, text=True,
+                                  timeout=10).stdout.strip())
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return os.cpu_count()
+
+
+def results_header(interrupted, load_start, load_end, versions):
+    """The opening fields of every results document: when, the command line, the machine, the
+    checkout and the versions; the benchmark adds its own after them."""
+    commit, dirty = git_commit()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python3", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]
+                              + sys.argv[1:]),
+        "interrupted": interrupted,
+        "machine": {
+            "cpu": cpu_model(),
+            "nproc": nproc(),
+            "system": f"{platform.system()} {platform.release()}",
+            "load_average_start": load_start,
+            "load_average_end": load_end,
+        },
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "versions": {"python": platform.python_version(), **versions},
+    }
 
 
 def write_results(path, root, doc):

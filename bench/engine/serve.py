@@ -30,11 +30,9 @@ Usage (from the repository root; stdlib only, any Python 3.11):
 
 import argparse
 import ctypes
-import datetime
 import hashlib
 import json
 import os
-import platform
 import re
 import shlex
 import signal
@@ -49,7 +47,7 @@ import urllib.request
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import cpu_model, finish, git_commit, write_results  # noqa: E402  (shared with the other benchmark)
+from machine import finish, results_header, write_results  # noqa: E402  (shared with the other benchmark)
 RESULTS = os.path.join(ROOT, "bench", "engine", "serve-results.json")
 JOB = os.path.join(ROOT, "jobs", "gsm8k.yaml")
 SERVERS = ("batchlm", "llama")
@@ -380,14 +378,6 @@ def print_table(results):
           "same server's at c=1; retries: requests the client sent again)")
 
 
-def nproc():
-    try:
-        return int(subprocess.run(["nproc"], capture_output=True, text=True,
-                                  timeout=10).stdout.strip())
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return os.cpu_count()
-
-
 def version_of(exe, flag="--version"):
     try:
         p = subprocess.run([exe, flag], capture_output=True, text=True, timeout=20)
@@ -579,27 +569,11 @@ def main():
               file=sys.stderr)
 
     if args.write and results:
-        commit, dirty = git_commit()
-        doc = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join(["python3", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]
-                                  + sys.argv[1:]),
-            "interrupted": interrupted,
-            "machine": {
-                "cpu": cpu_model(),
-                "nproc": nproc(),
-                "system": f"{platform.system()} {platform.release()}",
-                "load_average_start": load_start[0],
-                "load_average_end": load_end[0],
-            },
-            "git_commit": commit,
-            "git_dirty": dirty,
-            "versions": {
-                "python": platform.python_version(),
-                "batchlm": version_of(args.batchlm),
-                "llama_server": version_of(args.llama_server)
-                if "llama" in args.server_list else None,
-            },
+        doc = results_header(interrupted, load_start[0], load_end[0], {
+            "batchlm": version_of(args.batchlm),
+            "llama_server": version_of(args.llama_server) if "llama" in args.server_list else None,
+        })
+        doc.update({
             "model": os.path.basename(args.model),
             "model_sha256": sha256_file(args.model),
             "settings": {
@@ -618,7 +592,7 @@ def main():
             "total_seconds": round(time.monotonic() - started, 1),
             "results": [{k: v for k, v in r.items() if k != "output"} for r in results],
             "errors": errors,
-        }
+        })
         write_results(RESULTS, ROOT, doc)
 
     return finish("serve.py", outdir, temp, args.keep, errors, interrupted)

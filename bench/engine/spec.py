@@ -33,10 +33,8 @@ Usage (from the repository root; stdlib only, any Python 3.11):
 """
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shlex
 import signal
 import sys
@@ -45,8 +43,8 @@ import time
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import cpu_model, finish, git_commit, write_results  # noqa: E402  (shared with the other benchmarks)
-from serve import Child, nproc, read_outputs, sha256_file, version_of  # noqa: E402  (same helpers)
+from machine import finish, results_header, write_results  # noqa: E402  (shared with the other benchmarks)
+from serve import Child, read_outputs, sha256_file, version_of  # noqa: E402  (same helpers)
 
 RESULTS = os.path.join(ROOT, "bench", "engine", "spec-results.json")
 JOBS = {
@@ -361,26 +359,10 @@ def main():
               file=sys.stderr)
 
     if args.write and results:
-        commit, dirty = git_commit()
         uses_draft = any(r["method"] == "draft" for r in results)
-        doc = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join(["python3", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]
-                                  + sys.argv[1:]),
-            "interrupted": interrupted,
-            "machine": {
-                "cpu": cpu_model(),
-                "nproc": nproc(),
-                "system": f"{platform.system()} {platform.release()}",
-                "load_average_start": load_start[0],
-                "load_average_end": load_end[0],
-            },
-            "git_commit": commit,
-            "git_dirty": dirty,
-            "versions": {
-                "python": platform.python_version(),
-                "batchlm": version_of(args.batchlm),
-            },
+        doc = results_header(interrupted, load_start[0], load_end[0],
+                             {"batchlm": version_of(args.batchlm)})
+        doc.update({
             "batchlm_model_env": os.environ.get("BATCHLM_MODEL"),
             "draft_model": rel(args.draft_model) if uses_draft else None,
             "draft_model_sha256": sha256_file(args.draft_model) if uses_draft else None,
@@ -397,7 +379,7 @@ def main():
             "total_seconds": round(time.monotonic() - started, 1),
             "results": [{k: v for k, v in r.items() if k != "output"} for r in results],
             "errors": errors,
-        }
+        })
         write_results(RESULTS, ROOT, doc)
 
     return finish("spec.py", outdir, temp, args.keep, errors, interrupted)
