@@ -9,6 +9,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -76,8 +77,12 @@ def results_header(interrupted, load_start, load_end, versions):
     }
 
 
-def write_results(path, root, doc):
-    """Writes a benchmark's results document as indented JSON and says where."""
+def write_results(path, root, doc, started, results, errors):
+    """Closes a results document (the run's length from `started`, a time.monotonic() reading;
+    each result without its outputs; the errors), writes it as indented JSON and says where."""
+    doc["total_seconds"] = round(time.monotonic() - started, 1)
+    doc["results"] = [{k: v for k, v in r.items() if k != "output"} for r in results]
+    doc["errors"] = errors
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")

@@ -589,11 +589,8 @@ def main():
                 "batchlm_args": args.batchlm_args,
                 "request_timeout_s": args.request_timeout,
             },
-            "total_seconds": round(time.monotonic() - started, 1),
-            "results": [{k: v for k, v in r.items() if k != "output"} for r in results],
-            "errors": errors,
         })
-        write_results(RESULTS, ROOT, doc)
+        write_results(RESULTS, ROOT, doc, started, results, errors)
 
     return finish("serve.py", outdir, temp, args.keep, errors, interrupted)
 

@@ -376,11 +376,8 @@ def main():
                 "threads": args.threads if args.threads is not None else "engine default",
                 "extra_sets": args.set,
             },
-            "total_seconds": round(time.monotonic() - started, 1),
-            "results": [{k: v for k, v in r.items() if k != "output"} for r in results],
-            "errors": errors,
         })
-        write_results(RESULTS, ROOT, doc)
+        write_results(RESULTS, ROOT, doc, started, results, errors)
 
     return finish("spec.py", outdir, temp, args.keep, errors, interrupted)
 

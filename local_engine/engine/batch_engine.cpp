@@ -417,8 +417,11 @@ void BatchEngine::step() {
       r.finished = emit(a, r.token, text, done);
     } else {
       const Verdict verdict = verify(a.gen.sampler(), rows, static_cast<std::int64_t>(n_vocab), drafts[i]);
-      a.length.update(e.n_drafts, verdict.accepted);
-      if (!proposer_->runs_model()) curve(drafts[i].evidence).update(e.n_drafts, verdict.accepted);
+      if (proposer_->runs_model()) {
+        a.length.update(e.n_drafts, verdict.accepted);
+      } else {
+        curve(drafts[i].evidence).update(e.n_drafts, verdict.accepted);
+      }
       int fed = 0;
       for (Token token : verdict.tokens) {
         ++fed;

@@ -106,7 +106,7 @@ class BatchEngine {
     std::string reason;  // set when the engine ended it (end of turn, stop string, cancel)
     std::chrono::steady_clock::time_point start;
     std::optional<std::chrono::steady_clock::time_point> first;
-    DraftLength length;
+    DraftLength length;  // model proposers; n-gram drafts follow curves_
   };
   // Least squares over recent steps: forward time ~ fixed + per_token * tokens.
   struct ForwardCost {
