@@ -727,6 +727,10 @@ void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
 #if defined(BATCHLM_KERNELS_AVX512)
 // Zero-masking forms with every lane selected, as in Rows16.
 inline __m512 cvtph16(__m256i h) { return _mm512_maskz_cvtph_ps(0xffff, h); }
+inline __m256 half256(__m512 v, int upper) {
+  return _mm256_castpd_ps(upper ? _mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 1)
+                                : _mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 0));
+}
 #endif
 
 #if defined(BATCHLM_KERNELS_AVX512)
@@ -847,12 +851,28 @@ void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std:
   constexpr std::int64_t kChunk = 32;
   alignas(64) float vf[kChunk * 64];
 #if defined(BATCHLM_KERNELS_AVX512)
-  // Sixteen lanes, two queries per pass over the chunk: each element's sum is still taken row
-  // by row, so the results are those of the eight-lane loop below.
+  // Sixteen lanes, four (then two, then one) queries per pass over the chunk: each element's
+  // sum is still taken row by row, so the results are those of the eight-lane loop below.
   for (std::int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {
     const std::int64_t nr = std::min(kChunk, n_rows - r0);
     convert_rows(pool, rows + r0, nr, vf);
     int j = 0;
+    for (; j + 4 <= n_q; j += 4) {  // four queries: sixteen sums, each value row loaded once
+      const float* p = probs + j * ld + r0;
+      __m512 a[4][4];
+      for (int u = 0; u < 4; ++u)
+        for (int c = 0; c < 4; ++c) a[u][c] = _mm512_loadu_ps(out + (j + u) * 64 + c * 16);
+      for (std::int64_t r = 0; r < nr; ++r) {
+        __m512 w[4];
+        for (int u = 0; u < 4; ++u) w[u] = _mm512_set1_ps(p[u * ld + r]);
+        for (int c = 0; c < 4; ++c) {
+          const __m512 vv = _mm512_load_ps(vf + r * 64 + c * 16);
+          for (int u = 0; u < 4; ++u) a[u][c] = _mm512_fmadd_ps(w[u], vv, a[u][c]);
+        }
+      }
+      for (int u = 0; u < 4; ++u)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + (j + u) * 64 + c * 16, a[u][c]);
+    }
     for (; j + 2 <= n_q; j += 2) {
       float* o0 = out + j * 64;
       float* o1 = o0 + 64;
@@ -984,9 +1004,86 @@ inline __m256 softmax_exp8(__m256 x) {
   return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
 }
 
+#if defined(BATCHLM_KERNELS_AVX512)
+// softmax_exp8 on sixteen lanes: the same operations lane by lane, so the same values.
+inline __m512 softmax_exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __m512 xc = _mm512_maskz_max_ps(0xffff, x, lo);
+  const __m512 n = _mm512_maskz_roundscale_ps(0xffff, _mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_maskz_slli_epi32(0xffff, _mm512_add_epi32(_mm512_maskz_cvtps_epi32(0xffff, n), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), y);        // x < -87: 0
+  return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // NaN stays NaN
+}
+#endif
+
 void softmax_f16(float* x, std::int64_t n) {
   float max = -INFINITY;
   std::int64_t i = 0;
+#if defined(BATCHLM_KERNELS_AVX512)
+  // Sixteen lanes where eight lanes go below, with the same values: the maximum does not
+  // depend on the order, each exponential is softmax_exp8's, and the double sums take the
+  // same terms in the same order (lanes 0..3 of the accumulator are s0, lanes 4..7 are s1).
+  if (n >= 16) {
+    __m512 m = _mm512_loadu_ps(x);
+    for (i = 16; i + 16 <= n; i += 16) m = _mm512_maskz_max_ps(0xffff, m, _mm512_loadu_ps(x + i));
+    const __m256 m8 = _mm256_max_ps(half256(m, 0), half256(m, 1));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    max = _mm_cvtss_f32(h);
+    for (; i < n; ++i) max = std::max(max, x[i]);
+    const __m512 vmax = _mm512_set1_ps(max);
+    __m512d s = _mm512_setzero_pd();
+    for (i = 0; i + 16 <= n; i += 16) {
+      const __m512 e = softmax_exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vmax));
+      _mm512_storeu_ps(x + i, e);
+      s = _mm512_add_pd(s, _mm512_maskz_cvtps_pd(0xff, half256(e, 0)));
+      s = _mm512_add_pd(s, _mm512_maskz_cvtps_pd(0xff, half256(e, 1)));
+    }
+    if (i + 8 <= n) {
+      const __m256 e = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), half256(vmax, 0)));
+      _mm256_storeu_ps(x + i, e);
+      s = _mm512_add_pd(s, _mm512_maskz_cvtps_pd(0xff, e));
+      i += 8;
+    }
+    alignas(64) double lanes[8];
+    _mm512_store_pd(lanes, s);
+    double sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    if (i < n) {
+      alignas(32) float t[8] = {};
+      for (std::int64_t j = i; j < n; ++j) t[j - i] = x[j] - max;
+      alignas(32) float e[8];
+      _mm256_store_ps(e, softmax_exp8(_mm256_load_ps(t)));
+      for (; i < n; ++i) {
+        x[i] = e[i - (n & ~std::int64_t{7})];
+        sum += x[i];
+      }
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (i = 0; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(x + i, cvtph16(_mm512_maskz_cvtps_ph(0xffff, _mm512_mul_ps(_mm512_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT)));
+    if (i + 8 <= n) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i), half256(vinv, 0)), _MM_FROUND_TO_NEAREST_INT);
+      _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
+      i += 8;
+    }
+    for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i] * inv));
+    return;
+  }
+#endif
   if (n >= 8) {
     __m256 m = _mm256_loadu_ps(x);
     for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));

@@ -427,6 +427,30 @@ TEST(Attention, SoftmaxF16MatchesExactOnEveryPath) {
   }
 }
 
+// The vector paths' softmax rows are the same bits (the AVX-512 path runs sixteen lanes where
+// the others run eight, with the same exponentials and the same double sums), for lengths
+// around every vector width and its tails.
+TEST(Attention, SoftmaxF16VectorPathsAgreeBitForBit) {
+  const cpu::Kernels* avx2 = cpu::avx2_kernels();
+  if (avx2 == nullptr) GTEST_SKIP() << "no AVX2 on this CPU";
+  std::vector<const cpu::Kernels*> others;
+  if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) others.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx512_kernels()) others.push_back(k);
+  for (std::int64_t n = 1; n <= 70; ++n)
+    for (const float spread : {1.0f, 30.0f, 120.0f}) {
+      auto row = random_floats(n, 900 + static_cast<unsigned>(n));
+      for (float& v : row) v *= spread;
+      std::vector<float> expected = row;
+      avx2->softmax_f16(expected.data(), n);
+      for (const cpu::Kernels* k : others) {
+        std::vector<float> x = row;
+        k->softmax_f16(x.data(), n);
+        std::string where;
+        EXPECT_TRUE(same_bits(expected, x, &where)) << k->name << " n " << n << " spread " << spread << " " << where;
+      }
+    }
+}
+
 TEST(Attention, MatchesSoftmaxReference) {
   const AttentionShape s{4, 2, 16, 2 * 16, 0.25f};
   const std::int64_t n_ctx = 9, n = 3;
