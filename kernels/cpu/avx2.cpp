@@ -759,18 +759,22 @@ inline __m512 reduce16(const __m512* a) {
 
 #if defined(BATCHLM_KERNELS_AVX512)
 // Rows of 64 F16 values gathered from the pool into `out` as F32, 64 apiece, then zeros up to
-// the next multiple of 16 rows (at most 32 rows in all). The rows are scattered over the pool,
-// so each one is fetched eight rows ahead.
-inline void convert_rows(const std::uint16_t* pool, const std::int64_t* rows, std::int64_t n, float* out) {
-  for (std::int64_t r = 0; r < std::min<std::int64_t>(n, 8); ++r) {
-    _mm_prefetch(reinterpret_cast<const char*>(pool + rows[r]), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pool + rows[r]) + 64, _MM_HINT_T0);
-  }
+// the next multiple of 16 rows (at most 32 rows in all). The rows are scattered over the pool
+// and, past a shared prefix, mostly in memory rather than cache, so each one is fetched
+// kPrefetchRows rows ahead, across the end of this chunk into the next (`ahead` more rows
+// follow `rows[n - 1]` in the caller's list).
+constexpr std::int64_t kPrefetchRows = 40;
+inline void prefetch_row(const std::uint16_t* pool, std::int64_t row) {
+  _mm_prefetch(reinterpret_cast<const char*>(pool + row), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(pool + row) + 64, _MM_HINT_T0);
+}
+inline void convert_rows(const std::uint16_t* pool, const std::int64_t* rows, std::int64_t n, std::int64_t ahead,
+                         bool first, float* out) {
+  const std::int64_t reach = n + ahead;
+  if (first)
+    for (std::int64_t r = 0; r < std::min(reach, kPrefetchRows); ++r) prefetch_row(pool, rows[r]);
   for (std::int64_t r = 0; r < n; ++r) {
-    if (r + 8 < n) {
-      _mm_prefetch(reinterpret_cast<const char*>(pool + rows[r + 8]), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(pool + rows[r + 8]) + 64, _MM_HINT_T0);
-    }
+    if (r + kPrefetchRows < reach) prefetch_row(pool, rows[r + kPrefetchRows]);
     const auto* v = reinterpret_cast<const __m256i*>(pool + rows[r]);
     for (int c = 0; c < 4; ++c) _mm512_store_ps(out + r * 64 + c * 16, cvtph16(_mm256_loadu_si256(v + c)));
   }
@@ -800,7 +804,7 @@ void score_rows(const float* q, int n_q, const std::uint16_t* pool, const std::i
   const __m512 vscale = _mm512_set1_ps(scale);
   for (std::int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {
     const std::int64_t nr = std::min(kChunk, n_rows - r0);
-    convert_rows(pool, rows + r0, nr, kf);
+    convert_rows(pool, rows + r0, nr, n_rows - r0 - nr, r0 == 0, kf);
     for (int j = 0; j < n_q; ++j) {
       const float* qj = q + j * 64;
       const __m512 q0 = _mm512_loadu_ps(qj), q1 = _mm512_loadu_ps(qj + 16),
@@ -855,7 +859,7 @@ void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std:
   // sum is still taken row by row, so the results are those of the eight-lane loop below.
   for (std::int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {
     const std::int64_t nr = std::min(kChunk, n_rows - r0);
-    convert_rows(pool, rows + r0, nr, vf);
+    convert_rows(pool, rows + r0, nr, n_rows - r0 - nr, r0 == 0, vf);
     int j = 0;
     for (; j + 4 <= n_q; j += 4) {  // four queries: sixteen sums, each value row loaded once
       const float* p = probs + j * ld + r0;

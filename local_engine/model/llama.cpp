@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <new>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -14,15 +15,24 @@ namespace batchlm::local_engine {
 
 namespace kops = batchlm::kernels;
 
+namespace {
+constexpr std::size_t kAlign = 64;  // the KV store's alignment (see KvStore)
+}  // namespace
+
 KvStore::KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_t n_blocks,
                  std::int64_t n_layers) {
   const std::int64_t layer_stride = n_blocks * block_size * config.kv_width();
   const std::int64_t layers = n_layers > 0 ? std::min(n_layers, config.n_layers) : config.n_layers;
   const auto total = static_cast<std::size_t>(layers * layer_stride);
-  k_ = std::make_unique_for_overwrite<std::uint16_t[]>(total);
-  v_ = std::make_unique_for_overwrite<std::uint16_t[]>(total);
+  const auto allocate = [&] {
+    return static_cast<std::uint16_t*>(::operator new[](total * sizeof(std::uint16_t), std::align_val_t{kAlign}));
+  };
+  k_.reset(allocate());
+  v_.reset(allocate());
   pool_ = KvPool{k_.get(), v_.get(), layer_stride, block_size, n_blocks};
 }
+
+void KvStore::Free::operator()(std::uint16_t* p) const { ::operator delete[](p, std::align_val_t{kAlign}); }
 
 void KvCache::resize(std::int64_t n) {
   if (n < 0 || n > size_) throw std::out_of_range("KvCache::resize beyond the filled positions");

@@ -227,6 +227,20 @@ TEST_F(ModelTest, ReadsEveryHyperParameterFromTheMetadata) {
   EXPECT_FALSE(c.tied_embeddings);
 }
 
+// Rows of the KV store start on cache lines (a 64-value F16 row is then two lines, not three),
+// for every size of store: the one-sequence cache and pools of many blocks.
+TEST_F(ModelTest, KvStoreRowsStartOnCacheLines) {
+  const std::shared_ptr<Model> model = tiny("m.gguf", TinyLlamaOptions{});
+  for (const std::int64_t blocks : {1, 3, 1000}) {
+    const KvStore store(model->config(), 16, blocks);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(store.pool().k) % 64, 0u) << blocks << " blocks";
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(store.pool().v) % 64, 0u) << blocks << " blocks";
+  }
+  const KvCache cache(model->config(), 37);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(cache.pool().k) % 64, 0u);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(cache.pool().v) % 64, 0u);
+}
+
 // ---- The forward pass ------------------------------------------------------------------------
 
 TEST_F(ModelTest, ForwardIsDeterministic) {
