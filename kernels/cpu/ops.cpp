@@ -610,10 +610,33 @@ void store_f16_paged(const float* x, std::int64_t n, std::int64_t width,
 }
 
 std::int64_t argmax(const float* x, std::int64_t n) {
-  std::int64_t best = 0;
-  for (std::int64_t i = 1; i < n; ++i)
-    if (x[i] > x[best]) best = i;
-  return best;
+  // The greatest value first, sixteen running maxima at a time (loops the compiler turns into
+  // vector instructions), then the first position that holds it: the first of the greatest,
+  // as a scan that keeps the first strictly greater value finds. NaNs are passed over (they
+  // compare false), unless there is nothing else.
+  constexpr std::int64_t kLanes = 16;
+  if (n < 2 * kLanes) {
+    std::int64_t best = 0;
+    for (std::int64_t i = 1; i < n; ++i)
+      if (x[i] > x[best] || std::isnan(x[best])) best = i;
+    return std::isnan(x[best]) ? 0 : best;
+  }
+  float lane[kLanes];
+  for (std::int64_t j = 0; j < kLanes; ++j) lane[j] = -INFINITY;
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (std::int64_t j = 0; j < kLanes; ++j) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
+  float best = -INFINITY;
+  for (std::int64_t j = 0; j < kLanes; ++j) best = lane[j] > best ? lane[j] : best;
+  for (; i < n; ++i) best = x[i] > best ? x[i] : best;
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    bool hit = false;
+    for (std::int64_t j = 0; j < kLanes; ++j) hit |= x[i + j] == best;
+    if (hit) break;
+  }
+  for (; i < n; ++i)
+    if (x[i] == best) return i;
+  return 0;  // every value NaN
 }
 
 }  // namespace batchlm::kernels

@@ -17,6 +17,8 @@ namespace kops = batchlm::kernels;
 
 namespace {
 constexpr std::size_t kAlign = 64;  // the KV store's alignment (see KvStore)
+// Rows (tokens) per share of the small row-wise steps: a few tokens stay on the calling thread.
+constexpr std::int64_t kRowGrain = 4;
 }  // namespace
 
 KvStore::KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_t n_blocks,
@@ -248,19 +250,32 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
 
   const kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
                                    1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  // The residual additions, rows shared among the threads.
+  const auto add_rows = [&](float* to, const float* from, std::int64_t rows) {
+    pool.parallel_for(rows, kRowGrain, [&](std::int64_t r0, std::int64_t r1, int) {
+      kops::add(to + r0 * E, from + r0 * E, (r1 - r0) * E);
+    });
+  };
   for (std::int64_t li = 0; li < n_layers; ++li) {
     const LayerWeights& l = layers_[li];
     kops::rms_norm(x.data(), l.attn_norm, n, E, c.rms_eps, xn.data(), pool);
     const kops::Matrix qkv[3] = {l.attn_q, l.attn_k, l.attn_v};
     float* const qkv_out[3] = {q.data(), k.data(), v.data()};
     kops::matmul_group(qkv, xn.data(), n, qkv_out, scratch.data(), pool);
-    kops::rope(q.data(), n, c.n_heads, c.head_dim, c.rope_dim, b.positions.data(), c.rope_base);
-    kops::rope(k.data(), n, c.n_kv_heads, c.head_dim, c.rope_dim, b.positions.data(), c.rope_base);
     std::uint16_t* kc = kv.k + li * kv.layer_stride;
     std::uint16_t* vc = kv.v + li * kv.layer_stride;
     const kops::PagedKv paged{kc, vc, kv.block_size, b.block_tables, b.sequence_of.data()};
-    kops::store_f16_paged(k.data(), n, KV, b.positions.data(), paged, kc);
-    kops::store_f16_paged(v.data(), n, KV, b.positions.data(), paged, vc);
+    // Rotary positions and the cache stores, token by token: shared among the threads.
+    pool.parallel_for(n, kRowGrain, [&](std::int64_t t0, std::int64_t t1, int) {
+      const std::int64_t m = t1 - t0;
+      const std::int32_t* at = b.positions.data() + t0;
+      kops::rope(q.data() + t0 * c.n_heads * c.head_dim, m, c.n_heads, c.head_dim, c.rope_dim, at, c.rope_base);
+      kops::rope(k.data() + t0 * KV, m, c.n_kv_heads, c.head_dim, c.rope_dim, at, c.rope_base);
+      kops::PagedKv part = paged;
+      part.sequence_of += t0;
+      kops::store_f16_paged(k.data() + t0 * KV, m, KV, at, part, kc);
+      kops::store_f16_paged(v.data() + t0 * KV, m, KV, at, part, vc);
+    });
     kops::attention_paged(shape, q.data(), n, b.positions.data(), paged, att.data(), pool);
 
     // After the last layer's attention only the rows whose logits are wanted go on: they are
@@ -277,14 +292,14 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
     }
     if (rows == 0) break;
     kops::matmul(l.attn_out, att.data(), rows, xn.data(), scratch.data(), pool);
-    kops::add(x.data(), xn.data(), rows * E);
+    add_rows(x.data(), xn.data(), rows);
     kops::rms_norm(x.data(), l.ffn_norm, rows, E, c.rms_eps, xn.data(), pool);
     const kops::Matrix gate_up[2] = {l.ffn_gate, l.ffn_up};
     float* const gate_up_out[2] = {gate.data(), up.data()};
     kops::matmul_group(gate_up, xn.data(), rows, gate_up_out, scratch.data(), pool);
     kops::swiglu(gate.data(), up.data(), rows * F, pool);
     kops::matmul(l.ffn_down, gate.data(), rows, xn.data(), scratch.data(), pool);
-    kops::add(x.data(), xn.data(), rows * E);
+    add_rows(x.data(), xn.data(), rows);
   }
   if (n_out == 0) return;
   kops::rms_norm(x.data(), output_norm_, n_out, E, c.rms_eps, xn.data());

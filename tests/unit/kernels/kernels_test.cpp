@@ -622,6 +622,39 @@ TEST(RmsNorm, SharedAmongThreadsGivesTheSameValues) {
   EXPECT_TRUE(same_bits(alone, shared, &where)) << where;
 }
 
+// argmax is the first position of the greatest value, as a scan keeping the first strictly
+// greater value finds it: for lengths around its sixteen-wide blocks, the greatest value in
+// each block and the tail, ties, infinities and NaNs passed over.
+TEST(Argmax, FirstOfTheGreatest) {
+  const auto scan = [](const std::vector<float>& x) {
+    std::int64_t best = -1;
+    for (std::size_t i = 0; i < x.size(); ++i)
+      if (!std::isnan(x[i]) && (best < 0 || x[i] > x[best])) best = static_cast<std::int64_t>(i);
+    return best < 0 ? 0 : best;
+  };
+  std::mt19937 rng(5);
+  for (const std::int64_t n : {1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 100, 49152}) {
+    const auto base = random_floats(n, 80 + static_cast<unsigned>(n));
+    for (std::int64_t at = 0; at < n; at += std::max<std::int64_t>(1, n / 40)) {
+      std::vector<float> x = base;
+      x[at] = 5.0f;  // above every random value
+      ASSERT_EQ(argmax(x.data(), n), at) << "n " << n;
+      if (at + 1 < n) {
+        x[n - 1] = 5.0f;  // a tie later on: the first one wins
+        ASSERT_EQ(argmax(x.data(), n), at) << "tie, n " << n;
+      }
+      x[static_cast<std::size_t>(rng() % n)] = std::numeric_limits<float>::quiet_NaN();
+      ASSERT_EQ(argmax(x.data(), n), scan(x)) << "NaN, n " << n;
+    }
+    std::vector<float> x(n, -INFINITY);
+    EXPECT_EQ(argmax(x.data(), n), 0);
+    x[n / 2] = INFINITY;
+    EXPECT_EQ(argmax(x.data(), n), n / 2);
+    std::fill(x.begin(), x.end(), std::numeric_limits<float>::quiet_NaN());
+    EXPECT_EQ(argmax(x.data(), n), 0) << "all NaN";
+  }
+}
+
 TEST(ThreadPool, CoversTheRangeExactlyOnce) {
   for (int threads : {1, 2, 4}) {
     ThreadPool pool(threads);
