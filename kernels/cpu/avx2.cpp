@@ -676,26 +676,32 @@ void quantize_q8_t(const float* x, std::int64_t n, void* out) {
     const float max = _mm_cvtss_f32(m);
     const float d = max / 127.0f;
     const __m256 id = _mm256_set1_ps(max != 0.0f ? 127.0f / max : 0.0f);
-    alignas(32) std::int32_t q[32];
+    __m256i qi[4];
     __m256i isum = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
-      const __m256i qi = _mm256_cvtps_epi32(
+      qi[j] = _mm256_cvtps_epi32(
           _mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      isum = _mm256_add_epi32(isum, qi);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j), qi);
+      isum = _mm256_add_epi32(isum, qi[j]);
     }
+    // The 32 values (all within [-127, 127], so the saturating packs are exact) to bytes in
+    // order: the packs interleave 128-bit lanes, the permutation puts them back.
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const std::uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);  // fp32_to_fp16(d)
     if constexpr (WithSum) {
       auto* blk = static_cast<BlockQ8_1*>(out) + b;
-      blk->d = fp32_to_fp16(d);
-      for (int j = 0; j < 32; ++j) blk->qs[j] = static_cast<std::int8_t>(q[j]);
-      alignas(32) std::int32_t s[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(s), isum);
-      const int sum = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
-      blk->s = fp32_to_fp16(d * static_cast<float>(sum));
+      blk->d = dh;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk->qs), bytes);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      const int sum = _mm_cvtsi128_si32(s4);
+      blk->s = _cvtss_sh(d * static_cast<float>(sum), _MM_FROUND_TO_NEAREST_INT);
     } else {
       auto* blk = static_cast<BlockQ8_0*>(out) + b;
-      blk->d = fp32_to_fp16(d);
-      for (int j = 0; j < 32; ++j) blk->qs[j] = static_cast<std::int8_t>(q[j]);
+      blk->d = dh;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk->qs), bytes);
     }
   }
 }

@@ -320,6 +320,40 @@ TEST(Packed, GroupOfMixedMatricesEqualsEachAlone) {
   }
 }
 
+// Activation rows quantized to Q8_0 and Q8_1 give the same bytes on every path: random rows
+// of several scales, a row of zeros, and rows whose largest value is negative or lands the
+// others exactly on a half step.
+TEST(Quantize, EveryPathGivesThePortableBytes) {
+  std::vector<const cpu::Kernels*> paths;
+  if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
+  if (paths.empty()) GTEST_SKIP() << "no vector path on this CPU";
+  const std::int64_t n = 8 * 32;
+  std::vector<std::vector<float>> rows;
+  for (const float scale : {1e-3f, 1.0f, 40.0f, 6e4f}) {
+    auto row = random_floats(n, 300 + static_cast<unsigned>(scale));
+    for (float& v : row) v *= scale;
+    rows.push_back(row);
+  }
+  rows.push_back(std::vector<float>(n, 0.0f));
+  std::vector<float> edges(n);
+  for (std::int64_t i = 0; i < n; ++i) edges[i] = (i % 32 == 5) ? -127.0f : static_cast<float>(i % 32) - 15.5f;
+  rows.push_back(edges);
+  for (const auto& row : rows) {
+    std::vector<std::uint8_t> want0(n / 32 * sizeof(BlockQ8_0)), want1(n / 32 * sizeof(BlockQ8_1));
+    cpu::portable_kernels().quantize_q8_0(row.data(), n, want0.data());
+    cpu::portable_kernels().quantize_q8_1(row.data(), n, want1.data());
+    for (const cpu::Kernels* k : paths) {
+      std::vector<std::uint8_t> got0(want0.size()), got1(want1.size());
+      k->quantize_q8_0(row.data(), n, got0.data());
+      k->quantize_q8_1(row.data(), n, got1.data());
+      EXPECT_EQ(got0, want0) << k->name << " Q8_0, row max " << *std::max_element(row.begin(), row.end());
+      EXPECT_EQ(got1, want1) << k->name << " Q8_1, row max " << *std::max_element(row.begin(), row.end());
+    }
+  }
+}
+
 // The gathered-row attention kernels give bit for bit what dot_f16 / axpy_f16 give row by row,
 // on every path, for the head size with a fast path (64) and one without (40), with scores
 // spaced by a leading dimension and more rows than one chunk of the value conversion.
