@@ -447,6 +447,17 @@ void add(float* x, const float* y, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
+void add_rms_norm(float* x, const float* y, const float* weight, std::int64_t n, std::int64_t dim,
+                  float eps, float* out, ThreadPool& pool) {
+  pool.parallel_for(n, std::max<std::int64_t>(1, 8192 / std::max<std::int64_t>(dim, 1)),
+                    [&](std::int64_t b, std::int64_t e, int) {
+                      for (std::int64_t r = b; r < e; ++r) {
+                        add(x + r * dim, y + r * dim, dim);
+                        rms_norm(x + r * dim, weight, 1, dim, eps, out + r * dim);
+                      }
+                    });
+}
+
 void attention(const AttentionShape& s, const float* q, std::int64_t n,
                const std::int32_t* positions, const std::uint16_t* k, const std::uint16_t* v,
                float* out, ThreadPool& pool) {

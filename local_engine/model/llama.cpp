@@ -250,15 +250,10 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
 
   const kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
                                    1.0f / std::sqrt(static_cast<float>(c.head_dim))};
-  // The residual additions, rows shared among the threads.
-  const auto add_rows = [&](float* to, const float* from, std::int64_t rows) {
-    pool.parallel_for(rows, kRowGrain, [&](std::int64_t r0, std::int64_t r1, int) {
-      kops::add(to + r0 * E, from + r0 * E, (r1 - r0) * E);
-    });
-  };
   for (std::int64_t li = 0; li < n_layers; ++li) {
     const LayerWeights& l = layers_[li];
-    kops::rms_norm(x.data(), l.attn_norm, n, E, c.rms_eps, xn.data(), pool);
+    // Later layers' input norm is taken with the previous layer's last residual addition.
+    if (li == 0) kops::rms_norm(x.data(), l.attn_norm, n, E, c.rms_eps, xn.data(), pool);
     const kops::Matrix qkv[3] = {l.attn_q, l.attn_k, l.attn_v};
     float* const qkv_out[3] = {q.data(), k.data(), v.data()};
     kops::matmul_group(qkv, xn.data(), n, qkv_out, scratch.data(), pool);
@@ -292,14 +287,19 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
     }
     if (rows == 0) break;
     kops::matmul(l.attn_out, att.data(), rows, xn.data(), scratch.data(), pool);
-    add_rows(x.data(), xn.data(), rows);
-    kops::rms_norm(x.data(), l.ffn_norm, rows, E, c.rms_eps, xn.data(), pool);
+    kops::add_rms_norm(x.data(), xn.data(), l.ffn_norm, rows, E, c.rms_eps, xn.data(), pool);
     const kops::Matrix gate_up[2] = {l.ffn_gate, l.ffn_up};
     float* const gate_up_out[2] = {gate.data(), up.data()};
     kops::matmul_group(gate_up, xn.data(), rows, gate_up_out, scratch.data(), pool);
     kops::swiglu(gate.data(), up.data(), rows * F, pool);
     kops::matmul(l.ffn_down, gate.data(), rows, xn.data(), scratch.data(), pool);
-    add_rows(x.data(), xn.data(), rows);
+    if (li + 1 < n_layers) {
+      kops::add_rms_norm(x.data(), xn.data(), layers_[li + 1].attn_norm, rows, E, c.rms_eps, xn.data(), pool);
+    } else {
+      pool.parallel_for(rows, kRowGrain, [&](std::int64_t r0, std::int64_t r1, int) {
+        kops::add(x.data() + r0 * E, xn.data() + r0 * E, (r1 - r0) * E);
+      });
+    }
   }
   if (n_out == 0) return;
   kops::rms_norm(x.data(), output_norm_, n_out, E, c.rms_eps, xn.data());

@@ -656,6 +656,25 @@ TEST(RmsNorm, SharedAmongThreadsGivesTheSameValues) {
   EXPECT_TRUE(same_bits(alone, shared, &where)) << where;
 }
 
+// The fused residual step is add, then rms_norm, bit for bit, with its output over its input
+// (as the forward pass calls it) and into a separate buffer.
+TEST(RmsNorm, AddThenNormInOnePassGivesTheSameValues) {
+  const std::int64_t n = 37, dim = 576;
+  const auto x0 = random_floats(n * dim, 85), y = random_floats(n * dim, 86), w = random_floats(dim, 87);
+  std::vector<float> x_want = x0, want(x0.size());
+  add(x_want.data(), y.data(), n * dim);
+  rms_norm(x_want.data(), w.data(), n, dim, 1e-5f, want.data());
+  ThreadPool pool(2);
+  std::vector<float> x = x0, out(x0.size());
+  add_rms_norm(x.data(), y.data(), w.data(), n, dim, 1e-5f, out.data(), pool);
+  std::string where;
+  EXPECT_TRUE(same_bits(x_want, x, &where)) << "x: " << where;
+  EXPECT_TRUE(same_bits(want, out, &where)) << "out: " << where;
+  std::vector<float> x2 = x0, in_place = y;
+  add_rms_norm(x2.data(), in_place.data(), w.data(), n, dim, 1e-5f, in_place.data(), pool);
+  EXPECT_TRUE(same_bits(want, in_place, &where)) << "in place: " << where;
+}
+
 // argmax is the first position of the greatest value, as a scan keeping the first strictly
 // greater value finds it: for lengths around its sixteen-wide blocks, the greatest value in
 // each block and the tail, ties, infinities and NaNs passed over.

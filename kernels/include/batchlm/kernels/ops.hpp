@@ -94,6 +94,10 @@ void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
 void swiglu(float* gate, const float* up, std::int64_t n);
 void swiglu(float* gate, const float* up, std::int64_t n, ThreadPool& pool);
 void add(float* x, const float* y, std::int64_t n);  // x += y
+// A residual step: x += y, then out = rms_norm(x), row by row in one pass shared among the
+// pool's threads (the values of add, then rms_norm). out may be y.
+void add_rms_norm(float* x, const float* y, const float* weight, std::int64_t n, std::int64_t dim,
+                  float eps, float* out, ThreadPool& pool);
 
 // Causal attention of n query tokens of one sequence over its F16 KV cache.
 // q: [n][n_heads][head_dim]; the KV cache of this layer: key/value of position p, kv head h at
