@@ -55,10 +55,11 @@ def nproc():
         return os.cpu_count()
 
 
-def results_header(interrupted, load_start, load_end, versions):
+def results_header(interrupted, load_start, load_end, versions, checkout=None):
     """The opening fields of every results document: when, the command line, the machine, the
-    checkout and the versions; the benchmark adds its own after them."""
-    commit, dirty = git_commit()
+    checkout and the versions; the benchmark adds its own after them. checkout: git_commit()
+    as it was when the run started (what was built and measured); taken now when not given."""
+    commit, dirty = checkout if checkout is not None else git_commit()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["python3", os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)]

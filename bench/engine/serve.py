@@ -47,7 +47,7 @@ import urllib.request
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import finish, results_header, write_results  # noqa: E402  (shared with the other benchmark)
+from machine import finish, git_commit, results_header, write_results  # noqa: E402  (shared with the other benchmark)
 RESULTS = os.path.join(ROOT, "bench", "engine", "serve-results.json")
 JOB = os.path.join(ROOT, "jobs", "gsm8k.yaml")
 SERVERS = ("batchlm", "llama")
@@ -508,6 +508,7 @@ def main():
     outdir = tempfile.mkdtemp(prefix="batchlm-serve-bench-") if temp else os.path.abspath(args.out)
     os.makedirs(outdir, exist_ok=True)
     load_start = os.getloadavg()
+    checkout = git_commit()  # what is built and measured; edits made during the run do not count
     print(f"model {os.path.basename(args.model)}, {args.threads} threads, servers "
           f"{', '.join(LABELS[s] for s in args.server_list)}, concurrency "
           f"{','.join(map(str, args.levels))}, {args.questions} questions "
@@ -572,7 +573,7 @@ def main():
         doc = results_header(interrupted, load_start[0], load_end[0], {
             "batchlm": version_of(args.batchlm),
             "llama_server": version_of(args.llama_server) if "llama" in args.server_list else None,
-        })
+        }, checkout)
         doc.update({
             "model": os.path.basename(args.model),
             "model_sha256": sha256_file(args.model),

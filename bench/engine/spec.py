@@ -43,7 +43,7 @@ import time
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from machine import finish, results_header, write_results  # noqa: E402  (shared with the other benchmarks)
+from machine import finish, git_commit, results_header, write_results  # noqa: E402  (shared with the other benchmarks)
 from serve import Child, read_outputs, sha256_file, version_of  # noqa: E402  (same helpers)
 
 RESULTS = os.path.join(ROOT, "bench", "engine", "spec-results.json")
@@ -297,6 +297,7 @@ def main():
     outdir = tempfile.mkdtemp(prefix="batchlm-spec-bench-") if temp else os.path.abspath(args.out)
     os.makedirs(outdir, exist_ok=True)
     load_start = os.getloadavg()
+    checkout = git_commit()  # what is built and measured; edits made during the run do not count
     plan = "; ".join(f"{j}: none, {', '.join(ms) or '(no method)'}" for j, ms in args.plan.items())
     print(f"{plan}; concurrency {','.join(map(str, args.levels))}, {args.questions} items per run,"
           f" max_tokens {args.max_tokens if args.max_tokens is not None else 'from the job'}, "
@@ -361,7 +362,7 @@ def main():
     if args.write and results:
         uses_draft = any(r["method"] == "draft" for r in results)
         doc = results_header(interrupted, load_start[0], load_end[0],
-                             {"batchlm": version_of(args.batchlm)})
+                             {"batchlm": version_of(args.batchlm)}, checkout)
         doc.update({
             "batchlm_model_env": os.environ.get("BATCHLM_MODEL"),
             "draft_model": rel(args.draft_model) if uses_draft else None,
