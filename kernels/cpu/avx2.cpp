@@ -339,6 +339,8 @@ struct Rows8 {
   static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F fadd(F a, F b) { return _mm256_add_ps(a, b); }
   static void store(float* y, F v) { _mm256_storeu_ps(y, v); }
 };
 
@@ -372,6 +374,8 @@ struct Rows16 {
   static F to_float(I a) { return _mm512_maskz_cvtepi32_ps(0xffff, a); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F fadd(F a, F b) { return _mm512_add_ps(a, b); }
   static void store(float* y, F v) { _mm512_storeu_ps(y, v); }
 };
 #endif
@@ -989,25 +993,29 @@ inline __m256 exp8(__m256 x, const ExpTable& table) {
   return _mm256_set_m128(exp4(_mm256_extractf128_ps(x, 1), table), exp4(_mm256_castps256_ps128(x), table));
 }
 
-// e^x for the softmax's x - max <= 0, in float arithmetic: x = n ln2 + r with |r| <= ln2 / 2
-// (ln2 in two parts, so r is exact), e^r = 1 + r + r^2 P(r) with P of degree 5 (the classic
-// Cephes coefficients), then 2^n through the exponent bits. Within 2 ulp of std::exp; below
+// e^r for x = n ln2 + r (x clamped to xc, n the nearest integer to x / ln2), at any vector
+// width: r with ln2 in two parts, so r is exact, then 1 + r + r^2 P(r) with P of degree 5 (the
+// classic Cephes coefficients). The caller multiplies by 2^n.
+template <class V>
+inline typename V::F exp_mantissa(typename V::F xc, typename V::F n) {
+  typename V::F r = V::fnmadd(n, V::floats(0.693359375f), xc);
+  r = V::fnmadd(n, V::floats(-2.12194440e-4f), r);
+  typename V::F y = V::floats(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = V::fma(y, r, V::floats(c));
+  y = V::fma(y, V::mul(r, r), r);
+  return V::fadd(y, V::floats(1.0f));
+}
+
+// e^x for the softmax's x - max <= 0, in float arithmetic: x = n ln2 + r with |r| <= ln2 / 2,
+// e^r from exp_mantissa, then 2^n through the exponent bits. Within 2 ulp of std::exp; below
 // -87 it is 0 (those terms vanish in an F16 probability anyway); NaN stays NaN.
 inline __m256 softmax_exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.0f);
   const __m256 xc = _mm256_max_ps(x, lo);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
-  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  __m256 y = exp_mantissa<Rows8>(xc, n);
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
   y = _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);           // x < -87: 0
@@ -1021,16 +1029,7 @@ inline __m512 softmax_exp16(__m512 x) {
   const __m512 xc = _mm512_maskz_max_ps(0xffff, x, lo);
   const __m512 n = _mm512_maskz_roundscale_ps(0xffff, _mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
-  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  __m512 y = exp_mantissa<Rows16>(xc, n);
   const __m512i e = _mm512_maskz_slli_epi32(0xffff, _mm512_add_epi32(_mm512_maskz_cvtps_epi32(0xffff, n), _mm512_set1_epi32(127)), 23);
   y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
   y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), y);        // x < -87: 0
@@ -1038,21 +1037,26 @@ inline __m512 softmax_exp16(__m512 x) {
 }
 #endif
 
+inline float hmax(__m256 m) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+
 void softmax_f16(float* x, std::int64_t n) {
   float max = -INFINITY;
+  double sum = 0.0;
   std::int64_t i = 0;
 #if defined(BATCHLM_KERNELS_AVX512)
   // Sixteen lanes where eight lanes go below, with the same values: the maximum does not
   // depend on the order, each exponential is softmax_exp8's, and the double sums take the
   // same terms in the same order (lanes 0..3 of the accumulator are s0, lanes 4..7 are s1).
-  if (n >= 16) {
+  const bool wide = n >= 16;
+  if (wide) {
     __m512 m = _mm512_loadu_ps(x);
     for (i = 16; i + 16 <= n; i += 16) m = _mm512_maskz_max_ps(0xffff, m, _mm512_loadu_ps(x + i));
-    const __m256 m8 = _mm256_max_ps(half256(m, 0), half256(m, 1));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    max = _mm_cvtss_f32(h);
+    max = hmax(_mm256_max_ps(half256(m, 0), half256(m, 1)));
     for (; i < n; ++i) max = std::max(max, x[i]);
     const __m512 vmax = _mm512_set1_ps(max);
     __m512d s = _mm512_setzero_pd();
@@ -1070,50 +1074,28 @@ void softmax_f16(float* x, std::int64_t n) {
     }
     alignas(64) double lanes[8];
     _mm512_store_pd(lanes, s);
-    double sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    if (i < n) {
-      alignas(32) float t[8] = {};
-      for (std::int64_t j = i; j < n; ++j) t[j - i] = x[j] - max;
-      alignas(32) float e[8];
-      _mm256_store_ps(e, softmax_exp8(_mm256_load_ps(t)));
-      for (; i < n; ++i) {
-        x[i] = e[i - (n & ~std::int64_t{7})];
-        sum += x[i];
-      }
-    }
-    const float inv = static_cast<float>(1.0 / sum);
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (i = 0; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(x + i, cvtph16(_mm512_maskz_cvtps_ph(0xffff, _mm512_mul_ps(_mm512_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT)));
-    if (i + 8 <= n) {
-      const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i), half256(vinv, 0)), _MM_FROUND_TO_NEAREST_INT);
-      _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
-      i += 8;
-    }
-    for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i] * inv));
-    return;
-  }
+    sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  } else
 #endif
-  if (n >= 8) {
-    __m256 m = _mm256_loadu_ps(x);
-    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    max = _mm_cvtss_f32(h);
+  {
+    if (n >= 8) {
+      __m256 m = _mm256_loadu_ps(x);
+      for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+      max = hmax(m);
+    }
+    for (; i < n; ++i) max = std::max(max, x[i]);
+    const __m256 vmax = _mm256_set1_ps(max);
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    for (i = 0; i + 8 <= n; i += 8) {
+      const __m256 e = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax));
+      _mm256_storeu_ps(x + i, e);
+      s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+      s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
+    sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   }
-  for (; i < n; ++i) max = std::max(max, x[i]);
-  const __m256 vmax = _mm256_set1_ps(max);
-  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
-  for (i = 0; i + 8 <= n; i += 8) {
-    const __m256 e = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax));
-    _mm256_storeu_ps(x + i, e);
-    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-  }
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
-  double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   if (i < n) {  // the tail through the same vector exp
     alignas(32) float t[8] = {};
     for (std::int64_t j = i; j < n; ++j) t[j - i] = x[j] - max;
@@ -1125,8 +1107,17 @@ void softmax_f16(float* x, std::int64_t n) {
     }
   }
   const float inv = static_cast<float>(1.0 / sum);
+  i = 0;
+#if defined(BATCHLM_KERNELS_AVX512)
+  if (wide) {
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(x + i, cvtph16(_mm512_maskz_cvtps_ph(0xffff, _mm512_mul_ps(_mm512_loadu_ps(x + i), vinv),
+                                                            _MM_FROUND_TO_NEAREST_INT)));
+  }
+#endif
   const __m256 vinv = _mm256_set1_ps(inv);
-  for (i = 0; i + 8 <= n; i += 8) {
+  for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT);
     _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
   }
