@@ -741,9 +741,7 @@ inline __m256 half256(__m512 v, int upper) {
   return _mm256_castpd_ps(upper ? _mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 1)
                                 : _mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 0));
 }
-#endif
 
-#if defined(BATCHLM_KERNELS_AVX512)
 // Sixteen accumulators a[i] (lanes 0..7: a0, lanes 8..15: a1 of row i) to their sixteen sums,
 // lane i for row i, each paired as hsum(a0 + a1) pairs it: v = a0 + a1 (8 lanes), then
 // v[l] + v[l + 4], then (0 + 2) and (1 + 3), then the two. Float addition commutes, so the
@@ -765,9 +763,7 @@ inline __m512 reduce16(const __m512* a) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_maskz_permutexvar_ps(0xffff, order, r);
 }
-#endif
 
-#if defined(BATCHLM_KERNELS_AVX512)
 // Rows of 64 F16 values gathered from the pool into `out` as F32, 64 apiece, then zeros up to
 // the next multiple of 16 rows (at most 32 rows in all). The rows are scattered over the pool
 // and, past a shared prefix, mostly in memory rather than cache, so each one is fetched
@@ -853,6 +849,28 @@ void score_rows(const float* q, int n_q, const std::uint16_t* pool, const std::i
 #endif
 }
 
+#if defined(BATCHLM_KERNELS_AVX512)
+// NQ queries' sums over nr converted value rows (vf, 64 floats apiece), added to out (64 per
+// query): 4 NQ accumulators in registers, each value row loaded once for all of them, and
+// every element's sum taken row by row.
+template <int NQ>
+inline void mix_pass(const float* probs, std::int64_t ld, const float* vf, std::int64_t nr, float* out) {
+  __m512 a[NQ][4];
+  for (int u = 0; u < NQ; ++u)
+    for (int c = 0; c < 4; ++c) a[u][c] = _mm512_loadu_ps(out + u * 64 + c * 16);
+  for (std::int64_t r = 0; r < nr; ++r) {
+    __m512 w[NQ];
+    for (int u = 0; u < NQ; ++u) w[u] = _mm512_set1_ps(probs[u * ld + r]);
+    for (int c = 0; c < 4; ++c) {
+      const __m512 vv = _mm512_load_ps(vf + r * 64 + c * 16);
+      for (int u = 0; u < NQ; ++u) a[u][c] = _mm512_fmadd_ps(w[u], vv, a[u][c]);
+    }
+  }
+  for (int u = 0; u < NQ; ++u)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + u * 64 + c * 16, a[u][c]);
+}
+#endif
+
 // Head dimension 64: value rows are converted to F32 a chunk at a time, then each query keeps
 // its 64 sums in registers across the chunk (the per-element sums of axpy_f16, in row order).
 void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
@@ -871,50 +889,9 @@ void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std:
     const std::int64_t nr = std::min(kChunk, n_rows - r0);
     convert_rows(pool, rows + r0, nr, n_rows - r0 - nr, r0 == 0, vf);
     int j = 0;
-    for (; j + 4 <= n_q; j += 4) {  // four queries: sixteen sums, each value row loaded once
-      const float* p = probs + j * ld + r0;
-      __m512 a[4][4];
-      for (int u = 0; u < 4; ++u)
-        for (int c = 0; c < 4; ++c) a[u][c] = _mm512_loadu_ps(out + (j + u) * 64 + c * 16);
-      for (std::int64_t r = 0; r < nr; ++r) {
-        __m512 w[4];
-        for (int u = 0; u < 4; ++u) w[u] = _mm512_set1_ps(p[u * ld + r]);
-        for (int c = 0; c < 4; ++c) {
-          const __m512 vv = _mm512_load_ps(vf + r * 64 + c * 16);
-          for (int u = 0; u < 4; ++u) a[u][c] = _mm512_fmadd_ps(w[u], vv, a[u][c]);
-        }
-      }
-      for (int u = 0; u < 4; ++u)
-        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + (j + u) * 64 + c * 16, a[u][c]);
-    }
-    for (; j + 2 <= n_q; j += 2) {
-      float* o0 = out + j * 64;
-      float* o1 = o0 + 64;
-      const float* p0 = probs + j * ld + r0;
-      const float* p1 = p0 + ld;
-      __m512 a0[4], a1[4];
-      for (int c = 0; c < 4; ++c) a0[c] = _mm512_loadu_ps(o0 + c * 16), a1[c] = _mm512_loadu_ps(o1 + c * 16);
-      for (std::int64_t r = 0; r < nr; ++r) {
-        const __m512 w0 = _mm512_set1_ps(p0[r]), w1 = _mm512_set1_ps(p1[r]);
-        for (int c = 0; c < 4; ++c) {
-          const __m512 vv = _mm512_load_ps(vf + r * 64 + c * 16);
-          a0[c] = _mm512_fmadd_ps(w0, vv, a0[c]);
-          a1[c] = _mm512_fmadd_ps(w1, vv, a1[c]);
-        }
-      }
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o0 + c * 16, a0[c]), _mm512_storeu_ps(o1 + c * 16, a1[c]);
-    }
-    for (; j < n_q; ++j) {
-      float* o = out + j * 64;
-      const float* p = probs + j * ld + r0;
-      __m512 acc[4];
-      for (int c = 0; c < 4; ++c) acc[c] = _mm512_loadu_ps(o + c * 16);
-      for (std::int64_t r = 0; r < nr; ++r) {
-        const __m512 w = _mm512_set1_ps(p[r]);
-        for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_load_ps(vf + r * 64 + c * 16), acc[c]);
-      }
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + c * 16, acc[c]);
-    }
+    for (; j + 4 <= n_q; j += 4) mix_pass<4>(probs + j * ld + r0, ld, vf, nr, out + j * 64);
+    for (; j + 2 <= n_q; j += 2) mix_pass<2>(probs + j * ld + r0, ld, vf, nr, out + j * 64);
+    for (; j < n_q; ++j) mix_pass<1>(probs + j * ld + r0, ld, vf, nr, out + j * 64);
   }
 #else
   for (std::int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {

@@ -435,9 +435,15 @@ void swiglu(float* gate, const float* up, std::int64_t n, ThreadPool& pool) {
   });
 }
 
+namespace {
+// Rows of `dim` floats per share of a row-wise step: about 8 K floats, so a few rows stay on the
+// calling thread.
+std::int64_t row_grain(std::int64_t dim) { return std::max<std::int64_t>(1, 8192 / std::max<std::int64_t>(dim, 1)); }
+}  // namespace
+
 void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t dim, float eps,
               float* out, ThreadPool& pool) {
-  pool.parallel_for(n, std::max<std::int64_t>(1, 8192 / std::max<std::int64_t>(dim, 1)),
+  pool.parallel_for(n, row_grain(dim),
                     [&](std::int64_t b, std::int64_t e, int) {
                       rms_norm(x + b * dim, weight, e - b, dim, eps, out + b * dim);
                     });
@@ -449,7 +455,7 @@ void add(float* x, const float* y, std::int64_t n) {
 
 void add_rms_norm(float* x, const float* y, const float* weight, std::int64_t n, std::int64_t dim,
                   float eps, float* out, ThreadPool& pool) {
-  pool.parallel_for(n, std::max<std::int64_t>(1, 8192 / std::max<std::int64_t>(dim, 1)),
+  pool.parallel_for(n, row_grain(dim),
                     [&](std::int64_t b, std::int64_t e, int) {
                       for (std::int64_t r = b; r < e; ++r) {
                         add(x + r * dim, y + r * dim, dim);

@@ -293,16 +293,12 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
     kops::matmul_group(gate_up, xn.data(), rows, gate_up_out, scratch.data(), pool);
     kops::swiglu(gate.data(), up.data(), rows * F, pool);
     kops::matmul(l.ffn_down, gate.data(), rows, xn.data(), scratch.data(), pool);
-    if (li + 1 < n_layers) {
-      kops::add_rms_norm(x.data(), xn.data(), layers_[li + 1].attn_norm, rows, E, c.rms_eps, xn.data(), pool);
-    } else {
-      pool.parallel_for(rows, kRowGrain, [&](std::int64_t r0, std::int64_t r1, int) {
-        kops::add(x.data() + r0 * E, xn.data() + r0 * E, (r1 - r0) * E);
-      });
-    }
+    // The residual addition, then the next norm: the next layer's input norm, or after the last
+    // layer (whose rows are then the n_out wanted ones) the final norm.
+    const float* next_norm = li + 1 < n_layers ? layers_[li + 1].attn_norm : output_norm_;
+    kops::add_rms_norm(x.data(), xn.data(), next_norm, rows, E, c.rms_eps, xn.data(), pool);
   }
   if (n_out == 0) return;
-  kops::rms_norm(x.data(), output_norm_, n_out, E, c.rms_eps, xn.data());
   kops::matmul(output_, xn.data(), n_out, logits.data(), scratch.data(), pool);
 }
 
