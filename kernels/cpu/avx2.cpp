@@ -464,13 +464,21 @@ using PackedScales = std::conditional_t<F == PackedType::Q4_1, ScalesQ8_1, Scale
 template <PackedType F, class V, int NT>
 void packed_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t* x,
                  std::size_t xrb, const PackedScales<F>* xs, std::int64_t stride,
-                 std::int64_t nb, typename V::F (&acc)[NT]) {
+                 std::int64_t nb, typename V::F (&acc)[NT], const std::uint8_t* ahead) {
   using XBlock = std::conditional_t<F == PackedType::Q4_1, BlockQ8_1, BlockQ8_0>;
   BATCHLM_UNROLL
   for (int t = 0; t < NT; ++t) acc[t] = V::fzero();
   for (std::int64_t b = 0; b < nb; ++b) {
     const std::uint8_t* blk = w + b * kPackedBlock<F>;
     const std::uint8_t* q = blk + kPackedHeaders<F>;
+    if (ahead != nullptr) {
+      // The same block of the next tile's groups, a block at a time, while this one is worked on.
+      for (int g = 0; g < V::kRows / kPackRows; ++g) {
+        const std::uint8_t* p = ahead + g * group + b * kPackedBlock<F>;
+        for (std::size_t at = 0; at < kPackedBlock<F>; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPackedBlock<F> - 1), _MM_HINT_T0);
+      }
+    }
     const PackedScales<F>* xb = xs + b * stride;
     const std::int8_t* xq[NT];
     BATCHLM_UNROLL
@@ -524,9 +532,9 @@ void packed_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t* x
 template <PackedType F, class V, int NT>
 void packed_pass(const std::uint8_t* w, std::size_t group, int nr, const std::uint8_t* x,
                  std::size_t xrb, const PackedScales<F>* xs, std::int64_t stride,
-                 std::int64_t nb, float* y, std::int64_t ys) {
+                 std::int64_t nb, float* y, std::int64_t ys, const std::uint8_t* ahead) {
   typename V::F acc[NT];
-  packed_rows<F, V, NT>(w, group, x, xrb, xs, stride, nb, acc);
+  packed_rows<F, V, NT>(w, group, x, xrb, xs, stride, nb, acc, ahead);
   if (nr == V::kRows) {
     for (int t = 0; t < NT; ++t) V::store(y + t * ys, acc[t]);
     return;
@@ -543,13 +551,17 @@ void packed_pass(const std::uint8_t* w, std::size_t group, int nr, const std::ui
 template <PackedType F, class V>
 void packed_tokens(const std::uint8_t* w, std::size_t group, int nr, const std::uint8_t* x,
                    std::size_t xrb, const PackedScales<F>* xs, int nt, std::int64_t nb, float* y,
-                   std::int64_t ys) {
+                   std::int64_t ys, const std::uint8_t* ahead) {
   constexpr int kTokens = BATCHLM_KERNELS_PACKED_TOKENS;
   int t0 = 0;
+  // The first pass reads the weights from memory and asks for the next tile's (`ahead`) as it
+  // goes; the later passes find them in L1.
   for (; t0 + kTokens <= nt; t0 += kTokens)
-    packed_pass<F, V, kTokens>(w, group, nr, x + t0 * xrb, xrb, xs + t0, nt, nb, y + t0 * ys, ys);
+    packed_pass<F, V, kTokens>(w, group, nr, x + t0 * xrb, xrb, xs + t0, nt, nb, y + t0 * ys, ys,
+                               t0 == 0 ? ahead : nullptr);
   const auto rest = [&]<int NT>() {
-    packed_pass<F, V, NT>(w, group, nr, x + t0 * xrb, xrb, xs + t0, nt, nb, y + t0 * ys, ys);
+    packed_pass<F, V, NT>(w, group, nr, x + t0 * xrb, xrb, xs + t0, nt, nb, y + t0 * ys, ys,
+                          t0 == 0 ? ahead : nullptr);
   };
   switch (nt - t0) {
     case 0: break;
@@ -570,19 +582,20 @@ void packed_tokens(const std::uint8_t* w, std::size_t group, int nr, const std::
 // after the other.
 template <PackedType F>
 void packed_tile(const std::uint8_t* w, int nr, const std::uint8_t* x, std::size_t xrb,
-                 const void* scales, int nt, std::int64_t nb, float* y, std::int64_t ys) {
+                 const void* scales, int nt, std::int64_t nb, float* y, std::int64_t ys,
+                 const std::uint8_t* ahead) {
   const auto* xs = static_cast<const PackedScales<F>*>(scales);
   const std::size_t group = static_cast<std::size_t>(nb) * kPackedBlock<F>;
 #if defined(BATCHLM_KERNELS_AVX512)
   if (nr > kPackRows) {
-    packed_tokens<F, Rows16>(w, group, nr, x, xrb, xs, nt, nb, y, ys);
+    packed_tokens<F, Rows16>(w, group, nr, x, xrb, xs, nt, nb, y, ys, ahead);
     return;
   }
 #endif
-  packed_tokens<F, Rows8>(w, group, std::min(nr, kPackRows), x, xrb, xs, nt, nb, y, ys);
+  packed_tokens<F, Rows8>(w, group, std::min(nr, kPackRows), x, xrb, xs, nt, nb, y, ys, ahead);
   if (nr > kPackRows)
     packed_tokens<F, Rows8>(w + group, group, nr - kPackRows, x, xrb, xs, nt, nb,
-                            y + kPackRows, ys);
+                            y + kPackRows, ys, ahead != nullptr ? ahead + group : nullptr);
 }
 
 // Picks the instantiation for an nr x nt tile (nr <= 4, nt <= BATCHLM_KERNELS_TILE_TOKENS).

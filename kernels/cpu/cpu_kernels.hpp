@@ -44,9 +44,12 @@ struct ScalesQ8_1 { float d; float s; };
 // Per row and token: each block's integer dot product exactly, then in block order
 // acc = fma(d_w * d_x, dot, acc) and for Q4_1 acc = fma(m_w, s_x, acc), from acc = 0: the
 // portable tiles' arithmetic, bit for bit.
+// `ahead`, when not null, is the next tile's first group (the layout of w), whose weights
+// are prefetched while this tile's are first read.
 using PackedTileFn = void (*)(const std::uint8_t* w, int nr, const std::uint8_t* x,
                               std::size_t x_row_bytes, const void* x_scales, int nt,
-                              std::int64_t n_blocks, float* y, std::int64_t y_stride);
+                              std::int64_t n_blocks, float* y, std::int64_t y_stride,
+                              const std::uint8_t* ahead);
 
 // Quantizes one row of n floats (n a multiple of 32 for the block types) to `type`.
 using QuantizeFn = void (*)(const float* x, std::int64_t n, void* out);

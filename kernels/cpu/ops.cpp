@@ -136,9 +136,6 @@ std::size_t packed_block_bytes(DType t) {
   }
 }
 
-// How many row tiles ahead of the one being computed the packed weights are prefetched.
-constexpr std::int64_t kAheadTiles = 2;
-
 void matmul_group(const Kernels& k, std::span<const Matrix> w, const float* x, std::int64_t n,
                   std::span<float* const> y, void* scratch, ThreadPool& pool) {
   constexpr std::size_t kMax = 8;
@@ -216,19 +213,12 @@ void matmul_group(const Kernels& k, std::span<const Matrix> w, const float* x, s
         const std::size_t group_bytes = static_cast<std::size_t>(n_blocks[m]) * packed_block_bytes(w[m].type);
         const auto* group = static_cast<const std::uint8_t*>(w[m].packed) + (r0 / kPackRows) * group_bytes;
         // The weights come from memory (the model is larger than the caches) and the hardware
-        // does not fetch far enough ahead: the tiles kAheadTiles on in this share are asked for
-        // now (at its first tile, all those before them too), to arrive while this one is
-        // worked on.
+        // does not fetch far enough ahead: the tile asks for the next one in this share as it
+        // reads its own weights the first time, block by block.
         const std::int64_t share_end = std::min(e, first_tile[m + 1]);
-        for (std::int64_t ahead = t == b ? 1 : kAheadTiles; ahead <= kAheadTiles && t + ahead < share_end; ++ahead) {
-          const std::int64_t nr0 = r0 + ahead * kPackedTileRows;
-          const std::int64_t next_rows = std::min<std::int64_t>(kPackedTileRows, rows - nr0);
-          const std::uint8_t* next = group + ahead * (kPackedTileRows / kPackRows) * group_bytes;
-          const std::size_t bytes = static_cast<std::size_t>((next_rows + kPackRows - 1) / kPackRows) * group_bytes;
-          for (std::size_t at = 0; at < bytes; at += 64) __builtin_prefetch(next + at);
-        }
+        const std::uint8_t* ahead = t + 1 < share_end ? group + (kPackedTileRows / kPackRows) * group_bytes : nullptr;
         packed[m](group, nr, slot.rows, slot.row_bytes, slot.scales_at, static_cast<int>(n),
-                  n_blocks[m], y[m] + r0, rows);
+                  n_blocks[m], y[m] + r0, rows, ahead);
         continue;
       }
       const auto* wd = static_cast<const std::uint8_t*>(w[m].data) + r0 * w_row[m];
