@@ -151,7 +151,7 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
     proposer_ = make_ngram_proposer(speculative_.ngram_min, speculative_.ngram_max);
   if (drafter)
     proposer_ = make_model_proposer(drafter, std::move(draft_executor), options.block_size, pool_tokens);
-  blocks_ = std::make_unique<BlockPool>(BlockPoolOptions{options.block_size, n_blocks});
+  blocks_ = std::make_unique<BlockPool>(BlockPoolOptions{options.block_size, n_blocks, options.kv_recycle});
   scheduler_ = std::make_unique<Scheduler>(
       *blocks_, SchedulerOptions{options.max_sequences, budget, budget});
 }

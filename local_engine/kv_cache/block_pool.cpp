@@ -30,12 +30,13 @@ std::uint64_t mix64(std::uint64_t x) {
 
 }  // namespace
 
-BlockPool::BlockPool(BlockPoolOptions options) : block_size_(options.block_size) {
+BlockPool::BlockPool(BlockPoolOptions options)
+    : block_size_(options.block_size), recycle_(options.recycle) {
   if (options.block_size <= 0) throw std::invalid_argument("BlockPool: block_size must be > 0");
   if (options.n_blocks <= 0 || options.n_blocks > std::numeric_limits<BlockId>::max() - 2)
     throw std::invalid_argument("BlockPool: n_blocks must be in 1..INT32_MAX-2");
-  blocks_.resize(static_cast<std::size_t>(options.n_blocks) + 2);
-  for (BlockId head : {free_head(), cached_head()}) {
+  blocks_.resize(static_cast<std::size_t>(options.n_blocks) + 3);
+  for (BlockId head : {free_head(), unshared_head(), shared_head()}) {
     blocks_[static_cast<std::size_t>(head)].prev = head;
     blocks_[static_cast<std::size_t>(head)].next = head;
   }
@@ -80,26 +81,45 @@ BlockPool::Block& BlockPool::checked(BlockId id, const char* operation) {
   return const_cast<Block&>(std::as_const(*this).checked(id, operation));
 }
 
+BlockId BlockPool::evict(BlockId head) {
+  const BlockId id = blocks_[static_cast<std::size_t>(head)].next;  // released longest ago
+  Block& b = blocks_[static_cast<std::size_t>(id)];
+  by_key_.erase(b.key);
+  b.has_key = false;
+  b.key = 0;
+  if (!b.shared) --n_unshared_;
+  --n_cached_;
+  ++evictions_;
+  unlink(id);
+  return id;
+}
+
 std::optional<BlockId> BlockPool::allocate() {
   BlockId id;
-  if (n_free_ > 0) {
-    id = blocks_[static_cast<std::size_t>(free_head())].next;
+  const BlockId first_free = blocks_[static_cast<std::size_t>(free_head())].next;
+  const bool written_free = n_free_ > 0 && first_free < never_used_;
+  if (written_free || (n_free_ > 0 && !(recycle_ && n_unshared_ > 0))) {
+    id = first_free;
     --n_free_;
+    unlink(id);
+  } else if (recycle_ && n_unshared_ > 0) {
+    id = evict(unshared_head());
   } else if (n_cached_ > 0) {
-    id = blocks_[static_cast<std::size_t>(cached_head())].next;  // released longest ago
-    Block& b = blocks_[static_cast<std::size_t>(id)];
-    by_key_.erase(b.key);
-    b.has_key = false;
-    b.key = 0;
-    --n_cached_;
-    ++evictions_;
+    // The block released longest ago, of either list.
+    const BlockId u = blocks_[static_cast<std::size_t>(unshared_head())].next;
+    const BlockId s = blocks_[static_cast<std::size_t>(shared_head())].next;
+    const bool take_unshared =
+        n_unshared_ > 0 && (n_cached_ == n_unshared_ || blocks_[static_cast<std::size_t>(u)].released <
+                                                            blocks_[static_cast<std::size_t>(s)].released);
+    id = evict(take_unshared ? unshared_head() : shared_head());
   } else {
     return std::nullopt;
   }
-  unlink(id);
+  if (id >= never_used_) never_used_ = id + 1;
   Block& b = blocks_[static_cast<std::size_t>(id)];
   b.state = State::kUsed;
   b.ref_count = 1;
+  b.shared = false;
   ++n_used_;
   return id;
 }
@@ -111,8 +131,10 @@ void BlockPool::release(BlockId id) {
   --n_used_;
   if (b.has_key) {
     b.state = State::kCached;
-    push_back(cached_head(), id);  // most recently freed: evicted last
+    b.released = ++releases_;
+    push_back(b.shared ? shared_head() : unshared_head(), id);  // most recently freed: evicted last
     ++n_cached_;
+    if (!b.shared) ++n_unshared_;
   } else {
     // Reused first: its memory is the most recently touched (in cache, and paged in, where a
     // block never used yet would first be faulted in and zeroed by the system).
@@ -157,8 +179,10 @@ std::optional<BlockId> BlockPool::lookup_and_acquire(std::uint64_t key) {
     unlink(id);
     b.state = State::kUsed;
     --n_cached_;
+    if (!b.shared) --n_unshared_;
     ++n_used_;
   }
+  b.shared = true;
   ++b.ref_count;
   return id;
 }
@@ -198,11 +222,40 @@ void BlockPool::check_invariants() const {
     return count;
   };
   const std::int64_t free_listed = walk(free_head(), State::kFree, "free");
-  const std::int64_t cached_listed = walk(cached_head(), State::kCached, "cached");
+  const std::int64_t unshared_listed = walk(unshared_head(), State::kCached, "unshared");
+  const std::int64_t cached_listed = unshared_listed + walk(shared_head(), State::kCached, "shared");
+  auto check_shared = [&](BlockId head, bool shared, const char* list) {
+    std::uint64_t last = 0;
+    for (BlockId id = blocks_[static_cast<std::size_t>(head)].next; id != head;
+         id = blocks_[static_cast<std::size_t>(id)].next) {
+      const Block& b = blocks_[static_cast<std::size_t>(id)];
+      if (b.shared != shared) fail(name(id) + " on the " + list + " list is not " + list);
+      if (b.released <= last) fail(std::string(list) + " list out of release order");
+      last = b.released;
+    }
+  };
+  check_shared(unshared_head(), false, "unshared");
+  check_shared(shared_head(), true, "shared");
+  if (unshared_listed != n_unshared_) fail("unshared counter disagrees with its list");
+  // The free list: blocks written before, then those never used in id order.
+  bool in_never_used = false;
+  BlockId last_never_used = -1;
+  for (BlockId id = blocks_[static_cast<std::size_t>(free_head())].next; id != free_head();
+       id = blocks_[static_cast<std::size_t>(id)].next) {
+    if (id >= never_used_) {
+      in_never_used = true;
+      if (id <= last_never_used) fail("never-used blocks out of id order on the free list");
+      last_never_used = id;
+    } else if (in_never_used) {
+      fail(name(id) + " written before follows a never-used block on the free list");
+    }
+  }
 
   std::int64_t free = 0, cached = 0, used = 0, keyed = 0;
   for (BlockId id = 0; id < n; ++id) {
     const Block& b = blocks_[static_cast<std::size_t>(id)];
+    if (id >= never_used_ && (b.state != State::kFree || b.shared))
+      fail(name(id) + " was never allocated but is not free");
     switch (b.state) {
       case State::kFree:
         ++free;

@@ -112,6 +112,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
     options.block_size = job.backend.block_size;
     options.kv_tokens = job.backend.kv_tokens;
     options.kv_bytes = job.backend.kv_bytes;
+    options.kv_recycle = job.backend.kv_recycle;
     try {
       options.speculative = app::speculative_options(job.backend.speculative);
     } catch (const std::runtime_error& e) {

@@ -38,6 +38,7 @@ struct ServeOptions {
   long long token_budget = 0;
   int block_size = 16;
   long long kv_tokens = 0;
+  bool kv_recycle = false;
   std::string kv_memory;
   int max_queue = 256;
   double shutdown_grace = 30;
@@ -89,6 +90,9 @@ void add_serve_command(CLI::App& app) {
   serve_cmd->add_option("--kv-tokens", s.kv_tokens, "KV pool size in tokens (default: from free memory)")
       ->check(CLI::NonNegativeNumber);
   serve_cmd->add_option("--kv-memory", s.kv_memory, "KV pool size in bytes, e.g. 2GiB (default: from free memory)");
+  serve_cmd->add_flag("--kv-recycle", s.kv_recycle,
+                      "Reuse the KV blocks of finished requests that nothing shared before taking pool memory "
+                      "never used (the prefix cache then forgets unshared prompts sooner)");
   serve_cmd->add_option("--max-queue", s.max_queue,
                         "Requests waiting beyond --max-sequences before new ones get 429")
       ->check(CLI::Range(0, 1 << 20))->capture_default_str();
@@ -132,6 +136,7 @@ int run_serve_command() {
   engine.token_budget = s.token_budget;
   engine.block_size = s.block_size;
   engine.kv_tokens = s.kv_tokens;
+  engine.kv_recycle = s.kv_recycle;
   if (!s.kv_memory.empty()) {
     const auto bytes = runner::parse_byte_size(s.kv_memory);
     if (!bytes) throw std::runtime_error("--kv-memory: expected a size such as 2GiB or 512MiB, got '" + s.kv_memory + "'");

@@ -855,6 +855,24 @@ TEST_F(Serve, ConcurrentRequestsAreServedTogether) {
   EXPECT_GT(after["engine"]["steps"].get<long long>(), steps_before);
 }
 
+// --kv-recycle reuses finished requests' blocks before new pool memory: a prompt sent again
+// at once still comes from the prefix cache, and the answers do not change.
+TEST_F(Serve, RecyclingKvBlocksKeepsAnswersAndRecentPrompts) {
+  auto s = serve({"--kv-recycle", "--kv-tokens", "512"});
+  const std::string prompt = "Tell me about the sea, the sky and the mountains, and then about rivers.";
+  std::vector<std::string> answers;
+  for (int i = 0; i < 3; ++i) {
+    HttpResponse r = post(*s, "/v1/chat/completions", chat_request(prompt, {{"max_tokens", 24}, {"temperature", 0}}));
+    ASSERT_EQ(r.status, 200) << r.body;
+    answers.push_back(r.json_body()["choices"][0]["message"]["content"]);
+  }
+  EXPECT_EQ(answers[1], answers[0]);
+  EXPECT_EQ(answers[2], answers[0]);
+  const json engine = health(*s)["engine"];
+  EXPECT_GT(engine["prompt_tokens_cached"].get<long long>(), 0) << engine.dump();
+  EXPECT_EQ(engine["blocks_used"], 0) << engine.dump();
+}
+
 TEST_F(Serve, OverCapacityIs429WithRetryAfter) {
   write_long_model();
   auto s = serve({"--max-sequences", "1", "--max-queue", "0"}, {}, "long.gguf");

@@ -138,6 +138,77 @@ TEST(BlockPool, PrefersFreeBlocksToEvictingCachedOnes) {
   pool.check_invariants();
 }
 
+TEST(BlockPool, ReusesBlocksWrittenBeforeAheadOfNeverUsedOnes) {
+  BlockPool pool({.block_size = 4, .n_blocks = 4});
+  const BlockId a = *pool.allocate(), b = *pool.allocate();
+  ASSERT_EQ(a, 0);
+  ASSERT_EQ(b, 1);
+  pool.release(a);
+  pool.release(b);
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(b));  // released last, so most likely cached
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(a));
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(2));  // then memory never used, in order
+  pool.check_invariants();
+}
+
+// Blocks a (shared: found again by a lookup) and b (unshared) cached; blocks 2 and 3 never used.
+BlockPool pool_with_shared_and_unshared_cached(bool recycle, BlockId& a, BlockId& b) {
+  BlockPool pool({.block_size = 4, .n_blocks = 4, .recycle = recycle});
+  a = *pool.allocate();
+  b = *pool.allocate();
+  pool.publish(a, 1);
+  pool.publish(b, 2);
+  EXPECT_EQ(pool.lookup_and_acquire(1), std::optional<BlockId>(a));
+  pool.release(a);
+  pool.release(a);
+  pool.release(b);
+  EXPECT_EQ(pool.stats().cached_free, 2);
+  pool.check_invariants();
+  return pool;
+}
+
+TEST(BlockPool, RecyclingEvictsUnsharedCachedBlocksBeforeTouchingNewMemory) {
+  BlockId a = -1, b = -1;
+  BlockPool pool = pool_with_shared_and_unshared_cached(true, a, b);
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(b));
+  EXPECT_EQ(pool.stats().evictions, 1);
+  EXPECT_FALSE(pool.lookup_and_acquire(2).has_value());
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(2));  // the shared block is kept
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(3));
+  pool.check_invariants();
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(a));  // until nothing else is left
+  EXPECT_FALSE(pool.allocate().has_value());
+  EXPECT_FALSE(pool.lookup_and_acquire(1).has_value());
+  pool.check_invariants();
+}
+
+TEST(BlockPool, WithoutRecyclingTheCacheSpreadsOverThePool) {
+  BlockId a = -1, b = -1;
+  BlockPool pool = pool_with_shared_and_unshared_cached(false, a, b);
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(2));
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(3));
+  EXPECT_EQ(pool.stats().evictions, 0);
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(a));  // released longest ago, shared or not
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(b));
+  EXPECT_EQ(pool.stats().evictions, 2);
+  pool.check_invariants();
+}
+
+TEST(BlockPool, ABlockIsSharedOnlyUntilItIsEvicted) {
+  BlockPool pool({.block_size = 4, .n_blocks = 1, .recycle = true});
+  const BlockId a = *pool.allocate();
+  pool.publish(a, 1);
+  ASSERT_TRUE(pool.lookup_and_acquire(1).has_value());
+  pool.release(a);
+  pool.release(a);
+  ASSERT_EQ(pool.allocate(), std::optional<BlockId>(a));  // evicted, the only block
+  pool.publish(a, 2);
+  pool.release(a);  // cached again, and unshared now
+  pool.check_invariants();
+  EXPECT_EQ(pool.allocate(), std::optional<BlockId>(a));
+  pool.check_invariants();
+}
+
 TEST(BlockPool, PublishingADuplicateKeyKeepsTheFirstBlock) {
   BlockPool pool({.block_size = 4, .n_blocks = 3});
   BlockId a = *pool.allocate(), b = *pool.allocate();
@@ -335,10 +406,12 @@ TEST(SequenceBlocks, CommitPublishesOnlyNewlyFilledBlocks) {
 // Arrivals with prompts drawn from a few shared prefixes, decode growth, finishes and
 // cancellations at any point, against a shadow of what each block holds: a block a sequence
 // writes must be its alone, and a block reused from the cache must hold the prompt's tokens.
-TEST(SequenceBlocks, RandomWorkloadKeepsInvariantsAndLeaksNothing) {
+class RandomWorkload : public ::testing::TestWithParam<bool> {};
+
+TEST_P(RandomWorkload, KeepsInvariantsAndLeaksNothing) {
   constexpr int kBlockSize = 8;
   constexpr std::int64_t kBlocks = 40;  // small enough that rejections and preemptions happen
-  BlockPool pool({.block_size = kBlockSize, .n_blocks = kBlocks});
+  BlockPool pool({.block_size = kBlockSize, .n_blocks = kBlocks, .recycle = GetParam()});
   std::mt19937_64 rng(20240611);
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
 
@@ -447,6 +520,11 @@ TEST(SequenceBlocks, RandomWorkloadKeepsInvariantsAndLeaksNothing) {
   RecordProperty("rejected", static_cast<int>(rejected));
   RecordProperty("preempted", static_cast<int>(preempted));
 }
+
+INSTANTIATE_TEST_SUITE_P(SequenceBlocks, RandomWorkload, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Recycling" : "SpreadingOverThePool";
+                         });
 
 }  // namespace
 }  // namespace batchlm::local_engine

@@ -109,6 +109,8 @@ TEST_F(JobFile, LocalEngineLimits) {
   EXPECT_EQ(defaults.backend.block_size, 16);
   EXPECT_EQ(defaults.backend.kv_tokens, 0);
   EXPECT_EQ(defaults.backend.kv_bytes, 0);
+  EXPECT_TRUE(defaults.backend.kv_recycle);  // a job's items do not come back
+  EXPECT_FALSE(load(with_input("backend: {kv_recycle: false}\n")).backend.kv_recycle);
 
   auto error_of = [&](const std::string& yaml) -> std::string {
     try {
@@ -127,9 +129,12 @@ TEST_F(JobFile, LocalEngineLimits) {
   const std::string memory = error_of("backend: {kv_memory: lots}\n");
   EXPECT_NE(memory.find("backend.kv_memory"), std::string::npos) << memory;
   EXPECT_NE(memory.find("'lots'"), std::string::npos) << memory;
+  EXPECT_NE(error_of("backend: {kv_recycle: sometimes}\n").find("backend.kv_recycle"), std::string::npos);
   // Overrides reach the same keys.
-  JobSpec set = load(with_input(""), {parse_override("backend.max_sequences=4")});
+  JobSpec set = load(with_input(""), {parse_override("backend.max_sequences=4"),
+                                      parse_override("backend.kv_recycle=false")});
   EXPECT_EQ(set.backend.max_sequences, 4);
+  EXPECT_FALSE(set.backend.kv_recycle);
 }
 
 TEST(ByteSize, UnitsAndErrors) {

@@ -42,6 +42,10 @@ struct LocalBackendOptions {
   // contexts but at most a quarter of the memory available now. Never less than one context.
   std::int64_t kv_tokens = 0;
   std::int64_t kv_bytes = 0;
+  // Reuse the blocks of finished sequences that no other sequence shared before taking pool
+  // memory never used (BlockPoolOptions::recycle): the pool's memory then grows only with the
+  // running sequences, at the cost of a prefix cache that forgets unshared prompts sooner.
+  bool kv_recycle = false;
   SpeculativeOptions speculative;  // method kNone: off
   Device device = Device::kAuto;   // auto: CUDA when a usable GPU is present, else the CPU
   bool cuda_graphs = true;         // CUDA: replay decode steps from captured graphs

@@ -7,8 +7,13 @@
 //
 // A block is in exactly one state:
 //   free    refcount 0, no key; never used or freed without a key.
-//   cached  refcount 0, keyed; still findable by lookup_and_acquire until evicted.
+//   cached  refcount 0, keyed; still findable by lookup_and_acquire until evicted. A cached
+//           block that lookup_and_acquire has found at least once is "shared", any other
+//           "unshared" (its tokens were one sequence's own so far).
 //   used    refcount > 0, keyed (published) or not.
+// Memory a block has never held is only touched when the block is first written, and the
+// first touch is what costs (the system maps and zeroes the pages), so allocate() reuses
+// blocks whose memory has been written before where it can (see BlockPoolOptions::recycle).
 // Every operation is O(1) expected (a hash map and two intrusive lists); check_invariants() is
 // O(n_blocks) and meant for tests. Thread-compatible: the engine thread alone uses a pool.
 
@@ -25,6 +30,14 @@ using BlockId = std::int32_t;
 struct BlockPoolOptions {
   int block_size = 16;        // tokens per block
   std::int64_t n_blocks = 0;  // > 0 and <= INT32_MAX
+  // false: the prefix cache may spread over the whole pool; a block never used is taken
+  // before any cached block is evicted. true: cached blocks never found again (the prompts
+  // and outputs of finished sequences that no other sequence shared) are evicted before a
+  // block never used is taken, so the pool's memory grows only with the running sequences
+  // and reuses what is already paged in; shared cached blocks (a common prompt prefix) are
+  // still kept until nothing else is left. Suits batch jobs, whose items share a prefix but
+  // do not come back.
+  bool recycle = false;
 };
 
 struct BlockPoolStats {
@@ -46,12 +59,14 @@ class BlockPool {
   explicit BlockPool(BlockPoolOptions options);
 
   int block_size() const { return block_size_; }
-  std::int64_t n_blocks() const { return static_cast<std::int64_t>(blocks_.size()) - 2; }
+  std::int64_t n_blocks() const { return static_cast<std::int64_t>(blocks_.size()) - 3; }
   // Blocks allocate() can still hand out: free plus cached (by evicting).
   std::int64_t available() const { return n_free_ + n_cached_; }
 
-  // A block with refcount 1. Takes a free block first; else evicts the cached block released
-  // longest ago (its key is forgotten); nullopt when every block is used.
+  // A block with refcount 1, the first there is of: a free block written before (the most
+  // recently released first); with `recycle`, an unshared cached block (released longest ago
+  // first); a block never used (lowest id first); the cached block released longest ago. An
+  // evicted block's key is forgotten. nullopt when every block is used.
   std::optional<BlockId> allocate();
   // Drops one reference. At 0 a keyed block becomes cached (most recently freed), any other
   // block free. Throws std::logic_error when the block is not used (refcount would go < 0).
@@ -80,13 +95,19 @@ class BlockPool {
     std::int32_t ref_count = 0;
     State state = State::kFree;
     bool has_key = false;
+    bool shared = false;  // found by lookup_and_acquire since it was last allocated
     std::uint64_t key = 0;
+    std::uint64_t released = 0;    // when it last became cached (a release count)
     BlockId prev = -1, next = -1;  // links of the free or cached list this block is on
   };
 
-  // Circular doubly linked lists threaded through blocks_, with sentinels at the end of blocks_.
-  BlockId free_head() const { return static_cast<BlockId>(blocks_.size() - 2); }
-  BlockId cached_head() const { return static_cast<BlockId>(blocks_.size() - 1); }
+  // Circular doubly linked lists threaded through blocks_, with sentinels at the end of blocks_:
+  // the free blocks (written-before ones at the front, most recent first; then the blocks never
+  // used, in id order), and the cached blocks unshared and shared, each released longest ago first.
+  BlockId free_head() const { return static_cast<BlockId>(blocks_.size() - 3); }
+  BlockId unshared_head() const { return static_cast<BlockId>(blocks_.size() - 2); }
+  BlockId shared_head() const { return static_cast<BlockId>(blocks_.size() - 1); }
+  BlockId evict(BlockId head);  // the first block of a cached list, made keyless and unlinked
   void push_back(BlockId head, BlockId id);
   void push_front(BlockId head, BlockId id);
   void unlink(BlockId id);
@@ -94,9 +115,13 @@ class BlockPool {
   Block& checked(BlockId id, const char* operation);
 
   int block_size_;
-  std::vector<Block> blocks_;                       // n_blocks + 2 sentinels
+  bool recycle_;
+  std::vector<Block> blocks_;                       // n_blocks + 3 sentinels
   std::unordered_map<std::uint64_t, BlockId> by_key_;  // published blocks, used or cached
   std::int64_t n_free_ = 0, n_cached_ = 0, n_used_ = 0;
+  std::int64_t n_unshared_ = 0;  // of n_cached_
+  BlockId never_used_ = 0;       // blocks [never_used_, n_blocks) have never been allocated
+  std::uint64_t releases_ = 0;
   std::int64_t hits_ = 0, misses_ = 0, evictions_ = 0;
 };
 

@@ -102,6 +102,9 @@ struct BackendSpec {
   int block_size = 16;
   std::int64_t kv_tokens = 0;
   std::int64_t kv_bytes = 0;
+  // local: reuse the KV blocks of finished items before taking pool memory never used (the
+  // items of a job share a prompt prefix at most, and that stays cached).
+  bool kv_recycle = true;
   // local, speculative decoding (backend.speculative): method none|draft|self|ngram, the draft
   // model (draft), the target's layers that draft (self; 0: a quarter), the bounds of each
   // sequence's draft length, and the n-gram lengths looked up (ngram).
