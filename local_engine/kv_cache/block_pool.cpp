@@ -95,23 +95,25 @@ BlockId BlockPool::evict(BlockId head) {
 }
 
 std::optional<BlockId> BlockPool::allocate() {
-  BlockId id;
   const BlockId first_free = blocks_[static_cast<std::size_t>(free_head())].next;
-  const bool written_free = n_free_ > 0 && first_free < never_used_;
-  if (written_free || (n_free_ > 0 && !(recycle_ && n_unshared_ > 0))) {
-    id = first_free;
+  const auto take_free = [&] {
     --n_free_;
-    unlink(id);
+    unlink(first_free);
+    return first_free;
+  };
+  BlockId id;
+  if (n_free_ > 0 && first_free < never_used_) {  // written before
+    id = take_free();
   } else if (recycle_ && n_unshared_ > 0) {
     id = evict(unshared_head());
+  } else if (n_free_ > 0) {  // never used
+    id = take_free();
   } else if (n_cached_ > 0) {
     // The block released longest ago, of either list.
-    const BlockId u = blocks_[static_cast<std::size_t>(unshared_head())].next;
-    const BlockId s = blocks_[static_cast<std::size_t>(shared_head())].next;
-    const bool take_unshared =
-        n_unshared_ > 0 && (n_cached_ == n_unshared_ || blocks_[static_cast<std::size_t>(u)].released <
-                                                            blocks_[static_cast<std::size_t>(s)].released);
-    id = evict(take_unshared ? unshared_head() : shared_head());
+    const Block& u = blocks_[static_cast<std::size_t>(blocks_[static_cast<std::size_t>(unshared_head())].next)];
+    const Block& s = blocks_[static_cast<std::size_t>(blocks_[static_cast<std::size_t>(shared_head())].next)];
+    const bool shared_empty = n_cached_ == n_unshared_;
+    id = evict(n_unshared_ > 0 && (shared_empty || u.released < s.released) ? unshared_head() : shared_head());
   } else {
     return std::nullopt;
   }

@@ -14,7 +14,7 @@
 // Memory a block has never held is only touched when the block is first written, and the
 // first touch is what costs (the system maps and zeroes the pages), so allocate() reuses
 // blocks whose memory has been written before where it can (see BlockPoolOptions::recycle).
-// Every operation is O(1) expected (a hash map and two intrusive lists); check_invariants() is
+// Every operation is O(1) expected (a hash map and three intrusive lists); check_invariants() is
 // O(n_blocks) and meant for tests. Thread-compatible: the engine thread alone uses a pool.
 
 #include <cstdint>
