@@ -334,6 +334,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     Connection c(std::move(socket));
     connections.push_back(&c);
     const auto me = std::prev(connections.end());
+    bool unread_body = false;  // the client may still be sending a body we refused
     try {
       for (;;) {
         if (draining) break;
@@ -355,6 +356,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
           if (ec == http::error::body_limit) {
             HttpRequest head = parser.release();
             head.keep_alive(false);
+            unread_body = true;
             co_await send_error(c, head,
                                 ApiError(413, "invalid_request_error", "",
                                          "the request body exceeds " + std::to_string(options.max_body_bytes) + " bytes"));
@@ -379,6 +381,22 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     }
     boost::system::error_code ignored;
     c.stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    if (unread_body) {
+      // Closing with unread bytes in the socket makes the system reset the connection, and a
+      // client still sending its body may then lose the answer before reading it. Read and drop
+      // what it sends until it stops (or for a few seconds) first: a lingering close.
+      c.stream.expires_after(std::chrono::seconds(3));
+      std::size_t dropped = 0;
+      try {
+        for (;;) {
+          auto [ec, n] = co_await c.stream.async_read_some(c.buffer.prepare(64 * 1024), use_tuple);
+          if (ec) break;
+          dropped += n;
+          if (dropped > 4 * options.max_body_bytes) break;
+        }
+      } catch (const std::exception&) {
+      }
+    }
     c.stream.socket().close(ignored);
     connections.erase(me);
     if (draining) maybe_drained();
