@@ -14,6 +14,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -26,23 +27,23 @@ namespace {
 
 namespace k = batchlm::kernels;
 
-// One row of random blocks in the GGUF layout of `type`: scales about 0.01, quants uniform.
+// One row of random blocks of `type` (dtype.hpp's block layouts): scales about 0.01, quants
+// uniform.
 std::vector<std::uint8_t> random_row_bytes(k::DType type, std::int64_t cols, std::mt19937& rng) {
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(0.005f, 0.02f);
-  const std::int64_t blocks = cols / 32;
-  std::vector<std::uint8_t> out;
-  const auto put_f16 = [&](float v) {
-    const std::uint16_t h = k::fp32_to_fp16(v);
-    out.push_back(static_cast<std::uint8_t>(h & 0xff));
-    out.push_back(static_cast<std::uint8_t>(h >> 8));
+  std::vector<std::uint8_t> out(k::row_bytes(type, cols));
+  const auto fill = [&](auto* blocks) {
+    for (std::int64_t b = 0; b < cols / 32; ++b) {
+      auto& blk = blocks[b];
+      blk.d = k::fp32_to_fp16(scale(rng));
+      if constexpr (requires { blk.m; }) blk.m = k::fp32_to_fp16(-8.0f * scale(rng));
+      for (auto& q : blk.qs) q = static_cast<std::remove_reference_t<decltype(q)>>(byte(rng));
+    }
   };
-  for (std::int64_t b = 0; b < blocks; ++b) {
-    put_f16(scale(rng));
-    if (type == k::DType::Q4_1) put_f16(-8.0f * scale(rng));
-    const int quant_bytes = type == k::DType::Q8_0 ? 32 : 16;
-    for (int i = 0; i < quant_bytes; ++i) out.push_back(static_cast<std::uint8_t>(byte(rng)));
-  }
+  if (type == k::DType::Q4_0) fill(reinterpret_cast<k::BlockQ4_0*>(out.data()));
+  else if (type == k::DType::Q4_1) fill(reinterpret_cast<k::BlockQ4_1*>(out.data()));
+  else fill(reinterpret_cast<k::BlockQ8_0*>(out.data()));
   return out;
 }
 

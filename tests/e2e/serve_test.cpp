@@ -855,22 +855,38 @@ TEST_F(Serve, ConcurrentRequestsAreServedTogether) {
   EXPECT_GT(after["engine"]["steps"].get<long long>(), steps_before);
 }
 
-// --kv-recycle reuses finished requests' blocks before new pool memory: a prompt sent again
-// at once still comes from the prefix cache, and the answers do not change.
-TEST_F(Serve, RecyclingKvBlocksKeepsAnswersAndRecentPrompts) {
-  auto s = serve({"--kv-recycle", "--kv-tokens", "512"});
-  const std::string prompt = "Tell me about the sea, the sky and the mountains, and then about rivers.";
-  std::vector<std::string> answers;
-  for (int i = 0; i < 3; ++i) {
-    HttpResponse r = post(*s, "/v1/chat/completions", chat_request(prompt, {{"max_tokens", 24}, {"temperature", 0}}));
-    ASSERT_EQ(r.status, 200) << r.body;
-    answers.push_back(r.json_body()["choices"][0]["message"]["content"]);
-  }
-  EXPECT_EQ(answers[1], answers[0]);
-  EXPECT_EQ(answers[2], answers[0]);
-  const json engine = health(*s)["engine"];
-  EXPECT_GT(engine["prompt_tokens_cached"].get<long long>(), 0) << engine.dump();
-  EXPECT_EQ(engine["blocks_used"], 0) << engine.dump();
+// --kv-recycle reuses finished requests' unshared blocks before new pool memory. Prompt A, a
+// different prompt B, then A again: without it A's blocks are still cached the third time;
+// with it B's blocks were taken from A's, so A finds less of itself, yet every answer is the
+// same (a reused block is written afresh).
+TEST_F(Serve, RecyclingKvBlocksReusesFinishedRequestsMemory) {
+  const std::string a = "Tell me about the sea, the sky and the mountains, and then about rivers.";
+  const std::string b = "Numbers and letters: one two three four five six seven eight nine ten eleven.";
+  struct Outcome {
+    std::vector<std::string> answers;
+    long long a_again_cached = 0;  // prompt tokens of the third request found in the cache
+  };
+  const auto run = [&](std::vector<std::string> flags) {
+    auto s = serve(std::move(flags));
+    Outcome out;
+    long long cached_before = 0;
+    for (const std::string* prompt : {&a, &b, &a}) {
+      cached_before = health(*s)["engine"]["prompt_tokens_cached"].get<long long>();
+      HttpResponse r = post(*s, "/v1/chat/completions", chat_request(*prompt, {{"max_tokens", 24}, {"temperature", 0}}));
+      EXPECT_EQ(r.status, 200) << r.body;
+      out.answers.push_back(r.status == 200 ? r.json_body()["choices"][0]["message"]["content"].get<std::string>() : "");
+    }
+    const json engine = health(*s)["engine"];
+    out.a_again_cached = engine["prompt_tokens_cached"].get<long long>() - cached_before;
+    EXPECT_EQ(engine["blocks_used"], 0) << engine.dump();
+    return out;
+  };
+  const Outcome spread = run({"--kv-tokens", "512"});
+  const Outcome recycled = run({"--kv-tokens", "512", "--kv-recycle"});
+  EXPECT_EQ(recycled.answers, spread.answers);
+  EXPECT_EQ(spread.answers[2], spread.answers[0]);
+  EXPECT_GT(spread.a_again_cached, 0);
+  EXPECT_LT(recycled.a_again_cached, spread.a_again_cached);
 }
 
 TEST_F(Serve, OverCapacityIs429WithRetryAfter) {
