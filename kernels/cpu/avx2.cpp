@@ -800,6 +800,72 @@ inline void convert_rows(const std::uint16_t* pool, const std::int64_t* rows, st
   for (std::int64_t r = n; r < ((n + 15) & ~std::int64_t{15}); ++r)
     for (int c = 0; c < 4; ++c) _mm512_store_ps(out + r * 64 + c * 16, _mm512_setzero_ps());
 }
+
+// A key row of 64 F16 values as four vectors of 16 floats.
+struct Row64 {
+  __m512 c[4];
+  explicit Row64(const std::uint16_t* p) {
+    const auto* v = reinterpret_cast<const __m256i*>(p);
+    for (int i = 0; i < 4; ++i) c[i] = cvtph16(_mm256_loadu_si256(v + i));
+  }
+};
+
+// The scores of NQ queries (at most 4) over rows [0, n_rows), for few queries: each key row is
+// converted in registers and used at once by every query, with no staging buffer, and its
+// accumulators are folded into reduce16's tree as soon as the stage they feed is complete
+// (rows 2m and 2m + 1 into w[m], then w pairs into s, s pairs into u), so only a few vectors
+// per query stay live. The pairs are reduce16's, so the sums are the same bits.
+template <int NQ>
+void score_few(const float* q, const std::uint16_t* pool, const std::int64_t* rows,
+               std::int64_t n_rows, float scale, float* scores, std::int64_t ld) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  alignas(64) static constexpr std::uint16_t kZeroRow[64] = {};
+  for (std::int64_t r = 0; r < std::min(n_rows, kPrefetchRows); ++r) prefetch_row(pool, rows[r]);
+  for (std::int64_t b = 0; b < n_rows; b += 16) {
+    const int n16 = static_cast<int>(std::min<std::int64_t>(16, n_rows - b));
+    __m512 first[NQ], w_even[NQ], s_low[NQ], u_low[NQ], u_high[NQ];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if (b + i + kPrefetchRows < n_rows) prefetch_row(pool, rows[b + i + kPrefetchRows]);
+      const Row64 k(i < n16 ? pool + rows[b + i] : kZeroRow);  // rows past the end: zeros
+#pragma GCC unroll 4
+      for (int u = 0; u < NQ; ++u) {
+        const float* qu = q + u * 64;
+        __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(qu), k.c[0], _mm512_setzero_ps());
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(qu + 16), k.c[1], a);
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(qu + 32), k.c[2], a);
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(qu + 48), k.c[3], a);
+        if (i % 2 == 0) {
+          first[u] = a;
+          continue;
+        }
+        const __m512 w = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(0xffff, first[u], a, 0x44),
+                                       _mm512_maskz_shuffle_f32x4(0xffff, first[u], a, 0xEE));
+        if (i % 4 == 1) {
+          w_even[u] = w;
+          continue;
+        }
+        const __m512 sv = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(0xffff, w_even[u], w, 0x88),
+                                        _mm512_maskz_shuffle_f32x4(0xffff, w_even[u], w, 0xDD));
+        if (i % 8 == 3) {
+          s_low[u] = sv;
+          continue;
+        }
+        const __m512 uv = _mm512_add_ps(_mm512_maskz_shuffle_ps(0xffff, s_low[u], sv, 0x44),
+                                        _mm512_maskz_shuffle_ps(0xffff, s_low[u], sv, 0xEE));
+        (i < 8 ? u_low : u_high)[u] = uv;
+      }
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < NQ; ++u) {
+      const __m512 r = _mm512_add_ps(_mm512_maskz_shuffle_ps(0xffff, u_low[u], u_high[u], 0x88),
+                                     _mm512_maskz_shuffle_ps(0xffff, u_low[u], u_high[u], 0xDD));
+      const __m512 sums = _mm512_mul_ps(_mm512_maskz_permutexvar_ps(0xffff, order, r), vscale);
+      _mm512_mask_storeu_ps(scores + u * ld + b, static_cast<__mmask16>((1u << n16) - 1), sums);
+    }
+  }
+}
 #endif
 
 // Head dimension 64 (the common case): the key row is converted from F16 once and used for
@@ -818,6 +884,19 @@ void score_rows(const float* q, int n_q, const std::uint16_t* pool, const std::i
   // a chunk are converted once; each query then scores 16 rows at a time and reduces their 16
   // accumulators together (reduce16), pairing the lanes exactly as hsum(a0 + a1) does: the
   // same scores bit for bit, one vector store per 16.
+  // Below about a dozen queries a staged key row is not reused enough to pay for its store and
+  // reload: four at a time straight from the pool instead.
+  if (n_q < 12) {
+    int j = 0;
+    for (; j + 4 <= n_q; j += 4) score_few<4>(q + j * 64, pool, rows, n_rows, scale, scores + j * ld, ld);
+    switch (n_q - j) {
+      case 3: score_few<3>(q + j * 64, pool, rows, n_rows, scale, scores + j * ld, ld); break;
+      case 2: score_few<2>(q + j * 64, pool, rows, n_rows, scale, scores + j * ld, ld); break;
+      case 1: score_few<1>(q + j * 64, pool, rows, n_rows, scale, scores + j * ld, ld); break;
+      default: break;
+    }
+    return;
+  }
   constexpr std::int64_t kChunk = 32;
   alignas(64) float kf[kChunk * 64];
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -863,29 +942,41 @@ void score_rows(const float* q, int n_q, const std::uint16_t* pool, const std::i
 }
 
 #if defined(BATCHLM_KERNELS_AVX512)
-// NQ queries' sums over nr converted value rows (vf, 64 floats apiece), added to out (64 per
-// query): 4 NQ accumulators in registers, each value row loaded once for all of them, and
-// every element's sum taken row by row.
+// NQ queries' sums over value rows [0, n_rows), added to out (64 per query): 4 NQ accumulators
+// in registers, each row converted from F16 in registers and used at once by all of them, and
+// every element's sum taken row by row. With no staging buffer the value stream costs no store
+// and reload, so even one query runs close to its multiply-adds.
 template <int NQ>
-inline void mix_pass(const float* probs, std::int64_t ld, const float* vf, std::int64_t nr, float* out) {
+void mix_pass(const float* probs, std::int64_t ld, const std::uint16_t* pool, const std::int64_t* rows,
+              std::int64_t n_rows, float* out) {
   __m512 a[NQ][4];
+#pragma GCC unroll 8
   for (int u = 0; u < NQ; ++u)
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) a[u][c] = _mm512_loadu_ps(out + u * 64 + c * 16);
-  for (std::int64_t r = 0; r < nr; ++r) {
+  for (std::int64_t r = 0; r < std::min(n_rows, kPrefetchRows); ++r) prefetch_row(pool, rows[r]);
+  for (std::int64_t r = 0; r < n_rows; ++r) {
+    if (r + kPrefetchRows < n_rows) prefetch_row(pool, rows[r + kPrefetchRows]);
+    const auto* v = reinterpret_cast<const __m256i*>(pool + rows[r]);
     __m512 w[NQ];
+#pragma GCC unroll 8
     for (int u = 0; u < NQ; ++u) w[u] = _mm512_set1_ps(probs[u * ld + r]);
-    for (int c = 0; c < 4; ++c) {
-      const __m512 vv = _mm512_load_ps(vf + r * 64 + c * 16);
-      for (int u = 0; u < NQ; ++u) a[u][c] = _mm512_fmadd_ps(w[u], vv, a[u][c]);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // a quarter of the row at a time: 24 + 6 + 1 registers at most
+      const __m512 vc = cvtph16(_mm256_loadu_si256(v + c));
+#pragma GCC unroll 8
+      for (int u = 0; u < NQ; ++u) a[u][c] = _mm512_fmadd_ps(w[u], vc, a[u][c]);
     }
   }
+#pragma GCC unroll 8
   for (int u = 0; u < NQ; ++u)
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + u * 64 + c * 16, a[u][c]);
 }
 #endif
 
-// Head dimension 64: value rows are converted to F32 a chunk at a time, then each query keeps
-// its 64 sums in registers across the chunk (the per-element sums of axpy_f16, in row order).
+// Head dimension 64: each query keeps its 64 sums in registers across the rows (the
+// per-element sums of axpy_f16, in row order).
 void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
               std::int64_t n_rows, std::int64_t dim, float* out, std::int64_t ld) {
   if (dim != 64) {
@@ -893,20 +984,23 @@ void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std:
       for (std::int64_t r = 0; r < n_rows; ++r) axpy_f16(probs[j * ld + r], pool + rows[r], out + j * dim, dim);
     return;
   }
-  constexpr std::int64_t kChunk = 32;
-  alignas(64) float vf[kChunk * 64];
 #if defined(BATCHLM_KERNELS_AVX512)
-  // Sixteen lanes, four (then two, then one) queries per pass over the chunk: each element's
-  // sum is still taken row by row, so the results are those of the eight-lane loop below.
-  for (std::int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {
-    const std::int64_t nr = std::min(kChunk, n_rows - r0);
-    convert_rows(pool, rows + r0, nr, n_rows - r0 - nr, r0 == 0, vf);
-    int j = 0;
-    for (; j + 4 <= n_q; j += 4) mix_pass<4>(probs + j * ld + r0, ld, vf, nr, out + j * 64);
-    for (; j + 2 <= n_q; j += 2) mix_pass<2>(probs + j * ld + r0, ld, vf, nr, out + j * 64);
-    for (; j < n_q; ++j) mix_pass<1>(probs + j * ld + r0, ld, vf, nr, out + j * 64);
+  // Sixteen lanes, six queries per pass over the rows (24 accumulators), the rest in one last
+  // pass: each element's sum is still taken row by row, so the results are those of the
+  // eight-lane loop below.
+  int j = 0;
+  for (; j + 6 <= n_q; j += 6) mix_pass<6>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64);
+  switch (n_q - j) {
+    case 5: mix_pass<5>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64); break;
+    case 4: mix_pass<4>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64); break;
+    case 3: mix_pass<3>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64); break;
+    case 2: mix_pass<2>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64); break;
+    case 1: mix_pass<1>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64); break;
+    default: break;
   }
 #else
+  constexpr std::int64_t kChunk = 32;
+  alignas(64) float vf[kChunk * 64];
   for (std::int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {
     const std::int64_t nr = std::min(kChunk, n_rows - r0);
     for (std::int64_t r = 0; r < nr; ++r) {

@@ -356,8 +356,10 @@ TEST(Quantize, EveryPathGivesThePortableBytes) {
 
 // The gathered-row attention kernels give bit for bit what dot_f16 / axpy_f16 give row by row,
 // on every path, for the head size with a fast path (64) and one without (40), with scores
-// spaced by a leading dimension, more rows than one chunk of the value conversion, and query
-// counts that take every pass width of the value sums (four, two and one at a time).
+// spaced by a leading dimension, row counts that end inside a block of 16 and past a chunk of
+// the key conversion, and query counts that take every pass width of the value sums (one to
+// six at a time) and both score paths (a few queries straight from the pool, a dozen or more
+// over staged key rows).
 TEST(Attention, RowKernelsMatchRowByRow) {
   std::vector<const cpu::Kernels*> paths = {&cpu::portable_kernels()};
   if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
@@ -365,7 +367,7 @@ TEST(Attention, RowKernelsMatchRowByRow) {
   if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
   for (const std::int64_t dim : {64, 40})
     for (const std::int64_t n_rows : {1, 37, 70})
-      for (const int n_q : {1, 3, 7, 12, 17, 48}) {
+      for (const int n_q : {1, 2, 3, 4, 5, 7, 11, 12, 17, 48}) {
         const std::int64_t stride = 3 * dim, ld = n_rows + 5;
         const auto pf = random_floats(50 * stride, 60);
         std::vector<std::uint16_t> pool(pf.size());
