@@ -473,9 +473,12 @@ namespace {
 // KV head kvh.
 void gather_rows(const AttentionShape& s, const PagedKv& kv, std::span<const std::int32_t> table,
                  std::int64_t kvh, std::int64_t from, std::int64_t to, std::int64_t* rows) {
-  for (std::int64_t p = from; p < to; ++p) {
-    const std::int64_t block = table[p / kv.block_size];
-    rows[p - from] = (block * kv.block_size + p % kv.block_size) * s.kv_stride + kvh * s.head_dim;
+  // A block at a time: one table lookup per block, then consecutive slots.
+  for (std::int64_t p = from; p < to;) {
+    const std::int64_t slot = p % kv.block_size;
+    const std::int64_t end = std::min(to, p - slot + kv.block_size);
+    std::int64_t at = (table[p / kv.block_size] * kv.block_size + slot) * s.kv_stride + kvh * s.head_dim;
+    for (; p < end; ++p, at += s.kv_stride) rows[p - from] = at;
   }
 }
 

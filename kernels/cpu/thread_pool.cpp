@@ -42,12 +42,13 @@ void ThreadPool::parallel_for(std::int64_t n, std::int64_t grain, const Body& fn
     fn(0, n, 0);
     return;
   }
-  // Threads take chunks from a shared counter, about eight per thread (single items when there
-  // are fewer), so uneven items (the causal attention of a prompt: later tokens see more) and
+  // Threads take chunks from a shared counter, each a share of what is left (a quarter of it
+  // per thread pair, never below `grain`): large contiguous parts first, then smaller and
+  // smaller ones, so uneven items (the causal attention of a prompt: later tokens see more) and
   // item counts that do not divide by the threads still end at about the same time.
   body_ = &fn;
   n_ = n;
-  chunk_ = std::max(grain, n / (parts * 8));
+  chunk_ = grain;
   next_.store(0);
   pending_.store(n_threads_ - 1);
   generation_.fetch_add(1);
@@ -69,10 +70,16 @@ void ThreadPool::parallel_for(std::int64_t n, std::int64_t grain, const Body& fn
 }
 
 void ThreadPool::run_chunks(int index) {
+  const std::int64_t divisor = 2 * static_cast<std::int64_t>(n_threads_);
+  std::int64_t begin = next_.load(std::memory_order_relaxed);
   for (;;) {
-    const std::int64_t begin = next_.fetch_add(chunk_);
-    if (begin >= n_) return;
-    (*body_)(begin, std::min(n_, begin + chunk_), index);
+    std::int64_t size = 0;
+    do {
+      if (begin >= n_) return;
+      size = std::max(chunk_, (n_ - begin) / divisor);
+    } while (!next_.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed));
+    (*body_)(begin, std::min(n_, begin + size), index);
+    begin = next_.load(std::memory_order_relaxed);
   }
 }
 
