@@ -137,7 +137,8 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
     draft_executor = make_executor(drafter, d);
   }
 
-  // On the CPU pages of the pool are touched only as blocks are first used.
+  // On the CPU pages of the pool are touched only as blocks are first used, unless kv_commit
+  // writes them all now.
   const std::int64_t block = options.block_size;
   std::int64_t bytes_per_token = 2 * c.n_layers * c.kv_width() * 2;  // K and V, F16
   if (drafter) bytes_per_token += 2 * draft_layers * drafter->config().kv_width() * 2;
@@ -146,11 +147,13 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
                      executor_->device() != Device::kCpu);
   const std::int64_t n_blocks = (pool_tokens + block - 1) / block;
   executor_->allocate_pool(block, n_blocks);
+  if (options.kv_commit) executor_->commit_pool();
 
   if (speculative_.method == SpecMethod::kNgram)
     proposer_ = make_ngram_proposer(speculative_.ngram_min, speculative_.ngram_max);
   if (drafter)
-    proposer_ = make_model_proposer(drafter, std::move(draft_executor), options.block_size, pool_tokens);
+    proposer_ = make_model_proposer(drafter, std::move(draft_executor), options.block_size, pool_tokens,
+                                    options.kv_commit);
   blocks_ = std::make_unique<BlockPool>(BlockPoolOptions{options.block_size, n_blocks, options.kv_recycle});
   scheduler_ = std::make_unique<Scheduler>(
       *blocks_, SchedulerOptions{options.max_sequences, budget, budget});

@@ -59,6 +59,10 @@ class CpuExecutor final : public Executor {
     store_ = std::make_unique<KvStore>(model_->config(), block_size, n_blocks, layers_);
   }
   std::int64_t n_blocks() const override { return store_ ? store_->pool().n_blocks : 0; }
+  void commit_pool() override {
+    if (!store_) throw std::logic_error("commit_pool: allocate_pool first");
+    store_->commit(*threads_);
+  }
 
   void forward(const Batch& batch, std::span<float> logits) override {
     if (!store_) throw std::logic_error("forward: allocate_pool first");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <new>
 #include <numeric>
 #include <stdexcept>
@@ -31,7 +32,20 @@ KvStore::KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_
   };
   k_.reset(allocate());
   v_.reset(allocate());
+  elements_ = total;
   pool_ = KvPool{k_.get(), v_.get(), layer_stride, block_size, n_blocks};
+}
+
+void KvStore::commit(kops::ThreadPool& threads) {
+  // Pieces of 2 MB, so that both threads fault pages at once.
+  constexpr std::size_t kPiece = (std::size_t{2} << 20) / sizeof(std::uint16_t);
+  const auto pieces = static_cast<std::int64_t>((elements_ + kPiece - 1) / kPiece);
+  for (std::uint16_t* base : {k_.get(), v_.get()})
+    threads.parallel_for(pieces, 1, [&](std::int64_t b, std::int64_t e, int) {
+      const std::size_t from = static_cast<std::size_t>(b) * kPiece;
+      const std::size_t to = std::min(elements_, static_cast<std::size_t>(e) * kPiece);
+      std::memset(base + from, 0, (to - from) * sizeof(std::uint16_t));
+    });
 }
 
 void KvStore::Free::operator()(std::uint16_t* p) const { ::operator delete[](p, std::align_val_t{kAlign}); }

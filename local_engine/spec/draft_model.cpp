@@ -23,11 +23,12 @@ namespace {
 class ModelProposer final : public Proposer {
  public:
   ModelProposer(std::shared_ptr<const Model> model, std::unique_ptr<Executor> executor,
-                int block_size, std::int64_t pool_tokens)
+                int block_size, std::int64_t pool_tokens, bool commit_pool)
       : model_(std::move(model)),
         executor_(std::move(executor)),
         pool_(BlockPoolOptions{block_size, (pool_tokens + block_size - 1) / block_size}) {
     executor_->allocate_pool(block_size, pool_.n_blocks());
+    if (commit_pool) executor_->commit_pool();
   }
 
   bool runs_model() const override { return true; }
@@ -212,9 +213,9 @@ class ModelProposer final : public Proposer {
 
 std::unique_ptr<Proposer> make_model_proposer(std::shared_ptr<const Model> model,
                                               std::unique_ptr<Executor> executor, int block_size,
-                                              std::int64_t pool_tokens) {
+                                              std::int64_t pool_tokens, bool commit_pool) {
   return std::make_unique<ModelProposer>(std::move(model), std::move(executor), block_size,
-                                         pool_tokens);
+                                         pool_tokens, commit_pool);
 }
 
 }  // namespace batchlm::local_engine

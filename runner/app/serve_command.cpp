@@ -39,6 +39,7 @@ struct ServeOptions {
   int block_size = 16;
   long long kv_tokens = 0;
   bool kv_recycle = false;
+  bool kv_commit = true;
   std::string kv_memory;
   int max_queue = 256;
   double shutdown_grace = 30;
@@ -93,6 +94,10 @@ void add_serve_command(CLI::App& app) {
   serve_cmd->add_flag("--kv-recycle", s.kv_recycle,
                       "Reuse the KV blocks of finished requests that nothing shared before taking pool memory "
                       "never used (the prefix cache then forgets unshared prompts sooner)");
+  serve_cmd->add_flag("--no-kv-commit{false}", s.kv_commit,
+                      "Leave the KV pool's pages to be mapped as the cache first grows into them; by default "
+                      "the whole pool is written once at start-up, so requests never wait for the system to "
+                      "map fresh memory");
   serve_cmd->add_option("--max-queue", s.max_queue,
                         "Requests waiting beyond --max-sequences before new ones get 429")
       ->check(CLI::Range(0, 1 << 20))->capture_default_str();
@@ -137,6 +142,7 @@ int run_serve_command() {
   engine.block_size = s.block_size;
   engine.kv_tokens = s.kv_tokens;
   engine.kv_recycle = s.kv_recycle;
+  engine.kv_commit = s.kv_commit;
   if (!s.kv_memory.empty()) {
     const auto bytes = runner::parse_byte_size(s.kv_memory);
     if (!bytes) throw std::runtime_error("--kv-memory: expected a size such as 2GiB or 512MiB, got '" + s.kv_memory + "'");

@@ -97,6 +97,13 @@ class ServeProcess {
   std::string url(const std::string& path) const { return "http://127.0.0.1:" + std::to_string(port_) + path; }
   std::string stderr_text() const { return read_file(err_file_); }
   void signal(int sig) const { ::kill(pid_, sig); }
+  // The server's resident memory (VmRSS in /proc/PID/status), in KiB; -1 when unreadable.
+  long long resident_kib() const {
+    const std::string status = read_file(fs::path("/proc") / std::to_string(pid_) / "status");
+    const std::size_t at = status.find("VmRSS:");
+    if (at == std::string::npos) return -1;
+    return std::strtoll(status.c_str() + at + 6, nullptr, 10);
+  }
 
   // The exit code (128 + signal for a signal death), or nullopt when it is still running
   // after `timeout`.
@@ -887,6 +894,29 @@ TEST_F(Serve, RecyclingKvBlocksReusesFinishedRequestsMemory) {
   EXPECT_EQ(spread.answers[2], spread.answers[0]);
   EXPECT_GT(spread.a_again_cached, 0);
   EXPECT_LT(recycled.a_again_cached, spread.a_again_cached);
+}
+
+// By default the KV pool is written once before the server listens, so its memory is resident
+// from the start (a pool too large for the machine shows at start-up, not under load);
+// --no-kv-commit leaves pages to be mapped as the cache grows into them. Answers are the same.
+TEST_F(Serve, KvPoolIsCommittedAtStartUnlessToldNot) {
+  constexpr long long kPoolKib = 96 * 1024;
+  const auto run = [&](std::vector<std::string> flags) {
+    flags.insert(flags.end(), {"--kv-memory", "96MiB"});
+    auto s = serve(std::move(flags));
+    const long long resident = s->resident_kib();
+    HttpResponse r = post(*s, "/v1/chat/completions", chat_request("Hello there", {{"max_tokens", 16}, {"temperature", 0}}));
+    EXPECT_EQ(r.status, 200) << r.body;
+    return std::pair(resident, r.status == 200 ? r.json_body()["choices"][0]["message"]["content"].get<std::string>()
+                                               : std::string());
+  };
+  const auto [committed, committed_answer] = run({});
+  const auto [lazy, lazy_answer] = run({"--no-kv-commit"});
+  ASSERT_GT(committed, 0);
+  ASSERT_GT(lazy, 0);
+  EXPECT_GT(committed - lazy, kPoolKib * 9 / 10) << "resident KiB: committed " << committed << ", lazy " << lazy;
+  EXPECT_LT(lazy, committed - kPoolKib / 2);
+  EXPECT_EQ(committed_answer, lazy_answer);
 }
 
 TEST_F(Serve, OverCapacityIs429WithRetryAfter) {

@@ -46,6 +46,9 @@ struct LocalBackendOptions {
   // memory never used (BlockPoolOptions::recycle): the pool's memory then grows only with the
   // running sequences, at the cost of a prefix cache that forgets unshared prompts sooner.
   bool kv_recycle = false;
+  // Write the whole pool once at start-up (Executor::commit_pool), so requests never wait for
+  // fresh memory to be mapped; the pool's memory is then resident from the start.
+  bool kv_commit = false;
   SpeculativeOptions speculative;  // method kNone: off
   Device device = Device::kAuto;   // auto: CUDA when a usable GPU is present, else the CPU
   bool cuda_graphs = true;         // CUDA: replay decode steps from captured graphs

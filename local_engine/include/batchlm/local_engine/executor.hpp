@@ -60,6 +60,10 @@ class Executor {
   // before the first forward.
   virtual void allocate_pool(std::int64_t block_size, std::int64_t n_blocks) = 0;
   virtual std::int64_t n_blocks() const = 0;
+  // Writes every page of the pool once, after allocate_pool, so that no forward pass waits for
+  // the system to map and zero fresh memory (on this machine 1-3 s per GB, paid the first time
+  // each block is used). Device memory is committed when it is allocated: a no-op there.
+  virtual void commit_pool() {}
 
   // Model::forward_batch's contract: the logits of batch.logits_rows into `logits`. The batch's
   // layers field is ignored (the executor's own count applies). Throws std::invalid_argument

@@ -75,12 +75,16 @@ class KvStore {
   KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_t n_blocks,
           std::int64_t n_layers = 0);
   const KvPool& pool() const { return pool_; }
+  // Writes zeros over the whole store, shared among the pool's threads: every page is then
+  // mapped (see Executor::commit_pool).
+  void commit(kernels::ThreadPool& threads);
 
  private:
   struct Free {
     void operator()(std::uint16_t* p) const;
   };
   std::unique_ptr<std::uint16_t[], Free> k_, v_;
+  std::size_t elements_ = 0;  // in each of k_ and v_
   KvPool pool_;
 };
 

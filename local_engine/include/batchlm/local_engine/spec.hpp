@@ -84,10 +84,11 @@ std::unique_ptr<Proposer> make_ngram_proposer(int ngram_min, int ngram_max);
 
 // A proposer running `model` on `executor` (made for that model, with the layers it drafts
 // with: all of a draft model's, the first few of the target's for self-drafting). It allocates
-// the executor's pool: pool_tokens tokens in blocks of block_size.
+// the executor's pool: pool_tokens tokens in blocks of block_size, committed at once with
+// commit_pool (Executor::commit_pool).
 std::unique_ptr<Proposer> make_model_proposer(std::shared_ptr<const Model> model,
                                               std::unique_ptr<Executor> executor, int block_size,
-                                              std::int64_t pool_tokens);
+                                              std::int64_t pool_tokens, bool commit_pool = false);
 
 // Throws std::invalid_argument when `draft` cannot draft for `target`: a different vocabulary
 // size, or the first token id whose text differs (both files named).
