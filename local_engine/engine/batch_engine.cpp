@@ -147,6 +147,8 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
                      executor_->device() != Device::kCpu);
   const std::int64_t n_blocks = (pool_tokens + block - 1) / block;
   executor_->allocate_pool(block, n_blocks);
+  pool_tokens_ = n_blocks * block;
+  pool_bytes_ = pool_tokens_ * bytes_per_token;
   if (options.kv_commit) executor_->commit_pool();
 
   if (speculative_.method == SpecMethod::kNgram)

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
 #include <fstream>
 #include <sstream>
@@ -175,12 +176,20 @@ std::string LocalBackend::model_name() const { return state_->path.stem().string
 std::int64_t LocalBackend::context() const { return state_->engine->context(); }
 
 std::string LocalBackend::describe() const {
-  const ModelConfig& c = state_->engine->model().config();
+  const BatchEngine& engine = *state_->engine;
+  const ModelConfig& c = engine.model().config();
   std::string spec;
-  if (const EngineStats stats = state_->engine->stats(); !stats.speculative.empty())
+  if (const EngineStats stats = engine.stats(); !stats.speculative.empty())
     spec = ", speculative " + stats.speculative;
-  return "local " + state_->path.string() + " (" + (c.name.empty() ? c.architecture : c.name) +
-         spec + ") on " + state_->engine->device();
+  // The pool's size in KiB below a MiB, MiB below a GiB, else in GiB to a tenth.
+  const double kib = static_cast<double>(engine.pool_bytes()) / 1024;
+  char size[32];
+  if (kib < 1024) std::snprintf(size, sizeof size, "%.0f KiB", kib);
+  else if (kib < 1024 * 1024) std::snprintf(size, sizeof size, "%.0f MiB", kib / 1024);
+  else std::snprintf(size, sizeof size, "%.1f GiB", kib / (1024 * 1024));
+  return "local " + state_->path.string() + " (" + (c.name.empty() ? c.architecture : c.name) + spec +
+         ", KV pool of " + std::to_string(engine.pool_tokens()) + " tokens, " + size + ") on " +
+         engine.device();
 }
 
 asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSink sink) {

@@ -19,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <regex>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -684,6 +685,16 @@ TEST(LocalBackend, DescribeNamesTheModelFile) {
   const std::string d = backend.describe();
   EXPECT_NE(d.find(TinyModelFile::get().path().string()), std::string::npos) << d;
   EXPECT_NE(d.find("tiny-llama"), std::string::npos) << d;
+}
+
+TEST(LocalBackend, DescribeGivesTheKvPoolInWholeBlocks) {
+  asio::io_context io;
+  LocalBackendOptions o = tiny_options();
+  o.kv_tokens = 1000;
+  LocalBackend backend(io.get_executor(), o);
+  const std::string d = backend.describe();
+  EXPECT_NE(d.find("KV pool of 1008 tokens, "), std::string::npos) << d;  // 63 blocks of 16
+  EXPECT_TRUE(std::regex_search(d, std::regex(R"(KV pool of 1008 tokens, \d+ [KM]iB\))"))) << d;
 }
 
 TEST(LocalBackend, MissingModelThrowsGgufErrorNamingIt) {
