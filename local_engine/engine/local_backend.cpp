@@ -3,7 +3,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
 #include <deque>
 #include <fstream>
 #include <sstream>
@@ -23,6 +22,7 @@
 
 #include "batchlm/kernels/ops.hpp"
 #include "batchlm/local_engine/engine.hpp"
+#include "batchlm/local_engine/gguf.hpp"
 #include "batchlm/local_engine/kv_cache.hpp"
 #include "batchlm/local_engine/scheduler.hpp"
 
@@ -181,14 +181,9 @@ std::string LocalBackend::describe() const {
   std::string spec;
   if (const EngineStats stats = engine.stats(); !stats.speculative.empty())
     spec = ", speculative " + stats.speculative;
-  // The pool's size in KiB below a MiB, MiB below a GiB, else in GiB to a tenth.
-  const double kib = static_cast<double>(engine.pool_bytes()) / 1024;
-  char size[32];
-  if (kib < 1024) std::snprintf(size, sizeof size, "%.0f KiB", kib);
-  else if (kib < 1024 * 1024) std::snprintf(size, sizeof size, "%.0f MiB", kib / 1024);
-  else std::snprintf(size, sizeof size, "%.1f GiB", kib / (1024 * 1024));
   return "local " + state_->path.string() + " (" + (c.name.empty() ? c.architecture : c.name) + spec +
-         ", KV pool of " + std::to_string(engine.pool_tokens()) + " tokens, " + size + ") on " +
+         ", KV pool of " + std::to_string(engine.pool_tokens()) + " tokens, " +
+         gguf::human_bytes(static_cast<double>(engine.pool_bytes())) + ") on " +
          engine.device();
 }
 

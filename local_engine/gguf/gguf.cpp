@@ -23,6 +23,7 @@
 #include <array>
 #include <bit>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -33,6 +34,18 @@ namespace batchlm::local_engine::gguf {
 
 static_assert(std::endian::native == std::endian::little,
               "GGUF is little-endian and this reader uses the mapped bytes in place");
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 3) {
+    bytes /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return buf;
+}
 
 std::string_view to_string(ValueType t) {
   switch (t) {

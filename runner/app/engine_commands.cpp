@@ -120,18 +120,6 @@ int run_generate() {
   return 0;
 }
 
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB"};
-  int u = 0;
-  while (b >= 1024 && u < 3) {
-    b /= 1024;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", b, units[u]);
-  return buf;
-}
-
 std::string token_text(const Tokenizer& tok, Token t) {
   if (t < 0 || static_cast<std::size_t>(t) >= tok.size()) return "(none)";
   return std::to_string(t) + " " + nlohmann::json(tok.vocab().tokens[t]).dump();
@@ -140,7 +128,7 @@ std::string token_text(const Tokenizer& tok, Token t) {
 int run_inspect() {
   const gguf::File file = gguf::File::open(in.model);
   std::printf("file          %s (%s, GGUF v%u)\n", file.path().c_str(),
-              human_bytes(static_cast<double>(file.file_size())).c_str(), file.version());
+              gguf::human_bytes(static_cast<double>(file.file_size())).c_str(), file.version());
   const std::string arch = file.find_string("general.architecture").value_or("(unknown)");
   std::printf("architecture  %s\n", arch.c_str());
   if (auto name = file.find_string("general.name")) std::printf("name          %s\n", name->c_str());
@@ -157,7 +145,7 @@ int run_inspect() {
   std::printf("tensor types ");
   for (const auto& [type, e] : by_type)
     std::printf(" %s x%llu (%s)", type.c_str(), static_cast<unsigned long long>(e.first),
-                human_bytes(static_cast<double>(e.second)).c_str());
+                gguf::human_bytes(static_cast<double>(e.second)).c_str());
   std::printf("\n");
 
   try {
@@ -197,7 +185,7 @@ int run_inspect() {
       std::string shape;
       for (std::size_t i = 0; i < t.shape.size(); ++i) shape += (i ? " x " : "") + std::to_string(t.shape[i]);
       std::printf("  %-32s %-5s %-16s %s\n", t.name.c_str(), std::string(kernels::to_string(t.type)).c_str(),
-                  shape.c_str(), human_bytes(static_cast<double>(t.n_bytes)).c_str());
+                  shape.c_str(), gguf::human_bytes(static_cast<double>(t.n_bytes)).c_str());
     }
   }
   return 0;

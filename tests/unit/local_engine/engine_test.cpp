@@ -694,7 +694,7 @@ TEST(LocalBackend, DescribeGivesTheKvPoolInWholeBlocks) {
   LocalBackend backend(io.get_executor(), o);
   const std::string d = backend.describe();
   EXPECT_NE(d.find("KV pool of 1008 tokens, "), std::string::npos) << d;  // 63 blocks of 16
-  EXPECT_TRUE(std::regex_search(d, std::regex(R"(KV pool of 1008 tokens, \d+ [KM]iB\))"))) << d;
+  EXPECT_TRUE(std::regex_search(d, std::regex(R"(KV pool of 1008 tokens, \d+\.\d [KM]iB\))"))) << d;
 }
 
 TEST(LocalBackend, MissingModelThrowsGgufErrorNamingIt) {

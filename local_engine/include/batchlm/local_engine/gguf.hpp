@@ -31,6 +31,9 @@ enum class ValueType : std::uint32_t {
 };
 std::string_view to_string(ValueType t);
 
+// A size for people: bytes below a KiB, else KiB, MiB or GiB to a tenth ("2.8 GiB").
+std::string human_bytes(double bytes);
+
 struct Value;
 struct Array {
   ValueType element_type = ValueType::U8;
