@@ -147,8 +147,7 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
                      executor_->device() != Device::kCpu);
   const std::int64_t n_blocks = (pool_tokens + block - 1) / block;
   executor_->allocate_pool(block, n_blocks);
-  pool_tokens_ = n_blocks * block;
-  pool_bytes_ = pool_tokens_ * bytes_per_token;
+  kv_bytes_per_token_ = bytes_per_token;
   if (options.kv_commit) executor_->commit_pool();
 
   if (speculative_.method == SpecMethod::kNgram)
@@ -164,6 +163,8 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
 BatchEngine::~BatchEngine() = default;
 
 int BatchEngine::threads() const { return threads_->size(); }
+
+std::int64_t BatchEngine::pool_tokens() const { return blocks_->n_blocks() * blocks_->block_size(); }
 
 std::string BatchEngine::device() const {
   std::string d = executor_->describe();

@@ -100,8 +100,8 @@ class BatchEngine {
   const Model& model() const { return *model_; }
   std::int64_t context() const { return context_; }
   // The KV pool: tokens it holds (whole blocks) and its bytes, a draft model's pool included.
-  std::int64_t pool_tokens() const { return pool_tokens_; }
-  std::int64_t pool_bytes() const { return pool_bytes_; }
+  std::int64_t pool_tokens() const;
+  std::int64_t pool_bytes() const { return pool_tokens() * kv_bytes_per_token_; }
   int threads() const;
   // Where the forward passes run, for the log (and why not on a GPU, when auto fell back).
   std::string device() const;
@@ -137,7 +137,7 @@ class BatchEngine {
 
   std::shared_ptr<const Model> model_;
   std::int64_t context_ = 0;
-  std::int64_t pool_tokens_ = 0, pool_bytes_ = 0;
+  std::int64_t kv_bytes_per_token_ = 0;  // K and V, F16, every layer the pool holds
   SpeculativeOptions speculative_;
   std::unique_ptr<kernels::ThreadPool> threads_;
   std::unique_ptr<BlockPool> blocks_;
