@@ -374,11 +374,17 @@ void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t 
   for (std::int64_t t = 0; t < n; ++t) {
     const float* xr = x + t * dim;
     float* o = out + t * dim;
-    double sum = 0.0;
-    for (std::int64_t i = 0; i < dim; ++i) sum += static_cast<double>(xr[i]) * xr[i];
+    // The squares (exact in double) summed in eight interleaved partial sums, added pairwise at
+    // the end: eight short chains of dependent additions in place of one long one.
+    double part[8] = {};
+    std::int64_t i = 0;
+    for (; i + 8 <= dim; i += 8)
+      for (int j = 0; j < 8; ++j) part[j] += static_cast<double>(xr[i + j]) * xr[i + j];
+    double sum = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+    for (; i < dim; ++i) sum += static_cast<double>(xr[i]) * xr[i];
     const float mean = static_cast<float>(sum / static_cast<double>(dim));
     const float scale = 1.0f / std::sqrt(mean + eps);
-    for (std::int64_t i = 0; i < dim; ++i) o[i] = xr[i] * scale * weight[i];
+    for (i = 0; i < dim; ++i) o[i] = xr[i] * scale * weight[i];
   }
 }
 
