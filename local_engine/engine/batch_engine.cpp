@@ -1,6 +1,8 @@
 #include "batchlm/local_engine/batch_engine.hpp"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -82,7 +84,7 @@ bool BatchEngine::ForwardCost::fitted(double& fixed, double& per_token) const {
 }
 
 BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options)
-    : model_(std::move(model)), speculative_(options.speculative) {
+    : model_(std::move(model)), speculative_(options.speculative), created_(Clock::now()) {
   if (options.max_sequences < 1) throw std::invalid_argument("max_sequences must be >= 1");
   if (options.block_size < 1 || options.block_size > 256)
     throw std::invalid_argument("block_size must be in 1..256, not " + std::to_string(options.block_size));
@@ -156,6 +158,12 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
     proposer_ = make_model_proposer(drafter, std::move(draft_executor), options.block_size, pool_tokens,
                                     options.kv_commit);
   blocks_ = std::make_unique<BlockPool>(BlockPoolOptions{options.block_size, n_blocks, options.kv_recycle});
+  if (!options.step_log.empty()) {
+    step_log_.reset(std::fopen(options.step_log.c_str(), "a"));
+    if (!step_log_)
+      throw std::invalid_argument("step_log: cannot open '" + options.step_log.string() +
+                                  "' for writing: " + std::strerror(errno));
+  }
   scheduler_ = std::make_unique<Scheduler>(
       *blocks_, SchedulerOptions{options.max_sequences, budget, budget});
 }
@@ -384,7 +392,8 @@ void BatchEngine::step() {
     logits_.resize(plan.logits_rows.size() * n_vocab);
     executor_->forward(batch, logits_);
   }
-  forward_cost_.add(static_cast<double>(plan.tokens.size()), ms_between(t_forward, Clock::now()));
+  const double forward_ms = ms_between(t_forward, Clock::now());
+  forward_cost_.add(static_cast<double>(plan.tokens.size()), forward_ms);
 
   std::vector<StepResult> results;
   std::size_t row = 0;
@@ -443,7 +452,32 @@ void BatchEngine::step() {
   }
   scheduler_->complete(plan, results);
   for (const Finished& f : scheduler_->take_finished()) finish(f);
-  step_ms_ += ms_between(t0, Clock::now());
+  const double ms = ms_between(t0, Clock::now());
+  step_ms_ += ms;
+  if (step_log_) log_step(plan, t0, forward_ms, ms);
+}
+
+void BatchEngine::log_step(const StepPlan& plan, std::chrono::steady_clock::time_point start, double forward_ms, double ms) {
+  std::int64_t decode = 0, drafts = 0, prompt = 0;
+  for (const PlannedSequence& e : plan.entries) {
+    if (e.decode) {
+      ++decode;
+      drafts += e.n_drafts;
+    } else {
+      prompt += e.n_tokens;
+    }
+  }
+  const SchedulerStats s = scheduler_->stats();
+  std::fprintf(step_log_.get(),
+               "{\"step\":%llu,\"t\":%.6f,\"sequences\":%zu,\"decode\":%lld,\"drafts\":%lld,"
+               "\"prompt\":%lld,\"tokens\":%zu,\"forward_ms\":%.3f,\"step_ms\":%.3f,\"running\":%lld,"
+               "\"waiting\":%lld,\"blocks_used\":%lld}\n",
+               static_cast<unsigned long long>(plan.step), std::chrono::duration<double>(start - created_).count(),
+               plan.entries.size(), static_cast<long long>(decode), static_cast<long long>(drafts),
+               static_cast<long long>(prompt), plan.tokens.size(), forward_ms, ms,
+               static_cast<long long>(s.running), static_cast<long long>(s.waiting),
+               static_cast<long long>(s.blocks_used));
+  std::fflush(step_log_.get());
 }
 
 std::vector<std::pair<SequenceId, GenerateResult>> BatchEngine::take_finished() {

@@ -113,6 +113,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
     options.kv_tokens = job.backend.kv_tokens;
     options.kv_bytes = job.backend.kv_bytes;
     options.kv_recycle = job.backend.kv_recycle;
+    options.step_log = job.backend.step_log;
     try {
       options.speculative = app::speculative_options(job.backend.speculative);
     } catch (const std::runtime_error& e) {
@@ -123,6 +124,9 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
     } catch (const local_engine::DeviceUnavailable& e) {
       throw ConfigError(job.file, 0, 0, "backend.device", e.what());
     } catch (const std::invalid_argument& e) {
+      constexpr std::string_view kStepLog = "step_log: ";
+      if (std::string_view(e.what()).starts_with(kStepLog))
+        throw ConfigError(job.file, 0, 0, "backend.step_log", e.what() + kStepLog.size());
       throw ConfigError(job.file, 0, 0, "backend", e.what());
     }
   }

@@ -41,6 +41,7 @@ struct ServeOptions {
   bool kv_recycle = false;
   bool kv_commit = true;
   std::string kv_memory;
+  std::string step_log;
   int max_queue = 256;
   double shutdown_grace = 30;
   runner::BackendSpec::Speculative spec;
@@ -98,6 +99,9 @@ void add_serve_command(CLI::App& app) {
                       "Leave the KV pool's pages to be mapped as the cache first grows into them; by default "
                       "the whole pool is written once at start-up, so requests never wait for the system to "
                       "map fresh memory");
+  serve_cmd->add_option("--step-log", s.step_log,
+                        "Append one JSON line per engine step to this file: time, sequences, decode and prompt "
+                        "tokens, forward and step milliseconds");
   serve_cmd->add_option("--max-queue", s.max_queue,
                         "Requests waiting beyond --max-sequences before new ones get 429")
       ->check(CLI::Range(0, 1 << 20))->capture_default_str();
@@ -143,6 +147,7 @@ int run_serve_command() {
   engine.kv_tokens = s.kv_tokens;
   engine.kv_recycle = s.kv_recycle;
   engine.kv_commit = s.kv_commit;
+  engine.step_log = s.step_log;
   if (!s.kv_memory.empty()) {
     const auto bytes = runner::parse_byte_size(s.kv_memory);
     if (!bytes) throw std::runtime_error("--kv-memory: expected a size such as 2GiB or 512MiB, got '" + s.kv_memory + "'");
@@ -159,6 +164,9 @@ int run_serve_command() {
   try {
     backend = std::make_unique<local_engine::LocalBackend>(io.get_executor(), engine);
   } catch (const std::invalid_argument& e) {
+    constexpr std::string_view kStepLog = "step_log: ";
+    if (std::string_view(e.what()).starts_with(kStepLog))
+      throw std::runtime_error(std::string("--step-log: ") + (e.what() + kStepLog.size()));
     throw std::runtime_error(std::string("serve: ") + e.what());
   }
   server::ServerOptions options;

@@ -175,7 +175,7 @@ const std::map<std::string, Keys>& sections() {
       {"few_shot", {"path", "count", "seed", "user", "assistant"}},
       {"backend", {"type", "base_url", "model", "api_key_env", "headers", "timeouts", "stream",
                    "threads", "device", "context", "max_sequences", "token_budget", "block_size",
-                   "kv_tokens", "kv_memory", "kv_recycle", "speculative"}},
+                   "kv_tokens", "kv_memory", "kv_recycle", "step_log", "speculative"}},
       {"backend.speculative", {"method", "model", "layers", "k_max", "k_min", "ngram_max",
                                "ngram_min"}},
       {"backend.timeouts", {"connect", "first_byte", "idle", "total"}},
@@ -696,6 +696,7 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
     backend.kv_bytes = *bytes;
   }
   if (Reader::has(node["kv_recycle"])) backend.kv_recycle = r.boolean(node["kv_recycle"], "backend.kv_recycle");
+  if (Reader::has(node["step_log"])) backend.step_log = r.string(node["step_log"], "backend.step_log");
   if (Reader::has(node["speculative"])) {
     const YAML::Node n = node["speculative"];
     r.check_map(n, "backend.speculative");

@@ -315,6 +315,42 @@ TEST_F(EngineCli, RunALocalJobWhosePromptsOverflowTheContextRecordsA400) {
   }
 }
 
+TEST_F(EngineCli, RunALocalJobWithAStepLogWritesALinePerStep) {
+  batchlm::testing::TinyLlamaOptions options;  // room for a GSM8K question, as above
+  options.context_length = 1024;
+  batchlm::testing::write_tiny_llama(dir() / "long.gguf", options);
+  write_file(dir() / "job.yaml", local_job("long.gguf", 3, ", step_log: steps.jsonl"));
+  RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<json> steps = read_jsonl(dir() / "steps.jsonl");
+  const json summary = json::parse(read_file(dir() / "out/local.jsonl.summary.json"));
+  const json& engine = summary["engine"];
+  ASSERT_EQ(static_cast<long long>(steps.size()), engine["steps"].get<long long>()) << engine.dump();
+  long long prompt = 0;
+  for (const json& step : steps) {
+    for (const char* key : {"step", "t", "sequences", "decode", "drafts", "prompt", "tokens", "forward_ms",
+                            "step_ms", "running", "waiting", "blocks_used"})
+      EXPECT_TRUE(step.contains(key)) << key << " in " << step.dump();
+    prompt += step["prompt"].get<long long>();
+  }
+  EXPECT_EQ(prompt, engine["prompt_tokens_computed"].get<long long>()) << engine.dump();
+
+  // A log that cannot be written is a usage error that names the field, before any item runs.
+  write_file(dir() / "bad.yaml", local_job("tiny.gguf", 3, ", step_log: no-such-dir/steps.jsonl"));
+  RunResult bad = run_batchlm(dir(), {"run", "bad.yaml", "-o", "out/bad.jsonl"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_TRUE(contains(bad.err, "backend.step_log")) << bad.err;
+  EXPECT_TRUE(contains(bad.err, "no-such-dir/steps.jsonl")) << bad.err;
+  EXPECT_FALSE(fs::exists(dir() / "out/bad.jsonl"));
+}
+
+TEST_F(EngineCli, ServeWithAStepLogThatCannotBeOpenedExitsNamingTheFlag) {
+  RunResult r = run_batchlm(dir(), {"serve", "--model", "tiny.gguf", "--port", "0", "--threads", "1",
+                                    "--no-kv-commit", "--step-log", "no-such-dir/steps.jsonl"});
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.err, "--step-log: cannot open 'no-such-dir/steps.jsonl'")) << r.err;
+}
+
 TEST_F(EngineCli, RunALocalJobWithAMissingModelIsAUsageError) {
   write_file(dir() / "job.yaml", local_job("missing/model.gguf", 5));
   RunResult r = run_batchlm(dir(), {"run", "job.yaml"});

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -773,6 +774,76 @@ TEST(LocalBackend, EngineStatsCountPrefixHitsAndFreeEveryBlock) {
   EXPECT_EQ(after->preemptions, 0);
   EXPECT_GE(after->steps, 2);
   EXPECT_NE(after->brief().find("0 run 0 wait cache "), std::string::npos) << after->brief();
+}
+
+// The step log: a JSON line per step, whose prompt tokens add up to those the engine computed
+// and whose decode tokens (one per running sequence, each request's first token coming from its
+// prompt's last chunk) add up to the tokens generated after the first.
+TEST(LocalBackend, StepLogHasALinePerStepThatAddsUpToTheStats) {
+  const fs::path log = TinyModelFile::get().path().parent_path() / "steps.jsonl";
+  fs::remove(log);
+  asio::io_context io;
+  LocalBackendOptions o = tiny_options();
+  o.step_log = log;
+  LocalBackend backend(io.get_executor(), o);
+  std::vector<Call> calls(3);
+  std::vector<Call*> pointers;
+  for (auto& call : calls) {
+    asio::co_spawn(io, call_complete(backend, hello_request(6), call), asio::detached);
+    pointers.push_back(&call);
+  }
+  ASSERT_TRUE(run_until_done(io, pointers));
+  std::int64_t completion = 0;
+  for (const auto& call : calls) {
+    ASSERT_TRUE(call.outcome && call.outcome->ok());
+    completion += call.outcome->completion->usage.completion_tokens;
+  }
+  std::optional<EngineStats> stats;
+  for (int i = 0; i < 100; ++i) {
+    stats = backend.engine_stats();
+    if (stats->running == 0 && stats->generated_tokens == completion) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  std::ifstream in(log);
+  ASSERT_TRUE(in) << log;
+  const std::regex line_form(
+      R"(\{"step":(\d+),"t":(\d+\.\d+),"sequences":(\d+),"decode":(\d+),"drafts":0,"prompt":(\d+),)"
+      R"("tokens":(\d+),"forward_ms":(\d+\.\d+),"step_ms":(\d+\.\d+),"running":\d+,"waiting":\d+,)"
+      R"("blocks_used":\d+\})");
+  std::int64_t lines = 0, decode = 0, prompt = 0, last_step = 0;
+  double last_t = 0;
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(line, m, line_form)) << line;
+    ++lines;
+    const std::int64_t step = std::stoll(m[1]), d = std::stoll(m[4]), p = std::stoll(m[5]);
+    EXPECT_GT(step, last_step) << line;
+    EXPECT_GE(std::stod(m[2]), last_t) << line;
+    EXPECT_EQ(std::stoll(m[6]), d + p) << line;  // no drafts: a token per decode, the chunks
+    EXPECT_LE(std::stod(m[7]), std::stod(m[8])) << line;
+    EXPECT_GE(std::stoll(m[3]), 1) << line;
+    last_step = step;
+    last_t = std::stod(m[2]);
+    decode += d;
+    prompt += p;
+  }
+  EXPECT_EQ(lines, stats->steps);
+  EXPECT_EQ(prompt, stats->prompt_tokens_computed);
+  EXPECT_EQ(decode + static_cast<std::int64_t>(calls.size()), completion);
+}
+
+TEST(LocalBackend, StepLogThatCannotBeOpenedIsAnErrorNamingIt) {
+  asio::io_context io;
+  LocalBackendOptions o = tiny_options();
+  o.step_log = TinyModelFile::get().path().parent_path() / "no-such-dir" / "steps.jsonl";
+  try {
+    LocalBackend backend(io.get_executor(), o);
+    ADD_FAILURE() << "an unwritable step log was accepted";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.rfind("step_log: cannot open '", 0), 0u) << what;
+    EXPECT_NE(what.find("no-such-dir"), std::string::npos) << what;
+  }
 }
 
 TEST(LocalBackend, LimitsAreCheckedAndPoolSizeFollowsTheOptions) {

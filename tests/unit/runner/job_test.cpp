@@ -111,6 +111,8 @@ TEST_F(JobFile, LocalEngineLimits) {
   EXPECT_EQ(defaults.backend.kv_bytes, 0);
   EXPECT_TRUE(defaults.backend.kv_recycle);  // a job's items do not come back
   EXPECT_FALSE(load(with_input("backend: {kv_recycle: false}\n")).backend.kv_recycle);
+  EXPECT_EQ(defaults.backend.step_log, "");
+  EXPECT_EQ(load(with_input("backend: {step_log: out/steps.jsonl}\n")).backend.step_log, "out/steps.jsonl");
 
   auto error_of = [&](const std::string& yaml) -> std::string {
     try {
@@ -130,6 +132,7 @@ TEST_F(JobFile, LocalEngineLimits) {
   EXPECT_NE(memory.find("backend.kv_memory"), std::string::npos) << memory;
   EXPECT_NE(memory.find("'lots'"), std::string::npos) << memory;
   EXPECT_NE(error_of("backend: {kv_recycle: sometimes}\n").find("backend.kv_recycle"), std::string::npos);
+  EXPECT_NE(error_of("backend: {step_log: [a, b]}\n").find("backend.step_log"), std::string::npos);
   // Overrides reach the same keys.
   JobSpec set = load(with_input(""), {parse_override("backend.max_sequences=4"),
                                       parse_override("backend.kv_recycle=false")});

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -49,6 +50,11 @@ struct LocalBackendOptions {
   // Write the whole pool once at start-up (Executor::commit_pool), so requests never wait for
   // fresh memory to be mapped; the pool's memory is then resident from the start.
   bool kv_commit = false;
+  // When set, one JSON line per engine step is appended to this file: its time, sequences,
+  // decode and prompt tokens, and how long the forward pass and the whole step took (for
+  // finding where a batch run's time goes). Throws std::invalid_argument naming step_log when
+  // the file cannot be opened.
+  std::filesystem::path step_log;
   SpeculativeOptions speculative;  // method kNone: off
   Device device = Device::kAuto;   // auto: CUDA when a usable GPU is present, else the CPU
   bool cuda_graphs = true;         // CUDA: replay decode steps from captured graphs
@@ -134,6 +140,8 @@ class BatchEngine {
   int draft_while_planning(SequenceId id, double cost);
   AcceptanceCurve& curve(int evidence);
   double draft_cost(std::int64_t decoding) const;
+  // One line of the step log (LocalBackendOptions::step_log) for a step that began at `start`.
+  void log_step(const StepPlan& plan, std::chrono::steady_clock::time_point start, double forward_ms, double ms);
 
   std::shared_ptr<const Model> model_;
   std::int64_t context_ = 0;
@@ -152,6 +160,11 @@ class BatchEngine {
   double draft_ms_ = 0, step_ms_ = 0;
   std::int64_t decode_passes_ = 0;
   ForwardCost forward_cost_;
+  struct CloseFile {
+    void operator()(std::FILE* f) const { std::fclose(f); }
+  };
+  std::unique_ptr<std::FILE, CloseFile> step_log_;
+  std::chrono::steady_clock::time_point created_;
   double draft_ms_per_token_ = 0;  // moving average, model proposers
   std::unordered_map<SequenceId, Draft> planned_drafts_;  // draft_while_planning's, this step
   std::vector<AcceptanceCurve> curves_;  // by evidence, proposers without a model

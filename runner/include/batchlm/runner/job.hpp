@@ -105,6 +105,8 @@ struct BackendSpec {
   // local: reuse the KV blocks of finished items before taking pool memory never used (the
   // items of a job share a prompt prefix at most, and that stays cached).
   bool kv_recycle = true;
+  // local: a file that gets one JSON line per engine step (empty: none).
+  std::string step_log;
   // local, speculative decoding (backend.speculative): method none|draft|self|ngram, the draft
   // model (draft), the target's layers that draft (self; 0: a quarter), the bounds of each
   // sequence's draft length, and the n-gram lengths looked up (ngram).
