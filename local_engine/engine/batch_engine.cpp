@@ -88,6 +88,13 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
   if (options.max_sequences < 1) throw std::invalid_argument("max_sequences must be >= 1");
   if (options.block_size < 1 || options.block_size > 256)
     throw std::invalid_argument("block_size must be in 1..256, not " + std::to_string(options.block_size));
+  // Opened before the pool is allocated and written, so a bad path fails at once.
+  if (!options.step_log.empty()) {
+    step_log_.reset(std::fopen(options.step_log.c_str(), "a"));
+    if (!step_log_)
+      throw std::invalid_argument("step_log: cannot open '" + options.step_log.string() +
+                                  "' for writing: " + std::strerror(errno));
+  }
   const std::int64_t budget = options.token_budget > 0 ? options.token_budget : Model::kMaxBatch;
   if (budget > Model::kMaxBatch)
     throw std::invalid_argument("token_budget must be at most " + std::to_string(Model::kMaxBatch));
@@ -158,12 +165,6 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
     proposer_ = make_model_proposer(drafter, std::move(draft_executor), options.block_size, pool_tokens,
                                     options.kv_commit);
   blocks_ = std::make_unique<BlockPool>(BlockPoolOptions{options.block_size, n_blocks, options.kv_recycle});
-  if (!options.step_log.empty()) {
-    step_log_.reset(std::fopen(options.step_log.c_str(), "a"));
-    if (!step_log_)
-      throw std::invalid_argument("step_log: cannot open '" + options.step_log.string() +
-                                  "' for writing: " + std::strerror(errno));
-  }
   scheduler_ = std::make_unique<Scheduler>(
       *blocks_, SchedulerOptions{options.max_sequences, budget, budget});
 }
