@@ -92,8 +92,8 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
   if (!options.step_log.empty()) {
     step_log_.reset(std::fopen(options.step_log.c_str(), "a"));
     if (!step_log_)
-      throw std::invalid_argument("step_log: cannot open '" + options.step_log.string() +
-                                  "' for writing: " + std::strerror(errno));
+      throw StepLogUnwritable("cannot open '" + options.step_log.string() + "' for writing: " +
+                              std::strerror(errno));
   }
   const std::int64_t budget = options.token_budget > 0 ? options.token_budget : Model::kMaxBatch;
   if (budget > Model::kMaxBatch)

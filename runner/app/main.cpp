@@ -123,10 +123,9 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
       return std::make_unique<local_engine::LocalBackend>(io.get_executor(), options);
     } catch (const local_engine::DeviceUnavailable& e) {
       throw ConfigError(job.file, 0, 0, "backend.device", e.what());
+    } catch (const local_engine::StepLogUnwritable& e) {
+      throw ConfigError(job.file, 0, 0, "backend.step_log", e.detail);
     } catch (const std::invalid_argument& e) {
-      constexpr std::string_view kStepLog = "step_log: ";
-      if (std::string_view(e.what()).starts_with(kStepLog))
-        throw ConfigError(job.file, 0, 0, "backend.step_log", e.what() + kStepLog.size());
       throw ConfigError(job.file, 0, 0, "backend", e.what());
     }
   }

@@ -163,10 +163,9 @@ int run_serve_command() {
   std::unique_ptr<local_engine::LocalBackend> backend;
   try {
     backend = std::make_unique<local_engine::LocalBackend>(io.get_executor(), engine);
+  } catch (const local_engine::StepLogUnwritable& e) {
+    throw std::runtime_error("--step-log: " + e.detail);
   } catch (const std::invalid_argument& e) {
-    constexpr std::string_view kStepLog = "step_log: ";
-    if (std::string_view(e.what()).starts_with(kStepLog))
-      throw std::runtime_error(std::string("--step-log: ") + (e.what() + kStepLog.size()));
     throw std::runtime_error(std::string("serve: ") + e.what());
   }
   server::ServerOptions options;

@@ -79,6 +79,14 @@ struct RequestRejected : std::invalid_argument {
   std::string code;
 };
 
+// LocalBackendOptions::step_log cannot be opened for writing; `detail` says why without the
+// option's name, for callers that name it their own way.
+struct StepLogUnwritable : std::invalid_argument {
+  explicit StepLogUnwritable(std::string detail)
+      : std::invalid_argument("step_log: " + detail), detail(std::move(detail)) {}
+  std::string detail;
+};
+
 class BatchEngine {
   struct Active;
 
