@@ -1,6 +1,6 @@
 // attention_rows: what each of the CPU attention's row kernels costs on its own, per (query,
-// key row) pair, with the rows in cache: the scores of --queries queries over --rows gathered
-// F16 key rows (score_rows), the softmax of one query's row of scores (softmax_f16), and the
+// position) pair, with the rows in cache: the scores of --queries queries over --rows F16 keys
+// in the pool's transposed blocks of 16 (score_runs), the softmax of one query's row of scores (softmax_f16), and the
 // probability-weighted sums of the value rows (mix_rows). The queries stand for one attention
 // item: 48 for 16 tokens sharing a prefix (three query heads per KV head), 3 for one token's own
 // rows, 1 for a query head decoding alone. One thread; the best of --reps timed calls. With
@@ -58,8 +58,9 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // The rows sit in a pool laid out as the KV store is: a position's three KV heads side by
-  // side, this benchmark's head the middle one, rows in order.
+  // The rows sit in a pool laid out as the KV store is, blocks of 16 positions in order: the
+  // values a position's three KV heads side by side, the keys transposed within the block;
+  // this benchmark's head is the middle one.
   constexpr std::int64_t kDim = 64, kStride = 3 * kDim;
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -69,8 +70,12 @@ int main(int argc, char** argv) {
   const auto pool_bytes = static_cast<std::size_t>((rows * kStride * 2 + 63) / 64 * 64);
   std::unique_ptr<std::uint16_t, Free> pool(static_cast<std::uint16_t*>(std::aligned_alloc(64, pool_bytes)));
   for (std::int64_t i = 0; i < rows * kStride; ++i) pool.get()[i] = batchlm::kernels::fp32_to_fp16(normal(rng));
+  constexpr std::int64_t kBlock = 16;
   std::vector<std::int64_t> offsets(static_cast<std::size_t>(rows));
   for (std::int64_t r = 0; r < rows; ++r) offsets[static_cast<std::size_t>(r)] = r * kStride + kDim;
+  std::vector<cpu::KeyRun> runs;
+  for (std::int64_t r = 0; r < rows; r += kBlock)
+    runs.push_back({r * kStride + kDim * kBlock, std::min(kBlock, rows - r)});
   std::vector<float> q(static_cast<std::size_t>(queries * kDim));
   for (float& x : q) x = normal(rng);
   k->round_f16(q.data(), queries * kDim);
@@ -88,7 +93,8 @@ int main(int argc, char** argv) {
   };
   std::vector<float> scores(static_cast<std::size_t>(queries * rows)), probs;
   const double t_score = best_ns([&] {
-    k->score_rows(q.data(), queries, pool.get(), offsets.data(), rows, kDim, 0.125f, scores.data(), rows);
+    k->score_runs(q.data(), queries, pool.get(), runs.data(), static_cast<std::int64_t>(runs.size()), 0, kDim, kBlock,
+                  0.125f, scores.data(), rows);
   });
   // The softmax works in place: each timed call starts from a copy of the scores, whose cost
   // is timed apart and taken off.

@@ -723,20 +723,6 @@ void quantize_q8_t(const float* x, std::int64_t n, void* out) {
   }
 }
 
-float dot_f16(const float* q, const std::uint16_t* k, std::int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  std::int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i),
-                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i))), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8),
-                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i + 8))), a1);
-  }
-  float sum = hsum(_mm256_add_ps(a0, a1));
-  for (; i < n; ++i) sum += q[i] * h2f(k[i]);
-  return sum;
-}
-
 void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
   const __m256 pv = _mm256_set1_ps(p);
   std::int64_t i = 0;
@@ -755,190 +741,169 @@ inline __m256 half256(__m512 v, int upper) {
                                 : _mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 0));
 }
 
-// Sixteen accumulators a[i] (lanes 0..7: a0, lanes 8..15: a1 of row i) to their sixteen sums,
-// lane i for row i, each paired as hsum(a0 + a1) pairs it: v = a0 + a1 (8 lanes), then
-// v[l] + v[l + 4], then (0 + 2) and (1 + 3), then the two. Float addition commutes, so the
-// same pairs give the same bits. (Zero-masking forms with every lane selected, as in Rows16.)
-inline __m512 reduce16(const __m512* a) {
-  __m512 w[8];  // rows 2m, 2m + 1: v of each, 8 lanes apiece
-  for (int m = 0; m < 8; ++m)
-    w[m] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(0xffff, a[2 * m], a[2 * m + 1], 0x44),
-                         _mm512_maskz_shuffle_f32x4(0xffff, a[2 * m], a[2 * m + 1], 0xEE));
-  __m512 s[4];  // rows 4m..4m + 3: v[l] + v[l + 4], 4 lanes apiece
-  for (int m = 0; m < 4; ++m)
-    s[m] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(0xffff, w[2 * m], w[2 * m + 1], 0x88),
-                         _mm512_maskz_shuffle_f32x4(0xffff, w[2 * m], w[2 * m + 1], 0xDD));
-  // 128-bit block k: rows k, 4 + k (u) and 8 + k, 12 + k (u2), two partial sums each.
-  const __m512 u = _mm512_add_ps(_mm512_maskz_shuffle_ps(0xffff, s[0], s[1], 0x44), _mm512_maskz_shuffle_ps(0xffff, s[0], s[1], 0xEE));
-  const __m512 u2 = _mm512_add_ps(_mm512_maskz_shuffle_ps(0xffff, s[2], s[3], 0x44), _mm512_maskz_shuffle_ps(0xffff, s[2], s[3], 0xEE));
-  // Block k, element e: the sum of row 4e + k.
-  const __m512 r = _mm512_add_ps(_mm512_maskz_shuffle_ps(0xffff, u, u2, 0x88), _mm512_maskz_shuffle_ps(0xffff, u, u2, 0xDD));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_maskz_permutexvar_ps(0xffff, order, r);
-}
+#endif
 
-// Rows of 64 F16 values gathered from the pool into `out` as F32, 64 apiece, then zeros up to
-// the next multiple of 16 rows (at most 32 rows in all). The rows are scattered over the pool
-// and, past a shared prefix, mostly in memory rather than cache, so each one is fetched
-// kPrefetchRows rows ahead, across the end of this chunk into the next (`ahead` more rows
-// follow `rows[n - 1]` in the caller's list).
+// Value rows are scattered over the pool and, past a shared prefix, mostly in memory rather
+// than cache, so each one is fetched kPrefetchRows rows ahead.
 constexpr std::int64_t kPrefetchRows = 40;
 inline void prefetch_row(const std::uint16_t* pool, std::int64_t row) {
   _mm_prefetch(reinterpret_cast<const char*>(pool + row), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(pool + row) + 64, _MM_HINT_T0);
 }
-inline void convert_rows(const std::uint16_t* pool, const std::int64_t* rows, std::int64_t n, std::int64_t ahead,
-                         bool first, float* out) {
-  const std::int64_t reach = n + ahead;
-  if (first)
-    for (std::int64_t r = 0; r < std::min(reach, kPrefetchRows); ++r) prefetch_row(pool, rows[r]);
-  for (std::int64_t r = 0; r < n; ++r) {
-    if (r + kPrefetchRows < reach) prefetch_row(pool, rows[r + kPrefetchRows]);
-    const auto* v = reinterpret_cast<const __m256i*>(pool + rows[r]);
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(out + r * 64 + c * 16, cvtph16(_mm256_loadu_si256(v + c)));
+
+// Key runs are fetched ahead of use, spread over the work on the runs before them: while the
+// scores of runs [r, r + G) are taken, dimension by dimension, the same dimension of runs
+// ahead[r .. r + G) is asked for (`ahead` is the caller's list further on, or null).
+
+#if defined(BATCHLM_KERNELS_AVX512)
+// The scores of NQ queries over every run, G runs at a time: a run's keys are the 16 lanes of
+// one vector, dimension by dimension, so each query's score of each key is the multiply-add
+// chain of key_dot in its own lane (the same bits), with no horizontal sums. Each vector of
+// keys is converted from F16 once per pass and used by all NQ queries.
+template <int NQ, int G, bool Full>
+void score_tile(const float* q, std::int64_t dim, const std::uint16_t* const* base, const char* const* fetch,
+                const __mmask16* mask, const std::int64_t* at, std::int64_t stride, __m512 vscale, float* scores,
+                std::int64_t ld) {
+  __m512 acc[NQ][G];
+#pragma GCC unroll 8
+  for (int u = 0; u < NQ; ++u)
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc[u][g] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (std::int64_t d = 0; d < dim; ++d) {
+    __m512 k[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      if (fetch[g] != nullptr) _mm_prefetch(fetch[g] + 2 * d * stride, _MM_HINT_T0);
+      const auto* p = reinterpret_cast<const __m256i*>(base[g] + d * stride);
+      k[g] = Full ? cvtph16(_mm256_loadu_si256(p)) : _mm512_maskz_cvtph_ps(mask[g], _mm256_maskz_loadu_epi16(mask[g], p));
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < NQ; ++u) {
+      const __m512 qd = _mm512_set1_ps(q[u * dim + d]);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[u][g] = _mm512_fmadd_ps(qd, k[g], acc[u][g]);
+    }
   }
-  for (std::int64_t r = n; r < ((n + 15) & ~std::int64_t{15}); ++r)
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(out + r * 64 + c * 16, _mm512_setzero_ps());
+#pragma GCC unroll 8
+  for (int u = 0; u < NQ; ++u)
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g)
+      _mm512_mask_storeu_ps(scores + u * ld + at[g], mask[g], _mm512_mul_ps(acc[u][g], vscale));
 }
 
-// A key row of 64 F16 values as four vectors of 16 floats.
-struct Row64 {
-  __m512 c[4];
-  explicit Row64(const std::uint16_t* p) {
-    const auto* v = reinterpret_cast<const __m256i*>(p);
-    for (int i = 0; i < 4; ++i) c[i] = cvtph16(_mm256_loadu_si256(v + i));
-  }
-};
-
-// The scores of NQ queries (at most 4) over rows [0, n_rows), for few queries: each key row is
-// converted in registers and used at once by every query, with no staging buffer, and its
-// accumulators are folded into reduce16's tree as soon as the stage they feed is complete
-// (rows 2m and 2m + 1 into w[m], then w pairs into s, s pairs into u), so only a few vectors
-// per query stay live. The pairs are reduce16's, so the sums are the same bits.
-template <int NQ>
-void score_few(const float* q, const std::uint16_t* pool, const std::int64_t* rows,
-               std::int64_t n_rows, float scale, float* scores, std::int64_t ld) {
+template <int NQ, int G>
+void score_pass(const float* q, std::int64_t dim, const std::uint16_t* pool, const KeyRun* runs,
+                std::int64_t n_runs, std::int64_t stride, float scale, float* scores, std::int64_t ld,
+                const KeyRun* ahead, std::int64_t n_ahead) {
   const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  alignas(64) static constexpr std::uint16_t kZeroRow[64] = {};
-  for (std::int64_t r = 0; r < std::min(n_rows, kPrefetchRows); ++r) prefetch_row(pool, rows[r]);
-  for (std::int64_t b = 0; b < n_rows; b += 16) {
-    const int n16 = static_cast<int>(std::min<std::int64_t>(16, n_rows - b));
-    __m512 first[NQ], w_even[NQ], s_low[NQ], u_low[NQ], u_high[NQ];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      if (b + i + kPrefetchRows < n_rows) prefetch_row(pool, rows[b + i + kPrefetchRows]);
-      const Row64 k(i < n16 ? pool + rows[b + i] : kZeroRow);  // rows past the end: zeros
+  std::int64_t out = 0;  // the first key of runs[r]
+  for (std::int64_t r = 0; r < n_runs; r += G) {
+    const std::uint16_t* base[G];
+    const char* fetch[G];
+    __mmask16 mask[G];
+    std::int64_t at[G];
+    bool full = true;
 #pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const bool real = r + g < n_runs;  // past the last run: no lanes, nothing loaded or stored
+      const KeyRun& run = runs[real ? r + g : r];
+      base[g] = pool + run.at;
+      mask[g] = real ? static_cast<__mmask16>((1u << run.n) - 1) : 0;
+      at[g] = out;
+      out += real ? run.n : 0;
+      fetch[g] = ahead != nullptr && r + g < n_ahead ? reinterpret_cast<const char*>(pool + ahead[r + g].at) : nullptr;
+      full = full && mask[g] == 0xffff;
+    }
+    if (full) {
+      score_tile<NQ, G, true>(q, dim, base, fetch, mask, at, stride, vscale, scores, ld);
+    } else {
+      score_tile<NQ, G, false>(q, dim, base, fetch, mask, at, stride, vscale, scores, ld);
+    }
+  }
+}
+#else
+// The same on eight lanes: each run of up to 16 keys is two vectors, each lane the chain of
+// key_dot. A run shorter than 16 (the last of a sequence, or blocks smaller than 16) goes key
+// by key through key_dot itself.
+template <int NQ>
+void score_pass(const float* q, std::int64_t dim, const std::uint16_t* pool, const KeyRun* runs,
+                std::int64_t n_runs, std::int64_t stride, float scale, float* scores, std::int64_t ld,
+                const KeyRun* ahead, std::int64_t n_ahead) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  std::int64_t out = 0;
+  for (std::int64_t r = 0; r < n_runs; out += runs[r].n, ++r) {
+    const std::uint16_t* base = pool + runs[r].at;
+    const char* fetch = ahead != nullptr && r < n_ahead ? reinterpret_cast<const char*>(pool + ahead[r].at) : nullptr;
+    if (runs[r].n < kKeyRunSlots) {
+      for (int u = 0; u < NQ; ++u)
+        for (std::int64_t slot = 0; slot < runs[r].n; ++slot)
+          scores[u * ld + out + slot] = key_dot(q + u * dim, base + slot, dim, stride) * scale;
+      continue;
+    }
+    __m256 acc[NQ][2];
+    for (int u = 0; u < NQ; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
+    for (std::int64_t d = 0; d < dim; ++d) {
+      if (fetch != nullptr) _mm_prefetch(fetch + 2 * d * stride, _MM_HINT_T0);
+      const auto* kd = reinterpret_cast<const __m128i*>(base + d * stride);
+      const __m256 k0 = _mm256_cvtph_ps(_mm_loadu_si128(kd)), k1 = _mm256_cvtph_ps(_mm_loadu_si128(kd + 1));
       for (int u = 0; u < NQ; ++u) {
-        const float* qu = q + u * 64;
-        __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(qu), k.c[0], _mm512_setzero_ps());
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(qu + 16), k.c[1], a);
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(qu + 32), k.c[2], a);
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(qu + 48), k.c[3], a);
-        if (i % 2 == 0) {
-          first[u] = a;
-          continue;
-        }
-        const __m512 w = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(0xffff, first[u], a, 0x44),
-                                       _mm512_maskz_shuffle_f32x4(0xffff, first[u], a, 0xEE));
-        if (i % 4 == 1) {
-          w_even[u] = w;
-          continue;
-        }
-        const __m512 sv = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(0xffff, w_even[u], w, 0x88),
-                                        _mm512_maskz_shuffle_f32x4(0xffff, w_even[u], w, 0xDD));
-        if (i % 8 == 3) {
-          s_low[u] = sv;
-          continue;
-        }
-        const __m512 uv = _mm512_add_ps(_mm512_maskz_shuffle_ps(0xffff, s_low[u], sv, 0x44),
-                                        _mm512_maskz_shuffle_ps(0xffff, s_low[u], sv, 0xEE));
-        (i < 8 ? u_low : u_high)[u] = uv;
+        const __m256 qd = _mm256_set1_ps(q[u * dim + d]);
+        acc[u][0] = _mm256_fmadd_ps(qd, k0, acc[u][0]);
+        acc[u][1] = _mm256_fmadd_ps(qd, k1, acc[u][1]);
       }
     }
-#pragma GCC unroll 4
     for (int u = 0; u < NQ; ++u) {
-      const __m512 r = _mm512_add_ps(_mm512_maskz_shuffle_ps(0xffff, u_low[u], u_high[u], 0x88),
-                                     _mm512_maskz_shuffle_ps(0xffff, u_low[u], u_high[u], 0xDD));
-      const __m512 sums = _mm512_mul_ps(_mm512_maskz_permutexvar_ps(0xffff, order, r), vscale);
-      _mm512_mask_storeu_ps(scores + u * ld + b, static_cast<__mmask16>((1u << n16) - 1), sums);
+      _mm256_storeu_ps(scores + u * ld + out, _mm256_mul_ps(acc[u][0], vscale));
+      _mm256_storeu_ps(scores + u * ld + out + 8, _mm256_mul_ps(acc[u][1], vscale));
     }
   }
 }
 #endif
 
-// Head dimension 64 (the common case): the key row is converted from F16 once and used for
-// every query sharing it; the arithmetic per query is that of dot_f16.
-void score_rows(const float* q, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
-                std::int64_t n_rows, std::int64_t dim, float scale, float* scores, std::int64_t ld) {
-  if (dim != 64) {
-    for (int j = 0; j < n_q; ++j)
-      for (std::int64_t r = 0; r < n_rows; ++r)
-        scores[j * ld + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale;
-    return;
-  }
-#if defined(BATCHLM_KERNELS_AVX512)
-  // Sixteen lanes: lanes 0..7 of a row's accumulator take the even 8-element chunks and lanes
-  // 8..15 the odd ones, which is what a0 and a1 take below, in the same order. The key rows of
-  // a chunk are converted once; each query then scores 16 rows at a time and reduces their 16
-  // accumulators together (reduce16), pairing the lanes exactly as hsum(a0 + a1) does: the
-  // same scores bit for bit, one vector store per 16.
-  // Below about a dozen queries a staged key row is not reused enough to pay for its store and
-  // reload: four at a time straight from the pool instead.
-  if (n_q < 12) {
+// Any head size. The runs go in chunks of kChunkRuns (256 keys, 32 KB of them at dim 64): every
+// query scores a chunk before the next one, so the keys stream from memory once, at the pace
+// of all the queries, and stay in the first-level cache while they are reused. The queries go
+// in passes of eight (AVX-512: two runs at a time, 16 accumulators; the last few queries four
+// runs at a time) or four (AVX2: one run, 8 accumulators). The first pass over a chunk fetches
+// keys kAheadRuns runs ahead, on into the n_after runs that follow the list in the caller's.
+constexpr std::int64_t kChunkRuns = 16;
+constexpr std::int64_t kAheadRuns = 8;
+void score_runs(const float* q, int n_q, const std::uint16_t* pool, const KeyRun* runs, std::int64_t n_runs,
+                std::int64_t n_after, std::int64_t dim, std::int64_t stride, float scale, float* scores,
+                std::int64_t ld) {
+  std::int64_t out = 0;
+  for (std::int64_t c = 0; c < n_runs; c += kChunkRuns) {
+    const std::int64_t n = std::min(kChunkRuns, n_runs - c);
+    const std::int64_t n_ahead = std::max<std::int64_t>(0, n_runs + n_after - c - kAheadRuns);
     int j = 0;
-    for (; j + 4 <= n_q; j += 4) score_few<4>(q + j * 64, pool, rows, n_rows, scale, scores + j * ld, ld);
+    const auto pass = [&](auto call) {
+      call(q + j * dim, dim, pool, runs + c, n, stride, scale, scores + j * ld + out, ld,
+           j == 0 ? runs + c + kAheadRuns : nullptr, n_ahead);
+    };
+#if defined(BATCHLM_KERNELS_AVX512)
+    for (; j + 8 <= n_q; j += 8) pass(score_pass<8, 2>);
     switch (n_q - j) {
-      case 3: score_few<3>(q + j * 64, pool, rows, n_rows, scale, scores + j * ld, ld); break;
-      case 2: score_few<2>(q + j * 64, pool, rows, n_rows, scale, scores + j * ld, ld); break;
-      case 1: score_few<1>(q + j * 64, pool, rows, n_rows, scale, scores + j * ld, ld); break;
+      case 7: pass(score_pass<7, 2>); break;
+      case 6: pass(score_pass<6, 2>); break;
+      case 5: pass(score_pass<5, 2>); break;
+      case 4: pass(score_pass<4, 4>); break;
+      case 3: pass(score_pass<3, 4>); break;
+      case 2: pass(score_pass<2, 4>); break;
+      case 1: pass(score_pass<1, 4>); break;
       default: break;
     }
-    return;
-  }
-  constexpr std::int64_t kChunk = 32;
-  alignas(64) float kf[kChunk * 64];
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (std::int64_t r0 = 0; r0 < n_rows; r0 += kChunk) {
-    const std::int64_t nr = std::min(kChunk, n_rows - r0);
-    convert_rows(pool, rows + r0, nr, n_rows - r0 - nr, r0 == 0, kf);
-    for (int j = 0; j < n_q; ++j) {
-      const float* qj = q + j * 64;
-      const __m512 q0 = _mm512_loadu_ps(qj), q1 = _mm512_loadu_ps(qj + 16),
-                   q2 = _mm512_loadu_ps(qj + 32), q3 = _mm512_loadu_ps(qj + 48);
-      for (std::int64_t b = 0; b < nr; b += 16) {
-        const int n16 = static_cast<int>(std::min<std::int64_t>(16, nr - b));
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) {  // rows past n_rows are zeros, their sums not stored
-          const float* kr = kf + (b + i) * 64;
-          __m512 a = _mm512_fmadd_ps(q0, _mm512_load_ps(kr), _mm512_setzero_ps());
-          a = _mm512_fmadd_ps(q1, _mm512_load_ps(kr + 16), a);
-          a = _mm512_fmadd_ps(q2, _mm512_load_ps(kr + 32), a);
-          acc[i] = _mm512_fmadd_ps(q3, _mm512_load_ps(kr + 48), a);
-        }
-        const __m512 sums = _mm512_mul_ps(reduce16(acc), vscale);
-        _mm512_mask_storeu_ps(scores + j * ld + r0 + b, static_cast<__mmask16>((1u << n16) - 1), sums);
-      }
-    }
-  }
 #else
-  for (std::int64_t r = 0; r < n_rows; ++r) {
-    const auto* k = reinterpret_cast<const __m128i*>(pool + rows[r]);
-    __m256 kc[8];
-    for (int c = 0; c < 8; ++c) kc[c] = _mm256_cvtph_ps(_mm_loadu_si128(k + c));
-    for (int j = 0; j < n_q; ++j) {
-      const float* qj = q + j * 64;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int c = 0; c < 8; c += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8), kc[c], a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qj + c * 8 + 8), kc[c + 1], a1);
-      }
-      scores[j * ld + r] = hsum(_mm256_add_ps(a0, a1)) * scale;
+    for (; j + 4 <= n_q; j += 4) pass(score_pass<4>);
+    switch (n_q - j) {
+      case 3: pass(score_pass<3>); break;
+      case 2: pass(score_pass<2>); break;
+      case 1: pass(score_pass<1>); break;
+      default: break;
     }
-  }
 #endif
+    for (std::int64_t i = c; i < c + n; ++i) out += runs[i].n;
+  }
 }
 
 #if defined(BATCHLM_KERNELS_AVX512)
@@ -1262,11 +1227,10 @@ const Kernels* BATCHLM_KERNELS_ENTRY() {
                          packed_tile<PackedType::Q8_0>,
                          quantize_q8_t<false>,
                          quantize_q8_t<true>,
-                         dot_f16,
                          axpy_f16,
                          to_f16,
                          round_f16,
-                         score_rows,
+                         score_runs,
                          mix_rows,
                          softmax_f16,
                          exp_f32};

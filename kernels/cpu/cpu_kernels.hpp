@@ -1,6 +1,7 @@
 #pragma once
 // Internal to kernels/cpu: the inner loops that have a portable and an AVX2 version.
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -54,19 +55,41 @@ using PackedTileFn = void (*)(const std::uint8_t* w, int nr, const std::uint8_t*
 // Quantizes one row of n floats (n a multiple of 32 for the block types) to `type`.
 using QuantizeFn = void (*)(const float* x, std::int64_t n, void* out);
 
-// dot of an F32 query (pre-rounded to F16 values) with an F16 key row, in F32.
-using DotF16Fn = float (*)(const float* q, const std::uint16_t* k, std::int64_t n);
 // out += p * v for an F16 row v.
 using AxpyF16Fn = void (*)(float p, const std::uint16_t* v, float* out, std::int64_t n);
 
-// Attention over gathered F16 rows (the positions a query sees, wherever their blocks are),
-// for n_q queries that share the rows (the query heads of one KV head, or of several tokens
-// whose sequences share these cached blocks). Scores and probabilities of query j are at
-// j * ld, ld >= n_rows.
-// scores[j * ld + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale, bit for bit.
-using ScoreRowsFn = void (*)(const float* q, int n_q, const std::uint16_t* pool,
-                             const std::int64_t* rows, std::int64_t n_rows, std::int64_t dim,
+// Keys sit transposed within each block of the pool (ops.hpp PagedKv): dimension d + 1 of a
+// key follows dimension d `stride` elements later (the block size), and the keys of
+// consecutive slots are side by side. A run is up to kKeyRunSlots consecutive slots of one
+// block and KV head: `at` is the element offset of its first key's dimension 0, `n` how many.
+// The score kernels put a run's keys in the lanes of one vector.
+inline constexpr std::int64_t kKeyRunSlots = 16;
+struct KeyRun {
+  std::int64_t at;
+  std::int64_t n;
+};
+
+// The score arithmetic every path follows bit for bit: one multiply-add chain in dimension
+// order, s = fma(q[d], k[d], s) from s = 0, in F32, for an F32 query (pre-rounded to F16
+// values) and an F16 key whose dimensions are `stride` elements apart.
+inline float key_dot(const float* q, const std::uint16_t* k, std::int64_t dim, std::int64_t stride) {
+  float s = 0.0f;
+  for (std::int64_t d = 0; d < dim; ++d) s = std::fma(q[d], fp16_to_fp32(k[d * stride]), s);
+  return s;
+}
+
+// Attention over gathered positions (the ones a query sees, wherever their blocks are), for
+// n_q queries that share them (the query heads of one KV head, or of several tokens whose
+// sequences share these cached blocks). Scores and probabilities of query j are at j * ld,
+// ld >= the number of positions.
+// The keys come as runs; key r counts their slots in order:
+// scores[j * ld + r] = key_dot(q + j * dim, key r, dim, stride) * scale, bit for bit.
+// n_after more runs follow runs[n_runs - 1] in the caller's list (the next token's keys):
+// their keys may be fetched ahead, never used.
+using ScoreRunsFn = void (*)(const float* q, int n_q, const std::uint16_t* pool, const KeyRun* runs,
+                             std::int64_t n_runs, std::int64_t n_after, std::int64_t dim, std::int64_t stride,
                              float scale, float* scores, std::int64_t ld);
+// The values are rows of dim F16 values at pool + rows[r]:
 // out + j * dim += sum over r, in order, of probs[j * ld + r] * pool[rows[r]] (the same sums
 // as axpy_f16 row by row, bit for bit).
 using MixRowsFn = void (*)(const float* probs, int n_q, const std::uint16_t* pool,
@@ -100,11 +123,10 @@ struct Kernels {
   PackedTileFn packed_q8_0;
   QuantizeFn quantize_q8_0;
   QuantizeFn quantize_q8_1;
-  DotF16Fn dot_f16;
   AxpyF16Fn axpy_f16;
   ToF16Fn to_f16;
   RoundF16Fn round_f16;
-  ScoreRowsFn score_rows;
+  ScoreRunsFn score_runs;
   MixRowsFn mix_rows;
   SoftmaxF16Fn softmax_f16;
   ExpFn exp_f32;

@@ -463,20 +463,33 @@ void add_rms_norm(float* x, const float* y, const float* weight, std::int64_t n,
 void attention(const AttentionShape& s, const float* q, std::int64_t n,
                const std::int32_t* positions, const std::uint16_t* k, const std::uint16_t* v,
                float* out, ThreadPool& pool) {
-  // One sequence whose cache is a single block holding every position.
+  // One sequence whose cache is a single block holding every position; the keys in the paged
+  // layout, transposed.
   const std::int32_t table[1] = {0};
   const std::span<const std::int32_t> tables[1] = {table};
   std::vector<std::int32_t> sequence_of(static_cast<std::size_t>(n), 0);
   std::int64_t n_ctx = 1;
   for (std::int64_t t = 0; t < n; ++t) n_ctx = std::max<std::int64_t>(n_ctx, positions[t] + 1);
-  const PagedKv kv{k, v, n_ctx, tables, sequence_of.data()};
+  std::vector<std::uint16_t> keys(static_cast<std::size_t>(n_ctx * s.kv_stride));
+  transpose_key_blocks(k, 1, n_ctx, s.kv_stride, keys.data());
+  const PagedKv kv{keys.data(), v, n_ctx, tables, sequence_of.data()};
   attention_paged(s, q, n, positions, kv, out, pool);
+}
+
+void transpose_key_blocks(const std::uint16_t* rows, std::int64_t n_blocks, std::int64_t block_size,
+                          std::int64_t width, std::uint16_t* out) {
+  for (std::int64_t b = 0; b < n_blocks; ++b) {
+    const std::uint16_t* src = rows + b * block_size * width;
+    std::uint16_t* dst = out + b * block_size * width;
+    for (std::int64_t j = 0; j < block_size; ++j)
+      for (std::int64_t c = 0; c < width; ++c) dst[c * block_size + j] = src[j * width + c];
+  }
 }
 
 namespace {
 
-// Row offsets in the pool of positions [from, to) of a sequence with this block table, for
-// KV head kvh.
+// Value row offsets in the pool of positions [from, to) of a sequence with this block table,
+// for KV head kvh.
 void gather_rows(const AttentionShape& s, const PagedKv& kv, std::span<const std::int32_t> table,
                  std::int64_t kvh, std::int64_t from, std::int64_t to, std::int64_t* rows) {
   // A block at a time: one table lookup per block, then consecutive slots.
@@ -485,6 +498,18 @@ void gather_rows(const AttentionShape& s, const PagedKv& kv, std::span<const std
     const std::int64_t end = std::min(to, p - slot + kv.block_size);
     std::int64_t at = (table[p / kv.block_size] * kv.block_size + slot) * s.kv_stride + kvh * s.head_dim;
     for (; p < end; ++p, at += s.kv_stride) rows[p - from] = at;
+  }
+}
+
+// The keys of the same positions as runs (cpu::KeyRun), appended to `runs`: up to
+// kKeyRunSlots consecutive slots of a block each, their dimensions block_size apart.
+void gather_key_runs(const AttentionShape& s, const PagedKv& kv, std::span<const std::int32_t> table,
+                     std::int64_t kvh, std::int64_t from, std::int64_t to, std::vector<cpu::KeyRun>& runs) {
+  for (std::int64_t p = from; p < to;) {
+    const std::int64_t slot = p % kv.block_size;
+    const std::int64_t n = std::min({to - p, kv.block_size - slot, cpu::kKeyRunSlots});
+    runs.push_back({table[p / kv.block_size] * kv.block_size * s.kv_stride + kvh * s.head_dim * kv.block_size + slot, n});
+    p += n;
   }
 }
 
@@ -498,6 +523,7 @@ void attention_per_head(const AttentionShape& s, const float* q, std::int64_t n,
     std::vector<float> qh(static_cast<std::size_t>(s.head_dim));
     std::vector<float> scores;
     std::vector<std::int64_t> rows;
+    std::vector<cpu::KeyRun> runs;
     for (std::int64_t index = b; index < e; ++index) {
       // Latest tokens first: they see the most positions, so the longest items start first.
       const std::int64_t item = n * s.n_heads - 1 - index;
@@ -505,11 +531,14 @@ void attention_per_head(const AttentionShape& s, const float* q, std::int64_t n,
       const std::int64_t n_ctx = positions[t] + 1;
       rows.resize(static_cast<std::size_t>(n_ctx));
       gather_rows(s, kv, kv.block_tables[kv.sequence_of[t]], h / group, 0, n_ctx, rows.data());
+      runs.clear();
+      gather_key_runs(s, kv, kv.block_tables[kv.sequence_of[t]], h / group, 0, n_ctx, runs);
       const float* qsrc = q + (t * s.n_heads + h) * s.head_dim;
       qh.assign(qsrc, qsrc + s.head_dim);
       kern.round_f16(qh.data(), s.head_dim);
       scores.resize(static_cast<std::size_t>(n_ctx));
-      kern.score_rows(qh.data(), 1, kv.k_pool, rows.data(), n_ctx, s.head_dim, s.scale, scores.data(), n_ctx);
+      kern.score_runs(qh.data(), 1, kv.k_pool, runs.data(), static_cast<std::int64_t>(runs.size()), 0, s.head_dim,
+                      kv.block_size, s.scale, scores.data(), n_ctx);
       kern.softmax_f16(scores.data(), n_ctx);
       float* o = out + (t * s.n_heads + h) * s.head_dim;
       std::fill(o, o + s.head_dim, 0.0f);
@@ -582,7 +611,8 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
   const std::int64_t group = s.n_heads / s.n_kv_heads, dim = s.head_dim;
   pool.parallel_for(static_cast<std::int64_t>(items.size()), 1, [&](std::int64_t b, std::int64_t e, int) {
     std::vector<float> qbuf, scores, obuf;
-    std::vector<std::int64_t> shared_rows, tail_rows, tail_start;
+    std::vector<std::int64_t> shared_rows, tail_rows, tail_start, tail_run_start;
+    std::vector<cpu::KeyRun> shared_runs, tail_runs;
     for (std::int64_t index = b; index < e; ++index) {
       const Item& it = items[index];
       const std::int64_t m = it.end - it.begin, n_q = m * group;
@@ -596,20 +626,29 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
       kern.round_f16(qbuf.data(), n_q * dim);
       shared_rows.resize(static_cast<std::size_t>(it.shared));
       gather_rows(s, kv, table_of(order[it.begin]), it.kvh, 0, it.shared, shared_rows.data());
+      shared_runs.clear();
+      gather_key_runs(s, kv, table_of(order[it.begin]), it.kvh, 0, it.shared, shared_runs);
       tail_start.assign(1, 0);
       tail_rows.clear();
+      tail_run_start.assign(1, 0);
+      tail_runs.clear();
       for (std::int64_t i = 0; i < m; ++i) {
         const std::int64_t t = order[it.begin + i], n_ctx = positions[t] + 1;
         tail_rows.resize(static_cast<std::size_t>(tail_start.back() + n_ctx - it.shared));
         gather_rows(s, kv, table_of(t), it.kvh, it.shared, n_ctx, tail_rows.data() + tail_start.back());
         tail_start.push_back(static_cast<std::int64_t>(tail_rows.size()));
+        gather_key_runs(s, kv, table_of(t), it.kvh, it.shared, n_ctx, tail_runs);
+        tail_run_start.push_back(static_cast<std::int64_t>(tail_runs.size()));
       }
       scores.resize(static_cast<std::size_t>(n_q * ld));
-      kern.score_rows(qbuf.data(), static_cast<int>(n_q), kv.k_pool, shared_rows.data(), it.shared, dim,
-                      s.scale, scores.data(), ld);
+      // The shared keys, then each token's own, fetched ahead across the ends of the tokens' runs.
+      kern.score_runs(qbuf.data(), static_cast<int>(n_q), kv.k_pool, shared_runs.data(),
+                      static_cast<std::int64_t>(shared_runs.size()), 0, dim, kv.block_size, s.scale, scores.data(), ld);
+      const auto n_tail_runs = static_cast<std::int64_t>(tail_runs.size());
       for (std::int64_t i = 0; i < m; ++i)
-        kern.score_rows(qbuf.data() + i * group * dim, static_cast<int>(group), kv.k_pool,
-                        tail_rows.data() + tail_start[i], tail_start[i + 1] - tail_start[i], dim, s.scale,
+        kern.score_runs(qbuf.data() + i * group * dim, static_cast<int>(group), kv.k_pool,
+                        tail_runs.data() + tail_run_start[i], tail_run_start[i + 1] - tail_run_start[i],
+                        n_tail_runs - tail_run_start[i + 1], dim, kv.block_size, s.scale,
                         scores.data() + i * group * ld + it.shared, ld);
       for (std::int64_t i = 0; i < m; ++i) {
         const std::int64_t n_ctx = positions[order[it.begin + i]] + 1;
@@ -637,6 +676,18 @@ void store_f16_paged(const float* x, std::int64_t n, std::int64_t width,
     const std::int64_t block = table[p / kv.block_size];
     kernels().to_f16(x + t * width, pool + (block * kv.block_size + p % kv.block_size) * width,
                      width);
+  }
+}
+
+void store_keys_paged(const float* x, std::int64_t n, std::int64_t width,
+                      const std::int32_t* positions, const PagedKv& kv, std::uint16_t* pool) {
+  std::vector<std::uint16_t> row(static_cast<std::size_t>(width));
+  for (std::int64_t t = 0; t < n; ++t) {
+    const std::span<const std::int32_t> table = kv.block_tables[kv.sequence_of[t]];
+    const std::int64_t p = positions[t];
+    std::uint16_t* at = pool + table[p / kv.block_size] * kv.block_size * width + p % kv.block_size;
+    kernels().to_f16(x + t * width, row.data(), width);
+    for (std::int64_t c = 0; c < width; ++c) at[c * kv.block_size] = row[c];
   }
 }
 

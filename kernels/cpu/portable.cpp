@@ -120,23 +120,19 @@ void quantize_q8(const float* x, std::int64_t n, void* out) {
   }
 }
 
-float dot_f16(const float* q, const std::uint16_t* k, std::int64_t n) {
-  float sum = 0.0f;
-  for (std::int64_t i = 0; i < n; ++i) sum += q[i] * h2f(k[i]);
-  return sum;
-}
-
 void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) out[i] += p * h2f(v[i]);
 }
 
-// The gathered-row attention loops on top of dot_f16 / axpy_f16 (any dim).
-void score_rows_generic(const float* q, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
-                        std::int64_t n_rows, std::int64_t dim, float scale, float* scores,
-                        std::int64_t ld) {
-  for (int j = 0; j < n_q; ++j)
-    for (std::int64_t r = 0; r < n_rows; ++r)
-      scores[j * ld + r] = dot_f16(q + j * dim, pool + rows[r], dim) * scale;
+// The gathered-position attention loops on top of key_dot / axpy_f16 (any dim).
+void score_runs_generic(const float* q, int n_q, const std::uint16_t* pool, const KeyRun* runs, std::int64_t n_runs,
+                        std::int64_t /*n_after*/, std::int64_t dim, std::int64_t stride, float scale, float* scores, std::int64_t ld) {
+  for (int j = 0; j < n_q; ++j) {
+    std::int64_t r = 0;
+    for (std::int64_t i = 0; i < n_runs; ++i)
+      for (std::int64_t slot = 0; slot < runs[i].n; ++slot, ++r)
+        scores[j * ld + r] = key_dot(q + j * dim, pool + runs[i].at + slot, dim, stride) * scale;
+  }
 }
 
 void mix_rows_generic(const float* probs, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
@@ -176,8 +172,8 @@ const Kernels& portable_kernels() {
                          tile_q8_0,         tile_f16,         tile_bf16,
                          tile_f32,          nullptr,          nullptr,          nullptr,
                          quantize_q8<BlockQ8_0>, quantize_q8<BlockQ8_1>,
-                         dot_f16,           axpy_f16,         to_f16,
-                         round_f16,         score_rows_generic, mix_rows_generic,
+                         axpy_f16,          to_f16,
+                         round_f16,         score_runs_generic, mix_rows_generic,
                          softmax_f16,       exp_f32};
   return k;
 }

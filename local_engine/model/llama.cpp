@@ -282,7 +282,7 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
       kops::rope(k.data() + t0 * KV, m, c.n_kv_heads, c.head_dim, c.rope_dim, at, c.rope_base);
       kops::PagedKv part = paged;
       part.sequence_of += t0;
-      kops::store_f16_paged(k.data() + t0 * KV, m, KV, at, part, kc);
+      kops::store_keys_paged(k.data() + t0 * KV, m, KV, at, part, kc);
       kops::store_f16_paged(v.data() + t0 * KV, m, KV, at, part, vc);
     });
     kops::attention_paged(shape, q.data(), n, b.positions.data(), paged, att.data(), pool);

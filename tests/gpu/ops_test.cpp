@@ -329,14 +329,19 @@ std::vector<float> gpu_attention(const AttentionData& d, const Bounds& bounds = 
   return dout.download();
 }
 
-// The CPU kernel on the real tokens (they are contiguous); zeros for padding.
+// The CPU kernel on the real tokens (they are contiguous); zeros for padding. The CPU pool
+// holds keys transposed within each block (ops.hpp PagedKv): the same keys rewritten so.
 std::vector<float> cpu_attention(const AttentionData& d) {
   std::vector<float> out(d.q.size(), 0.0f);
+  const std::int64_t block_elems = d.c.block_size * d.c.shape.kv_stride;
+  std::vector<std::uint16_t> keys(d.k_pool.size());
+  k::transpose_key_blocks(d.k_pool.data(), static_cast<std::int64_t>(d.k_pool.size()) / block_elems, d.c.block_size,
+                          d.c.shape.kv_stride, keys.data());
   std::vector<std::span<const std::int32_t>> spans;
   for (std::size_t si = 0; si < d.c.seqs.size(); ++si)
     spans.emplace_back(d.tables.data() + si * d.max_blocks, static_cast<std::size_t>(d.max_blocks));
   const std::int64_t first = d.query_start.front(), n = d.query_start.back() - first;
-  const k::PagedKv kv{d.k_pool.data(), d.v_pool.data(), d.c.block_size, spans, d.sequence_of.data() + first};
+  const k::PagedKv kv{keys.data(), d.v_pool.data(), d.c.block_size, spans, d.sequence_of.data() + first};
   k::ThreadPool pool(4);
   k::attention_paged(d.c.shape, d.q.data() + first * d.row, n, d.positions.data() + first, kv,
                      out.data() + first * d.row, pool);

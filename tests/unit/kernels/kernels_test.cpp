@@ -354,47 +354,102 @@ TEST(Quantize, EveryPathGivesThePortableBytes) {
   }
 }
 
-// The gathered-row attention kernels give bit for bit what dot_f16 / axpy_f16 give row by row,
-// on every path, for the head size with a fast path (64) and one without (40), with scores
-// spaced by a leading dimension, row counts that end inside a block of 16 and past a chunk of
-// the key conversion, and query counts that take every pass width of the value sums (one to
-// six at a time) and both score paths (a few queries straight from the pool, a dozen or more
-// over staged key rows).
-TEST(Attention, RowKernelsMatchRowByRow) {
+// The gathered-position attention kernels give bit for bit what key_dot / axpy_f16 give key
+// by key and row by row, on every path: for the head size with a fast path (64) and others
+// (40, 3), with scores spaced by a leading dimension, runs of 16 keys and shorter ones (blocks
+// of 16, 5 and 1, runs starting mid-block), run counts that end inside a pass, and query
+// counts that take every pass width (one to eight at a time).
+TEST(Attention, RowKernelsMatchKeyByKey) {
   std::vector<const cpu::Kernels*> paths = {&cpu::portable_kernels()};
   if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
   if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
   if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
-  for (const std::int64_t dim : {64, 40})
-    for (const std::int64_t n_rows : {1, 37, 70})
-      for (const int n_q : {1, 2, 3, 4, 5, 7, 11, 12, 17, 48}) {
-        const std::int64_t stride = 3 * dim, ld = n_rows + 5;
-        const auto pf = random_floats(50 * stride, 60);
-        std::vector<std::uint16_t> pool(pf.size());
-        for (std::size_t i = 0; i < pf.size(); ++i) pool[i] = fp32_to_fp16(pf[i]);
-        std::vector<std::int64_t> rows(n_rows);
-        std::mt19937 rng(7);
-        for (auto& r : rows) r = static_cast<std::int64_t>(rng() % 50) * stride + dim;
-        auto q = random_floats(n_q * dim, 61);
-        cpu::portable_kernels().round_f16(q.data(), n_q * dim);
-        const auto probs = random_floats(n_q * ld, 62);
-        for (const cpu::Kernels* k : paths) {
-          std::vector<float> scores(n_q * ld, -1.0f);
-          k->score_rows(q.data(), n_q, pool.data(), rows.data(), n_rows, dim, 0.125f, scores.data(), ld);
-          std::vector<float> out(n_q * dim, 0.5f), expected(n_q * dim, 0.5f);
-          k->mix_rows(probs.data(), n_q, pool.data(), rows.data(), n_rows, dim, out.data(), ld);
-          for (std::int64_t j = 0; j < n_q; ++j) {
-            for (std::int64_t r = 0; r < n_rows; ++r) {
-              ASSERT_EQ(scores[j * ld + r], k->dot_f16(q.data() + j * dim, pool.data() + rows[r], dim) * 0.125f)
-                  << k->name << " dim " << dim << " query " << j << " row " << r;
-              k->axpy_f16(probs[j * ld + r], pool.data() + rows[r], expected.data() + j * dim, dim);
+  for (const std::int64_t dim : {64, 40, 3})
+    for (const std::int64_t block : {16, 5, 1})
+      for (const std::int64_t n_rows : {1, 37, 70})
+        for (const int n_q : {1, 2, 3, 4, 5, 7, 8, 11, 12, 17, 48}) {
+          const std::int64_t width = 3 * dim, ld = n_rows + 5, n_blocks = 80;
+          const auto pf = random_floats(n_blocks * block * width, 60);
+          std::vector<std::uint16_t> pool(pf.size());
+          for (std::size_t i = 0; i < pf.size(); ++i) pool[i] = fp32_to_fp16(pf[i]);
+          // Positions 3 .. 3 + n_rows of a sequence over shuffled blocks, KV head 1: the keys
+          // as runs of the transposed layout, the values as row offsets.
+          std::vector<std::int32_t> table(n_blocks);
+          for (std::int64_t i = 0; i < n_blocks; ++i) table[i] = static_cast<std::int32_t>(i);
+          std::shuffle(table.begin(), table.end(), std::mt19937(7));
+          std::vector<cpu::KeyRun> runs;
+          std::vector<std::int64_t> keys, rows;
+          for (std::int64_t p = 3; p < 3 + n_rows;) {
+            const std::int64_t slot = p % block;
+            const std::int64_t n = std::min({3 + n_rows - p, block - slot, cpu::kKeyRunSlots});
+            const std::int64_t at = table[p / block] * block * width + dim * block + slot;
+            runs.push_back({at, n});
+            for (std::int64_t i = 0; i < n; ++i) {
+              keys.push_back(at + i);
+              rows.push_back((table[(p + i) / block] * block + (p + i) % block) * width + dim);
             }
-            for (std::int64_t r = n_rows; r < ld; ++r) ASSERT_EQ(scores[j * ld + r], -1.0f) << "wrote past n_rows";
+            p += n;
           }
-          for (std::size_t i = 0; i < out.size(); ++i)
-            ASSERT_EQ(out[i], expected[i]) << k->name << " dim " << dim << " rows " << n_rows << " at " << i;
+          auto q = random_floats(n_q * dim, 61);
+          cpu::portable_kernels().round_f16(q.data(), n_q * dim);
+          const auto probs = random_floats(n_q * ld, 62);
+          for (const cpu::Kernels* k : paths) {
+            std::vector<float> scores(n_q * ld, -1.0f);
+            k->score_runs(q.data(), n_q, pool.data(), runs.data(), static_cast<std::int64_t>(runs.size()), 0, dim, block,
+                          0.125f, scores.data(), ld);
+            std::vector<float> out(n_q * dim, 0.5f), expected(n_q * dim, 0.5f);
+            k->mix_rows(probs.data(), n_q, pool.data(), rows.data(), n_rows, dim, out.data(), ld);
+            for (std::int64_t j = 0; j < n_q; ++j) {
+              for (std::int64_t r = 0; r < n_rows; ++r) {
+                ASSERT_EQ(scores[j * ld + r], cpu::key_dot(q.data() + j * dim, pool.data() + keys[r], dim, block) * 0.125f)
+                    << k->name << " dim " << dim << " block " << block << " queries " << n_q << " query " << j
+                    << " key " << r;
+                k->axpy_f16(probs[j * ld + r], pool.data() + rows[r], expected.data() + j * dim, dim);
+              }
+              for (std::int64_t r = n_rows; r < ld; ++r) ASSERT_EQ(scores[j * ld + r], -1.0f) << "wrote past the keys";
+            }
+            for (std::size_t i = 0; i < out.size(); ++i)
+              ASSERT_EQ(out[i], expected[i]) << k->name << " dim " << dim << " rows " << n_rows << " at " << i;
+          }
         }
-      }
+}
+
+// key_dot is the plain chain of multiply-adds in F32 (a double sum of the same products
+// would differ in the last bits; the chain is what every path reproduces).
+TEST(Attention, KeyDotIsAChainOfMultiplyAdds) {
+  const std::uint16_t k[6] = {fp32_to_fp16(1.5f), 0, fp32_to_fp16(-2.0f), 0, fp32_to_fp16(0.25f), 0};
+  const float q[3] = {2.0f, 0.5f, 8.0f};
+  EXPECT_EQ(cpu::key_dot(q, k, 3, 2), 4.0f);  // 3 - 1 + 2
+  const auto qs = random_floats(64, 5);
+  const auto ks = random_floats(64, 6);
+  std::vector<std::uint16_t> kh(64);
+  for (int i = 0; i < 64; ++i) kh[i] = fp32_to_fp16(ks[i]);
+  float chain = 0.0f;
+  for (int i = 0; i < 64; ++i) chain = std::fma(qs[i], fp16_to_fp32(kh[i]), chain);
+  EXPECT_EQ(cpu::key_dot(qs.data(), kh.data(), 64, 1), chain);
+}
+
+// transpose_key_blocks is what store_keys_paged writes, given what store_f16_paged writes.
+TEST(Attention, KeyStoreIsTheValueStoreTransposedPerBlock) {
+  const std::int64_t block = 4, n_blocks = 6, width = 10;
+  const std::vector<std::int32_t> table = {4, 1, 5, 0};
+  const std::span<const std::int32_t> tables[1] = {table};
+  const std::int64_t n = 14;
+  const auto x = random_floats(n * width, 70);
+  std::vector<std::int32_t> pos(n), seq(n, 0);
+  for (std::int64_t p = 0; p < n; ++p) pos[p] = static_cast<std::int32_t>(p);
+  std::vector<std::uint16_t> rows(n_blocks * block * width, 7), keys(rows.size(), 7), transposed(rows.size());
+  const PagedKv kv{keys.data(), rows.data(), block, tables, seq.data()};
+  store_f16_paged(x.data(), n, width, pos.data(), kv, rows.data());
+  store_keys_paged(x.data(), n, width, pos.data(), kv, keys.data());
+  transpose_key_blocks(rows.data(), n_blocks, block, width, transposed.data());
+  for (const std::int32_t b : table)
+    for (std::int64_t i = 0; i < block * width; ++i) {
+      const std::int64_t slot = i % block, c = i / block;
+      if (b == 0 && slot >= 2) continue;  // positions 14, 15 were never stored
+      ASSERT_EQ(keys[b * block * width + i], transposed[b * block * width + i]) << "block " << b << " at " << i;
+      ASSERT_EQ(keys[b * block * width + i], fp32_to_fp16(x[(std::find(table.begin(), table.end(), b) - table.begin()) * block * width + slot * width + c]));
+    }
 }
 
 // The softmax's exponentials are std::exp's bit for bit on every path: a spread of bit patterns
@@ -523,7 +578,7 @@ TEST(Attention, MatchesSoftmaxReference) {
 
 // Two sequences with their caches scattered over a shuffled block pool, their tokens mixed in
 // one batch: the paged kernel gives bit for bit what the contiguous one gives per sequence, and
-// store_f16_paged puts each position where the block table says.
+// store_keys_paged / store_f16_paged put each position where the block table says.
 TEST(Attention, PagedEqualsContiguousPerSequence) {
   const AttentionShape s{4, 2, 16, 2 * 16, 0.25f};
   const std::int64_t block = 4, n_blocks = 12;
@@ -545,7 +600,7 @@ TEST(Attention, PagedEqualsContiguousPerSequence) {
     std::vector<std::int32_t> pos(lens[q]), seq(lens[q], q);
     for (std::int64_t p = 0; p < lens[q]; ++p) pos[p] = static_cast<std::int32_t>(p);
     const PagedKv kv{kpool.data(), vpool.data(), block, tables, seq.data()};
-    store_f16_paged(kf.data(), lens[q], s.kv_stride, pos.data(), kv, kpool.data());
+    store_keys_paged(kf.data(), lens[q], s.kv_stride, pos.data(), kv, kpool.data());
     store_f16_paged(vf.data(), lens[q], s.kv_stride, pos.data(), kv, vpool.data());
   }
   // The batch: the last 3 positions of sequence 1 and the last 2 of sequence 0, interleaved.
@@ -598,8 +653,9 @@ TEST(Attention, SharedPrefixBlocksGiveTheSameResultAsAlone) {
       std::vector<std::uint16_t> kc(n_ctx * s.kv_stride), vc(kc.size());
       for (std::int64_t p = 0; p < n_ctx; ++p) {
         const std::int64_t src = (table[p / block] * block + p % block) * s.kv_stride;
-        std::copy_n(kpool.data() + src, s.kv_stride, kc.data() + p * s.kv_stride);
         std::copy_n(vpool.data() + src, s.kv_stride, vc.data() + p * s.kv_stride);
+        for (std::int64_t c = 0; c < s.kv_stride; ++c)  // keys transposed within the block
+          kc[p * s.kv_stride + c] = kpool[table[p / block] * block * s.kv_stride + c * block + p % block];
       }
       std::vector<float> alone(row);
       attention(s, q.data() + t * row, 1, &positions[t], kc.data(), vc.data(), alone.data(), pool);

@@ -95,7 +95,8 @@ void gather_rows(const float* src, const std::int32_t* rows, std::int64_t n, std
 // ---------------------------------------------------------------------------------------------
 // Paged KV cache and attention, on the block tables of the CPU path (ops.hpp PagedKv): for one
 // layer, position slot j of block b, kv head h at pool + (b * block_size + j) * kv_stride +
-// h * head_dim, in F16.
+// h * head_dim, in F16, for keys and values alike (the CPU pool keeps its keys transposed within
+// each block; this pool is the GPU's own).
 struct PagedBatch {
   std::int64_t block_size = 16;
   const std::int32_t* block_tables = nullptr;  // [n_seqs][max_blocks], row-major

@@ -115,9 +115,13 @@ void attention(const AttentionShape& shape, const float* q, std::int64_t n,
                const std::int32_t* positions, const std::uint16_t* k, const std::uint16_t* v,
                float* out, ThreadPool& pool);
 
-// The paged form: keys and values live in a pool of blocks of `block_size` positions (for one
-// layer: position slot j of block b, kv head h at k_pool + (b * block_size + j) * kv_stride +
-// h * head_dim). The batch may mix tokens of several sequences: token i belongs to sequence
+// The paged form: keys and values live in a pool of blocks of `block_size` positions, each
+// block block_size * kv_stride elements (for one layer). Values by position: slot j of block b,
+// kv head h at v_pool + (b * block_size + j) * kv_stride + h * head_dim. Keys transposed within
+// the block, dimension after dimension: element c = h * head_dim + d of slot j of block b at
+// k_pool + b * block_size * kv_stride + c * block_size + j, so that the keys of consecutive
+// slots lie side by side (the CPU kernels take 16 of them per vector). The CUDA path keeps its
+// own pool with keys laid out as values (cuda.hpp). The batch may mix tokens of several sequences: token i belongs to sequence
 // sequence_of[i], sits at positions[i] and sees that sequence's positions [0, positions[i]]
 // through its block table (block_tables[sequence_of[i]][p / block_size]). Same arithmetic as
 // attention(), which is the case of one sequence in one block.
@@ -132,10 +136,18 @@ void attention_paged(const AttentionShape& shape, const float* q, std::int64_t n
                      const std::int32_t* positions, const PagedKv& kv, float* out,
                      ThreadPool& pool);
 
-// Stores n rows of `width` floats as F16 at their positions in the paged pool (the layout of
-// PagedKv; `pool` is k_pool or v_pool made writable).
+// Stores n rows of `width` floats as F16 at their positions in the paged pool: as values
+// (the v_pool layout of PagedKv) and as keys (transposed within each block). `pool` is
+// v_pool or k_pool made writable.
 void store_f16_paged(const float* x, std::int64_t n, std::int64_t width,
                      const std::int32_t* positions, const PagedKv& kv, std::uint16_t* pool);
+void store_keys_paged(const float* x, std::int64_t n, std::int64_t width,
+                      const std::int32_t* positions, const PagedKv& kv, std::uint16_t* pool);
+
+// n_blocks blocks of keys laid out as values ((b * block_size + j) * width + c) rewritten in
+// the key layout of PagedKv (b * block_size * width + c * block_size + j).
+void transpose_key_blocks(const std::uint16_t* rows, std::int64_t n_blocks, std::int64_t block_size,
+                          std::int64_t width, std::uint16_t* out);
 
 // Index of the largest value (the first one on ties).
 std::int64_t argmax(const float* x, std::int64_t n);
