@@ -879,7 +879,7 @@ void score_runs(const float* q, int n_q, const std::uint16_t* pool, const KeyRun
     int j = 0;
     const auto pass = [&](auto call) {
       call(q + j * dim, dim, pool, runs + c, n, stride, scale, scores + j * ld + out, ld,
-           j == 0 ? runs + c + kAheadRuns : nullptr, n_ahead);
+           j == 0 && n_ahead > 0 ? runs + c + kAheadRuns : nullptr, n_ahead);
     };
 #if defined(BATCHLM_KERNELS_AVX512)
     for (; j + 8 <= n_q; j += 8) pass(score_pass<8, 2>);
