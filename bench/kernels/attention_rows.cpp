@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
   std::vector<float> out(static_cast<std::size_t>(queries * kDim));
   const double t_mix = best_ns([&] {
     std::fill(out.begin(), out.end(), 0.0f);
-    k->mix_rows(probs.data(), queries, pool.get(), offsets.data(), rows, kDim, out.data(), rows);
+    k->mix_rows(probs.data(), queries, pool.get(), offsets.data(), rows, 0, kDim, out.data(), rows);
   });
   double checksum = 0.0;
   for (const float x : out) checksum += x;

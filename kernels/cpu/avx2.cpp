@@ -913,15 +913,16 @@ void score_runs(const float* q, int n_q, const std::uint16_t* pool, const KeyRun
 // and reload, so even one query runs close to its multiply-adds.
 template <int NQ>
 void mix_pass(const float* probs, std::int64_t ld, const std::uint16_t* pool, const std::int64_t* rows,
-              std::int64_t n_rows, float* out) {
+              std::int64_t n_rows, std::int64_t n_fetch, float* out) {
+  constexpr std::int64_t ahead = kPrefetchRows;
   __m512 a[NQ][4];
 #pragma GCC unroll 8
   for (int u = 0; u < NQ; ++u)
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) a[u][c] = _mm512_loadu_ps(out + u * 64 + c * 16);
-  for (std::int64_t r = 0; r < std::min(n_rows, kPrefetchRows); ++r) prefetch_row(pool, rows[r]);
+  for (std::int64_t r = 0; r < std::min(n_fetch, ahead); ++r) prefetch_row(pool, rows[r]);
   for (std::int64_t r = 0; r < n_rows; ++r) {
-    if (r + kPrefetchRows < n_rows) prefetch_row(pool, rows[r + kPrefetchRows]);
+    if (r + ahead < n_fetch) prefetch_row(pool, rows[r + ahead]);
     const auto* v = reinterpret_cast<const __m256i*>(pool + rows[r]);
     __m512 w[NQ];
 #pragma GCC unroll 8
@@ -943,7 +944,7 @@ void mix_pass(const float* probs, std::int64_t ld, const std::uint16_t* pool, co
 // Head dimension 64: each query keeps its 64 sums in registers across the rows (the
 // per-element sums of axpy_f16, in row order).
 void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
-              std::int64_t n_rows, std::int64_t dim, float* out, std::int64_t ld) {
+              std::int64_t n_rows, [[maybe_unused]] std::int64_t n_after, std::int64_t dim, float* out, std::int64_t ld) {
   if (dim != 64) {
     for (int j = 0; j < n_q; ++j)
       for (std::int64_t r = 0; r < n_rows; ++r) axpy_f16(probs[j * ld + r], pool + rows[r], out + j * dim, dim);
@@ -954,13 +955,13 @@ void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std:
   // pass: each element's sum is still taken row by row, so the results are those of the
   // eight-lane loop below.
   int j = 0;
-  for (; j + 6 <= n_q; j += 6) mix_pass<6>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64);
+  for (; j + 6 <= n_q; j += 6) mix_pass<6>(probs + j * ld, ld, pool, rows, n_rows, j + 6 == n_q ? n_rows + n_after : n_rows, out + j * 64);
   switch (n_q - j) {
-    case 5: mix_pass<5>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64); break;
-    case 4: mix_pass<4>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64); break;
-    case 3: mix_pass<3>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64); break;
-    case 2: mix_pass<2>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64); break;
-    case 1: mix_pass<1>(probs + j * ld, ld, pool, rows, n_rows, out + j * 64); break;
+    case 5: mix_pass<5>(probs + j * ld, ld, pool, rows, n_rows, j + 5 == n_q ? n_rows + n_after : n_rows, out + j * 64); break;
+    case 4: mix_pass<4>(probs + j * ld, ld, pool, rows, n_rows, j + 4 == n_q ? n_rows + n_after : n_rows, out + j * 64); break;
+    case 3: mix_pass<3>(probs + j * ld, ld, pool, rows, n_rows, j + 3 == n_q ? n_rows + n_after : n_rows, out + j * 64); break;
+    case 2: mix_pass<2>(probs + j * ld, ld, pool, rows, n_rows, j + 2 == n_q ? n_rows + n_after : n_rows, out + j * 64); break;
+    case 1: mix_pass<1>(probs + j * ld, ld, pool, rows, n_rows, j + 1 == n_q ? n_rows + n_after : n_rows, out + j * 64); break;
     default: break;
   }
 #else
@@ -1057,32 +1058,28 @@ inline typename V::F exp_mantissa(typename V::F xc, typename V::F n) {
 }
 
 // e^x for the softmax's x - max <= 0, in float arithmetic: x = n ln2 + r with |r| <= ln2 / 2,
-// e^r from exp_mantissa, then 2^n through the exponent bits. Within 2 ulp of std::exp; below
-// -87 it is 0 (those terms vanish in an F16 probability anyway); NaN stays NaN.
+// e^r from exp_mantissa, then 2^n through the exponent bits. Within 2 ulp of std::exp. x is
+// first raised to -87 (e^-87 is about 1.6e-38, still a normal float), so every lane takes the
+// same path; such a term is lost in the double sum (whose largest term is e^0 = 1) and rounds
+// to 0 as an F16 probability, so the softmax is as if it were 0. The raising keeps a NaN (max
+// returns its second operand when either is NaN), and a NaN stays NaN throughout.
 inline __m256 softmax_exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 xc = _mm256_max_ps(x, lo);
+  const __m256 xc = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 y = exp_mantissa<Rows8>(xc, n);
+  const __m256 y = exp_mantissa<Rows8>(xc, n);
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-  y = _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);           // x < -87: 0
-  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 #if defined(BATCHLM_KERNELS_AVX512)
-// softmax_exp8 on sixteen lanes: the same operations lane by lane, so the same values.
+// softmax_exp8 on sixteen lanes, the same values: n is an integer in [-126, 0], so scaling by
+// 2^n with scalef rounds as the multiplication by the float 2^n does.
 inline __m512 softmax_exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  const __m512 xc = _mm512_maskz_max_ps(0xffff, x, lo);
+  const __m512 xc = _mm512_maskz_max_ps(0xffff, _mm512_set1_ps(-87.0f), x);
   const __m512 n = _mm512_maskz_roundscale_ps(0xffff, _mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 y = exp_mantissa<Rows16>(xc, n);
-  const __m512i e = _mm512_maskz_slli_epi32(0xffff, _mm512_add_epi32(_mm512_maskz_cvtps_epi32(0xffff, n), _mm512_set1_epi32(127)), 23);
-  y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-  y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), y);        // x < -87: 0
-  return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // NaN stays NaN
+  return _mm512_maskz_scalef_ps(0xffff, exp_mantissa<Rows16>(xc, n), n);
 }
 #endif
 

@@ -91,15 +91,16 @@ using ScoreRunsFn = void (*)(const float* q, int n_q, const std::uint16_t* pool,
                              float scale, float* scores, std::int64_t ld);
 // The values are rows of dim F16 values at pool + rows[r]:
 // out + j * dim += sum over r, in order, of probs[j * ld + r] * pool[rows[r]] (the same sums
-// as axpy_f16 row by row, bit for bit).
+// as axpy_f16 row by row, bit for bit). n_after more rows follow rows[n_rows - 1] in the
+// caller's list (the next token's values): they may be fetched ahead, never used.
 using MixRowsFn = void (*)(const float* probs, int n_q, const std::uint16_t* pool,
-                           const std::int64_t* rows, std::int64_t n_rows, std::int64_t dim,
-                           float* out, std::int64_t ld);
+                           const std::int64_t* rows, std::int64_t n_rows, std::int64_t n_after,
+                           std::int64_t dim, float* out, std::int64_t ld);
 
 // Softmax of one row of attention scores in place, each probability then rounded to the nearest
 // F16 value. The portable path takes std::exp; the AVX2 path a float polynomial within 2 ulp
-// of it (terms below e^-87 are 0), eight lanes at a time (the AVX-512 build sixteen, with the
-// same bits). The sum is in double on both; the paths may differ by one F16 step.
+// of it (terms below e^-87 count as e^-87, which the sum loses and F16 rounds to 0), eight
+// lanes at a time (the AVX-512 build sixteen, with the same bits). The sum is in double on both; the paths may differ by one F16 step.
 using SoftmaxF16Fn = void (*)(float* x, std::int64_t n);
 
 // out[i] = std::exp(x[i]), bit for bit on every path.

@@ -542,7 +542,7 @@ void attention_per_head(const AttentionShape& s, const float* q, std::int64_t n,
       kern.softmax_f16(scores.data(), n_ctx);
       float* o = out + (t * s.n_heads + h) * s.head_dim;
       std::fill(o, o + s.head_dim, 0.0f);
-      kern.mix_rows(scores.data(), 1, kv.v_pool, rows.data(), n_ctx, s.head_dim, o, n_ctx);
+      kern.mix_rows(scores.data(), 1, kv.v_pool, rows.data(), n_ctx, 0, s.head_dim, o, n_ctx);
     }
   });
 }
@@ -655,11 +655,12 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
         for (std::int64_t j = 0; j < group; ++j) kern.softmax_f16(scores.data() + (i * group + j) * ld, n_ctx);
       }
       obuf.assign(static_cast<std::size_t>(n_q * dim), 0.0f);
-      kern.mix_rows(scores.data(), static_cast<int>(n_q), kv.v_pool, shared_rows.data(), it.shared, dim,
+      kern.mix_rows(scores.data(), static_cast<int>(n_q), kv.v_pool, shared_rows.data(), it.shared, 0, dim,
                     obuf.data(), ld);
       for (std::int64_t i = 0; i < m; ++i) {
         kern.mix_rows(scores.data() + i * group * ld + it.shared, static_cast<int>(group), kv.v_pool,
-                      tail_rows.data() + tail_start[i], tail_start[i + 1] - tail_start[i], dim,
+                      tail_rows.data() + tail_start[i], tail_start[i + 1] - tail_start[i],
+                      tail_start[m] - tail_start[i + 1], dim,
                       obuf.data() + i * group * dim, ld);
         std::copy_n(obuf.data() + i * group * dim, group * dim,
                     out + (order[it.begin + i] * s.n_heads + it.kvh * group) * dim);

@@ -136,7 +136,7 @@ void score_runs_generic(const float* q, int n_q, const std::uint16_t* pool, cons
 }
 
 void mix_rows_generic(const float* probs, int n_q, const std::uint16_t* pool, const std::int64_t* rows,
-                      std::int64_t n_rows, std::int64_t dim, float* out, std::int64_t ld) {
+                      std::int64_t n_rows, std::int64_t /*n_after*/, std::int64_t dim, float* out, std::int64_t ld) {
   for (int j = 0; j < n_q; ++j)
     for (std::int64_t r = 0; r < n_rows; ++r) axpy_f16(probs[j * ld + r], pool + rows[r], out + j * dim, dim);
 }

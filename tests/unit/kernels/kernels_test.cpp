@@ -398,7 +398,7 @@ TEST(Attention, RowKernelsMatchKeyByKey) {
             k->score_runs(q.data(), n_q, pool.data(), runs.data(), static_cast<std::int64_t>(runs.size()), 0, dim, block,
                           0.125f, scores.data(), ld);
             std::vector<float> out(n_q * dim, 0.5f), expected(n_q * dim, 0.5f);
-            k->mix_rows(probs.data(), n_q, pool.data(), rows.data(), n_rows, dim, out.data(), ld);
+            k->mix_rows(probs.data(), n_q, pool.data(), rows.data(), n_rows, 0, dim, out.data(), ld);
             for (std::int64_t j = 0; j < n_q; ++j) {
               for (std::int64_t r = 0; r < n_rows; ++r) {
                 ASSERT_EQ(scores[j * ld + r], cpu::key_dot(q.data() + j * dim, pool.data() + keys[r], dim, block) * 0.125f)
@@ -410,6 +410,25 @@ TEST(Attention, RowKernelsMatchKeyByKey) {
             }
             for (std::size_t i = 0; i < out.size(); ++i)
               ASSERT_EQ(out[i], expected[i]) << k->name << " dim " << dim << " rows " << n_rows << " at " << i;
+            // The same lists in two calls, the first told that the rest follows (fetched ahead,
+            // never used): the same bits.
+            const auto half_runs = static_cast<std::int64_t>(runs.size()) / 2;
+            std::int64_t half_keys = 0;
+            for (std::int64_t i = 0; i < half_runs; ++i) half_keys += runs[i].n;
+            std::vector<float> split_scores(n_q * ld, -1.0f);
+            k->score_runs(q.data(), n_q, pool.data(), runs.data(), half_runs,
+                          static_cast<std::int64_t>(runs.size()) - half_runs, dim, block, 0.125f, split_scores.data(), ld);
+            k->score_runs(q.data(), n_q, pool.data(), runs.data() + half_runs,
+                          static_cast<std::int64_t>(runs.size()) - half_runs, 0, dim, block, 0.125f,
+                          split_scores.data() + half_keys, ld);
+            std::string where;
+            ASSERT_TRUE(same_bits(scores, split_scores, &where)) << k->name << " scores in two calls, " << where;
+            const std::int64_t half_rows = n_rows / 2;
+            std::vector<float> split_out(n_q * dim, 0.5f);
+            k->mix_rows(probs.data(), n_q, pool.data(), rows.data(), half_rows, n_rows - half_rows, dim, split_out.data(), ld);
+            k->mix_rows(probs.data() + half_rows, n_q, pool.data(), rows.data() + half_rows, n_rows - half_rows, 0, dim,
+                        split_out.data(), ld);
+            ASSERT_TRUE(same_bits(out, split_out, &where)) << k->name << " sums in two calls, " << where;
           }
         }
 }
