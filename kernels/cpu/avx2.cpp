@@ -380,6 +380,16 @@ struct Rows16 {
 };
 #endif
 
+#if defined(BATCHLM_KERNELS_AVX512)
+// Zero-masking forms with every lane selected, as in Rows16.
+inline __m512 cvtph16(__m256i h) { return _mm512_maskz_cvtph_ps(0xffff, h); }
+inline __m256 half256(__m512 v, int upper) {
+  return _mm256_castpd_ps(upper ? _mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 1)
+                                : _mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 0));
+}
+
+#endif
+
 #if defined(BATCHLM_KERNELS_AVX512) || defined(BATCHLM_KERNELS_VNNI)
 constexpr bool kDotInstruction = true;
 #else
@@ -678,6 +688,44 @@ void tile_f32(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t
 // As the portable version: d = max|x| / 127, q = round_half_even(x * 127 / max|x|).
 template <bool WithSum>
 void quantize_q8_t(const float* x, std::int64_t n, void* out) {
+#if defined(BATCHLM_KERNELS_AVX512)
+  // Sixteen lanes: the same maximum, scale, rounding and integer sum, the bytes narrowed in
+  // order by vpmovdb (exact, as every value is within [-127, 127]).
+  for (std::int64_t b = 0; b < n / 32; ++b) {
+    const float* xb = x + b * 32;
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const __m512 a = _mm512_maskz_max_ps(0xffff, _mm512_abs_ps(v0), _mm512_abs_ps(v1));
+    const __m256 a8 = _mm256_max_ps(half256(a, 0), half256(a, 1));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float max = _mm_cvtss_f32(m);
+    const float d = max / 127.0f;
+    const __m512 id = _mm512_set1_ps(max != 0.0f ? 127.0f / max : 0.0f);
+    const __m512i q0 = _mm512_maskz_cvtps_epi32(0xffff, _mm512_maskz_roundscale_ps(0xffff, _mm512_mul_ps(v0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m512i q1 = _mm512_maskz_cvtps_epi32(0xffff, _mm512_maskz_roundscale_ps(0xffff, _mm512_mul_ps(v1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const std::uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);  // fp32_to_fp16(d)
+    std::int8_t* qs;
+    if constexpr (WithSum) {
+      auto* blk = static_cast<BlockQ8_1*>(out) + b;
+      blk->d = dh;
+      const __m512 q = _mm512_castsi512_ps(_mm512_add_epi32(q0, q1));
+      const __m256i q8 = _mm256_add_epi32(_mm256_castps_si256(half256(q, 0)), _mm256_castps_si256(half256(q, 1)));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(q8), _mm256_extracti128_si256(q8, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      blk->s = _cvtss_sh(d * static_cast<float>(_mm_cvtsi128_si32(s4)), _MM_FROUND_TO_NEAREST_INT);
+      qs = blk->qs;
+    } else {
+      auto* blk = static_cast<BlockQ8_0*>(out) + b;
+      blk->d = dh;
+      qs = blk->qs;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qs), _mm512_maskz_cvtepi32_epi8(0xffff, q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qs + 16), _mm512_maskz_cvtepi32_epi8(0xffff, q1));
+  }
+  return;
+#endif
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (std::int64_t b = 0; b < n / 32; ++b) {
     const float* xb = x + b * 32;
@@ -733,15 +781,6 @@ void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
   for (; i < n; ++i) out[i] += p * h2f(v[i]);
 }
 
-#if defined(BATCHLM_KERNELS_AVX512)
-// Zero-masking forms with every lane selected, as in Rows16.
-inline __m512 cvtph16(__m256i h) { return _mm512_maskz_cvtph_ps(0xffff, h); }
-inline __m256 half256(__m512 v, int upper) {
-  return _mm256_castpd_ps(upper ? _mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 1)
-                                : _mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 0));
-}
-
-#endif
 
 // Value rows are scattered over the pool and, past a shared prefix, mostly in memory rather
 // than cache, so each one is fetched kPrefetchRows rows ahead.
@@ -1031,6 +1070,30 @@ inline __m128 exp4(__m128 x, const ExpTable& table) {
   return _mm256_cvtpd_ps(y);
 }
 
+#if defined(BATCHLM_KERNELS_AVX512)
+// exp4 on eight lanes: the same double operations lane by lane, so the same values (zero-masking
+// forms with every lane selected, as in Rows16).
+inline __m256 exp8_wide(__m256 x, const ExpTable& table) {
+  const __m512d inv_ln2_n = _mm512_set1_pd(0x1.71547652b82fep+0 * 32);
+  const __m512d shift = _mm512_set1_pd(0x1.8p+52);
+  const __m512d xd = _mm512_maskz_cvtps_pd(0xff, x);
+  const __m512d kd_shifted = _mm512_fmadd_pd(inv_ln2_n, xd, shift);
+  const __m512d kd = _mm512_sub_pd(kd_shifted, shift);
+  const __m512d r = _mm512_fmsub_pd(inv_ln2_n, xd, kd);
+  const __m512i ki = _mm512_castpd_si512(kd_shifted);
+  const __m512i index = _mm512_and_si512(ki, _mm512_set1_epi64(31));
+  const __m512i t = _mm512_add_epi64(_mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xff, index, table.entry, 8),
+                                     _mm512_maskz_slli_epi64(0xff, ki, 47));
+  const __m512d z = _mm512_fmadd_pd(r, _mm512_set1_pd(0x1.c6af84b912394p-5 / (32.0 * 32.0 * 32.0)),
+                                    _mm512_set1_pd(0x1.ebfce50fac4f3p-3 / (32.0 * 32.0)));
+  const __m512d r2 = _mm512_mul_pd(r, r);
+  __m512d y = _mm512_fmadd_pd(r, _mm512_set1_pd(0x1.62e42ff0c52d6p-1 / 32.0), _mm512_set1_pd(1.0));
+  y = _mm512_fmadd_pd(z, r2, y);
+  y = _mm512_mul_pd(y, _mm512_castsi512_pd(t));
+  return _mm512_maskz_cvtpd_ps(0xff, y);
+}
+#endif
+
 inline __m256 exp8(__m256 x, const ExpTable& table) {
   const __m256 big = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(88.0f),
                                    _CMP_NLT_UQ);  // |x| >= 88 or NaN
@@ -1040,7 +1103,11 @@ inline __m256 exp8(__m256 x, const ExpTable& table) {
     for (float& v : t) v = std::exp(v);
     return _mm256_load_ps(t);
   }
+#if defined(BATCHLM_KERNELS_AVX512)
+  return exp8_wide(x, table);
+#else
   return _mm256_set_m128(exp4(_mm256_extractf128_ps(x, 1), table), exp4(_mm256_castps256_ps128(x), table));
+#endif
 }
 
 // e^r for x = n ln2 + r (x clamped to xc, n the nearest integer to x / ln2), at any vector

@@ -388,28 +388,41 @@ void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t 
   }
 }
 
-void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
-          std::int64_t rot_dim, const std::int32_t* positions, float base) {
+std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::int32_t* positions, float base) {
   const float theta_scale = std::pow(base, -2.0f / static_cast<float>(rot_dim));
-  std::vector<float> cos_sin(static_cast<std::size_t>(rot_dim));
+  std::vector<float> cos_sin(static_cast<std::size_t>(n * rot_dim));
   for (std::int64_t t = 0; t < n; ++t) {
     // The angle of pair i is pos * theta_scale^i, built up by repeated multiplication.
     float theta = static_cast<float>(positions[t]);
+    float* cs = cos_sin.data() + t * rot_dim;
     for (std::int64_t i = 0; i < rot_dim; i += 2) {
-      cos_sin[i] = std::cos(theta);
-      cos_sin[i + 1] = std::sin(theta);
+      cs[i] = std::cos(theta);
+      cs[i + 1] = std::sin(theta);
       theta *= theta_scale;
     }
+  }
+  return cos_sin;
+}
+
+void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim, std::int64_t rot_dim,
+          const float* cos_sin) {
+  for (std::int64_t t = 0; t < n; ++t) {
+    const float* cs = cos_sin + t * rot_dim;
     for (std::int64_t h = 0; h < n_heads; ++h) {
       float* v = x + (t * n_heads + h) * head_dim;
       for (std::int64_t i = 0; i < rot_dim; i += 2) {
-        const float c = cos_sin[i], s = cos_sin[i + 1];
+        const float c = cs[i], s = cs[i + 1];
         const float a = v[i], b = v[i + 1];
         v[i] = a * c - b * s;
         v[i + 1] = a * s + b * c;
       }
     }
   }
+}
+
+void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
+          std::int64_t rot_dim, const std::int32_t* positions, float base) {
+  rope(x, n, n_heads, head_dim, rot_dim, rope_angles(n, rot_dim, positions, base).data());
 }
 
 void swiglu(float* gate, const float* up, std::int64_t n) {

@@ -264,6 +264,8 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
 
   const kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
                                    1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  // The rotary angles of the tokens' positions, the same in every layer.
+  const std::vector<float> angles = kops::rope_angles(n, c.rope_dim, b.positions.data(), c.rope_base);
   for (std::int64_t li = 0; li < n_layers; ++li) {
     const LayerWeights& l = layers_[li];
     // Later layers' input norm is taken with the previous layer's last residual addition.
@@ -278,8 +280,9 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
     pool.parallel_for(n, kRowGrain, [&](std::int64_t t0, std::int64_t t1, int) {
       const std::int64_t m = t1 - t0;
       const std::int32_t* at = b.positions.data() + t0;
-      kops::rope(q.data() + t0 * c.n_heads * c.head_dim, m, c.n_heads, c.head_dim, c.rope_dim, at, c.rope_base);
-      kops::rope(k.data() + t0 * KV, m, c.n_kv_heads, c.head_dim, c.rope_dim, at, c.rope_base);
+      const float* cos_sin = angles.data() + t0 * c.rope_dim;
+      kops::rope(q.data() + t0 * c.n_heads * c.head_dim, m, c.n_heads, c.head_dim, c.rope_dim, cos_sin);
+      kops::rope(k.data() + t0 * KV, m, c.n_kv_heads, c.head_dim, c.rope_dim, cos_sin);
       kops::PagedKv part = paged;
       part.sequence_of += t0;
       kops::store_keys_paged(k.data() + t0 * KV, m, KV, at, part, kc);

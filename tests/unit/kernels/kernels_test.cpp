@@ -695,6 +695,33 @@ TEST(Rope, RotatesPairsByPosition) {
   EXPECT_NEAR(x[4], -std::sin(3.0f), 1e-6);
 }
 
+// Angles taken once and used for several tensors (a forward pass's layers, its queries and keys)
+// rotate exactly as rope from the positions does: the cosines and sines of each token's first
+// rot_dim dimensions, with the rest of each head untouched.
+TEST(Rope, AnglesTakenOnceRotateTheSame) {
+  const std::int64_t n = 5, n_heads = 3, head_dim = 16, rot_dim = 12;
+  const std::int32_t pos[n] = {0, 7, 8, 1500, 8191};
+  const auto x = random_floats(n * n_heads * head_dim, 41);
+  std::vector<float> direct = x;
+  rope(direct.data(), n, n_heads, head_dim, rot_dim, pos, 100000.0f);
+  const std::vector<float> angles = rope_angles(n, rot_dim, pos, 100000.0f);
+  ASSERT_EQ(angles.size(), static_cast<std::size_t>(n * rot_dim));
+  EXPECT_EQ(angles[3 * rot_dim], std::cos(1500.0f));
+  EXPECT_EQ(angles[3 * rot_dim + 1], std::sin(1500.0f));
+  for (int layer = 0; layer < 2; ++layer) {
+    std::vector<float> again = x;
+    rope(again.data(), n, n_heads, head_dim, rot_dim, angles.data());
+    std::string where;
+    EXPECT_TRUE(same_bits(direct, again, &where)) << where;
+  }
+  for (std::int64_t t = 0; t < n; ++t)
+    for (std::int64_t h = 0; h < n_heads; ++h)
+      for (std::int64_t d = rot_dim; d < head_dim; ++d) {
+        const std::int64_t i = (t * n_heads + h) * head_dim + d;
+        EXPECT_EQ(direct[i], x[i]) << "dimension " << d << " is past rot_dim";
+      }
+}
+
 TEST(RmsNorm, NormalisesAndScales) {
   const float x[4] = {1, 2, 3, 4}, w[4] = {1, 1, 2, 2};
   float out[4];

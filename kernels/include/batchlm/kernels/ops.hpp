@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "batchlm/kernels/dtype.hpp"
 #include "batchlm/kernels/thread_pool.hpp"
@@ -88,6 +89,12 @@ void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t 
 // angle pos * base^(-2i/rot_dim). x is [n][n_heads][head_dim].
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
           std::int64_t rot_dim, const std::int32_t* positions, float base);
+// The same rotation from angles taken once for every layer of a forward pass: rope_angles gives
+// rot_dim floats per token (the cosine and sine of pair i at 2i and 2i + 1, as rope computes
+// them), and rope with them gives rope's values bit for bit.
+std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::int32_t* positions, float base);
+void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim, std::int64_t rot_dim,
+          const float* cos_sin);
 
 // gate[i] = silu(gate[i]) * up[i], the exponential std::exp's bit for bit at vector speed. With a
 // pool, shared among its threads (the same values).
