@@ -685,61 +685,66 @@ void tile_f32(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t
   }
 }
 
+inline float hmax(__m256 m) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+
+inline std::int32_t hsum_i32(__m256i v) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  return _mm_cvtsi128_si32(s4);
+}
+
+// One block's header and bytes (qs: its 32 values in order, within [-127, 127]).
+template <bool WithSum>
+inline void store_q8_block(void* out, std::int64_t b, float d, std::int32_t sum, __m256i qs) {
+  const std::uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);  // fp32_to_fp16(d)
+  if constexpr (WithSum) {
+    auto* blk = static_cast<BlockQ8_1*>(out) + b;
+    blk->d = dh;
+    blk->s = _cvtss_sh(d * static_cast<float>(sum), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk->qs), qs);
+  } else {
+    auto* blk = static_cast<BlockQ8_0*>(out) + b;
+    blk->d = dh;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk->qs), qs);
+  }
+}
+
 // As the portable version: d = max|x| / 127, q = round_half_even(x * 127 / max|x|).
 template <bool WithSum>
 void quantize_q8_t(const float* x, std::int64_t n, void* out) {
-#if defined(BATCHLM_KERNELS_AVX512)
-  // Sixteen lanes: the same maximum, scale, rounding and integer sum, the bytes narrowed in
-  // order by vpmovdb (exact, as every value is within [-127, 127]).
   for (std::int64_t b = 0; b < n / 32; ++b) {
     const float* xb = x + b * 32;
+#if defined(BATCHLM_KERNELS_AVX512)
+    // Sixteen lanes: the same maximum, scale, rounding and integer sum; vpmovdb narrows the
+    // values to bytes in order (exact, as every value is within [-127, 127]).
     const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
     const __m512 a = _mm512_maskz_max_ps(0xffff, _mm512_abs_ps(v0), _mm512_abs_ps(v1));
-    const __m256 a8 = _mm256_max_ps(half256(a, 0), half256(a, 1));
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float max = _mm_cvtss_f32(m);
-    const float d = max / 127.0f;
+    const float max = hmax(_mm256_max_ps(half256(a, 0), half256(a, 1)));
     const __m512 id = _mm512_set1_ps(max != 0.0f ? 127.0f / max : 0.0f);
-    const __m512i q0 = _mm512_maskz_cvtps_epi32(0xffff, _mm512_maskz_roundscale_ps(0xffff, _mm512_mul_ps(v0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m512i q1 = _mm512_maskz_cvtps_epi32(0xffff, _mm512_maskz_roundscale_ps(0xffff, _mm512_mul_ps(v1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const std::uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);  // fp32_to_fp16(d)
-    std::int8_t* qs;
-    if constexpr (WithSum) {
-      auto* blk = static_cast<BlockQ8_1*>(out) + b;
-      blk->d = dh;
-      const __m512 q = _mm512_castsi512_ps(_mm512_add_epi32(q0, q1));
-      const __m256i q8 = _mm256_add_epi32(_mm256_castps_si256(half256(q, 0)), _mm256_castps_si256(half256(q, 1)));
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(q8), _mm256_extracti128_si256(q8, 1));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-      blk->s = _cvtss_sh(d * static_cast<float>(_mm_cvtsi128_si32(s4)), _MM_FROUND_TO_NEAREST_INT);
-      qs = blk->qs;
-    } else {
-      auto* blk = static_cast<BlockQ8_0*>(out) + b;
-      blk->d = dh;
-      qs = blk->qs;
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qs), _mm512_maskz_cvtepi32_epi8(0xffff, q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qs + 16), _mm512_maskz_cvtepi32_epi8(0xffff, q1));
-  }
-  return;
-#endif
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (std::int64_t b = 0; b < n / 32; ++b) {
-    const float* xb = x + b * 32;
+    const auto round = [&](__m512 v) {
+      return _mm512_maskz_cvtps_epi32(0xffff, _mm512_maskz_roundscale_ps(0xffff, _mm512_mul_ps(v, id),
+                                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    };
+    const __m512i q0 = round(v0), q1 = round(v1);
+    const __m512 q = _mm512_castsi512_ps(_mm512_add_epi32(q0, q1));
+    const std::int32_t sum =
+        WithSum ? hsum_i32(_mm256_add_epi32(_mm256_castps_si256(half256(q, 0)), _mm256_castps_si256(half256(q, 1)))) : 0;
+    const __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_maskz_cvtepi32_epi8(0xffff, q0)),
+                                                  _mm512_maskz_cvtepi32_epi8(0xffff, q1), 1);
+#else
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
     for (int j = 0; j < 4; ++j) {
       v[j] = _mm256_loadu_ps(xb + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[j]));
     }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float max = _mm_cvtss_f32(m);
-    const float d = max / 127.0f;
+    const float max = hmax(amax);
     const __m256 id = _mm256_set1_ps(max != 0.0f ? 127.0f / max : 0.0f);
     __m256i qi[4];
     __m256i isum = _mm256_setzero_si256();
@@ -748,26 +753,14 @@ void quantize_q8_t(const float* x, std::int64_t n, void* out) {
           _mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       isum = _mm256_add_epi32(isum, qi[j]);
     }
+    const std::int32_t sum = WithSum ? hsum_i32(isum) : 0;
     // The 32 values (all within [-127, 127], so the saturating packs are exact) to bytes in
     // order: the packs interleave 128-bit lanes, the permutation puts them back.
     const __m256i bytes = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    const std::uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);  // fp32_to_fp16(d)
-    if constexpr (WithSum) {
-      auto* blk = static_cast<BlockQ8_1*>(out) + b;
-      blk->d = dh;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk->qs), bytes);
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-      const int sum = _mm_cvtsi128_si32(s4);
-      blk->s = _cvtss_sh(d * static_cast<float>(sum), _MM_FROUND_TO_NEAREST_INT);
-    } else {
-      auto* blk = static_cast<BlockQ8_0*>(out) + b;
-      blk->d = dh;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk->qs), bytes);
-    }
+#endif
+    store_q8_block<WithSum>(out, b, max / 127.0f, sum, bytes);
   }
 }
 
@@ -1049,9 +1042,17 @@ const ExpTable& exp_table() {
   return table;
 }
 
+// glibc's constants for it: 32 / ln2, the shift that leaves k in the low mantissa bits, and
+// the cubic's coefficients over r (scaled for r in units of 1/32).
+constexpr double kExpInvLn2N = 0x1.71547652b82fep+0 * 32;
+constexpr double kExpShift = 0x1.8p+52;
+constexpr double kExpC1 = 0x1.62e42ff0c52d6p-1 / 32.0;
+constexpr double kExpC2 = 0x1.ebfce50fac4f3p-3 / (32.0 * 32.0);
+constexpr double kExpC3 = 0x1.c6af84b912394p-5 / (32.0 * 32.0 * 32.0);
+
 inline __m128 exp4(__m128 x, const ExpTable& table) {
-  const __m256d inv_ln2_n = _mm256_set1_pd(0x1.71547652b82fep+0 * 32);
-  const __m256d shift = _mm256_set1_pd(0x1.8p+52);
+  const __m256d inv_ln2_n = _mm256_set1_pd(kExpInvLn2N);
+  const __m256d shift = _mm256_set1_pd(kExpShift);
   const __m256d xd = _mm256_cvtps_pd(x);
   const __m256d kd_shifted = _mm256_fmadd_pd(inv_ln2_n, xd, shift);
   const __m256d kd = _mm256_sub_pd(kd_shifted, shift);
@@ -1061,10 +1062,9 @@ inline __m128 exp4(__m128 x, const ExpTable& table) {
   const __m256i t = _mm256_add_epi64(
       _mm256_i64gather_epi64(reinterpret_cast<const long long*>(table.entry), index, 8),
       _mm256_slli_epi64(ki, 47));
-  const __m256d z = _mm256_fmadd_pd(r, _mm256_set1_pd(0x1.c6af84b912394p-5 / (32.0 * 32.0 * 32.0)),
-                                    _mm256_set1_pd(0x1.ebfce50fac4f3p-3 / (32.0 * 32.0)));
+  const __m256d z = _mm256_fmadd_pd(r, _mm256_set1_pd(kExpC3), _mm256_set1_pd(kExpC2));
   const __m256d r2 = _mm256_mul_pd(r, r);
-  __m256d y = _mm256_fmadd_pd(r, _mm256_set1_pd(0x1.62e42ff0c52d6p-1 / 32.0), _mm256_set1_pd(1.0));
+  __m256d y = _mm256_fmadd_pd(r, _mm256_set1_pd(kExpC1), _mm256_set1_pd(1.0));
   y = _mm256_fmadd_pd(z, r2, y);
   y = _mm256_mul_pd(y, _mm256_castsi256_pd(t));
   return _mm256_cvtpd_ps(y);
@@ -1074,8 +1074,8 @@ inline __m128 exp4(__m128 x, const ExpTable& table) {
 // exp4 on eight lanes: the same double operations lane by lane, so the same values (zero-masking
 // forms with every lane selected, as in Rows16).
 inline __m256 exp8_wide(__m256 x, const ExpTable& table) {
-  const __m512d inv_ln2_n = _mm512_set1_pd(0x1.71547652b82fep+0 * 32);
-  const __m512d shift = _mm512_set1_pd(0x1.8p+52);
+  const __m512d inv_ln2_n = _mm512_set1_pd(kExpInvLn2N);
+  const __m512d shift = _mm512_set1_pd(kExpShift);
   const __m512d xd = _mm512_maskz_cvtps_pd(0xff, x);
   const __m512d kd_shifted = _mm512_fmadd_pd(inv_ln2_n, xd, shift);
   const __m512d kd = _mm512_sub_pd(kd_shifted, shift);
@@ -1084,10 +1084,9 @@ inline __m256 exp8_wide(__m256 x, const ExpTable& table) {
   const __m512i index = _mm512_and_si512(ki, _mm512_set1_epi64(31));
   const __m512i t = _mm512_add_epi64(_mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xff, index, table.entry, 8),
                                      _mm512_maskz_slli_epi64(0xff, ki, 47));
-  const __m512d z = _mm512_fmadd_pd(r, _mm512_set1_pd(0x1.c6af84b912394p-5 / (32.0 * 32.0 * 32.0)),
-                                    _mm512_set1_pd(0x1.ebfce50fac4f3p-3 / (32.0 * 32.0)));
+  const __m512d z = _mm512_fmadd_pd(r, _mm512_set1_pd(kExpC3), _mm512_set1_pd(kExpC2));
   const __m512d r2 = _mm512_mul_pd(r, r);
-  __m512d y = _mm512_fmadd_pd(r, _mm512_set1_pd(0x1.62e42ff0c52d6p-1 / 32.0), _mm512_set1_pd(1.0));
+  __m512d y = _mm512_fmadd_pd(r, _mm512_set1_pd(kExpC1), _mm512_set1_pd(1.0));
   y = _mm512_fmadd_pd(z, r2, y);
   y = _mm512_mul_pd(y, _mm512_castsi512_pd(t));
   return _mm512_maskz_cvtpd_ps(0xff, y);
@@ -1149,13 +1148,6 @@ inline __m512 softmax_exp16(__m512 x) {
   return _mm512_maskz_scalef_ps(0xffff, exp_mantissa<Rows16>(xc, n), n);
 }
 #endif
-
-inline float hmax(__m256 m) {
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-  return _mm_cvtss_f32(h);
-}
 
 void softmax_f16(float* x, std::int64_t n) {
   float max = -INFINITY;
