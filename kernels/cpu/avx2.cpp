@@ -942,19 +942,20 @@ void score_runs(const float* q, int n_q, const std::uint16_t* pool, const KeyRun
 // NQ queries' sums over value rows [0, n_rows), added to out (64 per query): 4 NQ accumulators
 // in registers, each row converted from F16 in registers and used at once by all of them, and
 // every element's sum taken row by row. With no staging buffer the value stream costs no store
-// and reload, so even one query runs close to its multiply-adds.
+// and reload, so even one query runs close to its multiply-adds. Rows are fetched
+// kPrefetchRows ahead, up to rows[n_fetch - 1] (n_fetch >= n_rows: on into the caller's next
+// rows).
 template <int NQ>
 void mix_pass(const float* probs, std::int64_t ld, const std::uint16_t* pool, const std::int64_t* rows,
               std::int64_t n_rows, std::int64_t n_fetch, float* out) {
-  constexpr std::int64_t ahead = kPrefetchRows;
   __m512 a[NQ][4];
 #pragma GCC unroll 8
   for (int u = 0; u < NQ; ++u)
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) a[u][c] = _mm512_loadu_ps(out + u * 64 + c * 16);
-  for (std::int64_t r = 0; r < std::min(n_fetch, ahead); ++r) prefetch_row(pool, rows[r]);
+  for (std::int64_t r = 0; r < std::min(n_fetch, kPrefetchRows); ++r) prefetch_row(pool, rows[r]);
   for (std::int64_t r = 0; r < n_rows; ++r) {
-    if (r + ahead < n_fetch) prefetch_row(pool, rows[r + ahead]);
+    if (r + kPrefetchRows < n_fetch) prefetch_row(pool, rows[r + kPrefetchRows]);
     const auto* v = reinterpret_cast<const __m256i*>(pool + rows[r]);
     __m512 w[NQ];
 #pragma GCC unroll 8
@@ -985,15 +986,18 @@ void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std:
 #if defined(BATCHLM_KERNELS_AVX512)
   // Sixteen lanes, six queries per pass over the rows (24 accumulators), the rest in one last
   // pass: each element's sum is still taken row by row, so the results are those of the
-  // eight-lane loop below.
+  // eight-lane loop below. The last pass fetches on into the caller's next rows.
   int j = 0;
-  for (; j + 6 <= n_q; j += 6) mix_pass<6>(probs + j * ld, ld, pool, rows, n_rows, j + 6 == n_q ? n_rows + n_after : n_rows, out + j * 64);
+  const auto pass = [&]<int NQ>() {
+    mix_pass<NQ>(probs + j * ld, ld, pool, rows, n_rows, j + NQ == n_q ? n_rows + n_after : n_rows, out + j * 64);
+  };
+  for (; j + 6 <= n_q; j += 6) pass.template operator()<6>();
   switch (n_q - j) {
-    case 5: mix_pass<5>(probs + j * ld, ld, pool, rows, n_rows, j + 5 == n_q ? n_rows + n_after : n_rows, out + j * 64); break;
-    case 4: mix_pass<4>(probs + j * ld, ld, pool, rows, n_rows, j + 4 == n_q ? n_rows + n_after : n_rows, out + j * 64); break;
-    case 3: mix_pass<3>(probs + j * ld, ld, pool, rows, n_rows, j + 3 == n_q ? n_rows + n_after : n_rows, out + j * 64); break;
-    case 2: mix_pass<2>(probs + j * ld, ld, pool, rows, n_rows, j + 2 == n_q ? n_rows + n_after : n_rows, out + j * 64); break;
-    case 1: mix_pass<1>(probs + j * ld, ld, pool, rows, n_rows, j + 1 == n_q ? n_rows + n_after : n_rows, out + j * 64); break;
+    case 5: pass.template operator()<5>(); break;
+    case 4: pass.template operator()<4>(); break;
+    case 3: pass.template operator()<3>(); break;
+    case 2: pass.template operator()<2>(); break;
+    case 1: pass.template operator()<1>(); break;
     default: break;
   }
 #else
