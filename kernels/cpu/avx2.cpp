@@ -774,7 +774,6 @@ void axpy_f16(float p, const std::uint16_t* v, float* out, std::int64_t n) {
   for (; i < n; ++i) out[i] += p * h2f(v[i]);
 }
 
-
 // Value rows are scattered over the pool and, past a shared prefix, mostly in memory rather
 // than cache, so each one is fetched kPrefetchRows rows ahead.
 constexpr std::int64_t kPrefetchRows = 40;
@@ -1024,10 +1023,10 @@ void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std:
 #endif
 }
 
-// expf as glibc computes it on CPUs with FMA, four lanes at a time in double precision, so the
-// softmax gets std::exp's values bit for bit at vector speed: x * 32/ln2 = k + r with k an
-// integer, exp(x) = 2^(k/32) * 2^(r/32), the first factor from a 32-entry table of 2^(i/32)
-// (exponent bits folded in) and the second a cubic in r. The polynomial coefficients are
+// expf as glibc computes it on CPUs with FMA, four lanes at a time in double precision (eight
+// in the AVX-512 build), so the softmax gets std::exp's values bit for bit at vector speed:
+// x * 32/ln2 = k + r with k an integer, exp(x) = 2^(k/32) * 2^(r/32), the first factor from a
+// 32-entry table of 2^(i/32) (exponent bits folded in) and the second a cubic in r. The polynomial coefficients are
 // glibc's; the table is computed here. Lanes at or beyond |x| >= 88 (where expf overflows,
 // underflows or returns NaN/Inf) are handed to std::exp.
 struct ExpTable {
@@ -1054,6 +1053,28 @@ constexpr double kExpC1 = 0x1.62e42ff0c52d6p-1 / 32.0;
 constexpr double kExpC2 = 0x1.ebfce50fac4f3p-3 / (32.0 * 32.0);
 constexpr double kExpC3 = 0x1.c6af84b912394p-5 / (32.0 * 32.0 * 32.0);
 
+#if defined(BATCHLM_KERNELS_AVX512)
+// Eight lanes at once in 512-bit doubles (the AVX2 build: two halves of four, exp4 below), the
+// same operations lane by lane (zero-masking forms with every lane selected, as in Rows16).
+inline __m256 exp8_wide(__m256 x, const ExpTable& table) {
+  const __m512d inv_ln2_n = _mm512_set1_pd(kExpInvLn2N);
+  const __m512d shift = _mm512_set1_pd(kExpShift);
+  const __m512d xd = _mm512_maskz_cvtps_pd(0xff, x);
+  const __m512d kd_shifted = _mm512_fmadd_pd(inv_ln2_n, xd, shift);
+  const __m512d kd = _mm512_sub_pd(kd_shifted, shift);
+  const __m512d r = _mm512_fmsub_pd(inv_ln2_n, xd, kd);
+  const __m512i ki = _mm512_castpd_si512(kd_shifted);
+  const __m512i index = _mm512_and_si512(ki, _mm512_set1_epi64(31));
+  const __m512i t = _mm512_add_epi64(_mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xff, index, table.entry, 8),
+                                     _mm512_maskz_slli_epi64(0xff, ki, 47));
+  const __m512d z = _mm512_fmadd_pd(r, _mm512_set1_pd(kExpC3), _mm512_set1_pd(kExpC2));
+  const __m512d r2 = _mm512_mul_pd(r, r);
+  __m512d y = _mm512_fmadd_pd(r, _mm512_set1_pd(kExpC1), _mm512_set1_pd(1.0));
+  y = _mm512_fmadd_pd(z, r2, y);
+  y = _mm512_mul_pd(y, _mm512_castsi512_pd(t));
+  return _mm512_maskz_cvtpd_ps(0xff, y);
+}
+#else
 inline __m128 exp4(__m128 x, const ExpTable& table) {
   const __m256d inv_ln2_n = _mm256_set1_pd(kExpInvLn2N);
   const __m256d shift = _mm256_set1_pd(kExpShift);
@@ -1072,28 +1093,6 @@ inline __m128 exp4(__m128 x, const ExpTable& table) {
   y = _mm256_fmadd_pd(z, r2, y);
   y = _mm256_mul_pd(y, _mm256_castsi256_pd(t));
   return _mm256_cvtpd_ps(y);
-}
-
-#if defined(BATCHLM_KERNELS_AVX512)
-// exp4 on eight lanes: the same double operations lane by lane, so the same values (zero-masking
-// forms with every lane selected, as in Rows16).
-inline __m256 exp8_wide(__m256 x, const ExpTable& table) {
-  const __m512d inv_ln2_n = _mm512_set1_pd(kExpInvLn2N);
-  const __m512d shift = _mm512_set1_pd(kExpShift);
-  const __m512d xd = _mm512_maskz_cvtps_pd(0xff, x);
-  const __m512d kd_shifted = _mm512_fmadd_pd(inv_ln2_n, xd, shift);
-  const __m512d kd = _mm512_sub_pd(kd_shifted, shift);
-  const __m512d r = _mm512_fmsub_pd(inv_ln2_n, xd, kd);
-  const __m512i ki = _mm512_castpd_si512(kd_shifted);
-  const __m512i index = _mm512_and_si512(ki, _mm512_set1_epi64(31));
-  const __m512i t = _mm512_add_epi64(_mm512_mask_i64gather_epi64(_mm512_setzero_si512(), 0xff, index, table.entry, 8),
-                                     _mm512_maskz_slli_epi64(0xff, ki, 47));
-  const __m512d z = _mm512_fmadd_pd(r, _mm512_set1_pd(kExpC3), _mm512_set1_pd(kExpC2));
-  const __m512d r2 = _mm512_mul_pd(r, r);
-  __m512d y = _mm512_fmadd_pd(r, _mm512_set1_pd(kExpC1), _mm512_set1_pd(1.0));
-  y = _mm512_fmadd_pd(z, r2, y);
-  y = _mm512_mul_pd(y, _mm512_castsi512_pd(t));
-  return _mm512_maskz_cvtpd_ps(0xff, y);
 }
 #endif
 

@@ -100,7 +100,8 @@ using MixRowsFn = void (*)(const float* probs, int n_q, const std::uint16_t* poo
 // Softmax of one row of attention scores in place, each probability then rounded to the nearest
 // F16 value. The portable path takes std::exp; the AVX2 path a float polynomial within 2 ulp
 // of it (terms below e^-87 count as e^-87, which the sum loses and F16 rounds to 0), eight
-// lanes at a time (the AVX-512 build sixteen, with the same bits). The sum is in double on both; the paths may differ by one F16 step.
+// lanes at a time (the AVX-512 build sixteen, with the same bits). The sum is in double on
+// both; the paths may differ by one F16 step.
 using SoftmaxF16Fn = void (*)(float* x, std::int64_t n);
 
 // out[i] = std::exp(x[i]), bit for bit on every path.

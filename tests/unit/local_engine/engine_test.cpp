@@ -638,6 +638,17 @@ bool run_until_done(asio::io_context& io, const std::vector<Call*>& calls,
   return all_done();
 }
 
+// One hello request of max_tokens per call, all started on io at once; the calls to wait for.
+std::vector<Call*> spawn_hello_calls(asio::io_context& io, Backend& backend, std::vector<Call>& calls,
+                                     int max_tokens) {
+  std::vector<Call*> pointers;
+  for (auto& call : calls) {
+    asio::co_spawn(io, call_complete(backend, hello_request(max_tokens), call), asio::detached);
+    pointers.push_back(&call);
+  }
+  return pointers;
+}
+
 LocalBackendOptions tiny_options(std::int64_t context = 0) {
   LocalBackendOptions o;
   o.model = TinyModelFile::get().path();
@@ -714,12 +725,7 @@ TEST(LocalBackend, ConcurrentRequestsAllComplete) {
   asio::io_context io;
   LocalBackend backend(io.get_executor(), tiny_options());
   std::vector<Call> calls(4);
-  std::vector<Call*> pointers;
-  for (auto& call : calls) {
-    asio::co_spawn(io, call_complete(backend, hello_request(12), call), asio::detached);
-    pointers.push_back(&call);
-  }
-  ASSERT_TRUE(run_until_done(io, pointers));
+  ASSERT_TRUE(run_until_done(io, spawn_hello_calls(io, backend, calls, 12)));
   for (const auto& call : calls) {
     ASSERT_FALSE(call.thrown) << describe_exception(call.thrown);
     ASSERT_TRUE(call.outcome->ok()) << call.outcome->error->message;
@@ -787,12 +793,7 @@ TEST(LocalBackend, StepLogHasALinePerStepThatAddsUpToTheStats) {
   o.step_log = log;
   LocalBackend backend(io.get_executor(), o);
   std::vector<Call> calls(3);
-  std::vector<Call*> pointers;
-  for (auto& call : calls) {
-    asio::co_spawn(io, call_complete(backend, hello_request(6), call), asio::detached);
-    pointers.push_back(&call);
-  }
-  ASSERT_TRUE(run_until_done(io, pointers));
+  ASSERT_TRUE(run_until_done(io, spawn_hello_calls(io, backend, calls, 6)));
   std::int64_t completion = 0;
   for (const auto& call : calls) {
     ASSERT_TRUE(call.outcome && call.outcome->ok());

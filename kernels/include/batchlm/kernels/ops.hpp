@@ -128,10 +128,11 @@ void attention(const AttentionShape& shape, const float* q, std::int64_t n,
 // the block, dimension after dimension: element c = h * head_dim + d of slot j of block b at
 // k_pool + b * block_size * kv_stride + c * block_size + j, so that the keys of consecutive
 // slots lie side by side (the CPU kernels take 16 of them per vector). The CUDA path keeps its
-// own pool with keys laid out as values (cuda.hpp). The batch may mix tokens of several sequences: token i belongs to sequence
-// sequence_of[i], sits at positions[i] and sees that sequence's positions [0, positions[i]]
-// through its block table (block_tables[sequence_of[i]][p / block_size]). Same arithmetic as
-// attention(), which is the case of one sequence in one block.
+// own pool with keys laid out as values (cuda.hpp). The batch may mix tokens of several
+// sequences: token i belongs to sequence sequence_of[i], sits at positions[i] and sees that
+// sequence's positions [0, positions[i]] through its block table
+// (block_tables[sequence_of[i]][p / block_size]). Same arithmetic as attention(), which is the
+// case of one sequence in one block.
 struct PagedKv {
   const std::uint16_t* k_pool = nullptr;
   const std::uint16_t* v_pool = nullptr;
