@@ -52,7 +52,13 @@ int main(int argc, char** argv) {
   std::vector<Token> tokens(static_cast<std::size_t>(std::max(context, max_n)));
   for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<Token>((i * 7919 + 11) % c.n_vocab);
   std::vector<float> logits(static_cast<std::size_t>(max_n * c.n_vocab));
-  if (context > 0) model->forward(std::span(tokens).first(context), cache, logits, false, pool);
+  // The context goes in as prompt chunks no longer than one forward pass takes.
+  for (std::int64_t done = 0; done < context;) {
+    const std::int64_t chunk = std::min(Model::kMaxBatch, context - done);
+    model->forward(std::span(tokens).subspan(static_cast<std::size_t>(done), static_cast<std::size_t>(chunk)), cache,
+                   logits, false, pool);
+    done += chunk;
+  }
 
   const auto time = [&](std::int64_t n, bool all_logits) {
     std::vector<double> ms;

@@ -200,7 +200,8 @@ void matmul_group(const Kernels& k, std::span<const Matrix> w, const float* x, s
   const int tile_tokens = k.tile_tokens;
   // Row tiles of all matrices are one range over the threads; for each row tile every token,
   // so the weight tile stays in L1 while the (smaller) converted activations stream from L2.
-  pool.parallel_for(first_tile[w.size()], 4, [&](std::int64_t b, std::int64_t e, int) {
+  // The shares shrink down to single tiles, so the threads end within a tile of each other.
+  pool.parallel_for(first_tile[w.size()], 1, [&](std::int64_t b, std::int64_t e, int) {
     std::size_t m = 0;
     for (std::int64_t t = b; t < e; ++t) {
       while (t >= first_tile[m + 1]) ++m;

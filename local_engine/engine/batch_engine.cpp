@@ -396,6 +396,28 @@ void BatchEngine::step() {
   const double forward_ms = ms_between(t_forward, Clock::now());
   forward_cost_.add(static_cast<double>(plan.tokens.size()), forward_ms);
 
+  // The rows that sample one token each are sampled on the kernel threads (a greedy pick scans
+  // the whole vocabulary); each sequence's sampler is used by one thread only. What the tokens
+  // mean is then taken in order, below.
+  std::vector<Token> picked(plan.entries.size(), 0);
+  if (!device_sampling) {
+    std::vector<std::pair<std::size_t, std::size_t>> jobs;  // (entry, first logits row)
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < plan.entries.size(); ++i) {
+      const PlannedSequence& e = plan.entries[i];
+      if (!e.wants_logits) continue;
+      if (e.n_drafts == 0 && active_.contains(e.id)) jobs.emplace_back(i, at);
+      at += static_cast<std::size_t>(e.n_logits());
+    }
+    threads_->parallel_for(static_cast<std::int64_t>(jobs.size()), 1, [&](std::int64_t b, std::int64_t e, int) {
+      for (std::int64_t j = b; j < e; ++j) {
+        const auto [entry, first] = jobs[static_cast<std::size_t>(j)];
+        Sampler& sampler = active_.find(plan.entries[entry].id)->second.gen.sampler();
+        picked[entry] = sampler.sample(std::span<const float>(logits_.data() + first * n_vocab, n_vocab));
+      }
+    });
+  }
+
   std::vector<StepResult> results;
   std::size_t row = 0;
   decoding_ = 0;
@@ -423,13 +445,8 @@ void BatchEngine::step() {
     }
     if (e.n_drafts == 0) {
       ++sampled_;
-      bool done = false;
-      if (device_sampling) {
-        r.token = sampled[first_row];
-        done = a.gen.accept(r.token, text);
-      } else {
-        done = a.gen.next(rows, r.token, text);
-      }
+      r.token = device_sampling ? sampled[first_row] : picked[i];
+      const bool done = a.gen.accept(r.token, text);
       r.finished = emit(a, r.token, text, done);
     } else {
       const Verdict verdict = verify(a.gen.sampler(), rows, static_cast<std::int64_t>(n_vocab), drafts[i]);
