@@ -190,6 +190,14 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
                           "the prompt has " + std::to_string(n_prompt) +
                               " tokens; the context holds " + std::to_string(context_));
   }
+  // Checked here: a bad id found by the forward pass would fail the whole batch's step.
+  const std::int64_t n_vocab = model_->config().n_vocab;
+  for (std::size_t i = 0; i < prompt.size(); ++i) {
+    if (prompt[i] < 0 || prompt[i] >= n_vocab)
+      throw RequestRejected("invalid_request", "prompt token " + std::to_string(i) + " is id " +
+                                                   std::to_string(prompt[i]) + ", outside the vocabulary of " +
+                                                   std::to_string(n_vocab));
+  }
   const std::int64_t room = context_ - n_prompt;
   const std::int64_t max_new = params.max_tokens > 0 ? std::min(params.max_tokens, room) : room;
   SequenceId id = 0;
@@ -376,6 +384,7 @@ void BatchEngine::step() {
                    [](const PlannedSequence& e) { return e.n_drafts > 0; });
   std::vector<Token> sampled;
   const auto t_forward = Clock::now();
+  if (!plan.copies.empty()) executor_->copy_blocks(plan.copies);
   if (device_sampling) {
     std::vector<RowSampling> sampling;
     for (const PlannedSequence& e : plan.entries) {

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -46,6 +47,11 @@ BlockPool::BlockPool(BlockPoolOptions options)
   by_key_.reserve(static_cast<std::size_t>(options.n_blocks));
 }
 
+std::span<const std::int32_t> BlockPool::tokens_of(BlockId id) const {
+  const auto bs = static_cast<std::size_t>(block_size_);
+  return std::span<const std::int32_t>(tokens_).subspan(static_cast<std::size_t>(id) * bs, bs);
+}
+
 void BlockPool::push_back(BlockId head, BlockId id) {
   Block& h = blocks_[static_cast<std::size_t>(head)];
   Block& b = blocks_[static_cast<std::size_t>(id)];
@@ -85,6 +91,12 @@ BlockId BlockPool::evict(BlockId head) {
   const BlockId id = blocks_[static_cast<std::size_t>(head)].next;  // released longest ago
   Block& b = blocks_[static_cast<std::size_t>(id)];
   by_key_.erase(b.key);
+  if (b.filed) {
+    auto [first, last] = children_.equal_range(b.parent);
+    while (first->second != id) ++first;  // filed, so it is there
+    children_.erase(first);
+    b.filed = false;
+  }
   b.has_key = false;
   b.key = 0;
   if (!b.shared) --n_unshared_;
@@ -168,6 +180,49 @@ bool BlockPool::publish(BlockId id, std::uint64_t key) {
   return true;
 }
 
+bool BlockPool::publish(BlockId id, std::uint64_t key, std::uint64_t parent,
+                        std::span<const std::int32_t> tokens) {
+  if (std::ssize(tokens) != block_size_)
+    fail("publish of block " + std::to_string(id) + " with " + std::to_string(tokens.size()) +
+         " tokens");
+  const bool keyed_before = checked(id, "publish").has_key;
+  if (!publish(id, key)) return false;
+  Block& b = blocks_[static_cast<std::size_t>(id)];
+  if (keyed_before) return true;
+  if (tokens_.empty()) tokens_.resize(static_cast<std::size_t>(n_blocks() * block_size_));
+  std::copy(tokens.begin(), tokens.end(), tokens_.begin() + static_cast<std::ptrdiff_t>(id) * block_size_);
+  b.parent = parent;
+  b.filed = true;
+  children_.emplace(parent, id);
+  return true;
+}
+
+std::optional<BlockPool::Partial> BlockPool::acquire_partial(std::uint64_t parent,
+                                                             std::span<const std::int32_t> tokens) {
+  if (tokens.empty()) return std::nullopt;
+  std::optional<Partial> best;
+  auto [first, last] = children_.equal_range(parent);
+  for (; first != last; ++first) {
+    const BlockId id = first->second;
+    const std::span<const std::int32_t> held = tokens_of(id);
+    const std::size_t limit = std::min(held.size(), tokens.size());
+    std::size_t n = 0;
+    while (n < limit && held[n] == tokens[n]) ++n;
+    if (n == 0) continue;
+    const auto better = [&](const Partial& p) {
+      if (static_cast<std::int64_t>(n) != p.tokens) return static_cast<std::int64_t>(n) > p.tokens;
+      const bool shared = blocks_[static_cast<std::size_t>(id)].shared;
+      const bool best_shared = blocks_[static_cast<std::size_t>(p.block)].shared;
+      return shared != best_shared ? shared : id < p.block;
+    };
+    if (!best || better(*best)) best = Partial{id, static_cast<std::int64_t>(n)};
+  }
+  if (!best) return std::nullopt;
+  ++partial_hits_;
+  acquire(best->block);
+  return best;
+}
+
 std::optional<BlockId> BlockPool::lookup_and_acquire(std::uint64_t key) {
   auto it = by_key_.find(key);
   if (it == by_key_.end()) {
@@ -175,7 +230,11 @@ std::optional<BlockId> BlockPool::lookup_and_acquire(std::uint64_t key) {
     return std::nullopt;
   }
   ++hits_;
-  BlockId id = it->second;
+  acquire(it->second);
+  return it->second;
+}
+
+void BlockPool::acquire(BlockId id) {
   Block& b = blocks_[static_cast<std::size_t>(id)];
   if (b.state == State::kCached) {
     unlink(id);
@@ -186,7 +245,6 @@ std::optional<BlockId> BlockPool::lookup_and_acquire(std::uint64_t key) {
   }
   b.shared = true;
   ++b.ref_count;
-  return id;
 }
 
 std::int32_t BlockPool::ref_count(BlockId id) const {
@@ -200,7 +258,8 @@ BlockPoolStats BlockPool::stats() const {
           .cached_free = n_cached_,
           .hits = hits_,
           .misses = misses_,
-          .evictions = evictions_};
+          .evictions = evictions_,
+          .partial_hits = partial_hits_};
 }
 
 void BlockPool::check_invariants() const {
@@ -253,7 +312,7 @@ void BlockPool::check_invariants() const {
     }
   }
 
-  std::int64_t free = 0, cached = 0, used = 0, keyed = 0;
+  std::int64_t free = 0, cached = 0, used = 0, keyed = 0, filed = 0;
   for (BlockId id = 0; id < n; ++id) {
     const Block& b = blocks_[static_cast<std::size_t>(id)];
     if (id >= never_used_ && (b.state != State::kFree || b.shared))
@@ -280,7 +339,18 @@ void BlockPool::check_invariants() const {
       auto it = by_key_.find(b.key);
       if (it == by_key_.end() || it->second != id) fail(name(id) + " key missing from the map");
     }
+    if (b.filed) {
+      ++filed;
+      if (!b.has_key) fail(name(id) + " is filed under its parent but not keyed");
+      auto [first, last] = children_.equal_range(b.parent);
+      if (std::count_if(first, last, [&](const auto& entry) { return entry.second == id; }) != 1)
+        fail(name(id) + " is not filed exactly once under its parent");
+      if (BlockPool::block_key(b.parent, tokens_of(id)) != b.key)
+        fail(name(id) + " holds tokens that do not give its key");
+    }
   }
+  if (filed != static_cast<std::int64_t>(children_.size()))
+    fail("the parent index holds entries for blocks not filed");
   if (free != free_listed || cached != cached_listed)
     fail("list lengths disagree with block states");
   if (free != n_free_ || cached != n_cached_ || used != n_used_)
@@ -325,6 +395,30 @@ std::int64_t SequenceBlocks::acquire_prefix(BlockPool& pool,
   return capacity_tokens();
 }
 
+std::int64_t SequenceBlocks::acquire_partial(BlockPool& pool, std::span<const std::int32_t> prompt) {
+  check_pool(pool);
+  if (table_.size() != keys_.size() || copy_)
+    throw std::logic_error("SequenceBlocks: acquire_partial after blocks of its own");
+  const std::size_t bs = static_cast<std::size_t>(block_size_);
+  const std::size_t start = table_.size() * bs;
+  // Never the last prompt token, and never a whole block (a whole one would have been found).
+  if (prompt.size() < start + 2) return static_cast<std::int64_t>(start);
+  const std::size_t n = std::min(bs - 1, prompt.size() - 1 - start);
+  const std::uint64_t parent = keys_.empty() ? BlockPool::kRootKey : keys_.back();
+  const std::optional<BlockPool::Partial> found = pool.acquire_partial(parent, prompt.subspan(start, n));
+  if (!found) return static_cast<std::int64_t>(start);
+  const std::optional<BlockId> fresh = pool.allocate();
+  if (!fresh) {
+    pool.release(found->block);
+    return static_cast<std::int64_t>(start);
+  }
+  table_.push_back(*fresh);
+  copy_ = BlockCopy{found->block, *fresh};
+  return static_cast<std::int64_t>(start) + found->tokens;
+}
+
+std::optional<BlockCopy> SequenceBlocks::take_copy() { return std::exchange(copy_, std::nullopt); }
+
 bool SequenceBlocks::ensure_capacity(BlockPool& pool, std::int64_t n_tokens) {
   check_pool(pool);
   const std::int64_t needed_blocks = (n_tokens + block_size_ - 1) / block_size_;
@@ -348,7 +442,7 @@ void SequenceBlocks::commit_full_blocks(BlockPool& pool, std::span<const std::in
     const std::uint64_t key = BlockPool::block_key(parent, tokens.subspan(i * bs, bs));
     // When an identical block is already published this one stays private; the chain goes on
     // from the same key either way, since the key depends on the tokens alone.
-    pool.publish(table_[i], key);
+    pool.publish(table_[i], key, parent, tokens.subspan(i * bs, bs));
     keys_.push_back(key);
   }
 }
@@ -369,6 +463,7 @@ void SequenceBlocks::truncate(BlockPool& pool, std::int64_t n_tokens) {
 
 void SequenceBlocks::release_all(BlockPool& pool) {
   check_pool(pool);
+  if (copy_) pool.release(std::exchange(copy_, std::nullopt)->from);
   for (auto it = table_.rbegin(); it != table_.rend(); ++it) pool.release(*it);
   table_.clear();
   keys_.clear();

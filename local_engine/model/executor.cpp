@@ -64,6 +64,11 @@ class CpuExecutor final : public Executor {
     store_->commit(*threads_);
   }
 
+  void copy_blocks(std::span<const BlockCopy> copies) override {
+    if (!store_) throw std::logic_error("copy_blocks: allocate_pool first");
+    for (const BlockCopy& c : copies) store_->copy_block(c.from, c.to);
+  }
+
   void forward(const Batch& batch, std::span<float> logits) override {
     if (!store_) throw std::logic_error("forward: allocate_pool first");
     Batch b = batch;

@@ -194,6 +194,25 @@ class CudaExecutor final : public Executor {
   }
   std::int64_t n_blocks() const override { return n_blocks_; }
 
+  void copy_blocks(std::span<const BlockCopy> copies) override {
+    if (pool_k_.get() == nullptr) throw std::logic_error("copy_blocks: allocate_pool first");
+    // One strided copy per block and store: a block's run in each layer, layer_stride apart.
+    const std::size_t block_bytes = static_cast<std::size_t>(block_size_ * model_->config().kv_width()) * sizeof(std::uint16_t);
+    const std::size_t pitch = static_cast<std::size_t>(layer_stride_) * sizeof(std::uint16_t);
+    for (const BlockCopy& c : copies) {
+      if (c.from < 0 || c.from >= n_blocks_ || c.to < 0 || c.to >= n_blocks_)
+        throw std::out_of_range("copy_blocks: block " + std::to_string(c.from) + " to " + std::to_string(c.to) +
+                                " outside the pool of " + std::to_string(n_blocks_));
+      if (c.from == c.to) continue;
+      for (auto* bytes : {pool_k_.get<std::uint8_t>(), pool_v_.get<std::uint8_t>()}) {
+        kc::check(cudaMemcpy2DAsync(bytes + static_cast<std::size_t>(c.to) * block_bytes, pitch,
+                                    bytes + static_cast<std::size_t>(c.from) * block_bytes, pitch, block_bytes,
+                                    static_cast<std::size_t>(layers_), cudaMemcpyDeviceToDevice, stream_),
+                  "copy KV blocks");
+      }
+    }
+  }
+
   void forward(const Batch& batch, std::span<float> logits) override {
     const auto n_out = static_cast<std::int64_t>(batch.logits_rows.size());
     if (!run(batch, logits.size(), nullptr)) return;

@@ -33,7 +33,21 @@ KvStore::KvStore(const ModelConfig& config, std::int64_t block_size, std::int64_
   k_.reset(allocate());
   v_.reset(allocate());
   elements_ = total;
+  layers_ = layers;
   pool_ = KvPool{k_.get(), v_.get(), layer_stride, block_size, n_blocks};
+}
+
+void KvStore::copy_block(std::int64_t from, std::int64_t to) {
+  if (from < 0 || from >= pool_.n_blocks || to < 0 || to >= pool_.n_blocks)
+    throw std::out_of_range("KvStore: copy of block " + std::to_string(from) + " to " + std::to_string(to) +
+                            " outside the pool of " + std::to_string(pool_.n_blocks));
+  if (from == to) return;
+  // A block is one contiguous run per layer (its keys transposed within it, its values by row).
+  const std::int64_t block = pool_.layer_stride / pool_.n_blocks;
+  for (std::uint16_t* base : {k_.get(), v_.get()})
+    for (std::int64_t l = 0; l < layers_; ++l)
+      std::memcpy(base + l * pool_.layer_stride + to * block, base + l * pool_.layer_stride + from * block,
+                  static_cast<std::size_t>(block) * sizeof(std::uint16_t));
 }
 
 void KvStore::commit(kops::ThreadPool& threads) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -200,7 +201,8 @@ StepPlan Scheduler::plan(const DraftsWanted& drafts_wanted) {
   while (!preempted_in_step_ && !waiting_.empty() &&
          std::ssize(running_) < options_.max_sequences && budget_left() >= 1) {
     Sequence& sequence = sequences_.at(waiting_.front());
-    const std::int64_t cached = sequence.blocks.acquire_prefix(pool_, sequence.tokens);
+    sequence.blocks.acquire_prefix(pool_, sequence.tokens);
+    const std::int64_t cached = sequence.blocks.acquire_partial(pool_, sequence.tokens);
     sequence.n_computed = cached;
     std::int64_t n_tokens =
         std::min({sequence.uncomputed(), options_.prefill_chunk, budget_left()});
@@ -223,6 +225,7 @@ StepPlan Scheduler::plan(const DraftsWanted& drafts_wanted) {
     running_.insert(std::upper_bound(running_.begin(), running_.end(), sequence.id),
                     sequence.id);
     counters_.prompt_tokens_cached += cached;
+    if (const std::optional<BlockCopy> copy = sequence.blocks.take_copy()) copies_.push_back(*copy);
     picks.push_back({&sequence, n_tokens, /*decode=*/false});
   }
 
@@ -230,6 +233,7 @@ StepPlan Scheduler::plan(const DraftsWanted& drafts_wanted) {
   if (picks.empty()) return plan;
   plan.step = ++step_;
   outstanding_ = true;
+  plan.copies = copies_;
   ++counters_.steps;
   plan.entries.reserve(picks.size());
   for (const Pick& pick : picks) {
@@ -336,6 +340,8 @@ void Scheduler::complete(const StepPlan& plan, std::span<const StepResult> resul
   }
 
   outstanding_ = false;
+  // The copies were made before the forward pass: the blocks they came from are let go.
+  for (const BlockCopy& copy : std::exchange(copies_, {})) pool_.release(copy.from);
   for (const PlannedSequence& entry : plan.entries) {
     auto it = sequences_.find(entry.id);
     if (it == sequences_.end()) continue;  // cancelled since plan()
@@ -431,6 +437,7 @@ void Scheduler::check_invariants() const {
     if (std::ssize(sequence.tokens) != sequence.prompt_tokens + std::ssize(sequence.generated))
       fail("sequence " + std::to_string(id) + " tokens are not prompt + generated");
   }
+  for (const BlockCopy& copy : copies_) ++references[static_cast<std::size_t>(copy.from)];
   for (std::size_t block = 0; block < references.size(); ++block) {
     if (pool_.ref_count(static_cast<BlockId>(block)) != references[block])
       fail("block " + std::to_string(block) + " has refcount " +

@@ -177,6 +177,33 @@ TEST_F(GpuEngine, MixedBatchesAndGraphReplaysMatchTheCpu) {
   step({40, 1, 1, 1, 1}, false, "a long chunk beside decodes");
 }
 
+// The CUDA executor's block copies (part of a block from the prefix cache): a token that reads
+// copied blocks gets the logits it gets from the originals (the same kernels on the same keys
+// and values).
+TEST_F(GpuEngine, CopiedBlocksReadAsTheOriginals) {
+  const auto model = Model::load(path(kernels::DType::Q4_1));
+  auto gpu = make_executor(model, {.device = Device::kCuda, .context = 256});
+  gpu->allocate_pool(4, 16);
+  // Five tokens, then the sixth alone: the sixth is then computed the same way both times.
+  const std::vector<Token> tokens = {5, 9, 2, 7, 11};
+  const std::vector<std::int32_t> positions = {0, 1, 2, 3, 4}, seq(5, 0), last = {4};
+  const std::vector<std::int32_t> original = {3, 12};
+  std::vector<std::span<const std::int32_t>> tables = {original};
+  std::vector<float> expected(model->config().n_vocab), got(expected.size(), -1.0f);
+  gpu->forward(Batch{tokens, positions, seq, tables, last}, expected);
+  const std::vector<Token> one = {3};
+  const std::vector<std::int32_t> at = {5}, first = {0};
+  gpu->forward(Batch{one, at, first, tables, first}, expected);
+  const BlockCopy copies[] = {{3, 1}, {12, 9}};
+  gpu->copy_blocks(copies);
+  const std::vector<std::int32_t> copied = {1, 9};
+  tables = {copied};
+  gpu->forward(Batch{one, at, first, tables, first}, got);
+  EXPECT_LT(relative_error(got, expected), 1e-5);
+  const BlockCopy outside[] = {{2, 16}};
+  EXPECT_THROW(gpu->copy_blocks(outside), std::out_of_range);
+}
+
 // BatchEngine on the GPU: several prompts decoded together with a shared prefix, greedy.
 // Teacher-forced agreement is the test above; here the GPU's own continuations must be the
 // same whether a prompt runs alone or batched (same kernels, same rounding per row: a row's

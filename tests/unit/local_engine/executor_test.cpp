@@ -165,6 +165,83 @@ TEST_F(ExecutorTest, EngineReportsItsDevice) {
   EXPECT_EQ(engine.device().find("no GPU"), std::string::npos) << engine.device();
 }
 
+// A block copied over another holds the same keys and values in every layer: a token that reads
+// the copy gets the logits it gets from the original.
+TEST_F(ExecutorTest, CopiedBlocksReadAsTheOriginals) {
+  const auto m = model();
+  const ModelConfig& c = m->config();
+  auto ex = make_executor(m, {.device = Device::kCpu, .threads = 2});
+  ex->allocate_pool(4, 8);
+  std::vector<Token> tokens = {5, 9, 2, 7, 11, 3};
+  std::vector<std::int32_t> positions = {0, 1, 2, 3, 4, 5}, sequence_of(6, 0);
+  const std::vector<std::int32_t> original = {3, 6};
+  std::vector<std::span<const std::int32_t>> tables = {original};
+  const std::vector<std::int32_t> last = {5};
+  std::vector<float> expected(c.n_vocab), got(c.n_vocab, -1.0f);
+  ex->forward(Batch{tokens, positions, sequence_of, tables, last}, expected);
+
+  const BlockCopy copies[] = {{3, 1}, {6, 4}};
+  ex->copy_blocks(copies);
+  // The last token again, over the copies: its keys and values are rewritten in block 4.
+  const std::vector<std::int32_t> copied = {1, 4};
+  tables = {copied};
+  const std::vector<Token> one = {tokens[5]};
+  const std::vector<std::int32_t> at = {5}, first = {0};
+  ex->forward(Batch{one, at, first, tables, first}, got);
+  EXPECT_EQ(got, expected);
+
+  const BlockCopy outside[] = {{2, 8}};
+  EXPECT_THROW(ex->copy_blocks(outside), std::out_of_range);
+  auto bare = make_executor(m, {.device = Device::kCpu, .threads = 1});
+  EXPECT_THROW(bare->copy_blocks(copies), std::logic_error);  // no pool yet
+}
+
+// A prompt that shares 21 tokens with an earlier one takes 16 from a cached block and 5 from a
+// copy of the next, and generates what an engine that computed everything generates.
+TEST_F(ExecutorTest, EngineTakesPartOfABlockFromTheCacheAndGeneratesTheSame) {
+  LocalBackendOptions o;
+  o.device = Device::kCpu;
+  o.threads = 2;
+  o.context = 128;
+  GenerateParams params;
+  params.max_tokens = 8;
+  params.sampling.temperature = 0;
+  params.ignore_eos = true;
+  const auto n_vocab = static_cast<std::size_t>(model()->config().n_vocab);
+  std::vector<Token> earlier(40), later;
+  for (std::size_t i = 0; i < earlier.size(); ++i) earlier[i] = static_cast<Token>((40 + 7 * i) % n_vocab);
+  later.assign(earlier.begin(), earlier.begin() + 21);
+  for (std::size_t i = 0; i < 12; ++i) later.push_back(static_cast<Token>((9 + 5 * i) % n_vocab));
+
+  const auto run = [&](BatchEngine& engine, const std::vector<Token>& prompt) {
+    engine.add(prompt, params, nullptr);
+    while (!engine.idle()) engine.step();
+    auto finished = engine.take_finished();
+    EXPECT_EQ(finished.size(), 1u);
+    return finished.empty() ? GenerateResult{} : finished[0].second;
+  };
+  BatchEngine warm(model(), o);
+  run(warm, earlier);
+  const EngineStats before = warm.stats();
+  const GenerateResult reused = run(warm, later);
+  const EngineStats after = warm.stats();
+  EXPECT_EQ(after.prompt_tokens_cached - before.prompt_tokens_cached, 21);
+  EXPECT_EQ(after.prompt_tokens_computed - before.prompt_tokens_computed, 12);
+
+  BatchEngine fresh(model(), o);
+  // A token id outside the vocabulary is refused when the request is added, not in a step.
+  std::vector<Token> bad = later;
+  bad[3] = static_cast<Token>(n_vocab);
+  EXPECT_THROW(fresh.add(bad, params, nullptr), RequestRejected);
+  bad[3] = -1;
+  EXPECT_THROW(fresh.add(bad, params, nullptr), RequestRejected);
+  const GenerateResult computed = run(fresh, later);
+  EXPECT_EQ(fresh.stats().prompt_tokens_cached, 0);
+  ASSERT_EQ(reused.tokens.size(), 8u);
+  EXPECT_EQ(reused.tokens, computed.tokens);
+  EXPECT_EQ(reused.text, computed.text);
+}
+
 TEST(KvPoolSize, DeviceMemoryIsTakenWhole) {
   LocalBackendOptions o;
   o.max_sequences = 4;

@@ -401,6 +401,151 @@ TEST(SequenceBlocks, CommitPublishesOnlyNewlyFilledBlocks) {
   EXPECT_THROW(wrong_size.acquire_prefix(pool, tokens), std::logic_error);
 }
 
+// ---- Part of a block from the cache -----------------------------------------------------------
+
+// A prompt with `shared` leading tokens of iota_tokens(40), then its own.
+std::vector<std::int32_t> sharing(int shared, int total) {
+  std::vector<std::int32_t> prompt = iota_tokens(shared);
+  for (int i = shared; i < total; ++i) prompt.push_back(5000 + i);
+  return prompt;
+}
+
+TEST(SequenceBlocks, BorrowsTheFirstPositionsOfACachedBlockUnderTheSamePrefix) {
+  BlockPool pool({.block_size = 16, .n_blocks = 16});
+  SequenceBlocks first(16);
+  admit(pool, first, iota_tokens(40));  // blocks [0,16) and [16,32) published
+
+  SequenceBlocks second(16);
+  const std::vector<std::int32_t> prompt = sharing(21, 30);
+  EXPECT_EQ(second.acquire_prefix(pool, prompt), 16);
+  EXPECT_EQ(second.acquire_partial(pool, prompt), 21);  // 16 + the 5 tokens block 1 also has
+  ASSERT_EQ(second.table().size(), 2u);
+  EXPECT_EQ(second.table()[0], first.table()[0]);
+  EXPECT_NE(second.table()[1], first.table()[1]);
+  EXPECT_EQ(pool.ref_count(first.table()[1]), 2);  // first's, and borrowed
+  EXPECT_EQ(pool.ref_count(second.table()[1]), 1);
+  EXPECT_EQ(pool.stats().partial_hits, 1);
+  pool.check_invariants();
+
+  const std::optional<BlockCopy> copy = second.take_copy();
+  ASSERT_TRUE(copy.has_value());
+  EXPECT_EQ(copy->from, first.table()[1]);
+  EXPECT_EQ(copy->to, second.table()[1]);
+  EXPECT_FALSE(second.take_copy().has_value());  // handed over once
+  pool.release(copy->from);                       // the rows are copied
+  EXPECT_EQ(pool.ref_count(first.table()[1]), 1);
+
+  // The block fills up with the sequence's own tokens and is published under its own key.
+  ASSERT_TRUE(second.ensure_capacity(pool, 30));
+  second.commit_full_blocks(pool, sharing(21, 32));
+  pool.check_invariants();
+  for (SequenceBlocks* seq : {&first, &second}) seq->release_all(pool);
+  EXPECT_EQ(pool.stats().used, 0);
+  pool.check_invariants();
+}
+
+TEST(SequenceBlocks, BorrowsTheCachedBlockThatSharesTheMostTokens) {
+  BlockPool pool({.block_size = 8, .n_blocks = 16});
+  SequenceBlocks a(8), b(8), c(8);
+  admit(pool, a, sharing(10, 17));  // block [8,16) holds 8, 9, then its own
+  admit(pool, b, sharing(13, 17));  // block [8,16) holds 8..12, then its own
+  admit(pool, c, iota_tokens(17));  // block [8,16) holds 8..15
+  for (SequenceBlocks* seq : {&a, &b, &c}) seq->release_all(pool);
+
+  SequenceBlocks seq(8);
+  const std::vector<std::int32_t> prompt = sharing(12, 20);
+  EXPECT_EQ(seq.acquire_prefix(pool, prompt), 8);
+  EXPECT_EQ(seq.acquire_partial(pool, prompt), 12);  // b's block has 8..11 and c's too
+  const std::optional<BlockCopy> copy = seq.take_copy();
+  ASSERT_TRUE(copy.has_value());
+  EXPECT_EQ(pool.ref_count(copy->from), 1);
+  pool.release(copy->from);
+
+  // A prompt that leaves the cached prefix at its first token of the block borrows nothing.
+  SequenceBlocks other(8);
+  const std::vector<std::int32_t> apart = sharing(8, 20);
+  EXPECT_EQ(other.acquire_prefix(pool, apart), 8);
+  EXPECT_EQ(other.acquire_partial(pool, apart), 8);
+  EXPECT_EQ(other.table().size(), 1u);
+  EXPECT_FALSE(other.take_copy().has_value());
+  // Nor one whose leading blocks differ, though the next block's tokens match.
+  SequenceBlocks unrelated(8);
+  std::vector<std::int32_t> moved = iota_tokens(20);
+  moved[0] = 1;
+  EXPECT_EQ(unrelated.acquire_prefix(pool, moved), 0);
+  EXPECT_EQ(unrelated.acquire_partial(pool, moved), 0);
+  for (SequenceBlocks* s : {&seq, &other, &unrelated}) s->release_all(pool);
+  EXPECT_EQ(pool.stats().used, 0);
+  pool.check_invariants();
+}
+
+TEST(SequenceBlocks, BorrowingNeverCoversTheLastPromptToken) {
+  BlockPool pool({.block_size = 16, .n_blocks = 8});
+  SequenceBlocks first(16);
+  admit(pool, first, iota_tokens(40));
+  for (int length : {17, 18, 20, 32, 33}) {
+    SequenceBlocks seq(16);
+    const std::vector<std::int32_t> prompt = iota_tokens(length);
+    const std::int64_t full = seq.acquire_prefix(pool, prompt);
+    EXPECT_EQ(seq.acquire_partial(pool, prompt), length - 1) << length << " tokens";
+    EXPECT_EQ(full, length == 33 ? 32 : 16);
+    seq.release_all(pool);  // releases the borrowed block too, not taken
+    pool.check_invariants();
+  }
+  EXPECT_EQ(pool.stats().used, 3);
+  SequenceBlocks one(16);
+  EXPECT_EQ(one.acquire_partial(pool, iota_tokens(1)), 0);
+  EXPECT_THROW(first.acquire_partial(pool, iota_tokens(40)), std::logic_error);  // has its own
+  pool.check_invariants();
+}
+
+TEST(SequenceBlocks, BorrowsNothingWhenNoFreshBlockIsLeft) {
+  BlockPool pool({.block_size = 4, .n_blocks = 2});
+  SequenceBlocks first(4);
+  admit(pool, first, iota_tokens(8));  // both blocks, published and in use
+  SequenceBlocks seq(4);
+  const std::vector<std::int32_t> prompt = sharing(6, 9);
+  EXPECT_EQ(seq.acquire_prefix(pool, prompt), 4);
+  EXPECT_EQ(seq.acquire_partial(pool, prompt), 4);
+  EXPECT_FALSE(seq.take_copy().has_value());
+  EXPECT_EQ(pool.ref_count(first.table()[1]), 1);  // not left borrowed
+  pool.check_invariants();
+}
+
+TEST(BlockPool, EvictedBlocksAreNoLongerBorrowed) {
+  BlockPool pool({.block_size = 4, .n_blocks = 2});
+  SequenceBlocks first(4);
+  admit(pool, first, iota_tokens(8));
+  first.release_all(pool);
+  ASSERT_EQ(pool.stats().cached_free, 2);
+  const BlockId taken = *pool.allocate();  // evicts the tail block, [4, 8)
+  pool.check_invariants();
+  SequenceBlocks seq(4);
+  const std::vector<std::int32_t> prompt = sharing(6, 9);
+  EXPECT_EQ(seq.acquire_prefix(pool, prompt), 4);
+  EXPECT_EQ(seq.acquire_partial(pool, prompt), 4);
+  EXPECT_EQ(pool.stats().partial_hits, 0);
+  pool.release(taken);
+  seq.release_all(pool);
+  pool.check_invariants();
+}
+
+TEST(BlockPool, FilingABlockChecksItsTokens) {
+  BlockPool pool({.block_size = 4, .n_blocks = 2});
+  const BlockId a = *pool.allocate();
+  const std::vector<std::int32_t> tokens = iota_tokens(4);
+  EXPECT_THROW(pool.publish(a, 1, BlockPool::kRootKey, std::span(tokens).first(3)), std::logic_error);
+  EXPECT_TRUE(pool.publish(a, BlockPool::block_key(BlockPool::kRootKey, tokens), BlockPool::kRootKey, tokens));
+  pool.check_invariants();
+  const std::optional<BlockPool::Partial> found = pool.acquire_partial(BlockPool::kRootKey, std::span(tokens).first(2));
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->block, a);
+  EXPECT_EQ(found->tokens, 2);
+  EXPECT_EQ(pool.ref_count(a), 2);
+  EXPECT_FALSE(pool.acquire_partial(BlockPool::kRootKey, {}).has_value());
+  EXPECT_FALSE(pool.acquire_partial(7, tokens).has_value());  // no block under that parent
+}
+
 // ---- Randomized property test ---------------------------------------------------------------
 
 // Arrivals with prompts drawn from a few shared prefixes, decode growth, finishes and
@@ -446,7 +591,7 @@ TEST_P(RandomWorkload, KeepsInvariantsAndLeaksNothing) {
     active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
   };
 
-  std::int64_t admitted = 0, rejected = 0, preempted = 0, cached_tokens = 0;
+  std::int64_t admitted = 0, rejected = 0, preempted = 0, cached_tokens = 0, borrowed = 0;
   for (int step = 0; step < 20000; ++step) {
     const int action = uniform(0, 99);
     if (action < 25 && active.size() < 12) {  // arrival
@@ -459,9 +604,20 @@ TEST_P(RandomWorkload, KeepsInvariantsAndLeaksNothing) {
       seq.target = seq.tokens.size() + static_cast<std::size_t>(uniform(1, 40));
       const std::int64_t used_before = pool.stats().used;
 
-      const std::int64_t cached = seq.blocks.acquire_prefix(pool, seq.tokens);
-      ASSERT_EQ(cached % kBlockSize, 0);
+      const std::int64_t full = seq.blocks.acquire_prefix(pool, seq.tokens);
+      ASSERT_EQ(full % kBlockSize, 0);
+      // Half the arrivals also borrow the first positions of the next block, copied at once.
+      const std::int64_t cached = uniform(0, 1) == 0 ? seq.blocks.acquire_partial(pool, seq.tokens) : full;
+      ASSERT_GE(cached, full);
       ASSERT_LT(cached, static_cast<std::int64_t>(seq.tokens.size()));
+      if (const std::optional<BlockCopy> copy = seq.blocks.take_copy()) {
+        ASSERT_EQ(pool.ref_count(copy->to), 1);
+        contents[static_cast<std::size_t>(copy->to)] = contents[static_cast<std::size_t>(copy->from)];
+        pool.release(copy->from);
+        ++borrowed;
+      } else {
+        ASSERT_EQ(cached, full);
+      }
       for (std::int64_t p = 0; p < cached; ++p) {
         const BlockId id = seq.blocks.table()[static_cast<std::size_t>(p / kBlockSize)];
         ASSERT_EQ(contents[static_cast<std::size_t>(id)][static_cast<std::size_t>(p % kBlockSize)],
@@ -475,7 +631,8 @@ TEST_P(RandomWorkload, KeepsInvariantsAndLeaksNothing) {
       } else if (!seq.blocks.ensure_capacity(pool,
                                              static_cast<std::int64_t>(seq.tokens.size()))) {
         ++rejected;
-        ASSERT_EQ(seq.blocks.capacity_tokens(), cached);  // nothing partial kept
+        // Nothing kept past the blocks the cache covered.
+        ASSERT_EQ(seq.blocks.capacity_tokens(), (cached + kBlockSize - 1) / kBlockSize * kBlockSize);
         seq.blocks.release_all(pool);
         ASSERT_EQ(pool.stats().used, used_before);
       } else {
@@ -513,6 +670,8 @@ TEST_P(RandomWorkload, KeepsInvariantsAndLeaksNothing) {
   EXPECT_GT(rejected, 0);   // the pool ran out at admission
   EXPECT_GT(preempted, 0);  // and while decoding
   EXPECT_GT(cached_tokens, 0);
+  EXPECT_GT(borrowed, 0);
+  EXPECT_GE(stats.partial_hits, borrowed);  // a block found, but none fresh to copy it to, borrows nothing
   const double hit_rate = static_cast<double>(stats.hits) /
                           static_cast<double>(stats.hits + stats.misses);
   EXPECT_GT(hit_rate, 0.0);

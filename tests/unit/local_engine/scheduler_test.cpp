@@ -95,6 +95,7 @@ class Driver {
   BlockPool pool;
   Scheduler scheduler;
   std::map<SequenceId, Finished> finished;
+  std::int64_t copies = 0;  // blocks copied so far
 
  private:
   std::int32_t& slot(std::span<const BlockId> table, std::int64_t position) {
@@ -112,6 +113,15 @@ class Driver {
     std::vector<std::int32_t> logits_rows;
     std::set<std::pair<BlockId, std::int64_t>> written;
     std::set<SequenceId> ids;
+    // The copies come first, as the engine makes them before the forward pass: the borrowed
+    // block is held, the one copied over is a new sequence's own.
+    const std::int64_t bs = pool.block_size();
+    for (const BlockCopy& copy : plan.copies) {
+      EXPECT_GE(pool.ref_count(copy.from), 1) << "copy from a block nobody holds";
+      EXPECT_EQ(pool.ref_count(copy.to), 1) << "copy over a shared block";
+      std::copy_n(kv_.begin() + copy.from * bs, bs, kv_.begin() + copy.to * bs);
+      ++copies;
+    }
     for (std::size_t e = 0; e < plan.entries.size(); ++e) {
       const PlannedSequence& entry = plan.entries[e];
       EXPECT_TRUE(ids.insert(entry.id).second) << "sequence planned twice";
@@ -307,6 +317,51 @@ TEST(Scheduler, SharedPrefixIsComputedOnceAndReusedByLaterRequests) {
   EXPECT_EQ(stats.prompt_tokens_cached, 7 * 64);
   EXPECT_EQ(stats.prompt_tokens_computed, 74 + 7 * 10);
   EXPECT_EQ(driver.finished.size(), 8u);
+  EXPECT_EQ(driver.pool.stats().used, 0);
+}
+
+TEST(Scheduler, APrefixEndingInsideABlockIsCopiedNotComputed) {
+  Driver driver({.block_size = 16, .n_blocks = 128}, {.max_sequences = 8, .token_budget = 256});
+  const std::vector<Token> prefix = iota_tokens(69, 1000);  // 4 blocks and 5 tokens
+  auto request = [&](int i) {
+    std::vector<Token> prompt = prefix;
+    for (int t = 0; t < 10; ++t) prompt.push_back(static_cast<Token>(2000 + 10 * i + t));
+    return prompt;
+  };
+  driver.add(request(0), 8, 100);  // its tokens fill 5 blocks, all published
+  driver.run_until_idle();
+  EXPECT_EQ(driver.copies, 0);
+
+  for (int i = 1; i < 8; ++i) driver.add(request(i), 8, 100);
+  StepPlan plan = driver.step();  // the driver checks every position each entry reads
+  ASSERT_EQ(plan.entries.size(), 7u);
+  ASSERT_EQ(plan.copies.size(), 7u);
+  for (std::size_t e = 0; e < plan.entries.size(); ++e) {
+    const PlannedSequence& entry = plan.entries[e];
+    EXPECT_EQ(entry.first_position, 69);
+    EXPECT_EQ(entry.n_tokens, 10);
+    EXPECT_EQ(plan.copies[e].to, entry.block_table[4]);
+    EXPECT_EQ(plan.copies[e].from, plan.copies[0].from);  // the first request's fifth block
+  }
+  driver.run_until_idle();
+  const SchedulerStats stats = driver.scheduler.stats();
+  EXPECT_EQ(stats.prompt_tokens_cached, 7 * 69);
+  EXPECT_EQ(stats.prompt_tokens_computed, 79 + 7 * 10);
+  EXPECT_EQ(driver.finished.size(), 8u);
+  for (const auto& [id, done] : driver.finished) EXPECT_EQ(done.generated.size(), 8u);
+  EXPECT_EQ(driver.pool.stats().used, 0);
+}
+
+TEST(Scheduler, ACopyOfASequenceCancelledBeforeCompleteReleasesTheBorrowedBlock) {
+  Driver driver({.block_size = 4, .n_blocks = 16}, {.max_sequences = 4, .token_budget = 64});
+  driver.add(iota_tokens(10, 100), 3, 10);
+  driver.run_until_idle();
+  std::vector<Token> prompt = iota_tokens(6, 100);
+  prompt.push_back(9);
+  const SequenceId id = driver.add(prompt, 3, 10);
+  const StepPlan plan = driver.step(id);  // planned with a copy, cancelled before complete()
+  ASSERT_EQ(plan.copies.size(), 1u);
+  EXPECT_EQ(driver.finished.at(id).reason, FinishReason::kCancelled);
   EXPECT_EQ(driver.pool.stats().used, 0);
 }
 
@@ -517,7 +572,7 @@ TEST(Scheduler, EarlyLongRequestIsNotStarvedByAStreamOfShortOnes) {
 }
 
 TEST(Scheduler, RandomArrivalsCancelsAndLengthsKeepInvariantsAndFinishEveryRequestOnce) {
-  std::int64_t preemptions = 0, cached = 0;
+  std::int64_t preemptions = 0, cached = 0, copies = 0;
   for (std::uint32_t seed : {1u, 2u, 3u}) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     std::mt19937 rng(seed);
@@ -564,6 +619,7 @@ TEST(Scheduler, RandomArrivalsCancelsAndLengthsKeepInvariantsAndFinishEveryReque
     EXPECT_LT(driver.run_until_idle(20000), 20000);
     preemptions += driver.scheduler.stats().preemptions;
     cached += driver.scheduler.stats().prompt_tokens_cached;
+    copies += driver.copies;
     EXPECT_EQ(driver.pool.stats().used, 0);
     ASSERT_EQ(driver.finished.size(), expected.size());
     for (const auto& [id, e] : expected) {
@@ -587,6 +643,7 @@ TEST(Scheduler, RandomArrivalsCancelsAndLengthsKeepInvariantsAndFinishEveryReque
   }
   EXPECT_GT(preemptions, 0);
   EXPECT_GT(cached, 0);
+  EXPECT_GT(copies, 0);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include <string_view>
 
 #include "batchlm/kernels/thread_pool.hpp"
+#include "batchlm/local_engine/kv_cache.hpp"
 #include "batchlm/local_engine/model.hpp"
 #include "batchlm/local_engine/sampling.hpp"
 
@@ -64,6 +65,11 @@ class Executor {
   // the system to map and zero fresh memory (on this machine 1-3 s per GB, paid the first time
   // each block is used). Device memory is committed when it is allocated: a no-op there.
   virtual void commit_pool() {}
+
+  // Each copy's `from` block over its `to` block, keys and values of every layer, before the
+  // next forward pass (which sees the copied rows). Throws std::out_of_range for a block
+  // outside the pool.
+  virtual void copy_blocks(std::span<const BlockCopy> copies) = 0;
 
   // Model::forward_batch's contract: the logits of batch.logits_rows into `logits`. The batch's
   // layers field is ignored (the executor's own count applies). Throws std::invalid_argument

@@ -48,6 +48,15 @@ struct BlockPoolStats {
   std::int64_t hits = 0;         // lookup_and_acquire found the key
   std::int64_t misses = 0;       // lookup_and_acquire did not
   std::int64_t evictions = 0;    // cached blocks handed out by allocate()
+  std::int64_t partial_hits = 0;  // acquire_partial found a block
+};
+
+// Positions copied from one block to another in every layer before a forward pass reads them
+// (SequenceBlocks::acquire_partial). The whole block is copied: past the positions that were
+// asked for, the copy holds rows the sequence writes over before it reads them.
+struct BlockCopy {
+  BlockId from = 0;
+  BlockId to = 0;
 };
 
 class BlockPool {
@@ -80,9 +89,21 @@ class BlockPool {
   // again under its own key is a no-op (true). Throws std::logic_error when the block is not
   // used or already holds a different key.
   bool publish(BlockId id, std::uint64_t key);
+  // The same, and when the block is published it is also filed under its parent's key with its
+  // tokens (block_size of them), for acquire_partial.
+  bool publish(BlockId id, std::uint64_t key, std::uint64_t parent, std::span<const std::int32_t> tokens);
   // The block published under `key`, its refcount incremented (out of the cached list when it
   // was cached); nullopt on a miss. Counts a hit or a miss.
   std::optional<BlockId> lookup_and_acquire(std::uint64_t key);
+  // Of the blocks filed under `parent`, the one whose tokens begin with the longest run of
+  // `tokens` (at least the first; ties go to a block found before, then to the lowest id), its
+  // refcount incremented as by lookup_and_acquire, and the length of that run; nullopt when no
+  // filed block begins with tokens[0]. Counts a partial hit.
+  struct Partial {
+    BlockId block;
+    std::int64_t tokens;
+  };
+  std::optional<Partial> acquire_partial(std::uint64_t parent, std::span<const std::int32_t> tokens);
 
   std::int32_t ref_count(BlockId id) const;
   BlockPoolStats stats() const;
@@ -96,7 +117,9 @@ class BlockPool {
     State state = State::kFree;
     bool has_key = false;
     bool shared = false;  // found by lookup_and_acquire since it was last allocated
+    bool filed = false;   // in children_ under `parent`, its tokens in tokens_
     std::uint64_t key = 0;
+    std::uint64_t parent = 0;
     std::uint64_t released = 0;    // when it last became cached (a release count)
     BlockId prev = -1, next = -1;  // links of the free or cached list this block is on
   };
@@ -108,6 +131,8 @@ class BlockPool {
   BlockId unshared_head() const { return static_cast<BlockId>(blocks_.size() - 2); }
   BlockId shared_head() const { return static_cast<BlockId>(blocks_.size() - 1); }
   BlockId evict(BlockId head);  // the first block of a cached list, made keyless and unlinked
+  void acquire(BlockId id);     // one more reference to a published block, used or cached
+  std::span<const std::int32_t> tokens_of(BlockId id) const;
   void push_back(BlockId head, BlockId id);
   void push_front(BlockId head, BlockId id);
   void unlink(BlockId id);
@@ -118,11 +143,14 @@ class BlockPool {
   bool recycle_;
   std::vector<Block> blocks_;                       // n_blocks + 3 sentinels
   std::unordered_map<std::uint64_t, BlockId> by_key_;  // published blocks, used or cached
+  // Published blocks filed with their tokens, by their parent's key.
+  std::unordered_multimap<std::uint64_t, BlockId> children_;
+  std::vector<std::int32_t> tokens_;  // block_size per block, for the filed ones
   std::int64_t n_free_ = 0, n_cached_ = 0, n_used_ = 0;
   std::int64_t n_unshared_ = 0;  // of n_cached_
   BlockId never_used_ = 0;       // blocks [never_used_, n_blocks) have never been allocated
   std::uint64_t releases_ = 0;
-  std::int64_t hits_ = 0, misses_ = 0, evictions_ = 0;
+  std::int64_t hits_ = 0, misses_ = 0, evictions_ = 0, partial_hits_ = 0;
 };
 
 // One sequence's block table: block i holds positions [i*block_size, (i+1)*block_size).
@@ -142,11 +170,23 @@ class SequenceBlocks {
   // prefix and returns the tokens they cover. Stops before the block holding the last prompt
   // token, which must be computed to get logits, so at most (size-1)/block_size blocks.
   std::int64_t acquire_prefix(BlockPool& pool, std::span<const std::int32_t> prompt);
+  // Right after acquire_prefix: the positions of the next block that a published block holds
+  // already. Of the blocks filed under the last acquired block's key (kRootKey for none), the
+  // one that shares the most leading tokens with the rest of the prompt (never its last token)
+  // is borrowed and a fresh block is appended to the table. Returns the prompt tokens now
+  // covered: acquire_prefix's count, plus the shared length when a block was found and a fresh
+  // one could be had. The fresh block's rows come from the borrowed one by a copy the caller
+  // makes before they are read: take_copy() hands it over.
+  std::int64_t acquire_partial(BlockPool& pool, std::span<const std::int32_t> prompt);
+  // The copy acquire_partial left to make, if any; the caller then holds the reference to the
+  // borrowed block (`from`) and releases it once the rows are copied. release_all() releases a
+  // borrowed block not taken.
+  std::optional<BlockCopy> take_copy();
   // Appends blocks until the table covers n_tokens. When the pool cannot supply them all it
   // takes none (and evicts nothing) and returns false.
   bool ensure_capacity(BlockPool& pool, std::int64_t n_tokens);
   // `tokens` are the sequence's tokens whose K/V are now written (a prefix of its table).
-  // Publishes every full block not yet keyed, under its chained key.
+  // Publishes every full block not yet keyed, under its chained key, filed with its tokens.
   void commit_full_blocks(BlockPool& pool, std::span<const std::int32_t> tokens);
   // Releases the blocks past those that hold positions [0, n_tokens), the last first: the
   // rollback of positions written speculatively and then rejected. Throws std::logic_error when
@@ -162,6 +202,7 @@ class SequenceBlocks {
   int block_size_;
   std::vector<BlockId> table_;
   std::vector<std::uint64_t> keys_;  // chained keys of the leading keyed blocks
+  std::optional<BlockCopy> copy_;    // borrowed by acquire_partial, not yet taken
 };
 
 }  // namespace batchlm::local_engine

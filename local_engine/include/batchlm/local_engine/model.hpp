@@ -78,6 +78,8 @@ class KvStore {
   // Writes zeros over the whole store, shared among the pool's threads: every page is then
   // mapped (see Executor::commit_pool).
   void commit(kernels::ThreadPool& threads);
+  // Block `from`'s keys and values copied over block `to`'s, in every layer (Executor::copy_blocks).
+  void copy_block(std::int64_t from, std::int64_t to);
 
  private:
   struct Free {
@@ -85,6 +87,7 @@ class KvStore {
   };
   std::unique_ptr<std::uint16_t[], Free> k_, v_;
   std::size_t elements_ = 0;  // in each of k_ and v_
+  std::int64_t layers_ = 0;
   KvPool pool_;
 };
 

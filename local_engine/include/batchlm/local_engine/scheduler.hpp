@@ -21,7 +21,9 @@
 // first, then its draft reservation while the budget lasts; then sequences with prompt left to compute get chunks of at most prefill_chunk tokens
 // within what is left of token_budget, running ones first, then waiting ones admitted in FIFO
 // order while max_sequences, the budget and the KV blocks allow. A prompt's leading full blocks
-// found in the prefix cache are taken instead of computed.
+// found in the prefix cache are taken instead of computed, and so are the first positions of
+// the next block when a cached block under the same prefix starts with the same tokens: the plan
+// then asks for that block to be copied (StepPlan::copies) before the forward pass.
 //
 // When the pool cannot supply a running sequence's blocks, the newest running sequence is
 // preempted: its blocks are released and it goes back to the front of the waiting queue with
@@ -92,6 +94,10 @@ struct StepPlan {
   std::vector<std::int32_t> sequence_of;    // (T) index into entries
   std::vector<std::int32_t> logits_rows;    // rows of tokens whose logits are wanted, in
                                             // entry order (n_logits() per entry)
+  // Blocks to copy in every layer before the forward pass: a new sequence's first positions of
+  // a block, held by a cached block with the same prefix. The scheduler keeps each `from`
+  // block until complete().
+  std::vector<BlockCopy> copies;
   bool empty() const { return entries.empty(); }
   // Puts drafts[i] (at most entries[i].max_drafts tokens) after entry i's decode token and
   // rebuilds the flat arrays. Once per plan, before the forward pass. Throws
@@ -214,6 +220,7 @@ class Scheduler {
   SequenceId next_id_ = 1;
   std::uint64_t step_ = 0;
   bool outstanding_ = false;        // a non-empty plan awaits complete()
+  std::vector<BlockCopy> copies_;   // the outstanding plan's; their `from` blocks are held
   bool preempted_in_step_ = false;  // plan() admits nobody in a step that preempted
   SchedulerStats counters_;   // the cumulative fields
 };
