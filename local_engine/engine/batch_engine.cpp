@@ -405,40 +405,40 @@ void BatchEngine::step() {
   const double forward_ms = ms_between(t_forward, Clock::now());
   forward_cost_.add(static_cast<double>(plan.tokens.size()), forward_ms);
 
+  // Each entry's first logits (or sampled) row.
+  std::vector<std::size_t> first_row(plan.entries.size(), 0);
+  for (std::size_t i = 0, row = 0; i < plan.entries.size(); ++i) {
+    first_row[i] = row;
+    if (plan.entries[i].wants_logits) row += static_cast<std::size_t>(plan.entries[i].n_logits());
+  }
+  const auto logits_of = [&](std::size_t i) {
+    return std::span<const float>(logits_.data() + first_row[i] * n_vocab,
+                                  static_cast<std::size_t>(plan.entries[i].n_logits()) * n_vocab);
+  };
+
   // The rows that sample one token each are sampled on the kernel threads (a greedy pick scans
   // the whole vocabulary); each sequence's sampler is used by one thread only. What the tokens
   // mean is then taken in order, below.
   std::vector<Token> picked(plan.entries.size(), 0);
   if (!device_sampling) {
-    std::vector<std::pair<std::size_t, std::size_t>> jobs;  // (entry, first logits row)
-    std::size_t at = 0;
+    std::vector<std::size_t> sampling;  // entries
     for (std::size_t i = 0; i < plan.entries.size(); ++i) {
       const PlannedSequence& e = plan.entries[i];
-      if (!e.wants_logits) continue;
-      if (e.n_drafts == 0 && active_.contains(e.id)) jobs.emplace_back(i, at);
-      at += static_cast<std::size_t>(e.n_logits());
+      if (e.wants_logits && e.n_drafts == 0 && active_.contains(e.id)) sampling.push_back(i);
     }
-    threads_->parallel_for(static_cast<std::int64_t>(jobs.size()), 1, [&](std::int64_t b, std::int64_t e, int) {
+    threads_->parallel_for(static_cast<std::int64_t>(sampling.size()), 1, [&](std::int64_t b, std::int64_t e, int) {
       for (std::int64_t j = b; j < e; ++j) {
-        const auto [entry, first] = jobs[static_cast<std::size_t>(j)];
-        Sampler& sampler = active_.find(plan.entries[entry].id)->second.gen.sampler();
-        picked[entry] = sampler.sample(std::span<const float>(logits_.data() + first * n_vocab, n_vocab));
+        const std::size_t i = sampling[static_cast<std::size_t>(j)];
+        picked[i] = active_.find(plan.entries[i].id)->second.gen.sampler().sample(logits_of(i));
       }
     });
   }
 
   std::vector<StepResult> results;
-  std::size_t row = 0;
   decoding_ = 0;
   for (std::size_t i = 0; i < plan.entries.size(); ++i) {
     const PlannedSequence& e = plan.entries[i];
     if (!e.wants_logits) continue;
-    const std::size_t first_row = row;
-    row += static_cast<std::size_t>(e.n_logits());
-    const std::span<const float> rows =
-        device_sampling ? std::span<const float>()
-                        : std::span<const float>(logits_.data() + first_row * n_vocab,
-                                                 static_cast<std::size_t>(e.n_logits()) * n_vocab);
     StepResult r{e.id, 0, false, 0};
     auto it = active_.find(e.id);
     if (it == active_.end()) {
@@ -454,11 +454,11 @@ void BatchEngine::step() {
     }
     if (e.n_drafts == 0) {
       ++sampled_;
-      r.token = device_sampling ? sampled[first_row] : picked[i];
+      r.token = device_sampling ? sampled[first_row[i]] : picked[i];
       const bool done = a.gen.accept(r.token, text);
       r.finished = emit(a, r.token, text, done);
     } else {
-      const Verdict verdict = verify(a.gen.sampler(), rows, static_cast<std::int64_t>(n_vocab), drafts[i]);
+      const Verdict verdict = verify(a.gen.sampler(), logits_of(i), static_cast<std::int64_t>(n_vocab), drafts[i]);
       if (proposer_->runs_model()) {
         a.length.update(e.n_drafts, verdict.accepted);
       } else {
