@@ -684,6 +684,38 @@ TEST(Attention, SharedPrefixBlocksGiveTheSameResultAsAlone) {
   }
 }
 
+// A token's attention is the same bits whichever way the threads split it: one item per query
+// head (few tokens on many threads) or one per token and KV head, whose rows are read once for
+// the group (the rest).
+TEST(Attention, SameBitsPerQueryHeadAndPerKvHead) {
+  for (const std::int64_t dim : {64, 40}) {
+    const AttentionShape s{6, 2, dim, 2 * dim, 0.2f};
+    const std::int64_t block = 16, n_ctx = 300, n_blocks = (n_ctx + block - 1) / block;
+    std::vector<std::int32_t> table(n_blocks);
+    for (std::int64_t i = 0; i < n_blocks; ++i) table[i] = static_cast<std::int32_t>(n_blocks - 1 - i);
+    const std::span<const std::int32_t> tables[1] = {table};
+    const auto kf = random_floats(n_blocks * block * s.kv_stride, 90), vf = random_floats(kf.size(), 91);
+    std::vector<std::uint16_t> kpool(kf.size()), vpool(kf.size());
+    for (std::size_t i = 0; i < kf.size(); ++i) kpool[i] = fp32_to_fp16(kf[i]), vpool[i] = fp32_to_fp16(vf[i]);
+    const std::int32_t positions[2] = {n_ctx - 2, n_ctx - 1};
+    const std::int32_t sequence_of[2] = {0, 0};
+    const PagedKv kv{kpool.data(), vpool.data(), block, tables, sequence_of};
+    const std::int64_t row = s.n_heads * s.head_dim;
+    const auto q = random_floats(2 * row, 92);
+    // One token on 8 threads: 2 (token, KV head) items, a fourth of the threads, so one item per
+    // query head. On 2 threads, and two tokens on 8: one item per token and KV head.
+    ThreadPool many(8), two(2);
+    std::vector<float> per_head(row), per_kv_head(row), pair(2 * row);
+    attention_paged(s, q.data() + row, 1, positions + 1, kv, per_head.data(), many);
+    attention_paged(s, q.data() + row, 1, positions + 1, kv, per_kv_head.data(), two);
+    attention_paged(s, q.data(), 2, positions, kv, pair.data(), many);
+    for (std::int64_t i = 0; i < row; ++i) {
+      ASSERT_EQ(per_head[i], per_kv_head[i]) << "dim " << dim << " element " << i;
+      ASSERT_EQ(per_head[i], pair[row + i]) << "dim " << dim << " element " << i;
+    }
+  }
+}
+
 TEST(Rope, RotatesPairsByPosition) {
   std::vector<float> x = {1, 0, 1, 0, 0, 1, 0, 1};  // 1 token, 2 heads of 4
   const std::int32_t pos[1] = {3};
