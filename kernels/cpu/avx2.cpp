@@ -1152,58 +1152,101 @@ inline __m512 softmax_exp16(__m512 x) {
 }
 #endif
 
-void softmax_f16(float* x, std::int64_t n) {
-  float max = -INFINITY;
-  double sum = 0.0;
-  std::int64_t i = 0;
 #if defined(BATCHLM_KERNELS_AVX512)
+// The sixteen-lane form for R rows of the same length n >= 16, `ld` apart, in lockstep: each
+// row's maximum, exponentials and double sums are those of the row alone (the same operations
+// in the same order), but the rows' chains of dependent additions interleave, so one row's
+// additions run while another's wait. Alone, a row's sum is one long chain (two dependent
+// double additions per 16 positions), which bounds the loop rather than the exponentials.
+template <int R>
+void softmax_f16_wide(float* x, std::int64_t ld, std::int64_t n) {
   // Sixteen lanes where eight lanes go below, with the same values: the maximum does not
   // depend on the order, each exponential is softmax_exp8's, and the double sums take the
   // same terms in the same order (lanes 0..3 of the accumulator are s0, lanes 4..7 are s1).
-  const bool wide = n >= 16;
-  if (wide) {
-    __m512 m = _mm512_loadu_ps(x);
-    for (i = 16; i + 16 <= n; i += 16) m = _mm512_maskz_max_ps(0xffff, m, _mm512_loadu_ps(x + i));
-    max = hmax(_mm256_max_ps(half256(m, 0), half256(m, 1)));
-    for (; i < n; ++i) max = std::max(max, x[i]);
-    const __m512 vmax = _mm512_set1_ps(max);
-    __m512d s = _mm512_setzero_pd();
-    for (i = 0; i + 16 <= n; i += 16) {
-      const __m512 e = softmax_exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vmax));
-      _mm512_storeu_ps(x + i, e);
-      s = _mm512_add_pd(s, _mm512_maskz_cvtps_pd(0xff, half256(e, 0)));
-      s = _mm512_add_pd(s, _mm512_maskz_cvtps_pd(0xff, half256(e, 1)));
+  __m512 m[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) m[r] = _mm512_loadu_ps(x + r * ld);
+  std::int64_t i = 16;
+  for (; i + 16 <= n; i += 16)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) m[r] = _mm512_maskz_max_ps(0xffff, m[r], _mm512_loadu_ps(x + r * ld + i));
+  float max[R];
+  __m512 vmax[R];
+  __m512d s[R];
+  for (int r = 0; r < R; ++r) {
+    max[r] = hmax(_mm256_max_ps(half256(m[r], 0), half256(m[r], 1)));
+    for (std::int64_t j = i; j < n; ++j) max[r] = std::max(max[r], x[r * ld + j]);
+    vmax[r] = _mm512_set1_ps(max[r]);
+    s[r] = _mm512_setzero_pd();
+  }
+  for (i = 0; i + 16 <= n; i += 16)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 e = softmax_exp16(_mm512_sub_ps(_mm512_loadu_ps(x + r * ld + i), vmax[r]));
+      _mm512_storeu_ps(x + r * ld + i, e);
+      s[r] = _mm512_add_pd(s[r], _mm512_maskz_cvtps_pd(0xff, half256(e, 0)));
+      s[r] = _mm512_add_pd(s[r], _mm512_maskz_cvtps_pd(0xff, half256(e, 1)));
     }
-    if (i + 8 <= n) {
-      const __m256 e = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), half256(vmax, 0)));
-      _mm256_storeu_ps(x + i, e);
-      s = _mm512_add_pd(s, _mm512_maskz_cvtps_pd(0xff, e));
-      i += 8;
+  for (int r = 0; r < R; ++r) {
+    float* row = x + r * ld;
+    std::int64_t j = i;
+    if (j + 8 <= n) {
+      const __m256 e = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), half256(vmax[r], 0)));
+      _mm256_storeu_ps(row + j, e);
+      s[r] = _mm512_add_pd(s[r], _mm512_maskz_cvtps_pd(0xff, e));
+      j += 8;
     }
     alignas(64) double lanes[8];
-    _mm512_store_pd(lanes, s);
-    sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-  } else
-#endif
-  {
-    if (n >= 8) {
-      __m256 m = _mm256_loadu_ps(x);
-      for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
-      max = hmax(m);
+    _mm512_store_pd(lanes, s[r]);
+    double sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    if (j < n) {  // the tail through the same vector exp
+      alignas(32) float t[8] = {};
+      for (std::int64_t k = j; k < n; ++k) t[k - j] = row[k] - max[r];
+      alignas(32) float e[8];
+      _mm256_store_ps(e, softmax_exp8(_mm256_load_ps(t)));
+      for (; j < n; ++j) {
+        row[j] = e[j - (n & ~std::int64_t{7})];
+        sum += row[j];
+      }
     }
-    for (; i < n; ++i) max = std::max(max, x[i]);
-    const __m256 vmax = _mm256_set1_ps(max);
-    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
-    for (i = 0; i + 8 <= n; i += 8) {
-      const __m256 e = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax));
-      _mm256_storeu_ps(x + i, e);
-      s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-      s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    const float inv = static_cast<float>(1.0 / sum);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    j = 0;
+    for (; j + 16 <= n; j += 16)
+      _mm512_storeu_ps(row + j, cvtph16(_mm512_maskz_cvtps_ph(0xffff, _mm512_mul_ps(_mm512_loadu_ps(row + j), vinv),
+                                                              _MM_FROUND_TO_NEAREST_INT)));
+    const __m256 vinv8 = _mm256_set1_ps(inv);
+    for (; j + 8 <= n; j += 8) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(row + j), vinv8), _MM_FROUND_TO_NEAREST_INT);
+      _mm256_storeu_ps(row + j, _mm256_cvtph_ps(h));
     }
-    alignas(32) double lanes[4];
-    _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
-    sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; j < n; ++j) row[j] = fp16_to_fp32(fp32_to_fp16(row[j] * inv));
   }
+}
+#endif
+
+// One row of fewer than 16 positions (the AVX-512 build), or any row (the AVX2 build).
+void softmax_f16_row(float* x, std::int64_t n) {
+  float max = -INFINITY;
+  double sum = 0.0;
+  std::int64_t i = 0;
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    max = hmax(m);
+  }
+  for (; i < n; ++i) max = std::max(max, x[i]);
+  const __m256 vmax = _mm256_set1_ps(max);
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax));
+    _mm256_storeu_ps(x + i, e);
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
+  sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   if (i < n) {  // the tail through the same vector exp
     alignas(32) float t[8] = {};
     for (std::int64_t j = i; j < n; ++j) t[j - i] = x[j] - max;
@@ -1215,21 +1258,29 @@ void softmax_f16(float* x, std::int64_t n) {
     }
   }
   const float inv = static_cast<float>(1.0 / sum);
-  i = 0;
-#if defined(BATCHLM_KERNELS_AVX512)
-  if (wide) {
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(x + i, cvtph16(_mm512_maskz_cvtps_ph(0xffff, _mm512_mul_ps(_mm512_loadu_ps(x + i), vinv),
-                                                            _MM_FROUND_TO_NEAREST_INT)));
-  }
-#endif
   const __m256 vinv = _mm256_set1_ps(inv);
-  for (; i + 8 <= n; i += 8) {
+  for (i = 0; i + 8 <= n; i += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT);
     _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
   }
   for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i] * inv));
+}
+
+void softmax_f16(float* x, std::int64_t n, std::int64_t ld, int rows) {
+#if defined(BATCHLM_KERNELS_AVX512)
+  if (n >= 16) {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) softmax_f16_wide<4>(x + r * ld, ld, n);
+    switch (rows - r) {
+      case 3: softmax_f16_wide<3>(x + r * ld, ld, n); break;
+      case 2: softmax_f16_wide<2>(x + r * ld, ld, n); break;
+      case 1: softmax_f16_wide<1>(x + r * ld, ld, n); break;
+      default: break;
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < rows; ++r) softmax_f16_row(x + r * ld, n);
 }
 
 // out[i] = std::exp(x[i]) through the vector path (the softmax's exponentials, on their own).

@@ -97,12 +97,13 @@ using MixRowsFn = void (*)(const float* probs, int n_q, const std::uint16_t* poo
                            const std::int64_t* rows, std::int64_t n_rows, std::int64_t n_after,
                            std::int64_t dim, float* out, std::int64_t ld);
 
-// Softmax of one row of attention scores in place, each probability then rounded to the nearest
-// F16 value. The portable path takes std::exp; the AVX2 path a float polynomial within 2 ulp
-// of it (terms below e^-87 count as e^-87, which the sum loses and F16 rounds to 0), eight
-// lanes at a time (the AVX-512 build sixteen, with the same bits). The sum is in double on
-// both; the paths may differ by one F16 step.
-using SoftmaxF16Fn = void (*)(float* x, std::int64_t n);
+// Softmax of `rows` rows of n attention scores, `ld` apart, in place, each probability then
+// rounded to the nearest F16 value; every row's results are those of the row alone. The
+// portable path takes std::exp; the AVX2 path a float polynomial within 2 ulp of it (terms
+// below e^-87 count as e^-87, which the sum loses and F16 rounds to 0), eight lanes at a time
+// (the AVX-512 build sixteen, several rows in lockstep, with the same bits). The sum is in
+// double on both; the paths may differ by one F16 step.
+using SoftmaxF16Fn = void (*)(float* x, std::int64_t n, std::int64_t ld, int rows);
 
 // out[i] = std::exp(x[i]), bit for bit on every path.
 using ExpFn = void (*)(const float* x, float* out, std::int64_t n);

@@ -554,7 +554,7 @@ void attention_per_head(const AttentionShape& s, const float* q, std::int64_t n,
       scores.resize(static_cast<std::size_t>(n_ctx));
       kern.score_runs(qh.data(), 1, kv.k_pool, runs.data(), static_cast<std::int64_t>(runs.size()), 0, s.head_dim,
                       kv.block_size, s.scale, scores.data(), n_ctx);
-      kern.softmax_f16(scores.data(), n_ctx);
+      kern.softmax_f16(scores.data(), n_ctx, n_ctx, 1);
       float* o = out + (t * s.n_heads + h) * s.head_dim;
       std::fill(o, o + s.head_dim, 0.0f);
       kern.mix_rows(scores.data(), 1, kv.v_pool, rows.data(), n_ctx, 0, s.head_dim, o, n_ctx);
@@ -672,7 +672,7 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
                         scores.data() + i * group * ld + it.shared, ld);
       for (std::int64_t i = 0; i < m; ++i) {
         const std::int64_t n_ctx = positions[order[it.begin + i]] + 1;
-        for (std::int64_t j = 0; j < group; ++j) kern.softmax_f16(scores.data() + (i * group + j) * ld, n_ctx);
+        kern.softmax_f16(scores.data() + i * group * ld, n_ctx, ld, static_cast<int>(group));
       }
       obuf.assign(static_cast<std::size_t>(n_q * dim), 0.0f);
       kern.mix_rows(scores.data(), static_cast<int>(n_q), kv.v_pool, shared_rows.data(), it.shared, 0, dim,

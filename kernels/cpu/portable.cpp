@@ -141,7 +141,7 @@ void mix_rows_generic(const float* probs, int n_q, const std::uint16_t* pool, co
     for (std::int64_t r = 0; r < n_rows; ++r) axpy_f16(probs[j * ld + r], pool + rows[r], out + j * dim, dim);
 }
 
-void softmax_f16(float* x, std::int64_t n) {
+void softmax_f16_row(float* x, std::int64_t n) {
   float max = -INFINITY;
   for (std::int64_t i = 0; i < n; ++i) max = std::max(max, x[i]);
   double sum = 0.0;
@@ -151,6 +151,10 @@ void softmax_f16(float* x, std::int64_t n) {
   }
   const float inv = static_cast<float>(1.0 / sum);
   for (std::int64_t i = 0; i < n; ++i) x[i] = h2f(fp32_to_fp16(x[i] * inv));
+}
+
+void softmax_f16(float* x, std::int64_t n, std::int64_t ld, int rows) {
+  for (int r = 0; r < rows; ++r) softmax_f16_row(x + r * ld, n);
 }
 
 void exp_f32(const float* x, float* out, std::int64_t n) {

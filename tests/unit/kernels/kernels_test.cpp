@@ -523,7 +523,7 @@ TEST(Attention, SoftmaxF16MatchesExactOnEveryPath) {
     std::vector<std::vector<float>> results;
     for (const cpu::Kernels* k : paths) {
       std::vector<float> x = row;
-      k->softmax_f16(x.data(), n);
+      k->softmax_f16(x.data(), n, n, 1);
       for (std::int64_t i = 0; i < n; ++i) {
         const double exact = std::exp(static_cast<double>(row[i]) - mx) / sum;
         EXPECT_NEAR(x[i], exact, exact * 1e-3 + 1e-7) << k->name << " n " << n << " at " << i;
@@ -552,14 +552,35 @@ TEST(Attention, SoftmaxF16VectorPathsAgreeBitForBit) {
       auto row = random_floats(n, 900 + static_cast<unsigned>(n));
       for (float& v : row) v *= spread;
       std::vector<float> expected = row;
-      avx2->softmax_f16(expected.data(), n);
+      avx2->softmax_f16(expected.data(), n, n, 1);
       for (const cpu::Kernels* k : others) {
         std::vector<float> x = row;
-        k->softmax_f16(x.data(), n);
+        k->softmax_f16(x.data(), n, n, 1);
         std::string where;
         EXPECT_TRUE(same_bits(expected, x, &where)) << k->name << " n " << n << " spread " << spread << " " << where;
       }
     }
+}
+
+// Several rows in one call (the AVX-512 path runs up to four in lockstep) give each row the
+// bits it gets alone, on every path, for row counts around the lockstep widths and lengths
+// around the vector widths; the rows are `ld` apart with other values between them untouched.
+TEST(Attention, SoftmaxF16RowsInOneCallEqualRowsAlone) {
+  std::vector<const cpu::Kernels*> paths = {&cpu::portable_kernels()};
+  if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
+  if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
+  for (const cpu::Kernels* k : paths)
+    for (const std::int64_t n : {1, 15, 16, 17, 24, 31, 33, 47, 300, 1701})
+      for (const int rows : {1, 2, 3, 4, 5, 7, 9}) {
+        const std::int64_t ld = n + 5;
+        auto x = random_floats(rows * ld, 3000 + static_cast<unsigned>(n * 16 + rows));
+        for (float& v : x) v *= 20.0f;
+        std::vector<float> alone = x;
+        for (int r = 0; r < rows; ++r) k->softmax_f16(alone.data() + r * ld, n, n, 1);
+        k->softmax_f16(x.data(), n, ld, rows);
+        std::string where;
+        EXPECT_TRUE(same_bits(alone, x, &where)) << k->name << " n " << n << " rows " << rows << " " << where;
+      }
 }
 
 TEST(Attention, MatchesSoftmaxReference) {
