@@ -1,6 +1,6 @@
 // attention_rows: what each of the CPU attention's row kernels costs on its own, per (query,
 // position) pair, with the rows in cache: the scores of --queries queries over --rows F16 keys
-// in the pool's transposed blocks of 16 (score_runs), the softmax of one query's row of scores (softmax_f16), and the
+// in the pool's transposed blocks of 16 (score_runs), the softmax of the queries' rows of scores (softmax_f16, all in one call), and the
 // probability-weighted sums of the value rows (mix_rows). The queries stand for one attention
 // item: 48 for 16 tokens sharing a prefix (three query heads per KV head), 3 for one token's own
 // rows, 1 for a query head decoding alone. One thread; the best of --reps timed calls. With

@@ -1157,7 +1157,7 @@ inline __m512 softmax_exp16(__m512 x) {
 // row's maximum, exponentials and double sums are those of the row alone (the same operations
 // in the same order), but the rows' chains of dependent additions interleave, so one row's
 // additions run while another's wait. Alone, a row's sum is one long chain (two dependent
-// double additions per 16 positions), which bounds the loop rather than the exponentials.
+// double additions per 16 positions), which holds the loop back.
 template <int R>
 void softmax_f16_wide(float* x, std::int64_t ld, std::int64_t n) {
   // Sixteen lanes where eight lanes go below, with the same values: the maximum does not
