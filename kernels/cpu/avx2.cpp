@@ -1152,6 +1152,30 @@ inline __m512 softmax_exp16(__m512 x) {
 }
 #endif
 
+// Positions [i, n) of a row, fewer than 8, through the same vector exp as the rest, their
+// exponentials added to sum in order.
+inline void softmax_tail(float* x, std::int64_t i, std::int64_t n, float max, double& sum) {
+  if (i >= n) return;
+  alignas(32) float t[8] = {};
+  for (std::int64_t j = i; j < n; ++j) t[j - i] = x[j] - max;
+  alignas(32) float e[8];
+  _mm256_store_ps(e, softmax_exp8(_mm256_load_ps(t)));
+  for (std::int64_t j = i; j < n; ++j) {
+    x[j] = e[j - i];
+    sum += x[j];
+  }
+}
+
+// x[i, n) multiplied by inv, each rounded to the nearest F16 value: eight lanes, then one by one.
+inline void scale_to_f16(float* x, std::int64_t i, std::int64_t n, float inv) {
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i] * inv));
+}
+
 #if defined(BATCHLM_KERNELS_AVX512)
 // The sixteen-lane form for R rows of the same length n >= 16, `ld` apart, in lockstep: each
 // row's maximum, exponentials and double sums are those of the row alone (the same operations
@@ -1199,28 +1223,14 @@ void softmax_f16_wide(float* x, std::int64_t ld, std::int64_t n) {
     alignas(64) double lanes[8];
     _mm512_store_pd(lanes, s[r]);
     double sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    if (j < n) {  // the tail through the same vector exp
-      alignas(32) float t[8] = {};
-      for (std::int64_t k = j; k < n; ++k) t[k - j] = row[k] - max[r];
-      alignas(32) float e[8];
-      _mm256_store_ps(e, softmax_exp8(_mm256_load_ps(t)));
-      for (; j < n; ++j) {
-        row[j] = e[j - (n & ~std::int64_t{7})];
-        sum += row[j];
-      }
-    }
+    softmax_tail(row, j, n, max[r], sum);
     const float inv = static_cast<float>(1.0 / sum);
     const __m512 vinv = _mm512_set1_ps(inv);
     j = 0;
     for (; j + 16 <= n; j += 16)
       _mm512_storeu_ps(row + j, cvtph16(_mm512_maskz_cvtps_ph(0xffff, _mm512_mul_ps(_mm512_loadu_ps(row + j), vinv),
                                                               _MM_FROUND_TO_NEAREST_INT)));
-    const __m256 vinv8 = _mm256_set1_ps(inv);
-    for (; j + 8 <= n; j += 8) {
-      const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(row + j), vinv8), _MM_FROUND_TO_NEAREST_INT);
-      _mm256_storeu_ps(row + j, _mm256_cvtph_ps(h));
-    }
-    for (; j < n; ++j) row[j] = fp16_to_fp32(fp32_to_fp16(row[j] * inv));
+    scale_to_f16(row, j, n, inv);
   }
 }
 #endif
@@ -1247,23 +1257,8 @@ void softmax_f16_row(float* x, std::int64_t n) {
   alignas(32) double lanes[4];
   _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
   sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-  if (i < n) {  // the tail through the same vector exp
-    alignas(32) float t[8] = {};
-    for (std::int64_t j = i; j < n; ++j) t[j - i] = x[j] - max;
-    alignas(32) float e[8];
-    _mm256_store_ps(e, softmax_exp8(_mm256_load_ps(t)));
-    for (; i < n; ++i) {
-      x[i] = e[i - (n & ~std::int64_t{7})];
-      sum += x[i];
-    }
-  }
-  const float inv = static_cast<float>(1.0 / sum);
-  const __m256 vinv = _mm256_set1_ps(inv);
-  for (i = 0; i + 8 <= n; i += 8) {
-    const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT);
-    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
-  }
-  for (; i < n; ++i) x[i] = fp16_to_fp32(fp32_to_fp16(x[i] * inv));
+  softmax_tail(x, i, n, max, sum);
+  scale_to_f16(x, 0, n, static_cast<float>(1.0 / sum));
 }
 
 void softmax_f16(float* x, std::int64_t n, std::int64_t ld, int rows) {
