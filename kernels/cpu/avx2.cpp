@@ -1026,8 +1026,8 @@ void mix_rows(const float* probs, int n_q, const std::uint16_t* pool, const std:
 // expf as glibc computes it on CPUs with FMA, four lanes at a time in double precision (eight
 // in the AVX-512 build), so the softmax gets std::exp's values bit for bit at vector speed:
 // x * 32/ln2 = k + r with k an integer, exp(x) = 2^(k/32) * 2^(r/32), the first factor from a
-// 32-entry table of 2^(i/32) (exponent bits folded in) and the second a cubic in r. The polynomial coefficients are
-// glibc's; the table is computed here. Lanes at or beyond |x| >= 88 (where expf overflows,
+// 32-entry table of 2^(i/32) (exponent bits folded in) and the second a cubic in r. The
+// polynomial coefficients are glibc's; the table is computed here. Lanes at or beyond |x| >= 88 (where expf overflows,
 // underflows or returns NaN/Inf) are handed to std::exp.
 struct ExpTable {
   std::uint64_t entry[32];
