@@ -82,10 +82,11 @@ std::vector<Override> collect_overrides(const JobOptions& o) {
   if (o.concurrency) out.push_back({"concurrency", std::to_string(*o.concurrency)});
   if (o.limit) out.push_back({"limit", std::to_string(*o.limit)});
   if (o.count) out.push_back({"synth.count", std::to_string(*o.count)});
-  if (o.output) out.push_back({"output.path", *o.output});
-  if (o.backend) out.push_back({"backend.type", *o.backend});
-  if (o.model) out.push_back({"backend.model", *o.model});
-  if (o.base_url) out.push_back({"backend.base_url", *o.base_url});
+  // Paths, names and URLs are taken as typed (not as YAML: `-o 2024` is a file name).
+  if (o.output) out.push_back({"output.path", *o.output, true});
+  if (o.backend) out.push_back({"backend.type", *o.backend, true});
+  if (o.model) out.push_back({"backend.model", *o.model, true});
+  if (o.base_url) out.push_back({"backend.base_url", *o.base_url, true});
   for (const auto& s : o.sets) out.push_back(parse_override(s));
   return out;
 }

@@ -2,12 +2,17 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <list>
+#include <optional>
 #include <random>
+#include <unordered_map>
 
 #include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/cancellation_signal.hpp>
@@ -103,15 +108,27 @@ class Dispatcher {
     writer_ = std::make_unique<OutputWriter>(
         OutputWriter::Options{job_.output.path, job_.output.flush_every, job_.output.flush_interval,
                               options_.fresh},
-        [this](const json& record) { summary_.add(item_result_from_record(record)); });
+        [this](const json& record) { kept_.emplace(record["id"].dump(), item_result_from_record(record)); });
     const ResumeInfo& resume = writer_->resume_info();
     counters_.total = source_.total();
-    counters_.resumed = static_cast<std::int64_t>(resume.done_ids.size());
-    if (resume.kept > 0 || resume.dropped_failed > 0 || resume.dropped_torn_line) {
+    // Earlier records count when their item comes up among this run's (produce_items): a
+    // lower --limit, or an input that changed, leaves others in the file, outside the counts.
+    counters_.resumed = 0;
+    // This run holds the output now: a summary an earlier run left beside it would describe
+    // a file this run is changing, and outlive a kill -9 of this one.
+    {
+      std::error_code ec;
+      std::filesystem::remove(summary_path(), ec);
+    }
+    if (resume.kept > 0 || resume.dropped_failed > 0 || resume.dropped_torn_line || resume.dropped_duplicates > 0) {
+      const std::string duplicates =
+          resume.dropped_duplicates > 0
+              ? ", " + std::to_string(resume.dropped_duplicates) + " later records of ids already done dropped"
+              : std::string();
       std::fprintf(options_.progress_out,
-                   "batchlm: resuming %s: %lld done, %lld failed to retry%s\n",
+                   "batchlm: resuming %s: %lld done, %lld failed to retry%s%s\n",
                    job_.output.path.c_str(), static_cast<long long>(resume.kept),
-                   static_cast<long long>(resume.dropped_failed),
+                   static_cast<long long>(resume.dropped_failed), duplicates.c_str(),
                    resume.dropped_torn_line ? ", a torn last line dropped" : "");
     }
 
@@ -210,7 +227,14 @@ class Dispatcher {
     while (!stopping_) {
       std::optional<Item> item = source_.next();
       if (!item) break;
-      if (done.contains(item->id_key)) continue;
+      if (done.contains(item->id_key)) {
+        if (const auto kept = kept_.find(item->id_key); kept != kept_.end()) {
+          summary_.add(kept->second);
+          ++counters_.resumed;
+          ++resumed_in_scope_;
+        }
+        continue;
+      }
       co_await live_.acquire();
       if (stopping_) {
         live_.release();
@@ -395,6 +419,28 @@ class Dispatcher {
     }
   }
 
+  std::string summary_path() const { return job_.output.path + ".summary.json"; }
+
+  // The summary beside the output, whole or not at all (a temporary file renamed over it); the
+  // reason when it could not be written.
+  std::optional<std::string> write_summary(const json& summary) const {
+    const std::string path = summary_path(), tmp = path + ".tmp";
+    {
+      std::ofstream f(tmp, std::ios::trunc);
+      if (!f) return std::string("cannot open ") + tmp + ": " + std::strerror(errno);
+      f << summary.dump(2) << '\n';
+      f.flush();
+      if (!f) return std::string("cannot write ") + tmp + ": " + std::strerror(errno);
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) {
+      std::filesystem::remove(tmp, ec);
+      return "cannot replace " + path + ": " + ec.message();
+    }
+    return std::nullopt;
+  }
+
   RunResult finish() {
     RunResult r;
     r.total = counters_.total;
@@ -411,13 +457,16 @@ class Dispatcher {
     summary["interrupted"] = interrupted_;
     const std::optional<EngineStats> engine = backend_.engine_stats();
     if (engine) summary["engine"] = engine->to_json();
-    r.summary_path = job_.output.path + ".summary.json";
-    {
-      std::ofstream f(r.summary_path, std::ios::trunc);
-      f << summary.dump(2) << '\n';
-      if (!f) std::fprintf(stderr, "batchlm: could not write %s\n", r.summary_path.c_str());
-    }
+    const std::optional<std::string> summary_error = write_summary(summary);
+    if (!summary_error) r.summary_path = summary_path();
     std::fputs(summary_.to_text(wall, counters_.total).c_str(), options_.progress_out);
+    const auto outside = static_cast<std::int64_t>(kept_.size()) - resumed_in_scope_;
+    if (!interrupted_ && outside > 0) {
+      std::fprintf(options_.progress_out,
+                   "note: %lld earlier records in the output are not among this run's %lld items "
+                   "(kept in the file, not counted)\n",
+                   static_cast<long long>(outside), static_cast<long long>(counters_.total));
+    }
     if (engine) {
       std::fprintf(options_.progress_out,
                    "engine: %lld prompt tokens computed, %lld from the prefix cache (%.0f%%), "
@@ -435,8 +484,12 @@ class Dispatcher {
                      engine->tokens_per_pass(), 100.0 * engine->draft_time_share());
       }
     }
-    std::fprintf(options_.progress_out, "output: %s\nsummary: %s\n", job_.output.path.c_str(),
-                 r.summary_path.c_str());
+    std::fprintf(options_.progress_out, "output: %s\n", job_.output.path.c_str());
+    if (summary_error) {
+      std::fprintf(stderr, "batchlm: summary not written: %s\n", summary_error->c_str());
+    } else {
+      std::fprintf(options_.progress_out, "summary: %s\n", r.summary_path.c_str());
+    }
     if (interrupted_) {
       r.exit_code = kExitInterrupted;
       std::fprintf(options_.progress_out,
@@ -463,6 +516,9 @@ class Dispatcher {
   Summary summary_;
   ProgressCounters counters_;
   std::unique_ptr<OutputWriter> writer_;
+  // The records the output already held, by id, and how many of them were this run's items.
+  std::unordered_map<std::string, ItemResult> kept_;
+  std::int64_t resumed_in_scope_ = 0;
   std::list<LiveItem> items_;
   asio::cancellation_signal producer_cancel_;
   asio::steady_timer all_done_, grace_timer_;

@@ -154,7 +154,12 @@ Override parse_override(std::string_view text) {
   if (path.empty() || path.front() == '.' || path.back() == '.' ||
       path.find("..") != std::string::npos)
     throw ConfigError("--set", 0, 0, path, "expected key.path=value, got '" + std::string(text) + "'");
-  return Override{path, std::string(text.substr(eq + 1))};
+  std::string value(text.substr(eq + 1));
+  if (value.find_first_not_of(" \t") == std::string::npos)
+    throw ConfigError("--set", 0, 0, path,
+                      "no value after '=' (write " + path + "=null to unset it, or " + path +
+                          "=\"\" for an empty string)");
+  return Override{path, std::move(value)};
 }
 
 namespace {
@@ -306,12 +311,16 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
   check_override_path(segments, override_value.path);
 
   YAML::Node value;
-  try {
-    value = YAML::Load(override_value.value);
-  } catch (const YAML::Exception& e) {
-    throw ConfigError("--set", 0, 0, override_value.path, "value is not valid YAML: " + e.msg);
+  if (override_value.literal) {
+    value = YAML::Node(override_value.value);
+  } else {
+    try {
+      value = YAML::Load(override_value.value);
+    } catch (const YAML::Exception& e) {
+      throw ConfigError("--set", 0, 0, override_value.path, "value is not valid YAML: " + e.msg);
+    }
+    expand_tree(value, override_value.path, "--set", env);
   }
-  expand_tree(value, override_value.path, "--set", env);
 
   if (!root.IsMap()) root = YAML::Node(YAML::NodeType::Map);
   YAML::Node node = root;
@@ -785,10 +794,14 @@ void read_retry(const Reader& r, const YAML::Node& node, RetrySpec& retry) {
 void read_output(const Reader& r, const YAML::Node& node, OutputSpec& output) {
   if (node.IsScalar()) {
     output.path = node.Scalar();
+    if (output.path.empty()) r.fail(node, "output", "empty path");
     return;
   }
   r.check_map(node, "output");
-  if (Reader::has(node["path"])) output.path = r.string(node["path"], "output.path");
+  if (Reader::has(node["path"])) {
+    output.path = r.string(node["path"], "output.path");
+    if (output.path.empty()) r.fail(node["path"], "output.path", "empty path");
+  }
   if (Reader::has(node["flush_every"]))
     output.flush_every = static_cast<int>(r.integer(node["flush_every"], "output.flush_every", 1, 1'000'000));
   if (Reader::has(node["flush_interval"]))
@@ -883,6 +896,22 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   if (Reader::has(root["retry"])) read_retry(r, root["retry"], job.retry);
   if (Reader::has(root["output"])) read_output(r, root["output"], job.output);
   if (job.output.path.empty()) job.output.path = "out/" + job.name + ".jsonl";
+  // The output must not be one of the job's own files: --fresh would empty it, and a resume
+  // would refuse it only if it holds no records.
+  const auto same_file = [](const std::string& a, const std::string& b) {
+    std::error_code ec;
+    return !b.empty() && fs::equivalent(a, b, ec) && !ec;
+  };
+  const std::pair<std::string, const char*> own_files[] = {
+      {job.input.path, "input file"},
+      {job.few_shot.path, "few-shot file"},
+      {job.file, "job file"},
+      {job.backend.type == "local" ? job.backend.model : std::string(), "model"}};
+  for (const auto& [path, what] : own_files)
+    if (same_file(job.output.path, path))
+      r.fail(Reader::has(root["output"]) ? root["output"] : root, "output.path",
+             "'" + job.output.path + "' is the job's " + what + " ('" + path +
+                 "'); writing the results there would destroy it");
   if (Reader::has(root["scoring"])) read_scoring(r, root["scoring"], job.scoring);
   if (Reader::has(root["limit"])) job.limit = r.integer(root["limit"], "limit", 0);
   if (Reader::has(root["grace_period"]))

@@ -133,12 +133,36 @@ bool blank(std::string_view line) {
   return line.find_first_not_of(" \t\r") == std::string_view::npos;
 }
 
+// The file a path names: symbolic links followed (a dangling one to where it points), so that
+// every name of one output takes the same lock and a rewrite replaces the file, not the link.
+std::string resolve_links(const std::string& path) {
+  namespace fs = std::filesystem;
+  fs::path p(path);
+  std::error_code ec;
+  for (int hops = 0; hops < 40 && fs::is_symlink(fs::symlink_status(p, ec)); ++hops) {
+    const fs::path target = fs::read_symlink(p, ec);
+    if (ec) break;
+    p = target.is_absolute() ? target : p.parent_path() / target;
+  }
+  const fs::path resolved = fs::weakly_canonical(p, ec);
+  return ec ? p.string() : resolved.string();
+}
+
+// Takes the output file's own lock too: two names for one file (hard links) have two lock files.
+void lock_output(int fd, const std::string& path) {
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return;
+  const int err = errno;
+  if (err != EWOULDBLOCK) throw_io("cannot lock", path, err);
+  throw OutputLockedError("output " + path + " is in use by another run (under another name)");
+}
+
 }  // namespace
 
 OutputWriter::OutputWriter(Options options, const std::function<void(const nlohmann::json&)>& on_kept)
     : options_(std::move(options)), last_flush_(std::chrono::steady_clock::now()) {
+  if (options_.path.empty()) throw std::runtime_error("output path is empty");
+  options_.path = resolve_links(options_.path);
   const std::string& path = options_.path;
-  if (path.empty()) throw std::runtime_error("output path is empty");
   try {
     std::error_code ec;
     std::filesystem::create_directories(parent_directory(path), ec);
@@ -166,17 +190,26 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
       throw_io("cannot write", lock_path, errno);
     }
 
+    struct stat info {};
+    const bool exists = ::stat(path.c_str(), &info) == 0;
+    // Opened without truncating and locked before anything is changed.
+    fd_ = open_or_throw(path, O_WRONLY | O_CREAT | O_APPEND);
+    lock_output(fd_, path);
     if (options_.fresh) {
-      fd_ = open_or_throw(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND);
+      // Starting over replaces an earlier output, never a file of another kind.
+      if (exists) check_is_output();
+      if (::ftruncate(fd_, 0) != 0) throw_io("cannot truncate", path, errno);
       fsync_or_throw(fd_, path);
       fsync_directory(path);
       return;
     }
-
-    struct stat info {};
-    const bool exists = ::stat(path.c_str(), &info) == 0;
-    if (exists) resume(on_kept);
-    fd_ = open_or_throw(path, O_WRONLY | O_CREAT | O_APPEND);
+    if (exists && resume(on_kept)) {
+      // The output was rewritten under the same name: append to (and lock) the new file.
+      ::close(fd_);
+      fd_ = -1;
+      fd_ = open_or_throw(path, O_WRONLY | O_CREAT | O_APPEND);
+      lock_output(fd_, path);
+    }
     if (!exists) fsync_directory(path);
   } catch (...) {
     if (fd_ >= 0) ::close(fd_);
@@ -186,7 +219,38 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
   }
 }
 
-void OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_kept) {
+namespace {
+
+// Every complete line this writer leaves is a record with an id (a kill can only cut the last
+// one short). Anything else means the path names a file that is not a batchlm output (an
+// input, a job file, a model, notes): resuming would delete those lines and --fresh the whole
+// file, so neither touches it.
+nlohmann::json parse_record(std::string_view line, const std::string& path, std::int64_t line_number) {
+  auto record = nlohmann::json::parse(line, nullptr, false);
+  if (record.is_discarded() || !record.is_object() || !record.contains("id")) {
+    throw NotAnOutputError(path + ":" + std::to_string(line_number) + ": " +
+                           (record.is_discarded() ? "not a JSON line"
+                            : record.is_object()  ? "a JSON object without an \"id\""
+                                                  : "not a JSON object") +
+                           ", so this is not a batchlm output file; it was left as it is (remove "
+                           "it or choose another output)");
+  }
+  return record;
+}
+
+}  // namespace
+
+void OutputWriter::check_is_output() const {
+  const std::string& path = options_.path;
+  ScopedFd file(open_or_throw(path, O_RDONLY));
+  std::int64_t line_number = 0;
+  for_each_line(file.get(), path, [&](std::string_view line, std::int64_t, bool complete) {
+    ++line_number;
+    if (complete && !blank(line)) parse_record(line, path, line_number);
+  });
+}
+
+bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_kept) {
   const std::string& path = options_.path;
   ScopedFd file(open_or_throw(path, O_RDWR));
 
@@ -194,18 +258,16 @@ void OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   // replay the decisions without parsing again.
   std::vector<std::int64_t> dropped;  // offsets of dropped lines, ascending
   bool kept_after_drop = false;
+  std::int64_t line_number = 0;
   for_each_line(file.get(), path, [&](std::string_view line, std::int64_t offset, bool complete) {
+    ++line_number;
     if (complete && blank(line)) return;
     auto drop = [&] { dropped.push_back(offset); };
     if (!complete) {  // only the last line can lack '\n': the write of it was cut short
       resume_.dropped_torn_line = true;
       return drop();
     }
-    auto record = nlohmann::json::parse(line, nullptr, false);
-    if (record.is_discarded() || !record.is_object() || !record.contains("id")) {
-      ++resume_.dropped_invalid;
-      return drop();
-    }
+    auto record = parse_record(line, path, line_number);
     if (auto error = record.find("error"); error != record.end() && !error->is_null()) {
       ++resume_.dropped_failed;
       return drop();
@@ -218,14 +280,14 @@ void OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
     if (!dropped.empty()) kept_after_drop = true;
     if (on_kept) on_kept(record);
   });
-  if (dropped.empty()) return;
+  if (dropped.empty()) return false;
 
   if (!kept_after_drop) {
     // Everything to drop sits at the end (the usual case after a kill): cutting the file there
     // is one atomic step and costs nothing however large the output is.
     if (::ftruncate(file.get(), dropped.front()) != 0) throw_io("cannot truncate", path, errno);
     fsync_or_throw(file.get(), path);
-    return;
+    return false;
   }
 
   // Pass 2: copy the kept lines to a temporary file and rename it over the output, so a kill
@@ -252,6 +314,7 @@ void OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   fsync_or_throw(tmp.get(), tmp_path);
   if (::rename(tmp_path.c_str(), path.c_str()) != 0) throw_io("cannot rename " + tmp_path + " to", path, errno);
   fsync_directory(path);
+  return true;
 }
 
 OutputWriter::~OutputWriter() {

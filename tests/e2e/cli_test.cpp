@@ -360,5 +360,102 @@ TEST(BatchlmRun, SecondSigintExitsAtOnceWithWholeRecords) {
   expect_each_id_once(read_jsonl(out), 100);
 }
 
+// A file that is not an output (the input, a dataset, a model) given as -o is never emptied or
+// rewritten, with --fresh or without; the error says why.
+TEST(BatchlmRun, NeverOverwritesAFileThatIsNotAnOutput) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  std::string five;
+  {
+    std::istringstream in(read_file(gsm8k_test_file()));
+    std::string line;
+    for (int i = 0; i < 5 && std::getline(in, line); ++i) five += line + "\n";
+  }
+  write_file(dir.path / "data.jsonl", five);
+  write_file(dir.path / "notes.txt", "not results\n");
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 3}));
+  const std::string job = read_file(dir.path / "job.yaml");
+  const std::vector<std::vector<std::string>> runs = {
+      {"run", "job.yaml", "--set", "input=data.jsonl", "-o", "data.jsonl"},
+      {"run", "job.yaml", "--set", "input=data.jsonl", "-o", "data.jsonl", "--fresh"},
+      {"run", "job.yaml", "-o", "notes.txt"},
+      {"run", "job.yaml", "-o", "notes.txt", "--fresh"},
+      {"run", "job.yaml", "-o", "job.yaml", "--fresh"},
+  };
+  for (const auto& args : runs) {
+    RunResult r = run_batchlm(dir.path, args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_TRUE(r.err.find("is the job's") != std::string::npos ||
+                r.err.find("not a batchlm output") != std::string::npos)
+        << r.err;
+  }
+  EXPECT_EQ(read_file(dir.path / "data.jsonl"), five);
+  EXPECT_EQ(read_file(dir.path / "notes.txt"), "not results\n");
+  EXPECT_EQ(read_file(dir.path / "job.yaml"), job);
+  EXPECT_EQ(server.stats()["requests"].get<long long>(), 0);
+}
+
+// A symbolic link to an output another run is writing is that output: refused, so no record
+// is written twice.
+TEST(BatchlmRun, RefusesASecondRunThroughASymlinkToTheOutput) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--tokens", "50", "--token-delay-ms", "20"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 50, .concurrency = 2}));
+  fs::create_directories(dir.path / "out");
+  fs::create_symlink("e2e.jsonl", dir.path / "out/link.jsonl");
+  Process first({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+                 .out_file = dir.path / "first.out", .err_file = dir.path / "first.err"});
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (std::chrono::steady_clock::now() < deadline && !fs::exists(dir.path / "out/e2e.jsonl.lock"))
+    std::this_thread::sleep_for(5ms);
+  std::this_thread::sleep_for(200ms);
+  RunResult second = run_batchlm(dir.path, {"run", "job.yaml", "-o", "out/link.jsonl"});
+  EXPECT_EQ(second.exit_code, 2);
+  EXPECT_NE(second.err.find("in use by another run"), std::string::npos) << second.err;
+  first.signal(SIGKILL);
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(dir.path / "out/link.jsonl")));
+}
+
+// A rerun with a lower --limit counts its own items: the earlier records beyond it stay in
+// the file and are named, not added to this run's counts.
+TEST(BatchlmRun, LowerLimitOnResumeCountsOnlyItsItems) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--wrong-every", "5"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 10}));
+  ASSERT_EQ(run_batchlm(dir.path, {"run", "job.yaml"}).exit_code, 0);
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "--limit", "4"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("4 items: 4 succeeded (4 resumed)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("6 earlier records in the output are not among this run's 4 items"), std::string::npos)
+      << r.err;
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_EQ(summary["counts"]["total"], 4) << summary.dump(2);
+  EXPECT_EQ(summary["counts"]["succeeded"], 4) << summary.dump(2);
+  EXPECT_EQ(summary["accuracy"]["strict"]["scored"], 4) << summary.dump(2);
+  EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), 10u);
+}
+
+// A run that is killed leaves no summary from an earlier run beside an output it changed.
+TEST(BatchlmRun, KilledRunLeavesNoStaleSummary) {
+  TempDir dir;
+  const fs::path summary = dir.path / "out/e2e.jsonl.summary.json";
+  {
+    FakeServer fast(dir.path, {"--gsm8k", gsm8k_test_file()});
+    write_file(dir.path / "job.yaml", gsm8k_job({.base_url = fast.base_url(), .limit = 5}));
+    ASSERT_EQ(run_batchlm(dir.path, {"run", "job.yaml"}).exit_code, 0);
+    ASSERT_TRUE(fs::exists(summary));
+  }
+  FakeServer slow(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "200", "--token-delay-ms", "50"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = slow.base_url(), .limit = 5}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml", "--fresh"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (std::chrono::steady_clock::now() < deadline && fs::exists(summary)) std::this_thread::sleep_for(5ms);
+  EXPECT_FALSE(fs::exists(summary));
+  p.signal(SIGKILL);
+  p.wait(10s);
+  EXPECT_FALSE(fs::exists(summary));
+}
+
 }  // namespace
 }  // namespace batchlm::e2e

@@ -522,6 +522,61 @@ TEST(ParseOverride, SplitsAtTheFirstEquals) {
   EXPECT_THROW(parse_override("a..b=3"), ConfigError);
 }
 
+TEST(ParseOverride, AnEmptyValueIsAnErrorThatSaysHowToUnset) {
+  for (const char* text : {"output.path=", "output.path=  "}) {
+    try {
+      parse_override(text);
+      ADD_FAILURE() << text;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("output.path=null"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(parse_override("output.path=\"\"").value, "\"\"");
+}
+
+TEST_F(JobFile, FlagOverridesAreTakenAsTypedNotAsYaml) {
+  // -o 2024 names a file, -o yes too; YAML would make them a number and a boolean.
+  for (const char* name : {"2024", "yes", "[x]", "a: b"}) {
+    JobSpec job = load(with_input(""), {Override{"output.path", name, true}});
+    EXPECT_EQ(job.output.path, name);
+  }
+}
+
+TEST_F(JobFile, EmptyOutputPathIsAnError) {
+  EXPECT_STREQ(error_of(with_input(""), {Override{"output.path", "", true}}).what(),
+               "--set: output.path: empty path");
+  EXPECT_EQ(error_of(with_input("output: {path: ''}\n")).line(), 2);
+  EXPECT_EQ(error_of(with_input("output: ''\n")).field(), "output");
+}
+
+// The output must not be a file the job reads: --fresh would empty it, a resume refuses it.
+TEST_F(JobFile, OutputThatIsOneOfTheJobsOwnFilesIsAnError) {
+  const std::string few = write("few.jsonl", "{\"question\": \"q\", \"answer\": \"a\"}\n");
+  const std::string model = write("m.gguf", "GGUF");
+  const std::string job_file = write("job.yaml", with_input(""));
+  fs::create_symlink(input_, dir_ / "alias.jsonl");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {input_, "input file"},
+      {(dir_ / "alias.jsonl").string(), "input file"},
+      {few, "few-shot file"},
+      {model, "model"},
+  };
+  for (const auto& [out, what] : cases) {
+    ConfigError e = error_of(with_input("few_shot: {path: " + few + ", count: 1}\nbackend: {model: " + model + "}\n"),
+                             {Override{"output.path", out, true}});
+    EXPECT_EQ(e.field(), "output.path");
+    EXPECT_NE(std::string(e.what()).find("is the job's " + what), std::string::npos) << e.what();
+  }
+  try {
+    load_job_file(job_file, {Override{"output.path", job_file, true}}, env_of({}));
+    ADD_FAILURE() << "the job file as its own output";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("is the job's job file"), std::string::npos) << e.what();
+  }
+  // A model path that is not this job's model (an API job) is left to the writer's check.
+  EXPECT_NO_THROW(load(with_input("backend: {base_url: 'http://127.0.0.1:1/v1', model: " + model + "}\n")));
+}
+
 TEST(NearestKey, SuggestsOnlyCloseKeys) {
   std::vector<std::string> keys = {"max_attempts", "base", "cap", "budget_ratio"};
   EXPECT_EQ(nearest_key("max_attemps", keys), "max_attempts");

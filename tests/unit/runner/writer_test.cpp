@@ -141,12 +141,114 @@ TEST_F(OutputWriterTest, LastLineMissingOnlyItsNewlineIsDropped) {
   EXPECT_EQ(read_raw(), line(ok(1)));
 }
 
-TEST_F(OutputWriterTest, UnparseableLinesAreDropped) {
-  write_raw(line(ok(1)) + "{\"id\": 2, \"outp\n" + line(ok(3)) + "[1,2]\n" + "{\"no_id\": true}\n");
-  OutputWriter writer(options());
-  EXPECT_EQ(writer.resume_info().dropped_invalid, 3);
-  EXPECT_EQ(writer.resume_info().done_ids, (std::unordered_set<std::string>{"1", "3"}));
-  EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(3)));
+// A file with lines no run writes (an input passed as -o by mistake, a job file, notes) is not
+// "repaired" by deleting them: the writer refuses it, names the first such line, and leaves
+// every byte where it was.
+TEST_F(OutputWriterTest, FileWithLinesThatAreNotRecordsIsRefusedAndLeftUntouched) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {line(ok(1)) + "{\"id\": 2, \"outp\n" + line(ok(3)), ":2: not a JSON line"},
+      {line(ok(1)) + line(ok(2)) + "[1,2]\n", ":3: not a JSON object"},
+      {"{\"question\": \"2+2?\", \"answer\": \"4\"}\n{\"question\": \"3+3?\", \"answer\": \"6\"}\n",
+       ":1: a JSON object without an \"id\""},
+      {"name: job\ninput: data.jsonl\n", ":1: not a JSON line"},
+      {line(failed(1)) + "notes\n" + line(ok(2)) + "torn", ":2: not a JSON line"},
+  };
+  for (const auto& [text, where] : cases) {
+    write_raw(text);
+    try {
+      OutputWriter writer(options());
+      ADD_FAILURE() << "resumed over a file that is not an output:\n" << text;
+    } catch (const NotAnOutputError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find(where), std::string::npos) << message;
+      EXPECT_NE(message.find("another output"), std::string::npos) << message;
+    }
+    EXPECT_EQ(read_raw(), text);
+    EXPECT_FALSE(fs::exists(path_ + ".tmp"));
+    // The lock went with the refused writer.
+    write_raw("");
+    EXPECT_NO_THROW(OutputWriter writer(options()));
+  }
+}
+
+TEST_F(OutputWriterTest, FreshDoesNotEmptyAFileThatIsNotAnOutput) {
+  auto o = options();
+  o.fresh = true;
+  // A binary file (a model passed as -o), a dataset without ids.
+  const std::string binary = std::string("GGUF\x03\0\0\0", 8) + std::string(100, '\x01') + "\n\x02";
+  for (const std::string& text : {binary, std::string("{\"question\": \"2+2?\"}\n")}) {
+    write_raw(text);
+    EXPECT_THROW(OutputWriter writer(o), NotAnOutputError);
+    EXPECT_EQ(read_raw(), text);
+  }
+  // An earlier output, torn last line and failures included, is emptied.
+  write_raw(line(ok(1)) + line(failed(2)) + "{\"id\": 3, \"out");
+  {
+    OutputWriter writer(o);
+    writer.append(ok(7));
+  }
+  EXPECT_EQ(read_raw(), line(ok(7)));
+}
+
+// Two names for one output (a symbolic link, a hard link) are one output: the second run is
+// refused, not let in to write every record a second time.
+TEST_F(OutputWriterTest, AnotherNameForALockedOutputIsRefused) {
+  write_raw(line(ok(1)));
+  const std::string symlink = (dir_ / "link.jsonl").string();
+  const std::string hardlink = (dir_ / "hard.jsonl").string();
+  fs::create_symlink("out.jsonl", symlink);
+  fs::create_hard_link(path_, hardlink);
+  const std::string real = path_;
+  {
+    OutputWriter first(options());
+    for (const std::string& other : {symlink, hardlink}) {
+      path_ = other;
+      EXPECT_THROW(OutputWriter second(options()), OutputLockedError) << other;
+    }
+    path_ = real;
+  }
+  // And the other way round: the link first, the file's own name refused.
+  path_ = symlink;
+  OutputWriter first(options());
+  path_ = real;
+  EXPECT_THROW(OutputWriter second(options()), OutputLockedError);
+}
+
+TEST_F(OutputWriterTest, ResumeThroughASymlinkRewritesTheFileAndKeepsTheLink) {
+  write_raw(line(ok(1)) + line(failed(2)) + line(ok(3)));
+  const std::string real = path_;
+  path_ = (dir_ / "link.jsonl").string();
+  fs::create_symlink(fs::path(real), path_);
+  {
+    OutputWriter writer(options());
+    EXPECT_EQ(writer.path(), fs::weakly_canonical(real).string());
+    EXPECT_EQ(writer.resume_info().kept, 2);
+    writer.append(ok(2));
+  }
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(path_)));
+  path_ = real;
+  EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(3)) + line(ok(2)));
+  EXPECT_FALSE(fs::exists(dir_ / "link.jsonl.lock"));
+}
+
+TEST_F(OutputWriterTest, DanglingSymlinkCreatesItsTarget) {
+  const std::string real = (dir_ / "target.jsonl").string();
+  path_ = (dir_ / "link.jsonl").string();
+  fs::create_symlink("target.jsonl", path_);
+  {
+    OutputWriter writer(options());
+    writer.append(ok(1));
+  }
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(path_)));
+  path_ = real;
+  EXPECT_EQ(read_raw(), line(ok(1)));
+  EXPECT_THROW(
+      {
+        OutputWriter a(options());
+        path_ = (dir_ / "link.jsonl").string();
+        OutputWriter b(options());
+      },
+      OutputLockedError);
 }
 
 TEST_F(OutputWriterTest, FailedRecordsAreDroppedSoTheyRunAgain) {
@@ -345,7 +447,7 @@ TEST_F(OutputWriterTest, BlankLinesAreIgnored) {
   write_raw(line(ok(1)) + "\n" + line(ok(2)));
   OutputWriter writer(options());
   EXPECT_EQ(writer.resume_info().kept, 2);
-  EXPECT_EQ(writer.resume_info().dropped_invalid, 0);
+  EXPECT_EQ(read_raw(), line(ok(1)) + "\n" + line(ok(2)));
 }
 
 TEST_F(OutputWriterTest, LongRecordsSpanningReadBlocksResume) {

@@ -35,7 +35,7 @@ struct RunResult {
   int exit_code = kExitOk;
   std::int64_t total = 0, succeeded = 0, failed = 0, resumed = 0, unfinished = 0;
   bool interrupted = false;
-  std::string summary_path;
+  std::string summary_path;  // empty when the summary could not be written
 };
 
 // Runs the job to the end (or to an interruption) on `io`, which must not be running already;

@@ -171,10 +171,12 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string& na
 EnvLookup process_env();
 
 // `--set key.path=value` overrides, applied to the YAML tree before validation; the value is
-// parsed as YAML (so `concurrency=8` is a number and `request.stop=[a, b]` a list).
+// parsed as YAML (so `concurrency=8` is a number and `request.stop=[a, b]` a list). A literal
+// override (the command's own flags: -o, -m, --backend, --base-url) is the string as given.
 struct Override {
   std::string path;
   std::string value;
+  bool literal = false;
 };
 Override parse_override(std::string_view text);
 // "1073741824", "512MiB", "2GiB", "1.5GB", "64k": bytes (binary suffixes K/M/G/T, KiB..., and

@@ -2,7 +2,8 @@
 // The output JSONL: one line per finished item, buffered, flushed by count and by time,
 // fsynced on flush. Opening it resumes: a torn last line is dropped, failed records are
 // dropped (their items run again), and the ids of the successful records are returned so the
-// runner skips them. A lock file refuses a second run on the same output.
+// runner skips them. A file with other lines is refused, not repaired (nor emptied by fresh). A lock file (and a lock
+// on the output itself) refuses a second run on the same output under any of its names.
 
 #include <chrono>
 #include <cstdint>
@@ -20,13 +21,19 @@ class OutputLockedError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The existing file at the output path has complete lines that are not records (it is some
+// other file); it is left untouched.
+class NotAnOutputError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 struct ResumeInfo {
   std::unordered_set<std::string> done_ids;  // record["id"].dump() of every kept record
   std::int64_t kept = 0;             // successful records kept
   std::int64_t dropped_failed = 0;   // failed records removed (they will be retried)
   bool dropped_torn_line = false;    // a partial last line was cut off
   std::int64_t dropped_duplicates = 0;  // later records for an id already kept
-  std::int64_t dropped_invalid = 0;     // complete lines that were not a JSON record with an id
 };
 
 class OutputWriter {
@@ -35,13 +42,15 @@ class OutputWriter {
     std::string path;
     int flush_every = 64;
     std::chrono::milliseconds flush_interval{1000};
-    bool fresh = false;  // start over: the existing output is replaced
+    bool fresh = false;  // start over: the existing output (a batchlm output) is emptied
   };
 
-  // Takes the lock (`<path>.lock`, flock; released by the kernel even on kill -9), creates
-  // parent directories, then reads and repairs the existing file. `on_kept` sees each kept
-  // record (for the summary). Throws OutputLockedError when another run holds the lock, and
-  // std::runtime_error (with the path) for I/O errors.
+  // Follows symbolic links in the path to the file itself, takes the lock (`<file>.lock` and the
+  // file's own, flock; released by the kernel even on kill -9), creates parent directories, then
+  // reads and repairs the existing file. `on_kept` sees each kept record (for the summary).
+  // Throws OutputLockedError when another run holds the lock, NotAnOutputError when the file
+  // has a complete line that is not a record with an id, and std::runtime_error (with the path)
+  // for I/O errors.
   OutputWriter(Options options, const std::function<void(const nlohmann::json&)>& on_kept = {});
   ~OutputWriter();  // flushes
   OutputWriter(const OutputWriter&) = delete;
@@ -58,13 +67,16 @@ class OutputWriter {
   // write + fsync of everything buffered.
   void flush();
 
-  const std::string& path() const { return options_.path; }
+  const std::string& path() const { return options_.path; }  // links resolved
   std::int64_t written() const { return written_; }
 
  private:
   void append_line(std::string line);
-  // Reads the existing output, fills resume_, and cuts or rewrites it when lines must go.
-  void resume(const std::function<void(const nlohmann::json&)>& on_kept);
+  // Reads the existing output, fills resume_, and cuts or rewrites it when lines must go;
+  // true when it was rewritten (a new file under the same name).
+  // Throws NotAnOutputError when a complete line is not a record with an id.
+  void check_is_output() const;
+  bool resume(const std::function<void(const nlohmann::json&)>& on_kept);
 
   Options options_;
   ResumeInfo resume_;
