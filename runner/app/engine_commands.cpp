@@ -1,5 +1,7 @@
 #include "engine_commands.hpp"
 
+#include "cli_checks.hpp"
+
 #include <unistd.h>
 
 #include <cstdio>
@@ -202,18 +204,18 @@ void add_engine_commands(CLI::App& app) {
   generate_cmd->add_flag("--chat", g.chat, "Apply the model's chat template (the prompt is the user turn)");
   generate_cmd->add_option("--system", g.system, "System message (with --chat)");
   generate_cmd->add_option("--max-tokens,-n", g.max_tokens, "Tokens to generate at most")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(app::at_least(1));
   generate_cmd->add_option("--temperature", g.temperature, "Sampling temperature; 0 is greedy")
-      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+      ->capture_default_str()->check(app::between(0, 100, false));
   generate_cmd->add_option("--top-p", g.top_p, "Nucleus sampling threshold")
-      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+      ->capture_default_str()->check(app::between(0, 1, false));
   generate_cmd->add_option("--top-k", g.top_k, "Sample among the k most likely tokens; 0: all")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(app::at_least(0));
   generate_cmd->add_option("--seed", g.seed, "Random seed (default: random)");
   generate_cmd->add_option("--threads,-t", g.threads, "Compute threads; 0: one per hardware thread")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()->check(app::at_least(0));
   generate_cmd->add_option("--context", g.context, "Context size in tokens; 0: min(model's, 4096)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(app::at_least(0));
   generate_cmd->add_option("--stop", g.stop, "Stop before this text (repeatable)");
   generate_cmd->add_flag("--ignore-eos", g.ignore_eos, "Keep generating past end-of-turn tokens");
   generate_cmd->add_flag("--timings", g.timings,

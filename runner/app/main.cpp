@@ -18,6 +18,7 @@
 #include "batchlm/runner/dispatcher.hpp"
 #include "batchlm/runner/job.hpp"
 #include "batchlm/runner/source.hpp"
+#include "cli_checks.hpp"
 #include "engine_commands.hpp"
 
 namespace {
@@ -62,9 +63,9 @@ struct JobOptions {
 };
 
 void add_job_options(CLI::App& cmd, JobOptions& o, bool with_count) {
-  cmd.add_option("--concurrency,-c", o.concurrency, "Requests in flight at once")->check(CLI::PositiveNumber);
-  cmd.add_option("--limit,-n", o.limit, "Only the first N items")->check(CLI::NonNegativeNumber);
-  if (with_count) cmd.add_option("--count", o.count, "Number of items to synthesize")->check(CLI::PositiveNumber);
+  cmd.add_option("--concurrency,-c", o.concurrency, "Requests in flight at once")->check(app::at_least(1));
+  cmd.add_option("--limit,-n", o.limit, "Only the first N items")->check(app::at_least(0));
+  if (with_count) cmd.add_option("--count", o.count, "Number of items to synthesize")->check(app::at_least(1));
   cmd.add_option("--output,-o", o.output, "Output JSONL path (the summary goes next to it)");
   cmd.add_flag("--fresh", o.fresh, "Ignore and replace earlier results in the output");
   cmd.add_flag("--dry-run", o.dry_run,
@@ -194,8 +195,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? kExitOk : kExitUsage;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    std::fprintf(stderr, "batchlm: error: %s\nRun with --help for more information.\n", e.what());
+    return kExitUsage;
   }
 
   try {

@@ -17,6 +17,7 @@
 #include "batchlm/local_engine/local_backend.hpp"
 #include "batchlm/runner/job.hpp"
 #include "batchlm/server/server.hpp"
+#include "cli_checks.hpp"
 #include "engine_commands.hpp"
 
 namespace batchlm::app {
@@ -70,27 +71,27 @@ void add_serve_command(CLI::App& app) {
   serve_cmd = app.add_subcommand("serve", "Serve a GGUF model over an OpenAI-compatible HTTP API");
   serve_cmd->add_option("--model,-m", s.model, "GGUF file (default: $BATCHLM_MODEL or the default model)");
   serve_cmd->add_option("--host", s.host, "Address to listen on")->capture_default_str();
-  serve_cmd->add_option("--port,-p", s.port, "Port (0: any free port)")->check(CLI::Range(0, 65535))->capture_default_str();
+  serve_cmd->add_option("--port,-p", s.port, "Port (0: any free port)")->check(app::between(0, 65535))->capture_default_str();
   serve_cmd->add_option("--served-model-name", s.served_name,
                         "Model id in /v1/models and responses (default: the model's name)");
   serve_cmd->add_option("--api-key", s.api_key,
                         "Require 'Authorization: Bearer KEY' on /v1/* (default: $BATCHLM_API_KEY, else none)");
   serve_cmd->add_option("--threads,-t", s.threads, "Compute threads (0: one per hardware thread)")
-      ->check(CLI::Range(0, 1024));
+      ->check(app::between(0, 1024));
   serve_cmd->add_option("--device", s.device,
                         "Where the model runs: auto (CUDA when a GPU is present), cuda or cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}))->capture_default_str();
   serve_cmd->add_option("--context", s.context, "Tokens per sequence (0: min(model's, 4096))")
-      ->check(CLI::NonNegativeNumber);
+      ->check(app::at_least(0));
   serve_cmd->add_option("--max-sequences", s.max_sequences, "Sequences decoded together")
-      ->check(CLI::Range(1, 512))->capture_default_str();
+      ->check(app::between(1, 512))->capture_default_str();
   serve_cmd->add_option("--token-budget", s.token_budget,
                         "Tokens per batched forward pass (0: 512); at least --max-sequences")
-      ->check(CLI::Range(0, 512));
+      ->check(app::between(0, 512));
   serve_cmd->add_option("--block-size", s.block_size, "Tokens per KV block")
-      ->check(CLI::Range(1, 256))->capture_default_str();
+      ->check(app::between(1, 256))->capture_default_str();
   serve_cmd->add_option("--kv-tokens", s.kv_tokens, "KV pool size in tokens (default: from free memory)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(app::at_least(0));
   serve_cmd->add_option("--kv-memory", s.kv_memory, "KV pool size in bytes, e.g. 2GiB (default: from free memory)");
   serve_cmd->add_flag("--kv-recycle", s.kv_recycle,
                       "Reuse the KV blocks of finished requests that nothing shared before taking pool memory "
@@ -104,25 +105,25 @@ void add_serve_command(CLI::App& app) {
                         "tokens, forward and step milliseconds");
   serve_cmd->add_option("--max-queue", s.max_queue,
                         "Requests waiting beyond --max-sequences before new ones get 429")
-      ->check(CLI::Range(0, 1 << 20))->capture_default_str();
+      ->check(app::between(0, 1 << 20))->capture_default_str();
   serve_cmd->add_option("--shutdown-grace", s.shutdown_grace,
                         "Seconds requests in flight get to finish after SIGTERM")
-      ->check(CLI::Range(0.0, 86400.0))->capture_default_str();
+      ->check(app::between(0, 86400, false))->capture_default_str();
   serve_cmd->add_option("--speculative", s.spec.method,
                         "Speculative decoding: none, ngram (look up the prompt and output), self "
                         "(the model's first layers draft) or draft (--draft-model drafts)")
       ->check(CLI::IsMember({"none", "ngram", "self", "draft"}))->capture_default_str();
   serve_cmd->add_option("--draft-model", s.spec.model, "GGUF with the model's vocabulary (--speculative draft)");
   serve_cmd->add_option("--spec-layers", s.spec.layers, "Layers that draft with --speculative self (0: a quarter)")
-      ->check(CLI::Range(0, 1024));
+      ->check(app::between(0, 1024));
   serve_cmd->add_option("--spec-k-max", s.spec.k_max, "Most tokens drafted per sequence and step")
-      ->check(CLI::Range(1, 16))->capture_default_str();
+      ->check(app::between(1, 16))->capture_default_str();
   serve_cmd->add_option("--spec-k-min", s.spec.k_min, "Fewest while a sequence drafts (0 lets it stop)")
-      ->check(CLI::Range(0, 16))->capture_default_str();
+      ->check(app::between(0, 16))->capture_default_str();
   serve_cmd->add_option("--ngram-max", s.spec.ngram_max, "Longest n-gram looked up (--speculative ngram)")
-      ->check(CLI::Range(1, 64))->capture_default_str();
+      ->check(app::between(1, 64))->capture_default_str();
   serve_cmd->add_option("--ngram-min", s.spec.ngram_min, "Shortest n-gram looked up (--speculative ngram)")
-      ->check(CLI::Range(1, 64))->capture_default_str();
+      ->check(app::between(1, 64))->capture_default_str();
   serve_cmd->footer(kServeExamples);
 }
 

@@ -259,6 +259,18 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
   EXPECT_EQ(bad.exit_code, 2);
   RunResult unknown = run_batchlm(dir.path, {"frobnicate"});
   EXPECT_EQ(unknown.exit_code, 2);
+  // Numeric flags say what they take, in the job file's words.
+  const std::vector<std::pair<std::vector<std::string>, std::string>> numbers = {
+      {{"synth", "--count", "0"}, "batchlm: error: --count: must be >= 1, got 0\n"},
+      {{"synth", "-c", "many"}, "batchlm: error: --concurrency: must be >= 1 (an integer), got 'many'\n"},
+      {{"serve", "--port", "70000"}, "batchlm: error: --port: must be between 0 and 65535, got 70000\n"},
+      {{"generate", "-p", "x", "--top-p", "1.5"}, "batchlm: error: --top-p: must be between 0 and 1, got 1.5\n"},
+  };
+  for (const auto& [args, message] : numbers) {
+    RunResult r = run_batchlm(dir.path, args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(r.err.rfind(message, 0), 0u) << r.err;
+  }
 }
 
 TEST(BatchlmProgress, DrawsABarOnATerminalAndPrintsTheSummary) {

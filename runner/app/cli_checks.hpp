@@ -1,0 +1,62 @@
+#pragma once
+// Checks for the commands' numeric flags, with messages in the job file's words:
+// "--concurrency: must be >= 1, got 0", "--top-p: must be between 0 and 1, got 2".
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace batchlm::app {
+
+namespace detail {
+
+inline std::string show(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
+}
+
+// The message for a value outside [min, max] (max infinite: no upper bound), or "".
+inline std::string check_number(const std::string& text, double min, double max, bool integer) {
+  double value = 0;
+  bool parsed = false;
+  const char* end = text.data() + text.size();
+  if (integer) {
+    long long n = 0;
+    const auto [at, err] = std::from_chars(text.data(), end, n);
+    parsed = err == std::errc() && at == end;
+    value = static_cast<double>(n);
+  } else {
+    const auto [at, err] = std::from_chars(text.data(), end, value);
+    parsed = err == std::errc() && at == end && std::isfinite(value);
+  }
+  if (parsed && value >= min && value <= max) return {};
+  std::string message = std::isinf(max) ? "must be >= " : "must be between ";
+  message.append(show(min));
+  if (!std::isinf(max)) message.append(" and ").append(show(max));
+  if (!parsed) message.append(integer ? " (an integer)" : " (a number)");
+  message.append(", got ");
+  if (!parsed) message.push_back('\'');
+  message.append(text);
+  if (!parsed) message.push_back('\'');
+  return message;
+}
+
+}  // namespace detail
+
+inline CLI::Validator at_least(double min, bool integer = true) {
+  return CLI::Validator(
+      [=](std::string& text) { return detail::check_number(text, min, INFINITY, integer); },
+      (integer ? "INT>=" : "NUMBER>=") + detail::show(min));
+}
+
+inline CLI::Validator between(double min, double max, bool integer = true) {
+  return CLI::Validator(
+      [=](std::string& text) { return detail::check_number(text, min, max, integer); },
+      (integer ? "INT in " : "NUMBER in ") + detail::show(min) + ".." + detail::show(max));
+}
+
+}  // namespace batchlm::app
