@@ -14,6 +14,7 @@
 #include <boost/asio/io_context.hpp>
 
 #include "batchlm/client/openai.hpp"
+#include "batchlm/local_engine/gguf.hpp"
 #include "batchlm/local_engine/local_backend.hpp"
 #include "batchlm/runner/dispatcher.hpp"
 #include "batchlm/runner/job.hpp"
@@ -96,14 +97,18 @@ bool is_openai_host(const std::string& url) {
   return url.find("://api.openai.com") != std::string::npos;
 }
 
+void require_model_file(const JobSpec& job) {
+  if (!std::filesystem::exists(job.backend.model)) {
+    throw ConfigError(job.file, 0, 0, "backend.model",
+                      "model file '" + job.backend.model + "' not found; run scripts/fetch-model.sh "
+                      "for the default model, or set backend.model, $BATCHLM_MODEL or --model");
+  }
+}
+
 std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_context& io,
                                       const EnvLookup& env) {
   if (job.backend.type == "local") {
-    if (!std::filesystem::exists(job.backend.model)) {
-      throw ConfigError(job.file, 0, 0, "backend.model",
-                        "model file '" + job.backend.model + "' not found; run scripts/fetch-model.sh "
-                        "for the default model, or set backend.model, $BATCHLM_MODEL or --model");
-    }
+    require_model_file(job);
     local_engine::LocalBackendOptions options;
     options.model = job.backend.model;
     options.threads = job.backend.threads;
@@ -156,6 +161,15 @@ int run_command(const JobOptions& o, bool synth) {
   }
   std::unique_ptr<Source> source = open_source(job);  // validates the whole input
   if (o.dry_run) {
+    // The model too: its header and tensor table (the weights are not read).
+    if (job.backend.type == "local") {
+      require_model_file(job);
+      try {
+        (void)local_engine::gguf::File::open(job.backend.model);
+      } catch (const std::exception& e) {
+        throw ConfigError(job.file, 0, 0, "backend.model", e.what());
+      }
+    }
     dry_run(job, *source, stdout);
     return kExitOk;
   }

@@ -203,6 +203,9 @@ int run_serve_command() {
               static_cast<unsigned>(http.port()), options.model_name.c_str(), backend->describe().c_str());
   std::fflush(stdout);
   io.run();
+  if (const std::int64_t cancelled = http.aborted(); cancelled > 0)
+    std::fprintf(stderr, "batchlm serve: %lld requests still running were cancelled (answered 503 / an error event)\n",
+                 static_cast<long long>(cancelled));
   std::fprintf(stderr, "batchlm serve: stopped\n");
   return 0;
 }

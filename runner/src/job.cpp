@@ -579,6 +579,25 @@ void read_synth(const Reader& r, const YAML::Node& node, SynthSpec& synth) {
   }
 }
 
+// A template's placeholders are {{field}}: an unclosed or empty one is a typo, not text to
+// send as it is with every item.
+void check_template(const Reader& r, const YAML::Node& node, const std::string& field,
+                    const std::string& text) {
+  for (std::size_t at = 0;;) {
+    const std::size_t open = text.find("{{", at);
+    if (open == std::string::npos) return;
+    const std::size_t close = text.find("}}", open + 2);
+    if (close == std::string::npos)
+      r.fail(node, field,
+             "unclosed '{{' at character " + std::to_string(open + 1) + " (a placeholder is {{field}})");
+    const std::string name = text.substr(open + 2, close - open - 2);
+    if (name.find_first_not_of(' ') == std::string::npos)
+      r.fail(node, field, "empty placeholder '" + text.substr(open, close + 2 - open) + "' at character " +
+                              std::to_string(open + 1) + " (a placeholder is {{field}})");
+    at = close + 2;
+  }
+}
+
 void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMessage>& messages) {
   if (!node.IsSequence()) r.fail(node, "request.messages", "expected a list of {role, content}, got " + describe(node));
   for (std::size_t i = 0; i < node.size(); ++i) {
@@ -604,6 +623,7 @@ void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMess
                                           {"user", "user"}, {"assistant", "assistant"},
                                           {"tool", "tool"}});
     message.content = r.string(m["content"], field + ".content");
+    check_template(r, m["content"], field + ".content", message.content);
     messages.push_back(std::move(message));
   }
 }
@@ -611,7 +631,10 @@ void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMess
 void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& request) {
   r.check_map(node, "request");
   if (Reader::has(node["messages"])) read_messages(r, node["messages"], request.messages);
-  if (Reader::has(node["model"])) request.model = r.string(node["model"], "request.model");
+  if (Reader::has(node["model"])) {
+    request.model = r.string(node["model"], "request.model");
+    check_template(r, node["model"], "request.model", request.model);
+  }
   if (Reader::has(node["max_tokens"]))
     request.max_tokens = static_cast<int>(r.integer(node["max_tokens"], "request.max_tokens", 1,
                                                     std::numeric_limits<int>::max()));
@@ -635,9 +658,14 @@ void read_few_shot(const Reader& r, const YAML::Node& node, FewShotSpec& few_sho
   if (Reader::has(node["count"]))
     few_shot.count = static_cast<int>(r.integer(node["count"], "few_shot.count", 0, 1'000'000));
   if (Reader::has(node["seed"])) few_shot.seed = r.unsigned_integer(node["seed"], "few_shot.seed");
-  if (Reader::has(node["user"])) few_shot.user = r.string(node["user"], "few_shot.user");
-  if (Reader::has(node["assistant"]))
+  if (Reader::has(node["user"])) {
+    few_shot.user = r.string(node["user"], "few_shot.user");
+    check_template(r, node["user"], "few_shot.user", few_shot.user);
+  }
+  if (Reader::has(node["assistant"])) {
     few_shot.assistant = r.string(node["assistant"], "few_shot.assistant");
+    check_template(r, node["assistant"], "few_shot.assistant", few_shot.assistant);
+  }
   if (few_shot.path.empty()) {
     if (few_shot.count > 0) r.fail(node, "few_shot.path", "required when few_shot.count is set");
     return;
@@ -864,6 +892,9 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
     if (job.synth.count == 0)
       r.fail(has_synth ? root["synth"] : root, "synth.count",
              "required for a synth job without an input (how many items to generate)");
+  } else if (job.synth.count > 0) {
+    r.fail(root["synth"]["count"], "synth.count",
+           "not used by a job with an input (its lines are the items); use limit to run fewer");
   }
   if (Reader::has(root["request"])) read_request(r, root["request"], job.request);
   if (job.kind == JobKind::Synth && job.input.path.empty() && job.request.messages.empty())

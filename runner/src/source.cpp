@@ -380,8 +380,16 @@ class FileSource : public Source {
 
  private:
   Item build(json value, std::int64_t line) const {
-    return batch_ ? batch_item(job_, std::move(value), line, few_shot_)
-                  : jsonl_item(job_, std::move(value), line, few_shot_);
+    Item item = batch_ ? batch_item(job_, std::move(value), line, few_shot_)
+                       : jsonl_item(job_, std::move(value), line, few_shot_);
+    // A scored job needs each item's reference answer; without it every score would be
+    // silently empty.
+    if (job_.scoring.kind != ScoringKind::None && item.input.is_object() &&
+        !item.input.contains(job_.scoring.reference_field))
+      throw ConfigError(job_.input.path, static_cast<int>(line), 0, job_.scoring.reference_field,
+                        "missing field (the reference answer scoring reads; set "
+                        "scoring.reference_field to the field that holds it)");
+    return item;
   }
 
   const JobSpec job_;

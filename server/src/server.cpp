@@ -76,11 +76,18 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   asio::steady_timer grace;
 
   struct Connection {
-    explicit Connection(tcp::socket socket) : stream(std::move(socket)) {}
+    explicit Connection(tcp::socket socket) : stream(std::move(socket)), abort(stream.get_executor()) {
+      abort.expires_at(asio::steady_timer::time_point::max());
+    }
     beast::tcp_stream stream;
     beast::flat_buffer buffer;
     bool busy = false;
+    // Cancelled when the server stops waiting for this connection's request (shutdown grace
+    // over): the request is cancelled and the client told why.
+    asio::steady_timer abort;
+    bool aborted = false;
   };
+  std::int64_t aborted_requests = 0;
   std::list<Connection*> connections;
 
   Impl(asio::io_context& io_, Backend& backend_, ServerOptions options_)
@@ -120,6 +127,19 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       if (ec) co_return;
       c.buffer.commit(n);
     }
+  }
+
+  // Completes when the server gives up on the connection's request (abort_all cancels the
+  // timer, which never expires), or when the race it is part of is cancelled.
+  static asio::awaitable<void> wait_abort(Connection& c) {
+    if (!c.aborted) co_await c.abort.async_wait(use_tuple);
+  }
+
+  static ApiError shutting_down() {
+    return ApiError(503, "server_error", "",
+                    "the server is shutting down and its grace period for requests in flight ended; "
+                    "the request was cancelled, retry it against a running server",
+                    "server_shutting_down");
   }
 
   // --- completions ------------------------------------------------------------------------
@@ -237,7 +257,11 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
 
     const ResponseContext ctx{endpoint, new_response_id(endpoint), unix_seconds(), options.model_name};
     if (!parsed->stream) {
-      auto result = co_await (complete_whole(*parsed) || watch_peer(c));
+      auto result = co_await (complete_whole(*parsed) || watch_peer(c) || wait_abort(c));
+      if (result.index() == 2) {
+        co_await send_error(c, req, shutting_down());
+        co_return false;
+      }
       if (result.index() != 0) co_return false;  // the client went away; the request is cancelled
       const Outcome& o = std::get<0>(result);
       if (!o.ok()) {
@@ -251,7 +275,26 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
 
     Stream s(co_await asio::this_coro::executor);
     try {
-      auto result = co_await ((produce(s, *parsed, ctx) && write_stream(c, req, s)) || watch_peer(c));
+      auto result = co_await ((produce(s, *parsed, ctx) && write_stream(c, req, s)) || watch_peer(c) ||
+                              wait_abort(c));
+      if (result.index() == 2) {
+        if (!s.started) {
+          co_await send_error(c, req, shutting_down());
+          co_return false;
+        }
+        // Mid-stream: what the engine gave, then the error as an event and the end of the stream.
+        std::string out;
+        out.swap(s.pending);
+        out += sse(shutting_down().body());
+        out += "data: [DONE]\n\n";
+        if (req.version() >= 11) {
+          co_await asio::async_write(c.stream, http::make_chunk(asio::buffer(out)), asio::use_awaitable);
+          co_await asio::async_write(c.stream, http::make_chunk_last(), asio::use_awaitable);
+        } else {
+          co_await asio::async_write(c.stream, asio::buffer(out), asio::use_awaitable);
+        }
+        co_return false;
+      }
       if (result.index() != 0) co_return false;
     } catch (const boost::system::system_error&) {
       co_return false;
@@ -424,6 +467,26 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       c->stream.socket().close(ignored);
     }
   }
+
+  // The grace period is over (or a second signal came): every request still running is
+  // cancelled and answered with a 503 (an error event mid-stream); a connection that cannot
+  // take even that within a few seconds is closed.
+  void abort_all() {
+    for (Connection* c : connections) {
+      if (c->busy && !c->aborted) {
+        c->aborted = true;
+        ++aborted_requests;
+        c->abort.cancel();
+      } else if (!c->busy) {
+        boost::system::error_code ignored;
+        c->stream.socket().close(ignored);
+      }
+    }
+    grace.expires_after(std::chrono::seconds(3));
+    grace.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      if (!ec) self->close_all();
+    });
+  }
 };
 
 Server::Server(asio::io_context& io, Backend& backend, ServerOptions options)
@@ -462,10 +525,12 @@ void Server::start() { asio::co_spawn(impl_->io, impl_->accept_loop(), asio::det
 
 std::int64_t Server::in_flight() const { return impl_->in_flight; }
 
+std::int64_t Server::aborted() const { return impl_->aborted_requests; }
+
 void Server::shutdown(std::function<void()> done) {
   Impl& s = *impl_;
   if (s.draining) {
-    s.close_all();  // a second request to stop: cancel what is still running
+    s.abort_all();  // a second request to stop: cancel what is still running
     return;
   }
   s.draining = true;
@@ -478,7 +543,7 @@ void Server::shutdown(std::function<void()> done) {
   }
   s.grace.expires_after(s.options.shutdown_grace);
   s.grace.async_wait([impl = impl_](boost::system::error_code ec) {
-    if (!ec) impl->close_all();
+    if (!ec) impl->abort_all();
   });
   s.maybe_drained();
 }

@@ -208,6 +208,23 @@ TEST(BatchlmRun, DryRunValidatesAndSendsNothing) {
   EXPECT_FALSE(fs::exists(dir.path / "out/e2e.jsonl"));
 }
 
+// A dry run on the embedded engine checks the model file as far as its header and tensor
+// table: a missing or broken model fails there, not after the run has started.
+TEST(BatchlmRun, DryRunChecksTheLocalModelFile) {
+  TempDir dir;
+  write_file(dir.path / "bad.gguf", "not a model at all");
+  const std::string job = "input: " + gsm8k_test_file() +
+                          "\nrequest: {messages: [{role: user, content: \"{{question}}\"}]}\nlimit: 2\n";
+  for (const auto& [model, message] : std::vector<std::pair<std::string, std::string>>{
+           {"missing.gguf", "model file 'missing.gguf' not found"}, {"bad.gguf", "bad.gguf: bad magic"}}) {
+    write_file(dir.path / "job.yaml", job + "backend: {type: local, model: " + model + "}\n");
+    RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "--dry-run"});
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find("backend.model: "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+  }
+}
+
 TEST(BatchlmRun, ConfigErrorNamesFileLineFieldAndSuggestion) {
   TempDir dir;
   write_file(dir.path / "job.yaml",

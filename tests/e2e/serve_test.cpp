@@ -1033,9 +1033,11 @@ TEST_F(Serve, ASecondSignalCancelsWhatIsLeft) {
   s->signal(SIGTERM);
   EXPECT_EQ(s->wait(5s), 0) << s->stderr_text();
   EXPECT_TRUE(contains(s->stderr_text(), "second signal")) << s->stderr_text();
-  // The stream was cut: no [DONE].
-  c.read_until("[DONE]", 1s);
-  EXPECT_FALSE(contains(c.received(), "data: [DONE]"));
+  // The stream was cut, and says so before it ends: an error event, then [DONE].
+  c.read_until("[DONE]", 2s);
+  EXPECT_TRUE(contains(c.received(), "\"code\":\"server_shutting_down\"")) << c.received();
+  EXPECT_LT(c.received().find("server_shutting_down"), c.received().find("data: [DONE]")) << c.received();
+  EXPECT_FALSE(contains(c.received(), "\"finish_reason\":\"stop\"")) << c.received();
 }
 
 TEST_F(Serve, ShutdownGraceCutsLongRequests) {
@@ -1044,12 +1046,21 @@ TEST_F(Serve, ShutdownGraceCutsLongRequests) {
   RawConnection c(s->port());
   c.send_post("/v1/chat/completions", long_chat(true));
   ASSERT_TRUE(c.read_until("data: ", 20s)) << c.received();
+  RawConnection whole(s->port());
+  whole.send_post("/v1/chat/completions", long_chat(false));
+  ASSERT_TRUE(wait_until([&] { return get(*s, "/health").body.find("\"in_flight\":2") != std::string::npos; }, 10s));
   const auto start = std::chrono::steady_clock::now();
   s->signal(SIGTERM);
   EXPECT_EQ(s->wait(5s), 0) << s->stderr_text();
   EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
-  c.read_until("[DONE]", 1s);
-  EXPECT_FALSE(contains(c.received(), "data: [DONE]"));
+  // Both requests are answered: the stream with an error event and [DONE], the other with a 503.
+  c.read_until("[DONE]", 2s);
+  EXPECT_TRUE(contains(c.received(), "server_shutting_down")) << c.received();
+  EXPECT_TRUE(contains(c.received(), "data: [DONE]")) << c.received();
+  whole.read_until("server_shutting_down", 2s);
+  EXPECT_TRUE(contains(whole.received(), "HTTP/1.1 503")) << whole.received();
+  EXPECT_TRUE(contains(whole.received(), "\"type\":\"server_error\"")) << whole.received();
+  EXPECT_TRUE(contains(s->stderr_text(), "2 requests still running were cancelled")) << s->stderr_text();
 }
 
 // ---- the real model: the official client, batchlm run -------------------------------------------

@@ -577,6 +577,28 @@ TEST_F(JobFile, OutputThatIsOneOfTheJobsOwnFilesIsAnError) {
   EXPECT_NO_THROW(load(with_input("backend: {base_url: 'http://127.0.0.1:1/v1', model: " + model + "}\n")));
 }
 
+TEST_F(JobFile, UnclosedOrEmptyPlaceholderIsAnErrorAtItsLine) {
+  ConfigError e = error_of(with_input("request:\n  messages:\n    - {role: user, content: \"Q: {{question}\"}\n"));
+  EXPECT_EQ(e.line(), 4);
+  EXPECT_EQ(e.field(), "request.messages[0].content");
+  EXPECT_NE(std::string(e.what()).find("unclosed '{{' at character 4"), std::string::npos) << e.what();
+  e = error_of(with_input("request:\n  messages:\n    - {role: user, content: \"a {{ }} b\"}\n"));
+  EXPECT_NE(std::string(e.what()).find("empty placeholder '{{ }}' at character 3"), std::string::npos) << e.what();
+  e = error_of(with_input("few_shot: {path: " + input_ + ", count: 1, user: \"{{question\"}\n"));
+  EXPECT_EQ(e.field(), "few_shot.user");
+  e = error_of(with_input("request: {model: \"m-{{\"}\n"));
+  EXPECT_EQ(e.field(), "request.model");
+  // Closed placeholders, and braces that are not placeholders, are fine.
+  EXPECT_NO_THROW(load(with_input("request:\n  messages:\n    - {role: user, content: \"{{question}} in {a} or }}\"}\n")));
+}
+
+TEST_F(JobFile, SynthCountWithAnInputIsAnError) {
+  ConfigError e = error_of(with_input("synth: {count: 3}\nrequest: {messages: [{role: user, content: x}]}\n"));
+  EXPECT_EQ(e.field(), "synth.count");
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(error_of(with_input(""), {parse_override("synth.count=3")}).field(), "synth.count");
+}
+
 TEST(NearestKey, SuggestsOnlyCloseKeys) {
   std::vector<std::string> keys = {"max_attempts", "base", "cap", "budget_ratio"};
   EXPECT_EQ(nearest_key("max_attemps", keys), "max_attempts");

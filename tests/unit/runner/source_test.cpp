@@ -167,6 +167,22 @@ TEST_F(SourceTest, MissingTemplateFieldNamesFileLineAndField) {
   EXPECT_EQ(e.message(), "missing field (used by request.messages[1].content)");
 }
 
+TEST_F(SourceTest, ScoredJobNeedsTheReferenceFieldOnEveryLine) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\", \"answer\": \"#### 1\"}\n{\"question\": \"b\"}\n");
+  ConfigError e = open_error(job("input: " + in + "\nscoring: gsm8k" + kQuestionTemplate));
+  EXPECT_EQ(e.file(), in);
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.field(), "answer");
+  EXPECT_NE(e.message().find("scoring.reference_field"), std::string::npos) << e.message();
+  e = open_error(job("input: " + in + "\nscoring: {type: exact_match, reference_field: nope}" + kQuestionTemplate));
+  EXPECT_EQ(e.line(), 1);
+  EXPECT_EQ(e.field(), "nope");
+  // Unscored, the same input is fine; a null reference is an item without one, left unscored.
+  EXPECT_NO_THROW(open_source(job("input: " + in + kQuestionTemplate)));
+  std::string nulls = write("nulls.jsonl", "{\"question\": \"a\", \"answer\": null}\n");
+  EXPECT_NO_THROW(open_source(job("input: " + nulls + "\nscoring: gsm8k" + kQuestionTemplate)));
+}
+
 TEST_F(SourceTest, LineThatIsNotAnObjectIsAnError) {
   std::string in = write("in.jsonl", "{\"question\": \"a\"}\n[1, 2]\n");
   ConfigError e = open_error(job("input: " + in + kQuestionTemplate));

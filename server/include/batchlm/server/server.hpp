@@ -11,7 +11,7 @@
 // Errors are OpenAI error objects naming the bad field. Beyond max_in_flight requests a new one
 // gets 429 with Retry-After. A client that goes away cancels its request, freeing its KV blocks.
 // shutdown() stops accepting, lets requests in flight finish for the grace period, then cancels
-// the rest.
+// the rest, answering each with a 503 error (an error event and [DONE] mid-stream).
 
 #include <chrono>
 #include <cstdint>
@@ -51,6 +51,7 @@ class Server {
   // A second call cuts the grace period short.
   void shutdown(std::function<void()> done = {});
   std::int64_t in_flight() const;  // completion requests being served
+  std::int64_t aborted() const;    // requests cancelled by shutdown() after the grace period
 
  private:
   struct Impl;
