@@ -222,7 +222,11 @@ void Summary::add(const ItemResult& r) {
   } else {
     count_metric("score", r.score);
   }
-  if (r.resumed) return;
+  if (r.resumed) {
+    resumed_prompt_tokens_ += r.prompt_tokens;
+    resumed_completion_tokens_ += r.completion_tokens;
+    return;
+  }
   attempts_ += r.attempts;
   prompt_tokens_ += r.prompt_tokens;
   completion_tokens_ += r.completion_tokens;
@@ -264,6 +268,9 @@ nlohmann::json Summary::to_json(double wall_seconds, std::int64_t total_items) c
                      {"tpot", percentiles_json(tpot_)},
                      {"e2e", percentiles_json(total_)}};
   j["tokens"] = {{"prompt", prompt_tokens_}, {"completion", completion_tokens_}};
+  // Every successful record of the job's items in the output, earlier runs' included.
+  j["tokens_in_output"] = {{"prompt", prompt_tokens_ + resumed_prompt_tokens_},
+                           {"completion", completion_tokens_ + resumed_completion_tokens_}};
   j["wall_seconds"] = wall_seconds;
   const double seconds = wall_seconds > 0 ? wall_seconds : 0;
   j["throughput"] = {

@@ -461,6 +461,9 @@ TEST(BatchlmRun, LowerLimitOnResumeCountsOnlyItsItems) {
   EXPECT_EQ(summary["counts"]["total"], 4) << summary.dump(2);
   EXPECT_EQ(summary["counts"]["succeeded"], 4) << summary.dump(2);
   EXPECT_EQ(summary["accuracy"]["strict"]["scored"], 4) << summary.dump(2);
+  // Nothing ran this time; the tokens of the 4 counted records are still reported.
+  EXPECT_EQ(summary["tokens"]["completion"], 0) << summary.dump(2);
+  EXPECT_GT(summary["tokens_in_output"]["completion"].get<long long>(), 0) << summary.dump(2);
   EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), 10u);
 }
 

@@ -314,6 +314,8 @@ TEST(Summary, TokensThroughputAndAttemptsDescribeThisRun) {
   EXPECT_DOUBLE_EQ(j["throughput"]["output_tokens_per_second"].get<double>(), 20.0);
   EXPECT_EQ(j["attempts"]["total"], 25);  // 10 + 6 + 6 + 3
   EXPECT_EQ(j["attempts"]["retries"], 12);
+  // The output's records, the two resumed ones included.
+  EXPECT_EQ(j["tokens_in_output"], (json{{"prompt", 1200}, {"completion", 240}}));
 }
 
 TEST(Summary, EmptyRunHasNullPercentilesAndNoAccuracy) {

@@ -80,6 +80,7 @@ class Summary {
 
  private:
   std::int64_t succeeded_ = 0, failed_ = 0, resumed_ = 0;
+  std::int64_t resumed_prompt_tokens_ = 0, resumed_completion_tokens_ = 0;
   std::int64_t prompt_tokens_ = 0, completion_tokens_ = 0, attempts_ = 0;
   std::map<std::string, std::int64_t> failures_;
   std::map<std::string, std::pair<std::int64_t, std::int64_t>> metrics_;  // name -> (true, scored)
