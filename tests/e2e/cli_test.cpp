@@ -180,20 +180,28 @@ TEST(BatchlmRun, SigintFinishesInFlightItemsAndExits130) {
   expect_each_id_once(read_jsonl(out), 100);
 }
 
-TEST(BatchlmRun, RefusesASecondRunOnTheSameOutput) {
-  TempDir dir;
-  FakeServer server(dir.path, {"--tokens", "50", "--token-delay-ms", "20"});
-  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 50, .concurrency = 2}));
-  Process first({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
-                 .out_file = dir.path / "first.out", .err_file = dir.path / "first.err"});
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  while (std::chrono::steady_clock::now() < deadline && !fs::exists(dir.path / "out/e2e.jsonl.lock"))
-    std::this_thread::sleep_for(5ms);
-  std::this_thread::sleep_for(200ms);
-  RunResult second = run_batchlm(dir.path, {"run", "job.yaml"});
-  EXPECT_EQ(second.exit_code, 2);
-  EXPECT_NE(second.err.find("out/e2e.jsonl"), std::string::npos) << second.err;
-  first.signal(SIGKILL);
+// A second run on an output another run is writing is refused, under the output's own name or
+// through a symbolic link to it, so no record is written twice.
+TEST(BatchlmRun, RefusesASecondRunOnTheSameOutputUnderAnyName) {
+  for (const std::string& name : {std::string("out/e2e.jsonl"), std::string("out/link.jsonl")}) {
+    TempDir dir;
+    FakeServer server(dir.path, {"--tokens", "50", "--token-delay-ms", "20"});
+    write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 50, .concurrency = 2}));
+    fs::create_directories(dir.path / "out");
+    fs::create_symlink("e2e.jsonl", dir.path / "out/link.jsonl");
+    Process first({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+                   .out_file = dir.path / "first.out", .err_file = dir.path / "first.err"});
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (std::chrono::steady_clock::now() < deadline && !fs::exists(dir.path / "out/e2e.jsonl.lock"))
+      std::this_thread::sleep_for(5ms);
+    std::this_thread::sleep_for(200ms);
+    RunResult second = run_batchlm(dir.path, {"run", "job.yaml", "-o", name});
+    EXPECT_EQ(second.exit_code, 2) << name;
+    EXPECT_NE(second.err.find("out/e2e.jsonl"), std::string::npos) << second.err;
+    EXPECT_NE(second.err.find("in use by another run"), std::string::npos) << second.err;
+    first.signal(SIGKILL);
+    EXPECT_TRUE(fs::is_symlink(fs::symlink_status(dir.path / "out/link.jsonl")));
+  }
 }
 
 TEST(BatchlmRun, DryRunValidatesAndSendsNothing) {
@@ -422,27 +430,6 @@ TEST(BatchlmRun, NeverOverwritesAFileThatIsNotAnOutput) {
   EXPECT_EQ(read_file(dir.path / "notes.txt"), "not results\n");
   EXPECT_EQ(read_file(dir.path / "job.yaml"), job);
   EXPECT_EQ(server.stats()["requests"].get<long long>(), 0);
-}
-
-// A symbolic link to an output another run is writing is that output: refused, so no record
-// is written twice.
-TEST(BatchlmRun, RefusesASecondRunThroughASymlinkToTheOutput) {
-  TempDir dir;
-  FakeServer server(dir.path, {"--tokens", "50", "--token-delay-ms", "20"});
-  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 50, .concurrency = 2}));
-  fs::create_directories(dir.path / "out");
-  fs::create_symlink("e2e.jsonl", dir.path / "out/link.jsonl");
-  Process first({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
-                 .out_file = dir.path / "first.out", .err_file = dir.path / "first.err"});
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  while (std::chrono::steady_clock::now() < deadline && !fs::exists(dir.path / "out/e2e.jsonl.lock"))
-    std::this_thread::sleep_for(5ms);
-  std::this_thread::sleep_for(200ms);
-  RunResult second = run_batchlm(dir.path, {"run", "job.yaml", "-o", "out/link.jsonl"});
-  EXPECT_EQ(second.exit_code, 2);
-  EXPECT_NE(second.err.find("in use by another run"), std::string::npos) << second.err;
-  first.signal(SIGKILL);
-  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(dir.path / "out/link.jsonl")));
 }
 
 // A rerun with a lower --limit counts its own items: the earlier records beyond it stay in
