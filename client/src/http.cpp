@@ -507,8 +507,7 @@ asio::awaitable<HttpResponse> HttpClient::Impl::run(std::shared_ptr<Impl> impl, 
   impl->transfers.emplace(&t, transfer);
 
   while (!t.done) {
-    auto [when, stage] = t.next_deadline();
-    t.wakeup.expires_at(when);
+    t.wakeup.expires_at(t.next_deadline().first);
     auto [ec] = co_await t.wakeup.async_wait(asio::as_tuple(asio::use_awaitable));
     if (t.done) break;
     const bool rearm = std::exchange(t.rearm, false);
@@ -517,8 +516,10 @@ asio::awaitable<HttpResponse> HttpClient::Impl::run(std::shared_ptr<Impl> impl, 
       break;
     }
     if (ec) continue;
-    if (Clock::now() >= when) impl->finish(t, CURLE_OK, make_error(ErrorKind::Timeout, stage));
-    // Otherwise activity moved the deadline while we slept: sleep again until the new one.
+    // The deadline as it stands now: body data that arrived while we slept (or the request
+    // being sent) moved it later, and the loop sleeps again until the new one.
+    auto [deadline, reason] = t.next_deadline();
+    if (Clock::now() >= deadline) impl->finish(t, CURLE_OK, make_error(ErrorKind::Timeout, reason));
   }
   impl->transfers.erase(&t);
   co_return impl->result_of(t);

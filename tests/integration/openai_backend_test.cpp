@@ -274,6 +274,21 @@ TEST_F(OpenAIBackendTest, StreamLongerThanTheFirstByteDeadlineSucceeds) {
   EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
 }
 
+TEST_F(OpenAIBackendTest, StreamLongerThanTheIdleTimeoutSucceedsWhileDataKeepsComing) {
+  // The idle deadline counts from the last data, not the first: a stream that sends a chunk
+  // every 100 ms may run many times longer than a 250 ms idle timeout.
+  FakeOpenAIOptions steady = small_answers();
+  steady.token_delay_ms = 100;
+  FakeOpenAIServer server(steady);
+  auto options = backend_options(server);
+  options.timeouts.idle = 250ms;
+  const auto start = std::chrono::steady_clock::now();
+  auto result = complete(options, chat_request("item"));
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_GT(std::chrono::steady_clock::now() - start, 600ms) << "the stream was too short to test anything";
+}
+
 TEST_F(OpenAIBackendTest, SlowFirstByteIsFirstByteTimeout) {
   auto options = backend_options(server_, "slow_first_byte=5000");
   options.timeouts.first_byte = 200ms;
