@@ -232,9 +232,20 @@ struct StreamState {
       error = std::move(stream_error);
       return;
     }
-    if (auto choices = chunk.find("choices"); choices != chunk.end() && choices->is_array() &&
-                                              !choices->empty() && (*choices)[0].is_object()) {
-      const nlohmann::json& choice = (*choices)[0];
+    // The first choice (index 0): a server asked for several (n > 1) interleaves their chunks.
+    const nlohmann::json* first = nullptr;
+    if (auto choices = chunk.find("choices"); choices != chunk.end() && choices->is_array()) {
+      for (const auto& c : *choices) {
+        if (!c.is_object()) continue;
+        const auto index = c.find("index");
+        if (index == c.end() || (index->is_number_integer() && index->get<long long>() == 0)) {
+          first = &c;
+          break;
+        }
+      }
+    }
+    if (first != nullptr) {
+      const nlohmann::json& choice = *first;
       // Chat chunks carry delta.content, text-completion chunks carry text.
       const nlohmann::json* content = nullptr;
       if (auto delta = choice.find("delta"); delta != choice.end() && delta->is_object()) {

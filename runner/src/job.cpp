@@ -579,6 +579,14 @@ void read_synth(const Reader& r, const YAML::Node& node, SynthSpec& synth) {
   }
 }
 
+}  // namespace
+
+const char* const kOneAnswerPerItem =
+    "batchlm keeps one answer per item, so n must be 1 (more would pay for answers it drops; for "
+    "several samples, run the items again with other seeds)";
+
+namespace {
+
 // A template's placeholders are {{field}}: an unclosed or empty one is a typo, not text to
 // send as it is with every item.
 void check_template(const Reader& r, const YAML::Node& node, const std::string& field,
@@ -648,6 +656,8 @@ void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& requ
     const YAML::Node extra = node["extra"];
     if (!extra.IsMap()) r.fail(extra, "request.extra", "expected a map of body fields, got " + describe(extra));
     request.extra = yaml_to_json(extra);
+    if (const auto n = request.extra.find("n"); n != request.extra.end() && !(n->is_number_integer() && *n == 1))
+      r.fail(extra["n"], "request.extra.n", kOneAnswerPerItem);
   }
 }
 

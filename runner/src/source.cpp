@@ -283,6 +283,8 @@ Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
   if (!line_value.contains("body") || !line_value["body"].is_object())
     throw ConfigError(file, line_int, 0, "body", "missing (an object) in a Batch-API line");
   const json& body = line_value["body"];
+  if (const auto n = body.find("n"); n != body.end() && !(n->is_number_integer() && *n == 1))
+    throw ConfigError(file, line_int, 0, "body.n", kOneAnswerPerItem);
 
   // The template fills what the body leaves out; its messages are not used, the body's are.
   Request request;

@@ -104,6 +104,17 @@ TEST_F(OpenAIBackendTest, StreamingAnswerCarriesTextFinishReasonUsageAndTimings)
   EXPECT_GT(result.outcome.timings.total_ms, 0);
 }
 
+TEST_F(OpenAIBackendTest, SeveralChoicesInAStreamKeepTheFirstOnly) {
+  // A server asked for n = 2 interleaves the choices' chunks; the answer is choice 0's.
+  Request request = chat_request("item");
+  request.extra = {{"n", 2}};
+  auto result = complete(backend_options(server_), request);
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(joined(result.deltas), result.outcome.completion->text);
+  EXPECT_EQ(result.outcome.completion->finish_reason, "stop");
+}
+
 TEST_F(OpenAIBackendTest, StreamingAnswerCallsTheSinkOncePerDelta) {
   auto result = complete(backend_options(server_), chat_request("item"));
   ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;

@@ -733,16 +733,21 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
   if (co_await write_all(socket, head)) co_return false;
 
   EventStream events(socket, f);
-  auto chunk_json = [&](json delta, json finish) {
+  auto chunk_json = [&](json delta, json finish, int index = 0) {
     return json{{"id", id},
                 {"object", "chat.completion.chunk"},
                 {"created", created},
                 {"model", model},
-                {"choices", json::array({{{"index", 0},
+                {"choices", json::array({{{"index", index},
                                           {"delta", std::move(delta)},
                                           {"finish_reason", std::move(finish)}}})}}
         .dump();
   };
+  // "n": several answers, their chunks interleaved as OpenAI sends them; choice k > 0 says
+  // "alt<k>-" before each word.
+  const int choices = body.contains("n") && body["n"].is_number_integer()
+                          ? std::clamp(body["n"].get<int>(), 1, 8)
+                          : 1;
 
   co_await sleep_ms(opts.ttft_ms);
   // Built before the co_await: a braced initialiser list alive across a suspension point is
@@ -792,8 +797,16 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     if (i > 0) co_await sleep_ms(opts.token_delay_ms);
     const std::string content_chunk = chunk_json({{"content", tokens[i]}}, nullptr);
     if (co_await events.data(content_chunk)) co_return false;
+    for (int k = 1; k < choices; ++k) {
+      const std::string other = chunk_json({{"content", "alt" + std::to_string(k) + "-" + tokens[i]}}, nullptr, k);
+      if (co_await events.data(other)) co_return false;
+    }
   }
 
+  for (int k = choices - 1; k >= 1; --k) {
+    const std::string other_end = chunk_json(json::object(), finish_reason, k);
+    if (co_await events.data(other_end)) co_return false;
+  }
   if (co_await events.data(chunk_json(json::object(), finish_reason))) co_return false;
   if (include_usage) {
     json usage_chunk = {{"id", id},

@@ -599,6 +599,15 @@ TEST_F(JobFile, SynthCountWithAnInputIsAnError) {
   EXPECT_EQ(error_of(with_input(""), {parse_override("synth.count=3")}).field(), "synth.count");
 }
 
+TEST_F(JobFile, MoreThanOneAnswerPerItemIsAnError) {
+  for (const char* n : {"2", "0", "'3'"}) {
+    ConfigError e = error_of(with_input(std::string("request: {extra: {n: ") + n + "}}\n"));
+    EXPECT_EQ(e.field(), "request.extra.n");
+    EXPECT_NE(std::string(e.what()).find("n must be 1"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(load(with_input("request: {extra: {n: 1}}\n")).request.extra["n"], 1);
+}
+
 TEST(NearestKey, SuggestsOnlyCloseKeys) {
   std::vector<std::string> keys = {"max_attempts", "base", "cap", "budget_ratio"};
   EXPECT_EQ(nearest_key("max_attemps", keys), "max_attempts");

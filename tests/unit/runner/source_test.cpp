@@ -217,6 +217,17 @@ TEST_F(SourceTest, BatchFormatIsDetectedAndMapped) {
   EXPECT_EQ(items[1].request.messages[0].content, "Hello");
 }
 
+TEST_F(SourceTest, BatchLineAskingForSeveralAnswersIsAnError) {
+  std::string in = write("batch.jsonl",
+                         R"({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}})"
+                         "\n"
+                         R"({"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": {"n": 2, "messages": [{"role": "user", "content": "hi"}]}})"
+                         "\n");
+  ConfigError e = open_error(job("input: " + in + "\n"));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.field(), "body.n");
+}
+
 TEST_F(SourceTest, DuplicateCustomIdNamesBothLines) {
   std::string body = R"("body": {"messages": [{"role": "user", "content": "x"}]})";
   std::string in = write("batch.jsonl", "{\"custom_id\": \"a\", " + body + "}\n{\"custom_id\": \"b\", " +

@@ -191,6 +191,9 @@ JobSpec load_job_file(const std::string& path, const std::vector<Override>& over
 JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
                       const std::vector<Override>& overrides, const EnvLookup& env);
 
+// Why a request's "n" must be 1 (job files and Batch-API lines).
+extern const char* const kOneAnswerPerItem;
+
 // The built-in short-story recipe (`batchlm synth` with no job file; same as jobs/stories.yaml).
 std::string_view builtin_stories_yaml();
 
