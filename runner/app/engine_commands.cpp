@@ -75,6 +75,8 @@ std::string read_prompt() {
 }
 
 int run_generate() {
+  if (!g.system.empty() && !g.chat)
+    throw std::runtime_error("--system needs --chat (a system message is part of the chat template)");
   const std::string text = read_prompt();
   std::shared_ptr<const Model> model = Model::load(g.model);
   Engine engine(model, EngineOptions{g.threads, g.context});

@@ -204,7 +204,8 @@ void Summary::add(const ItemResult& r) {
     ++failed_;
     attempts_ += r.attempts;
     std::string key = r.error_kind.empty() ? std::string("unknown") : r.error_kind;
-    if (r.http_status != 0) key += " " + std::to_string(r.http_status);
+    // The status says more only for HTTP errors; a stream cut short after a 200 is "truncated".
+    if (r.http_status != 0 && key == "http") key += " " + std::to_string(r.http_status);
     ++failures_[key];
     return;  // an infrastructure failure says nothing about the model: never scored
   }

@@ -290,6 +290,7 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
       {{"synth", "-c", "many"}, "batchlm: error: --concurrency: must be >= 1 (an integer), got 'many'\n"},
       {{"serve", "--port", "70000"}, "batchlm: error: --port: must be between 0 and 65535, got 70000\n"},
       {{"generate", "-p", "x", "--top-p", "1.5"}, "batchlm: error: --top-p: must be between 0 and 1, got 1.5\n"},
+      {{"generate", "-p", "x", "--system", "Be brief."}, "batchlm: error: --system needs --chat"},
   };
   for (const auto& [args, message] : numbers) {
     RunResult r = run_batchlm(dir.path, args);

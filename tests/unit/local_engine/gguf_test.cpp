@@ -1,5 +1,7 @@
 #include "batchlm/local_engine/gguf.hpp"
 
+#include <sys/stat.h>
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -448,6 +450,10 @@ TEST_F(GgufTest, TensorLookupNamesTheMissingTensorOrTheShapes) {
 TEST_F(GgufTest, RejectsMissingFilesAndDirectories) {
   EXPECT_NE(open_error(path("absent.gguf")).find("cannot open"), std::string::npos);
   EXPECT_NE(open_error(dir_).find("not a regular file"), std::string::npos);
+  // A named pipe with no writer would block open() forever: refused without opening it.
+  const std::string fifo = path("pipe.gguf");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_NE(open_error(fifo).find("not a regular file"), std::string::npos);
 }
 
 TEST_F(GgufTest, RejectsEmptyFileAndBadMagic) {

@@ -286,6 +286,12 @@ TEST(Summary, CountsSucceededFailedResumedAndNotRun) {
 TEST(Summary, GroupsFailuresByKindAndStatus) {
   const json j = known_summary().to_json(10.0, 20);
   EXPECT_EQ(j["failures"], (json{{"http 429", 2}, {"timeout", 1}}));
+  // The status names only HTTP errors: a stream cut short after its 200 is "truncated".
+  Summary s;
+  s.add(failure("truncated", 200, 2));
+  s.add(failure("stream_error", 200, 1));
+  s.add(failure("http", 500, 6));
+  EXPECT_EQ(s.to_json(1.0, 3)["failures"], (json{{"truncated", 1}, {"stream_error", 1}, {"http 500", 1}}));
 }
 
 TEST(Summary, AccuracyCountsScoredItemsOnly) {
