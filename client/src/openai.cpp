@@ -211,7 +211,7 @@ struct StreamState {
     if (done || error) return;
     if (event.type == "error") {
       Error e = make_error(ErrorKind::StreamError, truncated(event.data));
-      if (auto body = nlohmann::json::parse(event.data, nullptr, false); !body.is_discarded()) {
+      if (auto body = parse_answer_json(event.data); !body.is_discarded()) {
         fill_from_error_object(body.is_object() && body.contains("error") ? body["error"] : body, e);
       }
       error = std::move(e);
@@ -221,7 +221,7 @@ struct StreamState {
       done = true;
       return;
     }
-    auto chunk = nlohmann::json::parse(event.data, nullptr, false);
+    auto chunk = parse_answer_json(event.data);
     if (chunk.is_discarded() || !chunk.is_object()) {
       error = make_error(ErrorKind::Protocol, "malformed JSON in stream: " + truncated(event.data));
       return;
@@ -271,7 +271,98 @@ struct StreamState {
   }
 };
 
+// Invalid UTF-8 sequences replaced by U+FFFD (EF BF BD): what a decoder shows for them.
+std::string replace_invalid_utf8(std::string_view in) {
+  std::string out;
+  out.reserve(in.size());
+  std::size_t i = 0;
+  while (i < in.size()) {
+    const auto c = static_cast<unsigned char>(in[i]);
+    std::size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    bool ok = len > 0 && i + len <= in.size();
+    for (std::size_t k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(in[i + k]) & 0xC0) == 0x80;
+    if (ok && len > 1) {
+      // Overlong forms, surrogates and values past U+10FFFF are invalid too.
+      std::uint32_t cp = c & (0x7F >> len);
+      for (std::size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(in[i + k]) & 0x3F);
+      const std::uint32_t least[] = {0, 0, 0x80, 0x800, 0x10000};
+      ok = cp >= least[len] && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF);
+    }
+    if (ok) {
+      out.append(in.substr(i, len));
+      i += len;
+    } else {
+      out.append("\xEF\xBF\xBD");
+      ++i;
+    }
+  }
+  return out;
+}
+
+// \uD800-\uDBFF not followed by \uDC00-\uDFFF, and \uDC00-\uDFFF alone, inside JSON strings,
+// replaced by \uFFFD (escaped backslashes are left alone).
+std::string replace_lone_surrogates(std::string_view in) {
+  auto unit = [&](std::size_t at) -> int {  // the code unit of a \uXXXX at `at`, or -1
+    if (at + 6 > in.size() || in[at] != '\\' || in[at + 1] != 'u') return -1;
+    int v = 0;
+    for (std::size_t k = at + 2; k < at + 6; ++k) {
+      const char h = in[k];
+      const int d = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+      if (d < 0) return -1;
+      v = v * 16 + d;
+    }
+    return v;
+  };
+  std::string out;
+  out.reserve(in.size());
+  bool in_string = false;
+  for (std::size_t i = 0; i < in.size();) {
+    const char c = in[i];
+    if (!in_string) {
+      in_string = c == '"';
+      out.push_back(c);
+      ++i;
+      continue;
+    }
+    if (c == '"') {
+      in_string = false;
+      out.push_back(c);
+      ++i;
+      continue;
+    }
+    if (c != '\\' || i + 1 >= in.size()) {
+      out.push_back(c);
+      ++i;
+      continue;
+    }
+    const int u = unit(i);
+    if (u >= 0xD800 && u <= 0xDBFF) {
+      const int next = unit(i + 6);
+      if (next >= 0xDC00 && next <= 0xDFFF) {
+        out.append(in.substr(i, 12));
+        i += 12;
+      } else {
+        out.append("\\uFFFD");
+        i += 6;
+      }
+    } else if (u >= 0xDC00 && u <= 0xDFFF) {
+      out.append("\\uFFFD");
+      i += 6;
+    } else {
+      out.append(in.substr(i, 2));  // any other escape, \\ included, is kept whole
+      i += 2;
+    }
+  }
+  return out;
+}
+
 }  // namespace
+
+nlohmann::json parse_answer_json(std::string_view text) {
+  auto value = nlohmann::json::parse(text, nullptr, false);
+  if (!value.is_discarded()) return value;
+  return nlohmann::json::parse(replace_lone_surrogates(replace_invalid_utf8(text)), nullptr, false);
+}
 
 nlohmann::json to_openai_body(const Request& request) {
   nlohmann::json body = nlohmann::json::object();
@@ -356,7 +447,7 @@ std::string OpenAIBackend::describe() const { return "openai " + options_.base_u
 // `stream: true` sends instead of a stream.
 static Outcome completion_from_body(int status, const std::string& body_text, Timings timings,
                                     const TokenSink& sink) {
-  auto body = nlohmann::json::parse(body_text, nullptr, false);
+  auto body = parse_answer_json(body_text);
   if (body.is_discarded() || !body.is_object())
     return Outcome::failure(make_error(ErrorKind::Protocol, "malformed JSON body: " + truncated(body_text)), timings);
   if (auto e = body.find("error"); e != body.end() && !e->is_null()) {

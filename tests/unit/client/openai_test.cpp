@@ -167,4 +167,27 @@ TEST(HttpError, EmptyBodyNamesStatus) {
 }
 
 }  // namespace
+TEST(ParseAnswerJson, ValidJsonIsReadAsItIs) {
+  EXPECT_EQ(parse_answer_json(R"({"a": "\ud83d\ude00 ok", "b": "\\ud800"})"),
+            (nlohmann::json{{"a", "\xF0\x9F\x98\x80 ok"}, {"b", "\\ud800"}}));
+  EXPECT_TRUE(parse_answer_json("{\"a\": ").is_discarded());
+  EXPECT_TRUE(parse_answer_json("not json").is_discarded());
+}
+
+TEST(ParseAnswerJson, InvalidUtf8BytesBecomeReplacementCharacters) {
+  // A lone continuation byte, a cut-off sequence, an overlong form, an encoded surrogate.
+  const std::string text = "{\"content\": \"a\x80" "b\xE2\x82" "c\xC0\xAF" "d\xED\xA0\x80" "e\"}";
+  const nlohmann::json j = parse_answer_json(text);
+  ASSERT_FALSE(j.is_discarded());
+  const std::string r = "\xEF\xBF\xBD";
+  EXPECT_EQ(j["content"], "a" + r + "b" + r + r + "c" + r + r + "d" + r + r + r + "e");
+}
+
+TEST(ParseAnswerJson, UnpairedSurrogateEscapesBecomeReplacementCharacters) {
+  const nlohmann::json j = parse_answer_json(R"({"content": "x\ud83d y \ude00 z \ud83d\ude00", "k\udc00": 1})");
+  ASSERT_FALSE(j.is_discarded());
+  EXPECT_EQ(j["content"], "x\xEF\xBF\xBD y \xEF\xBF\xBD z \xF0\x9F\x98\x80");
+  EXPECT_TRUE(j.contains("k\xEF\xBF\xBD"));
+}
+
 }  // namespace batchlm::client

@@ -29,6 +29,12 @@ struct OpenAIOptions {
 // with stream: true and stream_options.include_usage when streaming).
 nlohmann::json to_openai_body(const Request& request);
 
+// JSON from a server's answer. Text that is JSON but for invalid UTF-8 bytes or unpaired
+// surrogate escapes ("\ud83d" alone) is read with U+FFFD in their place, as a decoder would
+// show it, rather than failing the item; anything else that is not JSON is discarded
+// (is_discarded()).
+nlohmann::json parse_answer_json(std::string_view text);
+
 // Server hints from response headers: `retry-after-ms` (milliseconds, wins), else
 // `Retry-After` as seconds or as an HTTP date (relative to `now`). Negative values are zero.
 std::optional<std::chrono::milliseconds> parse_retry_after(
