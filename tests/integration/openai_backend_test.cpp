@@ -272,32 +272,22 @@ TEST_F(OpenAIBackendTest, StalledStreamIsIdleTimeout) {
   EXPECT_NE(e.message.find("idle"), std::string::npos) << e.message;
 }
 
-TEST_F(OpenAIBackendTest, StreamLongerThanTheFirstByteDeadlineSucceeds) {
-  // The first-byte deadline ends with the first byte: a steady stream may run past it.
-  FakeOpenAIOptions slow = small_answers();
-  slow.token_delay_ms = 60;
-  FakeOpenAIServer server(slow);
-  auto options = backend_options(server);
-  options.timeouts.first_byte = 200ms;
-  options.timeouts.idle = 2'000ms;
-  auto result = complete(options, chat_request("item"));
-  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
-  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
-}
-
-TEST_F(OpenAIBackendTest, StreamLongerThanTheIdleTimeoutSucceedsWhileDataKeepsComing) {
-  // The idle deadline counts from the last data, not the first: a stream that sends a chunk
-  // every 100 ms may run many times longer than a 250 ms idle timeout.
+// A steady stream (a chunk every 100 ms, 8 chunks) runs past both deadlines: the first-byte one
+// ends with the first byte, and the idle one counts from the last data, not the first.
+TEST_F(OpenAIBackendTest, StreamLongerThanItsDeadlinesSucceedsWhileDataKeepsComing) {
   FakeOpenAIOptions steady = small_answers();
   steady.token_delay_ms = 100;
   FakeOpenAIServer server(steady);
-  auto options = backend_options(server);
-  options.timeouts.idle = 250ms;
-  const auto start = std::chrono::steady_clock::now();
-  auto result = complete(options, chat_request("item"));
-  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
-  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
-  EXPECT_GT(std::chrono::steady_clock::now() - start, 600ms) << "the stream was too short to test anything";
+  for (const auto& [first_byte, idle] : {std::pair{200ms, 2'000ms}, std::pair{60'000ms, 250ms}}) {
+    auto options = backend_options(server);
+    options.timeouts.first_byte = first_byte;
+    options.timeouts.idle = idle;
+    const auto start = std::chrono::steady_clock::now();
+    auto result = complete(options, chat_request("item"));
+    ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+    EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+    EXPECT_GT(std::chrono::steady_clock::now() - start, 600ms) << "the stream was too short to test anything";
+  }
 }
 
 TEST_F(OpenAIBackendTest, SlowFirstByteIsFirstByteTimeout) {
