@@ -185,10 +185,10 @@ class Dispatcher {
     std::_Exit(kExitInterrupted);
   }
 
-  void begin_stop(const char* why) {
+  void begin_stop(const char* why, bool interrupted = true) {
     if (stopping_) return;
     stopping_ = true;
-    interrupted_ = true;
+    interrupted_ = interrupted;
     std::fprintf(options_.progress_out,
                  "\nbatchlm: %s: no new items; waiting up to %.0fs for %lld in flight "
                  "(Ctrl-C again to exit now)\n",
@@ -402,6 +402,28 @@ class Dispatcher {
     ++counters_.done;
     summary_.add(result);
     writer_->append(record);
+    watch_refusals(run.outcome);
+  }
+
+  // An API that refuses this client (a wrong key, no quota, no access) refuses every item: after
+  // kRefusalsToStop refusals in a row with no success between, no new item is sent. What was
+  // not sent is left for the next run, after the cause is fixed.
+  static constexpr int kRefusalsToStop = 10;
+  void watch_refusals(const Outcome& outcome) {
+    if (outcome.ok()) {
+      refusals_in_a_row_ = 0;
+      return;
+    }
+    const Error& e = *outcome.error;
+    const bool refusal = (e.kind == ErrorKind::Http && (e.http_status == 401 || e.http_status == 403)) ||
+                         e.code == "insufficient_quota" || e.code == "invalid_api_key";
+    if (!refusal) return;
+    if (++refusals_in_a_row_ < kRefusalsToStop || stopping_) return;
+    refused_ = "HTTP " + std::to_string(e.http_status) + (e.code.empty() ? "" : " " + e.code) + ": " +
+               e.message.substr(0, 200);
+    begin_stop(("the API refused the last " + std::to_string(kRefusalsToStop) + " requests (" + *refused_ +
+                ")").c_str(),
+               false);
   }
 
   asio::awaitable<void> tick() {
@@ -495,6 +517,12 @@ class Dispatcher {
       std::fprintf(options_.progress_out,
                    "interrupted: %lld items not finished; run the same command again to resume\n",
                    static_cast<long long>(r.unfinished));
+    } else if (refused_) {
+      r.exit_code = kExitSomeFailed;
+      std::fprintf(options_.progress_out,
+                   "stopped: the API refuses this client (%s); %lld items were not sent. Fix the key, "
+                   "quota or access, then run the same command again\n",
+                   refused_->c_str(), static_cast<long long>(r.unfinished));
     } else {
       r.exit_code = r.failed > 0 || r.unfinished > 0 ? kExitSomeFailed : kExitOk;
     }
@@ -525,6 +553,8 @@ class Dispatcher {
   std::exception_ptr producer_error_;
   Clock::time_point start_;
   bool stopping_ = false, interrupted_ = false;
+  int refusals_in_a_row_ = 0;
+  std::optional<std::string> refused_;  // why the run stopped sending: the API refuses it
   int interrupts_ = 0;
 };
 

@@ -155,6 +155,34 @@ TEST(BatchlmRun, RecordsPermanentFailuresAndRetriesThemOnRerun) {
   }
 }
 
+// An API that refuses the client (a wrong key) refuses every item: after ten refusals in a row
+// the run sends nothing more, says why, and leaves the rest for the run after the fix.
+TEST(BatchlmRun, StopsSendingWhenTheApiRefusesEveryRequest) {
+  TempDir dir;
+  {
+    FakeServer refusing(dir.path, {"--gsm8k", gsm8k_test_file(), "--fault-rate", "1", "--faults",
+                                   "status=401;code=invalid_api_key;message=Incorrect API key provided"});
+    write_file(dir.path / "job.yaml", gsm8k_job({.base_url = refusing.base_url(), .limit = 200, .concurrency = 4}));
+    RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_NE(r.err.find("the API refused the last 10 requests (HTTP 401 invalid_api_key: Incorrect API key"),
+              std::string::npos)
+        << r.err;
+    EXPECT_NE(r.err.find("items were not sent"), std::string::npos) << r.err;
+    const long long sent = refusing.stats()["requests"].get<long long>();
+    EXPECT_GE(sent, 10);
+    EXPECT_LE(sent, 10 + 4);
+    EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), static_cast<std::size_t>(sent));
+    const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+    EXPECT_EQ(summary["counts"]["not_run"].get<long long>(), 200 - sent) << summary.dump(2);
+  }
+  FakeServer answering(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = answering.base_url(), .limit = 200, .concurrency = 4}));
+  RunResult again = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 200);
+}
+
 TEST(BatchlmRun, SigintFinishesInFlightItemsAndExits130) {
   TempDir dir;
   FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "10"});
