@@ -57,6 +57,17 @@ json select_input(const json& input, const std::vector<std::string>& fields) {
   return out;
 }
 
+// Whether a record's input is the item's: the fields the record kept (output.input_fields may
+// have picked some, then or now) have the same values.
+bool same_input(const json& recorded, const json& input) {
+  if (!recorded.is_object() || !input.is_object()) return recorded == input;
+  for (const auto& [key, value] : recorded.items()) {
+    const auto it = input.find(key);
+    if (it == input.end() || *it != value) return false;
+  }
+  return true;
+}
+
 // What the summary needs from a record already in the output (resumed from an earlier run).
 ItemResult item_result_from_record(const json& record) {
   ItemResult r;
@@ -108,7 +119,9 @@ class Dispatcher {
     writer_ = std::make_unique<OutputWriter>(
         OutputWriter::Options{job_.output.path, job_.output.flush_every, job_.output.flush_interval,
                               options_.fresh},
-        [this](const json& record) { kept_.emplace(record["id"].dump(), item_result_from_record(record)); });
+        [this](const json& record) {
+          kept_.emplace(record["id"].dump(), Kept{item_result_from_record(record), record.value("input", json())});
+        });
     const ResumeInfo& resume = writer_->resume_info();
     counters_.total = source_.total();
     // Earlier records count when their item comes up among this run's (produce_items): a
@@ -229,9 +242,11 @@ class Dispatcher {
       if (!item) break;
       if (done.contains(item->id_key)) {
         if (const auto kept = kept_.find(item->id_key); kept != kept_.end()) {
-          summary_.add(kept->second);
+          summary_.add(kept->second.result);
           ++counters_.resumed;
           ++resumed_in_scope_;
+          if (!same_input(kept->second.input, item->input) && changed_inputs_++ == 0)
+            first_changed_id_ = item->id.dump();
         }
         continue;
       }
@@ -482,6 +497,13 @@ class Dispatcher {
     const std::optional<std::string> summary_error = write_summary(summary);
     if (!summary_error) r.summary_path = summary_path();
     std::fputs(summary_.to_text(wall, counters_.total).c_str(), options_.progress_out);
+    if (changed_inputs_ > 0) {
+      std::fprintf(options_.progress_out,
+                   "note: %lld earlier records were made from other inputs than this job gives their ids "
+                   "now (the first: id %s): the input, the seed or the variables changed since. They were "
+                   "kept; --fresh redoes every item\n",
+                   static_cast<long long>(changed_inputs_), first_changed_id_.c_str());
+    }
     const auto outside = static_cast<std::int64_t>(kept_.size()) - resumed_in_scope_;
     if (!interrupted_ && outside > 0) {
       std::fprintf(options_.progress_out,
@@ -545,7 +567,13 @@ class Dispatcher {
   ProgressCounters counters_;
   std::unique_ptr<OutputWriter> writer_;
   // The records the output already held, by id, and how many of them were this run's items.
-  std::unordered_map<std::string, ItemResult> kept_;
+  struct Kept {
+    ItemResult result;
+    json input;  // as the record holds it (output.input_fields may have picked some fields)
+  };
+  std::unordered_map<std::string, Kept> kept_;
+  std::int64_t changed_inputs_ = 0;  // kept records whose input is not the item's now
+  std::string first_changed_id_;
   std::int64_t resumed_in_scope_ = 0;
   std::list<LiveItem> items_;
   asio::cancellation_signal producer_cancel_;

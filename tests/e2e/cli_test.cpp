@@ -300,6 +300,28 @@ TEST(BatchlmSynth, BuiltInRecipeWritesTheRequestedCount) {
   EXPECT_GT(prompts.size(), 20u);  // variables drawn per item
 }
 
+// Resuming with another seed would mix two draws in one dataset: the run says so. The same
+// seed resumes quietly.
+TEST(BatchlmSynth, ResumeNamesRecordsDrawnFromOtherInputs) {
+  TempDir dir;
+  FakeServer server(dir.path);
+  const std::vector<std::string> base = {"synth", "--count", "10", "-o", "s.jsonl", "--base-url", server.base_url()};
+  ASSERT_EQ(run_batchlm(dir.path, base).exit_code, 0);
+  std::vector<std::string> same = base;
+  same[2] = "12";
+  RunResult r = run_batchlm(dir.path, same);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.find("other inputs"), std::string::npos) << r.err;
+  std::vector<std::string> reseeded = base;
+  reseeded[2] = "14";
+  reseeded.insert(reseeded.end(), {"--set", "synth.seed=7"});
+  r = run_batchlm(dir.path, reseeded);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // (An item may draw the same words under both seeds, so the count is not checked.)
+  EXPECT_NE(r.err.find("earlier records were made from other inputs"), std::string::npos) << r.err;
+  EXPECT_EQ(read_jsonl(dir.path / "s.jsonl").size(), 14u);
+}
+
 TEST(BatchlmCli, HelpVersionAndUsageErrors) {
   TempDir dir;
   RunResult help = run_batchlm(dir.path, {"--help"});
