@@ -81,14 +81,14 @@ std::vector<Override> collect_overrides(const JobOptions& o) {
   std::vector<Override> out;
   // Explicit flags are overrides like any other, validated the same way; --set comes last
   // so it wins.
-  if (o.concurrency) out.push_back({"concurrency", std::to_string(*o.concurrency)});
-  if (o.limit) out.push_back({"limit", std::to_string(*o.limit)});
-  if (o.count) out.push_back({"synth.count", std::to_string(*o.count)});
+  if (o.concurrency) out.push_back({"concurrency", std::to_string(*o.concurrency), false, "--concurrency"});
+  if (o.limit) out.push_back({"limit", std::to_string(*o.limit), false, "--limit"});
+  if (o.count) out.push_back({"synth.count", std::to_string(*o.count), false, "--count"});
   // Paths, names and URLs are taken as typed (not as YAML: `-o 2024` is a file name).
-  if (o.output) out.push_back({"output.path", *o.output, true});
-  if (o.backend) out.push_back({"backend.type", *o.backend, true});
-  if (o.model) out.push_back({"backend.model", *o.model, true});
-  if (o.base_url) out.push_back({"backend.base_url", *o.base_url, true});
+  if (o.output) out.push_back({"output.path", *o.output, true, "--output"});
+  if (o.backend) out.push_back({"backend.type", *o.backend, true, "--backend"});
+  if (o.model) out.push_back({"backend.model", *o.model, true, "--model"});
+  if (o.base_url) out.push_back({"backend.base_url", *o.base_url, true, "--base-url"});
   for (const auto& s : o.sets) out.push_back(parse_override(s));
   return out;
 }

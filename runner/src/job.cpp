@@ -366,21 +366,25 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
 // Reads typed values out of the tree; every failure names file, line, column and field.
 class Reader {
  public:
-  Reader(std::string file, std::vector<std::string> override_paths)
-      : file_(std::move(file)), override_paths_(std::move(override_paths)) {}
+  // overrides: the overridden paths with the flag each came from ("--set", "--count"), in the
+  // order they were applied.
+  Reader(std::string file, std::vector<std::pair<std::string, std::string>> overrides)
+      : file_(std::move(file)), override_paths_(std::move(overrides)) {}
 
   const std::string& file() const { return file_; }
 
   [[noreturn]] void fail(const YAML::Node& at, const std::string& field,
                          const std::string& message) const {
-    for (const std::string& o : override_paths_) {
+    // The last override of a field is the one that set it.
+    for (auto it = override_paths_.rbegin(); it != override_paths_.rend(); ++it) {
+      const std::string& o = it->first;
       bool covers = field == o || field.rfind(o + ".", 0) == 0 || field.rfind(o + "[", 0) == 0;
       // A leading index path like request.messages[0] matches the override request.messages.0.
       std::string dotted = field;
       std::replace(dotted.begin(), dotted.end(), '[', '.');
       dotted.erase(std::remove(dotted.begin(), dotted.end(), ']'), dotted.end());
       covers = covers || dotted == o || dotted.rfind(o + ".", 0) == 0;
-      if (covers) throw ConfigError("--set", 0, 0, field, message);
+      if (covers) throw ConfigError(it->second, 0, 0, field, message);
     }
     int line = 0, column = 0;
     if (at.IsDefined() && !at.Mark().is_null()) {
@@ -533,7 +537,7 @@ class Reader {
   }
 
   std::string file_;
-  std::vector<std::string> override_paths_;
+  std::vector<std::pair<std::string, std::string>> override_paths_;
 };
 
 std::string file_stem(const std::string& label) {
@@ -975,10 +979,10 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
     throw ConfigError(file_label, 0, 0, "", "invalid YAML: " + e.msg);
   }
   expand_tree(root, "", file_label, env);
-  std::vector<std::string> override_paths;
+  std::vector<std::pair<std::string, std::string>> override_paths;
   for (const Override& o : overrides) {
     apply_override(root, o, env);
-    override_paths.push_back(o.path);
+    override_paths.emplace_back(o.path, o.flag.empty() ? std::string("--set") : o.flag);
   }
   Reader reader(file_label, std::move(override_paths));
   return validate(root, reader, env);

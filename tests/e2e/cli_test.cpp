@@ -341,6 +341,9 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
       {{"serve", "--port", "70000"}, "batchlm: error: --port: must be between 0 and 65535, got 70000\n"},
       {{"generate", "-p", "x", "--top-p", "1.5"}, "batchlm: error: --top-p: must be between 0 and 1, got 1.5\n"},
       {{"generate", "-p", "x", "--system", "Be brief."}, "batchlm: error: --system needs --chat"},
+      // A flag's value that the job refuses is blamed on the flag, not on --set.
+      {{"synth", "--count", "3", "--set", "input=" + gsm8k_test_file(), "--set", "request={max_tokens: 5}"},
+       "batchlm: error: --count: synth.count: not used by a job with an input"},
   };
   for (const auto& [args, message] : numbers) {
     RunResult r = run_batchlm(dir.path, args);

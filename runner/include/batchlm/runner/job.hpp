@@ -177,6 +177,7 @@ struct Override {
   std::string path;
   std::string value;
   bool literal = false;
+  std::string flag;  // the command-line flag it came from, for errors; empty: --set
 };
 Override parse_override(std::string_view text);
 // "1073741824", "512MiB", "2GiB", "1.5GB", "64k": bytes (binary suffixes K/M/G/T, KiB..., and
