@@ -593,7 +593,7 @@ RunResult run_job(const JobSpec& job, Source& source, Backend& backend, asio::io
 }
 
 void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
-  std::int64_t items = 0, prompt_tokens = 0, max_output_tokens = 0;
+  std::int64_t items = 0, prompt_tokens = 0, max_output_tokens = 0, unbounded = 0;
   const bool local = job.backend.type == "local";
   const std::string target = local ? job.backend.model : job.backend.base_url;
   while (std::optional<Item> item = source.next()) {
@@ -607,16 +607,24 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
     }
     ++items;
     prompt_tokens += item->estimated_prompt_tokens;
-    max_output_tokens += item->request.max_tokens.value_or(0);
+    if (item->request.max_tokens) {
+      max_output_tokens += *item->request.max_tokens;
+    } else {
+      ++unbounded;
+    }
   }
+  // Without max_tokens an answer runs to the model's end of turn or its context: no bound.
+  const std::string output_bound =
+      unbounded > 0 ? std::to_string(unbounded) + " items without max_tokens, so no bound"
+                    : "at most " + std::to_string(max_output_tokens);
   std::fprintf(out,
                "--- dry run: job '%s' is valid; %lld items to %s (%s), concurrency %d\n"
-               "estimated prompt tokens: %lld (about %lld per item); output tokens at most %lld\n"
+               "estimated prompt tokens: %lld (about %lld per item); output tokens: %s\n"
                "output: %s\nnothing was sent.\n",
                job.name.c_str(), static_cast<long long>(items), target.c_str(),
                job.backend.type.c_str(), job.concurrency, static_cast<long long>(prompt_tokens),
-               static_cast<long long>(items > 0 ? prompt_tokens / items : 0),
-               static_cast<long long>(max_output_tokens), job.output.path.c_str());
+               static_cast<long long>(items > 0 ? prompt_tokens / items : 0), output_bound.c_str(),
+               job.output.path.c_str());
 }
 
 }  // namespace batchlm::runner

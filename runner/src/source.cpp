@@ -261,7 +261,10 @@ Item jsonl_item(const JobSpec& job, json fields, std::int64_t line,
     // No template: the line carries its own conversation, or a bare prompt.
     if (fields.contains("messages")) {
       request.messages = parse_messages(fields["messages"], file, line, "messages");
-    } else if (fields.contains("prompt") && fields["prompt"].is_string()) {
+    } else if (fields.contains("prompt")) {
+      if (!fields["prompt"].is_string())
+        throw ConfigError(file, static_cast<int>(line), 0, "prompt",
+                          std::string("expected a string, got ") + fields["prompt"].type_name());
       request.messages.push_back({"user", fields["prompt"].get<std::string>()});
     } else {
       throw ConfigError(file, static_cast<int>(line), 0, "prompt",

@@ -242,6 +242,11 @@ TEST(BatchlmRun, DryRunValidatesAndSendsNothing) {
   EXPECT_NE(r.out.find("Janet"), std::string::npos) << r.out;  // the first test question
   EXPECT_EQ(server.stats()["requests"].get<long long>(), 0);
   EXPECT_FALSE(fs::exists(dir.path / "out/e2e.jsonl"));
+  EXPECT_NE(r.out.find("output tokens: at most 320\n"), std::string::npos) << r.out;  // 5 x 64
+  // Without max_tokens there is no bound to tell.
+  r = run_batchlm(dir.path, {"run", "job.yaml", "--dry-run", "--set", "request.max_tokens=null"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("output tokens: 5 items without max_tokens, so no bound"), std::string::npos) << r.out;
 }
 
 // A dry run on the embedded engine checks the model file as far as its header and tensor

@@ -183,6 +183,14 @@ TEST_F(SourceTest, ScoredJobNeedsTheReferenceFieldOnEveryLine) {
   EXPECT_NO_THROW(open_source(job("input: " + nulls + "\nscoring: gsm8k" + kQuestionTemplate)));
 }
 
+TEST_F(SourceTest, PromptThatIsNotAStringNamesItsType) {
+  std::string in = write("in.jsonl", "{\"prompt\": \"hi\"}\n{\"prompt\": 5}\n");
+  ConfigError e = open_error(job("input: " + in + "\n"));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.field(), "prompt");
+  EXPECT_EQ(e.message(), "expected a string, got number");
+}
+
 TEST_F(SourceTest, LineThatIsNotAnObjectIsAnError) {
   std::string in = write("in.jsonl", "{\"question\": \"a\"}\n[1, 2]\n");
   ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
