@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 
@@ -57,6 +58,18 @@ inline CLI::Validator between(double min, double max, bool integer = true) {
   return CLI::Validator(
       [=](std::string& text) { return detail::check_number(text, min, max, integer); },
       (integer ? "INT in " : "NUMBER in ") + detail::show(min) + ".." + detail::show(max));
+}
+
+// Compute threads for the engine: more than the machine's hardware threads only makes the
+// kernel threads, which spin between the steps of a forward pass, take turns on the cores
+// (many times slower), so a larger request is lowered, with a note. 0 stays 0 (one per
+// hardware thread).
+inline int usable_threads(int requested) {
+  const int hardware = static_cast<int>(std::thread::hardware_concurrency());
+  if (requested <= hardware || hardware <= 0) return requested;
+  std::fprintf(stderr, "batchlm: note: %d compute threads asked for, but this machine runs %d at once; using %d\n",
+               requested, hardware, hardware);
+  return hardware;
 }
 
 }  // namespace batchlm::app

@@ -79,7 +79,7 @@ int run_generate() {
     throw std::runtime_error("--system needs --chat (a system message is part of the chat template)");
   const std::string text = read_prompt();
   std::shared_ptr<const Model> model = Model::load(g.model);
-  Engine engine(model, EngineOptions{g.threads, g.context});
+  Engine engine(model, EngineOptions{app::usable_threads(g.threads), g.context});
   std::vector<Token> prompt;
   if (g.chat) {
     std::vector<ChatMessage> messages;

@@ -111,7 +111,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
     require_model_file(job);
     local_engine::LocalBackendOptions options;
     options.model = job.backend.model;
-    options.threads = job.backend.threads;
+    options.threads = app::usable_threads(job.backend.threads);
     options.device = local_engine::parse_device(job.backend.device).value_or(local_engine::Device::kAuto);
     options.context = job.backend.context;
     options.max_sequences = job.backend.max_sequences;

@@ -139,7 +139,7 @@ int run_serve_command() {
   }
   local_engine::LocalBackendOptions engine;
   engine.model = s.model;
-  engine.threads = s.threads;
+  engine.threads = app::usable_threads(s.threads);
   engine.device = local_engine::parse_device(s.device).value_or(local_engine::Device::kAuto);
   engine.context = s.context;
   engine.max_sequences = s.max_sequences;

@@ -8,6 +8,8 @@
 #include <set>
 
 #include "gguf_writer.hpp"
+#include <thread>
+
 #include "harness.hpp"
 
 namespace batchlm::e2e {
@@ -80,6 +82,15 @@ TEST_F(EngineCli, GenerateIsReproducible) {
   ASSERT_EQ(first.exit_code, 0) << first.err;
   ASSERT_EQ(second.exit_code, 0) << second.err;
   EXPECT_EQ(first.out, second.out);
+  // More threads than the machine runs at once are lowered to what it runs, with a note: the
+  // same tokens.
+  const int hardware = static_cast<int>(std::thread::hardware_concurrency());
+  std::vector<std::string> crowded = greedy;
+  crowded.insert(crowded.end(), {"-t", std::to_string(hardware + 3)});
+  RunResult many = generate(crowded);
+  ASSERT_EQ(many.exit_code, 0) << many.err;
+  EXPECT_EQ(many.out, first.out);
+  EXPECT_NE(many.err.find(std::to_string(hardware + 3) + " compute threads asked for"), std::string::npos) << many.err;
 
   // Sampling with a seed is reproducible too, and the seed matters.
   auto sampled = [&](const std::string& seed) {
