@@ -210,7 +210,14 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
-    std::fprintf(stderr, "batchlm: error: %s\nRun with --help for more information.\n", e.what());
+    std::string message = e.what();
+    // A first word that is no command reads better named than as "a subcommand is required".
+    if (argc > 1 && argv[1][0] != '-' && app.get_subcommands().empty()) {
+      std::string commands;
+      for (const CLI::App* sub : app.get_subcommands({})) commands += (commands.empty() ? "" : ", ") + sub->get_name();
+      message = "unknown command '" + std::string(argv[1]) + "' (commands: " + commands + ")";
+    }
+    std::fprintf(stderr, "batchlm: error: %s\nRun with --help for more information.\n", message.c_str());
     return kExitUsage;
   }
 

@@ -339,6 +339,8 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
   EXPECT_EQ(bad.exit_code, 2);
   RunResult unknown = run_batchlm(dir.path, {"frobnicate"});
   EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_EQ(unknown.err.rfind("batchlm: error: unknown command 'frobnicate' (commands: run, synth, generate, inspect, serve)", 0), 0u)
+      << unknown.err;
   // Numeric flags say what they take, in the job file's words.
   const std::vector<std::pair<std::vector<std::string>, std::string>> numbers = {
       {{"synth", "--count", "0"}, "batchlm: error: --count: must be >= 1, got 0\n"},
