@@ -202,11 +202,9 @@ class Dispatcher {
     if (stopping_) return;
     stopping_ = true;
     interrupted_ = interrupted;
-    std::fprintf(options_.progress_out,
-                 "\nbatchlm: %s: no new items; waiting up to %.0fs for %lld in flight "
-                 "(Ctrl-C again to exit now)\n",
+    std::fprintf(options_.progress_out, "\nbatchlm: %s: no new items; waiting up to %.0fs for %lld in flight%s\n",
                  why, std::chrono::duration<double>(job_.grace_period).count(),
-                 static_cast<long long>(counters_.in_flight));
+                 static_cast<long long>(counters_.in_flight), interrupted ? " (Ctrl-C again to exit now)" : "");
     // Items not inside an attempt (waiting for a slot, a rate limit or a backoff) stop now.
     for (auto& item : items_)
       if (!item.in_attempt) item.cancel.emit(asio::cancellation_type::terminal);
