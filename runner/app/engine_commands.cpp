@@ -80,6 +80,9 @@ int run_generate() {
   const std::string text = read_prompt();
   std::shared_ptr<const Model> model = Model::load(g.model);
   Engine engine(model, EngineOptions{app::usable_threads(g.threads), g.context});
+  if (g.context > engine.context())
+    std::fprintf(stderr, "batchlm: note: --context %lld is beyond what the model was trained on; using %lld\n",
+                 static_cast<long long>(g.context), static_cast<long long>(engine.context()));
   std::vector<Token> prompt;
   if (g.chat) {
     std::vector<ChatMessage> messages;
@@ -114,7 +117,9 @@ int run_generate() {
         {"decode_steps", s.decode_steps},
         {"generate_ms", s.generate_ms},
         {"prompt_tok_s", s.prompt_ms > 0 ? s.prompt_tokens * 1000.0 / s.prompt_ms : 0.0},
-        {"generate_tok_s", s.generate_ms > 0 ? s.decode_steps * 1000.0 / s.generate_ms : 0.0},
+        // No rate without a decode step (one token comes with the prompt): null, not 0.
+        {"generate_tok_s", s.decode_steps > 0 && s.generate_ms > 0 ? nlohmann::json(s.decode_steps * 1000.0 / s.generate_ms)
+                                                                  : nlohmann::json(nullptr)},
         {"finish_reason", r.finish_reason},
         {"threads", engine.threads()},
         {"simd", kernels::cpu_simd_name()},

@@ -67,6 +67,19 @@ TEST_F(EngineCli, GenerateGreedyPrintsTextAndTimings) {
   EXPECT_GT((*timings)["prompt_tokens"].get<long long>(), 0) << timings->dump();
   EXPECT_GE((*timings)["generate_ms"].get<double>(), 0.0) << timings->dump();
   EXPECT_TRUE((*timings)["simd"].is_string()) << timings->dump();
+  EXPECT_GT((*timings)["generate_tok_s"].get<double>(), 0.0) << timings->dump();
+
+  // One token comes with the prompt: no decode step, so no generation rate to report.
+  RunResult one = generate({"-p", "Hello", "-n", "1", "--temperature", "0", "--timings"});
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  const std::optional<json> one_timings = last_json_line(one.err);
+  ASSERT_TRUE(one_timings) << one.err;
+  EXPECT_TRUE((*one_timings)["generate_tok_s"].is_null()) << one_timings->dump();
+
+  // A context beyond the model's training is lowered to it, with a note.
+  RunResult wide = generate({"-p", "Hello", "-n", "2", "--temperature", "0", "--context", "100000000"});
+  ASSERT_EQ(wide.exit_code, 0) << wide.err;
+  EXPECT_NE(wide.err.find("--context 100000000 is beyond what the model was trained on"), std::string::npos) << wide.err;
 
   // Without --timings, no JSON on stderr.
   RunResult quiet = generate({"-p", "Hello", "-n", "8", "--temperature", "0", "--ignore-eos"});
