@@ -297,12 +297,17 @@ class Dispatcher {
         if (stopping_) co_return;
       }
     } catch (const boost::system::system_error& e) {
-      if (e.code() == asio::error::operation_aborted) co_return;  // stopped; a rerun redoes it
-      run.outcome = Outcome::failure(Error{ErrorKind::Internal, 0, "", e.what()});
+      if (e.code() != asio::error::operation_aborted)
+        run.outcome = Outcome::failure(Error{ErrorKind::Internal, 0, "", e.what()});
+      else
+        run.cancelled = true;  // stopped; a rerun redoes it
     } catch (const std::exception& e) {
       run.outcome = Outcome::failure(Error{ErrorKind::Internal, 0, "", e.what()});
     }
-    if (run.cancelled) co_return;
+    if (run.cancelled) {
+      summary_.add_unfinished_attempts(run.attempts);
+      co_return;
+    }
     record(item, run, spawned);
   }
 

@@ -237,6 +237,12 @@ void Summary::add(const ItemResult& r) {
   total_.push_back(r.total_ms);
 }
 
+void Summary::add_unfinished_attempts(int attempts) {
+  if (attempts <= 0) return;
+  ++unfinished_items_;
+  unfinished_attempts_ += attempts;
+}
+
 namespace {
 
 nlohmann::json percentiles_json(const std::vector<double>& values) {
@@ -277,7 +283,10 @@ nlohmann::json Summary::to_json(double wall_seconds, std::int64_t total_items) c
   j["throughput"] = {
       {"requests_per_second", seconds > 0 ? static_cast<double>(this_run) / seconds : 0.0},
       {"output_tokens_per_second", seconds > 0 ? static_cast<double>(completion_tokens_) / seconds : 0.0}};
-  j["attempts"] = {{"total", attempts_}, {"retries", std::max<std::int64_t>(0, attempts_ - this_run)}};
+  // Every request this run sent, those of items it did not finish included.
+  const std::int64_t attempts = attempts_ + unfinished_attempts_;
+  j["attempts"] = {{"total", attempts},
+                   {"retries", std::max<std::int64_t>(0, attempts - this_run - unfinished_items_)}};
   return j;
 }
 

@@ -183,6 +183,24 @@ TEST(BatchlmRun, StopsSendingWhenTheApiRefusesEveryRequest) {
   expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 200);
 }
 
+// Items stopped while they wait out a Retry-After have sent requests: the summary counts them.
+TEST(BatchlmRun, InterruptedRunCountsTheRequestsOfItemsItDidNotFinish) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--fault-rate", "1", "--faults", "status=429;retry_after=600"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 5, .concurrency = 5}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (std::chrono::steady_clock::now() < deadline && server.stats()["requests"].get<long long>() < 5)
+    std::this_thread::sleep_for(10ms);
+  std::this_thread::sleep_for(100ms);
+  p.signal(SIGINT);
+  ASSERT_EQ(p.wait(20s), 130) << read_file(dir.path / "run.err");
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_EQ(summary["attempts"], (json{{"total", 5}, {"retries", 0}})) << summary.dump(2);
+  EXPECT_EQ(summary["counts"]["not_run"], 5) << summary.dump(2);
+}
+
 TEST(BatchlmRun, SigintFinishesInFlightItemsAndExits130) {
   TempDir dir;
   FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "10"});

@@ -320,6 +320,13 @@ TEST(Summary, TokensThroughputAndAttemptsDescribeThisRun) {
   EXPECT_DOUBLE_EQ(j["throughput"]["output_tokens_per_second"].get<double>(), 20.0);
   EXPECT_EQ(j["attempts"]["total"], 25);  // 10 + 6 + 6 + 3
   EXPECT_EQ(j["attempts"]["retries"], 12);
+  // Requests sent for items the run did not finish count as attempts, their first ones not as
+  // retries.
+  Summary stopped = known_summary();
+  stopped.add_unfinished_attempts(3);
+  stopped.add_unfinished_attempts(1);
+  stopped.add_unfinished_attempts(0);  // never sent: nothing
+  EXPECT_EQ(stopped.to_json(10.0, 20)["attempts"], (json{{"total", 29}, {"retries", 14}}));
   // The output's records, the two resumed ones included.
   EXPECT_EQ(j["tokens_in_output"], (json{{"prompt", 1200}, {"completion", 240}}));
 }

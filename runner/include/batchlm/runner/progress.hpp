@@ -69,6 +69,9 @@ struct ItemResult {
 class Summary {
  public:
   void add(const ItemResult& r);
+  // The attempts of an item this run sent but did not finish (stopped by Ctrl-C or a refusal
+  // stop): requests were made, but there is no record to count them by.
+  void add_unfinished_attempts(int attempts);
   // Accuracy per metric over scored items only; failures by kind ("http 429": n, "timeout": n);
   // p50/p90/p99 of ttft, tpot, end-to-end over this run's successes; tokens; throughput over
   // wall_seconds; counts (total, succeeded, failed, resumed, interrupted-unfinished).
@@ -82,6 +85,7 @@ class Summary {
   std::int64_t succeeded_ = 0, failed_ = 0, resumed_ = 0;
   std::int64_t resumed_prompt_tokens_ = 0, resumed_completion_tokens_ = 0;
   std::int64_t prompt_tokens_ = 0, completion_tokens_ = 0, attempts_ = 0;
+  std::int64_t unfinished_items_ = 0, unfinished_attempts_ = 0;
   std::map<std::string, std::int64_t> failures_;
   std::map<std::string, std::pair<std::int64_t, std::int64_t>> metrics_;  // name -> (true, scored)
   std::vector<double> ttft_, tpot_, total_;
