@@ -71,6 +71,9 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 struct LocalBackend::State {
   std::filesystem::path path;
   std::unique_ptr<BatchEngine> engine;
+  // The most text bytes one token can stand for: no token's stored text is shorter than the
+  // bytes it decodes to (byte-level and SentencePiece forms only add).
+  std::size_t max_token_bytes = 1;
 
   // A snapshot for engine_stats(), refreshed after every step.
   mutable std::mutex stats_mutex;
@@ -151,6 +154,8 @@ LocalBackend::LocalBackend(asio::any_io_executor executor, const LocalBackendOpt
   State& s = *state_;
   s.path = options.model;
   s.engine = std::make_unique<BatchEngine>(Model::load(options.model), options);
+  for (const std::string& t : s.engine->model().tokenizer().vocab().tokens)
+    s.max_token_bytes = std::max(s.max_token_bytes, t.size());
   s.publish_stats();
   s.thread = std::thread([p = state_.get()] { p->run(); });
 }
@@ -194,6 +199,20 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   const auto start = Clock::now();
   auto job = std::make_shared<Job>();
   job->channel = std::make_shared<Channel>(co_await asio::this_coro::executor, 256);
+  // A prompt so long that even at the most bytes a token can cover it overflows the context is
+  // refused before it is tokenized: tokenizing megabytes here would hold up every other
+  // request's stream for seconds.
+  std::size_t bytes = request.prompt ? request.prompt->size() : 0;
+  for (const ChatMessage& m : request.messages) bytes += m.content.size();
+  if (const auto at_least = static_cast<std::int64_t>(bytes / state_->max_token_bytes);
+      at_least >= state_->engine->context()) {
+    co_return Outcome::failure(
+        Error{ErrorKind::Http, 400, "context_length_exceeded",
+              "the prompt is at least " + std::to_string(at_least) + " tokens (" + std::to_string(bytes) +
+                  " bytes, at most " + std::to_string(state_->max_token_bytes) +
+                  " per token); the context holds " + std::to_string(state_->engine->context()),
+              std::nullopt, false});
+  }
   try {
     const Model& model = state_->engine->model();
     job->prompt = request.prompt ? text_prompt_tokens(model, *request.prompt)

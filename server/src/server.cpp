@@ -135,10 +135,12 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     if (!c.aborted) co_await c.abort.async_wait(use_tuple);
   }
 
-  static ApiError shutting_down() {
+  // Why abort_all cancelled a request: the grace period ended, or a second signal came.
+  std::string abort_reason = "its grace period for requests in flight ended";
+  ApiError shutting_down() const {
     return ApiError(503, "server_error", "",
-                    "the server is shutting down and its grace period for requests in flight ended; "
-                    "the request was cancelled, retry it against a running server",
+                    "the server is shutting down and " + abort_reason +
+                        "; the request was cancelled, retry it against a running server",
                     "server_shutting_down");
   }
 
@@ -319,9 +321,10 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
                             std::pair(http::field::allow, std::string("GET")));
         co_return true;
       }
-      json body = {{"status", std::string(draining ? "shutting_down" : "ok")}, {"model", options.model_name}, {"in_flight", in_flight}};
+      // Only a running server answers: shutting down, it accepts no connection and keeps none idle.
+      json body = {{"status", "ok"}, {"model", options.model_name}, {"in_flight", in_flight}};
       if (auto stats = backend.engine_stats()) body["engine"] = stats->to_json();
-      co_await send(c, req, draining ? http::status::service_unavailable : http::status::ok, body);
+      co_await send(c, req, http::status::ok, body);
       co_return true;
     }
     if (!path.starts_with("/v1/")) {
@@ -446,7 +449,11 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       auto [ec, socket] = co_await acceptor.async_accept(use_tuple);
       if (ec) {
         if (!acceptor.is_open()) co_return;
-        continue;  // e.g. too many open files: keep serving the connections we have
+        // E.g. too many open files: keep serving the connections we have, and try again after
+        // a pause (at once would spin a core until a descriptor frees up).
+        asio::steady_timer pause(io, std::chrono::milliseconds(100));
+        co_await pause.async_wait(use_tuple);
+        continue;
       }
       socket.set_option(tcp::no_delay(true), ec);
       asio::co_spawn(io, session(std::move(socket)), asio::detached);
@@ -530,7 +537,9 @@ std::int64_t Server::aborted() const { return impl_->aborted_requests; }
 void Server::shutdown(std::function<void()> done) {
   Impl& s = *impl_;
   if (s.draining) {
-    s.abort_all();  // a second request to stop: cancel what is still running
+    // A second request to stop: cancel what is still running.
+    s.abort_reason = "was told to stop at once";
+    s.abort_all();
     return;
   }
   s.draining = true;

@@ -6,6 +6,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 
 #include <cerrno>
@@ -48,6 +49,12 @@ class ServeProcess {
                std::chrono::milliseconds startup = 60s)
       : err_file_(dir / ("serve-" + std::to_string(++count_) + ".err")) {
     args.insert(args.begin(), {binary("batchlm"), "serve", "--host", "127.0.0.1", "--port", "0"});
+    // Not passed on: the server's limit on open files (RLIMIT_NOFILE), for tests that run out.
+    long nofile = 0;
+    if (const auto it = env.find(kNofileLimit); it != env.end()) {
+      nofile = std::stol(it->second);
+      env.erase(it);
+    }
     env.emplace("BATCHLM_API_KEY", "");
     env.emplace("BATCHLM_MODEL", "");
     std::vector<std::string> env_strings;
@@ -72,6 +79,10 @@ class ServeProcess {
       ::dup2(err, STDERR_FILENO);
       ::dup2(::open("/dev/null", O_RDONLY), STDIN_FILENO);
       if (::chdir(dir.c_str()) != 0) ::_exit(127);
+      if (nofile > 0) {
+        const rlimit limit{static_cast<rlim_t>(nofile), static_cast<rlim_t>(nofile)};
+        if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) ::_exit(126);
+      }
       ::execve(argv[0], argv.data(), envp.data());
       ::_exit(127);
     }
@@ -97,6 +108,24 @@ class ServeProcess {
   std::string url(const std::string& path) const { return "http://127.0.0.1:" + std::to_string(port_) + path; }
   std::string stderr_text() const { return read_file(err_file_); }
   void signal(int sig) const { ::kill(pid_, sig); }
+  static constexpr const char* kNofileLimit = "(test) RLIMIT_NOFILE";
+
+  // CPU seconds the server has used so far (user + system, /proc/PID/stat).
+  double cpu_seconds() const {
+    const std::string stat = read_file(fs::path("/proc") / std::to_string(pid_) / "stat");
+    std::istringstream fields(stat.substr(stat.rfind(')') + 2));
+    std::string field;
+    long long utime = 0, stime = 0;
+    for (int i = 3; fields >> field; ++i) {
+      if (i == 14) utime = std::stoll(field);
+      if (i == 15) {
+        stime = std::stoll(field);
+        break;
+      }
+    }
+    return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+  }
+
   // The server's resident memory (VmRSS in /proc/PID/status), in KiB; -1 when unreadable.
   long long resident_kib() const {
     const std::string status = read_file(fs::path("/proc") / std::to_string(pid_) / "status");
@@ -720,6 +749,11 @@ TEST_F(Serve, BadRequestsNameTheField) {
   // ... and as a stream: a plain error response, not an event stream.
   HttpResponse too_long_stream = post(*s, "/v1/completions", json({{"prompt", words}, {"stream", true}}).dump());
   expect_error(too_long_stream, 400, "invalid_request_error", nullptr, "context_length_exceeded");
+  // Megabytes of prompt are refused by their size, before they are tokenized (which would hold
+  // up every other request meanwhile).
+  HttpResponse huge = post(*s, "/v1/chat/completions", chat_request(std::string(4 << 20, 'a')));
+  expect_error(huge, 400, "invalid_request_error", nullptr, "context_length_exceeded");
+  EXPECT_TRUE(contains(huge.body, "the prompt is at least")) << huge.body.substr(0, 300);
 
   // The server still serves.
   EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 1}})).status, 200);
@@ -919,6 +953,21 @@ TEST_F(Serve, KvPoolIsCommittedAtStartUnlessToldNot) {
   EXPECT_EQ(committed_answer, lazy_answer);
 }
 
+// Out of file descriptors, the server keeps serving the connections it has and tries to accept
+// again after a pause, rather than at once in a loop that takes a whole core.
+TEST_F(Serve, RunningOutOfFileDescriptorsDoesNotSpin) {
+  auto s = serve({}, {{ServeProcess::kNofileLimit, "40"}});
+  std::vector<std::unique_ptr<RawConnection>> idle;
+  for (int i = 0; i < 60; ++i) idle.push_back(std::make_unique<RawConnection>(s->port()));  // queued past the limit
+  std::this_thread::sleep_for(300ms);
+  const double before = s->cpu_seconds();
+  std::this_thread::sleep_for(1500ms);
+  const double used = s->cpu_seconds() - before;
+  EXPECT_LT(used, 0.5) << "CPU seconds in 1.5 s with the descriptors used up";  // a spin takes about 1.5
+  idle.clear();
+  EXPECT_TRUE(wait_until([&] { return get(*s, "/health").status == 200; }, 10s)) << s->stderr_text();
+}
+
 TEST_F(Serve, OverCapacityIs429WithRetryAfter) {
   write_long_model();
   auto s = serve({"--max-sequences", "1", "--max-queue", "0"}, {}, "long.gguf");
@@ -1036,6 +1085,7 @@ TEST_F(Serve, ASecondSignalCancelsWhatIsLeft) {
   // The stream was cut, and says so before it ends: an error event, then [DONE].
   c.read_until("[DONE]", 2s);
   EXPECT_TRUE(contains(c.received(), "\"code\":\"server_shutting_down\"")) << c.received();
+  EXPECT_TRUE(contains(c.received(), "was told to stop at once")) << c.received();
   EXPECT_LT(c.received().find("server_shutting_down"), c.received().find("data: [DONE]")) << c.received();
   EXPECT_FALSE(contains(c.received(), "\"finish_reason\":\"stop\"")) << c.received();
 }
@@ -1056,6 +1106,7 @@ TEST_F(Serve, ShutdownGraceCutsLongRequests) {
   // Both requests are answered: the stream with an error event and [DONE], the other with a 503.
   c.read_until("[DONE]", 2s);
   EXPECT_TRUE(contains(c.received(), "server_shutting_down")) << c.received();
+  EXPECT_TRUE(contains(c.received(), "grace period for requests in flight ended")) << c.received();
   EXPECT_TRUE(contains(c.received(), "data: [DONE]")) << c.received();
   whole.read_until("server_shutting_down", 2s);
   EXPECT_TRUE(contains(whole.received(), "HTTP/1.1 503")) << whole.received();
