@@ -234,18 +234,17 @@ class Dispatcher {
   }
 
   asio::awaitable<void> produce_items() {
-    const auto& done = writer_->resume_info().done_ids;
     while (!stopping_) {
       std::optional<Item> item = source_.next();
       if (!item) break;
-      if (done.contains(item->id_key)) {
-        if (const auto kept = kept_.find(item->id_key); kept != kept_.end()) {
-          summary_.add(kept->second.result);
-          ++counters_.resumed;
-          ++resumed_in_scope_;
-          if (!same_input(kept->second.input, item->input) && changed_inputs_++ == 0)
-            first_changed_id_ = item->id.dump();
-        }
+      // Done in an earlier run: the output's record stands for it (kept_ holds every id the
+      // writer kept).
+      if (const auto kept = kept_.find(item->id_key); kept != kept_.end()) {
+        summary_.add(kept->second.result);
+        ++counters_.resumed;
+        ++resumed_in_scope_;
+        if (!same_input(kept->second.input, item->input) && changed_inputs_++ == 0)
+          first_changed_id_ = item->id.dump();
         continue;
       }
       co_await live_.acquire();
