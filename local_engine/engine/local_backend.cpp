@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 #include <unordered_map>
@@ -44,6 +45,9 @@ using Event = std::variant<std::string, Done, Failed>;
 using Channel = asio::experimental::concurrent_channel<void(boost::system::error_code, Event)>;
 
 struct Job {
+  // What the caller sent, until the preparing thread turns it into `prompt`.
+  std::optional<std::string> text;
+  std::vector<ChatMessage> messages;
   std::vector<Token> prompt;
   GenerateParams params;
   std::shared_ptr<Channel> channel;
@@ -65,6 +69,9 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 
 }  // namespace
 
+// Two threads. The preparing thread renders each request's chat template and tokenizes it, so
+// that a long prompt holds up neither the caller's thread (serve's I/O thread, which writes
+// every other stream) nor the engine's steps; a prompt the tokenizer refuses fails there.
 // The engine thread: continuous batching. Every step it takes new requests off the queue into
 // the BatchEngine, cancels those whose caller went away, runs one engine step (drafting,
 // one batched forward pass, sampling or verifying) and streams the text back to each request.
@@ -84,6 +91,12 @@ struct LocalBackend::State {
   std::deque<std::shared_ptr<Job>> queue;
   bool stopping = false;
   std::thread thread;
+
+  // Requests waiting to be tokenized, in arrival order (guarded by `mutex`, woken by
+  // `prepare_wake`).
+  std::condition_variable prepare_wake;
+  std::deque<std::shared_ptr<Job>> to_prepare;
+  std::thread preparing;
   std::unordered_map<SequenceId, std::shared_ptr<Job>> jobs;  // in the engine
 
   static void fail(Job& job, ErrorKind kind, int status, std::string code, std::string message) {
@@ -115,6 +128,35 @@ struct LocalBackend::State {
   void publish_stats() {
     std::lock_guard lock(stats_mutex);
     stats = engine->stats();
+  }
+
+  void prepare() {
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock lock(mutex);
+        prepare_wake.wait(lock, [&] { return stopping || !to_prepare.empty(); });
+        if (stopping) return;
+        job = std::move(to_prepare.front());
+        to_prepare.pop_front();
+      }
+      if (job->cancelled.load()) continue;
+      try {
+        const Model& model = engine->model();
+        job->prompt = job->text ? text_prompt_tokens(model, *job->text) : chat_prompt_tokens(model, job->messages);
+      } catch (const std::exception& e) {
+        fail(*job, ErrorKind::Http, 400, "invalid_request", e.what());
+        continue;
+      }
+      job->text.reset();
+      job->messages = {};
+      {
+        std::lock_guard lock(mutex);
+        if (stopping) return;
+        queue.push_back(std::move(job));
+      }
+      wake.notify_one();
+    }
   }
 
   void run() {
@@ -158,6 +200,7 @@ LocalBackend::LocalBackend(asio::any_io_executor executor, const LocalBackendOpt
     s.max_token_bytes = std::max(s.max_token_bytes, t.size());
   s.publish_stats();
   s.thread = std::thread([p = state_.get()] { p->run(); });
+  s.preparing = std::thread([p = state_.get()] { p->prepare(); });
 }
 
 LocalBackend::~LocalBackend() {
@@ -165,9 +208,12 @@ LocalBackend::~LocalBackend() {
     std::lock_guard lock(state_->mutex);
     state_->stopping = true;
     for (auto& job : state_->queue) job->cancelled = true;
+    for (auto& job : state_->to_prepare) job->cancelled = true;
   }
   state_->wake.notify_all();
+  state_->prepare_wake.notify_all();
   state_->thread.join();
+  state_->preparing.join();
 }
 
 std::optional<EngineStats> LocalBackend::engine_stats() const {
@@ -213,13 +259,10 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
                   " per token); the context holds " + std::to_string(state_->engine->context()),
               std::nullopt, false});
   }
-  try {
-    const Model& model = state_->engine->model();
-    job->prompt = request.prompt ? text_prompt_tokens(model, *request.prompt)
-                                 : chat_prompt_tokens(model, request.messages);
-  } catch (const std::exception& e) {
-    co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request", e.what(),
-                                     std::nullopt, false});
+  if (request.prompt) {
+    job->text = *request.prompt;
+  } else {
+    job->messages = request.messages;
   }
   GenerateParams& p = job->params;
   p.max_tokens = request.max_tokens.value_or(0);
@@ -234,9 +277,9 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   p.stop = request.stop;
   {
     std::lock_guard lock(state_->mutex);
-    state_->queue.push_back(job);
+    state_->to_prepare.push_back(job);
   }
-  state_->wake.notify_one();
+  state_->prepare_wake.notify_one();
 
   Timings timings;
   std::optional<Clock::time_point> first;

@@ -923,6 +923,51 @@ TEST(LocalBackend, PromptLongerThanTheContextIsANonRetryable400) {
   ASSERT_TRUE(next.outcome && next.outcome->ok());
 }
 
+// A prompt is tokenized off the caller's thread: the real model's tokenizer takes a few tenths
+// of a second over 400 KB of letters without a space (one pre-tokenizer piece, the slowest
+// case), and serve's I/O thread, which writes every other stream, must not wait for it. No
+// handler the io_context runs while the request is prepared may take a quarter of that time.
+// (The prompt is too long for the context once tokenized, so it ends in a 400 without a step.)
+TEST(LocalBackend, TokenizingALongPromptDoesNotHoldTheCallersThread) {
+  const fs::path model = fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!fs::exists(model)) GTEST_SKIP() << model << " is absent (scripts/fetch-model.sh fetches it)";
+  std::mt19937 random(7);
+  std::string letters(400'000, 'a');
+  for (char& c : letters) c = static_cast<char>('a' + random() % 10);
+
+  const Tokenizer tokenizer(Vocab::from_gguf(gguf::File::open(model)));
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::size_t n_tokens = tokenizer.encode(letters, false).size();
+  const auto tokenize_time = std::chrono::steady_clock::now() - t0;
+
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), LocalBackendOptions{model, 1, 4096});
+  ASSERT_GT(n_tokens, 4096u);
+  Request request;
+  request.prompt = letters;
+  request.max_tokens = 1;
+  Call call;
+  asio::co_spawn(io, call_complete(backend, request, call), asio::detached);
+  std::chrono::steady_clock::duration longest{};
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (!call.outcome && !call.thrown && std::chrono::steady_clock::now() < deadline) {
+    const auto start = std::chrono::steady_clock::now();
+    if (io.poll_one() == 0) {
+      std::this_thread::sleep_for(1ms);
+      continue;
+    }
+    longest = std::max(longest, std::chrono::steady_clock::now() - start);
+  }
+  ASSERT_FALSE(call.thrown) << describe_exception(call.thrown);
+  ASSERT_TRUE(call.outcome);
+  ASSERT_FALSE(call.outcome->ok());
+  EXPECT_EQ(call.outcome->error->http_status, 400);
+  EXPECT_NE(call.outcome->error->message.find("context"), std::string::npos) << call.outcome->error->message;
+  const auto ms = [](auto d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  EXPECT_LT(ms(longest), ms(tokenize_time) / 4)
+      << "the longest handler took " << ms(longest) << " ms; tokenizing takes " << ms(tokenize_time) << " ms";
+}
+
 // Terminal cancellation of one of two requests that the engine runs together (continuous
 // batching): its coroutine is suspended in the receive, so this is the plain path:
 // ErrorKind::Cancelled, the engine drops the sequence, the other one is unharmed, and the
