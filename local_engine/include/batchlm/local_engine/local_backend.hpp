@@ -1,8 +1,10 @@
 #pragma once
 // The embedded engine behind the Backend seam. The model runs on the engine's own thread with
 // continuous batching (all requests in flight share each forward pass, their prompts' common
-// prefixes share cache blocks); complete() queues the request and awaits its text through an
-// Asio channel, so the runner cannot tell it from a remote API.
+// prefixes share cache blocks); a second thread renders and tokenizes each prompt before it
+// joins the engine's queue. complete() hands the request over and awaits its text through an
+// Asio channel, so the runner cannot tell it from a remote API, and the caller's thread never
+// does the model's work.
 
 #include <filesystem>
 #include <cstdint>
