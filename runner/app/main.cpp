@@ -1,6 +1,10 @@
 // batchlm: large batches of LLM calls — evals and data synthesis — against OpenAI-compatible
 // APIs or the embedded engine.
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -48,7 +52,10 @@ Exit codes:
   0    every item succeeded
   1    the run finished but some items failed (rerun to retry them)
   2    bad configuration or usage: nothing was sent
-  130  interrupted (Ctrl-C / SIGTERM): finished items are saved; rerun to resume
+  130  interrupted (Ctrl-C, SIGTERM, SIGHUP, Ctrl-\): finished items are saved; rerun to resume
+
+Ctrl-C, SIGTERM or SIGHUP: no new items, those in flight get grace_period to finish, then the
+summary. A second Ctrl-C or SIGTERM, or Ctrl-\, exits at once, keeping every finished item.
 )";
 
 // Options shared by `run` and `synth`; each set one is an override of the job file.
@@ -181,9 +188,21 @@ int run_command(const JobOptions& o, bool synth) {
   return result.exit_code;
 }
 
+// A program started with a standard stream closed (`2>&-`, a daemon's closed descriptors) would
+// hand that number to the next file it opens, and its messages would go into it: the step log,
+// the output's lock, the output itself. /dev/null holds the place instead.
+void hold_standard_descriptors() {
+  // In order, so that the lowest free number open() takes is `fd` itself.
+  for (int fd = STDIN_FILENO; fd <= STDERR_FILENO; ++fd) {
+    if (::fcntl(fd, F_GETFD) == -1 && errno == EBADF)
+      (void)::open("/dev/null", fd == STDIN_FILENO ? O_RDONLY : O_WRONLY);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  hold_standard_descriptors();
   CLI::App app{"batchlm — run large batches of LLM calls: evals and data synthesis,\n"
                "against OpenAI-compatible APIs or the embedded engine."};
   app.footer(kExamples);

@@ -1,5 +1,7 @@
 // `batchlm serve`: the embedded engine behind an OpenAI-compatible HTTP API.
 
+#include <signal.h>
+
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -51,6 +53,11 @@ struct ServeOptions {
 ServeOptions s;
 CLI::App* serve_cmd = nullptr;
 
+bool ignored_at_start(int signo) {
+  struct sigaction current {};
+  return ::sigaction(signo, nullptr, &current) == 0 && current.sa_handler == SIG_IGN;
+}
+
 constexpr const char* kServeExamples = R"(Examples:
   batchlm serve                                   # the default model on 127.0.0.1:8000
   batchlm serve --model M.gguf --port 8080 --max-sequences 64
@@ -61,8 +68,8 @@ constexpr const char* kServeExamples = R"(Examples:
   batchlm run jobs/gsm8k.yaml --base-url http://127.0.0.1:8000/v1 --model NAME
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
-GET /v1/models, GET /health. SIGINT/SIGTERM: stop accepting, finish requests in flight (up to
---shutdown-grace seconds), exit 0; a second signal cancels what is left.
+GET /v1/models, GET /health. SIGINT/SIGTERM/SIGHUP: stop accepting, finish requests in flight
+(up to --shutdown-grace seconds), exit 0; a second SIGINT or SIGTERM cancels what is left.
 )";
 
 }  // namespace
@@ -180,7 +187,14 @@ int run_serve_command() {
   server::Server http(io, *backend, options);
   http.start();
 
-  asio::signal_set signals(io, SIGINT, SIGTERM);
+  // SIGHUP (the terminal closed) shuts down like SIGTERM, unless it was ignored from the start
+  // (`nohup`); so are the others. A closing terminal may send SIGHUP more than once, so only a
+  // second SIGINT or SIGTERM cancels what is left.
+  asio::signal_set signals(io);
+  for (int signo : {SIGINT, SIGTERM, SIGHUP})
+    if (!ignored_at_start(signo)) signals.add(signo);
+  // A closed stdout or stderr pipe costs the lines written to it, not the requests in flight.
+  std::signal(SIGPIPE, SIG_IGN);
   bool stopping = false;
   std::function<void(const boost::system::error_code&, int)> on_signal =
       [&](const boost::system::error_code& ec, int signal) {
@@ -189,9 +203,10 @@ int run_serve_command() {
         if (!stopping) {
           stopping = true;
           std::fprintf(stderr, "batchlm serve: %s: finishing %lld requests in flight, then exiting\n",
-                       signal == SIGINT ? "SIGINT" : "SIGTERM", static_cast<long long>(http.in_flight()));
+                       signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "SIGHUP",
+                       static_cast<long long>(http.in_flight()));
           http.shutdown([&] { signals.cancel(); });
-        } else {
+        } else if (signal != SIGHUP) {
           std::fprintf(stderr, "batchlm serve: second signal: cancelling what is left\n");
           http.shutdown();
         }

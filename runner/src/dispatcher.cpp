@@ -1,6 +1,6 @@
 #include "batchlm/runner/dispatcher.hpp"
 
-#include <unistd.h>
+#include <signal.h>
 
 #include <cerrno>
 #include <chrono>
@@ -86,6 +86,29 @@ ItemResult item_result_from_record(const json& record) {
 // The writer a second SIGINT flushes before exiting.
 OutputWriter* g_writer_for_hard_exit = nullptr;
 
+bool ignored_at_start(int signo) {
+  struct sigaction current {};
+  return ::sigaction(signo, nullptr, &current) == 0 && current.sa_handler == SIG_IGN;
+}
+
+// Ignores a signal for its lifetime, then puts back what was there.
+class IgnoredSignal {
+ public:
+  explicit IgnoredSignal(int signo) : signo_(signo) {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigemptyset(&ignore.sa_mask);
+    ::sigaction(signo_, &ignore, &previous_);
+  }
+  ~IgnoredSignal() { ::sigaction(signo_, &previous_, nullptr); }
+  IgnoredSignal(const IgnoredSignal&) = delete;
+  IgnoredSignal& operator=(const IgnoredSignal&) = delete;
+
+ private:
+  int signo_;
+  struct sigaction previous_ {};
+};
+
 }  // namespace
 
 class Dispatcher {
@@ -109,8 +132,7 @@ class Dispatcher {
         budget_(job.retry.budget_ratio, job.retry.budget_min_per_second),
         scorer_(make_scorer(job.scoring)),
         rng_(std::random_device{}()),
-        progress_(options.progress_out,
-                  options.tty.value_or(::isatty(::fileno(options.progress_out)) != 0)),
+        progress_(options.progress_out, options.tty.value_or(can_redraw(options.progress_out))),
         all_done_(io.get_executor()),
         grace_timer_(io.get_executor()) {}
 
@@ -146,10 +168,18 @@ class Dispatcher {
     }
 
     std::optional<asio::signal_set> signals;
+    std::optional<IgnoredSignal> broken_pipes;
     if (options_.install_signal_handlers) {
       g_writer_for_hard_exit = writer_.get();
-      signals.emplace(io_, SIGINT, SIGTERM);
+      signals.emplace(io_);
+      // A signal ignored from the start stays so: `nohup` ignores SIGHUP for a run that should
+      // outlive its terminal, a shell ignores SIGINT for the jobs it starts in the background.
+      for (int signo : {SIGINT, SIGTERM, SIGHUP, SIGQUIT})
+        if (!ignored_at_start(signo)) signals->add(signo);
       wait_for_signal(*signals);
+      // Progress and the summary go to stderr; a reader of it that went away (`2>&1 | head`,
+      // a log reader that died) must cost those lines (EPIPE), not the run.
+      broken_pipes.emplace(SIGPIPE);
     }
 
     asio::co_spawn(io_, produce(), [this](std::exception_ptr e) {
@@ -176,35 +206,48 @@ class Dispatcher {
     bool in_attempt = false;
   };
 
+  // SIGINT, SIGTERM and SIGHUP stop the run gracefully; a second SIGINT or SIGTERM after any of
+  // them, or SIGQUIT (Ctrl-\) at any time, exits at once. SIGHUP never does: a closing
+  // terminal may send it more than once (the kernel, then the shell to its jobs).
   void wait_for_signal(asio::signal_set& signals) {
     signals.async_wait([this, &signals](boost::system::error_code ec, int signo) {
       if (ec) return;
-      ++interrupts_;
-      if (interrupts_ >= 2 && signo == SIGINT) hard_exit();
-      begin_stop(signo == SIGINT ? "interrupted" : "terminated");
+      if (signo == SIGQUIT) hard_exit("quit (SIGQUIT)");
+      const bool again = stop_signals_++ > 0;
+      if (again && signo == SIGINT) hard_exit("interrupted twice");
+      if (again && signo == SIGTERM) hard_exit("terminated twice");
+      if (signo == SIGHUP) {
+        begin_stop("hangup (the terminal closed)", true, false);
+      } else {
+        begin_stop(signo == SIGINT ? "interrupted" : "terminated");
+      }
       wait_for_signal(signals);
     });
   }
 
-  // The second SIGINT: the output holds only whole records; write what is buffered and go.
-  [[noreturn]] static void hard_exit() {
+  // Exit now: the output holds only whole records; write what is buffered and go. Items in
+  // flight are abandoned (a rerun sends them again); no summary is written.
+  [[noreturn]] static void hard_exit(const char* why) {
     if (g_writer_for_hard_exit != nullptr) {
       try {
         g_writer_for_hard_exit->flush();
       } catch (...) {
       }
     }
-    std::fputs("\nbatchlm: interrupted twice, exiting now (finished items are saved)\n", stderr);
+    std::fprintf(stderr, "\nbatchlm: %s, exiting now (finished items are saved)\n", why);
     std::_Exit(kExitInterrupted);
   }
 
-  void begin_stop(const char* why, bool interrupted = true) {
+  // `interrupted`: by a signal (exit 130), not by the run itself; `ctrl_c_hint`: say that a
+  // Ctrl-C exits at once (pointless when the terminal is gone).
+  void begin_stop(const char* why, bool interrupted = true, bool ctrl_c_hint = true) {
     if (stopping_) return;
     stopping_ = true;
     interrupted_ = interrupted;
     std::fprintf(options_.progress_out, "\nbatchlm: %s: no new items; waiting up to %.0fs for %lld in flight%s\n",
                  why, std::chrono::duration<double>(job_.grace_period).count(),
-                 static_cast<long long>(counters_.in_flight), interrupted ? " (Ctrl-C again to exit now)" : "");
+                 static_cast<long long>(counters_.in_flight),
+                 interrupted && ctrl_c_hint ? " (Ctrl-C again to exit now)" : "");
     // Items not inside an attempt (waiting for a slot, a rate limit or a backoff) stop now.
     for (auto& item : items_)
       if (!item.in_attempt) item.cancel.emit(asio::cancellation_type::terminal);
@@ -585,7 +628,7 @@ class Dispatcher {
   bool stopping_ = false, interrupted_ = false;
   int refusals_in_a_row_ = 0;
   std::optional<std::string> refused_;  // why the run stopped sending: the API refuses it
-  int interrupts_ = 0;
+  int stop_signals_ = 0;  // SIGINT, SIGTERM and SIGHUP received
 };
 
 RunResult run_job(const JobSpec& job, Source& source, Backend& backend, asio::io_context& io,

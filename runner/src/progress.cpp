@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdarg>
+#include <cstdlib>
+#include <string_view>
 
 namespace batchlm::runner {
 
@@ -75,12 +77,24 @@ constexpr int kMinBar = 10;  // inner cells; narrower than this a bar says nothi
 constexpr int kMaxBar = 40;
 
 std::string bar(double fraction, int cells) {
-  const int filled = static_cast<int>(std::floor(fraction * cells));
-  return "[" + std::string(static_cast<std::size_t>(filled), '#') +
-         std::string(static_cast<std::size_t>(cells - filled), '.') + "]";
+  const int filled = std::clamp(static_cast<int>(std::floor(fraction * cells)), 0, cells);
+  std::string text;
+  text.reserve(static_cast<std::size_t>(cells) + 2);
+  text.push_back('[');
+  text.append(static_cast<std::size_t>(filled), '#');
+  text.append(static_cast<std::size_t>(cells - filled), '.');
+  text.push_back(']');
+  return text;
 }
 
 }  // namespace
+
+bool can_redraw(std::FILE* out) {
+  if (out == nullptr || ::isatty(::fileno(out)) == 0) return false;
+  // A dumb terminal (an editor's shell buffer) has no cursor movement to redraw with.
+  const char* term = std::getenv("TERM");
+  return term == nullptr || std::string_view(term) != "dumb";
+}
 
 Progress::Progress(std::FILE* out, bool tty, std::chrono::milliseconds plain_interval, int width)
     : out_(out), tty_(tty), plain_interval_(plain_interval), width_(width),
@@ -101,9 +115,10 @@ int Progress::columns() const {
 
 std::string Progress::render_bar(const ProgressCounters& c, double elapsed_seconds) const {
   const Figures f = figures(c, elapsed_seconds);
-  // One column fewer than the terminal: writing the last column makes some terminals wrap,
-  // and the next "\r" would then redraw on a new line.
-  const int avail = std::max(1, columns() - 1);
+  // Three columns fewer than the terminal: writing the last column makes some terminals wrap,
+  // and the next "\r" would then redraw on a new line; and the terminal echoes a Ctrl-C as
+  // "^C" after the bar, which must not wrap to a row of its own either.
+  const int avail = std::max(1, columns() - 3);
 
   // Fields in display order; when the line is too narrow the lowest priority goes first.
   struct Field {
@@ -293,8 +308,8 @@ nlohmann::json Summary::to_json(double wall_seconds, std::int64_t total_items) c
 std::string Summary::to_text(double wall_seconds, std::int64_t total_items) const {
   const nlohmann::json j = to_json(wall_seconds, total_items);
   const auto& counts = j["counts"];
-  std::string text = format("%lld items: %lld succeeded", static_cast<long long>(total_items),
-                            static_cast<long long>(succeeded_));
+  std::string text = format("%lld item%s: %lld succeeded", static_cast<long long>(total_items),
+                            total_items == 1 ? "" : "s", static_cast<long long>(succeeded_));
   if (resumed_ > 0) text += format(" (%lld resumed)", static_cast<long long>(resumed_));
   text += format(", %lld failed", static_cast<long long>(failed_));
   if (counts["not_run"].get<std::int64_t>() > 0) {
@@ -333,10 +348,13 @@ std::string Summary::to_text(double wall_seconds, std::int64_t total_items) cons
     text += "latency ms p50/p90/p99: ttft " + triple(ttft_, 0) + "  tpot " + triple(tpot_, 1) + "  e2e " +
             triple(total_, 0) + "\n";
   }
-  text += format("tokens: %lld in, %lld out; %.2f req/s, %.1f out tok/s; %lld attempts\n",
+  // Every request this run sent, as in the JSON: those of items it did not finish included.
+  const auto attempts = j["attempts"]["total"].get<std::int64_t>();
+  text += format("tokens: %lld in, %lld out; %.2f req/s, %.1f out tok/s; %lld attempt%s\n",
                  static_cast<long long>(prompt_tokens_), static_cast<long long>(completion_tokens_),
                  j["throughput"]["requests_per_second"].get<double>(),
-                 j["throughput"]["output_tokens_per_second"].get<double>(), static_cast<long long>(attempts_));
+                 j["throughput"]["output_tokens_per_second"].get<double>(), static_cast<long long>(attempts),
+                 attempts == 1 ? "" : "s");
   return text;
 }
 

@@ -5,6 +5,7 @@
 #include <cctype>
 #include <set>
 
+#include "gguf_writer.hpp"
 #include "harness.hpp"
 
 namespace batchlm::e2e {
@@ -377,6 +378,25 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
   }
 }
 
+// The widest row written to a terminal: escape sequences take no columns, a UTF-8 character
+// takes one, and "\r" or "\n" start over. Wider than the terminal means the terminal wrapped
+// it, and a "\r" redraw would then leave the wrapped part behind.
+std::size_t widest_row(const std::string& screen) {
+  std::size_t columns = 0, widest = 0;
+  for (std::size_t i = 0; i < screen.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(screen[i]);
+    if (c == '\r' || c == '\n') {
+      columns = 0;
+    } else if (c == 0x1b) {
+      while (i + 1 < screen.size() && !std::isalpha(static_cast<unsigned char>(screen[i + 1]))) ++i;
+      ++i;
+    } else if ((c & 0xC0) != 0x80) {
+      widest = std::max(widest, ++columns);
+    }
+  }
+  return widest;
+}
+
 TEST(BatchlmProgress, DrawsABarOnATerminalAndPrintsTheSummary) {
   TempDir dir;
   FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--wrong-every", "5", "--tokens", "20",
@@ -391,21 +411,7 @@ TEST(BatchlmProgress, DrawsABarOnATerminalAndPrintsTheSummary) {
   EXPECT_NE(screen.find("30/30"), std::string::npos) << screen;
   EXPECT_NE(screen.find("%"), std::string::npos) << screen;
   EXPECT_NE(screen.find("strict 80.0% (24/30)"), std::string::npos) << screen;  // the summary
-  // No line drawn is wider than the terminal (escape sequences take no columns; a UTF-8
-  // character takes one).
-  std::size_t columns = 0, widest = 0;
-  for (std::size_t i = 0; i < screen.size(); ++i) {
-    const unsigned char c = static_cast<unsigned char>(screen[i]);
-    if (c == '\r' || c == '\n') {
-      columns = 0;
-    } else if (c == 0x1b) {
-      while (i + 1 < screen.size() && !std::isalpha(static_cast<unsigned char>(screen[i + 1]))) ++i;
-      ++i;
-    } else if ((c & 0xC0) != 0x80) {
-      widest = std::max(widest, ++columns);
-    }
-  }
-  EXPECT_LE(widest, 120u) << screen;
+  EXPECT_LE(widest_row(screen), 120u) << screen;
 }
 
 }  // namespace
@@ -553,6 +559,214 @@ TEST(BatchlmRun, KilledRunLeavesNoStaleSummary) {
   p.signal(SIGKILL);
   p.wait(10s);
   EXPECT_FALSE(fs::exists(summary));
+}
+
+}  // namespace
+}  // namespace batchlm::e2e
+
+namespace batchlm::e2e {
+namespace {
+
+// A synth job of `count` items on the tiny random-weight model written into `dir`.
+void write_tiny_synth_job(const fs::path& dir, int count, const std::string& backend_extra = "") {
+  batchlm::testing::write_tiny_llama(dir / "tiny.gguf");
+  write_file(dir / "job.yaml",
+             "name: tiny\n"
+             "kind: synth\n"
+             "synth: {count: " + std::to_string(count) + ", seed: 1, variables: {animal: [cat, dog, owl]}}\n"
+             "request:\n"
+             "  messages: [{role: user, content: \"A story about a {{animal}}.\"}]\n"
+             "  max_tokens: 4\n"
+             "backend: {type: local, model: tiny.gguf, threads: 1" + backend_extra + "}\n"
+             "output: {path: out/tiny.jsonl}\n");
+}
+
+// Started with stderr closed (`2>&-`), a run must not let a file it opens take descriptor 2:
+// the progress lines and the summary would go into it.
+TEST(BatchlmRun, ClosedStandardStreamsDoNotSendTextIntoItsFiles) {
+  TempDir dir;
+  write_tiny_synth_job(dir.path, 3, ", step_log: steps.jsonl");
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"BATCHLM_MODEL", ""}}, .cwd = dir.path,
+             .closed_fds = {STDERR_FILENO}});
+  ASSERT_EQ(p.wait(60s), 0);
+  const std::vector<json> records = read_jsonl(dir.path / "out/tiny.jsonl");
+  EXPECT_EQ(records.size(), 3u);
+  const std::string steps = read_file(dir.path / "steps.jsonl");
+  EXPECT_FALSE(steps.empty());
+  std::istringstream lines(steps);
+  for (std::string line; std::getline(lines, line);)
+    EXPECT_EQ(line.rfind("{\"step\"", 0), 0u) << "not a step line: " << line;
+  EXPECT_EQ(read_file(dir.path / "out/tiny.jsonl.lock").find_first_not_of("0123456789\n"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace batchlm::e2e
+
+namespace batchlm::e2e {
+namespace {
+
+long long requests_seen(const FakeServer& server) { return server.stats()["requests"].get<long long>(); }
+
+// Whole records only (the file ends with a newline), each id once, none failed; their count.
+std::size_t expect_whole_records(const fs::path& out) {
+  const std::string text = read_file(out);
+  EXPECT_TRUE(text.empty() || text.back() == '\n');
+  const std::vector<json> records = read_jsonl(out);
+  std::set<long long> ids;
+  for (const auto& rec : records) {
+    EXPECT_TRUE(ids.insert(rec["id"].get<long long>()).second) << "twice: " << rec.dump();
+    EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
+  }
+  return records.size();
+}
+
+// A closed terminal (SIGHUP) stops a run the way SIGTERM does: no new items, the ones in
+// flight finish, the output is flushed, the summary written; the rerun does the rest.
+TEST(BatchlmRun, SighupStopsGracefullyAndTheRerunCompletes) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "10"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 12, .concurrency = 1}));
+  const fs::path out = dir.path / "out/e2e.jsonl";
+  Process p({.args = {binary("batchlm"), "run", "job.yaml", "--set", "output.flush_every=1000",
+                      "--set", "output.flush_interval=10m"},
+             .env = {}, .cwd = dir.path, .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  // One item at a time: the fourth request means three items are finished (and buffered).
+  ASSERT_TRUE(wait_until([&] { return requests_seen(server) >= 4; }));
+  p.signal(SIGHUP);
+  ASSERT_EQ(p.wait(30s), 130) << read_file(dir.path / "run.err");
+  const std::string err = read_file(dir.path / "run.err");
+  EXPECT_NE(err.find("hangup"), std::string::npos) << err;
+  const std::size_t saved = expect_whole_records(out);
+  EXPECT_GE(saved, 4u) << err;  // the three buffered and the one in flight
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_EQ(summary["interrupted"], true) << summary.dump(2);
+  EXPECT_EQ(summary["counts"]["succeeded"].get<std::size_t>(), saved) << summary.dump(2);
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "--concurrency", "8"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  expect_each_id_once(read_jsonl(out), 12);
+}
+
+// Under `nohup` SIGHUP is ignored from the start: the run keeps it so and goes on.
+TEST(BatchlmRun, SighupIgnoredAtStartStaysIgnored) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "10", "--token-delay-ms", "10"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 6, .concurrency = 1}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err", .ignored_signals = {SIGHUP}});
+  ASSERT_TRUE(wait_until([&] { return requests_seen(server) >= 2; }));
+  p.signal(SIGHUP);
+  ASSERT_EQ(p.wait(30s), 0) << read_file(dir.path / "run.err");
+  expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 6);
+}
+
+// Ctrl-\ (SIGQUIT) is "quit now": the finished items still buffered are written first.
+TEST(BatchlmRun, SigquitExitsAtOnceKeepingFinishedItems) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "10"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 12, .concurrency = 1,
+                                               .extra = "grace_period: 10m\n"}));
+  const fs::path out = dir.path / "out/e2e.jsonl";
+  Process p({.args = {binary("batchlm"), "run", "job.yaml", "--set", "output.flush_every=1000",
+                      "--set", "output.flush_interval=10m"},
+             .env = {}, .cwd = dir.path, .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  ASSERT_TRUE(wait_until([&] { return requests_seen(server) >= 4; }));
+  p.signal(SIGQUIT);
+  ASSERT_EQ(p.wait(20s), 130) << read_file(dir.path / "run.err");
+  EXPECT_NE(read_file(dir.path / "run.err").find("exiting now"), std::string::npos);
+  EXPECT_GE(expect_whole_records(out), 3u);
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "--concurrency", "8"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  expect_each_id_once(read_jsonl(out), 12);
+}
+
+// A second SIGTERM, like a second Ctrl-C, does not wait out the grace period.
+TEST(BatchlmRun, SecondSigtermExitsAtOnce) {
+  TempDir dir;
+  // Streams of 100 s and a grace period of 10 minutes: only an exit now ends this run soon.
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "2000", "--token-delay-ms", "50"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 20, .concurrency = 2,
+                                               .extra = "grace_period: 10m\n"}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  ASSERT_TRUE(wait_until([&] { return requests_seen(server) >= 2; }));
+  p.signal(SIGTERM);
+  ASSERT_TRUE(wait_until([&] { return read_file(dir.path / "run.err").find("no new items") != std::string::npos; }));
+  p.signal(SIGTERM);
+  ASSERT_EQ(p.wait(20s), 130) << read_file(dir.path / "run.err");
+  EXPECT_NE(read_file(dir.path / "run.err").find("exiting now"), std::string::npos);
+}
+
+// stderr into a pipe nobody reads any more (`2>&1 | head -1`, a log reader that died): the
+// progress lines and the summary are lost, but not the run.
+TEST(BatchlmRun, ClosedStderrPipeDoesNotKillTheRun) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 10}));
+  int ends[2];
+  ASSERT_EQ(::pipe(ends), 0);
+  ::close(ends[0]);  // no reader: a write gets SIGPIPE, or EPIPE when that is ignored
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_fd = ends[1]});
+  ::close(ends[1]);
+  ASSERT_EQ(p.wait(30s), 0);
+  expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 10);
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_EQ(summary["counts"]["succeeded"], 10) << summary.dump(2);
+}
+
+// Ctrl-C typed at the terminal: the terminal echoes "^C" after the bar, which must still fit
+// on the bar's row (a wrapped "C" would be left on a row of its own); the run stops gracefully.
+TEST(BatchlmProgress, CtrlCAtTheTerminalStopsTheRunAndLeavesNoFragments) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "10"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 60, .concurrency = 2}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"TERM", "xterm"}}, .cwd = dir.path,
+             .out_file = {}, .err_file = {}, .use_pty = true, .pty_columns = 100});
+  ASSERT_TRUE(wait_until([&] { return p.pty_output().find("in-flight 2") != std::string::npos; }));
+  p.pty_send("\x03");
+  ASSERT_EQ(p.wait(30s), 130) << p.pty_output();
+  const std::string& screen = p.pty_output();
+  EXPECT_NE(screen.find("^C"), std::string::npos) << "the terminal did not echo: " << screen;
+  EXPECT_NE(screen.find("batchlm: interrupted: no new items"), std::string::npos) << screen;
+  EXPECT_NE(screen.find("run the same command again to resume"), std::string::npos) << screen;
+  EXPECT_LE(widest_row(screen), 100u) << screen;
+}
+
+// TERM=dumb (an editor's shell buffer) cannot redraw a line in place: plain lines, as in a log.
+TEST(BatchlmProgress, DumbTerminalGetsPlainLines) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 5}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"TERM", "dumb"}}, .cwd = dir.path,
+             .out_file = {}, .err_file = {}, .use_pty = true, .pty_columns = 100});
+  ASSERT_EQ(p.wait(30s), 0) << p.pty_output();
+  const std::string& screen = p.pty_output();
+  EXPECT_EQ(screen.find('\x1b'), std::string::npos) << screen;
+  EXPECT_NE(screen.find("[batchlm] 5/5 (100.0%)"), std::string::npos) << screen;
+  EXPECT_NE(screen.find("5 items: 5 succeeded"), std::string::npos) << screen;
+}
+
+}  // namespace
+}  // namespace batchlm::e2e
+
+namespace batchlm::e2e {
+namespace {
+
+// `batchlm serve` started in a terminal that closes (SIGHUP) shuts down as on SIGTERM: it
+// stops accepting, lets requests in flight finish, says so and exits 0.
+TEST(BatchlmServe, SighupShutsDownGracefully) {
+  TempDir dir;
+  batchlm::testing::write_tiny_llama(dir.path / "tiny.gguf");
+  Process p({.args = {binary("batchlm"), "serve", "-m", "tiny.gguf", "--port", "0", "--threads", "1",
+                      "--no-kv-commit"},
+             .env = {}, .cwd = dir.path, .out_file = dir.path / "serve.out", .err_file = dir.path / "serve.err"});
+  ASSERT_TRUE(wait_until([&] { return read_file(dir.path / "serve.out").find("listening on") != std::string::npos; }))
+      << read_file(dir.path / "serve.err");
+  p.signal(SIGHUP);
+  ASSERT_EQ(p.wait(30s), 0) << read_file(dir.path / "serve.err");
+  const std::string err = read_file(dir.path / "serve.err");
+  EXPECT_NE(err.find("batchlm serve: SIGHUP: finishing 0 requests in flight"), std::string::npos) << err;
+  EXPECT_NE(err.find("batchlm serve: stopped"), std::string::npos) << err;
 }
 
 }  // namespace

@@ -79,6 +79,9 @@ class Process {
     fs::path out_file, err_file;    // empty: /dev/null
     bool use_pty = false;           // stdout+stderr on a pseudo-terminal (read with pty_read)
     unsigned short pty_columns = 100;
+    std::vector<int> closed_fds;    // left closed in the child, as by `2>&-` (instead of the files)
+    int err_fd = -1;                // when >= 0, the child's stderr instead of err_file (a pipe)
+    std::vector<int> ignored_signals;  // ignored when the child starts, as under `nohup`
   };
 
   explicit Process(const Options& o) {
@@ -108,10 +111,16 @@ class Process {
       if (!o.cwd.empty() && ::chdir(o.cwd.c_str()) != 0) ::_exit(127);
       if (!o.use_pty) {
         redirect(STDOUT_FILENO, o.out_file);
-        redirect(STDERR_FILENO, o.err_file);
+        if (o.err_fd >= 0) {
+          ::dup2(o.err_fd, STDERR_FILENO);
+        } else {
+          redirect(STDERR_FILENO, o.err_file);
+        }
         int devnull = ::open("/dev/null", O_RDONLY);
         ::dup2(devnull, STDIN_FILENO);
       }
+      for (int fd : o.closed_fds) ::close(fd);
+      for (int sig : o.ignored_signals) ::signal(sig, SIG_IGN);
       ::execve(argv[0], argv.data(), envp.data());
       ::_exit(127);
     }
@@ -145,6 +154,12 @@ class Process {
       if (std::chrono::steady_clock::now() > deadline) return std::nullopt;
       std::this_thread::sleep_for(10ms);
     }
+  }
+
+  // Typed at the child's terminal: "\x03" is Ctrl-C (the terminal sends SIGINT and echoes ^C).
+  void pty_send(const std::string& keys) {
+    if (::write(pty_fd_, keys.data(), keys.size()) != static_cast<ssize_t>(keys.size()))
+      throw std::runtime_error("cannot write to the pty");
   }
 
   // Everything the child wrote to its terminal so far.
@@ -229,7 +244,17 @@ class FakeServer {
   int port_ = 0;
 };
 
-// Parses a JSONL output file; fails the test on a line that does not parse.
+// Waits for `condition`, checking every few milliseconds; false when `timeout` passed first.
+template <typename Condition>
+bool wait_until(Condition&& condition, std::chrono::milliseconds timeout = 30s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!condition()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
 // Runs the batchlm executable in `dir` and waits for it. Variables that would point it at a
 // real API key or another model are cleared unless the test sets them.
 struct RunResult {
@@ -253,6 +278,7 @@ inline RunResult run_batchlm(const fs::path& dir, std::vector<std::string> args,
   return r;
 }
 
+// Parses a JSONL output file; fails the test on a line that does not parse.
 inline std::vector<json> read_jsonl(const fs::path& p) {
   std::vector<json> out;
   std::istringstream in(read_file(p));

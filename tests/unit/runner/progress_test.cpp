@@ -89,11 +89,13 @@ TEST(ProgressBar, BarFillMatchesTheFractionDone) {
   EXPECT_EQ(count(bar, "."), 20u);
 }
 
-TEST(ProgressBar, NeverReachesTheLastColumn) {
+// The last column would make some terminals wrap; and a Ctrl-C echoed as "^C" after the bar
+// must fit on its row too.
+TEST(ProgressBar, LeavesTheLastColumnsFreeForAnEchoedCtrlC) {
   for (int width : {200, 120, 100, 80, 60, 40, 30, 20, 10, 5, 1}) {
     Progress progress(nullptr, true, seconds{5}, width);
     const std::string line = progress.render_bar(counters(), 10.0);
-    EXPECT_LE(static_cast<int>(line.size()), std::max(1, width - 1)) << width << ": " << line;
+    EXPECT_LE(static_cast<int>(line.size()), std::max(1, width - 3)) << width << ": " << line;
     EXPECT_FALSE(line.empty()) << width;
   }
 }
@@ -354,6 +356,24 @@ TEST(Summary, TextNamesTheFiguresThatMatter) {
     EXPECT_NE(text.find(part), std::string::npos) << part << " missing in:\n" << text;
   }
   EXPECT_LE(count(text, "\n"), 6u);
+}
+
+TEST(Summary, TextSaysOneItemAndOneAttempt) {
+  Summary s;
+  s.add(success(10, 4, 50, nullptr));
+  const std::string text = s.to_text(1.0, 1);
+  EXPECT_EQ(text.rfind("1 item: 1 succeeded, 0 failed", 0), 0u) << text;
+  EXPECT_NE(text.find("; 1 attempt\n"), std::string::npos) << text;
+}
+
+// The text counts the requests of items a stopped run did not finish, as the JSON does.
+TEST(Summary, TextCountsTheAttemptsOfUnfinishedItems) {
+  Summary s;
+  s.add(success(10, 4, 50, nullptr));
+  s.add_unfinished_attempts(2);
+  EXPECT_EQ(s.to_json(1.0, 3)["attempts"]["total"], 3);
+  const std::string text = s.to_text(1.0, 3);
+  EXPECT_NE(text.find("; 3 attempts\n"), std::string::npos) << text;
 }
 
 }  // namespace

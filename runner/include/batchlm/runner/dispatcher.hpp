@@ -27,8 +27,10 @@ enum ExitCode : int {
 struct RunOptions {
   bool fresh = false;                   // ignore and replace earlier results
   std::FILE* progress_out = stderr;     // bar, plain lines and the summary
-  std::optional<bool> tty;              // default: isatty(progress_out)
-  bool install_signal_handlers = true;  // SIGINT/SIGTERM: graceful stop, second SIGINT: exit now
+  std::optional<bool> tty;              // a bar redrawn in place; default: can_redraw(progress_out)
+  // SIGINT, SIGTERM, SIGHUP: graceful stop; a second SIGINT or SIGTERM, or SIGQUIT: exit now
+  // (whole records flushed); SIGPIPE ignored while the run lasts.
+  bool install_signal_handlers = true;
 };
 
 struct RunResult {

@@ -25,6 +25,10 @@ struct ProgressCounters {
   std::string engine;              // the embedded engine's state (EngineStats::brief), or ""
 };
 
+// Whether `out` is a terminal a bar can be redrawn on in place: a TTY whose $TERM is not
+// "dumb". Elsewhere the progress is plain periodic lines.
+bool can_redraw(std::FILE* out);
+
 class Progress {
  public:
   // tty: draw a bar redrawn in place at most 10 times a second; otherwise a plain line every
