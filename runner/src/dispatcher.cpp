@@ -244,10 +244,11 @@ class Dispatcher {
     if (stopping_) return;
     stopping_ = true;
     interrupted_ = interrupted;
-    std::fprintf(options_.progress_out, "\nbatchlm: %s: no new items; waiting up to %.0fs for %lld in flight%s\n",
-                 why, std::chrono::duration<double>(job_.grace_period).count(),
-                 static_cast<long long>(counters_.in_flight),
-                 interrupted && ctrl_c_hint ? " (Ctrl-C again to exit now)" : "");
+    char grace[32];
+    std::snprintf(grace, sizeof grace, "%.0fs", std::chrono::duration<double>(job_.grace_period).count());
+    progress_.message("batchlm: " + std::string(why) + ": no new items; waiting up to " + grace + " for " +
+                      std::to_string(counters_.in_flight) + " in flight" +
+                      (interrupted && ctrl_c_hint ? " (Ctrl-C again to exit now)" : ""));
     // Items not inside an attempt (waiting for a slot, a rate limit or a backoff) stop now.
     for (auto& item : items_)
       if (!item.in_attempt) item.cancel.emit(asio::cancellation_type::terminal);
@@ -494,7 +495,7 @@ class Dispatcher {
       try {
         writer_->flush_if_due();
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "batchlm: %s\n", e.what());
+        progress_.message(std::string("batchlm: ") + e.what());
       }
       timer.expires_after(std::chrono::milliseconds(100));
       co_await timer.async_wait(asio::use_awaitable);

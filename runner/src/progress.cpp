@@ -96,9 +96,25 @@ bool can_redraw(std::FILE* out) {
   return term == nullptr || std::string_view(term) != "dumb";
 }
 
-Progress::Progress(std::FILE* out, bool tty, std::chrono::milliseconds plain_interval, int width)
+bool terminal_rewraps() {
+  auto env = [](const char* name) {
+    const char* value = std::getenv(name);
+    return std::string_view(value == nullptr ? "" : value);
+  };
+  // The innermost terminal decides: tmux re-wraps its panes, GNU screen does not, whatever
+  // holds them.
+  if (!env("TMUX").empty()) return true;
+  if (!env("STY").empty()) return false;
+  if (!env("VTE_VERSION").empty() || !env("KITTY_WINDOW_ID").empty() || !env("WT_SESSION").empty()) return true;
+  const std::string_view program = env("TERM_PROGRAM"), term = env("TERM");
+  return program == "iTerm.app" || program == "Apple_Terminal" || program == "WezTerm" || program == "vscode" ||
+         term == "alacritty" || term == "xterm-kitty" || term == "foot";
+}
+
+Progress::Progress(std::FILE* out, bool tty, std::chrono::milliseconds plain_interval, int width,
+                   std::optional<bool> rewraps)
     : out_(out), tty_(tty), plain_interval_(plain_interval), width_(width),
-      start_(std::chrono::steady_clock::now()) {
+      rewraps_(rewraps.value_or(tty && terminal_rewraps())), start_(std::chrono::steady_clock::now()) {
   // The first plain line comes one interval in; a line at zero would say nothing.
   last_draw_ = start_;
 }
@@ -180,7 +196,18 @@ void Progress::draw(const ProgressCounters& c, std::chrono::steady_clock::time_p
   const double elapsed = std::chrono::duration<double>(now - start_).count();
   if (tty_) {
     // "\r" returns to the start of the line, ESC[K clears what a longer earlier line left.
-    std::fprintf(out_, "\r%s\x1b[K%s", render_bar(c, elapsed).c_str(), final ? "\n" : "");
+    std::string back = "\r";
+    const int width = columns();
+    if (rewraps_ && bar_length_ > static_cast<std::size_t>(width)) {
+      // The terminal got narrower than the last bar and wrapped it into rows of the new width,
+      // the cursor at its end: up to the first of those rows, and clear down from there.
+      const std::size_t rows_above = (bar_length_ - 1) / static_cast<std::size_t>(width);
+      if (rows_above > 0) back += format("\x1b[%zuA", rows_above);
+      back += "\x1b[J";
+    }
+    const std::string line = render_bar(c, elapsed);
+    std::fprintf(out_, "%s%s\x1b[K%s", back.c_str(), line.c_str(), final ? "\n" : "");
+    bar_length_ = final ? 0 : line.size();
   } else {
     std::fprintf(out_, "%s\n", render_plain(c, elapsed).c_str());
   }
@@ -200,6 +227,12 @@ void Progress::update(const ProgressCounters& c, std::chrono::steady_clock::time
 
 void Progress::finish(const ProgressCounters& c, std::chrono::steady_clock::time_point now) {
   draw(c, now, true);
+}
+
+void Progress::message(const std::string& line) {
+  std::fprintf(out_, "%s%s\n", bar_length_ > 0 ? "\n" : "", line.c_str());
+  std::fflush(out_);
+  bar_length_ = 0;
 }
 
 // --- Summary ----------------------------------------------------------------------------

@@ -216,6 +216,66 @@ TEST(Progress, TtyFinishEndsTheLine) {
   std::fclose(file);
 }
 
+// A terminal that re-wraps its lines on a resize (tmux, most graphical terminals) turns the
+// last bar into several rows when it gets narrower, the cursor after them: the next draw goes
+// back up to the first of those rows and clears from there, leaving no pieces of the old bar.
+TEST(Progress, ShrunkTerminalThatRewrapsLosesTheWholeOldBar) {
+  std::FILE* file = std::tmpfile();
+  ASSERT_NE(file, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  Progress progress(file, true, seconds{5}, 120, /*rewraps=*/true);
+  progress.update(counters(), start);
+  const std::size_t first = contents(file).size();
+  const std::size_t length = progress.render_bar(counters(), 0.0).size();  // 117: 3 rows of 40
+  ASSERT_GT(length, 80u);
+  progress.resize(40);
+  progress.update(counters(), start + milliseconds{200});
+  const std::string redraw = contents(file).substr(first);
+  EXPECT_EQ(redraw.rfind("\r\x1b[" + std::to_string((length - 1) / 40) + "A\x1b[J", 0), 0u) << redraw;
+  // Drawn at the new width, the next redraw is in place again.
+  const std::size_t second = contents(file).size();
+  progress.update(counters(), start + milliseconds{400});
+  EXPECT_EQ(contents(file).substr(second).rfind("\r120/1319", 0), 0u);
+  std::fclose(file);
+}
+
+// Elsewhere (xterm cuts lines instead) going up would erase the user's own lines: in place.
+TEST(Progress, ShrunkTerminalThatCutsLinesIsRedrawnInPlace) {
+  std::FILE* file = std::tmpfile();
+  ASSERT_NE(file, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  Progress progress(file, true, seconds{5}, 120, /*rewraps=*/false);
+  progress.update(counters(), start);
+  const std::size_t first = contents(file).size();
+  progress.resize(40);
+  progress.update(counters(), start + milliseconds{200});
+  EXPECT_EQ(contents(file).substr(first).rfind("\r120/1319", 0), 0u);
+  std::fclose(file);
+}
+
+// A message while the bar shows ends the bar's line first; the bar then starts anew below it
+// (and a resize does not send it up over the message).
+TEST(Progress, MessageEndsTheBarLineFirst) {
+  std::FILE* file = std::tmpfile();
+  ASSERT_NE(file, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  Progress progress(file, true, seconds{5}, 120, /*rewraps=*/true);
+  progress.update(counters(), start);
+  progress.message("batchlm: interrupted");
+  const std::size_t before = contents(file).size();
+  EXPECT_EQ(contents(file).substr(contents(file).size() - 22), "\nbatchlm: interrupted\n");
+  progress.resize(40);
+  progress.update(counters(), start + milliseconds{200});
+  EXPECT_EQ(contents(file).substr(before).rfind("\r120/1319", 0), 0u);
+  // Without a bar on screen (plain lines), no empty line comes first.
+  std::FILE* plain_file = std::tmpfile();
+  Progress plain(plain_file, false, seconds{5});
+  plain.message("batchlm: interrupted");
+  EXPECT_EQ(contents(plain_file), "batchlm: interrupted\n");
+  std::fclose(plain_file);
+  std::fclose(file);
+}
+
 // --- Summary ----------------------------------------------------------------------------
 
 TEST(Percentile, UsesNearestRank) {

@@ -29,18 +29,29 @@ struct ProgressCounters {
 // "dumb". Elsewhere the progress is plain periodic lines.
 bool can_redraw(std::FILE* out);
 
+// Whether the terminal re-wraps its lines when it gets narrower (tmux, VTE, kitty, iTerm2,
+// WezTerm, Windows Terminal, Alacritty, VS Code's), as far as the environment tells; xterm,
+// GNU screen and unknown terminals cut them instead.
+bool terminal_rewraps();
+
 class Progress {
  public:
   // tty: draw a bar redrawn in place at most 10 times a second; otherwise a plain line every
-  // `plain_interval`. `width`: terminal columns (0: ask the terminal, else 80).
+  // `plain_interval`. `width`: terminal columns (0: ask the terminal at every draw, else 80).
+  // `rewraps`: whether the terminal re-wraps lines on a resize (default: terminal_rewraps()).
   Progress(std::FILE* out, bool tty, std::chrono::milliseconds plain_interval = std::chrono::seconds(5),
-           int width = 0);
+           int width = 0, std::optional<bool> rewraps = std::nullopt);
   // Draws if it is time (tty: 100 ms since the last draw; plain: the interval).
   void update(const ProgressCounters& c,
               std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
   // Final draw and newline, before the summary.
   void finish(const ProgressCounters& c,
               std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
+  // A line of text while the bar may be showing: the bar's line is ended first, and the bar is
+  // drawn anew below the text.
+  void message(const std::string& line);
+  // As if the terminal were now `width` columns wide (tests; a real one is asked at each draw).
+  void resize(int width) { width_ = width; }
   // The bar line for counters (without "\r"), for tests.
   std::string render_bar(const ProgressCounters& c, double elapsed_seconds) const;
   // The line printed when stderr is not a terminal (without "\n").
@@ -54,8 +65,10 @@ class Progress {
   bool tty_;
   std::chrono::milliseconds plain_interval_;
   int width_;
+  bool rewraps_;
   std::chrono::steady_clock::time_point start_, last_draw_{};
   bool drawn_ = false;
+  std::size_t bar_length_ = 0;  // of the bar on the cursor's line, 0 when there is none
 };
 
 // Per item, what the summary needs.
