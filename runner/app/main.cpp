@@ -50,7 +50,8 @@ Rerunning the same command resumes: finished items are skipped, failed ones retr
 
 Exit codes:
   0    every item succeeded
-  1    the run finished but some items failed (rerun to retry them)
+  1    some items failed, or the run stopped sending (the API refuses the client, the output
+       cannot be written): rerun to retry them
   2    bad configuration or usage: nothing was sent
   130  interrupted (Ctrl-C, SIGTERM, SIGHUP, Ctrl-\): finished items are saved; rerun to resume
 

@@ -168,7 +168,6 @@ class Dispatcher {
     }
 
     std::optional<asio::signal_set> signals;
-    std::optional<IgnoredSignal> broken_pipes;
     if (options_.install_signal_handlers) {
       g_writer_for_hard_exit = writer_.get();
       signals.emplace(io_);
@@ -179,7 +178,10 @@ class Dispatcher {
       wait_for_signal(*signals);
       // Progress and the summary go to stderr; a reader of it that went away (`2>&1 | head`,
       // a log reader that died) must cost those lines (EPIPE), not the run.
-      broken_pipes.emplace(SIGPIPE);
+      broken_pipes_.emplace(SIGPIPE);
+      // An output past the file size limit (`ulimit -f`) is an error to report (EFBIG) like a
+      // full disk, not a signal that kills the run with its records unwritten.
+      too_large_files_.emplace(SIGXFSZ);
     }
 
     asio::co_spawn(io_, produce(), [this](std::exception_ptr e) {
@@ -193,7 +195,7 @@ class Dispatcher {
     g_writer_for_hard_exit = nullptr;
     if (producer_error_) std::rethrow_exception(producer_error_);
 
-    writer_->flush();
+    flush_output(false);
     if (auto stats = backend_.engine_stats()) counters_.engine = stats->brief();
     progress_.finish(counters_);
     return finish();
@@ -462,8 +464,38 @@ class Dispatcher {
     }
     ++counters_.done;
     summary_.add(result);
-    writer_->append(record);
+    write_record(record);
     watch_refusals(run.outcome);
+  }
+
+  // The output takes every record through these two. The first write that fails (a full disk,
+  // a file size limit, an I/O error) stops the run: nothing more is sent, since nothing more
+  // could be saved. The writer keeps what it could not write and every later flush (each
+  // tick, the end of the run) tries again, so room made meanwhile still saves them.
+  void write_record(const nlohmann::ordered_json& record) {
+    try {
+      writer_->append(record);
+    } catch (const std::exception& e) {
+      output_failed(e.what());
+    }
+  }
+
+  void flush_output(bool only_if_due) {
+    try {
+      if (only_if_due) {
+        writer_->flush_if_due();
+      } else {
+        writer_->flush();
+      }
+    } catch (const std::exception& e) {
+      output_failed(e.what());
+    }
+  }
+
+  void output_failed(const std::string& what) {
+    if (output_error_) return;  // said once; the retries are quiet
+    output_error_ = what;
+    begin_stop(what.c_str(), false);
   }
 
   // An API that refuses this client (a wrong key, no quota, no access) refuses every item: after
@@ -492,11 +524,7 @@ class Dispatcher {
     while (!io_.stopped()) {
       if (auto stats = backend_.engine_stats()) counters_.engine = stats->brief();
       progress_.update(counters_);
-      try {
-        writer_->flush_if_due();
-      } catch (const std::exception& e) {
-        progress_.message(std::string("batchlm: ") + e.what());
-      }
+      flush_output(true);
       timer.expires_after(std::chrono::milliseconds(100));
       co_await timer.async_wait(asio::use_awaitable);
     }
@@ -508,14 +536,18 @@ class Dispatcher {
   // reason when it could not be written.
   std::optional<std::string> write_summary(const json& summary) const {
     const std::string path = summary_path(), tmp = path + ".tmp";
+    std::error_code ec;
     {
       std::ofstream f(tmp, std::ios::trunc);
       if (!f) return std::string("cannot open ") + tmp + ": " + std::strerror(errno);
       f << summary.dump(2) << '\n';
       f.flush();
-      if (!f) return std::string("cannot write ") + tmp + ": " + std::strerror(errno);
+      if (!f) {
+        const std::string reason = std::string("cannot write ") + tmp + ": " + std::strerror(errno);
+        std::filesystem::remove(tmp, ec);  // no half summary left behind
+        return reason;
+      }
     }
-    std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
     if (ec) {
       std::filesystem::remove(tmp, ec);
@@ -540,6 +572,9 @@ class Dispatcher {
     summary["interrupted"] = interrupted_;
     const std::optional<EngineStats> engine = backend_.engine_stats();
     if (engine) summary["engine"] = engine->to_json();
+    // Finished items the output could not take: counted above, but not in the file.
+    const std::int64_t unsaved = writer_->buffered();
+    if (output_error_) summary["output_error"] = {{"message", *output_error_}, {"unsaved", unsaved}};
     const std::optional<std::string> summary_error = write_summary(summary);
     if (!summary_error) r.summary_path = summary_path();
     std::fputs(summary_.to_text(wall, counters_.total).c_str(), options_.progress_out);
@@ -585,6 +620,14 @@ class Dispatcher {
       std::fprintf(options_.progress_out,
                    "interrupted: %lld items not finished; run the same command again to resume\n",
                    static_cast<long long>(r.unfinished));
+    } else if (output_error_) {
+      r.exit_code = kExitSomeFailed;
+      const std::string not_saved =
+          unsaved > 0 ? ", " + std::to_string(unsaved) + " finished items could not be saved" : std::string();
+      std::fprintf(options_.progress_out,
+                   "stopped: %s; %lld items were not sent%s. Make room or fix the output, then run the same "
+                   "command again: they run then\n",
+                   output_error_->c_str(), static_cast<long long>(r.unfinished), not_saved.c_str());
     } else if (refused_) {
       r.exit_code = kExitSomeFailed;
       std::fprintf(options_.progress_out,
@@ -611,6 +654,8 @@ class Dispatcher {
   Progress progress_;
   Summary summary_;
   ProgressCounters counters_;
+  // Ignored while the run lasts, up to the writer's last flush in its destructor (see run()).
+  std::optional<IgnoredSignal> broken_pipes_, too_large_files_;
   std::unique_ptr<OutputWriter> writer_;
   // The records the output already held, by id, and how many of them were this run's items.
   struct Kept {
@@ -629,6 +674,7 @@ class Dispatcher {
   bool stopping_ = false, interrupted_ = false;
   int refusals_in_a_row_ = 0;
   std::optional<std::string> refused_;  // why the run stopped sending: the API refuses it
+  std::optional<std::string> output_error_;  // why the run stopped sending: the output fails
   int stop_signals_ = 0;  // SIGINT, SIGTERM and SIGHUP received
 };
 

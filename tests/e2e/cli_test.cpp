@@ -607,6 +607,12 @@ namespace {
 
 long long requests_seen(const FakeServer& server) { return server.stats()["requests"].get<long long>(); }
 
+std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 // Whole records only (the file ends with a newline), each id once, none failed; their count.
 std::size_t expect_whole_records(const fs::path& out) {
   const std::string text = read_file(out);
@@ -767,6 +773,52 @@ TEST(BatchlmServe, SighupShutsDownGracefully) {
   const std::string err = read_file(dir.path / "serve.err");
   EXPECT_NE(err.find("batchlm serve: SIGHUP: finishing 0 requests in flight"), std::string::npos) << err;
   EXPECT_NE(err.find("batchlm serve: stopped"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace batchlm::e2e
+
+namespace batchlm::e2e {
+namespace {
+
+// An output that cannot take more (a full disk, a file size limit): the run says so once,
+// sends no new items, keeps the records it could not write for as long as it runs, ends with
+// exit 1 and a summary that says how many finished items were not saved; the rerun, once there
+// is room, does the rest.
+TEST(BatchlmRun, OutputThatCannotBeWrittenStopsTheRunWithOneClearMessage) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 200, .concurrency = 4}));
+  const fs::path out = dir.path / "out/e2e.jsonl";
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err",
+             .file_size_limit = 20000});  // about 20 records; the summary is smaller
+  ASSERT_EQ(p.wait(60s), 1) << read_file(dir.path / "run.err");
+  const std::string err = read_file(dir.path / "run.err");
+  EXPECT_EQ(count_of(err, "cannot write out/e2e.jsonl: File too large"), 2u) << err;  // the stop, the end
+  EXPECT_NE(err.find("no new items"), std::string::npos) << err;
+  EXPECT_NE(err.find("finished items could not be saved"), std::string::npos) << err;
+  EXPECT_LT(requests_seen(server), 100) << "items kept being sent: " << err;
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_GT(summary["output_error"]["unsaved"].get<long long>(), 0) << summary.dump(2);
+  EXPECT_EQ(summary["interrupted"], false) << summary.dump(2);
+
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  expect_each_id_once(read_jsonl(out), 200);
+}
+
+// When not even the summary fits, no half-written summary file is left behind.
+TEST(BatchlmRun, SummaryThatCannotBeWrittenLeavesNoPartialFile) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 10}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err", .file_size_limit = 600});
+  ASSERT_EQ(p.wait(60s), 1) << read_file(dir.path / "run.err");
+  EXPECT_NE(read_file(dir.path / "run.err").find("summary not written"), std::string::npos);
+  EXPECT_FALSE(fs::exists(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_FALSE(fs::exists(dir.path / "out/e2e.jsonl.summary.json.tmp"));
 }
 
 }  // namespace

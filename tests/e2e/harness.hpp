@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <pty.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -82,6 +83,7 @@ class Process {
     std::vector<int> closed_fds;    // left closed in the child, as by `2>&-` (instead of the files)
     int err_fd = -1;                // when >= 0, the child's stderr instead of err_file (a pipe)
     std::vector<int> ignored_signals;  // ignored when the child starts, as under `nohup`
+    long long file_size_limit = -1;    // when >= 0, the most bytes any file may reach (`ulimit -f`)
   };
 
   explicit Process(const Options& o) {
@@ -121,6 +123,10 @@ class Process {
       }
       for (int fd : o.closed_fds) ::close(fd);
       for (int sig : o.ignored_signals) ::signal(sig, SIG_IGN);
+      if (o.file_size_limit >= 0) {
+        const rlimit limit{static_cast<rlim_t>(o.file_size_limit), static_cast<rlim_t>(o.file_size_limit)};
+        ::setrlimit(RLIMIT_FSIZE, &limit);
+      }
       ::execve(argv[0], argv.data(), envp.data());
       ::_exit(127);
     }

@@ -69,6 +69,8 @@ class OutputWriter {
 
   const std::string& path() const { return options_.path; }  // links resolved
   std::int64_t written() const { return written_; }
+  // Records appended but not yet wholly written (after a failed flush, those it kept).
+  std::int64_t buffered() const { return buffered_records_; }
 
  private:
   void append_line(std::string line);
