@@ -156,11 +156,32 @@ void lock_output(int fd, const std::string& path) {
   throw OutputLockedError("output " + path + " is in use by another run (under another name)");
 }
 
+// An output is a file the next run can read back and resume from. Anything else at the path
+// (a directory, a pipe such as a piped /dev/stdout, a terminal, /dev/null) is refused before a
+// lock file is made beside it; opening a pipe nobody reads would even block for good.
+void check_can_be_output(const std::string& path) {
+  static constexpr const char* kGive = ": batchlm writes its records to a file it can resume from on the next "
+                                       "run; give a file path (such as out/NAME.jsonl)";
+  if (path == "-") throw std::runtime_error(std::string("output '-' (standard output) is not supported") + kGive);
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0 || S_ISREG(info.st_mode)) return;  // absent: created
+  const char* kind = S_ISDIR(info.st_mode)    ? "a directory"
+                     : S_ISFIFO(info.st_mode) ? "a pipe"
+                     : S_ISCHR(info.st_mode)  ? "a character device"
+                     : S_ISBLK(info.st_mode)  ? "a block device"
+                     : S_ISSOCK(info.st_mode) ? "a socket"
+                                              : "of another kind";
+  throw std::runtime_error("output " + path + " is " + kind + ", not a file" + kGive);
+}
+
 }  // namespace
 
 OutputWriter::OutputWriter(Options options, const std::function<void(const nlohmann::json&)>& on_kept)
     : options_(std::move(options)), last_flush_(std::chrono::steady_clock::now()) {
   if (options_.path.empty()) throw std::runtime_error("output path is empty");
+  // As given: stat follows every link, /dev/stdout's to a pipe included, which resolve_links
+  // cannot name.
+  check_can_be_output(options_.path);
   options_.path = resolve_links(options_.path);
   const std::string& path = options_.path;
   try {

@@ -476,5 +476,49 @@ TEST_F(OutputWriterTest, UnwritableLocationIsAnErrorNamingThePath) {
   }
 }
 
+// An output that is not a file (a directory, a pipe such as a piped /dev/stdout, a device
+// such as /dev/null) cannot be resumed from: refused, saying what it is, before a lock file is
+// made beside it.
+TEST_F(OutputWriterTest, OutputThatIsNotARegularFileIsRefusedBeforeAnythingIsCreated) {
+  fs::create_directory(dir_ / "results");
+  ASSERT_EQ(::mkfifo((dir_ / "fifo").c_str(), 0644), 0);
+  int ends[2];
+  ASSERT_EQ(::pipe(ends), 0);
+  const std::string piped = "/proc/self/fd/" + std::to_string(ends[1]);  // what /dev/stdout is when piped
+  for (const auto& [path, kind] : std::vector<std::pair<std::string, std::string>>{
+           {(dir_ / "results").string(), "a directory"},
+           {(dir_ / "fifo").string(), "a pipe"},
+           {piped, "a pipe"},
+           {"/dev/null", "a character device"}}) {
+    path_ = path;
+    try {
+      OutputWriter writer(options());
+      ADD_FAILURE() << "opened " << path;
+    } catch (const OutputLockedError&) {
+      ADD_FAILURE() << "reported as locked";
+    } catch (const std::runtime_error& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("output " + path + " is " + kind + ", not a file"), std::string::npos) << message;
+    }
+  }
+  ::close(ends[0]);
+  ::close(ends[1]);
+  EXPECT_FALSE(fs::exists(dir_ / "results.lock"));
+  EXPECT_FALSE(fs::exists(dir_ / "fifo.lock"));
+}
+
+// "-" usually means stdout; a file named "-" appearing instead would surprise: refused.
+TEST_F(OutputWriterTest, DashIsRefusedAsAnOutput) {
+  path_ = "-";
+  try {
+    OutputWriter writer(options());
+    ADD_FAILURE() << "opened '-'";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("output '-'"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists("-"));
+  EXPECT_FALSE(fs::exists("-.lock"));
+}
+
 }  // namespace
 }  // namespace batchlm::runner
