@@ -190,14 +190,20 @@ class Dispatcher {
         io_.stop();
       }
     });
-    asio::co_spawn(io_, tick(), asio::detached);
+    if (counters_.total > 0) asio::co_spawn(io_, tick(), asio::detached);
     io_.run();
     g_writer_for_hard_exit = nullptr;
     if (producer_error_) std::rethrow_exception(producer_error_);
 
     flush_output(false);
     if (auto stats = backend_.engine_stats()) counters_.engine = stats->brief();
-    progress_.finish(counters_);
+    if (counters_.total > 0) {
+      progress_.finish(counters_);
+    } else {
+      // Likely a mistake (the wrong input file, a limit left at 0): say it rather than draw
+      // a bar of nothing.
+      progress_.message("batchlm: note: the job has no items (its input is empty, or the limit is 0)");
+    }
     return finish();
   }
 

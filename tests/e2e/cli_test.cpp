@@ -823,3 +823,28 @@ TEST(BatchlmRun, SummaryThatCannotBeWrittenLeavesNoPartialFile) {
 
 }  // namespace
 }  // namespace batchlm::e2e
+
+namespace batchlm::e2e {
+namespace {
+
+// A job with no items (an empty input, --limit 0) says so instead of drawing a bar of nothing.
+TEST(BatchlmRun, JobWithoutItemsSaysSo) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 5}));
+  write_file(dir.path / "empty.jsonl", "");
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"run", "job.yaml", "--limit", "0"},
+                                               std::vector<std::string>{"run", "job.yaml", "--set", "input=empty.jsonl"}}) {
+    Process p({.args = {binary("batchlm"), args[0], args[1], args[2], args[3]}, .env = {}, .cwd = dir.path,
+               .out_file = {}, .err_file = {}, .use_pty = true, .pty_columns = 100});
+    ASSERT_EQ(p.wait(30s), 0) << p.pty_output();
+    const std::string& screen = p.pty_output();
+    EXPECT_NE(screen.find("batchlm: note: the job has no items"), std::string::npos) << screen;
+    EXPECT_EQ(screen.find("eta"), std::string::npos) << screen;
+    EXPECT_NE(screen.find("0 items: 0 succeeded, 0 failed"), std::string::npos) << screen;
+  }
+  EXPECT_EQ(requests_seen(server), 0);
+}
+
+}  // namespace
+}  // namespace batchlm::e2e
