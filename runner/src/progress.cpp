@@ -192,9 +192,22 @@ std::string Progress::render_plain(const ProgressCounters& c, double elapsed_sec
   return line;
 }
 
+bool Progress::in_background() const {
+  // The terminal's foreground process group is not this one: the run was started with `&` or
+  // sent there with Ctrl-Z and `bg`, and the user types in a shell on the cursor's line. A
+  // stream that is not this process's controlling terminal (ENOTTY) counts as foreground.
+  const pid_t foreground = ::tcgetpgrp(::fileno(out_));
+  return foreground != -1 && foreground != ::getpgrp();
+}
+
 void Progress::draw(const ProgressCounters& c, std::chrono::steady_clock::time_point now, bool final) {
   const double elapsed = std::chrono::duration<double>(now - start_).count();
-  if (tty_) {
+  if (tty_ && in_background()) {
+    // No redraw over the user's shell; the last bar alone, on a line of its own (the cursor
+    // may be after a prompt). Back in the foreground (`fg`), the bar starts anew.
+    if (final) std::fprintf(out_, "\n%s\n", render_bar(c, elapsed).c_str());
+    bar_length_ = 0;
+  } else if (tty_) {
     // "\r" returns to the start of the line, ESC[K clears what a longer earlier line left.
     std::string back = "\r";
     const int width = columns();

@@ -848,3 +848,30 @@ TEST(BatchlmRun, JobWithoutItemsSaysSo) {
 
 }  // namespace
 }  // namespace batchlm::e2e
+
+namespace batchlm::e2e {
+namespace {
+
+// A run in the background of its terminal (`&`, or Ctrl-Z then `bg`) does not redraw its bar
+// over the shell the user types in; the last bar and the summary come at the end, on lines of
+// their own.
+TEST(BatchlmProgress, BackgroundRunDrawsNoBarOverTheShell) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "10", "--token-delay-ms", "10"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 12, .concurrency = 4}));
+  // A shell with job control gives the background job a process group of its own, which is
+  // not the terminal's foreground group.
+  Process p({.args = {"/bin/bash", "--norc", "-c", "set -m; '" + binary("batchlm") + "' run job.yaml & wait $!"},
+             .env = {{"TERM", "xterm"}}, .cwd = dir.path, .out_file = {}, .err_file = {}, .use_pty = true,
+             .pty_columns = 100});
+  ASSERT_EQ(p.wait(60s), 0) << p.pty_output();
+  const std::string& screen = p.pty_output();
+  EXPECT_NE(screen.find("12/12 100.0%"), std::string::npos) << screen;
+  EXPECT_NE(screen.find("12 items: 12 succeeded"), std::string::npos) << screen;
+  // The terminal turns "\n" into "\r\n": any other "\r" is a redraw.
+  for (std::size_t at = screen.find('\r'); at != std::string::npos; at = screen.find('\r', at + 1))
+    ASSERT_EQ(screen.substr(at, 2), "\r\n") << "a redraw at byte " << at << ": " << screen;
+}
+
+}  // namespace
+}  // namespace batchlm::e2e

@@ -60,6 +60,7 @@ class Progress {
  private:
   void draw(const ProgressCounters& c, std::chrono::steady_clock::time_point now, bool final);
   int columns() const;
+  bool in_background() const;  // of the terminal: another process group has it
 
   std::FILE* out_;
   bool tty_;
