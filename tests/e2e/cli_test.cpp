@@ -461,9 +461,9 @@ TEST(BatchlmRun, SecondSigintExitsAtOnceWithWholeRecords) {
   const fs::path out = dir.path / "out/e2e.jsonl";
   Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
              .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
-  std::this_thread::sleep_for(500ms);
+  ASSERT_TRUE(wait_until([&] { return server.stats()["requests"].get<long long>() >= 8; }));
   p.signal(SIGINT);
-  std::this_thread::sleep_for(300ms);
+  ASSERT_TRUE(wait_until([&] { return read_file(dir.path / "run.err").find("no new items") != std::string::npos; }));
   const auto before = std::chrono::steady_clock::now();
   p.signal(SIGINT);
   ASSERT_EQ(p.wait(20s), 130) << read_file(dir.path / "run.err");
