@@ -49,6 +49,24 @@ std::string type_name(const json& v) {
   }
 }
 
+// A string from the request as an error message quotes it: at most 64 bytes, cut at a
+// character boundary (the message must stay valid UTF-8 to be sent as JSON).
+std::string excerpt(std::string_view text) {
+  constexpr std::size_t kMaxShown = 64;
+  if (text.size() <= kMaxShown) return std::string(text);
+  std::size_t end = kMaxShown;
+  while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;  // a continuation byte
+  return std::string(text.substr(0, end)) + "...";
+}
+
+// A value as an error message names it: its type, and a scalar's value ("a string (\"64\")");
+// arrays and objects by their type alone.
+std::string described(const json& v) {
+  if (v.is_array() || v.is_object()) return type_name(v);
+  if (v.is_string()) return type_name(v) + " (" + json(excerpt(v.get_ref<const std::string&>())).dump() + ")";
+  return type_name(v) + " (" + v.dump() + ")";
+}
+
 // The field when present and not null.
 const json* field(const json& body, const char* name) {
   auto it = body.find(name);
@@ -71,7 +89,7 @@ std::int64_t integer(const json& v, const std::string& param, std::int64_t min, 
              std::abs(v.get<double>()) < 9e15) {
     value = static_cast<std::int64_t>(v.get<double>());
   } else {
-    invalid(param, "'" + param + "' must be an integer, not " + type_name(v) + " (" + v.dump() + ")");
+    invalid(param, "'" + param + "' must be an integer, not " + described(v));
   }
   if (value < min || value > max) {
     invalid(param, "'" + param + "' must be between " + std::to_string(min) + " and " +
@@ -107,7 +125,7 @@ std::string content_text(const json& v, const std::string& param) {
     if (!p.is_object()) invalid(part, "'" + part + "' must be an object, not " + type_name(p));
     const json* type = field(p, "type");
     if (!type || !type->is_string()) invalid(part + ".type", "'" + part + ".type' is required");
-    if (type->get<std::string>() != "text") unsupported(part + ".type", "content of type '" + type->get<std::string>() + "'");
+    if (type->get<std::string>() != "text") unsupported(part + ".type", "content of type '" + excerpt(type->get<std::string>()) + "'");
     const json* t = field(p, "text");
     if (!t || !t->is_string()) invalid(part + ".text", "'" + part + ".text' must be a string");
     text += t->get<std::string>();
@@ -132,7 +150,7 @@ std::vector<ChatMessage> read_messages(const json& body) {
     if (r != "system" && r != "user" && r != "assistant") {
       if (r == "tool" || r == "function") unsupported(param + ".role", "the role '" + r + "'");
       invalid(param + ".role", "'" + param + ".role' must be one of system, developer, user, assistant, not '" +
-                                   role->get<std::string>() + "'");
+                                   excerpt(role->get<std::string>()) + "'");
     }
     if (field(m, "tool_calls") || field(m, "function_call")) unsupported(param + ".tool_calls", "tool calling");
     const json* content = field(m, "content");
@@ -187,7 +205,7 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
     r.model = model->get<std::string>();
     if (!r.model.empty() && r.model != served_model) {
       throw ApiError(404, "invalid_request_error", "model",
-                     "the model '" + r.model + "' does not exist; this server serves '" +
+                     "the model '" + excerpt(r.model) + "' does not exist; this server serves '" +
                          std::string(served_model) + "'",
                      "model_not_found");
     }
@@ -254,7 +272,7 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
   if (const json* v = field(body, "response_format")) {
     const json* type = v->is_object() ? field(*v, "type") : nullptr;
     if (!type || !type->is_string()) invalid("response_format", "'response_format' must be an object with a 'type'");
-    if (type->get<std::string>() != "text") unsupported("response_format", "response_format '" + type->get<std::string>() + "'");
+    if (type->get<std::string>() != "text") unsupported("response_format", "response_format '" + excerpt(type->get<std::string>()) + "'");
   }
   if (!chat) {
     if (const json* v = field(body, "echo"); v && boolean(*v, "echo")) unsupported("echo", "'echo'");
@@ -266,15 +284,64 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
   return out;
 }
 
-ApiRequest parse_request_body(Endpoint endpoint, std::string_view body_text, std::string_view served_model) {
-  json body;
-  try {
-    body = json::parse(body_text);
-  } catch (const json::parse_error& e) {
-    // e.byte: the 1-based position where parsing failed.
-    invalid("", "the request body is not valid JSON (at byte " + std::to_string(e.byte) + ")");
+namespace {
+
+// Arrays and objects nested deeper than this are refused: no request needs more (a JSON schema
+// in a tool definition rarely reaches 20), and a value nested a million deep, which a few
+// megabytes of '[' make, would overflow the stack of any recursive walk over it.
+constexpr std::size_t kMaxBodyDepth = 64;
+
+// Checks a body's text without building it: syntax, numbers that fit a double, nesting depth.
+// The first problem is kept with its 1-based byte position.
+class BodyChecker : public json::json_sax_t {
+ public:
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return enter(); }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return leave(); }
+  bool start_array(std::size_t) override { return enter(); }
+  bool end_array() override { return leave(); }
+  bool parse_error(std::size_t position, const std::string& token, const json::exception& e) override {
+    // e.id 406: a number too large for a double (integers beyond 64 bits are read as doubles).
+    if (e.id == 406) {
+      problem = "the request body has a number out of range, " + excerpt(token) + " (at byte " +
+                std::to_string(position) + ")";
+    } else {
+      problem = "the request body is not valid JSON (at byte " + std::to_string(position) + ")";
+    }
+    return false;
   }
-  return parse_request(endpoint, body, served_model);
+
+  std::string problem;  // empty while the text is fine
+
+ private:
+  bool enter() {
+    if (++depth_ <= kMaxBodyDepth) return true;
+    problem = "the request body nests arrays and objects more than " + std::to_string(kMaxBodyDepth) + " deep";
+    return false;
+  }
+  bool leave() {
+    --depth_;
+    return true;
+  }
+  std::size_t depth_ = 0;
+};
+
+}  // namespace
+
+ApiRequest parse_request_body(Endpoint endpoint, std::string_view body_text, std::string_view served_model) {
+  // Checked first, so that every way the text can be wrong is a 400 that says where, and the
+  // value built below is never deeper than kMaxBodyDepth.
+  BodyChecker checker;
+  json::sax_parse(body_text, &checker);
+  if (!checker.problem.empty()) invalid("", checker.problem);
+  return parse_request(endpoint, json::parse(body_text), served_model);
 }
 
 std::string new_response_id(Endpoint endpoint) {

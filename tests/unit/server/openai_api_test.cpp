@@ -373,6 +373,18 @@ TEST(ParseRequest, MaxTokensType) {
   EXPECT_EQ(chat({{"max_tokens", 64.0}}).request.max_tokens, 64);  // an integral float is fine
 }
 
+TEST(ParseRequest, ErrorsShowValuesShortly) {
+  // Arrays and objects by their type, long strings cut at a character boundary.
+  expect_invalid(chat_error(chat_body({{"max_tokens", json::array({1, 2})}})), "max_tokens",
+                 "'max_tokens' must be an integer, not an array");
+  expect_invalid(chat_error(chat_body({{"seed", json::object()}})), "seed", "'seed' must be an integer, not an object");
+  const std::string long_text = std::string(63, 'x') + "é" + std::string(100, 'y');
+  expect_invalid(chat_error(chat_body({{"max_tokens", long_text}})), "max_tokens",
+                 "'max_tokens' must be an integer, not a string (\"" + std::string(63, 'x') + "...\")");
+  ApiError e = chat_error(chat_body({{"model", long_text}}));
+  EXPECT_EQ(std::string(e.what()), "the model '" + std::string(63, 'x') + "...' does not exist; this server serves 'tiny-llama'");
+}
+
 // ---- temperature, top_p, top_k, seed, stop -------------------------------------------------
 
 TEST(ParseRequest, TemperatureRange) {
@@ -551,6 +563,26 @@ TEST(ParseRequestBody, InvalidJsonIs400WithThePosition) {
 
   expect_invalid(error_of([] { parse_request_body(Endpoint::kChat, "", kModel); }), "",
                  "the request body is not valid JSON (at byte 1)");
+}
+
+// Found by fuzzing (tests/fuzz/corpus/server_request): a number beyond a double escaped as
+// nlohmann's out_of_range, and the connection closed without an answer.
+TEST(ParseRequestBody, NumberOutOfRangeIs400WithThePosition) {
+  expect_invalid(error_of([] { parse_request_body(Endpoint::kChat, "1e999", kModel); }), "",
+                 "the request body has a number out of range, 1e999 (at byte 5)");
+  expect_invalid(error_of([] { parse_request_body(Endpoint::kChat, R"({"max_tokens": -2e400})", kModel); }), "",
+                 "the request body has a number out of range, -2e400 (at byte 21)");
+}
+
+TEST(ParseRequestBody, DeepNestingIs400) {
+  // Megabytes of '[' would overflow the stack of any recursive walk over the value.
+  const std::string deep = R"({"max_tokens": )" + std::string(100'000, '[') + std::string(100'000, ']') + "}";
+  expect_invalid(error_of([&] { parse_request_body(Endpoint::kChat, deep, kModel); }), "",
+                 "the request body nests arrays and objects more than 64 deep");
+  // 64 levels are fine.
+  const std::string ok = R"({"messages": [{"role": "user", "content": "x"}], "metadata": )" +
+                         std::string(63, '[') + std::string(63, ']') + "}";
+  EXPECT_EQ(parse_request_body(Endpoint::kChat, ok, kModel).request.messages.size(), 1u);
 }
 
 TEST(ParseRequestBody, BodyMustBeAnObject) {
