@@ -6,6 +6,8 @@
 #include "batchlm/runner/source.hpp"
 
 #include <algorithm>
+#include <charconv>
+#include <climits>
 #include <fstream>
 #include <set>
 #include <unordered_map>
@@ -37,10 +39,12 @@ const json* lookup(const json& fields, std::string_view path) {
       auto it = node->find(key);
       if (it == node->end()) return nullptr;
       node = &*it;
-    } else if (node->is_array() && !key.empty() &&
-               std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-      std::size_t index = std::stoul(key);
-      if (index >= node->size()) return nullptr;
+    } else if (node->is_array()) {
+      // An index: digits only. One too large for size_t is past the end like any other.
+      std::size_t index = 0;
+      const auto [end, error] = std::from_chars(key.data(), key.data() + key.size(), index);
+      if (key.empty() || error != std::errc() || end != key.data() + key.size() || index >= node->size())
+        return nullptr;
       node = &(*node)[index];
     } else {
       return nullptr;
@@ -80,6 +84,11 @@ bool is_blank(const std::string& line) {
   return line.find_first_not_of(" \t\r\n") == std::string::npos;
 }
 
+// A line longer than this is refused rather than read into memory whole: a file that is not
+// JSONL (a binary, or a JSON array on one line of gigabytes) has no line end to stop at. 16 MiB
+// is millions of tokens, beyond any model's context.
+constexpr std::size_t kMaxLineBytes = std::size_t{16} << 20;
+
 // Reads lines, counting every line (blank ones too) so errors name the line an editor shows.
 class LineReader {
  public:
@@ -88,7 +97,7 @@ class LineReader {
   }
   // The next non-blank line, or false at the end.
   bool next(std::string& line) {
-    while (std::getline(in_, line)) {
+    while (read_line(line)) {
       ++line_number_;
       if (!line.empty() && line.back() == '\r') line.pop_back();
       if (!is_blank(line)) return true;
@@ -99,19 +108,85 @@ class LineReader {
   std::int64_t line_number() const { return line_number_; }
 
  private:
+  // std::getline with a bound: the line is read in chunks, and refused past kMaxLineBytes.
+  bool read_line(std::string& line) {
+    line.clear();
+    while (true) {
+      in_.getline(chunk_.data(), static_cast<std::streamsize>(chunk_.size()));
+      const auto got = static_cast<std::size_t>(in_.gcount());
+      if (in_.bad()) throw ConfigError(path_, line_number_ + 1, 0, "", "read error");
+      const bool filled = in_.fail() && !in_.eof();  // the chunk filled up before a '\n'
+      // gcount counts the '\n' when there was one: a line that the file's end cuts off has none.
+      line.append(chunk_.data(), !in_.fail() && !in_.eof() ? got - 1 : got);
+      if (line.size() > kMaxLineBytes) {
+        throw ConfigError(path_, line_number_ + 1, 0, "",
+                          "line longer than " + std::to_string(kMaxLineBytes >> 20) + " MiB (is this a JSONL file?)");
+      }
+      if (!filled) return !in_.fail() || !line.empty();
+      in_.clear();
+    }
+  }
+
   std::string path_;
   std::ifstream in_;
   std::int64_t line_number_ = 0;
+  std::vector<char> chunk_ = std::vector<char>(std::size_t{1} << 16);
+};
+
+// Arrays and objects nested deeper than this are refused: far beyond any dataset, and a line
+// of a few megabytes of '[' would otherwise overflow the stack of the recursive walks over an
+// item (the writer's dump of its input, a template's dump of a field).
+constexpr std::size_t kMaxLineDepth = 256;
+
+// Checks a line's text without building it: syntax, numbers that fit a double, nesting depth.
+// The first problem is kept, with its 1-based byte position.
+class LineChecker : public json::json_sax_t {
+ public:
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return enter(); }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return leave(); }
+  bool start_array(std::size_t) override { return enter(); }
+  bool end_array() override { return leave(); }
+  bool parse_error(std::size_t position, const std::string& token, const json::exception& e) override {
+    // e.id 406: a number too large for a double (integers beyond 64 bits are read as doubles).
+    if (e.id == 406) {
+      problem = "number out of range, " + (token.size() > 40 ? token.substr(0, 40) + "..." : token) +
+                " (at byte " + std::to_string(position) + ")";
+    } else {
+      problem = "not valid JSON (at byte " + std::to_string(position) + ")";
+    }
+    return false;
+  }
+
+  std::string problem;  // empty while the line is fine
+
+ private:
+  bool enter() {
+    if (++depth_ <= kMaxLineDepth) return true;
+    problem = "arrays and objects nested more than " + std::to_string(kMaxLineDepth) + " deep";
+    return false;
+  }
+  bool leave() {
+    --depth_;
+    return true;
+  }
+  std::size_t depth_ = 0;
 };
 
 json parse_object(const std::string& line, const std::string& file, std::int64_t line_number) {
-  json value;
-  try {
-    value = json::parse(line);
-  } catch (const json::parse_error& e) {
-    throw ConfigError(file, static_cast<int>(line_number), 0, "",
-                      "not valid JSON (at byte " + std::to_string(e.byte) + ")");
-  }
+  // Checked first, so that every way a line can be wrong names the line, and the value built
+  // below is never deeper than kMaxLineDepth.
+  LineChecker checker;
+  json::sax_parse(line, &checker);
+  if (!checker.problem.empty()) throw ConfigError(file, static_cast<int>(line_number), 0, "", checker.problem);
+  json value = json::parse(line);
   if (!value.is_object())
     throw ConfigError(file, static_cast<int>(line_number), 0, "",
                       std::string("expected a JSON object, got ") + value.type_name());
@@ -312,7 +387,10 @@ Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
       if (!value.is_string()) throw wrong(key, "a string");
       request.model = value.get<std::string>();
     } else if (key == "max_tokens" || key == "max_completion_tokens") {
-      if (!value.is_number_integer() || value.get<std::int64_t>() < 1) throw wrong(key, "an integer >= 1");
+      // Checked as unsigned first: a value past INT64_MAX must not wrap around to a small one.
+      if (!value.is_number_integer() || (value.is_number_unsigned() && value.get<std::uint64_t>() > INT_MAX) ||
+          value.get<std::int64_t>() < 1 || value.get<std::int64_t>() > INT_MAX)
+        throw wrong(key, "an integer from 1 to 2147483647");
       request.max_tokens = value.get<int>();
     } else if (key == "temperature" || key == "top_p") {
       if (!value.is_number()) throw wrong(key, "a number");

@@ -75,6 +75,17 @@ TEST(RenderTemplate, InsertsValuesWithoutRescanningThem) {
   EXPECT_EQ(render_template("{{a}}", json{{"a", "{{b}}"}}), "{{b}}");
 }
 
+TEST(RenderTemplate, IndexTooLargeForSizeTIsAMissingField) {
+  // std::stoul threw its own out_of_range ("stoul"), which is not a missing field: the error
+  // reached the user without file, line or field.
+  EXPECT_THROW(render_template("{{a.99999999999999999999999}}", json{{"a", {1, 2}}}), std::out_of_range);
+  try {
+    render_template("{{a.99999999999999999999999}}", json{{"a", {1, 2}}});
+  } catch (const std::out_of_range& e) {
+    EXPECT_EQ(std::string(e.what()), "no field 'a.99999999999999999999999'");
+  }
+}
+
 TEST(RenderTemplate, MissingFieldThrowsOutOfRangeNamingIt) {
   try {
     render_template("{{meta.lang}}", json{{"meta", json::object()}});
@@ -198,6 +209,55 @@ TEST_F(SourceTest, LineThatIsNotAnObjectIsAnError) {
   EXPECT_EQ(e.message(), "expected a JSON object, got array");
   std::string broken = write("broken.jsonl", "{\"question\": \"a\"}\n\n{\"question\": \n");
   EXPECT_EQ(open_error(job("input: " + broken + kQuestionTemplate)).line(), 3);
+}
+
+// Found by fuzzing (tests/fuzz/corpus/source): a number beyond a double escaped as nlohmann's
+// out_of_range, which named neither the file nor the line.
+TEST_F(SourceTest, NumberOutOfRangeNamesTheLine) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n{\"question\": 1e999}\n");
+  ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
+  EXPECT_EQ(e.file(), in);
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.message(), "number out of range, 1e999 (at byte 18)");
+}
+
+TEST_F(SourceTest, DeeplyNestedLineIsAnError) {
+  // A line of '[' a few megabytes deep would overflow the stack of the writer's dump.
+  std::string in = write("in.jsonl", "{\"question\": " + std::string(100'000, '[') + std::string(100'000, ']') + "}\n");
+  ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
+  EXPECT_EQ(e.line(), 1);
+  EXPECT_EQ(e.message(), "arrays and objects nested more than 256 deep");
+  std::string ok = write("ok.jsonl", "{\"question\": " + std::string(255, '[') + std::string(255, ']') + "}\n");
+  EXPECT_EQ(open_source(job("input: " + ok + kQuestionTemplate))->total(), 1);
+}
+
+TEST_F(SourceTest, LongLinesAreReadWhole) {
+  // Longer than the reader's 64 KiB chunks, with a CRLF end, and a last line without an end.
+  const std::string question(200'000, 'q');
+  std::string in = write("in.jsonl", "{\"question\": \"" + question + "\"}\r\n{\"question\": \"b\"}");
+  std::vector<Item> items = drain(*open_source(job("input: " + in + kQuestionTemplate)));
+  ASSERT_EQ(items.size(), 2u);
+  EXPECT_EQ(items[0].input["question"], question);
+  EXPECT_EQ(items[1].input["question"], "b");
+  EXPECT_EQ(items[1].id, json(2));
+}
+
+TEST_F(SourceTest, LineLongerThan16MiBIsAnError) {
+  // A file that is not JSONL may have no line end at all: it is not read into memory whole.
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n" + std::string((std::size_t{16} << 20) + 1, 'x'));
+  ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.message(), "line longer than 16 MiB (is this a JSONL file?)");
+}
+
+TEST_F(SourceTest, BatchMaxTokensBeyondAnIntIsAnError) {
+  // 4294967297 used to become max_tokens 1.
+  for (const char* value : {"4294967297", "18446744073709551615", "0"}) {
+    std::string in = write("batch.jsonl", std::string(R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": )") + value + "}}\n");
+    ConfigError e = open_error(job("input: " + in + "\n"));
+    EXPECT_EQ(e.field(), "body.max_tokens") << value;
+    EXPECT_EQ(e.message(), "expected an integer from 1 to 2147483647") << value;
+  }
 }
 
 TEST_F(SourceTest, BatchFormatIsDetectedAndMapped) {
