@@ -219,6 +219,15 @@ bool is_unsigned_index(const std::string& s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
+// A list index in an override path, when `s` is one below `size`.
+std::optional<std::size_t> list_index(const std::string& s, std::size_t size) {
+  std::size_t index = 0;
+  const auto [end, error] = std::from_chars(s.data(), s.data() + s.size(), index);
+  if (!is_unsigned_index(s) || error != std::errc() || end != s.data() + s.size() || index >= size)
+    return std::nullopt;
+  return index;
+}
+
 // Dotted field path with list indices: request.messages[1].content.
 std::string child_path(const std::string& parent, const std::string& key) {
   return parent.empty() ? key : parent + "." + key;
@@ -260,6 +269,41 @@ nlohmann::json yaml_to_json(const YAML::Node& node) {
     }
     default: return nullptr;
   }
+}
+
+// A YAML alias repeats the node its anchor names without copying it: `a: &a [*a]` is a list
+// that contains itself, and ten lines of aliases of aliases stand for a billion nodes. Every
+// walk over the tree (expansion, validation, request.extra to JSON) would run forever or
+// overflow the stack on them, so a loaded tree is first measured as those walks see it,
+// aliases expanded, and refused beyond these bounds. Real job files have a few hundred nodes
+// and nest a few levels deep.
+constexpr std::size_t kMaxYamlNodes = 100'000;
+constexpr int kMaxYamlDepth = 64;
+
+void check_tree_size(const YAML::Node& root, const std::string& file, const std::string& field) {
+  std::size_t nodes = 0;
+  const auto fail = [&](const YAML::Node& at, const std::string& message) {
+    const int line = at.Mark().is_null() ? 0 : at.Mark().line + 1;
+    const int column = at.Mark().is_null() ? 0 : at.Mark().column + 1;
+    throw ConfigError(file, line, column, field, message);
+  };
+  const auto visit = [&](const auto& self, const YAML::Node& node, int depth) -> void {
+    if (++nodes > kMaxYamlNodes)
+      fail(node, "more than " + std::to_string(kMaxYamlNodes) +
+                     " values once YAML aliases are expanded (an alias repeats what its anchor names)");
+    if (depth > kMaxYamlDepth)
+      fail(node, "nested more than " + std::to_string(kMaxYamlDepth) +
+                     " levels deep (an alias inside what its own anchor names?)");
+    if (node.IsSequence()) {
+      for (const YAML::Node& child : node) self(self, child, depth + 1);
+    } else if (node.IsMap()) {
+      for (auto it = node.begin(); it != node.end(); ++it) {
+        self(self, it->first, depth + 1);
+        self(self, it->second, depth + 1);
+      }
+    }
+  };
+  visit(visit, root, 0);
 }
 
 void expand_tree(YAML::Node node, const std::string& path, const std::string& file,
@@ -319,6 +363,7 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
     } catch (const YAML::Exception& e) {
       throw ConfigError("--set", 0, 0, override_value.path, "value is not valid YAML: " + e.msg);
     }
+    check_tree_size(value, "--set", override_value.path);
     expand_tree(value, override_value.path, "--set", env);
   }
 
@@ -329,11 +374,12 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
     const std::string& segment = segments[i];
     std::string here = child_path(walked, segment);
     if (node.IsSequence()) {
-      if (!is_unsigned_index(segment) || std::stoul(segment) >= node.size())
+      const std::optional<std::size_t> index = list_index(segment, node.size());
+      if (!index)
         throw ConfigError("--set", 0, 0, override_value.path,
                           "'" + walked + "' is a list of " + std::to_string(node.size()) +
                               " entries; index it, e.g. " + walked + ".0");
-      node.reset(node[std::stoul(segment)]);
+      node.reset(node[*index]);
       walked = here;
       continue;
     }
@@ -353,11 +399,12 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
   }
   const std::string& last = segments.back();
   if (node.IsSequence()) {
-    if (!is_unsigned_index(last) || std::stoul(last) >= node.size())
+    const std::optional<std::size_t> index = list_index(last, node.size());
+    if (!index)
       throw ConfigError("--set", 0, 0, override_value.path,
                         "'" + walked + "' is a list of " + std::to_string(node.size()) +
                             " entries; index it, e.g. " + walked + ".0");
-    node[std::stoul(last)] = value;
+    node[*index] = value;
   } else {
     node[last] = value;
   }
@@ -492,6 +539,10 @@ class Reader {
     if (error != std::errc() || scale == 0 || !std::isfinite(value))
       fail(node, field, "expected a duration like 500ms, 2s or 1m, got '" + text + "'");
     if (value < 0) fail(node, field, "must not be negative, got '" + text + "'");
+    // A year at most: deadlines add durations to clock readings in nanoseconds, where '1e300s'
+    // would overflow (and its conversion to milliseconds is already out of range).
+    constexpr double kMaxMs = 365.0 * 24 * 3'600'000;
+    if (value * scale > kMaxMs) fail(node, field, "must be at most 8760h (a year), got '" + text + "'");
     return milliseconds(static_cast<std::int64_t>(std::llround(value * scale)));
   }
 
@@ -855,6 +906,42 @@ void read_output(const Reader& r, const YAML::Node& node, OutputSpec& output) {
   }
 }
 
+// What in a regex std::regex cannot be trusted to compile: libstdc++ 12 reads the numbers of
+// back-references (\12) and repeat counts ({2,5}) into a long with no overflow check, and its
+// compiler recurses once per nested group. Returns the problem, or "" when there is none.
+std::string regex_beyond_compiler(std::string_view pattern) {
+  constexpr std::size_t kMaxDigits = 9;
+  constexpr int kMaxGroupDepth = 100;
+  const auto is_digit = [](char c) { return c >= '0' && c <= '9'; };
+  int depth = 0;
+  for (std::size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c == '(' && ++depth > kMaxGroupDepth) {
+      return "groups nested more than " + std::to_string(kMaxGroupDepth) + " deep at character " + std::to_string(i + 1);
+    }
+    if (c == ')' && depth > 0) --depth;
+    if (c != '\\' && c != '{') continue;
+    if (c == '\\' && (i + 1 == pattern.size() || !is_digit(pattern[i + 1]))) {
+      ++i;  // any other escape: the escaped character is not special
+      continue;
+    }
+    std::size_t digits = 0;
+    for (std::size_t j = i + 1; j < pattern.size(); ++j) {
+      if (is_digit(pattern[j])) {
+        if (++digits > kMaxDigits) {
+          return "the number at character " + std::to_string(i + 2) + " has more than " +
+                 std::to_string(kMaxDigits) + " digits";
+        }
+      } else if (c == '{' && pattern[j] == ',') {
+        digits = 0;
+      } else {
+        break;
+      }
+    }
+  }
+  return {};
+}
+
 void read_scoring(const Reader& r, const YAML::Node& node, ScoringSpec& scoring) {
   const std::vector<std::pair<std::string, ScoringKind>> kinds = {
       {"none", ScoringKind::None},
@@ -875,6 +962,8 @@ void read_scoring(const Reader& r, const YAML::Node& node, ScoringSpec& scoring)
   scoring.kind = r.choice<ScoringKind>(type_node, field, kinds);
   if (scoring.kind == ScoringKind::Regex) {
     if (scoring.pattern.empty()) r.fail(node, "scoring.pattern", "required for regex scoring");
+    if (const std::string problem = regex_beyond_compiler(scoring.pattern); !problem.empty())
+      r.fail(node["pattern"], "scoring.pattern", "not a valid regex: " + problem);
     try {
       std::regex compiled(scoring.pattern, std::regex::ECMAScript);
     } catch (const std::regex_error& e) {
@@ -978,6 +1067,7 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
   } catch (const YAML::Exception& e) {
     throw ConfigError(file_label, 0, 0, "", "invalid YAML: " + e.msg);
   }
+  check_tree_size(root, file_label, "");
   expand_tree(root, "", file_label, env);
   std::vector<std::pair<std::string, std::string>> override_paths;
   for (const Override& o : overrides) {

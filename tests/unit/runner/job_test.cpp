@@ -300,6 +300,50 @@ TEST_F(JobFile, BadDurationNamesExpectedForms) {
   EXPECT_EQ(error_of(with_input("grace_period: -1s\n")).message(), "must not be negative, got '-1s'");
 }
 
+// 1e300 seconds used to become a negative number of milliseconds (out of range for llround),
+// which deadlines then added to the clock.
+TEST_F(JobFile, DurationBeyondAYearIsAnError) {
+  ConfigError e = error_of(with_input("retry:\n  base: 1e300s\n  cap: 1e300s\n"));
+  EXPECT_EQ(e.line(), 3);
+  EXPECT_EQ(e.field(), "retry.base");
+  EXPECT_EQ(e.message(), "must be at most 8760h (a year), got '1e300s'");
+  EXPECT_EQ(load(with_input("backend: {timeouts: {total: 8760h}}\n")).backend.timeouts.total, 8760h);
+}
+
+TEST_F(JobFile, AliasInsideItsOwnAnchorIsAnError) {
+  // A list that contains itself: every walk over the tree used to recurse until the stack ran out.
+  ConfigError e = error_of(with_input("request: {extra: {tools: &a [*a]}}\n"));
+  EXPECT_EQ(e.file(), "jobs/t.yaml");
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.message(), "nested more than 64 levels deep (an alias inside what its own anchor names?)");
+}
+
+TEST_F(JobFile, AliasesThatExpandBeyondTheLimitAreAnError) {
+  // Nine lines that stand for 10^9 values once expanded.
+  std::string yaml = with_input("request:\n  extra:\n    l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n");
+  for (int i = 1; i < 9; ++i) {
+    const std::string prev = "*l" + std::to_string(i - 1);
+    yaml += "    l" + std::to_string(i) + ": &l" + std::to_string(i) + " [" + prev;
+    for (int k = 1; k < 10; ++k) yaml += ", " + prev;
+    yaml += "]\n";
+  }
+  ConfigError e = error_of(yaml);
+  EXPECT_EQ(e.message(),
+            "more than 100000 values once YAML aliases are expanded (an alias repeats what its anchor names)");
+  // Aliases within the bound are fine.
+  EXPECT_EQ(load(with_input("request:\n  stop: &s [a, b]\n  extra: {also: *s}\n")).request.extra["also"],
+            (nlohmann::json{"a", "b"}));
+}
+
+TEST_F(JobFile, OverrideIndexBeyondAnyListNamesTheList) {
+  // std::stoul threw its own out_of_range ("stoul"), which named neither flag nor field.
+  ConfigError e = error_of(with_input("request:\n  messages: [{role: user, content: hi}]\n"),
+                           {parse_override("request.messages.99999999999999999999.content=x")});
+  EXPECT_EQ(e.file(), "--set");
+  EXPECT_EQ(e.field(), "request.messages.99999999999999999999.content");
+  EXPECT_EQ(e.message(), "'request.messages' is a list of 1 entries; index it, e.g. request.messages.0");
+}
+
 TEST_F(JobFile, UnknownKeyNamesLineFieldAndNearestKey) {
   ConfigError e = error_of(with_input("concurrency: 4\nretry:\n  base: 1s\n  max_attemps: 3\n"));
   EXPECT_STREQ(e.what(), "jobs/t.yaml:5:3: retry.max_attemps: unknown key (did you mean 'max_attempts'?)");
@@ -433,6 +477,23 @@ TEST_F(JobFile, RegexScoringNeedsAValidPattern) {
   EXPECT_EQ(e.field(), "scoring.pattern");
   EXPECT_EQ(e.message().rfind("not a valid regex", 0), 0u);
   EXPECT_EQ(load(with_input("scoring: {type: regex, pattern: '^yes'}\n")).scoring.pattern, "^yes");
+}
+
+// Found by fuzzing (tests/fuzz/corpus/job): std::regex read the back-reference \777...7 into a
+// long that overflowed (undefined behaviour inside the library); deep groups recurse in its
+// compiler.
+TEST_F(JobFile, RegexNumbersAndGroupsTheCompilerCannotTakeAreRefused) {
+  ConfigError e = error_of(with_input("scoring: {type: regex, pattern: '#### (\\7777777777777777777777)'}\n"));
+  EXPECT_EQ(e.field(), "scoring.pattern");
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.message(), "not a valid regex: the number at character 8 has more than 9 digits");
+  EXPECT_EQ(error_of(with_input("scoring: {type: regex, pattern: 'a{1,99999999999}'}\n")).message(),
+            "not a valid regex: the number at character 3 has more than 9 digits");
+  EXPECT_EQ(error_of(with_input("scoring: {type: regex, pattern: '" + std::string(5000, '(') + "'}\n")).message(),
+            "not a valid regex: groups nested more than 100 deep at character 101");
+  // Escaped backslashes and braces are literal; ordinary counts and references are fine.
+  EXPECT_EQ(load(with_input("scoring: {type: regex, pattern: '(a)\\1 b{2,3} \\\\12345678901234'}\n")).scoring.kind,
+            ScoringKind::Regex);
 }
 
 TEST_F(JobFile, BaseUrlMustBeHttp) {
