@@ -413,6 +413,35 @@ TEST(ChatTemplate, RejectsTemplatesThatAreNotChatML) {
   EXPECT_THROW(template_from("<|im_start|>{{ 'unterminated }}"), std::invalid_argument);
 }
 
+// Found by fuzzing (tests/fuzz/corpus/chat_template): '\U001FBBBB' became bytes that are not
+// UTF-8, in the default system message of every chat prompt (and `inspect` then failed to
+// show it).
+TEST(ChatTemplate, RejectsEscapesThatAreNotCharacters) {
+  const auto message_of = [](const std::string& text) -> std::string {
+    try {
+      template_from(text);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  EXPECT_EQ(message_of("{{ '<|im_start|>system\\nHi \\U001FBBBB<|im_end|>\\n' }}"),
+            "chat template: \\U001FBBBB in a string literal is past U+10FFFF, not a character");
+  EXPECT_EQ(message_of("{{ '<|im_start|>system\\nHi \\ud83d<|im_end|>\\n' }}"),
+            "chat template: \\ud83d in a string literal is a surrogate, not a character");
+  EXPECT_EQ(template_from("{{ '<|im_start|>system\\n\\U0001F600 \\u00e9<|im_end|>\\n' }}").default_system(),
+            "\xF0\x9F\x98\x80 \xC3\xA9");
+}
+
+TEST(ChatTemplate, RejectsTemplatesThatAreNotUtf8) {
+  EXPECT_THROW(template_from("<|im_start|>{{ 'caf\xE9' }}"), std::invalid_argument);
+  try {
+    template_from("<|im_start|>{{ '\xC0\x80' }}");
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "chat template: not valid UTF-8 (at byte 17)");
+  }
+}
+
 // --- Vocab::from_gguf -----------------------------------------------------------------------------
 
 namespace support = batchlm::testing;  // the GGUF writer
