@@ -135,6 +135,11 @@ std::optional<std::chrono::system_clock::time_point> parse_http_date(std::string
                                          std::chrono::month(static_cast<unsigned>(month)),
                                          std::chrono::day(static_cast<unsigned>(*day))};
   if (!date.ok()) return std::nullopt;
+  // The clock counts nanoseconds since 1970 in 64 bits, which ends in 2262: a date beyond it
+  // overflows on the way in. Before 1970 means long past and after 2200 as late as can be,
+  // which is all a retry hint needs of them (its wait is clamped to a day anyway).
+  if (*year < 1970) return std::chrono::system_clock::time_point{};
+  if (*year > 2200) return std::chrono::sys_days(std::chrono::year(2200) / 1 / 1);
   return std::chrono::sys_days(date) + std::chrono::hours(*hour) + std::chrono::minutes(*minute) +
          std::chrono::seconds(*second);
 }
@@ -156,14 +161,15 @@ Usage usage_from(const nlohmann::json& body) {
   return usage;
 }
 
-// The code and message of an API error object ({"message", "type", "code"}) or string.
+// The code and message of an API error object ({"message", "type", "code"}) or string. An
+// empty message leaves the one the caller set: an error must say something.
 void fill_from_error_object(const nlohmann::json& error_value, Error& error) {
   if (error_value.is_string()) {
-    error.message = error_value.get<std::string>();
+    if (!error_value.get_ref<const std::string&>().empty()) error.message = error_value.get<std::string>();
     return;
   }
   if (!error_value.is_object()) return;
-  if (auto m = error_value.find("message"); m != error_value.end() && m->is_string())
+  if (auto m = error_value.find("message"); m != error_value.end() && m->is_string() && !m->get_ref<const std::string&>().empty())
     error.message = m->get<std::string>();
   if (auto c = error_value.find("code"); c != error_value.end()) {
     if (c->is_string()) error.code = c->get<std::string>();
@@ -186,90 +192,6 @@ Error make_error(ErrorKind kind, std::string message) {
   error.message = std::move(message);
   return error;
 }
-
-// What a streamed response has produced so far.
-struct StreamState {
-  explicit StreamState(SseLimits limits) : parser(limits) {}
-
-  SseParser parser;
-  std::string text;
-  std::string finish_reason;
-  Usage usage;
-  bool done = false;  // `data: [DONE]` seen
-  bool saw_event = false;
-  std::string raw;    // the body while no event has been seen (a JSON answer instead of a stream)
-  std::optional<Error> error;
-  std::size_t deltas = 0;
-  Clock::time_point first_delta_at{};
-  Clock::time_point last_delta_at{};
-
-  void on_event(const SseEvent& event, const TokenSink& sink) {
-    if (!saw_event) {
-      saw_event = true;
-      std::string().swap(raw);
-    }
-    if (done || error) return;
-    if (event.type == "error") {
-      Error e = make_error(ErrorKind::StreamError, truncated(event.data));
-      if (auto body = parse_answer_json(event.data); !body.is_discarded()) {
-        fill_from_error_object(body.is_object() && body.contains("error") ? body["error"] : body, e);
-      }
-      error = std::move(e);
-      return;
-    }
-    if (trim(event.data) == "[DONE]") {
-      done = true;
-      return;
-    }
-    auto chunk = parse_answer_json(event.data);
-    if (chunk.is_discarded() || !chunk.is_object()) {
-      error = make_error(ErrorKind::Protocol, "malformed JSON in stream: " + truncated(event.data));
-      return;
-    }
-    if (auto e = chunk.find("error"); e != chunk.end() && !e->is_null()) {
-      Error stream_error = make_error(ErrorKind::StreamError, "error in stream");
-      fill_from_error_object(*e, stream_error);
-      error = std::move(stream_error);
-      return;
-    }
-    // The first choice (index 0): a server asked for several (n > 1) interleaves their chunks.
-    const nlohmann::json* first = nullptr;
-    if (auto choices = chunk.find("choices"); choices != chunk.end() && choices->is_array()) {
-      for (const auto& c : *choices) {
-        if (!c.is_object()) continue;
-        const auto index = c.find("index");
-        if (index == c.end() || (index->is_number_integer() && index->get<long long>() == 0)) {
-          first = &c;
-          break;
-        }
-      }
-    }
-    if (first != nullptr) {
-      const nlohmann::json& choice = *first;
-      // Chat chunks carry delta.content, text-completion chunks carry text.
-      const nlohmann::json* content = nullptr;
-      if (auto delta = choice.find("delta"); delta != choice.end() && delta->is_object()) {
-        if (auto c = delta->find("content"); c != delta->end()) content = &*c;
-      } else if (auto t = choice.find("text"); t != choice.end()) {
-        content = &*t;
-      }
-      if (content && content->is_string()) {
-        const auto& piece = content->get_ref<const std::string&>();
-        if (!piece.empty()) {
-          const auto now = Clock::now();
-          if (deltas == 0) first_delta_at = now;
-          last_delta_at = now;
-          ++deltas;
-          text += piece;
-          if (sink) sink(piece);
-        }
-      }
-      if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
-        finish_reason = reason->get<std::string>();
-    }
-    if (Usage u = usage_from(chunk); u.reported) usage = u;
-  }
-};
 
 // Invalid UTF-8 sequences replaced by U+FFFD (EF BF BD): what a decoder shows for them.
 std::string replace_invalid_utf8(std::string_view in) {
@@ -443,10 +365,7 @@ OpenAIBackend::~OpenAIBackend() = default;
 
 std::string OpenAIBackend::describe() const { return "openai " + options_.base_url; }
 
-// A chat.completion JSON body: the non-streaming answer, or what a server that ignores
-// `stream: true` sends instead of a stream.
-static Outcome completion_from_body(int status, const std::string& body_text, Timings timings,
-                                    const TokenSink& sink) {
+Outcome answer_from_body(int status, std::string_view body_text, Timings timings, const TokenSink& sink) {
   auto body = parse_answer_json(body_text);
   if (body.is_discarded() || !body.is_object())
     return Outcome::failure(make_error(ErrorKind::Protocol, "malformed JSON body: " + truncated(body_text)), timings);
@@ -482,6 +401,124 @@ static Outcome completion_from_body(int status, const std::string& body_text, Ti
   return Outcome::success(std::move(completion));
 }
 
+StreamedAnswer::StreamedAnswer(SseLimits limits, TokenSink sink) : parser_(limits), sink_(std::move(sink)) {}
+
+bool StreamedAnswer::feed(std::string_view chunk) {
+  if (!saw_event_) raw_.append(chunk);  // bounded by max_response_bytes
+  const auto status = parser_.feed(chunk, [&](const SseEvent& event) { on_event(event); });
+  if (status == SseParser::Status::LineTooLong) {
+    error_ = make_error(ErrorKind::TooLarge, "SSE line exceeds the size limit");
+  } else if (status == SseParser::Status::EventTooLarge) {
+    error_ = make_error(ErrorKind::TooLarge, "SSE event exceeds the size limit");
+  }
+  // Bytes after [DONE] are not read: the answer is complete.
+  return !error_;
+}
+
+void StreamedAnswer::on_event(const SseEvent& event) {
+  if (!saw_event_) {
+    saw_event_ = true;
+    std::string().swap(raw_);
+  }
+  if (done_ || error_) return;
+  if (event.type == "error") {
+    Error e = make_error(ErrorKind::StreamError, event.data.empty() ? "error event in stream" : truncated(event.data));
+    if (auto body = parse_answer_json(event.data); !body.is_discarded()) {
+      fill_from_error_object(body.is_object() && body.contains("error") ? body["error"] : body, e);
+    }
+    error_ = std::move(e);
+    return;
+  }
+  if (trim(event.data) == "[DONE]") {
+    done_ = true;
+    return;
+  }
+  auto chunk = parse_answer_json(event.data);
+  if (chunk.is_discarded() || !chunk.is_object()) {
+    error_ = make_error(ErrorKind::Protocol, "malformed JSON in stream: " + truncated(event.data));
+    return;
+  }
+  if (auto e = chunk.find("error"); e != chunk.end() && !e->is_null()) {
+    Error stream_error = make_error(ErrorKind::StreamError, "error in stream");
+    fill_from_error_object(*e, stream_error);
+    error_ = std::move(stream_error);
+    return;
+  }
+  // The first choice (index 0): a server asked for several (n > 1) interleaves their chunks.
+  const nlohmann::json* first = nullptr;
+  if (auto choices = chunk.find("choices"); choices != chunk.end() && choices->is_array()) {
+    for (const auto& c : *choices) {
+      if (!c.is_object()) continue;
+      const auto index = c.find("index");
+      if (index == c.end() || (index->is_number_integer() && index->get<long long>() == 0)) {
+        first = &c;
+        break;
+      }
+    }
+  }
+  if (first != nullptr) {
+    const nlohmann::json& choice = *first;
+    // Chat chunks carry delta.content, text-completion chunks carry text.
+    const nlohmann::json* content = nullptr;
+    if (auto delta = choice.find("delta"); delta != choice.end() && delta->is_object()) {
+      if (auto c = delta->find("content"); c != delta->end()) content = &*c;
+    } else if (auto t = choice.find("text"); t != choice.end()) {
+      content = &*t;
+    }
+    if (content && content->is_string()) {
+      const auto& piece = content->get_ref<const std::string&>();
+      if (!piece.empty()) {
+        const auto now = Clock::now();
+        if (deltas_ == 0) first_delta_at_ = now;
+        last_delta_at_ = now;
+        ++deltas_;
+        text_ += piece;
+        if (sink_) sink_(piece);
+      }
+    }
+    if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
+      finish_reason_ = reason->get<std::string>();
+  }
+  if (Usage u = usage_from(chunk); u.reported) usage_ = u;
+}
+
+Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point started) {
+  Timings timings;
+  timings.total_ms = ms_between(started, Clock::now());
+  if (deltas_ > 0) {
+    timings.ttft_ms = ms_between(started, first_delta_at_);
+    if (deltas_ > 1)
+      timings.tpot_ms = ms_between(first_delta_at_, last_delta_at_) / static_cast<double>(deltas_ - 1);
+  }
+  // The handler's own error explains an aborted transfer better than the transport does.
+  if (error_) {
+    Error error = std::move(*error_);
+    error.http_status = response.status;
+    return Outcome::failure(std::move(error), timings);
+  }
+  if (response.error) {
+    // A transport failure after [DONE] or a finish reason loses nothing the caller needs.
+    if (!(done_ && response.error->kind == ErrorKind::Connection)) return Outcome::failure(*response.error, timings);
+  }
+  if (response.status < 200 || response.status >= 300) return Outcome::failure(http_error(response), timings);
+  if (!saw_event_) {
+    const std::string* type = response.header("content-type");
+    if (type != nullptr && type->find("application/json") != std::string::npos)
+      return answer_from_body(response.status, raw_, timings, sink_);
+  }
+  if (!done_ && finish_reason_.empty()) {
+    Error error = make_error(ErrorKind::Truncated, "stream ended without [DONE] and without a finish reason");
+    error.http_status = response.status;
+    return Outcome::failure(std::move(error), timings);
+  }
+  Completion completion;
+  completion.text = std::move(text_);
+  completion.finish_reason = std::move(finish_reason_);
+  completion.usage = usage_;
+  completion.timings = timings;
+  return Outcome::success(std::move(completion));
+}
+
 boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, TokenSink sink) {
   const auto started = Clock::now();
   HttpRequest http_request;
@@ -512,61 +549,17 @@ boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, 
     Timings timings = timings_until(finished);
     if (response.error) co_return Outcome::failure(std::move(*response.error), timings);
     if (response.status < 200 || response.status >= 300) co_return Outcome::failure(http_error(response), timings);
-    co_return completion_from_body(response.status, response.body, timings, sink);
+    co_return answer_from_body(response.status, response.body, timings, sink);
   }
 
-  StreamState state(options_.sse_limits);
-  auto on_body = [&state, &sink](std::string_view chunk) -> bool {
-    if (!state.saw_event) state.raw.append(chunk);  // bounded by max_response_bytes
-    const auto status = state.parser.feed(chunk, [&](const SseEvent& event) { state.on_event(event, sink); });
-    if (status == SseParser::Status::LineTooLong) {
-      state.error = make_error(ErrorKind::TooLarge, "SSE line exceeds the size limit");
-    } else if (status == SseParser::Status::EventTooLarge) {
-      state.error = make_error(ErrorKind::TooLarge, "SSE event exceeds the size limit");
-    }
-    // Bytes after [DONE] are not read: the answer is complete.
-    return !state.error;
-  };
+  StreamedAnswer answer(options_.sse_limits, sink);
   HttpResponse response;
   try {
-    response = co_await http_.perform(std::move(http_request), on_body);
+    response = co_await http_.perform(std::move(http_request), [&answer](std::string_view chunk) { return answer.feed(chunk); });
   } catch (const std::exception& e) {
     co_return Outcome::failure(make_error(ErrorKind::Internal, e.what()), timings_until(Clock::now()));
   }
-  const auto finished = Clock::now();
-  Timings timings = timings_until(finished);
-  if (state.deltas > 0) {
-    timings.ttft_ms = ms_between(started, state.first_delta_at);
-    if (state.deltas > 1)
-      timings.tpot_ms = ms_between(state.first_delta_at, state.last_delta_at) / static_cast<double>(state.deltas - 1);
-  }
-  // The handler's own error explains an aborted transfer better than the transport does.
-  if (state.error) {
-    state.error->http_status = response.status;
-    co_return Outcome::failure(std::move(*state.error), timings);
-  }
-  if (response.error) {
-    // A transport failure after [DONE] or a finish reason loses nothing the caller needs.
-    if (!(state.done && response.error->kind == ErrorKind::Connection))
-      co_return Outcome::failure(std::move(*response.error), timings);
-  }
-  if (response.status < 200 || response.status >= 300) co_return Outcome::failure(http_error(response), timings);
-  if (!state.saw_event) {
-    const std::string* type = response.header("content-type");
-    if (type != nullptr && type->find("application/json") != std::string::npos)
-      co_return completion_from_body(response.status, state.raw, timings, sink);
-  }
-  if (!state.done && state.finish_reason.empty()) {
-    Error error = make_error(ErrorKind::Truncated, "stream ended without [DONE] and without a finish reason");
-    error.http_status = response.status;
-    co_return Outcome::failure(std::move(error), timings);
-  }
-  Completion completion;
-  completion.text = std::move(state.text);
-  completion.finish_reason = std::move(state.finish_reason);
-  completion.usage = state.usage;
-  completion.timings = timings;
-  co_return Outcome::success(std::move(completion));
+  co_return answer.finish(response, started);
 }
 
 }  // namespace batchlm::client

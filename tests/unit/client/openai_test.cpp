@@ -103,6 +103,16 @@ TEST(ParseRetryAfter, DateInThePastIsZero) {
             milliseconds(0));
 }
 
+// Found by fuzzing (tests/fuzz/corpus/openai_answer): a date in the year 997 overflowed the
+// clock's nanoseconds (undefined behaviour) on its way to a time point.
+TEST(ParseRetryAfter, DatesBeyondTheClockAreClamped) {
+  const auto now = std::chrono::system_clock::time_point(std::chrono::seconds(784111777));
+  EXPECT_EQ(parse_retry_after(with_headers({{"retry-after", "Sun, 06 Nov 0997 00:49:37 GMT"}}), now),
+            milliseconds(0));
+  EXPECT_EQ(parse_retry_after(with_headers({{"retry-after", "Fri, 31 Dec 9999 23:59:59 GMT"}}), now),
+            std::chrono::hours(24));
+}
+
 TEST(ParseRetryAfter, NegativeValuesAreZero) {
   EXPECT_EQ(parse_retry_after(with_headers({{"retry-after-ms", "-20"}})), milliseconds(0));
   EXPECT_EQ(parse_retry_after(with_headers({{"retry-after", "-3"}})), milliseconds(0));
@@ -181,6 +191,72 @@ TEST(ParseAnswerJson, InvalidUtf8BytesBecomeReplacementCharacters) {
   ASSERT_FALSE(j.is_discarded());
   const std::string r = "\xEF\xBF\xBD";
   EXPECT_EQ(j["content"], "a" + r + "b" + r + r + "c" + r + r + "d" + r + r + r + "e");
+}
+
+// ---- streamed and whole answers, without a server --------------------------------------------
+
+HttpResponse stream_response() { return with_headers({{"content-type", "text/event-stream"}}, 200); }
+
+TEST(StreamedAnswer, ReadsTextFinishReasonAndUsageInAnyChunking) {
+  const std::string body =
+      "data: {\"choices\": [{\"index\": 0, \"delta\": {\"role\": \"assistant\", \"content\": \"Hel\"}}]}\r\n\r\n"
+      "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"lo\"}, \"finish_reason\": \"stop\"}]}\n\n"
+      "data: {\"choices\": [], \"usage\": {\"prompt_tokens\": 7, \"completion_tokens\": 2}}\n\n"
+      "data: [DONE]\n\n";
+  for (const std::size_t chunk : {body.size(), std::size_t{1}, std::size_t{5}}) {
+    std::string sunk;
+    StreamedAnswer answer(SseLimits{}, [&](std::string_view piece) { sunk += piece; });
+    for (std::size_t at = 0; at < body.size(); at += chunk) ASSERT_TRUE(answer.feed(std::string_view(body).substr(at, chunk)));
+    const Outcome o = answer.finish(stream_response(), std::chrono::steady_clock::now());
+    ASSERT_TRUE(o.ok()) << o.error->message;
+    EXPECT_EQ(o.completion->text, "Hello");
+    EXPECT_EQ(sunk, "Hello");
+    EXPECT_EQ(o.completion->finish_reason, "stop");
+    EXPECT_EQ(o.completion->usage.prompt_tokens, 7);
+    EXPECT_EQ(o.completion->usage.completion_tokens, 2);
+  }
+}
+
+TEST(StreamedAnswer, StreamWithoutAnEndIsTruncated) {
+  StreamedAnswer answer(SseLimits{}, {});
+  ASSERT_TRUE(answer.feed("data: {\"choices\": [{\"delta\": {\"content\": \"x\"}}]}\n\n"));
+  const Outcome o = answer.finish(stream_response(), std::chrono::steady_clock::now());
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->kind, ErrorKind::Truncated);
+}
+
+// Found by fuzzing (tests/fuzz/corpus/openai_answer): an error event without data, or an error
+// object whose message is "", gave an error with an empty message.
+TEST(StreamedAnswer, ErrorsAlwaysHaveAMessage) {
+  StreamedAnswer bare(SseLimits{}, {});
+  EXPECT_FALSE(bare.feed("event: error\ndata\n\n"));
+  Outcome o = bare.finish(stream_response(), std::chrono::steady_clock::now());
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->kind, ErrorKind::StreamError);
+  EXPECT_EQ(o.error->message, "error event in stream");
+
+  StreamedAnswer empty_message(SseLimits{}, {});
+  EXPECT_FALSE(empty_message.feed("data: {\"error\": {\"message\": \"\", \"code\": \"overloaded\"}}\n\n"));
+  o = empty_message.finish(stream_response(), std::chrono::steady_clock::now());
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->message, "error in stream");
+  EXPECT_EQ(o.error->code, "overloaded");
+
+  o = answer_from_body(200, R"({"error": ""})", {});
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->message, "error in response");
+}
+
+TEST(AnswerFromBody, ReadsAChatCompletion) {
+  std::string sunk;
+  const Outcome o = answer_from_body(
+      200, R"({"choices": [{"message": {"content": "4"}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})",
+      {}, [&](std::string_view piece) { sunk += piece; });
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o.completion->text, "4");
+  EXPECT_EQ(sunk, "4");
+  EXPECT_EQ(o.completion->usage.prompt_tokens, 3);
+  EXPECT_EQ(answer_from_body(200, "[]", {}).error->kind, ErrorKind::Protocol);
 }
 
 TEST(ParseAnswerJson, UnpairedSurrogateEscapesBecomeReplacementCharacters) {

@@ -48,6 +48,47 @@ std::optional<bool> parse_should_retry(const HttpResponse& response);
 // ({"error": {"message", "type", "code"}}), retry hints.
 Error http_error(const HttpResponse& response);
 
+// A chat.completion (or text_completion) JSON body read into an Outcome: the non-streaming
+// answer, or what a server that ignores `stream: true` sends instead of a stream. `timings`
+// is the transfer's; the text goes to `sink` when there is one.
+Outcome answer_from_body(int status, std::string_view body, Timings timings, const TokenSink& sink = {});
+
+// A streamed answer as it arrives: the SSE events of a 2xx body read into text, finish reason
+// and usage, or the error that ends the stream. OpenAIBackend::complete feeds it each chunk of
+// the body and asks it for the Outcome once the transfer is over; it does no I/O itself.
+class StreamedAnswer {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // `sink` gets each piece of text as its event is read.
+  StreamedAnswer(SseLimits limits, TokenSink sink);
+
+  // The next bytes of the body. False when the transfer should stop: the stream failed (an
+  // error event, malformed JSON, a line or event over the limits).
+  bool feed(std::string_view chunk);
+
+  // The outcome once the transfer has ended with `response` (its status, headers and transport
+  // error; its body is what feed() saw). `started`: when the request was sent. Called once:
+  // the text moves into the outcome.
+  Outcome finish(const HttpResponse& response, Clock::time_point started);
+
+ private:
+  void on_event(const SseEvent& event);
+
+  SseParser parser_;
+  TokenSink sink_;
+  std::string text_;
+  std::string finish_reason_;
+  Usage usage_;
+  bool done_ = false;        // `data: [DONE]` seen
+  bool saw_event_ = false;
+  std::string raw_;          // the body while no event has been seen (a JSON answer instead of a stream)
+  std::optional<Error> error_;
+  std::size_t deltas_ = 0;
+  Clock::time_point first_delta_at_{};
+  Clock::time_point last_delta_at_{};
+};
+
 class OpenAIBackend final : public Backend {
  public:
   OpenAIBackend(boost::asio::any_io_executor executor, OpenAIOptions options);
