@@ -133,9 +133,9 @@ class LineReader {
   std::vector<char> chunk_ = std::vector<char>(std::size_t{1} << 16);
 };
 
-// Arrays and objects nested deeper than this are refused: far beyond any dataset, and a line
-// of a few megabytes of '[' would otherwise overflow the stack of the recursive walks over an
-// item (the writer's dump of its input, a template's dump of a field).
+// Arrays and objects nested deeper than this are refused: far beyond any dataset, and nlohmann's
+// copy and dump recurse once per level, so that a line of 200 KB of '[' and ']' (100,000
+// levels) overflowed the stack where an item's input is copied or written.
 constexpr std::size_t kMaxLineDepth = 256;
 
 // Checks a line's text without building it: syntax, numbers that fit a double, nesting depth.

@@ -287,8 +287,8 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
 namespace {
 
 // Arrays and objects nested deeper than this are refused: no request needs more (a JSON schema
-// in a tool definition rarely reaches 20), and a value nested a million deep, which a few
-// megabytes of '[' make, would overflow the stack of any recursive walk over it.
+// in a tool definition rarely reaches 20), and nlohmann's dump and copy recurse once per level:
+// 200 KB of '[' and ']' (100,000 levels) overflow the stack.
 constexpr std::size_t kMaxBodyDepth = 64;
 
 // Checks a body's text without building it: syntax, numbers that fit a double, nesting depth.

@@ -575,7 +575,7 @@ TEST(ParseRequestBody, NumberOutOfRangeIs400WithThePosition) {
 }
 
 TEST(ParseRequestBody, DeepNestingIs400) {
-  // Megabytes of '[' would overflow the stack of any recursive walk over the value.
+  // 100,000 levels (200 KB) overflowed the stack of the dump in the error message.
   const std::string deep = R"({"max_tokens": )" + std::string(100'000, '[') + std::string(100'000, ']') + "}";
   expect_invalid(error_of([&] { parse_request_body(Endpoint::kChat, deep, kModel); }), "",
                  "the request body nests arrays and objects more than 64 deep");
