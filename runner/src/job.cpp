@@ -15,11 +15,13 @@
 #include <fstream>
 #include <limits>
 #include <map>
-#include <regex>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 
 #include <yaml-cpp/yaml.h>
+
+#include "batchlm/runner/pattern.hpp"
 
 namespace batchlm::runner {
 
@@ -906,42 +908,6 @@ void read_output(const Reader& r, const YAML::Node& node, OutputSpec& output) {
   }
 }
 
-// What in a regex std::regex cannot be trusted to compile: libstdc++ 12 reads the numbers of
-// back-references (\12) and repeat counts ({2,5}) into a long with no overflow check, and its
-// compiler recurses once per nested group. Returns the problem, or "" when there is none.
-std::string regex_beyond_compiler(std::string_view pattern) {
-  constexpr std::size_t kMaxDigits = 9;
-  constexpr int kMaxGroupDepth = 100;
-  const auto is_digit = [](char c) { return c >= '0' && c <= '9'; };
-  int depth = 0;
-  for (std::size_t i = 0; i < pattern.size(); ++i) {
-    const char c = pattern[i];
-    if (c == '(' && ++depth > kMaxGroupDepth) {
-      return "groups nested more than " + std::to_string(kMaxGroupDepth) + " deep at character " + std::to_string(i + 1);
-    }
-    if (c == ')' && depth > 0) --depth;
-    if (c != '\\' && c != '{') continue;
-    if (c == '\\' && (i + 1 == pattern.size() || !is_digit(pattern[i + 1]))) {
-      ++i;  // any other escape: the escaped character is not special
-      continue;
-    }
-    std::size_t digits = 0;
-    for (std::size_t j = i + 1; j < pattern.size(); ++j) {
-      if (is_digit(pattern[j])) {
-        if (++digits > kMaxDigits) {
-          return "the number at character " + std::to_string(i + 2) + " has more than " +
-                 std::to_string(kMaxDigits) + " digits";
-        }
-      } else if (c == '{' && pattern[j] == ',') {
-        digits = 0;
-      } else {
-        break;
-      }
-    }
-  }
-  return {};
-}
-
 void read_scoring(const Reader& r, const YAML::Node& node, ScoringSpec& scoring) {
   const std::vector<std::pair<std::string, ScoringKind>> kinds = {
       {"none", ScoringKind::None},
@@ -962,11 +928,9 @@ void read_scoring(const Reader& r, const YAML::Node& node, ScoringSpec& scoring)
   scoring.kind = r.choice<ScoringKind>(type_node, field, kinds);
   if (scoring.kind == ScoringKind::Regex) {
     if (scoring.pattern.empty()) r.fail(node, "scoring.pattern", "required for regex scoring");
-    if (const std::string problem = regex_beyond_compiler(scoring.pattern); !problem.empty())
-      r.fail(node["pattern"], "scoring.pattern", "not a valid regex: " + problem);
     try {
-      std::regex compiled(scoring.pattern, std::regex::ECMAScript);
-    } catch (const std::regex_error& e) {
+      Pattern compiled(scoring.pattern);
+    } catch (const std::invalid_argument& e) {
       r.fail(node["pattern"], "scoring.pattern", std::string("not a valid regex: ") + e.what());
     }
   }

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cctype>
-#include <regex>
+#include <stdexcept>
+
+#include "batchlm/runner/pattern.hpp"
 
 namespace batchlm::runner {
 
@@ -129,16 +131,22 @@ class ExactMatchScorer : public Scorer {
   std::string field_;
 };
 
+// A search that gives up (its step limit) leaves the item unscored, with the reason beside it;
+// it is neither a match nor a miss.
 class RegexScorer : public Scorer {
  public:
-  explicit RegexScorer(const std::string& pattern) : pattern_(pattern, std::regex::ECMAScript) {}
+  explicit RegexScorer(const std::string& pattern) : pattern_(pattern) {}
   nlohmann::json score(const nlohmann::json&, std::string_view output) const override {
-    return {{"match", std::regex_search(output.begin(), output.end(), pattern_)}};
+    try {
+      return {{"match", pattern_.search(output)}};
+    } catch (const std::runtime_error& e) {
+      return {{"match", nullptr}, {"error", e.what()}};
+    }
   }
   std::vector<std::string> metrics() const override { return {"match"}; }
 
  private:
-  std::regex pattern_;
+  Pattern pattern_;
 };
 
 }  // namespace

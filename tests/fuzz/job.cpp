@@ -21,11 +21,11 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <regex>
 #include <string>
 #include <vector>
 
 #include "batchlm/runner/job.hpp"
+#include "batchlm/runner/pattern.hpp"
 #include "batchlm/runner/source.hpp"
 #include "fuzz_support.hpp"
 
@@ -73,7 +73,7 @@ void check_job(const JobSpec& job) {
   FUZZ_CHECK(b.token_budget == 0 || b.token_budget >= b.max_sequences, "token_budget below max_sequences");
   FUZZ_CHECK(b.speculative.k_min <= b.speculative.k_max && b.speculative.ngram_min <= b.speculative.ngram_max,
              "speculative bounds");
-  if (job.scoring.kind == ScoringKind::Regex) (void)std::regex(job.scoring.pattern, std::regex::ECMAScript);
+  if (job.scoring.kind == ScoringKind::Regex) (void)Pattern(job.scoring.pattern);  // a validated pattern compiles
 }
 
 }  // namespace

@@ -480,19 +480,24 @@ TEST_F(JobFile, RegexScoringNeedsAValidPattern) {
 }
 
 // Found by fuzzing (tests/fuzz/corpus/job): std::regex read the back-reference \777...7 into a
-// long that overflowed (undefined behaviour inside the library); deep groups recurse in its
-// compiler.
-TEST_F(JobFile, RegexNumbersAndGroupsTheCompilerCannotTakeAreRefused) {
-  ConfigError e = error_of(with_input("scoring: {type: regex, pattern: '#### (\\7777777777777777777777)'}\n"));
+// long that overflowed, and recursed once per nested group. PCRE2 reads both with limits and
+// says where it stopped, in characters.
+TEST_F(JobFile, RegexErrorsSayWhatAndWhere) {
+  ConfigError e = error_of(with_input("scoring: {type: regex, pattern: 'a{1,99999999999}'}\n"));
   EXPECT_EQ(e.field(), "scoring.pattern");
   EXPECT_EQ(e.line(), 2);
-  EXPECT_EQ(e.message(), "not a valid regex: the number at character 8 has more than 9 digits");
-  EXPECT_EQ(error_of(with_input("scoring: {type: regex, pattern: 'a{1,99999999999}'}\n")).message(),
-            "not a valid regex: the number at character 3 has more than 9 digits");
+  EXPECT_EQ(e.message(), "not a valid regex: number too big in {} quantifier at character 10");
+  EXPECT_EQ(error_of(with_input("scoring: {type: regex, pattern: 'é{1,99999999999}'}\n")).message(),
+            "not a valid regex: number too big in {} quantifier at character 10");
   EXPECT_EQ(error_of(with_input("scoring: {type: regex, pattern: '" + std::string(5000, '(') + "'}\n")).message(),
-            "not a valid regex: groups nested more than 100 deep at character 101");
-  // Escaped backslashes and braces are literal; ordinary counts and references are fine.
-  EXPECT_EQ(load(with_input("scoring: {type: regex, pattern: '(a)\\1 b{2,3} \\\\12345678901234'}\n")).scoring.kind,
+            "not a valid regex: parentheses are too deeply nested at character 252");
+  EXPECT_EQ(error_of(with_input("scoring: {type: regex, pattern: 'a(b'}\n")).message(),
+            "not a valid regex: missing closing parenthesis at the end");
+  EXPECT_EQ(error_of(with_input("scoring: {type: regex, pattern: '(a)\\2'}\n")).message(),
+            "not a valid regex: reference to non-existent subpattern at character 5");
+  // A long octal escape, ordinary counts and references, an escaped backslash before digits.
+  EXPECT_EQ(load(with_input("scoring: {type: regex, pattern: '#### (\\7777777777777777777777) (a)\\2 b{2,3} \\\\12345678901234'}\n"))
+                .scoring.kind,
             ScoringKind::Regex);
 }
 

@@ -128,6 +128,48 @@ TEST(RegexScorer, SearchesTheOutput) {
   EXPECT_EQ(scorer->metrics(), std::vector<std::string>{"match"});
 }
 
+TEST(RegexScorer, PerlSyntaxOverUtf8) {
+  auto scorer = make_scorer({ScoringKind::Regex, "answer", "(?i)^answer:\\s*(\\d+)\\b(?!%)"});
+  EXPECT_EQ(scorer->score(json::object(), "ANSWER: 42"), (json{{"match", true}}));
+  EXPECT_EQ(scorer->score(json::object(), "answer: 42%"), (json{{"match", false}}));
+  // '.' is one character, not one byte; text that is not UTF-8 still gets an answer.
+  EXPECT_EQ(make_scorer({ScoringKind::Regex, "answer", "^.$"})->score(json::object(), "é"), (json{{"match", true}}));
+  EXPECT_EQ(make_scorer({ScoringKind::Regex, "answer", "42"})->score(json::object(), "\xff\xfe 42"),
+            (json{{"match", true}}));
+  EXPECT_EQ(scorer->score(json::object(), ""), (json{{"match", false}}));
+}
+
+// std::regex recursed once per character a repeated group consumed: 20,000 characters against
+// (a|b)*c overflowed the stack and killed the run (tests/fuzz/findings/scoring-regex-recursion).
+TEST(RegexScorer, LongOutputsAreSearchedWithoutRecursion) {
+  std::string output;
+  while (output.size() < 1'000'000) output += "Step: 3 + 4 = 7, and then\n";
+  auto any_then_hashes = make_scorer({ScoringKind::Regex, "answer", "(.|\\n)*#### 7"});
+  EXPECT_EQ(any_then_hashes->score(json::object(), output + "#### 7"), (json{{"match", true}}));
+  EXPECT_EQ(make_scorer({ScoringKind::Regex, "answer", "(a|b)*c"})->score(json::object(), std::string(20'000, 'a')),
+            (json{{"match", false}}));
+}
+
+// Exponential at one starting position, or quadratic over all of them: both stop at the step
+// budget, in a fraction of a second, and the item is left unscored with the reason.
+TEST(RegexScorer, ARunawaySearchLeavesTheItemUnscoredWithTheReason) {
+  const auto gives_up = [](const json& score) {
+    return score.size() == 2 && score["match"].is_null() &&
+           score["error"].get<std::string>().rfind("the pattern gave up on this output", 0) == 0;
+  };
+  auto exponential = make_scorer({ScoringKind::Regex, "answer", "^(a|a)*\\d"});
+  json score = exponential->score(json::object(), std::string(64, 'a'));
+  EXPECT_TRUE(gives_up(score)) << score;
+  EXPECT_EQ(exponential->score(json::object(), "aaa7"), (json{{"match", true}}));
+
+  std::string output;
+  while (output.size() < 1'000'000) output += "Step: 3 + 4 = 7, and then\n";
+  auto quadratic = make_scorer({ScoringKind::Regex, "answer", "(.|\\n)*#### 7"});
+  score = quadratic->score(json::object(), output);
+  EXPECT_TRUE(gives_up(score)) << score;
+  EXPECT_EQ(quadratic->score(json::object(), output.substr(0, 2000)), (json{{"match", false}}));
+}
+
 TEST(MakeScorer, NoneGivesNoScorer) { EXPECT_EQ(make_scorer({}), nullptr); }
 
 TEST(Gsm8kScorer, EveryReferenceAnswerOfTheSharedTestSetScoresAsCorrect) {
