@@ -129,9 +129,16 @@ int run_generate() {
   return 0;
 }
 
+// Text from the model file as a JSON string. A GGUF stores token texts as raw bytes, so one
+// that is not UTF-8 is shown with U+FFFD where the bad bytes were, not refused: it describes a
+// model that loads and runs.
+std::string quoted(const std::string& text) {
+  return nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 std::string token_text(const Tokenizer& tok, Token t) {
   if (t < 0 || static_cast<std::size_t>(t) >= tok.size()) return "(none)";
-  return std::to_string(t) + " " + nlohmann::json(tok.vocab().tokens[t]).dump();
+  return std::to_string(t) + " " + quoted(tok.vocab().tokens[t]);
 }
 
 int run_inspect() {
@@ -181,7 +188,7 @@ int run_inspect() {
       const ChatTemplate& ct = model->chat_template();
       std::printf("chat template %s%s\n", std::string(ct.name()).c_str(),
                   ct.default_system().empty() ? "" : (", default system: " +
-                  nlohmann::json(ct.default_system()).dump()).c_str());
+                  quoted(ct.default_system())).c_str());
     } catch (const std::exception& e) {
       std::printf("chat template unsupported (%s)\n", e.what());
     }

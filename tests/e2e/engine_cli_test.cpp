@@ -243,6 +243,30 @@ TEST_F(EngineCli, InspectQuantizedTiedModel) {
   EXPECT_TRUE(contains(r.out, "output head   tied to the embeddings")) << r.out;
 }
 
+// A GGUF stores token texts as raw bytes. A special token that is not UTF-8 was shown with a
+// strict JSON dump, which threw, and inspect reported "runs no" for a model that runs
+// (tests/fuzz/findings/inspect-token-not-utf8.md).
+TEST_F(EngineCli, InspectShowsASpecialTokenThatIsNotUtf8) {
+  std::string bytes;
+  {
+    std::ifstream in(dir() / "tiny.gguf", std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // The token's entry in tokenizer.ggml.tokens: a 64-bit length of 10, then the text.
+  const std::string entry = std::string("\x0a\0\0\0\0\0\0\0", 8) + "<|im_end|>";
+  const std::size_t at = bytes.find(entry);
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + entry.size() - 1] = '\xff';
+  {
+    std::ofstream out(dir() / "bad_eos.gguf", std::ios::binary);
+    out << bytes;
+  }
+  RunResult r = run_batchlm(dir(), {"inspect", "bad_eos.gguf"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "eos 2 \"<|im_end|\xef\xbf\xbd\"")) << r.out;  // U+FFFD
+  EXPECT_TRUE(contains(r.out, "runs          yes")) << r.out;
+}
+
 TEST_F(EngineCli, InspectTruncatedModelNamesTheFile) {
   fs::copy_file(dir() / "tiny.gguf", dir() / "cut.gguf");
   fs::resize_file(dir() / "cut.gguf", 2000);
