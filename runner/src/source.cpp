@@ -11,7 +11,10 @@
 #include <fstream>
 #include <set>
 #include <unordered_map>
+#include <optional>
 #include <unordered_set>
+
+#include "batchlm/core/json_check.hpp"
 
 namespace batchlm::runner {
 
@@ -138,54 +141,24 @@ class LineReader {
 // levels) overflowed the stack where an item's input is copied or written.
 constexpr std::size_t kMaxLineDepth = 256;
 
-// Checks a line's text without building it: syntax, numbers that fit a double, nesting depth.
-// The first problem is kept, with its 1-based byte position.
-class LineChecker : public json::json_sax_t {
- public:
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override { return enter(); }
-  bool key(string_t&) override { return true; }
-  bool end_object() override { return leave(); }
-  bool start_array(std::size_t) override { return enter(); }
-  bool end_array() override { return leave(); }
-  bool parse_error(std::size_t position, const std::string& token, const json::exception& e) override {
-    // e.id 406: a number too large for a double (integers beyond 64 bits are read as doubles).
-    if (e.id == 406) {
-      problem = "number out of range, " + (token.size() > 40 ? token.substr(0, 40) + "..." : token) +
-                " (at byte " + std::to_string(position) + ")";
-    } else {
-      problem = "not valid JSON (at byte " + std::to_string(position) + ")";
-    }
-    return false;
-  }
-
-  std::string problem;  // empty while the line is fine
-
- private:
-  bool enter() {
-    if (++depth_ <= kMaxLineDepth) return true;
-    problem = "arrays and objects nested more than " + std::to_string(kMaxLineDepth) + " deep";
-    return false;
-  }
-  bool leave() {
-    --depth_;
-    return true;
-  }
-  std::size_t depth_ = 0;
-};
-
 json parse_object(const std::string& line, const std::string& file, std::int64_t line_number) {
   // Checked first, so that every way a line can be wrong names the line, and the value built
   // below is never deeper than kMaxLineDepth.
-  LineChecker checker;
-  json::sax_parse(line, &checker);
-  if (!checker.problem.empty()) throw ConfigError(file, static_cast<int>(line_number), 0, "", checker.problem);
+  if (const std::optional<JsonProblem> problem = check_json(line, kMaxLineDepth)) {
+    std::string message;
+    switch (problem->kind) {
+      case JsonProblem::Kind::kSyntax: message = "not valid JSON (at byte " + std::to_string(problem->byte) + ")"; break;
+      case JsonProblem::Kind::kNumberOutOfRange:
+        message = "number out of range, " +
+                  (problem->token.size() > 40 ? problem->token.substr(0, 40) + "..." : problem->token) +
+                  " (at byte " + std::to_string(problem->byte) + ")";
+        break;
+      case JsonProblem::Kind::kTooDeep:
+        message = "arrays and objects nested more than " + std::to_string(kMaxLineDepth) + " deep";
+        break;
+    }
+    throw ConfigError(file, static_cast<int>(line_number), 0, "", message);
+  }
   json value = json::parse(line);
   if (!value.is_object())
     throw ConfigError(file, static_cast<int>(line_number), 0, "",

@@ -2,7 +2,10 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <random>
+
+#include "batchlm/core/json_check.hpp"
 
 namespace batchlm::server {
 
@@ -291,56 +294,22 @@ namespace {
 // 200 KB of '[' and ']' (100,000 levels) overflow the stack.
 constexpr std::size_t kMaxBodyDepth = 64;
 
-// Checks a body's text without building it: syntax, numbers that fit a double, nesting depth.
-// The first problem is kept with its 1-based byte position.
-class BodyChecker : public json::json_sax_t {
- public:
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override { return enter(); }
-  bool key(string_t&) override { return true; }
-  bool end_object() override { return leave(); }
-  bool start_array(std::size_t) override { return enter(); }
-  bool end_array() override { return leave(); }
-  bool parse_error(std::size_t position, const std::string& token, const json::exception& e) override {
-    // e.id 406: a number too large for a double (integers beyond 64 bits are read as doubles).
-    if (e.id == 406) {
-      problem = "the request body has a number out of range, " + excerpt(token) + " (at byte " +
-                std::to_string(position) + ")";
-    } else {
-      problem = "the request body is not valid JSON (at byte " + std::to_string(position) + ")";
-    }
-    return false;
-  }
-
-  std::string problem;  // empty while the text is fine
-
- private:
-  bool enter() {
-    if (++depth_ <= kMaxBodyDepth) return true;
-    problem = "the request body nests arrays and objects more than " + std::to_string(kMaxBodyDepth) + " deep";
-    return false;
-  }
-  bool leave() {
-    --depth_;
-    return true;
-  }
-  std::size_t depth_ = 0;
-};
-
 }  // namespace
 
 ApiRequest parse_request_body(Endpoint endpoint, std::string_view body_text, std::string_view served_model) {
   // Checked first, so that every way the text can be wrong is a 400 that says where, and the
   // value built below is never deeper than kMaxBodyDepth.
-  BodyChecker checker;
-  json::sax_parse(body_text, &checker);
-  if (!checker.problem.empty()) invalid("", checker.problem);
+  if (const std::optional<JsonProblem> problem = check_json(body_text, kMaxBodyDepth)) {
+    switch (problem->kind) {
+      case JsonProblem::Kind::kSyntax:
+        invalid("", "the request body is not valid JSON (at byte " + std::to_string(problem->byte) + ")");
+      case JsonProblem::Kind::kNumberOutOfRange:
+        invalid("", "the request body has a number out of range, " + excerpt(problem->token) + " (at byte " +
+                        std::to_string(problem->byte) + ")");
+      case JsonProblem::Kind::kTooDeep:
+        invalid("", "the request body nests arrays and objects more than " + std::to_string(kMaxBodyDepth) + " deep");
+    }
+  }
   return parse_request(endpoint, json::parse(body_text), served_model);
 }
 

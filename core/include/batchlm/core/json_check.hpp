@@ -1,0 +1,29 @@
+#pragma once
+// A JSON text checked before it is built into a value: its syntax, numbers that fit a double,
+// and how deep arrays and objects nest. nlohmann's copy and dump recurse once per level, so a
+// value built from 200 KB of '[' (100,000 levels) overflows the stack where it is next copied
+// or written; the check reads the text without recursion and stops at the first problem.
+// Input lines (runner) and request bodies (server) are checked with it.
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace batchlm {
+
+struct JsonProblem {
+  enum class Kind {
+    kSyntax,            // not valid JSON
+    kNumberOutOfRange,  // a number beyond a double (integers past 64 bits are read as doubles)
+    kTooDeep,           // arrays and objects nested deeper than the limit
+  };
+  Kind kind;
+  std::size_t byte = 0;  // 1-based position where reading stopped; 0 for kTooDeep
+  std::string token;     // kNumberOutOfRange: the number as written
+};
+
+// The first problem in `text`, or none. `max_depth` counts arrays and objects: "[[1]]" is 2.
+std::optional<JsonProblem> check_json(std::string_view text, std::size_t max_depth);
+
+}  // namespace batchlm
