@@ -29,6 +29,19 @@ std::string default_model() {
   return std::string(runner::kDefaultLocalModel);
 }
 
+std::string model_file_problem(const std::string& path, const std::string& how_to_choose) {
+  std::error_code error;
+  if (std::filesystem::is_regular_file(path, error)) return {};
+  std::string where;
+  if (std::filesystem::path(path).is_relative()) {
+    const std::filesystem::path cwd = std::filesystem::current_path(error);
+    if (!error) where = " in " + cwd.string();
+  }
+  const std::string what = std::filesystem::is_directory(path, error) ? "' is a directory, not a GGUF file"
+                                                                      : "' not found" + where;
+  return "model file '" + path + what + "; run scripts/fetch-model.sh for the default model, or " + how_to_choose;
+}
+
 namespace {
 
 using namespace batchlm::local_engine;
@@ -78,6 +91,8 @@ int run_generate() {
   if (!g.system.empty() && !g.chat)
     throw std::runtime_error("--system needs --chat (a system message is part of the chat template)");
   const std::string text = read_prompt();
+  if (const std::string problem = model_file_problem(g.model, "pass --model"); !problem.empty())
+    throw std::runtime_error(problem);
   std::shared_ptr<const Model> model = Model::load(g.model);
   Engine engine(model, EngineOptions{app::usable_threads(g.threads), g.context});
   if (g.context > engine.context())
@@ -142,6 +157,8 @@ std::string token_text(const Tokenizer& tok, Token t) {
 }
 
 int run_inspect() {
+  if (const std::string problem = model_file_problem(in.model, "name another file"); !problem.empty())
+    throw std::runtime_error(problem);
   const gguf::File file = gguf::File::open(in.model);
   std::printf("file          %s (%s, GGUF v%u)\n", file.path().c_str(),
               gguf::human_bytes(static_cast<double>(file.file_size())).c_str(), file.version());

@@ -23,6 +23,11 @@ int run_serve_command();
 // The GGUF used when none is named: $BATCHLM_MODEL, else the default model's path.
 std::string default_model();
 
+// Why a model path cannot be used, or "" when it is a file: names the path, the working
+// directory a relative path was looked up in, how to fetch the default model and
+// `how_to_choose` another ("set backend.model, $BATCHLM_MODEL or --model").
+std::string model_file_problem(const std::string& path, const std::string& how_to_choose);
+
 // The engine's speculative options from a job's (or serve's flags') validated settings.
 // Throws std::runtime_error when the draft method's model file is missing.
 local_engine::SpeculativeOptions speculative_options(const runner::BackendSpec::Speculative& spec);

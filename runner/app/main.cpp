@@ -106,11 +106,9 @@ bool is_openai_host(const std::string& url) {
 }
 
 void require_model_file(const JobSpec& job) {
-  if (!std::filesystem::exists(job.backend.model)) {
-    throw ConfigError(job.file, 0, 0, "backend.model",
-                      "model file '" + job.backend.model + "' not found; run scripts/fetch-model.sh "
-                      "for the default model, or set backend.model, $BATCHLM_MODEL or --model");
-  }
+  if (const std::string problem = app::model_file_problem(job.backend.model, "set backend.model, $BATCHLM_MODEL or --model");
+      !problem.empty())
+    throw ConfigError(job.file, 0, 0, "backend.model", problem);
 }
 
 std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_context& io,

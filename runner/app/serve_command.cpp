@@ -137,10 +137,8 @@ void add_serve_command(CLI::App& app) {
 int run_serve_command() {
   if (serve_cmd == nullptr || !*serve_cmd) return -1;
   if (s.model.empty()) s.model = default_model();
-  if (!std::filesystem::exists(s.model)) {
-    throw std::runtime_error("model file '" + s.model + "' not found; run scripts/fetch-model.sh for the "
-                             "default model, or pass --model");
-  }
+  if (const std::string problem = model_file_problem(s.model, "pass --model"); !problem.empty())
+    throw std::runtime_error(problem);
   if (s.api_key.empty()) {
     if (const char* env = std::getenv("BATCHLM_API_KEY"); env && *env) s.api_key = env;
   }

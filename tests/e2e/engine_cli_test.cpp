@@ -274,9 +274,25 @@ TEST_F(EngineCli, InspectTruncatedModelNamesTheFile) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "cut.gguf")) << r.err;
   EXPECT_TRUE(contains(r.err, "truncated")) << r.err;
-  RunResult missing = run_batchlm(dir(), {"inspect", "absent.gguf"});
-  EXPECT_EQ(missing.exit_code, 2) << missing.err;
-  EXPECT_TRUE(contains(missing.err, "absent.gguf")) << missing.err;
+}
+
+// Every command that loads a model says the same when it is not there: the path, the directory
+// a relative path was looked up in, and how to get or choose one.
+TEST_F(EngineCli, AMissingModelSaysWhereItWasLookedForAndWhatToDo) {
+  fs::create_directory(dir() / "models.gguf");
+  const std::string cwd = fs::canonical(dir()).string();
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"inspect", "absent.gguf"}, {"generate", "-m", "absent.gguf", "-p", "hi"},
+           {"serve", "--model", "absent.gguf", "--port", "0"}}) {
+    RunResult r = run_batchlm(dir(), args);
+    EXPECT_EQ(r.exit_code, 2) << args[0] << ": " << r.err;
+    EXPECT_TRUE(contains(r.err, "model file 'absent.gguf' not found in " + cwd + "; run scripts/fetch-model.sh "
+                                "for the default model, or "))
+        << args[0] << ": " << r.err;
+  }
+  RunResult directory = run_batchlm(dir(), {"inspect", "models.gguf"});
+  EXPECT_EQ(directory.exit_code, 2) << directory.err;
+  EXPECT_TRUE(contains(directory.err, "model file 'models.gguf' is a directory, not a GGUF file")) << directory.err;
 }
 
 // ---- run with a local backend ------------------------------------------------------------------
