@@ -47,6 +47,7 @@ struct ServeOptions {
   std::string step_log;
   int max_queue = 256;
   double shutdown_grace = 30;
+  double write_timeout = 30;
   runner::BackendSpec::Speculative spec;
 };
 
@@ -116,6 +117,10 @@ void add_serve_command(CLI::App& app) {
   serve_cmd->add_option("--shutdown-grace", s.shutdown_grace,
                         "Seconds requests in flight get to finish after SIGTERM")
       ->check(app::between(0, 86400, false))->capture_default_str();
+  serve_cmd->add_option("--write-timeout", s.write_timeout,
+                        "Seconds a write to a client may make no progress (a client that stopped reading) "
+                        "before its connection is closed and its request cancelled")
+      ->check(app::between(0.001, 86400, false))->capture_default_str();
   serve_cmd->add_option("--speculative", s.spec.method,
                         "Speculative decoding: none, ngram (look up the prompt and output), self "
                         "(the model's first layers draft) or draft (--draft-model drafts)")
@@ -182,6 +187,7 @@ int run_serve_command() {
   options.api_key = s.api_key;
   options.max_in_flight = s.max_sequences + s.max_queue;
   options.shutdown_grace = std::chrono::milliseconds(static_cast<long long>(s.shutdown_grace * 1000));
+  options.write_timeout = std::chrono::milliseconds(static_cast<long long>(s.write_timeout * 1000));
   server::Server http(io, *backend, options);
   http.start();
 

@@ -17,6 +17,7 @@
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
+#include <boost/beast/core/buffers_suffix.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
 #include <boost/beast/core/string.hpp>
 #include <boost/beast/core/tcp_stream.hpp>
@@ -105,7 +106,23 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     res.keep_alive(req.keep_alive() && !draining);
     res.body() = body.dump();
     res.prepare_payload();
+    c.stream.expires_after(options.write_timeout);
     co_await http::async_write(c.stream, res, asio::use_awaitable);
+  }
+
+  // Writes all of `buffers`, each write given write_timeout to make progress; on a timeout the
+  // stream closes the socket. Without it a client that stops reading, its socket open, would hold
+  // its request, its engine sequence and the connection for ever.
+  template <typename Buffers>
+  asio::awaitable<boost::system::error_code> write_all(Connection& c, const Buffers& buffers) {
+    beast::buffers_suffix<Buffers> rest(buffers);
+    while (beast::buffer_bytes(rest) > 0) {
+      c.stream.expires_after(options.write_timeout);
+      auto [ec, n] = co_await c.stream.async_write_some(rest, use_tuple);
+      if (ec) co_return ec;
+      rest.consume(n);
+    }
+    co_return boost::system::error_code{};
   }
 
   asio::awaitable<void> send_error(Connection& c, const HttpRequest& req, const ApiError& e,
@@ -197,13 +214,13 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
           res.keep_alive(chunked && req.keep_alive() && !draining);
           res.chunked(chunked);
           http::response_serializer<http::empty_body> sr{res};
+          c.stream.expires_after(options.write_timeout);
           std::tie(ec, std::ignore) = co_await http::async_write_header(c.stream, sr, use_tuple);
         }
         if (!ec && chunked) {
-          std::tie(ec, std::ignore) =
-              co_await asio::async_write(c.stream, http::make_chunk(asio::buffer(out)), use_tuple);
+          ec = co_await write_all(c, http::make_chunk(asio::buffer(out)));
         } else if (!ec) {
-          std::tie(ec, std::ignore) = co_await asio::async_write(c.stream, asio::buffer(out), use_tuple);
+          ec = co_await write_all(c, asio::buffer(out));
         }
         if (ec) {
           // The client went away: closing ends watch_peer, which cancels the request.
@@ -216,8 +233,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       s.wake.expires_at(asio::steady_timer::time_point::max());
       co_await s.wake.async_wait(use_tuple);  // woken by cancel(); a real cancellation throws
     }
-    if (s.started && req.version() >= 11)
-      co_await asio::async_write(c.stream, http::make_chunk_last(), asio::use_awaitable);
+    if (s.started && req.version() >= 11) {
+      if (const auto ec = co_await write_all(c, http::make_chunk_last())) throw boost::system::system_error(ec);
+    }
   }
 
   asio::awaitable<Outcome> complete_whole(const ApiRequest& api) {
@@ -290,10 +308,10 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         out += sse(shutting_down().body());
         out += "data: [DONE]\n\n";
         if (req.version() >= 11) {
-          co_await asio::async_write(c.stream, http::make_chunk(asio::buffer(out)), asio::use_awaitable);
-          co_await asio::async_write(c.stream, http::make_chunk_last(), asio::use_awaitable);
+          if (!(co_await write_all(c, http::make_chunk(asio::buffer(out)))))
+            co_await write_all(c, http::make_chunk_last());
         } else {
-          co_await asio::async_write(c.stream, asio::buffer(out), asio::use_awaitable);
+          co_await write_all(c, asio::buffer(out));
         }
         co_return false;
       }

@@ -314,8 +314,11 @@ class CurlCall {
 // A client socket with receive timeouts, for hanging up mid-response.
 class RawConnection {
  public:
-  explicit RawConnection(int port) {
+  // receive_buffer > 0: a small receive window (SO_RCVBUF, set before connecting), so a client
+  // that stops reading stalls the server's writes after kilobytes rather than megabytes.
+  explicit RawConnection(int port, int receive_buffer = 0) {
     fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (receive_buffer > 0) ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_port = htons(static_cast<std::uint16_t>(port));
@@ -1112,6 +1115,52 @@ TEST_F(Serve, ShutdownGraceCutsLongRequests) {
   EXPECT_TRUE(contains(whole.received(), "HTTP/1.1 503")) << whole.received();
   EXPECT_TRUE(contains(whole.received(), "\"type\":\"server_error\"")) << whole.received();
   EXPECT_TRUE(contains(s->stderr_text(), "2 requests still running were cancelled")) << s->stderr_text();
+}
+
+// ---- clients that misbehave -------------------------------------------------------------------
+
+// A streaming client that stops reading but keeps its socket open: once a write has made no
+// progress for --write-timeout, its request is cancelled (its sequence and KV blocks freed) and
+// the connection closed; others are served meanwhile.
+TEST_F(Serve, StalledStreamingClientIsCutAfterTheWriteTimeout) {
+  write_long_model();
+  // A long model name makes every event kilobytes long, so the stream outgrows what the
+  // kernel's socket buffers hold (megabytes) within the first thousand tokens.
+  auto s = serve({"--served-model-name", std::string(4096, 'm'), "--write-timeout", "1"}, {}, "long.gguf");
+  const json before = health(*s);
+  RawConnection stalled(s->port(), 4096);
+  stalled.send_post("/v1/chat/completions", long_chat(true));
+  json h;
+  const bool freed = wait_until([&] {
+    h = health(*s);
+    return h["engine"]["generated_tokens"] > before["engine"]["generated_tokens"] && h["in_flight"] == 0 &&
+           h["engine"]["running"] == 0 && h["engine"]["blocks_used"] == 0;
+  }, 20s);
+  EXPECT_TRUE(freed) << "in flight " << h["in_flight"] << ", engine " << h["engine"].dump();
+  // Cancelled, not finished: fewer than the 4000 tokens asked for.
+  const long long generated =
+      h["engine"]["generated_tokens"].get<long long>() - before["engine"]["generated_tokens"].get<long long>();
+  EXPECT_LT(generated, 4000) << h["engine"].dump();
+  // The connection was closed: what the server had sent, then the end.
+  EXPECT_TRUE(stalled.read_to_end(10s)) << stalled.received().size() << " bytes";
+  HttpResponse other = post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 4}}));
+  EXPECT_EQ(other.status, 200) << other.body;
+}
+
+// SIGTERM with a streaming client that stopped reading: the grace period ends, the request is
+// cancelled, the error event cannot be written, and the server still exits within seconds (well
+// before the 30 s write timeout).
+TEST_F(Serve, SigtermWithAStalledStreamingClientStillExits) {
+  write_long_model();
+  auto s = serve({"--served-model-name", std::string(4096, 'm'), "--shutdown-grace", "1"}, {}, "long.gguf");
+  const long long before = health(*s)["engine"]["generated_tokens"];
+  RawConnection stalled(s->port(), 4096);
+  stalled.send_post("/v1/chat/completions", long_chat(true));
+  // 2000 events of 4 KiB: more than the socket buffers take, so the server's write is stuck.
+  ASSERT_TRUE(wait_until([&] { return health(*s)["engine"]["generated_tokens"].get<long long>() - before >= 2000; }, 20s));
+  s->signal(SIGTERM);
+  EXPECT_EQ(s->wait(10s), 0) << s->stderr_text();
+  EXPECT_TRUE(contains(s->stderr_text(), "1 requests still running were cancelled")) << s->stderr_text();
 }
 
 // ---- the real model: the official client, batchlm run -------------------------------------------

@@ -9,7 +9,8 @@
 //   POST /v1/completions         raw text completion, streaming or not
 //
 // Errors are OpenAI error objects naming the bad field. Beyond max_in_flight requests a new one
-// gets 429 with Retry-After. A client that goes away cancels its request, freeing its KV blocks.
+// gets 429 with Retry-After. A client that goes away cancels its request, freeing its KV blocks;
+// so does one that stops reading for write_timeout.
 // shutdown() stops accepting, lets requests in flight finish for the grace period, then cancels
 // the rest, answering each with a 503 error (an error event and [DONE] mid-stream).
 
@@ -35,6 +36,9 @@ struct ServerOptions {
   std::size_t max_body_bytes = 8u << 20;
   std::chrono::milliseconds keep_alive{std::chrono::seconds(60)};  // idle connection timeout
   std::chrono::milliseconds shutdown_grace{std::chrono::seconds(30)};
+  // A write to a client that makes no progress this long (a client that stopped reading but
+  // keeps its socket open) closes the connection and cancels its request.
+  std::chrono::milliseconds write_timeout{std::chrono::seconds(30)};
 };
 
 class Server {
