@@ -137,13 +137,20 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   }
 
   // Completes when the peer closes or breaks the connection. Bytes it sends meanwhile (a
-  // pipelined request) are kept in the buffer for the next read.
+  // pipelined request) are kept in the buffer for the next read, up to kReadAhead: beyond that
+  // they wait in the socket and the client's sends block, so a client sending ahead of its answer
+  // cannot grow the server's memory. A hang-up is then noticed when the answer is written (an
+  // error, or the write timeout).
+  static constexpr std::size_t kReadAhead = 64 * 1024;
   static asio::awaitable<void> watch_peer(Connection& c) {
-    for (;;) {
+    while (c.buffer.size() < kReadAhead) {
       auto [ec, n] = co_await c.stream.socket().async_read_some(c.buffer.prepare(4096), use_tuple);
       if (ec) co_return;
       c.buffer.commit(n);
     }
+    // Until the race this is part of ends: a timer that never expires.
+    asio::steady_timer never(c.stream.get_executor(), asio::steady_timer::time_point::max());
+    co_await never.async_wait(use_tuple);
   }
 
   // Completes when the server gives up on the connection's request (abort_all cancels the

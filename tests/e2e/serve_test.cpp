@@ -348,6 +348,24 @@ class RawConnection {
     }
   }
 
+  // Sends up to `bytes` of filler without blocking, until the server stops taking them for
+  // `stall` in a row (or closes); returns how many bytes it took.
+  std::size_t send_until_stalled(std::size_t bytes, std::chrono::milliseconds stall) {
+    const std::string block(64 * 1024, 'x');
+    std::size_t sent = 0;
+    while (sent < bytes) {
+      pollfd p{fd_, POLLOUT, 0};
+      if (::poll(&p, 1, static_cast<int>(stall.count())) <= 0 || (p.revents & (POLLERR | POLLHUP)) != 0) break;
+      const ssize_t n = ::send(fd_, block.data(), std::min(block.size(), bytes - sent), MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n <= 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) continue;
+        break;
+      }
+      sent += static_cast<std::size_t>(n);
+    }
+    return sent;
+  }
+
   // Reads until `needle` has arrived; false on timeout or when the server closed first.
   bool read_until(const std::string& needle, std::chrono::milliseconds timeout) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -1161,6 +1179,28 @@ TEST_F(Serve, SigtermWithAStalledStreamingClientStillExits) {
   s->signal(SIGTERM);
   EXPECT_EQ(s->wait(10s), 0) << s->stderr_text();
   EXPECT_TRUE(contains(s->stderr_text(), "1 requests still running were cancelled")) << s->stderr_text();
+}
+
+// While its request runs the server watches the connection for a hang-up, keeping what the
+// client sends meanwhile (a pipelined request) for later. It keeps only so much: beyond that the
+// bytes wait in the socket and the client's sends block, rather than the server's memory
+// growing with whatever the client sends.
+TEST_F(Serve, AClientSendingAheadOfItsAnswerIsHeldBack) {
+  write_long_model();
+  auto s = serve({}, {}, "long.gguf");
+  const json before = health(*s);
+  const long long resident_before = s->resident_kib();
+  RawConnection c(s->port());
+  c.send_post("/v1/chat/completions", long_chat(false));
+  ASSERT_TRUE(wait_until([&] { return health(*s)["engine"]["generated_tokens"] > before["engine"]["generated_tokens"]; }, 20s));
+  constexpr std::size_t kMiB = 1 << 20;
+  const std::size_t sent = c.send_until_stalled(256 * kMiB, 1s);
+  EXPECT_LT(sent, 64 * kMiB) << "the server took all it was sent";
+  const long long grown_kib = s->resident_kib() - resident_before;
+  EXPECT_LT(grown_kib, 64 * 1024) << "KiB the server grew by";
+  c.close();
+  EXPECT_TRUE(wait_until([&] { return health(*s)["in_flight"] == 0; }, 20s));
+  EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 4}})).status, 200);
 }
 
 // ---- the real model: the official client, batchlm run -------------------------------------------
