@@ -446,6 +446,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         const bool keep = co_await handle(c, req);
         c.busy = false;
         if (!keep || !req.keep_alive()) break;
+        // Idle again from now: to the back of the list, which close_longest_idle() reads from the front.
+        connections.splice(connections.end(), connections, me);
       }
     } catch (const std::exception&) {
       // A write to a client that went away: nothing to answer.
@@ -474,6 +476,10 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       auto [ec, socket] = co_await acceptor.async_accept(use_tuple);
       if (ec) {
         if (!acceptor.is_open()) co_return;
+        // Out of descriptors with connections idle: make room for the new client.
+        if ((ec == asio::error::no_descriptors || ec == boost::system::errc::too_many_files_open_in_system) &&
+            close_longest_idle())
+          continue;
         // E.g. too many open files: keep serving the connections we have, and try again after
         // a pause (at once would spin a core until a descriptor frees up).
         asio::steady_timer pause(io, std::chrono::milliseconds(100));
@@ -483,6 +489,20 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       socket.set_option(tcp::no_delay(true), ec);
       asio::co_spawn(io, session(std::move(socket)), asio::detached);
     }
+  }
+
+  // Closes the connection idle the longest (waiting for a request, or sending one), if any, so a
+  // flood of idle connections cannot lock new clients out until the keep-alive timeout ends
+  // theirs. One whose request is being served is never chosen. Returns whether one was closed.
+  bool close_longest_idle() {
+    for (Connection* c : connections) {
+      if (!c->busy && c->stream.socket().is_open()) {
+        boost::system::error_code ignored;
+        c->stream.socket().close(ignored);
+        return true;
+      }
+    }
+    return false;
   }
 
   void maybe_drained() {

@@ -1203,6 +1203,29 @@ TEST_F(Serve, AClientSendingAheadOfItsAnswerIsHeldBack) {
   EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 4}})).status, 200);
 }
 
+// Idle connections up to the limit on open files: the one idle the longest is closed to make
+// room for a new client, instead of every new client waiting out the keep-alive timeout. A
+// connection whose request is being served is not closed.
+TEST_F(Serve, AFloodOfIdleConnectionsDoesNotLockOutNewClients) {
+  write_long_model();
+  auto s = serve({}, {{ServeProcess::kNofileLimit, "40"}}, "long.gguf");
+  RawConnection streaming(s->port());
+  streaming.send_post("/v1/chat/completions", long_chat(true));
+  ASSERT_TRUE(streaming.read_until("data: ", 20s)) << streaming.received();
+  std::vector<std::unique_ptr<RawConnection>> idle;
+  for (int i = 0; i < 60; ++i) idle.push_back(std::make_unique<RawConnection>(s->port()));
+  RawConnection fresh(s->port());
+  fresh.send_raw("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  EXPECT_TRUE(fresh.read_until("\"status\":\"ok\"", 10s)) << fresh.received();
+  // The stream goes on.
+  const std::size_t so_far = streaming.received().size();
+  EXPECT_TRUE(wait_until([&] {
+    streaming.read_until("no such text", 100ms);
+    return streaming.received().size() > so_far + 1000;
+  }, 10s)) << "the stream stopped";
+  EXPECT_FALSE(contains(streaming.received(), "server_error")) << streaming.received().substr(so_far);
+}
+
 // ---- the real model: the official client, batchlm run -------------------------------------------
 
 class ServeRealModel : public Serve {

@@ -10,7 +10,8 @@
 //
 // Errors are OpenAI error objects naming the bad field. Beyond max_in_flight requests a new one
 // gets 429 with Retry-After. A client that goes away cancels its request, freeing its KV blocks;
-// so does one that stops reading for write_timeout.
+// so does one that stops reading for write_timeout. Out of file descriptors, the connection idle
+// the longest is closed to make room for a new one.
 // shutdown() stops accepting, lets requests in flight finish for the grace period, then cancels
 // the rest, answering each with a 503 error (an error event and [DONE] mid-stream).
 
