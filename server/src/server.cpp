@@ -400,6 +400,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     co_return true;
   }
 
+  static constexpr std::uint32_t kHeaderLimit = 64 * 1024;  // bytes of request line and header fields
+
   asio::awaitable<void> session(tcp::socket socket) {
     auto self = shared_from_this();
     Connection c(std::move(socket));
@@ -411,7 +413,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         if (draining) break;
         http::request_parser<http::string_body> parser;
         parser.body_limit(options.max_body_bytes);
-        parser.header_limit(64 * 1024);
+        parser.header_limit(kHeaderLimit);
         c.stream.expires_after(options.keep_alive);
         auto [ec, n] = co_await http::async_read_header(c.stream, c.buffer, parser, use_tuple);
         if (!ec && !parser.is_done()) {
@@ -431,6 +433,13 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
             co_await send_error(c, head,
                                 ApiError(413, "invalid_request_error", "",
                                          "the request body exceeds " + std::to_string(options.max_body_bytes) + " bytes"));
+          } else if (ec == http::error::header_limit) {
+            HttpRequest head{http::verb::unknown, "", 11};
+            head.keep_alive(false);
+            co_await send_error(c, head,
+                                ApiError(431, "invalid_request_error", "",
+                                         "the request line and header fields exceed " +
+                                             std::to_string(kHeaderLimit) + " bytes"));
           } else if (ec != http::error::end_of_stream && ec != beast::error::timeout &&
                      ec != asio::error::operation_aborted && ec != asio::error::connection_reset &&
                      ec != asio::error::eof && ec != asio::error::bad_descriptor) {

@@ -366,6 +366,9 @@ class RawConnection {
     return sent;
   }
 
+  // No more bytes from this side (the server sees the end of the stream); reading goes on.
+  void shutdown_send() { ::shutdown(fd_, SHUT_WR); }
+
   // Reads until `needle` has arrived; false on timeout or when the server closed first.
   bool read_until(const std::string& needle, std::chrono::milliseconds timeout) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -1224,6 +1227,95 @@ TEST_F(Serve, AFloodOfIdleConnectionsDoesNotLockOutNewClients) {
     return streaming.received().size() > so_far + 1000;
   }, 10s)) << "the stream stopped";
   EXPECT_FALSE(contains(streaming.received(), "server_error")) << streaming.received().substr(so_far);
+}
+
+// Requests that are unusual but valid get their answers; malformed ones a 4xx; none hangs the
+// connection or the server.
+TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
+  auto s = serve();
+  const std::string completion = R"({"prompt": "Hi", "max_tokens": 2, "temperature": 0})";
+  const std::string streamed = R"({"prompt": "Hi", "max_tokens": 2, "temperature": 0, "stream": true})";
+  const auto post_text = [](const std::string& body, const std::string& extra = "") {
+    return "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" + extra +
+           "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  };
+  const auto count = [](const std::string& text, const std::string& needle) {
+    std::size_t n = 0;
+    for (std::size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+    return n;
+  };
+  {
+    SCOPED_TRACE("three requests written back to back are answered in order");
+    RawConnection c(s->port());
+    c.send_raw(post_text(completion) + post_text(streamed) +
+               "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(20s)) << c.received();
+    const std::string& r = c.received();
+    EXPECT_EQ(count(r, "HTTP/1.1 200 OK\r\n"), 3u) << r;
+    const std::size_t whole = r.find("\"total_tokens\""), stream = r.find("data: [DONE]"), ok = r.find("\"status\":\"ok\"");
+    EXPECT_TRUE(whole < stream && stream < ok) << r;
+  }
+  {
+    SCOPED_TRACE("HTTP/1.0 without keep-alive: the answer, then the connection closes");
+    RawConnection c(s->port());
+    c.send_raw("GET /health HTTP/1.0\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.0 200 OK\r\n")) << c.received();
+  }
+  {
+    SCOPED_TRACE("a chunked request body");
+    RawConnection c(s->port());
+    const std::string first = completion.substr(0, 10), rest = completion.substr(10);
+    auto hex = [](std::size_t n) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%zx", n);
+      return std::string(buf);
+    };
+    c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" +
+               hex(first.size()) + "\r\n" + first + "\r\n" + hex(rest.size()) + "\r\n" + rest + "\r\n0\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 200 OK\r\n")) << c.received();
+    EXPECT_TRUE(contains(c.received(), "\"total_tokens\"")) << c.received();
+  }
+  {
+    SCOPED_TRACE("a body shorter than its Content-Length, then the end of the stream");
+    RawConnection c(s->port());
+    c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               "Content-Length: 1000\r\n\r\n" + completion);
+    c.shutdown_send();
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 400 Bad Request\r\n")) << c.received();
+  }
+  {
+    SCOPED_TRACE("5000 header fields within the 64 KiB for the head");
+    RawConnection c(s->port());
+    std::string head = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n";
+    for (int i = 0; i < 5000; ++i) head += "X-" + std::to_string(i) + ": v\r\n";
+    c.send_raw(head + "\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received().substr(0, 300);
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 200 OK\r\n")) << c.received().substr(0, 300);
+  }
+  for (const bool long_target : {true, false}) {
+    SCOPED_TRACE(long_target ? "a 64 KiB request target" : "header fields beyond 64 KiB");
+    RawConnection c(s->port());
+    std::string head = long_target ? "GET /v1/models/" + std::string(64 * 1024, 'a') + " HTTP/1.1\r\n"
+                                   : "GET /health HTTP/1.1\r\n";
+    if (!long_target)
+      for (int i = 0; i < 10000; ++i) head += "X-" + std::to_string(i) + ": v\r\n";
+    c.send_raw(head + "Host: 127.0.0.1\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received().substr(0, 300);
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 431 Request Header Fields Too Large\r\n")) << c.received();
+    EXPECT_TRUE(contains(c.received(), "65536 bytes")) << c.received();
+  }
+  {
+    SCOPED_TRACE("not HTTP");
+    RawConnection c(s->port());
+    c.send_raw("hello there\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 400 Bad Request\r\n")) << c.received();
+  }
+  EXPECT_EQ(health(*s)["in_flight"], 0);
 }
 
 // ---- the real model: the official client, batchlm run -------------------------------------------
