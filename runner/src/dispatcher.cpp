@@ -249,7 +249,14 @@ class Dispatcher {
   // `interrupted`: by a signal (exit 130), not by the run itself; `ctrl_c_hint`: say that a
   // Ctrl-C exits at once (pointless when the terminal is gone).
   void begin_stop(const char* why, bool interrupted = true, bool ctrl_c_hint = true) {
-    if (stopping_) return;
+    if (stopping_) {
+      // The run was already stopping by itself (the API refused it, the output failed): this
+      // signal is the first, so it does not exit yet; say so, or the keypress looks ignored.
+      if (interrupted && ctrl_c_hint)
+        progress_.message("batchlm: " + std::string(why) + ": already stopping; waiting for " +
+                          std::to_string(counters_.in_flight) + " in flight (Ctrl-C again to exit now)");
+      return;
+    }
     stopping_ = true;
     interrupted_ = interrupted;
     char grace[32];

@@ -702,6 +702,32 @@ TEST(BatchlmRun, SecondSigtermExitsAtOnce) {
   EXPECT_NE(read_file(dir.path / "run.err").find("exiting now"), std::string::npos);
 }
 
+// A run that is already stopping by itself (here: the API refused ten requests in a row) takes
+// the first Ctrl-C as the first: it says so, and the second exits at once.
+TEST(BatchlmRun, CtrlCWhileTheRunStopsItselfIsAnsweredAndASecondExits) {
+  TempDir dir;
+  // With seed 14, the first question is answered (slowly: 2,000 tokens 50 ms apart) and the
+  // next ten are refused, so the run stops sending while the first is still streaming.
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "2000", "--token-delay-ms", "50",
+                               "--fault-rate", "0.9", "--seed", "14", "--faults",
+                               "status=401;code=invalid_api_key;message=Incorrect API key provided"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 50, .concurrency = 2,
+                                               .max_attempts = 1, .extra = "grace_period: 10m\n"}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  ASSERT_TRUE(wait_until([&] { return read_file(dir.path / "run.err").find("no new items") != std::string::npos; }, 30s))
+      << read_file(dir.path / "run.err");
+  EXPECT_NE(read_file(dir.path / "run.err").find("the API refused the last 10 requests"), std::string::npos);
+  p.signal(SIGINT);
+  ASSERT_TRUE(wait_until([&] {
+    return read_file(dir.path / "run.err").find("interrupted: already stopping; waiting for 1 in flight (Ctrl-C again to exit now)") !=
+           std::string::npos;
+  })) << read_file(dir.path / "run.err");
+  p.signal(SIGINT);
+  ASSERT_EQ(p.wait(20s), 130) << read_file(dir.path / "run.err");
+  EXPECT_NE(read_file(dir.path / "run.err").find("interrupted twice, exiting now"), std::string::npos);
+}
+
 // stderr into a pipe nobody reads any more (`2>&1 | head -1`, a log reader that died): the
 // progress lines and the summary are lost, but not the run.
 TEST(BatchlmRun, ClosedStderrPipeDoesNotKillTheRun) {
