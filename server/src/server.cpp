@@ -416,6 +416,18 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         parser.header_limit(kHeaderLimit);
         c.stream.expires_after(options.keep_alive);
         auto [ec, n] = co_await http::async_read_header(c.stream, c.buffer, parser, use_tuple);
+        if (!ec && !parser.chunked() && parser.get().count(http::field::transfer_encoding) > 0) {
+          // A transfer coding other than chunked last: the body's length cannot be known (RFC 9112
+          // 6.3), and read as having none, its bytes would be taken for the next request.
+          HttpRequest head = parser.release();
+          head.keep_alive(false);
+          unread_body = true;
+          co_await send_error(c, head,
+                              ApiError(400, "invalid_request_error", "",
+                                       "a Transfer-Encoding other than chunked is not supported: send the body with a "
+                                       "Content-Length, or chunked"));
+          break;
+        }
         if (!ec && !parser.is_done()) {
           // A client that waits for "100 Continue" before sending the body gets it at once.
           const auto expect = parser.get().find(http::field::expect);

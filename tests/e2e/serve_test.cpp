@@ -1309,6 +1309,17 @@ TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
     EXPECT_TRUE(contains(c.received(), "65536 bytes")) << c.received();
   }
   {
+    // RFC 9112 6.3: its length cannot be known, so the body must not be read as the next request.
+    SCOPED_TRACE("a body in a transfer coding other than chunked");
+    RawConnection c(s->port());
+    c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               "Transfer-Encoding: gzip\r\n\r\nGET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 400 Bad Request\r\n")) << c.received();
+    EXPECT_TRUE(contains(c.received(), "Transfer-Encoding")) << c.received();
+    EXPECT_EQ(count(c.received(), "HTTP/1.1 "), 1u) << c.received();
+  }
+  {
     SCOPED_TRACE("not HTTP");
     RawConnection c(s->port());
     c.send_raw("hello there\r\n\r\n");
