@@ -104,7 +104,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     res.set(http::field::content_type, "application/json");
     if (header) res.set(header->first, header->second);
     res.keep_alive(req.keep_alive() && !draining);
-    res.body() = body.dump();
+    // Messages may quote the request (its path): bytes that are not UTF-8 there become U+FFFD
+    // rather than an exception that would close the connection unanswered.
+    res.body() = body.dump(-1, ' ', false, json::error_handler_t::replace);
     res.prepare_payload();
     c.stream.expires_after(options.write_timeout);
     co_await http::async_write(c.stream, res, asio::use_awaitable);

@@ -1319,6 +1319,14 @@ TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
     EXPECT_TRUE(contains(c.received(), "Transfer-Encoding")) << c.received();
     EXPECT_EQ(count(c.received(), "HTTP/1.1 "), 1u) << c.received();
   }
+  for (const std::string path : {"/\xff", "/v1/models/\xfe"}) {
+    SCOPED_TRACE("a path that is not UTF-8, quoted in the error message");
+    RawConnection c(s->port());
+    c.send_raw("GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 404 Not Found\r\n")) << c.received();
+    EXPECT_TRUE(contains(c.received(), "\xef\xbf\xbd")) << c.received();  // U+FFFD
+  }
   {
     SCOPED_TRACE("not HTTP");
     RawConnection c(s->port());
