@@ -1168,6 +1168,29 @@ TEST_F(Serve, StalledStreamingClientIsCutAfterTheWriteTimeout) {
   EXPECT_EQ(other.status, 200) << other.body;
 }
 
+// A request still waiting for a place in the engine is cancelled too when its client hangs up:
+// it leaves the queue at once rather than running when its turn comes.
+TEST_F(Serve, ClientHangingUpWhileQueuedLeavesTheQueue) {
+  write_long_model();
+  auto s = serve({"--max-sequences", "1"}, {}, "long.gguf");
+  RawConnection running(s->port());
+  running.send_post("/v1/chat/completions", long_chat(true));
+  ASSERT_TRUE(running.read_until("data: ", 20s)) << running.received();
+  for (const bool stream : {true, false}) {
+    SCOPED_TRACE(stream ? "streaming" : "whole");
+    RawConnection queued(s->port());
+    queued.send_post("/v1/chat/completions", long_chat(stream));
+    ASSERT_TRUE(wait_until([&] { return health(*s)["engine"]["waiting"] == 1; }, 10s)) << health(*s).dump();
+    queued.close();
+    json h;
+    EXPECT_TRUE(wait_until([&] {
+      h = health(*s);
+      return h["engine"]["waiting"] == 0 && h["in_flight"] == 1;
+    }, 5s)) << h.dump();
+    EXPECT_EQ(h["engine"]["running"], 1) << h.dump();
+  }
+}
+
 // SIGTERM with a streaming client that stopped reading: the grace period ends, the request is
 // cancelled, the error event cannot be written, and the server still exits within seconds (well
 // before the 30 s write timeout).
