@@ -48,6 +48,7 @@ struct ServeOptions {
   int max_queue = 256;
   double shutdown_grace = 30;
   double write_timeout = 30;
+  double request_timeout = 60;
   runner::BackendSpec::Speculative spec;
 };
 
@@ -121,6 +122,10 @@ void add_serve_command(CLI::App& app) {
                         "Seconds a write to a client may make no progress (a client that stopped reading) "
                         "before its connection is closed and its request cancelled")
       ->check(app::between(0.001, 86400, false))->capture_default_str();
+  serve_cmd->add_option("--request-timeout", s.request_timeout,
+                        "Seconds a client has to send a whole request from its first byte (a client trickling "
+                        "it byte by byte is cut off then)")
+      ->check(app::between(0.001, 86400, false))->capture_default_str();
   serve_cmd->add_option("--speculative", s.spec.method,
                         "Speculative decoding: none, ngram (look up the prompt and output), self "
                         "(the model's first layers draft) or draft (--draft-model drafts)")
@@ -188,6 +193,7 @@ int run_serve_command() {
   options.max_in_flight = s.max_sequences + s.max_queue;
   options.shutdown_grace = std::chrono::milliseconds(static_cast<long long>(s.shutdown_grace * 1000));
   options.write_timeout = std::chrono::milliseconds(static_cast<long long>(s.write_timeout * 1000));
+  options.request_timeout = std::chrono::milliseconds(static_cast<long long>(s.request_timeout * 1000));
   server::Server http(io, *backend, options);
   http.start();
 

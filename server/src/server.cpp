@@ -416,7 +416,16 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         http::request_parser<http::string_body> parser;
         parser.body_limit(options.max_body_bytes);
         parser.header_limit(kHeaderLimit);
-        c.stream.expires_after(options.keep_alive);
+        if (c.buffer.size() == 0) {
+          // Idle until the next request's first byte, for up to keep_alive.
+          c.stream.expires_after(options.keep_alive);
+          auto [idle_ec, first] = co_await c.stream.async_read_some(c.buffer.prepare(4096), use_tuple);
+          if (idle_ec) break;
+          c.buffer.commit(first);
+        }
+        // From its first byte the whole request (line, fields, body) has request_timeout, however
+        // the bytes are spaced: a client trickling them one at a time cannot hold the connection.
+        c.stream.expires_after(options.request_timeout);
         auto [ec, n] = co_await http::async_read_header(c.stream, c.buffer, parser, use_tuple);
         if (!ec && !parser.chunked() && parser.get().count(http::field::transfer_encoding) > 0) {
           // A transfer coding other than chunked last: the body's length cannot be known (RFC 9112

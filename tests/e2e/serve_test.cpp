@@ -1207,6 +1207,38 @@ TEST_F(Serve, SigtermWithAStalledStreamingClientStillExits) {
   EXPECT_TRUE(contains(s->stderr_text(), "1 requests still running were cancelled")) << s->stderr_text();
 }
 
+// A request sent a byte at a time is cut off --request-timeout after its first byte, however
+// steadily the bytes come (a deadline, not an idle timeout); an idle keep-alive connection waits
+// longer than that for its next request and then has the whole time to send it.
+TEST_F(Serve, ARequestTrickledByteByByteIsCutAtTheRequestTimeout) {
+  auto s = serve({"--request-timeout", "1"});
+  RawConnection trickle(s->port());
+  const std::string head = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + std::string(1000, 'a');
+  const auto start = std::chrono::steady_clock::now();
+  std::size_t sent = 0;
+  bool closed = false;
+  while (!closed && sent < head.size()) {
+    try {
+      trickle.send_raw(head.substr(sent, 1));
+      ++sent;
+    } catch (const std::runtime_error&) {
+      closed = true;  // reset
+    }
+    closed = closed || trickle.read_to_end(50ms);
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_TRUE(closed) << "still open after " << sent << " bytes";
+  EXPECT_GT(took, 900ms);
+  EXPECT_LT(took, 20s);
+  EXPECT_EQ(trickle.received(), "");
+
+  RawConnection idle(s->port());
+  std::this_thread::sleep_for(1500ms);
+  idle.send_raw("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  EXPECT_TRUE(idle.read_to_end(10s));
+  EXPECT_TRUE(idle.received().starts_with("HTTP/1.1 200 OK\r\n")) << idle.received();
+}
+
 // While its request runs the server watches the connection for a hang-up, keeping what the
 // client sends meanwhile (a pipelined request) for later. It keeps only so much: beyond that the
 // bytes wait in the socket and the client's sends block, rather than the server's memory

@@ -36,6 +36,8 @@ struct ServerOptions {
   int max_in_flight = 256;         // requests served at once (running and queued); then 429
   std::size_t max_body_bytes = 8u << 20;
   std::chrono::milliseconds keep_alive{std::chrono::seconds(60)};  // idle connection timeout
+  // From a request's first byte, the time to receive all of it; then the connection closes.
+  std::chrono::milliseconds request_timeout{std::chrono::seconds(60)};
   std::chrono::milliseconds shutdown_grace{std::chrono::seconds(30)};
   // A write to a client that makes no progress this long (a client that stopped reading but
   // keeps its socket open) closes the connection and cancels its request.
