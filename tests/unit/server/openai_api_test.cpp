@@ -436,7 +436,7 @@ TEST(ParseRequest, StopStringsAndList) {
   expect_invalid(chat_error(chat_body({{"stop", json::array({"a", 2})}})), "stop",
                  "'stop[1]' must be a string, not an integer");
   json many = json::array();
-  for (int i = 0; i < 17; ++i) many.push_back("s" + std::to_string(i));
+  for (int i = 0; i < 17; ++i) many.push_back(std::string("s") + std::to_string(i));
   expect_invalid(chat_error(chat_body({{"stop", many}})), "stop", "'stop' has 17 strings; at most 16 are allowed");
   many.erase(many.begin());
   EXPECT_EQ(chat({{"stop", many}}).request.stop.size(), 16u);
