@@ -1191,6 +1191,27 @@ TEST_F(Serve, ClientHangingUpWhileQueuedLeavesTheQueue) {
   }
 }
 
+// The same for whole answers: a client that pipelines requests and reads none of the answers
+// is cut once they fill the socket buffers, rather than holding the connection for ever.
+TEST_F(Serve, PipeliningClientThatNeverReadsIsCutAfterTheWriteTimeout) {
+  auto s = serve({"--served-model-name", std::string(16384, 'm'), "--write-timeout", "0.5"});
+  RawConnection c(s->port(), 4096);
+  std::string requests;
+  for (int i = 0; i < 2000; ++i) requests += "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  c.send_raw(requests);  // 2000 answers of 16 KiB: more than the socket buffers hold
+  std::this_thread::sleep_for(3s);
+  // Closed meanwhile: what was buffered, then the end (reading now would let a server without
+  // the timeout go on, and it would keep the connection open after the last answer).
+  EXPECT_TRUE(c.read_to_end(20s));
+  std::size_t answers = 0;
+  for (std::size_t at = c.received().find("HTTP/1.1 200 OK"); at != std::string::npos;
+       at = c.received().find("HTTP/1.1 200 OK", at + 1))
+    ++answers;
+  EXPECT_GT(answers, 0u);
+  EXPECT_LT(answers, 2000u);
+  EXPECT_EQ(get(*s, "/health").status, 200);
+}
+
 // SIGTERM with a streaming client that stopped reading: the grace period ends, the request is
 // cancelled, the error event cannot be written, and the server still exits within seconds (well
 // before the 30 s write timeout).
