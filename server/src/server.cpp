@@ -83,6 +83,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     beast::tcp_stream stream;
     beast::flat_buffer buffer;
     bool busy = false;
+    bool receiving = false;  // part of a request has arrived, not yet all of it
     // Cancelled when the server stops waiting for this connection's request (shutdown grace
     // over): the request is cancelled and the client told why.
     asio::steady_timer abort;
@@ -426,6 +427,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         // From its first byte the whole request (line, fields, body) has request_timeout, however
         // the bytes are spaced: a client trickling them one at a time cannot hold the connection.
         c.stream.expires_after(options.request_timeout);
+        c.receiving = true;
         auto [ec, n] = co_await http::async_read_header(c.stream, c.buffer, parser, use_tuple);
         if (!ec && !parser.chunked() && parser.get().count(http::field::transfer_encoding) > 0) {
           // A transfer coding other than chunked last: the body's length cannot be known (RFC 9112
@@ -448,6 +450,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
           }
           if (!ec) std::tie(ec, n) = co_await http::async_read(c.stream, c.buffer, parser, use_tuple);
         }
+        c.receiving = false;
         if (ec) {
           if (ec == http::error::body_limit) {
             HttpRequest head = parser.release();
@@ -523,15 +526,18 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     }
   }
 
-  // Closes the connection idle the longest (waiting for a request, or sending one), if any, so a
-  // flood of idle connections cannot lock new clients out until the keep-alive timeout ends
-  // theirs. One whose request is being served is never chosen. Returns whether one was closed.
+  // Closes the connection idle the longest, if any, so a flood of idle connections cannot lock
+  // new clients out until the keep-alive timeout ends theirs: one that has sent nothing of a next
+  // request if there is one, else one partway through sending it. One whose request is being
+  // served is never chosen. Returns whether one was closed.
   bool close_longest_idle() {
-    for (Connection* c : connections) {
-      if (!c->busy && c->stream.socket().is_open()) {
-        boost::system::error_code ignored;
-        c->stream.socket().close(ignored);
-        return true;
+    for (const bool receiving_too : {false, true}) {
+      for (Connection* c : connections) {
+        if (!c->busy && (receiving_too || !c->receiving) && c->stream.socket().is_open()) {
+          boost::system::error_code ignored;
+          c->stream.socket().close(ignored);
+          return true;
+        }
       }
     }
     return false;

@@ -1301,6 +1301,26 @@ TEST_F(Serve, AFloodOfIdleConnectionsDoesNotLockOutNewClients) {
   EXPECT_FALSE(contains(streaming.received(), "server_error"));
 }
 
+// Making room, a connection that has sent nothing yet is closed before one partway through
+// sending its request, however long that one has been open.
+TEST_F(Serve, MakingRoomSparesAConnectionSendingItsRequest) {
+  auto s = serve({}, {{ServeProcess::kNofileLimit, "40"}});
+  RawConnection sending(s->port());
+  sending.send_raw("GET /health HTTP/1.1\r\n");
+  std::this_thread::sleep_for(300ms);  // accepted, its first bytes read
+  std::vector<std::unique_ptr<RawConnection>> idle;
+  for (int i = 0; i < 60; ++i) idle.push_back(std::make_unique<RawConnection>(s->port()));
+  RawConnection fresh(s->port());
+  fresh.send_raw("GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  ASSERT_TRUE(fresh.read_until("\"status\":\"ok\"", 10s)) << fresh.received();
+  try {
+    sending.send_raw("Host: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_TRUE(sending.read_to_end(10s));
+  EXPECT_TRUE(sending.received().starts_with("HTTP/1.1 200 OK\r\n")) << sending.received();
+}
+
 // Requests that are unusual but valid get their answers; malformed ones a 4xx; none hangs the
 // connection or the server.
 TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
