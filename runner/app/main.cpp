@@ -2,13 +2,16 @@
 // APIs or the embedded engine.
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -156,6 +159,41 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
   return std::make_unique<client::OpenAIBackend>(io.get_executor(), std::move(options));
 }
 
+// Files this process may open: set by raise_open_file_limit() at start.
+long long g_open_file_limit = 0;
+
+// The soft limit on open files is raised to the hard one: on many systems the soft limit is
+// 1024 while the hard one is hundreds of thousands, and a run of thousands of streams needs a
+// socket for each, serve a descriptor per client. Returns the soft limit in force afterwards.
+long long raise_open_file_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return 1024;
+  // An unlimited hard limit is not a number the kernel takes for the soft one (nr_open caps it).
+  const rlim_t wanted = limit.rlim_max == RLIM_INFINITY ? rlim_t{1} << 20 : limit.rlim_max;
+  if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < wanted) {
+    rlimit raised{wanted, limit.rlim_max};
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;
+  }
+  return limit.rlim_cur == RLIM_INFINITY ? std::numeric_limits<long long>::max()
+                                         : static_cast<long long>(limit.rlim_cur);
+}
+
+// Streams to an API hold a socket each (HTTP/1.1; HTTP/2 shares them). Past what the open-file
+// limit allows, connections fail with "too many open files" and are retried until they fail
+// for good, and the summary itself cannot be written; so the concurrency is lowered to fit,
+// leaving room for the output, its lock, the summary, the step log and the resolver.
+void fit_concurrency_to_open_files(JobSpec& job) {
+  constexpr long long kFilesKeptBack = 64;
+  if (job.backend.type == "local") return;
+  const long long room = std::max<long long>(1, g_open_file_limit - kFilesKeptBack);
+  if (job.concurrency <= room) return;
+  std::fprintf(stderr,
+               "batchlm: note: concurrency %d needs a socket per request, but this process may have only %lld "
+               "files open (its hard limit, ulimit -Hn); running %lld at once\n",
+               job.concurrency, g_open_file_limit, room);
+  job.concurrency = static_cast<int>(room);
+}
+
 int run_command(const JobOptions& o, bool synth) {
   const EnvLookup env = process_env();
   const std::vector<Override> overrides = collect_overrides(o);
@@ -179,6 +217,7 @@ int run_command(const JobOptions& o, bool synth) {
     dry_run(job, *source, stdout);
     return kExitOk;
   }
+  fit_concurrency_to_open_files(job);
   boost::asio::io_context io(1);
   std::unique_ptr<Backend> backend = make_backend(job, io, env);
   RunOptions options;
@@ -202,6 +241,7 @@ void hold_standard_descriptors() {
 
 int main(int argc, char** argv) {
   hold_standard_descriptors();
+  g_open_file_limit = raise_open_file_limit();
   CLI::App app{"batchlm — run large batches of LLM calls: evals and data synthesis,\n"
                "against OpenAI-compatible APIs or the embedded engine."};
   app.footer(kExamples);

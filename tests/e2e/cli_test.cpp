@@ -728,6 +728,39 @@ TEST(BatchlmRun, CtrlCWhileTheRunStopsItselfIsAnsweredAndASecondExits) {
   EXPECT_NE(read_file(dir.path / "run.err").find("interrupted twice, exiting now"), std::string::npos);
 }
 
+// Many systems start a process with 1024 open files allowed (the soft limit) and let it raise
+// that to a far higher hard limit. A run of more streams than the soft limit used to fail their
+// connections with "too many open files", retry them until they failed for good, and lose the
+// summary; it now raises the limit, and where the hard limit is too low, runs fewer at once.
+TEST(BatchlmRun, ConcurrencyBeyondTheOpenFileLimitStillRunsEveryItemOnce) {
+  TempDir dir;
+  // Each answer streams for about half a second, so all 200 are open at once.
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "25"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 200, .concurrency = 200}));
+  const auto run = [&](long long soft, long long hard) {
+    Process p({.args = {binary("batchlm"), "run", "job.yaml", "--fresh"}, .env = {}, .cwd = dir.path,
+               .out_file = dir.path / "run.out", .err_file = dir.path / "run.err",
+               .open_files_soft = soft, .open_files_hard = hard});
+    return p.wait(120s);
+  };
+  // A soft limit of 64 under a hard one of 4096: raised, and all 200 run at once.
+  ASSERT_EQ(run(64, 4096), 0) << read_file(dir.path / "run.err");
+  json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_EQ(summary["attempts"]["total"], 200) << summary.dump(2);
+  EXPECT_EQ(read_file(dir.path / "run.err").find("ulimit"), std::string::npos) << read_file(dir.path / "run.err");
+  expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 200);
+  // A hard limit of 100: fewer at once, said up front, and still every item once, first time.
+  ASSERT_EQ(run(100, 100), 0) << read_file(dir.path / "run.err");
+  EXPECT_NE(read_file(dir.path / "run.err")
+                .find("concurrency 200 needs a socket per request, but this process may have only 100 files open "
+                      "(its hard limit, ulimit -Hn); running 36 at once"),
+            std::string::npos)
+      << read_file(dir.path / "run.err");
+  summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_EQ(summary["attempts"]["total"], 200) << summary.dump(2);
+  expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 200);
+}
+
 // stderr into a pipe nobody reads any more (`2>&1 | head -1`, a log reader that died): the
 // progress lines and the summary are lost, but not the run.
 TEST(BatchlmRun, ClosedStderrPipeDoesNotKillTheRun) {

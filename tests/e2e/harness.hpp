@@ -84,6 +84,8 @@ class Process {
     int err_fd = -1;                // when >= 0, the child's stderr instead of err_file (a pipe)
     std::vector<int> ignored_signals;  // ignored when the child starts, as under `nohup`
     long long file_size_limit = -1;    // when >= 0, the most bytes any file may reach (`ulimit -f`)
+    long long open_files_soft = -1;    // when >= 0, the limits on open files (`ulimit -Sn`, `-Hn`)
+    long long open_files_hard = -1;
   };
 
   explicit Process(const Options& o) {
@@ -126,6 +128,10 @@ class Process {
       if (o.file_size_limit >= 0) {
         const rlimit limit{static_cast<rlim_t>(o.file_size_limit), static_cast<rlim_t>(o.file_size_limit)};
         ::setrlimit(RLIMIT_FSIZE, &limit);
+      }
+      if (o.open_files_soft >= 0) {
+        const rlimit limit{static_cast<rlim_t>(o.open_files_soft), static_cast<rlim_t>(o.open_files_hard)};
+        if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) ::_exit(126);
       }
       ::execve(argv[0], argv.data(), envp.data());
       ::_exit(127);
