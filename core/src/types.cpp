@@ -47,7 +47,7 @@ double EngineStats::draft_time_share() const { return step_ms > 0 ? draft_ms / s
 std::string EngineStats::brief() const {
   auto percent = [](double x) { return std::to_string(static_cast<int>(x * 100.0 + 0.5)) + "%"; };
   std::string s = std::to_string(running) + " run " + std::to_string(waiting) + " wait";
-  if (preemptions > 0) s += " " + std::to_string(preemptions) + " preempted";
+  if (preemptions > 0) s.append(" ").append(std::to_string(preemptions)).append(" preempted");  // not " " + ...: GCC 12's -Wrestrict false alarm
   s += " cache " + percent(cache_hit_rate());
   if (blocks_total > 0)
     s += " kv " + percent(static_cast<double>(blocks_used) / static_cast<double>(blocks_total));
