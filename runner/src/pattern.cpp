@@ -23,17 +23,35 @@ constexpr std::size_t kJitStackMax = 64 * 1024 * 1024;
 constexpr std::uint32_t kHeapLimitKib = 256 * 1024;
 // Steps per starting position before a search gives up; PCRE2's own default.
 constexpr std::uint32_t kMatchLimit = 10'000'000;
-// Steps in all before a search gives up. PCRE2's limits count per starting position, so
-// (.|\n)*#### 7 over 60 KB of output with no "#### 7" in it ran for seconds (it is quadratic)
-// and over a megabyte for hours. Each step is an automatic callout, about 6 ns with the JIT:
-// 50 million steps is a third of a second, while a megabyte of ordinary output takes a few
-// million.
+// Work in all before a search gives up. PCRE2's own limits count per starting position, and a
+// search tries every position, so (.|\n)*#### 7 over 60 KB of output without "#### 7" in it ran
+// for seconds and over a megabyte for hours. Every pattern item the matcher reaches calls out
+// here (PCRE2_AUTO_CALLOUT) and is charged one step plus the characters it moved forward:
+// a repeat such as \d+ that PCRE2 makes possessive takes a whole run of digits in one item,
+// and \d+ apples over 200,000 digits retried from each of them is quadratic in characters, not
+// in items. 50 million steps take about a tenth to a third of a second; a megabyte of output
+// searched once costs a few million.
 constexpr std::uint64_t kStepBudget = 50'000'000;
 
-int count_step(pcre2_callout_block*, void* steps_left) {
-  auto& left = *static_cast<std::uint64_t*>(steps_left);
-  if (left == 0) return PCRE2_ERROR_CALLOUT;  // negative: abandon the whole search
-  --left;
+struct StepBudget {
+  std::uint64_t left = kStepBudget;
+  PCRE2_SIZE attempt_start = PCRE2_UNSET;  // where the current match attempt began
+  PCRE2_SIZE furthest = 0;                 // the position last charged in it
+};
+
+int count_step(pcre2_callout_block* block, void* data) {
+  auto& budget = *static_cast<StepBudget*>(data);
+  if (block->start_match != budget.attempt_start) {
+    budget.attempt_start = block->start_match;
+    budget.furthest = block->start_match;
+  }
+  std::uint64_t cost = 1;
+  // Characters moved forward since the last callout; after a backtrack, moving forward over the
+  // same characters again costs them again.
+  if (block->current_position > budget.furthest) cost += block->current_position - budget.furthest;
+  budget.furthest = block->current_position;
+  if (cost > budget.left) return PCRE2_ERROR_CALLOUT;  // negative: abandon the whole search
+  budget.left -= cost;
   return 0;
 }
 
@@ -84,15 +102,15 @@ bool Pattern::search(std::string_view text) const {
   using MatchContext = std::unique_ptr<pcre2_match_context, decltype(&pcre2_match_context_free)>;
   MatchData data(pcre2_match_data_create(1, nullptr), &pcre2_match_data_free);
   MatchContext context(pcre2_match_context_create(nullptr), &pcre2_match_context_free);
-  if (!data || !context) throw std::bad_alloc();
+  if (!data || !context) throw std::runtime_error("the pattern could not get memory for its search");
   pcre2_set_match_limit(context.get(), kMatchLimit);
   pcre2_set_heap_limit(context.get(), kHeapLimitKib);
-  std::uint64_t steps_left = kStepBudget;
-  pcre2_set_callout(context.get(), count_step, &steps_left);
+  StepBudget budget;
+  pcre2_set_callout(context.get(), count_step, &budget);
   if (compiled_->jit) {
     // One stack per thread, so concurrent searches never share one.
     thread_local JitStack jit_stack;
-    if (jit_stack.stack == nullptr) throw std::bad_alloc();
+    if (jit_stack.stack == nullptr) throw std::runtime_error("the pattern could not get memory for its search");
     pcre2_jit_stack_assign(context.get(), nullptr, jit_stack.stack);
   }
   // PCRE2 10.42 refuses a null subject even when it is empty.

@@ -168,6 +168,17 @@ TEST(RegexScorer, ARunawaySearchLeavesTheItemUnscoredWithTheReason) {
   score = quadratic->score(json::object(), output);
   EXPECT_TRUE(gives_up(score)) << score;
   EXPECT_EQ(quadratic->score(json::object(), output.substr(0, 2000)), (json{{"match", false}}));
+
+  // A repeat PCRE2 makes possessive takes a whole run in one step, and the search then retries
+  // from every position of the run: quadratic in characters, which the budget counts too.
+  auto digits = make_scorer({ScoringKind::Regex, "answer", "\\d+ apples"});
+  score = digits->score(json::object(), std::string(200'000, '1') + " pears");
+  EXPECT_TRUE(gives_up(score)) << score;
+  EXPECT_EQ(digits->score(json::object(), std::string(1000, '1') + " pears"), (json{{"match", false}}));
+  EXPECT_EQ(digits->score(json::object(), std::string(200'000, '1') + " apples"), (json{{"match", true}}));
+  auto line_then_answer = make_scorer({ScoringKind::Regex, "answer", "[^\\n]*\\n#### \\d"});
+  score = line_then_answer->score(json::object(), std::string(400'000, '0') + "\nthe answer is #### x");
+  EXPECT_TRUE(gives_up(score)) << score;
 }
 
 TEST(MakeScorer, NoneGivesNoScorer) { EXPECT_EQ(make_scorer({}), nullptr); }
