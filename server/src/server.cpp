@@ -84,6 +84,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     beast::flat_buffer buffer;
     bool busy = false;
     bool receiving = false;  // part of a request has arrived, not yet all of it
+    bool refusing = false;   // answering a request with an error, then draining what it still sends
     // Cancelled when the server stops waiting for this connection's request (shutdown grace
     // over): the request is cancelled and the client told why.
     asio::steady_timer abort;
@@ -435,6 +436,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
           HttpRequest head = parser.release();
           head.keep_alive(false);
           unread_body = true;
+          c.refusing = true;
           co_await send_error(c, head,
                               ApiError(400, "invalid_request_error", "",
                                        "a Transfer-Encoding other than chunked is not supported: send the body with a "
@@ -452,6 +454,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         }
         c.receiving = false;
         if (ec) {
+          c.refusing = true;
           if (ec == http::error::body_limit) {
             HttpRequest head = parser.release();
             head.keep_alive(false);
@@ -462,6 +465,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
           } else if (ec == http::error::header_limit) {
             HttpRequest head{http::verb::unknown, "", 11};
             head.keep_alive(false);
+            unread_body = true;  // the client may still be sending fields: drain before closing
             co_await send_error(c, head,
                                 ApiError(431, "invalid_request_error", "",
                                          "the request line and header fields exceed " +
@@ -529,11 +533,11 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   // Closes the connection idle the longest, if any, so a flood of idle connections cannot lock
   // new clients out until the keep-alive timeout ends theirs: one that has sent nothing of a next
   // request if there is one, else one partway through sending it. One whose request is being
-  // served is never chosen. Returns whether one was closed.
+  // served, or is being answered with an error, is never chosen. Returns whether one was closed.
   bool close_longest_idle() {
     for (const bool receiving_too : {false, true}) {
       for (Connection* c : connections) {
-        if (!c->busy && (receiving_too || !c->receiving) && c->stream.socket().is_open()) {
+        if (!c->busy && !c->refusing && (receiving_too || !c->receiving) && c->stream.socket().is_open()) {
           boost::system::error_code ignored;
           c->stream.socket().close(ignored);
           return true;
