@@ -30,16 +30,21 @@ std::string default_model() {
 }
 
 std::string model_file_problem(const std::string& path, const std::string& how_to_choose) {
+  namespace fs = std::filesystem;
   std::error_code error;
-  if (std::filesystem::is_regular_file(path, error)) return {};
+  const fs::file_status status = fs::status(path, error);
+  if (fs::is_regular_file(status)) return {};
+  const std::string fix = "; run scripts/fetch-model.sh for the default model, or " + how_to_choose;
+  if (fs::is_directory(status)) return "model file '" + path + "' is a directory, not a GGUF file" + fix;
+  if (fs::exists(status)) return "model file '" + path + "' is not a regular file (a GGUF file is mapped from disk)" + fix;
+  if (error && error != std::errc::no_such_file_or_directory && error != std::errc::not_a_directory)
+    return "model file '" + path + "' cannot be looked up: " + error.message() + fix;
   std::string where;
-  if (std::filesystem::path(path).is_relative()) {
-    const std::filesystem::path cwd = std::filesystem::current_path(error);
+  if (fs::path(path).is_relative()) {
+    const fs::path cwd = fs::current_path(error);
     if (!error) where = " in " + cwd.string();
   }
-  const std::string what = std::filesystem::is_directory(path, error) ? "' is a directory, not a GGUF file"
-                                                                      : "' not found" + where;
-  return "model file '" + path + what + "; run scripts/fetch-model.sh for the default model, or " + how_to_choose;
+  return "model file '" + path + "' not found" + where + fix;
 }
 
 namespace {

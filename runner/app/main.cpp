@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -168,8 +169,13 @@ long long g_open_file_limit = 0;
 long long raise_open_file_limit() {
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return 1024;
-  // An unlimited hard limit is not a number the kernel takes for the soft one (nr_open caps it).
-  const rlim_t wanted = limit.rlim_max == RLIM_INFINITY ? rlim_t{1} << 20 : limit.rlim_max;
+  // An unlimited hard limit is not a number the kernel takes for the soft one: fs.nr_open caps it.
+  rlim_t wanted = limit.rlim_max;
+  if (wanted == RLIM_INFINITY) {
+    wanted = rlim_t{1} << 20;  // the kernel's default nr_open
+    std::ifstream nr_open("/proc/sys/fs/nr_open");
+    if (unsigned long long n = 0; nr_open >> n && n > 0) wanted = static_cast<rlim_t>(n);
+  }
   if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < wanted) {
     rlimit raised{wanted, limit.rlim_max};
     if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;

@@ -293,6 +293,10 @@ TEST_F(EngineCli, AMissingModelSaysWhereItWasLookedForAndWhatToDo) {
   RunResult directory = run_batchlm(dir(), {"inspect", "models.gguf"});
   EXPECT_EQ(directory.exit_code, 2) << directory.err;
   EXPECT_TRUE(contains(directory.err, "model file 'models.gguf' is a directory, not a GGUF file")) << directory.err;
+  ASSERT_EQ(::mkfifo((dir() / "fifo.gguf").c_str(), 0600), 0);
+  RunResult fifo = run_batchlm(dir(), {"inspect", "fifo.gguf"});
+  EXPECT_EQ(fifo.exit_code, 2) << fifo.err;
+  EXPECT_TRUE(contains(fifo.err, "model file 'fifo.gguf' is not a regular file")) << fifo.err;
 }
 
 // ---- run with a local backend ------------------------------------------------------------------
