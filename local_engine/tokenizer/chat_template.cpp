@@ -164,33 +164,6 @@ std::vector<std::string> constant_strings(std::string_view tmpl) {
   return constants;
 }
 
-// The byte at which `text` stops being valid UTF-8 (an overlong form, a surrogate, a code point
-// past U+10FFFF or a cut sequence), or npos.
-std::size_t first_invalid_utf8(std::string_view text) {
-  std::size_t i = 0;
-  while (i < text.size()) {
-    const auto lead = static_cast<unsigned char>(text[i]);
-    std::size_t length = 1;
-    unsigned char lo = 0x80, hi = 0xBF;  // the second byte's range, by the lead (Unicode table 3-7)
-    if (lead < 0x80) length = 1;
-    else if (lead >= 0xC2 && lead <= 0xDF) length = 2;
-    else if (lead == 0xE0) length = 3, lo = 0xA0;
-    else if (lead == 0xED) length = 3, hi = 0x9F;
-    else if (lead >= 0xE1 && lead <= 0xEF) length = 3;
-    else if (lead == 0xF0) length = 4, lo = 0x90;
-    else if (lead >= 0xF1 && lead <= 0xF3) length = 4;
-    else if (lead == 0xF4) length = 4, hi = 0x8F;
-    else return i;
-    if (i + length > text.size()) return i;
-    for (std::size_t k = 1; k < length; ++k) {
-      const auto byte = static_cast<unsigned char>(text[i + k]);
-      if (byte < (k == 1 ? lo : 0x80) || byte > (k == 1 ? hi : 0xBF)) return i;
-    }
-    i += length;
-  }
-  return std::string_view::npos;
-}
-
 }  // namespace
 
 ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
@@ -199,7 +172,7 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
   if (tmpl.empty()) return result;  // no template in the file: plain ChatML
   // GGUF strings are UTF-8, and the default system message found here goes into prompts and
   // into `batchlm inspect`'s JSON.
-  if (const std::size_t bad = first_invalid_utf8(tmpl); bad != std::string_view::npos) {
+  if (const std::size_t bad = utf8::first_invalid(tmpl); bad != std::string_view::npos) {
     unsupported("not valid UTF-8 (at byte " + std::to_string(bad + 1) + ")");
   }
   if (tmpl.find(kTurnStart) == std::string::npos) {

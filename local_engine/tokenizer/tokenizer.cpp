@@ -45,58 +45,6 @@ namespace {
 
 // --- UTF-8 ------------------------------------------------------------------------------------
 
-enum class Utf8Status { Complete, Truncated, Invalid };
-
-struct Utf8Sequence {
-  Utf8Status status;
-  // Complete: the sequence's length. Truncated: the bytes present (a valid start that the
-  // end of the buffer cuts off). Invalid: the bytes to replace by one U+FFFD, which is the
-  // "maximal subpart" of Unicode's recommended practice (what Python's errors="replace" does).
-  std::size_t length;
-};
-
-// Classifies the sequence that starts at s[i] by the well-formed byte sequences of the Unicode
-// standard (table 3-7): no overlong forms, no surrogates, nothing above U+10FFFF.
-Utf8Sequence classify_utf8(std::string_view s, std::size_t i) {
-  const auto lead = static_cast<unsigned char>(s[i]);
-  if (lead < 0x80) return {Utf8Status::Complete, 1};
-  std::size_t need = 0;
-  unsigned char second_lo = 0x80, second_hi = 0xBF;  // the second byte's range depends on the lead
-  if (lead >= 0xC2 && lead <= 0xDF) {
-    need = 2;
-  } else if (lead == 0xE0) {
-    need = 3, second_lo = 0xA0;
-  } else if ((lead >= 0xE1 && lead <= 0xEC) || lead == 0xEE || lead == 0xEF) {
-    need = 3;
-  } else if (lead == 0xED) {
-    need = 3, second_hi = 0x9F;
-  } else if (lead == 0xF0) {
-    need = 4, second_lo = 0x90;
-  } else if (lead >= 0xF1 && lead <= 0xF3) {
-    need = 4;
-  } else if (lead == 0xF4) {
-    need = 4, second_hi = 0x8F;
-  } else {
-    return {Utf8Status::Invalid, 1};
-  }
-  for (std::size_t k = 1; k < need; ++k) {
-    if (i + k >= s.size()) return {Utf8Status::Truncated, k};
-    const auto byte = static_cast<unsigned char>(s[i + k]);
-    const unsigned char lo = k == 1 ? second_lo : 0x80, hi = k == 1 ? second_hi : 0xBF;
-    if (byte < lo || byte > hi) return {Utf8Status::Invalid, k};
-  }
-  return {Utf8Status::Complete, need};
-}
-
-bool is_valid_utf8(std::string_view s) {
-  for (std::size_t i = 0; i < s.size();) {
-    const Utf8Sequence seq = classify_utf8(s, i);
-    if (seq.status != Utf8Status::Complete) return false;
-    i += seq.length;
-  }
-  return true;
-}
-
 constexpr std::string_view kReplacementCharacter = "\xEF\xBF\xBD";  // U+FFFD
 
 // The code point of the complete sequence of `length` bytes at s[i].
@@ -149,8 +97,8 @@ std::string bytes_of_byte_level(std::string_view text) {
   std::string out;
   out.reserve(text.size());
   for (std::size_t i = 0; i < text.size();) {
-    const Utf8Sequence seq = classify_utf8(text, i);
-    if (seq.status != Utf8Status::Complete) {
+    const utf8::Sequence seq = utf8::classify(text, i);
+    if (seq.status != utf8::Status::Complete) {
       out += text[i++];
       continue;
     }
@@ -285,12 +233,12 @@ class PreTokenizer {
     std::string sanitized;
     std::vector<std::size_t> original_offset;  // (sanitized.size() + 1): sanitized -> original
     std::string_view subject = text;
-    if (!is_valid_utf8(text)) {
+    if (utf8::first_invalid(text) != std::string_view::npos) {
       sanitized.reserve(text.size() + 8);
       original_offset.reserve(text.size() + 8);
       for (std::size_t i = 0; i < text.size();) {
-        const Utf8Sequence seq = classify_utf8(text, i);
-        if (seq.status == Utf8Status::Complete) {
+        const utf8::Sequence seq = utf8::classify(text, i);
+        if (seq.status == utf8::Status::Complete) {
           sanitized.append(text.substr(i, seq.length));
           for (std::size_t k = 0; k < seq.length; ++k) original_offset.push_back(i + k);
           i += seq.length;
@@ -341,7 +289,7 @@ class PreTokenizer {
       const std::size_t start = ovector[0], end = ovector[1];
       if (end == start) {
         // None of the patterns can match empty; should one ever, step over one character.
-        position = start + classify_utf8(subject, piece.begin + start).length;
+        position = start + utf8::classify(subject, piece.begin + start).length;
         continue;
       }
       if (start > kept_to) out.push_back({piece.begin + kept_to, piece.begin + start});
@@ -801,10 +749,10 @@ std::string take_ready_text(std::string& pending, bool at_end) {
   out.reserve(pending.size());
   std::size_t i = 0;
   while (i < pending.size()) {
-    const Utf8Sequence seq = classify_utf8(pending, i);
-    if (seq.status == Utf8Status::Complete) {
+    const utf8::Sequence seq = utf8::classify(pending, i);
+    if (seq.status == utf8::Status::Complete) {
       out.append(pending, i, seq.length);
-    } else if (seq.status == Utf8Status::Truncated && !at_end) {
+    } else if (seq.status == utf8::Status::Truncated && !at_end) {
       break;
     } else {
       out += kReplacementCharacter;
