@@ -160,15 +160,12 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
   return std::make_unique<client::OpenAIBackend>(io.get_executor(), std::move(options));
 }
 
-// Files this process may open: set by raise_open_file_limit() at start.
-long long g_open_file_limit = 0;
-
 // The soft limit on open files is raised to the hard one: on many systems the soft limit is
 // 1024 while the hard one is hundreds of thousands, and a run of thousands of streams needs a
-// socket for each, serve a descriptor per client. Returns the soft limit in force afterwards.
-long long raise_open_file_limit() {
+// socket for each, serve a descriptor per client.
+void raise_open_file_limit() {
   rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return 1024;
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
   // An unlimited hard limit is not a number the kernel takes for the soft one: fs.nr_open caps it.
   rlim_t wanted = limit.rlim_max;
   if (wanted == RLIM_INFINITY) {
@@ -177,9 +174,15 @@ long long raise_open_file_limit() {
     if (unsigned long long n = 0; nr_open >> n && n > 0) wanted = static_cast<rlim_t>(n);
   }
   if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < wanted) {
-    rlimit raised{wanted, limit.rlim_max};
-    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) limit = raised;
+    const rlimit raised{wanted, limit.rlim_max};
+    (void)::setrlimit(RLIMIT_NOFILE, &raised);
   }
+}
+
+// The files this process may have open now (the soft limit).
+long long open_file_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return 1024;
   return limit.rlim_cur == RLIM_INFINITY ? std::numeric_limits<long long>::max()
                                          : static_cast<long long>(limit.rlim_cur);
 }
@@ -191,12 +194,13 @@ long long raise_open_file_limit() {
 void fit_concurrency_to_open_files(JobSpec& job) {
   constexpr long long kFilesKeptBack = 64;
   if (job.backend.type == "local") return;
-  const long long room = std::max<long long>(1, g_open_file_limit - kFilesKeptBack);
+  const long long files = open_file_limit();
+  const long long room = std::max<long long>(1, files - kFilesKeptBack);
   if (job.concurrency <= room) return;
   std::fprintf(stderr,
                "batchlm: note: concurrency %d needs a socket per request, but this process may have only %lld "
                "files open (its hard limit, ulimit -Hn); running %lld at once\n",
-               job.concurrency, g_open_file_limit, room);
+               job.concurrency, files, room);
   job.concurrency = static_cast<int>(room);
 }
 
@@ -247,7 +251,7 @@ void hold_standard_descriptors() {
 
 int main(int argc, char** argv) {
   hold_standard_descriptors();
-  g_open_file_limit = raise_open_file_limit();
+  raise_open_file_limit();
   CLI::App app{"batchlm — run large batches of LLM calls: evals and data synthesis,\n"
                "against OpenAI-compatible APIs or the embedded engine."};
   app.footer(kExamples);

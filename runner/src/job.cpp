@@ -221,11 +221,12 @@ bool is_unsigned_index(const std::string& s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-// A list index in an override path, when `s` is one below `size`.
+// A list index in an override path (digits only: from_chars takes no sign or space for an
+// unsigned type), when `s` is one below `size`.
 std::optional<std::size_t> list_index(const std::string& s, std::size_t size) {
   std::size_t index = 0;
   const auto [end, error] = std::from_chars(s.data(), s.data() + s.size(), index);
-  if (!is_unsigned_index(s) || error != std::errc() || end != s.data() + s.size() || index >= size)
+  if (error != std::errc() || end != s.data() + s.size() || index >= size)
     return std::nullopt;
   return index;
 }

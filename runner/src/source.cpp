@@ -10,8 +10,8 @@
 #include <climits>
 #include <fstream>
 #include <set>
-#include <unordered_map>
 #include <optional>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "batchlm/core/json_check.hpp"
