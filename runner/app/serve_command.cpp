@@ -70,7 +70,7 @@ constexpr const char* kServeExamples = R"(Examples:
   batchlm run jobs/gsm8k.yaml --base-url http://127.0.0.1:8000/v1 --model NAME
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
-GET /v1/models, GET /health. SIGINT/SIGTERM/SIGHUP: stop accepting, finish requests in flight
+GET /v1/models, GET /health, GET /metrics (Prometheus). SIGINT/SIGTERM/SIGHUP: stop accepting, finish requests in flight
 (up to --shutdown-grace seconds), exit 0; a second SIGINT or SIGTERM cancels what is left.
 )";
 

@@ -29,6 +29,7 @@
 #include <boost/beast/http/string_body.hpp>
 #include <boost/beast/http/write.hpp>
 
+#include "batchlm/server/metrics.hpp"
 #include "batchlm/server/openai_api.hpp"
 
 namespace batchlm::server {
@@ -53,6 +54,12 @@ std::int64_t unix_seconds() {
 }
 
 std::string sse(const json& data) { return "data: " + data.dump() + "\n\n"; }
+
+// The request's path: its target without the query.
+std::string_view path_of(const HttpRequest& req) {
+  const std::string_view target(req.target().data(), req.target().size());
+  return target.substr(0, target.find('?'));
+}
 
 // Compares without an early exit, so the time taken says nothing about the key.
 bool same_secret(std::string_view given, std::string_view key) {
@@ -92,6 +99,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   };
   std::int64_t aborted_requests = 0;
   std::list<Connection*> connections;
+  Metrics metrics;
 
   Impl(asio::io_context& io_, Backend& backend_, ServerOptions options_)
       : io(io_), backend(backend_), options(std::move(options_)), acceptor(io_), grace(io_) {}
@@ -101,15 +109,22 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   asio::awaitable<void> send(Connection& c, const HttpRequest& req, http::status status,
                              const json& body,
                              Header header = std::nullopt) {
-    http::response<http::string_body> res{status, req.version()};
-    res.set(http::field::server, "batchlm");
-    res.set(http::field::content_type, "application/json");
-    if (header) res.set(header->first, header->second);
-    res.keep_alive(req.keep_alive() && !draining);
     // Messages may quote the request (its path): bytes that are not UTF-8 there become U+FFFD
     // rather than an exception that would close the connection unanswered.
-    res.body() = body.dump(-1, ' ', false, json::error_handler_t::replace);
+    co_await send_text(c, req, status, body.dump(-1, ' ', false, json::error_handler_t::replace),
+                       "application/json", std::move(header));
+  }
+
+  asio::awaitable<void> send_text(Connection& c, const HttpRequest& req, http::status status, std::string body,
+                                  std::string_view content_type, Header header = std::nullopt) {
+    http::response<http::string_body> res{status, req.version()};
+    res.set(http::field::server, "batchlm");
+    res.set(http::field::content_type, content_type);
+    if (header) res.set(header->first, header->second);
+    res.keep_alive(req.keep_alive() && !draining);
+    res.body() = std::move(body);
     res.prepare_payload();
+    metrics.response(path_of(req), static_cast<int>(status));
     c.stream.expires_after(options.write_timeout);
     co_await http::async_write(c.stream, res, asio::use_awaitable);
   }
@@ -182,6 +197,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     bool done = false;
     bool first = true;
     std::optional<ApiError> error;  // failed before any output: a plain error response
+    std::optional<Outcome> outcome;  // the engine's, once it has ended
     asio::steady_timer wake;
   };
 
@@ -191,6 +207,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       s.first = false;
       s.wake.cancel();
     });
+    s.outcome = o;
     if (o.ok()) {
       s.pending += sse(finish_chunk(ctx, o.completion->finish_reason, api.include_usage));
       if (api.include_usage) s.pending += sse(usage_chunk(ctx, o.completion->usage));
@@ -224,6 +241,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
           res.set(http::field::cache_control, "no-cache");
           res.keep_alive(chunked && req.keep_alive() && !draining);
           res.chunked(chunked);
+          metrics.response(path_of(req), 200);
           http::response_serializer<http::empty_body> sr{res};
           c.stream.expires_after(options.write_timeout);
           std::tie(ec, std::ignore) = co_await http::async_write_header(c.stream, sr, use_tuple);
@@ -253,6 +271,17 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     co_return co_await backend.complete(api.request, {});
   }
 
+  // Counts how a completion request the engine ran ended.
+  void count(Endpoint endpoint, const Outcome& o) {
+    if (o.ok()) {
+      metrics.completion(label(endpoint), o.completion->finish_reason);
+      metrics.finished(*o.completion);
+    } else {
+      metrics.completion(label(endpoint), o.error->kind == ErrorKind::Cancelled ? "disconnected" : "error");
+    }
+  }
+  static std::string_view label(Endpoint endpoint) { return endpoint == Endpoint::kChat ? "chat" : "completions"; }
+
   // Returns false when the connection must close.
   asio::awaitable<bool> completion(Connection& c, const HttpRequest& req, Endpoint endpoint) {
     if (req.method() != http::verb::post) {
@@ -268,10 +297,12 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       invalid = e;
     }
     if (invalid) {
+      metrics.completion(label(endpoint), "invalid");
       co_await send_error(c, req, *invalid);
       co_return true;
     }
     if (in_flight >= options.max_in_flight) {
+      metrics.completion(label(endpoint), "rejected");
       co_await send_error(c, req,
                           ApiError(429, "rate_limit_error", "",
                                    "the server is at capacity (" + std::to_string(in_flight) +
@@ -290,11 +321,16 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     if (!parsed->stream) {
       auto result = co_await (complete_whole(*parsed) || watch_peer(c) || wait_abort(c));
       if (result.index() == 2) {
+        metrics.completion(label(endpoint), "shutdown");
         co_await send_error(c, req, shutting_down());
         co_return false;
       }
-      if (result.index() != 0) co_return false;  // the client went away; the request is cancelled
+      if (result.index() != 0) {  // the client went away; the request is cancelled
+        metrics.completion(label(endpoint), "disconnected");
+        co_return false;
+      }
       const Outcome& o = std::get<0>(result);
+      count(endpoint, o);
       if (!o.ok()) {
         if (o.error->kind == ErrorKind::Cancelled) co_return false;
         co_await send_error(c, req, error_from_outcome(*o.error));
@@ -309,6 +345,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       auto result = co_await ((produce(s, *parsed, ctx) && write_stream(c, req, s)) || watch_peer(c) ||
                               wait_abort(c));
       if (result.index() == 2) {
+        metrics.completion(label(endpoint), "shutdown");
         if (!s.started) {
           co_await send_error(c, req, shutting_down());
           co_return false;
@@ -326,10 +363,15 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         }
         co_return false;
       }
-      if (result.index() != 0) co_return false;
+      if (result.index() != 0) {
+        metrics.completion(label(endpoint), "disconnected");
+        co_return false;
+      }
     } catch (const boost::system::system_error&) {
+      metrics.completion(label(endpoint), "disconnected");
       co_return false;
     }
+    count(endpoint, *s.outcome);
     if (s.error) {
       co_await send_error(c, req, *s.error);
       co_return true;
@@ -340,8 +382,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   // --- routing -----------------------------------------------------------------------------
 
   asio::awaitable<bool> handle(Connection& c, const HttpRequest& req) {
-    std::string_view target(req.target().data(), req.target().size());
-    const std::string_view path = target.substr(0, target.find('?'));
+    const std::string_view path = path_of(req);
     const bool get = req.method() == http::verb::get;
 
     if (path == "/health") {
@@ -354,6 +395,17 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       json body = {{"status", "ok"}, {"model", options.model_name}, {"in_flight", in_flight}};
       if (auto stats = backend.engine_stats()) body["engine"] = stats->to_json();
       co_await send(c, req, http::status::ok, body);
+      co_return true;
+    }
+    if (path == "/metrics") {
+      if (!get) {
+        co_await send_error(c, req, ApiError(405, "invalid_request_error", "", "use GET for /metrics"),
+                            std::pair(http::field::allow, std::string("GET")));
+        co_return true;
+      }
+      const Metrics::Gauges gauges{in_flight, static_cast<std::int64_t>(connections.size()), options.model_name,
+                                   backend.engine_stats()};
+      co_await send_text(c, req, http::status::ok, metrics.render(gauges), "text/plain; version=0.0.4; charset=utf-8");
       co_return true;
     }
     if (!path.starts_with("/v1/")) {

@@ -22,6 +22,7 @@ namespace {
 const fs::path kRealModel = fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 const fs::path kPython = fs::path(BATCHLM_SOURCE_DIR) / ".venv/bin/python";
 const fs::path kClientCheck = fs::path(BATCHLM_SOURCE_DIR) / "tests/e2e/openai_client_check.py";
+const fs::path kMetricsCheck = fs::path(BATCHLM_SOURCE_DIR) / "tests/e2e/metrics_check.py";
 constexpr const char* kCurl = "/usr/bin/curl";
 
 bool contains(const std::string& haystack, const std::string& needle) {
@@ -519,6 +520,11 @@ class Serve : public ::testing::Test {
     EXPECT_EQ(r.status, 200) << r.body << r.error;
     return r.json_body();
   }
+  std::string metrics(const ServeProcess& s) {
+    HttpResponse r = get(s, "/metrics");
+    EXPECT_EQ(r.status, 200) << r.body << r.error;
+    return r.body;
+  }
 
   TempDir dir_;
 };
@@ -533,6 +539,15 @@ void expect_error(const HttpResponse& r, int status, const std::string& type, co
   EXPECT_EQ(e["error"]["param"], param) << r.body;
   EXPECT_EQ(e["error"]["code"], code) << r.body;
   EXPECT_TRUE(e["error"]["message"].is_string() && !e["error"]["message"].get<std::string>().empty()) << r.body;
+}
+
+// The value of one series ("name" or "name{labels}") in a /metrics text; -1 when it is absent.
+double series(const std::string& text, const std::string& name) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    if (line.size() > name.size() && line.starts_with(name) && line[name.size()] == ' ')
+      return std::stod(line.substr(name.size() + 1));
+  return -1;
 }
 
 // ---- health and models -----------------------------------------------------------------------
@@ -575,6 +590,107 @@ TEST_F(Serve, HealthAndModels) {
 
   expect_error(get(*s, "/v1/models/gpt-4o"), 404, "invalid_request_error", "model", "model_not_found");
   EXPECT_EQ(get(*s, "/health?verbose=1").status, 200);
+}
+
+TEST_F(Serve, MetricsCountResponsesCompletionsAndTheEngine) {
+  auto s = serve({"--api-key", "k"});
+  // Like /health, /metrics needs no key.
+  HttpResponse first = get(*s, "/metrics");
+  ASSERT_EQ(first.status, 200) << first.body << first.error;
+  EXPECT_EQ(first.header("content-type"), "text/plain; version=0.0.4; charset=utf-8");
+  EXPECT_EQ(series(first.body, R"(batchlm_info{model="tiny"})"), 1) << first.body;
+  EXPECT_EQ(series(first.body, "batchlm_request_duration_seconds_count"), 0) << first.body;
+
+  const std::vector<std::string> key = {"Authorization: Bearer k"};
+  const json ask = {{"max_tokens", 4}, {"temperature", 0}};
+  HttpResponse chat = post(*s, "/v1/chat/completions", chat_request("Hello", ask), key);
+  ASSERT_EQ(chat.status, 200) << chat.body;
+  json streamed = ask;
+  streamed["stream"] = true;
+  HttpResponse stream = post(*s, "/v1/chat/completions", chat_request("Hello", streamed), key);
+  ASSERT_EQ(stream.status, 200) << stream.body;
+  ASSERT_TRUE(contains(stream.body, "data: [DONE]")) << stream.body;
+  HttpResponse text = post(*s, "/v1/completions", json({{"prompt", "Once"}, {"max_tokens", 3}}).dump(), key);
+  ASSERT_EQ(text.status, 200) << text.body;
+  EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"temperature", "hot"}}), key).status, 400);
+  EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi")).status, 401);
+  EXPECT_EQ(get(*s, "/no/such/path").status, 404);
+  EXPECT_EQ(post(*s, "/metrics", "{}").status, 405);
+
+  const std::string m = metrics(*s);
+  auto responses = [&](const std::string& route, int code) {
+    return series(m, "batchlm_http_responses_total{route=\"" + route + "\",code=\"" + std::to_string(code) + "\"}");
+  };
+  EXPECT_EQ(responses("/v1/chat/completions", 200), 2) << m;
+  EXPECT_EQ(responses("/v1/chat/completions", 400), 1) << m;
+  EXPECT_EQ(responses("/v1/chat/completions", 401), 1) << m;
+  EXPECT_EQ(responses("/v1/completions", 200), 1) << m;
+  EXPECT_EQ(responses("other", 404), 1) << m;
+  EXPECT_EQ(responses("/metrics", 405), 1) << m;
+  EXPECT_EQ(responses("/metrics", 200), 1) << "the first /metrics; this one is counted after it is rendered\n" << m;
+
+  // Two chat completions and one text completion, each ended by a finish reason; one invalid.
+  auto completions = [&](const std::string& endpoint, const std::string& result) {
+    return std::max(0.0, series(m, "batchlm_completions_total{endpoint=\"" + endpoint + "\",result=\"" + result + "\"}"));
+  };
+  const json c = chat.json_body();
+  const std::string reason = c["choices"][0]["finish_reason"];
+  EXPECT_EQ(completions("chat", reason), 2) << m;
+  EXPECT_EQ(completions("chat", "invalid"), 1) << m;
+  EXPECT_EQ(completions("completions", text.json_body()["choices"][0]["finish_reason"]), 1) << m;
+  EXPECT_EQ(series(m, "batchlm_request_duration_seconds_count"), 3) << m;
+  EXPECT_EQ(series(m, R"(batchlm_request_duration_seconds_bucket{le="+Inf"})"), 3) << m;
+  EXPECT_EQ(series(m, "batchlm_time_to_first_token_seconds_count"), 3) << m;
+  EXPECT_GT(series(m, "batchlm_request_duration_seconds_sum"), 0) << m;
+
+  // Greedy: the streamed request is the whole one again, with the same usage.
+  const json t = text.json_body();
+  const long long prompt = 2 * c["usage"]["prompt_tokens"].get<long long>() + t["usage"]["prompt_tokens"].get<long long>();
+  const long long output =
+      2 * c["usage"]["completion_tokens"].get<long long>() + t["usage"]["completion_tokens"].get<long long>();
+  EXPECT_EQ(series(m, "batchlm_prompt_tokens_total"), prompt) << m;
+  EXPECT_EQ(series(m, "batchlm_completion_tokens_total"), output) << m;
+
+  // The engine's side agrees with /health.
+  const json h = health(*s);
+  EXPECT_EQ(series(m, "batchlm_engine_generated_tokens_total"), h["engine"]["generated_tokens"]) << m;
+  EXPECT_GE(series(m, "batchlm_engine_generated_tokens_total"), output) << m;
+  EXPECT_EQ(series(m, "batchlm_engine_prompt_tokens_computed_total") + series(m, "batchlm_engine_prompt_tokens_cached_total"),
+            prompt) << m;
+  EXPECT_GT(series(m, "batchlm_engine_prompt_tokens_cached_total"), 0) << "the repeated prompt came from the cache\n" << m;
+  EXPECT_EQ(series(m, "batchlm_engine_kv_blocks_total"), h["engine"]["blocks_total"]) << m;
+  EXPECT_EQ(series(m, "batchlm_engine_kv_block_size_tokens"), 16) << m;
+  EXPECT_EQ(series(m, "batchlm_engine_running_sequences"), 0) << m;
+  EXPECT_EQ(series(m, "batchlm_requests_in_flight"), 0) << m;
+  EXPECT_GE(series(m, "batchlm_open_connections"), 1) << m;
+
+  // The text as Prometheus's own client library reads it.
+  if (!fs::exists(kPython)) GTEST_SKIP() << kPython << " is absent: run scripts/setup-python.sh";
+  {
+    Process probe({.args = {kPython.string(), "-c", "import prometheus_client"}, .env = {}, .cwd = dir(), .out_file = {},
+                   .err_file = dir() / "probe.err"});
+    if (probe.wait(30s) != 0) GTEST_SKIP() << "the prometheus_client package is missing: run scripts/setup-python.sh";
+  }
+  {
+    std::ofstream(dir() / "metrics.txt") << m;
+  }
+  Process py({.args = {kPython.string(), kMetricsCheck.string(), (dir() / "metrics.txt").string()},
+              .env = {},
+              .cwd = dir(),
+              .out_file = dir() / "py.out",
+              .err_file = dir() / "py.err"});
+  ASSERT_EQ(py.wait(30s), 0) << read_file(dir() / "py.err") << m;
+  json families;
+  ASSERT_NO_THROW(families = json::parse(read_file(dir() / "py.out")));
+  EXPECT_EQ(families["batchlm_http_responses"]["type"], "counter");
+  EXPECT_EQ(families["batchlm_completions"]["type"], "counter");
+  EXPECT_EQ(families["batchlm_request_duration_seconds"]["type"], "histogram");
+  EXPECT_EQ(families["batchlm_time_to_first_token_seconds"]["type"], "histogram");
+  EXPECT_EQ(families["batchlm_engine_running_sequences"]["type"], "gauge");
+  EXPECT_EQ(families["batchlm_info"]["samples"], json::array({json::array({"batchlm_info", {{"model", "tiny"}}, 1.0})}));
+  double sum = 0;
+  for (const json& sample : families["batchlm_completions"]["samples"]) sum += sample[2].get<double>();
+  EXPECT_EQ(sum, 4) << families.dump();
 }
 
 TEST_F(Serve, ModelNameDefaultsToTheFileName) {
@@ -1009,6 +1125,9 @@ TEST_F(Serve, OverCapacityIs429WithRetryAfter) {
   ASSERT_TRUE(wait_until([&] { return health(*s)["in_flight"] == 0; }, 5s)) << health(*s).dump();
   HttpResponse third = post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 4}}));
   EXPECT_EQ(third.status, 200) << third.body;
+  const std::string m = metrics(*s);
+  EXPECT_EQ(series(m, R"(batchlm_completions_total{endpoint="chat",result="rejected"})"), 1) << m;
+  EXPECT_EQ(series(m, R"(batchlm_http_responses_total{route="/v1/chat/completions",code="429"})"), 1) << m;
 }
 
 TEST_F(Serve, ClientHangingUpCancelsItsRequest) {
@@ -1037,6 +1156,9 @@ TEST_F(Serve, ClientHangingUpCancelsItsRequest) {
     EXPECT_LT(generated, 2000) << h.dump();
     EXPECT_EQ(h["engine"]["waiting"], 0) << h.dump();
   }
+  const std::string m = metrics(*s);
+  EXPECT_EQ(series(m, R"(batchlm_completions_total{endpoint="chat",result="disconnected"})"), 2) << m;
+  EXPECT_EQ(series(m, "batchlm_request_duration_seconds_count"), 0) << "neither completed\n" << m;
 }
 
 TEST_F(Serve, SigtermFinishesRequestsInFlightThenExits) {

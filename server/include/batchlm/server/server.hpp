@@ -4,6 +4,7 @@
 // engine's continuous batching serves concurrent clients together.
 //
 //   GET  /health                 200 {"status": "ok", ...}; 503 while shutting down
+//   GET  /metrics                counters, gauges and latency histograms, Prometheus text format
 //   GET  /v1/models[/ID]         the served model
 //   POST /v1/chat/completions    chat, streaming (SSE) or not
 //   POST /v1/completions         raw text completion, streaming or not
