@@ -113,7 +113,7 @@ void add_serve_command(CLI::App& app) {
                         "Append one JSON line per engine step to this file: time, sequences, decode and prompt "
                         "tokens, forward and step milliseconds");
   serve_cmd->add_option("--max-queue", s.max_queue,
-                        "Requests waiting beyond --max-sequences before new ones get 429")
+                        "Choices waiting beyond --max-sequences before new requests get 429 (a request with n choices counts n)")
       ->check(app::between(0, 1 << 20))->capture_default_str();
   serve_cmd->add_option("--shutdown-grace", s.shutdown_grace,
                         "Seconds requests in flight get to finish after SIGTERM")
@@ -212,7 +212,7 @@ int run_serve_command() {
         signals.async_wait(on_signal);  // before shutdown(), whose `done` may cancel it at once
         if (!stopping) {
           stopping = true;
-          std::fprintf(stderr, "batchlm serve: %s: finishing %lld requests in flight, then exiting\n",
+          std::fprintf(stderr, "batchlm serve: %s: finishing %lld choices in flight, then exiting\n",
                        signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "SIGHUP",
                        static_cast<long long>(http.in_flight()));
           http.shutdown([&] { signals.cancel(); });

@@ -129,7 +129,7 @@ std::string Metrics::render(const Gauges& g) const {
   sample(out, "batchlm_info", std::int64_t{1}, labels({{"model", g.model}}));
   single(out, "batchlm_start_time_seconds", "gauge", "When the server started, in seconds since the Unix epoch.",
          start_seconds_);
-  single(out, "batchlm_requests_in_flight", "gauge", "Completion requests being served (running or queued).",
+  single(out, "batchlm_requests_in_flight", "gauge", "Completion choices being served, running or queued (a request with n choices counts n).",
          g.in_flight);
   single(out, "batchlm_open_connections", "gauge", "Open client connections.", g.connections);
 

@@ -242,9 +242,7 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
     r.seed = integer(*seed, "seed", std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max());
   }
   if (const json* stop = field(body, "stop")) r.stop = read_stop(*stop);
-  if (const json* n = field(body, "n")) {
-    if (integer(*n, "n", 1, 128) != 1) unsupported("n", "n > 1 (several choices per request)");
-  }
+  if (const json* n = field(body, "n")) out.n = static_cast<int>(integer(*n, "n", 1, kMaxChoices));
   if (const json* s = field(body, "stream")) out.stream = boolean(*s, "stream");
   if (const json* so = field(body, "stream_options")) {
     if (!so->is_object()) invalid("stream_options", "'stream_options' must be an object, not " + type_name(*so));
@@ -344,21 +342,37 @@ json finish_value(std::string_view reason) {
 }  // namespace
 
 json completion_body(const ResponseContext& ctx, const Completion& completion) {
+  return completion_body(ctx, std::span<const Completion>(&completion, 1));
+}
+
+json completion_body(const ResponseContext& ctx, std::span<const Completion> choices) {
   json body = envelope(ctx, false);
-  json choice = {{"index", 0}, {"finish_reason", finish_value(completion.finish_reason)}, {"logprobs", nullptr}};
-  if (ctx.endpoint == Endpoint::kChat) {
-    choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
-  } else {
-    choice["text"] = completion.text;
+  body["choices"] = json::array();
+  for (std::size_t i = 0; i < choices.size(); ++i) {
+    const Completion& completion = choices[i];
+    json choice = {{"index", i}, {"finish_reason", finish_value(completion.finish_reason)}, {"logprobs", nullptr}};
+    if (ctx.endpoint == Endpoint::kChat) {
+      choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
+    } else {
+      choice["text"] = completion.text;
+    }
+    body["choices"].push_back(std::move(choice));
   }
-  body["choices"] = json::array({choice});
-  body["usage"] = usage_json(completion.usage);
+  body["usage"] = usage_json(total_usage(choices));
   return body;
 }
 
-json text_chunk(const ResponseContext& ctx, std::string_view text, bool first, bool include_usage) {
+Usage total_usage(std::span<const Completion> choices) {
+  Usage total;
+  if (choices.empty()) return total;
+  total = choices.front().usage;
+  for (std::size_t i = 1; i < choices.size(); ++i) total.completion_tokens += choices[i].usage.completion_tokens;
+  return total;
+}
+
+json text_chunk(const ResponseContext& ctx, std::string_view text, bool first, bool include_usage, int index) {
   json body = envelope(ctx, true);
-  json choice = {{"index", 0}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
+  json choice = {{"index", index}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
   if (ctx.endpoint == Endpoint::kChat) {
     json delta = {{"content", std::string(text)}};
     if (first) delta["role"] = "assistant";
@@ -371,9 +385,9 @@ json text_chunk(const ResponseContext& ctx, std::string_view text, bool first, b
   return body;
 }
 
-json finish_chunk(const ResponseContext& ctx, std::string_view finish_reason, bool include_usage) {
+json finish_chunk(const ResponseContext& ctx, std::string_view finish_reason, bool include_usage, int index) {
   json body = envelope(ctx, true);
-  json choice = {{"index", 0}, {"finish_reason", finish_value(finish_reason)}, {"logprobs", nullptr}};
+  json choice = {{"index", index}, {"finish_reason", finish_value(finish_reason)}, {"logprobs", nullptr}};
   if (ctx.endpoint == Endpoint::kChat) {
     choice["delta"] = json::object();
   } else {

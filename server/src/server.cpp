@@ -1,6 +1,8 @@
 #include "batchlm/server/server.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <exception>
 #include <list>
 #include <optional>
 #include <stdexcept>
@@ -10,7 +12,9 @@
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/deferred.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/experimental/parallel_group.hpp>
 #include <boost/asio/experimental/awaitable_operators.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -189,27 +193,103 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
 
   // --- completions ------------------------------------------------------------------------
 
+  // --- several choices (n) ------------------------------------------------------------------
+
+  // The backend request of each choice: the first as asked, the others with the seeds after the
+  // asked one, so that seeded choices differ from each other and repeat from run to run.
+  static std::vector<Request> choice_requests(const ApiRequest& api) {
+    std::vector<Request> requests(static_cast<std::size_t>(api.n), api.request);
+    for (std::size_t i = 1; i < requests.size(); ++i)
+      if (requests[i].seed)
+        requests[i].seed = static_cast<std::int64_t>(static_cast<std::uint64_t>(*requests[i].seed) + i);
+    return requests;
+  }
+
+  // Runs the tasks together and completes when every one has; cancelling it cancels each.
+  template <typename T>
+  static asio::awaitable<std::vector<T>> all_of(std::vector<asio::awaitable<T>> tasks) {
+    auto ex = co_await asio::this_coro::executor;
+    using Op = decltype(asio::co_spawn(ex, std::move(tasks.front()), asio::deferred));
+    std::vector<Op> ops;
+    for (auto& task : tasks) ops.push_back(asio::co_spawn(ex, std::move(task), asio::deferred));
+    auto [order, errors, results] = co_await asio::experimental::make_parallel_group(std::move(ops))
+                                        .async_wait(asio::experimental::wait_for_all(), asio::use_awaitable);
+    for (const std::exception_ptr& e : errors)
+      if (e) std::rethrow_exception(e);
+    co_return std::move(results);
+  }
+
+  // One outcome for a request's choices: the first failure (one that is not a cancellation
+  // first), else a completion whose usage covers every choice, whose times run from the first
+  // token of any choice to the last of all, and whose finish reason is "length" if any choice
+  // was cut short.
+  static Outcome combined(const std::vector<Outcome>& outcomes) {
+    const Outcome* cancelled = nullptr;
+    std::vector<Completion> done;
+    for (const Outcome& o : outcomes) {
+      if (o.ok()) {
+        done.push_back(*o.completion);
+      } else if (o.error->kind != ErrorKind::Cancelled) {
+        return o;
+      } else if (!cancelled) {
+        cancelled = &o;
+      }
+    }
+    if (cancelled) return *cancelled;
+    if (done.size() == 1) return outcomes.front();
+    Completion all = done.front();
+    all.usage = total_usage(done);
+    double tpot = 0;
+    for (const Completion& c : done) {
+      all.timings.ttft_ms = std::min(all.timings.ttft_ms, c.timings.ttft_ms);
+      all.timings.total_ms = std::max(all.timings.total_ms, c.timings.total_ms);
+      tpot += c.timings.tpot_ms / static_cast<double>(done.size());
+      if (c.finish_reason == "length") all.finish_reason = "length";
+    }
+    all.timings.tpot_ms = tpot;
+    return Outcome::success(std::move(all));
+  }
+
   // A streamed response: SSE bytes the engine's tokens produced, written by one writer.
   struct Stream {
     explicit Stream(asio::any_io_executor ex) : wake(ex) {}
     std::string pending;
     bool started = false;  // headers written
     bool done = false;
-    bool first = true;
     std::optional<ApiError> error;  // failed before any output: a plain error response
-    std::optional<Outcome> outcome;  // the engine's, once it has ended
+    std::vector<Outcome> outcomes;  // the engine's, one per choice, once all have ended
     asio::steady_timer wake;
   };
 
-  asio::awaitable<void> produce(Stream& s, const ApiRequest& api, const ResponseContext& ctx) {
-    const Outcome o = co_await backend.complete(api.request, [&](std::string_view delta) {
-      s.pending += sse(text_chunk(ctx, delta, s.first, api.include_usage));
-      s.first = false;
+  // One choice of a streamed response: its text chunks as the engine gives them, then the
+  // chunk that ends it.
+  asio::awaitable<Outcome> produce_choice(Stream& s, const ApiRequest& api, const Request& request,
+                                          const ResponseContext& ctx, int index) {
+    bool first = true;
+    Outcome o = co_await backend.complete(request, [&](std::string_view delta) {
+      s.pending += sse(text_chunk(ctx, delta, first, api.include_usage, index));
+      first = false;
       s.wake.cancel();
     });
-    s.outcome = o;
     if (o.ok()) {
-      s.pending += sse(finish_chunk(ctx, o.completion->finish_reason, api.include_usage));
+      s.pending += sse(finish_chunk(ctx, o.completion->finish_reason, api.include_usage, index));
+      s.wake.cancel();
+    }
+    co_return o;
+  }
+
+  asio::awaitable<void> produce(Stream& s, const ApiRequest& api, const ResponseContext& ctx) {
+    const std::vector<Request> requests = choice_requests(api);
+    if (requests.size() == 1) {
+      s.outcomes.push_back(co_await produce_choice(s, api, requests.front(), ctx, 0));
+    } else {
+      std::vector<asio::awaitable<Outcome>> choices;
+      for (std::size_t i = 0; i < requests.size(); ++i)
+        choices.push_back(produce_choice(s, api, requests[i], ctx, static_cast<int>(i)));
+      s.outcomes = co_await all_of(std::move(choices));
+    }
+    const Outcome o = combined(s.outcomes);
+    if (o.ok()) {
       if (api.include_usage) s.pending += sse(usage_chunk(ctx, o.completion->usage));
       s.pending += "data: [DONE]\n\n";
     } else if (o.error->kind != ErrorKind::Cancelled) {
@@ -267,8 +347,17 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     }
   }
 
-  asio::awaitable<Outcome> complete_whole(const ApiRequest& api) {
-    co_return co_await backend.complete(api.request, {});
+  // Every choice of a request that is not streamed.
+  asio::awaitable<std::vector<Outcome>> complete_whole(const ApiRequest& api) {
+    const std::vector<Request> requests = choice_requests(api);
+    std::vector<Outcome> outcomes;
+    if (requests.size() == 1) {
+      outcomes.push_back(co_await backend.complete(requests.front(), {}));
+      co_return outcomes;
+    }
+    std::vector<asio::awaitable<Outcome>> choices;
+    for (const Request& r : requests) choices.push_back(backend.complete(r, {}));
+    co_return co_await all_of(std::move(choices));
   }
 
   // Counts how a completion request the engine ran ended.
@@ -301,21 +390,30 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       co_await send_error(c, req, *invalid);
       co_return true;
     }
-    if (in_flight >= options.max_in_flight) {
+    if (parsed->n > options.max_in_flight) {
+      metrics.completion(label(endpoint), "invalid");
+      co_await send_error(c, req,
+                          ApiError(400, "invalid_request_error", "n",
+                                   "'n' is " + std::to_string(parsed->n) + ", more choices than this server serves at once (" +
+                                       std::to_string(options.max_in_flight) + ")"));
+      co_return true;
+    }
+    if (in_flight + parsed->n > options.max_in_flight) {
       metrics.completion(label(endpoint), "rejected");
       co_await send_error(c, req,
                           ApiError(429, "rate_limit_error", "",
                                    "the server is at capacity (" + std::to_string(in_flight) +
-                                       " requests in flight); retry after 1 s",
+                                       " choices in flight); retry after 1 s",
                                    "rate_limit_exceeded"),
                           std::pair(http::field::retry_after, std::string("1")));
       co_return true;
     }
-    ++in_flight;
+    in_flight += parsed->n;
     struct Release {
-      std::int64_t& n;
-      ~Release() { --n; }
-    } release{in_flight};
+      std::int64_t& in_flight;
+      int n;
+      ~Release() { in_flight -= n; }
+    } release{in_flight, parsed->n};
 
     const ResponseContext ctx{endpoint, new_response_id(endpoint), unix_seconds(), options.model_name};
     if (!parsed->stream) {
@@ -329,14 +427,17 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         metrics.completion(label(endpoint), "disconnected");
         co_return false;
       }
-      const Outcome& o = std::get<0>(result);
+      const std::vector<Outcome>& outcomes = std::get<0>(result);
+      const Outcome o = combined(outcomes);
       count(endpoint, o);
       if (!o.ok()) {
         if (o.error->kind == ErrorKind::Cancelled) co_return false;
         co_await send_error(c, req, error_from_outcome(*o.error));
         co_return true;
       }
-      co_await send(c, req, http::status::ok, completion_body(ctx, *o.completion));
+      std::vector<Completion> choices;
+      for (const Outcome& one : outcomes) choices.push_back(*one.completion);
+      co_await send(c, req, http::status::ok, completion_body(ctx, choices));
       co_return true;
     }
 
@@ -371,7 +472,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       metrics.completion(label(endpoint), "disconnected");
       co_return false;
     }
-    count(endpoint, *s.outcome);
+    count(endpoint, combined(s.outcomes));
     if (s.error) {
       co_await send_error(c, req, *s.error);
       co_return true;

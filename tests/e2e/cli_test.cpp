@@ -830,7 +830,7 @@ TEST(BatchlmServe, SighupShutsDownGracefully) {
   p.signal(SIGHUP);
   ASSERT_EQ(p.wait(30s), 0) << read_file(dir.path / "serve.err");
   const std::string err = read_file(dir.path / "serve.err");
-  EXPECT_NE(err.find("batchlm serve: SIGHUP: finishing 0 requests in flight"), std::string::npos) << err;
+  EXPECT_NE(err.find("batchlm serve: SIGHUP: finishing 0 choices in flight"), std::string::npos) << err;
   EXPECT_NE(err.find("batchlm serve: stopped"), std::string::npos) << err;
 }
 

@@ -74,6 +74,13 @@ def main() -> int:
         "ids": len(ids),
     }
 
+    several = client.chat.completions.create(**request, n=2)
+    out["several"] = {
+        "indexes": [c.index for c in several.choices],
+        "texts": [c.message.content for c in several.choices],
+        "completion_tokens": several.usage.completion_tokens,
+    }
+
     completion = client.completions.create(
         model=args.model, prompt="The capital of France is", max_tokens=8, temperature=0
     )

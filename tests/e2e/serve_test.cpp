@@ -858,6 +858,87 @@ TEST_F(Serve, TextCompletion) {
 
 // ---- errors ----------------------------------------------------------------------------------
 
+// ---- several choices (n) ---------------------------------------------------------------------
+
+TEST_F(Serve, SeveralChoicesPerRequest) {
+  auto s = serve();
+  auto choices_of = [](const HttpResponse& r) {
+    std::vector<std::string> texts;
+    const json body = r.json_body();
+    for (std::size_t i = 0; i < body["choices"].size(); ++i) {
+      const json& c = body["choices"][i];
+      EXPECT_EQ(c["index"], i) << r.body;
+      texts.push_back(c.contains("message") ? c["message"]["content"].get<std::string>() : c["text"].get<std::string>());
+    }
+    return texts;
+  };
+  // Greedy: every choice is the one-choice answer; the prompt counts once in the usage.
+  HttpResponse one = post(*s, "/v1/chat/completions", chat_request("Hello", {{"max_tokens", 6}, {"temperature", 0}}));
+  ASSERT_EQ(one.status, 200) << one.body;
+  HttpResponse three =
+      post(*s, "/v1/chat/completions", chat_request("Hello", {{"max_tokens", 6}, {"temperature", 0}, {"n", 3}}));
+  ASSERT_EQ(three.status, 200) << three.body;
+  const std::string alone = choices_of(one).at(0);
+  EXPECT_EQ(choices_of(three), std::vector<std::string>(3, alone)) << three.body;
+  const json u1 = one.json_body()["usage"], u3 = three.json_body()["usage"];
+  EXPECT_EQ(u3["prompt_tokens"], u1["prompt_tokens"]) << three.body;
+  EXPECT_EQ(u3["completion_tokens"], 3 * u1["completion_tokens"].get<int>()) << three.body;
+  EXPECT_EQ(u3["total_tokens"], u3["prompt_tokens"].get<int>() + u3["completion_tokens"].get<int>()) << three.body;
+
+  // Sampled with a seed: choice i is what one choice gives with the seed plus i, every time.
+  auto text_request = [](json fields) {
+    json body = {{"prompt", "Once"}, {"max_tokens", 12}, {"temperature", 1.0}};
+    body.update(fields);
+    return body.dump();
+  };
+  HttpResponse seeded = post(*s, "/v1/completions", text_request({{"seed", 7}, {"n", 3}}));
+  ASSERT_EQ(seeded.status, 200) << seeded.body;
+  const std::vector<std::string> texts = choices_of(seeded);
+  ASSERT_EQ(texts.size(), 3u) << seeded.body;
+  EXPECT_EQ(choices_of(post(*s, "/v1/completions", text_request({{"seed", 7}, {"n", 3}}))), texts);
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(choices_of(post(*s, "/v1/completions", text_request({{"seed", 7 + i}}))).at(0), texts[i]) << i;
+
+  // Streamed: each choice's chunks carry its index, its first chunk the role, its last the
+  // finish reason; one usage chunk for all, then [DONE].
+  HttpResponse streamed = post(*s, "/v1/chat/completions",
+                               chat_request("Hello", {{"max_tokens", 6}, {"temperature", 0}, {"n", 2}, {"stream", true},
+                                                      {"stream_options", {{"include_usage", true}}}}));
+  ASSERT_EQ(streamed.status, 200) << streamed.body;
+  const std::vector<json> chunks = sse_chunks(streamed.body);
+  ASSERT_FALSE(chunks.empty()) << streamed.body;
+  std::map<int, std::string> text;
+  std::map<int, int> roles, finishes;
+  for (std::size_t i = 0; i + 1 < chunks.size(); ++i) {
+    const json& c = chunks[i];
+    EXPECT_EQ(c["id"], chunks[0]["id"]) << c.dump();
+    ASSERT_EQ(c["choices"].size(), 1u) << c.dump();
+    const json& choice = c["choices"][0];
+    const int index = choice["index"];
+    if (choice["delta"].contains("role")) {
+      EXPECT_EQ(roles[index]++, 0) << "the role once, first: " << c.dump();
+      EXPECT_TRUE(text[index].empty()) << c.dump();
+    }
+    if (choice["delta"].contains("content")) text[index] += choice["delta"]["content"].get<std::string>();
+    if (!choice["finish_reason"].is_null()) ++finishes[index];
+    else EXPECT_EQ(finishes[index], 0) << "nothing after the choice's finish: " << c.dump();
+  }
+  EXPECT_EQ(text, (std::map<int, std::string>{{0, alone}, {1, alone}})) << streamed.body;
+  EXPECT_EQ(finishes, (std::map<int, int>{{0, 1}, {1, 1}})) << streamed.body;
+  const json& usage = chunks.back();
+  EXPECT_TRUE(usage["choices"].empty()) << usage.dump();
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 2 * u1["completion_tokens"].get<int>()) << usage.dump();
+  EXPECT_EQ(usage["usage"]["prompt_tokens"], u1["prompt_tokens"]) << usage.dump();
+
+  // One request each in the metrics.
+  const std::string m = metrics(*s);
+  double requests = 0;
+  for (const std::string result : {"stop", "length"})
+    for (const std::string endpoint : {"chat", "completions"})
+      requests += std::max(0.0, series(m, "batchlm_completions_total{endpoint=\"" + endpoint + "\",result=\"" + result + "\"}"));
+  EXPECT_EQ(requests, 8) << m;
+}
+
 TEST_F(Serve, BadRequestsNameTheField) {
   auto s = serve();
   expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"temperature", 5}})), 400,
@@ -868,8 +949,8 @@ TEST_F(Serve, BadRequestsNameTheField) {
                "invalid_request_error", "messages[0].content", nullptr);
   expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 0}})), 400,
                "invalid_request_error", "max_tokens", nullptr);
-  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"n", 2}})), 400, "invalid_request_error", "n",
-               "unsupported_parameter");
+  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"n", 129}})), 400, "invalid_request_error", "n",
+               nullptr);
   expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"stream_options", {{"include_usage", true}}}})),
                400, "invalid_request_error", "stream_options", nullptr);
   expect_error(post(*s, "/v1/completions", R"({"prompt": "x", "echo": true})"), 400, "invalid_request_error", "echo",
@@ -1130,6 +1211,35 @@ TEST_F(Serve, OverCapacityIs429WithRetryAfter) {
   EXPECT_EQ(series(m, R"(batchlm_http_responses_total{route="/v1/chat/completions",code="429"})"), 1) << m;
 }
 
+TEST_F(Serve, ChoicesCountAgainstCapacity) {
+  write_long_model();
+  // Two choices at once at most: one running, one waiting.
+  auto s = serve({"--max-sequences", "1", "--max-queue", "1"}, {}, "long.gguf");
+  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 2}, {"n", 3}})), 400,
+               "invalid_request_error", "n", nullptr);
+  const json before = health(*s);
+  RawConnection first(s->port());
+  json ask = json::parse(long_chat(true));
+  ask["n"] = 2;
+  first.send_post("/v1/chat/completions", ask.dump());
+  ASSERT_TRUE(first.read_until("data: ", 20s)) << first.received();
+  EXPECT_EQ(health(*s)["in_flight"], 2);
+  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 2}})), 429, "rate_limit_error",
+               nullptr, "rate_limit_exceeded");
+  // Hanging up cancels both choices and frees their blocks.
+  first.close();
+  json h;
+  EXPECT_TRUE(wait_until([&] {
+    h = health(*s);
+    return h["in_flight"] == 0 && h["engine"]["running"] == 0 && h["engine"]["waiting"] == 0 &&
+           h["engine"]["blocks_used"] == 0;
+  }, 5s)) << h.dump();
+  // Cancelled, not finished: far fewer than the 2 x 4000 tokens asked for.
+  EXPECT_LT(h["engine"]["generated_tokens"].get<long long>() - before["engine"]["generated_tokens"].get<long long>(), 3000)
+      << h.dump();
+  EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 2}, {"n", 2}})).status, 200);
+}
+
 TEST_F(Serve, ClientHangingUpCancelsItsRequest) {
   write_long_model();
   auto s = serve({}, {}, "long.gguf");
@@ -1204,7 +1314,7 @@ TEST_F(Serve, SigtermFinishesRequestsInFlightThenExits) {
 
   EXPECT_EQ(s->wait(5s), 0) << s->stderr_text();
   const std::string err = s->stderr_text();
-  EXPECT_TRUE(contains(err, "SIGTERM: finishing 2 requests in flight")) << err;
+  EXPECT_TRUE(contains(err, "SIGTERM: finishing 2 choices in flight")) << err;
   EXPECT_TRUE(contains(err, "batchlm serve: stopped")) << err;
 }
 
@@ -1213,7 +1323,7 @@ TEST_F(Serve, SigtermWhenIdleExitsAtOnce) {
   EXPECT_EQ(get(*s, "/health").status, 200);
   s->signal(SIGINT);
   EXPECT_EQ(s->wait(5s), 0) << s->stderr_text();
-  EXPECT_TRUE(contains(s->stderr_text(), "SIGINT: finishing 0 requests in flight")) << s->stderr_text();
+  EXPECT_TRUE(contains(s->stderr_text(), "SIGINT: finishing 0 choices in flight")) << s->stderr_text();
 }
 
 TEST_F(Serve, ASecondSignalCancelsWhatIsLeft) {
@@ -1591,6 +1701,10 @@ TEST_F(ServeRealModel, OfficialOpenAIPythonClient) {
   EXPECT_EQ(r["stream"]["chunks_after_usage"], 0) << out;
   EXPECT_EQ(r["stream"]["ids"], 1) << "one id for all chunks\n" << out;
   EXPECT_TRUE(contains(chat, "Paris")) << out;
+  // Two choices, greedy: the answer twice.
+  EXPECT_EQ(r["several"]["indexes"], json::array({0, 1})) << out;
+  EXPECT_EQ(r["several"]["texts"], json::array({chat, chat})) << out;
+  EXPECT_EQ(r["several"]["completion_tokens"], 2 * r["chat"]["usage"]["completion_tokens"].get<int>()) << out;
   EXPECT_EQ(r["completion"]["object"], "text_completion") << out;
   EXPECT_TRUE(r["completion"]["text"].get<std::string>().starts_with(" Paris")) << out;
   // No chat template, so no end of turn: the text runs on to max_tokens.

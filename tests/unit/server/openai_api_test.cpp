@@ -475,11 +475,16 @@ TEST(ParseRequest, StreamOptionsShape) {
 
 // ---- unsupported parameters ------------------------------------------------------------------
 
-TEST(ParseRequest, NGreaterThanOneIsUnsupported) {
-  expect_unsupported(chat_error(chat_body({{"n", 2}})), "n",
-                     "n > 1 (several choices per request) is not supported by this server");
+TEST(ParseRequest, NChoicesFromOneTo128) {
+  EXPECT_EQ(chat().n, 1);
+  EXPECT_EQ(chat({{"n", 1}}).n, 1);
+  EXPECT_EQ(chat({{"n", 3}}).n, 3);
+  EXPECT_EQ(completion({{"n", 128}}).n, 128);
+  EXPECT_EQ(chat({{"n", 2.0}}).n, 2);
   expect_invalid(chat_error(chat_body({{"n", 0}})), "n", "'n' must be between 1 and 128, not 0");
   expect_invalid(chat_error(chat_body({{"n", 129}})), "n", "'n' must be between 1 and 128, not 129");
+  EXPECT_EQ(chat_error(chat_body({{"n", "2"}})).param(), "n");
+  EXPECT_EQ(chat_error(chat_body({{"n", 1.5}})).param(), "n");
 }
 
 TEST(ParseRequest, LogprobsAreUnsupported) {
@@ -690,6 +695,29 @@ TEST(CompletionBody, TextCompletionShape) {
       << body.dump();
 }
 
+TEST(CompletionBody, SeveralChoicesAreIndexedInOrderAndTheUsageCountsThePromptOnce) {
+  Completion a = sample_completion();
+  Completion b = sample_completion();
+  b.text = "Hi";
+  b.finish_reason = "length";
+  b.usage.completion_tokens = 7;
+  const std::vector<Completion> choices = {a, b};
+  json body = completion_body(chat_ctx(), choices);
+  EXPECT_EQ(body, json::parse(R"({
+    "id": "chatcmpl-abc", "object": "chat.completion", "created": 1700000000, "model": "tiny-llama",
+    "choices": [{"index": 0, "finish_reason": "stop", "logprobs": null,
+                 "message": {"role": "assistant", "content": "Hello there"}},
+                {"index": 1, "finish_reason": "length", "logprobs": null,
+                 "message": {"role": "assistant", "content": "Hi"}}],
+    "usage": {"prompt_tokens": 12, "completion_tokens": 10, "total_tokens": 22}})"))
+      << body.dump();
+  json text = completion_body(text_ctx(), choices);
+  EXPECT_EQ(text["choices"][1], json::parse(R"({"index": 1, "finish_reason": "length", "logprobs": null, "text": "Hi"})"));
+  EXPECT_EQ(total_usage(choices).completion_tokens, 10);
+  EXPECT_EQ(total_usage(choices).prompt_tokens, 12);
+  EXPECT_EQ(total_usage({}).prompt_tokens, 0);
+}
+
 TEST(CompletionBody, EmptyFinishReasonIsNull) {
   Completion c = sample_completion();
   c.finish_reason.clear();
@@ -739,6 +767,14 @@ TEST(StreamChunks, FinishChunkHasAnEmptyDeltaAndTheReason) {
   EXPECT_EQ(text_fin["choices"][0]["text"], "");
   EXPECT_EQ(text_fin["choices"][0]["finish_reason"], "stop");
   EXPECT_TRUE(finish_chunk(chat_ctx(), "", false)["choices"][0]["finish_reason"].is_null());
+}
+
+TEST(StreamChunks, ChunksNameTheirChoice) {
+  EXPECT_EQ(text_chunk(chat_ctx(), "a", true, false, 2)["choices"][0]["index"], 2);
+  EXPECT_EQ(text_chunk(chat_ctx(), "a", true, false, 2)["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(text_chunk(text_ctx(), "a", false, false, 5)["choices"][0]["index"], 5);
+  EXPECT_EQ(finish_chunk(chat_ctx(), "stop", false, 3)["choices"][0]["index"], 3);
+  EXPECT_EQ(finish_chunk(text_ctx(), "length", true, 1)["choices"][0]["index"], 1);
 }
 
 TEST(StreamChunks, UsageChunkHasNoChoices) {

@@ -51,7 +51,7 @@ class Metrics {
   void finished(const Completion& completion);
 
   struct Gauges {
-    std::int64_t in_flight = 0;    // completion requests being served
+    std::int64_t in_flight = 0;    // completion choices being served
     std::int64_t connections = 0;  // open client connections
     std::string model;             // the served model id
     std::optional<EngineStats> engine;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -34,16 +35,20 @@ class ApiError : public std::runtime_error {
 
 enum class Endpoint { kChat, kCompletions };
 
+// The most choices one request may ask for (`n`).
+inline constexpr int kMaxChoices = 128;
+
 struct ApiRequest {
   Endpoint endpoint = Endpoint::kChat;
   Request request;             // for the backend; request.stream mirrors `stream`
+  int n = 1;                   // choices to generate, each its own engine sequence
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
 };
 
 // Checks a request body against the endpoint's schema and what the engine supports. Unknown
 // fields are ignored (clients send many); fields that would change the output in a way the
-// engine cannot honour (n > 1, logprobs, tools, penalties, ...) are refused. `served_model`:
+// engine cannot honour (logprobs, tools, penalties, ...) are refused. `served_model`:
 // a body that names another model gets 404 model_not_found; a body without one is served.
 // Throws ApiError naming the field (param) and what was wrong.
 ApiRequest parse_request(Endpoint endpoint, const nlohmann::json& body, std::string_view served_model);
@@ -61,14 +66,18 @@ struct ResponseContext {
 // A fresh id for the endpoint: "chatcmpl-" or "cmpl-" and 24 random hex digits.
 std::string new_response_id(Endpoint endpoint);
 
-// The whole (non-streaming) response.
+// The whole (non-streaming) response: one choice, or several (`n`) indexed in order.
 nlohmann::json completion_body(const ResponseContext& ctx, const Completion& completion);
-// One stream chunk carrying text (chat: a delta; the first chunk also carries the role).
+nlohmann::json completion_body(const ResponseContext& ctx, std::span<const Completion> choices);
+// The usage of a request's choices: the prompt once, the output tokens of every choice.
+Usage total_usage(std::span<const Completion> choices);
+// One stream chunk carrying text of choice `index` (chat: a delta; the choice's first chunk
+// also carries the role).
 nlohmann::json text_chunk(const ResponseContext& ctx, std::string_view text, bool first,
-                          bool include_usage);
-// The chunk that ends the choice (empty delta or text, finish_reason set).
+                          bool include_usage, int index = 0);
+// The chunk that ends choice `index` (empty delta or text, finish_reason set).
 nlohmann::json finish_chunk(const ResponseContext& ctx, std::string_view finish_reason,
-                            bool include_usage);
+                            bool include_usage, int index = 0);
 // The last chunk when stream_options.include_usage: no choices, the usage.
 nlohmann::json usage_chunk(const ResponseContext& ctx, const Usage& usage);
 // {"prompt_tokens", "completion_tokens", "total_tokens"}

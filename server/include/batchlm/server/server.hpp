@@ -9,7 +9,8 @@
 //   POST /v1/chat/completions    chat, streaming (SSE) or not
 //   POST /v1/completions         raw text completion, streaming or not
 //
-// Errors are OpenAI error objects naming the bad field. Beyond max_in_flight requests a new one
+// A request may ask for n choices, each its own engine sequence.
+// Errors are OpenAI error objects naming the bad field. Beyond max_in_flight choices a new one
 // gets 429 with Retry-After. A client that goes away cancels its request, freeing its KV blocks;
 // so does one that stops reading for write_timeout. Out of file descriptors, the connection idle
 // the longest is closed to make room for a new one.
@@ -34,7 +35,7 @@ struct ServerOptions {
   std::string model_name;          // the id in /v1/models and in responses
   std::int64_t context = 0;        // tokens per sequence, reported as max_model_len
   std::string api_key;             // non-empty: /v1/* requires "Authorization: Bearer KEY"
-  int max_in_flight = 256;         // requests served at once (running and queued); then 429
+  int max_in_flight = 256;         // choices served at once (running and queued); then 429
   std::size_t max_body_bytes = 8u << 20;
   std::chrono::milliseconds keep_alive{std::chrono::seconds(60)};  // idle connection timeout
   // From a request's first byte, the time to receive all of it; then the connection closes.
@@ -58,7 +59,7 @@ class Server {
   // Graceful stop (idempotent); `done` runs on the io_context once every connection is closed.
   // A second call cuts the grace period short.
   void shutdown(std::function<void()> done = {});
-  std::int64_t in_flight() const;  // completion requests being served
+  std::int64_t in_flight() const;  // choices being served (a request with n choices counts n)
   std::int64_t aborted() const;    // requests cancelled by shutdown() after the grace period
 
  private:
