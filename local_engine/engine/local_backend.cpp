@@ -21,6 +21,7 @@
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include "batchlm/core/engine_fields.hpp"
 #include "batchlm/kernels/ops.hpp"
 #include "batchlm/local_engine/engine.hpp"
 #include "batchlm/local_engine/gguf.hpp"
@@ -258,6 +259,12 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
                   " bytes, at most " + std::to_string(state_->max_token_bytes) +
                   " per token); the context holds " + std::to_string(state_->engine->context()),
               std::nullopt, false});
+  }
+  if (request.extra.is_object()) {
+    for (const auto& [key, value] : request.extra.items())
+      if (const auto problem = engine_field_problem(key, value))
+        co_return Outcome::failure(
+            Error{ErrorKind::Http, 400, "unsupported_parameter", "'" + key + "': " + *problem, std::nullopt, false});
   }
   if (request.prompt) {
     job->text = *request.prompt;

@@ -21,6 +21,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "batchlm/core/engine_fields.hpp"
 #include "batchlm/runner/pattern.hpp"
 
 namespace batchlm::runner {
@@ -976,6 +977,12 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   if (job.backend.type == "local") {
     if (job.backend.model.empty())
       job.backend.model = env("BATCHLM_MODEL").value_or(std::string(kDefaultLocalModel));
+    // Extra body fields the embedded engine would ignore are refused, not silently dropped.
+    if (job.request.extra.is_object()) {
+      for (const auto& [key, value] : job.request.extra.items())
+        if (const auto problem = engine_field_problem(key, value))
+          r.fail(root["request"]["extra"][key], "request.extra." + key, *problem + " (the backend is the embedded engine)");
+    }
   } else {
     if (job.backend.base_url.empty())
       job.backend.base_url = env("OPENAI_BASE_URL").value_or("https://api.openai.com/v1");

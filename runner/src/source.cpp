@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "batchlm/core/engine_fields.hpp"
 #include "batchlm/core/json_check.hpp"
 
 namespace batchlm::runner {
@@ -386,6 +387,10 @@ Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
     } else if (key == "stream" || key == "stream_options") {
       // The backend spec decides streaming for the whole job.
     } else {
+      // Fields the embedded engine would ignore are refused, not silently dropped.
+      if (job.backend.type == "local")
+        if (const auto problem = engine_field_problem(key, value))
+          throw ConfigError(file, line_int, 0, "body." + key, *problem + " (the backend is the embedded engine)");
       request.extra[key] = value;
     }
   }

@@ -691,6 +691,27 @@ TEST(LocalBackend, CompletesARequestWithUsageAndStreamedText) {
   EXPECT_EQ(c.usage.completion_tokens, expected.stats.generated_tokens);
 }
 
+TEST(LocalBackend, ExtraFieldsItWouldIgnoreFailTheRequest) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  Request refused = hello_request(4);
+  refused.extra = {{"top_k", 3}, {"logit_bias", {{"7", 5}}}};
+  Request taken = hello_request(4);
+  taken.extra = {{"top_k", 3}, {"user", "someone"}, {"presence_penalty", 0}};
+  Call bad, good;
+  asio::co_spawn(io, call_complete(backend, refused, bad), asio::detached);
+  asio::co_spawn(io, call_complete(backend, taken, good), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&bad, &good}));
+  ASSERT_TRUE(bad.outcome && !bad.outcome->ok());
+  EXPECT_EQ(bad.outcome->error->kind, ErrorKind::Http);
+  EXPECT_EQ(bad.outcome->error->http_status, 400);
+  EXPECT_EQ(bad.outcome->error->code, "unsupported_parameter");
+  EXPECT_EQ(bad.outcome->error->message,
+            "'logit_bias': the embedded engine does not apply logit biases; remove it, or run the job against an API "
+            "that does (--base-url)");
+  ASSERT_TRUE(good.outcome && good.outcome->ok()) << good.outcome->error->message;
+}
+
 TEST(LocalBackend, DescribeNamesTheModelFile) {
   asio::io_context io;
   LocalBackend backend(io.get_executor(), tiny_options());

@@ -310,6 +310,34 @@ TEST_F(JobFile, DurationBeyondAYearIsAnError) {
   EXPECT_EQ(load(with_input("backend: {timeouts: {total: 8760h}}\n")).backend.timeouts.total, 8760h);
 }
 
+TEST_F(JobFile, ExtraFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
+  // Sent to an API they would change the output; the embedded engine would have dropped them.
+  ConfigError e = error_of(with_input("request:\n  extra:\n    top_k: 40\n    frequency_penalty: 0.5\n"));
+  EXPECT_EQ(e.file(), "jobs/t.yaml");
+  EXPECT_EQ(e.line(), 5);
+  EXPECT_EQ(e.field(), "request.extra.frequency_penalty");
+  EXPECT_EQ(e.message(),
+            "the embedded engine does not apply frequency penalties; remove it, or run the job against an API that "
+            "does (--base-url) (the backend is the embedded engine)");
+  EXPECT_EQ(error_of(with_input("request: {extra: {min_p: 0.1}}\n")).field(), "request.extra.min_p");
+  EXPECT_EQ(error_of(with_input("backend: {type: local}\nrequest: {extra: {logprobs: true}}\n")).field(),
+            "request.extra.logprobs");
+  EXPECT_EQ(error_of(with_input(""), {parse_override("request.extra.logit_bias={\"7\": 5}")}).field(),
+            "request.extra.logit_bias");
+  // What the engine takes, and what changes nothing, pass.
+  const JobSpec local = load(with_input(
+      "request: {extra: {top_k: 40, presence_penalty: 0, user: me, logprobs: false, response_format: {type: text}}}\n"));
+  EXPECT_EQ(local.request.extra["top_k"], 40);
+  // Through an API every field passes through, and --backend / --base-url make it one.
+  const std::string api_job = with_input("request: {extra: {frequency_penalty: 0.5, min_p: 0.1}}\n");
+  EXPECT_EQ(load(with_input("backend: {base_url: http://127.0.0.1:1/v1}\nrequest: {extra: {frequency_penalty: 0.5}}\n"))
+                .request.extra["frequency_penalty"],
+            0.5);
+  EXPECT_EQ(load(api_job, {Override{"backend.base_url", "http://127.0.0.1:1/v1", true, "--base-url"}}).backend.type,
+            "openai");
+  EXPECT_EQ(load(api_job, {Override{"backend.type", "openai", true, "--backend"}}).request.extra["min_p"], 0.1);
+}
+
 TEST_F(JobFile, AliasInsideItsOwnAnchorIsAnError) {
   // A list that contains itself: every walk over the tree used to recurse until the stack ran out.
   ConfigError e = error_of(with_input("request: {extra: {tools: &a [*a]}}\n"));
@@ -331,7 +359,8 @@ TEST_F(JobFile, AliasesThatExpandBeyondTheLimitAreAnError) {
   EXPECT_EQ(e.message(),
             "more than 100000 values once YAML aliases are expanded (an alias repeats what its anchor names)");
   // Aliases within the bound are fine.
-  EXPECT_EQ(load(with_input("request:\n  stop: &s [a, b]\n  extra: {also: *s}\n")).request.extra["also"],
+  EXPECT_EQ(load(with_input("backend: {base_url: http://127.0.0.1:1/v1}\nrequest:\n  stop: &s [a, b]\n  extra: {also: *s}\n"))
+                .request.extra["also"],
             (nlohmann::json{"a", "b"}));
 }
 

@@ -124,7 +124,7 @@ request:
   stop: [END]
   seed: 11
   extra: {logprobs: true}
-backend: {stream: false}
+backend: {base_url: "http://127.0.0.1:1/v1", stream: false}
 )"));
   Item item = *source->next();
   EXPECT_EQ(item.request.model, "model-small");
@@ -264,7 +264,8 @@ TEST_F(SourceTest, BatchFormatIsDetectedAndMapped) {
   std::string in = write("batch.jsonl", R"({"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 20, "temperature": 0.2, "top_p": 0.9, "stop": "END", "seed": 5, "response_format": {"type": "json_object"}, "stream": true}}
 {"custom_id": "req-2", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]}}
 )");
-  auto source = open_source(job("input: " + in + "\nrequest: {model: fallback, max_tokens: 64}\n"));
+  auto source = open_source(
+      job("input: " + in + "\nrequest: {model: fallback, max_tokens: 64}\nbackend: {base_url: http://127.0.0.1:1/v1}\n"));
   EXPECT_EQ(source->total(), 2);
   std::vector<Item> items = drain(*source);
   ASSERT_EQ(items.size(), 2u);
@@ -294,6 +295,25 @@ TEST_F(SourceTest, BatchLineAskingForSeveralAnswersIsAnError) {
   ConfigError e = open_error(job("input: " + in + "\n"));
   EXPECT_EQ(e.line(), 2);
   EXPECT_EQ(e.field(), "body.n");
+}
+
+TEST_F(SourceTest, BatchFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
+  const std::string line1 =
+      R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}], "top_k": 5, "user": "u", "presence_penalty": 0}})";
+  const std::string line2 =
+      R"({"custom_id": "b", "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}})";
+  std::string in = write("batch.jsonl", line1 + "\n" + line2 + "\n");
+  ConfigError e = open_error(job("input: " + in + "\n"));
+  EXPECT_EQ(e.file(), in);
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.field(), "body.response_format");
+  EXPECT_TRUE(e.message().starts_with("the embedded engine has no JSON mode")) << e.message();
+  // The first line alone runs on the engine; through an API the second passes through.
+  std::string first = write("first.jsonl", line1 + "\n");
+  EXPECT_EQ(drain(*open_source(job("input: " + first + "\n")))[0].request.extra["top_k"], 5);
+  std::vector<Item> items = drain(*open_source(job("input: " + in + "\nbackend: {base_url: http://127.0.0.1:1/v1}\n")));
+  ASSERT_EQ(items.size(), 2u);
+  EXPECT_EQ(items[1].request.extra["response_format"]["type"], "json_object");
 }
 
 TEST_F(SourceTest, DuplicateCustomIdNamesBothLines) {

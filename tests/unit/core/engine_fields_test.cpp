@@ -1,0 +1,72 @@
+// engine_field_problem: which extra body fields the embedded engine honours, which change
+// nothing, and which it refuses (rather than ignoring them in silence).
+
+#include "batchlm/core/engine_fields.hpp"
+
+#include <gtest/gtest.h>
+
+namespace batchlm {
+namespace {
+
+using nlohmann::json;
+
+bool ok(const char* key, const json& value) { return !engine_field_problem(key, value).has_value(); }
+std::string problem(const char* key, const json& value) { return engine_field_problem(key, value).value_or("<none>"); }
+
+TEST(EngineFields, TopKIsHonoured) {
+  EXPECT_TRUE(ok("top_k", 40));
+  EXPECT_TRUE(ok("top_k", 0));
+  EXPECT_TRUE(ok("top_k", -1));
+  EXPECT_EQ(problem("top_k", -2), "expected an integer from -1 (no limit) to 2147483647, not -2");
+  EXPECT_EQ(problem("top_k", "40"), "expected an integer from -1 (no limit) to 2147483647, not \"40\"");
+  EXPECT_FALSE(ok("top_k", 4.5));
+  EXPECT_FALSE(ok("top_k", 1ll << 40));
+}
+
+TEST(EngineFields, FieldsThatChangeNothingPass) {
+  for (const char* key : {"user", "metadata", "store", "service_tier", "stream", "stream_options"})
+    EXPECT_TRUE(ok(key, "anything")) << key;
+  EXPECT_TRUE(ok("n", 1));
+  EXPECT_TRUE(ok("presence_penalty", 0));
+  EXPECT_TRUE(ok("frequency_penalty", 0.0));
+  EXPECT_TRUE(ok("repetition_penalty", 1.0));
+  EXPECT_TRUE(ok("logit_bias", json::object()));
+  EXPECT_TRUE(ok("logprobs", false));
+  EXPECT_TRUE(ok("top_logprobs", 0));
+  EXPECT_TRUE(ok("response_format", {{"type", "text"}}));
+  EXPECT_TRUE(ok("tools", json::array()));
+  EXPECT_TRUE(ok("tool_choice", "none"));
+  EXPECT_TRUE(ok("parallel_tool_calls", false));
+  EXPECT_TRUE(ok("presence_penalty", nullptr));
+}
+
+TEST(EngineFields, FieldsThatWouldChangeTheOutputAreRefusedWithTheReason) {
+  EXPECT_EQ(problem("frequency_penalty", 0.5),
+            "the embedded engine does not apply frequency penalties; remove it, or run the job against an API that "
+            "does (--base-url)");
+  EXPECT_TRUE(problem("presence_penalty", -1).starts_with("the embedded engine does not apply presence penalties"));
+  EXPECT_TRUE(problem("repetition_penalty", 1.1).starts_with("the embedded engine does not apply repetition"));
+  EXPECT_TRUE(problem("logit_bias", {{"50256", -100}}).starts_with("the embedded engine does not apply logit biases"));
+  EXPECT_TRUE(problem("logprobs", true).starts_with("the embedded engine does not return log probabilities"));
+  EXPECT_TRUE(problem("top_logprobs", 3).starts_with("the embedded engine does not return log probabilities"));
+  EXPECT_TRUE(problem("response_format", {{"type", "json_object"}}).starts_with("the embedded engine has no JSON mode"));
+  EXPECT_TRUE(problem("tools", json::array({{{"type", "function"}}})).starts_with("the embedded engine does not call tools"));
+  EXPECT_TRUE(problem("tool_choice", "auto").starts_with("the embedded engine does not call tools"));
+  EXPECT_EQ(problem("n", 2), "several answers per item are not supported (one request, one answer)");
+}
+
+TEST(EngineFields, RequestFieldsBelongOutsideTheExtraOnes) {
+  EXPECT_EQ(problem("max_completion_tokens", 64),
+            "set it as request.max_tokens (the embedded engine does not read it from the extra fields)");
+  EXPECT_EQ(problem("temperature", 0.2),
+            "set it as request.temperature (the embedded engine does not read it from the extra fields)");
+}
+
+TEST(EngineFields, UnknownFieldsAreNamed) {
+  EXPECT_EQ(problem("min_p", 0.05),
+            "the embedded engine does not use 'min_p' (of the extra fields it takes top_k); remove it, or run the job "
+            "against an API that does (--base-url)");
+}
+
+}  // namespace
+}  // namespace batchlm
