@@ -227,6 +227,10 @@ std::string LocalBackend::model_name() const { return state_->path.stem().string
 
 std::int64_t LocalBackend::context() const { return state_->engine->context(); }
 
+std::size_t LocalBackend::prompt_bytes_limit() const {
+  return static_cast<std::size_t>(state_->engine->context()) * state_->max_token_bytes;
+}
+
 std::string LocalBackend::describe() const {
   const BatchEngine& engine = *state_->engine;
   const ModelConfig& c = engine.model().config();

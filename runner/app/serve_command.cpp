@@ -189,6 +189,7 @@ int run_serve_command() {
   options.port = static_cast<unsigned short>(s.port);
   options.model_name = s.served_name.empty() ? backend->model_name() : s.served_name;
   options.context = backend->context();
+  options.prompt_bytes_limit = backend->prompt_bytes_limit();
   options.api_key = s.api_key;
   options.max_in_flight = s.max_sequences + s.max_queue;
   options.shutdown_grace = std::chrono::milliseconds(static_cast<long long>(s.shutdown_grace * 1000));

@@ -118,7 +118,7 @@ void Metrics::completion(std::string_view endpoint, std::string_view result) {
 void Metrics::finished(const Completion& c) {
   e2e_.observe(c.timings.total_ms / 1000.0);
   ttft_.observe(c.timings.ttft_ms / 1000.0);
-  if (c.usage.completion_tokens > 1) tpot_.observe(c.timings.tpot_ms / 1000.0);
+  if (c.usage.completion_tokens > 1 && c.timings.tpot_ms > 0) tpot_.observe(c.timings.tpot_ms / 1000.0);
   prompt_tokens_ += c.usage.prompt_tokens;
   completion_tokens_ += c.usage.completion_tokens;
 }
@@ -140,7 +140,8 @@ std::string Metrics::render(const Gauges& g) const {
 
   family(out, "batchlm_completions_total", "counter",
          "Completion requests by endpoint and how they ended: the finish reason (stop, length) when they "
-         "completed, else invalid, rejected (429), error, disconnected (the client went away) or shutdown.");
+         "completed, else invalid (refused with a 4xx), rejected (429), error, disconnected (the client went away) or "
+         "shutdown.");
   for (const auto& [key, n] : completions_)
     sample(out, "batchlm_completions_total", n, labels({{"endpoint", key.first}, {"result", key.second}}));
 

@@ -205,24 +205,37 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     return requests;
   }
 
-  // Runs the tasks together and completes when every one has; cancelling it cancels each.
-  template <typename T>
-  static asio::awaitable<std::vector<T>> all_of(std::vector<asio::awaitable<T>> tasks) {
+  // Runs the choices together and completes when every one has. The first to fail cancels the
+  // rest (they would fail alike, or be thrown away), and so does cancelling this; one that throws
+  // counts as failed.
+  static asio::awaitable<std::vector<Outcome>> all_of(std::vector<asio::awaitable<Outcome>> tasks) {
     auto ex = co_await asio::this_coro::executor;
     using Op = decltype(asio::co_spawn(ex, std::move(tasks.front()), asio::deferred));
     std::vector<Op> ops;
     for (auto& task : tasks) ops.push_back(asio::co_spawn(ex, std::move(task), asio::deferred));
+    const auto stop_on_failure = [](const std::exception_ptr& e, const Outcome& o) {
+      return e || !o.ok() ? asio::cancellation_type::all : asio::cancellation_type::none;
+    };
     auto [order, errors, results] = co_await asio::experimental::make_parallel_group(std::move(ops))
-                                        .async_wait(asio::experimental::wait_for_all(), asio::use_awaitable);
-    for (const std::exception_ptr& e : errors)
-      if (e) std::rethrow_exception(e);
+                                        .async_wait(stop_on_failure, asio::use_awaitable);
+    for (std::size_t i = 0; i < errors.size(); ++i) {
+      if (!errors[i]) continue;
+      std::string what = "unknown error";
+      try {
+        std::rethrow_exception(errors[i]);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      results[i] = Outcome::failure(Error{ErrorKind::Internal, 0, "", "server: " + what, std::nullopt, false});
+    }
     co_return std::move(results);
   }
 
   // One outcome for a request's choices: the first failure (one that is not a cancellation
   // first), else a completion whose usage covers every choice, whose times run from the first
-  // token of any choice to the last of all, and whose finish reason is "length" if any choice
-  // was cut short.
+  // token of any choice to the last of all (the time per output token: the mean over choices of
+  // two tokens or more), and whose finish reason is "length" if any choice was cut short.
   static Outcome combined(const std::vector<Outcome>& outcomes) {
     const Outcome* cancelled = nullptr;
     std::vector<Completion> done;
@@ -240,13 +253,17 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     Completion all = done.front();
     all.usage = total_usage(done);
     double tpot = 0;
+    int timed = 0;  // choices of two tokens or more, which have a time per output token
     for (const Completion& c : done) {
       all.timings.ttft_ms = std::min(all.timings.ttft_ms, c.timings.ttft_ms);
       all.timings.total_ms = std::max(all.timings.total_ms, c.timings.total_ms);
-      tpot += c.timings.tpot_ms / static_cast<double>(done.size());
+      if (c.usage.completion_tokens > 1) {
+        tpot += c.timings.tpot_ms;
+        ++timed;
+      }
       if (c.finish_reason == "length") all.finish_reason = "length";
     }
-    all.timings.tpot_ms = tpot;
+    all.timings.tpot_ms = timed > 0 ? tpot / timed : 0;
     return Outcome::success(std::move(all));
   }
 
@@ -366,7 +383,10 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       metrics.completion(label(endpoint), o.completion->finish_reason);
       metrics.finished(*o.completion);
     } else {
-      metrics.completion(label(endpoint), o.error->kind == ErrorKind::Cancelled ? "disconnected" : "error");
+      const bool refused = o.error->kind == ErrorKind::Http && o.error->http_status >= 400 && o.error->http_status < 500;
+      metrics.completion(label(endpoint), o.error->kind == ErrorKind::Cancelled ? "disconnected"
+                                          : refused                            ? "invalid"
+                                                                               : "error");
     }
   }
   static std::string_view label(Endpoint endpoint) { return endpoint == Endpoint::kChat ? "chat" : "completions"; }
@@ -397,6 +417,20 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
                                    "'n' is " + std::to_string(parsed->n) + ", more choices than this server serves at once (" +
                                        std::to_string(options.max_in_flight) + ")"));
       co_return true;
+    }
+    if (parsed->n > 1 && options.prompt_bytes_limit > 0) {
+      // Checked once here rather than by each choice: the request is copied for every choice.
+      std::size_t bytes = parsed->request.prompt ? parsed->request.prompt->size() : 0;
+      for (const ChatMessage& m : parsed->request.messages) bytes += m.content.size();
+      if (bytes >= options.prompt_bytes_limit) {
+        metrics.completion(label(endpoint), "invalid");
+        co_await send_error(c, req,
+                            ApiError(400, "invalid_request_error", "",
+                                     "the prompt (" + std::to_string(bytes) + " bytes) cannot fit the context of " +
+                                         std::to_string(options.context) + " tokens",
+                                     "context_length_exceeded"));
+        co_return true;
+      }
     }
     if (in_flight + parsed->n > options.max_in_flight) {
       metrics.completion(label(endpoint), "rejected");
@@ -442,11 +476,13 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     }
 
     Stream s(co_await asio::this_coro::executor);
+    bool counted = false;  // the request's result is in the metrics
     try {
       auto result = co_await ((produce(s, *parsed, ctx) && write_stream(c, req, s)) || watch_peer(c) ||
                               wait_abort(c));
       if (result.index() == 2) {
         metrics.completion(label(endpoint), "shutdown");
+        counted = true;
         if (!s.started) {
           co_await send_error(c, req, shutting_down());
           co_return false;
@@ -469,7 +505,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         co_return false;
       }
     } catch (const boost::system::system_error&) {
-      metrics.completion(label(endpoint), "disconnected");
+      // Unless the shutdown answer itself could not be written (the request is counted then).
+      if (!counted) metrics.completion(label(endpoint), "disconnected");
       co_return false;
     }
     count(endpoint, combined(s.outcomes));

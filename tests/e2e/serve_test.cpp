@@ -1217,27 +1217,51 @@ TEST_F(Serve, ChoicesCountAgainstCapacity) {
   auto s = serve({"--max-sequences", "1", "--max-queue", "1"}, {}, "long.gguf");
   expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 2}, {"n", 3}})), 400,
                "invalid_request_error", "n", nullptr);
-  const json before = health(*s);
-  RawConnection first(s->port());
-  json ask = json::parse(long_chat(true));
-  ask["n"] = 2;
-  first.send_post("/v1/chat/completions", ask.dump());
-  ASSERT_TRUE(first.read_until("data: ", 20s)) << first.received();
-  EXPECT_EQ(health(*s)["in_flight"], 2);
-  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 2}})), 429, "rate_limit_error",
-               nullptr, "rate_limit_exceeded");
-  // Hanging up cancels both choices and frees their blocks.
-  first.close();
-  json h;
-  EXPECT_TRUE(wait_until([&] {
-    h = health(*s);
-    return h["in_flight"] == 0 && h["engine"]["running"] == 0 && h["engine"]["waiting"] == 0 &&
-           h["engine"]["blocks_used"] == 0;
-  }, 5s)) << h.dump();
-  // Cancelled, not finished: far fewer than the 2 x 4000 tokens asked for.
-  EXPECT_LT(h["engine"]["generated_tokens"].get<long long>() - before["engine"]["generated_tokens"].get<long long>(), 3000)
-      << h.dump();
+  for (const bool stream : {true, false}) {
+    SCOPED_TRACE(stream ? "streaming" : "whole");
+    const json before = health(*s);
+    RawConnection first(s->port());
+    json ask = json::parse(long_chat(stream));
+    ask["n"] = 2;
+    first.send_post("/v1/chat/completions", ask.dump());
+    if (stream) {
+      ASSERT_TRUE(first.read_until("data: ", 20s)) << first.received();
+    } else {
+      ASSERT_TRUE(wait_until([&] { return health(*s)["engine"]["generated_tokens"] > before["engine"]["generated_tokens"]; }, 20s));
+    }
+    EXPECT_EQ(health(*s)["in_flight"], 2);
+    expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 2}})), 429, "rate_limit_error",
+                 nullptr, "rate_limit_exceeded");
+    // Hanging up cancels both choices and frees their blocks.
+    first.close();
+    json h;
+    EXPECT_TRUE(wait_until([&] {
+      h = health(*s);
+      return h["in_flight"] == 0 && h["engine"]["running"] == 0 && h["engine"]["waiting"] == 0 &&
+             h["engine"]["blocks_used"] == 0;
+    }, 5s)) << h.dump();
+    // Cancelled, not finished: far fewer than the 2 x 4000 tokens asked for.
+    EXPECT_LT(h["engine"]["generated_tokens"].get<long long>() - before["engine"]["generated_tokens"].get<long long>(),
+              3000)
+        << h.dump();
+  }
   EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 2}, {"n", 2}})).status, 200);
+  const std::string m = metrics(*s);
+  EXPECT_EQ(series(m, R"(batchlm_completions_total{endpoint="chat",result="disconnected"})"), 2) << m;
+}
+
+TEST_F(Serve, APromptTooLongForTheContextIsRefusedOnceForAllItsChoices) {
+  auto s = serve();  // 256 positions
+  const std::string huge(300'000, 'a');
+  for (const int n : {1, 3}) {
+    SCOPED_TRACE(n);
+    HttpResponse r = post(*s, "/v1/chat/completions", chat_request(huge, {{"max_tokens", 2}, {"n", n}}));
+    expect_error(r, 400, "invalid_request_error", nullptr, "context_length_exceeded");
+    EXPECT_TRUE(contains(r.body, "256")) << r.body;
+  }
+  const std::string m = metrics(*s);
+  EXPECT_EQ(series(m, R"(batchlm_completions_total{endpoint="chat",result="invalid"})"), 2) << m;
+  EXPECT_EQ(series(m, "batchlm_requests_in_flight"), 0) << m;
 }
 
 TEST_F(Serve, ClientHangingUpCancelsItsRequest) {

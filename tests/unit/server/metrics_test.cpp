@@ -134,6 +134,15 @@ TEST(Metrics, FinishedCompletionsFeedTheHistogramsAndTokenCounts) {
   EXPECT_EQ(s.at(R"(batchlm_time_to_first_token_seconds_bucket{le="0.05"})"), "2");
   EXPECT_EQ(s.at("batchlm_time_per_output_token_seconds_count"), "1");
   EXPECT_EQ(s.at(R"(batchlm_time_per_output_token_seconds_bucket{le="0.005"})"), "1");
+
+  // Several one-token choices: tokens, but no time per output token to record.
+  Completion c;
+  c.usage = Usage{10, 2, true};
+  c.timings = Timings{.ttft_ms = 30, .tpot_ms = 0, .total_ms = 31};
+  m.finished(c);
+  const auto after = samples_of(m.render({}));
+  EXPECT_EQ(after.at("batchlm_time_per_output_token_seconds_count"), "1");
+  EXPECT_EQ(after.at("batchlm_request_duration_seconds_count"), "3");
 }
 
 TEST(Metrics, LabelValuesAreEscaped) {

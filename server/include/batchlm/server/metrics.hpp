@@ -41,11 +41,12 @@ class Metrics {
  public:
   Metrics();
 
-  // An HTTP response sent (its status line written), by the request's path.
+  // An HTTP response sent, by the request's path (counted as its status line is written,
+  // whether or not the client still takes it).
   void response(std::string_view path, int status);
   // A completion request ended: `endpoint` "chat" or "completions"; `result` the finish reason
-  // ("stop", "length") when it completed, else "invalid", "rejected", "error", "disconnected",
-  // "shutdown".
+  // ("stop", "length") when it completed, else "invalid" (refused with a 4xx, by the server or
+  // the engine), "rejected" (429), "error", "disconnected", "shutdown".
   void completion(std::string_view endpoint, std::string_view result);
   // A completion that finished: its latencies and tokens.
   void finished(const Completion& completion);

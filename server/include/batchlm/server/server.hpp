@@ -34,6 +34,9 @@ struct ServerOptions {
   unsigned short port = 8000;      // 0: any free port (see Server::port())
   std::string model_name;          // the id in /v1/models and in responses
   std::int64_t context = 0;        // tokens per sequence, reported as max_model_len
+  // A prompt of this many bytes or more cannot fit the context (0: not known). A request for
+  // several choices with such a prompt is refused before its choices are made.
+  std::size_t prompt_bytes_limit = 0;
   std::string api_key;             // non-empty: /v1/* requires "Authorization: Bearer KEY"
   int max_in_flight = 256;         // choices served at once (running and queued); then 429
   std::size_t max_body_bytes = 8u << 20;
