@@ -65,6 +65,17 @@ SequenceId Scheduler::add(std::vector<Token> prompt, std::int64_t max_new_tokens
   return id;
 }
 
+bool Scheduler::computing_next_block(const Sequence& sequence, std::int64_t cached) const {
+  const std::int64_t end = cached + pool_.block_size();
+  if (end > std::ssize(sequence.tokens)) return false;
+  for (const SequenceId id : running_) {
+    const Sequence& other = sequences_.at(id);
+    if (other.n_computed >= end || std::ssize(other.tokens) < end) continue;
+    if (std::equal(sequence.tokens.begin(), sequence.tokens.begin() + end, other.tokens.begin())) return true;
+  }
+  return false;
+}
+
 void Scheduler::cancel(SequenceId id) {
   auto it = sequences_.find(id);
   if (it == sequences_.end()) return;
@@ -201,7 +212,14 @@ StepPlan Scheduler::plan(const DraftsWanted& drafts_wanted) {
   while (!preempted_in_step_ && !waiting_.empty() &&
          std::ssize(running_) < options_.max_sequences && budget_left() >= 1) {
     Sequence& sequence = sequences_.at(waiting_.front());
-    sequence.blocks.acquire_prefix(pool_, sequence.tokens);
+    const std::int64_t whole_blocks = sequence.blocks.acquire_prefix(pool_, sequence.tokens);
+    if (computing_next_block(sequence, whole_blocks)) {
+      // It waits (a step, or as many as that sequence's prefill takes) and then takes the block
+      // from the prefix cache instead of computing it a second time: the n choices of one
+      // request, or requests arriving together with a shared prefix. FIFO: the rest wait too.
+      sequence.blocks.release_all(pool_);
+      break;
+    }
     const std::int64_t cached = sequence.blocks.acquire_partial(pool_, sequence.tokens);
     sequence.n_computed = cached;
     std::int64_t n_tokens =

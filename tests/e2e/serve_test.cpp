@@ -885,6 +885,24 @@ TEST_F(Serve, SeveralChoicesPerRequest) {
   EXPECT_EQ(u3["completion_tokens"], 3 * u1["completion_tokens"].get<int>()) << three.body;
   EXPECT_EQ(u3["total_tokens"], u3["prompt_tokens"].get<int>() + u3["completion_tokens"].get<int>()) << three.body;
 
+  // The choices share their prompt: one computes it, the others take its blocks from the cache.
+  {
+    const json before = health(*s)["engine"];
+    std::string words;
+    for (int i = 0; words.size() < 150; ++i) words += std::to_string(i * 7919 % 1000) + " ";
+    HttpResponse shared = post(*s, "/v1/completions", json({{"prompt", words}, {"max_tokens", 2}, {"n", 4}}).dump());
+    ASSERT_EQ(shared.status, 200) << shared.body;
+    const long long prompt = shared.json_body()["usage"]["prompt_tokens"];
+    ASSERT_GE(prompt, 48) << shared.body;
+    const json after = health(*s)["engine"];
+    const long long computed =
+        after["prompt_tokens_computed"].get<long long>() - before["prompt_tokens_computed"].get<long long>();
+    EXPECT_LT(computed, prompt + 3 * 16) << "4 choices of " << prompt << " prompt tokens: " << after.dump();
+    EXPECT_GE(after["prompt_tokens_cached"].get<long long>() - before["prompt_tokens_cached"].get<long long>(),
+              3 * (prompt - 16))
+        << after.dump();
+  }
+
   // Sampled with a seed: choice i is what one choice gives with the seed plus i, every time.
   auto text_request = [](json fields) {
     json body = {{"prompt", "Once"}, {"max_tokens", 12}, {"temperature", 1.0}};
@@ -936,7 +954,7 @@ TEST_F(Serve, SeveralChoicesPerRequest) {
   for (const std::string result : {"stop", "length"})
     for (const std::string endpoint : {"chat", "completions"})
       requests += std::max(0.0, series(m, "batchlm_completions_total{endpoint=\"" + endpoint + "\",result=\"" + result + "\"}"));
-  EXPECT_EQ(requests, 8) << m;
+  EXPECT_EQ(requests, 9) << m;
 }
 
 TEST_F(Serve, BadRequestsNameTheField) {

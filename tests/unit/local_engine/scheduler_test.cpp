@@ -385,6 +385,61 @@ TEST(Scheduler, PublishedPrefixIsSharedWhileTheFirstRequestStillRuns) {
   EXPECT_EQ(driver.finished.size(), 2u);
 }
 
+TEST(Scheduler, RequestsArrivingTogetherWithASharedPrefixComputeItOnce) {
+  // The n choices of one request, or few-shot prompts sent at once: the first computes the
+  // shared blocks, the rest wait for them and take them from the cache.
+  Driver driver({.block_size = 16, .n_blocks = 128}, {.max_sequences = 8, .token_budget = 256});
+  const std::vector<Token> prefix = iota_tokens(40, 1000);  // 2 full blocks and 8 tokens
+  std::vector<SequenceId> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(driver.add(prefix, 6, 100));
+  std::vector<Token> other = iota_tokens(40, 5000);  // shares nothing: waits its turn in FIFO order
+  const SequenceId unrelated = driver.add(other, 6, 100);
+  StepPlan first = driver.step();
+  ASSERT_EQ(first.entries.size(), 1u);
+  EXPECT_EQ(first.entries[0].id, ids[0]);
+  EXPECT_EQ(first.entries[0].n_tokens, 40);
+  StepPlan second = driver.step();
+  ASSERT_EQ(second.entries.size(), 5u);
+  for (std::size_t e = 1; e < 4; ++e) {
+    EXPECT_EQ(second.entries[e].id, ids[e]);
+    EXPECT_EQ(second.entries[e].first_position, 32);
+    EXPECT_EQ(second.entries[e].n_tokens, 8);
+  }
+  EXPECT_EQ(second.entries[4].id, unrelated);
+  EXPECT_EQ(second.entries[4].first_position, 0);
+  driver.run_until_idle();
+  const SchedulerStats stats = driver.scheduler.stats();
+  EXPECT_EQ(stats.prompt_tokens_cached, 3 * 32);
+  EXPECT_EQ(stats.prompt_tokens_computed, 40 + 3 * 8 + 40);
+  EXPECT_EQ(driver.finished.size(), 5u);
+  for (const SequenceId id : ids) EXPECT_EQ(driver.finished.at(id).generated.size(), 6u);
+  EXPECT_EQ(driver.pool.stats().used, 0);
+}
+
+TEST(Scheduler, AWaitingPromptTrailsALongSharedPrefillChunkByChunk) {
+  Driver driver({.block_size = 16, .n_blocks = 128},
+                {.max_sequences = 8, .token_budget = 512, .prefill_chunk = 64});
+  std::vector<Token> a = iota_tokens(200, 1000);
+  std::vector<Token> b = a;
+  a.push_back(1);
+  b.push_back(2);
+  driver.add(a, 4, 100);
+  const SequenceId second = driver.add(b, 4, 100);
+  int steps = 0;
+  std::int64_t start = -1;
+  while (start < 0 && steps < 20) {
+    const StepPlan plan = driver.step();
+    ++steps;
+    for (const PlannedSequence& entry : plan.entries)
+      if (entry.id == second && start < 0) start = entry.first_position;
+  }
+  // Admitted once the first's prefill has passed every shared full block.
+  EXPECT_EQ(start, 192);
+  driver.run_until_idle();
+  EXPECT_EQ(driver.scheduler.stats().prompt_tokens_computed, 201 + 9);
+  EXPECT_EQ(driver.finished.size(), 2u);
+}
+
 // Runs the same 8 requests on a pool of `n_blocks` and returns what they generated.
 std::map<SequenceId, Finished> run_eight_requests(std::int64_t n_blocks,
                                                   std::int64_t* preemptions) {

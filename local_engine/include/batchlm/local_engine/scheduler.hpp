@@ -207,6 +207,9 @@ class Scheduler {
   bool reserve(Sequence& sequence, std::int64_t& n_tokens, bool can_shrink,
                std::vector<Pick>& picks);
   std::int64_t tokens_that_fit(const Sequence& sequence) const;
+  // Whether a running sequence is still to compute the block `sequence` needs next (the full
+  // block after its `cached` tokens), with the same tokens up to its end.
+  bool computing_next_block(const Sequence& sequence, std::int64_t cached) const;
   void preempt(Sequence& sequence, std::vector<Pick>& picks);
   void finish(Sequence& sequence, FinishReason reason);  // erases it
   void remove_running(SequenceId id);
