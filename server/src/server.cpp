@@ -289,6 +289,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       s.wake.cancel();
     });
     if (o.ok()) {
+      // A chat choice with no text (a stop string at its very start) still says its role first.
+      if (first && ctx.endpoint == Endpoint::kChat) s.pending += sse(text_chunk(ctx, "", true, api.include_usage, index));
       s.pending += sse(finish_chunk(ctx, o.completion->finish_reason, api.include_usage, index));
       s.wake.cancel();
     }

@@ -803,6 +803,17 @@ TEST_F(Serve, ChatCompletionStreamsServerSentEvents) {
   }
   EXPECT_EQ(plain_chunks.back()["choices"][0]["finish_reason"], expected["choices"][0]["finish_reason"]);
   EXPECT_EQ(plain_text, text);
+
+  // A choice that ends before any text (a stop string at its very start) still gives its role.
+  ASSERT_FALSE(text.empty());
+  const auto lead = static_cast<unsigned char>(text[0]);
+  stream_params["stop"] = text.substr(0, lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4);  // its first character
+  HttpResponse empty = post(*s, "/v1/chat/completions", chat_request("Tell me a story", stream_params));
+  ASSERT_EQ(empty.status, 200) << empty.body;
+  const std::vector<json> empty_chunks = sse_chunks(empty.body);
+  ASSERT_EQ(empty_chunks.size(), 2u) << empty.body;
+  EXPECT_EQ(empty_chunks[0]["choices"][0]["delta"], json({{"role", "assistant"}, {"content", ""}})) << empty.body;
+  EXPECT_EQ(empty_chunks[1]["choices"][0]["finish_reason"], "stop") << empty.body;
 }
 
 // ---- text completions ------------------------------------------------------------------------
