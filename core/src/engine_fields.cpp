@@ -18,8 +18,6 @@ constexpr std::array<std::string_view, 8> kNoEffect = {"user",        "metadata"
                                                        "service_tier", "stream",         "stream_options",
                                                        "prompt_cache_key", "safety_identifier"};
 
-bool is_zero(const json& v) { return v.is_null() || (v.is_number() && v.get<double>() == 0.0); }
-
 }  // namespace
 
 std::optional<std::string> engine_field_problem(std::string_view key, const json& value) {
@@ -36,9 +34,9 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return std::string("several answers per item are not supported (one request, one answer)");
   }
   if (key == "presence_penalty" || key == "frequency_penalty") {
-    if (is_zero(value)) return std::nullopt;
-    return std::string("the embedded engine does not apply ") +
-           (key == "presence_penalty" ? "presence" : "frequency") + " penalties" + kElsewhere;
+    if (value.is_null() || (value.is_number() && value.get<double>() >= -2.0 && value.get<double>() <= 2.0))
+      return std::nullopt;
+    return "expected a number from -2 to 2, not " + value.dump();
   }
   if (key == "repetition_penalty") {
     if (value.is_null() || (value.is_number() && value.get<double>() == 1.0)) return std::nullopt;
@@ -70,7 +68,7 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return "set it as request." + std::string(key == "max_completion_tokens" ? "max_tokens" : key) +
            " (the embedded engine does not read it from the extra fields)";
   return "the embedded engine does not use '" + std::string(key) +
-         "' (of the extra fields it takes top_k)" + kElsewhere;
+         "' (of the extra fields it takes top_k, presence_penalty and frequency_penalty)" + kElsewhere;
 }
 
 }  // namespace batchlm

@@ -288,7 +288,7 @@ AcceptanceCurve& BatchEngine::curve(int evidence) {
 
 int BatchEngine::draft_while_planning(SequenceId id, double cost) {
   auto it = active_.find(id);
-  if (it == active_.end()) return 0;
+  if (it == active_.end() || it->second.sampling.penalized()) return 0;
   const auto t0 = Clock::now();
   const DraftRequest request{id, scheduler_->tokens(id), speculative_.k_max, &it->second.sampling};
   Draft& d = planned_drafts_[id];
@@ -353,10 +353,12 @@ void BatchEngine::step() {
   if (proposer_) {
     const double cost = draft_cost(decoding_);
     planned_drafts_.clear();
+    // A request with penalties gets no drafts: its verification would need the penalties of
+    // every drafted position.
     if (proposer_->runs_model()) {
       plan = scheduler_->plan([&](SequenceId id) {
         auto it = active_.find(id);
-        return it == active_.end() ? 0 : it->second.length.wanted(cost);
+        return it == active_.end() || it->second.sampling.penalized() ? 0 : it->second.length.wanted(cost);
       });
     } else {
       plan = scheduler_->plan([&](SequenceId id) { return draft_while_planning(id, cost); });
@@ -377,11 +379,14 @@ void BatchEngine::step() {
   for (const auto& e : plan.entries) tables.emplace_back(e.block_table);
   const std::size_t n_vocab = static_cast<std::size_t>(model_->config().n_vocab);
   const Batch batch{plan.tokens, positions, plan.sequence_of, tables, plan.logits_rows};
-  // Without drafts to verify, a device that samples sends back token ids alone.
+  // Without drafts to verify or penalties to apply, a device that samples sends back token ids
+  // alone.
   const bool device_sampling =
       executor_->samples_on_device() &&
-      std::none_of(plan.entries.begin(), plan.entries.end(),
-                   [](const PlannedSequence& e) { return e.n_drafts > 0; });
+      std::none_of(plan.entries.begin(), plan.entries.end(), [&](const PlannedSequence& e) {
+        const auto it = active_.find(e.id);
+        return e.n_drafts > 0 || (it != active_.end() && it->second.sampling.penalized());
+      });
   std::vector<Token> sampled;
   const auto t_forward = Clock::now();
   if (!plan.copies.empty()) executor_->copy_blocks(plan.copies);

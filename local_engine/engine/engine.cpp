@@ -40,6 +40,7 @@ bool Generation::next(std::span<const float> logits, Token& token, std::string& 
 
 bool Generation::accept(Token token, std::string& text) {
   ++generated_;
+  sampler_.observe(token);
   text.clear();
   if (!ignore_eos_ && tokenizer_->is_end_of_generation(token)) {
     reason_ = "stop";

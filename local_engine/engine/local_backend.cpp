@@ -279,9 +279,13 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   p.max_tokens = request.max_tokens.value_or(0);
   p.sampling.temperature = static_cast<float>(request.temperature.value_or(1.0));
   p.sampling.top_p = static_cast<float>(request.top_p.value_or(1.0));
-  if (request.extra.is_object() && request.extra.contains("top_k") &&
-      request.extra["top_k"].is_number_integer()) {
-    p.sampling.top_k = request.extra["top_k"].get<int>();
+  if (request.extra.is_object()) {
+    if (const auto k = request.extra.find("top_k"); k != request.extra.end() && k->is_number_integer())
+      p.sampling.top_k = k->get<int>();
+    if (const auto v = request.extra.find("presence_penalty"); v != request.extra.end() && v->is_number())
+      p.sampling.presence_penalty = v->get<float>();
+    if (const auto v = request.extra.find("frequency_penalty"); v != request.extra.end() && v->is_number())
+      p.sampling.frequency_penalty = v->get<float>();
   }
   p.sampling.seed = request.seed ? static_cast<std::uint64_t>(*request.seed)
                                  : std::random_device{}() * 0x9e3779b97f4a7c15ull;

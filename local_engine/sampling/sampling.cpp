@@ -33,7 +33,29 @@ TokenDistribution TokenDistribution::point(Token token) {
   return TokenDistribution{{token}, {1.0}, 1.0};
 }
 
-TokenDistribution Sampler::distribution(std::span<const float> logits) {
+void Sampler::observe(Token token) {
+  if (!params_.penalized()) return;
+  for (auto& [t, n] : counts_)
+    if (t == token) {
+      ++n;
+      return;
+    }
+  counts_.emplace_back(token, 1);
+}
+
+std::span<const float> Sampler::penalize(std::span<const float> logits) {
+  if (counts_.empty()) return logits;
+  penalized_.assign(logits.begin(), logits.end());
+  for (const auto& [token, n] : counts_) {
+    if (token < 0 || static_cast<std::size_t>(token) >= penalized_.size()) continue;
+    penalized_[static_cast<std::size_t>(token)] -=
+        params_.frequency_penalty * static_cast<float>(n) + params_.presence_penalty;
+  }
+  return penalized_;
+}
+
+TokenDistribution Sampler::distribution(std::span<const float> raw) {
+  const std::span<const float> logits = penalize(raw);
   const auto n = static_cast<std::int64_t>(logits.size());
   TokenDistribution out;
   if (n == 0) return out;
@@ -87,9 +109,12 @@ TokenDistribution Sampler::distribution(std::span<const float> logits) {
   return out;
 }
 
-Token Sampler::sample(std::span<const float> logits) {
-  if (greedy()) return static_cast<Token>(kernels::argmax(logits.data(), logits.size()));
-  return distribution(logits).draw(uniform());
+Token Sampler::sample(std::span<const float> raw) {
+  if (greedy()) {
+    const std::span<const float> logits = penalize(raw);
+    return static_cast<Token>(kernels::argmax(logits.data(), logits.size()));
+  }
+  return distribution(raw).draw(uniform());
 }
 
 StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {

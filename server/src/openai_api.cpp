@@ -251,12 +251,13 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
   }
   r.stream = out.stream;
 
-  // Parameters that would change the output in ways the engine does not implement.
   for (const char* name : {"presence_penalty", "frequency_penalty"}) {
     if (const json* v = field(body, name)) {
-      if (number(*v, name, -2.0, 2.0) != 0.0) unsupported(name, std::string("'") + name + "' other than 0");
+      if (const double penalty = number(*v, name, -2.0, 2.0); penalty != 0.0) r.extra[name] = penalty;
     }
   }
+
+  // Parameters that would change the output in ways the engine does not implement.
   if (const json* v = field(body, "logit_bias")) {
     if (!v->is_object()) invalid("logit_bias", "'logit_bias' must be an object, not " + type_name(*v));
     if (!v->empty()) unsupported("logit_bias", "'logit_bias'");

@@ -693,6 +693,22 @@ TEST_F(Serve, MetricsCountResponsesCompletionsAndTheEngine) {
   EXPECT_EQ(sum, 4) << families.dump();
 }
 
+TEST_F(Serve, PenaltiesChangeTheGreedyAnswer) {
+  auto s = serve();
+  auto answer = [&](json extra) {
+    extra["max_tokens"] = 24;
+    extra["temperature"] = 0;
+    HttpResponse r = post(*s, "/v1/chat/completions", chat_request("Hello world", extra));
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.json_body()["choices"][0]["message"]["content"].get<std::string>();
+  };
+  const std::string plain = answer(json::object());
+  const std::string penalized = answer({{"frequency_penalty", 2.0}, {"presence_penalty", 1.0}});
+  EXPECT_NE(penalized, plain);
+  EXPECT_EQ(answer({{"frequency_penalty", 2.0}, {"presence_penalty", 1.0}}), penalized);
+  EXPECT_EQ(answer({{"frequency_penalty", 0}}), plain);
+}
+
 TEST_F(Serve, ModelNameDefaultsToTheFileName) {
   auto s = serve();
   EXPECT_EQ(s->model(), "tiny");

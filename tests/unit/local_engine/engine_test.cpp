@@ -340,6 +340,38 @@ TEST(Sampler, GreedySettingsPickTheArgmax) {
   }
 }
 
+TEST(Sampler, PenaltiesLowerTheLogitsOfGeneratedTokens) {
+  const std::vector<float> logits = {2.0f, 1.9f, 1.0f, 0.0f};
+  Sampler frequency(SamplingParams{.temperature = 0.0f, .frequency_penalty = 0.06f});
+  EXPECT_EQ(frequency.sample(logits), 0);
+  frequency.observe(0);
+  EXPECT_EQ(frequency.sample(logits), 0);  // 2.0 - 0.06 > 1.9
+  frequency.observe(0);
+  EXPECT_EQ(frequency.sample(logits), 1);  // 2.0 - 0.12 < 1.9: the count matters
+  Sampler presence(SamplingParams{.temperature = 0.0f, .presence_penalty = 0.5f});
+  presence.observe(0);
+  EXPECT_EQ(presence.sample(logits), 1);
+  presence.observe(1);
+  presence.observe(1);
+  presence.observe(1);
+  EXPECT_EQ(presence.sample(logits), 0);  // 1.5 against 1.4: presence counts once
+  // Negative penalties favour what was generated; tokens outside the row are ignored.
+  Sampler favour(SamplingParams{.temperature = 0.0f, .presence_penalty = -1.5f});
+  favour.observe(2);
+  favour.observe(99);
+  EXPECT_EQ(favour.sample(logits), 2);
+  // Sampling at a temperature draws from the penalized distribution.
+  Sampler hot(SamplingParams{.temperature = 1.0f, .presence_penalty = 2.0f});
+  hot.observe(0);
+  const TokenDistribution d = hot.distribution(logits);
+  EXPECT_NEAR(d.probability(0) / d.probability(1), std::exp(0.0 - 1.9), 1e-6);
+  // Without penalties nothing is kept.
+  Sampler plain(SamplingParams{.temperature = 0.0f});
+  plain.observe(0);
+  plain.observe(0);
+  EXPECT_EQ(plain.sample(logits), 0);
+}
+
 TEST(Sampler, GreedyTiesGoToTheFirst) {
   const std::vector<float> logits = {0.0f, 2.0f, 1.0f, 2.0f};
   Sampler s(SamplingParams{.temperature = 0.0f});
@@ -710,6 +742,29 @@ TEST(LocalBackend, ExtraFieldsItWouldIgnoreFailTheRequest) {
             "'logit_bias': the embedded engine does not apply logit biases; remove it, or run the job against an API "
             "that does (--base-url)");
   ASSERT_TRUE(good.outcome && good.outcome->ok()) << good.outcome->error->message;
+}
+
+TEST(LocalBackend, PenaltiesFromTheExtraFieldsReachTheSampler) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  Request penalized = hello_request(24);
+  penalized.temperature = 0;
+  penalized.extra = {{"frequency_penalty", 2.0}, {"presence_penalty", 1.0}};
+  Call call;
+  asio::co_spawn(io, call_complete(backend, penalized, call), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&call}));
+  ASSERT_TRUE(call.outcome && call.outcome->ok()) << call.outcome->error->message;
+  // The single-sequence engine with the same penalties gives the same text.
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  GenerateParams p;
+  p.max_tokens = 24;
+  p.sampling.temperature = 0;
+  p.sampling.frequency_penalty = 2.0f;
+  p.sampling.presence_penalty = 1.0f;
+  const std::vector<ChatMessage> messages = {{"user", "Hello world"}};
+  EXPECT_EQ(call.outcome->completion->text, engine.generate(engine.chat_prompt(messages), p, nullptr).text);
+  p.sampling.frequency_penalty = p.sampling.presence_penalty = 0.0f;
+  EXPECT_NE(call.outcome->completion->text, engine.generate(engine.chat_prompt(messages), p, nullptr).text);
 }
 
 TEST(LocalBackend, DescribeNamesTheModelFile) {

@@ -517,6 +517,33 @@ TEST_F(TinyModels, GreedyOutputIsIdenticalWithEveryProposerAloneAndBatched) {
   }
 }
 
+TEST_F(TinyModels, PenaltiesApplyAloneAndBatchedAndTurnDraftingOff) {
+  GenerateParams params;
+  params.max_tokens = 40;
+  params.sampling.temperature = 0.0f;
+  params.ignore_eos = true;
+  const auto many = prompts(6);
+  const std::vector<std::string> plain = run(options(SpecMethod::kNone), many, params);
+  params.sampling.frequency_penalty = 1.5f;
+  params.sampling.presence_penalty = 0.5f;
+  const std::vector<std::string> penalized = run(options(SpecMethod::kNone), many, params);
+  EXPECT_NE(penalized, plain);
+  // Each prompt alone gives what it gave in the batch, and so does the single-sequence engine.
+  Engine single(Model::load(path("target.gguf")), EngineOptions{1, 256});
+  for (std::size_t i = 0; i < many.size(); ++i) {
+    EXPECT_EQ(run(options(SpecMethod::kNone), {many[i]}, params)[0], penalized[i]) << i;
+    const GenerateResult r = single.generate(many[i], params, nullptr);
+    EXPECT_EQ(r.text + "|" + r.finish_reason + "|" + std::to_string(r.stats.generated_tokens), penalized[i]) << i;
+  }
+  // A proposer drafts nothing for a request with penalties, so its output is unchanged.
+  for (SpecMethod m : {SpecMethod::kNgram, SpecMethod::kSelf, SpecMethod::kDraft}) {
+    SCOPED_TRACE(std::string(to_string(m)));
+    EngineStats stats;
+    EXPECT_EQ(run(options(m), many, params, &stats), penalized);
+    EXPECT_EQ(stats.drafted_tokens, 0);
+  }
+}
+
 TEST_F(TinyModels, GreedyOutputIsIdenticalUnderPreemption) {
   GenerateParams params;
   params.max_tokens = 60;

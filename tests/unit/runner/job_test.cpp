@@ -312,13 +312,15 @@ TEST_F(JobFile, DurationBeyondAYearIsAnError) {
 
 TEST_F(JobFile, ExtraFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
   // Sent to an API they would change the output; the embedded engine would have dropped them.
-  ConfigError e = error_of(with_input("request:\n  extra:\n    top_k: 40\n    frequency_penalty: 0.5\n"));
+  ConfigError e = error_of(with_input("request:\n  extra:\n    top_k: 40\n    logit_bias: {\"7\": 5}\n"));
   EXPECT_EQ(e.file(), "jobs/t.yaml");
   EXPECT_EQ(e.line(), 5);
-  EXPECT_EQ(e.field(), "request.extra.frequency_penalty");
+  EXPECT_EQ(e.field(), "request.extra.logit_bias");
   EXPECT_EQ(e.message(),
-            "the embedded engine does not apply frequency penalties; remove it, or run the job against an API that "
+            "the embedded engine does not apply logit biases; remove it, or run the job against an API that "
             "does (--base-url) (the backend is the embedded engine)");
+  EXPECT_EQ(error_of(with_input("request: {extra: {frequency_penalty: 3}}\n")).message(),
+            "expected a number from -2 to 2, not 3 (the backend is the embedded engine)");
   EXPECT_EQ(error_of(with_input("request: {extra: {min_p: 0.1}}\n")).field(), "request.extra.min_p");
   EXPECT_EQ(error_of(with_input("backend: {type: local}\nrequest: {extra: {logprobs: true}}\n")).field(),
             "request.extra.logprobs");
@@ -326,8 +328,10 @@ TEST_F(JobFile, ExtraFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
             "request.extra.logit_bias");
   // What the engine takes, and what changes nothing, pass.
   const JobSpec local = load(with_input(
-      "request: {extra: {top_k: 40, presence_penalty: 0, user: me, logprobs: false, response_format: {type: text}}}\n"));
+      "request: {extra: {top_k: 40, presence_penalty: 0.5, frequency_penalty: -0.5, user: me, logprobs: false, "
+      "response_format: {type: text}}}\n"));
   EXPECT_EQ(local.request.extra["top_k"], 40);
+  EXPECT_EQ(local.request.extra["presence_penalty"], 0.5);
   // Through an API every field passes through, and --backend / --base-url make it one.
   const std::string api_job = with_input("request: {extra: {frequency_penalty: 0.5, min_p: 0.1}}\n");
   EXPECT_EQ(load(with_input("backend: {base_url: http://127.0.0.1:1/v1}\nrequest: {extra: {frequency_penalty: 0.5}}\n"))

@@ -504,11 +504,12 @@ TEST(ParseRequest, ToolsAndFunctionsAreUnsupported) {
                      "function calling is not supported by this server");
 }
 
-TEST(ParseRequest, NonZeroPenaltiesAreUnsupported) {
-  expect_unsupported(chat_error(chat_body({{"presence_penalty", 0.5}})), "presence_penalty",
-                     "'presence_penalty' other than 0 is not supported by this server");
-  expect_unsupported(chat_error(chat_body({{"frequency_penalty", -1}})), "frequency_penalty",
-                     "'frequency_penalty' other than 0 is not supported by this server");
+TEST(ParseRequest, PenaltiesGoToTheEngine) {
+  ApiRequest r = chat({{"presence_penalty", 0.5}, {"frequency_penalty", -1}});
+  EXPECT_EQ(r.request.extra["presence_penalty"], 0.5);
+  EXPECT_EQ(r.request.extra["frequency_penalty"], -1.0);
+  EXPECT_FALSE(chat({{"presence_penalty", 0}}).request.extra.contains("presence_penalty"));
+  EXPECT_EQ(completion({{"frequency_penalty", 2}}).request.extra["frequency_penalty"], 2.0);
   // Out of the API's range is a plain 400.
   expect_invalid(chat_error(chat_body({{"presence_penalty", 3}})), "presence_penalty",
                  "'presence_penalty' must be between -2.0 and 2.0, not 3");

@@ -1,9 +1,9 @@
 #pragma once
 // Which body fields beyond a Request's own the embedded engine honours. A job's `request.extra`
 // and the body of an OpenAI Batch-API line pass fields through to an API as they are; the
-// embedded engine reads only `top_k` among them, so any other field that would change the
-// output (penalties, logit_bias, logprobs, JSON mode, tools, ...) is refused rather than
-// silently ignored. Fields that change nothing (`user`, `metadata`, a zero penalty, `n: 1`, ...)
+// embedded engine reads `top_k`, `presence_penalty` and `frequency_penalty` among them, so any
+// other field that would change the output (logit_bias, logprobs, JSON mode, tools, ...) is
+// refused rather than silently ignored. Fields that change nothing (`user`, `metadata`, a zero penalty, `n: 1`, ...)
 // pass. The runner checks jobs with it before a run starts; LocalBackend checks each request.
 
 #include <optional>

@@ -19,6 +19,11 @@ struct SamplingParams {
   float top_p = 1.0f;        // nucleus: the smallest set of tokens with this much probability
   int top_k = 0;             // 0: no limit
   std::uint64_t seed = 0;
+  // OpenAI's penalties over the tokens generated so far: each token's logit less
+  // frequency_penalty times its count, and presence_penalty once it has appeared at all.
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  bool penalized() const { return presence_penalty != 0.0f || frequency_penalty != 0.0f; }
 };
 
 // The distribution a Sampler draws from: tokens with unnormalised weights (most likely first);
@@ -50,11 +55,18 @@ class Sampler {
   // [0, 1) from the request's own generator (53 bits).
   double uniform();
   const SamplingParams& params() const { return params_; }
+  // A token generated for this request, counted for the penalties.
+  void observe(Token token);
 
  private:
+  // The logits with the penalties applied (a copy), or the logits themselves without any.
+  std::span<const float> penalize(std::span<const float> logits);
+
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, Token>> candidates_;
+  std::vector<std::pair<Token, std::int32_t>> counts_;  // generated tokens and their counts
+  std::vector<float> penalized_;
 };
 
 // Watches text as it is generated for any of the stop strings. feed() returns the part of the
