@@ -1,6 +1,7 @@
 #include "batchlm/core/engine_fields.hpp"
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -21,11 +22,13 @@ constexpr std::array<std::string_view, 8> kNoEffect = {"user",        "metadata"
 }  // namespace
 
 std::optional<std::string> engine_field_problem(std::string_view key, const json& value) {
+  // In the API a null field is one not set.
+  if (value.is_null()) return std::nullopt;
   for (const std::string_view k : kNoEffect)
     if (key == k) return std::nullopt;
   if (key == "top_k") {
-    if (value.is_number_integer() && value.get<std::int64_t>() >= -1 &&
-        value.get<std::int64_t>() <= std::numeric_limits<int>::max())
+    if (value.is_number() && value.get<double>() == std::floor(value.get<double>()) && value.get<double>() >= -1 &&
+        value.get<double>() <= std::numeric_limits<int>::max())
       return std::nullopt;
     return std::string("expected an integer from -1 (no limit) to 2147483647, not ") + value.dump();
   }
@@ -59,9 +62,11 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     if (value.is_null() || (value.is_array() && value.empty())) return std::nullopt;
     return std::string("the embedded engine does not call tools") + kElsewhere;
   }
-  if (key == "tool_choice" || key == "function_call" || key == "parallel_tool_calls") {
-    if (value.is_null() || value == "none" || value == false) return std::nullopt;
-    return std::string("the embedded engine does not call tools") + kElsewhere;
+  // Without tools (refused above when there are any) these change nothing.
+  if (key == "tool_choice" || key == "function_call" || key == "parallel_tool_calls") return std::nullopt;
+  if (key == "modalities") {
+    if (value == json::array({"text"})) return std::nullopt;
+    return std::string("the embedded engine generates text only (modalities: [\"text\"])") + kElsewhere;
   }
   if (key == "max_completion_tokens" || key == "max_tokens" || key == "temperature" || key == "top_p" ||
       key == "stop" || key == "seed" || key == "messages" || key == "model")

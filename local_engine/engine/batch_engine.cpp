@@ -185,6 +185,12 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
                             TextSink on_text) {
   const auto n_prompt = static_cast<std::int64_t>(prompt.size());
   if (n_prompt == 0) throw RequestRejected("invalid_request", "the prompt is empty");
+  // On a device that samples, penalized rows would send the whole step's sampling to the host,
+  // whose generator differs from the device's: other requests' seeded draws would change.
+  if (params.sampling.penalized() && executor_->samples_on_device())
+    throw RequestRejected("unsupported_parameter",
+                          "presence and frequency penalties are applied on the CPU only, and this engine samples on "
+                          "the GPU (--device cpu runs them)");
   if (n_prompt >= context_) {
     throw RequestRejected("context_length_exceeded",
                           "the prompt has " + std::to_string(n_prompt) +
@@ -379,14 +385,12 @@ void BatchEngine::step() {
   for (const auto& e : plan.entries) tables.emplace_back(e.block_table);
   const std::size_t n_vocab = static_cast<std::size_t>(model_->config().n_vocab);
   const Batch batch{plan.tokens, positions, plan.sequence_of, tables, plan.logits_rows};
-  // Without drafts to verify or penalties to apply, a device that samples sends back token ids
-  // alone.
+  // Without drafts to verify, a device that samples sends back token ids alone (penalized
+  // requests are refused there).
   const bool device_sampling =
       executor_->samples_on_device() &&
-      std::none_of(plan.entries.begin(), plan.entries.end(), [&](const PlannedSequence& e) {
-        const auto it = active_.find(e.id);
-        return e.n_drafts > 0 || (it != active_.end() && it->second.sampling.penalized());
-      });
+      std::none_of(plan.entries.begin(), plan.entries.end(),
+                   [](const PlannedSequence& e) { return e.n_drafts > 0; });
   std::vector<Token> sampled;
   const auto t_forward = Clock::now();
   if (!plan.copies.empty()) executor_->copy_blocks(plan.copies);

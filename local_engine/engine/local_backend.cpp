@@ -280,8 +280,8 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   p.sampling.temperature = static_cast<float>(request.temperature.value_or(1.0));
   p.sampling.top_p = static_cast<float>(request.top_p.value_or(1.0));
   if (request.extra.is_object()) {
-    if (const auto k = request.extra.find("top_k"); k != request.extra.end() && k->is_number_integer())
-      p.sampling.top_k = k->get<int>();
+    if (const auto k = request.extra.find("top_k"); k != request.extra.end() && k->is_number())
+      p.sampling.top_k = static_cast<int>(k->get<double>());  // checked to be whole above
     if (const auto v = request.extra.find("presence_penalty"); v != request.extra.end() && v->is_number())
       p.sampling.presence_penalty = v->get<float>();
     if (const auto v = request.extra.find("frequency_penalty"); v != request.extra.end() && v->is_number())

@@ -299,6 +299,27 @@ TEST_F(GpuEngine, DeviceSamplingIsSeededPerRequest) {
   EXPECT_EQ(run(42, 1.0f, 1, 1)[0], run(0, 0.0f, 0, 1)[0]);
 }
 
+TEST_F(GpuEngine, PenaltiesAreRefusedWhereTheDeviceSamples) {
+  const auto model = Model::load(path(kernels::DType::F32));
+  LocalBackendOptions o;
+  o.device = Device::kCuda;
+  o.context = 128;
+  o.kv_tokens = 2048;
+  BatchEngine engine(model, o);
+  GenerateParams params;
+  params.max_tokens = 4;
+  params.sampling.frequency_penalty = 0.5f;
+  const std::vector<Token> prompt = {1, 2, 3};
+  try {
+    engine.add(prompt, params, nullptr);
+    ADD_FAILURE() << "a penalized request was accepted on the GPU";
+  } catch (const RequestRejected& e) {
+    EXPECT_EQ(e.code, "unsupported_parameter");
+  }
+  params.sampling.frequency_penalty = 0.0f;
+  EXPECT_NO_THROW(engine.add(prompt, params, nullptr));
+}
+
 // The default model: greedy logits along the CPU's continuation of GSM8K-style prompts.
 TEST_F(GpuEngine, DefaultModelFollowsTheCpu) {
   const char* env = std::getenv("BATCHLM_MODEL");  // where bench/gpu/run.sh puts it

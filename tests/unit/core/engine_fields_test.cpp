@@ -20,6 +20,7 @@ TEST(EngineFields, TopKIsHonoured) {
   EXPECT_EQ(problem("top_k", -2), "expected an integer from -1 (no limit) to 2147483647, not -2");
   EXPECT_EQ(problem("top_k", "40"), "expected an integer from -1 (no limit) to 2147483647, not \"40\"");
   EXPECT_FALSE(ok("top_k", 4.5));
+  EXPECT_TRUE(ok("top_k", 40.0));  // a whole number written with a point
   EXPECT_FALSE(ok("top_k", 1ll << 40));
 }
 
@@ -46,6 +47,12 @@ TEST(EngineFields, FieldsThatChangeNothingPass) {
   EXPECT_TRUE(ok("tool_choice", "none"));
   EXPECT_TRUE(ok("parallel_tool_calls", false));
   EXPECT_TRUE(ok("presence_penalty", nullptr));
+  // Without tools, the tool settings change nothing; null means "not set" for any field.
+  EXPECT_TRUE(ok("tool_choice", "auto"));
+  EXPECT_TRUE(ok("parallel_tool_calls", true));
+  EXPECT_TRUE(ok("modalities", json::array({"text"})));
+  EXPECT_TRUE(ok("reasoning_effort", nullptr));
+  EXPECT_TRUE(ok("audio", nullptr));
 }
 
 TEST(EngineFields, FieldsThatWouldChangeTheOutputAreRefusedWithTheReason) {
@@ -55,7 +62,7 @@ TEST(EngineFields, FieldsThatWouldChangeTheOutputAreRefusedWithTheReason) {
   EXPECT_TRUE(problem("top_logprobs", 3).starts_with("the embedded engine does not return log probabilities"));
   EXPECT_TRUE(problem("response_format", {{"type", "json_object"}}).starts_with("the embedded engine has no JSON mode"));
   EXPECT_TRUE(problem("tools", json::array({{{"type", "function"}}})).starts_with("the embedded engine does not call tools"));
-  EXPECT_TRUE(problem("tool_choice", "auto").starts_with("the embedded engine does not call tools"));
+  EXPECT_TRUE(problem("modalities", json::array({"text", "audio"})).starts_with("the embedded engine generates text only"));
   EXPECT_EQ(problem("n", 2), "several answers per item are not supported (one request, one answer)");
 }
 

@@ -100,7 +100,8 @@ class BatchEngine {
   BatchEngine(const BatchEngine&) = delete;
   BatchEngine& operator=(const BatchEngine&) = delete;
 
-  // Queues a request; throws RequestRejected (empty prompt, longer than the context).
+  // Queues a request; throws RequestRejected (empty prompt, longer than the context, penalties
+  // on an engine that samples on the GPU).
   SequenceId add(std::vector<Token> prompt, const GenerateParams& params, TextSink on_text);
   // Ends a request at once (its blocks freed); it comes out of take_finished() as "cancelled".
   void cancel(SequenceId id);
