@@ -26,6 +26,12 @@ nlohmann::json Error::to_json() const {
   return j;
 }
 
+std::size_t Request::text_bytes() const {
+  std::size_t bytes = prompt ? prompt->size() : 0;
+  for (const ChatMessage& m : messages) bytes += m.content.size();
+  return bytes;
+}
+
 double EngineStats::cache_hit_rate() const {
   const std::int64_t total = prompt_tokens_computed + prompt_tokens_cached;
   return total > 0 ? static_cast<double>(prompt_tokens_cached) / static_cast<double>(total) : 0.0;

@@ -253,8 +253,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   // A prompt so long that even at the most bytes a token can cover it overflows the context is
   // refused before it is tokenized: tokenizing megabytes here would hold up every other
   // request's stream for seconds.
-  std::size_t bytes = request.prompt ? request.prompt->size() : 0;
-  for (const ChatMessage& m : request.messages) bytes += m.content.size();
+  const std::size_t bytes = request.text_bytes();
   if (const auto at_least = static_cast<std::int64_t>(bytes / state_->max_token_bytes);
       at_least >= state_->engine->context()) {
     co_return Outcome::failure(

@@ -422,8 +422,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     }
     if (parsed->n > 1 && options.prompt_bytes_limit > 0) {
       // Checked once here rather than by each choice: the request is copied for every choice.
-      std::size_t bytes = parsed->request.prompt ? parsed->request.prompt->size() : 0;
-      for (const ChatMessage& m : parsed->request.messages) bytes += m.content.size();
+      const std::size_t bytes = parsed->request.text_bytes();
       if (bytes >= options.prompt_bytes_limit) {
         metrics.completion(label(endpoint), "invalid");
         co_await send_error(c, req,

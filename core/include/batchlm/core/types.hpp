@@ -4,6 +4,7 @@
 // embedded engine, speak only these types.
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -36,6 +37,9 @@ struct Request {
   // Further body fields passed through as given (e.g. from an OpenAI Batch-API line's body:
   // response_format, logprobs, ...). A JSON object or null.
   nlohmann::json extra;
+
+  // Bytes of prompt text: the prompt, or every message's content.
+  std::size_t text_bytes() const;
 };
 
 struct Usage {
