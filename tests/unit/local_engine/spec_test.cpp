@@ -451,6 +451,20 @@ class TinyModels : public ::testing::Test {
     return o;
   }
 
+  // Greedy decoding of max_tokens tokens, past any end-of-generation token.
+  static GenerateParams greedy(int max_tokens) {
+    GenerateParams params;
+    params.max_tokens = max_tokens;
+    params.sampling.temperature = 0.0f;
+    params.ignore_eos = true;
+    return params;
+  }
+
+  // What run() reports for one request: "text|finish_reason|generated tokens".
+  static std::string summary(const GenerateResult& result) {
+    return result.text + "|" + result.finish_reason + "|" + std::to_string(result.stats.generated_tokens);
+  }
+
   // Runs every prompt through one engine; the generated text of each, by prompt index.
   static std::vector<std::string> run(const LocalBackendOptions& o,
                                       const std::vector<std::vector<Token>>& prompts,
@@ -469,8 +483,7 @@ class TinyModels : public ::testing::Test {
       if (step > 0 || prompts.size() == 1) engine.step();
       for (auto& [id, result] : engine.take_finished()) {
         EXPECT_NE(result.finish_reason, "cancelled");
-        out[index.at(id)] = result.text + "|" + result.finish_reason + "|" +
-                            std::to_string(result.stats.generated_tokens);
+        out[index.at(id)] = summary(result);
         ++done;
       }
     }
@@ -497,10 +510,7 @@ class TinyModels : public ::testing::Test {
 };
 
 TEST_F(TinyModels, GreedyOutputIsIdenticalWithEveryProposerAloneAndBatched) {
-  GenerateParams params;
-  params.max_tokens = 40;
-  params.sampling.temperature = 0.0f;
-  params.ignore_eos = true;
+  const GenerateParams params = greedy(40);
   const auto many = prompts(6);
   const std::vector<std::vector<Token>> one = {many[0]};
   const std::vector<std::string> plain = run(options(SpecMethod::kNone), many, params);
@@ -518,10 +528,7 @@ TEST_F(TinyModels, GreedyOutputIsIdenticalWithEveryProposerAloneAndBatched) {
 }
 
 TEST_F(TinyModels, PenaltiesApplyAloneAndBatchedAndTurnDraftingOff) {
-  GenerateParams params;
-  params.max_tokens = 40;
-  params.sampling.temperature = 0.0f;
-  params.ignore_eos = true;
+  GenerateParams params = greedy(40);
   const auto many = prompts(6);
   const std::vector<std::string> plain = run(options(SpecMethod::kNone), many, params);
   params.sampling.frequency_penalty = 1.5f;
@@ -532,8 +539,7 @@ TEST_F(TinyModels, PenaltiesApplyAloneAndBatchedAndTurnDraftingOff) {
   Engine single(Model::load(path("target.gguf")), EngineOptions{1, 256});
   for (std::size_t i = 0; i < many.size(); ++i) {
     EXPECT_EQ(run(options(SpecMethod::kNone), {many[i]}, params)[0], penalized[i]) << i;
-    const GenerateResult r = single.generate(many[i], params, nullptr);
-    EXPECT_EQ(r.text + "|" + r.finish_reason + "|" + std::to_string(r.stats.generated_tokens), penalized[i]) << i;
+    EXPECT_EQ(summary(single.generate(many[i], params, nullptr)), penalized[i]) << i;
   }
   // A proposer drafts nothing for a request with penalties, so its output is unchanged.
   for (SpecMethod m : {SpecMethod::kNgram, SpecMethod::kSelf, SpecMethod::kDraft}) {
@@ -545,10 +551,7 @@ TEST_F(TinyModels, PenaltiesApplyAloneAndBatchedAndTurnDraftingOff) {
 }
 
 TEST_F(TinyModels, GreedyOutputIsIdenticalUnderPreemption) {
-  GenerateParams params;
-  params.max_tokens = 60;
-  params.sampling.temperature = 0.0f;
-  params.ignore_eos = true;
+  const GenerateParams params = greedy(60);
   const auto many = prompts(6);
   LocalBackendOptions roomy = options(SpecMethod::kNone);
   const std::vector<std::string> plain = run(roomy, many, params);
@@ -564,9 +567,7 @@ TEST_F(TinyModels, GreedyOutputIsIdenticalUnderPreemption) {
 }
 
 TEST_F(TinyModels, StopStringsAndMaxTokensAreExactInsideAcceptedRuns) {
-  GenerateParams params;
-  params.sampling.temperature = 0.0f;
-  params.ignore_eos = true;
+  GenerateParams params = greedy(0);
   const auto many = prompts(3);
   for (int max_tokens : {1, 2, 5, 13}) {
     params.max_tokens = max_tokens;
