@@ -1,5 +1,6 @@
 #include "batchlm/client/openai.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
@@ -197,20 +198,8 @@ Error make_error(ErrorKind kind, std::string message) {
 std::string replace_invalid_utf8(std::string_view in) {
   std::string out;
   out.reserve(in.size());
-  std::size_t i = 0;
-  while (i < in.size()) {
-    const auto c = static_cast<unsigned char>(in[i]);
-    std::size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
-    bool ok = len > 0 && i + len <= in.size();
-    for (std::size_t k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(in[i + k]) & 0xC0) == 0x80;
-    if (ok && len > 1) {
-      // Overlong forms, surrogates and values past U+10FFFF are invalid too.
-      std::uint32_t cp = c & (0x7F >> len);
-      for (std::size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(in[i + k]) & 0x3F);
-      const std::uint32_t least[] = {0, 0, 0x80, 0x800, 0x10000};
-      ok = cp >= least[len] && cp <= 0x10FFFF && !(cp >= 0xD800 && cp <= 0xDFFF);
-    }
-    if (ok) {
+  for (std::size_t i = 0; i < in.size();) {
+    if (const std::size_t len = utf8_char_length(in, i); len > 0) {
       out.append(in.substr(i, len));
       i += len;
     } else {
@@ -219,6 +208,26 @@ std::string replace_invalid_utf8(std::string_view in) {
     }
   }
   return out;
+}
+
+// A token's bytes from an entry's `bytes` (integers 0-255) when it has them, else its text.
+std::optional<std::string> logprob_token(const nlohmann::json& entry) {
+  if (auto b = entry.find("bytes"); b != entry.end() && b->is_array()) {
+    std::string bytes;
+    bool ok = true;
+    for (const auto& v : *b) {
+      ok = ok && v.is_number_integer() && v.get<long long>() >= 0 && v.get<long long>() <= 255;
+      if (ok) bytes.push_back(static_cast<char>(v.get<int>()));
+    }
+    if (ok) return bytes;
+  }
+  if (auto t = entry.find("token"); t != entry.end() && t->is_string()) return t->get<std::string>();
+  return std::nullopt;
+}
+
+std::optional<double> logprob_value(const nlohmann::json& v) {
+  if (v.is_number()) return v.get<double>();
+  return std::nullopt;
 }
 
 // \uD800-\uDBFF not followed by \uDC00-\uDFFF, and \uDC00-\uDFFF alone, inside JSON strings,
@@ -365,6 +374,50 @@ OpenAIBackend::~OpenAIBackend() = default;
 
 std::string OpenAIBackend::describe() const { return "openai " + options_.base_url; }
 
+std::optional<std::vector<TokenLogprob>> parse_logprobs(const nlohmann::json& value) {
+  if (!value.is_object()) return std::nullopt;
+  std::vector<TokenLogprob> out;
+  if (auto content = value.find("content"); content != value.end()) {
+    if (!content->is_array()) return std::nullopt;
+    for (const auto& e : *content) {
+      if (!e.is_object()) continue;
+      const auto token = logprob_token(e);
+      const auto lp = e.contains("logprob") ? logprob_value(e["logprob"]) : std::nullopt;
+      if (!token || !lp) continue;
+      TokenLogprob t{*token, *lp, {}};
+      if (auto top = e.find("top_logprobs"); top != e.end() && top->is_array()) {
+        for (const auto& a : *top) {
+          if (!a.is_object()) continue;
+          const auto alt = logprob_token(a);
+          const auto alt_lp = a.contains("logprob") ? logprob_value(a["logprob"]) : std::nullopt;
+          if (alt && alt_lp) t.top_logprobs.push_back({*alt, *alt_lp});
+        }
+      }
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+  const auto tokens = value.find("tokens");
+  const auto lps = value.find("token_logprobs");
+  if (tokens == value.end() || lps == value.end() || !tokens->is_array() || !lps->is_array()) return std::nullopt;
+  const auto top = value.find("top_logprobs");
+  const bool has_top = top != value.end() && top->is_array();
+  for (std::size_t i = 0; i < tokens->size() && i < lps->size(); ++i) {
+    const auto lp = logprob_value((*lps)[i]);
+    if (!(*tokens)[i].is_string() || !lp) continue;
+    TokenLogprob t{(*tokens)[i].get<std::string>(), *lp, {}};
+    if (has_top && i < top->size() && (*top)[i].is_object()) {
+      for (const auto& [alt, alt_lp] : (*top)[i].items())
+        if (const auto v = logprob_value(alt_lp)) t.top_logprobs.push_back({alt, *v});
+      // An object has no order: most likely first.
+      std::stable_sort(t.top_logprobs.begin(), t.top_logprobs.end(),
+                       [](const TopLogprob& a, const TopLogprob& b) { return a.logprob > b.logprob; });
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 Outcome answer_from_body(int status, std::string_view body_text, Timings timings, const TokenSink& sink) {
   auto body = parse_answer_json(body_text);
   if (body.is_discarded() || !body.is_object())
@@ -388,12 +441,14 @@ Outcome answer_from_body(int status, std::string_view body_text, Timings timings
   }
   if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
     completion.finish_reason = reason->get<std::string>();
+  if (auto lp = choice.find("logprobs"); lp != choice.end()) completion.logprobs = parse_logprobs(*lp);
   completion.usage = usage_from(body);
   timings.ttft_ms = timings.total_ms;
   completion.timings = timings;
-  if (sink && !completion.text.empty()) {
+  if (sink && (!completion.text.empty() || (completion.logprobs && !completion.logprobs->empty()))) {
     try {
-      sink(completion.text);
+      sink(completion.text, completion.logprobs ? std::span<const TokenLogprob>(*completion.logprobs)
+                                                : std::span<const TokenLogprob>());
     } catch (const std::exception& e) {
       return Outcome::failure(make_error(ErrorKind::Internal, std::string("token sink threw: ") + e.what()), timings);
     }
@@ -465,17 +520,23 @@ void StreamedAnswer::on_event(const SseEvent& event) {
     } else if (auto t = choice.find("text"); t != choice.end()) {
       content = &*t;
     }
-    if (content && content->is_string()) {
-      const auto& piece = content->get_ref<const std::string&>();
-      if (!piece.empty()) {
-        const auto now = Clock::now();
-        if (deltas_ == 0) first_delta_at_ = now;
-        last_delta_at_ = now;
-        ++deltas_;
-        text_ += piece;
-        if (sink_) sink_(piece);
-      }
+    std::optional<std::vector<TokenLogprob>> logprobs;
+    if (auto lp = choice.find("logprobs"); lp != choice.end()) logprobs = parse_logprobs(*lp);
+    if (logprobs) {
+      if (!logprobs_) logprobs_.emplace();
+      logprobs_->insert(logprobs_->end(), logprobs->begin(), logprobs->end());
     }
+    const std::string empty;
+    const std::string& piece = content && content->is_string() ? content->get_ref<const std::string&>() : empty;
+    if (!piece.empty()) {
+      const auto now = Clock::now();
+      if (deltas_ == 0) first_delta_at_ = now;
+      last_delta_at_ = now;
+      ++deltas_;
+      text_ += piece;
+    }
+    if (sink_ && (!piece.empty() || (logprobs && !logprobs->empty())))
+      sink_(piece, logprobs ? std::span<const TokenLogprob>(*logprobs) : std::span<const TokenLogprob>());
     if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
       finish_reason_ = reason->get<std::string>();
   }
@@ -515,6 +576,7 @@ Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point s
   completion.text = std::move(text_);
   completion.finish_reason = std::move(finish_reason_);
   completion.usage = usage_;
+  completion.logprobs = std::move(logprobs_);
   completion.timings = timings;
   return Outcome::success(std::move(completion));
 }

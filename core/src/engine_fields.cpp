@@ -19,6 +19,23 @@ constexpr std::array<std::string_view, 8> kNoEffect = {"user",        "metadata"
                                                        "service_tier", "stream",         "stream_options",
                                                        "prompt_cache_key", "safety_identifier"};
 
+bool whole_in(const json& v, double least, double most) {
+  if (!v.is_number()) return false;
+  const double d = v.get<double>();
+  return d == std::floor(d) && d >= least && d <= most;
+}
+
+// A logit_bias key: a token id written in decimal.
+std::optional<std::int64_t> token_id(std::string_view s) {
+  if (s.empty() || s.size() > 10) return std::nullopt;
+  std::int64_t v = 0;
+  for (const char c : s) {
+    if (c < '0' || c > '9') return std::nullopt;
+    v = v * 10 + (c - '0');
+  }
+  return v;
+}
+
 }  // namespace
 
 std::optional<std::string> engine_field_problem(std::string_view key, const json& value) {
@@ -46,12 +63,25 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return std::string("the embedded engine does not apply repetition penalties") + kElsewhere;
   }
   if (key == "logit_bias") {
-    if (value.is_null() || (value.is_object() && value.empty())) return std::nullopt;
-    return std::string("the embedded engine does not apply logit biases") + kElsewhere;
+    if (!value.is_object()) return "expected an object of token ids and biases, not " + value.dump();
+    if (value.size() > kMaxLogitBias)
+      return "names " + std::to_string(value.size()) + " tokens; at most " + std::to_string(kMaxLogitBias) + " are allowed";
+    for (const auto& [id, bias] : value.items()) {
+      if (!token_id(id))
+        return "the key '" + id.substr(0, 40) + "' is not a token id (a whole number written as a string, like \"1234\")";
+      if (!bias.is_number() || bias.get<double>() < -100.0 || bias.get<double>() > 100.0)
+        return "the bias of token " + id + " must be a number from -100 to 100, not " + bias.dump();
+    }
+    return std::nullopt;
   }
-  if (key == "logprobs" || key == "top_logprobs") {
-    if (value.is_null() || value == false || (key == "top_logprobs" && value == 0)) return std::nullopt;
-    return std::string("the embedded engine does not return log probabilities") + kElsewhere;
+  if (key == "logprobs") {
+    if (value.is_boolean() || whole_in(value, 0, kMaxTopLogprobs)) return std::nullopt;
+    return "expected true, false or a number of most likely tokens from 0 to " + std::to_string(kMaxTopLogprobs) +
+           ", not " + value.dump();
+  }
+  if (key == "top_logprobs") {
+    if (whole_in(value, 0, kMaxTopLogprobs)) return std::nullopt;
+    return "expected a whole number from 0 to " + std::to_string(kMaxTopLogprobs) + ", not " + value.dump();
   }
   if (key == "response_format") {
     if (value.is_null() || (value.is_object() && value.value("type", json()) == "text")) return std::nullopt;
@@ -73,7 +103,40 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return "set it as request." + std::string(key == "max_completion_tokens" ? "max_tokens" : key) +
            " (the embedded engine does not read it from the extra fields)";
   return "the embedded engine does not use '" + std::string(key) +
-         "' (of the extra fields it takes top_k, presence_penalty and frequency_penalty)" + kElsewhere;
+         "' (of the extra fields it takes top_k, presence_penalty, frequency_penalty, logit_bias, logprobs and "
+         "top_logprobs)" +
+         kElsewhere;
+}
+
+std::optional<std::string> top_logprobs_problem(const json& extra) {
+  if (!extra.is_object()) return std::nullopt;
+  const json top = extra.value("top_logprobs", json());
+  if (top.is_null() || !top.is_number()) return std::nullopt;
+  const json logprobs = extra.value("logprobs", json());
+  const bool on = logprobs == true || logprobs.is_number();
+  if (!on && top.get<double>() > 0) return std::string("needs logprobs: true");
+  if (logprobs.is_number() && logprobs.get<double>() != top.get<double>())
+    return "asks for " + top.dump() + " most likely tokens where logprobs asks for " + logprobs.dump();
+  return std::nullopt;
+}
+
+int requested_logprobs(const json& extra) {
+  if (!extra.is_object()) return -1;
+  const json logprobs = extra.value("logprobs", json());
+  if (logprobs.is_number()) return static_cast<int>(logprobs.get<double>());
+  if (logprobs != true) return -1;
+  const json top = extra.value("top_logprobs", json());
+  return top.is_number() ? static_cast<int>(top.get<double>()) : 0;
+}
+
+std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const json& extra) {
+  std::vector<std::pair<std::int64_t, double>> out;
+  if (!extra.is_object()) return out;
+  const auto it = extra.find("logit_bias");
+  if (it == extra.end() || !it->is_object()) return out;
+  for (const auto& [id, bias] : it->items())
+    if (const auto token = token_id(id); token && bias.is_number()) out.emplace_back(*token, bias.get<double>());
+  return out;
 }
 
 }  // namespace batchlm

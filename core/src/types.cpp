@@ -1,5 +1,6 @@
 #include "batchlm/core/types.hpp"
 
+#include <cstdint>
 #include <cstdio>
 
 namespace batchlm {
@@ -24,6 +25,63 @@ nlohmann::json Error::to_json() const {
   if (http_status != 0) j["status"] = http_status;
   if (!code.empty()) j["code"] = code;
   return j;
+}
+
+std::size_t utf8_char_length(std::string_view s, std::size_t i) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  const std::size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+  if (len <= 1) return len;
+  if (i + len > s.size()) return 0;
+  std::uint32_t cp = c & (0x7Fu >> len);
+  for (std::size_t k = 1; k < len; ++k) {
+    const auto b = static_cast<unsigned char>(s[i + k]);
+    if ((b & 0xC0) != 0x80) return 0;
+    cp = (cp << 6) | (b & 0x3Fu);
+  }
+  constexpr std::uint32_t kLeast[] = {0, 0, 0x80, 0x800, 0x10000};
+  if (cp < kLeast[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+  return len;
+}
+
+std::string logprob_token_text(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size());
+  for (std::size_t i = 0; i < bytes.size();) {
+    if (const std::size_t len = utf8_char_length(bytes, i); len > 0) {
+      out.append(bytes.substr(i, len));
+      i += len;
+      continue;
+    }
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "\\x%02x", static_cast<unsigned>(static_cast<unsigned char>(bytes[i])));
+    out += hex;
+    ++i;
+  }
+  return out;
+}
+
+namespace {
+
+nlohmann::json byte_values(std::string_view bytes) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const char c : bytes) out.push_back(static_cast<unsigned>(static_cast<unsigned char>(c)));
+  return out;
+}
+
+}  // namespace
+
+nlohmann::json logprobs_json(std::span<const TokenLogprob> logprobs) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const TokenLogprob& t : logprobs) {
+    nlohmann::json top = nlohmann::json::array();
+    for (const TopLogprob& alt : t.top_logprobs)
+      top.push_back({{"token", logprob_token_text(alt.token)}, {"logprob", alt.logprob}, {"bytes", byte_values(alt.token)}});
+    out.push_back({{"token", logprob_token_text(t.token)},
+                   {"logprob", t.logprob},
+                   {"bytes", byte_values(t.token)},
+                   {"top_logprobs", std::move(top)}});
+  }
+  return out;
 }
 
 std::size_t Request::text_bytes() const {

@@ -185,12 +185,22 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
                             TextSink on_text) {
   const auto n_prompt = static_cast<std::int64_t>(prompt.size());
   if (n_prompt == 0) throw RequestRejected("invalid_request", "the prompt is empty");
-  // On a device that samples, penalized rows would send the whole step's sampling to the host,
-  // whose generator differs from the device's: other requests' seeded draws would change.
-  if (params.sampling.penalized() && executor_->samples_on_device())
-    throw RequestRejected("unsupported_parameter",
-                          "presence and frequency penalties are applied on the CPU only, and this engine samples on "
-                          "the GPU (--device cpu runs them)");
+  // On a device that samples, such rows would send the whole step's sampling to the host, whose
+  // generator differs from the device's: other requests' seeded draws would change.
+  if (executor_->samples_on_device()) {
+    const char* what = params.sampling.penalized()        ? "presence and frequency penalties are applied"
+                       : !params.sampling.logit_bias.empty() ? "logit biases are applied"
+                       : params.logprobs >= 0             ? "log-probabilities are computed"
+                                                          : nullptr;
+    if (what)
+      throw RequestRejected("unsupported_parameter", std::string(what) +
+                                                         " on the CPU only, and this engine samples on the GPU "
+                                                         "(--device cpu runs them)");
+  }
+  if (params.logprobs > kMaxLogprobs)
+    throw RequestRejected("invalid_request", "at most " + std::to_string(kMaxLogprobs) +
+                                                 " most likely tokens per position, not " +
+                                                 std::to_string(params.logprobs));
   if (n_prompt >= context_) {
     throw RequestRejected("context_length_exceeded",
                           "the prompt has " + std::to_string(n_prompt) +
@@ -203,6 +213,11 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
       throw RequestRejected("invalid_request", "prompt token " + std::to_string(i) + " is id " +
                                                    std::to_string(prompt[i]) + ", outside the vocabulary of " +
                                                    std::to_string(n_vocab));
+  }
+  for (const auto& [token, bias] : params.sampling.logit_bias) {
+    if (token < 0 || token >= n_vocab)
+      throw RequestRejected("invalid_request", "logit_bias names token " + std::to_string(token) +
+                                                   ", outside the vocabulary of " + std::to_string(n_vocab));
   }
   const std::int64_t room = context_ - n_prompt;
   const std::int64_t max_new = params.max_tokens > 0 ? std::min(params.max_tokens, room) : room;
@@ -235,11 +250,13 @@ void BatchEngine::cancel(SequenceId id) {
 
 bool BatchEngine::idle() const { return active_.empty(); }
 
-bool BatchEngine::emit(Active& a, Token /*token*/, const std::string& text, bool done) {
+bool BatchEngine::emit(Active& a, const std::string& text, bool done) {
   if (!a.first) a.first = Clock::now();
-  if (!text.empty()) {
+  std::vector<TokenLogprob> logprobs = a.gen.take_logprobs();
+  if (!text.empty() || !logprobs.empty()) {
     a.result.text += text;
-    if (a.on_text && !a.on_text(text)) {
+    a.result.logprobs.insert(a.result.logprobs.end(), logprobs.begin(), logprobs.end());
+    if (a.on_text && !a.on_text(text, logprobs)) {
       a.reason = "cancelled";
       return true;
     }
@@ -257,9 +274,12 @@ void BatchEngine::finish(const Finished& f) {
   GenerateResult result = std::move(a.result);
   result.tokens = f.generated;
   if (reason != "cancelled") {
-    if (std::string tail = a.gen.flush(); !tail.empty()) {
+    std::string tail = a.gen.flush();
+    std::vector<TokenLogprob> logprobs = a.gen.take_logprobs();
+    if (!tail.empty() || !logprobs.empty()) {
       result.text += tail;
-      if (a.on_text) a.on_text(tail);
+      result.logprobs.insert(result.logprobs.end(), logprobs.begin(), logprobs.end());
+      if (a.on_text) a.on_text(tail, logprobs);
     }
   }
   result.stats.generated_tokens = a.gen.generated();
@@ -294,7 +314,7 @@ AcceptanceCurve& BatchEngine::curve(int evidence) {
 
 int BatchEngine::draft_while_planning(SequenceId id, double cost) {
   auto it = active_.find(id);
-  if (it == active_.end() || it->second.sampling.penalized()) return 0;
+  if (it == active_.end() || it->second.sampling.adjusted()) return 0;
   const auto t0 = Clock::now();
   const DraftRequest request{id, scheduler_->tokens(id), speculative_.k_max, &it->second.sampling};
   Draft& d = planned_drafts_[id];
@@ -364,7 +384,7 @@ void BatchEngine::step() {
     if (proposer_->runs_model()) {
       plan = scheduler_->plan([&](SequenceId id) {
         auto it = active_.find(id);
-        return it == active_.end() || it->second.sampling.penalized() ? 0 : it->second.length.wanted(cost);
+        return it == active_.end() || it->second.sampling.adjusted() ? 0 : it->second.length.wanted(cost);
       });
     } else {
       plan = scheduler_->plan([&](SequenceId id) { return draft_while_planning(id, cost); });
@@ -429,6 +449,7 @@ void BatchEngine::step() {
   // the whole vocabulary); each sequence's sampler is used by one thread only. What the tokens
   // mean is then taken in order, below.
   std::vector<Token> picked(plan.entries.size(), 0);
+  std::vector<std::optional<PositionLogprobs>> logprobs(plan.entries.size());
   if (!device_sampling) {
     std::vector<std::size_t> sampling;  // entries
     for (std::size_t i = 0; i < plan.entries.size(); ++i) {
@@ -438,7 +459,9 @@ void BatchEngine::step() {
     threads_->parallel_for(static_cast<std::int64_t>(sampling.size()), 1, [&](std::int64_t b, std::int64_t e, int) {
       for (std::int64_t j = b; j < e; ++j) {
         const std::size_t i = sampling[static_cast<std::size_t>(j)];
-        picked[i] = active_.find(plan.entries[i].id)->second.gen.sampler().sample(logits_of(i));
+        Generation& gen = active_.find(plan.entries[i].id)->second.gen;
+        picked[i] = gen.sampler().sample(logits_of(i));
+        if (gen.logprobs() >= 0) logprobs[i] = position_logprobs(logits_of(i), picked[i], gen.logprobs());
       }
     });
   }
@@ -464,8 +487,8 @@ void BatchEngine::step() {
     if (e.n_drafts == 0) {
       ++sampled_;
       r.token = device_sampling ? sampled[first_row[i]] : picked[i];
-      const bool done = a.gen.accept(r.token, text);
-      r.finished = emit(a, r.token, text, done);
+      const bool done = a.gen.accept(r.token, text, logprobs[i] ? &*logprobs[i] : nullptr);
+      r.finished = emit(a, text, done);
     } else {
       const Verdict verdict = verify(a.gen.sampler(), logits_of(i), static_cast<std::int64_t>(n_vocab), drafts[i]);
       if (proposer_->runs_model()) {
@@ -475,11 +498,16 @@ void BatchEngine::step() {
       }
       int fed = 0;
       for (Token token : verdict.tokens) {
+        // Token k of the verdict was chosen at the position of row k of the entry's logits.
+        std::optional<PositionLogprobs> lp;
+        if (a.gen.logprobs() >= 0)
+          lp = position_logprobs(logits_of(i).subspan(static_cast<std::size_t>(fed) * n_vocab, n_vocab), token,
+                                 a.gen.logprobs());
         ++fed;
         ++sampled_;
-        const bool done = a.gen.accept(token, text);
+        const bool done = a.gen.accept(token, text, lp ? &*lp : nullptr);
         r.token = token;
-        r.finished = emit(a, token, text, done);
+        r.finished = emit(a, text, done);
         if (r.finished) break;
       }
       r.accepted = fed - 1;

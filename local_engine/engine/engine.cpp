@@ -31,33 +31,77 @@ Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params)
       ignore_eos_(params.ignore_eos),
       sampler_(params.sampling),
       decoder_(tokenizer),
-      stops_(params.stop) {}
+      stops_(params.stop),
+      logprobs_(params.logprobs) {}
 
 bool Generation::next(std::span<const float> logits, Token& token, std::string& text) {
   token = sampler_.sample(logits);
-  return accept(token, text);
+  if (logprobs_ < 0) return accept(token, text);
+  const PositionLogprobs lp = position_logprobs(logits, token, logprobs_);
+  return accept(token, text, &lp);
 }
 
-bool Generation::accept(Token token, std::string& text) {
+TokenLogprob Generation::describe(const PositionLogprobs& p) const {
+  TokenLogprob out{tokenizer_->token_bytes(p.token), p.logprob, {}};
+  out.top_logprobs.reserve(p.top.size());
+  for (const auto& [t, lp] : p.top) out.top_logprobs.push_back({tokenizer_->token_bytes(t), lp});
+  return out;
+}
+
+void Generation::settle(std::int64_t decoded_before, const std::string& decoded) {
+  // Tokens whose character the decoder completed now end where its text ends.
+  if (!decoded.empty()) {
+    for (Pending& p : pending_)
+      if (p.end < 0) p.end = decoded_before + static_cast<std::int64_t>(decoded.size());
+  }
+  // Final: every token whose text the stop matcher let out, or, once it stopped, every token
+  // whose text starts before what it let out ends (the rest is dropped).
+  const bool over = stops_.stopped();
+  std::size_t n = 0;
+  while (n < pending_.size() && ((pending_[n].end >= 0 && pending_[n].end <= released_) ||
+                                 (over && pending_[n].start < released_)))
+    ++n;
+  for (std::size_t i = 0; i < n; ++i) ready_.push_back(std::move(pending_[i].logprob));
+  pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(n));
+  if (over) pending_.clear();
+}
+
+bool Generation::accept(Token token, std::string& text, const PositionLogprobs* logprobs) {
   ++generated_;
   sampler_.observe(token);
   text.clear();
   if (!ignore_eos_ && tokenizer_->is_end_of_generation(token)) {
-    reason_ = "stop";
+    reason_ = "stop";  // what the stop matcher holds comes out in flush()
     return true;
   }
-  text = stops_.feed(decoder_.push(token));
-  if (stops_.stopped()) {
-    reason_ = "stop";
-    return true;
-  }
-  return false;
+  const std::string decoded = decoder_.push(token);
+  const std::int64_t before = decoded_;
+  decoded_ += static_cast<std::int64_t>(decoded.size());
+  if (logprobs_ >= 0 && logprobs) pending_.push_back({describe(*logprobs), before, -1});
+  text = stops_.feed(decoded);
+  released_ += static_cast<std::int64_t>(text.size());
+  if (stops_.stopped()) reason_ = "stop";
+  if (logprobs_ >= 0) settle(before, decoded);
+  return stops_.stopped();
 }
 
 std::string Generation::flush() {
   if (stops_.stopped()) return {};
-  std::string text = stops_.feed(decoder_.finish());
-  return text + stops_.finish();
+  const std::string decoded = decoder_.finish();
+  decoded_ += static_cast<std::int64_t>(decoded.size());
+  std::string text = stops_.feed(decoded);
+  text += stops_.finish();
+  released_ += static_cast<std::int64_t>(text.size());
+  // Everything is out now (what the decoder held as replacement characters if incomplete).
+  for (Pending& p : pending_) ready_.push_back(std::move(p.logprob));
+  pending_.clear();
+  return text;
+}
+
+std::vector<TokenLogprob> Generation::take_logprobs() {
+  std::vector<TokenLogprob> out;
+  out.swap(ready_);
+  return out;
 }
 
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text) {
@@ -112,6 +156,7 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
 
   Generation gen(tok, params);
   auto emit = [&](const std::string& text) {
+    for (TokenLogprob& lp : gen.take_logprobs()) result.logprobs.push_back(std::move(lp));
     if (text.empty()) return true;
     result.text += text;
     return on_text ? on_text(text) : true;

@@ -35,14 +35,19 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// What the engine thread sends back for one request: text pieces, then one final result.
+// What the engine thread sends back for one request: text pieces (with their tokens'
+// log-probabilities when asked for), then one final result.
+struct Piece {
+  std::string text;
+  std::vector<TokenLogprob> logprobs;
+};
 struct Done {
   GenerateResult result;
 };
 struct Failed {
   Error error;
 };
-using Event = std::variant<std::string, Done, Failed>;
+using Event = std::variant<Piece, Done, Failed>;
 using Channel = asio::experimental::concurrent_channel<void(boost::system::error_code, Event)>;
 
 struct Job {
@@ -108,8 +113,10 @@ struct LocalBackend::State {
     if (job->cancelled.load()) return;
     try {
       Job* raw = job.get();
-      const SequenceId id = engine->add(job->prompt, job->params,
-                                        [raw](std::string_view text) { return raw->send(std::string(text)); });
+      const SequenceId id =
+          engine->add(job->prompt, job->params, [raw](std::string_view text, std::span<const TokenLogprob> logprobs) {
+            return raw->send(Piece{std::string(text), {logprobs.begin(), logprobs.end()}});
+          });
       jobs.emplace(id, job);
     } catch (const RequestRejected& e) {
       fail(*job, ErrorKind::Http, 400, e.code, e.what());
@@ -268,6 +275,9 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       if (const auto problem = engine_field_problem(key, value))
         co_return Outcome::failure(
             Error{ErrorKind::Http, 400, "unsupported_parameter", "'" + key + "': " + *problem, std::nullopt, false});
+    if (const auto problem = top_logprobs_problem(request.extra))
+      co_return Outcome::failure(
+          Error{ErrorKind::Http, 400, "invalid_request", "'top_logprobs': " + *problem, std::nullopt, false});
   }
   if (request.prompt) {
     job->text = *request.prompt;
@@ -285,6 +295,16 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       p.sampling.presence_penalty = v->get<float>();
     if (const auto v = request.extra.find("frequency_penalty"); v != request.extra.end() && v->is_number())
       p.sampling.frequency_penalty = v->get<float>();
+    const std::int64_t n_vocab = state_->engine->model().config().n_vocab;
+    for (const auto& [token, bias] : requested_logit_bias(request.extra)) {
+      if (token >= n_vocab)
+        co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request",
+                                         "'logit_bias': token " + std::to_string(token) +
+                                             " is outside the vocabulary of " + std::to_string(n_vocab),
+                                         std::nullopt, false});
+      p.sampling.logit_bias.emplace_back(static_cast<Token>(token), static_cast<float>(bias));
+    }
+    p.logprobs = requested_logprobs(request.extra);
   }
   p.sampling.seed = request.seed ? static_cast<std::uint64_t>(*request.seed)
                                  : std::random_device{}() * 0x9e3779b97f4a7c15ull;
@@ -298,6 +318,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   Timings timings;
   std::optional<Clock::time_point> first;
   std::string text;
+  std::vector<TokenLogprob> logprobs;
   for (;;) {
     // A cancellation that arrived while this coroutine ran (inside the sink, say) is seen here;
     // one that arrives while it waits aborts the receive.
@@ -316,13 +337,14 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       co_return Outcome::failure(Error{ErrorKind::Cancelled, 0, "", "cancelled", std::nullopt, false},
                                  timings);
     }
-    if (auto* piece = std::get_if<std::string>(&event)) {
-      if (!first) {
+    if (auto* piece = std::get_if<Piece>(&event)) {
+      if (!first && !piece->text.empty()) {
         first = now;
         timings.ttft_ms = ms_between(start, now);
       }
-      text += *piece;
-      if (sink) sink(*piece);
+      text += piece->text;
+      logprobs.insert(logprobs.end(), piece->logprobs.begin(), piece->logprobs.end());
+      if (sink) sink(piece->text, piece->logprobs);
       continue;
     }
     timings.total_ms = ms_between(start, now);
@@ -337,6 +359,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     c.finish_reason = r.finish_reason;
     c.usage = Usage{r.stats.prompt_tokens, r.stats.generated_tokens, true};
     c.timings = timings;
+    if (job->params.logprobs >= 0) c.logprobs = std::move(logprobs);
     co_return Outcome::success(std::move(c));
   }
 }

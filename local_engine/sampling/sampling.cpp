@@ -43,19 +43,56 @@ void Sampler::observe(Token token) {
   counts_.emplace_back(token, 1);
 }
 
-std::span<const float> Sampler::penalize(std::span<const float> logits) {
-  if (counts_.empty()) return logits;
-  penalized_.assign(logits.begin(), logits.end());
+std::span<const float> Sampler::adjust(std::span<const float> logits) {
+  if (counts_.empty() && params_.logit_bias.empty()) return logits;
+  adjusted_.assign(logits.begin(), logits.end());
   for (const auto& [token, n] : counts_) {
-    if (token < 0 || static_cast<std::size_t>(token) >= penalized_.size()) continue;
-    penalized_[static_cast<std::size_t>(token)] -=
+    if (token < 0 || static_cast<std::size_t>(token) >= adjusted_.size()) continue;
+    adjusted_[static_cast<std::size_t>(token)] -=
         params_.frequency_penalty * static_cast<float>(n) + params_.presence_penalty;
   }
-  return penalized_;
+  for (const auto& [token, bias] : params_.logit_bias) {
+    if (token < 0 || static_cast<std::size_t>(token) >= adjusted_.size()) continue;
+    adjusted_[static_cast<std::size_t>(token)] += bias;
+  }
+  return adjusted_;
+}
+
+PositionLogprobs position_logprobs(std::span<const float> logits, Token token, int top) {
+  PositionLogprobs out;
+  out.token = token;
+  if (logits.empty()) return out;
+  const float max = *std::max_element(logits.begin(), logits.end());
+  // Terms more than 80 nats below the largest (which contributes 1) are below a double's
+  // resolution of the sum even all together, so they are skipped rather than exponentiated.
+  double sum = 0.0;
+  for (const float l : logits)
+    if (l - max > -80.0f) sum += std::exp(static_cast<double>(l - max));
+  const double log_total = static_cast<double>(max) + std::log(sum);
+  const auto logprob = [&](Token t) { return static_cast<float>(static_cast<double>(logits[static_cast<std::size_t>(t)]) - log_total); };
+  if (token >= 0 && static_cast<std::size_t>(token) < logits.size()) out.logprob = logprob(token);
+  const std::size_t k = std::min(static_cast<std::size_t>(std::max(top, 0)), logits.size());
+  if (k == 0) return out;
+  // The k best in one pass: a small array kept sorted, best first, the lower id first on ties.
+  std::vector<Token> best;
+  best.reserve(k + 1);
+  const auto better = [&](Token a, Token b) {
+    const float la = logits[static_cast<std::size_t>(a)], lb = logits[static_cast<std::size_t>(b)];
+    return la != lb ? la > lb : a < b;
+  };
+  for (std::size_t i = 0; i < logits.size(); ++i) {
+    const auto t = static_cast<Token>(i);
+    if (best.size() == k && !better(t, best.back())) continue;
+    best.insert(std::upper_bound(best.begin(), best.end(), t, better), t);
+    if (best.size() > k) best.pop_back();
+  }
+  out.top.reserve(k);
+  for (const Token t : best) out.top.emplace_back(t, logprob(t));
+  return out;
 }
 
 TokenDistribution Sampler::distribution(std::span<const float> raw) {
-  const std::span<const float> logits = penalize(raw);
+  const std::span<const float> logits = adjust(raw);
   const auto n = static_cast<std::int64_t>(logits.size());
   TokenDistribution out;
   if (n == 0) return out;
@@ -111,7 +148,7 @@ TokenDistribution Sampler::distribution(std::span<const float> raw) {
 
 Token Sampler::sample(std::span<const float> raw) {
   if (greedy()) {
-    const std::span<const float> logits = penalize(raw);
+    const std::span<const float> logits = adjust(raw);
     return static_cast<Token>(kernels::argmax(logits.data(), logits.size()));
   }
   return distribution(raw).draw(uniform());

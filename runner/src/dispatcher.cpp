@@ -395,7 +395,8 @@ class Dispatcher {
     live.in_attempt = true;
     ++counters_.in_flight;
     run.streamed = 0;
-    run.outcome = co_await backend_.complete(item.request, [this, &run](std::string_view) {
+    run.outcome = co_await backend_.complete(item.request, [this, &run](std::string_view text, std::span<const TokenLogprob>) {
+      if (text.empty()) return;
       ++run.streamed;
       ++counters_.output_tokens;
     });
@@ -449,6 +450,7 @@ class Dispatcher {
       json score = scorer_ ? scorer_->score(item.input, c.text) : json();
       record["output"] = c.text;
       record["finish_reason"] = c.finish_reason;
+      if (c.logprobs) record["logprobs"] = logprobs_json(*c.logprobs);
       record["usage"] = usage;
       record["timings"] = timings;
       record["attempts"] = run.attempts;

@@ -982,6 +982,9 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
       for (const auto& [key, value] : job.request.extra.items())
         if (const auto problem = engine_field_problem(key, value))
           r.fail(root["request"]["extra"][key], "request.extra." + key, *problem + " (the backend is the embedded engine)");
+      if (const auto problem = top_logprobs_problem(job.request.extra))
+        r.fail(root["request"]["extra"]["top_logprobs"], "request.extra.top_logprobs",
+               *problem + " (the backend is the embedded engine)");
     }
   } else {
     if (job.backend.base_url.empty())

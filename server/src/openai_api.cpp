@@ -5,6 +5,7 @@
 #include <optional>
 #include <random>
 
+#include "batchlm/core/engine_fields.hpp"
 #include "batchlm/core/json_check.hpp"
 
 namespace batchlm::server {
@@ -257,17 +258,32 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
     }
   }
 
-  // Parameters that would change the output in ways the engine does not implement.
   if (const json* v = field(body, "logit_bias")) {
     if (!v->is_object()) invalid("logit_bias", "'logit_bias' must be an object, not " + type_name(*v));
-    if (!v->empty()) unsupported("logit_bias", "'logit_bias'");
+    if (const auto problem = engine_field_problem("logit_bias", *v)) invalid("logit_bias", "'logit_bias' " + *problem);
+    if (!v->empty()) r.extra["logit_bias"] = *v;
   }
-  if (const json* v = field(body, "logprobs")) {
-    if ((v->is_boolean() && v->get<bool>()) || (v->is_number() && v->get<double>() > 0))
-      unsupported("logprobs", "'logprobs'");
-  }
-  if (const json* v = field(body, "top_logprobs")) {
-    if (!v->is_number() || v->get<double>() != 0) unsupported("top_logprobs", "'top_logprobs'");
+  // Log-probabilities: the chat API asks with logprobs: true and top_logprobs: N, the
+  // completions API with logprobs: N.
+  if (chat) {
+    const json* lp = field(body, "logprobs");
+    const bool on = lp && boolean(*lp, "logprobs");
+    if (const json* top = field(body, "top_logprobs")) {
+      const std::int64_t n = integer(*top, "top_logprobs", 0, kMaxTopLogprobs);
+      if (n > 0 && !on) invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+      if (on) r.extra["top_logprobs"] = n;
+    }
+    if (on) {
+      r.extra["logprobs"] = true;
+      out.logprobs = true;
+    }
+  } else {
+    if (const json* lp = field(body, "logprobs")) {
+      r.extra["logprobs"] = integer(*lp, "logprobs", 0, kMaxTopLogprobs);
+      out.logprobs = true;
+    }
+    if (const json* top = field(body, "top_logprobs"); top && !(top->is_number() && top->get<double>() == 0))
+      invalid("top_logprobs", "'top_logprobs' is a chat completions parameter; text completions take 'logprobs': N");
   }
   if (const json* v = field(body, "tools"); v && !(v->is_array() && v->empty())) unsupported("tools", "tool calling");
   if (const json* v = field(body, "functions"); v && !(v->is_array() && v->empty())) unsupported("functions", "function calling");
@@ -352,6 +368,10 @@ json completion_body(const ResponseContext& ctx, std::span<const Completion> cho
   for (std::size_t i = 0; i < choices.size(); ++i) {
     const Completion& completion = choices[i];
     json choice = {{"index", i}, {"finish_reason", finish_value(completion.finish_reason)}, {"logprobs", nullptr}};
+    if (completion.logprobs) {
+      std::int64_t offset = 0;
+      choice["logprobs"] = choice_logprobs(ctx.endpoint, *completion.logprobs, offset);
+    }
     if (ctx.endpoint == Endpoint::kChat) {
       choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
     } else {
@@ -363,6 +383,30 @@ json completion_body(const ResponseContext& ctx, std::span<const Completion> cho
   return body;
 }
 
+json choice_logprobs(Endpoint endpoint, std::span<const TokenLogprob> logprobs, std::int64_t& text_offset) {
+  if (endpoint == Endpoint::kChat) return {{"content", logprobs_json(logprobs)}};
+  json tokens = json::array(), values = json::array(), top = json::array(), offsets = json::array();
+  for (const TokenLogprob& t : logprobs) {
+    const std::string text = logprob_token_text(t.token);
+    tokens.push_back(text);
+    values.push_back(t.logprob);
+    // The alternatives, and the chosen token always (so up to logprobs + 1 entries).
+    json alternatives = json::object();
+    for (const TopLogprob& a : t.top_logprobs) alternatives.emplace(logprob_token_text(a.token), a.logprob);
+    alternatives.emplace(text, t.logprob);
+    top.push_back(std::move(alternatives));
+    offsets.push_back(text_offset);
+    // Offsets count characters, as a client's string indexes them (a token's bytes that do
+    // not start a character count with the character they belong to).
+    for (const char c : t.token)
+      if ((static_cast<unsigned char>(c) & 0xC0) != 0x80) ++text_offset;
+  }
+  return {{"tokens", std::move(tokens)},
+          {"token_logprobs", std::move(values)},
+          {"top_logprobs", std::move(top)},
+          {"text_offset", std::move(offsets)}};
+}
+
 Usage total_usage(std::span<const Completion> choices) {
   Usage total;
   if (choices.empty()) return total;
@@ -371,9 +415,10 @@ Usage total_usage(std::span<const Completion> choices) {
   return total;
 }
 
-json text_chunk(const ResponseContext& ctx, std::string_view text, bool first, bool include_usage, int index) {
+json text_chunk(const ResponseContext& ctx, std::string_view text, bool first, bool include_usage, int index,
+               json logprobs) {
   json body = envelope(ctx, true);
-  json choice = {{"index", index}, {"finish_reason", nullptr}, {"logprobs", nullptr}};
+  json choice = {{"index", index}, {"finish_reason", nullptr}, {"logprobs", std::move(logprobs)}};
   if (ctx.endpoint == Endpoint::kChat) {
     json delta = {{"content", std::string(text)}};
     if (first) delta["role"] = "assistant";

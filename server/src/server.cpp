@@ -283,8 +283,10 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   asio::awaitable<Outcome> produce_choice(Stream& s, const ApiRequest& api, const Request& request,
                                           const ResponseContext& ctx, int index) {
     bool first = true;
-    Outcome o = co_await backend.complete(request, [&](std::string_view delta) {
-      s.pending += sse(text_chunk(ctx, delta, first, api.include_usage, index));
+    std::int64_t text_offset = 0;
+    Outcome o = co_await backend.complete(request, [&](std::string_view delta, std::span<const TokenLogprob> logprobs) {
+      json lp = api.logprobs ? choice_logprobs(ctx.endpoint, logprobs, text_offset) : json(nullptr);
+      s.pending += sse(text_chunk(ctx, delta, first, api.include_usage, index, std::move(lp)));
       first = false;
       s.wake.cancel();
     });

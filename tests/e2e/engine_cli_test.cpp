@@ -368,6 +368,41 @@ TEST_F(EngineCli, RunALocalJobWritesEveryRecord) {
   EXPECT_EQ(read_jsonl(dir() / "out/local.jsonl").size(), 5u);
 }
 
+TEST_F(EngineCli, RunALocalJobWithLogprobsRecordsThemPerToken) {
+  batchlm::testing::TinyLlamaOptions options;
+  options.context_length = 1024;
+  batchlm::testing::write_tiny_llama(dir() / "long.gguf", options);
+  std::string job = local_job("long.gguf", 3);
+  job.replace(job.find("  temperature: 0\n"), 17, "  temperature: 0\n  extra: {logprobs: true, top_logprobs: 2}\n");
+  write_file(dir() / "job.yaml", job);
+  RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<json> records = read_jsonl(dir() / "out/local.jsonl");
+  ASSERT_EQ(records.size(), 3u);
+  for (const auto& rec : records) {
+    ASSERT_TRUE(rec["logprobs"].is_array()) << rec.dump();
+    // Every generated token but an end of the turn.
+    const long long tokens = rec["usage"]["completion_tokens"].get<long long>();
+    EXPECT_EQ(static_cast<long long>(rec["logprobs"].size()), rec["finish_reason"] == "stop" ? tokens - 1 : tokens)
+        << rec.dump();
+    for (const auto& t : rec["logprobs"]) {
+      EXPECT_TRUE(t["token"].is_string()) << t.dump();
+      EXPECT_TRUE(t["bytes"].is_array()) << t.dump();
+      EXPECT_LE(t["logprob"].get<double>(), 0.0) << t.dump();
+      ASSERT_EQ(t["top_logprobs"].size(), 2u) << t.dump();
+      // Greedy: the chosen token is the most likely one.
+      EXPECT_EQ(t["top_logprobs"][0]["bytes"], t["bytes"]) << t.dump();
+    }
+  }
+  // Asking for alternatives without turning log-probabilities on is an error in the job file.
+  job.replace(job.find("logprobs: true, "), 16, "");
+  write_file(dir() / "bad.yaml", job);
+  RunResult bad = run_batchlm(dir(), {"run", "bad.yaml"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("request.extra.top_logprobs"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("needs logprobs: true"), std::string::npos) << bad.err;
+}
+
 TEST_F(EngineCli, RunALocalJobWhosePromptsOverflowTheContextRecordsA400) {
   write_file(dir() / "job.yaml", local_job("tiny.gguf", 3, ", context: 64"));
   RunResult r = run_batchlm(dir(), {"run", "job.yaml"});

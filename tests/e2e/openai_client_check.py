@@ -3,7 +3,8 @@
 Usage: openai_client_check.py --base-url http://127.0.0.1:PORT/v1 --api-key KEY --model NAME
 
 Makes the calls a client makes (models.list, chat.completions.create whole and streamed with
-usage, completions.create, and requests the server must refuse) and prints one JSON object
+usage, completions.create, log-probabilities and logit_bias, and requests the server must
+refuse) and prints one JSON object
 with what came back; the C++ test asserts on it. Exits non-zero when a call fails in a way the
 test did not expect.
 """
@@ -90,6 +91,56 @@ def main() -> int:
         "finish_reason": completion.choices[0].finish_reason,
         "completion_tokens": completion.usage.completion_tokens,
     }
+
+    # Log-probabilities, whole and streamed, in the chat form.
+    lp = client.chat.completions.create(**request, logprobs=True, top_logprobs=3)
+    content = lp.choices[0].logprobs.content
+    out["logprobs"] = {
+        "text": lp.choices[0].message.content,
+        "joined": b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace"),
+        "tokens": len(content),
+        "completion_tokens": lp.usage.completion_tokens,
+        "finish_reason": lp.choices[0].finish_reason,
+        "top_sizes": sorted({len(t.top_logprobs) for t in content}),
+        "chosen_is_best": all(t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob for t in content),
+        "all_negative": all(t.logprob <= 0 for t in content),
+        "logprobs": [t.logprob for t in content],
+    }
+    streamed = client.chat.completions.create(**request, logprobs=True, top_logprobs=3, stream=True)
+    entries, text = [], ""
+    for chunk in streamed:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.logprobs is not None and c.logprobs.content:
+                entries.extend(c.logprobs.content)
+    out["logprobs_stream"] = {"text": text, "logprobs": [t.logprob for t in entries]}
+
+    # The completions form: logprobs=N, tokens with their offsets.
+    lc = client.completions.create(
+        model=args.model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
+    clp = lc.choices[0].logprobs
+    out["completion_logprobs"] = {
+        "text": lc.choices[0].text,
+        "joined": "".join(clp.tokens),
+        "tokens": len(clp.tokens),
+        "offsets_ok": all(lc.choices[0].text[o:].startswith(t) for o, t in zip(clp.text_offset, clp.tokens)),
+        "top_sizes": sorted({len(d) for d in clp.top_logprobs}),
+    }
+
+    # logit_bias: +100 on one token makes every token that one.
+    forced = client.chat.completions.create(
+        model=args.model, messages=messages, temperature=0, max_tokens=5, logprobs=True, logit_bias={"28": 100}
+    )
+    out["logit_bias"] = {
+        "distinct_tokens": [list(b) for b in sorted({bytes(t.bytes) for t in forced.choices[0].logprobs.content})],
+        "completion_tokens": forced.usage.completion_tokens,
+    }
+    try:
+        client.chat.completions.create(model=args.model, messages=messages, top_logprobs=2)
+        out["top_without_logprobs"] = {"status": None}
+    except openai.BadRequestError as e:
+        out["top_without_logprobs"] = {"status": e.status_code, "param": (e.body or {}).get("param")}
 
     try:
         client.chat.completions.create(model=args.model, messages=messages, temperature=5)

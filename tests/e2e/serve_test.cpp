@@ -1779,6 +1779,27 @@ TEST_F(ServeRealModel, OfficialOpenAIPythonClient) {
   // No chat template, so no end of turn: the text runs on to max_tokens.
   EXPECT_EQ(r["completion"]["finish_reason"], "length") << out;
   EXPECT_EQ(r["completion"]["completion_tokens"], 8) << out;
+  // Log-probabilities: one entry per token, the greedy choice the most likely, the same whole
+  // and streamed; in the completions form with offsets into the text.
+  const json& lp = r["logprobs"];
+  EXPECT_EQ(lp["text"], chat) << out;
+  EXPECT_EQ(lp["joined"], chat) << out;
+  EXPECT_EQ(lp["tokens"].get<int>(), lp["completion_tokens"].get<int>() - (lp["finish_reason"] == "stop" ? 1 : 0)) << out;
+  EXPECT_EQ(lp["top_sizes"], json::array({3})) << out;
+  EXPECT_EQ(lp["chosen_is_best"], true) << out;
+  EXPECT_EQ(lp["all_negative"], true) << out;
+  EXPECT_EQ(r["logprobs_stream"]["text"], chat) << out;
+  EXPECT_EQ(r["logprobs_stream"]["logprobs"], lp["logprobs"]) << out;
+  const json& clp = r["completion_logprobs"];
+  EXPECT_EQ(clp["joined"], clp["text"]) << out;
+  EXPECT_EQ(clp["tokens"], 6) << out;
+  EXPECT_EQ(clp["offsets_ok"], true) << out;
+  // Two alternatives and the chosen token, which is one of them when greedy.
+  EXPECT_EQ(clp["top_sizes"], json::array({2})) << out;
+  EXPECT_EQ(r["logit_bias"]["distinct_tokens"].size(), 1u) << out;
+  EXPECT_EQ(r["logit_bias"]["completion_tokens"], 5) << out;
+  EXPECT_EQ(r["top_without_logprobs"]["status"], 400) << out;
+  EXPECT_EQ(r["top_without_logprobs"]["param"], "top_logprobs") << out;
   EXPECT_EQ(r["bad_request"]["status"], 400) << out;
   EXPECT_EQ(r["bad_request"]["param"], "temperature") << out;
   EXPECT_EQ(r["not_found"]["status"], 404) << out;
@@ -1802,6 +1823,7 @@ TEST_F(ServeRealModel, BatchlmRunAgainstServeMatchesTheLocalBackend) {
       "    - {role: user, content: \"{{question}}\"}\n"
       "  max_tokens: 256\n"
       "  temperature: 0\n"
+      "  extra: {logprobs: true, top_logprobs: 2}\n"
       "concurrency: 4\n"
       "scoring: gsm8k\n";
   write_file(dir() / "job.yaml", job);
@@ -1832,6 +1854,10 @@ TEST_F(ServeRealModel, BatchlmRunAgainstServeMatchesTheLocalBackend) {
     EXPECT_EQ(other["finish_reason"], rec["finish_reason"]) << "id " << id;
     EXPECT_EQ(other["usage"]["prompt_tokens"], rec["usage"]["prompt_tokens"]) << "id " << id;
     EXPECT_EQ(other["usage"]["completion_tokens"], rec["usage"]["completion_tokens"]) << "id " << id;
+    // The log-probabilities too, through the server's stream and the client's reading of it.
+    ASSERT_TRUE(rec["logprobs"].is_array()) << rec.dump();
+    EXPECT_FALSE(rec["logprobs"].empty()) << rec.dump();
+    EXPECT_EQ(other["logprobs"], rec["logprobs"]) << "id " << id;
   }
 }
 

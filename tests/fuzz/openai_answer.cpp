@@ -91,7 +91,7 @@ HttpResponse response_for(std::uint8_t choice) {
 Outcome stream(std::string_view body, std::uint8_t response_choice, std::uint32_t seed, SseLimits limits,
                std::string& streamed) {
   const auto started = std::chrono::steady_clock::now();  // the request is sent
-  StreamedAnswer answer(limits, [&](std::string_view piece) { streamed += piece; });
+  StreamedAnswer answer(limits, [&](std::string_view piece, std::span<const batchlm::TokenLogprob>) { streamed += piece; });
   HttpResponse response = response_for(response_choice);
   const bool success = response.status >= 200 && response.status < 300;
   std::string_view rest = body;
@@ -132,7 +132,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::string streamed;
     Timings timings;
     timings.total_ms = 12;
-    const Outcome o = answer_from_body(200, body, timings, [&](std::string_view piece) { streamed += piece; });
+    const Outcome o = answer_from_body(200, body, timings, [&](std::string_view piece, std::span<const batchlm::TokenLogprob>) { streamed += piece; });
     check_outcome(o, streamed);
   } else if (mode == 2) {
     HttpResponse response;

@@ -55,7 +55,7 @@ class OpenAIBackendTest : public ::testing::Test {
   Result complete(const OpenAIOptions& options, const Request& request) {
     OpenAIBackend backend(ioc_.get_executor(), options);
     Result result;
-    batchlm::TokenSink sink = [&result](std::string_view delta) {
+    batchlm::TokenSink sink = [&result](std::string_view delta, std::span<const batchlm::TokenLogprob>) {
       result.deltas.emplace_back(delta);
     };
     result.outcome = run_on(ioc_, backend.complete(request, sink));

@@ -205,7 +205,7 @@ TEST(StreamedAnswer, ReadsTextFinishReasonAndUsageInAnyChunking) {
       "data: [DONE]\n\n";
   for (const std::size_t chunk : {body.size(), std::size_t{1}, std::size_t{5}}) {
     std::string sunk;
-    StreamedAnswer answer(SseLimits{}, [&](std::string_view piece) { sunk += piece; });
+    StreamedAnswer answer(SseLimits{}, [&](std::string_view piece, std::span<const TokenLogprob>) { sunk += piece; });
     for (std::size_t at = 0; at < body.size(); at += chunk) ASSERT_TRUE(answer.feed(std::string_view(body).substr(at, chunk)));
     const Outcome o = answer.finish(stream_response(), std::chrono::steady_clock::now());
     ASSERT_TRUE(o.ok()) << o.error->message;
@@ -251,7 +251,7 @@ TEST(AnswerFromBody, ReadsAChatCompletion) {
   std::string sunk;
   const Outcome o = answer_from_body(
       200, R"({"choices": [{"message": {"content": "4"}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})",
-      {}, [&](std::string_view piece) { sunk += piece; });
+      {}, [&](std::string_view piece, std::span<const TokenLogprob>) { sunk += piece; });
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(o.completion->text, "4");
   EXPECT_EQ(sunk, "4");
@@ -264,6 +264,99 @@ TEST(ParseAnswerJson, UnpairedSurrogateEscapesBecomeReplacementCharacters) {
   ASSERT_FALSE(j.is_discarded());
   EXPECT_EQ(j["content"], "x\xEF\xBF\xBD y \xEF\xBF\xBD z \xF0\x9F\x98\x80");
   EXPECT_TRUE(j.contains("k\xEF\xBF\xBD"));
+}
+
+// ---- log-probabilities ---------------------------------------------------------------------------
+
+TEST(ParseLogprobs, ChatFormTakesTheExactBytes) {
+  const auto lp = parse_logprobs(nlohmann::json::parse(R"({"content": [
+      {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": [
+          {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}, {"token": "Hey", "logprob": -1.5}]},
+      {"token": "\\xe2", "logprob": -3, "bytes": [226], "top_logprobs": []},
+      {"token": "no logprob"},
+      {"token": "!", "logprob": -0.1}]})"));
+  ASSERT_TRUE(lp);
+  ASSERT_EQ(lp->size(), 3u);
+  EXPECT_EQ((*lp)[0].token, "Hi");
+  EXPECT_EQ((*lp)[0].logprob, -0.5);
+  ASSERT_EQ((*lp)[0].top_logprobs.size(), 2u);
+  EXPECT_EQ((*lp)[0].top_logprobs[1].token, "Hey");
+  EXPECT_EQ((*lp)[1].token, "\xE2");  // from the bytes, not the escaped text
+  EXPECT_EQ((*lp)[2].token, "!");
+  EXPECT_TRUE((*lp)[2].top_logprobs.empty());
+  // Round trip through the form batchlm writes.
+  const auto again = parse_logprobs({{"content", logprobs_json(*lp)}});
+  ASSERT_TRUE(again);
+  ASSERT_EQ(again->size(), 3u);
+  EXPECT_EQ((*again)[1].token, "\xE2");
+  EXPECT_EQ((*again)[0].top_logprobs[1].logprob, -1.5);
+}
+
+TEST(ParseLogprobs, CompletionsFormListsTheMostLikelyFirst) {
+  const auto lp = parse_logprobs(nlohmann::json::parse(R"({
+      "tokens": [" a", " b"], "token_logprobs": [-0.2, null],
+      "top_logprobs": [{" c": -3.0, " a": -0.2, " d": -1.0}, null], "text_offset": [0, 2]})"));
+  ASSERT_TRUE(lp);
+  ASSERT_EQ(lp->size(), 1u);  // a null logprob is skipped
+  EXPECT_EQ((*lp)[0].token, " a");
+  ASSERT_EQ((*lp)[0].top_logprobs.size(), 3u);
+  EXPECT_EQ((*lp)[0].top_logprobs[0].token, " a");
+  EXPECT_EQ((*lp)[0].top_logprobs[1].token, " d");
+  EXPECT_EQ((*lp)[0].top_logprobs[2].token, " c");
+}
+
+TEST(ParseLogprobs, NullOrOtherValuesAreNone) {
+  EXPECT_FALSE(parse_logprobs(nullptr));
+  EXPECT_FALSE(parse_logprobs(nlohmann::json::array()));
+  EXPECT_FALSE(parse_logprobs({{"content", "x"}}));
+  EXPECT_FALSE(parse_logprobs({{"tokens", {"a"}}}));
+  const auto empty = parse_logprobs({{"content", nlohmann::json::array()}});
+  ASSERT_TRUE(empty);
+  EXPECT_TRUE(empty->empty());
+}
+
+TEST(StreamedAnswer, CollectsEachChunksLogprobsAndHandsThemToTheSink) {
+  const std::string body =
+      "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"Hel\"}, \"logprobs\": {\"content\": "
+      "[{\"token\": \"Hel\", \"logprob\": -1.0, \"top_logprobs\": []}]}}]}\n\n"
+      "data: {\"choices\": [{\"index\": 1, \"delta\": {\"content\": \"Other\"}, \"logprobs\": {\"content\": "
+      "[{\"token\": \"Other\", \"logprob\": -9.0, \"top_logprobs\": []}]}}]}\n\n"
+      "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"lo\"}, \"logprobs\": {\"content\": "
+      "[{\"token\": \"lo\", \"logprob\": -2.0, \"top_logprobs\": []}]}, \"finish_reason\": \"stop\"}]}\n\n"
+      "data: [DONE]\n\n";
+  std::vector<std::pair<std::string, std::size_t>> sunk;
+  StreamedAnswer answer(SseLimits{}, [&](std::string_view piece, std::span<const TokenLogprob> lp) {
+    sunk.emplace_back(std::string(piece), lp.size());
+  });
+  ASSERT_TRUE(answer.feed(body));
+  const Outcome o = answer.finish(stream_response(), std::chrono::steady_clock::now());
+  ASSERT_TRUE(o.ok()) << o.error->message;
+  EXPECT_EQ(o.completion->text, "Hello");
+  ASSERT_TRUE(o.completion->logprobs);
+  ASSERT_EQ(o.completion->logprobs->size(), 2u);
+  EXPECT_EQ((*o.completion->logprobs)[0].token, "Hel");
+  EXPECT_EQ((*o.completion->logprobs)[1].logprob, -2.0);
+  EXPECT_EQ(sunk, (std::vector<std::pair<std::string, std::size_t>>{{"Hel", 1}, {"lo", 1}}));
+
+  // A stream without them has none.
+  StreamedAnswer plain(SseLimits{}, {});
+  ASSERT_TRUE(plain.feed("data: {\"choices\": [{\"delta\": {\"content\": \"x\"}, \"logprobs\": null, "
+                         "\"finish_reason\": \"stop\"}]}\n\ndata: [DONE]\n\n"));
+  const Outcome p = plain.finish(stream_response(), std::chrono::steady_clock::now());
+  ASSERT_TRUE(p.ok());
+  EXPECT_FALSE(p.completion->logprobs);
+}
+
+TEST(AnswerFromBody, ReadsLogprobsOfAWholeAnswer) {
+  std::size_t sunk = 0;
+  const Outcome o = answer_from_body(
+      200,
+      R"({"choices": [{"text": " 4", "finish_reason": "stop", "logprobs": {"tokens": [" 4"], "token_logprobs": [-0.01], "top_logprobs": [{" 4": -0.01}]}}]})",
+      {}, [&](std::string_view, std::span<const TokenLogprob> lp) { sunk += lp.size(); });
+  ASSERT_TRUE(o.ok());
+  ASSERT_TRUE(o.completion->logprobs);
+  EXPECT_EQ((*o.completion->logprobs)[0].token, " 4");
+  EXPECT_EQ(sunk, 1u);
 }
 
 }  // namespace batchlm::client

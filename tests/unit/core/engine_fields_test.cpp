@@ -57,9 +57,6 @@ TEST(EngineFields, FieldsThatChangeNothingPass) {
 
 TEST(EngineFields, FieldsThatWouldChangeTheOutputAreRefusedWithTheReason) {
   EXPECT_TRUE(problem("repetition_penalty", 1.1).starts_with("the embedded engine does not apply repetition"));
-  EXPECT_TRUE(problem("logit_bias", {{"50256", -100}}).starts_with("the embedded engine does not apply logit biases"));
-  EXPECT_TRUE(problem("logprobs", true).starts_with("the embedded engine does not return log probabilities"));
-  EXPECT_TRUE(problem("top_logprobs", 3).starts_with("the embedded engine does not return log probabilities"));
   EXPECT_TRUE(problem("response_format", {{"type", "json_object"}}).starts_with("the embedded engine has no JSON mode"));
   EXPECT_TRUE(problem("tools", json::array({{{"type", "function"}}})).starts_with("the embedded engine does not call tools"));
   EXPECT_TRUE(problem("modalities", json::array({"text", "audio"})).starts_with("the embedded engine generates text only"));
@@ -75,8 +72,52 @@ TEST(EngineFields, RequestFieldsBelongOutsideTheExtraOnes) {
 
 TEST(EngineFields, UnknownFieldsAreNamed) {
   EXPECT_EQ(problem("min_p", 0.05),
-            "the embedded engine does not use 'min_p' (of the extra fields it takes top_k, presence_penalty and frequency_penalty); remove it, or run the job "
-            "against an API that does (--base-url)");
+            "the embedded engine does not use 'min_p' (of the extra fields it takes top_k, presence_penalty, "
+            "frequency_penalty, logit_bias, logprobs and top_logprobs); remove it, or run the job against an API that "
+            "does (--base-url)");
+}
+
+TEST(EngineFields, LogitBiasIsTokenIdsAndBiasesWithinRange) {
+  EXPECT_TRUE(ok("logit_bias", {{"50256", -100}, {"0", 100}, {"12", 2.5}}));
+  EXPECT_EQ(problem("logit_bias", json::array()), "expected an object of token ids and biases, not []");
+  EXPECT_EQ(problem("logit_bias", {{"-1", 1}}),
+            "the key '-1' is not a token id (a whole number written as a string, like \"1234\")");
+  EXPECT_EQ(problem("logit_bias", {{"hello", 1}}),
+            "the key 'hello' is not a token id (a whole number written as a string, like \"1234\")");
+  EXPECT_EQ(problem("logit_bias", {{"7", 100.5}}), "the bias of token 7 must be a number from -100 to 100, not 100.5");
+  EXPECT_EQ(problem("logit_bias", {{"7", "1"}}), "the bias of token 7 must be a number from -100 to 100, not \"1\"");
+  json many = json::object();
+  for (int i = 0; i <= 1024; ++i) many[std::to_string(i)] = 1;
+  EXPECT_EQ(problem("logit_bias", many), "names 1025 tokens; at most 1024 are allowed");
+  EXPECT_EQ(requested_logit_bias({{"logit_bias", {{"7", -100}, {"12", 2.5}}}}),
+            (std::vector<std::pair<std::int64_t, double>>{{12, 2.5}, {7, -100.0}}));
+  EXPECT_TRUE(requested_logit_bias({{"top_k", 3}}).empty());
+}
+
+TEST(EngineFields, LogprobsInTheChatAndTheCompletionsForm) {
+  EXPECT_TRUE(ok("logprobs", true));
+  EXPECT_TRUE(ok("logprobs", 0));
+  EXPECT_TRUE(ok("logprobs", 20));
+  EXPECT_TRUE(ok("top_logprobs", 20));
+  EXPECT_EQ(problem("logprobs", 21), "expected true, false or a number of most likely tokens from 0 to 20, not 21");
+  EXPECT_EQ(problem("logprobs", 1.5), "expected true, false or a number of most likely tokens from 0 to 20, not 1.5");
+  EXPECT_EQ(problem("top_logprobs", -1), "expected a whole number from 0 to 20, not -1");
+  EXPECT_EQ(problem("top_logprobs", true), "expected a whole number from 0 to 20, not true");
+
+  EXPECT_EQ(requested_logprobs(json::object()), -1);
+  EXPECT_EQ(requested_logprobs({{"logprobs", false}, {"top_logprobs", 0}}), -1);
+  EXPECT_EQ(requested_logprobs({{"logprobs", true}}), 0);
+  EXPECT_EQ(requested_logprobs({{"logprobs", true}, {"top_logprobs", 5}}), 5);
+  EXPECT_EQ(requested_logprobs({{"logprobs", 3}}), 3);
+  EXPECT_EQ(requested_logprobs({{"logprobs", 0}}), 0);
+
+  EXPECT_FALSE(top_logprobs_problem({{"logprobs", true}, {"top_logprobs", 5}}));
+  EXPECT_FALSE(top_logprobs_problem({{"logprobs", false}, {"top_logprobs", 0}}));
+  EXPECT_FALSE(top_logprobs_problem({{"logprobs", 4}, {"top_logprobs", 4}}));
+  EXPECT_EQ(top_logprobs_problem({{"top_logprobs", 2}}), "needs logprobs: true");
+  EXPECT_EQ(top_logprobs_problem({{"logprobs", false}, {"top_logprobs", 2}}), "needs logprobs: true");
+  EXPECT_EQ(top_logprobs_problem({{"logprobs", 4}, {"top_logprobs", 2}}),
+            "asks for 2 most likely tokens where logprobs asks for 4");
 }
 
 }  // namespace

@@ -636,7 +636,7 @@ struct Call {
 // Runs complete() and stores what it returned, streamed and threw.
 asio::awaitable<void> call_complete(Backend& backend, Request request, Call& call) {
   try {
-    Outcome outcome = co_await backend.complete(request, [&call](std::string_view piece) {
+    Outcome outcome = co_await backend.complete(request, [&call](std::string_view piece, std::span<const TokenLogprob>) {
       call.pieces.emplace_back(piece);
       if (call.on_piece) call.on_piece();
     });
@@ -727,7 +727,7 @@ TEST(LocalBackend, ExtraFieldsItWouldIgnoreFailTheRequest) {
   asio::io_context io;
   LocalBackend backend(io.get_executor(), tiny_options());
   Request refused = hello_request(4);
-  refused.extra = {{"top_k", 3}, {"logit_bias", {{"7", 5}}}};
+  refused.extra = {{"top_k", 3}, {"response_format", {{"type", "json_object"}}}};
   Request taken = hello_request(4);
   taken.extra = {{"top_k", 3}, {"user", "someone"}, {"presence_penalty", 0}};
   Call bad, good;
@@ -739,8 +739,8 @@ TEST(LocalBackend, ExtraFieldsItWouldIgnoreFailTheRequest) {
   EXPECT_EQ(bad.outcome->error->http_status, 400);
   EXPECT_EQ(bad.outcome->error->code, "unsupported_parameter");
   EXPECT_EQ(bad.outcome->error->message,
-            "'logit_bias': the embedded engine does not apply logit biases; remove it, or run the job against an API "
-            "that does (--base-url)");
+            "'response_format': the embedded engine has no JSON mode or structured outputs (only {\"type\": "
+            "\"text\"}); remove it, or run the job against an API that does (--base-url)");
   ASSERT_TRUE(good.outcome && good.outcome->ok()) << good.outcome->error->message;
 }
 

@@ -312,24 +312,27 @@ TEST_F(JobFile, DurationBeyondAYearIsAnError) {
 
 TEST_F(JobFile, ExtraFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
   // Sent to an API they would change the output; the embedded engine would have dropped them.
-  ConfigError e = error_of(with_input("request:\n  extra:\n    top_k: 40\n    logit_bias: {\"7\": 5}\n"));
+  ConfigError e = error_of(with_input("request:\n  extra:\n    top_k: 40\n    response_format: {type: json_object}\n"));
   EXPECT_EQ(e.file(), "jobs/t.yaml");
   EXPECT_EQ(e.line(), 5);
-  EXPECT_EQ(e.field(), "request.extra.logit_bias");
+  EXPECT_EQ(e.field(), "request.extra.response_format");
   EXPECT_EQ(e.message(),
-            "the embedded engine does not apply logit biases; remove it, or run the job against an API that "
-            "does (--base-url) (the backend is the embedded engine)");
+            "the embedded engine has no JSON mode or structured outputs (only {\"type\": \"text\"}); remove it, or run "
+            "the job against an API that does (--base-url) (the backend is the embedded engine)");
   EXPECT_EQ(error_of(with_input("request: {extra: {frequency_penalty: 3}}\n")).message(),
             "expected a number from -2 to 2, not 3 (the backend is the embedded engine)");
   EXPECT_EQ(error_of(with_input("request: {extra: {min_p: 0.1}}\n")).field(), "request.extra.min_p");
-  EXPECT_EQ(error_of(with_input("backend: {type: local}\nrequest: {extra: {logprobs: true}}\n")).field(),
+  EXPECT_EQ(error_of(with_input("backend: {type: local}\nrequest: {extra: {logprobs: 50}}\n")).field(),
             "request.extra.logprobs");
-  EXPECT_EQ(error_of(with_input(""), {parse_override("request.extra.logit_bias={\"7\": 5}")}).field(),
+  ConfigError top = error_of(with_input("backend: {type: local}\nrequest: {extra: {top_logprobs: 3}}\n"));
+  EXPECT_EQ(top.field(), "request.extra.top_logprobs");
+  EXPECT_EQ(top.message(), "needs logprobs: true (the backend is the embedded engine)");
+  EXPECT_EQ(error_of(with_input(""), {parse_override("request.extra.logit_bias={\"x\": 5}")}).field(),
             "request.extra.logit_bias");
   // What the engine takes, and what changes nothing, pass.
   const JobSpec local = load(with_input(
-      "request: {extra: {top_k: 40, presence_penalty: 0.5, frequency_penalty: -0.5, user: me, logprobs: false, "
-      "response_format: {type: text}}}\n"));
+      "request: {extra: {top_k: 40, presence_penalty: 0.5, frequency_penalty: -0.5, user: me, logprobs: true, "
+      "top_logprobs: 5, logit_bias: {\"7\": -100}, response_format: {type: text}}}\n"));
   EXPECT_EQ(local.request.extra["top_k"], 40);
   EXPECT_EQ(local.request.extra["presence_penalty"], 0.5);
   // Through an API every field passes through, and --backend / --base-url make it one.

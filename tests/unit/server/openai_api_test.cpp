@@ -176,7 +176,7 @@ TEST(ParseRequest, NeutralValuesOfUnsupportedFieldsAreAccepted) {
                        {"logprobs", false}, {"top_logprobs", 0}, {"tools", json::array()},
                        {"functions", json::array()}, {"response_format", {{"type", "text"}}}});
   EXPECT_EQ(r.request.messages.size(), 1u);
-  ApiRequest c = completion({{"echo", false}, {"best_of", 1}, {"suffix", ""}, {"logprobs", 0}});
+  ApiRequest c = completion({{"echo", false}, {"best_of", 1}, {"suffix", ""}});
   EXPECT_EQ(c.request.prompt, "Once upon a time");
 }
 
@@ -487,13 +487,29 @@ TEST(ParseRequest, NChoicesFromOneTo128) {
   EXPECT_EQ(chat_error(chat_body({{"n", 1.5}})).param(), "n");
 }
 
-TEST(ParseRequest, LogprobsAreUnsupported) {
-  expect_unsupported(chat_error(chat_body({{"logprobs", true}})), "logprobs",
-                     "'logprobs' is not supported by this server");
-  expect_unsupported(completion_error(completion_body_json({{"logprobs", 5}})), "logprobs",
-                     "'logprobs' is not supported by this server");
-  expect_unsupported(chat_error(chat_body({{"top_logprobs", 3}})), "top_logprobs",
-                     "'top_logprobs' is not supported by this server");
+TEST(ParseRequest, LogprobsInEachApisForm) {
+  // Chat: logprobs true and top_logprobs N.
+  ApiRequest r = chat({{"logprobs", true}, {"top_logprobs", 3}});
+  EXPECT_TRUE(r.logprobs);
+  EXPECT_EQ(r.request.extra, json({{"logprobs", true}, {"top_logprobs", 3}}));
+  r = chat({{"logprobs", true}});
+  EXPECT_TRUE(r.logprobs);
+  EXPECT_EQ(r.request.extra, json({{"logprobs", true}}));
+  r = chat({{"logprobs", false}, {"top_logprobs", 0}});
+  EXPECT_FALSE(r.logprobs);
+  EXPECT_TRUE(r.request.extra.is_null());
+  expect_invalid(chat_error(chat_body({{"top_logprobs", 3}})), "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+  expect_invalid(chat_error(chat_body({{"logprobs", true}, {"top_logprobs", 21}})), "top_logprobs",
+                 "'top_logprobs' must be between 0 and 20, not 21");
+  EXPECT_EQ(chat_error(chat_body({{"logprobs", 5}})).param(), "logprobs");
+  // Completions: logprobs N.
+  ApiRequest c = completion({{"logprobs", 5}});
+  EXPECT_TRUE(c.logprobs);
+  EXPECT_EQ(c.request.extra, json({{"logprobs", 5}}));
+  EXPECT_EQ(completion_error(completion_body_json({{"logprobs", true}})).param(), "logprobs");
+  EXPECT_EQ(completion_error(completion_body_json({{"logprobs", 21}})).param(), "logprobs");
+  expect_invalid(completion_error(completion_body_json({{"top_logprobs", 2}})), "top_logprobs",
+                 "'top_logprobs' is a chat completions parameter; text completions take 'logprobs': N");
 }
 
 TEST(ParseRequest, ToolsAndFunctionsAreUnsupported) {
@@ -517,11 +533,15 @@ TEST(ParseRequest, PenaltiesGoToTheEngine) {
                  "'frequency_penalty' must be a number, not a string");
 }
 
-TEST(ParseRequest, LogitBiasIsUnsupported) {
-  expect_unsupported(chat_error(chat_body({{"logit_bias", {{"50256", -100}}}})), "logit_bias",
-                     "'logit_bias' is not supported by this server");
+TEST(ParseRequest, LogitBiasIsPassedToTheEngine) {
+  ApiRequest r = chat({{"logit_bias", {{"50256", -100}, {"7", 2.5}}}});
+  EXPECT_EQ(r.request.extra, json({{"logit_bias", {{"50256", -100}, {"7", 2.5}}}}));
   expect_invalid(chat_error(chat_body({{"logit_bias", json::array()}})), "logit_bias",
                  "'logit_bias' must be an object, not an array");
+  expect_invalid(chat_error(chat_body({{"logit_bias", {{"token", 1}}}})), "logit_bias",
+                 "'logit_bias' the key 'token' is not a token id (a whole number written as a string, like \"1234\")");
+  expect_invalid(completion_error(completion_body_json({{"logit_bias", {{"3", -101}}}})), "logit_bias",
+                 "'logit_bias' the bias of token 3 must be a number from -100 to 100, not -101");
 }
 
 TEST(ParseRequest, ResponseFormatOtherThanTextIsUnsupported) {
@@ -790,6 +810,58 @@ TEST(StreamChunks, UsageChunkHasNoChoices) {
   EXPECT_EQ(usage_chunk(text_ctx(), u)["object"], "text_completion");
   EXPECT_TRUE(usage_chunk(text_ctx(), u)["choices"].is_array());
   EXPECT_TRUE(usage_chunk(text_ctx(), u)["choices"].empty());
+}
+
+
+// ---- log-probabilities -------------------------------------------------------------------------
+
+std::vector<TokenLogprob> sample_logprobs() {
+  // "Hé" then "llo": the second token starts with a byte that continues no character.
+  return {TokenLogprob{"H\xC3", -0.25, {{"H\xC3", -0.25}, {"J", -2.0}}},
+          TokenLogprob{"\xA9llo", -0.5, {{"\xA9llo", -0.5}}}};
+}
+
+TEST(Logprobs, ChatChoicesCarryContentWithBytes) {
+  Completion c = sample_completion();
+  c.text = "H\xC3\xA9llo";
+  c.logprobs = sample_logprobs();
+  const json body = completion_body(chat_ctx(), c);
+  const json& lp = body["choices"][0]["logprobs"];
+  ASSERT_TRUE(lp.contains("content")) << body.dump();
+  ASSERT_EQ(lp["content"].size(), 2u);
+  EXPECT_EQ(lp["content"][0]["token"], "H\\xc3");
+  EXPECT_EQ(lp["content"][0]["bytes"], json({72, 195}));
+  EXPECT_EQ(lp["content"][0]["logprob"], -0.25);
+  EXPECT_EQ(lp["content"][0]["top_logprobs"][1], json({{"token", "J"}, {"logprob", -2.0}, {"bytes", {74}}}));
+  EXPECT_EQ(lp["content"][1]["token"], "\\xa9llo");
+  // Not asked for: null.
+  EXPECT_TRUE(completion_body(chat_ctx(), sample_completion())["choices"][0]["logprobs"].is_null());
+}
+
+TEST(Logprobs, TextCompletionChoicesCarryTokensAndCharacterOffsets) {
+  Completion c = sample_completion();
+  c.logprobs = sample_logprobs();
+  const json lp = completion_body(text_ctx(), c)["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json({"H\\xc3", "\\xa9llo"}));
+  EXPECT_EQ(lp["token_logprobs"], json({-0.25, -0.5}));
+  EXPECT_EQ(lp["top_logprobs"][0], json({{"H\\xc3", -0.25}, {"J", -2.0}}));
+  // The chosen token is listed even with no alternatives asked for.
+  EXPECT_EQ(lp["top_logprobs"][1], json({{"\\xa9llo", -0.5}}));
+  // "H" and "é" are two characters; the second token's first byte belongs to "é".
+  EXPECT_EQ(lp["text_offset"], json({0, 2}));
+}
+
+TEST(Logprobs, StreamChunksCarryTheirTokensAndOffsetsRunOn) {
+  const std::vector<TokenLogprob> all = sample_logprobs();
+  std::int64_t offset = 0;
+  const json first = choice_logprobs(Endpoint::kCompletions, std::span(all).first(1), offset);
+  const json second = choice_logprobs(Endpoint::kCompletions, std::span(all).subspan(1), offset);
+  EXPECT_EQ(first["text_offset"], json({0}));
+  EXPECT_EQ(second["text_offset"], json({2}));
+  EXPECT_EQ(offset, 5);
+  const json chunk = text_chunk(chat_ctx(), "Hi", true, false, 0, choice_logprobs(Endpoint::kChat, all, offset));
+  EXPECT_EQ(chunk["choices"][0]["logprobs"]["content"].size(), 2u);
+  EXPECT_TRUE(text_chunk(chat_ctx(), "Hi", true, false)["choices"][0]["logprobs"].is_null());
 }
 
 }  // namespace

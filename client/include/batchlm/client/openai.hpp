@@ -53,6 +53,12 @@ Error http_error(const HttpResponse& response);
 // is the transfer's; the text goes to `sink` when there is one.
 Outcome answer_from_body(int status, std::string_view body, Timings timings, const TokenSink& sink = {});
 
+// A choice's `logprobs` in either form an API gives it: chat completions' {"content": [{token,
+// logprob, bytes, top_logprobs}, ...]}, or text completions' {"tokens", "token_logprobs",
+// "top_logprobs": [{token: logprob, ...}, ...]}. A token's `bytes`, when given, are its exact
+// bytes. nullopt for null or anything else; entries that are not understood are skipped.
+std::optional<std::vector<TokenLogprob>> parse_logprobs(const nlohmann::json& value);
+
 // A streamed answer as it arrives: the SSE events of a 2xx body read into text, finish reason
 // and usage, or the error that ends the stream. OpenAIBackend::complete feeds it each chunk of
 // the body and asks it for the Outcome once the transfer is over; it does no I/O itself.
@@ -80,6 +86,7 @@ class StreamedAnswer {
   std::string text_;
   std::string finish_reason_;
   Usage usage_;
+  std::optional<std::vector<TokenLogprob>> logprobs_;
   bool done_ = false;        // `data: [DONE]` seen
   bool saw_event_ = false;
   std::string raw_;          // the body while no event has been seen (a JSON answer instead of a stream)

@@ -1,14 +1,17 @@
 #pragma once
 // Which body fields beyond a Request's own the embedded engine honours. A job's `request.extra`
 // and the body of an OpenAI Batch-API line pass fields through to an API as they are; the
-// embedded engine reads `top_k`, `presence_penalty` and `frequency_penalty` among them, so any
-// other field that would change the output (logit_bias, logprobs, JSON mode, tools, ...) is
-// refused rather than silently ignored. Fields that change nothing (`user`, `metadata`, a zero penalty, `n: 1`, ...)
+// embedded engine reads `top_k`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
+// `logprobs` and `top_logprobs` among them, so any other field that would change the output
+// (JSON mode, tools, ...) is refused rather than silently ignored. Fields that change nothing (`user`, `metadata`, a zero penalty, `n: 1`, ...)
 // pass. The runner checks jobs with it before a run starts; LocalBackend checks each request.
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -17,5 +20,22 @@ namespace batchlm {
 // Why the embedded engine cannot honour body field `key` with this value; nullopt when it
 // honours it or the field changes nothing.
 std::optional<std::string> engine_field_problem(std::string_view key, const nlohmann::json& value);
+
+// What is wrong with `top_logprobs` next to `logprobs` in the extra fields (each already
+// passed engine_field_problem): a count without logprobs turned on, or one that disagrees with
+// the count `logprobs` gives. nullopt when they agree.
+std::optional<std::string> top_logprobs_problem(const nlohmann::json& extra);
+// The log-probabilities the extra fields ask for: -1 for none, else how many of the most
+// likely tokens to list at each position. `logprobs` turns them on, as true (the chat API) or a
+// count (the completions API); `top_logprobs` gives the count in the chat API. For fields that
+// passed the checks above.
+int requested_logprobs(const nlohmann::json& extra);
+// `logit_bias` as (token id, bias) pairs; empty without it. For fields that passed the checks.
+std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const nlohmann::json& extra);
+
+// The most tokens a logit_bias may name (OpenAI's limit is 300; this one only bounds the work).
+inline constexpr std::size_t kMaxLogitBias = 1024;
+// The most alternatives per position a request may ask for (OpenAI's limit).
+inline constexpr int kMaxTopLogprobs = 20;
 
 }  // namespace batchlm

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -55,12 +56,38 @@ struct Timings {
   double total_ms = 0;  // whole attempt
 };
 
+// A generated token's log-probability, and the most likely tokens at its position, as an API
+// returns them when asked (`logprobs`). `token` is the token's bytes: a token may end inside a
+// UTF-8 character, so they need not be valid UTF-8 (logprob_token_text shows them as text).
+struct TopLogprob {
+  std::string token;
+  double logprob = 0;
+};
+struct TokenLogprob {
+  std::string token;
+  double logprob = 0;
+  std::vector<TopLogprob> top_logprobs;  // most likely first; empty when none were asked for
+};
+
 struct Completion {
   std::string text;
   std::string finish_reason;  // "stop", "length", ... as the backend reported it
   Usage usage;
   Timings timings;
+  // One entry per token of `text`, when the request asked for log-probabilities and the
+  // backend returned them.
+  std::optional<std::vector<TokenLogprob>> logprobs;
 };
+
+// The length of the valid UTF-8 character at s[i] (1-4), or 0 when the bytes there are not one
+// (a stray continuation byte, a truncated sequence, an overlong form, a surrogate, > U+10FFFF).
+std::size_t utf8_char_length(std::string_view s, std::size_t i);
+// A token's bytes as JSON text: as they are when valid UTF-8, else each byte outside a valid
+// character written as the four characters \xNN (the `bytes` field keeps the exact bytes).
+std::string logprob_token_text(std::string_view bytes);
+// Log-probabilities in the chat-completions form: [{"token", "logprob", "bytes",
+// "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...].
+nlohmann::json logprobs_json(std::span<const TokenLogprob> logprobs);
 
 enum class ErrorKind {
   Http,        // a non-2xx status
@@ -146,7 +173,8 @@ struct EngineStats {
   nlohmann::json to_json() const;
 };
 
-// Receives each piece of output text as it arrives (one call per streamed delta).
-using TokenSink = std::function<void(std::string_view delta)>;
+// Receives each piece of output text as it arrives (one call per streamed delta), with the
+// log-probabilities of the tokens it completes when the request asked for them (else empty).
+using TokenSink = std::function<void(std::string_view delta, std::span<const TokenLogprob> logprobs)>;
 
 }  // namespace batchlm

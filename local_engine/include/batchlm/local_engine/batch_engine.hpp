@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -91,8 +92,9 @@ class BatchEngine {
   struct Active;
 
  public:
-  // Receives each piece of text as it becomes final; returns false to cancel the request.
-  using TextSink = std::function<bool(std::string_view)>;
+  // Receives each piece of text as it becomes final, with the log-probabilities of its tokens
+  // when they were asked for (GenerateParams::logprobs); returns false to cancel the request.
+  using TextSink = std::function<bool(std::string_view text, std::span<const TokenLogprob> logprobs)>;
 
   // Throws std::invalid_argument naming a bad option, gguf::Error for a bad draft model file.
   BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options);
@@ -100,8 +102,9 @@ class BatchEngine {
   BatchEngine(const BatchEngine&) = delete;
   BatchEngine& operator=(const BatchEngine&) = delete;
 
-  // Queues a request; throws RequestRejected (empty prompt, longer than the context, penalties
-  // on an engine that samples on the GPU).
+  // Queues a request; throws RequestRejected (empty prompt, longer than the context, a biased
+  // token outside the vocabulary; penalties, biases or log-probabilities on an engine that
+  // samples on the GPU).
   SequenceId add(std::vector<Token> prompt, const GenerateParams& params, TextSink on_text);
   // Ends a request at once (its blocks freed); it comes out of take_finished() as "cancelled".
   void cancel(SequenceId id);
@@ -141,8 +144,8 @@ class BatchEngine {
   };
 
   void finish(const Finished& f);
-  // Feeds one token to the request's output side; true when the request is over.
-  bool emit(Active& a, Token token, const std::string& text, bool done);
+  // Hands the text and log-probabilities that became final to the request; true when it is over.
+  bool emit(Active& a, const std::string& text, bool done);
   void draft(StepPlan& plan, std::vector<Draft>& drafts);
   // A proposer without a model, asked while the step is planned: its draft for `id`, cut by
   // the acceptance of drafts of the same evidence, kept for draft(); returns its length.

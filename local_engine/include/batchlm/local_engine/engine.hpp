@@ -23,11 +23,17 @@ struct EngineOptions {
   std::int64_t context = 0;    // tokens per sequence; 0: min(training context, 4096)
 };
 
+// The most alternatives a request can ask for at each position (OpenAI's top_logprobs limit).
+inline constexpr int kMaxLogprobs = 20;
+
 struct GenerateParams {
   std::int64_t max_tokens = 0;  // 0: until the context is full
   SamplingParams sampling;
   std::vector<std::string> stop;
   bool ignore_eos = false;      // keep going past end-of-generation tokens (benchmarks)
+  // Log-probabilities of the generated tokens (position_logprobs): -1 none, else with this
+  // many of the most likely tokens at each position (0-20).
+  int logprobs = -1;
 };
 
 struct GenerateStats {
@@ -44,6 +50,8 @@ struct GenerateResult {
   std::vector<Token> tokens;  // the generated token ids, an end-of-generation token included
   std::string finish_reason;  // "stop" (end of turn or a stop string), "length", "cancelled"
   GenerateStats stats;
+  // With GenerateParams::logprobs >= 0: one entry per token of `text` (Generation::take_logprobs).
+  std::vector<TokenLogprob> logprobs;
 };
 
 // The output side of one request: samples each next token, recognises the end of the turn and
@@ -54,12 +62,21 @@ class Generation {
   Generation(const Tokenizer& tokenizer, const GenerateParams& params);
   // Samples the next token from `logits` and sets `text` to the text that became final (maybe
   // empty). True when generation is over for a reason of its own (finish_reason() says which).
+  // With log-probabilities asked for, takes the token's from `logits`.
   bool next(std::span<const float> logits, Token& token, std::string& text);
-  // The same for a token chosen elsewhere (speculative decoding's verifier).
-  bool accept(Token token, std::string& text);
+  // The same for a token chosen elsewhere (speculative decoding's verifier, a batch's sampling
+  // threads), with its log-probabilities when they were asked for.
+  bool accept(Token token, std::string& text, const PositionLogprobs* logprobs = nullptr);
   Sampler& sampler() { return sampler_; }
   // The text held back so far, when generation ends for another reason (length).
   std::string flush();
+  // -1 when no log-probabilities were asked for, else the alternatives per token.
+  int logprobs() const { return logprobs_; }
+  // The log-probabilities of the tokens whose text became final since the last call, in order.
+  // A token belongs to the output when its text starts in it: one cut by a stop string is
+  // there, the end of the turn and anything after a stop string are not. A token that ends
+  // inside a UTF-8 character comes out with the token that completes the character.
+  std::vector<TokenLogprob> take_logprobs();
   const std::string& finish_reason() const { return reason_; }  // "" while it goes on
   std::int64_t generated() const { return generated_; }         // tokens sampled
 
@@ -71,6 +88,20 @@ class Generation {
   StopMatcher stops_;
   std::string reason_;
   std::int64_t generated_ = 0;
+  // Log-probabilities of tokens whose text is not yet final, with where their text starts and
+  // ends among the decoded bytes (end -1 while the character they end in is incomplete).
+  struct Pending {
+    TokenLogprob logprob;
+    std::int64_t start = 0;
+    std::int64_t end = -1;
+  };
+  TokenLogprob describe(const PositionLogprobs& p) const;
+  void settle(std::int64_t decoded_before, const std::string& decoded);
+  int logprobs_ = -1;
+  std::vector<Pending> pending_;
+  std::vector<TokenLogprob> ready_;
+  std::int64_t decoded_ = 0;   // bytes the decoder has given the stop matcher
+  std::int64_t released_ = 0;  // bytes the stop matcher has let out
 };
 
 // A raw-text prompt, tokenized with special tokens recognised (and a BOS if the model wants

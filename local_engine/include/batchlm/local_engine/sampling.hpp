@@ -23,8 +23,24 @@ struct SamplingParams {
   // frequency_penalty times its count, and presence_penalty once it has appeared at all.
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
+  // OpenAI's logit_bias: added to these tokens' logits before sampling (-100 bans a token in
+  // practice, 100 forces it).
+  std::vector<std::pair<Token, float>> logit_bias;
   bool penalized() const { return presence_penalty != 0.0f || frequency_penalty != 0.0f; }
+  // Logits changed before sampling (penalties or biases): sampled on the CPU only, and not
+  // drafted for (a verifier sees the model's own logits).
+  bool adjusted() const { return penalized() || !logit_bias.empty(); }
 };
+
+// The model's log-probabilities at one position, a log-softmax of its logits as they are
+// (before temperature, top-k, top-p, penalties and biases): the chosen token's, and the `top`
+// most likely tokens' (most likely first, the lower id first on ties).
+struct PositionLogprobs {
+  Token token = 0;
+  float logprob = 0.0f;
+  std::vector<std::pair<Token, float>> top;
+};
+PositionLogprobs position_logprobs(std::span<const float> logits, Token token, int top);
 
 // The distribution a Sampler draws from: tokens with unnormalised weights (most likely first);
 // every token not listed has probability 0.
@@ -59,14 +75,15 @@ class Sampler {
   void observe(Token token);
 
  private:
-  // The logits with the penalties applied (a copy), or the logits themselves without any.
-  std::span<const float> penalize(std::span<const float> logits);
+  // The logits with the penalties and biases applied (a copy), or the logits themselves
+  // without any.
+  std::span<const float> adjust(std::span<const float> logits);
 
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, Token>> candidates_;
   std::vector<std::pair<Token, std::int32_t>> counts_;  // generated tokens and their counts
-  std::vector<float> penalized_;
+  std::vector<float> adjusted_;
 };
 
 // Watches text as it is generated for any of the stop strings. feed() returns the part of the

@@ -44,11 +44,12 @@ struct ApiRequest {
   int n = 1;                   // choices to generate, each its own engine sequence
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  bool logprobs = false;       // log-probabilities asked for (the counts are in request.extra)
 };
 
 // Checks a request body against the endpoint's schema and what the engine supports. Unknown
 // fields are ignored (clients send many); fields that would change the output in a way the
-// engine cannot honour (logprobs, tools, penalties, ...) are refused. `served_model`:
+// engine cannot honour (tools, JSON mode, ...) are refused. `served_model`:
 // a body that names another model gets 404 model_not_found; a body without one is served.
 // Throws ApiError naming the field (param) and what was wrong.
 ApiRequest parse_request(Endpoint endpoint, const nlohmann::json& body, std::string_view served_model);
@@ -71,10 +72,15 @@ nlohmann::json completion_body(const ResponseContext& ctx, const Completion& com
 nlohmann::json completion_body(const ResponseContext& ctx, std::span<const Completion> choices);
 // The usage of a request's choices: the prompt once, the output tokens of every choice.
 Usage total_usage(std::span<const Completion> choices);
+// A choice's `logprobs` value for these tokens: chat {"content": [...]} (logprobs_json), or
+// the text completions form {"tokens", "token_logprobs", "top_logprobs", "text_offset"}, its
+// offsets counted in characters from text_offset, which moves past the tokens (a stream's
+// chunks carry it from one to the next).
+nlohmann::json choice_logprobs(Endpoint endpoint, std::span<const TokenLogprob> logprobs, std::int64_t& text_offset);
 // One stream chunk carrying text of choice `index` (chat: a delta; the choice's first chunk
-// also carries the role).
+// also carries the role), and its tokens' `logprobs` (choice_logprobs) when asked for.
 nlohmann::json text_chunk(const ResponseContext& ctx, std::string_view text, bool first,
-                          bool include_usage, int index = 0);
+                          bool include_usage, int index = 0, nlohmann::json logprobs = nullptr);
 // The chunk that ends choice `index` (empty delta or text, finish_reason set).
 nlohmann::json finish_chunk(const ResponseContext& ctx, std::string_view finish_reason,
                             bool include_usage, int index = 0);
