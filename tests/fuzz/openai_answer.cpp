@@ -44,7 +44,9 @@ bool same(const Outcome& a, const Outcome& b) {
            a.completion->finish_reason == b.completion->finish_reason &&
            a.completion->usage.prompt_tokens == b.completion->usage.prompt_tokens &&
            a.completion->usage.completion_tokens == b.completion->usage.completion_tokens &&
-           a.completion->usage.reported == b.completion->usage.reported;
+           a.completion->usage.reported == b.completion->usage.reported &&
+           a.completion->logprobs.has_value() == b.completion->logprobs.has_value() &&
+           (!a.completion->logprobs || a.completion->logprobs->size() == b.completion->logprobs->size());
   }
   return a.error->kind == b.error->kind && a.error->message == b.error->message &&
          a.error->code == b.error->code && a.error->http_status == b.error->http_status;
@@ -60,13 +62,36 @@ void check_error(const Error& error) {
   (void)error.to_json().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-void check_outcome(const Outcome& o, const std::string& streamed) {
+// What the sink was handed: text, and log-probabilities.
+struct Sunk {
+  std::string text;
+  std::vector<batchlm::TokenLogprob> logprobs;
+  batchlm::TokenSink sink() {
+    return [this](std::string_view piece, std::span<const batchlm::TokenLogprob> lp) {
+      text += piece;
+      logprobs.insert(logprobs.end(), lp.begin(), lp.end());
+    };
+  }
+};
+
+void check_outcome(const Outcome& o, const Sunk& sunk) {
+  const std::string& streamed = sunk.text;
   FUZZ_CHECK(o.completion.has_value() != o.error.has_value(), "not exactly one of completion and error");
   for (const double t : {o.timings.ttft_ms, o.timings.tpot_ms, o.timings.total_ms})
     FUZZ_CHECK(std::isfinite(t) && t >= 0, "timing " + std::to_string(t));
   if (o.ok()) {
     FUZZ_CHECK(streamed == o.completion->text, "the sink got '" + streamed + "', the completion has '" +
                                                     o.completion->text + "'");
+    const std::size_t kept = o.completion->logprobs ? o.completion->logprobs->size() : 0;
+    FUZZ_CHECK(sunk.logprobs.size() == kept, "the sink got " + std::to_string(sunk.logprobs.size()) +
+                                                 " log-probabilities, the completion has " + std::to_string(kept));
+    for (std::size_t i = 0; i < kept; ++i)
+      FUZZ_CHECK(sunk.logprobs[i].token == (*o.completion->logprobs)[i].token, "a log-probability's token differs");
+    // What the writer does with them: part of a record line, which must be valid JSON text.
+    if (o.completion->logprobs) {
+      const std::string line = batchlm::logprobs_json(*o.completion->logprobs).dump();
+      FUZZ_CHECK(!nlohmann::json::parse(line, nullptr, false).is_discarded(), "logprobs_json wrote invalid JSON");
+    }
   } else {
     check_error(*o.error);
   }
@@ -89,9 +114,9 @@ HttpResponse response_for(std::uint8_t choice) {
 }
 
 Outcome stream(std::string_view body, std::uint8_t response_choice, std::uint32_t seed, SseLimits limits,
-               std::string& streamed) {
+               Sunk& streamed) {
   const auto started = std::chrono::steady_clock::now();  // the request is sent
-  StreamedAnswer answer(limits, [&](std::string_view piece, std::span<const batchlm::TokenLogprob>) { streamed += piece; });
+  StreamedAnswer answer(limits, streamed.sink());
   HttpResponse response = response_for(response_choice);
   const bool success = response.status >= 200 && response.status < 300;
   std::string_view rest = body;
@@ -121,7 +146,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     SseLimits limits;
     limits.max_line_bytes = 4096;
     limits.max_event_bytes = 8192;
-    std::string streamed_whole, streamed_chunks;
+    Sunk streamed_whole, streamed_chunks;
     const Outcome whole = stream(body, response_choice, 0, limits, streamed_whole);
     const Outcome chunks = stream(body, response_choice, seed * 2654435761u + 1, limits, streamed_chunks);
     check_outcome(whole, streamed_whole);
@@ -129,10 +154,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     FUZZ_CHECK(same(whole, chunks), "in one piece: " + describe(whole) + "\nin chunks: " + describe(chunks));
   } else if (mode == 1) {
     const std::string_view body = input.rest();
-    std::string streamed;
+    Sunk streamed;
     Timings timings;
     timings.total_ms = 12;
-    const Outcome o = answer_from_body(200, body, timings, [&](std::string_view piece, std::span<const batchlm::TokenLogprob>) { streamed += piece; });
+    const Outcome o = answer_from_body(200, body, timings, streamed.sink());
     check_outcome(o, streamed);
   } else if (mode == 2) {
     HttpResponse response;
