@@ -265,12 +265,17 @@ const std::vector<std::string>& prompts() {
   return p;
 }
 
+GenerateParams greedy(std::int64_t max_tokens, int logprobs = -1) {
+  GenerateParams params;
+  params.max_tokens = max_tokens;
+  params.sampling.temperature = 0.0f;
+  params.logprobs = logprobs;
+  return params;
+}
+
 TEST(EngineLogprobs, GreedyTokensAreTheMostLikelyAndMatchTheText) {
   REQUIRE_DEFAULT_MODEL();
-  GenerateParams params;
-  params.max_tokens = 24;
-  params.sampling.temperature = 0.0f;
-  params.logprobs = 3;
+  GenerateParams params = greedy(24, 3);
   params.stop = {"\n\n"};
   const EngineRun run = run_engine(prompts(), params, true);
   for (const auto& [i, r] : run.results) {
@@ -295,10 +300,7 @@ TEST(EngineLogprobs, GreedyTokensAreTheMostLikelyAndMatchTheText) {
 
 TEST(EngineLogprobs, BatchedAloneAndWithDraftsAreTheSame) {
   REQUIRE_DEFAULT_MODEL();
-  GenerateParams params;
-  params.max_tokens = 20;
-  params.sampling.temperature = 0.0f;
-  params.logprobs = 2;
+  const GenerateParams params = greedy(20, 2);
   const EngineRun alone = run_engine(prompts(), params, false);
   const EngineRun together = run_engine(prompts(), params, true);
   const EngineRun drafted = run_engine(prompts(), params, true, SpecMethod::kNgram);
@@ -345,9 +347,7 @@ TEST(EngineLogprobs, ABiasedTokenOutsideTheVocabularyOrTooManyAlternativesAreRef
 
 TEST(EngineLogprobs, ABiasBansTheGreedyTokenAndDraftsStayOff) {
   REQUIRE_DEFAULT_MODEL();
-  GenerateParams params;
-  params.max_tokens = 12;
-  params.sampling.temperature = 0.0f;
+  GenerateParams params = greedy(12);
   const EngineRun plain = run_engine({prompts()[1]}, params, true);
   const Token first = plain.results.at(0).tokens.at(0);
   params.sampling.logit_bias = {{first, -100.0f}};
@@ -365,7 +365,7 @@ struct Call {
   std::vector<TokenLogprob> logprobs;
 };
 
-Call complete(LocalBackend& backend, asio::io_context& io, const Request& request) {
+Call complete_on(LocalBackend& backend, asio::io_context& io, const Request& request) {
   Call call;
   asio::co_spawn(
       io,
@@ -381,29 +381,44 @@ Call complete(LocalBackend& backend, asio::io_context& io, const Request& reques
   return call;
 }
 
+// The default model behind the Backend seam, and a chat request for it.
+struct Served {
+  Served() : backend(io.get_executor(), options()) {}
+  static LocalBackendOptions options() {
+    LocalBackendOptions o;
+    o.model = model_path();
+    o.threads = 2;
+    o.context = 256;
+    o.max_sequences = 2;
+    return o;
+  }
+  Call complete(const Request& r) { return complete_on(backend, io, r); }
+  asio::io_context io;
+  LocalBackend backend;
+};
+
+Request chat_request(std::string text, int max_tokens) {
+  Request r;
+  r.messages = {{"user", std::move(text)}};
+  r.max_tokens = max_tokens;
+  return r;
+}
+
 TEST(LocalBackendLogprobs, ExtraFieldsAskForThemInEitherApisForm) {
   REQUIRE_DEFAULT_MODEL();
-  asio::io_context io;
-  LocalBackendOptions o;
-  o.model = model_path();
-  o.threads = 2;
-  o.context = 256;
-  o.max_sequences = 2;
-  LocalBackend backend(io.get_executor(), o);
-  Request r;
-  r.messages = {{"user", "Say hello."}};
-  r.max_tokens = 8;
+  Served served;
+  Request r = chat_request("Say hello.", 8);
   r.temperature = 0;
 
   // Not asked: none.
-  Call plain = complete(backend, io, r);
+  Call plain = served.complete(r);
   ASSERT_TRUE(plain.outcome && plain.outcome->ok());
   EXPECT_FALSE(plain.outcome->completion->logprobs);
   EXPECT_TRUE(plain.logprobs.empty());
 
   // Chat form.
   r.extra = {{"logprobs", true}, {"top_logprobs", 2}};
-  Call chat = complete(backend, io, r);
+  Call chat = served.complete(r);
   ASSERT_TRUE(chat.outcome && chat.outcome->ok()) << chat.outcome->error->message;
   const Completion& c = *chat.outcome->completion;
   ASSERT_TRUE(c.logprobs);
@@ -414,14 +429,14 @@ TEST(LocalBackendLogprobs, ExtraFieldsAskForThemInEitherApisForm) {
 
   // Completions form: a count.
   r.extra = {{"logprobs", 1}};
-  Call count = complete(backend, io, r);
+  Call count = served.complete(r);
   ASSERT_TRUE(count.outcome && count.outcome->ok());
   ASSERT_TRUE(count.outcome->completion->logprobs);
   for (const TokenLogprob& t : *count.outcome->completion->logprobs) EXPECT_EQ(t.top_logprobs.size(), 1u);
 
   // On, with no alternatives.
   r.extra = {{"logprobs", true}};
-  Call bare = complete(backend, io, r);
+  Call bare = served.complete(r);
   ASSERT_TRUE(bare.outcome && bare.outcome->ok());
   ASSERT_TRUE(bare.outcome->completion->logprobs);
   EXPECT_EQ(bare.outcome->completion->logprobs->size(), c.logprobs->size());
@@ -430,19 +445,11 @@ TEST(LocalBackendLogprobs, ExtraFieldsAskForThemInEitherApisForm) {
 
 TEST(LocalBackendLogprobs, InconsistentOrOutOfRangeFieldsAre400s) {
   REQUIRE_DEFAULT_MODEL();
-  asio::io_context io;
-  LocalBackendOptions o;
-  o.model = model_path();
-  o.threads = 1;
-  o.context = 128;
-  o.max_sequences = 1;
-  LocalBackend backend(io.get_executor(), o);
-  Request r;
-  r.messages = {{"user", "Hi"}};
-  r.max_tokens = 2;
+  Served served;
+  Request r = chat_request("Hi", 2);
   auto error_of = [&](nlohmann::json extra) {
     r.extra = std::move(extra);
-    Call call = complete(backend, io, r);
+    Call call = served.complete(r);
     EXPECT_TRUE(call.outcome && !call.outcome->ok());
     return call.outcome && call.outcome->error ? *call.outcome->error : Error{};
   };
