@@ -84,8 +84,11 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return "expected a whole number from 0 to " + std::to_string(kMaxTopLogprobs) + ", not " + value.dump();
   }
   if (key == "response_format") {
-    if (value.is_null() || (value.is_object() && value.value("type", json()) == "text")) return std::nullopt;
-    return std::string("the embedded engine has no JSON mode or structured outputs (only {\"type\": \"text\"})") +
+    if (value.is_null() || (value.is_object() && (value.value("type", json()) == "text" ||
+                                                  value.value("type", json()) == "json_object")))
+      return std::nullopt;
+    return std::string("the embedded engine has JSON mode ({\"type\": \"json_object\"}) but no structured outputs "
+                       "(json_schema)") +
            kElsewhere;
   }
   if (key == "tools" || key == "functions") {
@@ -118,6 +121,12 @@ std::optional<std::string> top_logprobs_problem(const json& extra) {
   if (logprobs.is_number() && logprobs.get<double>() != top.get<double>())
     return "asks for " + top.dump() + " most likely tokens where logprobs asks for " + logprobs.dump();
   return std::nullopt;
+}
+
+bool requested_json_object(const json& extra) {
+  if (!extra.is_object()) return false;
+  const json format = extra.value("response_format", json());
+  return format.is_object() && format.value("type", json()) == "json_object";
 }
 
 int requested_logprobs(const json& extra) {

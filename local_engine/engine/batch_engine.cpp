@@ -191,6 +191,7 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
     const char* what = params.sampling.penalized()        ? "presence and frequency penalties are applied"
                        : !params.sampling.logit_bias.empty() ? "logit biases are applied"
                        : params.logprobs >= 0             ? "log-probabilities are computed"
+                       : params.json_object               ? "JSON mode is applied"
                                                           : nullptr;
     if (what)
       throw RequestRejected("unsupported_parameter", std::string(what) +
@@ -314,7 +315,7 @@ AcceptanceCurve& BatchEngine::curve(int evidence) {
 
 int BatchEngine::draft_while_planning(SequenceId id, double cost) {
   auto it = active_.find(id);
-  if (it == active_.end() || it->second.sampling.adjusted()) return 0;
+  if (it == active_.end() || it->second.sampling.adjusted() || it->second.gen.constrained()) return 0;
   const auto t0 = Clock::now();
   const DraftRequest request{id, scheduler_->tokens(id), speculative_.k_max, &it->second.sampling};
   Draft& d = planned_drafts_[id];
@@ -379,12 +380,14 @@ void BatchEngine::step() {
   if (proposer_) {
     const double cost = draft_cost(decoding_);
     planned_drafts_.clear();
-    // A request with penalties gets no drafts: its verification would need the penalties of
-    // every drafted position.
+    // A request with penalties, biases or JSON mode gets no drafts: its verification would
+    // need the adjusted or masked logits of every drafted position.
     if (proposer_->runs_model()) {
       plan = scheduler_->plan([&](SequenceId id) {
         auto it = active_.find(id);
-        return it == active_.end() || it->second.sampling.adjusted() ? 0 : it->second.length.wanted(cost);
+        return it == active_.end() || it->second.sampling.adjusted() || it->second.gen.constrained()
+                   ? 0
+                   : it->second.length.wanted(cost);
       });
     } else {
       plan = scheduler_->plan([&](SequenceId id) { return draft_while_planning(id, cost); });
@@ -460,7 +463,7 @@ void BatchEngine::step() {
       for (std::int64_t j = b; j < e; ++j) {
         const std::size_t i = sampling[static_cast<std::size_t>(j)];
         Generation& gen = active_.find(plan.entries[i].id)->second.gen;
-        picked[i] = gen.sampler().sample(logits_of(i));
+        picked[i] = gen.sampler().sample(gen.constrain(logits_of(i)));
         if (gen.logprobs() >= 0) logprobs[i] = position_logprobs(logits_of(i), picked[i], gen.logprobs());
       }
     });

@@ -32,10 +32,19 @@ Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params)
       sampler_(params.sampling),
       decoder_(tokenizer),
       stops_(params.stop),
-      logprobs_(params.logprobs) {}
+      logprobs_(params.logprobs),
+      json_(params.json_object ? std::optional<JsonState>(JsonState()) : std::nullopt),
+      json_mask_(tokenizer) {}
+
+std::span<const float> Generation::constrain(std::span<const float> logits) {
+  if (!json_) return logits;
+  masked_.assign(logits.begin(), logits.end());
+  if (json_mask_.apply(*json_, masked_) == 0) return logits;  // nothing fits: left to the end of this token
+  return masked_;
+}
 
 bool Generation::next(std::span<const float> logits, Token& token, std::string& text) {
-  token = sampler_.sample(logits);
+  token = sampler_.sample(constrain(logits));
   if (logprobs_ < 0) return accept(token, text);
   const PositionLogprobs lp = position_logprobs(logits, token, logprobs_);
   return accept(token, text, &lp);
@@ -74,15 +83,22 @@ bool Generation::accept(Token token, std::string& text, const PositionLogprobs* 
     reason_ = "stop";  // what the stop matcher holds comes out in flush()
     return true;
   }
+  // JSON mode: the object closed with this token ends the output (a token it refuses, which
+  // the mask lets through only when none fits, ends the mode).
+  bool closed = false;
+  if (json_) {
+    if (!json_->feed(tokenizer_->token_view(token))) json_.reset();
+    else closed = json_->complete();
+  }
   const std::string decoded = decoder_.push(token);
   const std::int64_t before = decoded_;
   decoded_ += static_cast<std::int64_t>(decoded.size());
   if (logprobs_ >= 0 && logprobs) pending_.push_back({describe(*logprobs), before, -1});
   text = stops_.feed(decoded);
   released_ += static_cast<std::int64_t>(text.size());
-  if (stops_.stopped()) reason_ = "stop";
+  if (stops_.stopped() || closed) reason_ = "stop";
   if (logprobs_ >= 0) settle(before, decoded);
-  return stops_.stopped();
+  return stops_.stopped() || closed;
 }
 
 std::string Generation::flush() {

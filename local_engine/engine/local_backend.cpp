@@ -305,6 +305,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       p.sampling.logit_bias.emplace_back(static_cast<Token>(token), static_cast<float>(bias));
     }
     p.logprobs = requested_logprobs(request.extra);
+    p.json_object = requested_json_object(request.extra);
   }
   p.sampling.seed = request.seed ? static_cast<std::uint64_t>(*request.seed)
                                  : std::random_device{}() * 0x9e3779b97f4a7c15ull;

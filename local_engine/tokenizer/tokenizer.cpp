@@ -717,6 +717,16 @@ std::string Tokenizer::token_bytes(Token t, bool render_special) const {
   return impl_->pieces[static_cast<std::size_t>(t)];
 }
 
+std::string_view Tokenizer::token_view(Token t) const {
+  if (t < 0 || static_cast<std::size_t>(t) >= impl_->pieces.size()) {
+    throw std::out_of_range("tokenizer: token id " + std::to_string(t) + " is outside the vocabulary of " +
+                            std::to_string(impl_->pieces.size()));
+  }
+  const TokenType type = impl_->vocab.types[static_cast<std::size_t>(t)];
+  if (type == TokenType::Control || type == TokenType::Unknown) return {};
+  return impl_->pieces[static_cast<std::size_t>(t)];
+}
+
 std::string Tokenizer::decode(std::span<const Token> tokens, bool render_special) const {
   std::string out;
   for (const Token t : tokens) out += token_bytes(t, render_special);

@@ -290,7 +290,11 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
   if (const json* v = field(body, "response_format")) {
     const json* type = v->is_object() ? field(*v, "type") : nullptr;
     if (!type || !type->is_string()) invalid("response_format", "'response_format' must be an object with a 'type'");
-    if (type->get<std::string>() != "text") unsupported("response_format", "response_format '" + excerpt(type->get<std::string>()) + "'");
+    if (type->get<std::string>() == "json_object") {
+      r.extra["response_format"] = {{"type", "json_object"}};
+    } else if (type->get<std::string>() != "text") {
+      unsupported("response_format", "response_format '" + excerpt(type->get<std::string>()) + "'");
+    }
   }
   if (!chat) {
     if (const json* v = field(body, "echo"); v && boolean(*v, "echo")) unsupported("echo", "'echo'");

@@ -136,6 +136,19 @@ def main() -> int:
         "distinct_tokens": [list(b) for b in sorted({bytes(t.bytes) for t in forced.choices[0].logprobs.content})],
         "completion_tokens": forced.usage.completion_tokens,
     }
+    # JSON mode: the content is a JSON object, or its beginning when max_tokens cut it.
+    asked = [{"role": "user", "content": 'Reply with a JSON object {"answer": <the number>}. What is 2 + 2?'}]
+    jm = client.chat.completions.create(
+        model=args.model, messages=asked, temperature=0, max_tokens=60, response_format={"type": "json_object"}
+    )
+    content = jm.choices[0].message.content
+    try:
+        parsed = json.loads(content)
+        kind = type(parsed).__name__
+    except json.JSONDecodeError:
+        kind = None
+    out["json_mode"] = {"finish_reason": jm.choices[0].finish_reason, "starts": content.lstrip()[:1], "parsed": kind}
+
     try:
         client.chat.completions.create(model=args.model, messages=messages, top_logprobs=2)
         out["top_without_logprobs"] = {"status": None}

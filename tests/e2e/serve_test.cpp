@@ -1798,6 +1798,10 @@ TEST_F(ServeRealModel, OfficialOpenAIPythonClient) {
   EXPECT_EQ(clp["top_sizes"], json::array({2})) << out;
   EXPECT_EQ(r["logit_bias"]["distinct_tokens"].size(), 1u) << out;
   EXPECT_EQ(r["logit_bias"]["completion_tokens"], 5) << out;
+  EXPECT_EQ(r["json_mode"]["starts"], "{") << out;
+  if (r["json_mode"]["finish_reason"] == "stop") {
+    EXPECT_EQ(r["json_mode"]["parsed"], "dict") << out;
+  }
   EXPECT_EQ(r["top_without_logprobs"]["status"], 400) << out;
   EXPECT_EQ(r["top_without_logprobs"]["param"], "top_logprobs") << out;
   EXPECT_EQ(r["bad_request"]["status"], 400) << out;

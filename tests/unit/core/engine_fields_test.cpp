@@ -57,7 +57,10 @@ TEST(EngineFields, FieldsThatChangeNothingPass) {
 
 TEST(EngineFields, FieldsThatWouldChangeTheOutputAreRefusedWithTheReason) {
   EXPECT_TRUE(problem("repetition_penalty", 1.1).starts_with("the embedded engine does not apply repetition"));
-  EXPECT_TRUE(problem("response_format", {{"type", "json_object"}}).starts_with("the embedded engine has no JSON mode"));
+  EXPECT_TRUE(problem("response_format", {{"type", "json_schema"}}).starts_with("the embedded engine has JSON mode"));
+  EXPECT_TRUE(ok("response_format", {{"type", "json_object"}}));
+  EXPECT_TRUE(requested_json_object({{"response_format", {{"type", "json_object"}}}}));
+  EXPECT_FALSE(requested_json_object({{"response_format", {{"type", "text"}}}}));
   EXPECT_TRUE(problem("tools", json::array({{{"type", "function"}}})).starts_with("the embedded engine does not call tools"));
   EXPECT_TRUE(problem("modalities", json::array({"text", "audio"})).starts_with("the embedded engine generates text only"));
   EXPECT_EQ(problem("n", 2), "several answers per item are not supported (one request, one answer)");

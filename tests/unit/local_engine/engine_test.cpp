@@ -727,7 +727,7 @@ TEST(LocalBackend, ExtraFieldsItWouldIgnoreFailTheRequest) {
   asio::io_context io;
   LocalBackend backend(io.get_executor(), tiny_options());
   Request refused = hello_request(4);
-  refused.extra = {{"top_k", 3}, {"response_format", {{"type", "json_object"}}}};
+  refused.extra = {{"top_k", 3}, {"response_format", {{"type", "json_schema"}}}};
   Request taken = hello_request(4);
   taken.extra = {{"top_k", 3}, {"user", "someone"}, {"presence_penalty", 0}};
   Call bad, good;
@@ -739,8 +739,8 @@ TEST(LocalBackend, ExtraFieldsItWouldIgnoreFailTheRequest) {
   EXPECT_EQ(bad.outcome->error->http_status, 400);
   EXPECT_EQ(bad.outcome->error->code, "unsupported_parameter");
   EXPECT_EQ(bad.outcome->error->message,
-            "'response_format': the embedded engine has no JSON mode or structured outputs (only {\"type\": "
-            "\"text\"}); remove it, or run the job against an API that does (--base-url)");
+            "'response_format': the embedded engine has JSON mode ({\"type\": \"json_object\"}) but no structured "
+            "outputs (json_schema); remove it, or run the job against an API that does (--base-url)");
   ASSERT_TRUE(good.outcome && good.outcome->ok()) << good.outcome->error->message;
 }
 

@@ -301,19 +301,20 @@ TEST_F(SourceTest, BatchFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
   const std::string line1 =
       R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}], "top_k": 5, "user": "u", "presence_penalty": 0}})";
   const std::string line2 =
-      R"({"custom_id": "b", "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}})";
+      R"({"custom_id": "b", "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}})";
   std::string in = write("batch.jsonl", line1 + "\n" + line2 + "\n");
   ConfigError e = open_error(job("input: " + in + "\n"));
   EXPECT_EQ(e.file(), in);
   EXPECT_EQ(e.line(), 2);
   EXPECT_EQ(e.field(), "body.response_format");
-  EXPECT_TRUE(e.message().starts_with("the embedded engine has no JSON mode")) << e.message();
+  EXPECT_TRUE(e.message().starts_with("the embedded engine has JSON mode ({\"type\": \"json_object\"}) but no structured"))
+      << e.message();
   // The first line alone runs on the engine; through an API the second passes through.
   std::string first = write("first.jsonl", line1 + "\n");
   EXPECT_EQ(drain(*open_source(job("input: " + first + "\n")))[0].request.extra["top_k"], 5);
   std::vector<Item> items = drain(*open_source(job("input: " + in + "\nbackend: {base_url: http://127.0.0.1:1/v1}\n")));
   ASSERT_EQ(items.size(), 2u);
-  EXPECT_EQ(items[1].request.extra["response_format"]["type"], "json_object");
+  EXPECT_EQ(items[1].request.extra["response_format"]["type"], "json_schema");
 }
 
 TEST_F(SourceTest, DuplicateCustomIdNamesBothLines) {

@@ -544,9 +544,12 @@ TEST(ParseRequest, LogitBiasIsPassedToTheEngine) {
                  "'logit_bias' the bias of token 3 must be a number from -100 to 100, not -101");
 }
 
-TEST(ParseRequest, ResponseFormatOtherThanTextIsUnsupported) {
-  expect_unsupported(chat_error(chat_body({{"response_format", {{"type", "json_object"}}}})), "response_format",
-                     "response_format 'json_object' is not supported by this server");
+TEST(ParseRequest, ResponseFormatIsTextOrJsonMode) {
+  EXPECT_EQ(chat({{"response_format", {{"type", "json_object"}}}}).request.extra,
+            json({{"response_format", {{"type", "json_object"}}}}));
+  EXPECT_TRUE(chat({{"response_format", {{"type", "text"}}}}).request.extra.is_null());
+  EXPECT_EQ(completion({{"response_format", {{"type", "json_object"}}}}).request.extra["response_format"]["type"],
+            "json_object");
   expect_unsupported(chat_error(chat_body({{"response_format", {{"type", "json_schema"}, {"json_schema", json::object()}}}})),
                      "response_format", "response_format 'json_schema' is not supported by this server");
   expect_invalid(chat_error(chat_body({{"response_format", "json"}})), "response_format",

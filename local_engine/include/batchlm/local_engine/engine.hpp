@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -13,6 +14,7 @@
 
 #include "batchlm/core/types.hpp"
 #include "batchlm/kernels/thread_pool.hpp"
+#include "batchlm/local_engine/json_mode.hpp"
 #include "batchlm/local_engine/model.hpp"
 #include "batchlm/local_engine/sampling.hpp"
 
@@ -34,6 +36,9 @@ struct GenerateParams {
   // Log-probabilities of the generated tokens (position_logprobs): -1 none, else with this
   // many of the most likely tokens at each position (0-20).
   int logprobs = -1;
+  // JSON mode: only tokens that keep the output a prefix of one JSON object are sampled, and
+  // generation stops ("stop") when the object closes (json_mode.hpp).
+  bool json_object = false;
 };
 
 struct GenerateStats {
@@ -68,6 +73,11 @@ class Generation {
   // threads), with its log-probabilities when they were asked for.
   bool accept(Token token, std::string& text, const PositionLogprobs* logprobs = nullptr);
   Sampler& sampler() { return sampler_; }
+  // The logits to sample from: in JSON mode a copy with the tokens that cannot come next
+  // masked out, else `logits` themselves.
+  std::span<const float> constrain(std::span<const float> logits);
+  // In JSON mode (only the tokens it allows are sampled; speculative drafts are not).
+  bool constrained() const { return json_.has_value(); }
   // The text held back so far, when generation ends for another reason (length).
   std::string flush();
   // -1 when no log-probabilities were asked for, else the alternatives per token.
@@ -98,6 +108,9 @@ class Generation {
   TokenLogprob describe(const PositionLogprobs& p) const;
   void settle(std::int64_t decoded_before, const std::string& decoded);
   int logprobs_ = -1;
+  std::optional<JsonState> json_;  // JSON mode: the output so far
+  JsonMask json_mask_;
+  std::vector<float> masked_;
   std::vector<Pending> pending_;
   std::vector<TokenLogprob> ready_;
   std::int64_t decoded_ = 0;   // bytes the decoder has given the stop matcher

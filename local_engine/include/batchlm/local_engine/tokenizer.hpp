@@ -53,6 +53,8 @@ class Tokenizer {
 
   // The bytes a token stands for. Control tokens give "" unless render_special.
   std::string token_bytes(Token t, bool render_special = false) const;
+  // The same as token_bytes(t), viewed in the tokenizer rather than copied.
+  std::string_view token_view(Token t) const;
   std::string decode(std::span<const Token> tokens, bool render_special = false) const;
 
   std::size_t size() const;

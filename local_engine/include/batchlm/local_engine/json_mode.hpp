@@ -1,0 +1,81 @@
+#pragma once
+// JSON mode (OpenAI's response_format {"type": "json_object"}): the output is held to one JSON
+// object. JsonState recognizes JSON text byte by byte (RFC 8259: strings with escapes and valid
+// UTF-8, numbers, literals, nesting); JsonMask sets the logits of every token that cannot
+// continue what was generated so far to -infinity, so sampling only ever picks a token that
+// keeps the text a prefix of a valid object, and generation ends when the object closes.
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "batchlm/local_engine/tokenizer.hpp"
+
+namespace batchlm::local_engine {
+
+class JsonState {
+ public:
+  // Containers deeper than this, and runs of whitespace longer than kMaxSpaces or numbers
+  // longer than kMaxNumber bytes, are refused: nothing needs them, and a model that starts
+  // repeating one of them would otherwise never finish.
+  static constexpr int kMaxDepth = 64;
+  static constexpr int kMaxSpaces = 64;
+  static constexpr int kMaxNumber = 64;
+
+  // Takes one byte; false (the state then unspecified) when it cannot continue the text.
+  bool feed(unsigned char c);
+  // All of `bytes`, on this state; false when one cannot continue the text.
+  bool feed(std::string_view bytes);
+  // Whether `bytes` can continue the text (this state unchanged).
+  bool accepts(std::string_view bytes) const {
+    JsonState s = *this;
+    return s.feed(bytes);
+  }
+  // The top-level object has closed (only whitespace may follow).
+  bool complete() const { return mode_ == Mode::kDone; }
+
+ private:
+  enum class Mode : std::uint8_t {
+    kStart, kValue, kArrayFirst, kObjectFirstKey, kObjectKey, kColon, kAfterValue, kString, kEscape,
+    kHex, kLowBackslash, kLowU, kNumber, kLiteral, kDone
+  };
+  enum class Num : std::uint8_t { kSign, kZero, kInt, kDot, kFrac, kExp, kExpSign, kExpDigits };
+  bool value(unsigned char c);
+  bool after_value(unsigned char c);
+  bool push(bool object);
+  void pop();
+  bool top_is_object() const { return (objects_ >> (depth_ - 1)) & 1u; }
+
+  Mode mode_ = Mode::kStart;
+  Num num_ = Num::kSign;
+  std::uint8_t depth_ = 0;
+  std::uint64_t objects_ = 0;  // bit d: the container at depth d + 1 is an object
+  bool key_ = false;           // the string being read is an object's key
+  bool low_ = false;           // the \u escape being read must be a low surrogate
+  std::uint8_t utf8_left_ = 0;  // continuation bytes still due in a string
+  std::uint8_t utf8_lo_ = 0x80, utf8_hi_ = 0xBF;  // the range of the next one
+  std::uint8_t hex_left_ = 0;
+  std::uint16_t hex_ = 0;
+  std::uint8_t spaces_ = 0;   // whitespace run
+  std::uint8_t length_ = 0;   // bytes of the number being read
+  std::uint8_t literal_ = 0;  // which of true, false, null
+  std::uint8_t at_ = 0;       // bytes of it read
+};
+
+// The token-level side: which tokens can come next.
+class JsonMask {
+ public:
+  explicit JsonMask(const Tokenizer& tokenizer) : tokenizer_(&tokenizer) {}
+  // Sets to -infinity the logits of tokens that cannot continue `state`: a token whose bytes
+  // it refuses, a control token, and an end of generation before the object is complete (and
+  // anything but one after). Returns how many tokens are left; when none would be, it changes
+  // nothing and returns 0.
+  std::size_t apply(const JsonState& state, std::span<float> logits) const;
+
+ private:
+  const Tokenizer* tokenizer_;
+  mutable std::vector<bool> allowed_;
+};
+
+}  // namespace batchlm::local_engine

@@ -1,0 +1,259 @@
+#include "batchlm/local_engine/json_mode.hpp"
+
+#include <array>
+#include <limits>
+
+namespace batchlm::local_engine {
+
+namespace {
+
+bool is_space(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+bool is_digit(unsigned char c) { return c >= '0' && c <= '9'; }
+int hex_digit(unsigned char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+constexpr std::string_view kLiterals[] = {"true", "false", "null"};
+
+}  // namespace
+
+bool JsonState::push(bool object) {
+  if (depth_ >= kMaxDepth) return false;
+  if (object) objects_ |= std::uint64_t{1} << depth_;
+  else objects_ &= ~(std::uint64_t{1} << depth_);
+  ++depth_;
+  mode_ = object ? Mode::kObjectFirstKey : Mode::kArrayFirst;
+  return true;
+}
+
+void JsonState::pop() {
+  --depth_;
+  mode_ = depth_ == 0 ? Mode::kDone : Mode::kAfterValue;
+}
+
+bool JsonState::value(unsigned char c) {
+  switch (c) {
+    case '{': return push(true);
+    case '[': return push(false);
+    case '"':
+      mode_ = Mode::kString;
+      key_ = false;
+      return true;
+    case 't': case 'f': case 'n':
+      mode_ = Mode::kLiteral;
+      literal_ = c == 't' ? 0 : c == 'f' ? 1 : 2;
+      at_ = 1;
+      return true;
+    default: break;
+  }
+  if (c == '-' || is_digit(c)) {
+    mode_ = Mode::kNumber;
+    num_ = c == '-' ? Num::kSign : c == '0' ? Num::kZero : Num::kInt;
+    length_ = 1;
+    return true;
+  }
+  return false;
+}
+
+bool JsonState::after_value(unsigned char c) {
+  const bool object = top_is_object();
+  if (c == ',') {
+    mode_ = object ? Mode::kObjectKey : Mode::kValue;
+    return true;
+  }
+  if (c == (object ? '}' : ']')) {
+    pop();
+    return true;
+  }
+  return false;
+}
+
+bool JsonState::feed(unsigned char c) {
+  // Whitespace between tokens, in a run of bounded length.
+  switch (mode_) {
+    case Mode::kStart: case Mode::kValue: case Mode::kArrayFirst: case Mode::kObjectFirstKey:
+    case Mode::kObjectKey: case Mode::kColon: case Mode::kAfterValue: case Mode::kDone:
+      if (is_space(c)) return ++spaces_ <= kMaxSpaces;
+      spaces_ = 0;
+      break;
+    default: break;
+  }
+  switch (mode_) {
+    case Mode::kStart: return c == '{' && push(true);
+    case Mode::kArrayFirst:
+      if (c == ']') {
+        pop();
+        return true;
+      }
+      return value(c);
+    case Mode::kValue: return value(c);
+    case Mode::kObjectFirstKey:
+      if (c == '}') {
+        pop();
+        return true;
+      }
+      [[fallthrough]];
+    case Mode::kObjectKey:
+      if (c != '"') return false;
+      mode_ = Mode::kString;
+      key_ = true;
+      return true;
+    case Mode::kColon:
+      if (c != ':') return false;
+      mode_ = Mode::kValue;
+      return true;
+    case Mode::kAfterValue: return after_value(c);
+    case Mode::kString:
+      if (utf8_left_ > 0) {
+        if (c < utf8_lo_ || c > utf8_hi_) return false;
+        --utf8_left_;
+        utf8_lo_ = 0x80;
+        utf8_hi_ = 0xBF;
+        return true;
+      }
+      if (c == '"') {
+        mode_ = key_ ? Mode::kColon : Mode::kAfterValue;
+        return true;
+      }
+      if (c == '\\') {
+        mode_ = Mode::kEscape;
+        return true;
+      }
+      if (c < 0x20) return false;
+      if (c < 0x80) return true;
+      // The lead byte of a UTF-8 character: how many continuation bytes follow, and the range
+      // of the first (which rules out overlong forms, surrogates and values past U+10FFFF).
+      if (c >= 0xC2 && c <= 0xDF) utf8_left_ = 1;
+      else if (c == 0xE0) utf8_left_ = 2, utf8_lo_ = 0xA0;
+      else if (c == 0xED) utf8_left_ = 2, utf8_hi_ = 0x9F;
+      else if (c >= 0xE1 && c <= 0xEF) utf8_left_ = 2;
+      else if (c == 0xF0) utf8_left_ = 3, utf8_lo_ = 0x90;
+      else if (c == 0xF4) utf8_left_ = 3, utf8_hi_ = 0x8F;
+      else if (c >= 0xF1 && c <= 0xF3) utf8_left_ = 3;
+      else return false;
+      return true;
+    case Mode::kEscape:
+      if (c == 'u') {
+        mode_ = Mode::kHex;
+        hex_left_ = 4;
+        hex_ = 0;
+        low_ = false;
+        return true;
+      }
+      if (c == '"' || c == '\\' || c == '/' || c == 'b' || c == 'f' || c == 'n' || c == 'r' || c == 't') {
+        mode_ = Mode::kString;
+        return true;
+      }
+      return false;
+    case Mode::kHex: {
+      const int d = hex_digit(c);
+      if (d < 0) return false;
+      hex_ = static_cast<std::uint16_t>(hex_ * 16 + d);
+      if (--hex_left_ > 0) return true;
+      const bool high = hex_ >= 0xD800 && hex_ <= 0xDBFF, low = hex_ >= 0xDC00 && hex_ <= 0xDFFF;
+      if (low_ != low || (low_ && high)) return false;  // a low surrogate only right after a high one
+      mode_ = high ? Mode::kLowBackslash : Mode::kString;
+      return true;
+    }
+    case Mode::kLowBackslash:
+      if (c != '\\') return false;
+      mode_ = Mode::kLowU;
+      return true;
+    case Mode::kLowU:
+      if (c != 'u') return false;
+      mode_ = Mode::kHex;
+      hex_left_ = 4;
+      hex_ = 0;
+      low_ = true;
+      return true;
+    case Mode::kNumber: {
+      if (++length_ > kMaxNumber) return false;
+      switch (num_) {
+        case Num::kSign:
+          if (!is_digit(c)) return false;
+          num_ = c == '0' ? Num::kZero : Num::kInt;
+          return true;
+        case Num::kDot:
+          if (!is_digit(c)) return false;
+          num_ = Num::kFrac;
+          return true;
+        case Num::kExp:
+          if (c == '+' || c == '-') {
+            num_ = Num::kExpSign;
+            return true;
+          }
+          [[fallthrough]];
+        case Num::kExpSign:
+          if (!is_digit(c)) return false;
+          num_ = Num::kExpDigits;
+          return true;
+        case Num::kInt:
+        case Num::kFrac:
+        case Num::kExpDigits:
+          if (is_digit(c)) return true;
+          [[fallthrough]];
+        case Num::kZero:
+          if (c == '.' && (num_ == Num::kZero || num_ == Num::kInt)) {
+            num_ = Num::kDot;
+            return true;
+          }
+          if ((c == 'e' || c == 'E') && num_ != Num::kExpDigits) {
+            num_ = Num::kExp;
+            return true;
+          }
+          // The number is whole: the byte belongs to what follows it.
+          mode_ = Mode::kAfterValue;
+          return feed(c);
+      }
+      return false;
+    }
+    case Mode::kLiteral: {
+      const std::string_view word = kLiterals[literal_];
+      if (c != static_cast<unsigned char>(word[at_])) return false;
+      if (++at_ == word.size()) mode_ = Mode::kAfterValue;
+      return true;
+    }
+    case Mode::kDone: return false;  // whitespace was taken above
+  }
+  return false;
+}
+
+bool JsonState::feed(std::string_view bytes) {
+  for (const char c : bytes)
+    if (!feed(static_cast<unsigned char>(c))) return false;
+  return true;
+}
+
+std::size_t JsonMask::apply(const JsonState& state, std::span<float> logits) const {
+  const bool complete = state.complete();
+  // Most tokens are ruled out by their first byte: 256 feeds decide it for all of them.
+  std::array<bool, 256> first{};
+  for (int c = 0; c < 256; ++c) {
+    JsonState s = state;
+    first[static_cast<std::size_t>(c)] = s.feed(static_cast<unsigned char>(c));
+  }
+  allowed_.assign(logits.size(), false);
+  std::size_t left = 0;
+  for (std::size_t i = 0; i < logits.size(); ++i) {
+    const auto t = static_cast<Token>(i);
+    bool ok;
+    if (tokenizer_->is_end_of_generation(t)) {
+      ok = complete;
+    } else {
+      const std::string_view bytes = tokenizer_->token_view(t);
+      ok = !complete && !bytes.empty() && first[static_cast<unsigned char>(bytes[0])] && state.accepts(bytes);
+    }
+    allowed_[i] = ok;
+    left += ok ? 1 : 0;
+  }
+  if (left == 0) return 0;
+  constexpr float kOff = -std::numeric_limits<float>::infinity();
+  for (std::size_t i = 0; i < logits.size(); ++i)
+    if (!allowed_[i]) logits[i] = kOff;
+  return left;
+}
+
+}  // namespace batchlm::local_engine
