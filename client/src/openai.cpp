@@ -225,6 +225,30 @@ std::optional<std::string> logprob_token(const nlohmann::json& entry) {
   return std::nullopt;
 }
 
+// A token's text in the completions form, which has no `bytes`: a byte that is not part of a
+// character is written \xNN (by batchlm serve, and after "bytes:" by OpenAI). Only bytes from
+// 0x80 up are read back, the ones that can stand alone in no UTF-8 text.
+std::string escaped_token_bytes(std::string_view text) {
+  if (text.starts_with("bytes:\\x")) text.remove_prefix(6);
+  std::string out;
+  out.reserve(text.size());
+  const auto hex = [](char h) {
+    return h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+  };
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '\\' && i + 3 < text.size() && text[i + 1] == 'x') {
+      const int hi = hex(text[i + 2]), lo = hex(text[i + 3]);
+      if (hi >= 8 && lo >= 0) {
+        out.push_back(static_cast<char>(hi * 16 + lo));
+        i += 3;
+        continue;
+      }
+    }
+    out.push_back(text[i]);
+  }
+  return out;
+}
+
 std::optional<double> logprob_value(const nlohmann::json& v) {
   if (v.is_number()) return v.get<double>();
   return std::nullopt;
@@ -405,10 +429,10 @@ std::optional<std::vector<TokenLogprob>> parse_logprobs(const nlohmann::json& va
   for (std::size_t i = 0; i < tokens->size() && i < lps->size(); ++i) {
     const auto lp = logprob_value((*lps)[i]);
     if (!(*tokens)[i].is_string() || !lp) continue;
-    TokenLogprob t{(*tokens)[i].get<std::string>(), *lp, {}};
+    TokenLogprob t{escaped_token_bytes((*tokens)[i].get<std::string>()), *lp, {}};
     if (has_top && i < top->size() && (*top)[i].is_object()) {
       for (const auto& [alt, alt_lp] : (*top)[i].items())
-        if (const auto v = logprob_value(alt_lp)) t.top_logprobs.push_back({alt, *v});
+        if (const auto v = logprob_value(alt_lp)) t.top_logprobs.push_back({escaped_token_bytes(alt), *v});
       // An object has no order: most likely first.
       std::stable_sort(t.top_logprobs.begin(), t.top_logprobs.end(),
                        [](const TopLogprob& a, const TopLogprob& b) { return a.logprob > b.logprob; });

@@ -188,18 +188,19 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
   // On a device that samples, such rows would send the whole step's sampling to the host, whose
   // generator differs from the device's: other requests' seeded draws would change.
   if (executor_->samples_on_device()) {
-    const char* what = params.sampling.penalized()        ? "presence and frequency penalties are applied"
-                       : !params.sampling.logit_bias.empty() ? "logit biases are applied"
-                       : params.logprobs >= 0             ? "log-probabilities are computed"
-                       : params.json_object               ? "JSON mode is applied"
-                                                          : nullptr;
+    const char* what =
+        params.sampling.penalized()           ? "'presence_penalty', 'frequency_penalty': penalties are applied"
+        : !params.sampling.logit_bias.empty() ? "'logit_bias': biases are applied"
+        : params.logprobs >= 0                ? "'logprobs': log-probabilities are computed"
+        : params.json_object                  ? "'response_format': JSON mode is applied"
+                                              : nullptr;
     if (what)
       throw RequestRejected("unsupported_parameter", std::string(what) +
                                                          " on the CPU only, and this engine samples on the GPU "
                                                          "(--device cpu runs them)");
   }
   if (params.logprobs > kMaxLogprobs)
-    throw RequestRejected("invalid_request", "at most " + std::to_string(kMaxLogprobs) +
+    throw RequestRejected("invalid_request", "'top_logprobs': at most " + std::to_string(kMaxLogprobs) +
                                                  " most likely tokens per position, not " +
                                                  std::to_string(params.logprobs));
   if (n_prompt >= context_) {
@@ -217,8 +218,8 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
   }
   for (const auto& [token, bias] : params.sampling.logit_bias) {
     if (token < 0 || token >= n_vocab)
-      throw RequestRejected("invalid_request", "logit_bias names token " + std::to_string(token) +
-                                                   ", outside the vocabulary of " + std::to_string(n_vocab));
+      throw RequestRejected("invalid_request", "'logit_bias': token " + std::to_string(token) +
+                                                   " is outside the vocabulary of " + std::to_string(n_vocab));
   }
   const std::int64_t room = context_ - n_prompt;
   const std::int64_t max_new = params.max_tokens > 0 ? std::min(params.max_tokens, room) : room;

@@ -53,7 +53,8 @@ bool Generation::next(std::span<const float> logits, Token& token, std::string& 
 TokenLogprob Generation::describe(const PositionLogprobs& p) const {
   TokenLogprob out{tokenizer_->token_bytes(p.token), p.logprob, {}};
   out.top_logprobs.reserve(p.top.size());
-  for (const auto& [t, lp] : p.top) out.top_logprobs.push_back({tokenizer_->token_bytes(t), lp});
+  // An alternative that is a control token (the end of the turn) shows its text, not "".
+  for (const auto& [t, lp] : p.top) out.top_logprobs.push_back({tokenizer_->token_bytes(t, true), lp});
   return out;
 }
 

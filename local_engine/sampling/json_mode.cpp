@@ -170,40 +170,32 @@ bool JsonState::feed(unsigned char c) {
       low_ = true;
       return true;
     case Mode::kNumber: {
-      if (++length_ > kMaxNumber) return false;
+      // A byte that extends the number counts against its length; one that ends it does not.
+      const auto extend = [&](Num next) {
+        num_ = next;
+        return ++length_ <= kMaxNumber;
+      };
       switch (num_) {
         case Num::kSign:
           if (!is_digit(c)) return false;
-          num_ = c == '0' ? Num::kZero : Num::kInt;
-          return true;
+          return extend(c == '0' ? Num::kZero : Num::kInt);
         case Num::kDot:
           if (!is_digit(c)) return false;
-          num_ = Num::kFrac;
-          return true;
+          return extend(Num::kFrac);
         case Num::kExp:
-          if (c == '+' || c == '-') {
-            num_ = Num::kExpSign;
-            return true;
-          }
+          if (c == '+' || c == '-') return extend(Num::kExpSign);
           [[fallthrough]];
         case Num::kExpSign:
           if (!is_digit(c)) return false;
-          num_ = Num::kExpDigits;
-          return true;
+          return extend(Num::kExpDigits);
         case Num::kInt:
         case Num::kFrac:
         case Num::kExpDigits:
-          if (is_digit(c)) return true;
+          if (is_digit(c)) return extend(num_);
           [[fallthrough]];
         case Num::kZero:
-          if (c == '.' && (num_ == Num::kZero || num_ == Num::kInt)) {
-            num_ = Num::kDot;
-            return true;
-          }
-          if ((c == 'e' || c == 'E') && num_ != Num::kExpDigits) {
-            num_ = Num::kExp;
-            return true;
-          }
+          if (c == '.' && (num_ == Num::kZero || num_ == Num::kInt)) return extend(Num::kDot);
+          if ((c == 'e' || c == 'E') && num_ != Num::kExpDigits) return extend(Num::kExp);
           // The number is whole: the byte belongs to what follows it.
           mode_ = Mode::kAfterValue;
           return feed(c);
@@ -227,6 +219,23 @@ bool JsonState::feed(std::string_view bytes) {
   return true;
 }
 
+const std::vector<bool>& JsonMask::plain_tokens() const {
+  if (plain_.empty()) {
+    // Whole UTF-8 characters, none of them a quote, a backslash or a control character.
+    const auto n = static_cast<Token>(tokenizer_->size());
+    plain_.assign(static_cast<std::size_t>(n), false);
+    for (Token t = 0; t < n; ++t) {
+      if (tokenizer_->is_end_of_generation(t)) continue;
+      const std::string_view bytes = tokenizer_->token_view(t);
+      JsonState s;
+      bool ok = !bytes.empty() && s.feed("{\"");
+      for (const char c : bytes) ok = ok && c != '"' && c != '\\' && s.feed(static_cast<unsigned char>(c));
+      plain_[static_cast<std::size_t>(t)] = ok && s.in_plain_string();
+    }
+  }
+  return plain_;
+}
+
 std::size_t JsonMask::apply(const JsonState& state, std::span<float> logits) const {
   const bool complete = state.complete();
   // Most tokens are ruled out by their first byte: 256 feeds decide it for all of them.
@@ -235,12 +244,16 @@ std::size_t JsonMask::apply(const JsonState& state, std::span<float> logits) con
     JsonState s = state;
     first[static_cast<std::size_t>(c)] = s.feed(static_cast<unsigned char>(c));
   }
+  // Inside a string, between characters, plain text tokens continue it whatever they hold.
+  const std::vector<bool>* plain = state.in_plain_string() ? &plain_tokens() : nullptr;
   allowed_.assign(logits.size(), false);
   std::size_t left = 0;
   for (std::size_t i = 0; i < logits.size(); ++i) {
     const auto t = static_cast<Token>(i);
     bool ok;
-    if (tokenizer_->is_end_of_generation(t)) {
+    if (plain && i < plain->size() && (*plain)[i]) {
+      ok = true;
+    } else if (tokenizer_->is_end_of_generation(t)) {
       ok = complete;
     } else {
       const std::string_view bytes = tokenizer_->token_view(t);

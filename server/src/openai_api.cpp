@@ -373,7 +373,7 @@ json completion_body(const ResponseContext& ctx, std::span<const Completion> cho
     const Completion& completion = choices[i];
     json choice = {{"index", i}, {"finish_reason", finish_value(completion.finish_reason)}, {"logprobs", nullptr}};
     if (completion.logprobs) {
-      std::int64_t offset = 0;
+      std::int64_t offset = ctx.prompt_chars;
       choice["logprobs"] = choice_logprobs(ctx.endpoint, *completion.logprobs, offset);
     }
     if (ctx.endpoint == Endpoint::kChat) {
@@ -385,6 +385,13 @@ json completion_body(const ResponseContext& ctx, std::span<const Completion> cho
   }
   body["usage"] = usage_json(total_usage(choices));
   return body;
+}
+
+std::int64_t utf8_chars(std::string_view text) {
+  std::int64_t n = 0;
+  for (const char c : text)
+    if ((static_cast<unsigned char>(c) & 0xC0) != 0x80) ++n;
+  return n;
 }
 
 json choice_logprobs(Endpoint endpoint, std::span<const TokenLogprob> logprobs, std::int64_t& text_offset) {
@@ -402,8 +409,7 @@ json choice_logprobs(Endpoint endpoint, std::span<const TokenLogprob> logprobs, 
     offsets.push_back(text_offset);
     // Offsets count characters, as a client's string indexes them (a token's bytes that do
     // not start a character count with the character they belong to).
-    for (const char c : t.token)
-      if ((static_cast<unsigned char>(c) & 0xC0) != 0x80) ++text_offset;
+    text_offset += utf8_chars(t.token);
   }
   return {{"tokens", std::move(tokens)},
           {"token_logprobs", std::move(values)},

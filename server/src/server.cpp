@@ -283,7 +283,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   asio::awaitable<Outcome> produce_choice(Stream& s, const ApiRequest& api, const Request& request,
                                           const ResponseContext& ctx, int index) {
     bool first = true;
-    std::int64_t text_offset = 0;
+    std::int64_t text_offset = ctx.prompt_chars;
     Outcome o = co_await backend.complete(request, [&](std::string_view delta, std::span<const TokenLogprob> logprobs) {
       json lp = api.logprobs ? choice_logprobs(ctx.endpoint, logprobs, text_offset) : json(nullptr);
       s.pending += sse(text_chunk(ctx, delta, first, api.include_usage, index, std::move(lp)));
@@ -452,7 +452,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       ~Release() { in_flight -= n; }
     } release{in_flight, parsed->n};
 
-    const ResponseContext ctx{endpoint, new_response_id(endpoint), unix_seconds(), options.model_name};
+    const ResponseContext ctx{endpoint, new_response_id(endpoint), unix_seconds(), options.model_name,
+                              parsed->request.prompt ? utf8_chars(*parsed->request.prompt) : 0};
     if (!parsed->stream) {
       auto result = co_await (complete_whole(*parsed) || watch_peer(c) || wait_abort(c));
       if (result.index() == 2) {

@@ -116,15 +116,16 @@ def main() -> int:
     out["logprobs_stream"] = {"text": text, "logprobs": [t.logprob for t in entries]}
 
     # The completions form: logprobs=N, tokens with their offsets.
-    lc = client.completions.create(
-        model=args.model, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
-    )
+    prompt = "The capital of France is"
+    lc = client.completions.create(model=args.model, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
     clp = lc.choices[0].logprobs
     out["completion_logprobs"] = {
         "text": lc.choices[0].text,
         "joined": "".join(clp.tokens),
         "tokens": len(clp.tokens),
-        "offsets_ok": all(lc.choices[0].text[o:].startswith(t) for o, t in zip(clp.text_offset, clp.tokens)),
+        # As OpenAI counts them: from the start of the prompt.
+        "offsets_ok": all((prompt + lc.choices[0].text)[o:].startswith(t) for o, t in zip(clp.text_offset, clp.tokens)),
+        "first_offset": clp.text_offset[0] if clp.text_offset else None,
         "top_sizes": sorted({len(d) for d in clp.top_logprobs}),
     }
 

@@ -1794,6 +1794,7 @@ TEST_F(ServeRealModel, OfficialOpenAIPythonClient) {
   EXPECT_EQ(clp["joined"], clp["text"]) << out;
   EXPECT_EQ(clp["tokens"], 6) << out;
   EXPECT_EQ(clp["offsets_ok"], true) << out;
+  EXPECT_EQ(clp["first_offset"], 24) << out;  // "The capital of France is"
   // Two alternatives and the chosen token, which is one of them when greedy.
   EXPECT_EQ(clp["top_sizes"], json::array({2})) << out;
   EXPECT_EQ(r["logit_bias"]["distinct_tokens"].size(), 1u) << out;

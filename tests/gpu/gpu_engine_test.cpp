@@ -317,6 +317,24 @@ TEST_F(GpuEngine, PenaltiesAreRefusedWhereTheDeviceSamples) {
     EXPECT_EQ(e.code, "unsupported_parameter");
   }
   params.sampling.frequency_penalty = 0.0f;
+  // Biases, log-probabilities and JSON mode are CPU-side too.
+  const auto refused = [&](const GenerateParams& p) {
+    try {
+      engine.add(prompt, p, nullptr);
+    } catch (const RequestRejected& e) {
+      return e.code == "unsupported_parameter";
+    }
+    return false;
+  };
+  GenerateParams biased = params;
+  biased.sampling.logit_bias = {{1, 5.0f}};
+  EXPECT_TRUE(refused(biased));
+  GenerateParams with_logprobs = params;
+  with_logprobs.logprobs = 2;
+  EXPECT_TRUE(refused(with_logprobs));
+  GenerateParams json_mode = params;
+  json_mode.json_object = true;
+  EXPECT_TRUE(refused(json_mode));
   EXPECT_NO_THROW(engine.add(prompt, params, nullptr));
 }
 

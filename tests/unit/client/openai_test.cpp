@@ -305,6 +305,19 @@ TEST(ParseLogprobs, CompletionsFormListsTheMostLikelyFirst) {
   EXPECT_EQ((*lp)[0].top_logprobs[2].token, " c");
 }
 
+TEST(ParseLogprobs, EscapedBytesOfTheCompletionsFormAreReadBack) {
+  const auto lp = parse_logprobs(nlohmann::json::parse(R"({
+      "tokens": ["\\xe4", "bytes:\\xe2\\x80", "a\\x41", "\\x9"], "token_logprobs": [-1, -2, -3, -4],
+      "top_logprobs": [{"\\xe4": -1, "x": -5}, null, null, null]})"));
+  ASSERT_TRUE(lp);
+  ASSERT_EQ(lp->size(), 4u);
+  EXPECT_EQ((*lp)[0].token, "\xE4");
+  EXPECT_EQ((*lp)[0].top_logprobs[0].token, "\xE4");
+  EXPECT_EQ((*lp)[1].token, "\xE2\x80");
+  EXPECT_EQ((*lp)[2].token, "a\\x41");  // an ASCII byte is never escaped: the text as it is
+  EXPECT_EQ((*lp)[3].token, "\\x9");
+}
+
 TEST(ParseLogprobs, NullOrOtherValuesAreNone) {
   EXPECT_FALSE(parse_logprobs(nullptr));
   EXPECT_FALSE(parse_logprobs(nlohmann::json::array()));

@@ -852,6 +852,11 @@ TEST(Logprobs, TextCompletionChoicesCarryTokensAndCharacterOffsets) {
   EXPECT_EQ(lp["top_logprobs"][1], json({{"\\xa9llo", -0.5}}));
   // "H" and "é" are two characters; the second token's first byte belongs to "é".
   EXPECT_EQ(lp["text_offset"], json({0, 2}));
+  // Counted from the start of the prompt, as OpenAI does.
+  ResponseContext ctx = text_ctx();
+  ctx.prompt_chars = utf8_chars("Caf\xC3\xA9: ");
+  EXPECT_EQ(ctx.prompt_chars, 6);
+  EXPECT_EQ(completion_body(ctx, c)["choices"][0]["logprobs"]["text_offset"], json({6, 8}));
 }
 
 TEST(Logprobs, StreamChunksCarryTheirTokensAndOffsetsRunOn) {

@@ -34,6 +34,9 @@ class JsonState {
   }
   // The top-level object has closed (only whitespace may follow).
   bool complete() const { return mode_ == Mode::kDone; }
+  // Inside a string, between characters: any whole UTF-8 characters other than a quote, a
+  // backslash or a control character continue it.
+  bool in_plain_string() const { return mode_ == Mode::kString && utf8_left_ == 0; }
 
  private:
   enum class Mode : std::uint8_t {
@@ -74,8 +77,12 @@ class JsonMask {
   std::size_t apply(const JsonState& state, std::span<float> logits) const;
 
  private:
+  // By token id: its bytes are plain string text (JsonState::in_plain_string), computed once.
+  const std::vector<bool>& plain_tokens() const;
+
   const Tokenizer* tokenizer_;
   mutable std::vector<bool> allowed_;
+  mutable std::vector<bool> plain_;
 };
 
 }  // namespace batchlm::local_engine

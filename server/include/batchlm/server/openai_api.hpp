@@ -62,7 +62,13 @@ struct ResponseContext {
   std::string id;       // "chatcmpl-..." / "cmpl-..."
   std::int64_t created = 0;
   std::string model;
+  // Text completions: the prompt's length in characters, where the text_offset of the
+  // completion's tokens starts (as OpenAI counts them, with or without echo).
+  std::int64_t prompt_chars = 0;
 };
+
+// Characters in UTF-8 text: its bytes that do not continue a character.
+std::int64_t utf8_chars(std::string_view text);
 
 // A fresh id for the endpoint: "chatcmpl-" or "cmpl-" and 24 random hex digits.
 std::string new_response_id(Endpoint endpoint);
@@ -74,8 +80,8 @@ nlohmann::json completion_body(const ResponseContext& ctx, std::span<const Compl
 Usage total_usage(std::span<const Completion> choices);
 // A choice's `logprobs` value for these tokens: chat {"content": [...]} (logprobs_json), or
 // the text completions form {"tokens", "token_logprobs", "top_logprobs", "text_offset"}, its
-// offsets counted in characters from text_offset, which moves past the tokens (a stream's
-// chunks carry it from one to the next).
+// offsets counted in characters from text_offset (the prompt's length: ResponseContext), which
+// moves past the tokens (a stream's chunks carry it from one to the next).
 nlohmann::json choice_logprobs(Endpoint endpoint, std::span<const TokenLogprob> logprobs, std::int64_t& text_offset);
 // One stream chunk carrying text of choice `index` (chat: a delta; the choice's first chunk
 // also carries the role), and its tokens' `logprobs` (choice_logprobs) when asked for.
