@@ -19,11 +19,11 @@
 
 #include "batchlm/local_engine/batch_engine.hpp"
 #include "batchlm/local_engine/engine.hpp"
+#include "default_model.hpp"
 
 namespace batchlm::local_engine {
 namespace {
 
-namespace fs = std::filesystem;
 using nlohmann::json;
 
 bool accepts(std::string_view text) { return JsonState().accepts(text); }
@@ -158,18 +158,7 @@ TEST(JsonState, AgreesWithAParserOnRandomAndMutatedObjects) {
 
 // ---- on the default model ----------------------------------------------------------------------
 
-const fs::path& model_path() {
-  static const fs::path p = fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-  return p;
-}
-
-std::shared_ptr<const Model> default_model() {
-  static const std::shared_ptr<const Model> model = fs::exists(model_path()) ? Model::load(model_path()) : nullptr;
-  return model;
-}
-
-#define REQUIRE_DEFAULT_MODEL()                                                                          \
-  if (!default_model()) GTEST_SKIP() << model_path() << " is absent (scripts/fetch-model.sh fetches it)"
+using testing::default_model;
 
 TEST(JsonMask, LeavesOnlyTokensThatContinueTheText) {
   REQUIRE_DEFAULT_MODEL();

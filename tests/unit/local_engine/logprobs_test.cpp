@@ -20,6 +20,7 @@
 
 #include "batchlm/local_engine/batch_engine.hpp"
 #include "batchlm/local_engine/engine.hpp"
+#include "default_model.hpp"
 #include "batchlm/local_engine/local_backend.hpp"
 #include "batchlm/local_engine/sampling.hpp"
 
@@ -104,18 +105,8 @@ TEST(LogitBias, MovesGreedyAndSampledChoices) {
 
 // ---- the default model -----------------------------------------------------------------------------
 
-const fs::path& model_path() {
-  static const fs::path p = fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-  return p;
-}
-
-std::shared_ptr<const Model> default_model() {
-  static const std::shared_ptr<const Model> model = fs::exists(model_path()) ? Model::load(model_path()) : nullptr;
-  return model;
-}
-
-#define REQUIRE_DEFAULT_MODEL()                                                                          \
-  if (!default_model()) GTEST_SKIP() << model_path() << " is absent (scripts/fetch-model.sh fetches it)"
+using testing::default_model;
+const fs::path& model_path() { return testing::default_model_path(); }
 
 std::string bytes_of(const std::vector<TokenLogprob>& logprobs) {
   std::string s;
