@@ -196,18 +196,7 @@ Error make_error(ErrorKind kind, std::string message) {
 
 // Invalid UTF-8 sequences replaced by U+FFFD (EF BF BD): what a decoder shows for them.
 std::string replace_invalid_utf8(std::string_view in) {
-  std::string out;
-  out.reserve(in.size());
-  for (std::size_t i = 0; i < in.size();) {
-    if (const std::size_t len = utf8_char_length(in, i); len > 0) {
-      out.append(in.substr(i, len));
-      i += len;
-    } else {
-      out.append("\xEF\xBF\xBD");
-      ++i;
-    }
-  }
-  return out;
+  return batchlm::replace_invalid_utf8(in, [](unsigned char) { return std::string("\xEF\xBF\xBD"); });
 }
 
 // A token's bytes from an entry's `bytes` (integers 0-255) when it has them, else its text.

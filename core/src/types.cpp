@@ -43,21 +43,27 @@ std::size_t utf8_char_length(std::string_view s, std::size_t i) {
   return len;
 }
 
-std::string logprob_token_text(std::string_view bytes) {
+std::string replace_invalid_utf8(std::string_view s, std::string (*replacement)(unsigned char byte)) {
   std::string out;
-  out.reserve(bytes.size());
-  for (std::size_t i = 0; i < bytes.size();) {
-    if (const std::size_t len = utf8_char_length(bytes, i); len > 0) {
-      out.append(bytes.substr(i, len));
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size();) {
+    if (const std::size_t len = utf8_char_length(s, i); len > 0) {
+      out.append(s.substr(i, len));
       i += len;
-      continue;
+    } else {
+      out += replacement(static_cast<unsigned char>(s[i]));
+      ++i;
     }
-    char hex[8];
-    std::snprintf(hex, sizeof hex, "\\x%02x", static_cast<unsigned>(static_cast<unsigned char>(bytes[i])));
-    out += hex;
-    ++i;
   }
   return out;
+}
+
+std::string logprob_token_text(std::string_view bytes) {
+  return replace_invalid_utf8(bytes, [](unsigned char byte) {
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "\\x%02x", static_cast<unsigned>(byte));
+    return std::string(hex);
+  });
 }
 
 namespace {
