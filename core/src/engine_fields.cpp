@@ -1,5 +1,7 @@
 #include "batchlm/core/engine_fields.hpp"
 
+#include "batchlm/core/json_schema.hpp"
+
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -84,12 +86,20 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return "expected a whole number from 0 to " + std::to_string(kMaxTopLogprobs) + ", not " + value.dump();
   }
   if (key == "response_format") {
-    if (value.is_null() || (value.is_object() && (value.value("type", json()) == "text" ||
-                                                  value.value("type", json()) == "json_object")))
+    const json type = value.is_object() ? value.value("type", json()) : json();
+    if (type == "text" || type == "json_object") return std::nullopt;
+    if (type == "json_schema") {
+      const auto spec = value.find("json_schema");
+      if (spec == value.end() || !spec->is_object() || !spec->contains("schema"))
+        return std::string("expected {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}");
+      try {
+        (void)compile_json_schema(spec->at("schema"));
+      } catch (const SchemaError& e) {
+        return std::string("json_schema.schema ") + e.what() + kElsewhere;
+      }
       return std::nullopt;
-    return std::string("the embedded engine has JSON mode ({\"type\": \"json_object\"}) but no structured outputs "
-                       "(json_schema)") +
-           kElsewhere;
+    }
+    return "expected an object whose type is text, json_object or json_schema, not " + value.dump().substr(0, 80);
   }
   if (key == "tools" || key == "functions") {
     if (value.is_null() || (value.is_array() && value.empty())) return std::nullopt;
@@ -121,6 +131,16 @@ std::optional<std::string> top_logprobs_problem(const json& extra) {
   if (logprobs.is_number() && logprobs.get<double>() != top.get<double>())
     return "asks for " + top.dump() + " most likely tokens where logprobs asks for " + logprobs.dump();
   return std::nullopt;
+}
+
+const json* requested_json_schema(const json& extra) {
+  if (!extra.is_object()) return nullptr;
+  const auto format = extra.find("response_format");
+  if (format == extra.end() || !format->is_object() || format->value("type", json()) != "json_schema") return nullptr;
+  const auto spec = format->find("json_schema");
+  if (spec == format->end() || !spec->is_object()) return nullptr;
+  const auto schema = spec->find("schema");
+  return schema == spec->end() ? nullptr : &*schema;
 }
 
 bool requested_json_object(const json& extra) {

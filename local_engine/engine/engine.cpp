@@ -33,13 +33,17 @@ Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params)
       decoder_(tokenizer),
       stops_(params.stop),
       logprobs_(params.logprobs),
-      json_(params.json_object ? std::optional<JsonState>(JsonState()) : std::nullopt),
-      json_mask_(tokenizer) {}
+      json_(params.json_object && !params.json_schema ? std::optional<JsonState>(JsonState()) : std::nullopt),
+      schema_(params.json_schema),
+      json_mask_(tokenizer) {
+  if (schema_) schema_state_.emplace(*schema_);
+}
 
 std::span<const float> Generation::constrain(std::span<const float> logits) {
-  if (!json_) return logits;
+  if (!json_ && !schema_state_) return logits;
   masked_.assign(logits.begin(), logits.end());
-  if (json_mask_.apply(*json_, masked_) == 0) return logits;  // nothing fits: left to the end of this token
+  const std::size_t left = json_ ? json_mask_.apply(*json_, masked_) : json_mask_.apply(*schema_state_, masked_);
+  if (left == 0) return logits;  // nothing fits: left to the end of this token
   return masked_;
 }
 
@@ -84,12 +88,16 @@ bool Generation::accept(Token token, std::string& text, const PositionLogprobs* 
     reason_ = "stop";  // what the stop matcher holds comes out in flush()
     return true;
   }
-  // JSON mode: the object closed with this token ends the output (a token it refuses, which
-  // the mask lets through only when none fits, ends the mode).
+  // JSON mode and schemas: the object closed with this token ends the output (a token they
+  // refuse, which the mask lets through only when none fits, ends the constraint).
   bool closed = false;
   if (json_) {
     if (!json_->feed(tokenizer_->token_view(token))) json_.reset();
     else closed = json_->complete();
+  }
+  if (schema_state_) {
+    if (!schema_state_->feed(tokenizer_->token_view(token))) schema_state_.reset();
+    else closed = schema_state_->complete();
   }
   const std::string decoded = decoder_.push(token);
   const std::int64_t before = decoded_;

@@ -306,6 +306,8 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     }
     p.logprobs = requested_logprobs(request.extra);
     p.json_object = requested_json_object(request.extra);
+    if (const nlohmann::json* schema = requested_json_schema(request.extra))
+      p.json_schema = std::make_shared<const JsonSchema>(compile_json_schema(*schema));  // checked above
   }
   p.sampling.seed = request.seed ? static_cast<std::uint64_t>(*request.seed)
                                  : std::random_device{}() * 0x9e3779b97f4a7c15ull;

@@ -3,6 +3,8 @@
 #include <array>
 #include <limits>
 
+#include "batchlm/local_engine/json_schema.hpp"
+
 namespace batchlm::local_engine {
 
 namespace {
@@ -219,45 +221,69 @@ bool JsonState::feed(std::string_view bytes) {
   return true;
 }
 
-const std::vector<bool>& JsonMask::plain_tokens() const {
+const std::vector<std::uint16_t>& JsonMask::plain_tokens() const {
   if (plain_.empty()) {
     // Whole UTF-8 characters, none of them a quote, a backslash or a control character.
     const auto n = static_cast<Token>(tokenizer_->size());
-    plain_.assign(static_cast<std::size_t>(n), false);
+    plain_.assign(static_cast<std::size_t>(n), 0);
     for (Token t = 0; t < n; ++t) {
       if (tokenizer_->is_end_of_generation(t)) continue;
       const std::string_view bytes = tokenizer_->token_view(t);
       JsonState s;
-      bool ok = !bytes.empty() && s.feed("{\"");
-      for (const char c : bytes) ok = ok && c != '"' && c != '\\' && s.feed(static_cast<unsigned char>(c));
-      plain_[static_cast<std::size_t>(t)] = ok && s.in_plain_string();
+      bool ok = !bytes.empty() && bytes.size() < 0xFFFF && s.feed("{\"");
+      std::uint16_t chars = 0;
+      for (const char c : bytes) {
+        ok = ok && c != '"' && c != '\\' && s.feed(static_cast<unsigned char>(c));
+        chars = static_cast<std::uint16_t>(chars + ((static_cast<unsigned char>(c) & 0xC0) != 0x80));
+      }
+      plain_[static_cast<std::size_t>(t)] = ok && s.in_plain_string() ? chars : 0;
     }
   }
   return plain_;
 }
 
-std::size_t JsonMask::apply(const JsonState& state, std::span<float> logits) const {
+std::size_t JsonMask::apply(const JsonState& state, std::span<float> logits) const { return mask(state, logits); }
+
+std::size_t JsonMask::apply(const SchemaState& state, std::span<float> logits) const { return mask(state, logits); }
+
+template <class State>
+std::size_t JsonMask::mask(const State& state, std::span<float> logits) const {
   const bool complete = state.complete();
   // Most tokens are ruled out by their first byte: 256 feeds decide it for all of them.
   std::array<bool, 256> first{};
   for (int c = 0; c < 256; ++c) {
-    JsonState s = state;
+    State s = state;
     first[static_cast<std::size_t>(c)] = s.feed(static_cast<unsigned char>(c));
   }
-  // Inside a string, between characters, plain text tokens continue it whatever they hold.
-  const std::vector<bool>* plain = state.in_plain_string() ? &plain_tokens() : nullptr;
+  // Of the tokens that pass, most that fail do so at their second byte (a space, then a word
+  // where only punctuation may come): each pair of first bytes is fed once, when first met.
+  pairs_.assign(65536, 0);  // 0: not yet fed; 1: it continues the text; 2: it does not
+  const auto pair_ok = [&](std::string_view bytes) {
+    const auto b0 = static_cast<unsigned char>(bytes[0]), b1 = static_cast<unsigned char>(bytes[1]);
+    std::uint8_t& known = pairs_[static_cast<std::size_t>(b0) << 8 | b1];
+    if (known == 0) {
+      State s = state;
+      known = s.feed(b0) && s.feed(b1) ? 1 : 2;
+    }
+    return known == 1;
+  };
+  // Inside a string, between characters, plain text tokens continue it as far as its length
+  // allows.
+  const std::vector<std::uint16_t>* plain = state.in_plain_string() ? &plain_tokens() : nullptr;
+  const std::int64_t room = plain ? state.plain_room() : 0;
   allowed_.assign(logits.size(), false);
   std::size_t left = 0;
   for (std::size_t i = 0; i < logits.size(); ++i) {
     const auto t = static_cast<Token>(i);
     bool ok;
-    if (plain && i < plain->size() && (*plain)[i]) {
-      ok = true;
+    if (plain && i < plain->size() && (*plain)[i] != 0) {
+      ok = (*plain)[i] <= room;
     } else if (tokenizer_->is_end_of_generation(t)) {
       ok = complete;
     } else {
       const std::string_view bytes = tokenizer_->token_view(t);
-      ok = !complete && !bytes.empty() && first[static_cast<unsigned char>(bytes[0])] && state.accepts(bytes);
+      ok = !complete && !bytes.empty() && first[static_cast<unsigned char>(bytes[0])] &&
+           (bytes.size() < 2 || pair_ok(bytes)) && (bytes.size() <= 2 || state.accepts(bytes));
     }
     allowed_[i] = ok;
     left += ok ? 1 : 0;

@@ -7,6 +7,7 @@
 
 #include "batchlm/core/engine_fields.hpp"
 #include "batchlm/core/json_check.hpp"
+#include "batchlm/core/json_schema.hpp"
 
 namespace batchlm::server {
 
@@ -292,6 +293,16 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
     if (!type || !type->is_string()) invalid("response_format", "'response_format' must be an object with a 'type'");
     if (type->get<std::string>() == "json_object") {
       r.extra["response_format"] = {{"type", "json_object"}};
+    } else if (type->get<std::string>() == "json_schema") {
+      const json* spec = field(*v, "json_schema");
+      const json* schema = spec && spec->is_object() ? field(*spec, "schema") : nullptr;
+      if (!schema) invalid("response_format", "'response_format' of type json_schema needs 'json_schema': {'name': ..., 'schema': {...}}");
+      try {
+        (void)compile_json_schema(*schema);
+      } catch (const SchemaError& e) {
+        invalid("response_format", std::string("'response_format.json_schema.schema' ") + e.what());
+      }
+      r.extra["response_format"] = {{"type", "json_schema"}, {"json_schema", {{"schema", *schema}}}};
     } else if (type->get<std::string>() != "text") {
       unsupported("response_format", "response_format '" + excerpt(type->get<std::string>()) + "'");
     }

@@ -525,5 +525,33 @@ TEST_F(RealModel, RunsTheShippedGsm8kJob) {
   }
 }
 
+// Structured synthesis: each record's output follows the job's schema.
+TEST_F(RealModel, RunsTheShippedWordProblemsJob) {
+  const fs::path output = dir_.path / "w.jsonl";
+  RunResult r = run_batchlm(dir_.path,
+                            {"synth", (fs::path(BATCHLM_SOURCE_DIR) / "jobs/word-problems.yaml").string(), "--count", "4",
+                             "--output", output.string()},
+                            {{"BATCHLM_MODEL", kRealModel.string()}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<json> records = read_jsonl(output);
+  ASSERT_EQ(records.size(), 4u);
+  int closed = 0;
+  for (const auto& rec : records) {
+    SCOPED_TRACE(rec.dump());
+    ASSERT_TRUE(rec["error"].is_null());
+    if (rec["finish_reason"] != "stop") continue;  // max_tokens cut it: the beginning of an object
+    ++closed;
+    const json answer = json::parse(rec["output"].get<std::string>());
+    ASSERT_TRUE(answer.is_object());
+    EXPECT_EQ(answer.size(), 4u);
+    const std::string question = answer["question"];
+    EXPECT_GE(question.size(), 10u);
+    EXPECT_TRUE(answer["answer"].is_number_integer());
+    EXPECT_TRUE(answer["steps"].is_array() && !answer["steps"].empty() && answer["steps"].size() <= 5);
+    EXPECT_TRUE(answer["difficulty"] == "easy" || answer["difficulty"] == "medium" || answer["difficulty"] == "hard");
+  }
+  EXPECT_GE(closed, 2);
+}
+
 }  // namespace
 }  // namespace batchlm::e2e

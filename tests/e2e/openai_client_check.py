@@ -3,8 +3,8 @@
 Usage: openai_client_check.py --base-url http://127.0.0.1:PORT/v1 --api-key KEY --model NAME
 
 Makes the calls a client makes (models.list, chat.completions.create whole and streamed with
-usage, completions.create, log-probabilities and logit_bias, and requests the server must
-refuse) and prints one JSON object
+usage, completions.create, log-probabilities and logit_bias, JSON mode, structured outputs
+through chat.completions.parse with a pydantic model, and requests the server must refuse) and prints one JSON object
 with what came back; the C++ test asserts on it. Exits non-zero when a call fails in a way the
 test did not expect.
 """
@@ -12,8 +12,22 @@ test did not expect.
 import argparse
 import json
 import sys
+import typing
 
 import openai
+import pydantic
+from openai.lib._pydantic import to_strict_json_schema
+
+
+class City(pydantic.BaseModel):
+    """What the structured-output check asks for: the client turns it into a strict JSON schema."""
+
+    name: str = pydantic.Field(max_length=40)
+    country: str = pydantic.Field(max_length=40)
+    population: int
+    kind: typing.Literal["capital", "town"]
+    rivers: list[str] = pydantic.Field(max_length=3)
+    mayor: typing.Optional[str]
 
 
 def main() -> int:
@@ -149,6 +163,41 @@ def main() -> int:
     except json.JSONDecodeError:
         kind = None
     out["json_mode"] = {"finish_reason": jm.choices[0].finish_reason, "starts": content.lstrip()[:1], "parsed": kind}
+
+    # Structured outputs: the client sends City's strict schema and parses the answer into it.
+    city_question = [{"role": "user", "content": "Describe Paris as a JSON object."}]
+    parsed = client.chat.completions.parse(
+        model=args.model, messages=city_question, temperature=0, max_tokens=300, response_format=City
+    )
+    city = parsed.choices[0].message.parsed
+    out["structured"] = {
+        "finish_reason": parsed.choices[0].finish_reason,
+        "content": parsed.choices[0].message.content,
+        "parsed": city.model_dump() if city is not None else None,
+    }
+    # The same schema streamed: the chunks join into the same text.
+    schema = {"name": "City", "schema": to_strict_json_schema(City), "strict": True}
+    chunks = client.chat.completions.create(
+        model=args.model,
+        messages=city_question,
+        temperature=0,
+        max_tokens=300,
+        response_format={"type": "json_schema", "json_schema": schema},
+        stream=True,
+    )
+    out["structured_stream"] = {"text": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)}
+    try:
+        client.chat.completions.create(
+            model=args.model,
+            messages=messages,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}},
+            },
+        )
+        out["schema_refused"] = {"status": None}
+    except openai.BadRequestError as e:
+        out["schema_refused"] = {"status": e.status_code, "param": (e.body or {}).get("param"), "message": e.message}
 
     try:
         client.chat.completions.create(model=args.model, messages=messages, top_logprobs=2)

@@ -1803,6 +1803,20 @@ TEST_F(ServeRealModel, OfficialOpenAIPythonClient) {
   if (r["json_mode"]["finish_reason"] == "stop") {
     EXPECT_EQ(r["json_mode"]["parsed"], "dict") << out;
   }
+  // Structured outputs: the client's own parser took the answer into its pydantic model (it
+  // raises when the text does not fit), and the schema's limits hold.
+  const json& st = r["structured"];
+  EXPECT_EQ(st["finish_reason"], "stop") << out;
+  ASSERT_TRUE(st["parsed"].is_object()) << out;
+  EXPECT_EQ(json::parse(st["content"].get<std::string>()), st["parsed"]) << out;
+  EXPECT_TRUE(st["parsed"]["kind"] == "capital" || st["parsed"]["kind"] == "town") << out;
+  EXPECT_LE(st["parsed"]["name"].get<std::string>().size(), 40u) << out;
+  EXPECT_LE(st["parsed"]["rivers"].size(), 3u) << out;
+  EXPECT_EQ(r["structured_stream"]["text"], st["content"]) << "greedy: streamed and whole agree\n" << out;
+  EXPECT_EQ(r["schema_refused"]["status"], 400) << out;
+  EXPECT_EQ(r["schema_refused"]["param"], "response_format") << out;
+  EXPECT_TRUE(contains(r["schema_refused"]["message"].get<std::string>(), "at /properties/n/minimum: 'minimum' is not supported"))
+      << out;
   EXPECT_EQ(r["top_without_logprobs"]["status"], 400) << out;
   EXPECT_EQ(r["top_without_logprobs"]["param"], "top_logprobs") << out;
   EXPECT_EQ(r["bad_request"]["status"], 400) << out;

@@ -317,7 +317,7 @@ TEST_F(GpuEngine, PenaltiesAreRefusedWhereTheDeviceSamples) {
     EXPECT_EQ(e.code, "unsupported_parameter");
   }
   params.sampling.frequency_penalty = 0.0f;
-  // Biases, log-probabilities and JSON mode are CPU-side too.
+  // Biases, log-probabilities, JSON mode and schemas are CPU-side too.
   const auto refused = [&](const GenerateParams& p) {
     try {
       engine.add(prompt, p, nullptr);
@@ -335,6 +335,9 @@ TEST_F(GpuEngine, PenaltiesAreRefusedWhereTheDeviceSamples) {
   GenerateParams json_mode = params;
   json_mode.json_object = true;
   EXPECT_TRUE(refused(json_mode));
+  GenerateParams schema = params;
+  schema.json_schema = std::make_shared<const JsonSchema>(compile_json_schema({{"type", "object"}}));
+  EXPECT_TRUE(refused(schema));
   EXPECT_NO_THROW(engine.add(prompt, params, nullptr));
 }
 

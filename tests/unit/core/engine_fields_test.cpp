@@ -57,7 +57,25 @@ TEST(EngineFields, FieldsThatChangeNothingPass) {
 
 TEST(EngineFields, FieldsThatWouldChangeTheOutputAreRefusedWithTheReason) {
   EXPECT_TRUE(problem("repetition_penalty", 1.1).starts_with("the embedded engine does not apply repetition"));
-  EXPECT_TRUE(problem("response_format", {{"type", "json_schema"}}).starts_with("the embedded engine has JSON mode"));
+  EXPECT_EQ(problem("response_format", {{"type", "json_schema"}}),
+            "expected {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}");
+  EXPECT_EQ(problem("response_format", {{"type", "xml"}}),
+            "expected an object whose type is text, json_object or json_schema, not {\"type\":\"xml\"}");
+  const json person = {{"type", "object"},
+                       {"properties", {{"name", {{"type", "string"}}}, {"age", {{"type", "integer"}, {"minimum", 0}}}}}};
+  EXPECT_EQ(problem("response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "p"}, {"schema", person}}}}),
+            "json_schema.schema at /properties/age/minimum: 'minimum' is not supported by the embedded engine's "
+            "structured outputs (it follows type, enum, const, properties, required, additionalProperties, items, "
+            "minItems, maxItems, minLength, maxLength, anyOf, oneOf and $ref); remove it, or run the job against an "
+            "API that does (--base-url)");
+  json followed = person;
+  followed["properties"]["age"].erase("minimum");
+  const json format = {{"type", "json_schema"}, {"json_schema", {{"name", "p"}, {"schema", followed}, {"strict", true}}}};
+  EXPECT_TRUE(ok("response_format", format));
+  ASSERT_NE(requested_json_schema({{"response_format", format}}), nullptr);
+  EXPECT_EQ(*requested_json_schema({{"response_format", format}}), followed);
+  EXPECT_EQ(requested_json_schema({{"response_format", {{"type", "json_object"}}}}), nullptr);
+  EXPECT_FALSE(requested_json_object({{"response_format", format}}));
   EXPECT_TRUE(ok("response_format", {{"type", "json_object"}}));
   EXPECT_TRUE(requested_json_object({{"response_format", {{"type", "json_object"}}}}));
   EXPECT_FALSE(requested_json_object({{"response_format", {{"type", "text"}}}}));

@@ -727,7 +727,7 @@ TEST(LocalBackend, ExtraFieldsItWouldIgnoreFailTheRequest) {
   asio::io_context io;
   LocalBackend backend(io.get_executor(), tiny_options());
   Request refused = hello_request(4);
-  refused.extra = {{"top_k", 3}, {"response_format", {{"type", "json_schema"}}}};
+  refused.extra = {{"top_k", 3}, {"response_format", {{"type", "json_schema"}, {"json_schema", {{"schema", {{"type", "array"}}}}}}}};
   Request taken = hello_request(4);
   taken.extra = {{"top_k", 3}, {"user", "someone"}, {"presence_penalty", 0}};
   Call bad, good;
@@ -739,8 +739,9 @@ TEST(LocalBackend, ExtraFieldsItWouldIgnoreFailTheRequest) {
   EXPECT_EQ(bad.outcome->error->http_status, 400);
   EXPECT_EQ(bad.outcome->error->code, "unsupported_parameter");
   EXPECT_EQ(bad.outcome->error->message,
-            "'response_format': the embedded engine has JSON mode ({\"type\": \"json_object\"}) but no structured "
-            "outputs (json_schema); remove it, or run the job against an API that does (--base-url)");
+            "'response_format': json_schema.schema at the root: the root must admit objects only (\"type\": "
+            "\"object\"), as OpenAI's structured outputs ask; this one also admits arrays; remove it, or run the job "
+            "against an API that does (--base-url)");
   ASSERT_TRUE(good.outcome && good.outcome->ok()) << good.outcome->error->message;
 }
 

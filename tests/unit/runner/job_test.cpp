@@ -312,13 +312,22 @@ TEST_F(JobFile, DurationBeyondAYearIsAnError) {
 
 TEST_F(JobFile, ExtraFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
   // Sent to an API they would change the output; the embedded engine would have dropped them.
-  ConfigError e = error_of(with_input("request:\n  extra:\n    top_k: 40\n    response_format: {type: json_schema}\n"));
+  ConfigError e = error_of(with_input(
+      "request:\n  extra:\n    top_k: 40\n    response_format: {type: json_schema, json_schema: {name: t, schema: "
+      "{type: object, properties: {a: {type: string, pattern: '^x'}}}}}\n"));
   EXPECT_EQ(e.file(), "jobs/t.yaml");
   EXPECT_EQ(e.line(), 5);
   EXPECT_EQ(e.field(), "request.extra.response_format");
   EXPECT_EQ(e.message(),
-            "the embedded engine has JSON mode ({\"type\": \"json_object\"}) but no structured outputs (json_schema); "
-            "remove it, or run the job against an API that does (--base-url) (the backend is the embedded engine)");
+            "json_schema.schema at /properties/a/pattern: 'pattern' is not supported by the embedded engine's structured "
+            "outputs (it follows type, enum, const, properties, required, additionalProperties, items, minItems, "
+            "maxItems, minLength, maxLength, anyOf, oneOf and $ref); remove it, or run the job against an API that does "
+            "(--base-url) (the backend is the embedded engine)");
+  // A schema it can follow passes.
+  EXPECT_EQ(load(with_input("request:\n  extra:\n    response_format: {type: json_schema, json_schema: {name: t, "
+                            "schema: {type: object, properties: {a: {type: string}}, required: [a]}}}\n"))
+                .request.extra["response_format"]["type"],
+            "json_schema");
   EXPECT_EQ(error_of(with_input("request: {extra: {frequency_penalty: 3}}\n")).message(),
             "expected a number from -2 to 2, not 3 (the backend is the embedded engine)");
   EXPECT_EQ(error_of(with_input("request: {extra: {min_p: 0.1}}\n")).field(), "request.extra.min_p");

@@ -301,13 +301,13 @@ TEST_F(SourceTest, BatchFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
   const std::string line1 =
       R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}], "top_k": 5, "user": "u", "presence_penalty": 0}})";
   const std::string line2 =
-      R"({"custom_id": "b", "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}})";
+      R"({"custom_id": "b", "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}}}}})";
   std::string in = write("batch.jsonl", line1 + "\n" + line2 + "\n");
   ConfigError e = open_error(job("input: " + in + "\n"));
   EXPECT_EQ(e.file(), in);
   EXPECT_EQ(e.line(), 2);
   EXPECT_EQ(e.field(), "body.response_format");
-  EXPECT_TRUE(e.message().starts_with("the embedded engine has JSON mode ({\"type\": \"json_object\"}) but no structured"))
+  EXPECT_TRUE(e.message().starts_with("json_schema.schema at /properties/n/minimum: 'minimum' is not supported"))
       << e.message();
   // The first line alone runs on the engine; through an API the second passes through.
   std::string first = write("first.jsonl", line1 + "\n");

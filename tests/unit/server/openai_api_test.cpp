@@ -544,14 +544,30 @@ TEST(ParseRequest, LogitBiasIsPassedToTheEngine) {
                  "'logit_bias' the bias of token 3 must be a number from -100 to 100, not -101");
 }
 
-TEST(ParseRequest, ResponseFormatIsTextOrJsonMode) {
+TEST(ParseRequest, ResponseFormatIsTextJsonModeOrASchema) {
   EXPECT_EQ(chat({{"response_format", {{"type", "json_object"}}}}).request.extra,
             json({{"response_format", {{"type", "json_object"}}}}));
   EXPECT_TRUE(chat({{"response_format", {{"type", "text"}}}}).request.extra.is_null());
   EXPECT_EQ(completion({{"response_format", {{"type", "json_object"}}}}).request.extra["response_format"]["type"],
             "json_object");
-  expect_unsupported(chat_error(chat_body({{"response_format", {{"type", "json_schema"}, {"json_schema", json::object()}}}})),
-                     "response_format", "response_format 'json_schema' is not supported by this server");
+  // A schema the engine can follow reaches it; one it cannot is a 400 that says where.
+  const json schema = {{"type", "object"}, {"properties", {{"a", {{"type", "string"}}}}}, {"required", {"a"}}};
+  EXPECT_EQ(chat({{"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "x"}, {"schema", schema}, {"strict", true}}}}}})
+                .request.extra,
+            json({{"response_format", {{"type", "json_schema"}, {"json_schema", {{"schema", schema}}}}}}));
+  expect_invalid(chat_error(chat_body({{"response_format", {{"type", "json_schema"}, {"json_schema", json::object()}}}})),
+                 "response_format",
+                 "'response_format' of type json_schema needs 'json_schema': {'name': ..., 'schema': {...}}");
+  expect_invalid(
+      chat_error(chat_body({{"response_format",
+                             {{"type", "json_schema"},
+                              {"json_schema", {{"name", "x"}, {"schema", {{"type", "object"}, {"allOf", json::array()}}}}}}}})),
+      "response_format",
+      "'response_format.json_schema.schema' at /allOf: 'allOf' is not supported by the embedded engine's structured "
+      "outputs (it follows type, enum, const, properties, required, additionalProperties, items, minItems, maxItems, "
+      "minLength, maxLength, anyOf, oneOf and $ref)");
+  expect_unsupported(chat_error(chat_body({{"response_format", {{"type", "grammar"}}}})), "response_format",
+                     "response_format 'grammar' is not supported by this server");
   expect_invalid(chat_error(chat_body({{"response_format", "json"}})), "response_format",
                  "'response_format' must be an object with a 'type'");
   expect_invalid(chat_error(chat_body({{"response_format", json::object()}})), "response_format",

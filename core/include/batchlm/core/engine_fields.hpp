@@ -2,9 +2,9 @@
 // Which body fields beyond a Request's own the embedded engine honours. A job's `request.extra`
 // and the body of an OpenAI Batch-API line pass fields through to an API as they are; the
 // embedded engine reads `top_k`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
-// `logprobs`, `top_logprobs` and `response_format` (text or JSON mode) among them, so any other
-// field that would change the output (structured outputs, tools, ...) is refused rather than
-// silently ignored. Fields that change nothing (`user`, `metadata`, a zero penalty, `n: 1`, ...)
+// `logprobs`, `top_logprobs` and `response_format` (text, JSON mode, or a JSON schema it can
+// follow: json_schema.hpp) among them, so any other field that would change the output (tools,
+// ...) is refused rather than silently ignored. Fields that change nothing (`user`, `metadata`, a zero penalty, `n: 1`, ...)
 // pass. The runner checks jobs with it before a run starts; LocalBackend checks each request.
 
 #include <cstdint>
@@ -33,6 +33,9 @@ std::optional<std::string> top_logprobs_problem(const nlohmann::json& extra);
 int requested_logprobs(const nlohmann::json& extra);
 // Whether `response_format` asks for JSON mode ({"type": "json_object"}).
 bool requested_json_object(const nlohmann::json& extra);
+// The schema `response_format` asks the output to follow ({"type": "json_schema", "json_schema":
+// {"schema": ...}}), or null.
+const nlohmann::json* requested_json_schema(const nlohmann::json& extra);
 // `logit_bias` as (token id, bias) pairs; empty without it. For fields that passed the checks.
 std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const nlohmann::json& extra);
 

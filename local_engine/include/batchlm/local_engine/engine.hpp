@@ -15,6 +15,7 @@
 #include "batchlm/core/types.hpp"
 #include "batchlm/kernels/thread_pool.hpp"
 #include "batchlm/local_engine/json_mode.hpp"
+#include "batchlm/local_engine/json_schema.hpp"
 #include "batchlm/local_engine/model.hpp"
 #include "batchlm/local_engine/sampling.hpp"
 
@@ -39,6 +40,9 @@ struct GenerateParams {
   // JSON mode: only tokens that keep the output a prefix of one JSON object are sampled, and
   // generation stops ("stop") when the object closes (json_mode.hpp).
   bool json_object = false;
+  // Structured outputs: the same, held to this schema (json_schema.hpp); takes precedence over
+  // json_object.
+  std::shared_ptr<const JsonSchema> json_schema;
 };
 
 struct GenerateStats {
@@ -73,11 +77,12 @@ class Generation {
   // threads), with its log-probabilities when they were asked for.
   bool accept(Token token, std::string& text, const PositionLogprobs* logprobs = nullptr);
   Sampler& sampler() { return sampler_; }
-  // The logits to sample from: in JSON mode a copy with the tokens that cannot come next
-  // masked out, else `logits` themselves.
+  // The logits to sample from: in JSON mode or under a schema a copy with the tokens that cannot
+  // come next masked out, else `logits` themselves.
   std::span<const float> constrain(std::span<const float> logits);
-  // In JSON mode (only the tokens it allows are sampled; speculative drafts are not).
-  bool constrained() const { return json_.has_value(); }
+  // In JSON mode or under a schema (only the tokens they allow are sampled; speculative drafts
+  // are not).
+  bool constrained() const { return json_.has_value() || schema_state_.has_value(); }
   // The text held back so far, when generation ends for another reason (length).
   std::string flush();
   // -1 when no log-probabilities were asked for, else the alternatives per token.
@@ -109,6 +114,8 @@ class Generation {
   void settle(std::int64_t decoded_before, const std::string& decoded);
   int logprobs_ = -1;
   std::optional<JsonState> json_;  // JSON mode: the output so far
+  std::shared_ptr<const JsonSchema> schema_;
+  std::optional<SchemaState> schema_state_;  // structured outputs: the output so far
   JsonMask json_mask_;
   std::vector<float> masked_;
   std::vector<Pending> pending_;

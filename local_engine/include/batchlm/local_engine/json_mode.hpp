@@ -37,8 +37,11 @@ class JsonState {
   // Inside a string, between characters: any whole UTF-8 characters other than a quote, a
   // backslash or a control character continue it.
   bool in_plain_string() const { return mode_ == Mode::kString && utf8_left_ == 0; }
+  // How many characters of plain text may follow there: no limit in JSON mode.
+  std::int64_t plain_room() const { return INT64_MAX; }
 
  private:
+  friend class SchemaState;  // follows a schema on top of this recognizer's reading of the text
   enum class Mode : std::uint8_t {
     kStart, kValue, kArrayFirst, kObjectFirstKey, kObjectKey, kColon, kAfterValue, kString, kEscape,
     kHex, kLowBackslash, kLowU, kNumber, kLiteral, kDone
@@ -66,6 +69,8 @@ class JsonState {
   std::uint8_t at_ = 0;       // bytes of it read
 };
 
+class SchemaState;
+
 // The token-level side: which tokens can come next.
 class JsonMask {
  public:
@@ -75,14 +80,20 @@ class JsonMask {
   // anything but one after). Returns how many tokens are left; when none would be, it changes
   // nothing and returns 0.
   std::size_t apply(const JsonState& state, std::span<float> logits) const;
+  // The same for a schema (json_schema.hpp).
+  std::size_t apply(const SchemaState& state, std::span<float> logits) const;
 
  private:
-  // By token id: its bytes are plain string text (JsonState::in_plain_string), computed once.
-  const std::vector<bool>& plain_tokens() const;
+  template <class State>
+  std::size_t mask(const State& state, std::span<float> logits) const;
+  // By token id: how many characters of plain string text (JsonState::in_plain_string) its
+  // bytes are, 0 when they are not such text; computed once.
+  const std::vector<std::uint16_t>& plain_tokens() const;
 
   const Tokenizer* tokenizer_;
   mutable std::vector<bool> allowed_;
-  mutable std::vector<bool> plain_;
+  mutable std::vector<std::uint16_t> plain_;
+  mutable std::vector<std::uint8_t> pairs_;
 };
 
 }  // namespace batchlm::local_engine
