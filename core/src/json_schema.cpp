@@ -1,5 +1,6 @@
 #include "batchlm/core/json_schema.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <string_view>
@@ -75,14 +76,16 @@ class Compiler {
     refs_[""] = root;
     fill(root, root_, "");
     for (int i = 0; i < static_cast<int>(out_.nodes.size()); ++i) resolve(i);
+    nesting();
     const auto& by = out_.nodes[0].by_kind;
     for (int k = 0; k < kJsonKinds; ++k)
       if (k != static_cast<int>(JsonKind::kObject) && by[static_cast<std::size_t>(k)] >= 0)
         throw SchemaError("", std::string("the root must admit objects only (\"type\": \"object\"), as OpenAI's "
-                                          "structured outputs ask; this one also admits ") +
+                                          "structured outputs ask; this one admits ") +
                                   kKindNames[k]);
     if (by[static_cast<std::size_t>(JsonKind::kObject)] < 0)
-      throw SchemaError("", "the root must be an object schema (\"type\": \"object\")");
+      throw SchemaError("", "admits no object that ends (a required property refers back to the object it is in, "
+                            "or the nesting it needs is deeper than 64)");
     return std::move(out_);
   }
 
@@ -334,6 +337,89 @@ class Compiler {
       if (const auto m = s.find("maxLength"); m != s.end()) node().max_length = count(*m, where + "/maxLength");
       if (node().max_length >= 0 && node().max_length < node().min_length)
         throw SchemaError(where + "/maxLength", "maxLength is below minLength: no string fits");
+    }
+  }
+
+  static int depth_of(const json& v) {
+    int d = 0;
+    if (v.is_structured())
+      for (const auto& child : v) d = std::max(d, depth_of(child));
+    return v.is_structured() ? d + 1 : d;
+  }
+
+  // SchemaNode::need and least, by relaxation from "never" (recursion resolves in a few
+  // passes); then what can never end is pruned: kinds from by_kind, optional properties, an
+  // extra property's schema, array items (the array then stays empty).
+  void nesting() {
+    using N = SchemaNode;
+    std::vector<N>& nodes = out_.nodes;
+    const auto least = [&](int id) {
+      int best = N::kNever;
+      const N& n = nodes[static_cast<std::size_t>(id)];
+      for (int k = 0; k < kJsonKinds; ++k) {
+        const int t = n.by_kind[static_cast<std::size_t>(k)];
+        if (t >= 0) best = std::min(best, nodes[static_cast<std::size_t>(t)].need[static_cast<std::size_t>(k)]);
+      }
+      return best;
+    };
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (std::size_t id = 0; id < nodes.size(); ++id) {
+        N& n = nodes[id];
+        for (int k = 0; k < kJsonKinds; ++k) {
+          if (n.by_kind[static_cast<std::size_t>(k)] != static_cast<int>(id)) continue;  // not its own kind
+          int v = 0;
+          const bool container = k == static_cast<int>(JsonKind::kObject) || k == static_cast<int>(JsonKind::kArray);
+          if (n.any) {
+            v = container ? 1 : 0;
+          } else if (n.has_enum) {
+            v = N::kNever;
+            for (const std::string& text : n.values) {
+              const json value = json::parse(text);
+              if (kind_of_value(value) == k) v = std::min(v, depth_of(value));
+            }
+          } else if (k == static_cast<int>(JsonKind::kObject)) {
+            v = 1;
+            for (std::size_t i = 0; i < n.properties.size(); ++i)
+              if (n.required >> i & 1u) v = std::max(v, std::min(N::kNever, 1 + least(n.properties[i].node)));
+          } else if (k == static_cast<int>(JsonKind::kArray)) {
+            v = n.min_items > 0 ? std::min(N::kNever, 1 + least(n.items)) : 1;
+          }
+          if (v < n.need[static_cast<std::size_t>(k)]) {
+            n.need[static_cast<std::size_t>(k)] = v;
+            changed = true;
+          }
+        }
+      }
+    }
+    std::vector<std::array<int, kJsonKinds>> need(nodes.size());
+    for (std::size_t id = 0; id < nodes.size(); ++id)
+      for (int k = 0; k < kJsonKinds; ++k) {
+        const int t = nodes[id].by_kind[static_cast<std::size_t>(k)];
+        need[id][static_cast<std::size_t>(k)] = t >= 0 ? nodes[static_cast<std::size_t>(t)].need[static_cast<std::size_t>(k)] : N::kNever;
+      }
+    for (std::size_t id = 0; id < nodes.size(); ++id) {
+      N& n = nodes[id];
+      n.need = need[id];
+      n.least = N::kNever;
+      for (int k = 0; k < kJsonKinds; ++k) {
+        if (n.need[static_cast<std::size_t>(k)] >= N::kNever) n.by_kind[static_cast<std::size_t>(k)] = -1;
+        n.least = std::min(n.least, n.need[static_cast<std::size_t>(k)]);
+      }
+    }
+    for (N& n : nodes) {
+      // Required properties that never end leave the object without a kind; it is never entered.
+      std::vector<N::Property> kept;
+      std::uint64_t required = 0;
+      for (std::size_t i = 0; i < n.properties.size(); ++i) {
+        if (nodes[static_cast<std::size_t>(n.properties[i].node)].least >= N::kNever && !(n.required >> i & 1u)) continue;
+        if (n.required >> i & 1u) required |= std::uint64_t{1} << kept.size();
+        kept.push_back(std::move(n.properties[i]));
+      }
+      n.properties = std::move(kept);
+      n.required = required;
+      if (n.additional >= 0 && nodes[static_cast<std::size_t>(n.additional)].least >= N::kNever) n.additional = -1;
+      if (n.items >= 0 && nodes[static_cast<std::size_t>(n.items)].least >= N::kNever) n.max_items = 0;
     }
   }
 

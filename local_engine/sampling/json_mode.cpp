@@ -154,7 +154,12 @@ bool JsonState::feed(unsigned char c) {
       const int d = hex_digit(c);
       if (d < 0) return false;
       hex_ = static_cast<std::uint16_t>(hex_ * 16 + d);
-      if (--hex_left_ > 0) return true;
+      --hex_left_;
+      // A surrogate is refused at the digit that rules it in or out, so every prefix taken can
+      // still end: after a high surrogate only a low one (DC00-DFFF), else never a lone low one.
+      if (hex_left_ == 3 && low_ && hex_ != 0xD) return false;
+      if (hex_left_ == 2 && (hex_ >= 0xDC && hex_ <= 0xDF) != low_) return false;
+      if (hex_left_ > 0) return true;
       const bool high = hex_ >= 0xD800 && hex_ <= 0xDBFF, low = hex_ >= 0xDC00 && hex_ <= 0xDFFF;
       if (low_ != low || (low_ && high)) return false;  // a low surrogate only right after a high one
       mode_ = high ? Mode::kLowBackslash : Mode::kString;

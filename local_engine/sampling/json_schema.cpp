@@ -8,8 +8,6 @@ namespace {
 
 bool is_space(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
-std::uint64_t first_bits(std::size_t n) { return n >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << n) - 1; }
-
 }  // namespace
 
 SchemaState& SchemaState::operator=(const SchemaState& other) {
@@ -36,7 +34,8 @@ bool SchemaState::begin_value(int from, unsigned char c, std::uint8_t depth) {
   const int kind = json_kind_of(c);
   if (kind < 0 || from < 0) return false;
   const int target = node(from).by_kind[static_cast<std::size_t>(kind)];
-  if (target < 0) return false;
+  // Only a value that can end within the depth limit may start.
+  if (target < 0 || node(from).need[static_cast<std::size_t>(kind)] > JsonState::kMaxDepth - depth) return false;
   const SchemaNode& n = node(target);
   Frame f{};
   f.node = target;
@@ -62,20 +61,24 @@ bool SchemaState::begin_value(int from, unsigned char c, std::uint8_t depth) {
 }
 
 bool SchemaState::in_key(Frame& f, unsigned char c) {
+  // f.cand: the properties whose names start with the key read so far. A key that is a
+  // property's name takes that property's schema, and only where it may still be written (not
+  // yet, and its value can end within the depth limit); any other key is an extra property.
   const SchemaNode& n = node(f.node);
+  const std::uint64_t usable = fitting_properties(n) & ~f.seen;
   if (lex_.mode_ == Mode::kColon) {  // the key's closing quote
     f.in_key = false;
     for (std::size_t i = 0; i < n.properties.size(); ++i) {
       const std::uint64_t bit = std::uint64_t{1} << i;
       if ((f.cand & bit) && n.properties[i].key.size() == f.pos) {
-        if (f.seen & bit) return false;  // each property once
+        if (!(usable & bit)) return false;
         f.seen |= bit;
         f.value = n.properties[i].node;
         return true;
       }
     }
     f.value = n.additional;
-    return n.additional >= 0;
+    return fits(n.additional);
   }
   std::uint64_t cand = 0;
   for (std::size_t i = 0; i < n.properties.size(); ++i) {
@@ -85,7 +88,18 @@ bool SchemaState::in_key(Frame& f, unsigned char c) {
   }
   f.cand = cand;
   ++f.pos;
-  return (cand & ~f.seen) != 0 || n.additional >= 0;
+  return (cand & usable) != 0 || fits(n.additional);
+}
+
+bool SchemaState::fits(int value) const {
+  return value >= 0 && node(value).least <= JsonState::kMaxDepth - lex_.depth_;
+}
+
+std::uint64_t SchemaState::fitting_properties(const SchemaNode& n) const {
+  std::uint64_t out = 0;
+  for (std::size_t i = 0; i < n.properties.size(); ++i)
+    if (fits(n.properties[i].node)) out |= std::uint64_t{1} << i;
+  return out;
 }
 
 bool SchemaState::in_container(unsigned char c, Mode before, std::uint8_t depth) {
@@ -100,13 +114,16 @@ bool SchemaState::in_container(unsigned char c, Mode before, std::uint8_t depth)
     default: return true;  // inside a literal: JsonState spells it
   }
   if (f.kind == Kind::kObject) {
-    const bool room = (first_bits(n.properties.size()) & ~f.seen) != 0 || n.additional >= 0;
+    // Keys whose values can still end within the depth limit (their values start at the
+    // object's own depth).
+    const std::uint64_t open = fitting_properties(n) & ~f.seen;
+    const bool room = open != 0 || fits(n.additional);
     switch (before) {
       case Mode::kObjectFirstKey: case Mode::kObjectKey:
         if (c == '"') {
           f.in_key = true;
           f.pos = 0;
-          f.cand = first_bits(n.properties.size());
+          f.cand = n.properties.size() >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << n.properties.size()) - 1;
           return room;
         }
         [[fallthrough]];
@@ -137,7 +154,7 @@ bool SchemaState::in_container(unsigned char c, Mode before, std::uint8_t depth)
       ++f.count;
       return begin_value(n.items, c, depth);
     case Mode::kAfterValue:
-      if (c == ',') return n.max_items < 0 || f.count < n.max_items;
+      if (c == ',') return (n.max_items < 0 || f.count < n.max_items) && fits(n.items);
       if (c == ']') {
         if (f.count < n.min_items) return false;
         --depth_;

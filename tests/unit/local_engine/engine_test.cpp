@@ -740,7 +740,7 @@ TEST(LocalBackend, ExtraFieldsItWouldIgnoreFailTheRequest) {
   EXPECT_EQ(bad.outcome->error->code, "unsupported_parameter");
   EXPECT_EQ(bad.outcome->error->message,
             "'response_format': json_schema.schema at the root: the root must admit objects only (\"type\": "
-            "\"object\"), as OpenAI's structured outputs ask; this one also admits arrays; remove it, or run the job "
+            "\"object\"), as OpenAI's structured outputs ask; this one admits arrays; remove it, or run the job "
             "against an API that does (--base-url)");
   ASSERT_TRUE(good.outcome && good.outcome->ok()) << good.outcome->error->message;
 }

@@ -79,6 +79,21 @@ TEST(JsonState, RefusesWhatIsNotAnObjectAtTheFirstWrongByte) {
   EXPECT_FALSE(JsonState(s).feed('1'));
   EXPECT_TRUE(JsonState(s).feed('.'));
   EXPECT_TRUE(JsonState(s).feed('}'));
+  // A \u escape is refused at the hex digit that rules it out, so no prefix taken is a dead
+  // end: after a high surrogate only DC00-DFFF may follow, and a low one never stands alone.
+  JsonState high;
+  ASSERT_TRUE(high.feed("{\"a\": \"\\ud83d\\u"));
+  EXPECT_FALSE(JsonState(high).feed('0'));
+  EXPECT_FALSE(JsonState(high).accepts("d1"));
+  EXPECT_FALSE(JsonState(high).accepts("dB"));
+  EXPECT_TRUE(JsonState(high).accepts("dC"));
+  EXPECT_TRUE(JsonState(high).accepts("dfff\""));
+  JsonState alone;
+  ASSERT_TRUE(alone.feed("{\"a\": \"\\ud"));
+  EXPECT_FALSE(JsonState(alone).feed('c'));
+  EXPECT_FALSE(JsonState(alone).feed('F'));
+  EXPECT_TRUE(JsonState(alone).feed('b'));
+  EXPECT_TRUE(JsonState(alone).feed('7'));
 }
 
 TEST(JsonState, BoundsDepthWhitespaceAndNumbers) {

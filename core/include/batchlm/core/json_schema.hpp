@@ -52,8 +52,15 @@ struct SchemaNode {
   // Strings.
   std::int64_t min_length = 0, max_length = -1;
   // Which node a value of each kind follows (this one, or an anyOf branch's); -1 where the
-  // schema admits no value of that kind.
+  // schema admits no value of that kind, or none that ends (a required property that refers
+  // back to its own object).
   std::array<int, kJsonKinds> by_kind{-1, -1, -1, -1, -1, -1};
+  // The least nesting a value of each kind needs (containers, its own included: 0 for a
+  // string, 1 for {}, 2 for {"a": []}), kNever where there is none; and the least of these.
+  // A value may start only where it can end within the recognizer's depth limit.
+  static constexpr int kNever = 1 << 20;
+  std::array<int, kJsonKinds> need{kNever, kNever, kNever, kNever, kNever, kNever};
+  int least = kNever;
 };
 
 struct JsonSchema {

@@ -67,6 +67,9 @@ class SchemaState {
   // Byte `c` where the top frame is an object or an array and JsonState read it in mode `before`.
   bool in_container(unsigned char c, Mode before, std::uint8_t depth);
   bool in_key(Frame& f, unsigned char c);
+  // Whether a value of `node` starting at JsonState's depth now can end within its depth limit.
+  bool fits(int node) const;
+  std::uint64_t fitting_properties(const SchemaNode& n) const;
 
   JsonState lex_;
   const JsonSchema* schema_ = nullptr;
