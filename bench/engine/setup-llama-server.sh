@@ -4,7 +4,7 @@
 # that llama-cpp-python 0.3.36 vendors (ggml-org/llama.cpp@0c1e57098, the same llama.cpp as the
 # reference in .venv and bench/engine/run.py): its source distribution is fetched from the
 # Python package index with pip, checked against its SHA-256, and only vendor/llama.cpp is
-# extracted. The build is CPU only, Release, GGML_NATIVE=ON (for this machine's CPU), static
+# extracted. The build is CPU only, Release, GGML_NATIVE=ON (for this machine's CPU; AMX left out, see below), static
 # libraries, no libcurl, no OpenSSL, no tests or examples, no embedded web UI (its assets would
 # be downloaded from Hugging Face); only the llama-server target is built.
 # Idempotent: an executable bin/llama-server is left alone (delete the folder to rebuild).
@@ -96,8 +96,13 @@ start=$(date +%s)
 # llama.cpp's build asks git for the commit; the tree sits inside this repository, whose commit
 # it must not take: git is kept from looking above $root, and the commit is given explicitly.
 export GIT_CEILING_DIRECTORIES=$PWD/$root
+# This llama.cpp's AMX matrix products crash (SIGSEGV in ggml_backend_amx_mul_mat) as soon as
+# llama-server loads SmolLM2-135M Q4_1 on a CPU with AMX-INT8 (an Intel Xeon, 2026-11-25); the
+# AMX instructions are left out, so such a CPU runs its AVX-512 path, as any other does.
+no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$src" -B "$build" -G "$generator" \
   -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
   -DBUILD_SHARED_LIBS=OFF \
   -DGGML_NATIVE=ON \
   -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_RPC=OFF \
