@@ -178,9 +178,12 @@ bool JsonState::feed(unsigned char c) {
       return true;
     case Mode::kNumber: {
       // A byte that extends the number counts against its length; one that ends it does not.
+      // A sign, a point or an exponent mark needs a digit after it, so it is taken only where
+      // that digit still fits: every number taken can end within the limit.
       const auto extend = [&](Num next) {
         num_ = next;
-        return ++length_ <= kMaxNumber;
+        const bool wants_digit = next == Num::kDot || next == Num::kExp || next == Num::kExpSign;
+        return ++length_ + (wants_digit ? 1 : 0) <= kMaxNumber;
       };
       switch (num_) {
         case Num::kSign:

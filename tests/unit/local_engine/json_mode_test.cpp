@@ -107,6 +107,16 @@ TEST(JsonState, BoundsDepthWhitespaceAndNumbers) {
   EXPECT_TRUE(accepts(std::string("{ \"a\" :").append(JsonState::kMaxSpaces, '\n')));
   EXPECT_TRUE(accepts(std::string("{\"a\":").append(JsonState::kMaxNumber, '1').append("}")));
   EXPECT_FALSE(accepts(std::string("{\"a\":").append(JsonState::kMaxNumber + 1, '1')));
+  // A point, an exponent mark or a sign is taken only where the digit it needs still fits, so
+  // the number can always end.
+  const std::string full = std::string("{\"a\":").append(JsonState::kMaxNumber - 1, '1');
+  for (const char* tail : {".", "e", "E", "e+"}) EXPECT_FALSE(accepts(full + tail)) << tail;
+  const std::string room = std::string("{\"a\":").append(JsonState::kMaxNumber - 2, '1');
+  EXPECT_TRUE(complete(room + ".5}"));
+  EXPECT_TRUE(complete(room + "e5}"));
+  EXPECT_FALSE(accepts(room + "e+"));
+  EXPECT_TRUE(complete(std::string("{\"a\":").append(JsonState::kMaxNumber - 3, '1').append("e-5}")));
+  EXPECT_TRUE(complete(std::string("{\"a\":-").append(JsonState::kMaxNumber - 1, '1').append("}")));
   // After the object, whitespace only.
   EXPECT_TRUE(complete("{}  \n"));
   EXPECT_FALSE(accepts("{} ,"));
