@@ -362,23 +362,31 @@ class Compiler {
       }
       return best;
     };
+    // Any value and enum values need what they need whatever the other nodes do: set once,
+    // for the kinds the node takes itself.
+    for (std::size_t id = 0; id < nodes.size(); ++id) {
+      N& n = nodes[id];
+      const auto own = [&](int k) { return n.by_kind[static_cast<std::size_t>(k)] == static_cast<int>(id); };
+      if (n.any) {
+        for (int k = 0; k < kJsonKinds; ++k)
+          if (own(k)) n.need[static_cast<std::size_t>(k)] = k == static_cast<int>(JsonKind::kObject) || k == static_cast<int>(JsonKind::kArray);
+      } else if (n.has_enum) {
+        for (const std::string& text : n.values) {
+          const json value = json::parse(text);
+          const int k = kind_of_value(value);
+          if (own(k)) n.need[static_cast<std::size_t>(k)] = std::min(n.need[static_cast<std::size_t>(k)], depth_of(value));
+        }
+      }
+    }
     for (bool changed = true; changed;) {
       changed = false;
       for (std::size_t id = 0; id < nodes.size(); ++id) {
         N& n = nodes[id];
+        if (n.any || n.has_enum) continue;
         for (int k = 0; k < kJsonKinds; ++k) {
           if (n.by_kind[static_cast<std::size_t>(k)] != static_cast<int>(id)) continue;  // not its own kind
           int v = 0;
-          const bool container = k == static_cast<int>(JsonKind::kObject) || k == static_cast<int>(JsonKind::kArray);
-          if (n.any) {
-            v = container ? 1 : 0;
-          } else if (n.has_enum) {
-            v = N::kNever;
-            for (const std::string& text : n.values) {
-              const json value = json::parse(text);
-              if (kind_of_value(value) == k) v = std::min(v, depth_of(value));
-            }
-          } else if (k == static_cast<int>(JsonKind::kObject)) {
+          if (k == static_cast<int>(JsonKind::kObject)) {
             v = 1;
             for (std::size_t i = 0; i < n.properties.size(); ++i)
               if (n.required >> i & 1u) v = std::max(v, std::min(N::kNever, 1 + least(n.properties[i].node)));

@@ -1,12 +1,15 @@
 #include "batchlm/local_engine/json_schema.hpp"
 
 #include <algorithm>
+#include <bit>
 
 namespace batchlm::local_engine {
 
 namespace {
 
 bool is_space(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+std::uint64_t first_bits(std::size_t n) { return n >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << n) - 1; }
 
 }  // namespace
 
@@ -65,13 +68,12 @@ bool SchemaState::in_key(Frame& f, unsigned char c) {
   // property's name takes that property's schema, and only where it may still be written (not
   // yet, and its value can end within the depth limit); any other key is an extra property.
   const SchemaNode& n = node(f.node);
-  const std::uint64_t usable = fitting_properties(n) & ~f.seen;
   if (lex_.mode_ == Mode::kColon) {  // the key's closing quote
     f.in_key = false;
     for (std::size_t i = 0; i < n.properties.size(); ++i) {
       const std::uint64_t bit = std::uint64_t{1} << i;
       if ((f.cand & bit) && n.properties[i].key.size() == f.pos) {
-        if (!(usable & bit)) return false;
+        if ((f.seen & bit) || !fits(n.properties[i].node)) return false;
         f.seen |= bit;
         f.value = n.properties[i].node;
         return true;
@@ -88,17 +90,19 @@ bool SchemaState::in_key(Frame& f, unsigned char c) {
   }
   f.cand = cand;
   ++f.pos;
-  return (cand & usable) != 0 || fits(n.additional);
+  return fitting_properties(n, cand & ~f.seen) != 0 || fits(n.additional);
 }
 
 bool SchemaState::fits(int value) const {
   return value >= 0 && node(value).least <= JsonState::kMaxDepth - lex_.depth_;
 }
 
-std::uint64_t SchemaState::fitting_properties(const SchemaNode& n) const {
+std::uint64_t SchemaState::fitting_properties(const SchemaNode& n, std::uint64_t among) const {
   std::uint64_t out = 0;
-  for (std::size_t i = 0; i < n.properties.size(); ++i)
-    if (fits(n.properties[i].node)) out |= std::uint64_t{1} << i;
+  for (std::uint64_t left = among; left != 0; left &= left - 1) {
+    const int i = std::countr_zero(left);
+    if (fits(n.properties[static_cast<std::size_t>(i)].node)) out |= std::uint64_t{1} << i;
+  }
   return out;
 }
 
@@ -114,21 +118,22 @@ bool SchemaState::in_container(unsigned char c, Mode before, std::uint8_t depth)
     default: return true;  // inside a literal: JsonState spells it
   }
   if (f.kind == Kind::kObject) {
-    // Keys whose values can still end within the depth limit (their values start at the
-    // object's own depth).
-    const std::uint64_t open = fitting_properties(n) & ~f.seen;
-    const bool room = open != 0 || fits(n.additional);
+    // Another key only where one is left whose value can still end within the depth limit
+    // (values start at the object's own depth).
+    const auto room = [&] {
+      return fitting_properties(n, first_bits(n.properties.size()) & ~f.seen) != 0 || fits(n.additional);
+    };
     switch (before) {
       case Mode::kObjectFirstKey: case Mode::kObjectKey:
         if (c == '"') {
           f.in_key = true;
           f.pos = 0;
-          f.cand = n.properties.size() >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << n.properties.size()) - 1;
-          return room;
+          f.cand = first_bits(n.properties.size());
+          return room();
         }
         [[fallthrough]];
       case Mode::kAfterValue:
-        if (c == ',') return room;
+        if (c == ',') return room();
         if (c == '}') {
           if (n.required & ~f.seen) return false;
           --depth_;

@@ -46,8 +46,8 @@ bool continues(const SchemaState& state) {
 }
 
 TEST(JsonSchemaCompile, RefusesWhatItCannotFollowAndSaysWhere) {
-  EXPECT_EQ(refusal(R"({"type": "object", "properties": {"p": {"type": "string", "pattern": "^a"}}})").rfind("at /properties/p", 0), 0u)
-      << refusal(R"({"type": "object", "properties": {"p": {"type": "string", "pattern": "^a"}}})");
+  const std::string pattern = refusal(R"({"type": "object", "properties": {"p": {"type": "string", "pattern": "^a"}}})");
+  EXPECT_TRUE(pattern.starts_with("at /properties/p")) << pattern;
   EXPECT_EQ(refusal(R"({"type": "array"})"),
             "at the root: the root must admit objects only (\"type\": \"object\"), as OpenAI's structured outputs "
             "ask; this one admits arrays");

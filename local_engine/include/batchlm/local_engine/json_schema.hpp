@@ -69,7 +69,8 @@ class SchemaState {
   bool in_key(Frame& f, unsigned char c);
   // Whether a value of `node` starting at JsonState's depth now can end within its depth limit.
   bool fits(int node) const;
-  std::uint64_t fitting_properties(const SchemaNode& n) const;
+  // The properties among `among` (bit i: n.properties[i]) whose values fit.
+  std::uint64_t fitting_properties(const SchemaNode& n, std::uint64_t among) const;
 
   JsonState lex_;
   const JsonSchema* schema_ = nullptr;
