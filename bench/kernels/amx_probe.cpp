@@ -1,0 +1,376 @@
+// amx_probe: what the AMX BF16 tile product would give the CPU attention, before any kernel is
+// built on it. Two questions:
+//
+//  1. Its arithmetic. Each F32 sum of TDPBF16PS is documented as a run of fused multiply-adds
+//     (products of BF16 values are exact in F32). If the hardware really adds the products one
+//     by one in index order, a split of F16 values into BF16 high and low parts gives a fixed,
+//     chunking-independent rounding sequence that a portable loop can reproduce bit for bit.
+//     The probe multiplies random tiles (magnitudes spread over 2^-12..2^12, so most sums round)
+//     and counts the results that equal (a) one fused multiply-add per product in index order,
+//     (b) each pair's two products added exactly and rounded once before the add, (c) the exact
+//     sum rounded once; and how far the results and the chain (a) stray from the exact sums.
+//  2. Its speed on attention's shapes: --queries queries (16 per tile, zero-padded) scored
+//     against --rows F16 keys in the KV pool's transposed blocks of 16, each F16 value split
+//     into BF16 high + low parts (all four cross products, so every product is exact), timed
+//     against the project's score_runs on the same rows: key tiles made run by run as the
+//     scores are taken, made beforehand (as a pool that kept them split would have them), and
+//     query tile by query tile (4 A tiles loaded once, sums stored straight into the rows of
+//     scores); and the tile products alone (one run's key tiles over and over, in cache).
+//
+//   amx_probe --queries 48 --rows 1536 --ghz 3.7
+//
+// Built only where the compiler has the AMX intrinsics; on a CPU without AMX-BF16 (or a kernel
+// that does not grant the tile state) it says so and exits 2.
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "../../kernels/cpu/cpu_kernels.hpp"
+#include "batchlm/kernels/dtype.hpp"
+
+namespace {
+
+namespace cpu = batchlm::kernels::cpu;
+
+bool cpu_has_amx_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+  if (!tile || !bf16) return false;
+  constexpr long kReqPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0;
+}
+
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+std::uint16_t bf16_bits(float x) { return static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(x) >> 16); }
+float bf16_value(std::uint16_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
+
+// Question 1.
+void probe_arithmetic(std::mt19937& rng) {
+  std::uniform_real_distribution<float> unit(1.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(-12, 12), sign(0, 1);
+  const auto random_bf16 = [&] {
+    const float x = std::ldexp(unit(rng), expo(rng)) * (sign(rng) != 0 ? -1.0f : 1.0f);
+    return bf16_bits(x);  // truncated to BF16
+  };
+  alignas(64) std::uint16_t a[16][32], b[16][32];
+  alignas(64) float c[16][16];
+  long fma_order = 0, pair_once = 0, once = 0, total = 0;
+  double worst_ulps = 0.0, worst_fma_ulps = 0.0;
+  for (int trial = 0; trial < 200; ++trial) {
+    for (auto& row : a)
+      for (auto& x : row) x = random_bf16();
+    for (auto& row : b)
+      for (auto& x : row) x = random_bf16();
+    std::memset(c, 0, sizeof c);
+    _tile_loadd(0, c, 64);
+    _tile_loadd(1, a, 64);
+    _tile_loadd(2, b, 64);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_stored(0, c, 64);
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < 16; ++n) {
+        float seq = 0.0f, pairs = 0.0f;
+        long double all = 0.0L;
+        for (int k = 0; k < 16; ++k) {
+          const float a0 = bf16_value(a[m][2 * k]), a1 = bf16_value(a[m][2 * k + 1]);
+          const float b0 = bf16_value(b[k][2 * n]), b1 = bf16_value(b[k][2 * n + 1]);
+          seq = std::fma(a0, b0, seq);
+          seq = std::fma(a1, b1, seq);
+          pairs = static_cast<float>(static_cast<double>(pairs) +
+                                     (static_cast<double>(a0) * b0 + static_cast<double>(a1) * b1));
+          all += static_cast<long double>(a0) * b0 + static_cast<long double>(a1) * b1;
+        }
+        fma_order += std::bit_cast<std::uint32_t>(seq) == std::bit_cast<std::uint32_t>(c[m][n]);
+        pair_once += std::bit_cast<std::uint32_t>(pairs) == std::bit_cast<std::uint32_t>(c[m][n]);
+        once += std::bit_cast<std::uint32_t>(static_cast<float>(all)) == std::bit_cast<std::uint32_t>(c[m][n]);
+        const float rounded = static_cast<float>(all);
+        const float ulp = std::nextafter(std::fabs(rounded), INFINITY) - std::fabs(rounded);
+        worst_ulps = std::max(worst_ulps, static_cast<double>(std::fabs(static_cast<long double>(c[m][n]) - all) / ulp));
+        worst_fma_ulps = std::max(worst_fma_ulps, static_cast<double>(std::fabs(static_cast<long double>(seq) - all) / ulp));
+        ++total;
+      }
+  }
+  std::printf("TDPBF16PS sums equal to: one fused multiply-add per product in order %ld/%ld, "
+              "each pair added exactly then rounded %ld/%ld, the exact sum rounded once %ld/%ld; "
+              "worst distance from the exact sum %.2f units in the last place (the chain of fused "
+              "multiply-adds: %.2f)\n",
+              fma_order, total, pair_once, total, once, total, worst_ulps, worst_fma_ulps);
+}
+
+// Question 2. The B tiles of one run of 16 keys (dims block_size = 16 apart): for the high and
+// the low parts, dims 0-31 and 32-63, row p holds dims (2p, 2p + 1) of every key side by side.
+void key_tiles(const std::uint16_t* base, std::uint32_t* out /* [4][16][16] */) {
+  const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int p = 0; p < 32; ++p) {
+    const __m512 e = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * p * 16)));
+    const __m512 o = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (2 * p + 1) * 16)));
+    const __m512i eb = _mm512_castps_si512(e), ob = _mm512_castps_si512(o);
+    const __m512 e_lo = _mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_and_si512(eb, upper)));
+    const __m512 o_lo = _mm512_sub_ps(o, _mm512_castsi512_ps(_mm512_and_si512(ob, upper)));
+    const __m512i hi = _mm512_ternarylogic_epi32(ob, upper, _mm512_maskz_srli_epi32(0xffff, eb, 16), 0xea);  // (o & upper) | e >> 16
+    const __m512i lo = _mm512_or_si512(_mm512_castps_si512(o_lo), _mm512_maskz_srli_epi32(0xffff, _mm512_castps_si512(e_lo), 16));
+    const int half = p / 16, row = p % 16;
+    _mm512_storeu_si512(out + ((0 + half) * 16 + row) * 16, hi);
+    _mm512_storeu_si512(out + ((2 + half) * 16 + row) * 16, lo);
+  }
+}
+
+// The A tiles of 16 queries (rows past n zero): high dims 0-31, high 32-63, low 0-31, low 32-63.
+void query_tiles(const float* q, int n, std::uint16_t* out /* [4][16][32] */) {
+  std::memset(out, 0, 4 * 16 * 32 * sizeof(std::uint16_t));
+  for (int m = 0; m < n; ++m)
+    for (int d = 0; d < 64; ++d) {
+      const float x = q[m * 64 + d];
+      const std::uint16_t hi = bf16_bits(x);
+      const std::uint16_t lo = bf16_bits(x - bf16_value(hi));
+      out[((d / 32) * 16 + m) * 32 + d % 32] = hi;
+      out[((2 + d / 32) * 16 + m) * 32 + d % 32] = lo;
+    }
+}
+
+// Scores of n_q queries over n_runs full runs: per query tile, per run, the 8 tile products
+// qh.kh, ql.kh, qh.kl, ql.kl over both halves of the dimensions; the run's key tiles are made
+// once per run and used by every query tile.
+void amx_scores(const float* q, int n_q, const std::uint16_t* pool, const cpu::KeyRun* runs, std::int64_t n_runs,
+                float scale, float* scores, std::int64_t ld, const std::uint32_t* converted = nullptr) {
+  const int groups = (n_q + 15) / 16;
+  std::vector<std::uint16_t> qt(static_cast<std::size_t>(groups) * 4 * 16 * 32);
+  for (int g = 0; g < groups; ++g) query_tiles(q + g * 16 * 64, std::min(16, n_q - g * 16), qt.data() + g * 4 * 16 * 32);
+  alignas(64) std::uint32_t kt[4 * 16 * 16];
+  alignas(64) float c[16 * 16];
+  for (std::int64_t r = 0; r < n_runs; ++r) {
+    const std::uint32_t* kr = kt;
+    if (converted != nullptr) {
+      kr = converted + r * 4 * 16 * 16;
+    } else {
+      key_tiles(pool + runs[r].at, kt);
+    }
+    for (int g = 0; g < groups; ++g) {
+      const std::uint16_t* a = qt.data() + g * 4 * 16 * 32;
+      _tile_zero(4);
+      _tile_loadd(0, a, 64);
+      _tile_loadd(1, a + 16 * 32, 64);
+      _tile_loadd(2, a + 2 * 16 * 32, 64);
+      _tile_loadd(3, a + 3 * 16 * 32, 64);
+      _tile_loadd(5, kr, 64);
+      _tile_loadd(6, kr + 16 * 16, 64);
+      _tile_dpbf16ps(4, 0, 5);
+      _tile_dpbf16ps(4, 1, 6);
+      _tile_dpbf16ps(4, 2, 5);
+      _tile_dpbf16ps(4, 3, 6);
+      _tile_loadd(7, kr + 2 * 16 * 16, 64);
+      _tile_loadd(5, kr + 3 * 16 * 16, 64);
+      _tile_dpbf16ps(4, 0, 7);
+      _tile_dpbf16ps(4, 1, 5);
+      _tile_dpbf16ps(4, 2, 7);
+      _tile_dpbf16ps(4, 3, 5);
+      _tile_stored(4, c, 64);
+      const int rows = std::min(16, n_q - g * 16);
+      const __m512 vs = _mm512_set1_ps(scale);
+      for (int m = 0; m < rows; ++m)
+        _mm512_storeu_ps(scores + (g * 16 + m) * ld + r * 16, _mm512_mul_ps(_mm512_load_ps(c + m * 16), vs));
+    }
+  }
+}
+
+// The same products in the other order: per query tile (its 4 A tiles loaded once), every run,
+// the sums stored straight into the rows of scores; then one pass scales them. Keys from tiles
+// made beforehand; n_q a multiple of 16.
+void amx_scores_by_query_tile(const float* q, int n_q, std::int64_t n_runs, const std::uint32_t* converted,
+                              float scale, float* scores, std::int64_t ld) {
+  std::vector<std::uint16_t> qt(4 * 16 * 32);
+  for (int g = 0; g < n_q / 16; ++g) {
+    query_tiles(q + g * 16 * 64, 16, qt.data());
+    _tile_loadd(0, qt.data(), 64);
+    _tile_loadd(1, qt.data() + 16 * 32, 64);
+    _tile_loadd(2, qt.data() + 2 * 16 * 32, 64);
+    _tile_loadd(3, qt.data() + 3 * 16 * 32, 64);
+    for (std::int64_t r = 0; r < n_runs; ++r) {
+      const std::uint32_t* kr = converted + r * 4 * 16 * 16;
+      _tile_zero(4);
+      _tile_loadd(5, kr, 64);
+      _tile_loadd(6, kr + 16 * 16, 64);
+      _tile_dpbf16ps(4, 0, 5);
+      _tile_dpbf16ps(4, 1, 6);
+      _tile_dpbf16ps(4, 2, 5);
+      _tile_dpbf16ps(4, 3, 6);
+      _tile_loadd(7, kr + 2 * 16 * 16, 64);
+      _tile_loadd(5, kr + 3 * 16 * 16, 64);
+      _tile_dpbf16ps(4, 0, 7);
+      _tile_dpbf16ps(4, 1, 5);
+      _tile_dpbf16ps(4, 2, 7);
+      _tile_dpbf16ps(4, 3, 5);
+      _tile_stored(4, scores + g * 16 * ld + r * 16, ld * 4);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int m = 0; m < n_q; ++m)
+    for (std::int64_t j = 0; j < n_runs * 16; j += 16)
+      _mm512_storeu_ps(scores + m * ld + j, _mm512_mul_ps(_mm512_loadu_ps(scores + m * ld + j), vs));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int queries = 48, reps = 30;
+  std::int64_t rows = 1536;
+  double ghz = 0.0;
+  CLI::App app{"Probes the AMX BF16 tile product for the CPU attention: its arithmetic and its speed"};
+  app.add_option("--queries", queries, "Queries sharing the rows")->check(CLI::Range(1, 256));
+  app.add_option("--rows", rows, "Key rows (a multiple of 16)")->check(CLI::Range(16, 1 << 20));
+  app.add_option("--reps", reps, "Timed calls (the best one counts)")->check(CLI::PositiveNumber);
+  app.add_option("--ghz", ghz, "Core clock, for cycles per pair")->check(CLI::NonNegativeNumber);
+  CLI11_PARSE(app, argc, argv);
+  if (rows % 16 != 0) {
+    std::fprintf(stderr, "amx_probe: --rows must be a multiple of 16\n");
+    return 2;
+  }
+  if (!cpu_has_amx_bf16()) {
+    std::fprintf(stderr, "amx_probe: this CPU (or its kernel) offers no AMX-BF16 tiles\n");
+    return 2;
+  }
+  const cpu::Kernels* k = cpu::avx512_kernels();
+  if (k == nullptr) {
+    std::fprintf(stderr, "amx_probe: no AVX-512 kernels to compare with\n");
+    return 2;
+  }
+  configure_tiles();
+  std::mt19937 rng(7);
+  probe_arithmetic(rng);
+
+  // The pool as attention_rows lays it out: blocks of 16 positions, three KV heads, the keys
+  // transposed within the block; the middle head is scored.
+  constexpr std::int64_t kDim = 64, kStride = 3 * kDim, kBlock = 16;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::uint16_t> pool(static_cast<std::size_t>(rows * kStride + 32));
+  for (auto& x : pool) x = batchlm::kernels::fp32_to_fp16(normal(rng));
+  std::vector<cpu::KeyRun> runs;
+  for (std::int64_t r = 0; r < rows; r += kBlock) runs.push_back({r * kStride + kDim * kBlock, kBlock});
+  std::vector<float> q(static_cast<std::size_t>(queries * kDim));
+  for (float& x : q) x = normal(rng);
+  k->round_f16(q.data(), queries * kDim);
+
+  const auto n_pairs = static_cast<double>(queries) * static_cast<double>(rows);
+  const auto best_ns = [&](auto&& call) {
+    double best = 1e30;
+    for (int rep = 0; rep < reps + 1; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      call();
+      const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+      if (rep > 0) best = std::min(best, ns);
+    }
+    return best / n_pairs;
+  };
+  std::vector<float> ref(static_cast<std::size_t>(queries * rows)), amx(ref.size());
+  const double t_ref = best_ns([&] {
+    k->score_runs(q.data(), queries, pool.data(), runs.data(), static_cast<std::int64_t>(runs.size()), 0, kDim,
+                  kBlock, 0.125f, ref.data(), rows);
+  });
+  const double t_amx = best_ns([&] {
+    amx_scores(q.data(), queries, pool.data(), runs.data(), static_cast<std::int64_t>(runs.size()), 0.125f,
+               amx.data(), rows);
+  });
+  // With every key's tiles made beforehand (as a pool that kept them would have them).
+  std::vector<std::uint32_t> converted(runs.size() * 4 * 16 * 16);
+  for (std::size_t r = 0; r < runs.size(); ++r) key_tiles(pool.data() + runs[r].at, converted.data() + r * 4 * 16 * 16);
+  std::vector<float> amx_pre(ref.size());
+  const double t_pre = best_ns([&] {
+    amx_scores(q.data(), queries, pool.data(), runs.data(), static_cast<std::int64_t>(runs.size()), 0.125f,
+               amx_pre.data(), rows, converted.data());
+  });
+  if (amx_pre != amx) {
+    std::fprintf(stderr, "amx_probe: the scores from tiles made beforehand differ\n");
+    return 1;
+  }
+  double t_by_query = 0.0;
+  if (queries % 16 == 0) {
+    t_by_query = best_ns([&] {
+      amx_scores_by_query_tile(q.data(), queries, static_cast<std::int64_t>(runs.size()), converted.data(), 0.125f,
+                               amx_pre.data(), rows);
+    });
+    if (amx_pre != amx) {
+      std::fprintf(stderr, "amx_probe: the scores by query tile differ\n");
+      return 1;
+    }
+  }
+  // The tile products alone: the same calls with the key tiles of the first run throughout.
+  alignas(64) std::uint32_t kt[4 * 16 * 16];
+  key_tiles(pool.data() + runs[0].at, kt);
+  const double t_products = best_ns([&] {
+    for (std::int64_t r = 0; r < rows / 16; ++r)
+      for (int g = 0; g < (queries + 15) / 16; ++g) {
+        _tile_loadd(5, kt, 64);
+        _tile_loadd(6, kt + 256, 64);
+        _tile_dpbf16ps(4, 0, 5);
+        _tile_dpbf16ps(4, 1, 6);
+        _tile_dpbf16ps(4, 2, 5);
+        _tile_dpbf16ps(4, 3, 6);
+        _tile_loadd(7, kt + 512, 64);
+        _tile_loadd(5, kt + 768, 64);
+        _tile_dpbf16ps(4, 0, 7);
+        _tile_dpbf16ps(4, 1, 5);
+        _tile_dpbf16ps(4, 2, 7);
+        _tile_dpbf16ps(4, 3, 5);
+      }
+  });
+  // Against the exact scores (long double sums of the same F16 values): both paths' worst
+  // error in units of the score's magnitude, and how many scores the two paths give alike.
+  double worst_ref = 0.0, worst_amx = 0.0;
+  long same = 0;
+  for (int m = 0; m < queries; ++m)
+    for (std::int64_t j = 0; j < rows; ++j) {
+      const std::int64_t blk = j / kBlock, slot = j % kBlock;
+      long double exact = 0.0L, mag = 0.0L;
+      for (std::int64_t d = 0; d < kDim; ++d) {
+        const float kv = batchlm::kernels::fp16_to_fp32(pool[static_cast<std::size_t>(runs[blk].at + d * kBlock + slot)]);
+        exact += static_cast<long double>(q[m * kDim + d]) * kv;
+        mag += std::fabs(static_cast<long double>(q[m * kDim + d]) * kv);
+      }
+      exact *= 0.125L;
+      mag *= 0.125L;
+      const std::size_t i = static_cast<std::size_t>(m * rows + j);
+      worst_ref = std::max(worst_ref, static_cast<double>(std::fabs(ref[i] - exact) / mag));
+      worst_amx = std::max(worst_amx, static_cast<double>(std::fabs(amx[i] - exact) / mag));
+      same += std::bit_cast<std::uint32_t>(ref[i]) == std::bit_cast<std::uint32_t>(amx[i]);
+    }
+  _tile_release();
+  std::printf("%d queries x %lld keys, 1 thread, ns per pair: score_runs (%s) %.3f, AMX BF16 split %.3f "
+              "(key tiles made beforehand %.3f, and query tile by query tile %.3f; tile products alone %.3f)",
+              queries, static_cast<long long>(rows), k->name, t_ref, t_amx, t_pre, t_by_query, t_products);
+  if (ghz > 0)
+    std::printf("; cycles %.2f, %.2f (%.2f, %.2f; %.2f)", t_ref * ghz, t_amx * ghz, t_pre * ghz, t_by_query * ghz,
+                t_products * ghz);
+  std::printf("\nworst error / sum of |products|: score_runs %.3g, AMX %.3g; scores alike %ld of %.0f\n", worst_ref,
+              worst_amx, same, n_pairs);
+  return 0;
+}
