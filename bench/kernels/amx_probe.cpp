@@ -158,6 +158,24 @@ void query_tiles(const float* q, int n, std::uint16_t* out /* [4][16][32] */) {
     }
 }
 
+// Tile 4 += one run's products with the query tile in tiles 0-3 (high dims 0-31, high 32-63,
+// low 0-31, low 32-63), from the run's key tiles (key_tiles): qh.kh, ql.kh, qh.kl, ql.kl, each
+// over both halves of the dimensions.
+inline void run_products(const std::uint32_t* kr) {
+  _tile_loadd(5, kr, 64);
+  _tile_loadd(6, kr + 16 * 16, 64);
+  _tile_dpbf16ps(4, 0, 5);
+  _tile_dpbf16ps(4, 1, 6);
+  _tile_dpbf16ps(4, 2, 5);
+  _tile_dpbf16ps(4, 3, 6);
+  _tile_loadd(7, kr + 2 * 16 * 16, 64);
+  _tile_loadd(5, kr + 3 * 16 * 16, 64);
+  _tile_dpbf16ps(4, 0, 7);
+  _tile_dpbf16ps(4, 1, 5);
+  _tile_dpbf16ps(4, 2, 7);
+  _tile_dpbf16ps(4, 3, 5);
+}
+
 // Scores of n_q queries over n_runs full runs: per query tile, per run, the 8 tile products
 // qh.kh, ql.kh, qh.kl, ql.kl over both halves of the dimensions; the run's key tiles are made
 // once per run and used by every query tile.
@@ -182,18 +200,7 @@ void amx_scores(const float* q, int n_q, const std::uint16_t* pool, const cpu::K
       _tile_loadd(1, a + 16 * 32, 64);
       _tile_loadd(2, a + 2 * 16 * 32, 64);
       _tile_loadd(3, a + 3 * 16 * 32, 64);
-      _tile_loadd(5, kr, 64);
-      _tile_loadd(6, kr + 16 * 16, 64);
-      _tile_dpbf16ps(4, 0, 5);
-      _tile_dpbf16ps(4, 1, 6);
-      _tile_dpbf16ps(4, 2, 5);
-      _tile_dpbf16ps(4, 3, 6);
-      _tile_loadd(7, kr + 2 * 16 * 16, 64);
-      _tile_loadd(5, kr + 3 * 16 * 16, 64);
-      _tile_dpbf16ps(4, 0, 7);
-      _tile_dpbf16ps(4, 1, 5);
-      _tile_dpbf16ps(4, 2, 7);
-      _tile_dpbf16ps(4, 3, 5);
+      run_products(kr);
       _tile_stored(4, c, 64);
       const int rows = std::min(16, n_q - g * 16);
       const __m512 vs = _mm512_set1_ps(scale);
@@ -218,18 +225,7 @@ void amx_scores_by_query_tile(const float* q, int n_q, std::int64_t n_runs, cons
     for (std::int64_t r = 0; r < n_runs; ++r) {
       const std::uint32_t* kr = converted + r * 4 * 16 * 16;
       _tile_zero(4);
-      _tile_loadd(5, kr, 64);
-      _tile_loadd(6, kr + 16 * 16, 64);
-      _tile_dpbf16ps(4, 0, 5);
-      _tile_dpbf16ps(4, 1, 6);
-      _tile_dpbf16ps(4, 2, 5);
-      _tile_dpbf16ps(4, 3, 6);
-      _tile_loadd(7, kr + 2 * 16 * 16, 64);
-      _tile_loadd(5, kr + 3 * 16 * 16, 64);
-      _tile_dpbf16ps(4, 0, 7);
-      _tile_dpbf16ps(4, 1, 5);
-      _tile_dpbf16ps(4, 2, 7);
-      _tile_dpbf16ps(4, 3, 5);
+      run_products(kr);
       _tile_stored(4, scores + g * 16 * ld + r * 16, ld * 4);
     }
   }
@@ -329,18 +325,7 @@ int main(int argc, char** argv) {
   const double t_products = best_ns([&] {
     for (std::int64_t r = 0; r < rows / 16; ++r)
       for (int g = 0; g < (queries + 15) / 16; ++g) {
-        _tile_loadd(5, kt, 64);
-        _tile_loadd(6, kt + 256, 64);
-        _tile_dpbf16ps(4, 0, 5);
-        _tile_dpbf16ps(4, 1, 6);
-        _tile_dpbf16ps(4, 2, 5);
-        _tile_dpbf16ps(4, 3, 6);
-        _tile_loadd(7, kt + 512, 64);
-        _tile_loadd(5, kt + 768, 64);
-        _tile_dpbf16ps(4, 0, 7);
-        _tile_dpbf16ps(4, 1, 5);
-        _tile_dpbf16ps(4, 2, 7);
-        _tile_dpbf16ps(4, 3, 5);
+        run_products(kt);
       }
   });
   // Against the exact scores (long double sums of the same F16 values): both paths' worst
