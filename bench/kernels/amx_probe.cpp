@@ -16,8 +16,12 @@
 //     scores are taken, made beforehand (as a pool that kept them split would have them), and
 //     query tile by query tile (4 A tiles loaded once, sums stored straight into the rows of
 //     scores); and the tile products alone (one run's key tiles over and over, in cache).
+//     Then the weighted sums of the same queries' probabilities (their softmax, F16-rounded)
+//     over the value rows, against mix_rows: each position's four cross products one after
+//     another, so the sums take their terms position by position whatever the chunking; the
+//     value tiles (made once for all queries) timed apart.
 //
-//   amx_probe --queries 48 --rows 1536 --ghz 3.7
+//   amx_probe --queries 48 --rows 1536 --ghz 3.7   (the weighted sums: queries a multiple of 16)
 //
 // Built only where the compiler has the AMX intrinsics; on a CPU without AMX-BF16 (or a kernel
 // that does not grant the tile state) it says so and exits 2.
@@ -235,6 +239,71 @@ void amx_scores_by_query_tile(const float* q, int n_q, std::int64_t n_runs, cons
       _mm512_storeu_ps(scores + m * ld + j, _mm512_mul_ps(_mm512_loadu_ps(scores + m * ld + j), vs));
 }
 
+// Weighted sums. A position's four cross products go one after another (ph.vh, pl.vh, ph.vl,
+// pl.vl), so every sum takes its terms position by position whatever the chunking. The value
+// tiles of rows [0, n_rows) (n_rows a multiple of 8): per chunk of 8 positions and per 16
+// dimensions, row 2j holds position j's high parts, each twice in its dword, row 2j + 1 its low
+// parts.
+void value_tiles(const std::uint16_t* pool, const std::int64_t* rows, std::int64_t n_rows,
+                 std::uint32_t* out /* [n_rows / 8][4][16][16] */) {
+  const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (std::int64_t r = 0; r < n_rows; ++r) {
+    const std::uint16_t* v = pool + rows[r];
+    std::uint32_t* chunk = out + (r / 8) * 4 * 16 * 16;
+    const std::int64_t j = r % 8;
+    for (int c = 0; c < 4; ++c) {
+      const __m512 x = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
+      const __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), upper);
+      const __m512i lo = _mm512_castps_si512(_mm512_sub_ps(x, _mm512_castsi512_ps(hi)));
+      _mm512_storeu_si512(chunk + (c * 16 + 2 * j) * 16, _mm512_or_si512(hi, _mm512_maskz_srli_epi32(0xffff, hi, 16)));
+      _mm512_storeu_si512(chunk + (c * 16 + 2 * j + 1) * 16, _mm512_or_si512(lo, _mm512_maskz_srli_epi32(0xffff, lo, 16)));
+    }
+  }
+}
+
+// out[q] += the weighted sums of n_q queries (a multiple of 16) over the rows whose value tiles
+// are vt: per query tile its 4 accumulator tiles (64 dimensions) stay in tiles 0-3 across the
+// rows; per chunk of 8 positions the probability tile (each position's high and low parts as
+// one dword, twice) is made in a buffer that stays in L1 and multiplied into all four. (Making
+// all of a query tile's probability tiles first, then the products, was slower: 0.95-0.99 ns
+// per pair against 0.57.)
+void amx_mix(const float* probs, int n_q, std::int64_t ld, const std::uint32_t* vt, std::int64_t n_rows,
+             float* out) {
+  const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  alignas(64) std::uint32_t at[16 * 16];
+  for (int g = 0; g < n_q / 16; ++g) {
+    float* o = out + g * 16 * 64;
+    _tile_loadd(0, o, 256);
+    _tile_loadd(1, o + 16, 256);
+    _tile_loadd(2, o + 32, 256);
+    _tile_loadd(3, o + 48, 256);
+    for (std::int64_t r0 = 0; r0 < n_rows; r0 += 8) {
+      for (int m = 0; m < 16; ++m) {
+        const __m512 p = _mm512_maskz_loadu_ps(0x00ff, probs + (g * 16 + m) * ld + r0);
+        const __m512i hi = _mm512_and_si512(_mm512_castps_si512(p), upper);
+        const __m512i lo = _mm512_castps_si512(_mm512_sub_ps(p, _mm512_castsi512_ps(hi)));
+        const __m512i pair = _mm512_or_si512(lo, _mm512_maskz_srli_epi32(0xffff, hi, 16));
+        _mm512_store_si512(at + m * 16, _mm512_maskz_permutexvar_epi32(0xffff, twice, pair));
+      }
+      const std::uint32_t* chunk = vt + (r0 / 8) * 4 * 16 * 16;
+      _tile_loadd(4, at, 64);
+      _tile_loadd(5, chunk, 64);
+      _tile_loadd(6, chunk + 256, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, chunk + 512, 64);
+      _tile_loadd(5, chunk + 768, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, o, 256);
+    _tile_stored(1, o + 16, 256);
+    _tile_stored(2, o + 32, 256);
+    _tile_stored(3, o + 48, 256);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -348,7 +417,6 @@ int main(int argc, char** argv) {
       worst_amx = std::max(worst_amx, static_cast<double>(std::fabs(amx[i] - exact) / mag));
       same += std::bit_cast<std::uint32_t>(ref[i]) == std::bit_cast<std::uint32_t>(amx[i]);
     }
-  _tile_release();
   std::printf("%d queries x %lld keys, 1 thread, ns per pair: score_runs (%s) %.3f, AMX BF16 split %.3f "
               "(key tiles made beforehand %.3f, and query tile by query tile %.3f; tile products alone %.3f)",
               queries, static_cast<long long>(rows), k->name, t_ref, t_amx, t_pre, t_by_query, t_products);
@@ -357,5 +425,46 @@ int main(int argc, char** argv) {
                 t_products * ghz);
   std::printf("\nworst error / sum of |products|: score_runs %.3g, AMX %.3g; scores alike %ld of %.0f\n", worst_ref,
               worst_amx, same, n_pairs);
+  // The weighted sums, where queries and rows allow (multiples of 16 and 8): the probabilities
+  // are each query's softmax of the scores above (F16-rounded, as softmax_f16 leaves them).
+  if (queries % 16 == 0 && rows % 8 == 0) {
+    std::vector<float> probs = ref;
+    k->softmax_f16(probs.data(), rows, rows, queries);
+    std::vector<std::int64_t> offsets(static_cast<std::size_t>(rows));
+    for (std::int64_t r = 0; r < rows; ++r) offsets[static_cast<std::size_t>(r)] = r * kStride + kDim;
+    std::vector<float> mix_ref(static_cast<std::size_t>(queries * kDim)), mix_amx(mix_ref.size());
+    const double t_mix_ref = best_ns([&] {
+      std::fill(mix_ref.begin(), mix_ref.end(), 0.0f);
+      k->mix_rows(probs.data(), queries, pool.data(), offsets.data(), rows, 0, kDim, mix_ref.data(), rows);
+    });
+    std::vector<std::uint32_t> vt(static_cast<std::size_t>(rows / 8) * 4 * 16 * 16);
+    const double t_value_tiles = best_ns([&] { value_tiles(pool.data(), offsets.data(), rows, vt.data()); });
+    const double t_mix_amx = best_ns([&] {
+      std::fill(mix_amx.begin(), mix_amx.end(), 0.0f);
+      amx_mix(probs.data(), queries, rows, vt.data(), rows, mix_amx.data());
+    });
+    double worst_mix_ref = 0.0, worst_mix_amx = 0.0;
+    long mix_same = 0;
+    for (int m = 0; m < queries; ++m)
+      for (std::int64_t d = 0; d < kDim; ++d) {
+        long double exact = 0.0L, mag = 0.0L;
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const long double term = static_cast<long double>(probs[static_cast<std::size_t>(m * rows + r)]) *
+                                   batchlm::kernels::fp16_to_fp32(pool[static_cast<std::size_t>(offsets[r] + d)]);
+          exact += term;
+          mag += std::fabs(term);
+        }
+        const std::size_t i = static_cast<std::size_t>(m * kDim + d);
+        worst_mix_ref = std::max(worst_mix_ref, static_cast<double>(std::fabs(mix_ref[i] - exact) / mag));
+        worst_mix_amx = std::max(worst_mix_amx, static_cast<double>(std::fabs(mix_amx[i] - exact) / mag));
+        mix_same += std::bit_cast<std::uint32_t>(mix_ref[i]) == std::bit_cast<std::uint32_t>(mix_amx[i]);
+      }
+    std::printf("weighted sums, ns per pair: mix_rows %.3f, AMX BF16 split %.3f (+ value tiles %.3f)", t_mix_ref,
+                t_mix_amx, t_value_tiles);
+    if (ghz > 0) std::printf("; cycles %.2f, %.2f (+ %.2f)", t_mix_ref * ghz, t_mix_amx * ghz, t_value_tiles * ghz);
+    std::printf("\nworst error / sum of |terms|: mix_rows %.3g, AMX %.3g; sums alike %ld of %d\n", worst_mix_ref,
+                worst_mix_amx, mix_same, queries * static_cast<int>(kDim));
+  }
+  _tile_release();
   return 0;
 }
