@@ -32,7 +32,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -43,6 +42,7 @@
 #include <CLI/CLI.hpp>
 
 #include "../../kernels/cpu/cpu_kernels.hpp"
+#include "best_time.hpp"
 #include "batchlm/kernels/dtype.hpp"
 
 namespace {
@@ -74,6 +74,17 @@ void configure_tiles() {
   }
   _tile_loadconfig(&cfg);
 }
+
+// x = hi + lo exactly (x an F16 value widened, 11 significant bits): hi its upper 16 bits, lo
+// the rest, whose few significant bits also sit in its upper 16; both as F32 bit patterns.
+struct Split {
+  __m512i hi, lo;
+};
+inline Split split_bf16(__m512 x) {
+  const __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  return {hi, _mm512_castps_si512(_mm512_sub_ps(x, _mm512_castsi512_ps(hi)))};
+}
+inline __m512i upper_to_lower(__m512i x) { return _mm512_maskz_srli_epi32(0xffff, x, 16); }
 
 std::uint16_t bf16_bits(float x) { return static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(x) >> 16); }
 float bf16_value(std::uint16_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16); }
@@ -134,15 +145,11 @@ void probe_arithmetic(std::mt19937& rng) {
 // Question 2. The B tiles of one run of 16 keys (dims block_size = 16 apart): for the high and
 // the low parts, dims 0-31 and 32-63, row p holds dims (2p, 2p + 1) of every key side by side.
 void key_tiles(const std::uint16_t* base, std::uint32_t* out /* [4][16][16] */) {
-  const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int p = 0; p < 32; ++p) {
-    const __m512 e = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * p * 16)));
-    const __m512 o = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (2 * p + 1) * 16)));
-    const __m512i eb = _mm512_castps_si512(e), ob = _mm512_castps_si512(o);
-    const __m512 e_lo = _mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_and_si512(eb, upper)));
-    const __m512 o_lo = _mm512_sub_ps(o, _mm512_castsi512_ps(_mm512_and_si512(ob, upper)));
-    const __m512i hi = _mm512_ternarylogic_epi32(ob, upper, _mm512_maskz_srli_epi32(0xffff, eb, 16), 0xea);  // (o & upper) | e >> 16
-    const __m512i lo = _mm512_or_si512(_mm512_castps_si512(o_lo), _mm512_maskz_srli_epi32(0xffff, _mm512_castps_si512(e_lo), 16));
+    const Split e = split_bf16(_mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * p * 16))));
+    const Split o = split_bf16(_mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (2 * p + 1) * 16))));
+    const __m512i hi = _mm512_or_si512(o.hi, upper_to_lower(e.hi));
+    const __m512i lo = _mm512_or_si512(o.lo, upper_to_lower(e.lo));
     const int half = p / 16, row = p % 16;
     _mm512_storeu_si512(out + ((0 + half) * 16 + row) * 16, hi);
     _mm512_storeu_si512(out + ((2 + half) * 16 + row) * 16, lo);
@@ -160,6 +167,14 @@ void query_tiles(const float* q, int n, std::uint16_t* out /* [4][16][32] */) {
       out[((d / 32) * 16 + m) * 32 + d % 32] = hi;
       out[((2 + d / 32) * 16 + m) * 32 + d % 32] = lo;
     }
+}
+
+// Tiles 0-3: a query tile's A tiles (query_tiles' layout).
+inline void load_query_tiles(const std::uint16_t* a) {
+  _tile_loadd(0, a, 64);
+  _tile_loadd(1, a + 16 * 32, 64);
+  _tile_loadd(2, a + 2 * 16 * 32, 64);
+  _tile_loadd(3, a + 3 * 16 * 32, 64);
 }
 
 // Tile 4 += one run's products with the query tile in tiles 0-3 (high dims 0-31, high 32-63,
@@ -198,12 +213,8 @@ void amx_scores(const float* q, int n_q, const std::uint16_t* pool, const cpu::K
       key_tiles(pool + runs[r].at, kt);
     }
     for (int g = 0; g < groups; ++g) {
-      const std::uint16_t* a = qt.data() + g * 4 * 16 * 32;
       _tile_zero(4);
-      _tile_loadd(0, a, 64);
-      _tile_loadd(1, a + 16 * 32, 64);
-      _tile_loadd(2, a + 2 * 16 * 32, 64);
-      _tile_loadd(3, a + 3 * 16 * 32, 64);
+      load_query_tiles(qt.data() + g * 4 * 16 * 32);
       run_products(kr);
       _tile_stored(4, c, 64);
       const int rows = std::min(16, n_q - g * 16);
@@ -222,10 +233,7 @@ void amx_scores_by_query_tile(const float* q, int n_q, std::int64_t n_runs, cons
   std::vector<std::uint16_t> qt(4 * 16 * 32);
   for (int g = 0; g < n_q / 16; ++g) {
     query_tiles(q + g * 16 * 64, 16, qt.data());
-    _tile_loadd(0, qt.data(), 64);
-    _tile_loadd(1, qt.data() + 16 * 32, 64);
-    _tile_loadd(2, qt.data() + 2 * 16 * 32, 64);
-    _tile_loadd(3, qt.data() + 3 * 16 * 32, 64);
+    load_query_tiles(qt.data());
     for (std::int64_t r = 0; r < n_runs; ++r) {
       const std::uint32_t* kr = converted + r * 4 * 16 * 16;
       _tile_zero(4);
@@ -246,17 +254,14 @@ void amx_scores_by_query_tile(const float* q, int n_q, std::int64_t n_runs, cons
 // parts.
 void value_tiles(const std::uint16_t* pool, const std::int64_t* rows, std::int64_t n_rows,
                  std::uint32_t* out /* [n_rows / 8][4][16][16] */) {
-  const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (std::int64_t r = 0; r < n_rows; ++r) {
     const std::uint16_t* v = pool + rows[r];
     std::uint32_t* chunk = out + (r / 8) * 4 * 16 * 16;
     const std::int64_t j = r % 8;
     for (int c = 0; c < 4; ++c) {
-      const __m512 x = _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
-      const __m512i hi = _mm512_and_si512(_mm512_castps_si512(x), upper);
-      const __m512i lo = _mm512_castps_si512(_mm512_sub_ps(x, _mm512_castsi512_ps(hi)));
-      _mm512_storeu_si512(chunk + (c * 16 + 2 * j) * 16, _mm512_or_si512(hi, _mm512_maskz_srli_epi32(0xffff, hi, 16)));
-      _mm512_storeu_si512(chunk + (c * 16 + 2 * j + 1) * 16, _mm512_or_si512(lo, _mm512_maskz_srli_epi32(0xffff, lo, 16)));
+      const Split x = split_bf16(_mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c))));
+      _mm512_storeu_si512(chunk + (c * 16 + 2 * j) * 16, _mm512_or_si512(x.hi, upper_to_lower(x.hi)));
+      _mm512_storeu_si512(chunk + (c * 16 + 2 * j + 1) * 16, _mm512_or_si512(x.lo, upper_to_lower(x.lo)));
     }
   }
 }
@@ -269,7 +274,6 @@ void value_tiles(const std::uint16_t* pool, const std::int64_t* rows, std::int64
 // per pair against 0.57.)
 void amx_mix(const float* probs, int n_q, std::int64_t ld, const std::uint32_t* vt, std::int64_t n_rows,
              float* out) {
-  const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   alignas(64) std::uint32_t at[16 * 16];
   for (int g = 0; g < n_q / 16; ++g) {
@@ -280,10 +284,8 @@ void amx_mix(const float* probs, int n_q, std::int64_t ld, const std::uint32_t* 
     _tile_loadd(3, o + 48, 256);
     for (std::int64_t r0 = 0; r0 < n_rows; r0 += 8) {
       for (int m = 0; m < 16; ++m) {
-        const __m512 p = _mm512_maskz_loadu_ps(0x00ff, probs + (g * 16 + m) * ld + r0);
-        const __m512i hi = _mm512_and_si512(_mm512_castps_si512(p), upper);
-        const __m512i lo = _mm512_castps_si512(_mm512_sub_ps(p, _mm512_castsi512_ps(hi)));
-        const __m512i pair = _mm512_or_si512(lo, _mm512_maskz_srli_epi32(0xffff, hi, 16));
+        const Split p = split_bf16(_mm512_maskz_loadu_ps(0x00ff, probs + (g * 16 + m) * ld + r0));
+        const __m512i pair = _mm512_or_si512(p.lo, upper_to_lower(p.hi));
         _mm512_store_si512(at + m * 16, _mm512_maskz_permutexvar_epi32(0xffff, twice, pair));
       }
       const std::uint32_t* chunk = vt + (r0 / 8) * 4 * 16 * 16;
@@ -303,6 +305,18 @@ void amx_mix(const float* probs, int n_q, std::int64_t ld, const std::uint32_t* 
     _tile_stored(3, o + 48, 256);
   }
 }
+
+// How two paths' results compare with the exact ones: each one's worst error relative to the
+// sum of the terms' magnitudes, and how many results the two give as the same bits.
+struct Agreement {
+  double worst_ref = 0.0, worst_amx = 0.0;
+  long same = 0;
+  void add(float ref, float amx, long double exact, long double magnitude) {
+    worst_ref = std::max(worst_ref, static_cast<double>(std::fabs(ref - exact) / magnitude));
+    worst_amx = std::max(worst_amx, static_cast<double>(std::fabs(amx - exact) / magnitude));
+    same += std::bit_cast<std::uint32_t>(ref) == std::bit_cast<std::uint32_t>(amx);
+  }
+};
 
 }  // namespace
 
@@ -346,16 +360,7 @@ int main(int argc, char** argv) {
   k->round_f16(q.data(), queries * kDim);
 
   const auto n_pairs = static_cast<double>(queries) * static_cast<double>(rows);
-  const auto best_ns = [&](auto&& call) {
-    double best = 1e30;
-    for (int rep = 0; rep < reps + 1; ++rep) {
-      const auto t0 = std::chrono::steady_clock::now();
-      call();
-      const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
-      if (rep > 0) best = std::min(best, ns);
-    }
-    return best / n_pairs;
-  };
+  const auto best_ns = [&](auto&& call) { return batchlm::bench::best_call_ns(reps, call) / n_pairs; };
   std::vector<float> ref(static_cast<std::size_t>(queries * rows)), amx(ref.size());
   const double t_ref = best_ns([&] {
     k->score_runs(q.data(), queries, pool.data(), runs.data(), static_cast<std::int64_t>(runs.size()), 0, kDim,
@@ -379,6 +384,7 @@ int main(int argc, char** argv) {
   }
   double t_by_query = 0.0;
   if (queries % 16 == 0) {
+    std::fill(amx_pre.begin(), amx_pre.end(), std::nanf(""));
     t_by_query = best_ns([&] {
       amx_scores_by_query_tile(q.data(), queries, static_cast<std::int64_t>(runs.size()), converted.data(), 0.125f,
                                amx_pre.data(), rows);
@@ -399,8 +405,7 @@ int main(int argc, char** argv) {
   });
   // Against the exact scores (long double sums of the same F16 values): both paths' worst
   // error in units of the score's magnitude, and how many scores the two paths give alike.
-  double worst_ref = 0.0, worst_amx = 0.0;
-  long same = 0;
+  Agreement scores_agree;
   for (int m = 0; m < queries; ++m)
     for (std::int64_t j = 0; j < rows; ++j) {
       const std::int64_t blk = j / kBlock, slot = j % kBlock;
@@ -413,9 +418,7 @@ int main(int argc, char** argv) {
       exact *= 0.125L;
       mag *= 0.125L;
       const std::size_t i = static_cast<std::size_t>(m * rows + j);
-      worst_ref = std::max(worst_ref, static_cast<double>(std::fabs(ref[i] - exact) / mag));
-      worst_amx = std::max(worst_amx, static_cast<double>(std::fabs(amx[i] - exact) / mag));
-      same += std::bit_cast<std::uint32_t>(ref[i]) == std::bit_cast<std::uint32_t>(amx[i]);
+      scores_agree.add(ref[i], amx[i], exact, mag);
     }
   std::printf("%d queries x %lld keys, 1 thread, ns per pair: score_runs (%s) %.3f, AMX BF16 split %.3f "
               "(key tiles made beforehand %.3f, and query tile by query tile %.3f; tile products alone %.3f)",
@@ -423,11 +426,12 @@ int main(int argc, char** argv) {
   if (ghz > 0)
     std::printf("; cycles %.2f, %.2f (%.2f, %.2f; %.2f)", t_ref * ghz, t_amx * ghz, t_pre * ghz, t_by_query * ghz,
                 t_products * ghz);
-  std::printf("\nworst error / sum of |products|: score_runs %.3g, AMX %.3g; scores alike %ld of %.0f\n", worst_ref,
-              worst_amx, same, n_pairs);
-  // The weighted sums, where queries and rows allow (multiples of 16 and 8): the probabilities
-  // are each query's softmax of the scores above (F16-rounded, as softmax_f16 leaves them).
-  if (queries % 16 == 0 && rows % 8 == 0) {
+  std::printf("\nworst error / sum of |products|: score_runs %.3g, AMX %.3g; scores alike %ld of %.0f\n",
+              scores_agree.worst_ref, scores_agree.worst_amx, scores_agree.same, n_pairs);
+  // The weighted sums, where the queries fill whole tiles (rows are a multiple of 16 already):
+  // the probabilities are each query's softmax of the scores above (F16-rounded, as
+  // softmax_f16 leaves them).
+  if (queries % 16 == 0) {
     std::vector<float> probs = ref;
     k->softmax_f16(probs.data(), rows, rows, queries);
     std::vector<std::int64_t> offsets(static_cast<std::size_t>(rows));
@@ -443,8 +447,7 @@ int main(int argc, char** argv) {
       std::fill(mix_amx.begin(), mix_amx.end(), 0.0f);
       amx_mix(probs.data(), queries, rows, vt.data(), rows, mix_amx.data());
     });
-    double worst_mix_ref = 0.0, worst_mix_amx = 0.0;
-    long mix_same = 0;
+    Agreement sums_agree;
     for (int m = 0; m < queries; ++m)
       for (std::int64_t d = 0; d < kDim; ++d) {
         long double exact = 0.0L, mag = 0.0L;
@@ -455,15 +458,13 @@ int main(int argc, char** argv) {
           mag += std::fabs(term);
         }
         const std::size_t i = static_cast<std::size_t>(m * kDim + d);
-        worst_mix_ref = std::max(worst_mix_ref, static_cast<double>(std::fabs(mix_ref[i] - exact) / mag));
-        worst_mix_amx = std::max(worst_mix_amx, static_cast<double>(std::fabs(mix_amx[i] - exact) / mag));
-        mix_same += std::bit_cast<std::uint32_t>(mix_ref[i]) == std::bit_cast<std::uint32_t>(mix_amx[i]);
+        sums_agree.add(mix_ref[i], mix_amx[i], exact, mag);
       }
     std::printf("weighted sums, ns per pair: mix_rows %.3f, AMX BF16 split %.3f (+ value tiles %.3f)", t_mix_ref,
                 t_mix_amx, t_value_tiles);
     if (ghz > 0) std::printf("; cycles %.2f, %.2f (+ %.2f)", t_mix_ref * ghz, t_mix_amx * ghz, t_value_tiles * ghz);
-    std::printf("\nworst error / sum of |terms|: mix_rows %.3g, AMX %.3g; sums alike %ld of %d\n", worst_mix_ref,
-                worst_mix_amx, mix_same, queries * static_cast<int>(kDim));
+    std::printf("\nworst error / sum of |terms|: mix_rows %.3g, AMX %.3g; sums alike %ld of %d\n",
+                sums_agree.worst_ref, sums_agree.worst_amx, sums_agree.same, queries * static_cast<int>(kDim));
   }
   _tile_release();
   return 0;

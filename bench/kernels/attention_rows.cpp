@@ -10,7 +10,6 @@
 //   attention_rows --queries 3 --rows 1536 --path avx2
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -20,6 +19,7 @@
 #include <CLI/CLI.hpp>
 
 #include "../../kernels/cpu/cpu_kernels.hpp"
+#include "best_time.hpp"
 #include "batchlm/kernels/dtype.hpp"
 
 namespace {
@@ -81,16 +81,7 @@ int main(int argc, char** argv) {
   k->round_f16(q.data(), queries * kDim);
 
   const auto n_pairs = static_cast<double>(queries) * static_cast<double>(rows);
-  const auto best_ns = [&](auto&& call) {
-    double best = 1e30;
-    for (int rep = 0; rep < reps + 1; ++rep) {  // the first call warms the caches
-      const auto t0 = std::chrono::steady_clock::now();
-      call();
-      const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
-      if (rep > 0) best = std::min(best, ns);
-    }
-    return best / n_pairs;
-  };
+  const auto best_ns = [&](auto&& call) { return batchlm::bench::best_call_ns(reps, call) / n_pairs; };
   std::vector<float> scores(static_cast<std::size_t>(queries * rows)), probs;
   const double t_score = best_ns([&] {
     k->score_runs(q.data(), queries, pool.get(), runs.data(), static_cast<std::int64_t>(runs.size()), 0, kDim, kBlock,
