@@ -25,7 +25,7 @@ def main():
 
     path = os.path.abspath(args.model)
     model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float16
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float16
     ).to("cuda")
     model.eval()
     vocab = model.config.vocab_size

@@ -1,87 +1,163 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, in two halves (bench/README.md, "GPU"):
 #
-#   bench/gpu/run.sh pack     # on the build machine: a Release build with CUDA; the binaries,
-#                             # the shared libraries they need, the GSM8K data and the model
-#                             # (in three parts, as a device call carries at most 64 MiB) into
-#                             # .gpu/ and .gpu-model-a/, -b/, -c/ (ignored by git)
-#   bench/gpu/run.sh device   # on the GPU machine, in the repository root with those folders:
-#                             # GPU tests, compute-sanitizer memcheck, kernel and engine
-#                             # benchmarks, GSM8K end to end, the transformers peer; a table last
+#   bench/gpu/run.sh pack            # on the build machine: a Release build with CUDA; the
+#                                    # binaries, the shared libraries they need (not the CUDA
+#                                    # ones: the GPU machine has those), the GSM8K data and the
+#                                    # model, into .gpu-a/ and .gpu-b/ (ignored by git), each
+#                                    # small enough for one device call (64 MiB with the tree)
+#   bench/gpu/run.sh device checks   # on the GPU machine, with .gpu-a/: GPU tests,
+#                                    # compute-sanitizer memcheck, kernel benchmarks, the
+#                                    # engine on a random 1B-class model
+#   bench/gpu/run.sh device model    # with .gpu-a/ and .gpu-b/ (the second call may carry
+#                                    # .gpu-b/ alone: the machine keeps .gpu/ between calls):
+#                                    # the default model on the GPU against the CPU, its decode
+#                                    # throughput, GSM8K end to end, the transformers peer
+#   bench/gpu/run.sh device all      # both
 #
-# The GPU machine has the CUDA driver, PyTorch and transformers but none of the project's build
-# dependencies, so the build happens here and the binaries travel.
-set -euo pipefail
+# The GPU machine has the CUDA driver and toolkit, PyTorch and transformers but none of the
+# project's build dependencies, so the build happens here and the binaries travel. Logs go to
+# $OUT (the device call brings them back); a table of the steps comes last.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
 OUT=${OUT:-/tmp/batchlm-gpu-out}
+LIMIT_MIB=64
 
 pack() {
+  set -e
   cmake -S . -B build/gpu -DCMAKE_BUILD_TYPE=Release -DBATCHLM_CUDA=ON >/dev/null
   cmake --build build/gpu -j2 --target batchlm matmul_test ops_test gpu_engine_test \
     gpu_kernels_bench engine_bench
-  rm -rf .gpu .gpu-model-a .gpu-model-b .gpu-model-c
-  mkdir -p .gpu/bin .gpu/lib .gpu/data .gpu/whl .gpu-model-a .gpu-model-b .gpu-model-c
+  rm -rf .gpu .gpu-a .gpu-b
+  mkdir -p .gpu/bin .gpu/lib .gpu/data .gpu/whl .gpu-a .gpu-b
   cp build/gpu/bin/batchlm build/gpu/tests/matmul_test build/gpu/tests/ops_test \
     build/gpu/tests/gpu_engine_test .gpu/bin/
   cp build/gpu/bin/gpu_kernels_bench build/gpu/bin/engine_bench .gpu/bin/
   strip --strip-debug .gpu/bin/*
-  # Shared libraries beyond the C and C++ runtimes (libcurl, yaml-cpp, PCRE2, ...).
+  # Shared libraries beyond the C and C++ runtimes and CUDA's (libcurl, yaml-cpp, PCRE2, ...).
   for b in .gpu/bin/*; do ldd "$b"; done | awk '/=> \// {print $3}' | sort -u |
     grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so' |
+    grep -v -E '/lib(cuda|cudart|cublas|cublasLt)\.so' |
     xargs -r -I{} cp -L {} .gpu/lib/
   cp -r "${BATCHLM_DATA:-../shared/data}/gsm8k" .gpu/data/
   # transformers reads GGUF through the gguf package, which the GPU machine's image lacks.
   python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/whl gguf
+  tar -C .gpu -cf - bin lib data whl | xz -T2 -6 >.gpu-a/bundle.tar.xz
+  rm -rf .gpu
   [ -f "$MODEL" ] || scripts/fetch-model.sh
-  split -n 3 -d "$MODEL" .gpu-model-x.
-  mv .gpu-model-x.00 .gpu-model-a/part
-  mv .gpu-model-x.01 .gpu-model-b/part
-  mv .gpu-model-x.02 .gpu-model-c/part
-  du -sh .gpu .gpu-model-a .gpu-model-b .gpu-model-c
+  # The model goes in two parts: what fits beside the tree and the bundle, then the rest.
+  local tree_kib bundle_kib first_kib
+  tree_kib=$(git ls-files -z | du -ck --files0-from=- | tail -1 | cut -f1)
+  bundle_kib=$(du -k .gpu-a/bundle.tar.xz | cut -f1)
+  first_kib=$((LIMIT_MIB * 1024 - tree_kib - bundle_kib - 2048))
+  head -c $((first_kib * 1024)) "$MODEL" >.gpu-a/model.1
+  tail -c +$((first_kib * 1024 + 1)) "$MODEL" >.gpu-b/model.2
+  du -sh .gpu-a .gpu-b
+  for d in .gpu-a .gpu-b; do
+    if (($(du -sk $d | cut -f1) + tree_kib > LIMIT_MIB * 1024)); then
+      echo "pack: $d and the tree exceed ${LIMIT_MIB} MiB" >&2
+      exit 1
+    fi
+  done
+}
+
+# One step: its name, a time limit in seconds, the command; its output goes to the log and
+# its outcome to the table.
+step() {
+  local name=$1 limit=$2 rc t0 t1
+  shift 2
+  echo "== $name"
+  t0=$(date +%s)
+  timeout "$limit" "$@"
+  rc=$?
+  t1=$(date +%s)
+  local what=ok
+  ((rc == 124)) && what="TIMED OUT"
+  ((rc != 0 && rc != 124)) && what="FAILED (rc $rc)"
+  printf '%-58s %-16s %5ds\n' "$name" "$what" $((t1 - t0)) >>"$OUT/steps.txt"
+  ((rc == 0)) || status=1
+  return 0
+}
+
+unpack() {
+  if [ ! -x .gpu/bin/batchlm ]; then
+    mkdir -p .gpu
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+      .gpu-a/bundle.tar.xz .gpu
+  fi
+  # cuBLAS (for the kernel benchmark's comparison) comes from the machine's CUDA.
+  local cublas
+  cublas=$(find /usr/local /opt /usr/lib -name 'libcublas.so.13' 2>/dev/null | head -1)
+  export LD_LIBRARY_PATH="$PWD/.gpu/lib${cublas:+:$(dirname "$cublas")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export BATCHLM_DATA="$PWD/.gpu/data" BATCHLM_MODEL="$PWD/$MODEL"
+}
+
+checks() {
+  echo "== GPU tests, and under compute-sanitizer memcheck (at the same time)"
+  local t
+  for t in matmul_test ops_test gpu_engine_test; do
+    (step "memcheck $t" 180 compute-sanitizer --tool memcheck --error-exitcode 9 \
+      .gpu/bin/$t --gtest_brief=1 >"$OUT/memcheck-$t.txt" 2>&1) &
+  done
+  # engine_bench writes the random 1B-class models once; make them now, on the CPU.
+  (.gpu/bin/engine_bench --random-1b q4_1 --device cpu --sequences 1 --tokens 2 >/dev/null &&
+    .gpu/bin/engine_bench --random-1b f16 --device cpu --sequences 1 --tokens 2 >/dev/null) &
+  for t in matmul_test ops_test gpu_engine_test; do step "test $t" 120 .gpu/bin/$t --gtest_brief=1; done
+  wait
+  for t in matmul_test ops_test gpu_engine_test; do tail -5 "$OUT/memcheck-$t.txt"; done
+  step "kernels: gpu_kernels_bench --check" 120 .gpu/bin/gpu_kernels_bench --check
+  step "engine: random 1B-class q4_1, 1/8/64 sequences" 75 \
+    .gpu/bin/engine_bench --random-1b q4_1 --sequences 1,8,64 --tokens 64
+  step "engine: random 1B-class f16, 1/8/64 sequences" 75 \
+    .gpu/bin/engine_bench --random-1b f16 --sequences 1,8,64 --tokens 64
+}
+
+model() {
+  if [ ! -f "$MODEL" ]; then
+    mkdir -p models
+    cat .gpu-a/model.1 .gpu-b/model.2 >"$MODEL"
+  fi
+  step "default model: GPU tokens follow the CPU's" 90 \
+    .gpu/bin/gpu_engine_test --gtest_filter='*DefaultModelFollowsTheCpu*'
+  step "engine: SmolLM2-135M Q4_1, 1/8/64/256 sequences" 120 \
+    .gpu/bin/engine_bench --model "$MODEL" --sequences 1,8,64,256 --tokens 128 --no-graphs-too
+  local t0 t1
+  t0=$(date +%s.%N)
+  step "GSM8K test set (1,319), 8-shot, greedy, -c 256" 150 \
+    .gpu/bin/batchlm run jobs/gsm8k.yaml --limit 1319 -c 256 --fresh \
+    --output "$OUT/gsm8k.jsonl" --set backend.device=cuda --set backend.max_sequences=256
+  t1=$(date +%s.%N)
+  echo "gsm8k wall seconds: $(python3 -c "print(round($t1 - $t0, 2))")"
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
+  step "peer: transformers, 1/8/64/256 sequences" 150 \
+    env PYTHONPATH=/tmp/site python3 bench/gpu/peer_transformers.py --model "$MODEL" --sequences 1,8,64,256 --tokens 128
 }
 
 device() {
-  mkdir -p "$OUT" models
-  export LD_LIBRARY_PATH="$PWD/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export BATCHLM_DATA="$PWD/.gpu/data" BATCHLM_MODEL="$PWD/$MODEL"
-  if [ ! -f "$MODEL" ]; then
-    cat .gpu-model-a/part .gpu-model-b/part .gpu-model-c/part >"$MODEL"
-  fi
-  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-  (
-    status=0
-    echo "== GPU tests"
-    for t in matmul_test ops_test gpu_engine_test; do .gpu/bin/$t --gtest_brief=1 || status=1; done
-    echo "== compute-sanitizer memcheck"
-    for t in matmul_test ops_test gpu_engine_test; do
-      compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/bin/$t --gtest_brief=1 || status=1
-    done
-    echo "== kernels"
-    .gpu/bin/gpu_kernels_bench --check || status=1
-    echo "== engine: SmolLM2-135M Q4_1"
-    .gpu/bin/engine_bench --model "$MODEL" --sequences 1,8,64,256 --tokens 128 --no-graphs-too || status=1
-    echo "== engine: 1B-class Llama, random weights"
-    .gpu/bin/engine_bench --random-1b q4_1 --sequences 1,8,64 --tokens 64 || status=1
-    .gpu/bin/engine_bench --random-1b f16 --sequences 1,8,64 --tokens 64 || status=1
-    echo "== GSM8K, the whole test set (1,319 questions), 8-shot, greedy"
-    local t0 t1
-    t0=$(date +%s.%N)
-    .gpu/bin/batchlm run jobs/gsm8k.yaml --limit 1319 -c 256 --fresh --output "$OUT/gsm8k.jsonl" \
-      --set backend.device=cuda --set backend.max_sequences=256 || status=1
-    t1=$(date +%s.%N)
-    echo "gsm8k wall seconds: $(echo "$t1 - $t0" | bc)"
-    echo "== peer: transformers"
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
-    PYTHONPATH=/tmp/site python3 bench/gpu/peer_transformers.py --model "$MODEL" \
-      --sequences 1,8,64,256 --tokens 128 || status=1
-    exit $status
-  ) 2>&1 | tee "$OUT/log.txt"
-  return "${PIPESTATUS[0]}"
+  local what=${1:-all}
+  mkdir -p "$OUT"
+  : >"$OUT/steps.txt"
+  unpack
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv |
+    tee "$OUT/gpu.txt"
+  status=0
+  {
+    case "$what" in
+      checks) checks ;;
+      model) model ;;
+      all) checks; model ;;
+      *) echo "device: checks, model or all" >&2; status=2 ;;
+    esac
+  } 2>&1 | tee -a "$OUT/log.txt"
+  # status was set in the pipeline's subshell: the table says what failed.
+  echo
+  cat "$OUT/steps.txt"
+  ! grep -q -E 'FAILED|TIMED OUT' "$OUT/steps.txt"
 }
 
 case "${1:-}" in
   pack) pack ;;
-  device) device ;;
-  *) echo "usage: bench/gpu/run.sh pack|device" >&2; exit 2 ;;
+  device) device "${2:-all}" ;;
+  *) echo "usage: bench/gpu/run.sh pack | device [checks|model|all]" >&2; exit 2 ;;
 esac
