@@ -15,6 +15,10 @@
 #                                    # throughput, GSM8K end to end, the transformers peer
 #   bench/gpu/run.sh device all      # both
 #
+# Stages may also be named one by one: tests (and memcheck), benchmarks, model-test (the
+# default model against the CPU), model-benchmarks; 'checks' is tests and benchmarks, 'model'
+# is model-test and model-benchmarks.
+#
 # The GPU machine has the CUDA driver and toolkit, PyTorch and transformers but none of the
 # project's build dependencies, so the build happens here and the binaries travel. Logs go to
 # $OUT (the device call brings them back); a table of the steps comes last.
@@ -91,21 +95,31 @@ unpack() {
   cublas=$(find /usr/local /opt /usr/lib -name 'libcublas.so.13' 2>/dev/null | head -1)
   export LD_LIBRARY_PATH="$PWD/.gpu/lib${cublas:+:$(dirname "$cublas")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export BATCHLM_DATA="$PWD/.gpu/data" BATCHLM_MODEL="$PWD/$MODEL"
+  export BATCHLM_REFERENCE_DIR="$PWD/tests/reference/smollm2-135m-instruct-q4_1"
 }
 
-checks() {
+gpu_tests() {
   echo "== GPU tests, and under compute-sanitizer memcheck (at the same time)"
-  local t
+  local t memchecks=()
   for t in matmul_test ops_test gpu_engine_test; do
     (step "memcheck $t" 180 compute-sanitizer --tool memcheck --error-exitcode 9 \
       .gpu/bin/$t --gtest_brief=1 >"$OUT/memcheck-$t.txt" 2>&1) &
+    memchecks+=($!)
   done
-  # engine_bench writes the random 1B-class models once; make them now, on the CPU.
-  (.gpu/bin/engine_bench --random-1b q4_1 --device cpu --sequences 1 --tokens 2 >/dev/null &&
-    .gpu/bin/engine_bench --random-1b f16 --device cpu --sequences 1 --tokens 2 >/dev/null) &
   for t in matmul_test ops_test gpu_engine_test; do step "test $t" 120 .gpu/bin/$t --gtest_brief=1; done
-  wait
+  wait "${memchecks[@]}"
   for t in matmul_test ops_test gpu_engine_test; do tail -5 "$OUT/memcheck-$t.txt"; done
+}
+
+# engine_bench writes the random 1B-class models once (about a minute, on the CPU): started
+# before the tests when benchmarks follow them.
+write_random_models() {
+  .gpu/bin/engine_bench --random-1b q4_1 --device cpu --sequences 1 --tokens 2 >/dev/null &&
+    .gpu/bin/engine_bench --random-1b f16 --device cpu --sequences 1 --tokens 2 >/dev/null
+}
+
+benchmarks() {
+  [ -n "${writer:-}" ] && wait "$writer"
   step "kernels: gpu_kernels_bench --check" 120 .gpu/bin/gpu_kernels_bench --check
   step "engine: random 1B-class q4_1, 1/8/64 sequences" 75 \
     .gpu/bin/engine_bench --random-1b q4_1 --sequences 1,8,64 --tokens 64
@@ -113,13 +127,21 @@ checks() {
     .gpu/bin/engine_bench --random-1b f16 --sequences 1,8,64 --tokens 64
 }
 
-model() {
+assemble_model() {
   if [ ! -f "$MODEL" ]; then
     mkdir -p models
     cat .gpu-a/model.1 .gpu-b/model.2 >"$MODEL"
   fi
-  step "default model: GPU tokens follow the CPU's" 90 \
-    .gpu/bin/gpu_engine_test --gtest_filter='*DefaultModelFollowsTheCpu*'
+}
+
+model_test() {
+  assemble_model
+  step "default model: GPU against the exact reference" 90 \
+    env BATCHLM_TEST_VERBOSE=1 .gpu/bin/gpu_engine_test --gtest_filter='*DefaultModelFollows*'
+}
+
+model_benchmarks() {
+  assemble_model
   step "engine: SmolLM2-135M Q4_1, 1/8/64/256 sequences" 120 \
     .gpu/bin/engine_bench --model "$MODEL" --sequences 1,8,64,256 --tokens 128 --no-graphs-too
   local t0 t1
@@ -135,7 +157,7 @@ model() {
 }
 
 device() {
-  local what=${1:-all}
+  local stage
   mkdir -p "$OUT"
   : >"$OUT/steps.txt"
   unpack
@@ -143,12 +165,21 @@ device() {
     tee "$OUT/gpu.txt"
   status=0
   {
-    case "$what" in
-      checks) checks ;;
-      model) model ;;
-      all) checks; model ;;
-      *) echo "device: checks, model or all" >&2; status=2 ;;
+    case " $* " in
+      *" benchmarks "* | *" checks "* | *" all "*) write_random_models & writer=$! ;;
     esac
+    for stage in "$@"; do
+      case "$stage" in
+        tests) gpu_tests ;;
+        benchmarks) benchmarks ;;
+        model-test) model_test ;;
+        model-benchmarks) model_benchmarks ;;
+        checks) gpu_tests; benchmarks ;;
+        model) model_test; model_benchmarks ;;
+        all) gpu_tests; benchmarks; model_test; model_benchmarks ;;
+        *) echo "device: unknown stage $stage" >&2 ;;
+      esac
+    done
   } 2>&1 | tee -a "$OUT/log.txt"
   # status was set in the pipeline's subshell: the table says what failed.
   echo
@@ -158,6 +189,6 @@ device() {
 
 case "${1:-}" in
   pack) pack ;;
-  device) device "${2:-all}" ;;
-  *) echo "usage: bench/gpu/run.sh pack | device [checks|model|all]" >&2; exit 2 ;;
+  device) shift; device "${@:-all}" ;;
+  *) echo "usage: bench/gpu/run.sh pack | device [STAGE...]" >&2; exit 2 ;;
 esac

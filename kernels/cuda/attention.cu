@@ -7,7 +7,8 @@
 // tile the CTA loads (a decode token is one tile of `group` rows; a prefill chunk is
 // ceil(queries * group / 16) tiles). Keys are walked in tiles of 32 positions staged in shared
 // memory; each warp owns 4 rows, lane i owns key i of the tile for the scores and dims
-// i, i + 32, ... of the rows' accumulators.
+// i, i + 32, ... (those below head_dim) of the rows' accumulators. head_dim is any multiple
+// of 8 up to 256 (16-byte rows of halves): 64 and 128 as most models have, 80 and 96 too.
 //
 // Flash-decoding: when the grid of (sequence, row tile, kv head) CTAs is small (decode, or a
 // short prefill over a long context), the context is also split: CTA z of `splits` handles the
@@ -83,7 +84,7 @@ struct Params {
   std::int32_t n_seqs = 0;
   std::int32_t n_heads = 0;
   std::int32_t group = 0;       // n_heads / n_kv_heads
-  std::int32_t head_dim = 0;    // a multiple of 32, at most 256
+  std::int32_t head_dim = 0;    // a multiple of 8, at most 256
   std::int32_t row_tiles = 0;   // row tiles per sequence in the grid (>= 1)
   std::int32_t splits = 1;      // gridDim.z
   float scale = 1.0f;
@@ -140,7 +141,7 @@ __device__ void load_tile(const Params& P, int s, int kvh, std::int64_t p0, std:
     }
   }
   // V: consecutive threads take consecutive groups of one row (coalesced 16-byte loads and
-  // stores; v_s + i * D + cg * 8 is 16-byte aligned since D is a multiple of 32).
+  // stores; v_s + i * D + cg * 8 is 16-byte aligned since D is a multiple of 8).
   for (int item = threadIdx.x; item < items; item += kThreads) {
     const int i = item / groups, cg = item % groups;
     const std::int64_t p = p0 + i;
@@ -172,7 +173,8 @@ __global__ void __launch_bounds__(kThreads, 4) attention_kernel(const Params P) 
   if (nq <= 0) return;  // an empty (padding) sequence
   const std::int64_t group = P.group;
   const std::int64_t rows_total = nq * group;
-  const int nd = D / kWarp;  // accumulator dims per lane and row, 1..8
+  // Accumulator dims per lane and row, 1..8: dims e * 32 + lane for e < nd, those below D.
+  const int nd = (D + kWarp - 1) / kWarp;
 
   // Row tiles rt_first, rt_first + row_tiles, ...: one pass when max_queries bounds nq.
   for (std::int64_t rt = rt_first; rt * kRows < rows_total; rt += P.row_tiles) {
@@ -275,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 4) attention_kernel(const Params P) 
           for (int i = 0; i < kRowsPerWarp; ++i) w[i] = __shfl_sync(0xffffffffu, prob[i], k);
 #pragma unroll
           for (int e = 0; e < kMaxDimPerLane; ++e) {
-            if (e < nd) {
+            if (e < nd && e * kWarp + lane < D) {
               const float v = h2f(v_s[k * D + e * kWarp + lane]);
 #pragma unroll
               for (int i = 0; i < kRowsPerWarp; ++i) acc[i][e] = fmaf(w[i], v, acc[i][e]);
@@ -297,13 +299,13 @@ __global__ void __launch_bounds__(kThreads, 4) attention_kernel(const Params P) 
         float* o = P.out + item * D;
 #pragma unroll
         for (int e = 0; e < kMaxDimPerLane; ++e)
-          if (e < nd) o[e * kWarp + lane] = acc[i][e] * inv;
+          if (e < nd && e * kWarp + lane < D) o[e * kWarp + lane] = acc[i][e] * inv;
       } else {
         const std::int64_t part = item * splits + z;
         float* a = P.part_acc + part * D;
 #pragma unroll
         for (int e = 0; e < kMaxDimPerLane; ++e)
-          if (e < nd) a[e * kWarp + lane] = acc[i][e];
+          if (e < nd && e * kWarp + lane < D) a[e * kWarp + lane] = acc[i][e];
         if (lane == 0) {
           P.part_ml[2 * part] = m[i];
           P.part_ml[2 * part + 1] = l[i];
@@ -403,8 +405,8 @@ struct Plan {
 Plan make_plan(const AttentionBatch& b, std::int64_t n_tokens) {
   const AttentionShape& sh = b.shape;
   auto bad = [](const std::string& why) { throw std::invalid_argument("attention_paged: " + why); };
-  if (sh.head_dim < kWarp || sh.head_dim > kMaxDim || sh.head_dim % kWarp != 0)
-    bad("head_dim " + std::to_string(sh.head_dim) + " is not a multiple of 32 in [32, 256]");
+  if (sh.head_dim < 8 || sh.head_dim > kMaxDim || sh.head_dim % 8 != 0)
+    bad("head_dim " + std::to_string(sh.head_dim) + " is not a multiple of 8 in [8, 256]");
   if (sh.n_heads <= 0 || sh.n_kv_heads <= 0 || sh.n_heads % sh.n_kv_heads != 0)
     bad("n_heads must be a positive multiple of n_kv_heads");
   if (sh.n_heads > std::numeric_limits<std::int32_t>::max() || sh.n_kv_heads > 65535)

@@ -1,7 +1,7 @@
 // Sampling on the device (cuda.hpp sample): one 512-thread CTA per row.
 //
 // The semantics are the CPU sampler's (local_engine/sampling): temperature <= 0 or top_k == 1
-// is kernels::argmax (the first index on ties; a NaN first element wins, other NaNs never do).
+// is kernels::argmax (the first index on ties; NaNs never win, and a row of NaNs gives 0).
 // Otherwise the candidates are the tokens with (logit - max) / t > -30 (the same F32 expression
 // as the CPU), ordered by logit (descending) then token id (ascending); top_k keeps the first
 // top_k of them, top_p then keeps the shortest prefix of that order whose probability reaches
@@ -149,7 +149,8 @@ __device__ __forceinline__ bool better(float av, long long ai, float bv, long lo
   return av > bv || (av == bv && ai < bi);
 }
 
-// kernels::argmax of the row (0 for an empty row), and the largest non-NaN value (-inf if none).
+// kernels::argmax of the row (0 for an empty or all-NaN row), and the largest non-NaN value
+// (-inf if none).
 __device__ void block_argmax(const float* x, long long n, SampleShared& sh, float& max_v, long long& arg) {
   float bv = -INFINITY;
   long long bi = -1;
@@ -183,8 +184,6 @@ __device__ void block_argmax(const float* x, long long n, SampleShared& sh, floa
       bv = sh.red_v[w];
       bi = sh.red_i[w];
     }
-  // The sequential scan keeps element 0 when it is NaN (nothing compares greater than it).
-  if (n > 0 && isnan(x[0])) bi = 0;
   max_v = bv;
   arg = bi < 0 ? 0 : bi;
 }

@@ -2,17 +2,20 @@
 // executor's on tiny random models of every weight type (mixed prefill and decode batches,
 // shuffled block tables, CUDA-graph replays), greedy generation teacher-forced along the CPU's
 // tokens, continuous batching, prefix caching, speculative decoding and device sampling through
-// BatchEngine, and the default model. Skipped where no GPU is present.
+// BatchEngine; and the default model against its exact reference. Skipped where no GPU is
+// present.
 //
 // Float rounding legitimately differs between the devices (the GPU does not quantize
-// activations to Q8 as the CPU does, and sums in another order), so greedy tokens are compared
-// up to near-ties: at every step the GPU's argmax must be the CPU's unless the CPU's two best
-// logits are within kTieMargin of each other, and the logits must agree within a relative L2
-// error bound.
+// activations to Q8 as the CPU does, and sums in another order), so on the tiny models greedy
+// tokens are compared up to near-ties: at every step the GPU's argmax must be the CPU's unless
+// the CPU's two best logits are within kTieMargin of each other, and the logits must agree
+// within a relative L2 error bound. On the 30-layer default model the CPU's 8-bit rounding
+// moves logits by tenths, so there both devices are measured against float64 instead.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
@@ -27,6 +30,7 @@
 #include "batchlm/local_engine/batch_engine.hpp"
 #include "batchlm/local_engine/executor.hpp"
 #include "batchlm/local_engine/model.hpp"
+#include "exact_reference.hpp"
 #include "gguf_writer.hpp"
 #include "gpu_test.hpp"
 
@@ -95,14 +99,19 @@ void compare_greedy(Executor& cpu, Executor& gpu, const std::vector<Token>& prom
     const Batch batch{fresh, positions, seq, tables, rows};
     cpu.forward(batch, a);
     gpu.forward(batch, b);
-    ASSERT_LT(relative_error(b, a), bound) << what << " step " << step;
+    const double error = relative_error(b, a);
+    EXPECT_LT(error, bound) << what << " step " << step;
     std::vector<float> sorted = a;
     std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
     const auto best_cpu = std::max_element(a.begin(), a.end()) - a.begin();
     const auto best_gpu = std::max_element(b.begin(), b.end()) - b.begin();
-    if (sorted[0] - sorted[1] >= kTieMargin) {
-      ASSERT_EQ(best_gpu, best_cpu) << what << " step " << step << ": margin " << sorted[0] - sorted[1];
+    const float margin = sorted[0] - sorted[1];
+    if (margin >= kTieMargin) {
+      EXPECT_EQ(best_gpu, best_cpu) << what << " step " << step << ": margin " << margin;
     }
+    if (std::getenv("BATCHLM_TEST_VERBOSE") != nullptr)
+      std::printf("%s step %d: logits vs cpu %.4f, cpu's margin %.3f, argmax %s\n", what.c_str(), step, error,
+                  margin, best_gpu == best_cpu ? "same" : "differs");
     done = tokens.size();
     tokens.push_back(static_cast<Token>(best_cpu));
   }
@@ -341,23 +350,47 @@ TEST_F(GpuEngine, PenaltiesAreRefusedWhereTheDeviceSamples) {
   EXPECT_NO_THROW(engine.add(prompt, params, nullptr));
 }
 
-// The default model: greedy logits along the CPU's continuation of GSM8K-style prompts.
-TEST_F(GpuEngine, DefaultModelFollowsTheCpu) {
+// The default model against its exact reference (tests/support/exact_reference.hpp), teacher-
+// forced along the exact greedy tokens of the seven llama.cpp golden prompts. The GPU does not
+// round activations to 8 bits as the CPU path and llama.cpp do, so it is held much closer to
+// the exact logits than the CPU is (reference_test's CpuStaysNearTheExactReference: within 2.0
+// there, 1.35 measured). Both devices are also compared with llama.cpp's own tokens, for the
+// record.
+TEST_F(GpuEngine, DefaultModelFollowsTheExactReference) {
   const char* env = std::getenv("BATCHLM_MODEL");  // where bench/gpu/run.sh puts it
   const fs::path model_path = env != nullptr && *env != '\0'
                                   ? fs::path(env)
                                   : fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
   if (!fs::exists(model_path)) GTEST_SKIP() << model_path << " is absent (scripts/fetch-model.sh fetches it)";
   const auto model = Model::load(model_path);
-  auto cpu = make_executor(model, {.device = Device::kCpu, .threads = 2, .context = 512});
+  const std::int64_t n_vocab = model->config().n_vocab;
+  const bool print = std::getenv("BATCHLM_TEST_VERBOSE") != nullptr;
+  const nlohmann::json exact = batchlm::testing::read_reference("exact.json");
   auto gpu = make_executor(model, {.device = Device::kCuda, .context = 512});
-  cpu->allocate_pool(16, 8);
-  gpu->allocate_pool(16, 8);
-  const std::vector<Token> prompt = text_prompt_tokens(
-      *model, "Question: Janet's ducks lay 16 eggs per day. She eats three for breakfast and bakes "
-              "muffins with four. How many eggs are left?\nAnswer:");
-  compare_greedy(*cpu, *gpu, prompt, 48, model->config().n_vocab, logits_bound(kernels::DType::Q4_1),
-                 "SmolLM2-135M Q4_1");
+  gpu->allocate_pool(16, 32);
+  const auto g = batchlm::testing::compare_with_exact(*gpu, exact, n_vocab, print, "gpu vs exact");
+  // Measured on an H200: within 0.018, and no step took another token.
+  constexpr double kGpuTopError = 0.05, kGpuTie = 0.05;
+  EXPECT_LT(g.top_error, kGpuTopError);
+  EXPECT_LT(g.differing_margin, kGpuTie);
+  std::printf("[ note ] gpu against the exact reference: top logits within %.4f; %d of %d steps take another "
+              "token (largest exact margin among them %.3f)\n",
+              g.top_error, g.differing, g.steps, g.differing_margin);
+
+  auto cpu = make_executor(model, {.device = Device::kCpu, .context = 512});
+  cpu->allocate_pool(16, 32);
+  const auto c = batchlm::testing::compare_with_exact(*cpu, exact, n_vocab, print, "cpu vs exact");
+  std::printf("[ note ] cpu against the exact reference: top logits within %.4f; %d of %d steps take another "
+              "token (largest exact margin among them %.3f)\n",
+              c.top_error, c.differing, c.steps, c.differing_margin);
+  const nlohmann::json llama = batchlm::testing::read_reference("generate.json");
+  for (auto* ex : {gpu.get(), cpu.get()}) {
+    const char* what = ex == gpu.get() ? "gpu" : "cpu";
+    const auto l = batchlm::testing::compare_with_exact(*ex, llama, n_vocab, print, std::string(what) + " vs llama.cpp");
+    std::printf("[ note ] %s against llama.cpp: top 5 logits within %.4f; %d of %d steps take another token "
+                "(largest llama.cpp margin among them %.3f)\n",
+                what, l.top_error, l.differing, l.steps, l.differing_margin);
+  }
 }
 
 }  // namespace

@@ -451,8 +451,9 @@ TEST(CudaAttention, MixedBatchesMatchReference) {
   }
 }
 
-// One long prefill chunk late in a long context; large scores (a peaky softmax); head dims 32
-// and 256 (the largest shared-memory footprint); a row stride with room between positions, and
+// One long prefill chunk late in a long context; large scores (a peaky softmax); head dims from
+// 8 to 256 (the largest shared-memory footprint), multiples of 32 and not (16, 48, 80, 96, 200:
+// lanes past the last dim hold no accumulator); a row stride with room between positions, and
 // one that is not a multiple of 8 halves (the kernel's unaligned load path).
 TEST(CudaAttention, PrefillAndShapesMatchReference) {
   BATCHLM_REQUIRE_GPU();
@@ -466,7 +467,8 @@ TEST(CudaAttention, PrefillAndShapesMatchReference) {
   c.seed = 301;
   check_attention(c);
   c.q_scale = 1.0f;
-  for (const auto& sh : {shape(4, 2, 32), shape(8, 4, 256), shape(4, 2, 64, 32), shape(4, 2, 64, 4)}) {
+  for (const auto& sh : {shape(4, 2, 32), shape(8, 4, 256), shape(4, 2, 64, 32), shape(4, 2, 64, 4), shape(4, 2, 8),
+                         shape(4, 4, 16), shape(6, 2, 48), shape(8, 2, 80, 8), shape(4, 1, 96), shape(4, 2, 200)}) {
     c.shape = sh;
     c.seqs = {{0, 20}, {700, 1}, {33, 2}};
     c.seed += 1;
@@ -592,7 +594,7 @@ TEST(CudaAttention, CapturedGraphReplaysSmallerBatches) {
 
 TEST(CudaAttention, RejectsUnsupportedHeadDims) {
   BATCHLM_REQUIRE_GPU();
-  for (const std::int64_t dim : {16, 48, 80, 288}) {
+  for (const std::int64_t dim : {0, 4, 12, 36, 264, 288}) {
     kc::AttentionBatch b;
     b.shape = shape(4, 2, dim);
     b.n_seqs = 1;
@@ -634,7 +636,7 @@ TEST(CudaSample, GreedyEqualsArgmaxIncludingTies) {
         if (r % 4 == 2) std::fill(row.begin(), row.end(), 0.5f);         // all equal
         if (r % 4 == 3) row[n_vocab - 1] = row[0] = row[top] + 1.0f;     // first and last tie
         if (r == 4) row[n_vocab / 3] = NAN;                              // a NaN never wins
-        if (r == 8) row[0] = NAN;                                        // ... unless first
+        if (r == 8) row[0] = NAN;                                        // ... not even first
         if (r == 5) row[2] = -0.0f, row[1] = 0.0f, std::fill(row.begin() + 3, row.end(), -1.0f), row[0] = -2.0f;
       }
       logits.insert(logits.end(), row.begin(), row.end());
