@@ -6,7 +6,8 @@
 // For each sequence count: that many requests with distinct short prompts, greedy, ignore_eos,
 // --tokens new tokens each, all added at once; the time from the first step to the last, and
 // the decode tokens/s over the steps after every prompt is in (prefill excluded). With
-// --no-graphs-too, each count runs again with CUDA graphs off.
+// --no-graphs-too, each count runs again with CUDA graphs off; with --no-graphs, only so (each
+// kernel is then its own launch, as a kernel profiler counts them: bench/gpu/run.sh profile).
 
 #include <algorithm>
 #include <chrono>
@@ -83,7 +84,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Decode throughput of the engine"};
   std::string model_path, random_1b, sequences_arg = "1,8,64,256", device_arg = "cuda";
   int tokens = 128;
-  bool no_graphs_too = false;
+  bool no_graphs_too = false, no_graphs = false;
   app.add_option("--model", model_path, "GGUF model");
   app.add_option("--random-1b", random_1b, "Write and run a 1B-class Llama with random weights: q4_1 or f16")
       ->check(CLI::IsMember({"q4_1", "f16"}));
@@ -91,6 +92,8 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens, "New tokens per sequence")->check(CLI::Range(2, 4096));
   app.add_option("--device", device_arg, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
   app.add_flag("--no-graphs-too", no_graphs_too, "Also run each count with CUDA graphs off");
+  app.add_flag("--no-graphs", no_graphs, "Run with CUDA graphs off only (for a kernel profiler)")
+      ->excludes("--no-graphs-too");
   CLI11_PARSE(app, argc, argv);
   if (model_path.empty() == random_1b.empty()) {
     std::fprintf(stderr, "engine_bench: give --model or --random-1b\n");
@@ -123,7 +126,8 @@ int main(int argc, char** argv) {
   std::printf("%10s %8s %16s %10s %10s\n", "sequences", "graphs", "decode tok/s", "total s", "tokens");
   for (int n : counts) {
     for (bool graphs : {true, false}) {
-      if (!graphs && !no_graphs_too) continue;
+      if (!graphs && !no_graphs_too && !no_graphs) continue;
+      if (graphs && no_graphs) continue;
       run(model, device, graphs, std::min(n, 4), 8);  // warm-up: module load, graph capture
       const Result r = run(model, device, graphs, n, tokens);
       std::printf("%10d %8s %16.0f %10.3f %10lld\n", n, graphs ? "on" : "off", r.decode_tokens_per_s,

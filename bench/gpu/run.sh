@@ -16,8 +16,10 @@
 #   bench/gpu/run.sh device all      # both
 #
 # Stages may also be named one by one: tests (and memcheck), benchmarks, model-test (the
-# default model against the CPU), model-benchmarks; 'checks' is tests and benchmarks, 'model'
-# is model-test and model-benchmarks.
+# default model against its exact reference), model-benchmarks (engine, GSM8K, the peer),
+# engine (its first part alone), profile (per-kernel GPU time of a decode step, with ncu), ab
+# (engine_bench of a base build against this one, alternating); 'checks' is tests and benchmarks, 'model' is model-test and
+# model-benchmarks.
 #
 # The GPU machine has the CUDA driver and toolkit, PyTorch and transformers but none of the
 # project's build dependencies, so the build happens here and the binaries travel. Logs go to
@@ -140,10 +142,14 @@ model_test() {
     env BATCHLM_TEST_VERBOSE=1 .gpu/bin/gpu_engine_test --gtest_filter='*DefaultModelFollows*'
 }
 
-model_benchmarks() {
+model_engine() {
   assemble_model
   step "engine: SmolLM2-135M Q4_1, 1/8/64/256 sequences" 120 \
     .gpu/bin/engine_bench --model "$MODEL" --sequences 1,8,64,256 --tokens 128 --no-graphs-too
+}
+
+model_benchmarks() {
+  model_engine
   local t0 t1
   t0=$(date +%s.%N)
   step "GSM8K test set (1,319), 8-shot, greedy, -c 256" 150 \
@@ -154,6 +160,37 @@ model_benchmarks() {
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
   step "peer: transformers, 1/8/64/256 sequences" 150 \
     env PYTHONPATH=/tmp/site python3 bench/gpu/peer_transformers.py --model "$MODEL" --sequences 1,8,64,256 --tokens 128
+}
+
+# Where a decode step's GPU time goes: Nsight Compute's duration of each kernel over about one
+# step (after the warm-up and prefill), graphs off so that each kernel is its own launch.
+profile() {
+  assemble_model
+  local n skip
+  for n in 1 64; do
+    # Two passes before it: the warm-up run (4 sequences at most, 8 tokens) and the prefill.
+    skip=$((500 * 12))
+    step "profile: SmolLM2 decode, $n sequences, one step's kernels" 150 \
+      ncu --clock-control none --csv --metrics gpu__time_duration.sum --launch-skip "$skip" \
+      --launch-count 500 --log-file "$OUT/ncu-$n.csv" \
+      .gpu/bin/engine_bench --model "$MODEL" --sequences "$n" --tokens 16 --no-graphs
+    python3 bench/gpu/kernel_times.py "$OUT/ncu-$n.csv" | head -25
+  done
+}
+
+# Decode throughput of two builds on the same machine, alternating (base, this, base, this):
+# the base build's engine_bench, xz-compressed, at .gpu-b/engine_bench.base.xz.
+ab() {
+  assemble_model
+  python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+    .gpu-b/engine_bench.base.xz /tmp/engine_bench.base && chmod +x /tmp/engine_bench.base
+  local round
+  for round in 1 2; do
+    step "A/B round $round: base build" 60 \
+      /tmp/engine_bench.base --model "$MODEL" --sequences 1,8,64,256 --tokens 128
+    step "A/B round $round: this build" 60 \
+      .gpu/bin/engine_bench --model "$MODEL" --sequences 1,8,64,256 --tokens 128
+  done
 }
 
 device() {
@@ -174,6 +211,9 @@ device() {
         benchmarks) benchmarks ;;
         model-test) model_test ;;
         model-benchmarks) model_benchmarks ;;
+        profile) profile ;;
+        engine) model_engine ;;
+        ab) ab ;;
         checks) gpu_tests; benchmarks ;;
         model) model_test; model_benchmarks ;;
         all) gpu_tests; benchmarks; model_test; model_benchmarks ;;

@@ -1,5 +1,6 @@
 // Element-wise and row operations of cuda.hpp (the definitions of ops.hpp, on the device):
-// rms_norm, add_rms_norm, rope, swiglu, add, gather_rows, store_f16_paged.
+// rms_norm, add_rms_norm, rope, swiglu, add, gather_rows, store_f16_paged, and the fused
+// rope_store_kv and swiglu_rows.
 //
 // Shapes: the norms run one 256-thread block per row (a block reduction of the sum of
 // squares, F32); everything else is a grid-stride loop over its elements, so any size runs
@@ -77,6 +78,24 @@ unsigned row_grid(std::int64_t n) {
 // its token with one cos/sin. The angle pos * base^(-2i/rot_dim) and its cos/sin are computed in
 // double (positions reach 8k+ and more: a F32 angle of that size is off by ~1e-3 rad), then
 // rounded to F32; the rotation itself is F32 as on the CPU.
+// cos and sin of pair i's angle at position pos: pos * base^(-2i/rot_dim), with
+// base^(-2i/rot_dim) = exp(-(2i/rot_dim) * ln(base)).
+__device__ __forceinline__ void rope_cos_sin(std::int64_t i, std::int64_t rot_dim, double log_base,
+                                             std::int32_t pos, float& c, float& s) {
+  const double inv_freq = exp(-(2.0 * static_cast<double>(i) / static_cast<double>(rot_dim)) * log_base);
+  const double angle = static_cast<double>(pos) * inv_freq;
+  double sd, cd;
+  sincos(angle, &sd, &cd);
+  c = static_cast<float>(cd);
+  s = static_cast<float>(sd);
+}
+
+// The rotation of one pair, rounded after every operation (no fused multiply-add), so that
+// rope and rope_store_kv give the same bits.
+__device__ __forceinline__ float2 rotate_pair(float a, float b, float c, float s) {
+  return make_float2(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)), __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)));
+}
+
 __global__ void rope_kernel(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
                             std::int64_t pairs, std::int64_t rot_dim,
                             const std::int32_t* __restrict__ positions, double log_base) {
@@ -84,17 +103,85 @@ __global__ void rope_kernel(float* x, std::int64_t n, std::int64_t n_heads, std:
   for (std::int64_t idx = grid_index(); idx < total; idx += grid_stride()) {
     const std::int64_t t = idx / pairs;
     const std::int64_t i = idx % pairs;
-    // base^(-2i/rot_dim) = exp(-(2i/rot_dim) * ln(base)).
-    const double inv_freq = exp(-(2.0 * static_cast<double>(i) / static_cast<double>(rot_dim)) * log_base);
-    const double angle = static_cast<double>(positions[t]) * inv_freq;
-    double sd, cd;
-    sincos(angle, &sd, &cd);
-    const float c = static_cast<float>(cd), s = static_cast<float>(sd);
+    float c, s;
+    rope_cos_sin(i, rot_dim, log_base, positions[t], c, s);
     float* v = x + t * n_heads * head_dim + 2 * i;
     for (std::int64_t h = 0; h < n_heads; ++h, v += head_dim) {
-      const float a = v[0], b = v[1];
-      v[0] = a * c - b * s;
-      v[1] = a * s + b * c;
+      const float2 r = rotate_pair(v[0], v[1], c, s);
+      v[0] = r.x;
+      v[1] = r.y;
+    }
+  }
+}
+
+// The pool row of token t (block * block_size + pos % block_size), or -1 where
+// store_f16_paged writes nothing: padding (seq < 0), pos < 0, past the table, a negative block.
+__device__ __forceinline__ std::int64_t pool_row(std::int64_t t, std::int64_t block_size,
+                                                 const std::int32_t* __restrict__ block_tables,
+                                                 std::int32_t max_blocks,
+                                                 const std::int32_t* __restrict__ sequence_of,
+                                                 const std::int32_t* __restrict__ positions) {
+  const std::int32_t seq = sequence_of[t];
+  if (seq < 0) return -1;
+  const std::int64_t pos = positions[t];
+  if (pos < 0) return -1;
+  const std::int64_t slot_block = pos / block_size;
+  if (slot_block >= max_blocks) return -1;
+  const std::int64_t block = block_tables[static_cast<std::int64_t>(seq) * max_blocks + slot_block];
+  if (block < 0) return -1;
+  return block * block_size + pos % block_size;
+}
+
+// rope_store_kv: one thread per (token, pair p < head_dim / 2). Pair p of every query head is
+// rotated (p < rot_pairs) or copied into q_out; pair p of every key head is rotated likewise
+// and stored, with the value pair, as F16 at the token's pool row. The same bits as rope on
+// the queries and keys, then store_f16_paged of keys and values.
+struct RopeStoreArgs {
+  const float* q;
+  const float* k;
+  const float* v;
+  std::int64_t stride_q, stride_k, stride_v;
+  std::int64_t n, n_heads, n_kv_heads, head_dim, rot_pairs, rot_dim;
+  double log_base;
+  std::int64_t block_size;
+  const std::int32_t* block_tables;
+  std::int32_t max_blocks;
+  const std::int32_t* sequence_of;
+  const std::int32_t* positions;
+  float* q_out;
+  std::uint16_t* k_pool;
+  std::uint16_t* v_pool;
+};
+
+__global__ void rope_store_kv_kernel(const RopeStoreArgs a) {
+  const std::int64_t half = a.head_dim / 2, total = a.n * half;
+  const std::int64_t width = a.n_kv_heads * a.head_dim;  // a pool row
+  for (std::int64_t idx = grid_index(); idx < total; idx += grid_stride()) {
+    const std::int64_t t = idx / half, p = idx % half;
+    const bool rotated = p < a.rot_pairs;
+    float c = 1.0f, s = 0.0f;
+    if (rotated) rope_cos_sin(p, a.rot_dim, a.log_base, a.positions[t], c, s);
+    const float* qi = a.q + t * a.stride_q + 2 * p;
+    float* qo = a.q_out + t * a.n_heads * a.head_dim + 2 * p;
+    for (std::int64_t h = 0; h < a.n_heads; ++h, qi += a.head_dim, qo += a.head_dim) {
+      const float x0 = qi[0], x1 = qi[1];
+      const float2 r = rotated ? rotate_pair(x0, x1, c, s) : make_float2(x0, x1);
+      qo[0] = r.x;
+      qo[1] = r.y;
+    }
+    const std::int64_t row =
+        pool_row(t, a.block_size, a.block_tables, a.max_blocks, a.sequence_of, a.positions);
+    if (row < 0) continue;
+    const float* ki = a.k + t * a.stride_k + 2 * p;
+    const float* vi = a.v + t * a.stride_v + 2 * p;
+    for (std::int64_t h = 0; h < a.n_kv_heads; ++h, ki += a.head_dim, vi += a.head_dim) {
+      const float2 r = rotated ? rotate_pair(ki[0], ki[1], c, s) : make_float2(ki[0], ki[1]);
+      const std::int64_t at = row * width + h * a.head_dim + 2 * p;
+      // Round to nearest even, as the CPU's fp32_to_fp16.
+      a.k_pool[at] = __half_as_ushort(__float2half_rn(r.x));
+      a.k_pool[at + 1] = __half_as_ushort(__float2half_rn(r.y));
+      a.v_pool[at] = __half_as_ushort(__float2half_rn(vi[0]));
+      a.v_pool[at + 1] = __half_as_ushort(__float2half_rn(vi[1]));
     }
   }
 }
@@ -103,6 +190,18 @@ __global__ void swiglu_kernel(float* gate, const float* up, std::int64_t n) {
   for (std::int64_t i = grid_index(); i < n; i += grid_stride()) {
     const float g = gate[i];
     gate[i] = g / (1.0f + expf(-g)) * up[i];
+  }
+}
+
+// out[t][i] = silu(gate[t][i]) * up[t][i], rows of `stride` in, of `width` out (swiglu's
+// expression: the same bits).
+__global__ void swiglu_rows_kernel(const float* gate, const float* up, std::int64_t n, std::int64_t width,
+                                   std::int64_t stride, float* out) {
+  const std::int64_t total = n * width;
+  for (std::int64_t idx = grid_index(); idx < total; idx += grid_stride()) {
+    const std::int64_t t = idx / width, i = idx % width;
+    const float g = gate[t * stride + i];
+    out[idx] = g / (1.0f + expf(-g)) * up[t * stride + i];
   }
 }
 
@@ -135,15 +234,8 @@ __global__ void store_f16_paged_kernel(const float* __restrict__ x, std::int64_t
   const std::int64_t total = n * width;
   for (std::int64_t idx = grid_index(); idx < total; idx += grid_stride()) {
     const std::int64_t t = idx / width, c = idx % width;
-    const std::int32_t seq = sequence_of[t];
-    if (seq < 0) continue;
-    const std::int64_t pos = positions[t];
-    if (pos < 0) continue;
-    const std::int64_t slot_block = pos / block_size;
-    if (slot_block >= max_blocks) continue;
-    const std::int64_t block = block_tables[static_cast<std::int64_t>(seq) * max_blocks + slot_block];
-    if (block < 0) continue;
-    const std::int64_t row = block * block_size + pos % block_size;
+    const std::int64_t row = pool_row(t, block_size, block_tables, max_blocks, sequence_of, positions);
+    if (row < 0) continue;
     // Round to nearest even, as the CPU's fp32_to_fp16.
     pool[row * width + c] = __half_as_ushort(__float2half_rn(x[idx]));
   }
@@ -176,6 +268,36 @@ void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
   rope_kernel<<<grid_for(n * pairs), kThreads, 0, stream>>>(
       x, n, n_heads, head_dim, pairs, rot_dim, positions, std::log(static_cast<double>(base)));
   detail::check_launch("rope");
+}
+
+void rope_store_kv(const QkvRows& in, std::int64_t n, std::int64_t n_heads, std::int64_t n_kv_heads,
+                   std::int64_t head_dim, std::int64_t rot_dim, float base, const PagedBatch& batch,
+                   float* q_out, std::uint16_t* k_pool, std::uint16_t* v_pool, cudaStream_t stream) {
+  if (head_dim <= 0 || head_dim % 2 != 0)
+    throw std::invalid_argument("rope_store_kv: head_dim " + std::to_string(head_dim) + " must be even");
+  if (rot_dim < 0 || rot_dim % 2 != 0 || rot_dim > head_dim) {
+    throw std::invalid_argument("rope_store_kv: rot_dim " + std::to_string(rot_dim) +
+                                " must be even and at most head_dim " + std::to_string(head_dim));
+  }
+  if (batch.block_size <= 0) throw std::invalid_argument("rope_store_kv: block_size must be positive");
+  if (n_heads < 0 || n_kv_heads < 0 || in.stride_q < n_heads * head_dim || in.stride_k < n_kv_heads * head_dim ||
+      in.stride_v < n_kv_heads * head_dim)
+    throw std::invalid_argument("rope_store_kv: a row stride is smaller than its heads");
+  if (n <= 0) return;
+  const RopeStoreArgs a{in.q, in.k, in.v, in.stride_q, in.stride_k, in.stride_v, n, n_heads, n_kv_heads,
+                        head_dim, rot_dim / 2, rot_dim, std::log(static_cast<double>(base)),
+                        batch.block_size, batch.block_tables, batch.max_blocks, batch.sequence_of,
+                        batch.positions, q_out, k_pool, v_pool};
+  rope_store_kv_kernel<<<grid_for(n * (head_dim / 2)), kThreads, 0, stream>>>(a);
+  detail::check_launch("rope_store_kv");
+}
+
+void swiglu_rows(const float* gate, const float* up, std::int64_t n, std::int64_t width, std::int64_t stride,
+                 float* out, cudaStream_t stream) {
+  if (stride < width) throw std::invalid_argument("swiglu_rows: stride is smaller than width");
+  if (n <= 0 || width <= 0) return;
+  swiglu_rows_kernel<<<grid_for(n * width), kThreads, 0, stream>>>(gate, up, n, width, stride, out);
+  detail::check_launch("swiglu_rows");
 }
 
 void swiglu(float* gate, const float* up, std::int64_t n, cudaStream_t stream) {

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "batchlm/kernels/cuda.hpp"
+#include "batchlm/kernels/dtype.hpp"
 #include "executor_cuda.hpp"
 
 namespace batchlm::local_engine {
@@ -86,8 +88,26 @@ class PinnedMemory {
   void* p_ = nullptr;
 };
 
+// Matrices that can be stacked into one: the same type and width (a product over their rows
+// then gives, per token, the rows of each one after the other).
+bool stackable(std::initializer_list<const kernels::Matrix*> parts) {
+  const kernels::Matrix& first = **parts.begin();
+  return std::all_of(parts.begin(), parts.end(), [&](const kernels::Matrix* m) {
+    return m->type == first.type && m->cols == first.cols && m->data != nullptr;
+  });
+}
+kernels::Matrix stacked_shape(std::initializer_list<const kernels::Matrix*> parts) {
+  kernels::Matrix whole{(*parts.begin())->type, nullptr, 0, (*parts.begin())->cols, nullptr};
+  for (const kernels::Matrix* m : parts) whole.rows += m->rows;
+  return whole;
+}
+
+// Q, K and V of one type and width are one matrix on the device, their rows stacked (qkv:
+// one product for the three), and so are gate and up (gate_up); such a stacked matrix has
+// rows > 0, and then q, k, v (gate, up) are unused.
 struct DeviceLayer {
   kc::DeviceMatrix q, k, v, out, gate, up, down;
+  kc::DeviceMatrix qkv, gate_up;
   const float* attn_norm = nullptr;
   const float* ffn_norm = nullptr;
 };
@@ -253,16 +273,24 @@ class CudaExecutor final : public Executor {
     const bool tied = model_->output().data == model_->token_embedding().data;
     if (!tied) matrices.push_back(&model_->output());
     vectors.emplace_back(model_->output_norm(), c.n_embd);
+    std::vector<kernels::Matrix> stacked_shapes;
     for (std::int64_t li = 0; li < layers_; ++li) {
       const LayerWeights& l = model_->layers()[li];
-      for (const kernels::Matrix* m : {&l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out, &l.ffn_gate,
-                                       &l.ffn_up, &l.ffn_down})
-        matrices.push_back(m);
+      if (stackable({&l.attn_q, &l.attn_k, &l.attn_v}))
+        stacked_shapes.push_back(stacked_shape({&l.attn_q, &l.attn_k, &l.attn_v}));
+      else
+        matrices.insert(matrices.end(), {&l.attn_q, &l.attn_k, &l.attn_v});
+      if (stackable({&l.ffn_gate, &l.ffn_up}))
+        stacked_shapes.push_back(stacked_shape({&l.ffn_gate, &l.ffn_up}));
+      else
+        matrices.insert(matrices.end(), {&l.ffn_gate, &l.ffn_up});
+      matrices.insert(matrices.end(), {&l.attn_out, &l.ffn_down});
       vectors.emplace_back(l.attn_norm, c.n_embd);
       vectors.emplace_back(l.ffn_norm, c.n_embd);
     }
     std::size_t total = 0;
     for (const kernels::Matrix* m : matrices) total += align_up(kc::device_bytes(*m));
+    for (const kernels::Matrix& m : stacked_shapes) total += align_up(kc::device_bytes(m));
     for (const auto& [p, n] : vectors) total += align_up(static_cast<std::size_t>(n) * sizeof(float));
     weights_ = DeviceMemory(total, "cudaMalloc (weights)");
     weight_bytes_ = total;
@@ -275,6 +303,20 @@ class CudaExecutor final : public Executor {
       const kc::DeviceMatrix d = kc::upload(m, base + at);
       at += align_up(kc::device_bytes(m));
       uploaded.emplace(m.data, d);
+      return d;
+    };
+    // The rows of `parts` (stackable) copied one after the other on the host, then uploaded.
+    auto stacked = [&](std::initializer_list<const kernels::Matrix*> parts) {
+      kernels::Matrix whole = stacked_shape(parts);
+      std::vector<unsigned char> rows;
+      rows.reserve(kernels::row_bytes(whole.type, whole.cols) * static_cast<std::size_t>(whole.rows));
+      for (const kernels::Matrix* m : parts) {
+        const auto* p = static_cast<const unsigned char*>(m->data);
+        rows.insert(rows.end(), p, p + kernels::row_bytes(m->type, m->cols) * static_cast<std::size_t>(m->rows));
+      }
+      whole.data = rows.data();
+      const kc::DeviceMatrix d = kc::upload(whole, base + at);
+      at += align_up(kc::device_bytes(whole));
       return d;
     };
     auto vector = [&](const float* host, std::int64_t n) {
@@ -290,12 +332,20 @@ class CudaExecutor final : public Executor {
     for (std::int64_t li = 0; li < layers_; ++li) {
       const LayerWeights& l = model_->layers()[li];
       DeviceLayer d;
-      d.q = matrix(l.attn_q);
-      d.k = matrix(l.attn_k);
-      d.v = matrix(l.attn_v);
+      if (stackable({&l.attn_q, &l.attn_k, &l.attn_v})) {
+        d.qkv = stacked({&l.attn_q, &l.attn_k, &l.attn_v});
+      } else {
+        d.q = matrix(l.attn_q);
+        d.k = matrix(l.attn_k);
+        d.v = matrix(l.attn_v);
+      }
       d.out = matrix(l.attn_out);
-      d.gate = matrix(l.ffn_gate);
-      d.up = matrix(l.ffn_up);
+      if (stackable({&l.ffn_gate, &l.ffn_up})) {
+        d.gate_up = stacked({&l.ffn_gate, &l.ffn_up});
+      } else {
+        d.gate = matrix(l.ffn_gate);
+        d.up = matrix(l.ffn_up);
+      }
       d.down = matrix(l.ffn_down);
       d.attn_norm = vector(l.attn_norm, c.n_embd);
       d.ffn_norm = vector(l.ffn_norm, c.n_embd);
@@ -313,6 +363,8 @@ class CudaExecutor final : public Executor {
     x2_ = floats(T * E, "cudaMalloc (activations)");
     xn_ = floats(T * E, "cudaMalloc (activations)");
     q_ = floats(T * E, "cudaMalloc (activations)");
+    qkv_ = floats(T * (E + 2 * KV), "cudaMalloc (activations)");
+    gate_up_ = floats(T * 2 * F, "cudaMalloc (activations)");
     k_ = floats(T * KV, "cudaMalloc (activations)");
     v_ = floats(T * KV, "cudaMalloc (activations)");
     att_ = floats(T * E, "cudaMalloc (activations)");
@@ -347,8 +399,8 @@ class CudaExecutor final : public Executor {
     const std::int64_t T = Model::kMaxBatch;
     std::size_t bytes = kc::matmul_scratch_bytes(output_, T);
     for (const DeviceLayer& l : layers_dev_)
-      for (const kc::DeviceMatrix* m : {&l.q, &l.k, &l.v, &l.out, &l.gate, &l.up, &l.down})
-        bytes = std::max(bytes, kc::matmul_scratch_bytes(*m, T));
+      for (const kc::DeviceMatrix* m : {&l.q, &l.k, &l.v, &l.out, &l.gate, &l.up, &l.down, &l.qkv, &l.gate_up})
+        if (m->rows > 0) bytes = std::max(bytes, kc::matmul_scratch_bytes(*m, T));
     // Attention at its largest grid: every token its own sequence at the longest context, and
     // one sequence of every token.
     StepShape widest{T, T, T, 1, static_cast<std::int32_t>(max_context()), false, false};
@@ -517,21 +569,27 @@ class CudaExecutor final : public Executor {
     float* tmp = tmp_.get<float>();
     float* gate = gate_.get<float>();
     float* up = up_.get<float>();
+    float* qkv = qkv_.get<float>();
+    float* gate_up = gate_up_.get<float>();
 
     kc::get_rows(token_embd_, meta<std::int32_t>(layout_.tokens), n, x, stream_);
     kc::rms_norm(x, layers_dev_[0].attn_norm, n, E, c.rms_eps, xn, stream_);
     std::int64_t rows = n;
     for (std::int64_t li = 0; li < layers_; ++li) {
       const DeviceLayer& l = layers_dev_[static_cast<std::size_t>(li)];
-      kc::matmul(l.q, xn, n, q, scratch, stream_);
-      kc::matmul(l.k, xn, n, k, scratch, stream_);
-      kc::matmul(l.v, xn, n, v, scratch, stream_);
-      kc::rope(q, n, c.n_heads, c.head_dim, c.rope_dim, positions, c.rope_base, stream_);
-      kc::rope(k, n, c.n_kv_heads, c.head_dim, c.rope_dim, positions, c.rope_base, stream_);
+      kc::QkvRows in{q, k, v, E, KV, KV};
+      if (l.qkv.rows > 0) {
+        kc::matmul(l.qkv, xn, n, qkv, scratch, stream_);
+        in = kc::QkvRows{qkv, qkv + E, qkv + E + KV, E + 2 * KV, E + 2 * KV, E + 2 * KV};
+      } else {
+        kc::matmul(l.q, xn, n, q, scratch, stream_);
+        kc::matmul(l.k, xn, n, k, scratch, stream_);
+        kc::matmul(l.v, xn, n, v, scratch, stream_);
+      }
       std::uint16_t* kc_pool = pool_k_.get<std::uint16_t>() + li * layer_stride_;
       std::uint16_t* vc_pool = pool_v_.get<std::uint16_t>() + li * layer_stride_;
-      kc::store_f16_paged(k, n, KV, paged, kc_pool, stream_);
-      kc::store_f16_paged(v, n, KV, paged, vc_pool, stream_);
+      kc::rope_store_kv(in, n, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, c.rope_base, paged, q, kc_pool,
+                        vc_pool, stream_);
       kc::attention_paged(attention_batch(s, li), q, n, att, scratch, stream_);
 
       // After the last layer's attention only the rows whose logits are wanted go on.
@@ -546,9 +604,14 @@ class CudaExecutor final : public Executor {
       }
       kc::matmul(l.out, att, rows, tmp, scratch, stream_);
       kc::add_rms_norm(x, tmp, l.ffn_norm, rows, E, c.rms_eps, xn, stream_);
-      kc::matmul(l.gate, xn, rows, gate, scratch, stream_);
-      kc::matmul(l.up, xn, rows, up, scratch, stream_);
-      kc::swiglu(gate, up, rows * c.n_ff, stream_);
+      if (l.gate_up.rows > 0) {
+        kc::matmul(l.gate_up, xn, rows, gate_up, scratch, stream_);
+        kc::swiglu_rows(gate_up, gate_up + c.n_ff, rows, c.n_ff, 2 * c.n_ff, gate, stream_);
+      } else {
+        kc::matmul(l.gate, xn, rows, gate, scratch, stream_);
+        kc::matmul(l.up, xn, rows, up, scratch, stream_);
+        kc::swiglu(gate, up, rows * c.n_ff, stream_);
+      }
       kc::matmul(l.down, gate, rows, tmp, scratch, stream_);
       // The residual, then the next layer's input norm (or the final norm).
       const float* next_norm = li + 1 < layers_ ? layers_dev_[static_cast<std::size_t>(li + 1)].attn_norm
@@ -584,6 +647,7 @@ class CudaExecutor final : public Executor {
   std::vector<DeviceLayer> layers_dev_;
 
   DeviceMemory x_, x2_, xn_, q_, k_, v_, att_, att2_, tmp_, gate_, up_, logits_dev_, tokens_dev_;
+  DeviceMemory qkv_, gate_up_;  // the stacked products' rows (DeviceLayer)
   DeviceMemory scratch_;
 
   DeviceMemory pool_k_, pool_v_;

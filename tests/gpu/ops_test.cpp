@@ -7,7 +7,8 @@
 // - rope: 2e-6 against a double-precision evaluation of the definition (the kernel computes
 //   angles and cos/sin in double); 5e-3 against the CPU kernel at positions up to 12000, whose
 //   F32 angles (built by repeated multiplication) are off by up to ~3e-3 rad there.
-// - swiglu: 1e-6; add, gather_rows, store_f16_paged: exact.
+// - swiglu: 1e-6; add, gather_rows, store_f16_paged: exact. The fused rope_store_kv and
+//   swiglu_rows: the same bits as the kernels they stand for.
 // - attention: 1e-5 against a double-precision softmax(q k^T) v over the same F16 cache; 2e-3
 //   against the CPU kernel, which rounds queries and probabilities to F16 (the GPU does not).
 //   Padding tokens' outputs are exactly zero. The split (flash-decoding) and unsplit paths
@@ -201,6 +202,105 @@ TEST(CudaOps, StoreF16PagedMatchesCpuAndSkipsPadding) {
   const auto got = dpool.download();
   ASSERT_EQ(got.size(), ref.size());
   EXPECT_EQ(std::memcmp(got.data(), ref.data(), got.size() * sizeof(std::uint16_t)), 0);
+}
+
+// rope_store_kv does in one launch what rope (queries, keys) and store_f16_paged (keys, values)
+// do, bit for bit: with Q, K and V as parts of one stacked product's rows and as three
+// contiguous arrays; partial rotary dims (the rest copied); GQA; padding tokens, whose queries
+// are still rotated (as rope does) and whose keys and values write nothing.
+TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
+  BATCHLM_REQUIRE_GPU();
+  std::mt19937 rng(12);
+  const std::int64_t block = 16, n_blocks = 10, max_blocks = 5;
+  std::vector<std::int32_t> order(n_blocks);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  const std::vector<std::int32_t> tables(order.begin(), order.begin() + 2 * max_blocks);
+  const std::vector<std::int32_t> sequence_of = {0, 1, -1, 0, 1, 1, -1, 0};
+  const std::vector<std::int32_t> positions = {5, 0, 2, 79, 16, 31, 7, 40};
+  const auto n = static_cast<std::int64_t>(sequence_of.size());
+  DeviceBuffer<std::int32_t> dtables(tables), dseq(sequence_of), dpos(positions);
+  kc::PagedBatch batch;
+  batch.block_size = block;
+  batch.block_tables = dtables.get();
+  batch.max_blocks = static_cast<std::int32_t>(max_blocks);
+  batch.sequence_of = dseq.get();
+  batch.positions = dpos.get();
+  struct Case {
+    std::int64_t heads, kv_heads, dim, rot;
+    bool stacked;
+  };
+  for (const Case c : {Case{9, 3, 64, 64, true}, Case{9, 3, 64, 64, false}, Case{4, 4, 80, 32, true},
+                       Case{8, 2, 128, 0, false}, Case{6, 1, 16, 8, true}}) {
+    const std::int64_t QW = c.heads * c.dim, KV = c.kv_heads * c.dim, row = QW + 2 * KV;
+    const auto qkv = random_floats(n * row, rng, 3.0f);
+    std::vector<float> q(n * QW), kk(n * KV), v(n * KV);
+    for (std::int64_t t = 0; t < n; ++t) {
+      std::copy_n(qkv.begin() + t * row, QW, q.begin() + t * QW);
+      std::copy_n(qkv.begin() + t * row + QW, KV, kk.begin() + t * KV);
+      std::copy_n(qkv.begin() + t * row + QW + KV, KV, v.begin() + t * KV);
+    }
+    std::vector<std::uint16_t> pool(n_blocks * block * KV);
+    for (auto& h : pool) h = static_cast<std::uint16_t>(rng());
+    const std::string what = std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " heads, dim " +
+                             std::to_string(c.dim) + ", rot " + std::to_string(c.rot) +
+                             (c.stacked ? ", stacked" : ", apart");
+    // The reference: rope, rope, store, store.
+    DeviceBuffer<float> rq(q), rk(kk), rv(v);
+    DeviceBuffer<std::uint16_t> rkp(pool), rvp(pool);
+    kc::rope(rq.get(), n, c.heads, c.dim, c.rot, dpos.get(), 100000.0f, nullptr);
+    kc::rope(rk.get(), n, c.kv_heads, c.dim, c.rot, dpos.get(), 100000.0f, nullptr);
+    kc::store_f16_paged(rk.get(), n, KV, batch, rkp.get(), nullptr);
+    kc::store_f16_paged(rv.get(), n, KV, batch, rvp.get(), nullptr);
+    // The fused kernel.
+    DeviceBuffer<float> dqkv(qkv), dq(q), dk(kk), dv(v), dq_out(n * QW);
+    DeviceBuffer<std::uint16_t> dkp(pool), dvp(pool);
+    dq_out.poison();
+    const kc::QkvRows in = c.stacked ? kc::QkvRows{dqkv.get(), dqkv.get() + QW, dqkv.get() + QW + KV, row, row, row}
+                                     : kc::QkvRows{dq.get(), dk.get(), dv.get(), QW, KV, KV};
+    kc::rope_store_kv(in, n, c.heads, c.kv_heads, c.dim, c.rot, 100000.0f, batch, dq_out.get(), dkp.get(), dvp.get(),
+                      nullptr);
+    sync();
+    const auto want_q = rq.download(), got_q = dq_out.download();
+    EXPECT_EQ(std::memcmp(got_q.data(), want_q.data(), got_q.size() * sizeof(float)), 0) << what;
+    const auto want_k = rkp.download(), got_k = dkp.download(), want_v = rvp.download(), got_v = dvp.download();
+    EXPECT_EQ(got_k, want_k) << what;
+    EXPECT_EQ(got_v, want_v) << what;
+    if (!c.stacked) {  // in place, as the executor uses it when Q, K and V are apart
+      kc::rope_store_kv(in, n, c.heads, c.kv_heads, c.dim, c.rot, 100000.0f, batch, dq.get(), dkp.get(), dvp.get(),
+                        nullptr);
+      sync();
+      const auto in_place = dq.download();
+      EXPECT_EQ(std::memcmp(in_place.data(), want_q.data(), in_place.size() * sizeof(float)), 0) << what;
+    }
+  }
+  const kc::QkvRows narrow{nullptr, nullptr, nullptr, 10, 64, 64};
+  EXPECT_THROW(kc::rope_store_kv(narrow, 1, 1, 1, 64, 64, 1e4f, batch, nullptr, nullptr, nullptr, nullptr),
+               std::invalid_argument);
+  const kc::QkvRows fine{nullptr, nullptr, nullptr, 64, 64, 64};
+  EXPECT_THROW(kc::rope_store_kv(fine, 1, 1, 1, 64, 66, 1e4f, batch, nullptr, nullptr, nullptr, nullptr),
+               std::invalid_argument);
+}
+
+// swiglu_rows over the two halves of a stacked gate/up product equals swiglu on them apart.
+TEST(CudaOps, SwigluRowsEqualsSwiglu) {
+  BATCHLM_REQUIRE_GPU();
+  std::mt19937 rng(13);
+  const std::int64_t n = 37, F = 1536;
+  const auto gate_up = random_floats(n * 2 * F, rng, 4.0f);
+  std::vector<float> g(n * F), u(n * F);
+  for (std::int64_t t = 0; t < n; ++t) {
+    std::copy_n(gate_up.begin() + t * 2 * F, F, g.begin() + t * F);
+    std::copy_n(gate_up.begin() + t * 2 * F + F, F, u.begin() + t * F);
+  }
+  DeviceBuffer<float> dg(g), du(u), dgu(gate_up), dout(n * F);
+  kc::swiglu(dg.get(), du.get(), n * F, nullptr);
+  dout.poison();
+  kc::swiglu_rows(dgu.get(), dgu.get() + F, n, F, 2 * F, dout.get(), nullptr);
+  sync();
+  const auto want = dg.download(), got = dout.download();
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0);
+  EXPECT_THROW(kc::swiglu_rows(dgu.get(), dgu.get(), n, F, F - 1, dout.get(), nullptr), std::invalid_argument);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -503,7 +503,7 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
       o.n_heads % o.n_kv_heads != 0 || o.n_layers <= 0 || o.n_ff <= 0) {
     throw std::invalid_argument("write_tiny_llama: inconsistent sizes");
   }
-  for (DType type : {o.weight_dtype, o.embedding_dtype}) {
+  for (DType type : {o.weight_dtype, o.embedding_dtype, o.v_up_dtype.value_or(o.weight_dtype)}) {
     (void)file_type(type);  // rejects Q8_1
     const std::int64_t block = kernels::block_size(type);
     if (o.n_embd % block != 0 || o.n_ff % block != 0) {
@@ -578,11 +578,11 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
     norm(prefix + "attn_norm.weight");
     matrix(prefix + "attn_q.weight", o.weight_dtype, o.n_embd, o.n_embd, scale(o.n_embd));
     matrix(prefix + "attn_k.weight", o.weight_dtype, o.n_embd, kv_dim, scale(o.n_embd));
-    matrix(prefix + "attn_v.weight", o.weight_dtype, o.n_embd, kv_dim, scale(o.n_embd));
+    matrix(prefix + "attn_v.weight", o.v_up_dtype.value_or(o.weight_dtype), o.n_embd, kv_dim, scale(o.n_embd));
     matrix(prefix + "attn_output.weight", o.weight_dtype, o.n_embd, o.n_embd, scale(o.n_embd));
     norm(prefix + "ffn_norm.weight");
     matrix(prefix + "ffn_gate.weight", o.weight_dtype, o.n_embd, o.n_ff, scale(o.n_embd));
-    matrix(prefix + "ffn_up.weight", o.weight_dtype, o.n_embd, o.n_ff, scale(o.n_embd));
+    matrix(prefix + "ffn_up.weight", o.v_up_dtype.value_or(o.weight_dtype), o.n_embd, o.n_ff, scale(o.n_embd));
     matrix(prefix + "ffn_down.weight", o.weight_dtype, o.n_ff, o.n_embd, scale(o.n_ff));
   }
   norm("output_norm.weight");

@@ -142,6 +142,9 @@ struct TinyLlamaOptions {
   float rope_freq_base = 10000.0f;
   float rms_norm_eps = 1e-5f;
   DType weight_dtype = DType::F32;      // the attention and feed-forward matrices
+  // Where set, attn_v.weight and ffn_up.weight take this type instead (a model whose layers
+  // mix types, as many quantizations do).
+  std::optional<DType> v_up_dtype;
   DType embedding_dtype = DType::F32;   // token_embd.weight (and output.weight unless tied)
   std::uint64_t seed = 1;
   bool tied = false;                    // no output.weight: the output reuses token_embd

@@ -86,6 +86,11 @@ void add_rms_norm(float* x, const float* y, const float* weight, std::int64_t n,
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
           std::int64_t rot_dim, const std::int32_t* positions, float base, cudaStream_t stream);
 void swiglu(float* gate, const float* up, std::int64_t n, cudaStream_t stream);
+// out[t * width + i] = silu(gate[t * stride + i]) * up[t * stride + i] for t < n, i < width:
+// swiglu over rows read with a stride (gate and up may be the two halves of one product's
+// rows). out must not overlap gate or up.
+void swiglu_rows(const float* gate, const float* up, std::int64_t n, std::int64_t width, std::int64_t stride,
+                 float* out, cudaStream_t stream);
 void add(float* x, const float* y, std::int64_t n, cudaStream_t stream);
 // dst[i * width ...] = src[rows[i] * width ...] for i < n (gathering the rows whose logits are
 // wanted). dst and src must not overlap.
@@ -108,6 +113,24 @@ struct PagedBatch {
 // Stores n rows of `width` floats (the keys or values of n tokens) as F16 at their positions.
 void store_f16_paged(const float* x, std::int64_t n, std::int64_t width, const PagedBatch& batch,
                      std::uint16_t* pool, cudaStream_t stream);
+
+// A step's queries, keys and values: rows of n_heads (keys, values: n_kv_heads) * head_dim
+// floats, token t's at q + t * stride_q, and so on (the three may be parts of one product's
+// rows, as when Q, K and V are one stacked matrix).
+struct QkvRows {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  std::int64_t stride_q = 0, stride_k = 0, stride_v = 0;
+};
+// In one launch, what rope of the queries and of the keys (at batch.positions), then
+// store_f16_paged of keys (k_pool) and values (v_pool) do, bit for bit: the rotated queries go
+// to q_out ([n][n_heads * head_dim]; it may be in.q when that is contiguous), the keys and
+// values to the pools (pool rows of n_kv_heads * head_dim). head_dim even, rot_dim even and at
+// most head_dim; throws std::invalid_argument otherwise.
+void rope_store_kv(const QkvRows& in, std::int64_t n, std::int64_t n_heads, std::int64_t n_kv_heads,
+                   std::int64_t head_dim, std::int64_t rot_dim, float base, const PagedBatch& batch,
+                   float* q_out, std::uint16_t* k_pool, std::uint16_t* v_pool, cudaStream_t stream);
 
 // The queries of a step, grouped by sequence: the tokens of sequence s are the contiguous
 // range [query_start[s], query_start[s + 1]) at consecutive positions from first_position[s]
