@@ -162,6 +162,19 @@ TEST(CudaOps, SwigluAddGatherMatchCpu) {
     }
 }
 
+// A PagedBatch over device copies of the block tables ([sequences][max_blocks]), sequence ids
+// and positions.
+kc::PagedBatch paged_batch(std::int64_t block_size, DeviceBuffer<std::int32_t>& tables, std::int64_t max_blocks,
+                           DeviceBuffer<std::int32_t>& sequence_of, DeviceBuffer<std::int32_t>& positions) {
+  kc::PagedBatch batch;
+  batch.block_size = block_size;
+  batch.block_tables = tables.get();
+  batch.max_blocks = static_cast<std::int32_t>(max_blocks);
+  batch.sequence_of = sequence_of.get();
+  batch.positions = positions.get();
+  return batch;
+}
+
 // store_f16_paged writes each real token's row where its block table says, as the CPU does,
 // and padding tokens (sequence -1) write nothing: every other byte of the pool is unchanged.
 TEST(CudaOps, StoreF16PagedMatchesCpuAndSkipsPadding) {
@@ -191,12 +204,7 @@ TEST(CudaOps, StoreF16PagedMatchesCpuAndSkipsPadding) {
   DeviceBuffer<float> dx(x);
   DeviceBuffer<std::uint16_t> dpool(pool);
   DeviceBuffer<std::int32_t> dtables(tables), dseq(sequence_of), dpos(positions);
-  kc::PagedBatch batch;
-  batch.block_size = block;
-  batch.block_tables = dtables.get();
-  batch.max_blocks = static_cast<std::int32_t>(max_blocks);
-  batch.sequence_of = dseq.get();
-  batch.positions = dpos.get();
+  const kc::PagedBatch batch = paged_batch(block, dtables, max_blocks, dseq, dpos);
   kc::store_f16_paged(dx.get(), n, width, batch, dpool.get(), nullptr);
   sync();
   const auto got = dpool.download();
@@ -220,12 +228,7 @@ TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
   const std::vector<std::int32_t> positions = {5, 0, 2, 79, 16, 31, 7, 40};
   const auto n = static_cast<std::int64_t>(sequence_of.size());
   DeviceBuffer<std::int32_t> dtables(tables), dseq(sequence_of), dpos(positions);
-  kc::PagedBatch batch;
-  batch.block_size = block;
-  batch.block_tables = dtables.get();
-  batch.max_blocks = static_cast<std::int32_t>(max_blocks);
-  batch.sequence_of = dseq.get();
-  batch.positions = dpos.get();
+  const kc::PagedBatch batch = paged_batch(block, dtables, max_blocks, dseq, dpos);
   struct Case {
     std::int64_t heads, kv_heads, dim, rot;
     bool stacked;
