@@ -151,7 +151,7 @@ struct AttentionBatch {
 };
 // Decode-shaped batches (max_queries small) split each sequence's context into chunks that run
 // in parallel and are merged (flash-decoding); prefill-shaped ones tile queries and keys with
-// an online softmax. Head dims up to 256, multiples of 32 (checked: std::invalid_argument).
+// an online softmax. Head dims up to 256, multiples of 8 (checked: std::invalid_argument).
 std::size_t attention_scratch_bytes(const AttentionBatch& batch, std::int64_t n_tokens);
 void attention_paged(const AttentionBatch& batch, const float* q, std::int64_t n_tokens,
                      float* out, void* scratch, cudaStream_t stream);
