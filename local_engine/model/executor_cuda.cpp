@@ -274,13 +274,18 @@ class CudaExecutor final : public Executor {
     if (!tied) matrices.push_back(&model_->output());
     vectors.emplace_back(model_->output_norm(), c.n_embd);
     std::vector<kernels::Matrix> stacked_shapes;
+    // Per layer: whether Q/K/V, and gate/up, go up stacked (decided here, used below).
+    std::vector<std::array<bool, 2>> stack(static_cast<std::size_t>(layers_));
     for (std::int64_t li = 0; li < layers_; ++li) {
       const LayerWeights& l = model_->layers()[li];
-      if (stackable({&l.attn_q, &l.attn_k, &l.attn_v}))
+      auto& [qkv, gate_up] = stack[static_cast<std::size_t>(li)];
+      qkv = stackable({&l.attn_q, &l.attn_k, &l.attn_v});
+      gate_up = stackable({&l.ffn_gate, &l.ffn_up});
+      if (qkv)
         stacked_shapes.push_back(stacked_shape({&l.attn_q, &l.attn_k, &l.attn_v}));
       else
         matrices.insert(matrices.end(), {&l.attn_q, &l.attn_k, &l.attn_v});
-      if (stackable({&l.ffn_gate, &l.ffn_up}))
+      if (gate_up)
         stacked_shapes.push_back(stacked_shape({&l.ffn_gate, &l.ffn_up}));
       else
         matrices.insert(matrices.end(), {&l.ffn_gate, &l.ffn_up});
@@ -298,10 +303,14 @@ class CudaExecutor final : public Executor {
     auto* base = weights_.get<std::byte>();
     std::size_t at = 0;
     std::map<const void*, kc::DeviceMatrix> uploaded;
-    auto matrix = [&](const kernels::Matrix& m) {
-      if (auto it = uploaded.find(m.data); it != uploaded.end()) return it->second;
+    auto put = [&](const kernels::Matrix& m) {
       const kc::DeviceMatrix d = kc::upload(m, base + at);
       at += align_up(kc::device_bytes(m));
+      return d;
+    };
+    auto matrix = [&](const kernels::Matrix& m) {
+      if (auto it = uploaded.find(m.data); it != uploaded.end()) return it->second;
+      const kc::DeviceMatrix d = put(m);
       uploaded.emplace(m.data, d);
       return d;
     };
@@ -315,9 +324,7 @@ class CudaExecutor final : public Executor {
         rows.insert(rows.end(), p, p + kernels::row_bytes(m->type, m->cols) * static_cast<std::size_t>(m->rows));
       }
       whole.data = rows.data();
-      const kc::DeviceMatrix d = kc::upload(whole, base + at);
-      at += align_up(kc::device_bytes(whole));
-      return d;
+      return put(whole);
     };
     auto vector = [&](const float* host, std::int64_t n) {
       auto* dst = reinterpret_cast<float*>(base + at);
@@ -332,7 +339,8 @@ class CudaExecutor final : public Executor {
     for (std::int64_t li = 0; li < layers_; ++li) {
       const LayerWeights& l = model_->layers()[li];
       DeviceLayer d;
-      if (stackable({&l.attn_q, &l.attn_k, &l.attn_v})) {
+      const auto [qkv, gate_up] = stack[static_cast<std::size_t>(li)];
+      if (qkv) {
         d.qkv = stacked({&l.attn_q, &l.attn_k, &l.attn_v});
       } else {
         d.q = matrix(l.attn_q);
@@ -340,7 +348,7 @@ class CudaExecutor final : public Executor {
         d.v = matrix(l.attn_v);
       }
       d.out = matrix(l.attn_out);
-      if (stackable({&l.ffn_gate, &l.ffn_up})) {
+      if (gate_up) {
         d.gate_up = stacked({&l.ffn_gate, &l.ffn_up});
       } else {
         d.gate = matrix(l.ffn_gate);

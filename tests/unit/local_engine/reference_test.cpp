@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <memory>
 #include <stdexcept>
@@ -28,13 +27,7 @@ using namespace batchlm::local_engine;
 namespace fs = std::filesystem;
 
 const fs::path kModel = fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-const fs::path kGoldens = fs::path(BATCHLM_SOURCE_DIR) / "tests/reference/smollm2-135m-instruct-q4_1";
-
-nlohmann::json read_json(const fs::path& p) {
-  std::ifstream f(p);
-  if (!f) throw std::runtime_error("cannot read " + p.string());
-  return nlohmann::json::parse(f);
-}
+using batchlm::testing::read_reference;
 
 class Reference : public ::testing::Test {
  protected:
@@ -51,7 +44,7 @@ class Reference : public ::testing::Test {
 std::shared_ptr<const Model> Reference::model_;
 
 TEST_F(Reference, TokenizationMatchesLlamaCpp) {
-  const nlohmann::json goldens = read_json(kGoldens / "tokenize.json");
+  const nlohmann::json goldens = read_reference("tokenize.json");
   ASSERT_GE(goldens["cases"].size(), 40u);
   for (const auto& c : goldens["cases"]) {
     const std::string text = c["text"];
@@ -62,7 +55,7 @@ TEST_F(Reference, TokenizationMatchesLlamaCpp) {
 }
 
 TEST_F(Reference, TokenizationRoundTrips) {
-  const nlohmann::json goldens = read_json(kGoldens / "tokenize.json");
+  const nlohmann::json goldens = read_reference("tokenize.json");
   for (const auto& c : goldens["cases"]) {
     const std::string text = c["text"];
     const bool special = c["parse_special"];
@@ -106,7 +99,7 @@ double near_tie(const nlohmann::json& goldens) {
 // Free running: our own greedy tokens, fed back, must be llama.cpp's; a divergence is allowed
 // only at a near-tie, and ends the comparison of that case.
 TEST_F(Reference, GreedyContinuationsMatchLlamaCpp) {
-  const nlohmann::json goldens = read_json(kGoldens / "generate.json");
+  const nlohmann::json goldens = read_reference("generate.json");
   ASSERT_GE(goldens["cases"].size(), 6u);
   const double kTie = near_tie(goldens);
   Engine engine(model_, EngineOptions{2, 1024});
@@ -149,7 +142,7 @@ TEST_F(Reference, GreedyContinuationsMatchLlamaCpp) {
 // attention sums in another order, by about as much as its batched path drifts from its
 // token-by-token one.
 TEST_F(Reference, EveryGreedyStepMatchesLlamaCpp) {
-  const nlohmann::json goldens = read_json(kGoldens / "generate.json");
+  const nlohmann::json goldens = read_reference("generate.json");
   const double kForcedTie = near_tie(goldens);
   batchlm::kernels::ThreadPool pool(2);
   int steps = 0, same = 0;
@@ -178,7 +171,7 @@ TEST_F(Reference, EveryGreedyStepMatchesLlamaCpp) {
 }
 
 TEST_F(Reference, TopLogitsMatchLlamaCpp) {
-  const nlohmann::json goldens = read_json(kGoldens / "generate.json");
+  const nlohmann::json goldens = read_reference("generate.json");
   const double kTie = near_tie(goldens);
   batchlm::kernels::ThreadPool pool(2);
   for (const auto& c : goldens["cases"]) {
@@ -230,8 +223,8 @@ TEST_F(Reference, BatchedPromptEqualsTokenByToken) {
 // the exact margin is under kCpuTie. The GPU path, which does not round activations, is held to
 // much tighter bounds against the same file (tests/gpu/gpu_engine_test.cpp).
 TEST_F(Reference, CpuStaysNearTheExactReference) {
-  const nlohmann::json exact = batchlm::testing::read_reference("exact.json");
-  const nlohmann::json goldens = read_json(kGoldens / "generate.json");
+  const nlohmann::json exact = read_reference("exact.json");
+  const nlohmann::json goldens = read_reference("generate.json");
   ASSERT_EQ(exact["cases"].size(), goldens["cases"].size());
   for (std::size_t i = 0; i < exact["cases"].size(); ++i)
     ASSERT_EQ(exact["cases"][i]["prompt_tokens"], goldens["cases"][i]["prompt_tokens"]) << i;
