@@ -371,15 +371,24 @@ class CudaExecutor final : public Executor {
     x2_ = floats(T * E, "cudaMalloc (activations)");
     xn_ = floats(T * E, "cudaMalloc (activations)");
     q_ = floats(T * E, "cudaMalloc (activations)");
-    qkv_ = floats(T * (E + 2 * KV), "cudaMalloc (activations)");
-    gate_up_ = floats(T * 2 * F, "cudaMalloc (activations)");
-    k_ = floats(T * KV, "cudaMalloc (activations)");
-    v_ = floats(T * KV, "cudaMalloc (activations)");
     att_ = floats(T * E, "cudaMalloc (activations)");
     att2_ = floats(T * E, "cudaMalloc (activations)");
     tmp_ = floats(T * E, "cudaMalloc (activations)");
     gate_ = floats(T * F, "cudaMalloc (activations)");
-    up_ = floats(T * F, "cudaMalloc (activations)");
+    // The stacked products write their rows side by side; the separate ones write K, V and up
+    // into rows of their own. Only the buffers some layer uses are allocated (models mix types
+    // rarely, so most need one set or the other).
+    auto any = [&](bool stacked, auto member) {
+      return std::any_of(layers_dev_.begin(), layers_dev_.end(),
+                         [&](const DeviceLayer& l) { return ((l.*member).rows > 0) == stacked; });
+    };
+    if (any(true, &DeviceLayer::qkv)) qkv_ = floats(T * (E + 2 * KV), "cudaMalloc (activations)");
+    if (any(false, &DeviceLayer::qkv)) {
+      k_ = floats(T * KV, "cudaMalloc (activations)");
+      v_ = floats(T * KV, "cudaMalloc (activations)");
+    }
+    if (any(true, &DeviceLayer::gate_up)) gate_up_ = floats(T * 2 * F, "cudaMalloc (activations)");
+    if (any(false, &DeviceLayer::gate_up)) up_ = floats(T * F, "cudaMalloc (activations)");
     logits_dev_ = floats(T * V, "cudaMalloc (logits)");
     tokens_dev_ = DeviceMemory(T * sizeof(std::int32_t), "cudaMalloc (sampled tokens)");
   }
