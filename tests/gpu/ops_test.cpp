@@ -223,10 +223,20 @@ TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
   std::vector<std::int32_t> order(n_blocks);
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
-  const std::vector<std::int32_t> tables(order.begin(), order.begin() + 2 * max_blocks);
-  const std::vector<std::int32_t> sequence_of = {0, 1, -1, 0, 1, 1, -1, 0};
-  const std::vector<std::int32_t> positions = {5, 0, 2, 79, 16, 31, 7, 40};
+  std::vector<std::int32_t> tables(order.begin(), order.begin() + 2 * max_blocks);
+  tables[max_blocks + 2] = -1;  // sequence 1's third block is not there
+  // The last three tokens write nothing: a block of -1 (sequence 1, position 35), a position
+  // past the table (80 = max_blocks * block), a negative position. Their queries still rotate.
+  const std::vector<std::int32_t> sequence_of = {0, 1, -1, 0, 1, 1, -1, 0, 1, 0, 1};
+  const std::vector<std::int32_t> positions = {5, 0, 2, 79, 16, 31, 7, 40, 35, 80, -3};
   const auto n = static_cast<std::int64_t>(sequence_of.size());
+  // The pool rows the real tokens own; every other row keeps its bytes.
+  std::vector<bool> written(n_blocks * block, false);
+  for (std::int64_t t = 0; t < 8; ++t) {
+    if (sequence_of[t] < 0) continue;
+    const std::int32_t b = tables[sequence_of[t] * max_blocks + positions[t] / block];
+    written[b * block + positions[t] % block] = true;
+  }
   DeviceBuffer<std::int32_t> dtables(tables), dseq(sequence_of), dpos(positions);
   const kc::PagedBatch batch = paged_batch(block, dtables, max_blocks, dseq, dpos);
   struct Case {
@@ -269,6 +279,16 @@ TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
     const auto want_k = rkp.download(), got_k = dkp.download(), want_v = rvp.download(), got_v = dvp.download();
     EXPECT_EQ(got_k, want_k) << what;
     EXPECT_EQ(got_v, want_v) << what;
+    std::int64_t kept = 0, changed = 0;
+    for (std::int64_t r = 0; r < n_blocks * block; ++r) {
+      const auto same = [&](const std::vector<std::uint16_t>& got) {
+        return std::equal(got.begin() + r * KV, got.begin() + (r + 1) * KV, pool.begin() + r * KV);
+      };
+      if (!written[r]) kept += same(got_k) && same(got_v);
+      else changed += !same(got_k);
+    }
+    EXPECT_EQ(kept, n_blocks * block - 6) << what << ": rows no token owns were written";
+    EXPECT_EQ(changed, 6) << what << ": a real token's key row was not written";
     if (!c.stacked) {  // in place, as the executor uses it when Q, K and V are apart
       kc::rope_store_kv(in, n, c.heads, c.kv_heads, c.dim, c.rot, 100000.0f, batch, dq.get(), dkp.get(), dvp.get(),
                         nullptr);
