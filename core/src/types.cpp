@@ -43,6 +43,15 @@ std::size_t utf8_char_length(std::string_view s, std::size_t i) {
   return len;
 }
 
+std::size_t first_invalid_utf8(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t len = utf8_char_length(s, i);
+    if (len == 0) return i;
+    i += len;
+  }
+  return std::string_view::npos;
+}
+
 std::string replace_invalid_utf8(std::string_view s, std::string (*replacement)(unsigned char byte)) {
   std::string out;
   out.reserve(s.size());

@@ -210,10 +210,12 @@ int run_command(const JobOptions& o, bool synth) {
   JobSpec job = o.job_file.empty()
                     ? load_job_text(builtin_stories_yaml(), "<builtin:stories>", overrides, env)
                     : load_job_file(o.job_file, overrides, env);
+  for (const std::string& warning : job.warnings) std::fprintf(stderr, "batchlm: warning: %s\n", warning.c_str());
   if (synth && job.kind != JobKind::Synth && !o.job_file.empty()) {
     std::fprintf(stderr, "batchlm: note: %s is an eval job; running it as given\n", o.job_file.c_str());
   }
   std::unique_ptr<Source> source = open_source(job);  // validates the whole input
+  for (const std::string& warning : source->warnings()) std::fprintf(stderr, "batchlm: warning: %s\n", warning.c_str());
   if (o.dry_run) {
     // The model too: its header and tensor table (the weights are not read).
     if (job.backend.type == "local") {

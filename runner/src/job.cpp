@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -59,6 +60,16 @@ EnvLookup process_env() {
   };
 }
 
+namespace {
+
+std::string hex_byte(char c) {
+  char hex[8];
+  std::snprintf(hex, sizeof hex, "0x%02X", static_cast<unsigned>(static_cast<unsigned char>(c)));
+  return hex;
+}
+
+}  // namespace
+
 std::string expand_env(std::string_view text, const EnvLookup& env, const std::string& file,
                        int line, const std::string& field) {
   std::string out;
@@ -78,7 +89,17 @@ std::string expand_env(std::string_view text, const EnvLookup& env, const std::s
       out += c;  // a lone '$' (prices in prompts) stays as written
       continue;
     }
-    std::size_t close = text.find('}', i + 2);
+    // The matching '}': a default may itself hold ${...} (${A:-${B}}).
+    std::size_t close = std::string_view::npos;
+    for (std::size_t j = i + 2, depth = 1; j < text.size(); ++j) {
+      if (text[j] == '$' && j + 1 < text.size() && text[j + 1] == '{') {
+        ++depth;
+        ++j;
+      } else if (text[j] == '}' && --depth == 0) {
+        close = j;
+        break;
+      }
+    }
     if (close == std::string_view::npos)
       throw ConfigError(file, line, 0, field, "unterminated '${' in '" + std::string(text) + "'");
     std::string_view inner = text.substr(i + 2, close - i - 2);
@@ -99,9 +120,13 @@ std::string expand_env(std::string_view text, const EnvLookup& env, const std::s
     std::optional<std::string> value = env(std::string(name));
     // Like the shell's ${VAR:-x}: an empty value takes the default too.
     if (value && !(value->empty() && fallback)) {
+      if (const std::size_t bad = first_invalid_utf8(*value); bad != std::string::npos)
+        throw ConfigError(file, line, 0, field,
+                          "environment variable '" + std::string(name) + "' is not valid UTF-8 (byte " +
+                              hex_byte((*value)[bad]) + " at offset " + std::to_string(bad) + ")");
       out += *value;
     } else if (fallback) {
-      out += *fallback;
+      out += expand_env(*fallback, env, file, line, field);
     } else {
       throw ConfigError(file, line, 0, field,
                         "environment variable '" + std::string(name) +
@@ -310,6 +335,25 @@ void check_tree_size(const YAML::Node& root, const std::string& file, const std:
   visit(visit, root, 0);
 }
 
+// Every map, at any depth (messages, request.extra, headers, schemas): a key given twice is an
+// error at the second, whichever of the two a reader would have kept.
+void check_duplicate_keys(const YAML::Node& node, const std::string& path, const std::string& file) {
+  if (node.IsSequence()) {
+    for (std::size_t i = 0; i < node.size(); ++i) check_duplicate_keys(node[i], index_path(path, i), file);
+  } else if (node.IsMap()) {
+    std::set<std::string> seen;
+    for (auto it = node.begin(); it != node.end(); ++it) {
+      const std::string name = it->first.IsScalar() ? it->first.Scalar() : describe(it->first);
+      const std::string field = child_path(path, name);
+      if (!seen.insert(name).second) {
+        const YAML::Mark m = it->first.Mark();
+        throw ConfigError(file, m.is_null() ? 0 : m.line + 1, m.is_null() ? 0 : m.column + 1, field, "duplicate key");
+      }
+      check_duplicate_keys(it->second, field, file);
+    }
+  }
+}
+
 void expand_tree(YAML::Node node, const std::string& path, const std::string& file,
                  const EnvLookup& env) {
   switch (node.Type()) {
@@ -358,6 +402,11 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
   for (std::string segment; std::getline(stream, segment, '.');) segments.push_back(segment);
   check_override_path(segments, override_value.path);
 
+  if (const std::size_t bad = first_invalid_utf8(override_value.value); bad != std::string::npos)
+    throw ConfigError(override_value.flag.empty() ? std::string("--set") : override_value.flag, 0, 0,
+                      override_value.path,
+                      "value is not valid UTF-8 (byte " + hex_byte(override_value.value[bad]) + " at offset " +
+                          std::to_string(bad) + ")");
   YAML::Node value;
   if (override_value.literal) {
     value = YAML::Node(override_value.value);
@@ -368,6 +417,7 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
       throw ConfigError("--set", 0, 0, override_value.path, "value is not valid YAML: " + e.msg);
     }
     check_tree_size(value, "--set", override_value.path);
+    check_duplicate_keys(value, override_value.path, "--set");
     expand_tree(value, override_value.path, "--set", env);
   }
 
@@ -426,6 +476,13 @@ class Reader {
 
   [[noreturn]] void fail(const YAML::Node& at, const std::string& field,
                          const std::string& message) const {
+    const SourceMark m = mark(at, field);
+    throw ConfigError(m.file, m.line, m.column, field, message);
+  }
+
+  // Where a field's value was written: the job file's line and column, or the flag that
+  // overrode it.
+  SourceMark mark(const YAML::Node& at, const std::string& field) const {
     // The last override of a field is the one that set it.
     for (auto it = override_paths_.rbegin(); it != override_paths_.rend(); ++it) {
       const std::string& o = it->first;
@@ -435,15 +492,22 @@ class Reader {
       std::replace(dotted.begin(), dotted.end(), '[', '.');
       dotted.erase(std::remove(dotted.begin(), dotted.end(), ']'), dotted.end());
       covers = covers || dotted == o || dotted.rfind(o + ".", 0) == 0;
-      if (covers) throw ConfigError(it->second, 0, 0, field, message);
+      if (covers) return SourceMark{it->second, 0, 0};
     }
-    int line = 0, column = 0;
+    SourceMark m{file_, 0, 0};
     if (at.IsDefined() && !at.Mark().is_null()) {
-      line = at.Mark().line + 1;
-      column = at.Mark().column + 1;
+      m.line = at.Mark().line + 1;
+      m.column = at.Mark().column + 1;
     }
-    throw ConfigError(file_, line, column, field, message);
+    return m;
   }
+
+  // A setting that is valid but has no effect: the run goes on, the warning is printed first.
+  void warn(const YAML::Node& at, const std::string& field, const std::string& message) const {
+    const SourceMark m = mark(at, field);
+    warnings_.push_back(ConfigError(m.file, m.line, m.column, field, message).what());
+  }
+  std::vector<std::string> take_warnings() const { return std::move(warnings_); }
 
   // Present and not null.
   static bool has(const YAML::Node& node) { return node.IsDefined() && !node.IsNull(); }
@@ -488,6 +552,8 @@ class Reader {
       if (derror == std::errc() && dend == text.data() + text.size() &&
           as_double == std::floor(as_double) && std::abs(as_double) < 9e15) {
         value = static_cast<std::int64_t>(as_double);  // 1e3 is a fine integer
+      } else if (error == std::errc::result_out_of_range && end == text.data() + text.size()) {
+        fail(node, field, range_message(text, min, max));
       } else {
         fail(node, field, "expected an integer, got '" + text + "'");
       }
@@ -574,7 +640,15 @@ class Reader {
   void require_file(const YAML::Node& node, const std::string& field, const std::string& path,
                     const std::string& what) const {
     std::error_code ec;
-    if (!fs::is_regular_file(path, ec)) fail(node, field, what + " not found: '" + path + "'");
+    const fs::file_status status = fs::status(path, ec);
+    if (!fs::exists(status)) {
+      std::string message = what + " not found: '" + path + "'";
+      if (fs::path(path).is_relative())
+        message += " (relative paths are taken from the current directory, " + fs::current_path(ec).string() + ")";
+      fail(node, field, message);
+    }
+    if (fs::is_directory(status)) fail(node, field, "'" + path + "' is a directory, not a file");
+    if (!fs::is_regular_file(status)) fail(node, field, "'" + path + "' is not a regular file");
     std::ifstream probe(path);
     if (!probe) fail(node, field, what + " is not readable: '" + path + "'");
   }
@@ -593,6 +667,7 @@ class Reader {
 
   std::string file_;
   std::vector<std::pair<std::string, std::string>> override_paths_;
+  mutable std::vector<std::string> warnings_;
 };
 
 std::string file_stem(const std::string& label) {
@@ -763,7 +838,18 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
     if (!headers.IsMap()) r.fail(headers, "backend.headers", "expected a map of name: value, got " + describe(headers));
     for (auto it = headers.begin(); it != headers.end(); ++it) {
       std::string name = it->first.Scalar();
-      backend.headers.emplace_back(name, r.string(it->second, "backend.headers." + name));
+      const std::string field = "backend.headers." + name;
+      // RFC 9110: a name is a token; a value has no line breaks or other control characters
+      // (they would end the header and start another).
+      const bool token = !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || std::strchr("!#$%&'*+-.^_`|~", c) != nullptr;
+      });
+      if (!token) r.fail(it->first, field, "not a valid header name (letters, digits and !#$%&'*+-.^_`|~ only)");
+      std::string value = r.string(it->second, field);
+      if (std::any_of(value.begin(), value.end(),
+                      [](char c) { return (static_cast<unsigned char>(c) < 0x20 && c != '\t') || c == 0x7F; }))
+        r.fail(it->second, field, "the value holds a line break or another control character");
+      backend.headers.emplace_back(name, std::move(value));
     }
   }
   if (Reader::has(node["timeouts"])) {
@@ -938,6 +1024,30 @@ void read_scoring(const Reader& r, const YAML::Node& node, ScoringSpec& scoring)
   }
 }
 
+// Settings of one kind of backend given to the other: a base URL on the embedded engine is an
+// error (which was meant?); engine settings on an API, or API settings on the engine, are
+// warned about, since one job file may be run both ways (--base-url).
+void check_backend_fields(const Reader& r, const YAML::Node& node, const BackendSpec& backend) {
+  if (backend.type == "local" && !backend.base_url.empty())
+    r.fail(Reader::has(node) ? node["base_url"] : node, "backend.base_url",
+           "is for an API, but backend.type is local; remove it, or set backend.type to openai "
+           "(--backend openai)");
+  if (!Reader::has(node) || !node.IsMap()) return;
+  static const Keys engine_only = {"threads", "device", "context", "max_sequences", "token_budget", "block_size",
+                                   "kv_tokens", "kv_memory", "kv_recycle", "step_log", "speculative"};
+  static const Keys api_only = {"api_key_env", "headers", "timeouts", "stream"};
+  const bool local = backend.type == "local";
+  for (const std::string& key : local ? api_only : engine_only) {
+    if (Reader::has(node[key]))
+      r.warn(node[key], "backend." + key,
+             local ? "has no effect on the embedded engine (backend.type is local)"
+                   : "has no effect on an API (backend.type is " + backend.type + "); it sets up the embedded engine");
+  }
+  if (!local && backend.model.ends_with(".gguf") && Reader::has(node["model"]))
+    r.warn(node["model"], "backend.model",
+           "names a GGUF file, but the backend is an API: it is sent as the model's name");
+}
+
 JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) {
   JobSpec job;
   job.file = r.file();
@@ -965,7 +1075,17 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
     r.fail(root["synth"]["count"], "synth.count",
            "not used by a job with an input (its lines are the items); use limit to run fewer");
   }
-  if (Reader::has(root["request"])) read_request(r, root["request"], job.request);
+  if (Reader::has(root["request"])) {
+    read_request(r, root["request"], job.request);
+    // Templates are checked against the items' fields when the input is read; these say where.
+    const YAML::Node messages = root["request"]["messages"];
+    for (std::size_t i = 0; i < job.request.messages.size(); ++i) {
+      const std::string field = index_path("request.messages", i) + ".content";
+      job.marks.emplace(field, r.mark(messages[i]["content"], field));
+    }
+    if (!job.request.model.empty())
+      job.marks.emplace("request.model", r.mark(root["request"]["model"], "request.model"));
+  }
   if (job.kind == JobKind::Synth && job.input.path.empty() && job.request.messages.empty())
     r.fail(Reader::has(root["request"]) ? root["request"] : root, "request.messages",
            "required for a synth job (the prompt to fill with the variables)");
@@ -974,6 +1094,7 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   // No type: a job that names a base_url talks to that API; any other runs on the embedded
   // engine with the default model.
   if (job.backend.type.empty()) job.backend.type = job.backend.base_url.empty() ? "local" : "openai";
+  check_backend_fields(r, root["backend"], job.backend);
   if (job.backend.type == "local") {
     if (job.backend.model.empty())
       job.backend.model = env("BATCHLM_MODEL").value_or(std::string(kDefaultLocalModel));
@@ -1005,6 +1126,13 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   if (Reader::has(root["retry"])) read_retry(r, root["retry"], job.retry);
   if (Reader::has(root["output"])) read_output(r, root["output"], job.output);
   if (job.output.path.empty()) job.output.path = "out/" + job.name + ".jsonl";
+  {
+    std::error_code ec;
+    if (job.output.path.ends_with('/') || fs::is_directory(job.output.path, ec))
+      r.fail(Reader::has(root["output"]) ? root["output"] : root, "output.path",
+             "'" + job.output.path + "' names a directory; give a file, e.g. " +
+                 (fs::path(job.output.path) / (job.name + ".jsonl")).lexically_normal().string());
+  }
   // The output must not be one of the job's own files: --fresh would empty it, and a resume
   // would refuse it only if it holds no records.
   const auto same_file = [](const std::string& a, const std::string& b) {
@@ -1021,28 +1149,71 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
       r.fail(Reader::has(root["output"]) ? root["output"] : root, "output.path",
              "'" + job.output.path + "' is the job's " + what + " ('" + path +
                  "'); writing the results there would destroy it");
-  if (Reader::has(root["scoring"])) read_scoring(r, root["scoring"], job.scoring);
+  if (Reader::has(root["scoring"])) {
+    read_scoring(r, root["scoring"], job.scoring);
+    if (job.scoring.kind != ScoringKind::None && job.input.path.empty())
+      r.fail(root["scoring"], "scoring",
+             "needs reference answers from an input file; a synth job without input has none");
+    if (!job.scoring.pattern.empty() && job.scoring.kind != ScoringKind::Regex)
+      r.fail(root["scoring"]["pattern"], "scoring.pattern", "only used by regex scoring (scoring.type: regex)");
+  }
   if (Reader::has(root["limit"])) job.limit = r.integer(root["limit"], "limit", 0);
   if (Reader::has(root["grace_period"]))
     job.grace_period = r.duration(root["grace_period"], "grace_period");
+  job.warnings = r.take_warnings();
   return job;
 }
 
 }  // namespace
 
+constexpr std::size_t kMaxJobFileBytes = std::size_t{16} << 20;
+
 JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
                       const std::vector<Override>& overrides, const EnvLookup& env) {
+  // yaml-cpp takes any bytes; JSON output and HTTP bodies take only UTF-8. Refused here, where
+  // the line and column can still be named, rather than after the items have been sent.
+  if (const std::size_t bad = first_invalid_utf8(yaml); bad != std::string::npos) {
+    const std::size_t line_start = yaml.rfind('\n', bad == 0 ? 0 : bad - 1);
+    const std::size_t first = line_start == std::string_view::npos || bad == 0 ? 0 : line_start + 1;
+    const auto line = static_cast<int>(std::count(yaml.begin(), yaml.begin() + static_cast<std::ptrdiff_t>(first), '\n')) + 1;
+    throw ConfigError(file_label, line, static_cast<int>(bad - first) + 1, "",
+                      "not valid UTF-8 (byte " + hex_byte(yaml[bad]) +
+                          "); save the job file as UTF-8");
+  }
   YAML::Node root;
   try {
-    root = YAML::Load(std::string(yaml));
+    std::vector<YAML::Node> documents = YAML::LoadAll(std::string(yaml));
+    if (!documents.empty()) root = documents.front();
+    for (std::size_t i = 1; i < documents.size(); ++i) {
+      if (documents[i].IsNull()) continue;  // a closing '---' with nothing after it
+      const YAML::Mark m = documents[i].Mark();
+      throw ConfigError(file_label, m.is_null() ? 0 : m.line + 1, m.is_null() ? 0 : m.column + 1, "",
+                        "a second YAML document (after '---'); a job file holds one job");
+    }
   } catch (const YAML::ParserException& e) {
     int line = e.mark.is_null() ? 0 : e.mark.line + 1;
     int column = e.mark.is_null() ? 0 : e.mark.column + 1;
-    throw ConfigError(file_label, line, column, "", "invalid YAML: " + e.msg);
+    std::string message = "invalid YAML: " + e.msg;
+    // A tab in the indentation is the usual cause, and the parser's words do not say so.
+    if (line > 0) {
+      std::size_t start = 0;
+      for (int l = 1; l < line && start != std::string_view::npos; ++l) {
+        start = yaml.find('\n', start);
+        if (start != std::string_view::npos) ++start;
+      }
+      if (start != std::string_view::npos) {
+        const std::string_view text = yaml.substr(start, yaml.find('\n', start) - start);
+        const std::size_t indent_end = text.find_first_not_of(" \t");
+        if (text.substr(0, indent_end).find('\t') != std::string_view::npos)
+          message += " (this line is indented with a tab; YAML indents with spaces)";
+      }
+    }
+    throw ConfigError(file_label, line, column, "", message);
   } catch (const YAML::Exception& e) {
     throw ConfigError(file_label, 0, 0, "", "invalid YAML: " + e.msg);
   }
   check_tree_size(root, file_label, "");
+  check_duplicate_keys(root, "", file_label);
   expand_tree(root, "", file_label, env);
   std::vector<std::pair<std::string, std::string>> override_paths;
   for (const Override& o : overrides) {
@@ -1055,11 +1226,21 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
 
 JobSpec load_job_file(const std::string& path, const std::vector<Override>& overrides,
                       const EnvLookup& env) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw ConfigError(path, 0, 0, "", "is a directory, not a job file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError(path, 0, 0, "", std::string("cannot read job file: ") + std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return load_job_text(text.str(), path, overrides, env);
+  // Read at most one byte past the cap: /dev/zero or a runaway pipe must not fill the memory.
+  std::string text(kMaxJobFileBytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (in.bad()) throw ConfigError(path, 0, 0, "", std::string("cannot read job file: ") + std::strerror(errno));
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (text.size() > kMaxJobFileBytes)
+    throw ConfigError(path, 0, 0, "",
+                      "larger than " + std::to_string(kMaxJobFileBytes >> 20) +
+                          " MiB; a job file names its data (input.path) rather than holding it");
+  return load_job_text(text, path, overrides, env);
 }
 
 }  // namespace batchlm::runner

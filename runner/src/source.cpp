@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <charconv>
 #include <climits>
+#include <cstdio>
 #include <fstream>
 #include <set>
 #include <optional>
@@ -143,6 +144,13 @@ class LineReader {
 constexpr std::size_t kMaxLineDepth = 256;
 
 json parse_object(const std::string& line, const std::string& file, std::int64_t line_number) {
+  if (const std::size_t bad = first_invalid_utf8(line); bad != std::string::npos) {
+    char byte[8];
+    std::snprintf(byte, sizeof byte, "0x%02X", static_cast<unsigned>(static_cast<unsigned char>(line[bad])));
+    throw ConfigError(file, static_cast<int>(line_number), 0, "",
+                      std::string("not valid UTF-8 (byte ") + byte + " at byte " + std::to_string(bad) +
+                          "); JSON Lines are UTF-8");
+  }
   // Checked first, so that every way a line can be wrong names the line, and the value built
   // below is never deeper than kMaxLineDepth.
   if (const std::optional<JsonProblem> problem = check_json(line, kMaxLineDepth)) {
@@ -198,6 +206,10 @@ std::vector<ChatMessage> parse_messages(const json& value, const std::string& fi
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
       throw ConfigError(file, line_int, 0, here, "expected {role, content} with a string role");
     ChatMessage message{m["role"].get<std::string>(), ""};
+    static const std::set<std::string> kRoles = {"system", "developer", "user", "assistant", "tool"};
+    if (!kRoles.count(message.role))
+      throw ConfigError(file, line_int, 0, here + ".role",
+                        "bad value '" + message.role + "' (expected one of: system, developer, user, assistant, tool)");
     const json content = m.value("content", json());
     if (content.is_string()) {
       message.content = content.get<std::string>();
@@ -335,6 +347,12 @@ Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
   if (!line_value.contains("body") || !line_value["body"].is_object())
     throw ConfigError(file, line_int, 0, "body", "missing (an object) in a Batch-API line");
   const json& body = line_value["body"];
+  // The method and URL are optional; where given they must be what is sent.
+  if (const auto m = line_value.find("method"); m != line_value.end() && *m != "POST")
+    throw ConfigError(file, line_int, 0, "method", "expected \"POST\", got " + m->dump());
+  if (const auto u = line_value.find("url"); u != line_value.end() && *u != "/v1/chat/completions")
+    throw ConfigError(file, line_int, 0, "url",
+                      "expected \"/v1/chat/completions\" (only chat completions are supported), got " + u->dump());
   if (const auto n = body.find("n"); n != body.end() && !(n->is_number_integer() && *n == 1))
     throw ConfigError(file, line_int, 0, "body.n", kOneAnswerPerItem);
 
@@ -413,9 +431,11 @@ class FileSource : public Source {
     std::unordered_map<std::string, std::int64_t> custom_ids;  // id -> line, for duplicates
     std::string line;
     batch_ = job.input.format == InputFormat::Batch;
+    std::set<std::string> wanted(job.output.input_fields.begin(), job.output.input_fields.end());
     while (total_ < limit && reader.next(line)) {
       json value = parse_object(line, job.input.path, reader.line_number());
       if (total_ == 0 && job.input.format == InputFormat::Auto) batch_ = looks_like_batch(value);
+      for (auto it = wanted.begin(); it != wanted.end();) it = value.contains(*it) ? wanted.erase(it) : std::next(it);
       Item item = build(std::move(value), reader.line_number());
       if (batch_) {
         auto [it, fresh] = custom_ids.emplace(item.id_key, reader.line_number());
@@ -427,7 +447,12 @@ class FileSource : public Source {
       ++total_;
     }
     reader_.emplace(job.input.path);
+    for (const std::string& field : wanted)
+      warnings_.push_back(job.file + ": output.input_fields: no item of " + job.input.path + " has the field '" +
+                          field + "'; records will not have it");
   }
+
+  std::vector<std::string> warnings() const override { return warnings_; }
 
   std::optional<Item> next() override {
     if (yielded_ >= total_) return std::nullopt;
@@ -458,6 +483,7 @@ class FileSource : public Source {
 
   const JobSpec job_;
   std::vector<ChatMessage> few_shot_;
+  std::vector<std::string> warnings_;
   bool batch_ = false;
   std::int64_t total_ = 0;
   std::int64_t yielded_ = 0;
@@ -477,7 +503,9 @@ class SynthSource : public Source {
       try {
         (void)render_template(tmpl, probe);
       } catch (const MissingField& e) {
-        throw ConfigError(job.file, 0, 0, used_by,
+        const auto at = job.marks.find(used_by);
+        const SourceMark m = at != job.marks.end() ? at->second : SourceMark{job.file, 0, 0};
+        throw ConfigError(m.file, m.line, m.column, used_by,
                           "{{" + e.field() + "}} is not a synth variable (variables: " +
                               (names.empty() ? "none" : names) + ")");
       }

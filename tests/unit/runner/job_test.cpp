@@ -416,6 +416,141 @@ TEST_F(JobFile, DuplicateKeyIsAnError) {
   EXPECT_EQ(e.line(), 3);
 }
 
+TEST_F(JobFile, DuplicateKeysAreErrorsAtAnyDepth) {
+  ConfigError e = error_of(with_input("request:\n  messages:\n    - {role: user, role: system, content: hi}\n"));
+  EXPECT_EQ(e.field(), "request.messages[0].role");
+  EXPECT_EQ(e.message(), "duplicate key");
+  EXPECT_EQ(e.line(), 4);
+  e = error_of(with_input("request:\n  extra: {top_k: 5, top_k: 7}\n"));
+  EXPECT_EQ(e.field(), "request.extra.top_k");
+  e = error_of(with_input("backend:\n  base_url: http://h/v1\n  headers:\n    X-A: 1\n    X-A: 2\n"));
+  EXPECT_EQ(e.field(), "backend.headers.X-A");
+  EXPECT_EQ(e.line(), 6);
+  e = error_of(with_input(""), {Override{"request.extra", "{a: 1, a: 2}"}});
+  EXPECT_EQ(e.file(), "--set");
+  EXPECT_EQ(e.field(), "request.extra.a");
+}
+
+TEST_F(JobFile, BytesThatAreNotUtf8AreAnErrorWhereTheyAre) {
+  ConfigError e = error_of(with_input("name: caf\xE9\n"));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.column(), 10);
+  EXPECT_EQ(e.message(), "not valid UTF-8 (byte 0xE9); save the job file as UTF-8");
+  EXPECT_EQ(error_of("\xFF").line(), 1);
+  e = error_of(with_input(""), {Override{"name", "caf\xE9"}});
+  EXPECT_EQ(e.file(), "--set");
+  EXPECT_EQ(e.field(), "name");
+  EXPECT_EQ(e.message(), "value is not valid UTF-8 (byte 0xE9 at offset 3)");
+  e = error_of(with_input("name: ${LATIN}\n"), {}, {{"LATIN", "caf\xE9"}});
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.message(), "environment variable 'LATIN' is not valid UTF-8 (byte 0xE9 at offset 3)");
+  EXPECT_EQ(load(with_input("name: caf\xC3\xA9\n")).name, "caf\xC3\xA9");  // UTF-8 is fine
+}
+
+TEST_F(JobFile, ASecondYamlDocumentIsAnError) {
+  ConfigError e = error_of(with_input("limit: 3\n---\nlimit: 4\n"));
+  EXPECT_EQ(e.line(), 4);
+  EXPECT_EQ(e.message(), "a second YAML document (after '---'); a job file holds one job");
+  EXPECT_EQ(load(with_input("limit: 3\n---\n")).limit, 3);  // a closing marker alone is fine
+}
+
+TEST_F(JobFile, JobFilesThatAreDirectoriesOrHugeAreRefused) {
+  try {
+    load_job_file(dir_.string(), {}, env_of({}));
+    ADD_FAILURE() << "a directory loaded";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.message(), "is a directory, not a job file");
+  }
+  std::string big = with_input("# ");
+  big.append(std::size_t{17} << 20, 'x');
+  const std::string path = write("big.yaml", big + "\n");
+  try {
+    load_job_file(path, {}, env_of({}));
+    ADD_FAILURE() << "a 17 MiB job file loaded";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.message(), "larger than 16 MiB; a job file names its data (input.path) rather than holding it");
+  }
+  EXPECT_EQ(load_job_file(write("ok.yaml", with_input("limit: 2\n")), {}, env_of({})).limit, 2);
+}
+
+TEST_F(JobFile, TabIndentationIsNamed) {
+  ConfigError e = error_of(with_input("request:\n\tmax_tokens: 3\n"));
+  EXPECT_NE(e.message().find("indented with a tab"), std::string::npos) << e.what();
+}
+
+TEST_F(JobFile, HeaderNamesAndValuesAreChecked) {
+  const std::string api = "backend:\n  base_url: http://h/v1\n  headers:\n";
+  ConfigError e = error_of(with_input(api + "    \"bad header\": x\n"));
+  EXPECT_EQ(e.field(), "backend.headers.bad header");
+  EXPECT_EQ(e.line(), 5);
+  EXPECT_EQ(e.message(), "not a valid header name (letters, digits and !#$%&'*+-.^_`|~ only)");
+  e = error_of(with_input(api + "    X-A: \"x\\r\\nInjected: yes\"\n"));
+  EXPECT_EQ(e.field(), "backend.headers.X-A");
+  EXPECT_EQ(e.message(), "the value holds a line break or another control character");
+  const JobSpec job = load(with_input(api + "    X-Trace_Id.v2: \"a\\tb c\"\n"));
+  ASSERT_EQ(job.backend.headers.size(), 1u);
+  EXPECT_EQ(job.backend.headers[0].second, "a\tb c");
+}
+
+TEST_F(JobFile, SettingsForTheOtherKindOfBackend) {
+  // A base URL on the embedded engine: which one was meant?
+  ConfigError e = error_of(with_input("backend: {type: local, base_url: http://h/v1}\n"));
+  EXPECT_EQ(e.field(), "backend.base_url");
+  EXPECT_EQ(e.line(), 2);
+  e = error_of(with_input(""), {Override{"backend.type", "local", true, "--backend"},
+                                Override{"backend.base_url", "http://h/v1", true, "--base-url"}});
+  EXPECT_EQ(e.file(), "--base-url");
+  // Engine settings on an API, API settings on the engine: warnings, the job loads.
+  JobSpec job = load(with_input("backend: {base_url: http://h/v1, threads: 4, model: m.gguf, speculative: {method: ngram}}\n"));
+  ASSERT_EQ(job.warnings.size(), 3u);
+  EXPECT_EQ(job.warnings[0],
+            "jobs/t.yaml:2:43: backend.threads: has no effect on an API (backend.type is openai); it sets up "
+            "the embedded engine");
+  EXPECT_NE(job.warnings[1].find("backend.speculative"), std::string::npos);
+  EXPECT_EQ(job.warnings[2],
+            "jobs/t.yaml:2:53: backend.model: names a GGUF file, but the backend is an API: it is sent as the "
+            "model's name");
+  job = load(with_input("backend: {timeouts: {total: 5s}}\n"));
+  ASSERT_EQ(job.warnings.size(), 1u);
+  EXPECT_EQ(job.warnings[0], "jobs/t.yaml:2:21: backend.timeouts: has no effect on the embedded engine (backend.type is local)");
+  EXPECT_TRUE(load(with_input("backend: {threads: 2}\n")).warnings.empty());
+}
+
+TEST_F(JobFile, OutputThatNamesADirectoryIsAnError) {
+  ConfigError e = error_of(with_input("output: out/x.jsonl/\n"));
+  EXPECT_EQ(e.field(), "output.path");
+  EXPECT_EQ(e.message(), "'out/x.jsonl/' names a directory; give a file, e.g. out/x.jsonl/t.jsonl");
+  e = error_of(with_input(""), {Override{"output.path", dir_.string(), true, "-o"}});
+  EXPECT_EQ(e.file(), "-o");
+  EXPECT_FALSE(fs::exists("out/x.jsonl"));
+}
+
+TEST_F(JobFile, ScoringNeedsReferencesAndPatternNeedsRegex) {
+  ConfigError e = error_of(R"(synth: {count: 3, variables: {a: [x]}}
+request: {messages: [{role: user, content: "{{a}}"}]}
+scoring: gsm8k
+)");
+  EXPECT_EQ(e.field(), "scoring");
+  EXPECT_EQ(e.line(), 3);
+  e = error_of(with_input("scoring: {type: gsm8k, pattern: x}\n"));
+  EXPECT_EQ(e.field(), "scoring.pattern");
+  EXPECT_EQ(e.message(), "only used by regex scoring (scoring.type: regex)");
+}
+
+TEST_F(JobFile, InputPathsThatAreNoFileSayWhatTheyAre) {
+  ConfigError e = error_of("input: " + dir_.string() + "\n");
+  EXPECT_EQ(e.message(), "'" + dir_.string() + "' is a directory, not a file");
+  e = error_of("input: no/such.jsonl\n");
+  EXPECT_EQ(e.message().rfind("input file not found: 'no/such.jsonl' (relative paths are taken from the current "
+                              "directory, ", 0), 0u)
+      << e.message();
+}
+
+TEST_F(JobFile, HugeIntegersAreOutOfRangeNotMalformed) {
+  ConfigError e = error_of(with_input("concurrency: 99999999999999999999\n"));
+  EXPECT_EQ(e.message(), "must be between 1 and 100000, got 99999999999999999999");
+}
+
 TEST_F(JobFile, WrongTypeQuotesTheValue) {
   ConfigError e = error_of(with_input("request:\n  temperature: abc\n"));
   EXPECT_STREQ(e.what(), "jobs/t.yaml:3:16: request.temperature: expected a number, got 'abc'");
@@ -584,6 +719,8 @@ TEST(ExpandEnv, HandlesDefaultsEmptyValuesAndLiterals) {
   EXPECT_EQ(expand_env("${EMPTY}", env, "f", 1, "k"), "");
   EXPECT_EQ(expand_env("$$A and $$${A}", env, "f", 1, "k"), "$A and $1");
   EXPECT_EQ(expand_env("costs $5", env, "f", 1, "k"), "costs $5");
+  EXPECT_EQ(expand_env("${B:-${A}}/${B:-${C:-x}y}", env, "f", 1, "k"), "1/xy");  // nested defaults
+  EXPECT_THROW(expand_env("${B:-${A}", env, "f", 1, "k"), ConfigError);
   EXPECT_THROW(expand_env("${A", env, "f", 1, "k"), ConfigError);
   EXPECT_THROW(expand_env("${1X}", env, "f", 1, "k"), ConfigError);
 }

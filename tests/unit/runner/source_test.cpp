@@ -211,6 +211,42 @@ TEST_F(SourceTest, LineThatIsNotAnObjectIsAnError) {
   EXPECT_EQ(open_error(job("input: " + broken + kQuestionTemplate)).line(), 3);
 }
 
+TEST_F(SourceTest, LineThatIsNotUtf8SaysSo) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n{\"question\": \"caf\xFF\"}\n");
+  ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.message(), "not valid UTF-8 (byte 0xFF at byte 17); JSON Lines are UTF-8");
+}
+
+TEST_F(SourceTest, InputFieldsNoItemHasAreWarnedAbout) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\", \"id\": 1}\n{\"question\": \"b\", \"level\": 2}\n");
+  auto source = open_source(job("input: " + in + "\noutput: {input_fields: [questoin, level, id]}\n" + kQuestionTemplate));
+  ASSERT_EQ(source->warnings().size(), 1u);
+  EXPECT_EQ(source->warnings()[0], "jobs/t.yaml: output.input_fields: no item of " + in +
+                                       " has the field 'questoin'; records will not have it");
+  EXPECT_TRUE(open_source(job("input: " + in + "\noutput: {input_fields: [question]}\n" + kQuestionTemplate))
+                  ->warnings()
+                  .empty());
+}
+
+TEST_F(SourceTest, BatchLinesMustAskForChatCompletions) {
+  const std::string good = R"({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}})";
+  auto second = [&](const std::string& line) {
+    return open_error(job("input: " + write("b.jsonl", good + "\n" + line + "\n") + "\n"));
+  };
+  ConfigError e = second(R"({"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "body": {"messages": [{"role": "user", "content": "hi"}]}})");
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.field(), "url");
+  EXPECT_EQ(e.message(), "expected \"/v1/chat/completions\" (only chat completions are supported), got \"/v1/embeddings\"");
+  e = second(R"({"custom_id": "b", "method": "GET", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}})");
+  EXPECT_EQ(e.field(), "method");
+  e = second(R"({"custom_id": "b", "body": {"messages": [{"role": "wizard", "content": "hi"}]}})");
+  EXPECT_EQ(e.field(), "body.messages[0].role");
+  EXPECT_EQ(e.message(), "bad value 'wizard' (expected one of: system, developer, user, assistant, tool)");
+  // Without method and url the line is still a chat completion.
+  EXPECT_EQ(drain(*open_source(job("input: " + write("c.jsonl", good + "\n" + R"({"custom_id": "b", "body": {"messages": [{"role": "user", "content": "x"}]}})" + "\n") + "\n"))).size(), 2u);
+}
+
 // Found by fuzzing (tests/fuzz/corpus/source): a number beyond a double escaped as nlohmann's
 // out_of_range, which named neither the file nor the line.
 TEST_F(SourceTest, NumberOutOfRangeNamesTheLine) {
@@ -397,6 +433,8 @@ TEST_F(SourceTest, SynthTemplateFieldMustBeAVariable) {
   EXPECT_EQ(e.file(), "jobs/t.yaml");
   EXPECT_EQ(e.field(), "request.messages[0].content");
   EXPECT_EQ(e.message(), "{{colour}} is not a synth variable (variables: animal, color)");
+  EXPECT_EQ(e.line(), 9);  // where the message's content is written
+  EXPECT_EQ(e.column(), 36);
 }
 
 TEST_F(SourceTest, FewShotGoesBeforeTheLastMessageAndIsSharedByAllItems) {

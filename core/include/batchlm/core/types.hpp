@@ -82,6 +82,8 @@ struct Completion {
 // The length of the valid UTF-8 character at s[i] (1-4), or 0 when the bytes there are not one
 // (a stray continuation byte, a truncated sequence, an overlong form, a surrogate, > U+10FFFF).
 std::size_t utf8_char_length(std::string_view s, std::size_t i);
+// The offset of the first byte of `s` that is not part of a valid UTF-8 character, or npos.
+std::size_t first_invalid_utf8(std::string_view s);
 // `s` with each byte that is not part of a valid UTF-8 character replaced by replacement(byte).
 std::string replace_invalid_utf8(std::string_view s, std::string (*replacement)(unsigned char byte));
 // A token's bytes as JSON text: as they are when valid UTF-8, else each byte outside a valid

@@ -148,6 +148,13 @@ struct ScoringSpec {
   std::string pattern;                     // Regex: the pattern the output must match
 };
 
+// Where a value was written: file (or the flag that set it), line and column (0: unknown).
+struct SourceMark {
+  std::string file;
+  int line = 0;
+  int column = 0;
+};
+
 struct JobSpec {
   std::string file;  // where it was loaded from ("<builtin:stories>" for built-ins)
   std::string name;
@@ -164,6 +171,10 @@ struct JobSpec {
   ScoringSpec scoring;
   std::optional<std::int64_t> limit;  // first N items only
   milliseconds grace_period{30'000};  // on SIGINT: how long in-flight items may finish
+  // Where the fields that are checked after loading (templates against the items) were written.
+  std::map<std::string, SourceMark> marks;
+  // Settings that were accepted but have no effect (printed before the run).
+  std::vector<std::string> warnings;
 };
 
 // Environment lookup (tests pass a map; the program passes getenv).

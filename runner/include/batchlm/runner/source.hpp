@@ -27,6 +27,8 @@ class Source {
   virtual std::optional<Item> next() = 0;
   // Number of items the source will yield (after the job's limit).
   virtual std::int64_t total() const = 0;
+  // What validating the input found that is allowed but probably a mistake (printed first).
+  virtual std::vector<std::string> warnings() const { return {}; }
 };
 
 // Opens the job's source. Validates the whole input first (every line parses, every
