@@ -11,6 +11,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/signal_set.hpp>
@@ -34,6 +35,7 @@ struct ServeOptions {
   int port = 8000;
   std::string served_name;
   std::string api_key;
+  std::string allowed_origins = "*";
   int threads = 0;
   std::string device = "auto";
   long long context = 0;
@@ -54,6 +56,30 @@ struct ServeOptions {
 
 ServeOptions s;
 CLI::App* serve_cmd = nullptr;
+
+// --allowed-origins: "none" is none, else each origin of the comma-separated list ("*": any).
+// Throws naming an entry a browser could never send as its Origin.
+std::vector<std::string> parse_allowed_origins(const std::string& list) {
+  if (list == "none") return {};
+  std::vector<std::string> origins;
+  std::size_t at = 0;
+  for (;;) {
+    const std::size_t comma = list.find(',', at);
+    std::string origin = list.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    origin.erase(0, origin.find_first_not_of(' '));
+    origin.erase(origin.find_last_not_of(' ') + 1);
+    const std::size_t scheme_end = origin.find("://");
+    if (origin != "*" && (scheme_end == std::string::npos || scheme_end == 0 ||
+                          origin.size() == scheme_end + 3 || origin.find('/', scheme_end + 3) != std::string::npos))
+      throw std::runtime_error("--allowed-origins: '" + origin +
+                               "' is not an origin: expected scheme://host[:port] as browsers send it (no path, "
+                               "no trailing '/'), * for any, or none");
+    origins.push_back(std::move(origin));
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  return origins;
+}
 
 bool ignored_at_start(int signo) {
   struct sigaction current {};
@@ -85,6 +111,10 @@ void add_serve_command(CLI::App& app) {
                         "Model id in /v1/models and responses (default: the model's name)");
   serve_cmd->add_option("--api-key", s.api_key,
                         "Require 'Authorization: Bearer KEY' on /v1/* (default: $BATCHLM_API_KEY, else none)");
+  serve_cmd->add_option("--allowed-origins", s.allowed_origins,
+                        "Origins whose web pages may call the API from a browser (CORS), comma-separated "
+                        "(http://localhost:3000,https://app.example.com); * for any, none for no CORS headers")
+      ->capture_default_str();
   serve_cmd->add_option("--threads,-t", s.threads, "Compute threads (0: one per hardware thread)")
       ->check(app::between(0, 1024));
   serve_cmd->add_option("--device", s.device,
@@ -152,6 +182,7 @@ int run_serve_command() {
   if (s.api_key.empty()) {
     if (const char* env = std::getenv("BATCHLM_API_KEY"); env && *env) s.api_key = env;
   }
+  const std::vector<std::string> allowed_origins = parse_allowed_origins(s.allowed_origins);
   local_engine::LocalBackendOptions engine;
   engine.model = s.model;
   engine.threads = app::usable_threads(s.threads);
@@ -191,6 +222,7 @@ int run_serve_command() {
   options.context = backend->context();
   options.prompt_bytes_limit = backend->prompt_bytes_limit();
   options.api_key = s.api_key;
+  options.allowed_origins = allowed_origins;
   options.max_in_flight = s.max_sequences + s.max_queue;
   options.shutdown_grace = std::chrono::milliseconds(static_cast<long long>(s.shutdown_grace * 1000));
   options.write_timeout = std::chrono::milliseconds(static_cast<long long>(s.write_timeout * 1000));

@@ -157,7 +157,10 @@ std::vector<ChatMessage> read_messages(const json& body) {
       invalid(param + ".role", "'" + param + ".role' must be one of system, developer, user, assistant, not '" +
                                    excerpt(role->get<std::string>()) + "'");
     }
-    if (field(m, "tool_calls") || field(m, "function_call")) unsupported(param + ".tool_calls", "tool calling");
+    // An empty list of calls, as some clients write for none, is none.
+    if (const json* calls = field(m, "tool_calls"); calls && !(calls->is_array() && calls->empty()))
+      unsupported(param + ".tool_calls", "tool calling");
+    if (field(m, "function_call")) unsupported(param + ".function_call", "function calling");
     const json* content = field(m, "content");
     std::string text;
     if (content) {
@@ -287,6 +290,20 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
       invalid("top_logprobs", "'top_logprobs' is a chat completions parameter; text completions take 'logprobs': N");
   }
   if (const json* v = field(body, "tools"); v && !(v->is_array() && v->empty())) unsupported("tools", "tool calling");
+  if (chat) {
+    // Output in other modalities than text (audio) is not something the engine can produce.
+    if (const json* v = field(body, "modalities")) {
+      if (!v->is_array()) invalid("modalities", "'modalities' must be an array of strings, not " + type_name(*v));
+      for (std::size_t i = 0; i < v->size(); ++i) {
+        const json& m = (*v)[i];
+        if (!m.is_string())
+          invalid("modalities", "'modalities[" + std::to_string(i) + "]' must be a string, not " + type_name(m));
+        if (m.get<std::string>() != "text")
+          unsupported("modalities", "the output modality '" + excerpt(m.get<std::string>()) + "'");
+      }
+    }
+    if (field(body, "audio")) unsupported("audio", "audio output");
+  }
   if (const json* v = field(body, "functions"); v && !(v->is_array() && v->empty())) unsupported("functions", "function calling");
   if (const json* v = field(body, "response_format")) {
     const json* type = v->is_object() ? field(*v, "type") : nullptr;
@@ -472,9 +489,33 @@ json usage_chunk(const ResponseContext& ctx, const Usage& usage) {
   return body;
 }
 
-ApiError error_from_outcome(const Error& error) {
+namespace {
+
+// The field an engine's message names at its start, as in "'logit_bias': token 99999999 is outside
+// the vocabulary of 49152" or "'presence_penalty', 'frequency_penalty': ..." (the first); empty
+// when it names none.
+std::string leading_field(std::string_view message) {
+  if (!message.starts_with('\'')) return {};
+  const std::size_t end = message.find('\'', 1);
+  if (end == std::string_view::npos || end == 1) return {};
+  const std::string_view name = message.substr(1, end - 1);
+  for (const char c : name)
+    if (!(c == '_' || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9'))) return {};
+  return std::string(name);
+}
+
+}  // namespace
+
+ApiError error_from_outcome(const Error& error, Endpoint endpoint) {
   if (error.kind == ErrorKind::Http && error.http_status >= 400 && error.http_status < 500) {
-    return ApiError(error.http_status, "invalid_request_error", "", error.message, error.code);
+    // The engine does not say which field it refused, but its messages name it first; what
+    // names none is about the prompt (too long, empty, not tokenizable).
+    std::string param = leading_field(error.message);
+    if (param.empty() && (error.code == "context_length_exceeded" || error.code == "invalid_request"))
+      param = endpoint == Endpoint::kChat ? "messages" : "prompt";
+    // The engine's generic code for a bad value is what the server's own checks leave null.
+    const std::string code = error.code == "invalid_request" ? std::string() : error.code;
+    return ApiError(error.http_status, "invalid_request_error", std::move(param), error.message, code);
   }
   return ApiError(500, "server_error", "", "the engine failed: " + error.message, error.code);
 }

@@ -59,10 +59,41 @@ std::int64_t unix_seconds() {
 
 std::string sse(const json& data) { return "data: " + data.dump() + "\n\n"; }
 
-// The request's path: its target without the query.
-std::string_view path_of(const HttpRequest& req) {
-  const std::string_view target(req.target().data(), req.target().size());
-  return target.substr(0, target.find('?'));
+int hex_digit(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// The request's path, percent-decoded: its target without the query, and without the scheme and
+// authority of an absolute-form target ("http://host:port/v1/models", as proxies send it, RFC
+// 9112 3.2.2). Nothing when an escape is malformed or encodes '/', which would route the path
+// differently decoded than the client split it.
+std::optional<std::string> path_of(const HttpRequest& req) {
+  std::string_view target(req.target().data(), req.target().size());
+  if (!target.starts_with('/')) {
+    if (const std::size_t scheme_end = target.find("://"); scheme_end != std::string_view::npos) {
+      const std::size_t path_start = target.find_first_of("/?", scheme_end + 3);
+      target = path_start == std::string_view::npos ? "/" : target.substr(path_start);
+      if (target.starts_with('?')) target = "/";
+    }
+  }
+  target = target.substr(0, target.find('?'));
+  std::string path;
+  path.reserve(target.size());
+  for (std::size_t i = 0; i < target.size(); ++i) {
+    if (target[i] != '%') {
+      path.push_back(target[i]);
+      continue;
+    }
+    const int high = i + 2 < target.size() ? hex_digit(target[i + 1]) : -1;
+    const int low = high >= 0 ? hex_digit(target[i + 2]) : -1;
+    if (low < 0 || (high << 4 | low) == '/') return std::nullopt;
+    path.push_back(static_cast<char>(high << 4 | low));
+    i += 2;
+  }
+  return path;
 }
 
 // Compares without an early exit, so the time taken says nothing about the key.
@@ -125,10 +156,67 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     res.set(http::field::server, "batchlm");
     res.set(http::field::content_type, content_type);
     if (header) res.set(header->first, header->second);
+    allow_origin(req, res);
     res.keep_alive(req.keep_alive() && !draining);
     res.body() = std::move(body);
     res.prepare_payload();
-    metrics.response(path_of(req), static_cast<int>(status));
+    metrics.response(path_of(req).value_or(""), static_cast<int>(status));
+    c.stream.expires_after(options.write_timeout);
+    if (req.method() == http::verb::head) {
+      // The header GET gets, its Content-Length included, without the body (RFC 9110 9.3.2).
+      http::response_serializer<http::string_body> sr{res};
+      co_await http::async_write_header(c.stream, sr, asio::use_awaitable);
+    } else {
+      co_await http::async_write(c.stream, res, asio::use_awaitable);
+    }
+  }
+
+  // --- CORS ----------------------------------------------------------------------------------
+
+  // What Access-Control-Allow-Origin says to a request from this Origin: "*" when every origin
+  // is allowed, the origin itself when it is one of those allowed, else nothing (no CORS header;
+  // a browser then keeps the response from the page).
+  std::optional<std::string> allowed_origin(const HttpRequest& req) const {
+    const auto origin = req.find(http::field::origin);
+    if (origin == req.end()) return std::nullopt;
+    const std::string_view value(origin->value().data(), origin->value().size());
+    for (const std::string& allowed : options.allowed_origins)
+      if (allowed == "*" || allowed == value) return allowed;
+    return std::nullopt;
+  }
+
+  // Lets the page of an allowed origin read the response; a response that names the origin
+  // varies with it, which caches must know.
+  void allow_origin(const HttpRequest& req, http::fields& res) const {
+    const std::optional<std::string> origin = allowed_origin(req);
+    if (!origin) return;
+    res.set(http::field::access_control_allow_origin, *origin);
+    if (*origin != "*") res.set(http::field::vary, "Origin");
+  }
+
+  // A browser's preflight (OPTIONS with Origin and Access-Control-Request-Method): whether its
+  // page may send the request it describes. Answered before the API key is checked, as browsers
+  // send no credentials with it.
+  asio::awaitable<void> preflight(Connection& c, const HttpRequest& req) {
+    if (!allowed_origin(req)) {
+      const auto origin = req.find(http::field::origin);
+      co_await send_error(c, req,
+                          ApiError(403, "invalid_request_error", "",
+                                   "the origin '" + std::string(origin->value()) +
+                                       "' may not call this server (see batchlm serve --allowed-origins)"));
+      co_return;
+    }
+    http::response<http::empty_body> res{http::status::no_content, req.version()};
+    res.set(http::field::server, "batchlm");
+    allow_origin(req, res);
+    res.set(http::field::access_control_allow_methods, "GET, HEAD, POST, OPTIONS");
+    std::string headers = "Authorization, Content-Type";
+    if (const auto asked = req.find(http::field::access_control_request_headers); asked != req.end())
+      headers += ", " + std::string(asked->value());
+    res.set(http::field::access_control_allow_headers, headers);
+    res.set(http::field::access_control_max_age, "600");
+    res.keep_alive(req.keep_alive() && !draining);
+    metrics.response(path_of(req).value_or(""), 204);
     c.stream.expires_after(options.write_timeout);
     co_await http::async_write(c.stream, res, asio::use_awaitable);
   }
@@ -314,7 +402,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       if (api.include_usage) s.pending += sse(usage_chunk(ctx, o.completion->usage));
       s.pending += "data: [DONE]\n\n";
     } else if (o.error->kind != ErrorKind::Cancelled) {
-      ApiError e = error_from_outcome(*o.error);
+      ApiError e = error_from_outcome(*o.error, api.endpoint);
       if (!s.started && s.pending.empty()) {
         s.error = std::move(e);
       } else {
@@ -340,9 +428,10 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
           res.set(http::field::server, "batchlm");
           res.set(http::field::content_type, "text/event-stream");
           res.set(http::field::cache_control, "no-cache");
+          allow_origin(req, res);
           res.keep_alive(chunked && req.keep_alive() && !draining);
           res.chunked(chunked);
-          metrics.response(path_of(req), 200);
+          metrics.response(path_of(req).value_or(""), 200);
           http::response_serializer<http::empty_body> sr{res};
           c.stream.expires_after(options.write_timeout);
           std::tie(ec, std::ignore) = co_await http::async_write_header(c.stream, sr, use_tuple);
@@ -428,7 +517,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       if (bytes >= options.prompt_bytes_limit) {
         metrics.completion(label(endpoint), "invalid");
         co_await send_error(c, req,
-                            ApiError(400, "invalid_request_error", "",
+                            ApiError(400, "invalid_request_error", endpoint == Endpoint::kChat ? "messages" : "prompt",
                                      "the prompt (" + std::to_string(bytes) + " bytes) cannot fit the context of " +
                                          std::to_string(options.context) + " tokens",
                                      "context_length_exceeded"));
@@ -470,7 +559,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       count(endpoint, o);
       if (!o.ok()) {
         if (o.error->kind == ErrorKind::Cancelled) co_return false;
-        co_await send_error(c, req, error_from_outcome(*o.error));
+        co_await send_error(c, req, error_from_outcome(*o.error, endpoint));
         co_return true;
       }
       std::vector<Completion> choices;
@@ -524,13 +613,27 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   // --- routing -----------------------------------------------------------------------------
 
   asio::awaitable<bool> handle(Connection& c, const HttpRequest& req) {
-    const std::string_view path = path_of(req);
-    const bool get = req.method() == http::verb::get;
+    if (req.method() == http::verb::options && req.count(http::field::origin) > 0 &&
+        req.count(http::field::access_control_request_method) > 0 && !options.allowed_origins.empty()) {
+      co_await preflight(c, req);
+      co_return true;
+    }
+    const std::optional<std::string> decoded = path_of(req);
+    if (!decoded) {
+      co_await send_error(c, req,
+                          ApiError(400, "invalid_request_error", "",
+                                   "the request target '" + std::string(req.target()) +
+                                       "' has a malformed percent-escape or an encoded '/'"));
+      co_return true;
+    }
+    const std::string_view path = *decoded;
+    // HEAD is GET without the body (send_text leaves it out).
+    const bool get = req.method() == http::verb::get || req.method() == http::verb::head;
 
     if (path == "/health") {
       if (!get) {
         co_await send_error(c, req, ApiError(405, "invalid_request_error", "", "use GET for /health"),
-                            std::pair(http::field::allow, std::string("GET")));
+                            std::pair(http::field::allow, std::string("GET, HEAD")));
         co_return true;
       }
       // Only a running server answers: shutting down, it accepts no connection and keeps none idle.
@@ -542,7 +645,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     if (path == "/metrics") {
       if (!get) {
         co_await send_error(c, req, ApiError(405, "invalid_request_error", "", "use GET for /metrics"),
-                            std::pair(http::field::allow, std::string("GET")));
+                            std::pair(http::field::allow, std::string("GET, HEAD")));
         co_return true;
       }
       const Metrics::Gauges gauges{in_flight, static_cast<std::int64_t>(connections.size()), options.model_name,
@@ -575,7 +678,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     if (path == "/v1/models" || path.starts_with("/v1/models/")) {
       if (!get) {
         co_await send_error(c, req, ApiError(405, "invalid_request_error", "", "use GET for /v1/models"),
-                            std::pair(http::field::allow, std::string("GET")));
+                            std::pair(http::field::allow, std::string("GET, HEAD")));
         co_return true;
       }
       if (path == "/v1/models") {
@@ -624,15 +727,19 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         c.stream.expires_after(options.request_timeout);
         c.receiving = true;
         auto [ec, n] = co_await http::async_read_header(c.stream, c.buffer, parser, use_tuple);
-        if (!ec && !parser.chunked() && parser.get().count(http::field::transfer_encoding) > 0) {
-          // A transfer coding other than chunked last: the body's length cannot be known (RFC 9112
-          // 6.3), and read as having none, its bytes would be taken for the next request.
+        const auto coding = parser.get().find(http::field::transfer_encoding);
+        if (!ec && coding != parser.get().end() &&
+            (parser.get().count(http::field::transfer_encoding) > 1 || !beast::iequals(coding->value(), "chunked"))) {
+          // A transfer coding besides chunked, which the server cannot undo (RFC 9112 6.1: 501).
+          // Before chunked, the body would be read as if it had not been applied; after it or
+          // alone, the body's length cannot be known (6.3), and read as having none, its bytes
+          // would be taken for the next request.
           HttpRequest head = parser.release();
           head.keep_alive(false);
           unread_body = true;
           c.refusing = true;
           co_await send_error(c, head,
-                              ApiError(400, "invalid_request_error", "",
+                              ApiError(501, "invalid_request_error", "",
                                        "a Transfer-Encoding other than chunked is not supported: send the body with a "
                                        "Content-Length, or chunked"));
           break;

@@ -592,6 +592,46 @@ TEST_F(Serve, HealthAndModels) {
   EXPECT_EQ(get(*s, "/health?verbose=1").status, 200);
 }
 
+// RFC 9110 9.3.2: HEAD is GET without the body; load balancers probe /health with it.
+TEST_F(Serve, HeadIsAnsweredLikeGetWithoutTheBody) {
+  auto s = serve();
+  const auto head_of = [](const std::string& response) { return response.substr(0, response.find("\r\n\r\n") + 4); };
+  const auto content_length = [](const std::string& head) {
+    static const std::regex kLength("\r\nContent-Length: (\\d+)\r\n");
+    std::smatch m;
+    return std::regex_search(head, m, kLength) ? std::stoll(m[1]) : -1LL;
+  };
+  for (const std::string path : {"/health", "/v1/models", "/v1/models/tiny", "/metrics"}) {
+    SCOPED_TRACE(path);
+    // HEAD, then GET on the same connection: the GET's answer starts right after the HEAD's header.
+    RawConnection c(s->port());
+    c.send_raw("HEAD " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET " + path +
+               " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    const std::string head = head_of(c.received());
+    ASSERT_TRUE(head.starts_with("HTTP/1.1 200 OK\r\n")) << c.received();
+    const std::string rest = c.received().substr(head.size());
+    ASSERT_TRUE(rest.starts_with("HTTP/1.1 200 OK\r\n")) << c.received();
+    const std::string get_head = head_of(rest);
+    const std::string get_body = rest.substr(get_head.size());
+    EXPECT_EQ(content_length(get_head), static_cast<long long>(get_body.size())) << rest;
+    if (path != "/metrics") {  // whose counters move between the two
+      EXPECT_EQ(content_length(head), content_length(get_head)) << c.received();
+    } else {
+      EXPECT_GT(content_length(head), 0) << head;
+    }
+    const std::string type = path == "/metrics" ? "text/plain" : "application/json";
+    EXPECT_TRUE(contains(head, "\r\nContent-Type: " + type)) << head;
+  }
+  // An error keeps its status and loses its body too.
+  RawConnection c(s->port());
+  c.send_raw("HEAD /v1/models/gpt-4o HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+  EXPECT_TRUE(c.received().starts_with("HTTP/1.1 404 Not Found\r\n")) << c.received();
+  EXPECT_TRUE(c.received().ends_with("\r\n\r\n")) << c.received();
+  EXPECT_GT(content_length(c.received()), 0) << c.received();
+}
+
 TEST_F(Serve, MetricsCountResponsesCompletionsAndTheEngine) {
   auto s = serve({"--api-key", "k"});
   // Like /health, /metrics needs no key.
@@ -1011,15 +1051,32 @@ TEST_F(Serve, BadRequestsNameTheField) {
   std::string words;
   for (int i = 0; i < 200; ++i) words += "the cat ";
   HttpResponse too_long = post(*s, "/v1/completions", json({{"prompt", words}}).dump());
-  expect_error(too_long, 400, "invalid_request_error", nullptr, "context_length_exceeded");
+  expect_error(too_long, 400, "invalid_request_error", "prompt", "context_length_exceeded");
   // ... and as a stream: a plain error response, not an event stream.
   HttpResponse too_long_stream = post(*s, "/v1/completions", json({{"prompt", words}, {"stream", true}}).dump());
-  expect_error(too_long_stream, 400, "invalid_request_error", nullptr, "context_length_exceeded");
+  expect_error(too_long_stream, 400, "invalid_request_error", "prompt", "context_length_exceeded");
   // Megabytes of prompt are refused by their size, before they are tokenized (which would hold
   // up every other request meanwhile).
   HttpResponse huge = post(*s, "/v1/chat/completions", chat_request(std::string(4 << 20, 'a')));
-  expect_error(huge, 400, "invalid_request_error", nullptr, "context_length_exceeded");
+  expect_error(huge, 400, "invalid_request_error", "messages", "context_length_exceeded");
   EXPECT_TRUE(contains(huge.body, "the prompt is at least")) << huge.body.substr(0, 300);
+  // What the engine refuses names the field like the server's own checks.
+  HttpResponse bias = post(*s, "/v1/chat/completions", chat_request("Hi", {{"logit_bias", {{"99999999", 1}}}}));
+  expect_error(bias, 400, "invalid_request_error", "logit_bias", nullptr);
+  EXPECT_TRUE(contains(bias.body, "outside the vocabulary")) << bias.body;
+  expect_error(post(*s, "/v1/completions", R"({"prompt": "", "max_tokens": 2})"), 400, "invalid_request_error",
+               "prompt", nullptr);
+  // Output the engine cannot make is refused by name.
+  expect_error(post(*s, "/v1/chat/completions",
+                    chat_request("Hi", {{"modalities", {"text", "audio"}}, {"audio", {{"voice", "alloy"}}}})),
+               400, "invalid_request_error", "modalities", "unsupported_parameter");
+  // An assistant turn that called no tool.
+  const json history = {{"messages",
+                         {{{"role", "user"}, {"content", "Hi"}},
+                          {{"role", "assistant"}, {"content", "Hello"}, {"tool_calls", json::array()}},
+                          {{"role", "user"}, {"content", "And?"}}}},
+                        {"max_tokens", 1}};
+  EXPECT_EQ(post(*s, "/v1/chat/completions", history.dump()).status, 200);
 
   // The server still serves.
   EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 1}})).status, 200);
@@ -1047,10 +1104,10 @@ TEST_F(Serve, WrongMethodIs405WithAllow) {
   EXPECT_EQ(completions.header("allow"), "POST");
   HttpResponse health = post(*s, "/health", "{}");
   expect_error(health, 405, "invalid_request_error", nullptr, nullptr);
-  EXPECT_EQ(health.header("allow"), "GET");
+  EXPECT_EQ(health.header("allow"), "GET, HEAD");
   HttpResponse models = request({.method = "DELETE", .url = s->url("/v1/models/tiny")});
   expect_error(models, 405, "invalid_request_error", nullptr, nullptr);
-  EXPECT_EQ(models.header("allow"), "GET");
+  EXPECT_EQ(models.header("allow"), "GET, HEAD");
 }
 
 TEST_F(Serve, OversizedBodyIs413) {
@@ -1126,6 +1183,96 @@ TEST_F(Serve, ApiKeyFromTheEnvironment) {
   auto s = serve({}, {{"BATCHLM_API_KEY", "from-env"}});
   EXPECT_EQ(get(*s, "/v1/models").status, 401);
   EXPECT_EQ(get(*s, "/v1/models", {"Authorization: Bearer from-env"}).status, 200);
+}
+
+// ---- CORS ------------------------------------------------------------------------------------
+
+// A browser's preflight for a POST from `origin` asking to send these headers.
+CurlRequest preflight(const ServeProcess& s, const std::string& path, const std::string& origin) {
+  return {.method = "OPTIONS",
+          .url = s.url(path),
+          .body = std::nullopt,
+          .headers = {"Origin: " + origin, "Access-Control-Request-Method: POST",
+                      "Access-Control-Request-Headers: content-type,authorization,x-stainless-os"}};
+}
+
+TEST_F(Serve, AnyOriginMayCallByDefault) {
+  auto s = serve({"--api-key", "k"});
+  const std::string origin = "Origin: http://localhost:3000";
+  // The preflight carries no credentials, so it is answered before the key is checked.
+  for (const std::string path : {"/v1/chat/completions", "/v1/models", "/health"}) {
+    SCOPED_TRACE(path);
+    HttpResponse p = request(preflight(*s, path, "http://localhost:3000"));
+    EXPECT_EQ(p.status, 204) << p.body;
+    EXPECT_EQ(p.body, "");
+    EXPECT_EQ(p.header("access-control-allow-origin"), "*");
+    EXPECT_EQ(p.header("access-control-allow-methods"), "GET, HEAD, POST, OPTIONS");
+    EXPECT_EQ(p.header("access-control-allow-headers"),
+              "Authorization, Content-Type, content-type,authorization,x-stainless-os");
+    EXPECT_EQ(p.header("access-control-max-age"), "600");
+    EXPECT_EQ(p.header("vary"), "");
+  }
+  // Every answer to a page lets it read it: successes, errors, streams.
+  const std::string key = "Authorization: Bearer k";
+  HttpResponse models = get(*s, "/v1/models", {origin, key});
+  EXPECT_EQ(models.status, 200) << models.body;
+  EXPECT_EQ(models.header("access-control-allow-origin"), "*");
+  HttpResponse unauthorized = get(*s, "/v1/models", {origin});
+  EXPECT_EQ(unauthorized.status, 401) << unauthorized.body;
+  EXPECT_EQ(unauthorized.header("access-control-allow-origin"), "*");
+  HttpResponse invalid = post(*s, "/v1/chat/completions", chat_request("Hi", {{"temperature", 9}}), {origin, key});
+  EXPECT_EQ(invalid.status, 400) << invalid.body;
+  EXPECT_EQ(invalid.header("access-control-allow-origin"), "*");
+  HttpResponse stream = post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 2}, {"stream", true}}),
+                             {origin, key});
+  EXPECT_EQ(stream.status, 200) << stream.body;
+  EXPECT_EQ(stream.header("content-type"), "text/event-stream");
+  EXPECT_EQ(stream.header("access-control-allow-origin"), "*");
+  // Without an Origin (not a browser) there is nothing to allow.
+  EXPECT_EQ(get(*s, "/health").header("access-control-allow-origin"), "");
+  // An OPTIONS that is no preflight is a method the endpoints do not serve.
+  EXPECT_EQ(request({.method = "OPTIONS", .url = s->url("/health")}).status, 405);
+}
+
+TEST_F(Serve, AllowedOriginsAreEchoedAndOthersRefused) {
+  auto s = serve({"--allowed-origins", "http://localhost:3000, https://app.example.com"});
+  for (const std::string origin : {"http://localhost:3000", "https://app.example.com"}) {
+    SCOPED_TRACE(origin);
+    HttpResponse p = request(preflight(*s, "/v1/chat/completions", origin));
+    EXPECT_EQ(p.status, 204) << p.body;
+    EXPECT_EQ(p.header("access-control-allow-origin"), origin);
+    EXPECT_EQ(p.header("vary"), "Origin");
+    HttpResponse chat = post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 1}}), {"Origin: " + origin});
+    EXPECT_EQ(chat.status, 200) << chat.body;
+    EXPECT_EQ(chat.header("access-control-allow-origin"), origin);
+    EXPECT_EQ(chat.header("vary"), "Origin");
+  }
+  // Another origin's preflight is refused, and its page may not read the answers.
+  HttpResponse other = request(preflight(*s, "/v1/chat/completions", "https://evil.example"));
+  expect_error(other, 403, "invalid_request_error", nullptr, nullptr);
+  EXPECT_EQ(other.header("access-control-allow-origin"), "");
+  HttpResponse chat =
+      post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 1}}), {"Origin: https://evil.example"});
+  EXPECT_EQ(chat.status, 200) << chat.body;
+  EXPECT_EQ(chat.header("access-control-allow-origin"), "");
+}
+
+TEST_F(Serve, AllowedOriginsNoneTurnsCorsOff) {
+  auto s = serve({"--allowed-origins", "none", "--api-key", "k"});
+  HttpResponse p = request(preflight(*s, "/v1/chat/completions", "http://localhost:3000"));
+  expect_error(p, 401, "invalid_request_error", nullptr, "invalid_api_key");
+  EXPECT_EQ(p.header("access-control-allow-origin"), "");
+  HttpResponse health = get(*s, "/health", {"Origin: http://localhost:3000"});
+  EXPECT_EQ(health.status, 200);
+  EXPECT_EQ(health.header("access-control-allow-origin"), "");
+
+  // What no browser sends as its Origin is a usage error.
+  for (const std::string value : {"http://localhost:3000/", "localhost:3000", "http://a,", "none,http://a"}) {
+    SCOPED_TRACE(value);
+    RunResult r = run_batchlm(dir(), {"serve", "--model", "tiny.gguf", "--port", "0", "--allowed-origins", value});
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_TRUE(contains(r.err, "--allowed-origins")) << r.err;
+  }
 }
 
 // ---- load, hang-ups, shutdown ----------------------------------------------------------------
@@ -1301,7 +1448,7 @@ TEST_F(Serve, APromptTooLongForTheContextIsRefusedOnceForAllItsChoices) {
   for (const int n : {1, 3}) {
     SCOPED_TRACE(n);
     HttpResponse r = post(*s, "/v1/chat/completions", chat_request(huge, {{"max_tokens", 2}, {"n", n}}));
-    expect_error(r, 400, "invalid_request_error", nullptr, "context_length_exceeded");
+    expect_error(r, 400, "invalid_request_error", "messages", "context_length_exceeded");
     EXPECT_TRUE(contains(r.body, "256")) << r.body;
   }
   const std::string m = metrics(*s);
@@ -1655,15 +1802,15 @@ TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
     ASSERT_TRUE(c.read_to_end(10s)) << c.received();
     EXPECT_TRUE(c.received().starts_with("HTTP/1.0 200 OK\r\n")) << c.received();
   }
+  const auto hex = [](std::size_t n) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%zx", n);
+    return std::string(buf);
+  };
   {
     SCOPED_TRACE("a chunked request body");
     RawConnection c(s->port());
     const std::string first = completion.substr(0, 10), rest = completion.substr(10);
-    auto hex = [](std::size_t n) {
-      char buf[32];
-      std::snprintf(buf, sizeof buf, "%zx", n);
-      return std::string(buf);
-    };
     c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" +
                hex(first.size()) + "\r\n" + first + "\r\n" + hex(rest.size()) + "\r\n" + rest + "\r\n0\r\n\r\n");
@@ -1708,8 +1855,21 @@ TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
     c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                "Transfer-Encoding: gzip\r\n\r\nGET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
     ASSERT_TRUE(c.read_to_end(10s)) << c.received();
-    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 400 Bad Request\r\n")) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 501 Not Implemented\r\n")) << c.received();
     EXPECT_TRUE(contains(c.received(), "Transfer-Encoding")) << c.received();
+    EXPECT_EQ(count(c.received(), "HTTP/1.1 "), 1u) << c.received();
+  }
+  for (const std::string coding : {"gzip, chunked", "foo,chunked", "chunked, gzip"}) {
+    // RFC 9112 6.1: a coding the server does not know is a 501, wherever it stands; before
+    // chunked, the body is not read as if it had not been applied.
+    SCOPED_TRACE("a body in the transfer codings " + coding);
+    RawConnection c(s->port());
+    c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               "Transfer-Encoding: " + coding + "\r\nConnection: close\r\n\r\n" + hex(completion.size()) + "\r\n" + completion +
+               "\r\n0\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 501 Not Implemented\r\n")) << c.received();
+    EXPECT_TRUE(contains(c.received(), "\"type\":\"invalid_request_error\"")) << c.received();
     EXPECT_EQ(count(c.received(), "HTTP/1.1 "), 1u) << c.received();
   }
   for (const std::string path : {"/\xff", "/v1/models/\xfe"}) {
@@ -1728,6 +1888,38 @@ TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
     EXPECT_TRUE(c.received().starts_with("HTTP/1.1 400 Bad Request\r\n")) << c.received();
   }
   EXPECT_EQ(health(*s)["in_flight"], 0);
+}
+
+// RFC 9112 3.2.2: a server must accept a target in absolute form, which proxies send. A path is
+// routed percent-decoded, as clients may encode any character of it.
+TEST_F(Serve, AbsoluteFormTargetsAndEncodedPathsAreRouted) {
+  auto s = serve();
+  {
+    SCOPED_TRACE("an absolute-form request target");
+    RawConnection c(s->port());
+    c.send_raw("GET http://127.0.0.1:" + std::to_string(s->port()) +
+               "/v1/models?x=1 HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 200 OK\r\n")) << c.received();
+    EXPECT_TRUE(contains(c.received(), "\"object\":\"list\"")) << c.received();
+  }
+  for (const std::string path : {"/v1/mod%65ls", "/v1/models/%74iny", "/%68ealth?a=%2F"}) {
+    SCOPED_TRACE("a percent-encoded path, decoded before it is routed: " + path);
+    RawConnection c(s->port());
+    c.send_raw("GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 200 OK\r\n")) << c.received();
+  }
+  for (const std::string path : {"/v1/models%2Ftiny", "/v1/models%2ftiny", "/v1/mod%6", "/v1/mod%zzls", "/%"}) {
+    SCOPED_TRACE("an encoded '/' or a malformed escape: " + path);
+    RawConnection c(s->port());
+    c.send_raw("GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 400 Bad Request\r\n")) << c.received();
+    EXPECT_TRUE(contains(c.received(), "percent-escape")) << c.received();
+  }
+  const std::string m = metrics(*s);
+  EXPECT_EQ(series(m, R"(batchlm_http_responses_total{route="/v1/models",code="200"})"), 3) << m;
 }
 
 // ---- the real model: the official client, batchlm run -------------------------------------------

@@ -260,6 +260,19 @@ TEST(ParseRequest, ToolCallsInAMessageAreUnsupported) {
   json body = chat_body();
   body["messages"].push_back({{"role", "assistant"}, {"tool_calls", json::array({{{"id", "x"}}})}});
   expect_unsupported(chat_error(body), "messages[1].tool_calls", "tool calling is not supported by this server");
+  body["messages"][1] = {{"role", "assistant"}, {"content", "x"}, {"function_call", {{"name", "f"}}}};
+  expect_unsupported(chat_error(body), "messages[1].function_call", "function calling is not supported by this server");
+}
+
+TEST(ParseRequest, AnEmptyListOfToolCallsIsNone) {
+  // Some clients write [] for an assistant turn that called no tool.
+  json body = chat_body();
+  body["messages"].push_back({{"role", "assistant"}, {"content", "Hello"}, {"tool_calls", json::array()}});
+  body["messages"].push_back({{"role", "user"}, {"content", "And?"}});
+  ApiRequest r = parse_request(Endpoint::kChat, body, kModel);
+  ASSERT_EQ(r.request.messages.size(), 3u);
+  EXPECT_EQ(r.request.messages[1].role, "assistant");
+  EXPECT_EQ(r.request.messages[1].content, "Hello");
 }
 
 TEST(ParseRequest, ContentIsRequiredExceptForTheAssistant) {
@@ -520,6 +533,21 @@ TEST(ParseRequest, ToolsAndFunctionsAreUnsupported) {
                      "function calling is not supported by this server");
 }
 
+TEST(ParseRequest, OutputModalitiesOtherThanTextAreUnsupported) {
+  EXPECT_EQ(chat({{"modalities", {"text"}}}).request.messages.size(), 1u);
+  EXPECT_EQ(chat({{"modalities", json::array()}, {"audio", nullptr}}).request.messages.size(), 1u);
+  expect_unsupported(chat_error(chat_body({{"modalities", {"text", "audio"}}})), "modalities",
+                     "the output modality 'audio' is not supported by this server");
+  expect_unsupported(chat_error(chat_body({{"audio", {{"voice", "alloy"}, {"format", "wav"}}}})), "audio",
+                     "audio output is not supported by this server");
+  expect_invalid(chat_error(chat_body({{"modalities", "text"}})), "modalities",
+                 "'modalities' must be an array of strings, not a string");
+  expect_invalid(chat_error(chat_body({{"modalities", {"text", 1}}})), "modalities",
+                 "'modalities[1]' must be a string, not an integer");
+  // Not fields of the completions API: unknown there, ignored.
+  EXPECT_TRUE(completion({{"modalities", {"audio"}}, {"audio", {{"voice", "alloy"}}}}).request.prompt.has_value());
+}
+
 TEST(ParseRequest, PenaltiesGoToTheEngine) {
   ApiRequest r = chat({{"presence_penalty", 0.5}, {"frequency_penalty", -1}});
   EXPECT_EQ(r.request.extra["presence_penalty"], 0.5);
@@ -657,23 +685,50 @@ TEST(ApiErrorBody, NamesEveryField) {
                                         "param": null, "code": null}})"));
 }
 
+ApiError engine_error(const std::string& code, const std::string& message, Endpoint endpoint = Endpoint::kChat) {
+  return error_from_outcome(Error{ErrorKind::Http, 400, code, message, std::nullopt, false}, endpoint);
+}
+
 TEST(ErrorFromOutcome, EngineClientErrorsKeepStatusAndCode) {
-  Error error{ErrorKind::Http, 400, "context_length_exceeded", "the prompt is 5000 tokens; the context is 4096",
-              std::nullopt, false};
-  ApiError e = error_from_outcome(error);
+  ApiError e = engine_error("context_length_exceeded", "the prompt has 5000 tokens; the context holds 4096");
   EXPECT_EQ(e.status(), 400);
   EXPECT_EQ(e.type(), "invalid_request_error");
   EXPECT_EQ(e.code(), "context_length_exceeded");
-  EXPECT_EQ(e.param(), "");
-  EXPECT_EQ(std::string(e.what()), "the prompt is 5000 tokens; the context is 4096");
+  EXPECT_EQ(std::string(e.what()), "the prompt has 5000 tokens; the context holds 4096");
+}
+
+TEST(ErrorFromOutcome, EngineErrorsNameTheField) {
+  // A prompt too long for the context is the messages' or the prompt's fault, as OpenAI says.
+  EXPECT_EQ(engine_error("context_length_exceeded", "the prompt has 5000 tokens; the context holds 4096").param(),
+            "messages");
+  EXPECT_EQ(engine_error("context_length_exceeded", "the prompt has 5000 tokens; the context holds 4096",
+                         Endpoint::kCompletions)
+                .param(),
+            "prompt");
+  // A value the engine refuses: the field its message names, and no code, as for the server's
+  // own checks.
+  expect_invalid(engine_error("invalid_request", "'logit_bias': token 99999999 is outside the vocabulary of 49152"),
+                 "logit_bias", "'logit_bias': token 99999999 is outside the vocabulary of 49152");
+  expect_invalid(engine_error("invalid_request", "the prompt is empty", Endpoint::kCompletions), "prompt",
+                 "the prompt is empty");
+  // A field the engine cannot honour keeps its code.
+  expect_unsupported(engine_error("unsupported_parameter",
+                                  "'presence_penalty', 'frequency_penalty': penalties are applied on the CPU only"),
+                     "presence_penalty",
+                     "'presence_penalty', 'frequency_penalty': penalties are applied on the CPU only");
+  // A quoted word that is no field name is not taken for one.
+  EXPECT_EQ(engine_error("unsupported_parameter", "'the model' cannot do that").param(), "");
 }
 
 TEST(ErrorFromOutcome, AnythingElseIs500) {
-  ApiError internal = error_from_outcome(Error{ErrorKind::Internal, 0, "", "out of memory", std::nullopt, std::nullopt});
+  ApiError internal =
+      error_from_outcome(Error{ErrorKind::Internal, 0, "", "out of memory", std::nullopt, std::nullopt}, Endpoint::kChat);
   EXPECT_EQ(internal.status(), 500);
   EXPECT_EQ(internal.type(), "server_error");
+  EXPECT_EQ(internal.param(), "");
   EXPECT_EQ(std::string(internal.what()), "the engine failed: out of memory");
-  ApiError http500 = error_from_outcome(Error{ErrorKind::Http, 503, "overloaded", "busy", std::nullopt, std::nullopt});
+  ApiError http500 =
+      error_from_outcome(Error{ErrorKind::Http, 503, "overloaded", "busy", std::nullopt, std::nullopt}, Endpoint::kChat);
   EXPECT_EQ(http500.status(), 500);
   EXPECT_EQ(http500.code(), "overloaded");
 }

@@ -95,8 +95,11 @@ nlohmann::json usage_chunk(const ResponseContext& ctx, const Usage& usage);
 // {"prompt_tokens", "completion_tokens", "total_tokens"}
 nlohmann::json usage_json(const Usage& usage);
 
-// The HTTP status and error body for a failed backend outcome (the engine's own 400s keep
-// their status and code; anything else is a 500).
-ApiError error_from_outcome(const Error& error);
+// The HTTP status and error body for a failed backend outcome of a request to `endpoint`: the
+// engine's own 4xx keep their status, name the field they refuse (the prompt, "messages" or
+// "prompt", when they concern it) and keep their code, but for the engine's generic
+// "invalid_request", which is null like the server's own validation errors; anything else is a
+// 500.
+ApiError error_from_outcome(const Error& error, Endpoint endpoint);
 
 }  // namespace batchlm::server

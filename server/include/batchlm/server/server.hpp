@@ -9,6 +9,9 @@
 //   POST /v1/chat/completions    chat, streaming (SSE) or not
 //   POST /v1/completions         raw text completion, streaming or not
 //
+// HEAD on the GET endpoints answers as GET without the body. A browser's CORS preflight (OPTIONS)
+// is answered for the allowed origins without the API key, and every response to such an origin
+// says it may read it.
 // A request may ask for n choices, each its own engine sequence.
 // Errors are OpenAI error objects naming the bad field. Beyond max_in_flight choices a new one
 // gets 429 with Retry-After. A client that goes away cancels its request, freeing its KV blocks;
@@ -22,6 +25,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <boost/asio/io_context.hpp>
 
@@ -38,6 +42,10 @@ struct ServerOptions {
   // several choices with such a prompt is refused before its choices are made.
   std::size_t prompt_bytes_limit = 0;
   std::string api_key;             // non-empty: /v1/* requires "Authorization: Bearer KEY"
+  // Origins whose web pages may call the server from a browser (CORS): "*" for any, else each
+  // as the browser sends it ("http://localhost:3000"). Empty: no CORS headers, and OPTIONS is
+  // answered like any other method the server does not serve.
+  std::vector<std::string> allowed_origins = {"*"};
   int max_in_flight = 256;         // choices served at once (running and queued); then 429
   std::size_t max_body_bytes = 8u << 20;
   std::chrono::milliseconds keep_alive{std::chrono::seconds(60)};  // idle connection timeout
