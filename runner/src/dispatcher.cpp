@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include <list>
 #include <optional>
 #include <random>
+#include <set>
 #include <unordered_map>
 
 #include <boost/asio/bind_cancellation_slot.hpp>
@@ -143,7 +145,15 @@ class Dispatcher {
                               options_.fresh},
         [this](const json& record) {
           kept_.emplace(record["id"].dump(), Kept{item_result_from_record(record), record.value("input", json())});
+          // Records from before settings were recorded have none, and are taken as they are.
+          if (const auto it = record.find("settings"); it != record.end() && *it != settings_hash_) {
+            if (other_settings_++ == 0) {
+              other_hash_ = it->is_string() ? it->get<std::string>() : it->dump();
+              other_model_ = record.value("model", json()).is_string() ? record["model"].get<std::string>() : "";
+            }
+          }
         });
+    refuse_other_settings();
     const ResumeInfo& resume = writer_->resume_info();
     counters_.total = source_.total();
     // Earlier records count when their item comes up among this run's (produce_items): a
@@ -260,7 +270,8 @@ class Dispatcher {
     stopping_ = true;
     interrupted_ = interrupted;
     char grace[32];
-    std::snprintf(grace, sizeof grace, "%.0fs", std::chrono::duration<double>(job_.grace_period).count());
+    const double grace_s = std::chrono::duration<double>(job_.grace_period).count();
+    std::snprintf(grace, sizeof grace, grace_s < 10 && grace_s != std::floor(grace_s) ? "%.1fs" : "%.0fs", grace_s);
     progress_.message("batchlm: " + std::string(why) + ": no new items; waiting up to " + grace + " for " +
                       std::to_string(counters_.in_flight) + " in flight" +
                       (interrupted && ctrl_c_hint ? " (Ctrl-C again to exit now)" : ""));
@@ -434,7 +445,8 @@ class Dispatcher {
         {"elapsed_ms", ms_between(run.first_attempt_at.value_or(spawned), now)}};
     // Keys in the documented order: id first, error last.
     nlohmann::ordered_json record = {{"id", item.id},
-                                     {"input", select_input(item.input, job_.output.input_fields)}};
+                                     {"input", select_input(item.input, job_.output.input_fields)},
+                                     {"model", model_label(job_, item.request.model)}};
     ItemResult result;
     result.attempts = run.attempts;
     if (run.outcome.ok()) {
@@ -455,6 +467,7 @@ class Dispatcher {
       record["timings"] = timings;
       record["attempts"] = run.attempts;
       record["score"] = score;
+      record["settings"] = settings_hash_;
       record["error"] = nullptr;
       result.ok = true;
       result.score = score;
@@ -471,9 +484,11 @@ class Dispatcher {
       record["timings"] = timings;
       record["attempts"] = run.attempts;
       record["score"] = nullptr;
+      record["settings"] = settings_hash_;
       record["error"] = e.to_json();
       result.ok = false;
       result.error_kind = std::string(to_string(e.kind));
+      result.error_message = e.message;
       result.http_status = e.http_status;
       ++counters_.failed;
     }
@@ -513,25 +528,47 @@ class Dispatcher {
     begin_stop(what.c_str(), false);
   }
 
-  // An API that refuses this client (a wrong key, no quota, no access) refuses every item: after
-  // kRefusalsToStop refusals in a row with no success between, no new item is sent. What was
-  // not sent is left for the next run, after the cause is fixed.
+  // Failures that every item would meet alike stop the sending: after kRefusalsToStop in a row
+  // with no success between, no new item is sent, and what was not sent is left for the next
+  // run, after the cause is fixed. An API that refuses this client (a wrong key, no quota, no
+  // access); a 404 (no such endpoint, as under a base URL without /v1, or no such model); and,
+  // while nothing has succeeded yet, a server that cannot be reached (not started, the wrong
+  // port): each item would otherwise spend all its attempts on it.
   static constexpr int kRefusalsToStop = 10;
   void watch_refusals(const Outcome& outcome) {
     if (outcome.ok()) {
       refusals_in_a_row_ = 0;
+      any_success_ = true;
       return;
     }
     const Error& e = *outcome.error;
-    const bool refusal = (e.kind == ErrorKind::Http && (e.http_status == 401 || e.http_status == 403)) ||
-                         e.code == "insufficient_quota" || e.code == "invalid_api_key";
-    if (!refusal) return;
+    const bool denied = (e.kind == ErrorKind::Http && (e.http_status == 401 || e.http_status == 403)) ||
+                        e.code == "insufficient_quota" || e.code == "invalid_api_key";
+    const bool missing = e.kind == ErrorKind::Http && e.http_status == 404;
+    const bool unreachable = e.kind == ErrorKind::Connection && !any_success_;
+    if (!denied && !missing && !unreachable) {
+      refusals_in_a_row_ = 0;
+      return;
+    }
     if (++refusals_in_a_row_ < kRefusalsToStop || stopping_) return;
-    refused_ = "HTTP " + std::to_string(e.http_status) + (e.code.empty() ? "" : " " + e.code) + ": " +
-               e.message.substr(0, 200);
-    begin_stop(("the API refused the last " + std::to_string(kRefusalsToStop) + " requests (" + *refused_ +
-                ")").c_str(),
-               false);
+    const std::string& url = job_.backend.base_url;
+    if (unreachable) {
+      refused_ = Refusal{"cannot reach " + url + " (" + e.message.substr(0, 200) + ")",
+                         "Start the server or fix the base URL"};
+    } else {
+      Refusal r{"the API refused the last " + std::to_string(kRefusalsToStop) + " requests (HTTP " +
+                    std::to_string(e.http_status) + (e.code.empty() ? "" : " " + e.code) + ": " +
+                    e.message.substr(0, 200) + ")",
+                "Fix the key, quota or access"};
+      if (missing) {
+        const std::string trimmed = url.ends_with('/') ? url.substr(0, url.size() - 1) : url;
+        r.advice = trimmed.ends_with("/v1")
+                       ? "Check that the server has the model '" + job_.backend.model + "'"
+                       : "OpenAI-compatible APIs are served under /v1: did you mean " + trimmed + "/v1?";
+      }
+      refused_ = std::move(r);
+    }
+    begin_stop(refused_->what.c_str(), false);
   }
 
   asio::awaitable<void> tick() {
@@ -547,11 +584,55 @@ class Dispatcher {
 
   std::string summary_path() const { return job_.output.path + ".summary.json"; }
 
+  // Results made under other settings (another model, prompt, sampling, few-shot or scoring)
+  // would be counted as this run's: the run stops before sending anything and says what
+  // changed, from the summary the earlier run left when it has one.
+  void refuse_other_settings() const {
+    if (other_settings_ == 0) return;
+    std::string changed;
+    std::ifstream previous(summary_path());
+    const json summary = previous ? json::parse(previous, nullptr, false) : json();
+    if (summary.is_object() && summary.contains("settings") && settings_hash(summary["settings"]) == other_hash_) {
+      std::vector<std::string> differences;
+      diff_settings(summary["settings"], settings_, "", differences);
+      for (std::size_t i = 0; i < differences.size() && i < 3; ++i) changed += (i ? ", " : "") + differences[i];
+      if (differences.size() > 3) changed += ", ...";
+    } else if (!other_model_.empty() && other_model_ != model_label(job_, "")) {
+      changed = "model: '" + other_model_ + "' -> '" + model_label(job_, "") + "'";
+    } else {
+      changed = "the model, the request template, the few-shot examples or the scoring";
+    }
+    throw ConfigError(job_.output.path, 0, 0, "",
+                      std::to_string(other_settings_) + " earlier result" + (other_settings_ == 1 ? " was" : "s were") +
+                          " made with other settings than this job's (" + changed +
+                          "); --fresh replaces them, or give this run another output with -o");
+  }
+
+  static std::string brief(const json& value) {
+    const std::string text = value.is_null() ? "unset" : value.dump();
+    return text.size() > 40 ? text.substr(0, 37) + "..." : text;
+  }
+
+  static void diff_settings(const json& before, const json& now, const std::string& path,
+                            std::vector<std::string>& out) {
+    if (before.is_object() && now.is_object() && path != "request.messages") {
+      std::set<std::string> keys;
+      for (const auto& [k, v] : before.items()) keys.insert(k);
+      for (const auto& [k, v] : now.items()) keys.insert(k);
+      for (const std::string& k : keys)
+        diff_settings(before.contains(k) ? before[k] : json(), now.contains(k) ? now[k] : json(),
+                      path.empty() ? k : path + "." + k, out);
+    } else if (before != now) {
+      out.push_back(path == "request.messages" ? path : path + ": " + brief(before) + " -> " + brief(now));
+    }
+  }
+
   // The summary beside the output, whole or not at all (a temporary file renamed over it); the
   // reason when it could not be written.
   std::optional<std::string> write_summary(const json& summary) const {
     const std::string path = summary_path(), tmp = path + ".tmp";
     std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) return path + " is a directory";
     {
       std::ofstream f(tmp, std::ios::trunc);
       if (!f) return std::string("cannot open ") + tmp + ": " + std::strerror(errno);
@@ -582,6 +663,7 @@ class Dispatcher {
     const double wall = std::chrono::duration<double>(Clock::now() - start_).count();
     json summary = summary_.to_json(wall, counters_.total);
     summary["job"] = job_.name;
+    summary["settings"] = settings_;
     summary["backend"] = backend_.describe();
     summary["output"] = job_.output.path;
     summary["interrupted"] = interrupted_;
@@ -630,7 +712,11 @@ class Dispatcher {
     } else {
       std::fprintf(options_.progress_out, "summary: %s\n", r.summary_path.c_str());
     }
-    if (interrupted_) {
+    if (interrupted_ && r.unfinished == 0 && !output_error_) {
+      // Stopped while the last items were in flight, and they finished: nothing to resume.
+      r.exit_code = r.failed > 0 ? kExitSomeFailed : kExitOk;
+      std::fprintf(options_.progress_out, "interrupted, but every item had finished\n");
+    } else if (interrupted_) {
       r.exit_code = kExitInterrupted;
       std::fprintf(options_.progress_out,
                    "interrupted: %lld items not finished; run the same command again to resume\n",
@@ -646,9 +732,8 @@ class Dispatcher {
     } else if (refused_) {
       r.exit_code = kExitSomeFailed;
       std::fprintf(options_.progress_out,
-                   "stopped: the API refuses this client (%s); %lld items were not sent. Fix the key, "
-                   "quota or access, then run the same command again\n",
-                   refused_->c_str(), static_cast<long long>(r.unfinished));
+                   "stopped: %s; %lld items were not sent. %s, then run the same command again\n",
+                   refused_->what.c_str(), static_cast<long long>(r.unfinished), refused_->advice.c_str());
     } else {
       r.exit_code = r.failed > 0 || r.unfinished > 0 ? kExitSomeFailed : kExitOk;
     }
@@ -677,6 +762,10 @@ class Dispatcher {
     ItemResult result;
     json input;  // as the record holds it (output.input_fields may have picked some fields)
   };
+  const json settings_ = result_settings(job_);
+  const std::string settings_hash_ = settings_hash(settings_);
+  std::int64_t other_settings_ = 0;  // kept records made under other settings
+  std::string other_hash_, other_model_;  // the first of them: its settings and model
   std::unordered_map<std::string, Kept> kept_;
   std::int64_t changed_inputs_ = 0;  // kept records whose input is not the item's now
   std::string first_changed_id_;
@@ -688,7 +777,11 @@ class Dispatcher {
   Clock::time_point start_;
   bool stopping_ = false, interrupted_ = false;
   int refusals_in_a_row_ = 0;
-  std::optional<std::string> refused_;  // why the run stopped sending: the API refuses it
+  bool any_success_ = false;  // an item of this run has succeeded
+  struct Refusal {
+    std::string what, advice;
+  };
+  std::optional<Refusal> refused_;  // why the run stopped sending: what every item met
   std::optional<std::string> output_error_;  // why the run stopped sending: the output fails
   int stop_signals_ = 0;  // SIGINT, SIGTERM and SIGHUP received
 };

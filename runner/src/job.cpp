@@ -1166,6 +1166,57 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
 
 }  // namespace
 
+nlohmann::json result_settings(const JobSpec& job) {
+  using nlohmann::json;
+  const bool local = job.backend.type == "local";
+  json messages = json::array();
+  for (const ChatMessage& m : job.request.messages) messages.push_back({{"role", m.role}, {"content", m.content}});
+  json request = {{"messages", messages}, {"model", job.request.model}, {"stop", job.request.stop},
+                  {"extra", job.request.extra}};
+  request["max_tokens"] = job.request.max_tokens ? json(*job.request.max_tokens) : json();
+  request["temperature"] = job.request.temperature ? json(*job.request.temperature) : json();
+  request["top_p"] = job.request.top_p ? json(*job.request.top_p) : json();
+  request["seed"] = job.request.seed ? json(*job.request.seed) : json();
+  json few_shot = json();
+  if (!job.few_shot.path.empty() && job.few_shot.count > 0)
+    few_shot = {{"file", fs::path(job.few_shot.path).filename().string()},
+                {"count", job.few_shot.count},
+                {"seed", job.few_shot.seed},
+                {"user", job.few_shot.user},
+                {"assistant", job.few_shot.assistant}};
+  const char* scoring = "none";
+  switch (job.scoring.kind) {
+    case ScoringKind::None: scoring = "none"; break;
+    case ScoringKind::Gsm8k: scoring = "gsm8k"; break;
+    case ScoringKind::ExactMatch: scoring = "exact_match"; break;
+    case ScoringKind::Regex: scoring = "regex"; break;
+  }
+  json scoring_json = {{"type", scoring}};
+  if (job.scoring.kind != ScoringKind::None) scoring_json["reference_field"] = job.scoring.reference_field;
+  if (job.scoring.kind == ScoringKind::Regex) scoring_json["pattern"] = job.scoring.pattern;
+  return {{"backend", local ? "local" : "api"},
+          {"model", local ? fs::path(job.backend.model).filename().string() : job.backend.model},
+          {"request", request},
+          {"few_shot", few_shot},
+          {"scoring", scoring_json}};
+}
+
+std::string settings_hash(const nlohmann::json& settings) {
+  std::uint64_t h = 0xcbf29ce484222325ULL;
+  for (const char c : settings.dump()) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 0x100000001b3ULL;
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return hex;
+}
+
+std::string model_label(const JobSpec& job, const std::string& request_model) {
+  if (!request_model.empty()) return request_model;
+  return job.backend.type == "local" ? fs::path(job.backend.model).filename().string() : job.backend.model;
+}
+
 constexpr std::size_t kMaxJobFileBytes = std::size_t{16} << 20;
 
 JobSpec load_job_text(std::string_view yaml, const std::string& file_label,

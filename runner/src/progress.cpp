@@ -268,6 +268,8 @@ void Summary::add(const ItemResult& r) {
     // The status says more only for HTTP errors; a stream cut short after a 200 is "truncated".
     if (r.http_status != 0 && key == "http") key += " " + std::to_string(r.http_status);
     ++failures_[key];
+    if (!r.error_message.empty() && !failure_examples_.count(key))
+      failure_examples_[key] = r.error_message.size() > 120 ? r.error_message.substr(0, 117) + "..." : r.error_message;
     return;  // an infrastructure failure says nothing about the model: never scored
   }
   ++succeeded_;
@@ -325,6 +327,7 @@ nlohmann::json Summary::to_json(double wall_seconds, std::int64_t total_items) c
                  {"resumed", resumed_},  {"not_run", not_run}};
   j["failures"] = nlohmann::json::object();
   for (const auto& [kind, n] : failures_) j["failures"][kind] = n;
+  if (!failure_examples_.empty()) j["failure_examples"] = failure_examples_;
   j["accuracy"] = nlohmann::json::object();
   for (const auto& [name, counts] : metrics_) {
     const auto [correct, scored] = counts;
@@ -370,6 +373,8 @@ std::string Summary::to_text(double wall_seconds, std::int64_t total_items) cons
     bool first = true;
     for (const auto& [kind, n] : failures_) {
       text += format("%s %s: %lld", first ? "" : ",", kind.c_str(), static_cast<long long>(n));
+      if (const auto example = failure_examples_.find(kind); example != failure_examples_.end())
+        text += " (" + example->second + ")";
       first = false;
     }
     text += "\n";

@@ -184,6 +184,84 @@ TEST(BatchlmRun, StopsSendingWhenTheApiRefusesEveryRequest) {
   expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 200);
 }
 
+// A base URL without /v1 gets 404 for every item: the run stops after ten and says what to fix.
+TEST(BatchlmRun, StopsOnEveryRequestNotFoundAndSuggestsV1) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  std::string url = server.base_url();
+  url.resize(url.size() - 3);  // without "/v1"
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = url, .limit = 100, .concurrency = 2}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("OpenAI-compatible APIs are served under /v1: did you mean " + url + "/v1?"),
+            std::string::npos)
+      << r.err;
+  EXPECT_LE(read_jsonl(dir.path / "out/e2e.jsonl").size(), 12u);
+}
+
+// Nothing listens at the base URL: after ten items could not connect, with no success before,
+// the run stops sending, names the address and the error, and the rest waits for the next run.
+TEST(BatchlmRun, StopsWhenTheServerCannotBeReachedFromTheStart) {
+  TempDir dir;
+  write_file(dir.path / "job.yaml",
+             gsm8k_job({.base_url = "http://127.0.0.1:1/v1", .limit = 100, .concurrency = 2, .max_attempts = 2}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("stopped: cannot reach http://127.0.0.1:1/v1 ("), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("Start the server or fix the base URL"), std::string::npos) << r.err;
+  // The summary line names the error as well as its kind.
+  EXPECT_NE(r.err.find("failures: connection: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("connection: 1"), std::string::npos) << r.err;
+  const auto records = read_jsonl(dir.path / "out/e2e.jsonl");
+  EXPECT_GE(records.size(), 10u);
+  EXPECT_LE(records.size(), 12u);
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_TRUE(summary["failure_examples"]["connection"].is_string()) << summary.dump(2);
+}
+
+// Each record names its model and the settings it was made with; a rerun under other settings
+// (another model, another temperature) is refused before anything is sent, and says what
+// changed; --fresh redoes the items.
+TEST(BatchlmRun, ResumeUnderOtherSettingsIsRefusedAndNamesTheChange) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 6}));
+  ASSERT_EQ(run_batchlm(dir.path, {"run", "job.yaml"}).exit_code, 0);
+  const auto first = read_jsonl(dir.path / "out/e2e.jsonl");
+  ASSERT_EQ(first.size(), 6u);
+  EXPECT_EQ(first[0]["model"], "fake-model");
+  const std::string settings = first[0]["settings"].get<std::string>();
+  EXPECT_EQ(settings.size(), 16u);
+  const long long sent = server.stats()["requests"].get<long long>();
+
+  // The same settings resume (a different concurrency is not a different result).
+  RunResult same = run_batchlm(dir.path, {"run", "job.yaml", "-c", "3"});
+  EXPECT_EQ(same.exit_code, 0) << same.err;
+
+  RunResult other = run_batchlm(dir.path, {"run", "job.yaml", "-m", "other-model", "--set", "request.temperature=0.5"});
+  EXPECT_EQ(other.exit_code, 2) << other.err;
+  EXPECT_NE(other.err.find("6 earlier results were made with other settings than this job's (model: \"fake-model\" -> "
+                           "\"other-model\", request.temperature: 0.0 -> 0.5); --fresh replaces them"),
+            std::string::npos)
+      << other.err;
+  EXPECT_EQ(server.stats()["requests"].get<long long>(), sent);
+  EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), 6u);
+  EXPECT_TRUE(fs::exists(dir.path / "out/e2e.jsonl.summary.json"));  // the refused run took nothing
+
+  // Without the earlier summary, the records' model still tells.
+  fs::remove(dir.path / "out/e2e.jsonl.summary.json");
+  other = run_batchlm(dir.path, {"run", "job.yaml", "-m", "other-model"});
+  EXPECT_EQ(other.exit_code, 2) << other.err;
+  EXPECT_NE(other.err.find("(model: 'fake-model' -> 'other-model')"), std::string::npos) << other.err;
+
+  RunResult fresh = run_batchlm(dir.path, {"run", "job.yaml", "-m", "other-model", "--fresh"});
+  EXPECT_EQ(fresh.exit_code, 0) << fresh.err;
+  const auto redone = read_jsonl(dir.path / "out/e2e.jsonl");
+  ASSERT_EQ(redone.size(), 6u);
+  EXPECT_EQ(redone[0]["model"], "other-model");
+  EXPECT_NE(redone[0]["settings"], settings);
+}
+
 // Items stopped while they wait out a Retry-After have sent requests: the summary counts them.
 TEST(BatchlmRun, InterruptedRunCountsTheRequestsOfItemsItDidNotFinish) {
   TempDir dir;

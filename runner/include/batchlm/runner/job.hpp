@@ -203,6 +203,18 @@ JobSpec load_job_file(const std::string& path, const std::vector<Override>& over
 JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
                       const std::vector<Override>& overrides, const EnvLookup& env);
 
+// What decides an item's result besides its input: the kind of backend and its model (a local
+// model by file name), the request template, the few-shot examples (their file by name) and
+// the scoring. Not the API's address, the engine's tuning or the retry policy. Records carry
+// settings_hash() of it, so that a resume under other settings is refused rather than mixing
+// two runs' results in one file.
+nlohmann::json result_settings(const JobSpec& job);
+// 16 hex digits (FNV-1a, 64 bits, of the settings' compact JSON): the same on every machine.
+std::string settings_hash(const nlohmann::json& settings);
+// The model a record names: the request's own (a template or a Batch line may set it), else
+// the backend's (a local model by file name).
+std::string model_label(const JobSpec& job, const std::string& request_model);
+
 // Why a request's "n" must be 1 (job files and Batch-API lines).
 extern const char* const kOneAnswerPerItem;
 

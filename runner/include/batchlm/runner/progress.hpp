@@ -76,6 +76,7 @@ class Progress {
 struct ItemResult {
   bool ok = false;
   std::string error_kind;   // "" when ok; else Error kind name ("http" ...)
+  std::string error_message;  // the error's message (the summary shows one per kind)
   int http_status = 0;
   nlohmann::json score;     // null when not scored
   double ttft_ms = 0, tpot_ms = 0, total_ms = 0;
@@ -105,6 +106,7 @@ class Summary {
   std::int64_t prompt_tokens_ = 0, completion_tokens_ = 0, attempts_ = 0;
   std::int64_t unfinished_items_ = 0, unfinished_attempts_ = 0;
   std::map<std::string, std::int64_t> failures_;
+  std::map<std::string, std::string> failure_examples_;  // per kind: the first failure's message
   std::map<std::string, std::pair<std::int64_t, std::int64_t>> metrics_;  // name -> (true, scored)
   std::vector<double> ttft_, tpot_, total_;
 };
