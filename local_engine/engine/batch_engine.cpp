@@ -223,6 +223,11 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
                                                    " is outside the vocabulary of " + std::to_string(n_vocab));
   }
   const std::int64_t room = context_ - n_prompt;
+  if (params.refuse_past_context && params.max_tokens > room)
+    throw RequestRejected("context_length_exceeded",
+                          "'max_tokens': the context holds " + std::to_string(context_) + " tokens and the prompt has " +
+                              std::to_string(n_prompt) + ", which leaves room for " + std::to_string(room) +
+                              " more, not " + std::to_string(params.max_tokens));
   const std::int64_t max_new = params.max_tokens > 0 ? std::min(params.max_tokens, room) : room;
   SequenceId id = 0;
   try {

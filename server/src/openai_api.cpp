@@ -233,6 +233,8 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
   }
   if (max_tokens) {
     r.max_tokens = static_cast<int>(integer(*max_tokens, max_param, 1, std::numeric_limits<int>::max()));
+    r.max_tokens_exact = true;  // as OpenAI: a limit the context cannot hold is refused
+    out.max_tokens_param = max_param;
   } else if (!chat) {
     r.max_tokens = 16;  // the completions API's default
   }
@@ -506,13 +508,14 @@ std::string leading_field(std::string_view message) {
 
 }  // namespace
 
-ApiError error_from_outcome(const Error& error, Endpoint endpoint) {
+ApiError error_from_outcome(const Error& error, Endpoint endpoint, std::string_view max_tokens_param) {
   if (error.kind == ErrorKind::Http && error.http_status >= 400 && error.http_status < 500) {
     // The engine does not say which field it refused, but its messages name it first; what
     // names none is about the prompt (too long, empty, not tokenizable).
     std::string param = leading_field(error.message);
     if (param.empty() && (error.code == "context_length_exceeded" || error.code == "invalid_request"))
       param = endpoint == Endpoint::kChat ? "messages" : "prompt";
+    if (param == "max_tokens") param = max_tokens_param;
     // The engine's generic code for a bad value is what the server's own checks leave null.
     const std::string code = error.code == "invalid_request" ? std::string() : error.code;
     return ApiError(error.http_status, "invalid_request_error", std::move(param), error.message, code);

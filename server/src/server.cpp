@@ -402,7 +402,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       if (api.include_usage) s.pending += sse(usage_chunk(ctx, o.completion->usage));
       s.pending += "data: [DONE]\n\n";
     } else if (o.error->kind != ErrorKind::Cancelled) {
-      ApiError e = error_from_outcome(*o.error, api.endpoint);
+      ApiError e = error_from_outcome(*o.error, api.endpoint, api.max_tokens_param);
       if (!s.started && s.pending.empty()) {
         s.error = std::move(e);
       } else {
@@ -559,7 +559,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       count(endpoint, o);
       if (!o.ok()) {
         if (o.error->kind == ErrorKind::Cancelled) co_return false;
-        co_await send_error(c, req, error_from_outcome(*o.error, endpoint));
+        co_await send_error(c, req, error_from_outcome(*o.error, endpoint, parsed->max_tokens_param));
         co_return true;
       }
       std::vector<Completion> choices;

@@ -1456,6 +1456,25 @@ TEST_F(Serve, APromptTooLongForTheContextIsRefusedOnceForAllItsChoices) {
   EXPECT_EQ(series(m, "batchlm_requests_in_flight"), 0) << m;
 }
 
+// As OpenAI's API: a max_tokens the context has no room for after the prompt is a 400 naming
+// the field the client used, not a reply cut short with "length".
+TEST_F(Serve, AMaxTokensPastTheContextIsRefused) {
+  auto s = serve();  // 256 positions
+  HttpResponse r = post(*s, "/v1/chat/completions", chat_request("Hello", {{"max_tokens", 300}}));
+  expect_error(r, 400, "invalid_request_error", "max_tokens", "context_length_exceeded");
+  EXPECT_TRUE(contains(r.body, "the context holds 256 tokens")) << r.body;
+  r = post(*s, "/v1/chat/completions", chat_request("Hello", {{"max_completion_tokens", 300}, {"n", 2}}));
+  expect_error(r, 400, "invalid_request_error", "max_completion_tokens", "context_length_exceeded");
+  r = post(*s, "/v1/completions", json{{"prompt", "Hello"}, {"max_tokens", 1000}}.dump());
+  expect_error(r, 400, "invalid_request_error", "max_tokens", "context_length_exceeded");
+  const json h = health(*s);
+  EXPECT_EQ(h["in_flight"], 0) << h.dump();
+  EXPECT_EQ(h["engine"]["blocks_used"], 0) << h.dump();
+  // Within the room, answered.
+  r = post(*s, "/v1/chat/completions", chat_request("Hello", {{"max_tokens", 4}}));
+  EXPECT_EQ(r.status, 200) << r.body;
+}
+
 TEST_F(Serve, ClientHangingUpCancelsItsRequest) {
   write_long_model();
   auto s = serve({}, {}, "long.gguf");

@@ -242,6 +242,46 @@ TEST_F(ExecutorTest, EngineTakesPartOfABlockFromTheCacheAndGeneratesTheSame) {
   EXPECT_EQ(reused.text, computed.text);
 }
 
+// A max_tokens the context has no room for is shortened to the room, or, asked to be taken as
+// a limit to honour (a client's, in serve), refused when the request is added.
+TEST_F(ExecutorTest, MaxTokensPastTheContextIsShortenedOrRefused) {
+  LocalBackendOptions o;
+  o.device = Device::kCpu;
+  o.threads = 1;
+  o.context = 64;
+  GenerateParams params;
+  params.max_tokens = 60;
+  params.sampling.temperature = 0;
+  params.ignore_eos = true;
+  const std::vector<Token> prompt(10, 42);
+  BatchEngine engine(model(), o);
+  params.refuse_past_context = true;
+  try {
+    engine.add(prompt, params, nullptr);
+    ADD_FAILURE() << "60 tokens after a 10-token prompt fit a 64-token context";
+  } catch (const RequestRejected& e) {
+    EXPECT_EQ(e.code, "context_length_exceeded");
+    EXPECT_STREQ(e.what(),
+                 "'max_tokens': the context holds 64 tokens and the prompt has 10, which leaves room for 54 more, "
+                 "not 60");
+  }
+  EXPECT_TRUE(engine.idle());
+  params.max_tokens = 54;  // exactly the room: accepted
+  engine.add(prompt, params, nullptr);
+  while (!engine.idle()) engine.step();
+  auto finished = engine.take_finished();
+  ASSERT_EQ(finished.size(), 1u);
+  EXPECT_EQ(finished[0].second.tokens.size(), 54u);
+  params.refuse_past_context = false;  // shortened to the room
+  params.max_tokens = 60;
+  engine.add(prompt, params, nullptr);
+  while (!engine.idle()) engine.step();
+  finished = engine.take_finished();
+  ASSERT_EQ(finished.size(), 1u);
+  EXPECT_EQ(finished[0].second.tokens.size(), 54u);
+  EXPECT_EQ(finished[0].second.finish_reason, "length");
+}
+
 TEST(KvPoolSize, DeviceMemoryIsTakenWhole) {
   LocalBackendOptions o;
   o.max_sequences = 4;

@@ -705,6 +705,26 @@ TEST(ErrorFromOutcome, EngineErrorsNameTheField) {
                          Endpoint::kCompletions)
                 .param(),
             "prompt");
+  // A max_tokens the context cannot hold: under the name the client gave it.
+  const Error past{ErrorKind::Http, 400, "context_length_exceeded", "'max_tokens': the context holds 64 tokens",
+                   std::nullopt, false};
+  EXPECT_EQ(error_from_outcome(past, Endpoint::kChat).param(), "max_tokens");
+  EXPECT_EQ(error_from_outcome(past, Endpoint::kChat, "max_completion_tokens").param(), "max_completion_tokens");
+  EXPECT_EQ(error_from_outcome(past, Endpoint::kChat).code(), "context_length_exceeded");
+  // The limit is the client's to honour only where the client gave one.
+  EXPECT_TRUE(parse_request(Endpoint::kChat, json{{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
+                                                  {"max_completion_tokens", 5}},
+                            "m")
+                  .request.max_tokens_exact);
+  EXPECT_EQ(parse_request(Endpoint::kChat, json{{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
+                                                {"max_completion_tokens", 5}},
+                          "m")
+                .max_tokens_param,
+            "max_completion_tokens");
+  EXPECT_FALSE(parse_request(Endpoint::kChat, json{{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}},
+                             "m")
+                   .request.max_tokens_exact);
+  EXPECT_FALSE(parse_request(Endpoint::kCompletions, json{{"prompt", "hi"}}, "m").request.max_tokens_exact);  // 16 by default
   // A value the engine refuses: the field its message names, and no code, as for the server's
   // own checks.
   expect_invalid(engine_error("invalid_request", "'logit_bias': token 99999999 is outside the vocabulary of 49152"),

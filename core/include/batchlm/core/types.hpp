@@ -30,6 +30,11 @@ struct Request {
   // template; messages are then empty.
   std::optional<std::string> prompt;
   std::optional<int> max_tokens;
+  // max_tokens as the client's limit to honour: where the context has no room for that many
+  // after the prompt, the embedded engine refuses the request (context_length_exceeded), as
+  // OpenAI's API does, rather than cutting it short. The server sets it for a max_tokens a
+  // client gave; jobs leave it off, and an item runs at most to the end of the context.
+  bool max_tokens_exact = false;
   std::optional<double> temperature;
   std::optional<double> top_p;
   std::vector<std::string> stop;

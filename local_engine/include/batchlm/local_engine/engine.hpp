@@ -31,6 +31,9 @@ inline constexpr int kMaxLogprobs = 20;
 
 struct GenerateParams {
   std::int64_t max_tokens = 0;  // 0: until the context is full
+  // A max_tokens the context has no room for (after the prompt) is refused
+  // (RequestRejected, context_length_exceeded) instead of shortened to the room there is.
+  bool refuse_past_context = false;
   SamplingParams sampling;
   std::vector<std::string> stop;
   bool ignore_eos = false;      // keep going past end-of-generation tokens (benchmarks)

@@ -45,6 +45,7 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   bool logprobs = false;       // log-probabilities asked for (the counts are in request.extra)
+  std::string max_tokens_param = "max_tokens";  // the name the client gave the limit by
 };
 
 // Checks a request body against the endpoint's schema and what the engine supports. Unknown
@@ -100,6 +101,7 @@ nlohmann::json usage_json(const Usage& usage);
 // "prompt", when they concern it) and keep their code, but for the engine's generic
 // "invalid_request", which is null like the server's own validation errors; anything else is a
 // 500.
-ApiError error_from_outcome(const Error& error, Endpoint endpoint);
+// max_tokens_param: the name the client gave max_tokens by (max_completion_tokens in a chat).
+ApiError error_from_outcome(const Error& error, Endpoint endpoint, std::string_view max_tokens_param = "max_tokens");
 
 }  // namespace batchlm::server
