@@ -16,7 +16,9 @@ namespace detail {
 
 inline std::string show(double v) {
   char text[32];
-  std::snprintf(text, sizeof text, "%g", v);
+  // Whole numbers in full (1048576, not 1.04858e+06).
+  if (v == std::floor(v) && std::abs(v) < 1e15) std::snprintf(text, sizeof text, "%.0f", v);
+  else std::snprintf(text, sizeof text, "%g", v);
   return text;
 }
 

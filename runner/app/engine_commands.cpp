@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -84,8 +86,11 @@ std::string read_prompt() {
   if (!g.prompt.empty() && !g.file.empty()) throw CLI::ValidationError("give --prompt or --file, not both");
   if (!g.file.empty()) {
     if (g.file == "-") return std::string(std::istreambuf_iterator<char>(std::cin), {});
+    std::error_code ec;
+    if (std::filesystem::is_directory(g.file, ec))
+      throw std::runtime_error("--file: " + g.file + " is a directory, not a prompt file");
     std::ifstream f(g.file, std::ios::binary);
-    if (!f) throw std::runtime_error(g.file + ": cannot read the prompt file");
+    if (!f) throw std::runtime_error("--file: cannot read the prompt file " + g.file + ": " + std::strerror(errno));
     return std::string(std::istreambuf_iterator<char>(f), {});
   }
   if (g.prompt.empty()) throw std::runtime_error("no prompt: give --prompt TEXT or --file PATH (- for stdin)");

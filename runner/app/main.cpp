@@ -27,6 +27,7 @@
 #include "batchlm/runner/dispatcher.hpp"
 #include "batchlm/runner/job.hpp"
 #include "batchlm/runner/source.hpp"
+#include "batchlm/runner/writer.hpp"
 #include "cli_checks.hpp"
 #include "engine_commands.hpp"
 
@@ -249,6 +250,45 @@ void hold_standard_descriptors() {
   }
 }
 
+// For each --option on the command line that the command does not have, the nearest one it
+// has ("--concurency": did you mean --concurrency?), or the command that has it.
+std::string option_hint(CLI::App& app, int argc, char** argv) {
+  if (argc < 2) return {};
+  CLI::App* command = nullptr;
+  for (CLI::App* sub : app.get_subcommands({}))
+    if (sub->get_name() == argv[1]) command = sub;
+  if (command == nullptr) return {};
+  const auto long_names = [](const CLI::App& a) {
+    std::vector<std::string> names;
+    for (const CLI::Option* o : a.get_options())
+      for (const std::string& n : o->get_lnames()) names.push_back("--" + n);
+    return names;
+  };
+  const std::vector<std::string> known = long_names(*command);
+  std::string hint;
+  for (int i = 2; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--") break;
+    if (!arg.starts_with("--")) continue;
+    arg = arg.substr(0, arg.find('='));
+    if (std::find(known.begin(), known.end(), arg) != known.end()) continue;
+    std::string line;
+    if (const std::string near = nearest_key(arg, known); !near.empty()) {
+      line = arg + ": did you mean " + near + "?";
+    } else {
+      for (CLI::App* other : app.get_subcommands({})) {
+        const std::vector<std::string> theirs = long_names(*other);
+        if (other != command && std::find(theirs.begin(), theirs.end(), arg) != theirs.end()) {
+          line = arg + " is an option of 'batchlm " + other->get_name() + "', not of '" + command->get_name() + "'";
+          break;
+        }
+      }
+    }
+    if (!line.empty()) hint += (hint.empty() ? "" : "\n") + line;
+  }
+  return hint;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -287,6 +327,7 @@ int main(int argc, char** argv) {
       for (const CLI::App* sub : app.get_subcommands({})) commands += (commands.empty() ? "" : ", ") + sub->get_name();
       message = "unknown command '" + std::string(argv[1]) + "' (commands: " + commands + ")";
     }
+    if (const std::string hint = option_hint(app, argc, argv); !hint.empty()) message += "\n" + hint;
     std::fprintf(stderr, "batchlm: error: %s\nRun with --help for more information.\n", message.c_str());
     return kExitUsage;
   }
@@ -296,6 +337,14 @@ int main(int argc, char** argv) {
     if (*synth) return run_command(synth_opts, true);
     if (const int code = app::run_engine_command(); code >= 0) return code;
     if (const int code = app::run_serve_command(); code >= 0) return code;
+  } catch (const OutputWriteError& e) {
+    // Resuming could not rewrite the output (a full disk, the file size limit): nothing was
+    // sent and the output is as it was; the same command resumes once there is room.
+    std::fprintf(stderr,
+                 "batchlm: error: %s; the output is as it was and nothing was sent. Make room or fix the output, "
+                 "then run the same command again\n",
+                 e.what());
+    return kExitSomeFailed;
   } catch (const std::exception& e) {
     // ConfigError (file:line:field), OutputLockedError (the holder's pid), I/O errors naming
     // the path: the message says it all.

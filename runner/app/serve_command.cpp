@@ -213,7 +213,12 @@ int run_serve_command() {
   } catch (const local_engine::StepLogUnwritable& e) {
     throw std::runtime_error("--step-log: " + e.detail);
   } catch (const std::invalid_argument& e) {
-    throw std::runtime_error(std::string("serve: ") + e.what());
+    std::string what = e.what();
+    // The engine names its own fields; the flags that set them read better.
+    for (const auto& [field, flag] : {std::pair<std::string, std::string>{"kv_bytes ", "--kv-memory "},
+                                      {"kv_tokens ", "--kv-tokens "}})
+      if (what.starts_with(field)) what = flag + what.substr(field.size());
+    throw std::runtime_error(std::string("serve: ") + what);
   }
   server::ServerOptions options;
   options.host = s.host;

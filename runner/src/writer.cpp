@@ -1,6 +1,7 @@
 #include "batchlm/runner/writer.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -20,6 +21,12 @@ namespace {
 
 [[noreturn]] void throw_io(const std::string& action, const std::string& path, int err) {
   throw std::runtime_error(action + " " + path + ": " + std::strerror(err));
+}
+
+// A write, fsync, truncation or rename that failed: the caller reports it as an output that
+// cannot be written now (make room, run again), not as a mistake in what it was given.
+[[noreturn]] void throw_write_error(const std::string& action, const std::string& path, int err) {
+  throw OutputWriteError(action + " " + path + ": " + std::strerror(err));
 }
 
 // Owns a descriptor for the few places that open one only for the span of a function.
@@ -47,15 +54,37 @@ int open_or_throw(const std::string& path, int flags, mode_t mode = 0644) {
   return fd;
 }
 
-// Writes everything or throws; `done` tells the caller how far it got, so a retry after an
-// error (disk full) continues at the exact byte instead of duplicating a prefix.
+// A write past the file size limit (ulimit -f) fails with EFBIG, and the kernel also sends
+// SIGXFSZ, whose default action kills the process with its buffered records unwritten. Ignored
+// for the span of each write, the limit is an error like a full disk whoever uses the writer and
+// whenever: the resume rewrite runs before the caller could have set anything up. What was there
+// before is put back (the disposition is the process's; a writer is used from one thread).
+class FileSizeSignalIgnored {
+ public:
+  FileSizeSignalIgnored() {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigemptyset(&ignore.sa_mask);
+    ::sigaction(SIGXFSZ, &ignore, &previous_);
+  }
+  ~FileSizeSignalIgnored() { ::sigaction(SIGXFSZ, &previous_, nullptr); }
+  FileSizeSignalIgnored(const FileSizeSignalIgnored&) = delete;
+  FileSizeSignalIgnored& operator=(const FileSizeSignalIgnored&) = delete;
+
+ private:
+  struct sigaction previous_ {};
+};
+
+// Writes everything or throws OutputWriteError; `done` tells the caller how far it got, so a
+// retry after an error (disk full) continues at the exact byte instead of duplicating a prefix.
 void write_all(int fd, std::string_view data, const std::string& path, std::size_t& done) {
+  const FileSizeSignalIgnored file_size_signal_ignored;
   done = 0;
   while (done < data.size()) {
     const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw_io("cannot write", path, errno);
+      throw_write_error("cannot write", path, errno);
     }
     done += static_cast<std::size_t>(n);
   }
@@ -68,7 +97,7 @@ void write_all(int fd, std::string_view data, const std::string& path) {
 
 void fsync_or_throw(int fd, const std::string& path) {
   while (::fsync(fd) != 0) {
-    if (errno != EINTR) throw_io("cannot fsync", path, errno);
+    if (errno != EINTR) throw_write_error("cannot fsync", path, errno);
   }
 }
 
@@ -87,7 +116,7 @@ void fsync_directory(const std::string& path) {
   while (::fsync(fd.get()) != 0) {
     if (errno == EINTR) continue;
     if (errno == EINVAL) return;
-    throw_io("cannot fsync directory", dir, errno);
+    throw_write_error("cannot fsync directory", dir, errno);
   }
 }
 
@@ -206,9 +235,9 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
                               ")");
     }
     const std::string pid = std::to_string(::getpid()) + "\n";
-    if (::ftruncate(lock_fd_, 0) != 0) throw_io("cannot write", lock_path, errno);
+    if (::ftruncate(lock_fd_, 0) != 0) throw_write_error("cannot write", lock_path, errno);
     if (::pwrite(lock_fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
-      throw_io("cannot write", lock_path, errno);
+      throw_write_error("cannot write", lock_path, errno);
     }
 
     struct stat info {};
@@ -219,23 +248,31 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
     if (options_.fresh) {
       // Starting over replaces an earlier output, never a file of another kind.
       if (exists) check_is_output();
-      if (::ftruncate(fd_, 0) != 0) throw_io("cannot truncate", path, errno);
+      if (::ftruncate(fd_, 0) != 0) throw_write_error("cannot truncate", path, errno);
       fsync_or_throw(fd_, path);
       fsync_directory(path);
       return;
     }
     if (exists && resume(on_kept)) {
-      // The output was rewritten under the same name: append to (and lock) the new file.
-      ::close(fd_);
-      fd_ = -1;
+      // The output was rewritten under the same name: append to (and lock) the new file. The
+      // file it replaced keeps its lock while another name (a hard link) leads to it, so a run
+      // through that name is refused while this one lasts; with no name left it is closed, which
+      // gives its room back.
+      struct stat replaced {};
+      if (::fstat(fd_, &replaced) == 0 && replaced.st_nlink > 0) {
+        replaced_fd_ = std::exchange(fd_, -1);
+      } else {
+        ::close(std::exchange(fd_, -1));
+      }
       fd_ = open_or_throw(path, O_WRONLY | O_CREAT | O_APPEND);
       lock_output(fd_, path);
     }
     if (!exists) fsync_directory(path);
   } catch (...) {
     if (fd_ >= 0) ::close(fd_);
+    if (replaced_fd_ >= 0) ::close(replaced_fd_);
     if (lock_fd_ >= 0) ::close(lock_fd_);
-    fd_ = lock_fd_ = -1;
+    fd_ = replaced_fd_ = lock_fd_ = -1;
     throw;
   }
 }
@@ -246,15 +283,21 @@ namespace {
 // one short). Anything else means the path names a file that is not a batchlm output (an
 // input, a job file, a model, notes): resuming would delete those lines and --fresh the whole
 // file, so neither touches it.
-nlohmann::json parse_record(std::string_view line, const std::string& path, std::int64_t line_number) {
+// `records_before`: lines before this one were records, so the file is an output with a damaged
+// line (edited by hand, or two writers), not another kind of file.
+nlohmann::json parse_record(std::string_view line, const std::string& path, std::int64_t line_number,
+                            bool records_before) {
   auto record = nlohmann::json::parse(line, nullptr, false);
   if (record.is_discarded() || !record.is_object() || !record.contains("id")) {
-    throw NotAnOutputError(path + ":" + std::to_string(line_number) + ": " +
-                           (record.is_discarded() ? "not a JSON line"
-                            : record.is_object()  ? "a JSON object without an \"id\""
-                                                  : "not a JSON object") +
-                           ", so this is not a batchlm output file; it was left as it is (remove "
-                           "it or choose another output)");
+    const std::string what = record.is_discarded() ? "not a JSON line"
+                             : record.is_object()  ? "a JSON object without an \"id\""
+                                                   : "not a JSON object";
+    const std::string where = path + ":" + std::to_string(line_number) + ": ";
+    if (records_before)
+      throw NotAnOutputError(where + what + ", between records: the file was left as it is; repair or delete "
+                                     "that line (the records around it are kept), or choose another output");
+    throw NotAnOutputError(where + what + ", so this is not a batchlm output file; it was left as it is (remove "
+                                          "it or choose another output)");
   }
   return record;
 }
@@ -264,10 +307,10 @@ nlohmann::json parse_record(std::string_view line, const std::string& path, std:
 void OutputWriter::check_is_output() const {
   const std::string& path = options_.path;
   ScopedFd file(open_or_throw(path, O_RDONLY));
-  std::int64_t line_number = 0;
+  std::int64_t line_number = 0, records = 0;
   for_each_line(file.get(), path, [&](std::string_view line, std::int64_t, bool complete) {
     ++line_number;
-    if (complete && !blank(line)) parse_record(line, path, line_number);
+    if (complete && !blank(line)) parse_record(line, path, line_number, records++ > 0);
   });
 }
 
@@ -288,7 +331,7 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
       resume_.dropped_torn_line = true;
       return drop();
     }
-    auto record = parse_record(line, path, line_number);
+    auto record = parse_record(line, path, line_number, !resume_.done_ids.empty() || resume_.dropped_failed > 0);
     if (auto error = record.find("error"); error != record.end() && !error->is_null()) {
       ++resume_.dropped_failed;
       return drop();
@@ -306,7 +349,7 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   if (!kept_after_drop) {
     // Everything to drop sits at the end (the usual case after a kill): cutting the file there
     // is one atomic step and costs nothing however large the output is.
-    if (::ftruncate(file.get(), dropped.front()) != 0) throw_io("cannot truncate", path, errno);
+    if (::ftruncate(file.get(), dropped.front()) != 0) throw_write_error("cannot truncate", path, errno);
     fsync_or_throw(file.get(), path);
     return false;
   }
@@ -316,24 +359,33 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   if (::lseek(file.get(), 0, SEEK_SET) != 0) throw_io("cannot seek", path, errno);
   const std::string tmp_path = path + ".tmp";
   ScopedFd tmp(open_or_throw(tmp_path, O_WRONLY | O_CREAT | O_TRUNC));
-  std::string out;
-  auto next_drop = dropped.begin();
-  for_each_line(file.get(), path, [&](std::string_view line, std::int64_t offset, bool complete) {
-    if (next_drop != dropped.end() && *next_drop == offset) {
-      ++next_drop;
-      return;
+  try {
+    std::string out;
+    auto next_drop = dropped.begin();
+    for_each_line(file.get(), path, [&](std::string_view line, std::int64_t offset, bool complete) {
+      if (next_drop != dropped.end() && *next_drop == offset) {
+        ++next_drop;
+        return;
+      }
+      if (!complete || blank(line)) return;
+      out.append(line);
+      out.push_back('\n');
+      if (out.size() >= (1u << 20)) {
+        write_all(tmp.get(), out, tmp_path);
+        out.clear();
+      }
+    });
+    write_all(tmp.get(), out, tmp_path);
+    fsync_or_throw(tmp.get(), tmp_path);
+    if (::rename(tmp_path.c_str(), path.c_str()) != 0) {
+      throw_write_error("cannot rename " + tmp_path + " to", path, errno);
     }
-    if (!complete || blank(line)) return;
-    out.append(line);
-    out.push_back('\n');
-    if (out.size() >= (1u << 20)) {
-      write_all(tmp.get(), out, tmp_path);
-      out.clear();
-    }
-  });
-  write_all(tmp.get(), out, tmp_path);
-  fsync_or_throw(tmp.get(), tmp_path);
-  if (::rename(tmp_path.c_str(), path.c_str()) != 0) throw_io("cannot rename " + tmp_path + " to", path, errno);
+  } catch (...) {
+    // The output is as it was. A partial copy left behind (on a full disk, as large as the room
+    // that was free) would keep the disk full until the next run.
+    ::unlink(tmp_path.c_str());
+    throw;
+  }
   fsync_directory(path);
   return true;
 }
@@ -345,6 +397,7 @@ OutputWriter::~OutputWriter() {
     // A destructor cannot report it; what was not written is rerun on resume.
   }
   if (fd_ >= 0) ::close(fd_);
+  if (replaced_fd_ >= 0) ::close(replaced_fd_);
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
 }
 
@@ -388,13 +441,19 @@ void OutputWriter::flush() {
     try {
       write_all(fd_, buffer_, options_.path, done);
     } catch (...) {
+      // A partial write (the disk filled up, the file size limit) left the records before its
+      // last newline whole in the file; the rest stay buffered, the first of them torn there.
+      const auto whole = std::count(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(done), '\n');
+      written_ += whole;
+      buffered_records_ -= whole;
       buffer_.erase(0, done);
       throw;
     }
+    // In the file now, whatever the fsync says.
     buffer_.clear();
-    fsync_or_throw(fd_, options_.path);
     written_ += buffered_records_;
     buffered_records_ = 0;
+    fsync_or_throw(fd_, options_.path);
   }
   last_flush_ = std::chrono::steady_clock::now();
 }

@@ -454,6 +454,18 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
     EXPECT_EQ(r.exit_code, 2) << r.err;
     EXPECT_EQ(r.err.rfind(message, 0), 0u) << r.err;
   }
+  // A mistyped option gets the nearest one; another command's option, that command.
+  RunResult typo = run_batchlm(dir.path, {"synth", "--concurency", "3"});
+  EXPECT_EQ(typo.exit_code, 2);
+  EXPECT_NE(typo.err.find("\n--concurency: did you mean --concurrency?\n"), std::string::npos) << typo.err;
+  write_file(dir.path / "job.yaml", "input: " + gsm8k_test_file() + "\n");
+  RunResult elsewhere = run_batchlm(dir.path, {"run", "job.yaml", "--count", "5"});
+  EXPECT_EQ(elsewhere.exit_code, 2);
+  EXPECT_NE(elsewhere.err.find("--count is an option of 'batchlm synth', not of 'run'"), std::string::npos)
+      << elsewhere.err;
+  RunResult serve_flag = run_batchlm(dir.path, {"serve", "--max-queue", "-1"});
+  EXPECT_EQ(serve_flag.err.rfind("batchlm: error: --max-queue: must be between 0 and 1048576, got -1", 0), 0u)
+      << serve_flag.err;
 }
 
 // The widest row written to a terminal: escape sequences take no columns, a UTF-8 character

@@ -1,6 +1,8 @@
 #include "batchlm/runner/writer.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -77,6 +79,23 @@ json failed(int id) {
 }
 
 std::string line(const json& record) { return record.dump() + "\n"; }
+
+// Lowers the file size limit (ulimit -f) of this process for its lifetime.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(std::size_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &previous_);
+    rlimit lowered = previous_;
+    lowered.rlim_cur = static_cast<rlim_t>(bytes);
+    EXPECT_EQ(::setrlimit(RLIMIT_FSIZE, &lowered), 0);
+  }
+  ~FileSizeLimit() { ::setrlimit(RLIMIT_FSIZE, &previous_); }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit previous_{};
+};
 
 TEST_F(OutputWriterTest, FreshFileStartsEmptyAndCreatesParentDirectories) {
   path_ = (dir_ / "a" / "b" / "out.jsonl").string();
@@ -162,6 +181,14 @@ TEST_F(OutputWriterTest, FileWithLinesThatAreNotRecordsIsRefusedAndLeftUntouched
       const std::string message = e.what();
       EXPECT_NE(message.find(where), std::string::npos) << message;
       EXPECT_NE(message.find("another output"), std::string::npos) << message;
+      // After records, the line is damaged; the records around it are not to be thrown away.
+      const json first = json::parse(text.substr(0, text.find('\n')), nullptr, false);
+      const bool after_records = first.is_object() && first.contains("id");
+      EXPECT_EQ(message.find("between records: the file was left as it is; repair or delete that line") !=
+                    std::string::npos,
+                after_records)
+          << message;
+      EXPECT_EQ(message.find("this is not a batchlm output file") != std::string::npos, !after_records) << message;
     }
     EXPECT_EQ(read_raw(), text);
     EXPECT_FALSE(fs::exists(path_ + ".tmp"));
@@ -461,6 +488,121 @@ TEST_F(OutputWriterTest, LongRecordsSpanningReadBlocksResume) {
   ASSERT_EQ(records.size(), 6u);
   EXPECT_EQ(records[3], ok(3, std::string(700'000, 'd')));
   EXPECT_EQ(records[5], ok(6));
+}
+
+// A flush the disk or the file size limit cuts short leaves some records whole in the file and
+// one torn; only the others count as buffered (the run reports them as not saved), and the next
+// flush with room completes the torn one.
+TEST_F(OutputWriterTest, PartialWriteLeavesBufferedOnlyTheRecordsNotWhollyInTheFile) {
+  const std::string output(100, 'x');
+  const std::size_t size = line(ok(0, output)).size();  // every id has one digit: one size
+  OutputWriter writer(options(1000, std::chrono::hours{1}));
+  for (int i = 0; i < 10; ++i) writer.append(ok(i, output));
+  bool write_error = false;
+  {
+    // Ignored here for the counts alone; that the writer needs no help against SIGXFSZ is
+    // tested below.
+    struct sigaction ignore {}, previous {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigaction(SIGXFSZ, &ignore, &previous);
+    {
+      const FileSizeLimit limit(size * 3 + size / 2);
+      try {
+        writer.flush();
+      } catch (const OutputWriteError&) {
+        write_error = true;
+      } catch (...) {
+      }
+    }
+    ::sigaction(SIGXFSZ, &previous, nullptr);
+  }
+  EXPECT_TRUE(write_error) << "the flush past the limit threw another error, or none";
+  EXPECT_EQ(read_raw().size(), size * 3 + size / 2);
+  EXPECT_EQ(writer.written(), 3);
+  EXPECT_EQ(writer.buffered(), 7);
+  writer.flush();
+  EXPECT_EQ(writer.written(), 10);
+  EXPECT_EQ(writer.buffered(), 0);
+  const auto records = read_records();
+  ASSERT_EQ(records.size(), 10u);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(records[static_cast<std::size_t>(i)], ok(i, output));
+}
+
+// Resuming rewrites the output when a failed record sits before good ones, before the caller
+// has set anything up. Past the file size limit (as on a full disk) that is a write error, not a
+// kill by SIGXFSZ, and the partial copy is removed; the output stays as it was.
+TEST_F(OutputWriterTest, RewritePastTheFileSizeLimitIsAWriteErrorAndLeavesNoTemporaryFile) {
+  std::string text = line(failed(0));
+  for (int i = 1; i <= 20; ++i) text += line(ok(i, std::string(100, 'x')));
+  write_raw(text);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::signal(SIGXFSZ, SIG_DFL);  // as a process starts: the signal kills it
+    int code = 1;
+    {
+      const FileSizeLimit limit(text.size() / 2);
+      try {
+        OutputWriter writer(options());
+      } catch (const OutputWriteError& e) {
+        code = std::string(e.what()).find("out.jsonl.tmp") != std::string::npos ? 0 : 2;
+      } catch (...) {
+        code = 3;
+      }
+    }
+    struct sigaction now {};
+    ::sigaction(SIGXFSZ, nullptr, &now);
+    if (code == 0 && now.sa_handler != SIG_DFL) code = 4;
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  const bool killed = WIFSIGNALED(status);
+  ASSERT_FALSE(killed) << "killed by signal " << WTERMSIG(status);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "1: no error, 2: message without the temporary file, 3: another error, 4: SIGXFSZ not put back";
+  EXPECT_EQ(read_raw(), text);
+  EXPECT_FALSE(fs::exists(path_ + ".tmp"));
+  // With room, the same resume goes through.
+  OutputWriter writer(options());
+  EXPECT_EQ(writer.resume_info().kept, 20);
+  EXPECT_EQ(read_raw(), text.substr(line(failed(0)).size()));
+  EXPECT_FALSE(fs::exists(path_ + ".tmp"));
+}
+
+// The rewrite gives the output's name a new file; a hard link keeps naming the one it replaced.
+// While the run lasts, a run through that link is refused all the same; afterwards the link is a
+// file of its own, the output as it was before the rewrite.
+TEST_F(OutputWriterTest, HardLinkToARewrittenOutputIsRefusedWhileTheRunLasts) {
+  const std::string before = line(ok(1)) + line(failed(2)) + line(ok(3));
+  write_raw(before);
+  const std::string real = path_;
+  const std::string hardlink = (dir_ / "hard.jsonl").string();
+  fs::create_hard_link(real, hardlink);
+  {
+    OutputWriter first(options());
+    ASSERT_FALSE(fs::equivalent(real, hardlink)) << "not rewritten";
+    path_ = hardlink;
+    EXPECT_THROW(OutputWriter second(options()), OutputLockedError);
+    EXPECT_EQ(read_raw(), before);
+    path_ = real;
+  }
+  path_ = hardlink;
+  OutputWriter later(options());
+  EXPECT_EQ(later.resume_info().dropped_failed, 1);
+}
+
+// Without another name, the file a rewrite replaced is closed: held open, it would keep the
+// room of the whole old output taken for the length of the run.
+TEST_F(OutputWriterTest, RewriteDoesNotHoldTheFileItReplaced) {
+  write_raw(line(ok(1)) + line(failed(2)) + line(ok(3)));
+  OutputWriter writer(options());
+  for (const auto& entry : fs::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::string target = fs::read_symlink(entry.path(), ec).string();
+    EXPECT_FALSE(target.rfind(dir_.string(), 0) == 0 && target.find("(deleted)") != std::string::npos) << target;
+  }
 }
 
 TEST_F(OutputWriterTest, UnwritableLocationIsAnErrorNamingThePath) {

@@ -3,7 +3,8 @@
 // fsynced on flush. Opening it resumes: a torn last line is dropped, failed records are
 // dropped (their items run again), and the ids of the successful records are returned so the
 // runner skips them. A file with other lines is refused, not repaired (nor emptied by fresh). A lock file (and a lock
-// on the output itself) refuses a second run on the same output under any of its names.
+// on the output itself) refuses a second run on the same output under any of its names. A rewrite on resume puts a
+// new file under the output's name; the file it replaced stays locked while another name (a hard link) leads to it.
 
 #include <chrono>
 #include <cstdint>
@@ -24,6 +25,15 @@ class OutputLockedError : public std::runtime_error {
 // The existing file at the output path has complete lines that are not records (it is some
 // other file); it is left untouched.
 class NotAnOutputError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Writing the output, its lock file or the temporary copy of a rewrite failed (a full disk, the
+// file size limit, an I/O error): the output cannot take more now, and what it held is intact.
+// Unlike the other errors, which mean the output was not usable at all, this one passes once
+// room is made.
+class OutputWriteError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
@@ -49,8 +59,10 @@ class OutputWriter {
   // file's own, flock; released by the kernel even on kill -9), creates parent directories, then
   // reads and repairs the existing file. `on_kept` sees each kept record (for the summary).
   // Throws OutputLockedError when another run holds the lock, NotAnOutputError when the file
-  // has a complete line that is not a record with an id, and std::runtime_error (with the path)
-  // for I/O errors.
+  // has a complete line that is not a record with an id, OutputWriteError when a write fails
+  // (a rewrite's temporary file is removed then, the output left as it was), and
+  // std::runtime_error (with the path) for other I/O errors. Writes past the file size limit fail
+  // with EFBIG rather than raising SIGXFSZ.
   OutputWriter(Options options, const std::function<void(const nlohmann::json&)>& on_kept = {});
   ~OutputWriter();  // flushes
   OutputWriter(const OutputWriter&) = delete;
@@ -64,12 +76,15 @@ class OutputWriter {
   void append(const nlohmann::ordered_json& record);
   // Flushes when the interval has passed since the last flush and something is buffered.
   void flush_if_due(std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
-  // write + fsync of everything buffered.
+  // write + fsync of everything buffered. Throws OutputWriteError; what a partial write did not
+  // take stays buffered, and the next flush goes on from the byte where it stopped.
   void flush();
 
   const std::string& path() const { return options_.path; }  // links resolved
+  // Records wholly in the file.
   std::int64_t written() const { return written_; }
-  // Records appended but not yet wholly written (after a failed flush, those it kept).
+  // Records appended but not yet wholly in the file: after a partial write, those it did not
+  // finish (the first of them may be torn in the file; the next flush completes it).
   std::int64_t buffered() const { return buffered_records_; }
 
  private:
@@ -84,8 +99,9 @@ class OutputWriter {
   ResumeInfo resume_;
   int fd_ = -1;
   int lock_fd_ = -1;
+  int replaced_fd_ = -1;  // the file a rewrite replaced, locked while another name leads to it
   std::string buffer_;
-  int buffered_records_ = 0;
+  std::int64_t buffered_records_ = 0;
   std::int64_t written_ = 0;
   std::chrono::steady_clock::time_point last_flush_;
 };
