@@ -67,6 +67,10 @@ std::string_view trim(std::string_view s) {
 
 std::string ms_text(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
 
+// Redirects followed before a transfer gives up: enough for a gateway's http -> https and
+// trailing-slash hops, few enough that a loop ends at once.
+constexpr long kMaxRedirects = 5;
+
 Error make_error(ErrorKind kind, std::string message) {
   Error error;
   error.kind = kind;
@@ -93,6 +97,7 @@ struct Transfer {
   bool attached = false;
   bool done = false;
   bool rearm = false;  // the wake-up was cancelled because the next deadline moved earlier
+  bool redirect_refused = false;  // stopped at a redirect that would turn the request into a GET
   CURLcode result = CURLE_OK;
   std::optional<Error> local_error;  // set by a callback that aborts the transfer
 
@@ -297,11 +302,24 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     auto& t = *static_cast<Transfer*>(user);
     const std::string_view line(data, size * count);
     if (line.rfind("HTTP/", 0) == 0) {
-      // A new status line starts a new response (after a 1xx, or a proxy's CONNECT reply):
-      // only the final one's headers are kept.
+      // A new status line starts a new response (after a 1xx, a redirect, or a proxy's CONNECT
+      // reply): only the final one's headers and body are kept.
       t.response.headers.clear();
+      t.response.body.clear();
       const std::size_t space = line.find(' ');
       t.response.status = space == std::string_view::npos ? 0 : std::atoi(std::string(line.substr(space + 1, 3)).c_str());
+      return size * count;
+    }
+    if (trim(line).empty()) {
+      // The end of a response's headers. curl follows every redirect with a Location, and
+      // re-sends a POST as a GET without its body on 301, 302 and 303: such a redirect ends the
+      // transfer here and is the response (307 and 308 keep the method and the body).
+      const int status = t.response.status;
+      if (status >= 300 && status < 400 && status != 307 && status != 308 && t.request.method != "GET" &&
+          t.response.header("location") != nullptr) {
+        t.redirect_refused = true;
+        return 0;  // curl aborts with CURLE_WRITE_ERROR
+      }
       return size * count;
     }
     const std::size_t colon = line.find(':');
@@ -381,7 +399,13 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     curl_easy_setopt(e, CURLOPT_PRIVATE, &t);
     curl_easy_setopt(e, CURLOPT_ERRORBUFFER, t.error_buffer);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 0L);
+    // Redirects are followed (a gateway moving its API to https or to another path), a POST
+    // with its body on 307 and 308 only (on_header stops at the others). curl sends the
+    // Authorization header, ours included, to the original host only: a redirect to another
+    // host, port or scheme goes there without the API key. Other headers go along.
+    curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 1L);
+    curl_easy_setopt(e, CURLOPT_MAXREDIRS, kMaxRedirects);
+    curl_easy_setopt(e, CURLOPT_UNRESTRICTED_AUTH, 0L);
     curl_easy_setopt(e, CURLOPT_SSL_VERIFYPEER, options.verify_tls ? 1L : 0L);
     curl_easy_setopt(e, CURLOPT_SSL_VERIFYHOST, options.verify_tls ? 2L : 0L);
     if (!options.ca_info.empty()) curl_easy_setopt(e, CURLOPT_CAINFO, options.ca_info.c_str());
@@ -434,9 +458,18 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
       response.error = std::move(t.local_error);
       return response;
     }
-    if (t.result == CURLE_OK) return response;
+    if (t.result == CURLE_OK || t.redirect_refused) return response;
     std::string detail = t.error_buffer[0] != '\0' ? t.error_buffer : curl_easy_strerror(t.result);
     switch (t.result) {
+      case CURLE_TOO_MANY_REDIRECTS: {
+        // A loop, most likely: the same request would go round it again, so it is the
+        // redirect's failure rather than the connection's.
+        std::string message = "more than " + std::to_string(kMaxRedirects) + " redirects";
+        if (const std::string* location = response.header("location")) message += ", the last to " + *location;
+        response.error = make_error(ErrorKind::Http, std::move(message));
+        response.error->http_status = response.status;
+        break;
+      }
       case CURLE_OPERATION_TIMEDOUT:
         // Only the connect stage is left to curl's own clock.
         response.error = make_error(ErrorKind::Timeout, "could not connect within " +

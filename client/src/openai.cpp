@@ -4,7 +4,9 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <limits>
 
 #include <boost/asio/use_awaitable.hpp>
 
@@ -15,6 +17,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::size_t kMaxRawBodyInMessage = 500;
+// What an error about an unexpected body quotes of it: enough to recognise an HTML page or a
+// proxy's notice.
+constexpr std::size_t kBodyStartInMessage = 100;
 
 double ms_between(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double, std::milli>(to - from).count();
@@ -145,19 +150,31 @@ std::optional<std::chrono::system_clock::time_point> parse_http_date(std::string
          std::chrono::seconds(*second);
 }
 
-std::int64_t int_field(const nlohmann::json& object, const char* key) {
+// A token count: a non-negative integer that fits, else nothing.
+std::optional<std::int64_t> token_count(const nlohmann::json& object, const char* key) {
   auto it = object.find(key);
-  if (it == object.end() || !it->is_number()) return 0;
-  return it->get<std::int64_t>();
+  if (it == object.end()) return std::nullopt;
+  if (it->is_number_unsigned()) {
+    const auto value = it->get<std::uint64_t>();
+    if (value > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) return std::nullopt;
+    return static_cast<std::int64_t>(value);
+  }
+  if (it->is_number_integer() && it->get<std::int64_t>() >= 0) return it->get<std::int64_t>();
+  return std::nullopt;
 }
 
-// Usage as the API reports it; `reported` stays false when the object is missing or null.
+// Usage as the API reports it. `reported` stays false when the object is missing or null, and
+// when either count is not a non-negative integer: the caller then estimates both, rather than
+// summing and rate-limiting on a server's nonsense.
 Usage usage_from(const nlohmann::json& body) {
   Usage usage;
   auto it = body.find("usage");
   if (it == body.end() || !it->is_object()) return usage;
-  usage.prompt_tokens = int_field(*it, "prompt_tokens");
-  usage.completion_tokens = int_field(*it, "completion_tokens");
+  const auto prompt_tokens = token_count(*it, "prompt_tokens");
+  const auto completion_tokens = token_count(*it, "completion_tokens");
+  if (!prompt_tokens || !completion_tokens) return usage;
+  usage.prompt_tokens = *prompt_tokens;
+  usage.completion_tokens = *completion_tokens;
   usage.reported = true;
   return usage;
 }
@@ -192,6 +209,52 @@ Error make_error(ErrorKind kind, std::string message) {
   error.kind = kind;
   error.message = std::move(message);
   return error;
+}
+
+// The media type of a Content-Type value, lower-cased and without parameters.
+std::string media_type(std::string_view content_type) {
+  std::string type(trim(content_type.substr(0, content_type.find(';'))));
+  std::transform(type.begin(), type.end(), type.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return type;
+}
+
+bool is_json_type(std::string_view content_type) {
+  const std::string type = media_type(content_type);
+  return type == "application/json" || type.ends_with("+json");
+}
+
+bool is_event_stream_type(std::string_view content_type) { return media_type(content_type) == "text/event-stream"; }
+
+// A 2xx whose body is not what was asked for: the HTML page of a web UI or a captive proxy at
+// the base URL. The message says what came instead, and how it starts (cut at a character).
+Error unexpected_content(int status, std::string_view expected, std::string_view content_type, std::string_view body) {
+  std::string message = "expected " + std::string(expected) + ", got " + std::string(trim(content_type));
+  if (body.empty()) {
+    message += " with an empty body";
+  } else if (body.size() <= kBodyStartInMessage) {
+    message += ": " + std::string(body);
+  } else {
+    std::size_t end = kBodyStartInMessage;
+    while (end > 0 && (static_cast<unsigned char>(body[end]) & 0xC0) == 0x80) --end;
+    message += ": " + std::string(body.substr(0, end)) + "...";
+  }
+  Error error = make_error(ErrorKind::Protocol, std::move(message));
+  error.http_status = status;
+  return error;
+}
+
+// Valid JSON where an object belongs.
+Error not_an_object(const nlohmann::json& value, std::string_view text) {
+  return make_error(ErrorKind::Protocol,
+                    std::string("expected a JSON object, got ") + value.type_name() + ": " + truncated(text));
+}
+
+// A field of a chunk or answer that has the wrong JSON type, e.g. a number as delta.content.
+Error wrong_type(std::string_view field, std::string_view expected, const nlohmann::json& value) {
+  return make_error(ErrorKind::Protocol, "expected " + std::string(expected) + " as " + std::string(field) +
+                                             ", got " + value.type_name() + ": " +
+                                             truncated(value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)));
 }
 
 // Invalid UTF-8 sequences replaced by U+FFFD (EF BF BD): what a decoder shows for them.
@@ -371,7 +434,12 @@ Error http_error(const HttpResponse& response) {
     else if (auto m = body.find("message"); m != body.end() && m->is_string())
       error.message = m->get<std::string>();
   }
-  if (error.message.empty()) {
+  const std::string* location = response.header("location");
+  if (location != nullptr && response.status >= 300 && response.status < 400) {
+    // A redirect the client does not follow (see HttpClient::perform): where it pointed is what
+    // the user needs to fix the base URL.
+    error.message = "HTTP " + std::to_string(response.status) + " redirect to " + truncated(*location) + ", not followed";
+  } else if (error.message.empty()) {
     error.message = response.body.empty() ? "HTTP " + std::to_string(response.status)
                                           : truncated(response.body);
   }
@@ -433,8 +501,9 @@ std::optional<std::vector<TokenLogprob>> parse_logprobs(const nlohmann::json& va
 
 Outcome answer_from_body(int status, std::string_view body_text, Timings timings, const TokenSink& sink) {
   auto body = parse_answer_json(body_text);
-  if (body.is_discarded() || !body.is_object())
+  if (body.is_discarded())
     return Outcome::failure(make_error(ErrorKind::Protocol, "malformed JSON body: " + truncated(body_text)), timings);
+  if (!body.is_object()) return Outcome::failure(not_an_object(body, body_text), timings);
   if (auto e = body.find("error"); e != body.end() && !e->is_null()) {
     Error error = make_error(ErrorKind::StreamError, "error in response");
     error.http_status = status;
@@ -446,14 +515,27 @@ Outcome answer_from_body(int status, std::string_view body_text, Timings timings
     return Outcome::failure(make_error(ErrorKind::Protocol, "response has no choices: " + truncated(body_text)), timings);
   const nlohmann::json& choice = (*choices)[0];
   Completion completion;
-  if (auto message = choice.find("message"); message != choice.end() && message->is_object()) {
-    if (auto content = message->find("content"); content != message->end() && content->is_string())
-      completion.text = content->get<std::string>();
-  } else if (auto text = choice.find("text"); text != choice.end() && text->is_string()) {
-    completion.text = text->get<std::string>();  // a text completion
+  // The text: message.content of a chat completion, text of a text completion. Null is no text
+  // (a refusal, a tool call); another type is not an answer.
+  const nlohmann::json* content = nullptr;
+  std::string_view content_field = "text";
+  if (auto message = choice.find("message"); message != choice.end() && !message->is_null()) {
+    if (!message->is_object()) return Outcome::failure(wrong_type("message", "an object", *message), timings);
+    if (auto c = message->find("content"); c != message->end()) content = &*c;
+    content_field = "message.content";
+  } else if (auto text = choice.find("text"); text != choice.end()) {
+    content = &*text;
   }
-  if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
+  if (content != nullptr && !content->is_null()) {
+    if (!content->is_string()) return Outcome::failure(wrong_type(content_field, "a string", *content), timings);
+    completion.text = content->get<std::string>();
+  }
+  if (auto reason = choice.find("finish_reason"); reason != choice.end() && !reason->is_null()) {
+    if (!reason->is_string()) return Outcome::failure(wrong_type("finish_reason", "a string", *reason), timings);
     completion.finish_reason = reason->get<std::string>();
+  }
+  if (completion.finish_reason.empty())
+    return Outcome::failure(make_error(ErrorKind::Protocol, "response has no finish reason: " + truncated(body_text)), timings);
   if (auto lp = choice.find("logprobs"); lp != choice.end()) completion.logprobs = parse_logprobs(*lp);
   completion.usage = usage_from(body);
   timings.ttft_ms = timings.total_ms;
@@ -473,6 +555,8 @@ StreamedAnswer::StreamedAnswer(SseLimits limits, TokenSink sink) : parser_(limit
 
 bool StreamedAnswer::feed(std::string_view chunk) {
   if (!saw_event_) raw_.append(chunk);  // bounded by max_response_bytes
+  // Enough for the message about a body that is not a stream, and one character more.
+  if (head_.size() < kBodyStartInMessage + 4) head_.append(chunk.substr(0, kBodyStartInMessage + 4 - head_.size()));
   const auto status = parser_.feed(chunk, [&](const SseEvent& event) { on_event(event); });
   if (status == SseParser::Status::LineTooLong) {
     error_ = make_error(ErrorKind::TooLarge, "SSE line exceeds the size limit");
@@ -502,8 +586,12 @@ void StreamedAnswer::on_event(const SseEvent& event) {
     return;
   }
   auto chunk = parse_answer_json(event.data);
-  if (chunk.is_discarded() || !chunk.is_object()) {
+  if (chunk.is_discarded()) {
     error_ = make_error(ErrorKind::Protocol, "malformed JSON in stream: " + truncated(event.data));
+    return;
+  }
+  if (!chunk.is_object()) {
+    error_ = not_an_object(chunk, event.data);
     return;
   }
   if (auto e = chunk.find("error"); e != chunk.end() && !e->is_null()) {
@@ -526,12 +614,33 @@ void StreamedAnswer::on_event(const SseEvent& event) {
   }
   if (first != nullptr) {
     const nlohmann::json& choice = *first;
-    // Chat chunks carry delta.content, text-completion chunks carry text.
+    choice_seen_ = true;
+    // Chat chunks carry delta.content, text-completion chunks carry text. Null is no text (the
+    // role chunk, a tool call); another type is not an answer, and neither is a delta that is
+    // no object.
     const nlohmann::json* content = nullptr;
-    if (auto delta = choice.find("delta"); delta != choice.end() && delta->is_object()) {
+    std::string_view content_field = "text";
+    if (auto delta = choice.find("delta"); delta != choice.end() && !delta->is_null()) {
+      if (!delta->is_object()) {
+        error_ = wrong_type("delta", "an object", *delta);
+        return;
+      }
       if (auto c = delta->find("content"); c != delta->end()) content = &*c;
+      content_field = "delta.content";
     } else if (auto t = choice.find("text"); t != choice.end()) {
       content = &*t;
+    }
+    if (content != nullptr && !content->is_null() && !content->is_string()) {
+      error_ = wrong_type(content_field, "a string", *content);
+      return;
+    }
+    const nlohmann::json* reason = nullptr;
+    if (auto r = choice.find("finish_reason"); r != choice.end() && !r->is_null()) {
+      if (!r->is_string()) {
+        error_ = wrong_type("finish_reason", "a string", *r);
+        return;
+      }
+      reason = &*r;
     }
     std::optional<std::vector<TokenLogprob>> logprobs;
     if (auto lp = choice.find("logprobs"); lp != choice.end()) logprobs = parse_logprobs(*lp);
@@ -550,7 +659,8 @@ void StreamedAnswer::on_event(const SseEvent& event) {
     }
     if (sink_ && (!piece.empty() || (logprobs && !logprobs->empty())))
       sink_(piece, logprobs ? std::span<const TokenLogprob>(*logprobs) : std::span<const TokenLogprob>());
-    if (auto reason = choice.find("finish_reason"); reason != choice.end() && reason->is_string())
+    // An empty finish reason is read as null: the choice has not finished.
+    if (reason != nullptr && !reason->get_ref<const std::string&>().empty())
       finish_reason_ = reason->get<std::string>();
   }
   if (Usage u = usage_from(chunk); u.reported) usage_ = u;
@@ -564,6 +674,15 @@ Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point s
     if (deltas_ > 1)
       timings.tpot_ms = ms_between(first_delta_at_, last_delta_at_) / static_cast<double>(deltas_ - 1);
   }
+  const bool success = response.status >= 200 && response.status < 300;
+  const std::string* type = response.header("content-type");
+  const bool cancelled = response.error && response.error->kind == ErrorKind::Cancelled;
+  // A 2xx that is neither a stream nor a JSON answer (the HTML page of a web UI or a captive
+  // proxy at the base URL): what came says more than whatever reading it as a stream gave. A
+  // whole answer under another label (a server that says text/plain) is still an answer.
+  if (success && !cancelled && finish_reason_.empty() && type != nullptr && !is_event_stream_type(*type) &&
+      !is_json_type(*type))
+    return Outcome::failure(unexpected_content(response.status, "text/event-stream", *type, head_), timings);
   // The handler's own error explains an aborted transfer better than the transport does.
   if (error_) {
     Error error = std::move(*error_);
@@ -571,17 +690,20 @@ Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point s
     return Outcome::failure(std::move(error), timings);
   }
   if (response.error) {
-    // A transport failure after [DONE] or a finish reason loses nothing the caller needs.
-    if (!(done_ && response.error->kind == ErrorKind::Connection)) return Outcome::failure(*response.error, timings);
+    // After [DONE] or choice 0's finish reason the answer is complete: a server that then resets
+    // the connection, or keeps it open until the idle timeout, takes nothing from it (the usage
+    // chunk may be missing; the caller then estimates).
+    const bool transport = response.error->kind == ErrorKind::Connection || response.error->kind == ErrorKind::Timeout;
+    if (!(transport && (done_ || !finish_reason_.empty()))) return Outcome::failure(*response.error, timings);
   }
-  if (response.status < 200 || response.status >= 300) return Outcome::failure(http_error(response), timings);
-  if (!saw_event_) {
-    const std::string* type = response.header("content-type");
-    if (type != nullptr && type->find("application/json") != std::string::npos)
-      return answer_from_body(response.status, raw_, timings, sink_);
-  }
-  if (!done_ && finish_reason_.empty()) {
-    Error error = make_error(ErrorKind::Truncated, "stream ended without [DONE] and without a finish reason");
+  if (!success) return Outcome::failure(http_error(response), timings);
+  if (!saw_event_ && type != nullptr && is_json_type(*type)) return answer_from_body(response.status, raw_, timings, sink_);
+  if (finish_reason_.empty()) {
+    // An answer is complete only with choice 0's finish reason: [DONE] alone may end a stream
+    // that a gateway emptied when its upstream failed.
+    Error error = !done_ ? make_error(ErrorKind::Truncated, "stream ended without [DONE] and without a finish reason")
+                  : choice_seen_ ? make_error(ErrorKind::Protocol, "stream ended with [DONE] but without a finish reason")
+                                 : make_error(ErrorKind::Protocol, "stream has no choices");
     error.http_status = response.status;
     return Outcome::failure(std::move(error), timings);
   }
@@ -624,7 +746,12 @@ boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, 
     Timings timings = timings_until(finished);
     if (response.error) co_return Outcome::failure(std::move(*response.error), timings);
     if (response.status < 200 || response.status >= 300) co_return Outcome::failure(http_error(response), timings);
-    co_return answer_from_body(response.status, response.body, timings, sink);
+    Outcome outcome = answer_from_body(response.status, response.body, timings, sink);
+    // Not an answer, and not labelled JSON either: say what came instead (an HTML page).
+    if (const std::string* type = response.header("content-type");
+        !outcome.ok() && outcome.error->kind == ErrorKind::Protocol && type != nullptr && !is_json_type(*type))
+      co_return Outcome::failure(unexpected_content(response.status, "JSON", *type, response.body), timings);
+    co_return outcome;
   }
 
   StreamedAnswer answer(options_.sse_limits, sink);

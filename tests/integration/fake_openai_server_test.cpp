@@ -75,6 +75,7 @@ TEST_F(FakeOpenAIServerTest, StatsCountRequestsPerLastUserMessage) {
   EXPECT_EQ(stats["requests"], 3);
   EXPECT_EQ(stats["per_item"]["apple"], 2);
   EXPECT_EQ(stats["per_item"]["pear"], 1);
+  EXPECT_EQ(stats["authorized"], 3);  // the test backend sends an API key
   EXPECT_EQ(server.requests(), 3u);
   EXPECT_EQ(server.requests_for("apple"), 2u);
   EXPECT_EQ(server.stats().per_item.size(), 2u);
@@ -89,6 +90,7 @@ TEST_F(FakeOpenAIServerTest, ResetEndpointClearsStats) {
   EXPECT_EQ(server.requests_for("apple"), 0u);
   json stats = json::parse(http(server, "GET", "/_stats").body);
   EXPECT_EQ(stats["requests"], 0);
+  EXPECT_EQ(stats["authorized"], 0);
   EXPECT_TRUE(stats["per_item"].empty());
 }
 
@@ -134,7 +136,7 @@ TEST(FaultSpec, ParsesEveryKey) {
       "status=429; retry_after=2;retry_after_ms=1500;retry_after_date=7;should_retry=false;"
       "code=insufficient_quota;message=quota gone;no_body;after=4;reset_after=3;stall_ms=50;"
       "truncate;error_event;event_error;malformed;crlf;cr;byte_chunks;oversize=1000;"
-      "slow_first_byte=9");
+      "slow_first_byte=9;at_end;html;redirect=308;location=http://127.0.0.1:1/v1/chat/completions");
   EXPECT_EQ(f.status, 429);
   EXPECT_EQ(f.retry_after, "2");
   EXPECT_EQ(f.retry_after_ms, 1500);
@@ -150,6 +152,9 @@ TEST(FaultSpec, ParsesEveryKey) {
   EXPECT_TRUE(f.crlf && f.cr && f.byte_chunks);
   EXPECT_EQ(f.oversize_bytes, 1000u);
   EXPECT_EQ(f.slow_first_byte_ms, 9);
+  EXPECT_TRUE(f.at_end && f.html);
+  EXPECT_EQ(f.redirect, 308);
+  EXPECT_EQ(f.location, "http://127.0.0.1:1/v1/chat/completions");
   EXPECT_EQ(FaultSpec::parse("oversize").oversize_bytes, std::size_t{100} << 20);
 }
 
@@ -159,6 +164,7 @@ TEST(FaultSpec, RejectsUnknownKeysAndBadValues) {
   EXPECT_THROW(FaultSpec::parse("status=42"), std::invalid_argument);
   EXPECT_THROW(FaultSpec::parse("should_retry=maybe"), std::invalid_argument);
   EXPECT_THROW(FaultSpec::parse("stall_ms"), std::invalid_argument);
+  EXPECT_THROW(FaultSpec::parse("redirect=200"), std::invalid_argument);
 }
 
 TEST_F(FakeOpenAIServerTest, BadFaultHeaderIsAnswered400) {

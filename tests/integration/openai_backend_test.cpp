@@ -33,6 +33,8 @@ using batchlm::integration::run_on;
 using batchlm::integration::wait_on;
 using batchlm::testing::FakeOpenAIOptions;
 using batchlm::testing::FakeOpenAIServer;
+using batchlm::testing::FaultRule;
+using batchlm::testing::FaultSpec;
 using namespace std::chrono_literals;
 
 constexpr int kTokens = 8;
@@ -299,6 +301,26 @@ TEST_F(OpenAIBackendTest, SlowFirstByteIsFirstByteTimeout) {
   EXPECT_NE(e.message.find("first"), std::string::npos) << e.message;
 }
 
+// A complete answer (finish reason and usage) followed by a reset, or by a connection held
+// open without [DONE], is kept.
+TEST_F(OpenAIBackendTest, ResetAfterTheFinishReasonKeepsTheAnswer) {
+  auto result = complete_with_fault("reset_after=0;at_end");
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(result.outcome.completion->finish_reason, "stop");
+  EXPECT_TRUE(result.outcome.completion->usage.reported);
+}
+
+TEST_F(OpenAIBackendTest, SilenceAfterTheFinishReasonKeepsTheAnswerAtTheIdleTimeout) {
+  auto options = backend_options(server_, "stall_ms=5000;at_end");
+  options.timeouts.idle = 200ms;
+  auto result = complete(options, chat_request("item"));
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(result.outcome.completion->finish_reason, "stop");
+  EXPECT_EQ(result.outcome.completion->usage.completion_tokens, kTokens);
+}
+
 TEST_F(OpenAIBackendTest, StreamEndingWithoutDoneOrFinishReasonIsTruncated) {
   const auto e = error_of(complete_with_fault("truncate;after=3"));
   EXPECT_EQ(e.kind, ErrorKind::Truncated) << e.message;
@@ -329,6 +351,21 @@ TEST_F(OpenAIBackendTest, MalformedJsonInADataLineIsProtocolError) {
   EXPECT_EQ(e.kind, ErrorKind::Protocol) << e.message;
 }
 
+// A base URL that answers with a web page (a UI, a captive proxy) rather than the API.
+TEST_F(OpenAIBackendTest, HtmlPageInsteadOfAnAnswerIsProtocolErrorNamingTypeAndStart) {
+  for (const bool stream : {true, false}) {
+    SCOPED_TRACE(stream ? "streaming" : "not streaming");
+    const auto e = error_of(complete_with_fault("html", stream));
+    EXPECT_EQ(e.kind, ErrorKind::Protocol) << e.message;
+    EXPECT_EQ(e.http_status, 200);
+    EXPECT_NE(e.message.find(stream ? "expected text/event-stream, got text/html; charset=utf-8: <!DOCTYPE html>"
+                                    : "expected JSON, got text/html; charset=utf-8: <!DOCTYPE html>"),
+              std::string::npos)
+        << e.message;
+    EXPECT_NE(e.message.find("Sign in"), std::string::npos) << e.message;
+  }
+}
+
 TEST_F(OpenAIBackendTest, GiantSseLineIsTooLarge) {
   auto options = backend_options(server_, "oversize=4000000");
   options.sse_limits.max_line_bytes = 1 << 20;
@@ -352,6 +389,65 @@ TEST_F(OpenAIBackendTest, ConnectionRefusedIsConnectionError) {
   }
   const auto e = error_of(complete(options, chat_request("item")));
   EXPECT_EQ(e.kind, ErrorKind::Connection) << e.message;
+}
+
+// ---- redirects -------------------------------------------------------------------------------
+
+// 307 and 308 keep the method and the body: the request is sent again where they point, with
+// its API key while that is the same server.
+TEST_F(OpenAIBackendTest, TemporaryAndPermanentRedirectsAreFollowedWithTheBody) {
+  for (const int status : {307, 308}) {
+    for (const bool stream : {true, false}) {
+      const std::string item = "item-" + std::to_string(status) + (stream ? "-stream" : "");
+      SCOPED_TRACE(item);
+      server_.set_rules({FaultRule{{FaultSpec::parse("redirect=" + std::to_string(status))}, 1.0, 1, 0}});
+      server_.reset_stats();
+      auto result = complete(backend_options(server_), chat_request(item, stream));
+      ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+      EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+      // Both requests carried the messages (the server counts them by the last user message).
+      EXPECT_EQ(server_.requests_for(item), 2u);
+      EXPECT_EQ(server_.stats().authorized, 2u);
+    }
+  }
+}
+
+TEST_F(OpenAIBackendTest, RedirectToAnotherHostGoesThereWithoutTheApiKey) {
+  FakeOpenAIServer other(small_answers());
+  server_.set_rules({FaultRule{{FaultSpec::parse("redirect=307;location=" + other.base_url() + "/chat/completions")},
+                               1.0, 0, 0}});
+  auto result = complete(backend_options(server_), chat_request("item"));
+  // The other server answers, though it never saw the key.
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(server_.requests(), 1u);
+  EXPECT_EQ(server_.stats().authorized, 1u);
+  EXPECT_EQ(other.requests_for("item"), 1u);
+  EXPECT_EQ(other.stats().authorized, 0u);
+}
+
+// 301, 302 and 303 would turn the POST into a GET without its body: the redirect is the answer,
+// and its error names where it pointed.
+TEST_F(OpenAIBackendTest, RedirectThatWouldDropThePostIsAnHttpErrorNamingItsLocation) {
+  for (const int status : {301, 302, 303}) {
+    SCOPED_TRACE(status);
+    server_.reset_stats();
+    const auto e = error_of(
+        complete_with_fault("redirect=" + std::to_string(status) + ";location=https://elsewhere.example/v1/chat/completions"));
+    EXPECT_EQ(e.kind, ErrorKind::Http);
+    EXPECT_EQ(e.http_status, status);
+    EXPECT_EQ(e.message, "HTTP " + std::to_string(status) +
+                             " redirect to https://elsewhere.example/v1/chat/completions, not followed");
+    EXPECT_EQ(server_.requests(), 1u);
+  }
+}
+
+TEST_F(OpenAIBackendTest, RedirectLoopEndsAfterFiveRedirects) {
+  const auto e = error_of(complete_with_fault("redirect=307;location=/v1/chat/completions"));
+  EXPECT_EQ(e.kind, ErrorKind::Http);
+  EXPECT_EQ(e.http_status, 307);
+  EXPECT_EQ(e.message, "more than 5 redirects, the last to /v1/chat/completions");
+  EXPECT_EQ(server_.requests(), 6u);
 }
 
 // ---- cancellation ----------------------------------------------------------------------------

@@ -316,6 +316,17 @@ FaultSpec FaultSpec::parse(std::string_view spec) {
     } else if (key == "slow_first_byte") {
       need_value();
       f.slow_first_byte_ms = parse_int(key, value);
+    } else if (key == "at_end") {
+      f.at_end = true;
+    } else if (key == "html") {
+      f.html = true;
+    } else if (key == "redirect") {
+      need_value();
+      f.redirect = parse_int(key, value);
+      if (f.redirect < 300 || f.redirect > 399) throw std::invalid_argument("fault spec: redirect needs a 3xx status");
+    } else if (key == "location") {
+      need_value();
+      f.location = std::string(value);
     } else {
       throw std::invalid_argument("fault spec: unknown key " + std::string(key));
     }
@@ -546,6 +557,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::handle(tcp::socket& socket,
       std::lock_guard lock(mutex);
       out = {{"requests", stats.requests},
              {"connections", stats.connections},
+             {"authorized", stats.authorized},
              {"per_item", stats.per_item}};
     }
     reply = simple_response(200, "application/json", out.dump(), keep_alive);
@@ -553,6 +565,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::handle(tcp::socket& socket,
     {
       std::lock_guard lock(mutex);
       stats.requests = 0;
+      stats.authorized = 0;
       stats.per_item.clear();
     }
     reply = simple_response(200, "application/json", R"({"ok":true})", keep_alive);
@@ -617,6 +630,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
   {
     std::lock_guard lock(mutex);
     ++stats.requests;
+    if (request.find(http::field::authorization) != request.end()) ++stats.authorized;
     attempt = ++stats.per_item[item];
     opts = options;
     script = gsm8k;
@@ -643,6 +657,17 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
 
   co_await sleep_ms(f.slow_first_byte_ms);
 
+  if (f.redirect != 0) {
+    co_return !co_await write_all(socket, simple_response(f.redirect, "text/plain", "", keep_alive,
+                                                          "Location: " + f.location + "\r\n"));
+  }
+  if (f.html) {
+    co_return !co_await write_all(
+        socket, simple_response(200, "text/html; charset=utf-8",
+                                "<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body>"
+                                "<p>Please sign in to continue to the network.</p></body></html>\n",
+                                keep_alive));
+  }
   if (f.status != 0) {
     std::string headers;
     if (f.retry_after) headers += "Retry-After: " + *f.retry_after + "\r\n";
@@ -768,8 +793,8 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     co_return !co_await events.end();
   }
 
-  const bool mid_stream_fault = f.reset_after || f.stall_ms > 0 || f.truncate || f.error_event ||
-                                f.event_error || f.malformed;
+  const bool mid_stream_fault = !f.at_end && (f.reset_after || f.stall_ms > 0 || f.truncate || f.error_event ||
+                                               f.event_error || f.malformed);
   const std::size_t fault_at =
       std::min<std::size_t>(static_cast<std::size_t>(f.reset_after.value_or(f.after)), tokens.size());
 
@@ -816,6 +841,16 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
                         {"choices", json::array()},
                         {"usage", usage}};
     if (co_await events.data(usage_chunk.dump())) co_return false;
+  }
+  if (f.at_end) {
+    if (f.reset_after) {
+      // Long enough for the chunks to reach the client before the reset does.
+      co_await sleep_ms(50);
+      reset_connection(socket);
+      co_return false;
+    }
+    if (f.stall_ms > 0) co_await sleep_ms(f.stall_ms);
+    if (f.truncate) co_return !co_await events.end();
   }
   if (co_await events.data("[DONE]")) co_return false;
   co_return !co_await events.end();
@@ -879,6 +914,7 @@ std::uint64_t FakeOpenAIServer::requests_for(const std::string& item) const {
 void FakeOpenAIServer::reset_stats() {
   std::lock_guard lock(impl_->mutex);
   impl_->stats.requests = 0;
+  impl_->stats.authorized = 0;
   impl_->stats.per_item.clear();
 }
 

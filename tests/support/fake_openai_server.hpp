@@ -6,7 +6,8 @@
 // Endpoints
 //   POST /v1/chat/completions  streaming when the body says "stream": true
 //   GET  /v1/models
-//   GET  /_stats   {"requests": N, "connections": C, "per_item": {"<last user message>": n}}
+//   GET  /_stats   {"requests": N, "connections": C, "authorized": A,
+//                   "per_item": {"<last user message>": n}}
 //   POST /_reset   clears the stats (and with them the per-item attempt counts)
 //
 // Fault spec: `;`-separated `key` or `key=value` items, in the request header
@@ -32,6 +33,11 @@
 //   oversize[=BYTES]       a BYTES-long body (non-streaming) or one BYTES-long SSE data line
 //                          (streaming); default 100 MiB
 //   slow_first_byte=MS     wait MS before sending anything, headers included
+//   at_end                 reset_after, stall_ms and truncate fire after the last chunk (the
+//                          finish reason, then the usage when asked for) instead of [DONE]
+//   html                   answer 200 with an HTML page (Content-Type text/html)
+//   redirect=CODE          answer with this 3xx status and a Location (an empty body)
+//   location=URL           the redirect's Location (default /v1/chat/completions)
 // Mid-stream faults apply to streaming requests; a non-streaming request with one of them is
 // answered normally except for `reset_after` (reset before any byte) and `truncate` (half of
 // the body, then the connection is closed).
@@ -73,6 +79,10 @@ struct FaultSpec {
   bool ignore_stream = false;
   std::optional<std::size_t> oversize_bytes;
   int slow_first_byte_ms = 0;
+  bool at_end = false;
+  bool html = false;
+  int redirect = 0;  // 0: no redirect
+  std::string location = "/v1/chat/completions";
 
   // Throws std::invalid_argument on an unknown key or a bad value.
   static FaultSpec parse(std::string_view spec);
@@ -100,6 +110,7 @@ struct FakeOpenAIOptions {
 struct FakeOpenAIStats {
   std::uint64_t requests = 0;     // chat-completion requests
   std::uint64_t connections = 0;  // accepted TCP connections
+  std::uint64_t authorized = 0;   // chat-completion requests with an Authorization header
   std::map<std::string, std::uint64_t> per_item;  // by last user message
 };
 

@@ -176,6 +176,13 @@ TEST(HttpError, EmptyBodyNamesStatus) {
   EXPECT_EQ(http_error(with_headers({}, 503)).message, "HTTP 503");
 }
 
+TEST(HttpError, RedirectNamesItsLocation) {
+  const Error error = http_error(with_headers({{"location", "https://api.example.com/v1/chat/completions"}}, 302));
+  EXPECT_EQ(error.kind, ErrorKind::Http);
+  EXPECT_EQ(error.http_status, 302);
+  EXPECT_EQ(error.message, "HTTP 302 redirect to https://api.example.com/v1/chat/completions, not followed");
+}
+
 }  // namespace
 TEST(ParseAnswerJson, ValidJsonIsReadAsItIs) {
   EXPECT_EQ(parse_answer_json(R"({"a": "\ud83d\ude00 ok", "b": "\\ud800"})"),
@@ -217,12 +224,193 @@ TEST(StreamedAnswer, ReadsTextFinishReasonAndUsageInAnyChunking) {
   }
 }
 
+Outcome streamed(std::string_view body, const HttpResponse& response = stream_response()) {
+  StreamedAnswer answer(SseLimits{}, {});
+  answer.feed(body);
+  return answer.finish(response, std::chrono::steady_clock::now());
+}
+
 TEST(StreamedAnswer, StreamWithoutAnEndIsTruncated) {
   StreamedAnswer answer(SseLimits{}, {});
   ASSERT_TRUE(answer.feed("data: {\"choices\": [{\"delta\": {\"content\": \"x\"}}]}\n\n"));
   const Outcome o = answer.finish(stream_response(), std::chrono::steady_clock::now());
   ASSERT_FALSE(o.ok());
   EXPECT_EQ(o.error->kind, ErrorKind::Truncated);
+}
+
+// What a gateway sends when its upstream fails: [DONE] without an answer. Each is an error
+// (and retried), never a success with no text and no finish reason.
+TEST(StreamedAnswer, DoneWithoutChoicesIsAProtocolError) {
+  for (const std::string body : {
+           "data: {\"id\": \"x\", \"object\": \"chat.completion.chunk\"}\n\ndata: [DONE]\n\n",
+           "data: {\"choices\": []}\n\ndata: [DONE]\n\n",
+           "data: {\"choices\": [], \"usage\": {\"prompt_tokens\": 3, \"completion_tokens\": 0}}\n\ndata: [DONE]\n\n",
+           "data: {\"choices\": [{\"index\": 1, \"delta\": {\"content\": \"x\"}, \"finish_reason\": \"stop\"}]}\n\n"
+           "data: [DONE]\n\n",
+           "data: [DONE]\n\n"}) {
+    const Outcome o = streamed(body);
+    ASSERT_FALSE(o.ok()) << body;
+    EXPECT_EQ(o.error->kind, ErrorKind::Protocol) << body;
+    EXPECT_EQ(o.error->message, "stream has no choices") << body;
+    EXPECT_EQ(o.error->http_status, 200);
+  }
+}
+
+TEST(StreamedAnswer, DoneWithoutAFinishReasonIsAProtocolError) {
+  for (const std::string body : {
+           "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"the answer\"}}]}\n\ndata: [DONE]\n\n",
+           "data: {\"choices\": [{\"delta\": {\"content\": \"the answer\"}, \"finish_reason\": null}]}\n\n"
+           "data: {\"choices\": [{\"delta\": {}, \"finish_reason\": \"\"}]}\n\ndata: [DONE]\n\n"}) {
+    const Outcome o = streamed(body);
+    ASSERT_FALSE(o.ok()) << body;
+    EXPECT_EQ(o.error->kind, ErrorKind::Protocol) << body;
+    EXPECT_EQ(o.error->message, "stream ended with [DONE] but without a finish reason") << body;
+  }
+}
+
+TEST(StreamedAnswer, ContentThatIsNotAStringIsAProtocolError) {
+  StreamedAnswer answer(SseLimits{}, {});
+  EXPECT_FALSE(answer.feed("data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": 12345}}]}\n\n"
+                           "data: {\"choices\": [{\"index\": 0, \"delta\": {}, \"finish_reason\": \"stop\"}]}\n\n"
+                           "data: [DONE]\n\n"));
+  const Outcome o = answer.finish(stream_response(), std::chrono::steady_clock::now());
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->kind, ErrorKind::Protocol);
+  EXPECT_EQ(o.error->message, "expected a string as delta.content, got number: 12345");
+
+  const Outcome text = streamed("data: {\"choices\": [{\"text\": [\"a\"], \"finish_reason\": \"stop\"}]}\n\ndata: [DONE]\n\n");
+  ASSERT_FALSE(text.ok());
+  EXPECT_EQ(text.error->message, "expected a string as text, got array: [\"a\"]");
+}
+
+TEST(StreamedAnswer, NullContentIsNoText) {
+  const Outcome o = streamed(
+      "data: {\"choices\": [{\"index\": 0, \"delta\": {\"role\": \"assistant\", \"content\": null}}]}\n\n"
+      "data: {\"choices\": [{\"index\": 0, \"delta\": null, \"finish_reason\": null}]}\n\n"
+      "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"ok\"}, \"finish_reason\": \"stop\"}]}\n\n"
+      "data: [DONE]\n\n");
+  ASSERT_TRUE(o.ok()) << o.error->message;
+  EXPECT_EQ(o.completion->text, "ok");
+  EXPECT_EQ(o.completion->finish_reason, "stop");
+}
+
+TEST(StreamedAnswer, DeltaOrFinishReasonOfTheWrongTypeIsAProtocolError) {
+  Outcome o = streamed("data: {\"choices\": [{\"index\": 0, \"delta\": \"hi\"}]}\n\n"
+                       "data: {\"choices\": [{\"index\": 0, \"delta\": {}, \"finish_reason\": \"stop\"}]}\n\n"
+                       "data: [DONE]\n\n");
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->kind, ErrorKind::Protocol);
+  EXPECT_EQ(o.error->message, "expected an object as delta, got string: \"hi\"");
+
+  o = streamed("data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"x\"}, \"finish_reason\": 17}]}\n\n"
+               "data: [DONE]\n\n");
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->kind, ErrorKind::Protocol);
+  EXPECT_EQ(o.error->message, "expected a string as finish_reason, got number: 17");
+}
+
+TEST(StreamedAnswer, JsonThatIsNotAnObjectSaysWhatItIs) {
+  const Outcome o = streamed("data: [1,2,3]\n\ndata: [DONE]\n\n");
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->kind, ErrorKind::Protocol);
+  EXPECT_EQ(o.error->message, "expected a JSON object, got array: [1,2,3]");
+  EXPECT_EQ(streamed("data: null\n\n").error->message, "expected a JSON object, got null: null");
+  EXPECT_EQ(streamed("data: {oops\n\n").error->message, "malformed JSON in stream: {oops");
+}
+
+// Once choice 0 has its finish reason the answer is whole: a reset or a server that keeps the
+// connection open afterwards (the idle timeout) takes nothing from it.
+TEST(StreamedAnswer, TransportFailureAfterTheFinishReasonKeepsTheAnswer) {
+  const std::string body =
+      "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"42\"}, \"finish_reason\": \"stop\"}]}\n\n";
+  const std::string usage = "data: {\"choices\": [], \"usage\": {\"prompt_tokens\": 7, \"completion_tokens\": 1}}\n\n";
+  for (const ErrorKind kind : {ErrorKind::Connection, ErrorKind::Timeout}) {
+    HttpResponse broken = stream_response();
+    broken.error = Error{kind, 0, "", "Recv failure: Connection reset by peer", std::nullopt, std::nullopt};
+    Outcome o = streamed(body + usage, broken);
+    ASSERT_TRUE(o.ok()) << o.error->message;
+    EXPECT_EQ(o.completion->text, "42");
+    EXPECT_EQ(o.completion->finish_reason, "stop");
+    EXPECT_TRUE(o.completion->usage.reported);
+    EXPECT_EQ(o.completion->usage.prompt_tokens, 7);
+
+    o = streamed(body, broken);  // the usage chunk never came: the caller estimates it
+    ASSERT_TRUE(o.ok()) << o.error->message;
+    EXPECT_FALSE(o.completion->usage.reported);
+
+    // Before the finish reason the answer may be cut short.
+    o = streamed("data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"42\"}}]}\n\n", broken);
+    ASSERT_FALSE(o.ok());
+    EXPECT_EQ(o.error->kind, kind);
+  }
+  // A cancelled attempt stays cancelled.
+  HttpResponse cancelled = stream_response();
+  cancelled.error = Error{ErrorKind::Cancelled, 0, "", "request cancelled", std::nullopt, std::nullopt};
+  const Outcome o = streamed(body, cancelled);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->kind, ErrorKind::Cancelled);
+}
+
+TEST(StreamedAnswer, UsageWithCountsThatAreNotNonNegativeIntegersIsNotReported) {
+  const std::string answer =
+      "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"ok\"}, \"finish_reason\": \"stop\"}]}\n\n";
+  for (const std::string usage : {R"({"prompt_tokens": "many", "completion_tokens": -5})",
+                                  R"({"prompt_tokens": 10, "completion_tokens": -5})",
+                                  R"({"prompt_tokens": 10.5, "completion_tokens": 3})",
+                                  R"({"prompt_tokens": 10})",
+                                  R"({"prompt_tokens": 10, "completion_tokens": 18446744073709551615})"}) {
+    const Outcome o = streamed(answer + "data: {\"choices\": [], \"usage\": " + usage + "}\n\ndata: [DONE]\n\n");
+    ASSERT_TRUE(o.ok()) << o.error->message;
+    EXPECT_FALSE(o.completion->usage.reported) << usage;
+    EXPECT_EQ(o.completion->usage.prompt_tokens, 0) << usage;
+    EXPECT_EQ(o.completion->usage.completion_tokens, 0) << usage;
+
+    const Outcome whole = answer_from_body(
+        200, R"({"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}], "usage": )" + usage + "}", {});
+    ASSERT_TRUE(whole.ok()) << whole.error->message;
+    EXPECT_FALSE(whole.completion->usage.reported) << usage;
+  }
+  const Outcome zero = streamed(answer + "data: {\"choices\": [], \"usage\": {\"prompt_tokens\": 0, "
+                                         "\"completion_tokens\": 0}}\n\ndata: [DONE]\n\n");
+  ASSERT_TRUE(zero.ok());
+  EXPECT_TRUE(zero.completion->usage.reported);
+}
+
+// A base URL that answers with a web page (a UI, a captive proxy): the error says what came.
+TEST(StreamedAnswer, BodyThatIsNoStreamNamesItsTypeAndStart) {
+  const HttpResponse html = with_headers({{"content-type", "text/html; charset=utf-8"}}, 200);
+  Outcome o = streamed("<html><body>Gateway says hi</body></html>", html);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->kind, ErrorKind::Protocol);
+  EXPECT_EQ(o.error->http_status, 200);
+  EXPECT_EQ(o.error->message,
+            "expected text/event-stream, got text/html; charset=utf-8: <html><body>Gateway says hi</body></html>");
+
+  // Only the start of a long body, cut between characters.
+  std::string page = "a";
+  for (int i = 0; i < 200; ++i) page += "\xC3\xA9";  // é: byte 100 is the second of one
+  o = streamed(page, html);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->message, "expected text/event-stream, got text/html; charset=utf-8: " + page.substr(0, 99) + "...");
+  // A whole answer under another label (a server that says text/plain) is still an answer; a
+  // part of one is not.
+  o = streamed("data: {\"choices\": [{\"delta\": {\"content\": \"x\"}, \"finish_reason\": \"stop\"}]}\n\n",
+               with_headers({{"content-type", "text/plain"}}, 200));
+  ASSERT_TRUE(o.ok()) << o.error->message;
+  EXPECT_EQ(o.completion->text, "x");
+  o = streamed("data: {\"choices\": [{\"delta\": {\"content\": \"x\"}}]}\n\n", html);
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->kind, ErrorKind::Protocol);
+  EXPECT_EQ(o.error->message.rfind("expected text/event-stream, got text/html", 0), 0u) << o.error->message;
+
+  o = streamed("", with_headers({{"content-type", "text/plain"}}, 200));
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->message, "expected text/event-stream, got text/plain with an empty body");
+
+  // The stream's own type, with parameters or in capitals, is a stream.
+  o = streamed("data: {\"choices\": [{\"delta\": {\"content\": \"x\"}, \"finish_reason\": \"stop\"}]}\n\n",
+               with_headers({{"content-type", "Text/Event-Stream; charset=utf-8"}}, 200));
+  ASSERT_TRUE(o.ok()) << o.error->message;
 }
 
 // Found by fuzzing (tests/fuzz/corpus/openai_answer): an error event without data, or an error
@@ -257,6 +445,23 @@ TEST(AnswerFromBody, ReadsAChatCompletion) {
   EXPECT_EQ(sunk, "4");
   EXPECT_EQ(o.completion->usage.prompt_tokens, 3);
   EXPECT_EQ(answer_from_body(200, "[]", {}).error->kind, ErrorKind::Protocol);
+  EXPECT_EQ(answer_from_body(200, "[]", {}).error->message, "expected a JSON object, got array: []");
+}
+
+TEST(AnswerFromBody, AChoiceWithoutAFinishReasonOrWithContentOfTheWrongTypeIsAProtocolError) {
+  for (const std::string body : {R"({"choices": [{"message": {"content": "4"}}]})",
+                                 R"({"choices": [{"message": {"content": "4"}, "finish_reason": ""}]})",
+                                 R"({"choices": [{"message": {"content": 4}, "finish_reason": "stop"}]})",
+                                 R"({"choices": [{"message": "4", "finish_reason": "stop"}]})",
+                                 R"({"choices": [{"text": 4, "finish_reason": "stop"}]})",
+                                 R"({"choices": [{"message": {"content": "4"}, "finish_reason": 1}]})"}) {
+    const Outcome o = answer_from_body(200, body, {});
+    ASSERT_FALSE(o.ok()) << body;
+    EXPECT_EQ(o.error->kind, ErrorKind::Protocol) << body;
+  }
+  const Outcome refusal = answer_from_body(200, R"({"choices": [{"message": {"content": null}, "finish_reason": "stop"}]})", {});
+  ASSERT_TRUE(refusal.ok()) << refusal.error->message;
+  EXPECT_EQ(refusal.completion->text, "");
 }
 
 TEST(ParseAnswerJson, UnpairedSurrogateEscapesBecomeReplacementCharacters) {

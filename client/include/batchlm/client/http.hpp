@@ -44,7 +44,9 @@ struct HttpResponse {
   int status = 0;
   Headers headers;   // names lower-cased, in arrival order, of the final response
   std::string body;  // the body when no body handler consumed it (always for non-2xx)
-  std::optional<Error> error;  // transport failure: Timeout, Connection, TooLarge, Cancelled
+  // A transport failure: Timeout, Connection, TooLarge, Cancelled; or Http for too many
+  // redirects (the message names the last Location).
+  std::optional<Error> error;
   std::chrono::steady_clock::time_point first_byte_at{};  // of the body; {} if none arrived
 
   const std::string* header(std::string_view lower_name) const;
@@ -73,7 +75,9 @@ class HttpClient {
   HttpClient(const HttpClient&) = delete;
   HttpClient& operator=(const HttpClient&) = delete;
 
-  // One transfer. Follows no redirects. Never throws for transfer failures (see
+  // One transfer. Follows up to 5 redirects: 307 and 308 with the same method and body, 301,
+  // 302 and 303 only for a GET (for another method they are the response); the Authorization
+  // header goes to the original host only. Never throws for transfer failures (see
   // HttpResponse::error). Honours per-operation cancellation: the transfer is removed at once
   // and the result carries ErrorKind::Cancelled.
   boost::asio::awaitable<HttpResponse> perform(HttpRequest request, BodyHandler on_body = {});

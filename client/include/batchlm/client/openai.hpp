@@ -50,7 +50,8 @@ Error http_error(const HttpResponse& response);
 
 // A chat.completion (or text_completion) JSON body read into an Outcome: the non-streaming
 // answer, or what a server that ignores `stream: true` sends instead of a stream. `timings`
-// is the transfer's; the text goes to `sink` when there is one.
+// is the transfer's; the text goes to `sink` when there is one. Without choice 0's finish
+// reason, or with a field of the wrong type (a number as content), it is a Protocol error.
 Outcome answer_from_body(int status, std::string_view body, Timings timings, const TokenSink& sink = {});
 
 // A choice's `logprobs` in either form an API gives it: chat completions' {"content": [{token,
@@ -75,7 +76,8 @@ class StreamedAnswer {
 
   // The outcome once the transfer has ended with `response` (its status, headers and transport
   // error; its body is what feed() saw). `started`: when the request was sent. Called once:
-  // the text moves into the outcome.
+  // the text moves into the outcome. A success needs choice 0's finish reason; once it has
+  // come, a transport failure (a reset, the idle timeout) no longer fails the answer.
   Outcome finish(const HttpResponse& response, Clock::time_point started);
 
  private:
@@ -89,7 +91,9 @@ class StreamedAnswer {
   std::optional<std::vector<TokenLogprob>> logprobs_;
   bool done_ = false;        // `data: [DONE]` seen
   bool saw_event_ = false;
+  bool choice_seen_ = false; // a chunk carried choice 0
   std::string raw_;          // the body while no event has been seen (a JSON answer instead of a stream)
+  std::string head_;         // the first bytes of the body, for an error about what it is
   std::optional<Error> error_;
   std::size_t deltas_ = 0;
   Clock::time_point first_delta_at_{};
