@@ -33,6 +33,7 @@
 #include "batchlm/runner/retry.hpp"
 #include "batchlm/runner/scoring.hpp"
 #include "batchlm/runner/writer.hpp"
+#include "ignored_signal.hpp"
 
 namespace batchlm::runner {
 
@@ -93,23 +94,6 @@ bool ignored_at_start(int signo) {
   return ::sigaction(signo, nullptr, &current) == 0 && current.sa_handler == SIG_IGN;
 }
 
-// Ignores a signal for its lifetime, then puts back what was there.
-class IgnoredSignal {
- public:
-  explicit IgnoredSignal(int signo) : signo_(signo) {
-    struct sigaction ignore {};
-    ignore.sa_handler = SIG_IGN;
-    ::sigemptyset(&ignore.sa_mask);
-    ::sigaction(signo_, &ignore, &previous_);
-  }
-  ~IgnoredSignal() { ::sigaction(signo_, &previous_, nullptr); }
-  IgnoredSignal(const IgnoredSignal&) = delete;
-  IgnoredSignal& operator=(const IgnoredSignal&) = delete;
-
- private:
-  int signo_;
-  struct sigaction previous_ {};
-};
 
 }  // namespace
 

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "ignored_signal.hpp"
+
 namespace batchlm::runner {
 
 namespace {
@@ -54,31 +56,15 @@ int open_or_throw(const std::string& path, int flags, mode_t mode = 0644) {
   return fd;
 }
 
-// A write past the file size limit (ulimit -f) fails with EFBIG, and the kernel also sends
-// SIGXFSZ, whose default action kills the process with its buffered records unwritten. Ignored
-// for the span of each write, the limit is an error like a full disk whoever uses the writer and
-// whenever: the resume rewrite runs before the caller could have set anything up. What was there
-// before is put back (the disposition is the process's; a writer is used from one thread).
-class FileSizeSignalIgnored {
- public:
-  FileSizeSignalIgnored() {
-    struct sigaction ignore {};
-    ignore.sa_handler = SIG_IGN;
-    ::sigemptyset(&ignore.sa_mask);
-    ::sigaction(SIGXFSZ, &ignore, &previous_);
-  }
-  ~FileSizeSignalIgnored() { ::sigaction(SIGXFSZ, &previous_, nullptr); }
-  FileSizeSignalIgnored(const FileSizeSignalIgnored&) = delete;
-  FileSizeSignalIgnored& operator=(const FileSizeSignalIgnored&) = delete;
-
- private:
-  struct sigaction previous_ {};
-};
-
 // Writes everything or throws OutputWriteError; `done` tells the caller how far it got, so a
 // retry after an error (disk full) continues at the exact byte instead of duplicating a prefix.
 void write_all(int fd, std::string_view data, const std::string& path, std::size_t& done) {
-  const FileSizeSignalIgnored file_size_signal_ignored;
+  // A write past the file size limit (ulimit -f) fails with EFBIG, and the kernel also sends
+  // SIGXFSZ, whose default action kills the process with its buffered records unwritten. Ignored
+  // for the span of each write, the limit is an error like a full disk whoever uses the writer
+  // and whenever: the resume rewrite runs before the caller could have set anything up (the
+  // disposition is the process's; a writer is used from one thread).
+  const IgnoredSignal file_size_signal_ignored(SIGXFSZ);
   done = 0;
   while (done < data.size()) {
     const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
