@@ -780,7 +780,12 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
   std::int64_t items = 0, prompt_tokens = 0, max_output_tokens = 0, unbounded = 0;
   const bool local = job.backend.type == "local";
   const std::string target = local ? job.backend.model : job.backend.base_url;
-  while (std::optional<Item> item = source.next()) {
+  // A synth job of billions of items is estimated from its first million (items differ only in
+  // their drawn variables) rather than drawn whole.
+  constexpr std::int64_t kItemsLooked = 1'000'000;
+  while (items < kItemsLooked) {
+    std::optional<Item> item = source.next();
+    if (!item) break;
     if (item->request.model.empty()) item->request.model = job.backend.model;
     item->request.stream = job.backend.stream;
     if (items < show) {
@@ -797,16 +802,29 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
       ++unbounded;
     }
   }
+  std::string estimated_from;
+  double scale = 1;
+  if (const std::int64_t total = source.total(); total > items && items > 0) {
+    scale = static_cast<double>(total) / static_cast<double>(items);
+    estimated_from = " (from the first " + std::to_string(items) + ")";
+  }
+  // Counts scaled up to every item: whole numbers, in powers of ten past what reads as one.
+  const auto count = [&](std::int64_t n) {
+    const double v = static_cast<double>(n) * scale;
+    char text[40];
+    std::snprintf(text, sizeof text, v < 1e15 ? "%.0f" : "%.3g", v);
+    return std::string(text);
+  };
   // Without max_tokens an answer runs to the model's end of turn or its context: no bound.
   const std::string output_bound =
-      unbounded > 0 ? std::to_string(unbounded) + " items without max_tokens, so no bound"
-                    : "at most " + std::to_string(max_output_tokens);
+      unbounded > 0 ? count(unbounded) + " items without max_tokens, so no bound"
+                    : "at most " + count(max_output_tokens);
   std::fprintf(out,
                "--- dry run: job '%s' is valid; %lld items to %s (%s), concurrency %d\n"
-               "estimated prompt tokens: %lld (about %lld per item); output tokens: %s\n"
+               "estimated prompt tokens%s: %s (about %lld per item); output tokens: %s\n"
                "output: %s\nnothing was sent.\n",
-               job.name.c_str(), static_cast<long long>(items), target.c_str(),
-               job.backend.type.c_str(), job.concurrency, static_cast<long long>(prompt_tokens),
+               job.name.c_str(), static_cast<long long>(std::max(items, source.total())), target.c_str(),
+               job.backend.type.c_str(), job.concurrency, estimated_from.c_str(), count(prompt_tokens).c_str(),
                static_cast<long long>(items > 0 ? prompt_tokens / items : 0), output_bound.c_str(),
                job.output.path.c_str());
 }

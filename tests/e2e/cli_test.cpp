@@ -344,6 +344,12 @@ TEST(BatchlmRun, DryRunValidatesAndSendsNothing) {
   r = run_batchlm(dir.path, {"run", "job.yaml", "--dry-run", "--set", "request.max_tokens=null"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("output tokens: 5 items without max_tokens, so no bound"), std::string::npos) << r.out;
+  // A synth job of billions of items is estimated from its first million, not drawn whole.
+  r = run_batchlm(dir.path, {"synth", "--count", "9223372036854775807", "--dry-run", "--base-url", server.base_url()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("9223372036854775807 items to"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("estimated prompt tokens (from the first 1000000): "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("e+20 (about "), std::string::npos) << r.out;
 }
 
 // A dry run on the embedded engine checks the model file as far as its header and tensor
