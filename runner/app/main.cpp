@@ -116,8 +116,38 @@ void require_model_file(const JobSpec& job) {
     throw ConfigError(job.file, 0, 0, "backend.model", problem);
 }
 
-std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_context& io,
-                                      const EnvLookup& env) {
+// Where a field's value was given: the flag of the last override that covers it (--set, -m,
+// ...), else the job file. For errors found after loading (the engine's own checks).
+std::string origin_of(const JobSpec& job, const std::vector<Override>& overrides, const std::string& field) {
+  for (auto it = overrides.rbegin(); it != overrides.rend(); ++it)
+    if (field == it->path || field.starts_with(it->path + "."))
+      return it->flag.empty() ? std::string("--set") : it->flag;
+  return job.file;
+}
+
+// The engine names its options as it knows them ("kv_bytes 1024 ...", "speculative.layers must
+// be ..."); the job's field is named instead, and blamed where it was set.
+ConfigError engine_option_error(const JobSpec& job, const std::vector<Override>& overrides, std::string message) {
+  static const std::vector<std::pair<std::string, std::string>> names = {
+      {"kv_bytes", "kv_memory"}, {"kv_tokens", "kv_tokens"}, {"speculative.", "speculative."},
+      {"context", "context"},    {"max_sequences", "max_sequences"}, {"token_budget", "token_budget"},
+      {"block_size", "block_size"}};
+  std::string field = "backend";
+  for (const auto& [engine_name, job_name] : names) {
+    if (!message.starts_with(engine_name)) continue;
+    if (engine_name.ends_with('.')) {
+      field = "backend." + message.substr(0, message.find_first_of(" :"));
+    } else {
+      field = "backend." + job_name;
+      message = job_name + message.substr(engine_name.size());
+    }
+    break;
+  }
+  return ConfigError(origin_of(job, overrides, field), 0, 0, field, message);
+}
+
+std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Override>& overrides,
+                                      boost::asio::io_context& io, const EnvLookup& env) {
   if (job.backend.type == "local") {
     require_model_file(job);
     local_engine::LocalBackendOptions options;
@@ -135,17 +165,34 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, boost::asio::io_contex
     try {
       options.speculative = app::speculative_options(job.backend.speculative);
     } catch (const std::runtime_error& e) {
-      throw ConfigError(job.file, 0, 0, "backend.speculative.model", e.what());
+      throw ConfigError(origin_of(job, overrides, "backend.speculative.model"), 0, 0, "backend.speculative.model",
+                        e.what());
     }
+    std::unique_ptr<local_engine::LocalBackend> backend;
     try {
-      return std::make_unique<local_engine::LocalBackend>(io.get_executor(), options);
+      backend = std::make_unique<local_engine::LocalBackend>(io.get_executor(), options);
     } catch (const local_engine::DeviceUnavailable& e) {
-      throw ConfigError(job.file, 0, 0, "backend.device", e.what());
+      throw ConfigError(origin_of(job, overrides, "backend.device"), 0, 0, "backend.device", e.what());
     } catch (const local_engine::StepLogUnwritable& e) {
-      throw ConfigError(job.file, 0, 0, "backend.step_log", e.detail);
+      throw ConfigError(origin_of(job, overrides, "backend.step_log"), 0, 0, "backend.step_log", e.detail);
     } catch (const std::invalid_argument& e) {
-      throw ConfigError(job.file, 0, 0, "backend", e.what());
+      throw engine_option_error(job, overrides, e.what());
+    } catch (const std::bad_alloc&) {
+      // The weights and the KV pool are taken whole at start: a pool set larger than the memory
+      // fails here, before any item.
+      const std::string field = job.backend.kv_bytes > 0    ? "backend.kv_memory"
+                                : job.backend.kv_tokens > 0 ? "backend.kv_tokens"
+                                                            : "backend.model";
+      throw ConfigError(origin_of(job, overrides, field), 0, 0, field,
+                        field == "backend.model"
+                            ? "not enough memory for the model and its KV pool (give a smaller backend.kv_memory, or "
+                              "backend.context)"
+                            : "not enough memory for a KV pool this large (with the model's weights); give a smaller one");
     }
+    if (job.backend.context > backend->context())
+      std::fprintf(stderr, "batchlm: note: backend.context %lld is beyond what the model was trained on; using %lld\n",
+                   static_cast<long long>(job.backend.context), static_cast<long long>(backend->context()));
+    return backend;
   }
   client::OpenAIOptions options;
   options.base_url = job.backend.base_url;
@@ -232,7 +279,7 @@ int run_command(const JobOptions& o, bool synth) {
   }
   fit_concurrency_to_open_files(job);
   boost::asio::io_context io(1);
-  std::unique_ptr<Backend> backend = make_backend(job, io, env);
+  std::unique_ptr<Backend> backend = make_backend(job, overrides, io, env);
   RunOptions options;
   options.fresh = o.fresh;
   RunResult result = run_job(job, *source, *backend, io, options);

@@ -447,6 +447,28 @@ TEST_F(EngineCli, RunALocalJobWithAStepLogWritesALinePerStep) {
   EXPECT_FALSE(fs::exists(dir() / "out/bad.jsonl"));
 }
 
+// The engine's refusals of its settings name the job's field and where it was set: the job
+// file, or the flag that overrode it. A pool larger than the memory is one of them.
+TEST_F(EngineCli, RunALocalJobWithEngineSettingsItCannotTakeNamesTheField) {
+  write_file(dir() / "job.yaml", local_job("tiny.gguf", 3, ", kv_memory: 1KiB"));
+  RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "batchlm: error: job.yaml: backend.kv_memory: kv_memory 1024 (")) << r.err;
+  write_file(dir() / "job.yaml", local_job("tiny.gguf", 3));
+  r = run_batchlm(dir(), {"run", "job.yaml", "--set", "backend.kv_memory=1KiB"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "batchlm: error: --set: backend.kv_memory: kv_memory 1024 (")) << r.err;
+  // Only where the system refuses what it cannot give (not with overcommit_memory 1).
+  std::ifstream overcommit("/proc/sys/vm/overcommit_memory");
+  if (int mode = -1; overcommit >> mode && mode != 1) {
+    r = run_batchlm(dir(), {"run", "job.yaml", "--set", "backend.kv_memory=1TiB"});
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_TRUE(contains(r.err, "batchlm: error: --set: backend.kv_memory: not enough memory for a KV pool this large"))
+        << r.err;
+  }
+  EXPECT_FALSE(fs::exists(dir() / "out/local.jsonl"));
+}
+
 TEST_F(EngineCli, ServeWithAStepLogThatCannotBeOpenedExitsNamingTheFlag) {
   RunResult r = run_batchlm(dir(), {"serve", "--model", "tiny.gguf", "--port", "0", "--threads", "1",
                                     "--no-kv-commit", "--step-log", "no-such-dir/steps.jsonl"});
