@@ -144,6 +144,7 @@ nlohmann::json EngineStats::to_json() const {
           {"preemptions", preemptions},
           {"prompt_tokens_computed", prompt_tokens_computed},
           {"prompt_tokens_cached", prompt_tokens_cached},
+          {"recomputed_tokens", recomputed_tokens},
           {"cache_hit_rate", cache_hit_rate()},
           {"generated_tokens", generated_tokens},
           {"steps", steps},

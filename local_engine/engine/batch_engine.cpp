@@ -566,6 +566,7 @@ EngineStats BatchEngine::stats() const {
   stats.preemptions = s.preemptions;
   stats.prompt_tokens_computed = s.prompt_tokens_computed;
   stats.prompt_tokens_cached = s.prompt_tokens_cached;
+  stats.recomputed_tokens = s.recomputed_tokens;
   stats.generated_tokens = sampled_;
   stats.steps = s.steps;
   stats.blocks_used = s.blocks_used;

@@ -119,6 +119,18 @@ void Scheduler::preempt(Sequence& sequence, std::vector<Pick>& picks) {
   preempted_in_step_ = true;
 }
 
+void Scheduler::count_positions(Sequence& sequence, std::int64_t n_tokens) {
+  const std::int64_t first = sequence.n_computed, end = first + n_tokens;
+  const std::int64_t again = std::max<std::int64_t>(0, std::min(end, sequence.reached) - first);
+  const std::int64_t fresh = n_tokens - again;
+  const std::int64_t fresh_prompt =
+      std::max<std::int64_t>(0, std::min(end, sequence.prompt_tokens) - std::max(first, sequence.reached));
+  counters_.recomputed_tokens += again;
+  counters_.prompt_tokens_computed += fresh_prompt;
+  counters_.decode_tokens += fresh - fresh_prompt;
+  sequence.reached = std::max(sequence.reached, end);
+}
+
 std::int64_t Scheduler::tokens_that_fit(const Sequence& sequence) const {
   return sequence.blocks.capacity_tokens() + pool_.available() * pool_.block_size() -
          sequence.n_computed;
@@ -242,7 +254,9 @@ StepPlan Scheduler::plan(const DraftsWanted& drafts_wanted) {
     sequence.running = true;
     running_.insert(std::upper_bound(running_.begin(), running_.end(), sequence.id),
                     sequence.id);
-    counters_.prompt_tokens_cached += cached;
+    // Cached positions it held before a preemption are not new hits.
+    counters_.prompt_tokens_cached += std::max<std::int64_t>(0, cached - sequence.reached);
+    sequence.reached = std::max(sequence.reached, cached);
     if (const std::optional<BlockCopy> copy = sequence.blocks.take_copy()) copies_.push_back(*copy);
     picks.push_back({&sequence, n_tokens, /*decode=*/false});
   }
@@ -277,7 +291,7 @@ StepPlan Scheduler::plan(const DraftsWanted& drafts_wanted) {
     }
     if (wants_logits)
       plan.logits_rows.push_back(static_cast<std::int32_t>(offset + pick.n_tokens - 1));
-    (pick.decode ? counters_.decode_tokens : counters_.prompt_tokens_computed) += pick.n_tokens;
+    count_positions(*pick.sequence, pick.n_tokens);
   }
   return plan;
 }

@@ -676,11 +676,14 @@ class Dispatcher {
     if (engine) {
       std::fprintf(options_.progress_out,
                    "engine: %lld prompt tokens computed, %lld from the prefix cache (%.0f%%), "
-                   "%lld generated in %lld batched steps, %lld preemptions\n",
+                   "%lld generated in %lld batched steps, %lld preemptions%s\n",
                    static_cast<long long>(engine->prompt_tokens_computed),
                    static_cast<long long>(engine->prompt_tokens_cached), 100.0 * engine->cache_hit_rate(),
                    static_cast<long long>(engine->generated_tokens), static_cast<long long>(engine->steps),
-                   static_cast<long long>(engine->preemptions));
+                   static_cast<long long>(engine->preemptions),
+                   engine->recomputed_tokens > 0
+                       ? (" (" + std::to_string(engine->recomputed_tokens) + " tokens computed again)").c_str()
+                       : "");
       if (!engine->speculative.empty()) {
         std::fprintf(options_.progress_out,
                      "speculative (%s): %lld of %lld drafts accepted (%.0f%%), %.2f tokens per "

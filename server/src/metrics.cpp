@@ -163,8 +163,10 @@ std::string Metrics::render(const Gauges& g) const {
            e.waiting);
     single(out, "batchlm_engine_preemptions_total", "counter",
            "Sequences preempted when KV blocks ran out (their blocks freed, recomputed later).", e.preemptions);
-    single(out, "batchlm_engine_prompt_tokens_computed_total", "counter", "Prompt tokens run through the model.",
-           e.prompt_tokens_computed);
+    single(out, "batchlm_engine_prompt_tokens_computed_total", "counter",
+           "Prompt tokens run through the model (the first time).", e.prompt_tokens_computed);
+    single(out, "batchlm_engine_recomputed_tokens_total", "counter",
+           "Tokens run through the model again after their sequence was preempted.", e.recomputed_tokens);
     single(out, "batchlm_engine_prompt_tokens_cached_total", "counter", "Prompt tokens taken from the prefix cache.",
            e.prompt_tokens_cached);
     single(out, "batchlm_engine_generated_tokens_total", "counter", "Tokens the engine generated.", e.generated_tokens);

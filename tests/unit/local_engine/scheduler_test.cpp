@@ -470,6 +470,19 @@ TEST(Scheduler, PreemptionUnderATinyPoolRecomputesToTheSameOutputs) {
   }
 }
 
+// A prompt whose chunks leave its last token alone computes it as a decode step would; it is
+// still a prompt token in the counts (every prompt token counted once, computed or cached).
+TEST(Scheduler, EveryPromptTokenIsCountedOnceHoweverItIsChunked) {
+  Driver driver({.block_size = 4, .n_blocks = 16}, {.max_sequences = 2, .token_budget = 4, .prefill_chunk = 4});
+  driver.add(iota_tokens(5, 1), 3, 100);
+  driver.add(iota_tokens(9, 1), 3, 100);  // shares the first block with the first, once published
+  driver.run_until_idle();
+  const SchedulerStats s = driver.scheduler.stats();
+  EXPECT_EQ(s.prompt_tokens_computed + s.prompt_tokens_cached, 5 + 9);
+  EXPECT_EQ(s.recomputed_tokens, 0);
+  EXPECT_EQ(driver.finished.size(), 2u);
+}
+
 TEST(Scheduler, PreemptsTheNewestAndRequeuesItAtTheFront) {
   // 4 blocks of 4 tokens: two 4-token prompts take a block each, then grow one block per 4
   // tokens; the step that needs a fifth block preempts the newer one. A third request waits
@@ -504,8 +517,12 @@ TEST(Scheduler, PreemptsTheNewestAndRequeuesItAtTheFront) {
   }
   driver.run_until_idle();
   EXPECT_EQ(driver.scheduler.stats().preemptions, 1);
-  // The recompute found the preempted sequence's own published prompt block.
-  EXPECT_GE(driver.scheduler.stats().prompt_tokens_cached, 4);
+  // Each prompt token counts once; the recompute found the preempted sequence's own published
+  // prompt block, and computed again only what followed it (prompt 4 + 4 of its 5 generated
+  // tokens had been computed: positions 4-7).
+  EXPECT_EQ(driver.scheduler.stats().prompt_tokens_computed, 10);
+  EXPECT_EQ(driver.scheduler.stats().prompt_tokens_cached, 0);
+  EXPECT_EQ(driver.scheduler.stats().recomputed_tokens, 4);
   ASSERT_EQ(driver.finished.size(), 3u);
   EXPECT_EQ(driver.finished[old_id].generated.size(), 8u);
   EXPECT_EQ(driver.finished[new_id].generated.size(), 8u);

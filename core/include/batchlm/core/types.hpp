@@ -152,8 +152,11 @@ struct EngineStats {
   std::int64_t running = 0;      // sequences being decoded or prefilled
   std::int64_t waiting = 0;      // queued, not yet admitted (preempted ones included)
   std::int64_t preemptions = 0;  // since start
-  std::int64_t prompt_tokens_computed = 0;  // prefill tokens run through the model
-  std::int64_t prompt_tokens_cached = 0;    // prompt tokens taken from the prefix cache
+  // Each prompt token counts once, run through the model or taken from the prefix cache,
+  // whichever came first; tokens run through the model again after a preemption count apart.
+  std::int64_t prompt_tokens_computed = 0;
+  std::int64_t prompt_tokens_cached = 0;
+  std::int64_t recomputed_tokens = 0;
   std::int64_t generated_tokens = 0;
   std::int64_t steps = 0;        // batched forward passes
   std::int64_t blocks_used = 0;  // KV blocks held by sequences

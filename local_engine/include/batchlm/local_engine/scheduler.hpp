@@ -131,8 +131,12 @@ struct SchedulerStats {
   std::int64_t running = 0;
   std::int64_t steps = 0;        // non-empty plans
   std::int64_t preemptions = 0;
-  std::int64_t prompt_tokens_computed = 0;  // prefill tokens planned, recomputation included
-  std::int64_t prompt_tokens_cached = 0;    // prompt tokens taken from the prefix cache
+  // Each prompt position counts once, computed or from the prefix cache, whichever came first
+  // (the last prompt token computed alone counts as a prompt token too); positions computed
+  // again after a preemption, prompt or generated, count as recomputed.
+  std::int64_t prompt_tokens_computed = 0;  // prompt positions first computed
+  std::int64_t prompt_tokens_cached = 0;    // prompt positions first taken from the prefix cache
+  std::int64_t recomputed_tokens = 0;       // positions computed again after a preemption
   std::int64_t decode_tokens = 0;           // one per decoding sequence and step
   std::int64_t drafted_tokens = 0;          // drafts scored by the model
   std::int64_t accepted_tokens = 0;         // drafts accepted
@@ -187,6 +191,7 @@ class Scheduler {
     std::vector<Token> generated;
     std::int64_t max_new_tokens = 0;
     std::int64_t n_computed = 0;  // tokens whose K/V are in the blocks (0 while waiting)
+    std::int64_t reached = 0;     // positions computed or cached before, preemptions included
     SequenceBlocks blocks;
     bool running = false;
 
@@ -201,6 +206,9 @@ class Scheduler {
     std::int64_t drafts = 0;  // reserved after the decode token
   };
 
+  // Counts the positions a planned pick computes: first-time prompt positions, generated ones,
+  // or positions computed again after a preemption.
+  void count_positions(Sequence& sequence, std::int64_t n_tokens);
   // Makes room for `n_tokens` more tokens of a running sequence, preempting the newest running
   // sequences as needed. With can_shrink, settles for fewer tokens rather than preempting.
   // Returns false when the sequence itself was preempted or finished instead.
