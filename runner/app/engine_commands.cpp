@@ -2,10 +2,12 @@
 
 #include "cli_checks.hpp"
 
+#include <signal.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <cerrno>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -97,6 +99,11 @@ std::string read_prompt() {
   return g.prompt;
 }
 
+// Ctrl-C during generate stops the text where it is; the newline and the timings still come.
+// A second Ctrl-C (the handler is reset by the first) ends the process at once.
+volatile std::sig_atomic_t g_interrupted = 0;
+extern "C" void on_generate_interrupt(int) { g_interrupted = 1; }
+
 int run_generate() {
   if (!g.system.empty() && !g.chat)
     throw std::runtime_error("--system needs --chat (a system message is part of the chat template)");
@@ -125,11 +132,18 @@ int run_generate() {
   params.sampling.seed = g.seed ? *g.seed : std::random_device{}();
   params.stop = g.stop;
   params.ignore_eos = g.ignore_eos;
+  struct sigaction stop {}, previous {};
+  stop.sa_handler = on_generate_interrupt;
+  stop.sa_flags = SA_RESETHAND;
+  ::sigemptyset(&stop.sa_mask);
+  const bool ignored = ::sigaction(SIGINT, nullptr, &previous) == 0 && previous.sa_handler == SIG_IGN;
+  if (!ignored) ::sigaction(SIGINT, &stop, nullptr);
   GenerateResult r = engine.generate(prompt, params, [](std::string_view piece) {
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
-    return true;
+    return g_interrupted == 0;
   });
+  if (!ignored) ::sigaction(SIGINT, &previous, nullptr);
   if (!r.text.empty() && r.text.back() != '\n') std::fputc('\n', stdout);
   std::fflush(stdout);
   if (g.timings) {
@@ -151,7 +165,7 @@ int run_generate() {
     };
     std::fprintf(stderr, "%s\n", j.dump().c_str());
   }
-  return 0;
+  return g_interrupted ? 130 : 0;
 }
 
 // Text from the model file as a JSON string. A GGUF stores token texts as raw bytes, so one

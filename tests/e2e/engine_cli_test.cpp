@@ -505,6 +505,31 @@ class RealModel : public ::testing::Test {
   TempDir dir_;
 };
 
+// Ctrl-C stops the text where it is and still ends the line and prints the timings (the
+// generation cancelled), with the exit status of an interrupt.
+TEST_F(RealModel, GenerateInterruptedEndsTheLineAndPrintsTimings) {
+  using namespace std::chrono_literals;
+  Process p({.args = {binary("batchlm"), "generate", "-m", kRealModel.string(), "-p", "Once upon a time", "-n", "4000",
+                      "--ignore-eos", "--timings"},
+             .env = {},
+             .cwd = dir_.path,
+             .out_file = dir_.path / "gen.out",
+             .err_file = dir_.path / "gen.err"});
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (std::chrono::steady_clock::now() < deadline &&
+         (!fs::exists(dir_.path / "gen.out") || fs::file_size(dir_.path / "gen.out") < 40))
+    std::this_thread::sleep_for(10ms);
+  p.signal(SIGINT);
+  EXPECT_EQ(p.wait(30s), 130);
+  const std::string out = read_file(dir_.path / "gen.out");
+  ASSERT_FALSE(out.empty());
+  EXPECT_EQ(out.back(), '\n');
+  const std::optional<json> timings = last_json_line(read_file(dir_.path / "gen.err"));
+  ASSERT_TRUE(timings) << read_file(dir_.path / "gen.err");
+  EXPECT_EQ((*timings)["finish_reason"], "cancelled") << timings->dump();
+  EXPECT_LT((*timings)["generated_tokens"].get<int>(), 4000) << timings->dump();
+}
+
 // A question the model answers with "Paris" by a wide margin at every token (at least 1.0
 // between its top two logits, whatever order the kernels sum in). "What is the capital of
 // France?" is a near-tie at the first token (0.09 in llama.cpp's logits), and llama.cpp's own
