@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -271,7 +272,16 @@ int run_command(const JobOptions& o, bool synth) {
       try {
         (void)local_engine::gguf::File::open(job.backend.model);
       } catch (const std::exception& e) {
-        throw ConfigError(job.file, 0, 0, "backend.model", e.what());
+        throw ConfigError(origin_of(job, overrides, "backend.model"), 0, 0, "backend.model", e.what());
+      }
+      // And that the step log could be opened for appending, without creating it.
+      if (!job.backend.step_log.empty()) {
+        const std::filesystem::path log(job.backend.step_log);
+        const std::filesystem::path parent = log.has_parent_path() ? log.parent_path() : ".";
+        const bool exists = std::filesystem::exists(log);
+        if (::access(exists ? log.c_str() : parent.c_str(), W_OK) != 0)
+          throw ConfigError(origin_of(job, overrides, "backend.step_log"), 0, 0, "backend.step_log",
+                            "cannot open '" + job.backend.step_log + "' for writing: " + std::strerror(errno));
       }
     }
     dry_run(job, *source, stdout);

@@ -445,6 +445,13 @@ TEST_F(EngineCli, RunALocalJobWithAStepLogWritesALinePerStep) {
   EXPECT_TRUE(contains(bad.err, "backend.step_log")) << bad.err;
   EXPECT_TRUE(contains(bad.err, "no-such-dir/steps.jsonl")) << bad.err;
   EXPECT_FALSE(fs::exists(dir() / "out/bad.jsonl"));
+  // A dry run finds it too, and creates no log where one could be written.
+  RunResult dry = run_batchlm(dir(), {"run", "bad.yaml", "--dry-run"});
+  EXPECT_EQ(dry.exit_code, 2) << dry.err;
+  EXPECT_TRUE(contains(dry.err, "backend.step_log: cannot open 'no-such-dir/steps.jsonl' for writing")) << dry.err;
+  dry = run_batchlm(dir(), {"run", "bad.yaml", "--dry-run", "--set", "backend.step_log=fresh-steps.jsonl"});
+  EXPECT_EQ(dry.exit_code, 0) << dry.err;
+  EXPECT_FALSE(fs::exists(dir() / "fresh-steps.jsonl"));
 }
 
 // The engine's refusals of its settings name the job's field and where it was set: the job
