@@ -475,6 +475,7 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
         response.error = make_error(ErrorKind::Timeout, "could not connect within " +
                                                             ms_text(t.request.timeouts.connect) +
                                                             " (connect timeout): " + detail);
+        response.error->code = "connect_timeout";  // the server was never reached
         break;
       case CURLE_URL_MALFORMAT:
       case CURLE_UNSUPPORTED_PROTOCOL:

@@ -391,6 +391,7 @@ void Scheduler::complete(const StepPlan& plan, std::span<const StepResult> resul
     sequence.generated.insert(sequence.generated.end(), drafts.begin(),
                               drafts.begin() + accepted);
     sequence.n_computed += entry.n_tokens - entry.n_drafts + accepted;
+    sequence.reached = std::max(sequence.reached, sequence.n_computed);  // accepted drafts included
     sequence.blocks.commit_full_blocks(
         pool_, std::span<const Token>(sequence.tokens)
                    .first(static_cast<std::size_t>(sequence.n_computed)));

@@ -102,7 +102,12 @@ std::vector<Override> collect_overrides(const JobOptions& o) {
   if (o.output) out.push_back({"output.path", *o.output, true, "--output"});
   if (o.backend) out.push_back({"backend.type", *o.backend, true, "--backend"});
   if (o.model) out.push_back({"backend.model", *o.model, true, "--model"});
-  if (o.base_url) out.push_back({"backend.base_url", *o.base_url, true, "--base-url"});
+  if (o.base_url) {
+    // Naming an API on the command line selects the API client, whatever the file's type says
+    // (--backend, given too, decides).
+    if (!o.backend) out.push_back({"backend.type", "openai", true, "--base-url"});
+    out.push_back({"backend.base_url", *o.base_url, true, "--base-url"});
+  }
   for (const auto& s : o.sets) out.push_back(parse_override(s));
   return out;
 }
@@ -278,10 +283,14 @@ int run_command(const JobOptions& o, bool synth) {
       if (!job.backend.step_log.empty()) {
         const std::filesystem::path log(job.backend.step_log);
         const std::filesystem::path parent = log.has_parent_path() ? log.parent_path() : ".";
-        const bool exists = std::filesystem::exists(log);
-        if (::access(exists ? log.c_str() : parent.c_str(), W_OK) != 0)
+        std::error_code ec;
+        const bool exists = std::filesystem::exists(log, ec);
+        const int err = std::filesystem::is_directory(log, ec)                           ? EISDIR
+                        : ::access(exists ? log.c_str() : parent.c_str(), W_OK) != 0 ? errno
+                                                                                     : 0;
+        if (err != 0)
           throw ConfigError(origin_of(job, overrides, "backend.step_log"), 0, 0, "backend.step_log",
-                            "cannot open '" + job.backend.step_log + "' for writing: " + std::strerror(errno));
+                            "cannot open '" + job.backend.step_log + "' for writing: " + std::strerror(err));
       }
     }
     dry_run(job, *source, stdout);
@@ -398,8 +407,8 @@ int main(int argc, char** argv) {
     // Resuming could not rewrite the output (a full disk, the file size limit): nothing was
     // sent and the output is as it was; the same command resumes once there is room.
     std::fprintf(stderr,
-                 "batchlm: error: %s; the output is as it was and nothing was sent. Make room or fix the output, "
-                 "then run the same command again\n",
+                 "batchlm: error: %s; nothing was sent. Make room or fix the output, then run the same command "
+                 "again\n",
                  e.what());
     return kExitSomeFailed;
   } catch (const std::exception& e) {

@@ -126,7 +126,7 @@ class Dispatcher {
     start_ = Clock::now();
     writer_ = std::make_unique<OutputWriter>(
         OutputWriter::Options{job_.output.path, job_.output.flush_every, job_.output.flush_interval,
-                              options_.fresh},
+                              options_.fresh, [this] { refuse_other_settings(); }},
         [this](const json& record) {
           kept_.emplace(record["id"].dump(), Kept{item_result_from_record(record), record.value("input", json())});
           // Records from before settings were recorded have none, and are taken as they are.
@@ -137,7 +137,6 @@ class Dispatcher {
             }
           }
         });
-    refuse_other_settings();
     const ResumeInfo& resume = writer_->resume_info();
     counters_.total = source_.total();
     // Earlier records count when their item comes up among this run's (produce_items): a
@@ -479,7 +478,7 @@ class Dispatcher {
     ++counters_.done;
     summary_.add(result);
     write_record(record);
-    watch_refusals(run.outcome);
+    watch_refusals(run.outcome, model_label(job_, item.request.model));
   }
 
   // The output takes every record through these two. The first write that fails (a full disk,
@@ -519,7 +518,7 @@ class Dispatcher {
   // while nothing has succeeded yet, a server that cannot be reached (not started, the wrong
   // port): each item would otherwise spend all its attempts on it.
   static constexpr int kRefusalsToStop = 10;
-  void watch_refusals(const Outcome& outcome) {
+  void watch_refusals(const Outcome& outcome, const std::string& model) {
     if (outcome.ok()) {
       refusals_in_a_row_ = 0;
       any_success_ = true;
@@ -529,11 +528,11 @@ class Dispatcher {
     const bool denied = (e.kind == ErrorKind::Http && (e.http_status == 401 || e.http_status == 403)) ||
                         e.code == "insufficient_quota" || e.code == "invalid_api_key";
     const bool missing = e.kind == ErrorKind::Http && e.http_status == 404;
-    const bool unreachable = e.kind == ErrorKind::Connection && !any_success_;
-    if (!denied && !missing && !unreachable) {
-      refusals_in_a_row_ = 0;
-      return;
-    }
+    // Refused connections, unknown hosts, and connect timeouts (a host that drops packets).
+    const bool unreachable =
+        (e.kind == ErrorKind::Connection || (e.kind == ErrorKind::Timeout && e.code == "connect_timeout")) &&
+        !any_success_;
+    if (!denied && !missing && !unreachable) return;
     if (++refusals_in_a_row_ < kRefusalsToStop || stopping_) return;
     const std::string& url = job_.backend.base_url;
     if (unreachable) {
@@ -546,9 +545,10 @@ class Dispatcher {
                 "Fix the key, quota or access"};
       if (missing) {
         const std::string trimmed = url.ends_with('/') ? url.substr(0, url.size() - 1) : url;
-        r.advice = trimmed.ends_with("/v1")
-                       ? "Check that the server has the model '" + job_.backend.model + "'"
-                       : "OpenAI-compatible APIs are served under /v1: did you mean " + trimmed + "/v1?";
+        const std::size_t path = trimmed.find('/', trimmed.find("://") == std::string::npos ? 0 : trimmed.find("://") + 3);
+        const bool bare = path == std::string::npos;  // scheme and host only
+        r.advice = bare ? "OpenAI-compatible APIs are served under /v1: did you mean " + trimmed + "/v1?"
+                        : "Check the base URL, and that the server has the model '" + model + "'";
       }
       refused_ = std::move(r);
     }

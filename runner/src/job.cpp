@@ -1095,9 +1095,17 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   // engine with the default model.
   if (job.backend.type.empty()) job.backend.type = job.backend.base_url.empty() ? "local" : "openai";
   check_backend_fields(r, root["backend"], job.backend);
+  // The environment's defaults are checked as the file's values are (they reach JSON too).
+  const auto from_env = [&](const char* name, std::string fallback) {
+    std::string value = env(name).value_or(std::move(fallback));
+    if (const std::size_t bad = first_invalid_utf8(value); bad != std::string::npos)
+      throw ConfigError(r.file(), 0, 0, "backend.model",
+                        std::string("$") + name + " is not valid UTF-8 (byte " + hex_byte(value[bad]) + " at offset " +
+                            std::to_string(bad) + ")");
+    return value;
+  };
   if (job.backend.type == "local") {
-    if (job.backend.model.empty())
-      job.backend.model = env("BATCHLM_MODEL").value_or(std::string(kDefaultLocalModel));
+    if (job.backend.model.empty()) job.backend.model = from_env("BATCHLM_MODEL", std::string(kDefaultLocalModel));
     // Extra body fields the embedded engine would ignore are refused, not silently dropped.
     if (job.request.extra.is_object()) {
       for (const auto& [key, value] : job.request.extra.items())
@@ -1110,8 +1118,7 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   } else {
     if (job.backend.base_url.empty())
       job.backend.base_url = env("OPENAI_BASE_URL").value_or("https://api.openai.com/v1");
-    if (job.backend.model.empty())
-      job.backend.model = env("BATCHLM_MODEL_NAME").value_or("gpt-4o-mini");
+    if (job.backend.model.empty()) job.backend.model = from_env("BATCHLM_MODEL_NAME", "gpt-4o-mini");
   }
   if (Reader::has(root["concurrency"]))
     job.concurrency = static_cast<int>(r.integer(root["concurrency"], "concurrency", 1, 100'000));

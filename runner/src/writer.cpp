@@ -330,6 +330,7 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
     if (!dropped.empty()) kept_after_drop = true;
     if (on_kept) on_kept(record);
   });
+  if (options_.before_changes) options_.before_changes();
   if (dropped.empty()) return false;
 
   if (!kept_after_drop) {

@@ -262,6 +262,26 @@ TEST(BatchlmRun, ResumeUnderOtherSettingsIsRefusedAndNamesTheChange) {
   EXPECT_NE(redone[0]["settings"], settings);
 }
 
+// --base-url on the command line selects the API client even where the file says type: local
+// (its engine settings are warned about); with --backend local as well, the two disagree.
+TEST(BatchlmRun, BaseUrlFlagSelectsTheApiOverTheFilesLocalType) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  std::string job = gsm8k_job({.base_url = server.base_url(), .limit = 3});
+  job.replace(job.find("backend: {type: openai, base_url: \"" + server.base_url() + "\", model: fake-model}"),
+              std::string("backend: {type: openai, base_url: \"" + server.base_url() + "\", model: fake-model}").size(),
+              "backend: {type: local, model: fake-model, threads: 2}");
+  write_file(dir.path / "job.yaml", job);
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "--base-url", server.base_url()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("backend.threads: has no effect on an API"), std::string::npos) << r.err;
+  EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), 3u);
+  r = run_batchlm(dir.path, {"run", "job.yaml", "--base-url", server.base_url(), "--backend", "local", "--fresh"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--base-url: backend.base_url: is for an API, but backend.type is local"), std::string::npos)
+      << r.err;
+}
+
 // Items stopped while they wait out a Retry-After have sent requests: the summary counts them.
 TEST(BatchlmRun, InterruptedRunCountsTheRequestsOfItemsItDidNotFinish) {
   TempDir dir;

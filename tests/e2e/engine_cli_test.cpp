@@ -452,6 +452,9 @@ TEST_F(EngineCli, RunALocalJobWithAStepLogWritesALinePerStep) {
   dry = run_batchlm(dir(), {"run", "bad.yaml", "--dry-run", "--set", "backend.step_log=fresh-steps.jsonl"});
   EXPECT_EQ(dry.exit_code, 0) << dry.err;
   EXPECT_FALSE(fs::exists(dir() / "fresh-steps.jsonl"));
+  dry = run_batchlm(dir(), {"run", "bad.yaml", "--dry-run", "--set", "backend.step_log=."});
+  EXPECT_EQ(dry.exit_code, 2) << dry.err;
+  EXPECT_TRUE(contains(dry.err, "cannot open '.' for writing: Is a directory")) << dry.err;
 }
 
 // The engine's refusals of its settings name the job's field and where it was set: the job

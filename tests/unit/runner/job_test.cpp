@@ -445,6 +445,9 @@ TEST_F(JobFile, BytesThatAreNotUtf8AreAnErrorWhereTheyAre) {
   EXPECT_EQ(e.line(), 2);
   EXPECT_EQ(e.message(), "environment variable 'LATIN' is not valid UTF-8 (byte 0xE9 at offset 3)");
   EXPECT_EQ(load(with_input("name: caf\xC3\xA9\n")).name, "caf\xC3\xA9");  // UTF-8 is fine
+  e = error_of(with_input(""), {}, {{"BATCHLM_MODEL", "/m/caf\xE9.gguf"}});
+  EXPECT_EQ(e.field(), "backend.model");
+  EXPECT_EQ(e.message(), "$BATCHLM_MODEL is not valid UTF-8 (byte 0xE9 at offset 6)");
 }
 
 TEST_F(JobFile, ASecondYamlDocumentIsAnError) {

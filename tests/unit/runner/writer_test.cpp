@@ -198,6 +198,23 @@ TEST_F(OutputWriterTest, FileWithLinesThatAreNotRecordsIsRefusedAndLeftUntouched
   }
 }
 
+// The caller may refuse an output once it has seen its records (made under other settings):
+// the file is then as it was, failed records and a torn line included.
+TEST_F(OutputWriterTest, ARefusalBeforeChangesLeavesTheFileAsItWas) {
+  const std::string text = line(ok(1)) + line(failed(2)) + line(ok(3)) + "{\"id\": 4, \"out";
+  write_raw(text);
+  auto o = options();
+  int seen = 0;
+  o.before_changes = [] { throw std::runtime_error("other settings"); };
+  EXPECT_THROW(OutputWriter writer(o, [&](const json&) { ++seen; }), std::runtime_error);
+  EXPECT_EQ(seen, 2);
+  EXPECT_EQ(read_raw(), text);
+  EXPECT_FALSE(fs::exists(path_ + ".tmp"));
+  o.before_changes = {};
+  EXPECT_NO_THROW(OutputWriter writer(o));  // the lock went with the refused writer
+  EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(3)));
+}
+
 TEST_F(OutputWriterTest, FreshDoesNotEmptyAFileThatIsNotAnOutput) {
   auto o = options();
   o.fresh = true;

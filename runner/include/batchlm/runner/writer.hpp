@@ -53,6 +53,9 @@ class OutputWriter {
     int flush_every = 64;
     std::chrono::milliseconds flush_interval{1000};
     bool fresh = false;  // start over: the existing output (a batchlm output) is emptied
+    // Called once every kept record has been through on_kept and before the file is changed
+    // (failed records dropped, a torn line cut): an exception from it leaves the file as it was.
+    std::function<void()> before_changes;
   };
 
   // Follows symbolic links in the path to the file itself, takes the lock (`<file>.lock` and the
