@@ -104,6 +104,7 @@ struct Transfer {
   Clock::time_point started_at;
   std::optional<Clock::time_point> sent_at;       // the request body fully handed to curl
   std::optional<Clock::time_point> last_body_at;  // the latest body chunk
+  bool answered = false;                          // request.answered() said yes
 
   // The awaiting coroutine sleeps on this timer until the next stage deadline; completion
   // cancels it early. A timer doubles as the wake-up signal because its wait also carries
@@ -120,7 +121,10 @@ struct Transfer {
       if (from + limit < best.first) best = {from + limit, std::move(message)};
     };
     consider(t.total, started_at, "transfer exceeded " + ms_text(t.total) + " (total timeout)");
-    if (last_body_at) {
+    if (last_body_at && answered) {
+      consider(std::min(t.idle, t.after_answer), *last_body_at,
+               "no data for " + ms_text(std::min(t.idle, t.after_answer)) + " after the answer (idle timeout)");
+    } else if (last_body_at) {
       consider(t.idle, *last_body_at, "no data for " + ms_text(t.idle) + " (idle timeout)");
     } else {
       consider(t.first_byte, sent_at.value_or(started_at),
@@ -357,6 +361,12 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
         if (!t.on_body(std::string_view(data, n))) {
           t.local_error = make_error(ErrorKind::Internal, "transfer aborted by the body handler");
           return 0;
+        }
+        if (!t.answered && t.request.answered && t.request.answered()) {
+          // The deadline comes sooner now: wake the coroutine to re-arm.
+          t.answered = true;
+          t.rearm = true;
+          t.wakeup.cancel();
         }
       } catch (const std::exception& e) {
         t.local_error = make_error(ErrorKind::Internal, std::string("body handler threw: ") + e.what());

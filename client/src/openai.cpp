@@ -755,6 +755,7 @@ boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, 
   }
 
   StreamedAnswer answer(options_.sse_limits, sink);
+  http_request.answered = [&answer] { return answer.answered(); };
   HttpResponse response;
   try {
     response = co_await http_.perform(std::move(http_request), [&answer](std::string_view chunk) { return answer.feed(chunk); });

@@ -321,6 +321,19 @@ TEST_F(OpenAIBackendTest, SilenceAfterTheFinishReasonKeepsTheAnswerAtTheIdleTime
   EXPECT_EQ(result.outcome.completion->usage.completion_tokens, kTokens);
 }
 
+// Once the answer is whole, a server that falls silent is waited for timeouts.after_answer,
+// not the idle timeout: a proxy that never sends [DONE] costs seconds an item, not a minute.
+TEST_F(OpenAIBackendTest, SilenceAfterTheFinishReasonIsWaitedForBriefly) {
+  auto options = backend_options(server_, "stall_ms=5000;at_end");
+  options.timeouts.idle = 30s;
+  options.timeouts.after_answer = 200ms;
+  const auto start = std::chrono::steady_clock::now();
+  auto result = complete(options, chat_request("item"));
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);  // not the 5 s stall, nor the 30 s idle
+}
+
 TEST_F(OpenAIBackendTest, StreamEndingWithoutDoneOrFinishReasonIsTruncated) {
   const auto e = error_of(complete_with_fault("truncate;after=3"));
   EXPECT_EQ(e.kind, ErrorKind::Truncated) << e.message;

@@ -29,6 +29,9 @@ struct HttpTimeouts {
   std::chrono::milliseconds first_byte{120'000}; // request sent -> first response body byte
   std::chrono::milliseconds idle{60'000};        // between two received chunks
   std::chrono::milliseconds total{900'000};      // the whole transfer
+  // Once the body handler says the answer is whole (HttpRequest::answered): how long more data
+  // (a usage chunk, [DONE]) is waited for before the transfer ends with an idle timeout.
+  std::chrono::milliseconds after_answer{5'000};
 };
 
 struct HttpRequest {
@@ -38,6 +41,9 @@ struct HttpRequest {
   std::string method = "POST";
   HttpTimeouts timeouts;
   std::size_t max_response_bytes = 64 << 20;  // whole body; larger is ErrorKind::TooLarge
+  // Asked after each body chunk: whether what came is a whole answer already, so that a server
+  // that then falls silent is waited for timeouts.after_answer, not timeouts.idle.
+  std::function<bool()> answered;
 };
 
 struct HttpResponse {

@@ -80,6 +80,9 @@ class StreamedAnswer {
   // come, a transport failure (a reset, the idle timeout) no longer fails the answer.
   Outcome finish(const HttpResponse& response, Clock::time_point started);
 
+  // Whether what came is a whole answer: choice 0's finish reason has arrived.
+  bool answered() const { return !finish_reason_.empty(); }
+
  private:
   void on_event(const SseEvent& event);
 
