@@ -517,21 +517,30 @@ class Reader {
     if (!node.IsMap()) fail(node, path.empty() ? "job" : path, "expected a map, got " + describe(node));
     const Keys& keys = sections().at(path);
     std::set<std::string> seen;
+    std::vector<std::pair<YAML::Node, std::string>> unknown;  // the key and its name
     for (auto it = node.begin(); it != node.end(); ++it) {
       const YAML::Node key = it->first;
       std::string name = key.IsScalar() ? key.Scalar() : describe(key);
       std::string field = child_path(path, name);
       if (!seen.insert(name).second) fail(key, field, "duplicate key");
-      if (std::find(keys.begin(), keys.end(), name) == keys.end()) {
-        std::string message = "unknown key";
-        std::string suggestion = nearest_key(name, keys);
-        if (!suggestion.empty())
-          message += " (did you mean '" + suggestion + "'?)";
-        else
-          message += " (valid keys: " + join(keys) + ")";
-        fail(key, field, message);
-      }
+      if (std::find(keys.begin(), keys.end(), name) == keys.end()) unknown.emplace_back(key, name);
     }
+    if (unknown.empty()) return;
+    // The first is the error; the others in the same map are named with it, so that one run
+    // shows every typo of a section.
+    const auto hint = [&](const std::string& name) {
+      const std::string suggestion = nearest_key(name, keys);
+      return suggestion.empty() ? std::string() : " (did you mean '" + suggestion + "'?)";
+    };
+    std::string message = "unknown key";
+    const std::string first_hint = hint(unknown.front().second);
+    message += first_hint.empty() ? " (valid keys: " + join(keys) + ")" : first_hint;
+    for (std::size_t i = 1; i < unknown.size(); ++i) {
+      const YAML::Mark m = unknown[i].first.Mark();
+      message += std::string(i == 1 ? "; also unknown: " : ", ") + "'" + unknown[i].second + "'" +
+                 (m.is_null() ? std::string() : " (line " + std::to_string(m.line + 1) + ")") + hint(unknown[i].second);
+    }
+    fail(unknown.front().first, child_path(path, unknown.front().second), message);
   }
 
   std::string string(const YAML::Node& node, const std::string& field) const {

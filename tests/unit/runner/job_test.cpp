@@ -416,6 +416,15 @@ TEST_F(JobFile, DuplicateKeyIsAnError) {
   EXPECT_EQ(e.line(), 3);
 }
 
+TEST_F(JobFile, EveryUnknownKeyOfASectionIsNamedAtOnce) {
+  ConfigError e = error_of(with_input("concurency: 4\nlimt: 3\nfoo: 1\n"));
+  EXPECT_EQ(e.field(), "concurency");
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.message(),
+            "unknown key (did you mean 'concurrency'?); also unknown: 'limt' (line 3) (did you mean 'limit'?), "
+            "'foo' (line 4)");
+}
+
 TEST_F(JobFile, DuplicateKeysAreErrorsAtAnyDepth) {
   ConfigError e = error_of(with_input("request:\n  messages:\n    - {role: user, role: system, content: hi}\n"));
   EXPECT_EQ(e.field(), "request.messages[0].role");
