@@ -186,11 +186,11 @@ __global__ void rope_store_kv_kernel(const RopeStoreArgs a) {
   }
 }
 
+// silu(g) * u, one expression for swiglu and swiglu_rows (their bits are the same).
+__device__ __forceinline__ float swiglu_one(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 __global__ void swiglu_kernel(float* gate, const float* up, std::int64_t n) {
-  for (std::int64_t i = grid_index(); i < n; i += grid_stride()) {
-    const float g = gate[i];
-    gate[i] = g / (1.0f + expf(-g)) * up[i];
-  }
+  for (std::int64_t i = grid_index(); i < n; i += grid_stride()) gate[i] = swiglu_one(gate[i], up[i]);
 }
 
 // out[t][i] = silu(gate[t][i]) * up[t][i], rows of `stride` in, of `width` out (swiglu's
@@ -200,8 +200,7 @@ __global__ void swiglu_rows_kernel(const float* gate, const float* up, std::int6
   const std::int64_t total = n * width;
   for (std::int64_t idx = grid_index(); idx < total; idx += grid_stride()) {
     const std::int64_t t = idx / width, i = idx % width;
-    const float g = gate[t * stride + i];
-    out[idx] = g / (1.0f + expf(-g)) * up[t * stride + i];
+    out[idx] = swiglu_one(gate[t * stride + i], up[t * stride + i]);
   }
 }
 

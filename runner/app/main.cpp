@@ -125,10 +125,7 @@ void require_model_file(const JobSpec& job) {
 // Where a field's value was given: the flag of the last override that covers it (--set, -m,
 // ...), else the job file. For errors found after loading (the engine's own checks).
 std::string origin_of(const JobSpec& job, const std::vector<Override>& overrides, const std::string& field) {
-  for (auto it = overrides.rbegin(); it != overrides.rend(); ++it)
-    if (field == it->path || field.starts_with(it->path + "."))
-      return it->flag.empty() ? std::string("--set") : it->flag;
-  return job.file;
+  return overriding_flag(overrides, field).value_or(job.file);
 }
 
 // The engine names its options as it knows them ("kv_bytes 1024 ...", "speculative.layers must

@@ -94,7 +94,6 @@ bool ignored_at_start(int signo) {
   return ::sigaction(signo, nullptr, &current) == 0 && current.sa_handler == SIG_IGN;
 }
 
-
 }  // namespace
 
 class Dispatcher {
@@ -427,9 +426,10 @@ class Dispatcher {
         {"total_ms", t.total_ms},
         {"elapsed_ms", ms_between(run.first_attempt_at.value_or(spawned), now)}};
     // Keys in the documented order: id first, error last.
+    const std::string model = model_label(job_, item.request.model);
     nlohmann::ordered_json record = {{"id", item.id},
                                      {"input", select_input(item.input, job_.output.input_fields)},
-                                     {"model", model_label(job_, item.request.model)}};
+                                     {"model", model}};
     ItemResult result;
     result.attempts = run.attempts;
     if (run.outcome.ok()) {
@@ -478,7 +478,7 @@ class Dispatcher {
     ++counters_.done;
     summary_.add(result);
     write_record(record);
-    watch_refusals(run.outcome, model_label(job_, item.request.model));
+    watch_refusals(run.outcome, model);
   }
 
   // The output takes every record through these two. The first write that fails (a full disk,
@@ -545,8 +545,8 @@ class Dispatcher {
                 "Fix the key, quota or access"};
       if (missing) {
         const std::string trimmed = url.ends_with('/') ? url.substr(0, url.size() - 1) : url;
-        const std::size_t path = trimmed.find('/', trimmed.find("://") == std::string::npos ? 0 : trimmed.find("://") + 3);
-        const bool bare = path == std::string::npos;  // scheme and host only
+        const std::size_t scheme = trimmed.find("://");
+        const bool bare = trimmed.find('/', scheme == std::string::npos ? 0 : scheme + 3) == std::string::npos;
         r.advice = bare ? "OpenAI-compatible APIs are served under /v1: did you mean " + trimmed + "/v1?"
                         : "Check the base URL, and that the server has the model '" + model + "'";
       }

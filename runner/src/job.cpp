@@ -68,6 +68,13 @@ std::string hex_byte(char c) {
   return hex;
 }
 
+// "is not valid UTF-8 (byte 0xE9 at offset 3)" for a value that is not UTF-8, else "".
+std::string utf8_flaw(std::string_view value) {
+  const std::size_t bad = first_invalid_utf8(value);
+  if (bad == std::string_view::npos) return {};
+  return "is not valid UTF-8 (byte " + hex_byte(value[bad]) + " at offset " + std::to_string(bad) + ")";
+}
+
 }  // namespace
 
 std::string expand_env(std::string_view text, const EnvLookup& env, const std::string& file,
@@ -120,10 +127,8 @@ std::string expand_env(std::string_view text, const EnvLookup& env, const std::s
     std::optional<std::string> value = env(std::string(name));
     // Like the shell's ${VAR:-x}: an empty value takes the default too.
     if (value && !(value->empty() && fallback)) {
-      if (const std::size_t bad = first_invalid_utf8(*value); bad != std::string::npos)
-        throw ConfigError(file, line, 0, field,
-                          "environment variable '" + std::string(name) + "' is not valid UTF-8 (byte " +
-                              hex_byte((*value)[bad]) + " at offset " + std::to_string(bad) + ")");
+      if (const std::string flaw = utf8_flaw(*value); !flaw.empty())
+        throw ConfigError(file, line, 0, field, "environment variable '" + std::string(name) + "' " + flaw);
       out += *value;
     } else if (fallback) {
       out += expand_env(*fallback, env, file, line, field);
@@ -402,11 +407,9 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
   for (std::string segment; std::getline(stream, segment, '.');) segments.push_back(segment);
   check_override_path(segments, override_value.path);
 
-  if (const std::size_t bad = first_invalid_utf8(override_value.value); bad != std::string::npos)
+  if (const std::string flaw = utf8_flaw(override_value.value); !flaw.empty())
     throw ConfigError(override_value.flag.empty() ? std::string("--set") : override_value.flag, 0, 0,
-                      override_value.path,
-                      "value is not valid UTF-8 (byte " + hex_byte(override_value.value[bad]) + " at offset " +
-                          std::to_string(bad) + ")");
+                      override_value.path, "value " + flaw);
   YAML::Node value;
   if (override_value.literal) {
     value = YAML::Node(override_value.value);
@@ -467,10 +470,9 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
 // Reads typed values out of the tree; every failure names file, line, column and field.
 class Reader {
  public:
-  // overrides: the overridden paths with the flag each came from ("--set", "--count"), in the
-  // order they were applied.
-  Reader(std::string file, std::vector<std::pair<std::string, std::string>> overrides)
-      : file_(std::move(file)), override_paths_(std::move(overrides)) {}
+  // overrides: as they were applied, each with the flag it came from ("--set", "--count").
+  Reader(std::string file, std::vector<Override> overrides)
+      : file_(std::move(file)), overrides_(std::move(overrides)) {}
 
   const std::string& file() const { return file_; }
 
@@ -483,17 +485,7 @@ class Reader {
   // Where a field's value was written: the job file's line and column, or the flag that
   // overrode it.
   SourceMark mark(const YAML::Node& at, const std::string& field) const {
-    // The last override of a field is the one that set it.
-    for (auto it = override_paths_.rbegin(); it != override_paths_.rend(); ++it) {
-      const std::string& o = it->first;
-      bool covers = field == o || field.rfind(o + ".", 0) == 0 || field.rfind(o + "[", 0) == 0;
-      // A leading index path like request.messages[0] matches the override request.messages.0.
-      std::string dotted = field;
-      std::replace(dotted.begin(), dotted.end(), '[', '.');
-      dotted.erase(std::remove(dotted.begin(), dotted.end(), ']'), dotted.end());
-      covers = covers || dotted == o || dotted.rfind(o + ".", 0) == 0;
-      if (covers) return SourceMark{it->second, 0, 0};
-    }
+    if (std::optional<std::string> flag = overriding_flag(overrides_, field)) return SourceMark{std::move(*flag), 0, 0};
     SourceMark m{file_, 0, 0};
     if (at.IsDefined() && !at.Mark().is_null()) {
       m.line = at.Mark().line + 1;
@@ -516,13 +508,11 @@ class Reader {
   void check_map(const YAML::Node& node, const std::string& path) const {
     if (!node.IsMap()) fail(node, path.empty() ? "job" : path, "expected a map, got " + describe(node));
     const Keys& keys = sections().at(path);
-    std::set<std::string> seen;
+    // (Keys given twice were refused for the whole tree when it was loaded.)
     std::vector<std::pair<YAML::Node, std::string>> unknown;  // the key and its name
     for (auto it = node.begin(); it != node.end(); ++it) {
       const YAML::Node key = it->first;
       std::string name = key.IsScalar() ? key.Scalar() : describe(key);
-      std::string field = child_path(path, name);
-      if (!seen.insert(name).second) fail(key, field, "duplicate key");
       if (std::find(keys.begin(), keys.end(), name) == keys.end()) unknown.emplace_back(key, name);
     }
     if (unknown.empty()) return;
@@ -675,7 +665,7 @@ class Reader {
   }
 
   std::string file_;
-  std::vector<std::pair<std::string, std::string>> override_paths_;
+  std::vector<Override> overrides_;
   mutable std::vector<std::string> warnings_;
 };
 
@@ -714,7 +704,6 @@ void read_synth(const Reader& r, const YAML::Node& node, SynthSpec& synth) {
   for (auto it = variables.begin(); it != variables.end(); ++it) {
     std::string name = it->first.Scalar();
     std::string field = "synth.variables." + name;
-    if (synth.variables.count(name)) r.fail(it->first, field, "duplicate key");
     const YAML::Node choices = it->second;
     if (!choices.IsSequence()) r.fail(choices, field, "expected a list of choices, got " + describe(choices));
     if (choices.size() == 0) r.fail(choices, field, "needs at least one choice");
@@ -755,7 +744,6 @@ void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMess
     const YAML::Node m = node[i];
     std::string field = index_path("request.messages", i);
     if (!m.IsMap()) r.fail(m, field, "expected a map {role, content}, got " + describe(m));
-    std::set<std::string> seen;
     for (auto it = m.begin(); it != m.end(); ++it) {
       std::string key = it->first.Scalar();
       const Keys& keys = sections().at("request.messages");
@@ -1005,12 +993,14 @@ void read_output(const Reader& r, const YAML::Node& node, OutputSpec& output) {
   }
 }
 
+// The scoring types by their names in a job file.
+const std::vector<std::pair<std::string, ScoringKind>> kScoringKinds = {{"none", ScoringKind::None},
+                                                                         {"gsm8k", ScoringKind::Gsm8k},
+                                                                         {"exact_match", ScoringKind::ExactMatch},
+                                                                         {"regex", ScoringKind::Regex}};
+
 void read_scoring(const Reader& r, const YAML::Node& node, ScoringSpec& scoring) {
-  const std::vector<std::pair<std::string, ScoringKind>> kinds = {
-      {"none", ScoringKind::None},
-      {"gsm8k", ScoringKind::Gsm8k},
-      {"exact_match", ScoringKind::ExactMatch},
-      {"regex", ScoringKind::Regex}};
+  const auto& kinds = kScoringKinds;
   // Not `type_node = node["type"]`: assigning one yaml-cpp handle to another rewrites the
   // node it points at.
   const YAML::Node type_node = node.IsMap() ? node["type"] : node;
@@ -1107,10 +1097,8 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   // The environment's defaults are checked as the file's values are (they reach JSON too).
   const auto from_env = [&](const char* name, std::string fallback) {
     std::string value = env(name).value_or(std::move(fallback));
-    if (const std::size_t bad = first_invalid_utf8(value); bad != std::string::npos)
-      throw ConfigError(r.file(), 0, 0, "backend.model",
-                        std::string("$") + name + " is not valid UTF-8 (byte " + hex_byte(value[bad]) + " at offset " +
-                            std::to_string(bad) + ")");
+    if (const std::string flaw = utf8_flaw(value); !flaw.empty())
+      throw ConfigError(r.file(), 0, 0, "backend.model", std::string("$") + name + " " + flaw);
     return value;
   };
   if (job.backend.type == "local") {
@@ -1182,6 +1170,21 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
 
 }  // namespace
 
+std::optional<std::string> overriding_flag(const std::vector<Override>& overrides, const std::string& field) {
+  // A leading index path like request.messages[0] matches the override request.messages.0.
+  std::string dotted = field;
+  std::replace(dotted.begin(), dotted.end(), '[', '.');
+  dotted.erase(std::remove(dotted.begin(), dotted.end(), ']'), dotted.end());
+  // The last override of a field is the one that set it.
+  for (auto it = overrides.rbegin(); it != overrides.rend(); ++it) {
+    const std::string& o = it->path;
+    if (field == o || field.starts_with(o + ".") || field.starts_with(o + "[") || dotted == o ||
+        dotted.starts_with(o + "."))
+      return it->flag.empty() ? std::string("--set") : it->flag;
+  }
+  return std::nullopt;
+}
+
 nlohmann::json result_settings(const JobSpec& job) {
   using nlohmann::json;
   const bool local = job.backend.type == "local";
@@ -1200,18 +1203,13 @@ nlohmann::json result_settings(const JobSpec& job) {
                 {"seed", job.few_shot.seed},
                 {"user", job.few_shot.user},
                 {"assistant", job.few_shot.assistant}};
-  const char* scoring = "none";
-  switch (job.scoring.kind) {
-    case ScoringKind::None: scoring = "none"; break;
-    case ScoringKind::Gsm8k: scoring = "gsm8k"; break;
-    case ScoringKind::ExactMatch: scoring = "exact_match"; break;
-    case ScoringKind::Regex: scoring = "regex"; break;
-  }
-  json scoring_json = {{"type", scoring}};
+  const auto kind = std::find_if(kScoringKinds.begin(), kScoringKinds.end(),
+                                 [&](const auto& named) { return named.second == job.scoring.kind; });
+  json scoring_json = {{"type", kind->first}};
   if (job.scoring.kind != ScoringKind::None) scoring_json["reference_field"] = job.scoring.reference_field;
   if (job.scoring.kind == ScoringKind::Regex) scoring_json["pattern"] = job.scoring.pattern;
   return {{"backend", local ? "local" : "api"},
-          {"model", local ? fs::path(job.backend.model).filename().string() : job.backend.model},
+          {"model", model_label(job, "")},
           {"request", request},
           {"few_shot", few_shot},
           {"scoring", scoring_json}};
@@ -1282,12 +1280,10 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
   check_tree_size(root, file_label, "");
   check_duplicate_keys(root, "", file_label);
   expand_tree(root, "", file_label, env);
-  std::vector<std::pair<std::string, std::string>> override_paths;
   for (const Override& o : overrides) {
     apply_override(root, o, env);
-    override_paths.emplace_back(o.path, o.flag.empty() ? std::string("--set") : o.flag);
   }
-  Reader reader(file_label, std::move(override_paths));
+  Reader reader(file_label, overrides);
   return validate(root, reader, env);
 }
 

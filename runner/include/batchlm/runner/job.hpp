@@ -203,6 +203,10 @@ JobSpec load_job_file(const std::string& path, const std::vector<Override>& over
 JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
                       const std::vector<Override>& overrides, const EnvLookup& env);
 
+// The flag of the last override that set `field` or a field containing it ("--set", "-o", ...),
+// if any: errors found in a value name where it was given.
+std::optional<std::string> overriding_flag(const std::vector<Override>& overrides, const std::string& field);
+
 // What decides an item's result besides its input: the kind of backend and its model (a local
 // model by file name), the request template, the few-shot examples (their file by name) and
 // the scoring. Not the API's address, the engine's tuning or the retry policy. Records carry
