@@ -24,15 +24,20 @@ namespace {
 
 using nlohmann::json;
 
-// A template named a field the item lacks.
+// A template named a field the item lacks, or one whose value is null (which would be sent
+// as the text "null").
 class MissingField : public std::out_of_range {
  public:
-  explicit MissingField(std::string field)
-      : std::out_of_range("no field '" + field + "'"), field_(std::move(field)) {}
+  MissingField(std::string field, bool null)
+      : std::out_of_range(null ? "field '" + field + "' is null" : "no field '" + field + "'"),
+        field_(std::move(field)),
+        null_(null) {}
   const std::string& field() const { return field_; }
+  bool null() const { return null_; }
 
  private:
   std::string field_;
+  bool null_;
 };
 
 const json* lookup(const json& fields, std::string_view path) {
@@ -181,7 +186,8 @@ std::string render_or_throw(std::string_view tmpl, const json& fields, const std
     return render_template(tmpl, fields);
   } catch (const MissingField& e) {
     throw ConfigError(file, static_cast<int>(line), 0, e.field(),
-                      "missing field (used by " + used_by + ")");
+                      e.null() ? "null (used by " + used_by + "; give it a value, or leave the item out)"
+                               : "missing field (used by " + used_by + ")");
   }
 }
 
@@ -559,7 +565,7 @@ std::string render_template(std::string_view tmpl, const nlohmann::json& fields)
     while (!name.empty() && name.front() == ' ') name.remove_prefix(1);
     while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
     const json* value = lookup(fields, name);
-    if (!value) throw MissingField(std::string(name));
+    if (!value || value->is_null()) throw MissingField(std::string(name), value != nullptr);
     // Values are inserted once, never rescanned: a question containing "{{" stays as written.
     out += value->is_string() ? value->get_ref<const std::string&>() : value->dump();
     at = close + 2;

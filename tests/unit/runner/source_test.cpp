@@ -178,6 +178,19 @@ TEST_F(SourceTest, MissingTemplateFieldNamesFileLineAndField) {
   EXPECT_EQ(e.message(), "missing field (used by request.messages[1].content)");
 }
 
+TEST_F(SourceTest, NullTemplateFieldIsRefusedNotSentAsTheWordNull) {
+  // A null question used to be sent as the four letters "null".
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n{\"question\": null}\n");
+  ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
+  EXPECT_EQ(e.file(), in);
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.field(), "question");
+  EXPECT_EQ(e.message(), "null (used by request.messages[1].content; give it a value, or leave the item out)");
+  // Nested nulls too; other non-string values are still written as JSON.
+  EXPECT_THROW(render_template("{{meta.lang}}", json{{"meta", {{"lang", nullptr}}}}), std::out_of_range);
+  EXPECT_EQ(render_template("{{n}} {{b}}", json{{"n", 0}, {"b", false}}), "0 false");
+}
+
 TEST_F(SourceTest, ScoredJobNeedsTheReferenceFieldOnEveryLine) {
   std::string in = write("in.jsonl", "{\"question\": \"a\", \"answer\": \"#### 1\"}\n{\"question\": \"b\"}\n");
   ConfigError e = open_error(job("input: " + in + "\nscoring: gsm8k" + kQuestionTemplate));

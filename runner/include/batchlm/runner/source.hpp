@@ -37,7 +37,7 @@ class Source {
 std::unique_ptr<Source> open_source(const JobSpec& job);
 
 // {{field}} / {{a.b}} substitution from a JSON object; strings inserted as-is, other values
-// dumped as JSON. A missing field throws std::out_of_range naming the field.
+// dumped as JSON. A missing or null field throws std::out_of_range naming the field.
 std::string render_template(std::string_view tmpl, const nlohmann::json& fields);
 
 }  // namespace batchlm::runner
