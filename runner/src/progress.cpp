@@ -345,7 +345,8 @@ nlohmann::json Summary::to_json(double wall_seconds, std::int64_t total_items) c
   j["wall_seconds"] = wall_seconds;
   const double seconds = wall_seconds > 0 ? wall_seconds : 0;
   j["throughput"] = {
-      {"requests_per_second", seconds > 0 ? static_cast<double>(this_run) / seconds : 0.0},
+      // Answers, not attempts: a run whose every item failed at once did no work a second.
+      {"requests_per_second", seconds > 0 ? static_cast<double>(succeeded_ - resumed_) / seconds : 0.0},
       {"output_tokens_per_second", seconds > 0 ? static_cast<double>(completion_tokens_) / seconds : 0.0}};
   // Every request this run sent, those of items it did not finish included.
   const std::int64_t attempts = attempts_ + unfinished_attempts_;

@@ -378,7 +378,8 @@ TEST(Summary, TokensThroughputAndAttemptsDescribeThisRun) {
   EXPECT_EQ(j["tokens"]["prompt"], 1000);
   EXPECT_EQ(j["tokens"]["completion"], 200);
   EXPECT_DOUBLE_EQ(j["wall_seconds"].get<double>(), 10.0);
-  EXPECT_DOUBLE_EQ(j["throughput"]["requests_per_second"].get<double>(), 1.3);  // 13 items in 10 s
+  // The 10 answers of this run in 10 s: neither the failures nor the resumed items.
+  EXPECT_DOUBLE_EQ(j["throughput"]["requests_per_second"].get<double>(), 1.0);
   EXPECT_DOUBLE_EQ(j["throughput"]["output_tokens_per_second"].get<double>(), 20.0);
   EXPECT_EQ(j["attempts"]["total"], 25);  // 10 + 6 + 6 + 3
   EXPECT_EQ(j["attempts"]["retries"], 12);
@@ -391,6 +392,15 @@ TEST(Summary, TokensThroughputAndAttemptsDescribeThisRun) {
   EXPECT_EQ(stopped.to_json(10.0, 20)["attempts"], (json{{"total", 29}, {"retries", 14}}));
   // The output's records, the two resumed ones included.
   EXPECT_EQ(j["tokens_in_output"], (json{{"prompt", 1200}, {"completion", 240}}));
+}
+
+TEST(Summary, ARunWhoseItemsAllFailedAnsweredNothingASecond) {
+  // 50 items refused at once used to read as 5,000 req/s.
+  Summary s;
+  for (int i = 0; i < 50; ++i) s.add(failure("http", 400, 1));
+  const json j = s.to_json(0.01, 50);
+  EXPECT_DOUBLE_EQ(j["throughput"]["requests_per_second"].get<double>(), 0.0);
+  EXPECT_NE(s.to_text(0.01, 50).find("0.00 req/s"), std::string::npos);
 }
 
 TEST(Summary, EmptyRunHasNullPercentilesAndNoAccuracy) {
