@@ -105,8 +105,7 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
   }
   if (speculative_.method != SpecMethod::kNone) validate(speculative_);
   const ModelConfig& c = model_->config();
-  context_ = options.context > 0 ? std::min(options.context, c.n_ctx_train)
-                                 : std::min<std::int64_t>(c.n_ctx_train, 4096);
+  context_ = choose_context(c, options.context);
   // The device: the target's weights go there first, then a drafting model's, and the KV
   // pools share what memory is left.
   threads_ = std::make_unique<kernels::ThreadPool>(options.threads);
@@ -206,8 +205,8 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
                                                  std::to_string(params.logprobs));
   if (n_prompt >= context_) {
     throw RequestRejected("context_length_exceeded",
-                          "the prompt has " + std::to_string(n_prompt) +
-                              " tokens; the context holds " + std::to_string(context_));
+                          "the prompt has " + std::to_string(n_prompt) + " tokens; " +
+                              context_holds(model_->config(), context_));
   }
   // Checked here: a bad id found by the forward pass would fail the whole batch's step.
   const std::int64_t n_vocab = model_->config().n_vocab;

@@ -8,16 +8,22 @@ namespace batchlm::local_engine {
 
 namespace {
 
-std::int64_t choose_context(const ModelConfig& c, std::int64_t requested) {
-  if (requested > 0) return std::min(requested, c.n_ctx_train);
-  return std::min<std::int64_t>(c.n_ctx_train, 4096);
-}
-
 double ms_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
 }
 
 }  // namespace
+
+std::int64_t choose_context(const ModelConfig& c, std::int64_t requested) {
+  if (requested > 0) return std::min(requested, c.n_ctx_train);
+  return std::min<std::int64_t>(c.n_ctx_train, 4096);
+}
+
+std::string context_holds(const ModelConfig& c, std::int64_t context) {
+  std::string text = "the context holds " + std::to_string(context) + " tokens";
+  if (context < c.n_ctx_train) text += " (the model's own holds " + std::to_string(c.n_ctx_train) + ")";
+  return text;
+}
 
 Engine::Engine(std::shared_ptr<const Model> model, const EngineOptions& options)
     : model_(std::move(model)),
@@ -155,8 +161,8 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
   const auto n_prompt = static_cast<std::int64_t>(prompt.size());
   if (n_prompt == 0) throw std::invalid_argument("the prompt is empty");
   if (n_prompt >= context_) {
-    throw std::invalid_argument("the prompt has " + std::to_string(n_prompt) +
-                                " tokens; the context holds " + std::to_string(context_));
+    throw std::invalid_argument("the prompt has " + std::to_string(n_prompt) + " tokens; " +
+                                context_holds(model_->config(), context_));
   }
   const Tokenizer& tok = model_->tokenizer();
   const std::int64_t room = context_ - n_prompt;

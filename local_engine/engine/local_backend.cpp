@@ -267,7 +267,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
         Error{ErrorKind::Http, 400, "context_length_exceeded",
               "the prompt is at least " + std::to_string(at_least) + " tokens (" + std::to_string(bytes) +
                   " bytes, at most " + std::to_string(state_->max_token_bytes) +
-                  " per token); the context holds " + std::to_string(state_->engine->context()),
+                  " per token); " + context_holds(state_->engine->model().config(), state_->engine->context()),
               std::nullopt, false});
   }
   if (request.extra.is_object()) {

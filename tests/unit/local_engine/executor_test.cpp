@@ -242,6 +242,36 @@ TEST_F(ExecutorTest, EngineTakesPartOfABlockFromTheCacheAndGeneratesTheSame) {
   EXPECT_EQ(reused.text, computed.text);
 }
 
+// A prompt the context cannot hold is refused, naming the model's own context where the
+// engine's is set lower (a setting can raise it), and only then.
+TEST_F(ExecutorTest, PromptPastTheContextNamesTheModelsOwnWhereItIsLarger) {
+  LocalBackendOptions o;
+  o.device = Device::kCpu;
+  o.threads = 1;
+  o.context = 64;
+  const std::int64_t own = model()->config().n_ctx_train;
+  ASSERT_GT(own, 64);
+  BatchEngine engine(model(), o);
+  GenerateParams params;
+  try {
+    engine.add(std::vector<Token>(64, 42), params, nullptr);
+    ADD_FAILURE() << "a 64-token prompt fit a 64-token context";
+  } catch (const RequestRejected& e) {
+    EXPECT_EQ(e.code, "context_length_exceeded");
+    EXPECT_EQ(std::string(e.what()), "the prompt has 64 tokens; the context holds 64 tokens (the model's own holds " +
+                                         std::to_string(own) + ")");
+  }
+  o.context = own;
+  BatchEngine full(model(), o);
+  try {
+    full.add(std::vector<Token>(static_cast<std::size_t>(own), 42), params, nullptr);
+    ADD_FAILURE() << "a prompt as long as the context fit it";
+  } catch (const RequestRejected& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "the prompt has " + std::to_string(own) + " tokens; the context holds " + std::to_string(own) + " tokens");
+  }
+}
+
 // A max_tokens the context has no room for is shortened to the room, or, asked to be taken as
 // a limit to honour (a client's, in serve), refused when the request is added.
 TEST_F(ExecutorTest, MaxTokensPastTheContextIsShortenedOrRefused) {

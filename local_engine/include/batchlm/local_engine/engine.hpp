@@ -26,6 +26,12 @@ struct EngineOptions {
   std::int64_t context = 0;    // tokens per sequence; 0: min(training context, 4096)
 };
 
+// The tokens a sequence may hold: `requested` capped at the model's training context, or when
+// 0, the training context up to 4,096.
+std::int64_t choose_context(const ModelConfig& c, std::int64_t requested);
+// "the context holds N tokens", with the model's own where N is less (a setting can raise it).
+std::string context_holds(const ModelConfig& c, std::int64_t context);
+
 // The most alternatives a request can ask for at each position (OpenAI's top_logprobs limit).
 inline constexpr int kMaxLogprobs = 20;
 
