@@ -24,6 +24,7 @@
 
 #include "batchlm/core/engine_fields.hpp"
 #include "batchlm/runner/pattern.hpp"
+#include "yaml_quotes.hpp"
 
 namespace batchlm::runner {
 
@@ -1233,6 +1234,32 @@ std::string model_label(const JobSpec& job, const std::string& request_model) {
 
 constexpr std::size_t kMaxJobFileBytes = std::size_t{16} << 20;
 
+namespace {
+
+// A quoted string that a missing closing quote let run on parses as valid YAML, with the
+// settings it took in gone. Refused where the scan finds one and the tree confirms it: a
+// quoted scalar (tag "!") opens at that line and column.
+void check_runaway_quote(const YAML::Node& root, std::string_view yaml, const std::string& file) {
+  const auto runaway = find_runaway_quote(yaml);
+  if (!runaway) return;
+  const auto quoted_there = [&](const auto& self, const YAML::Node& node) -> bool {
+    if (node.IsScalar())
+      return node.Tag() == "!" && !node.Mark().is_null() && node.Mark().line + 1 == runaway->line &&
+             node.Mark().column + 1 == runaway->column;
+    if (node.IsSequence()) {
+      for (const YAML::Node& child : node)
+        if (self(self, child)) return true;
+    } else if (node.IsMap()) {
+      for (auto it = node.begin(); it != node.end(); ++it)
+        if (self(self, it->first) || self(self, it->second)) return true;
+    }
+    return false;
+  };
+  if (quoted_there(quoted_there, root)) throw ConfigError(file, runaway->line, runaway->column, "", describe(*runaway));
+}
+
+}  // namespace
+
 JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
                       const std::vector<Override>& overrides, const EnvLookup& env) {
   // yaml-cpp takes any bytes; JSON output and HTTP bodies take only UTF-8. Refused here, where
@@ -1258,6 +1285,12 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
   } catch (const YAML::ParserException& e) {
     int line = e.mark.is_null() ? 0 : e.mark.line + 1;
     int column = e.mark.is_null() ? 0 : e.mark.column + 1;
+    // The parser fails lines after a quote left open; the quote is what to fix.
+    if (const auto runaway = find_runaway_quote(yaml); runaway && (line == 0 || runaway->line <= line))
+      throw ConfigError(file_label, runaway->line, runaway->column, "",
+                        describe(*runaway) + " (the YAML parser then stopped" +
+                            (line > 0 ? " at line " + std::to_string(line) + ", column " + std::to_string(column) : "") +
+                            ": " + e.msg + ")");
     std::string message = "invalid YAML: " + e.msg;
     // A tab in the indentation is the usual cause, and the parser's words do not say so.
     if (line > 0) {
@@ -1278,6 +1311,7 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
     throw ConfigError(file_label, 0, 0, "", "invalid YAML: " + e.msg);
   }
   check_tree_size(root, file_label, "");
+  check_runaway_quote(root, yaml, file_label);
   check_duplicate_keys(root, "", file_label);
   expand_tree(root, "", file_label, env);
   for (const Override& o : overrides) {

@@ -490,6 +490,58 @@ TEST_F(JobFile, TabIndentationIsNamed) {
   EXPECT_NE(e.message().find("indented with a tab"), std::string::npos) << e.what();
 }
 
+// A missing closing quote used to take the lines after it in as text: the job ran with those
+// settings gone (max_tokens unset, a prompt ending in "max_tokens: 8"), or failed lines later.
+TEST_F(JobFile, AQuoteLeftOpenIsNamedWhereItOpens) {
+  const std::string messages = "request:\n  messages:\n    - role: user\n";
+  // Never closed: the parser takes it to the end of the file.
+  ConfigError e = error_of(with_input(messages + "      content: \"{{question}}\n  max_tokens: 8\n  temperature: 0\n"));
+  EXPECT_EQ(e.line(), 5);
+  EXPECT_EQ(e.column(), 16);
+  EXPECT_EQ(e.message(),
+            "a quoted string opens here and is never closed: it runs to the end of the file, taking in line 6 "
+            "(max_tokens: 8) and every line after it as text; add the closing quote");
+  // Closed by the next quote, lines later: the parser stops far from the cause.
+  e = error_of(with_input("output: 'out.jsonl\nlimit: 3\nconcurrency: '4'\n" + messages + "      content: x\n"));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.column(), 9);
+  EXPECT_NE(e.message().find("a quoted string opens here and runs on, taking in line 3 (limit: 3) as text: is its "
+                             "closing quote missing? (the YAML parser then stopped at line 4"),
+            std::string::npos)
+      << e.what();
+  // Closed at the end of a later line, which parses: the tree confirms the quoted string.
+  e = error_of(with_input("output: \"out.jsonl\nlimit: 3\"\n" + messages + "      content: x\n"));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_NE(e.message().find("taking in line 3 (limit: 3\")"), std::string::npos) << e.what();
+}
+
+TEST_F(JobFile, QuotesThatAreNotRunawayStringsPass) {
+  const std::string job = with_input(
+      "# a comment's apostrophe and a \" in it\n"
+      "request:\n"
+      "  stop: [\"\\n\\n\", 'it''s', \"a \\\" b\", plain, x y]\n"
+      "  messages:\n"
+      "    - role: system\n"
+      "      content: |\n"
+      "        A block scalar with an open \" quote\n"
+      "        and a line that reads: as a key\n"
+      "    - role: user\n"
+      "      content: \"a quoted string over\n"
+      "        several lines, indented: more than its key\n"
+      "        ends here\"\n"
+      "    - role: assistant\n"
+      "      content: it's plain text with \"quotes and an ' apostrophe\n"
+      "    - role: user\n"
+      "      content: >-\n"
+      "        folded 'text\n"
+      "  max_tokens: 8\n");
+  const JobSpec spec = load(job);
+  EXPECT_EQ(spec.request.max_tokens, 8);
+  ASSERT_EQ(spec.request.messages.size(), 4u);
+  EXPECT_EQ(spec.request.messages[1].content, "a quoted string over several lines, indented: more than its key ends here");
+  EXPECT_EQ(spec.request.messages[2].content, "it's plain text with \"quotes and an ' apostrophe");
+}
+
 TEST_F(JobFile, HeaderNamesAndValuesAreChecked) {
   const std::string api = "backend:\n  base_url: http://h/v1\n  headers:\n";
   ConfigError e = error_of(with_input(api + "    \"bad header\": x\n"));
