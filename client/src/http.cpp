@@ -65,6 +65,26 @@ std::string_view trim(std::string_view s) {
   return s;
 }
 
+// "scheme://host:port" of `url`, or of `reference` resolved against it (a Location may be
+// relative); empty when curl cannot parse them, which never equals a real origin.
+std::string origin_of(const std::string& url, const std::string& reference = {}) {
+  std::unique_ptr<CURLU, decltype(&curl_url_cleanup)> u(curl_url(), &curl_url_cleanup);
+  if (!u || curl_url_set(u.get(), CURLUPART_URL, url.c_str(), 0) != CURLUE_OK) return {};
+  if (!reference.empty() && curl_url_set(u.get(), CURLUPART_URL, reference.c_str(), 0) != CURLUE_OK) return {};
+  std::string origin;
+  for (const CURLUPart part : {CURLUPART_SCHEME, CURLUPART_HOST, CURLUPART_PORT}) {
+    char* text = nullptr;
+    if (curl_url_get(u.get(), part, &text, part == CURLUPART_PORT ? CURLU_DEFAULT_PORT : 0) != CURLUE_OK) return {};
+    std::string piece(text);
+    curl_free(text);
+    if (part == CURLUPART_HOST)
+      std::transform(piece.begin(), piece.end(), piece.begin(),
+                     [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    origin += piece + (part == CURLUPART_SCHEME ? "://" : part == CURLUPART_HOST ? ":" : "");
+  }
+  return origin;
+}
+
 std::string ms_text(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
 
 // Redirects followed before a transfer gives up: enough for a gateway's http -> https and
@@ -319,10 +339,22 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
       // re-sends a POST as a GET without its body on 301, 302 and 303: such a redirect ends the
       // transfer here and is the response (307 and 308 keep the method and the body).
       const int status = t.response.status;
+      const std::string* location = t.response.header("location");
       if (status >= 300 && status < 400 && status != 307 && status != 308 && t.request.method != "GET" &&
-          t.response.header("location") != nullptr) {
+          location != nullptr) {
         t.redirect_refused = true;
         return 0;  // curl aborts with CURLE_WRITE_ERROR
+      }
+      // curl keeps only Authorization and Cookie from another origin: a header of the caller's
+      // own (an `api-key`, say) would go along, so such a redirect is not followed.
+      if ((status == 307 || status == 308) && location != nullptr && t.request.same_origin_redirects) {
+        char* current = nullptr;
+        curl_easy_getinfo(t.easy.get(), CURLINFO_EFFECTIVE_URL, &current);
+        const std::string target = origin_of(current != nullptr ? current : t.request.url, *location);
+        if (target != origin_of(t.request.url)) {
+          t.redirect_refused = true;
+          return 0;
+        }
       }
       return size * count;
     }
@@ -412,7 +444,8 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     // Redirects are followed (a gateway moving its API to https or to another path), a POST
     // with its body on 307 and 308 only (on_header stops at the others). curl sends the
     // Authorization header, ours included, to the original host only: a redirect to another
-    // host, port or scheme goes there without the API key. Other headers go along.
+    // host, port or scheme goes there without the API key. Other headers go along, so a
+    // request that carries its own (same_origin_redirects) stops at such a redirect.
     curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 1L);
     curl_easy_setopt(e, CURLOPT_MAXREDIRS, kMaxRedirects);
     curl_easy_setopt(e, CURLOPT_UNRESTRICTED_AUTH, 0L);

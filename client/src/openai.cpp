@@ -439,6 +439,10 @@ Error http_error(const HttpResponse& response) {
     // A redirect the client does not follow (see HttpClient::perform): where it pointed is what
     // the user needs to fix the base URL.
     error.message = "HTTP " + std::to_string(response.status) + " redirect to " + truncated(*location) + ", not followed";
+    // 307 and 308 are followed but to another origin with headers of the caller's own.
+    if (response.status == 307 || response.status == 308)
+      error.message += ": it leads to another host, and the backend's own headers are sent to the base URL's only "
+                       "(set base_url to where it leads)";
   } else if (error.message.empty()) {
     error.message = response.body.empty() ? "HTTP " + std::to_string(response.status)
                                           : truncated(response.body);
@@ -727,6 +731,7 @@ boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, 
   if (!options_.api_key.empty())
     http_request.headers.emplace_back("Authorization", "Bearer " + options_.api_key);
   for (const auto& header : options_.extra_headers) http_request.headers.push_back(header);
+  http_request.same_origin_redirects = !options_.extra_headers.empty();
   try {
     // Invalid UTF-8 in a prompt makes dump() throw; replacing it keeps the request sendable.
     http_request.body = to_openai_body(request).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

@@ -439,6 +439,35 @@ TEST_F(OpenAIBackendTest, RedirectToAnotherHostGoesThereWithoutTheApiKey) {
   EXPECT_EQ(other.stats().authorized, 0u);
 }
 
+// curl would send headers of the backend's own (Azure's `api-key`, say) to the other host:
+// with such headers, a redirect to another origin is the answer. To the same origin it is
+// followed with them.
+TEST_F(OpenAIBackendTest, RedirectToAnotherHostIsNotFollowedWithTheBackendsOwnHeaders) {
+  FakeOpenAIServer other(small_answers());
+  OpenAIOptions options = backend_options(server_);
+  options.extra_headers.emplace_back("api-key", "secret");
+  const std::string elsewhere = other.base_url() + "/chat/completions";
+  server_.set_rules({FaultRule{{FaultSpec::parse("redirect=308;location=" + elsewhere)}, 1.0, 0, 0}});
+  auto result = complete(options, chat_request("item"));
+  ASSERT_FALSE(result.outcome.ok());
+  EXPECT_EQ(result.outcome.error->kind, ErrorKind::Http);
+  EXPECT_EQ(result.outcome.error->http_status, 308);
+  EXPECT_EQ(result.outcome.error->message,
+            "HTTP 308 redirect to " + elsewhere +
+                ", not followed: it leads to another host, and the backend's own headers are sent to the base URL's "
+                "only (set base_url to where it leads)");
+  EXPECT_EQ(other.requests(), 0u);
+  // The same host under another path (relative or absolute): followed, headers and all.
+  for (const std::string& location : {std::string("/v1/chat/completions"), server_.base_url() + "/chat/completions"}) {
+    SCOPED_TRACE(location);
+    server_.set_rules({FaultRule{{FaultSpec::parse("redirect=307;location=" + location)}, 1.0, 1, 0}});
+    server_.reset_stats();
+    result = complete(options, chat_request("same-" + location));
+    ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+    EXPECT_EQ(server_.requests_for("same-" + location), 2u);
+  }
+}
+
 // 301, 302 and 303 would turn the POST into a GET without its body: the redirect is the answer,
 // and its error names where it pointed.
 TEST_F(OpenAIBackendTest, RedirectThatWouldDropThePostIsAnHttpErrorNamingItsLocation) {

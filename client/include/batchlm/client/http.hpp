@@ -44,6 +44,9 @@ struct HttpRequest {
   // Asked after each body chunk: whether what came is a whole answer already, so that a server
   // that then falls silent is waited for timeouts.after_answer, not timeouts.idle.
   std::function<bool()> answered;
+  // A 307/308 to another scheme, host or port is not followed (the redirect is the response):
+  // set when `headers` carry credentials of the caller's own, which curl would send there.
+  bool same_origin_redirects = false;
 };
 
 struct HttpResponse {
