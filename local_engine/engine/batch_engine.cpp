@@ -280,7 +280,7 @@ void BatchEngine::finish(const Finished& f) {
   const std::string reason = a.reason.empty() ? std::string(to_string(f.reason)) : a.reason;
   GenerateResult result = std::move(a.result);
   result.tokens = f.generated;
-  if (reason != "cancelled") {
+  if (reason != "cancelled" && reason != "error") {
     std::string tail = a.gen.flush();
     std::vector<TokenLogprob> logprobs = a.gen.take_logprobs();
     if (!tail.empty() || !logprobs.empty()) {
@@ -459,11 +459,15 @@ void BatchEngine::step() {
   // mean is then taken in order, below.
   std::vector<Token> picked(plan.entries.size(), 0);
   std::vector<std::optional<PositionLogprobs>> logprobs(plan.entries.size());
+  // Rows with a NaN or an infinity: their request fails (below), the others go on.
+  std::vector<char> broken(plan.entries.size(), 0);
   if (!device_sampling) {
     std::vector<std::size_t> sampling;  // entries
     for (std::size_t i = 0; i < plan.entries.size(); ++i) {
       const PlannedSequence& e = plan.entries[i];
-      if (e.wants_logits && e.n_drafts == 0 && active_.contains(e.id)) sampling.push_back(i);
+      if (!e.wants_logits || !active_.contains(e.id)) continue;
+      broken[i] = broken_logits(logits_of(i));
+      if (e.n_drafts == 0 && !broken[i]) sampling.push_back(i);
     }
     threads_->parallel_for(static_cast<std::int64_t>(sampling.size()), 1, [&](std::int64_t b, std::int64_t e, int) {
       for (std::int64_t j = b; j < e; ++j) {
@@ -493,7 +497,11 @@ void BatchEngine::step() {
       ++decoding_;
       ++decode_passes_;
     }
-    if (e.n_drafts == 0) {
+    if (broken[i]) {
+      a.reason = "error";
+      a.result.error = broken_logits_message(a.gen.generated());
+      r.finished = true;
+    } else if (e.n_drafts == 0) {
       ++sampled_;
       r.token = device_sampling ? sampled[first_row[i]] : picked[i];
       const bool done = a.gen.accept(r.token, text, logprobs[i] ? &*logprobs[i] : nullptr);

@@ -54,6 +54,7 @@ std::span<const float> Generation::constrain(std::span<const float> logits) {
 }
 
 bool Generation::next(std::span<const float> logits, Token& token, std::string& text) {
+  if (broken_logits(logits)) throw std::runtime_error(broken_logits_message(generated_));
   token = sampler_.sample(constrain(logits));
   if (logprobs_ < 0) return accept(token, text);
   const PositionLogprobs lp = position_logprobs(logits, token, logprobs_);

@@ -127,8 +127,11 @@ struct LocalBackend::State {
     for (auto& [id, result] : engine->take_finished()) {
       auto it = jobs.find(id);
       if (it == jobs.end()) continue;
-      if (result.finish_reason != "cancelled" && !it->second->cancelled.load())
+      if (result.finish_reason == "error" && !it->second->cancelled.load()) {
+        fail(*it->second, ErrorKind::Internal, 0, "model_error", result.error);
+      } else if (result.finish_reason != "cancelled" && !it->second->cancelled.load()) {
         it->second->send(Done{std::move(result)});
+      }
       jobs.erase(it);
     }
   }

@@ -3,6 +3,7 @@
 // residual; then the final norm and the output head (the embedding matrix when tied).
 
 #include <algorithm>
+#include <cstdio>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -111,8 +112,21 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     f.fail("rope.dimension_count " + std::to_string(c.rope_dim) + " does not fit head size " +
            std::to_string(c.head_dim));
   }
-  c.rope_base = static_cast<float>(f.find_f64(a + "rope.freq_base").value_or(10000.0));
-  c.rms_eps = static_cast<float>(f.find_f64(a + "attention.layer_norm_rms_epsilon").value_or(1e-5));
+  // Values no model has, which make every output a NaN: refused here, not met at the first token.
+  const auto number = [](double v) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", v);
+    return std::string(text);
+  };
+  const double rope_base = f.find_f64(a + "rope.freq_base").value_or(10000.0);
+  if (!(rope_base > 1.0 && rope_base < 1e30))
+    f.fail("metadata '" + a + "rope.freq_base' = " + number(rope_base) + " is out of range (above 1)");
+  const double rms_eps = f.find_f64(a + "attention.layer_norm_rms_epsilon").value_or(1e-5);
+  if (!(rms_eps > 0.0 && rms_eps < 1.0))
+    f.fail("metadata '" + a + "attention.layer_norm_rms_epsilon' = " + number(rms_eps) +
+           " is out of range (between 0 and 1)");
+  c.rope_base = static_cast<float>(rope_base);
+  c.rms_eps = static_cast<float>(rms_eps);
   if (f.find(a + "rope.scaling.type")) {
     const std::string type = f.get_string(a + "rope.scaling.type");
     if (type != "none") f.fail("rope scaling '" + type + "' is not supported");

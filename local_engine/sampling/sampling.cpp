@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "batchlm/kernels/ops.hpp"
 
@@ -18,6 +19,17 @@ double TokenDistribution::probability(Token token) const {
   for (std::size_t i = 0; i < tokens.size(); ++i)
     if (tokens[i] == token) return weights[i] / total;
   return 0.0;
+}
+
+bool broken_logits(std::span<const float> logits) {
+  bool broken = false;
+  for (const float v : logits) broken |= !(v < std::numeric_limits<float>::infinity());  // NaN or +inf
+  return broken;
+}
+
+std::string broken_logits_message(std::int64_t generated) {
+  return "the model's output is not a number (NaN or infinity) at generated token " + std::to_string(generated + 1) +
+         ": its weights or settings (rope base, norm epsilon) do not work";
 }
 
 Token TokenDistribution::draw(double u) const {

@@ -1,8 +1,13 @@
 // The executor seam: the choice of device, and the CPU executor against Model::forward_batch.
 // (The CUDA executor against the CPU one is in tests/gpu.)
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -14,6 +19,7 @@
 
 #include "batchlm/local_engine/batch_engine.hpp"
 #include "batchlm/local_engine/executor.hpp"
+#include "batchlm/local_engine/gguf.hpp"
 #include "batchlm/local_engine/model.hpp"
 #include "gguf_writer.hpp"
 
@@ -270,6 +276,59 @@ TEST_F(ExecutorTest, PromptPastTheContextNamesTheModelsOwnWhereItIsLarger) {
     EXPECT_EQ(std::string(e.what()),
               "the prompt has " + std::to_string(own) + " tokens; the context holds " + std::to_string(own) + " tokens");
   }
+}
+
+// A forward pass that yields NaN (here: one token's embedding row is NaN) fails the requests it
+// reaches, with an error, and no other: the sampler had no token to draw and the process
+// crashed, or a greedy pick silently took token 0.
+TEST_F(ExecutorTest, NotANumberInTheOutputFailsThatRequestAlone) {
+  constexpr Token kPoisoned = 7;
+  const fs::path path = *dir_ / "nan.gguf";
+  {
+    // The row's bytes as the loader sees them, found in the file and overwritten.
+    const gguf::File file = gguf::File::open(*dir_ / "tiny.gguf");
+    const gguf::TensorInfo& embd = file.tensor("token_embd.weight");
+    ASSERT_EQ(embd.type, kernels::DType::F32);
+    const auto row_bytes = static_cast<std::size_t>(embd.cols()) * sizeof(float);
+    const std::string row(reinterpret_cast<const char*>(embd.data) + kPoisoned * row_bytes, row_bytes);
+    std::ifstream in(*dir_ / "tiny.gguf", std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::size_t at = bytes.find(row);
+    ASSERT_NE(at, std::string::npos);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (std::size_t i = 0; i < row_bytes; i += sizeof(float)) std::memcpy(bytes.data() + at + i, &nan, sizeof(float));
+    std::ofstream(path, std::ios::binary) << bytes;
+  }
+  const std::shared_ptr<const Model> broken = Model::load(path);
+  LocalBackendOptions o;
+  o.device = Device::kCpu;
+  o.threads = 1;
+  for (const float temperature : {0.0f, 0.8f}) {
+    SCOPED_TRACE(temperature);
+    BatchEngine engine(broken, o);
+    GenerateParams params;
+    params.max_tokens = 6;
+    params.ignore_eos = true;
+    params.sampling.temperature = temperature;
+    const SequenceId fine = engine.add({42, 43, 44}, params, nullptr);
+    const SequenceId poisoned = engine.add({42, kPoisoned, 44}, params, nullptr);
+    while (!engine.idle()) engine.step();
+    for (auto& [id, result] : engine.take_finished()) {
+      if (id == fine) {
+        EXPECT_EQ(result.finish_reason, "length");
+        EXPECT_EQ(result.tokens.size(), 6u);
+        EXPECT_TRUE(result.error.empty());
+      } else {
+        EXPECT_EQ(id, poisoned);
+        EXPECT_EQ(result.finish_reason, "error");
+        EXPECT_EQ(result.error,
+                  "the model's output is not a number (NaN or infinity) at generated token 1: its weights or settings "
+                  "(rope base, norm epsilon) do not work");
+      }
+    }
+  }
+  EXPECT_TRUE(broken_logits(std::vector<float>{0.0f, std::numeric_limits<float>::infinity()}));
+  EXPECT_FALSE(broken_logits(std::vector<float>{0.0f, -std::numeric_limits<float>::infinity(), 1e30f}));
 }
 
 // A max_tokens the context has no room for is shortened to the room, or, asked to be taken as

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -528,6 +529,22 @@ TEST_F(LoadErrors, VocabSizeContradictsTheTokenizer) {
 TEST_F(LoadErrors, NormNotF32) {
   expect_load_error(edited({.retype_tensors = {{"blk.0.attn_norm.weight", DType::F16}}}),
                     {"blk.0.attn_norm.weight", "F32"});
+}
+
+// A rope base of 0 or below, or a norm epsilon that is not positive, makes every output a NaN
+// (the sampler then had no token to draw and the process crashed).
+TEST_F(LoadErrors, RopeBaseAndNormEpsilonOutOfRange) {
+  for (const float base : {0.0f, -1.0f, 1.0f, std::numeric_limits<float>::quiet_NaN(),
+                           std::numeric_limits<float>::infinity()}) {
+    SCOPED_TRACE(base);
+    expect_load_error(edited({.metadata = {{"llama.rope.freq_base", GgufValue::f32(base)}}}),
+                      {"llama.rope.freq_base", "out of range"});
+  }
+  for (const float eps : {0.0f, -1.0f, 1.0f, std::numeric_limits<float>::quiet_NaN()}) {
+    SCOPED_TRACE(eps);
+    expect_load_error(edited({.metadata = {{"llama.attention.layer_norm_rms_epsilon", GgufValue::f32(eps)}}}),
+                      {"llama.attention.layer_norm_rms_epsilon", "out of range"});
+  }
 }
 
 TEST_F(LoadErrors, UnsupportedRopeScaling) {

@@ -66,7 +66,9 @@ struct GenerateStats {
 struct GenerateResult {
   std::string text;
   std::vector<Token> tokens;  // the generated token ids, an end-of-generation token included
-  std::string finish_reason;  // "stop" (end of turn or a stop string), "length", "cancelled"
+  std::string finish_reason;  // "stop" (end of turn or a stop string), "length", "cancelled",
+                              // "error" (then `error` says what went wrong)
+  std::string error;
   GenerateStats stats;
   // With GenerateParams::logprobs >= 0: one entry per token of `text` (Generation::take_logprobs).
   std::vector<TokenLogprob> logprobs;
