@@ -172,6 +172,18 @@ std::string nearest_key(std::string_view key, const std::vector<std::string>& va
       best_distance = d;
     }
   }
+  if (!best.empty()) return best;
+  // Further off, but the same word begun: `retry_policy` or `retries` for `retry`. The longest
+  // shared beginning of at least four letters that misses at most one letter of the shorter.
+  std::size_t best_shared = 0;
+  for (const std::string& candidate : valid) {
+    std::size_t shared = 0;
+    while (shared < key.size() && shared < candidate.size() && key[shared] == candidate[shared]) ++shared;
+    if (shared >= 4 && shared + 1 >= std::min(key.size(), candidate.size()) && shared > best_shared) {
+      best = candidate;
+      best_shared = shared;
+    }
+  }
   return best;
 }
 

@@ -928,6 +928,13 @@ TEST(NearestKey, SuggestsOnlyCloseKeys) {
   EXPECT_EQ(nearest_key("budget_ration", keys), "budget_ratio");
   EXPECT_EQ(nearest_key("zebra_stripes", keys), "");
   EXPECT_EQ(nearest_key("x", {"y"}), "");
+  // The same word begun, further than a typo.
+  const std::vector<std::string> top = {"name", "input", "retry", "request", "rate_limit", "output"};
+  EXPECT_EQ(nearest_key("retry_policy", top), "retry");
+  EXPECT_EQ(nearest_key("retries", top), "retry");
+  EXPECT_EQ(nearest_key("requests", top), "request");
+  EXPECT_EQ(nearest_key("outputs_dir", top), "output");
+  EXPECT_EQ(nearest_key("reqs", top), "");         // a beginning of fewer than four letters
 }
 
 TEST_F(JobFile, LoadJobFileReadsFromDiskAndNamesIt) {
