@@ -1240,8 +1240,9 @@ std::string settings_hash(const nlohmann::json& settings) {
 }
 
 std::string model_label(const JobSpec& job, const std::string& request_model) {
-  if (!request_model.empty()) return request_model;
-  return job.backend.type == "local" ? fs::path(job.backend.model).filename().string() : job.backend.model;
+  // The embedded engine runs its one model whatever a request names (a Batch line's "gpt-4o").
+  if (job.backend.type == "local") return fs::path(job.backend.model).filename().string();
+  return request_model.empty() ? job.backend.model : request_model;
 }
 
 constexpr std::size_t kMaxJobFileBytes = std::size_t{16} << 20;

@@ -994,3 +994,25 @@ TEST(ShippedJobs, BuiltinStoriesIsTheShippedFile) {
   JobSpec job = load_job_text(builtin_stories_yaml(), "<builtin:stories>", {}, env_of({}));
   EXPECT_EQ(job.name, "stories");
 }
+
+namespace batchlm::runner {
+namespace {
+
+// A record names the model that made it: for the embedded engine its file name, whatever the
+// path it was given by or a request (a Batch line's "gpt-4o-mini") names; for an API the
+// request's model, else the backend's.
+TEST(ModelLabel, LocalModelsByFileNameApisByTheRequestsModel) {
+  JobSpec local;
+  local.backend.type = "local";
+  local.backend.model = "/srv/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  EXPECT_EQ(model_label(local, ""), "SmolLM2-135M-Instruct.Q4_1.gguf");
+  EXPECT_EQ(model_label(local, "gpt-4o-mini"), "SmolLM2-135M-Instruct.Q4_1.gguf");
+  JobSpec api;
+  api.backend.type = "openai";
+  api.backend.model = "gpt-4o-mini";
+  EXPECT_EQ(model_label(api, ""), "gpt-4o-mini");
+  EXPECT_EQ(model_label(api, "gpt-4o"), "gpt-4o");
+}
+
+}  // namespace
+}  // namespace batchlm::runner

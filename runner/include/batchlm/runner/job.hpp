@@ -215,8 +215,8 @@ std::optional<std::string> overriding_flag(const std::vector<Override>& override
 nlohmann::json result_settings(const JobSpec& job);
 // 16 hex digits (FNV-1a, 64 bits, of the settings' compact JSON): the same on every machine.
 std::string settings_hash(const nlohmann::json& settings);
-// The model a record names: the request's own (a template or a Batch line may set it), else
-// the backend's (a local model by file name).
+// The model a record names: a local model's file name; for an API the request's own (a
+// template or a Batch line may set it), else the backend's.
 std::string model_label(const JobSpec& job, const std::string& request_model);
 
 // Why a request's "n" must be 1 (job files and Batch-API lines).
