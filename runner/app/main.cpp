@@ -195,6 +195,8 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
     if (job.backend.context > backend->context())
       std::fprintf(stderr, "batchlm: note: backend.context %lld is beyond what the model was trained on; using %lld\n",
                    static_cast<long long>(job.backend.context), static_cast<long long>(backend->context()));
+    // Once at start: the model, its KV pool, and where it runs (or why not on a GPU).
+    std::fprintf(stderr, "batchlm: %s\n", backend->describe().c_str());
     return backend;
   }
   client::OpenAIOptions options;

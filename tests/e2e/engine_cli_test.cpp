@@ -327,6 +327,10 @@ TEST_F(EngineCli, RunALocalJobWritesEveryRecord) {
   write_file(dir() / "job.yaml", local_job("long.gguf", 5));
   RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
+  // Once at start: the model and where it runs (here the CPU, and why not a GPU where CUDA is
+  // built in).
+  EXPECT_NE(r.err.find("batchlm: local long.gguf ("), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(") on cpu ("), std::string::npos) << r.err;
   const std::vector<json> records = read_jsonl(dir() / "out/local.jsonl");
   ASSERT_EQ(records.size(), 5u);
   std::set<long long> ids;
@@ -413,6 +417,11 @@ TEST_F(EngineCli, RunALocalJobWhosePromptsOverflowTheContextRecordsA400) {
     ASSERT_TRUE(rec["error"].is_object()) << rec.dump();
     EXPECT_EQ(rec["error"]["kind"], "http") << rec.dump();
     EXPECT_EQ(rec["error"]["status"], 400) << rec.dump();
+    EXPECT_EQ(rec["error"]["code"], "context_length_exceeded") << rec.dump();
+    // The setting is what holds it back, and the message says how far it could go.
+    EXPECT_NE(rec["error"]["message"].get<std::string>().find("the context holds 64 tokens (the model's own holds 256)"),
+              std::string::npos)
+        << rec.dump();
     EXPECT_EQ(rec["attempts"], 1) << "not retried: " << rec.dump();
     EXPECT_TRUE(rec["output"].is_null()) << rec.dump();
   }
