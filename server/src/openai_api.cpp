@@ -515,10 +515,15 @@ ApiError error_from_outcome(const Error& error, Endpoint endpoint, std::string_v
     std::string param = leading_field(error.message);
     if (param.empty() && (error.code == "context_length_exceeded" || error.code == "invalid_request"))
       param = endpoint == Endpoint::kChat ? "messages" : "prompt";
-    if (param == "max_tokens") param = max_tokens_param;
+    std::string message = error.message;
+    if (param == "max_tokens" && max_tokens_param != "max_tokens") {
+      // The message names the field as the request did.
+      param = max_tokens_param;
+      message = "'" + param + "'" + message.substr(std::string_view("'max_tokens'").size());
+    }
     // The engine's generic code for a bad value is what the server's own checks leave null.
     const std::string code = error.code == "invalid_request" ? std::string() : error.code;
-    return ApiError(error.http_status, "invalid_request_error", std::move(param), error.message, code);
+    return ApiError(error.http_status, "invalid_request_error", std::move(param), message, code);
   }
   return ApiError(500, "server_error", "", "the engine failed: " + error.message, error.code);
 }

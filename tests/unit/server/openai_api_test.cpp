@@ -710,6 +710,9 @@ TEST(ErrorFromOutcome, EngineErrorsNameTheField) {
                    std::nullopt, false};
   EXPECT_EQ(error_from_outcome(past, Endpoint::kChat).param(), "max_tokens");
   EXPECT_EQ(error_from_outcome(past, Endpoint::kChat, "max_completion_tokens").param(), "max_completion_tokens");
+  EXPECT_STREQ(error_from_outcome(past, Endpoint::kChat, "max_completion_tokens").what(),
+               "'max_completion_tokens': the context holds 64 tokens");
+  EXPECT_STREQ(error_from_outcome(past, Endpoint::kChat).what(), "'max_tokens': the context holds 64 tokens");
   EXPECT_EQ(error_from_outcome(past, Endpoint::kChat).code(), "context_length_exceeded");
   // The limit is the client's to honour only where the client gave one.
   EXPECT_TRUE(parse_request(Endpoint::kChat, json{{"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
