@@ -116,8 +116,8 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return "set it as request." + std::string(key == "max_completion_tokens" ? "max_tokens" : key) +
            " (the embedded engine does not read it from the extra fields)";
   return "the embedded engine does not use '" + std::string(key) +
-         "' (of the extra fields it takes top_k, presence_penalty, frequency_penalty, logit_bias, logprobs and "
-         "top_logprobs)" +
+         "' (of the extra fields it takes top_k, presence_penalty, frequency_penalty, logit_bias, logprobs, "
+         "top_logprobs and response_format)" +
          kElsewhere;
 }
 

@@ -440,15 +440,21 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
   if (!root.IsMap()) root = YAML::Node(YAML::NodeType::Map);
   YAML::Node node = root;
   std::string walked;
+  // A list met on the path, given a segment that is not one of its indices.
+  const auto bad_index = [&](const std::string& segment, std::size_t size) {
+    const std::string entries = std::to_string(size) + (size == 1 ? " entry" : " entries");
+    if (!segment.empty() && segment.find_first_not_of("0123456789") == std::string::npos)
+      return size == 0 ? "'" + walked + "' is an empty list: there is no entry " + segment
+                       : "'" + walked + "' has " + entries + " (0 to " + std::to_string(size - 1) +
+                             "): there is no entry " + segment;
+    return "'" + walked + "' is a list of " + entries + "; index it, e.g. " + walked + ".0";
+  };
   for (std::size_t i = 0; i + 1 < segments.size(); ++i) {
     const std::string& segment = segments[i];
     std::string here = child_path(walked, segment);
     if (node.IsSequence()) {
       const std::optional<std::size_t> index = list_index(segment, node.size());
-      if (!index)
-        throw ConfigError("--set", 0, 0, override_value.path,
-                          "'" + walked + "' is a list of " + std::to_string(node.size()) +
-                              " entries; index it, e.g. " + walked + ".0");
+      if (!index) throw ConfigError("--set", 0, 0, override_value.path, bad_index(segment, node.size()));
       node.reset(node[*index]);
       walked = here;
       continue;
@@ -470,10 +476,7 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
   const std::string& last = segments.back();
   if (node.IsSequence()) {
     const std::optional<std::size_t> index = list_index(last, node.size());
-    if (!index)
-      throw ConfigError("--set", 0, 0, override_value.path,
-                        "'" + walked + "' is a list of " + std::to_string(node.size()) +
-                            " entries; index it, e.g. " + walked + ".0");
+    if (!index) throw ConfigError("--set", 0, 0, override_value.path, bad_index(last, node.size()));
     node[*index] = value;
   } else {
     node[last] = value;

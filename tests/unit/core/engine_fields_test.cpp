@@ -94,7 +94,7 @@ TEST(EngineFields, RequestFieldsBelongOutsideTheExtraOnes) {
 TEST(EngineFields, UnknownFieldsAreNamed) {
   EXPECT_EQ(problem("min_p", 0.05),
             "the embedded engine does not use 'min_p' (of the extra fields it takes top_k, presence_penalty, "
-            "frequency_penalty, logit_bias, logprobs and top_logprobs); remove it, or run the job against an API that "
+            "frequency_penalty, logit_bias, logprobs, top_logprobs and response_format); remove it, or run the job against an API that "
             "does (--base-url)");
 }
 

@@ -386,7 +386,10 @@ TEST_F(JobFile, OverrideIndexBeyondAnyListNamesTheList) {
                            {parse_override("request.messages.99999999999999999999.content=x")});
   EXPECT_EQ(e.file(), "--set");
   EXPECT_EQ(e.field(), "request.messages.99999999999999999999.content");
-  EXPECT_EQ(e.message(), "'request.messages' is a list of 1 entries; index it, e.g. request.messages.0");
+  EXPECT_EQ(e.message(), "'request.messages' has 1 entry (0 to 0): there is no entry 99999999999999999999");
+  e = error_of(with_input("request:\n  messages: [{role: user, content: hi}, {role: user, content: ho}]\n"),
+               {parse_override("request.messages.5.content=x")});
+  EXPECT_EQ(e.message(), "'request.messages' has 2 entries (0 to 1): there is no entry 5");
 }
 
 TEST_F(JobFile, UnknownKeyNamesLineFieldAndNearestKey) {
