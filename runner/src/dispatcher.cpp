@@ -437,9 +437,12 @@ class Dispatcher {
       json usage = {{"prompt_tokens", c.usage.prompt_tokens},
                     {"completion_tokens", c.usage.completion_tokens}};
       if (!c.usage.reported) {
-        // The server did not count: estimate so tokens/s stays meaningful, and say so.
+        // The server did not count: estimate so tokens/s stays meaningful, and say so. A
+        // streamed piece is usually a token; a server that sends few large pieces (or no stream)
+        // gets the four bytes a token that English text averages.
+        const auto by_bytes = static_cast<std::int64_t>((c.text.size() + 3) / 4);
         usage = {{"prompt_tokens", item.estimated_prompt_tokens},
-                 {"completion_tokens", run.streamed},
+                 {"completion_tokens", std::max<std::int64_t>(run.streamed, by_bytes)},
                  {"estimated", true}};
       }
       json score = scorer_ ? scorer_->score(item.input, c.text) : json();

@@ -63,6 +63,25 @@ int count_strict_correct(const std::vector<json>& records) {
   return correct;
 }
 
+// A server that reports no usage: the counts are estimates, said to be, and never below a
+// token per four bytes of the answer (a whole answer in one piece counted 1).
+TEST(BatchlmRun, UsageTheServerDoesNotReportIsEstimatedFromTheAnswer) {
+  for (const std::string faults : {"no_usage", "no_usage;ignore_stream"}) {
+    SCOPED_TRACE(faults);
+    TempDir dir;
+    FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--faults", faults, "--fault-rate", "1"});
+    write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 4}));
+    RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    for (const auto& rec : read_jsonl(dir.path / "out/e2e.jsonl")) {
+      EXPECT_EQ(rec["usage"]["estimated"], true) << rec.dump();
+      const auto bytes = static_cast<long long>(rec["output"].get<std::string>().size());
+      EXPECT_GE(rec["usage"]["completion_tokens"].get<long long>(), (bytes + 3) / 4) << rec.dump();
+      EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 0) << rec.dump();
+    }
+  }
+}
+
 TEST(BatchlmRun, Gsm8kSliceScoresEveryItemOnce) {
   TempDir dir;
   FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--wrong-every", "5"});

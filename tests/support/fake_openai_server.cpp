@@ -310,6 +310,8 @@ FaultSpec FaultSpec::parse(std::string_view spec) {
       f.byte_chunks = true;
     } else if (key == "ignore_stream") {
       f.ignore_stream = true;
+    } else if (key == "no_usage") {
+      f.no_usage = true;
     } else if (key == "oversize") {
       f.oversize_bytes = has_value ? static_cast<std::size_t>(parse_ll(key, value))
                                    : std::size_t{100} << 20;
@@ -737,6 +739,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
                                             {"message", {{"role", "assistant"}, {"content", text}}},
                                             {"finish_reason", finish_reason}}})},
                   {"usage", usage}};
+    if (f.no_usage) reply.erase("usage");
     std::string response = simple_response(200, "application/json", reply.dump(), keep_alive);
     if (f.truncate) {
       // Fewer bytes than Content-Length promised, then the connection closes.
@@ -833,7 +836,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     if (co_await events.data(other_end)) co_return false;
   }
   if (co_await events.data(chunk_json(json::object(), finish_reason))) co_return false;
-  if (include_usage) {
+  if (include_usage && !f.no_usage) {
     json usage_chunk = {{"id", id},
                         {"object", "chat.completion.chunk"},
                         {"created", created},

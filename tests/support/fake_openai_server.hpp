@@ -30,6 +30,7 @@
 //   crlf | cr              SSE lines end in CRLF | a lone CR
 //   byte_chunks            every byte of the body in its own HTTP chunk, each written at once
 //   ignore_stream          answer a streaming request with a chat.completion JSON body
+//   no_usage               no usage object, in a stream (even when asked for) or a JSON body
 //   oversize[=BYTES]       a BYTES-long body (non-streaming) or one BYTES-long SSE data line
 //                          (streaming); default 100 MiB
 //   slow_first_byte=MS     wait MS before sending anything, headers included
@@ -77,6 +78,7 @@ struct FaultSpec {
   bool cr = false;
   bool byte_chunks = false;
   bool ignore_stream = false;
+  bool no_usage = false;
   std::optional<std::size_t> oversize_bytes;
   int slow_first_byte_ms = 0;
   bool at_end = false;
