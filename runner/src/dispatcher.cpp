@@ -43,6 +43,11 @@ using nlohmann::json;
 
 namespace {
 
+// "1 item was", "3 items were".
+std::string items_were(std::int64_t n) {
+  return std::to_string(n) + (n == 1 ? " item was" : " items were");
+}
+
 double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
@@ -550,7 +555,7 @@ class Dispatcher {
         const std::string trimmed = url.ends_with('/') ? url.substr(0, url.size() - 1) : url;
         const std::size_t scheme = trimmed.find("://");
         const bool bare = trimmed.find('/', scheme == std::string::npos ? 0 : scheme + 3) == std::string::npos;
-        r.advice = bare ? "OpenAI-compatible APIs are served under /v1: did you mean " + trimmed + "/v1?"
+        r.advice = bare ? "OpenAI-compatible APIs are served under /v1: set the base URL to " + trimmed + "/v1"
                         : "Check the base URL, and that the server has the model '" + model + "'";
       }
       refused_ = std::move(r);
@@ -664,17 +669,19 @@ class Dispatcher {
     std::fputs(summary_.to_text(wall, counters_.total).c_str(), options_.progress_out);
     if (changed_inputs_ > 0) {
       std::fprintf(options_.progress_out,
-                   "note: %lld earlier records were made from other inputs than this job gives their ids "
+                   "note: %lld earlier record%s made from other inputs than this job gives their ids "
                    "now (the first: id %s): the input, the seed or the variables changed since. They were "
                    "kept; --fresh redoes every item\n",
-                   static_cast<long long>(changed_inputs_), first_changed_id_.c_str());
+                   static_cast<long long>(changed_inputs_), changed_inputs_ == 1 ? " was" : "s were",
+                   first_changed_id_.c_str());
     }
     const auto outside = static_cast<std::int64_t>(kept_.size()) - resumed_in_scope_;
     if (!interrupted_ && outside > 0) {
       std::fprintf(options_.progress_out,
-                   "note: %lld earlier records in the output are not among this run's %lld items "
+                   "note: %lld earlier record%s in the output %s not among this run's %lld item%s "
                    "(kept in the file, not counted)\n",
-                   static_cast<long long>(outside), static_cast<long long>(counters_.total));
+                   static_cast<long long>(outside), outside == 1 ? "" : "s", outside == 1 ? "is" : "are",
+                   static_cast<long long>(counters_.total), counters_.total == 1 ? "" : "s");
     }
     if (engine) {
       std::fprintf(options_.progress_out,
@@ -716,14 +723,14 @@ class Dispatcher {
       const std::string not_saved =
           unsaved > 0 ? ", " + std::to_string(unsaved) + " finished items could not be saved" : std::string();
       std::fprintf(options_.progress_out,
-                   "stopped: %s; %lld items were not sent%s. Make room or fix the output, then run the same "
+                   "stopped: %s; %s not sent%s. Make room or fix the output, then run the same "
                    "command again: they run then\n",
-                   output_error_->c_str(), static_cast<long long>(r.unfinished), not_saved.c_str());
+                   output_error_->c_str(), items_were(r.unfinished).c_str(), not_saved.c_str());
     } else if (refused_) {
       r.exit_code = kExitSomeFailed;
       std::fprintf(options_.progress_out,
-                   "stopped: %s; %lld items were not sent. %s, then run the same command again\n",
-                   refused_->what.c_str(), static_cast<long long>(r.unfinished), refused_->advice.c_str());
+                   "stopped: %s; %s not sent. %s, then run the same command again\n",
+                   refused_->what.c_str(), items_were(r.unfinished).c_str(), refused_->advice.c_str());
     } else {
       r.exit_code = r.failed > 0 || r.unfinished > 0 ? kExitSomeFailed : kExitOk;
     }
@@ -823,13 +830,15 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
   };
   // Without max_tokens an answer runs to the model's end of turn or its context: no bound.
   const std::string output_bound =
-      unbounded > 0 ? count(unbounded) + " items without max_tokens, so no bound"
+      unbounded > 0 ? count(unbounded) + (unbounded == 1 && scale == 1.0 ? " item" : " items") +
+                          " without max_tokens, so no bound"
                     : "at most " + count(max_output_tokens);
   std::fprintf(out,
-               "--- dry run: job '%s' is valid; %lld items to %s (%s), concurrency %d\n"
+               "--- dry run: job '%s' is valid; %lld item%s to %s (%s), concurrency %d\n"
                "estimated prompt tokens%s: %s (about %lld per item); output tokens: %s\n"
                "output: %s\nnothing was sent.\n",
-               job.name.c_str(), static_cast<long long>(std::max(items, source.total())), target.c_str(),
+               job.name.c_str(), static_cast<long long>(std::max(items, source.total())),
+               std::max(items, source.total()) == 1 ? "" : "s", target.c_str(),
                job.backend.type.c_str(), job.concurrency, estimated_from.c_str(), count(prompt_tokens).c_str(),
                static_cast<long long>(items > 0 ? prompt_tokens / items : 0), output_bound.c_str(),
                job.output.path.c_str());

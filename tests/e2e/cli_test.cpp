@@ -212,7 +212,7 @@ TEST(BatchlmRun, StopsOnEveryRequestNotFoundAndSuggestsV1) {
   write_file(dir.path / "job.yaml", gsm8k_job({.base_url = url, .limit = 100, .concurrency = 2}));
   RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
   EXPECT_EQ(r.exit_code, 1) << r.err;
-  EXPECT_NE(r.err.find("OpenAI-compatible APIs are served under /v1: did you mean " + url + "/v1?"),
+  EXPECT_NE(r.err.find("OpenAI-compatible APIs are served under /v1: set the base URL to " + url + "/v1, then run"),
             std::string::npos)
       << r.err;
   EXPECT_LE(read_jsonl(dir.path / "out/e2e.jsonl").size(), 12u);
