@@ -205,8 +205,7 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
                                                  std::to_string(params.logprobs));
   if (n_prompt >= context_) {
     throw RequestRejected("context_length_exceeded",
-                          "the prompt has " + std::to_string(n_prompt) + " tokens; " +
-                              context_holds(model_->config(), context_));
+                          prompt_past_context(model_->config(), n_prompt, context_));
   }
   // Checked here: a bad id found by the forward pass would fail the whole batch's step.
   const std::int64_t n_vocab = model_->config().n_vocab;

@@ -19,6 +19,11 @@ std::int64_t choose_context(const ModelConfig& c, std::int64_t requested) {
   return std::min<std::int64_t>(c.n_ctx_train, 4096);
 }
 
+std::string prompt_past_context(const ModelConfig& c, std::int64_t n_prompt, std::int64_t context) {
+  return "the prompt has " + std::to_string(n_prompt) + " tokens; " + context_holds(c, context) +
+         (n_prompt == context ? ", which leaves no room to generate" : "");
+}
+
 std::string context_holds(const ModelConfig& c, std::int64_t context) {
   std::string text = "the context holds " + std::to_string(context) + " tokens";
   if (context < c.n_ctx_train) text += " (the model's own holds " + std::to_string(c.n_ctx_train) + ")";
@@ -162,8 +167,7 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
   const auto n_prompt = static_cast<std::int64_t>(prompt.size());
   if (n_prompt == 0) throw std::invalid_argument("the prompt is empty");
   if (n_prompt >= context_) {
-    throw std::invalid_argument("the prompt has " + std::to_string(n_prompt) + " tokens; " +
-                                context_holds(model_->config(), context_));
+    throw std::invalid_argument(prompt_past_context(model_->config(), n_prompt, context_));
   }
   const Tokenizer& tok = model_->tokenizer();
   const std::int64_t room = context_ - n_prompt;

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -38,7 +39,10 @@ std::string model_file_problem(const std::string& path, const std::string& how_t
   std::error_code error;
   const fs::file_status status = fs::status(path, error);
   if (fs::is_regular_file(status)) return {};
-  const std::string fix = "; run scripts/fetch-model.sh for the default model, or " + how_to_choose;
+  // The default model is fetched by a script; a file the user named is theirs to fix.
+  const std::string fix = path == runner::kDefaultLocalModel
+                              ? "; run scripts/fetch-model.sh for the default model, or " + how_to_choose
+                              : std::string();
   if (fs::is_directory(status)) return "model file '" + path + "' is a directory, not a GGUF file" + fix;
   if (fs::exists(status)) return "model file '" + path + "' is not a regular file (a GGUF file is mapped from disk)" + fix;
   if (error && error != std::errc::no_such_file_or_directory && error != std::errc::not_a_directory)
@@ -66,6 +70,7 @@ struct GenerateOptions {
   float top_p = 0.95f;
   int top_k = 40;
   std::optional<unsigned long long> seed;
+  CLI::Option* prompt_option = nullptr;
   int threads = 0;
   long long context = 0;
   std::vector<std::string> stop;
@@ -95,8 +100,9 @@ std::string read_prompt() {
     if (!f) throw std::runtime_error("--file: cannot read the prompt file " + g.file + ": " + std::strerror(errno));
     return std::string(std::istreambuf_iterator<char>(f), {});
   }
-  if (g.prompt.empty()) throw std::runtime_error("no prompt: give --prompt TEXT or --file PATH (- for stdin)");
-  return g.prompt;
+  if (g.prompt_option == nullptr || g.prompt_option->count() == 0)
+    throw std::runtime_error("no prompt: give --prompt TEXT or --file PATH (- for stdin)");
+  return g.prompt;  // may be empty: a chat's user turn can be
 }
 
 // Ctrl-C during generate stops the text where it is; the newline and the timings still come.
@@ -254,7 +260,7 @@ void add_engine_commands(CLI::App& app) {
   generate_cmd = app.add_subcommand("generate", "Stream a completion from a local GGUF model");
   g.model = default_model();
   generate_cmd->add_option("--model,-m", g.model, "GGUF model file")->capture_default_str();
-  generate_cmd->add_option("--prompt,-p", g.prompt, "Prompt text");
+  g.prompt_option = generate_cmd->add_option("--prompt,-p", g.prompt, "Prompt text");
   generate_cmd->add_option("--file,-f", g.file, "Read the prompt from a file (- for stdin)");
   generate_cmd->add_flag("--chat", g.chat, "Apply the model's chat template (the prompt is the user turn)");
   generate_cmd->add_option("--system", g.system, "System message (with --chat)");
@@ -266,7 +272,17 @@ void add_engine_commands(CLI::App& app) {
       ->capture_default_str()->check(app::between(0, 1, false));
   generate_cmd->add_option("--top-k", g.top_k, "Sample among the k most likely tokens; 0: all")
       ->capture_default_str()->check(app::at_least(0));
-  generate_cmd->add_option("--seed", g.seed, "Random seed (default: random)");
+  generate_cmd->add_option("--seed", g.seed, "Random seed (default: random)")
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            // Whole digits that fit 64 bits: "-1" must not wrap around, nor 2^64 saturate.
+            unsigned long long v = 0;
+            const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), v);
+            return error == std::errc() && end == text.data() + text.size() && !text.empty() && text[0] != '-'
+                       ? std::string()
+                       : "must be an integer from 0 to 18446744073709551615, got '" + text + "'";
+          },
+          "UINT64"));
   generate_cmd->add_option("--threads,-t", g.threads, "Compute threads; 0: one per hardware thread")
       ->capture_default_str()->check(app::at_least(0));
   generate_cmd->add_option("--context", g.context, "Context size in tokens; 0: min(model's, 4096)")

@@ -170,7 +170,20 @@ TEST_F(EngineCli, GeneratePromptLongerThanTheContextIsAUsageError) {
 TEST_F(EngineCli, GenerateWithoutAPromptIsAUsageError) {
   RunResult r = generate({"-n", "4"});
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_TRUE(contains(r.err, "prompt")) << r.err;
+  EXPECT_TRUE(contains(r.err, "no prompt: give --prompt TEXT or --file PATH")) << r.err;
+  // Given, but empty: said so (it read as not given); a chat's empty user turn is a prompt.
+  r = generate({"-n", "4", "-p", ""});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "the prompt is empty")) << r.err;
+  r = generate({"-n", "2", "-p", "", "--chat", "--temperature", "0"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  // A seed is a 64-bit unsigned integer: -1 wrapped around, 2^64 saturated.
+  for (const char* seed : {"-1", "18446744073709551616", "1e3"}) {
+    r = generate({"-n", "2", "-p", "hi", "--seed", seed});
+    EXPECT_EQ(r.exit_code, 2) << seed << ": " << r.err;
+    EXPECT_TRUE(contains(r.err, "--seed: must be an integer from 0 to 18446744073709551615")) << r.err;
+  }
+  EXPECT_EQ(generate({"-n", "2", "-p", "hi", "--seed", "18446744073709551615"}).exit_code, 0);
 }
 
 TEST_F(EngineCli, GenerateMissingModelNamesThePath) {
@@ -286,8 +299,15 @@ TEST_F(EngineCli, AMissingModelSaysWhereItWasLookedForAndWhatToDo) {
            {"serve", "--model", "absent.gguf", "--port", "0"}}) {
     RunResult r = run_batchlm(dir(), args);
     EXPECT_EQ(r.exit_code, 2) << args[0] << ": " << r.err;
-    EXPECT_TRUE(contains(r.err, "model file 'absent.gguf' not found in " + cwd + "; run scripts/fetch-model.sh "
-                                "for the default model, or "))
+    // A file the user named: where it was looked for, and no advice to fetch another.
+    EXPECT_TRUE(contains(r.err, "model file 'absent.gguf' not found in " + cwd + "\n")) << args[0] << ": " << r.err;
+  }
+  // The default model, not fetched yet: how to fetch it, or to choose another.
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"generate", "-p", "hi"}, {"serve", "--port", "0"}}) {
+    RunResult r = run_batchlm(dir(), args);
+    EXPECT_EQ(r.exit_code, 2) << args[0] << ": " << r.err;
+    EXPECT_TRUE(contains(r.err, "not found in " + cwd + "; run scripts/fetch-model.sh for the default model, or "))
         << args[0] << ": " << r.err;
   }
   RunResult directory = run_batchlm(dir(), {"inspect", "models.gguf"});

@@ -265,7 +265,7 @@ TEST_F(ExecutorTest, PromptPastTheContextNamesTheModelsOwnWhereItIsLarger) {
   } catch (const RequestRejected& e) {
     EXPECT_EQ(e.code, "context_length_exceeded");
     EXPECT_EQ(std::string(e.what()), "the prompt has 64 tokens; the context holds 64 tokens (the model's own holds " +
-                                         std::to_string(own) + ")");
+                                         std::to_string(own) + "), which leaves no room to generate");
   }
   o.context = own;
   BatchEngine full(model(), o);
@@ -274,7 +274,8 @@ TEST_F(ExecutorTest, PromptPastTheContextNamesTheModelsOwnWhereItIsLarger) {
     ADD_FAILURE() << "a prompt as long as the context fit it";
   } catch (const RequestRejected& e) {
     EXPECT_EQ(std::string(e.what()),
-              "the prompt has " + std::to_string(own) + " tokens; the context holds " + std::to_string(own) + " tokens");
+              "the prompt has " + std::to_string(own) + " tokens; the context holds " + std::to_string(own) +
+                  " tokens, which leaves no room to generate");
   }
 }
 

@@ -31,6 +31,8 @@ struct EngineOptions {
 std::int64_t choose_context(const ModelConfig& c, std::int64_t requested);
 // "the context holds N tokens", with the model's own where N is less (a setting can raise it).
 std::string context_holds(const ModelConfig& c, std::int64_t context);
+// Why a prompt of n_prompt >= context tokens is refused.
+std::string prompt_past_context(const ModelConfig& c, std::int64_t n_prompt, std::int64_t context);
 
 // The most alternatives a request can ask for at each position (OpenAI's top_logprobs limit).
 inline constexpr int kMaxLogprobs = 20;
