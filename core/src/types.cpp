@@ -75,6 +75,32 @@ std::string logprob_token_text(std::string_view bytes) {
   });
 }
 
+std::string terminal_safe(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  const auto escape = [&](unsigned char byte) {
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "\\x%02x", static_cast<unsigned>(byte));
+    out += hex;
+  };
+  for (std::size_t i = 0; i < text.size();) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    const std::size_t n = utf8_char_length(text, i);
+    if (n == 0 || (n == 1 && (byte < 0x20 || byte == 0x7f))) {
+      escape(byte);
+      ++i;
+    } else if (n == 2 && byte == 0xc2 && static_cast<unsigned char>(text[i + 1]) < 0xa0) {  // U+0080-U+009F
+      escape(byte);
+      escape(static_cast<unsigned char>(text[i + 1]));
+      i += 2;
+    } else {
+      out.append(text.substr(i, n));
+      i += n;
+    }
+  }
+  return out;
+}
+
 namespace {
 
 nlohmann::json byte_values(std::string_view bytes) {

@@ -30,6 +30,8 @@
 #include <string>
 #include <unordered_set>
 
+#include "batchlm/core/types.hpp"
+
 namespace batchlm::local_engine::gguf {
 
 static_assert(std::endian::native == std::endian::little,
@@ -379,6 +381,8 @@ File::~File() {
   if (map_ != nullptr) ::munmap(map_, size_);
 }
 
+Error::Error(const std::string& what) : std::runtime_error(terminal_safe(what)) {}
+
 void File::fail(const std::string& what) const { throw Error(path_.string() + ": " + what); }
 
 File File::open(const std::filesystem::path& path) {
@@ -393,7 +397,7 @@ File File::open(const std::filesystem::path& path) {
   if (::fstat(fd.get(), &st) != 0) file.fail(std::string("cannot stat: ") + std::strerror(errno));
   if (!S_ISREG(st.st_mode)) file.fail("not a regular file");
   file.size_ = static_cast<std::uint64_t>(st.st_size);
-  // mmap refuses a length of 0; an empty file then fails below as truncated.
+  if (file.size_ == 0) file.fail("the file is empty (0 bytes), not a GGUF model");
   if (file.size_ > 0) {
     void* map = ::mmap(nullptr, file.size_, PROT_READ, MAP_PRIVATE, fd.get(), 0);
     if (map == MAP_FAILED) file.fail(std::string("cannot map: ") + std::strerror(errno));

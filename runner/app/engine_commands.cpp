@@ -193,8 +193,9 @@ int run_inspect() {
   std::printf("file          %s (%s, GGUF v%u)\n", file.path().c_str(),
               gguf::human_bytes(static_cast<double>(file.file_size())).c_str(), file.version());
   const std::string arch = file.find_string("general.architecture").value_or("(unknown)");
-  std::printf("architecture  %s\n", arch.c_str());
-  if (auto name = file.find_string("general.name")) std::printf("name          %s\n", name->c_str());
+  // The file's own strings go through terminal_safe: a name may hold escape sequences or a NUL.
+  std::printf("architecture  %s\n", terminal_safe(arch).c_str());
+  if (auto name = file.find_string("general.name")) std::printf("name          %s\n", terminal_safe(*name).c_str());
 
   std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> by_type;  // count, bytes
   std::uint64_t params = 0;
@@ -226,28 +227,28 @@ int run_inspect() {
     std::printf("output head   %s\n", c.tied_embeddings ? "tied to the embeddings" : "separate");
     const Tokenizer& tok = model->tokenizer();
     const Vocab& v = tok.vocab();
-    std::printf("tokenizer     %s (pre-tokenizer %s), %zu tokens, %zu merges\n", v.model.c_str(),
-                v.pre.c_str(), tok.size(), v.merges.size());
+    std::printf("tokenizer     %s (pre-tokenizer %s), %zu tokens, %zu merges\n", terminal_safe(v.model).c_str(),
+                terminal_safe(v.pre).c_str(), tok.size(), v.merges.size());
     std::printf("special       bos %s, eos %s, eot %s%s\n", token_text(tok, v.bos).c_str(),
                 token_text(tok, v.eos).c_str(), token_text(tok, v.eot).c_str(),
                 v.add_bos ? ", BOS added" : "");
     try {
       const ChatTemplate& ct = model->chat_template();
-      std::printf("chat template %s%s\n", std::string(ct.name()).c_str(),
+      std::printf("chat template %s%s\n", terminal_safe(ct.name()).c_str(),
                   ct.default_system().empty() ? "" : (", default system: " +
                   quoted(ct.default_system())).c_str());
     } catch (const std::exception& e) {
-      std::printf("chat template unsupported (%s)\n", e.what());
+      std::printf("chat template unsupported (%s)\n", terminal_safe(e.what()).c_str());
     }
     std::printf("runs          yes (CPU kernels: %s)\n", kernels::cpu_simd_name());
   } catch (const std::exception& e) {
-    std::printf("runs          no: %s\n", e.what());
+    std::printf("runs          no: %s\n", terminal_safe(e.what()).c_str());
   }
   if (in.tensors) {
     for (const auto& t : file.tensors()) {
       std::string shape;
       for (std::size_t i = 0; i < t.shape.size(); ++i) shape += (i ? " x " : "") + std::to_string(t.shape[i]);
-      std::printf("  %-32s %-5s %-16s %s\n", t.name.c_str(), std::string(kernels::to_string(t.type)).c_str(),
+      std::printf("  %-32s %-5s %-16s %s\n", terminal_safe(t.name).c_str(), std::string(kernels::to_string(t.type)).c_str(),
                   shape.c_str(), gguf::human_bytes(static_cast<double>(t.n_bytes)).c_str());
     }
   }

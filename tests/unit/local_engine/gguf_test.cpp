@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "batchlm/core/types.hpp"
 #include "gguf_writer.hpp"
 
 namespace batchlm::local_engine::gguf {
@@ -458,7 +459,7 @@ TEST_F(GgufTest, RejectsMissingFilesAndDirectories) {
 
 TEST_F(GgufTest, RejectsEmptyFileAndBadMagic) {
   batchlm::testing::write_file(path(), {});
-  EXPECT_NE(open_error(path()).find("truncated at byte 0 while reading the magic"), std::string::npos);
+  EXPECT_NE(open_error(path()).find("the file is empty (0 bytes), not a GGUF model"), std::string::npos);
   expect_error(small_model().set_magic("GGML"), {"bad magic 'GGML'", "not a GGUF file"});
   // Bytes outside printable ASCII are shown escaped.
   expect_error(small_model().set_magic("\x7f" "ELF"), {"bad magic '\\x7fELF'"});
@@ -764,6 +765,25 @@ TEST_F(GgufTest, OpensSmolLm2WhenPresent) {
   for (const TensorInfo& t : file.tensors()) {
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t.data) % 32, 0u) << t.name;
   }
+}
+
+}  // namespace
+}  // namespace batchlm::local_engine::gguf
+
+namespace batchlm::local_engine::gguf {
+namespace {
+
+// A model's strings reach error messages and `inspect`: an escape sequence recoloured the
+// terminal, and a NUL cut the message short ("architecture 'll").
+TEST(TerminalSafe, ControlCharactersAndBytesOutsideUtf8AreWrittenAsHex) {
+  using batchlm::terminal_safe;
+  EXPECT_EQ(terminal_safe("llama"), "llama");
+  EXPECT_EQ(terminal_safe("caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x99\x82"), "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x99\x82");
+  EXPECT_EQ(terminal_safe("\x1b[31mRED\x1b[0m\r\n"), "\\x1b[31mRED\\x1b[0m\\x0d\\x0a");
+  EXPECT_EQ(terminal_safe(std::string("ll\0ma", 5)), "ll\\x00ma");
+  EXPECT_EQ(terminal_safe("\x7f\xc2\x9b\xff\xfe"), "\\x7f\\xc2\\x9b\\xff\\xfe");  // DEL, C1 CSI, not UTF-8
+  const Error e(std::string("model.gguf: architecture 'll") + '\0' + "ma\x1b[2J' is not supported");
+  EXPECT_STREQ(e.what(), "model.gguf: architecture 'll\\x00ma\\x1b[2J' is not supported");
 }
 
 }  // namespace

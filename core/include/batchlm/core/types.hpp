@@ -94,6 +94,9 @@ std::string replace_invalid_utf8(std::string_view s, std::string (*replacement)(
 // A token's bytes as JSON text: as they are when valid UTF-8, else each byte outside a valid
 // character written as the four characters \xNN (the `bytes` field keeps the exact bytes).
 std::string logprob_token_text(std::string_view bytes);
+// Text from a file (a model's metadata) made safe for a terminal and for a C string: control
+// characters (C0, DEL, C1, NUL included) and bytes outside valid UTF-8 written as \xNN.
+std::string terminal_safe(std::string_view text);
 // Log-probabilities in the chat-completions form: [{"token", "logprob", "bytes",
 // "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...].
 nlohmann::json logprobs_json(std::span<const TokenLogprob> logprobs);

@@ -20,9 +20,11 @@
 namespace batchlm::local_engine::gguf {
 
 // Every message starts with the file's path: "models/x.gguf: tensor 'blk.0.attn_q.weight': ...".
+// Its message may quote the file's own strings: they are made terminal-safe (a NUL would cut
+// the message short, an escape sequence would reach the terminal).
 class Error : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit Error(const std::string& what);
 };
 
 enum class ValueType : std::uint32_t {
