@@ -323,8 +323,8 @@ nlohmann::json yaml_to_json(const YAML::Node& node) {
 // walk over the tree (expansion, validation, request.extra to JSON) would run forever or
 // overflow the stack on them, so a loaded tree is first measured as those walks see it,
 // aliases expanded, and refused beyond these bounds. Real job files have a few hundred nodes
-// and nest a few levels deep.
-constexpr std::size_t kMaxYamlNodes = 100'000;
+// (a synth job's variable lists maybe a million) and nest a few levels deep.
+constexpr std::size_t kMaxYamlNodes = 2'000'000;
 constexpr int kMaxYamlDepth = 64;
 
 void check_tree_size(const YAML::Node& root, const std::string& file, const std::string& field) {
@@ -337,7 +337,7 @@ void check_tree_size(const YAML::Node& root, const std::string& file, const std:
   const auto visit = [&](const auto& self, const YAML::Node& node, int depth) -> void {
     if (++nodes > kMaxYamlNodes)
       fail(node, "more than " + std::to_string(kMaxYamlNodes) +
-                     " values once YAML aliases are expanded (an alias repeats what its anchor names)");
+                     " values (each YAML alias counted as what its anchor names)");
     if (depth > kMaxYamlDepth)
       fail(node, "nested more than " + std::to_string(kMaxYamlDepth) +
                      " levels deep (an alias inside what its own anchor names?)");
@@ -721,6 +721,11 @@ void read_synth(const Reader& r, const YAML::Node& node, SynthSpec& synth) {
     std::string name = it->first.Scalar();
     std::string field = "synth.variables." + name;
     const YAML::Node choices = it->second;
+    // {{a.b}} reads field b of a: a name with a dot could never be filled in.
+    if (name.empty() || name.find_first_of(". {}") != std::string::npos)
+      r.fail(it->first, field,
+             "a variable name cannot be empty or hold '.', ' ', '{' or '}' ({{a.b}} reads field b of a); "
+             "name it with letters, digits, '_' or '-'");
     if (!choices.IsSequence()) r.fail(choices, field, "expected a list of choices, got " + describe(choices));
     if (choices.size() == 0) r.fail(choices, field, "needs at least one choice");
     synth.variables[name] = r.string_list(choices, field);

@@ -372,8 +372,7 @@ TEST_F(JobFile, AliasesThatExpandBeyondTheLimitAreAnError) {
     yaml += "]\n";
   }
   ConfigError e = error_of(yaml);
-  EXPECT_EQ(e.message(),
-            "more than 100000 values once YAML aliases are expanded (an alias repeats what its anchor names)");
+  EXPECT_EQ(e.message(), "more than 2000000 values (each YAML alias counted as what its anchor names)");
   // Aliases within the bound are fine.
   EXPECT_EQ(load(with_input("backend: {base_url: http://127.0.0.1:1/v1}\nrequest:\n  stop: &s [a, b]\n  extra: {also: *s}\n"))
                 .request.extra["also"],
@@ -704,6 +703,21 @@ request: {messages: [{role: user, content: "A story about a {{animal}}"}]}
   ConfigError e = error_of("kind: synth\nrequest: {messages: [{role: user, content: hi}]}\n");
   EXPECT_EQ(e.field(), "synth.count");
   EXPECT_EQ(error_of("synth: {count: 3}\n").field(), "request.messages");
+}
+
+TEST_F(JobFile, SynthVariableNamesATemplateCannotReachAreErrors) {
+  // {{a.b}} reads field b of a: a variable named "a.b" was accepted, then never found.
+  for (const std::string name : {"\"a.b\"", "\"a b\"", "\"{a}\"", "\"\""}) {
+    SCOPED_TRACE(name);
+    ConfigError e = error_of("kind: synth\nsynth: {count: 3, variables: {" + name +
+                             ": [x]}}\nrequest: {messages: [{role: user, content: hi}]}\n");
+    EXPECT_EQ(e.line(), 2);
+    EXPECT_NE(e.message().find("a variable name cannot be empty or hold '.'"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(load("kind: synth\nsynth: {count: 3, variables: {topic-2_b: [x]}}\n"
+                 "request: {messages: [{role: user, content: \"{{topic-2_b}}\"}]}\n")
+                .synth.variables.size(),
+            1u);
 }
 
 TEST_F(JobFile, InvalidYamlReportsTheParserPosition) {
