@@ -664,6 +664,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       const bool bearer = given.size() > 7 && beast::iequals(given.substr(0, 7), "bearer ");
       const bool ok = bearer && same_secret(given.substr(7), options.api_key);
       if (!ok) {
+        // A completion request refused for its key counts with the other refusals.
+        if (path == "/v1/chat/completions") metrics.completion(label(Endpoint::kChat), "invalid");
+        if (path == "/v1/completions") metrics.completion(label(Endpoint::kCompletions), "invalid");
         co_await send_error(c, req,
                             ApiError(401, "invalid_request_error", "",
                                      it == req.end() ? "missing API key: send 'Authorization: Bearer KEY'"

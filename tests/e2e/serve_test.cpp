@@ -1177,6 +1177,10 @@ TEST_F(Serve, ApiKeyGuardsV1ButNotHealth) {
                            {"Authorization: Bearer s3cret"});
   EXPECT_EQ(chat.status, 200) << chat.body;
   EXPECT_EQ(get(*s, "/health").status, 200);
+  // The completion refused for its key counts as refused (a 4xx): it went uncounted.
+  const std::string m = metrics(*s);
+  EXPECT_EQ(series(m, R"(batchlm_completions_total{endpoint="chat",result="invalid"})"), 1) << m;
+  EXPECT_EQ(series(m, R"(batchlm_completions_total{endpoint="chat",result="length"})"), 1) << m;
 }
 
 TEST_F(Serve, ApiKeyFromTheEnvironment) {
