@@ -250,9 +250,10 @@ int run_serve_command() {
         signals.async_wait(on_signal);  // before shutdown(), whose `done` may cancel it at once
         if (!stopping) {
           stopping = true;
-          std::fprintf(stderr, "batchlm serve: %s: finishing %lld choices in flight, then exiting\n",
-                       signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "SIGHUP",
-                       static_cast<long long>(http.in_flight()));
+          const auto in_flight = static_cast<long long>(http.in_flight());
+          std::fprintf(stderr, "batchlm serve: %s: finishing %lld choice%s in flight, then exiting\n",
+                       signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "SIGHUP", in_flight,
+                       in_flight == 1 ? "" : "s");
           http.shutdown([&] { signals.cancel(); });
         } else if (signal != SIGHUP) {
           std::fprintf(stderr, "batchlm serve: second signal: cancelling what is left\n");
