@@ -308,6 +308,9 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   // replay the decisions without parsing again.
   std::vector<std::int64_t> dropped;  // offsets of dropped lines, ascending
   bool kept_after_drop = false;
+  // The ids of dropped failures: one that also has a success is not to retry.
+  std::unordered_set<std::string> failed_ids;
+  bool any_record = false;
   std::int64_t line_number = 0;
   for_each_line(file.get(), path, [&](std::string_view line, std::int64_t offset, bool complete) {
     ++line_number;
@@ -317,9 +320,10 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
       resume_.dropped_torn_line = true;
       return drop();
     }
-    auto record = parse_record(line, path, line_number, !resume_.done_ids.empty() || resume_.dropped_failed > 0);
+    auto record = parse_record(line, path, line_number, any_record);
+    any_record = true;
     if (auto error = record.find("error"); error != record.end() && !error->is_null()) {
-      ++resume_.dropped_failed;
+      failed_ids.insert(record["id"].dump());
       return drop();
     }
     if (!resume_.done_ids.insert(record["id"].dump()).second) {
@@ -330,6 +334,7 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
     if (!dropped.empty()) kept_after_drop = true;
     if (on_kept) on_kept(record);
   });
+  for (const std::string& id : failed_ids) resume_.dropped_failed += resume_.done_ids.contains(id) ? 0 : 1;
   if (options_.before_changes) options_.before_changes();
   if (dropped.empty()) return false;
 

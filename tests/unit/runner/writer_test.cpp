@@ -322,6 +322,16 @@ TEST_F(OutputWriterTest, SuccessAfterAFailureForTheSameIdIsKept) {
   OutputWriter writer(options());
   EXPECT_EQ(writer.resume_info().done_ids, (std::unordered_set<std::string>{"5"}));
   EXPECT_EQ(read_raw(), line(ok(5)));
+  // Nothing to retry: "1 failed to retry" was said, and nothing was sent.
+  EXPECT_EQ(writer.resume_info().dropped_failed, 0);
+}
+
+TEST_F(OutputWriterTest, FailuresToRetryCountIdsWithoutASuccess) {
+  write_raw(line(ok(1)) + line(failed(1)) + line(failed(2)) + line(failed(2)) + line(failed(3)));
+  OutputWriter writer(options());
+  EXPECT_EQ(writer.resume_info().dropped_failed, 2);  // ids 2 and 3, each once
+  EXPECT_EQ(writer.resume_info().kept, 1);
+  EXPECT_EQ(read_raw(), line(ok(1)));
 }
 
 TEST_F(OutputWriterTest, FreshTruncatesTheExistingOutput) {
