@@ -669,14 +669,15 @@ TEST_F(Serve, MetricsCountResponsesCompletionsAndTheEngine) {
   EXPECT_EQ(responses("/metrics", 405), 1) << m;
   EXPECT_EQ(responses("/metrics", 200), 1) << "the first /metrics; this one is counted after it is rendered\n" << m;
 
-  // Two chat completions and one text completion, each ended by a finish reason; one invalid.
+  // Two chat completions and one text completion, each ended by a finish reason; two invalid
+  // (a bad request, and one without the API key).
   auto completions = [&](const std::string& endpoint, const std::string& result) {
     return std::max(0.0, series(m, "batchlm_completions_total{endpoint=\"" + endpoint + "\",result=\"" + result + "\"}"));
   };
   const json c = chat.json_body();
   const std::string reason = c["choices"][0]["finish_reason"];
   EXPECT_EQ(completions("chat", reason), 2) << m;
-  EXPECT_EQ(completions("chat", "invalid"), 1) << m;
+  EXPECT_EQ(completions("chat", "invalid"), 2) << m;
   EXPECT_EQ(completions("completions", text.json_body()["choices"][0]["finish_reason"]), 1) << m;
   EXPECT_EQ(series(m, "batchlm_request_duration_seconds_count"), 3) << m;
   EXPECT_EQ(series(m, R"(batchlm_request_duration_seconds_bucket{le="+Inf"})"), 3) << m;
@@ -730,7 +731,7 @@ TEST_F(Serve, MetricsCountResponsesCompletionsAndTheEngine) {
   EXPECT_EQ(families["batchlm_info"]["samples"], json::array({json::array({"batchlm_info", {{"model", "tiny"}}, 1.0})}));
   double sum = 0;
   for (const json& sample : families["batchlm_completions"]["samples"]) sum += sample[2].get<double>();
-  EXPECT_EQ(sum, 4) << families.dump();
+  EXPECT_EQ(sum, 5) << families.dump();
 }
 
 TEST_F(Serve, PenaltiesChangeTheGreedyAnswer) {
