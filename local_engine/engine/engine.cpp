@@ -141,8 +141,7 @@ std::vector<TokenLogprob> Generation::take_logprobs() {
   return out;
 }
 
-std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text) {
-  const Tokenizer& tok = model.tokenizer();
+std::vector<Token> text_prompt_tokens(const Tokenizer& tok, std::string_view text) {
   std::vector<Token> out;
   if (tok.add_bos() && tok.vocab().bos >= 0) out.push_back(tok.vocab().bos);
   std::vector<Token> body = tok.encode(text, /*parse_special=*/true);
@@ -150,8 +149,17 @@ std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text)
   return out;
 }
 
+std::vector<Token> chat_prompt_tokens(const Tokenizer& tok, const ChatTemplate& chat_template,
+                                      std::span<const ChatMessage> messages) {
+  return text_prompt_tokens(tok, chat_template.apply(messages, /*add_generation_prompt=*/true));
+}
+
+std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text) {
+  return text_prompt_tokens(model.tokenizer(), text);
+}
+
 std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages) {
-  return text_prompt_tokens(model, model.chat_template().apply(messages, /*add_generation_prompt=*/true));
+  return chat_prompt_tokens(model.tokenizer(), model.chat_template(), messages);
 }
 
 std::vector<Token> Engine::chat_prompt(std::span<const ChatMessage> messages) const {

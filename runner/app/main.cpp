@@ -23,6 +23,7 @@
 #include <boost/asio/io_context.hpp>
 
 #include "batchlm/client/openai.hpp"
+#include "batchlm/local_engine/engine.hpp"
 #include "batchlm/local_engine/gguf.hpp"
 #include "batchlm/local_engine/local_backend.hpp"
 #include "batchlm/runner/dispatcher.hpp"
@@ -270,13 +271,28 @@ int run_command(const JobOptions& o, bool synth) {
   std::unique_ptr<Source> source = open_source(job);  // validates the whole input
   for (const std::string& warning : source->warnings()) std::fprintf(stderr, "batchlm: warning: %s\n", warning.c_str());
   if (o.dry_run) {
-    // The model too: its header and tensor table (the weights are not read).
+    // The model too: its header and tensor table (the weights are not read), and its
+    // vocabulary, which counts the prompts' tokens.
+    PromptTokenCounter count_prompt_tokens;
     if (job.backend.type == "local") {
       require_model_file(job);
+      std::optional<local_engine::gguf::File> file;
       try {
-        (void)local_engine::gguf::File::open(job.backend.model);
+        file.emplace(local_engine::gguf::File::open(job.backend.model));
       } catch (const std::exception& e) {
         throw ConfigError(origin_of(job, overrides, "backend.model"), 0, 0, "backend.model", e.what());
+      }
+      try {
+        local_engine::Vocab vocab = local_engine::Vocab::from_gguf(*file);
+        auto chat = std::make_shared<const local_engine::ChatTemplate>(local_engine::ChatTemplate::from_vocab(vocab));
+        auto tokenizer = std::make_shared<const local_engine::Tokenizer>(std::move(vocab));
+        count_prompt_tokens = [tokenizer, chat](const Request& request) {
+          return static_cast<std::int64_t>(
+              request.prompt ? local_engine::text_prompt_tokens(*tokenizer, *request.prompt).size()
+                             : local_engine::chat_prompt_tokens(*tokenizer, *chat, request.messages).size());
+        };
+      } catch (const std::exception&) {
+        // No usable vocabulary or chat template: the run would say so; the dry run estimates.
       }
       // And that the step log could be opened for appending, without creating it.
       if (!job.backend.step_log.empty()) {
@@ -292,7 +308,7 @@ int run_command(const JobOptions& o, bool synth) {
                             "cannot open '" + job.backend.step_log + "' for writing: " + std::strerror(err));
       }
     }
-    dry_run(job, *source, stdout);
+    dry_run(job, *source, stdout, 3, count_prompt_tokens);
     return kExitOk;
   }
   fit_concurrency_to_open_files(job);

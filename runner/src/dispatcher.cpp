@@ -789,8 +789,12 @@ RunResult run_job(const JobSpec& job, Source& source, Backend& backend, asio::io
   return dispatcher.run();
 }
 
-void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
+void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show, const PromptTokenCounter& count_prompt_tokens) {
   std::int64_t items = 0, prompt_tokens = 0, max_output_tokens = 0, unbounded = 0;
+  // Counted exactly for the first items, then their counts' ratio to the length estimate
+  // scales the estimates of the rest (tokenizing a million long prompts takes minutes).
+  constexpr std::int64_t kItemsCounted = 20'000;
+  std::int64_t counted = 0, counted_estimate = 0, uncounted_estimate = 0;
   const bool local = job.backend.type == "local";
   const std::string target = local ? job.backend.model : job.backend.base_url;
   // A synth job of billions of items is estimated from its first million (items differ only in
@@ -808,12 +812,23 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
                    client::to_openai_body(item->request).dump(2).c_str());
     }
     ++items;
-    prompt_tokens += item->estimated_prompt_tokens;
+    if (count_prompt_tokens && items <= kItemsCounted) {
+      counted += count_prompt_tokens(item->request);
+      counted_estimate += item->estimated_prompt_tokens;
+    } else {
+      uncounted_estimate += item->estimated_prompt_tokens;
+    }
     if (item->request.max_tokens) {
       max_output_tokens += *item->request.max_tokens;
     } else {
       ++unbounded;
     }
+  }
+  if (count_prompt_tokens) {
+    const double ratio = counted_estimate > 0 ? static_cast<double>(counted) / static_cast<double>(counted_estimate) : 1.0;
+    prompt_tokens = counted + static_cast<std::int64_t>(std::llround(static_cast<double>(uncounted_estimate) * ratio));
+  } else {
+    prompt_tokens = uncounted_estimate;
   }
   std::string estimated_from;
   double scale = 1;
@@ -833,13 +848,19 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show) {
       unbounded > 0 ? count(unbounded) + (unbounded == 1 && scale == 1.0 ? " item" : " items") +
                           " without max_tokens, so no bound"
                     : "at most " + count(max_output_tokens);
+  std::string prompt_label = "estimated prompt tokens" + estimated_from;
+  if (count_prompt_tokens)
+    prompt_label = items <= kItemsCounted && scale == 1.0
+                       ? "prompt tokens (counted with the model's tokenizer)"
+                       : "estimated prompt tokens (the first " + std::to_string(std::min(items, kItemsCounted)) +
+                             " items counted with the model's tokenizer, the rest scaled)";
   std::fprintf(out,
                "--- dry run: job '%s' is valid; %lld item%s to %s (%s), concurrency %d\n"
-               "estimated prompt tokens%s: %s (about %lld per item); output tokens: %s\n"
+               "%s: %s (about %lld per item); output tokens: %s\n"
                "output: %s\nnothing was sent.\n",
                job.name.c_str(), static_cast<long long>(std::max(items, source.total())),
                std::max(items, source.total()) == 1 ? "" : "s", target.c_str(),
-               job.backend.type.c_str(), job.concurrency, estimated_from.c_str(), count(prompt_tokens).c_str(),
+               job.backend.type.c_str(), job.concurrency, prompt_label.c_str(), count(prompt_tokens).c_str(),
                static_cast<long long>(items > 0 ? prompt_tokens / items : 0), output_bound.c_str(),
                job.output.path.c_str());
 }

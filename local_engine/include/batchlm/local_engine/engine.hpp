@@ -141,6 +141,10 @@ class Generation {
 // one); and the chat template applied to messages, then tokenized the same way.
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text);
 std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages);
+// The same from a tokenizer and a template alone (a model file's vocabulary, without weights).
+std::vector<Token> text_prompt_tokens(const Tokenizer& tokenizer, std::string_view text);
+std::vector<Token> chat_prompt_tokens(const Tokenizer& tokenizer, const ChatTemplate& chat_template,
+                                      std::span<const ChatMessage> messages);
 
 class Engine {
  public:

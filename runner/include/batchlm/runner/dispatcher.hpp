@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -48,6 +49,10 @@ RunResult run_job(const JobSpec& job, Source& source, Backend& backend, boost::a
 
 // `--dry-run`: validates (already done by the caller), prints the first `show` requests as the
 // JSON bodies that would be sent, and an estimate of the tokens of the whole job. Sends nothing.
-void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show = 3);
+// With `count_prompt_tokens` (the local model's tokenizer) prompts are counted exactly rather
+// than estimated from their length.
+using PromptTokenCounter = std::function<std::int64_t(const Request&)>;
+void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show = 3,
+             const PromptTokenCounter& count_prompt_tokens = {});
 
 }  // namespace batchlm::runner
