@@ -329,7 +329,9 @@ TEST_F(ExecutorTest, NotANumberInTheOutputFailsThatRequestAlone) {
     }
   }
   EXPECT_TRUE(broken_logits(std::vector<float>{0.0f, std::numeric_limits<float>::infinity()}));
-  EXPECT_FALSE(broken_logits(std::vector<float>{0.0f, -std::numeric_limits<float>::infinity(), 1e30f}));
+  EXPECT_TRUE(broken_logits(std::vector<float>{0.0f, -std::numeric_limits<float>::infinity()}));
+  EXPECT_TRUE(broken_logits(std::vector<float>{std::numeric_limits<float>::quiet_NaN(), 0.0f}));
+  EXPECT_FALSE(broken_logits(std::vector<float>{0.0f, -3.4e38f, 3.4e38f, 1e-45f}));
 }
 
 // A max_tokens the context has no room for is shortened to the room, or, asked to be taken as

@@ -58,8 +58,8 @@ struct TokenDistribution {
   static TokenDistribution point(Token token);
 };
 
-// Whether a row of logits holds a NaN or +infinity: the forward pass broke down (weights or
-// settings of the model that do not work), and no token can be chosen from it.
+// Whether a row of the model's raw logits holds a NaN or an infinity: the forward pass broke
+// down (weights or settings of the model that do not work), and no token can be chosen from it.
 bool broken_logits(std::span<const float> logits);
 // What a request that met broken logits fails with.
 std::string broken_logits_message(std::int64_t generated);
