@@ -1306,14 +1306,9 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
   } catch (const YAML::ParserException& e) {
     int line = e.mark.is_null() ? 0 : e.mark.line + 1;
     int column = e.mark.is_null() ? 0 : e.mark.column + 1;
-    // The parser fails lines after a quote left open; the quote is what to fix.
-    if (const auto runaway = find_runaway_quote(yaml); runaway && (line == 0 || runaway->line <= line))
-      throw ConfigError(file_label, runaway->line, runaway->column, "",
-                        describe(*runaway) + " (the YAML parser then stopped" +
-                            (line > 0 ? " at line " + std::to_string(line) + ", column " + std::to_string(column) : "") +
-                            ": " + e.msg + ")");
     std::string message = "invalid YAML: " + e.msg;
     // A tab in the indentation is the usual cause, and the parser's words do not say so.
+    bool tab = false;
     if (line > 0) {
       std::size_t start = 0;
       for (int l = 1; l < line && start != std::string_view::npos; ++l) {
@@ -1323,10 +1318,16 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
       if (start != std::string_view::npos) {
         const std::string_view text = yaml.substr(start, yaml.find('\n', start) - start);
         const std::size_t indent_end = text.find_first_not_of(" \t");
-        if (text.substr(0, indent_end).find('\t') != std::string_view::npos)
-          message += " (this line is indented with a tab; YAML indents with spaces)";
+        tab = text.substr(0, indent_end).find('\t') != std::string_view::npos;
+        if (tab) message += " (this line is indented with a tab; YAML indents with spaces)";
       }
     }
+    // Else the parser may fail lines after a quote left open: the quote is what to fix.
+    if (const auto runaway = find_runaway_quote(yaml); !tab && runaway && (line == 0 || runaway->line <= line))
+      throw ConfigError(file_label, runaway->line, runaway->column, "",
+                        describe(*runaway) + " (the YAML parser then stopped" +
+                            (line > 0 ? " at line " + std::to_string(line) + ", column " + std::to_string(column) : "") +
+                            ": " + e.msg + ")");
     throw ConfigError(file_label, line, column, "", message);
   } catch (const YAML::Exception& e) {
     throw ConfigError(file_label, 0, 0, "", "invalid YAML: " + e.msg);

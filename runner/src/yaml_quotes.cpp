@@ -51,17 +51,26 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml) {
     if (end == std::string_view::npos) break;
     start = end + 1;
   }
+  const auto is_blank_line = [&](std::size_t n) { return indent_of(lines[n]) == static_cast<int>(lines[n].size()); };
 
   int flow = 0;           // depth of [ and { (flow collections may span lines)
   int block_indent = -1;  // inside a | or > block scalar: its content is indented past this
+  int plain_indent = -1;  // a plain scalar ran to the end of a line whose key or dash sat here
   for (std::size_t li = 0; li < lines.size(); ++li) {
     std::string_view line = lines[li];
     const int indent = indent_of(line);
+    if (indent == static_cast<int>(line.size())) continue;  // blank
     if (block_indent >= 0) {
-      if (indent == static_cast<int>(line.size()) || indent > block_indent) continue;
+      if (indent > block_indent) continue;
       block_indent = -1;
     }
-    bool value_start = true;  // a quote here opens a quoted string; within plain text it is text
+    // A line indented past a plain scalar's key goes on with that scalar: a quote there is text.
+    bool value_start = !(plain_indent >= 0 && indent > plain_indent && flow == 0);
+    if (value_start) plain_indent = -1;
+    int key_column = -1;   // of this line's last key (`key:`), where a value may follow
+    int dash_column = -1;  // of this line's last sequence dash
+    int token_column = -1;
+    bool in_plain = !value_start;
     for (std::size_t j = static_cast<std::size_t>(indent); j < line.size(); ++j) {
       const char c = line[j];
       const bool blank_after = j + 1 >= line.size() || blank(line[j + 1]);
@@ -71,6 +80,11 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml) {
         // To the closing quote: `\x` escapes in double quotes, '' stands for ' in single ones.
         const std::size_t open_line = li;
         const std::size_t open_column = j;
+        // Its later lines belong to it while indented past the key (or dash) it is the value
+        // of; a line that reads as a key no further in than that is one the quote swallowed.
+        // Inside [ ] or { } indentation means nothing, and no such line is judged.
+        const int owner = key_column >= 0 ? key_column : dash_column >= 0 ? dash_column : static_cast<int>(j) - 1;
+        const bool judge_lines = flow == 0;
         std::size_t k = j + 1;
         bool closed = false;
         RunawayQuote found;
@@ -91,8 +105,8 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml) {
           if (closed || li + 1 >= lines.size()) break;
           ++li;
           k = 0;
-          const bool is_blank = indent_of(lines[li]) == static_cast<int>(lines[li].size());
-          if (found.swallowed_line == 0 && !is_blank && reads_as_key(lines[li]) && indent_of(lines[li]) <= indent) {
+          if (judge_lines && found.swallowed_line == 0 && !is_blank_line(li) && reads_as_key(lines[li]) &&
+              indent_of(lines[li]) <= owner) {
             found.swallowed_line = static_cast<int>(li) + 1;
             found.swallowed_text = shortened(lines[li]);
           }
@@ -103,7 +117,7 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml) {
           found.unterminated = true;
           if (found.swallowed_line == 0) {
             for (std::size_t n = open_line + 1; n < lines.size(); ++n) {
-              if (indent_of(lines[n]) == static_cast<int>(lines[n].size())) continue;
+              if (is_blank_line(n)) continue;
               found.swallowed_line = static_cast<int>(n) + 1;
               found.swallowed_text = shortened(lines[n]);
               break;
@@ -114,12 +128,15 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml) {
         if (found.swallowed_line != 0) return found;
         line = lines[li];  // go on after the closing quote, on the line it is on
         j = k;
+        token_column = static_cast<int>(open_column);
         value_start = false;
+        in_plain = false;
         continue;
       }
       if (value_start && flow == 0 && (c == '|' || c == '>')) {
-        block_indent = indent;  // the lines below, indented further, are the scalar's text
-        break;
+        block_indent = key_column >= 0 ? key_column : dash_column >= 0 ? dash_column : indent;
+        in_plain = false;
+        break;  // the lines below, indented further, are the scalar's text
       }
       if (value_start && (c == '&' || c == '!')) {  // an anchor or a tag before the value
         while (j + 1 < line.size() && !blank(line[j + 1])) ++j;
@@ -132,19 +149,33 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml) {
       if (flow > 0 && (c == ']' || c == '}')) {
         --flow;
         value_start = false;
+        in_plain = false;
         continue;
       }
       if (flow > 0 && c == ',') {
         value_start = true;
+        in_plain = false;
         continue;
       }
       if (c == ':' && (blank_after || flow > 0)) {
+        key_column = token_column >= 0 ? token_column : static_cast<int>(j);
         value_start = true;
+        in_plain = false;
         continue;
       }
-      if (value_start && (c == '-' || c == '?') && blank_after) continue;  // a sequence entry, a complex key
+      if (value_start && (c == '-' || c == '?') && blank_after) {  // a sequence entry, a complex key
+        dash_column = static_cast<int>(j);
+        continue;
+      }
+      if (value_start) {
+        token_column = static_cast<int>(j);
+        in_plain = true;
+      }
       value_start = false;
     }
+    // A plain scalar that reached the end of the line may go on on the next ones.
+    if (in_plain && flow == 0 && block_indent < 0)
+      plain_indent = key_column >= 0 ? key_column : dash_column >= 0 ? dash_column : indent;
   }
   return std::nullopt;
 }
@@ -159,7 +190,8 @@ std::string describe(const RunawayQuote& runaway) {
            (taken.empty() ? std::string() : ", taking in " + taken + " and every line after it as text") +
            "; add the closing quote";
   return "a quoted string opens here and runs on, taking in " + taken +
-         " as text: is its closing quote missing?";
+         " as text, though that line is indented like a key of its own (a string's later lines are indented "
+         "past its key): is a closing quote missing?";
 }
 
 }  // namespace batchlm::runner

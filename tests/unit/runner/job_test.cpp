@@ -507,8 +507,9 @@ TEST_F(JobFile, AQuoteLeftOpenIsNamedWhereItOpens) {
   e = error_of(with_input("output: 'out.jsonl\nlimit: 3\nconcurrency: '4'\n" + messages + "      content: x\n"));
   EXPECT_EQ(e.line(), 2);
   EXPECT_EQ(e.column(), 9);
-  EXPECT_NE(e.message().find("a quoted string opens here and runs on, taking in line 3 (limit: 3) as text: is its "
-                             "closing quote missing? (the YAML parser then stopped at line 4"),
+  EXPECT_NE(e.message().find("a quoted string opens here and runs on, taking in line 3 (limit: 3) as text, though "
+                             "that line is indented like a key of its own (a string's later lines are indented past "
+                             "its key): is a closing quote missing? (the YAML parser then stopped at line 4"),
             std::string::npos)
       << e.what();
   // Closed at the end of a later line, which parses: the tree confirms the quoted string.
@@ -536,12 +537,29 @@ TEST_F(JobFile, QuotesThatAreNotRunawayStringsPass) {
       "    - role: user\n"
       "      content: >-\n"
       "        folded 'text\n"
+      "    - role: assistant\n"
+      "      content:\n"
+      "        \"a value on the line below its key,\n"
+      "        Question: its later lines as far in as its first\"\n"
+      "    - {role: user,\n"
+      "       content: \"in braces,\n"
+      "       Answer: indentation means nothing\"}\n"
+      "    - role: assistant\n"
+      "      content: plain text that goes on\n"
+      "        'on a line of its own, with a quote\n"
       "  max_tokens: 8\n");
   const JobSpec spec = load(job);
   EXPECT_EQ(spec.request.max_tokens, 8);
-  ASSERT_EQ(spec.request.messages.size(), 4u);
+  ASSERT_EQ(spec.request.messages.size(), 7u);
   EXPECT_EQ(spec.request.messages[1].content, "a quoted string over several lines, indented: more than its key ends here");
   EXPECT_EQ(spec.request.messages[2].content, "it's plain text with \"quotes and an ' apostrophe");
+  EXPECT_EQ(spec.request.messages[4].content, "a value on the line below its key, Question: its later lines as far in as its first");
+  EXPECT_EQ(spec.request.messages[5].content, "in braces, Answer: indentation means nothing");
+  EXPECT_EQ(spec.request.messages[6].content, "plain text that goes on 'on a line of its own, with a quote");
+  // A parse error elsewhere is not blamed on a quote inside plain text: the tab is named.
+  ConfigError e = error_of(with_input("request:\n  messages:\n    - role: user\n      content: Describe the author\n"
+                                      "        'style and then\n  max_tokens: 8\n\tstop: x\n"));
+  EXPECT_NE(e.message().find("indented with a tab"), std::string::npos) << e.what();
 }
 
 TEST_F(JobFile, HeaderNamesAndValuesAreChecked) {
