@@ -351,7 +351,12 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
         char* current = nullptr;
         curl_easy_getinfo(t.easy.get(), CURLINFO_EFFECTIVE_URL, &current);
         const std::string target = origin_of(current != nullptr ? current : t.request.url, *location);
-        if (target != origin_of(t.request.url)) {
+        const std::string origin = origin_of(t.request.url);
+        // The same host over https (a gateway's upgrade) is where those headers were going.
+        const auto host_of = [](const std::string& o) { return o.substr(o.find("://") + 3, o.rfind(':') - o.find("://") - 3); };
+        const bool upgrade = !target.empty() && origin.starts_with("http://") && target.starts_with("https://") &&
+                             host_of(origin) == host_of(target);
+        if (target.empty() || (target != origin && !upgrade)) {
           t.redirect_refused = true;
           return 0;
         }

@@ -441,8 +441,8 @@ Error http_error(const HttpResponse& response) {
     error.message = "HTTP " + std::to_string(response.status) + " redirect to " + truncated(*location) + ", not followed";
     // 307 and 308 are followed but to another origin with headers of the caller's own.
     if (response.status == 307 || response.status == 308)
-      error.message += ": it leads to another host, and the backend's own headers are sent to the base URL's only "
-                       "(set base_url to where it leads)";
+      error.message += ": it leads to another host, port or scheme, and the backend's own headers go to the base "
+                       "URL's only (set base_url to where it leads)";
   } else if (error.message.empty()) {
     error.message = response.body.empty() ? "HTTP " + std::to_string(response.status)
                                           : truncated(response.body);

@@ -454,9 +454,16 @@ TEST_F(OpenAIBackendTest, RedirectToAnotherHostIsNotFollowedWithTheBackendsOwnHe
   EXPECT_EQ(result.outcome.error->http_status, 308);
   EXPECT_EQ(result.outcome.error->message,
             "HTTP 308 redirect to " + elsewhere +
-                ", not followed: it leads to another host, and the backend's own headers are sent to the base URL's "
-                "only (set base_url to where it leads)");
+                ", not followed: it leads to another host, port or scheme, and the backend's own headers go to the "
+                "base URL's only (set base_url to where it leads)");
   EXPECT_EQ(other.requests(), 0u);
+  // The same host over https is followed (this plain server then fails the TLS handshake).
+  std::string secure = server_.base_url();
+  secure.replace(0, 4, "https");
+  server_.set_rules({FaultRule{{FaultSpec::parse("redirect=308;location=" + secure + "/chat/completions")}, 1.0, 0, 0}});
+  result = complete(options, chat_request("upgrade"));
+  ASSERT_FALSE(result.outcome.ok());
+  EXPECT_NE(result.outcome.error->kind, ErrorKind::Http) << result.outcome.error->message;
   // The same host under another path (relative or absolute): followed, headers and all.
   for (const std::string& location : {std::string("/v1/chat/completions"), server_.base_url() + "/chat/completions"}) {
     SCOPED_TRACE(location);
