@@ -55,10 +55,13 @@ Figures figures(const ProgressCounters& c, double elapsed) {
   } else {
     f.count = format("%lld", static_cast<long long>(finished));
   }
-  // Rates count this run only: resumed items cost no time and would inflate them.
+  // Rates count this run only: resumed items cost no time and would inflate them. The rate
+  // shown is of answers, as in the summary (failures at once would read as thousands a
+  // second); the ETA goes by every finished item.
   const double requests_per_second = elapsed > 0 ? static_cast<double>(c.done) / elapsed : 0;
+  const double answers_per_second = elapsed > 0 ? static_cast<double>(c.done - c.failed) / elapsed : 0;
   const double tokens_per_second = elapsed > 0 ? static_cast<double>(c.output_tokens) / elapsed : 0;
-  f.requests_rate = format("%.1f req/s", requests_per_second);
+  f.requests_rate = format("%.1f req/s", answers_per_second);
   f.tokens_rate = format("%.0f tok/s", tokens_per_second);
   const std::int64_t remaining = c.total - finished;
   if (!f.known_total || requests_per_second <= 0) {
