@@ -853,7 +853,9 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show, const
     prompt_label = items <= kItemsCounted && scale == 1.0
                        ? "prompt tokens (counted with the model's tokenizer)"
                        : "estimated prompt tokens (the first " + std::to_string(std::min(items, kItemsCounted)) +
-                             " items counted with the model's tokenizer, the rest scaled)";
+                             " items counted with the model's tokenizer, the rest scaled" +
+                             (scale == 1.0 ? std::string() : "; from the first " + std::to_string(items) + " items") +
+                             ")";
   std::fprintf(out,
                "--- dry run: job '%s' is valid; %lld item%s to %s (%s), concurrency %d\n"
                "%s: %s (about %lld per item); output tokens: %s\n"

@@ -179,7 +179,9 @@ std::string nearest_key(std::string_view key, const std::vector<std::string>& va
   for (const std::string& candidate : valid) {
     std::size_t shared = 0;
     while (shared < key.size() && shared < candidate.size() && key[shared] == candidate[shared]) ++shared;
-    if (shared >= 4 && shared + 1 >= std::min(key.size(), candidate.size()) && shared > best_shared) {
+    // And the rest is a word's ending, not words of another key (`limit_per_minute` is not `limit`).
+    if (shared >= 4 && shared + 1 >= std::min(key.size(), candidate.size()) && key.size() - shared <= 7 &&
+        shared > best_shared) {
       best = candidate;
       best_shared = shared;
     }

@@ -314,7 +314,10 @@ TEST_F(ExecutorTest, NotANumberInTheOutputFailsThatRequestAlone) {
     const SequenceId fine = engine.add({42, 43, 44}, params, nullptr);
     const SequenceId poisoned = engine.add({42, kPoisoned, 44}, params, nullptr);
     while (!engine.idle()) engine.step();
-    for (auto& [id, result] : engine.take_finished()) {
+    const auto finished = engine.take_finished();
+    ASSERT_EQ(finished.size(), 2u);
+    EXPECT_NE(finished[0].first, finished[1].first);
+    for (const auto& [id, result] : finished) {
       if (id == fine) {
         EXPECT_EQ(result.finish_reason, "length");
         EXPECT_EQ(result.tokens.size(), 6u);

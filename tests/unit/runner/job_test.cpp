@@ -970,6 +970,8 @@ TEST(NearestKey, SuggestsOnlyCloseKeys) {
   EXPECT_EQ(nearest_key("requests", top), "request");
   EXPECT_EQ(nearest_key("outputs_dir", top), "output");
   EXPECT_EQ(nearest_key("reqs", top), "");         // a beginning of fewer than four letters
+  EXPECT_EQ(nearest_key("limit_per_minute", {"limit", "rate_limit"}), "");  // more words, not an ending
+  EXPECT_EQ(nearest_key("request_timeout", top), "");
 }
 
 TEST_F(JobFile, LoadJobFileReadsFromDiskAndNamesIt) {
