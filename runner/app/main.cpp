@@ -408,7 +408,13 @@ int main(int argc, char** argv) {
       for (const CLI::App* sub : app.get_subcommands({})) commands += (commands.empty() ? "" : ", ") + sub->get_name();
       message = "unknown command '" + std::string(argv[1]) + "' (commands: " + commands + ")";
     }
-    if (const std::string hint = option_hint(app, argc, argv); !hint.empty()) message += "\n" + hint;
+    // An option given twice: said plainly, not as "At Most 1 required but received 2".
+    if (const std::size_t at = message.find(": At Most 1 required but received "); at != std::string::npos)
+      message = message.substr(0, at) + ": given " +
+                message.substr(at + std::string_view(": At Most 1 required but received ").size()) +
+                " times; give it once";
+    // An option of another command is the cause; what the parser made of the rest follows.
+    if (const std::string hint = option_hint(app, argc, argv); !hint.empty()) message = hint + "\n" + message;
     std::fprintf(stderr, "batchlm: error: %s\nRun with --help for more information.\n", message.c_str());
     return kExitUsage;
   }

@@ -502,12 +502,15 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
   // A mistyped option gets the nearest one; another command's option, that command.
   RunResult typo = run_batchlm(dir.path, {"synth", "--concurency", "3"});
   EXPECT_EQ(typo.exit_code, 2);
-  EXPECT_NE(typo.err.find("\n--concurency: did you mean --concurrency?\n"), std::string::npos) << typo.err;
+  // The hint first: it is the cause of what the parser says after it.
+  EXPECT_EQ(typo.err.rfind("batchlm: error: --concurency: did you mean --concurrency?\n", 0), 0u) << typo.err;
   write_file(dir.path / "job.yaml", "input: " + gsm8k_test_file() + "\n");
   RunResult elsewhere = run_batchlm(dir.path, {"run", "job.yaml", "--count", "5"});
   EXPECT_EQ(elsewhere.exit_code, 2);
   EXPECT_NE(elsewhere.err.find("--count is an option of 'batchlm synth', not of 'run'"), std::string::npos)
       << elsewhere.err;
+  RunResult twice = run_batchlm(dir.path, {"run", "job.yaml", "-c", "4", "-c", "5"});
+  EXPECT_EQ(twice.err.rfind("batchlm: error: --concurrency: given 2 times; give it once\n", 0), 0u) << twice.err;
   RunResult serve_flag = run_batchlm(dir.path, {"serve", "--max-queue", "-1"});
   EXPECT_EQ(serve_flag.err.rfind("batchlm: error: --max-queue: must be between 0 and 1048576, got -1", 0), 0u)
       << serve_flag.err;
