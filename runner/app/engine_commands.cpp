@@ -260,7 +260,8 @@ int run_inspect() {
 void add_engine_commands(CLI::App& app) {
   generate_cmd = app.add_subcommand("generate", "Stream a completion from a local GGUF model");
   g.model = default_model();
-  generate_cmd->add_option("--model,-m", g.model, "GGUF model file")->capture_default_str();
+  generate_cmd->add_option("--model,-m", g.model, "GGUF model file (default: $BATCHLM_MODEL or the default model)")
+      ->capture_default_str();
   g.prompt_option = generate_cmd->add_option("--prompt,-p", g.prompt, "Prompt text");
   generate_cmd->add_option("--file,-f", g.file, "Read the prompt from a file (- for stdin)");
   generate_cmd->add_flag("--chat", g.chat, "Apply the model's chat template (the prompt is the user turn)");
@@ -295,7 +296,7 @@ void add_engine_commands(CLI::App& app) {
 
   inspect_cmd = app.add_subcommand("inspect", "Describe a GGUF model: architecture, sizes, types, tokenizer");
   in.model = default_model();
-  inspect_cmd->add_option("model", in.model, "GGUF model file")->capture_default_str();
+  inspect_cmd->add_option("model", in.model, "GGUF model file (default: $BATCHLM_MODEL or the default model)")->capture_default_str();
   inspect_cmd->add_flag("--tensors", in.tensors, "List every tensor");
 }
 
