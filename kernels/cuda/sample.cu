@@ -1,7 +1,9 @@
 // Sampling on the device (cuda.hpp sample): one 512-thread CTA per row.
 //
 // The semantics are the CPU sampler's (local_engine/sampling): temperature <= 0 or top_k == 1
-// is kernels::argmax (the first index on ties; NaNs never win, and a row of NaNs gives 0).
+// is kernels::argmax (the first index on ties; NaNs never win). A row with no finite largest
+// value (all NaN, or an infinity) gives -1: the forward pass broke down, and the engine fails
+// the request (local_engine broken_logits).
 // Otherwise the candidates are the tokens with (logit - max) / t > -30 (the same F32 expression
 // as the CPU), ordered by logit (descending) then token id (ascending); top_k keeps the first
 // top_k of them, top_p then keeps the shortest prefix of that order whose probability reaches
@@ -149,7 +151,7 @@ __device__ __forceinline__ bool better(float av, long long ai, float bv, long lo
   return av > bv || (av == bv && ai < bi);
 }
 
-// kernels::argmax of the row (0 for an empty or all-NaN row), and the largest non-NaN value
+// kernels::argmax of the row (-1 for an empty or all-NaN row), and the largest non-NaN value
 // (-inf if none).
 __device__ void block_argmax(const float* x, long long n, SampleShared& sh, float& max_v, long long& arg) {
   float bv = -INFINITY;
@@ -185,7 +187,7 @@ __device__ void block_argmax(const float* x, long long n, SampleShared& sh, floa
       bi = sh.red_i[w];
     }
   max_v = bv;
-  arg = bi < 0 ? 0 : bi;
+  arg = bi;
 }
 
 struct Selected {
@@ -459,7 +461,9 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     block_argmax(x, n_vocab, sh, mx, arg);
     long long token = arg;
     const bool greedy = p.temperature <= 0.0f || p.top_k == 1;  // as Sampler::greedy()
-    if (!greedy && n_vocab > 0) {
+    if (arg < 0 || !isfinite(mx)) {
+      token = -1;  // no token can be chosen from this row
+    } else if (!greedy) {
       const long long drawn = sample_row(x, n_vocab, mx, p, sh);
       if (drawn >= 0) token = drawn;
     }

@@ -496,7 +496,8 @@ void BatchEngine::step() {
       ++decoding_;
       ++decode_passes_;
     }
-    if (broken[i]) {
+    // On a device that samples, the row's token is -1 where its logits were broken.
+    if (broken[i] || (device_sampling && e.n_drafts == 0 && sampled[first_row[i]] < 0)) {
       a.reason = "error";
       a.result.error = broken_logits_message(a.gen.generated());
       r.finished = true;

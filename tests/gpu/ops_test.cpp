@@ -775,6 +775,27 @@ TEST(CudaSample, GreedyEqualsArgmaxIncludingTies) {
   }
 }
 
+// A broken forward pass (every logit NaN, or an infinity) gives -1, greedy or not: the engine
+// then fails that request (it got token 0 and went on).
+TEST(CudaSample, RowsWithoutAFiniteMaximumGiveMinusOne) {
+  BATCHLM_REQUIRE_GPU();
+  constexpr std::int64_t n_vocab = 1000;
+  std::vector<float> logits;
+  std::vector<kc::SampleParams> params;
+  for (int r = 0; r < 4; ++r) {
+    std::vector<float> row(n_vocab, 0.25f);
+    if (r < 2) std::fill(row.begin(), row.end(), NAN);
+    if (r >= 2) row[7] = INFINITY;
+    logits.insert(logits.end(), row.begin(), row.end());
+    kc::SampleParams p;
+    p.temperature = r % 2 == 0 ? 0.0f : 0.8f;
+    p.seed = static_cast<std::uint64_t>(r);
+    params.push_back(p);
+  }
+  const auto tokens = gpu_sample(logits, n_vocab, params);
+  for (std::size_t r = 0; r < params.size(); ++r) EXPECT_EQ(tokens[r], -1) << "row " << r;
+}
+
 // The CPU sampler's distribution for these logits and parameters (its kept set and weights).
 local_engine::TokenDistribution cpu_distribution(std::span<const float> logits, const kc::SampleParams& p) {
   local_engine::SamplingParams sp;
