@@ -20,6 +20,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include "batchlm/core/engine_fields.hpp"
@@ -1259,6 +1260,34 @@ constexpr std::size_t kMaxJobFileBytes = std::size_t{16} << 20;
 
 namespace {
 
+// Parser events of one document at a time: whether it holds anything but a null, and where.
+struct DocumentScan : YAML::EventHandler {
+  int documents = 0;
+  bool content = false;
+  YAML::Mark first = YAML::Mark::null_mark();
+  void seen(const YAML::Mark& mark) {
+    if (!content) first = mark;
+    content = true;
+  }
+  void OnDocumentStart(const YAML::Mark&) override {
+    ++documents;
+    content = false;
+    first = YAML::Mark::null_mark();
+  }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark& mark, YAML::anchor_t) override { seen(mark); }
+  void OnScalar(const YAML::Mark& mark, const std::string&, YAML::anchor_t, const std::string&) override { seen(mark); }
+  void OnSequenceStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+    seen(mark);
+  }
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark& mark, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+    seen(mark);
+  }
+  void OnMapEnd() override {}
+};
+
 // A quoted string that a missing closing quote let run on parses as valid YAML, with the
 // settings it took in gone. Refused where the scan finds one and the tree confirms it: a
 // quoted scalar (tag "!") opens at that line and column.
@@ -1297,14 +1326,23 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
   }
   YAML::Node root;
   try {
-    std::vector<YAML::Node> documents = YAML::LoadAll(std::string(yaml));
-    if (!documents.empty()) root = documents.front();
-    for (std::size_t i = 1; i < documents.size(); ++i) {
-      if (documents[i].IsNull()) continue;  // a closing '---' with nothing after it
-      const YAML::Mark m = documents[i].Mark();
-      throw ConfigError(file_label, m.is_null() ? 0 : m.line + 1, m.is_null() ? 0 : m.column + 1, "",
+    // The documents are counted by their events, at most three: YAML::LoadAll builds every one,
+    // and some text (a lone ',') makes yaml-cpp find documents without end until memory runs out.
+    std::istringstream stream{std::string(yaml)};
+    YAML::Parser parser(stream);
+    DocumentScan scan;
+    for (int document = 0; document < 3 && parser.HandleNextDocument(scan); ++document) {
+      if (document == 0 || !scan.content) continue;  // a closing '---' with nothing after it
+      throw ConfigError(file_label, scan.first.is_null() ? 0 : scan.first.line + 1,
+                        scan.first.is_null() ? 0 : scan.first.column + 1, "",
                         "a second YAML document (after '---'); a job file holds one job");
     }
+    if (scan.documents > 2)
+      throw ConfigError(file_label, scan.first.is_null() ? 0 : scan.first.line + 1,
+                        scan.first.is_null() ? 0 : scan.first.column + 1, "",
+                        "the YAML parser reads document after document here (a stray ',' outside brackets?); "
+                        "a job file holds one job");
+    root = YAML::Load(std::string(yaml));
   } catch (const YAML::ParserException& e) {
     int line = e.mark.is_null() ? 0 : e.mark.line + 1;
     int column = e.mark.is_null() ? 0 : e.mark.column + 1;

@@ -466,6 +466,13 @@ TEST_F(JobFile, ASecondYamlDocumentIsAnError) {
   EXPECT_EQ(e.line(), 4);
   EXPECT_EQ(e.message(), "a second YAML document (after '---'); a job file holds one job");
   EXPECT_EQ(load(with_input("limit: 3\n---\n")).limit, 3);  // a closing marker alone is fine
+  EXPECT_EQ(load(with_input("limit: 3\n---\n...\n")).limit, 3);
+  // A lone ',' made the parser find documents without end: 20 GB and std::bad_alloc.
+  for (const std::string text : {",", ",input: in.jsonl\nrequest:\n # x\n"}) {
+    SCOPED_TRACE(text);
+    e = error_of(text);
+    EXPECT_NE(e.message().find("the YAML parser reads document after document here"), std::string::npos) << e.what();
+  }
 }
 
 TEST_F(JobFile, JobFilesThatAreDirectoriesOrHugeAreRefused) {
