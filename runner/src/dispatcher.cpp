@@ -653,6 +653,9 @@ class Dispatcher {
     r.interrupted = interrupted_;
     r.unfinished = std::max<std::int64_t>(0, r.total - r.succeeded - r.failed);
     const double wall = std::chrono::duration<double>(Clock::now() - start_).count();
+    // Finished items the output could not take: counted, but not in the file.
+    const std::int64_t unsaved = writer_->buffered();
+    if (output_error_) summary_.set_unsaved(unsaved);
     json summary = summary_.to_json(wall, counters_.total);
     summary["job"] = job_.name;
     summary["settings"] = settings_;
@@ -661,8 +664,6 @@ class Dispatcher {
     summary["interrupted"] = interrupted_;
     const std::optional<EngineStats> engine = backend_.engine_stats();
     if (engine) summary["engine"] = engine->to_json();
-    // Finished items the output could not take: counted above, but not in the file.
-    const std::int64_t unsaved = writer_->buffered();
     if (output_error_) summary["output_error"] = {{"message", *output_error_}, {"unsaved", unsaved}};
     const std::optional<std::string> summary_error = write_summary(summary);
     if (!summary_error) r.summary_path = summary_path();

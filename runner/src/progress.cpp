@@ -328,6 +328,7 @@ nlohmann::json Summary::to_json(double wall_seconds, std::int64_t total_items) c
   nlohmann::json j;
   j["counts"] = {{"total", total_items}, {"succeeded", succeeded_}, {"failed", failed_},
                  {"resumed", resumed_},  {"not_run", not_run}};
+  if (unsaved_ > 0) j["counts"]["unsaved"] = unsaved_;
   j["failures"] = nlohmann::json::object();
   for (const auto& [kind, n] : failures_) j["failures"][kind] = n;
   if (!failure_examples_.empty()) j["failure_examples"] = failure_examples_;
@@ -369,8 +370,11 @@ std::string Summary::to_text(double wall_seconds, std::int64_t total_items) cons
     text += format(", %lld not run", static_cast<long long>(counts["not_run"].get<std::int64_t>()));
   }
   // Short runs show tenths: "in 0s" would read as nothing happened.
-  text += " in " + (wall_seconds < 10 ? format("%.1fs", std::max(0.0, wall_seconds)) : format_duration(wall_seconds)) +
-          "\n";
+  text += " in " + (wall_seconds < 10 ? format("%.1fs", std::max(0.0, wall_seconds)) : format_duration(wall_seconds));
+  if (unsaved_ > 0)
+    text += format("; %lld of them not saved (the output failed): a rerun does them again",
+                   static_cast<long long>(unsaved_));
+  text += "\n";
 
   if (!failures_.empty()) {
     text += "failures:";

@@ -998,6 +998,9 @@ TEST(BatchlmRun, OutputThatCannotBeWrittenStopsTheRunWithOneClearMessage) {
   EXPECT_LT(requests_seen(server), 100) << "items kept being sent: " << err;
   const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
   EXPECT_GT(summary["output_error"]["unsaved"].get<long long>(), 0) << summary.dump(2);
+  // The counts say it too, beside the successes that include those items.
+  EXPECT_EQ(summary["counts"]["unsaved"], summary["output_error"]["unsaved"]) << summary.dump(2);
+  EXPECT_NE(err.find(" of them not saved (the output failed): a rerun does them again"), std::string::npos) << err;
   EXPECT_EQ(summary["interrupted"], false) << summary.dump(2);
 
   RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});

@@ -97,6 +97,8 @@ class Summary {
   nlohmann::json to_json(double wall_seconds, std::int64_t total_items) const;
   // Human-readable, a few lines.
   std::string to_text(double wall_seconds, std::int64_t total_items) const;
+  // Finished items the output could not take (a full disk): counted above, not in the file.
+  void set_unsaved(std::int64_t n) { unsaved_ = n; }
   std::int64_t failed() const { return failed_; }
   std::int64_t succeeded() const { return succeeded_; }
 
@@ -104,7 +106,7 @@ class Summary {
   std::int64_t succeeded_ = 0, failed_ = 0, resumed_ = 0;
   std::int64_t resumed_prompt_tokens_ = 0, resumed_completion_tokens_ = 0;
   std::int64_t prompt_tokens_ = 0, completion_tokens_ = 0, attempts_ = 0;
-  std::int64_t unfinished_items_ = 0, unfinished_attempts_ = 0;
+  std::int64_t unfinished_items_ = 0, unfinished_attempts_ = 0, unsaved_ = 0;
   std::map<std::string, std::int64_t> failures_;
   std::map<std::string, std::string> failure_examples_;  // per kind: the first failure's message
   std::map<std::string, std::pair<std::int64_t, std::int64_t>> metrics_;  // name -> (true, scored)
