@@ -467,7 +467,7 @@ TEST_F(JobFile, ASecondYamlDocumentIsAnError) {
   EXPECT_EQ(e.message(), "a second YAML document (after '---'); a job file holds one job");
   EXPECT_EQ(load(with_input("limit: 3\n---\n")).limit, 3);  // a closing marker alone is fine
   EXPECT_EQ(load(with_input("limit: 3\n---\n...\n")).limit, 3);
-  // A lone ',' made the parser find documents without end: 20 GB and std::bad_alloc.
+  // A lone ',' made the parser find documents without end, until memory ran out.
   for (const std::string text : {",", ",input: in.jsonl\nrequest:\n # x\n"}) {
     SCOPED_TRACE(text);
     e = error_of(text);
