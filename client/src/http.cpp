@@ -352,10 +352,13 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
         curl_easy_getinfo(t.easy.get(), CURLINFO_EFFECTIVE_URL, &current);
         const std::string target = origin_of(current != nullptr ? current : t.request.url, *location);
         const std::string origin = origin_of(t.request.url);
-        // The same host over https (a gateway's upgrade) is where those headers were going.
+        // The same host over https, on its own port or https's (a gateway's upgrade), is where
+        // those headers were going; another port there may be another service.
         const auto host_of = [](const std::string& o) { return o.substr(o.find("://") + 3, o.rfind(':') - o.find("://") - 3); };
+        const auto port_of = [](const std::string& o) { return o.substr(o.rfind(':') + 1); };
         const bool upgrade = !target.empty() && origin.starts_with("http://") && target.starts_with("https://") &&
-                             host_of(origin) == host_of(target);
+                             host_of(origin) == host_of(target) &&
+                             (port_of(target) == port_of(origin) || port_of(target) == "443");
         if (target.empty() || (target != origin && !upgrade)) {
           t.redirect_refused = true;
           return 0;

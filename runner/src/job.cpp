@@ -1265,11 +1265,13 @@ struct DocumentScan : YAML::EventHandler {
   int documents = 0;
   bool content = false;
   YAML::Mark first = YAML::Mark::null_mark();
+  int start = -1;  // where the last document started (Mark::pos)
   void seen(const YAML::Mark& mark) {
     if (!content) first = mark;
     content = true;
   }
-  void OnDocumentStart(const YAML::Mark&) override {
+  void OnDocumentStart(const YAML::Mark& mark) override {
+    start = mark.pos;
     ++documents;
     content = false;
     first = YAML::Mark::null_mark();
@@ -1292,7 +1294,7 @@ struct DocumentScan : YAML::EventHandler {
 // settings it took in gone. Refused where the scan finds one and the tree confirms it: a
 // quoted scalar (tag "!") opens at that line and column.
 void check_runaway_quote(const YAML::Node& root, std::string_view yaml, const std::string& file) {
-  const auto runaway = find_runaway_quote(yaml);
+  const auto runaway = find_runaway_quote(yaml, /*at_key_too=*/false);
   if (!runaway) return;
   const auto quoted_there = [&](const auto& self, const YAML::Node& node) -> bool {
     if (node.IsScalar())
@@ -1326,22 +1328,27 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
   }
   YAML::Node root;
   try {
-    // The documents are counted by their events, at most three: YAML::LoadAll builds every one,
-    // and some text (a lone ',') makes yaml-cpp find documents without end until memory runs out.
+    // The documents are counted by their events: YAML::LoadAll builds every one, and some text
+    // (a lone ',') makes yaml-cpp find documents without end, each where the last began, until
+    // memory runs out.
     std::istringstream stream{std::string(yaml)};
     YAML::Parser parser(stream);
     DocumentScan scan;
-    for (int document = 0; document < 3 && parser.HandleNextDocument(scan); ++document) {
-      if (document == 0 || !scan.content) continue;  // a closing '---' with nothing after it
+    int previous_start = -1;
+    for (int document = 0; parser.HandleNextDocument(scan); ++document) {
+      if (scan.start == previous_start || document > 100'000) {
+        const auto at = std::min(static_cast<std::size_t>(std::max(scan.start, 0)), yaml.size());
+        const int line = 1 + static_cast<int>(std::count(yaml.begin(), yaml.begin() + static_cast<std::ptrdiff_t>(at), '\n'));
+        throw ConfigError(file_label, line, 0, "",
+                          "the YAML parser reads document after document here (a stray ',' outside brackets?); "
+                          "a job file holds one job");
+      }
+      previous_start = scan.start;
+      if (document == 0 || !scan.content) continue;  // '---' or '...' with nothing after it
       throw ConfigError(file_label, scan.first.is_null() ? 0 : scan.first.line + 1,
                         scan.first.is_null() ? 0 : scan.first.column + 1, "",
                         "a second YAML document (after '---'); a job file holds one job");
     }
-    if (scan.documents > 2)
-      throw ConfigError(file_label, scan.first.is_null() ? 0 : scan.first.line + 1,
-                        scan.first.is_null() ? 0 : scan.first.column + 1, "",
-                        "the YAML parser reads document after document here (a stray ',' outside brackets?); "
-                        "a job file holds one job");
     root = YAML::Load(std::string(yaml));
   } catch (const YAML::ParserException& e) {
     int line = e.mark.is_null() ? 0 : e.mark.line + 1;
@@ -1363,7 +1370,7 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
       }
     }
     // Else the parser may fail lines after a quote left open: the quote is what to fix.
-    if (const auto runaway = find_runaway_quote(yaml); !tab && runaway && (line == 0 || runaway->line <= line))
+    if (const auto runaway = find_runaway_quote(yaml, /*at_key_too=*/true); !tab && runaway && (line == 0 || runaway->line <= line))
       throw ConfigError(file_label, runaway->line, runaway->column, "",
                         describe(*runaway) + " (the YAML parser then stopped" +
                             (line > 0 ? " at line " + std::to_string(line) + ", column " + std::to_string(column) : "") +

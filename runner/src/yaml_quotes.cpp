@@ -41,7 +41,7 @@ std::string shortened(std::string_view line) {
 
 }  // namespace
 
-std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml) {
+std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml, bool at_key_too) {
   std::vector<std::string_view> lines;
   for (std::size_t start = 0;;) {
     const std::size_t end = yaml.find('\n', start);
@@ -51,7 +51,7 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml) {
     if (end == std::string_view::npos) break;
     start = end + 1;
   }
-  const auto is_blank_line = [&](std::size_t n) { return indent_of(lines[n]) == static_cast<int>(lines[n].size()); };
+  const auto is_blank_line = [&](std::size_t n) { return lines[n].find_first_not_of(" \t") == std::string_view::npos; };
 
   int flow = 0;           // depth of [ and { (flow collections may span lines)
   int block_indent = -1;  // inside a | or > block scalar: its content is indented past this
@@ -59,7 +59,7 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml) {
   for (std::size_t li = 0; li < lines.size(); ++li) {
     std::string_view line = lines[li];
     const int indent = indent_of(line);
-    if (indent == static_cast<int>(line.size())) continue;  // blank
+    if (is_blank_line(li)) continue;
     if (block_indent >= 0) {
       if (indent > block_indent) continue;
       block_indent = -1;
@@ -106,7 +106,7 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml) {
           ++li;
           k = 0;
           if (judge_lines && found.swallowed_line == 0 && !is_blank_line(li) && reads_as_key(lines[li]) &&
-              indent_of(lines[li]) <= owner) {
+              (indent_of(lines[li]) < owner || (at_key_too && indent_of(lines[li]) == owner))) {
             found.swallowed_line = static_cast<int>(li) + 1;
             found.swallowed_text = shortened(lines[li]);
           }

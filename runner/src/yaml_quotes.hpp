@@ -19,11 +19,13 @@ struct RunawayQuote {
 };
 
 // The first quoted string that never closes, or that takes in a line which reads as a
-// `key:` no more indented than the line the string opens on. A lexical scan: comments, block
+// `key:` less indented than the key (or dash) the string is the value of; with `at_key_too`,
+// also one indented as far as that key (YAML wants a string's later lines further in, but
+// parsers take them; a file that parsed is judged without it). A lexical scan: comments, block
 // scalars (| and >), flow collections and quotes inside plain text are told apart, but it is
 // no parser, so a caller confirms a finding against the parsed tree or uses it to explain a
 // parse error.
-std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml);
+std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml, bool at_key_too);
 
 // "a quoted string opens here and ..." for a ConfigError at the quote's line and column.
 std::string describe(const RunawayQuote& runaway);

@@ -464,6 +464,12 @@ TEST_F(OpenAIBackendTest, RedirectToAnotherHostIsNotFollowedWithTheBackendsOwnHe
   result = complete(options, chat_request("upgrade"));
   ASSERT_FALSE(result.outcome.ok());
   EXPECT_NE(result.outcome.error->kind, ErrorKind::Http) << result.outcome.error->message;
+  // But https on another port of that host may be another service: not followed.
+  server_.set_rules({FaultRule{{FaultSpec::parse("redirect=308;location=https://127.0.0.1:1/v1/chat/completions")},
+                               1.0, 0, 0}});
+  result = complete(options, chat_request("elsewhere"));
+  ASSERT_FALSE(result.outcome.ok());
+  EXPECT_EQ(result.outcome.error->http_status, 308) << result.outcome.error->message;
   // The same host under another path (relative or absolute): followed, headers and all.
   for (const std::string& location : {std::string("/v1/chat/completions"), server_.base_url() + "/chat/completions"}) {
     SCOPED_TRACE(location);

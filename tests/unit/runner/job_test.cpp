@@ -467,6 +467,10 @@ TEST_F(JobFile, ASecondYamlDocumentIsAnError) {
   EXPECT_EQ(e.message(), "a second YAML document (after '---'); a job file holds one job");
   EXPECT_EQ(load(with_input("limit: 3\n---\n")).limit, 3);  // a closing marker alone is fine
   EXPECT_EQ(load(with_input("limit: 3\n---\n...\n")).limit, 3);
+  // Empty documents after it, as many as there are (the first count stopped at three).
+  for (const std::string end : {"---\n---\n", "---\n# comment\n---\n", "---\n...\n---\n", "--- &x\n--- !!null\n"})
+    EXPECT_EQ(load(with_input("limit: 3\n" + end)).limit, 3) << end;
+  EXPECT_EQ(error_of(with_input("limit: 3\n---\n---\nlimit: 4\n")).line(), 5);
   // A lone ',' made the parser find documents without end, until memory ran out.
   for (const std::string text : {",", ",input: in.jsonl\nrequest:\n # x\n"}) {
     SCOPED_TRACE(text);
@@ -520,9 +524,15 @@ TEST_F(JobFile, AQuoteLeftOpenIsNamedWhereItOpens) {
             std::string::npos)
       << e.what();
   // Closed at the end of a later line, which parses: the tree confirms the quoted string.
-  e = error_of(with_input("output: \"out.jsonl\nlimit: 3\"\n" + messages + "      content: x\n"));
-  EXPECT_EQ(e.line(), 2);
-  EXPECT_NE(e.message().find("taking in line 3 (limit: 3\")"), std::string::npos) << e.what();
+  e = error_of(with_input(messages + "      content: \"{{question}}\n  stop: x\"\n"));
+  EXPECT_EQ(e.line(), 5);
+  EXPECT_NE(e.message().find("taking in line 6 (stop: x\")"), std::string::npos) << e.what();
+  // A string's later lines as far in as its key: not what YAML asks, but what parsers take.
+  EXPECT_EQ(load(with_input(messages + "      content: \"Reply in this form:\n      answer: <a number>\n"
+                                       "      Passage: {{question}}\"\n"))
+                .request.messages[0]
+                .content,
+            "Reply in this form: answer: <a number> Passage: {{question}}");
 }
 
 TEST_F(JobFile, QuotesThatAreNotRunawayStringsPass) {
