@@ -31,42 +31,30 @@ bool cpu_has(int leaf, int subleaf, char reg, int bit) {
 
 using Clock = std::chrono::steady_clock;
 
-// Keeps the sums from being optimized away (stored, not reduced: GCC 12 warns of an
-// uninitialized value inside _mm512_reduce_add_ps).
-void keep(__m512 v) {
-  float lanes[16];
-  _mm512_storeu_ps(lanes, v);
-  volatile float sink = lanes[0];
-  (void)sink;
-}
-
-// Sixteen copies of v, loaded (as for _mm512_reduce_add_ps, GCC 12 may warn inside _mm512_set1_ps).
+// Sixteen copies of v, loaded (GCC 12 warns of an uninitialized value inside _mm512_set1_ps and
+// _mm512_reduce_add_ps).
 __m512 splat(float v) {
   float lanes[16];
   for (float& lane : lanes) lane = v;
   return _mm512_loadu_ps(lanes);
 }
 
-// Each runs its instruction on twelve independent accumulators (named variables: GCC kept an
-// array of them in memory, and merged chains that started alike), in rounds of kRound until `seconds` pass, and returns instructions
-// per ns.
-constexpr long kRound = 1'000'000;
-#define BATCHLM_CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-
-double per_ns(long long instructions, Clock::time_point start) {
-  return static_cast<double>(instructions) / (std::chrono::duration<double>(Clock::now() - start).count() * 1e9);
-}
-
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-double fma_ps(double seconds) {
-// Each chain starts elsewhere: chains alike would be merged into one by the compiler.
-#define BATCHLM_DECLARE(i) __m512 c##i = splat(static_cast<float>(i));
-#define BATCHLM_STEP(i) c##i = _mm512_fmadd_ps(a, b, c##i);
-#define BATCHLM_SUM(i) total = _mm512_add_ps(total, c##i);
+// Runs `step` (one instruction: an accumulator and the two operands in, the accumulator out) on
+// twelve independent accumulators in rounds of a million until `seconds` pass; instructions per
+// ns. The accumulators are named variables, each starting elsewhere (GCC kept an array of them
+// in memory, and merged chains that started alike into one), and the operands are hidden from
+// the optimizer so that they stay in registers rather than being folded in as constants.
+template <class V, class A, class Step>
+double chains(double seconds, A a, A b, Step step) {
+#define BATCHLM_CHAINS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define BATCHLM_DECLARE(i) V c##i = V(splat(static_cast<float>(i)));
+#define BATCHLM_STEP(i) c##i = step(c##i, a, b);
+#define BATCHLM_KEEP(i) __asm__ volatile("" : : "v"(c##i));
   BATCHLM_CHAINS(BATCHLM_DECLARE)
-  __m512 a = splat(1.0001f), b = splat(0.9999f);
-  __asm__("" : "+v"(a), "+v"(b));  // in registers, not folded into the instructions as constants
+  __asm__("" : "+v"(a), "+v"(b));
+  constexpr long kRound = 1'000'000;
   long long done = 0;
   const auto start = Clock::now();
   do {
@@ -75,69 +63,31 @@ double fma_ps(double seconds) {
     }
     done += kRound * kChains;
   } while (seconds_since(start) < seconds);
-  const double r = per_ns(done, start);
-  __m512 total = _mm512_setzero_ps();
-  BATCHLM_CHAINS(BATCHLM_SUM)
-  keep(total);
-  return r;
+  const double elapsed = seconds_since(start);
+  BATCHLM_CHAINS(BATCHLM_KEEP)  // the sums are used: the loop cannot be dropped
+#undef BATCHLM_KEEP
 #undef BATCHLM_STEP
+#undef BATCHLM_DECLARE
+#undef BATCHLM_CHAINS
+  return static_cast<double>(done) / (elapsed * 1e9);
+}
+
+double fma_ps(double seconds) {
+  return chains<__m512>(seconds, splat(1.0001f), splat(0.9999f),
+                        [](__m512 c, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, c); });
 }
 
 double dp_bf16(double seconds) {
-#define BATCHLM_STEP(i) c##i = _mm512_dpbf16_ps(c##i, a, b);
-  BATCHLM_CHAINS(BATCHLM_DECLARE)
-  __m512bh a = _mm512_cvtne2ps_pbh(splat(1.0001f), splat(0.9999f));
-  __m512bh b = _mm512_cvtne2ps_pbh(splat(0.5f), splat(0.25f));
-  __asm__("" : "+v"(a), "+v"(b));
-  long long done = 0;
-  const auto start = Clock::now();
-  do {
-    for (long k = 0; k < kRound; ++k) {
-      BATCHLM_CHAINS(BATCHLM_STEP)
-    }
-    done += kRound * kChains;
-  } while (seconds_since(start) < seconds);
-  const double r = per_ns(done, start);
-  __m512 total = _mm512_setzero_ps();
-  BATCHLM_CHAINS(BATCHLM_SUM)
-  keep(total);
-  return r;
-#undef BATCHLM_STEP
-#undef BATCHLM_DECLARE
-#undef BATCHLM_SUM
+  return chains<__m512>(seconds, _mm512_cvtne2ps_pbh(splat(1.0001f), splat(0.9999f)),
+                        _mm512_cvtne2ps_pbh(splat(0.5f), splat(0.25f)),
+                        [](__m512 c, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(c, a, b); });
 }
 
 double fma_ph(double seconds) {
-#define BATCHLM_DECLARE(i) __m512h c##i = _mm512_castps_ph(splat(static_cast<float>(i)));
-#define BATCHLM_STEP(i) c##i = _mm512_fmadd_ph(a, b, c##i);
-#define BATCHLM_SUM(i) total = _mm512_add_ph(total, c##i);
-  BATCHLM_CHAINS(BATCHLM_DECLARE)
-  _Float16 ones[32], small[32];
-  for (int i = 0; i < 32; ++i) {
-    ones[i] = static_cast<_Float16>(1.0f);
-    small[i] = static_cast<_Float16>(0.001f);
-  }
-  __m512h a = _mm512_loadu_ph(ones), b = _mm512_loadu_ph(small);
-  __asm__("" : "+v"(a), "+v"(b));
-  long long done = 0;
-  const auto start = Clock::now();
-  do {
-    for (long k = 0; k < kRound; ++k) {
-      BATCHLM_CHAINS(BATCHLM_STEP)
-    }
-    done += kRound * kChains;
-  } while (seconds_since(start) < seconds);
-  const double r = per_ns(done, start);
-  __m512h total = _mm512_setzero_ph();
-  BATCHLM_CHAINS(BATCHLM_SUM)
-  _Float16 lanes[32];
-  _mm512_storeu_ph(lanes, total);
-  volatile float sink = static_cast<float>(lanes[0]);
-  (void)sink;
-  return r;
-#undef BATCHLM_STEP
-#undef BATCHLM_DECLARE
-#undef BATCHLM_SUM
+  // F16 values 1 and 1/1024 in every lane, written as bits.
+  const __m512h one = _mm512_castsi512_ph(_mm512_set1_epi16(0x3c00));
+  const __m512h small = _mm512_castsi512_ph(_mm512_set1_epi16(0x1400));
+  return chains<__m512h>(seconds, one, small, [](__m512h c, __m512h a, __m512h b) { return _mm512_fmadd_ph(a, b, c); });
 }
 
 }  // namespace
