@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cctype>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -65,24 +66,37 @@ std::string_view trim(std::string_view s) {
   return s;
 }
 
-// "scheme://host:port" of `url`, or of `reference` resolved against it (a Location may be
-// relative); empty when curl cannot parse them, which never equals a real origin.
-std::string origin_of(const std::string& url, const std::string& reference = {}) {
+// Where a URL leads: its scheme, host (lower-cased) and port (the scheme's when not given).
+struct Origin {
+  std::string scheme, host, port;
+};
+
+// The origin of `url`, or of `reference` resolved against it (a Location may be relative);
+// nullopt when curl cannot parse them.
+std::optional<Origin> origin_of(const std::string& url, const std::string& reference = {}) {
   std::unique_ptr<CURLU, decltype(&curl_url_cleanup)> u(curl_url(), &curl_url_cleanup);
-  if (!u || curl_url_set(u.get(), CURLUPART_URL, url.c_str(), 0) != CURLUE_OK) return {};
-  if (!reference.empty() && curl_url_set(u.get(), CURLUPART_URL, reference.c_str(), 0) != CURLUE_OK) return {};
-  std::string origin;
-  for (const CURLUPart part : {CURLUPART_SCHEME, CURLUPART_HOST, CURLUPART_PORT}) {
+  if (!u || curl_url_set(u.get(), CURLUPART_URL, url.c_str(), 0) != CURLUE_OK) return std::nullopt;
+  if (!reference.empty() && curl_url_set(u.get(), CURLUPART_URL, reference.c_str(), 0) != CURLUE_OK)
+    return std::nullopt;
+  const auto part = [&](CURLUPart which, unsigned flags) -> std::optional<std::string> {
     char* text = nullptr;
-    if (curl_url_get(u.get(), part, &text, part == CURLUPART_PORT ? CURLU_DEFAULT_PORT : 0) != CURLUE_OK) return {};
+    if (curl_url_get(u.get(), which, &text, flags) != CURLUE_OK) return std::nullopt;
     std::string piece(text);
     curl_free(text);
-    if (part == CURLUPART_HOST)
-      std::transform(piece.begin(), piece.end(), piece.begin(),
-                     [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-    origin += piece + (part == CURLUPART_SCHEME ? "://" : part == CURLUPART_HOST ? ":" : "");
-  }
-  return origin;
+    return piece;
+  };
+  auto scheme = part(CURLUPART_SCHEME, 0), host = part(CURLUPART_HOST, 0), port = part(CURLUPART_PORT, CURLU_DEFAULT_PORT);
+  if (!scheme || !host || !port) return std::nullopt;
+  std::transform(host->begin(), host->end(), host->begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return Origin{std::move(*scheme), std::move(*host), std::move(*port)};
+}
+
+// Whether headers meant for `from` may go to `to`: the same origin, or from's host over https
+// on from's port or https's (a gateway's upgrade); another port there may be another service.
+bool may_carry_headers(const Origin& from, const Origin& to) {
+  if (from.host != to.host) return false;
+  if (from.scheme == to.scheme) return from.port == to.port;
+  return from.scheme == "http" && to.scheme == "https" && (to.port == from.port || to.port == "443");
 }
 
 std::string ms_text(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
@@ -350,16 +364,9 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
       if ((status == 307 || status == 308) && location != nullptr && t.request.same_origin_redirects) {
         char* current = nullptr;
         curl_easy_getinfo(t.easy.get(), CURLINFO_EFFECTIVE_URL, &current);
-        const std::string target = origin_of(current != nullptr ? current : t.request.url, *location);
-        const std::string origin = origin_of(t.request.url);
-        // The same host over https, on its own port or https's (a gateway's upgrade), is where
-        // those headers were going; another port there may be another service.
-        const auto host_of = [](const std::string& o) { return o.substr(o.find("://") + 3, o.rfind(':') - o.find("://") - 3); };
-        const auto port_of = [](const std::string& o) { return o.substr(o.rfind(':') + 1); };
-        const bool upgrade = !target.empty() && origin.starts_with("http://") && target.starts_with("https://") &&
-                             host_of(origin) == host_of(target) &&
-                             (port_of(target) == port_of(origin) || port_of(target) == "443");
-        if (target.empty() || (target != origin && !upgrade)) {
+        const auto target = origin_of(current != nullptr ? current : t.request.url, *location);
+        const auto origin = origin_of(t.request.url);
+        if (!target || !origin || !may_carry_headers(*origin, *target)) {
           t.redirect_refused = true;
           return 0;
         }
