@@ -71,6 +71,8 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml, bool at_ke
     int dash_column = -1;  // of this line's last sequence dash
     int token_column = -1;
     bool in_plain = !value_start;
+    // The column a value begun here belongs to: its key's, else its dash's.
+    const auto owner_or = [&](int fallback) { return key_column >= 0 ? key_column : dash_column >= 0 ? dash_column : fallback; };
     for (std::size_t j = static_cast<std::size_t>(indent); j < line.size(); ++j) {
       const char c = line[j];
       const bool blank_after = j + 1 >= line.size() || blank(line[j + 1]);
@@ -83,8 +85,7 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml, bool at_ke
         // Its later lines belong to it while indented past the key (or dash) it is the value
         // of; a line that reads as a key no further in than that is one the quote swallowed.
         // Inside [ ] or { } indentation means nothing, and no such line is judged.
-        const int owner = key_column >= 0 ? key_column : dash_column >= 0 ? dash_column : static_cast<int>(j) - 1;
-        const bool judge_lines = flow == 0;
+        const int owner = owner_or(static_cast<int>(j) - 1);
         std::size_t k = j + 1;
         bool closed = false;
         RunawayQuote found;
@@ -105,7 +106,7 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml, bool at_ke
           if (closed || li + 1 >= lines.size()) break;
           ++li;
           k = 0;
-          if (judge_lines && found.swallowed_line == 0 && !is_blank_line(li) && reads_as_key(lines[li]) &&
+          if (flow == 0 && found.swallowed_line == 0 && !is_blank_line(li) && reads_as_key(lines[li]) &&
               (indent_of(lines[li]) < owner || (at_key_too && indent_of(lines[li]) == owner))) {
             found.swallowed_line = static_cast<int>(li) + 1;
             found.swallowed_text = shortened(lines[li]);
@@ -134,7 +135,7 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml, bool at_ke
         continue;
       }
       if (value_start && flow == 0 && (c == '|' || c == '>')) {
-        block_indent = key_column >= 0 ? key_column : dash_column >= 0 ? dash_column : indent;
+        block_indent = owner_or(indent);
         in_plain = false;
         break;  // the lines below, indented further, are the scalar's text
       }
@@ -175,7 +176,7 @@ std::optional<RunawayQuote> find_runaway_quote(std::string_view yaml, bool at_ke
     }
     // A plain scalar that reached the end of the line may go on on the next ones.
     if (in_plain && flow == 0 && block_indent < 0)
-      plain_indent = key_column >= 0 ? key_column : dash_column >= 0 ? dash_column : indent;
+      plain_indent = owner_or(indent);
   }
   return std::nullopt;
 }
