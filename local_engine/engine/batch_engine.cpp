@@ -458,19 +458,20 @@ void BatchEngine::step() {
   // mean is then taken in order, below.
   std::vector<Token> picked(plan.entries.size(), 0);
   std::vector<std::optional<PositionLogprobs>> logprobs(plan.entries.size());
-  // Rows with a NaN or an infinity: their request fails (below), the others go on.
+  // Rows with a NaN or an infinity: their request fails (below), the others go on. Checked on
+  // the sampling threads with the rows they sample, and below for rows of drafts to verify.
   std::vector<char> broken(plan.entries.size(), 0);
   if (!device_sampling) {
     std::vector<std::size_t> sampling;  // entries
     for (std::size_t i = 0; i < plan.entries.size(); ++i) {
       const PlannedSequence& e = plan.entries[i];
-      if (!e.wants_logits || !active_.contains(e.id)) continue;
-      broken[i] = broken_logits(logits_of(i));
-      if (e.n_drafts == 0 && !broken[i]) sampling.push_back(i);
+      if (e.wants_logits && e.n_drafts == 0 && active_.contains(e.id)) sampling.push_back(i);
     }
     threads_->parallel_for(static_cast<std::int64_t>(sampling.size()), 1, [&](std::int64_t b, std::int64_t e, int) {
       for (std::int64_t j = b; j < e; ++j) {
         const std::size_t i = sampling[static_cast<std::size_t>(j)];
+        broken[i] = broken_logits(logits_of(i));
+        if (broken[i]) continue;
         Generation& gen = active_.find(plan.entries[i].id)->second.gen;
         picked[i] = gen.sampler().sample(gen.constrain(logits_of(i)));
         if (gen.logprobs() >= 0) logprobs[i] = position_logprobs(logits_of(i), picked[i], gen.logprobs());
@@ -497,7 +498,8 @@ void BatchEngine::step() {
       ++decode_passes_;
     }
     // On a device that samples, the row's token is -1 where its logits were broken.
-    if (broken[i] || (device_sampling && e.n_drafts == 0 && sampled[first_row[i]] < 0)) {
+    if (broken[i] || (e.n_drafts > 0 && broken_logits(logits_of(i))) ||
+        (device_sampling && e.n_drafts == 0 && sampled[first_row[i]] < 0)) {
       a.reason = "error";
       a.result.error = broken_logits_message(a.gen.generated());
       r.finished = true;
