@@ -524,8 +524,11 @@ class Reader {
   static bool has(const YAML::Node& node) { return node.IsDefined() && !node.IsNull(); }
 
   // Checks a map's keys against kSections; returns the map (or an empty one when absent).
-  void check_map(const YAML::Node& node, const std::string& path) const {
-    if (!node.IsMap()) fail(node, path.empty() ? "job" : path, "expected a map, got " + describe(node));
+  // `path` names the section whose keys are valid; `field`, where given, the place in the file
+  // (request.messages[2] for a section that is a list's entries).
+  void check_map(const YAML::Node& node, const std::string& path, const std::string& field = {}) const {
+    const std::string& where = field.empty() ? path : field;
+    if (!node.IsMap()) fail(node, where.empty() ? "job" : where, "expected a map, got " + describe(node));
     const Keys& keys = sections().at(path);
     // (Keys given twice were refused for the whole tree when it was loaded.)
     std::vector<std::pair<YAML::Node, std::string>> unknown;  // the key and its name
@@ -549,7 +552,7 @@ class Reader {
       message += std::string(i == 1 ? "; also unknown: " : ", ") + "'" + unknown[i].second + "'" +
                  (m.is_null() ? std::string() : " (line " + std::to_string(m.line + 1) + ")") + hint(unknown[i].second);
     }
-    fail(unknown.front().first, child_path(path, unknown.front().second), message);
+    fail(unknown.front().first, child_path(where, unknown.front().second), message);
   }
 
   std::string string(const YAML::Node& node, const std::string& field) const {
@@ -768,16 +771,7 @@ void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMess
     const YAML::Node m = node[i];
     std::string field = index_path("request.messages", i);
     if (!m.IsMap()) r.fail(m, field, "expected a map {role, content}, got " + describe(m));
-    for (auto it = m.begin(); it != m.end(); ++it) {
-      std::string key = it->first.Scalar();
-      const Keys& keys = sections().at("request.messages");
-      if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
-        std::string suggestion = nearest_key(key, keys);
-        r.fail(it->first, field + "." + key,
-               "unknown key" + (suggestion.empty() ? std::string(" (valid keys: role, content)")
-                                                   : " (did you mean '" + suggestion + "'?)"));
-      }
-    }
+    r.check_map(m, "request.messages", field);
     ChatMessage message;
     if (!Reader::has(m["role"])) r.fail(m, field + ".role", "required");
     if (!Reader::has(m["content"])) r.fail(m, field + ".content", "required");
