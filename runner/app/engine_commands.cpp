@@ -25,6 +25,7 @@
 #include "batchlm/kernels/ops.hpp"
 #include "batchlm/local_engine/engine.hpp"
 #include "batchlm/local_engine/model.hpp"
+#include "batchlm/runner/ignored_signal.hpp"
 #include "batchlm/runner/job.hpp"
 
 namespace batchlm::app {
@@ -142,8 +143,8 @@ int run_generate() {
   stop.sa_handler = on_generate_interrupt;
   stop.sa_flags = SA_RESETHAND;
   ::sigemptyset(&stop.sa_mask);
-  const bool ignored = ::sigaction(SIGINT, nullptr, &previous) == 0 && previous.sa_handler == SIG_IGN;
-  if (!ignored) ::sigaction(SIGINT, &stop, nullptr);
+  const bool ignored = runner::ignored_at_start(SIGINT);
+  if (!ignored) ::sigaction(SIGINT, &stop, &previous);
   GenerateResult r = engine.generate(prompt, params, [](std::string_view piece) {
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);

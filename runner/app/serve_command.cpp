@@ -18,6 +18,7 @@
 
 #include "batchlm/kernels/ops.hpp"
 #include "batchlm/local_engine/local_backend.hpp"
+#include "batchlm/runner/ignored_signal.hpp"
 #include "batchlm/runner/job.hpp"
 #include "batchlm/server/server.hpp"
 #include "cli_checks.hpp"
@@ -81,10 +82,6 @@ std::vector<std::string> parse_allowed_origins(const std::string& list) {
   return origins;
 }
 
-bool ignored_at_start(int signo) {
-  struct sigaction current {};
-  return ::sigaction(signo, nullptr, &current) == 0 && current.sa_handler == SIG_IGN;
-}
 
 constexpr const char* kServeExamples = R"(Examples:
   batchlm serve                                   # the default model on 127.0.0.1:8000
@@ -240,7 +237,7 @@ int run_serve_command() {
   // second SIGINT or SIGTERM cancels what is left.
   asio::signal_set signals(io);
   for (int signo : {SIGINT, SIGTERM, SIGHUP})
-    if (!ignored_at_start(signo)) signals.add(signo);
+    if (!runner::ignored_at_start(signo)) signals.add(signo);
   // A closed stdout or stderr pipe costs the lines written to it, not the requests in flight.
   std::signal(SIGPIPE, SIG_IGN);
   bool stopping = false;

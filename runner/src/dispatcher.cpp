@@ -33,7 +33,7 @@
 #include "batchlm/runner/retry.hpp"
 #include "batchlm/runner/scoring.hpp"
 #include "batchlm/runner/writer.hpp"
-#include "ignored_signal.hpp"
+#include "batchlm/runner/ignored_signal.hpp"
 
 namespace batchlm::runner {
 
@@ -94,10 +94,6 @@ ItemResult item_result_from_record(const json& record) {
 // The writer a second SIGINT flushes before exiting.
 OutputWriter* g_writer_for_hard_exit = nullptr;
 
-bool ignored_at_start(int signo) {
-  struct sigaction current {};
-  return ::sigaction(signo, nullptr, &current) == 0 && current.sa_handler == SIG_IGN;
-}
 
 }  // namespace
 

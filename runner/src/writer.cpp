@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "ignored_signal.hpp"
+#include "batchlm/runner/ignored_signal.hpp"
 
 namespace batchlm::runner {
 

@@ -6,6 +6,13 @@
 
 namespace batchlm::runner {
 
+// Whether the process started with `signo` ignored (nohup's SIGHUP, a shell's SIGINT for a
+// background job): such a signal is left ignored rather than handled.
+inline bool ignored_at_start(int signo) {
+  struct sigaction current {};
+  return ::sigaction(signo, nullptr, &current) == 0 && current.sa_handler == SIG_IGN;
+}
+
 class IgnoredSignal {
  public:
   explicit IgnoredSignal(int signo) : signo_(signo) {
