@@ -289,7 +289,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   }
   GenerateParams& p = job->params;
   p.max_tokens = request.max_tokens.value_or(0);
-  p.refuse_past_context = request.max_tokens_exact && request.max_tokens.has_value();
+  p.refuse_past_context = request.max_tokens_exact;  // without max_tokens there is nothing to refuse
   p.sampling.temperature = static_cast<float>(request.temperature.value_or(1.0));
   p.sampling.top_p = static_cast<float>(request.top_p.value_or(1.0));
   if (request.extra.is_object()) {

@@ -585,8 +585,8 @@ class Dispatcher {
       diff_settings(summary["settings"], settings_, "", differences);
       for (std::size_t i = 0; i < differences.size() && i < 3; ++i) changed += (i ? ", " : "") + differences[i];
       if (differences.size() > 3) changed += ", ...";
-    } else if (!other_model_.empty() && other_model_ != model_label(job_, "")) {
-      changed = "model: '" + other_model_ + "' -> '" + model_label(job_, "") + "'";
+    } else if (const std::string model = settings_["model"]; !other_model_.empty() && other_model_ != model) {
+      changed = "model: '" + other_model_ + "' -> '" + model + "'";
     } else {
       changed = "the model, the request template, the few-shot examples or the scoring";
     }

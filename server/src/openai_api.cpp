@@ -508,13 +508,15 @@ std::string leading_field(std::string_view message) {
 
 }  // namespace
 
+const char* prompt_param(Endpoint endpoint) { return endpoint == Endpoint::kChat ? "messages" : "prompt"; }
+
 ApiError error_from_outcome(const Error& error, Endpoint endpoint, std::string_view max_tokens_param) {
   if (error.kind == ErrorKind::Http && error.http_status >= 400 && error.http_status < 500) {
     // The engine does not say which field it refused, but its messages name it first; what
     // names none is about the prompt (too long, empty, not tokenizable).
     std::string param = leading_field(error.message);
     if (param.empty() && (error.code == "context_length_exceeded" || error.code == "invalid_request"))
-      param = endpoint == Endpoint::kChat ? "messages" : "prompt";
+      param = prompt_param(endpoint);
     std::string message = error.message;
     if (param == "max_tokens" && max_tokens_param != "max_tokens") {
       // The message names the field as the request did.

@@ -517,7 +517,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       if (bytes >= options.prompt_bytes_limit) {
         metrics.completion(label(endpoint), "invalid");
         co_await send_error(c, req,
-                            ApiError(400, "invalid_request_error", endpoint == Endpoint::kChat ? "messages" : "prompt",
+                            ApiError(400, "invalid_request_error", prompt_param(endpoint),
                                      "the prompt (" + std::to_string(bytes) + " bytes) cannot fit the context of " +
                                          std::to_string(options.context) + " tokens",
                                      "context_length_exceeded"));

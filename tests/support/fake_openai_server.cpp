@@ -345,6 +345,13 @@ struct FakeOpenAIServer::Impl {
   std::shared_ptr<const GsmScript> gsm8k;
   std::vector<FaultRule> rules;
   FakeOpenAIStats stats;
+  // What /_reset and reset_stats() both do.
+  void reset_stats() {
+    std::lock_guard lock(mutex);
+    stats.requests = 0;
+    stats.authorized = 0;
+    stats.per_item.clear();
+  }
   std::atomic<std::uint64_t> response_ids{0};
 
   std::string host;
@@ -564,12 +571,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::handle(tcp::socket& socket,
     }
     reply = simple_response(200, "application/json", out.dump(), keep_alive);
   } else if (target == "/_reset" && method == http::verb::post) {
-    {
-      std::lock_guard lock(mutex);
-      stats.requests = 0;
-      stats.authorized = 0;
-      stats.per_item.clear();
-    }
+    reset_stats();
     reply = simple_response(200, "application/json", R"({"ok":true})", keep_alive);
   } else {
     reply = simple_response(404, "application/json",
@@ -914,12 +916,7 @@ std::uint64_t FakeOpenAIServer::requests_for(const std::string& item) const {
   return it == impl_->stats.per_item.end() ? 0 : it->second;
 }
 
-void FakeOpenAIServer::reset_stats() {
-  std::lock_guard lock(impl_->mutex);
-  impl_->stats.requests = 0;
-  impl_->stats.authorized = 0;
-  impl_->stats.per_item.clear();
-}
+void FakeOpenAIServer::reset_stats() { impl_->reset_stats(); }
 
 void FakeOpenAIServer::set_options(FakeOpenAIOptions options) {
   std::shared_ptr<const GsmScript> script;

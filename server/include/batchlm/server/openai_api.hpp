@@ -103,5 +103,7 @@ nlohmann::json usage_json(const Usage& usage);
 // 500.
 // max_tokens_param: the name the client gave max_tokens by (max_completion_tokens in a chat).
 ApiError error_from_outcome(const Error& error, Endpoint endpoint, std::string_view max_tokens_param = "max_tokens");
+// The field a prompt comes in: "messages" for chat, "prompt" for completions.
+const char* prompt_param(Endpoint endpoint);
 
 }  // namespace batchlm::server
