@@ -1,9 +1,9 @@
 // Sampling on the device (cuda.hpp sample): one 512-thread CTA per row.
 //
 // The semantics are the CPU sampler's (local_engine/sampling): temperature <= 0 or top_k == 1
-// is kernels::argmax (the first index on ties; NaNs never win). A row with no finite largest
-// value (all NaN, or an infinity) gives -1: the forward pass broke down, and the engine fails
-// the request (local_engine broken_logits).
+// is kernels::argmax (the first index on ties). A row holding a NaN or an infinity anywhere
+// gives -1: the forward pass broke down, and the engine fails the request, as the CPU's check
+// (local_engine broken_logits) does.
 // Otherwise the candidates are the tokens with (logit - max) / t > -30 (the same F32 expression
 // as the CPU), ordered by logit (descending) then token id (ascending); top_k keeps the first
 // top_k of them, top_p then keeps the shortest prefix of that order whose probability reaches
@@ -151,13 +151,15 @@ __device__ __forceinline__ bool better(float av, long long ai, float bv, long lo
   return av > bv || (av == bv && ai < bi);
 }
 
-// kernels::argmax of the row (-1 for an empty or all-NaN row), and the largest non-NaN value
-// (-inf if none).
+// kernels::argmax of the row and its largest value; -1 and -inf for an empty row or one with
+// a NaN or an infinity anywhere.
 __device__ void block_argmax(const float* x, long long n, SampleShared& sh, float& max_v, long long& arg) {
   float bv = -INFINITY;
   long long bi = -1;
+  int broken = 0;
   for (long long i = threadIdx.x; i < n; i += kThreads) {
     const float v = x[i];
+    broken |= !isfinite(v);
     if (!isnan(v) && (bi < 0 || v > bv)) {  // increasing i: the first of equal values stays
       bv = v;
       bi = i;
@@ -173,7 +175,7 @@ __device__ void block_argmax(const float* x, long long n, SampleShared& sh, floa
     }
   }
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  __syncthreads();  // red_v / red_i are free
+  broken = __syncthreads_or(broken);  // also: red_v / red_i are free
   if (lane == 0) {
     sh.red_v[warp] = bv;
     sh.red_i[warp] = bi;
@@ -186,8 +188,8 @@ __device__ void block_argmax(const float* x, long long n, SampleShared& sh, floa
       bv = sh.red_v[w];
       bi = sh.red_i[w];
     }
-  max_v = bv;
-  arg = bi;
+  max_v = broken ? -INFINITY : bv;
+  arg = broken ? -1 : bi;
 }
 
 struct Selected {

@@ -777,15 +777,22 @@ TEST(CudaSample, GreedyEqualsArgmaxIncludingTies) {
 
 // A broken forward pass (every logit NaN, or an infinity) gives -1, greedy or not: the engine
 // then fails that request (it got token 0 and went on).
-TEST(CudaSample, RowsWithoutAFiniteMaximumGiveMinusOne) {
+// As the CPU's broken_logits: a NaN or an infinity anywhere in a row fails it, largest or not.
+TEST(CudaSample, RowsWithANonFiniteValueGiveMinusOne) {
   BATCHLM_REQUIRE_GPU();
   constexpr std::int64_t n_vocab = 1000;
   std::vector<float> logits;
   std::vector<kc::SampleParams> params;
-  for (int r = 0; r < 4; ++r) {
+  for (int r = 0; r < 10; ++r) {
     std::vector<float> row(n_vocab, 0.25f);
-    if (r < 2) std::fill(row.begin(), row.end(), NAN);
-    if (r >= 2) row[7] = INFINITY;
+    row[3] = 2.0f;  // a clear largest value
+    switch (r / 2) {
+      case 0: std::fill(row.begin(), row.end(), NAN); break;
+      case 1: row[7] = INFINITY; break;
+      case 2: row[999] = NAN; break;        // not the largest: the last thread's element
+      case 3: row[512] = -INFINITY; break;  // the second pass of the first thread
+      case 4: row[0] = NAN; break;
+    }
     logits.insert(logits.end(), row.begin(), row.end());
     kc::SampleParams p;
     p.temperature = r % 2 == 0 ? 0.0f : 0.8f;

@@ -162,8 +162,8 @@ void attention_paged(const AttentionBatch& batch, const float* q, std::int64_t n
 // restricted to the top_k most likely tokens (0: all), then to the smallest most-likely set
 // whose probability reaches top_p, then one draw. The draw's uniform number comes from a
 // counter-based generator keyed by (seed, counter), so a request's tokens depend on its seed
-// and its step only, not on what else is in the batch. A row whose largest value is not finite
-// (all NaN, or an infinity) gives -1.
+// and its step only, not on what else is in the batch. A row with a NaN or an infinity anywhere
+// gives -1.
 struct SampleParams {
   float temperature = 0.0f;
   float top_p = 1.0f;
