@@ -138,6 +138,36 @@ std::string quote_name(std::string_view s) {
   return out;
 }
 
+// The tensor types GGUF files use (ggml's numbering): name, elements per block, bytes per
+// block. The engine runs those kernels::dtype_from_id knows; the others are read so that a
+// file holding them can be listed (`inspect`) and refused by name.
+struct FileType {
+  std::uint32_t id;
+  std::string_view name;
+  std::int64_t block;
+  std::uint64_t bytes;
+};
+constexpr FileType kFileTypes[] = {
+    {0, "F32", 1, 4},          {1, "F16", 1, 2},          {2, "Q4_0", 32, 18},
+    {3, "Q4_1", 32, 20},       {6, "Q5_0", 32, 22},       {7, "Q5_1", 32, 24},
+    {8, "Q8_0", 32, 34},       {9, "Q8_1", 32, 36},       {10, "Q2_K", 256, 84},
+    {11, "Q3_K", 256, 110},    {12, "Q4_K", 256, 144},    {13, "Q5_K", 256, 176},
+    {14, "Q6_K", 256, 210},    {15, "Q8_K", 256, 292},    {16, "IQ2_XXS", 256, 66},
+    {17, "IQ2_XS", 256, 74},   {18, "IQ3_XXS", 256, 98},  {19, "IQ1_S", 256, 50},
+    {20, "IQ4_NL", 32, 18},    {21, "IQ3_S", 256, 110},   {22, "IQ2_S", 256, 82},
+    {23, "IQ4_XS", 256, 136},  {24, "I8", 1, 1},          {25, "I16", 1, 2},
+    {26, "I32", 1, 4},         {27, "I64", 1, 8},         {28, "F64", 1, 8},
+    {29, "IQ1_M", 256, 56},    {30, "BF16", 1, 2},        {34, "TQ1_0", 256, 54},
+    {35, "TQ2_0", 256, 66},    {39, "MXFP4", 32, 17},     {40, "NVFP4", 64, 36},
+    {41, "Q1_0", 128, 18},     {42, "Q2_0", 64, 18},
+};
+
+const FileType* file_type_of(std::uint32_t id) {
+  for (const FileType& t : kFileTypes)
+    if (t.id == id) return &t;
+  return nullptr;
+}
+
 std::string shape_text(const std::vector<std::int64_t>& shape) {
   std::string out = "[";
   for (std::size_t i = 0; i < shape.size(); ++i) {
@@ -509,20 +539,20 @@ File File::open(const std::filesystem::path& path) {
       }
       info.n_elements = n_elements;
 
-      const auto type_id = reader.read<std::uint32_t>();
-      const auto type = kernels::dtype_from_id(type_id);
-      if (!type) file.fail(tensor + " has unknown type id " + std::to_string(type_id));
-      info.type = *type;
-      const std::int64_t block = kernels::block_size(info.type);
+      info.type_id = reader.read<std::uint32_t>();
+      const FileType* file_type = file_type_of(info.type_id);
+      if (file_type == nullptr) file.fail(tensor + " has unknown type id " + std::to_string(info.type_id));
+      info.type_name = file_type->name;
+      info.type = kernels::dtype_from_id(info.type_id);
+      const std::int64_t block = file_type->block;
       if (info.shape[0] % block != 0) {
         file.fail(tensor + " has rows of " + std::to_string(info.shape[0]) +
-                  " elements, not a multiple of the " + std::string(kernels::to_string(info.type)) +
+                  " elements, not a multiple of the " + std::string(info.type_name) +
                   " block size " + std::to_string(block));
       }
       // Whole blocks, so this cannot round; n_elements < 2^63 keeps the division exact but the
       // product with the block's bytes may still overflow.
-      const auto n_bytes = checked_mul(n_elements / static_cast<std::uint64_t>(block),
-                                       kernels::block_bytes(info.type));
+      const auto n_bytes = checked_mul(n_elements / static_cast<std::uint64_t>(block), file_type->bytes);
       if (!n_bytes) file.fail(tensor + " has a byte size that overflows 64 bits");
       info.n_bytes = *n_bytes;
 
@@ -652,6 +682,11 @@ const TensorInfo& File::tensor(std::string_view name,
                                std::optional<std::vector<std::int64_t>> shape) const {
   const TensorInfo* info = find_tensor(name);
   if (info == nullptr) fail("missing tensor " + quote_name(name));
+  if (!info->type) {
+    fail("tensor " + quote_name(name) + " is " + std::string(info->type_name) +
+         ", which the engine does not run: it runs F32, F16, BF16, Q8_0, Q4_0 and Q4_1 weights "
+         "(a Q8_0, Q4_0 or Q4_1 GGUF of this model will load)");
+  }
   if (shape && info->shape != *shape) {
     fail("tensor " + quote_name(name) + " has shape " + shape_text(info->shape) + ", expected " +
          shape_text(*shape));

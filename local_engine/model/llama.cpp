@@ -155,14 +155,14 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   // products read instead of the file's layout; data stays the file's bytes.
   auto matrix = [&](const std::string& name, std::int64_t cols, std::int64_t rows) {
     const gguf::TensorInfo& t = f.tensor(name, std::vector<std::int64_t>{cols, rows});
-    kops::Matrix w{t.type, t.data, rows, cols};
+    kops::Matrix w{*t.type, t.data, rows, cols};
     w.packed = m->packed_.emplace_back(kops::pack_weights(w)).data();
     return w;
   };
   auto vector = [&](const std::string& name, std::int64_t n) {
     const gguf::TensorInfo& t = f.tensor(name, std::vector<std::int64_t>{n});
     if (t.type != kops::DType::F32) {
-      f.fail("tensor '" + name + "' has type " + std::string(kops::to_string(t.type)) +
+      f.fail("tensor '" + name + "' has type " + std::string(t.type_name) +
              ", expected F32");
     }
     return reinterpret_cast<const float*>(t.data);

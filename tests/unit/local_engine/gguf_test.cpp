@@ -572,6 +572,9 @@ TEST_F(GgufTest, RejectsBadTensorTypesAndShapes) {
   using Override = GgufWriter::TensorOverride;
   expect_error(small_model().override_tensor("b", Override{.type_id = 77}),
                {"tensor 'b' has unknown type id 77"});
+  // A type the engine does not run is still measured by its own blocks.
+  expect_error(small_model().override_tensor("b", Override{.type_id = 12}),
+               {"tensor 'b' has rows of 32 elements, not a multiple of the Q4_K block size 256"});
   expect_error(small_model().override_tensor("a", Override{.dims = std::vector<std::uint64_t>{}}),
                {"tensor 'a' has n_dims 0, expected 1 to 4"});
   expect_error(small_model().override_tensor("a", Override{.dims = std::vector<std::uint64_t>{4, 2, 1, 1, 1}}),

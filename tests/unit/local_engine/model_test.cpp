@@ -145,10 +145,10 @@ void rewrite(const fs::path& from, const fs::path& to, const Edit& edit) {
     const std::span<const std::byte> bytes(t.data, t.n_bytes);
     if (auto it = edit.retype_tensors.find(t.name); it != edit.retype_tensors.end()) {
       const std::vector<float> values =
-          batchlm::testing::dequantize(t.type, bytes, static_cast<std::int64_t>(t.n_elements));
+          batchlm::testing::dequantize(*t.type, bytes, static_cast<std::int64_t>(t.n_elements));
       writer.add_tensor(t.name, it->second, t.shape, values);
     } else {
-      writer.add_tensor(t.name, t.type, t.shape, std::vector<std::byte>(bytes.begin(), bytes.end()));
+      writer.add_tensor(t.name, *t.type, t.shape, std::vector<std::byte>(bytes.begin(), bytes.end()));
     }
   }
   writer.write(to);
@@ -524,6 +524,29 @@ TEST_F(LoadErrors, KvHeadCountContradictsTheKeyShape) {
 TEST_F(LoadErrors, VocabSizeContradictsTheTokenizer) {
   expect_load_error(edited({.metadata = {{"llama.vocab_size", GgufValue::u32(1000)}}}),
                     {"vocab_size", "1000"});
+}
+
+// Most GGUFs people download are K-quants (Q4_K_M: Q4_K and Q6_K matrices). The file is read
+// and listed (`inspect` shows its tensors), and loading it names the type and what runs.
+TEST_F(ModelTest, KQuantMatrixIsReadAndRefusedByName) {
+  batchlm::testing::TinyLlamaOptions options;
+  options.n_embd = 256;
+  options.n_ff = 256;
+  options.q4_k_tensor = "blk.1.ffn_gate.weight";
+  batchlm::testing::write_tiny_llama(path("k.gguf"), options);
+
+  const gguf::File file = gguf::File::open(path("k.gguf"));
+  const gguf::TensorInfo* gate = file.find_tensor("blk.1.ffn_gate.weight");
+  ASSERT_NE(gate, nullptr);
+  EXPECT_EQ(gate->type_id, 12u);
+  EXPECT_EQ(gate->type_name, "Q4_K");
+  EXPECT_FALSE(gate->type.has_value());
+  EXPECT_EQ(gate->n_bytes, 256u * 144u);  // 256 rows of one 144-byte block
+  EXPECT_EQ(file.tensor("blk.0.ffn_gate.weight").type_name, "F32");
+  EXPECT_EQ(file.tensor("blk.0.ffn_gate.weight").type, DType::F32);
+
+  expect_load_error(path("k.gguf"), {"tensor 'blk.1.ffn_gate.weight' is Q4_K, which the engine does not run",
+                                     "runs F32, F16, BF16, Q8_0, Q4_0 and Q4_1 weights"});
 }
 
 TEST_F(LoadErrors, NormNotF32) {

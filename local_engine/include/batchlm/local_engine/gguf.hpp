@@ -58,7 +58,12 @@ struct Value {
 
 struct TensorInfo {
   std::string name;
-  kernels::DType type = kernels::DType::F32;
+  // The element type: GGUF's id and name ("Q4_K"), and the kernels' type where the engine runs
+  // it (F32, F16, BF16, Q4_0, Q4_1, Q8_0). The file's other types (K-quants, i-quants, ...) are
+  // read for their sizes and listed, with `type` unset; File::tensor() refuses them.
+  std::uint32_t type_id = 0;
+  std::string_view type_name = "F32";
+  std::optional<kernels::DType> type = kernels::DType::F32;
   std::vector<std::int64_t> shape;   // GGUF order: shape[0] is the innermost (row length)
   std::uint64_t offset = 0;          // from the start of the data section
   std::uint64_t n_elements = 0;
@@ -100,8 +105,9 @@ class File {
 
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   const TensorInfo* find_tensor(std::string_view name) const;
-  // Throws "missing tensor 'name'" or, when `shape` is given, "tensor 'name' has shape
-  // [a, b], expected [c, d]".
+  // Throws "missing tensor 'name'", "tensor 'name' is Q4_K, ..." for a type the engine does
+  // not run, or, when `shape` is given, "tensor 'name' has shape [a, b], expected [c, d]".
+  // The tensor it returns has `type` set.
   const TensorInfo& tensor(std::string_view name,
                            std::optional<std::vector<std::int64_t>> shape = std::nullopt) const;
 
