@@ -412,8 +412,12 @@ class Dispatcher {
       run.cancelled = true;
       co_return std::nullopt;
     }
-    if (!retry_.retryable(error) || run.attempts >= retry_.max_attempts() || stopping_)
+    if (!retry_.retryable(error) || run.attempts >= retry_.max_attempts()) co_return std::nullopt;
+    if (stopping_) {
+      // The retry it would have had comes with the next run: unfinished, not failed.
+      run.cancelled = true;
       co_return std::nullopt;
+    }
     co_return retry_.delay(run.attempts + 1, error, rng_);
   }
 

@@ -823,6 +823,34 @@ TEST(BatchlmRun, SigquitExitsAtOnceKeepingFinishedItems) {
   expect_each_id_once(read_jsonl(out), 12);
 }
 
+// An item whose attempt fails in a way worth retrying while the run is stopping is unfinished,
+// not failed: it gets no record (a failure was written after one of six attempts), counts as
+// not run, and the next run sends it.
+TEST(BatchlmRun, RetryableFailureDuringTheGracePeriodIsLeftForTheNextRun) {
+  TempDir dir;
+  // Every item's first attempt streams 10 tokens over about a second, then the connection resets.
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "40", "--token-delay-ms", "100",
+                               "--faults", "reset_after=10", "--fault-first-attempts", "1"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 4, .concurrency = 4,
+                                               .extra = "grace_period: 10m\n"}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  ASSERT_TRUE(wait_until([&] { return requests_seen(server) >= 4; }));
+  p.signal(SIGINT);
+  ASSERT_EQ(p.wait(30s), 130) << read_file(dir.path / "run.err");
+  EXPECT_EQ(requests_seen(server), 4);  // no retry was sent while stopping
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_EQ(summary["counts"]["failed"], 0) << summary.dump(2);
+  EXPECT_EQ(summary["counts"]["not_run"], 4) << summary.dump(2);
+  EXPECT_TRUE(read_jsonl(dir.path / "out/e2e.jsonl").empty());
+
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto records = read_jsonl(dir.path / "out/e2e.jsonl");
+  expect_each_id_once(records, 4);
+  for (const json& record : records) EXPECT_TRUE(record["error"].is_null()) << record.dump();
+}
+
 // A second SIGTERM, like a second Ctrl-C, does not wait out the grace period.
 TEST(BatchlmRun, SecondSigtermExitsAtOnce) {
   TempDir dir;
