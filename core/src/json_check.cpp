@@ -28,8 +28,19 @@ class Checker : public json::json_sax_t {
   bool parse_error(std::size_t position, const std::string& token, const json::exception& e) override {
     // nlohmann's exception 406: a number that does not fit a double.
     if (e.id == 406) problem = JsonProblem{JsonProblem::Kind::kNumberOutOfRange, position, token};
-    else problem = JsonProblem{JsonProblem::Kind::kSyntax, position, {}};
+    else problem = JsonProblem{JsonProblem::Kind::kSyntax, position, {}, detail_of(e.what())};
     return false;
+  }
+
+  // "...: syntax error while parsing value - invalid literal; last read: 'tru'" gives
+  // "invalid literal": the input it quotes may be anything, bytes that are not UTF-8 included.
+  static std::string detail_of(std::string_view what) {
+    const std::size_t dash = what.find(" - ");
+    if (dash == std::string_view::npos) return {};
+    std::string_view detail = what.substr(dash + 3);
+    if (const std::size_t quoted = detail.find("; last read: "); quoted != std::string_view::npos)
+      detail = detail.substr(0, quoted);
+    return std::string(detail);
   }
 
   std::optional<JsonProblem> problem;

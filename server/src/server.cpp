@@ -491,6 +491,19 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
                           std::pair(http::field::allow, std::string("POST")));
       co_return true;
     }
+    // A compressed body is refused by name (RFC 9110 8.4: 415); it would read as bad JSON.
+    if (const auto coding = req.find(http::field::content_encoding);
+        coding != req.end() && !beast::iequals(coding->value(), "identity")) {
+      const std::string_view value = coding->value();
+      metrics.completion(label(endpoint), "invalid");
+      co_await send_error(c, req,
+                          ApiError(415, "invalid_request_error", "",
+                                   "the body's Content-Encoding '" +
+                                       std::string(value.substr(0, 40)) + (value.size() > 40 ? "..." : "") +
+                                       "' is not supported: send it uncompressed"),
+                          std::pair(http::field::accept_encoding, std::string("identity")));
+      co_return true;
+    }
     std::optional<ApiRequest> parsed;
     std::optional<ApiError> invalid;
     try {

@@ -27,6 +27,16 @@ TEST(CheckJson, SyntaxErrorsSayWhereReadingStopped) {
   ASSERT_TRUE(problem);
   EXPECT_EQ(problem->kind, JsonProblem::Kind::kSyntax);
   EXPECT_EQ(problem->byte, 10u);
+  EXPECT_EQ(problem->detail, "unexpected '{'; expected end of input");
+}
+
+// What was wrong, without the input the parser quotes (which may not be UTF-8).
+TEST(CheckJson, SyntaxErrorsSayWhatWasWrong) {
+  EXPECT_EQ(check_json(R"({"a": 1,})", 8)->detail, "unexpected '}'; expected string literal");
+  EXPECT_EQ(check_json("{\"a\": \"\xc3(\"}", 8)->detail, "invalid string: ill-formed UTF-8 byte");
+  EXPECT_EQ(check_json(R"({"a": "\ud800"})", 8)->detail,
+            "invalid string: surrogate U+D800..U+DBFF must be followed by U+DC00..U+DFFF");
+  EXPECT_EQ(check_json("tru", 8)->detail, "invalid literal");
 }
 
 TEST(CheckJson, NumbersBeyondADoubleAreNamed) {

@@ -270,6 +270,14 @@ TEST_F(SourceTest, NumberOutOfRangeNamesTheLine) {
   EXPECT_EQ(e.message(), "number out of range, 1e999 (at byte 18)");
 }
 
+// A line that is not JSON says where reading stopped and what was found there.
+TEST_F(SourceTest, InvalidJsonLineSaysWhatWasWrong) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n{\"question\": \"b\",}\n");
+  ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.message(), "not valid JSON (at byte 18: unexpected '}'; expected string literal)");
+}
+
 TEST_F(SourceTest, DeeplyNestedLineIsAnError) {
   // 100,000 levels (200 KB) overflowed the stack where the item's input was copied.
   std::string in = write("in.jsonl", "{\"question\": " + std::string(100'000, '[') + std::string(100'000, ']') + "}\n");

@@ -631,11 +631,14 @@ TEST(ParseRequestBody, ValidJsonIsParsed) {
 
 TEST(ParseRequestBody, InvalidJsonIs400WithThePosition) {
   ApiError e = error_of([] { parse_request_body(Endpoint::kChat, R"({"messages": [})", kModel); });
-  expect_invalid(e, "", "the request body is not valid JSON (at byte 15)");
+  expect_invalid(e, "", "the request body is not valid JSON (at byte 15: unexpected '}'; expected '[', '{', or a literal)");
   EXPECT_EQ(e.body()["error"]["param"], nullptr);
 
   expect_invalid(error_of([] { parse_request_body(Endpoint::kChat, "", kModel); }), "",
-                 "the request body is not valid JSON (at byte 1)");
+                 "the request body is not valid JSON (at byte 1: unexpected end of input; expected '[', '{', or a "
+                 "literal)");
+  expect_invalid(error_of([] { parse_request_body(Endpoint::kChat, "{\"prompt\": \"\xff\"}", kModel); }), "",
+                 "the request body is not valid JSON (at byte 13: invalid string: ill-formed UTF-8 byte)");
 }
 
 // Found by fuzzing (tests/fuzz/corpus/server_request): a number beyond a double escaped as

@@ -21,6 +21,9 @@ struct JsonProblem {
   Kind kind;
   std::size_t byte = 0;  // 1-based position where reading stopped; 0 for kTooDeep
   std::string token;     // kNumberOutOfRange: the number as written
+  // kSyntax: what the parser found there, in its words ("unexpected '}'; expected string
+  // literal", "invalid string: ill-formed UTF-8 byte"), without the input it quotes.
+  std::string detail;
 };
 
 // The first problem in `text`, or none. `max_depth` counts arrays and objects: "[[1]]" is 2.
