@@ -463,8 +463,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
     block_argmax(x, n_vocab, sh, mx, arg);
     long long token = arg;
     const bool greedy = p.temperature <= 0.0f || p.top_k == 1;  // as Sampler::greedy()
-    if (arg < 0 || !isfinite(mx)) {
-      token = -1;  // no token can be chosen from this row
+    if (arg < 0) {
+      token = -1;  // a NaN or an infinity: no token can be chosen from this row
     } else if (!greedy) {
       const long long drawn = sample_row(x, n_vocab, mx, p, sh);
       if (drawn >= 0) token = drawn;

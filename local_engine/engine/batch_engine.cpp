@@ -83,7 +83,8 @@ bool BatchEngine::ForwardCost::fitted(double& fixed, double& per_token) const {
   return fixed + per_token > 0;
 }
 
-BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options)
+BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options,
+                         const ExecutorWrapper& wrap_executor)
     : model_(std::move(model)), speculative_(options.speculative), created_(Clock::now()) {
   if (options.max_sequences < 1) throw std::invalid_argument("max_sequences must be >= 1");
   if (options.block_size < 1 || options.block_size > 256)
@@ -114,6 +115,7 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
                          .context = context_,
                          .graphs = options.cuda_graphs};
   executor_ = make_executor(model_, device, &no_gpu_);
+  if (wrap_executor) executor_ = wrap_executor(std::move(executor_));
   device.device = executor_->device();  // a drafting model runs where the target does
 
   std::shared_ptr<const Model> drafter;

@@ -48,8 +48,8 @@ class DeviceBuffer {
     kc::check(cudaMemcpy(host.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), "download");
     return host;
   }
-  // Fills every byte with 0xff (a NaN for floats), so an unwritten output shows.
-  void poison() { kc::check(cudaMemset(p_, 0xff, n_ * sizeof(T)), "poison"); }
+  // Fills every byte with `byte` (0xff: a NaN for floats), so an unwritten output shows.
+  void poison(int byte = 0xff) { kc::check(cudaMemset(p_, byte, n_ * sizeof(T)), "poison"); }
 
  private:
   T* p_ = nullptr;

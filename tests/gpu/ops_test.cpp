@@ -739,7 +739,7 @@ std::vector<std::int32_t> gpu_sample(const std::vector<float>& logits, std::int6
   DeviceBuffer<std::int32_t> dt(params.size());
   const std::size_t scratch_bytes = kc::sample_scratch_bytes(rows, n_vocab);
   DeviceBuffer<std::uint8_t> scratch(scratch_bytes);
-  dt.poison();
+  dt.poison(0x7f);  // 0x7f7f7f7f: no token, and not the -1 of a broken row
   kc::sample(dl.get(), rows, n_vocab, dp.get(), dt.get(), scratch_bytes > 0 ? scratch.get() : nullptr, nullptr);
   sync();
   return dt.download();
@@ -758,8 +758,6 @@ TEST(CudaSample, GreedyEqualsArgmaxIncludingTies) {
         if (r % 4 == 1) row[(top + n_vocab / 2) % n_vocab] = row[top];  // a tie after (or before) it
         if (r % 4 == 2) std::fill(row.begin(), row.end(), 0.5f);         // all equal
         if (r % 4 == 3) row[n_vocab - 1] = row[0] = row[top] + 1.0f;     // first and last tie
-        if (r == 4) row[n_vocab / 3] = NAN;                              // a NaN never wins
-        if (r == 8) row[0] = NAN;                                        // ... not even first
         if (r == 5) row[2] = -0.0f, row[1] = 0.0f, std::fill(row.begin() + 3, row.end(), -1.0f), row[0] = -2.0f;
       }
       logits.insert(logits.end(), row.begin(), row.end());
@@ -775,23 +773,24 @@ TEST(CudaSample, GreedyEqualsArgmaxIncludingTies) {
   }
 }
 
-// A broken forward pass (every logit NaN, or an infinity) gives -1, greedy or not: the engine
-// then fails that request (it got token 0 and went on).
-// As the CPU's broken_logits: a NaN or an infinity anywhere in a row fails it, largest or not.
+// A broken forward pass gives -1, greedy or not, and the engine fails that request (it got
+// token 0 and went on). As the CPU's broken_logits: a NaN or an infinity anywhere in a row,
+// largest or not. Rows without one, in the same launch, give their token.
 TEST(CudaSample, RowsWithANonFiniteValueGiveMinusOne) {
   BATCHLM_REQUIRE_GPU();
   constexpr std::int64_t n_vocab = 1000;
   std::vector<float> logits;
   std::vector<kc::SampleParams> params;
-  for (int r = 0; r < 10; ++r) {
+  for (int r = 0; r < 12; ++r) {
     std::vector<float> row(n_vocab, 0.25f);
     row[3] = 2.0f;  // a clear largest value
     switch (r / 2) {
       case 0: std::fill(row.begin(), row.end(), NAN); break;
       case 1: row[7] = INFINITY; break;
-      case 2: row[999] = NAN; break;        // not the largest: the last thread's element
-      case 3: row[512] = -INFINITY; break;  // the second pass of the first thread
+      case 2: row[999] = NAN; break;        // not the largest, in the last element
+      case 3: row[512] = -INFINITY; break;  // the first thread's second element
       case 4: row[0] = NAN; break;
+      case 5: break;                        // none: its token is 3
     }
     logits.insert(logits.end(), row.begin(), row.end());
     kc::SampleParams p;
@@ -800,7 +799,11 @@ TEST(CudaSample, RowsWithANonFiniteValueGiveMinusOne) {
     params.push_back(p);
   }
   const auto tokens = gpu_sample(logits, n_vocab, params);
-  for (std::size_t r = 0; r < params.size(); ++r) EXPECT_EQ(tokens[r], -1) << "row " << r;
+  for (std::size_t r = 0; r < params.size(); ++r) {
+    if (r >= 10 && r % 2 == 0) EXPECT_EQ(tokens[r], 3) << "row " << r;  // greedy
+    else if (r >= 10) EXPECT_TRUE(tokens[r] >= 0 && tokens[r] < n_vocab) << "row " << r << ": " << tokens[r];
+    else EXPECT_EQ(tokens[r], -1) << "row " << r;
+  }
 }
 
 // The CPU sampler's distribution for these logits and parameters (its kept set and weights).

@@ -17,6 +17,7 @@
 
 #include <gtest/gtest.h>
 
+#include "batchlm/kernels/ops.hpp"
 #include "batchlm/local_engine/batch_engine.hpp"
 #include "batchlm/local_engine/executor.hpp"
 #include "batchlm/local_engine/gguf.hpp"
@@ -279,9 +280,41 @@ TEST_F(ExecutorTest, PromptPastTheContextNamesTheModelsOwnWhereItIsLarger) {
   }
 }
 
+// The engine's path for an executor that samples on the device, run on the CPU: the wrapped
+// executor's logits, each row's argmax as its token, and -1 for a row with a NaN or an
+// infinity, as the CUDA sampler gives.
+class SamplesOnDevice final : public Executor {
+ public:
+  SamplesOnDevice(std::unique_ptr<Executor> inner, std::int64_t n_vocab) : inner_(std::move(inner)), n_vocab_(n_vocab) {}
+  std::string describe() const override { return inner_->describe(); }
+  Device device() const override { return inner_->device(); }
+  std::int64_t pool_memory_available() const override { return inner_->pool_memory_available(); }
+  void allocate_pool(std::int64_t block_size, std::int64_t n_blocks) override { inner_->allocate_pool(block_size, n_blocks); }
+  std::int64_t n_blocks() const override { return inner_->n_blocks(); }
+  void copy_blocks(std::span<const BlockCopy> copies) override { inner_->copy_blocks(copies); }
+  void forward(const Batch& batch, std::span<float> logits) override { inner_->forward(batch, logits); }
+  bool samples_on_device() const override { return true; }
+  void forward_sample(const Batch& batch, std::span<const RowSampling> sampling, std::span<Token> tokens) override {
+    std::vector<float> logits(sampling.size() * static_cast<std::size_t>(n_vocab_));
+    inner_->forward(batch, logits);
+    ++sampled_passes;
+    for (std::size_t i = 0; i < sampling.size(); ++i) {
+      const std::span<const float> row(logits.data() + i * static_cast<std::size_t>(n_vocab_), static_cast<std::size_t>(n_vocab_));
+      tokens[i] = broken_logits(row) ? -1 : static_cast<Token>(kernels::argmax(row.data(), n_vocab_));
+    }
+  }
+  kernels::ThreadPool& threads() override { return inner_->threads(); }
+
+  int sampled_passes = 0;
+
+ private:
+  std::unique_ptr<Executor> inner_;
+  std::int64_t n_vocab_;
+};
+
 // A forward pass that yields NaN (here: one token's embedding row is NaN) fails the requests it
 // reaches, with an error, and no other: the sampler had no token to draw and the process
-// crashed, or a greedy pick silently took token 0.
+// crashed, or a greedy pick silently took token 0. The same where the device samples.
 TEST_F(ExecutorTest, NotANumberInTheOutputFailsThatRequestAlone) {
   constexpr Token kPoisoned = 7;
   const fs::path path = *dir_ / "nan.gguf";
@@ -304,9 +337,18 @@ TEST_F(ExecutorTest, NotANumberInTheOutputFailsThatRequestAlone) {
   LocalBackendOptions o;
   o.device = Device::kCpu;
   o.threads = 1;
+  std::vector<Token> fine_tokens;  // greedy, sampled on the host
+  for (const bool on_device : {false, true})
   for (const float temperature : {0.0f, 0.8f}) {
-    SCOPED_TRACE(temperature);
-    BatchEngine engine(broken, o);
+    SCOPED_TRACE(std::string(on_device ? "sampled on the device" : "sampled on the host") + ", temperature " +
+                 std::to_string(temperature));
+    SamplesOnDevice* device = nullptr;
+    BatchEngine engine(broken, o, [&](std::unique_ptr<Executor> inner) -> std::unique_ptr<Executor> {
+      if (!on_device) return inner;
+      auto wrapped = std::make_unique<SamplesOnDevice>(std::move(inner), broken->config().n_vocab);
+      device = wrapped.get();
+      return wrapped;
+    });
     GenerateParams params;
     params.max_tokens = 6;
     params.ignore_eos = true;
@@ -322,6 +364,11 @@ TEST_F(ExecutorTest, NotANumberInTheOutputFailsThatRequestAlone) {
         EXPECT_EQ(result.finish_reason, "length");
         EXPECT_EQ(result.tokens.size(), 6u);
         EXPECT_TRUE(result.error.empty());
+        // The device's greedy picks are the host's.
+        if (!on_device && temperature == 0.0f) fine_tokens = result.tokens;
+        if (on_device) {
+          EXPECT_EQ(result.tokens, fine_tokens);
+        }
       } else {
         EXPECT_EQ(id, poisoned);
         EXPECT_EQ(result.finish_reason, "error");
@@ -329,6 +376,9 @@ TEST_F(ExecutorTest, NotANumberInTheOutputFailsThatRequestAlone) {
                   "the model's output is not a number (NaN or infinity) at generated token 1: its weights or settings "
                   "(rope base, norm epsilon) do not work");
       }
+    }
+    if (on_device) {
+      EXPECT_EQ(device->sampled_passes, 6);  // every step took the device path
     }
   }
   EXPECT_TRUE(broken_logits(std::vector<float>{0.0f, std::numeric_limits<float>::infinity()}));

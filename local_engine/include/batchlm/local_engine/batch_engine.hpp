@@ -96,8 +96,13 @@ class BatchEngine {
   // when they were asked for (GenerateParams::logprobs); returns false to cancel the request.
   using TextSink = std::function<bool(std::string_view text, std::span<const TokenLogprob> logprobs)>;
 
+  // Takes the executor the engine made and returns the one it uses: tests put a stand-in
+  // around it (the device-sampling path, run on the CPU).
+  using ExecutorWrapper = std::function<std::unique_ptr<Executor>(std::unique_ptr<Executor>)>;
+
   // Throws std::invalid_argument naming a bad option, gguf::Error for a bad draft model file.
-  BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options);
+  BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options,
+              const ExecutorWrapper& wrap_executor = {});
   ~BatchEngine();
   BatchEngine(const BatchEngine&) = delete;
   BatchEngine& operator=(const BatchEngine&) = delete;

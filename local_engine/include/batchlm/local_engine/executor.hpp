@@ -79,7 +79,8 @@ class Executor {
   // Whether forward_sample() exists: sampling on the device, so that only token ids come back.
   // The CPU executor has none (the engine samples from logits on the host).
   virtual bool samples_on_device() const { return false; }
-  // The forward pass, then row i of batch.logits_rows sampled with sampling[i] into tokens[i].
+  // The forward pass, then row i of batch.logits_rows sampled with sampling[i] into tokens[i]:
+  // -1 where that row holds a NaN or an infinity (the engine fails its request).
   // Throws std::logic_error where samples_on_device() is false.
   virtual void forward_sample(const Batch& batch, std::span<const RowSampling> sampling,
                               std::span<Token> tokens);
