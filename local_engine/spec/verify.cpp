@@ -80,12 +80,26 @@ Verdict verify(Sampler& sampler, std::span<const float> logits, std::int64_t n_v
     }
     return verdict;
   }
+  if (draft.q.empty()) {
+    // Guesses without a distribution (n-gram lookup): q is all on each guessed token. Each
+    // position's token is drawn from p with the request's next number, as without drafts, and
+    // a guess stands where the draw equals it. That is the rejection rule for a point mass (x
+    // accepted with probability p(x); otherwise a token from p without x), and it gives token
+    // for token what sampling without drafts gives from the same seed, whatever was guessed.
+    for (std::size_t j = 0; j <= n; ++j) {
+      const Token token = sampler.distribution(row(j)).draw(sampler.uniform());
+      verdict.tokens.push_back(token);
+      if (j == n || token != draft.tokens[j]) return verdict;
+      ++verdict.accepted;
+    }
+    return verdict;
+  }
   std::vector<double> q_of;  // the draft's probabilities by token id, when a rejection needs them
   for (std::size_t j = 0; j < n; ++j) {
     const TokenDistribution p = sampler.distribution(row(j));
     const Token x = draft.tokens[j];
     const double px = p.probability(x);
-    const double qx = draft.q.empty() ? 1.0 : draft.q[j].probability(x);
+    const double qx = draft.q[j].probability(x);
     // Accept with probability min(1, p(x) / q(x)).
     if (sampler.uniform() * qx < px) {
       verdict.tokens.push_back(x);
@@ -95,13 +109,9 @@ Verdict verify(Sampler& sampler, std::span<const float> logits, std::int64_t n_v
     // Rejected: the next token comes from normalize(max(0, p - q)).
     TokenDistribution residual;
     q_of.assign(static_cast<std::size_t>(n_vocab), 0.0);
-    if (draft.q.empty()) {
-      q_of[static_cast<std::size_t>(x)] = 1.0;
-    } else {
-      const TokenDistribution& q = draft.q[j];
-      for (std::size_t t = 0; t < q.tokens.size(); ++t)
-        q_of[static_cast<std::size_t>(q.tokens[t])] += q.weights[t] / q.total;
-    }
+    const TokenDistribution& q = draft.q[j];
+    for (std::size_t t = 0; t < q.tokens.size(); ++t)
+      q_of[static_cast<std::size_t>(q.tokens[t])] += q.weights[t] / q.total;
     for (std::size_t t = 0; t < p.tokens.size(); ++t) {
       const double pt = p.weights[t] / p.total;
       const double qt = q_of[static_cast<std::size_t>(p.tokens[t])];

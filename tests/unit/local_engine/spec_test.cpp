@@ -326,11 +326,16 @@ TEST(Verify, SampledTokensFollowTheTargetDistribution) {
   for (Token t = 0; t < 6; ++t) overlap += std::min(p.probability(t), q.probability(t));
   EXPECT_NEAR(static_cast<double>(accepted) / n, overlap, 0.02);
 
-  // A point-mass proposal (n-gram) is accepted with probability p(x).
+  // A point-mass proposal (n-gram) is accepted with probability p(x), and the tokens are what
+  // sampling one at a time with the same seed gives.
   int point_accepted = 0;
   for (int i = 0; i < n; ++i) {
-    Sampler target(SamplingParams{.temperature = 1.0f, .seed = static_cast<std::uint64_t>(i + 1)});
-    point_accepted += verify(target, rows, 6, Draft{{1}, {}}).accepted;
+    const SamplingParams sp{.temperature = 1.0f, .seed = static_cast<std::uint64_t>(i + 1)};
+    Sampler target(sp), alone(sp);
+    const Verdict v = verify(target, rows, 6, Draft{{1}, {}});
+    point_accepted += v.accepted;
+    const std::vector<Token> one_at_a_time = {alone.sample(p_logits), alone.sample(next_logits)};
+    EXPECT_EQ(v.tokens, std::vector<Token>(one_at_a_time.begin(), one_at_a_time.begin() + v.accepted + 1)) << i;
   }
   EXPECT_NEAR(static_cast<double>(point_accepted) / n, p.probability(1), 0.02);
 }
@@ -584,6 +589,28 @@ TEST_F(TinyModels, StopStringsAndMaxTokensAreExactInsideAcceptedRuns) {
   const auto stopped = run(options(SpecMethod::kNone), many, params);
   EXPECT_EQ(run(options(SpecMethod::kNgram), many, params), stopped);
   EXPECT_EQ(run(options(SpecMethod::kDraft), many, params), stopped);
+}
+
+// With n-gram drafts, sampling is token for token what it is without them, from the same seed:
+// whatever was guessed, however long the drafts (which adapt to measured times).
+TEST_F(TinyModels, SampledOutputWithNgramDraftsIsTheOutputWithout) {
+  GenerateParams params;
+  params.max_tokens = 40;
+  params.ignore_eos = true;
+  params.sampling = SamplingParams{.temperature = 0.7f, .top_p = 0.9f};
+  const auto many = prompts(6);
+  const std::vector<std::string> plain = run(options(SpecMethod::kNone), many, params);
+  for (const int k_min : {0, 1, 4}) {
+    SCOPED_TRACE(k_min);
+    LocalBackendOptions o = options(SpecMethod::kNgram);
+    o.speculative.k_min = k_min;
+    o.speculative.ngram_min = 1;
+    EngineStats stats;
+    EXPECT_EQ(run(o, many, params, &stats), plain);
+    if (k_min > 0) {
+      EXPECT_GT(stats.drafted_tokens, 0);
+    }
+  }
 }
 
 TEST_F(TinyModels, ADraftWithAnotherVocabularyIsAClearError) {

@@ -104,7 +104,9 @@ struct Verdict {
 // Applies the rejection rule to `draft` given the target's logits at the entry's 1 + n rows
 // (`logits` holds them one after another, n_vocab each), drawing from `sampler`'s generator.
 // A greedy sampler accepts a draft exactly when it is the argmax, so the result equals
-// decoding one token at a time.
+// decoding one token at a time. So does a sampled one with drafts that have no distribution
+// (n-gram): each position's token is drawn from the target as without drafts (one number from
+// the generator each), and a draft stands where the draw equals it.
 Verdict verify(Sampler& sampler, std::span<const float> logits, std::int64_t n_vocab,
                const Draft& draft);
 
