@@ -123,10 +123,15 @@ void require_model_file(const JobSpec& job) {
     throw ConfigError(job.file, 0, 0, "backend.model", problem);
 }
 
-// Where a field's value was given: the flag of the last override that covers it (--set, -m,
-// ...), else the job file. For errors found after loading (the engine's own checks).
-std::string origin_of(const JobSpec& job, const std::vector<Override>& overrides, const std::string& field) {
-  return overriding_flag(overrides, field).value_or(job.file);
+// An error found after loading (the engine's own checks), blamed where the field's value was
+// given: the flag of the last override that covers it (--set, -m, ...), else its line in the
+// job file, else the job file.
+ConfigError field_error(const JobSpec& job, const std::vector<Override>& overrides, const std::string& field,
+                        const std::string& message) {
+  if (std::optional<std::string> flag = overriding_flag(overrides, field)) return ConfigError(*flag, 0, 0, field, message);
+  if (const auto at = job.marks.find(field); at != job.marks.end())
+    return ConfigError(at->second.file, at->second.line, at->second.column, field, message);
+  return ConfigError(job.file, 0, 0, field, message);
 }
 
 // The engine names its options as it knows them ("kv_bytes 1024 ...", "speculative.layers must
@@ -147,7 +152,7 @@ ConfigError engine_option_error(const JobSpec& job, const std::vector<Override>&
     }
     break;
   }
-  return ConfigError(origin_of(job, overrides, field), 0, 0, field, message);
+  return field_error(job, overrides, field, message);
 }
 
 std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Override>& overrides,
@@ -169,16 +174,22 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
     try {
       options.speculative = app::speculative_options(job.backend.speculative);
     } catch (const std::runtime_error& e) {
-      throw ConfigError(origin_of(job, overrides, "backend.speculative.model"), 0, 0, "backend.speculative.model",
-                        e.what());
+      throw field_error(job, overrides, "backend.speculative.model", e.what());
     }
     std::unique_ptr<local_engine::LocalBackend> backend;
     try {
       backend = std::make_unique<local_engine::LocalBackend>(io.get_executor(), options);
     } catch (const local_engine::DeviceUnavailable& e) {
-      throw ConfigError(origin_of(job, overrides, "backend.device"), 0, 0, "backend.device", e.what());
+      throw field_error(job, overrides, "backend.device", e.what());
     } catch (const local_engine::StepLogUnwritable& e) {
-      throw ConfigError(origin_of(job, overrides, "backend.step_log"), 0, 0, "backend.step_log", e.detail);
+      throw field_error(job, overrides, "backend.step_log", e.detail);
+    } catch (const local_engine::gguf::Error& e) {
+      // The message starts with the file's path: the draft model's (loaded after the model),
+      // or the model's.
+      const auto& spec = job.backend.speculative;
+      const bool of_draft = spec.method == "draft" && spec.model != job.backend.model &&
+                            std::string_view(e.what()).starts_with(spec.model + ":");
+      throw field_error(job, overrides, of_draft ? "backend.speculative.model" : "backend.model", e.what());
     } catch (const std::invalid_argument& e) {
       throw engine_option_error(job, overrides, e.what());
     } catch (const std::bad_alloc&) {
@@ -187,7 +198,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
       const std::string field = job.backend.kv_bytes > 0    ? "backend.kv_memory"
                                 : job.backend.kv_tokens > 0 ? "backend.kv_tokens"
                                                             : "backend.model";
-      throw ConfigError(origin_of(job, overrides, field), 0, 0, field,
+      throw field_error(job, overrides, field,
                         field == "backend.model"
                             ? "not enough memory for the model and its KV pool (give a smaller backend.kv_memory, or "
                               "backend.context)"
@@ -280,7 +291,7 @@ int run_command(const JobOptions& o, bool synth) {
       try {
         file.emplace(local_engine::gguf::File::open(job.backend.model));
       } catch (const std::exception& e) {
-        throw ConfigError(origin_of(job, overrides, "backend.model"), 0, 0, "backend.model", e.what());
+        throw field_error(job, overrides, "backend.model", e.what());
       }
       try {
         local_engine::Vocab vocab = local_engine::Vocab::from_gguf(*file);
@@ -304,7 +315,7 @@ int run_command(const JobOptions& o, bool synth) {
                         : ::access(exists ? log.c_str() : parent.c_str(), W_OK) != 0 ? errno
                                                                                      : 0;
         if (err != 0)
-          throw ConfigError(origin_of(job, overrides, "backend.step_log"), 0, 0, "backend.step_log",
+          throw field_error(job, overrides, "backend.step_log",
                             "cannot open '" + job.backend.step_log + "' for writing: " + std::strerror(err));
       }
     }

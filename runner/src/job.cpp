@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <set>
@@ -1107,7 +1108,20 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
     r.fail(Reader::has(root["request"]) ? root["request"] : root, "request.messages",
            "required for a synth job (the prompt to fill with the variables)");
   if (Reader::has(root["few_shot"])) read_few_shot(r, root["few_shot"], job.few_shot);
-  if (Reader::has(root["backend"])) read_backend(r, root["backend"], job.backend);
+  if (Reader::has(root["backend"])) {
+    read_backend(r, root["backend"], job.backend);
+    // The engine checks its options against the model once it has loaded it; these say where
+    // each was written.
+    const std::function<void(const YAML::Node&, const std::string&)> mark_keys = [&](const YAML::Node& map,
+                                                                                       const std::string& prefix) {
+      for (auto it = map.begin(); it != map.end(); ++it) {
+        const std::string field = prefix + it->first.Scalar();
+        job.marks.emplace(field, r.mark(it->second, field));
+        if (field == "backend.speculative" && it->second.IsMap()) mark_keys(it->second, field + ".");
+      }
+    };
+    if (root["backend"].IsMap()) mark_keys(root["backend"], "backend.");
+  }
   // No type: a job that names a base_url talks to that API; any other runs on the embedded
   // engine with the default model.
   if (job.backend.type.empty()) job.backend.type = job.backend.base_url.empty() ? "local" : "openai";

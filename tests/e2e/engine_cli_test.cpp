@@ -532,7 +532,10 @@ TEST_F(EngineCli, RunALocalJobWithEngineSettingsItCannotTakeNamesTheField) {
   write_file(dir() / "job.yaml", local_job("tiny.gguf", 3, ", kv_memory: 1KiB"));
   RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_TRUE(contains(r.err, "batchlm: error: job.yaml: backend.kv_memory: kv_memory 1024 (")) << r.err;
+  // Its line and column: the value in line 10's flow map.
+  const std::string line10 = "backend: {type: local, model: tiny.gguf, threads: 1, kv_memory: 1KiB}";
+  const std::string at = "job.yaml:10:" + std::to_string(line10.find("1KiB") + 1);
+  EXPECT_TRUE(contains(r.err, "batchlm: error: " + at + ": backend.kv_memory: kv_memory 1024 (")) << r.err;
   write_file(dir() / "job.yaml", local_job("tiny.gguf", 3));
   r = run_batchlm(dir(), {"run", "job.yaml", "--set", "backend.kv_memory=1KiB"});
   EXPECT_EQ(r.exit_code, 2) << r.err;
@@ -570,7 +573,18 @@ TEST_F(EngineCli, RunALocalJobWithABrokenModelIsAUsageError) {
   write_file(dir() / "job.yaml", local_job("cut.gguf", 5));
   RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_TRUE(contains(r.err, "cut.gguf")) << r.err;
+  EXPECT_TRUE(contains(r.err, "batchlm: error: job.yaml:10:31: backend.model: cut.gguf: ")) << r.err;
+  EXPECT_FALSE(fs::exists(dir() / "out/local.jsonl"));
+  // As a draft model, the field named is the draft's.
+  write_file(dir() / "job.yaml", local_job("tiny.gguf", 5, ", speculative: {method: draft, model: cut.gguf}"));
+  r = run_batchlm(dir(), {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, ": backend.speculative.model: cut.gguf: ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "job.yaml:10:")) << r.err;
+  // Given on the command line, the flag is named.
+  r = run_batchlm(dir(), {"run", "job.yaml", "-m", "cut.gguf", "--set", "backend.speculative.method=none"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "batchlm: error: --model: backend.model: cut.gguf: ")) << r.err;
   EXPECT_FALSE(fs::exists(dir() / "out/local.jsonl"));
 }
 
