@@ -237,6 +237,8 @@ std::string LocalBackend::model_name() const { return state_->path.stem().string
 
 std::int64_t LocalBackend::context() const { return state_->engine->context(); }
 
+std::int64_t LocalBackend::vocab_size() const { return state_->engine->model().config().n_vocab; }
+
 std::size_t LocalBackend::prompt_bytes_limit() const {
   return static_cast<std::size_t>(state_->engine->context()) * state_->max_token_bytes;
 }
@@ -299,7 +301,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       p.sampling.presence_penalty = v->get<float>();
     if (const auto v = request.extra.find("frequency_penalty"); v != request.extra.end() && v->is_number())
       p.sampling.frequency_penalty = v->get<float>();
-    const std::int64_t n_vocab = state_->engine->model().config().n_vocab;
+    const std::int64_t n_vocab = vocab_size();
     for (const auto& [token, bias] : requested_logit_bias(request.extra)) {
       if (token >= n_vocab)
         co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request",

@@ -23,6 +23,7 @@
 #include <boost/asio/io_context.hpp>
 
 #include "batchlm/client/openai.hpp"
+#include "batchlm/core/engine_fields.hpp"
 #include "batchlm/local_engine/engine.hpp"
 #include "batchlm/local_engine/gguf.hpp"
 #include "batchlm/local_engine/local_backend.hpp"
@@ -207,6 +208,13 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
     if (job.backend.context > backend->context())
       std::fprintf(stderr, "batchlm: note: backend.context %lld is beyond what the model was trained on; using %lld\n",
                    static_cast<long long>(job.backend.context), static_cast<long long>(backend->context()));
+    // The job's own biases are checked against the vocabulary once, not refused item by item.
+    for (const auto& [token, bias] : requested_logit_bias(job.request.extra)) {
+      if (token >= backend->vocab_size())
+        throw field_error(job, overrides, "request.extra.logit_bias",
+                          "token " + std::to_string(token) + " is outside the vocabulary of " +
+                              std::to_string(backend->vocab_size()) + " (" + backend->model_name() + ")");
+    }
     // Once at start: the model, its KV pool, and where it runs (or why not on a GPU).
     std::fprintf(stderr, "batchlm: %s\n", backend->describe().c_str());
     return backend;

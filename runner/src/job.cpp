@@ -1103,6 +1103,12 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
     }
     if (!job.request.model.empty())
       job.marks.emplace("request.model", r.mark(root["request"]["model"], "request.model"));
+    if (const YAML::Node extra = root["request"]["extra"]; Reader::has(extra) && extra.IsMap()) {
+      for (auto it = extra.begin(); it != extra.end(); ++it) {
+        const std::string field = "request.extra." + it->first.Scalar();
+        job.marks.emplace(field, r.mark(it->second, field));
+      }
+    }
   }
   if (job.kind == JobKind::Synth && job.input.path.empty() && job.request.messages.empty())
     r.fail(Reader::has(root["request"]) ? root["request"] : root, "request.messages",

@@ -551,6 +551,22 @@ TEST_F(EngineCli, RunALocalJobWithEngineSettingsItCannotTakeNamesTheField) {
   EXPECT_FALSE(fs::exists(dir() / "out/local.jsonl"));
 }
 
+// A bias on a token the model does not have is refused once, before any item, not item by item.
+TEST_F(EngineCli, RunALocalJobBiasingATokenOutsideTheVocabularyIsAUsageError) {
+  write_file(dir() / "job.yaml", local_job("tiny.gguf", 2));
+  RunResult r = run_batchlm(dir(), {"run", "job.yaml", "--set", "request.extra.logit_bias={\"99999\": 5}"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "batchlm: error: --set: request.extra.logit_bias: token 99999 is outside the vocabulary of " +
+                                  std::to_string(info_.n_vocab) + " (tiny)"))
+      << r.err;
+  EXPECT_FALSE(fs::exists(dir() / "out/local.jsonl"));
+  // A token it has runs (a GSM8K question may be too long for the tiny model's context: exit 1).
+  r = run_batchlm(dir(), {"run", "job.yaml", "--set", "request.extra.logit_bias={\"3\": 5}"});
+  EXPECT_NE(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "2 items: ")) << r.err;
+  EXPECT_FALSE(contains(r.err, "logit_bias")) << r.err;
+}
+
 TEST_F(EngineCli, ServeWithAStepLogThatCannotBeOpenedExitsNamingTheFlag) {
   RunResult r = run_batchlm(dir(), {"serve", "--model", "tiny.gguf", "--port", "0", "--threads", "1",
                                     "--no-kv-commit", "--step-log", "no-such-dir/steps.jsonl"});

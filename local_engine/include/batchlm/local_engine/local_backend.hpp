@@ -33,6 +33,7 @@ class LocalBackend final : public Backend {
   // The model's id for APIs (the file name without .gguf) and the context per sequence.
   std::string model_name() const;
   std::int64_t context() const;
+  std::int64_t vocab_size() const;  // token ids are below it
   // A prompt of this many bytes or more cannot fit the context whatever its tokens (no token
   // stands for more bytes than the longest in the vocabulary); complete() refuses it at once.
   std::size_t prompt_bytes_limit() const;
