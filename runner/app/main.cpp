@@ -156,6 +156,17 @@ ConfigError engine_option_error(const JobSpec& job, const std::vector<Override>&
   return field_error(job, overrides, field, message);
 }
 
+// The job's own biases are checked against the model's vocabulary once, not refused item by item.
+void refuse_biases_outside(const JobSpec& job, const std::vector<Override>& overrides, std::int64_t n_vocab,
+                           const std::string& model_name) {
+  for (const auto& [token, bias] : requested_logit_bias(job.request.extra)) {
+    if (token >= n_vocab)
+      throw field_error(job, overrides, "request.extra.logit_bias",
+                        "token " + std::to_string(token) + " is outside the vocabulary of " + std::to_string(n_vocab) +
+                            " (" + model_name + ")");
+  }
+}
+
 std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Override>& overrides,
                                       boost::asio::io_context& io, const EnvLookup& env) {
   if (job.backend.type == "local") {
@@ -208,13 +219,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
     if (job.backend.context > backend->context())
       std::fprintf(stderr, "batchlm: note: backend.context %lld is beyond what the model was trained on; using %lld\n",
                    static_cast<long long>(job.backend.context), static_cast<long long>(backend->context()));
-    // The job's own biases are checked against the vocabulary once, not refused item by item.
-    for (const auto& [token, bias] : requested_logit_bias(job.request.extra)) {
-      if (token >= backend->vocab_size())
-        throw field_error(job, overrides, "request.extra.logit_bias",
-                          "token " + std::to_string(token) + " is outside the vocabulary of " +
-                              std::to_string(backend->vocab_size()) + " (" + backend->model_name() + ")");
-    }
+    refuse_biases_outside(job, overrides, backend->vocab_size(), backend->model_name());
     // Once at start: the model, its KV pool, and where it runs (or why not on a GPU).
     std::fprintf(stderr, "batchlm: %s\n", backend->describe().c_str());
     return backend;
@@ -301,8 +306,10 @@ int run_command(const JobOptions& o, bool synth) {
       } catch (const std::exception& e) {
         throw field_error(job, overrides, "backend.model", e.what());
       }
+      std::optional<std::int64_t> n_vocab;
       try {
         local_engine::Vocab vocab = local_engine::Vocab::from_gguf(*file);
+        n_vocab = static_cast<std::int64_t>(vocab.tokens.size());
         auto chat = std::make_shared<const local_engine::ChatTemplate>(local_engine::ChatTemplate::from_vocab(vocab));
         auto tokenizer = std::make_shared<const local_engine::Tokenizer>(std::move(vocab));
         count_prompt_tokens = [tokenizer, chat](const Request& request) {
@@ -313,6 +320,7 @@ int run_command(const JobOptions& o, bool synth) {
       } catch (const std::exception&) {
         // No usable vocabulary or chat template: the run would say so; the dry run estimates.
       }
+      if (n_vocab) refuse_biases_outside(job, overrides, *n_vocab, std::filesystem::path(job.backend.model).stem().string());
       // And that the step log could be opened for appending, without creating it.
       if (!job.backend.step_log.empty()) {
         const std::filesystem::path log(job.backend.step_log);

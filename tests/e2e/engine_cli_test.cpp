@@ -560,6 +560,9 @@ TEST_F(EngineCli, RunALocalJobBiasingATokenOutsideTheVocabularyIsAUsageError) {
                                   std::to_string(info_.n_vocab) + " (tiny)"))
       << r.err;
   EXPECT_FALSE(fs::exists(dir() / "out/local.jsonl"));
+  r = run_batchlm(dir(), {"run", "job.yaml", "--dry-run", "--set", "request.extra.logit_bias={\"99999\": 5}"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "request.extra.logit_bias: token 99999 is outside the vocabulary")) << r.err;
   // A token it has runs (a GSM8K question may be too long for the tiny model's context: exit 1).
   r = run_batchlm(dir(), {"run", "job.yaml", "--set", "request.extra.logit_bias={\"3\": 5}"});
   EXPECT_NE(r.exit_code, 2) << r.err;
