@@ -135,8 +135,14 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
       break;
     }
     case SpecMethod::kDraft: {
-      drafter = Model::load(speculative_.model);
-      check_same_vocabulary(*model_, *drafter);
+      try {
+        drafter = Model::load(speculative_.model);
+        check_same_vocabulary(*model_, *drafter);
+      } catch (const gguf::Error& e) {
+        throw DraftModelUnusable(e.what());
+      } catch (const std::invalid_argument& e) {
+        throw DraftModelUnusable(e.what());
+      }
       draft_layers = drafter->config().n_layers;
       break;
     }

@@ -138,16 +138,7 @@ std::string quote_name(std::string_view s) {
   return out;
 }
 
-// The tensor types GGUF files use (ggml's numbering): name, elements per block, bytes per
-// block. The engine runs those kernels::dtype_from_id knows; the others are read so that a
-// file holding them can be listed (`inspect`) and refused by name.
-struct FileType {
-  std::uint32_t id;
-  std::string_view name;
-  std::int64_t block;
-  std::uint64_t bytes;
-};
-constexpr FileType kFileTypes[] = {
+constexpr TensorType kTensorTypes[] = {
     {0, "F32", 1, 4},          {1, "F16", 1, 2},          {2, "Q4_0", 32, 18},
     {3, "Q4_1", 32, 20},       {6, "Q5_0", 32, 22},       {7, "Q5_1", 32, 24},
     {8, "Q8_0", 32, 34},       {9, "Q8_1", 32, 36},       {10, "Q2_K", 256, 84},
@@ -161,12 +152,6 @@ constexpr FileType kFileTypes[] = {
     {35, "TQ2_0", 256, 66},    {39, "MXFP4", 32, 17},     {40, "NVFP4", 64, 36},
     {41, "Q1_0", 128, 18},     {42, "Q2_0", 64, 18},
 };
-
-const FileType* file_type_of(std::uint32_t id) {
-  for (const FileType& t : kFileTypes)
-    if (t.id == id) return &t;
-  return nullptr;
-}
 
 std::string shape_text(const std::vector<std::int64_t>& shape) {
   std::string out = "[";
@@ -323,6 +308,12 @@ std::optional<std::uint64_t> checked_mul(std::uint64_t a, std::uint64_t b) {
 }
 
 }  // namespace
+
+const TensorType* tensor_type(std::uint32_t id) {
+  for (const TensorType& t : kTensorTypes)
+    if (t.id == id) return &t;
+  return nullptr;
+}
 
 // ---- Value ---------------------------------------------------------------------------------
 
@@ -540,7 +531,7 @@ File File::open(const std::filesystem::path& path) {
       info.n_elements = n_elements;
 
       info.type_id = reader.read<std::uint32_t>();
-      const FileType* file_type = file_type_of(info.type_id);
+      const TensorType* file_type = tensor_type(info.type_id);
       if (file_type == nullptr) file.fail(tensor + " has unknown type id " + std::to_string(info.type_id));
       info.type_name = file_type->name;
       info.type = kernels::dtype_from_id(info.type_id);

@@ -118,12 +118,6 @@ bool is_openai_host(const std::string& url) {
   return url.find("://api.openai.com") != std::string::npos;
 }
 
-void require_model_file(const JobSpec& job) {
-  if (const std::string problem = app::model_file_problem(job.backend.model, "set backend.model, $BATCHLM_MODEL or --model");
-      !problem.empty())
-    throw ConfigError(job.file, 0, 0, "backend.model", problem);
-}
-
 // An error found after loading (the engine's own checks), blamed where the field's value was
 // given: the flag of the last override that covers it (--set, -m, ...), else its line in the
 // job file, else the job file.
@@ -156,6 +150,12 @@ ConfigError engine_option_error(const JobSpec& job, const std::vector<Override>&
   return field_error(job, overrides, field, message);
 }
 
+void require_model_file(const JobSpec& job, const std::vector<Override>& overrides) {
+  if (const std::string problem = app::model_file_problem(job.backend.model, "set backend.model, $BATCHLM_MODEL or --model");
+      !problem.empty())
+    throw field_error(job, overrides, "backend.model", problem);
+}
+
 // The job's own biases are checked against the model's vocabulary once, not refused item by item.
 void refuse_biases_outside(const JobSpec& job, const std::vector<Override>& overrides, std::int64_t n_vocab,
                            const std::string& model_name) {
@@ -170,7 +170,7 @@ void refuse_biases_outside(const JobSpec& job, const std::vector<Override>& over
 std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Override>& overrides,
                                       boost::asio::io_context& io, const EnvLookup& env) {
   if (job.backend.type == "local") {
-    require_model_file(job);
+    require_model_file(job, overrides);
     local_engine::LocalBackendOptions options;
     options.model = job.backend.model;
     options.threads = app::usable_threads(job.backend.threads);
@@ -195,13 +195,10 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
       throw field_error(job, overrides, "backend.device", e.what());
     } catch (const local_engine::StepLogUnwritable& e) {
       throw field_error(job, overrides, "backend.step_log", e.detail);
+    } catch (const local_engine::DraftModelUnusable& e) {
+      throw field_error(job, overrides, "backend.speculative.model", e.what());
     } catch (const local_engine::gguf::Error& e) {
-      // The message starts with the file's path: the draft model's (loaded after the model),
-      // or the model's.
-      const auto& spec = job.backend.speculative;
-      const bool of_draft = spec.method == "draft" && spec.model != job.backend.model &&
-                            std::string_view(e.what()).starts_with(spec.model + ":");
-      throw field_error(job, overrides, of_draft ? "backend.speculative.model" : "backend.model", e.what());
+      throw field_error(job, overrides, "backend.model", e.what());
     } catch (const std::invalid_argument& e) {
       throw engine_option_error(job, overrides, e.what());
     } catch (const std::bad_alloc&) {
@@ -299,7 +296,7 @@ int run_command(const JobOptions& o, bool synth) {
     // vocabulary, which counts the prompts' tokens.
     PromptTokenCounter count_prompt_tokens;
     if (job.backend.type == "local") {
-      require_model_file(job);
+      require_model_file(job, overrides);
       std::optional<local_engine::gguf::File> file;
       try {
         file.emplace(local_engine::gguf::File::open(job.backend.model));

@@ -209,6 +209,8 @@ int run_serve_command() {
     backend = std::make_unique<local_engine::LocalBackend>(io.get_executor(), engine);
   } catch (const local_engine::StepLogUnwritable& e) {
     throw std::runtime_error("--step-log: " + e.detail);
+  } catch (const local_engine::DraftModelUnusable& e) {
+    throw std::runtime_error(std::string("--draft-model: ") + e.what());
   } catch (const std::invalid_argument& e) {
     std::string what = e.what();
     // The engine names its own fields; the flags that set them read better.

@@ -78,12 +78,14 @@ void walk(const gguf::File& file) {
       n *= static_cast<std::uint64_t>(d);
     }
     FUZZ_CHECK(n == t.n_elements, "element count does not match the shape of " + t.name);
-    if (t.type) {  // the types the engine runs (the others' sizes come from the reader's own table)
-      const auto block = static_cast<std::uint64_t>(kernels::block_size(*t.type));
-      FUZZ_CHECK(t.cols() % static_cast<std::int64_t>(block) == 0, "rows not whole blocks in " + t.name);
-      FUZZ_CHECK(t.n_bytes == n / block * kernels::block_bytes(*t.type), "byte size does not match " + t.name);
-    } else {
-      FUZZ_CHECK(!t.type_name.empty(), "no type name for " + t.name);
+    const gguf::TensorType* type = gguf::tensor_type(t.type_id);
+    FUZZ_CHECK(type != nullptr && type->name == t.type_name, "unknown or misnamed type of " + t.name);
+    const auto block = static_cast<std::uint64_t>(type->block);
+    FUZZ_CHECK(t.cols() % type->block == 0, "rows not whole blocks in " + t.name);
+    FUZZ_CHECK(t.n_bytes == n / block * type->bytes, "byte size does not match " + t.name);
+    if (t.type) {  // a type the engine runs: the kernels' sizes are the table's
+      FUZZ_CHECK(kernels::block_size(*t.type) == type->block && kernels::block_bytes(*t.type) == type->bytes,
+                 "the kernels' block of " + t.name + " is not the table's");
     }
     FUZZ_CHECK(t.offset % alignment == 0, "unaligned offset of " + t.name);
     FUZZ_CHECK(t.offset <= file.file_size() && t.n_bytes <= file.file_size() - t.offset,

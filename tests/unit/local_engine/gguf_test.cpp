@@ -568,6 +568,27 @@ TEST_F(GgufTest, RejectsBadAlignment) {
                {"general.alignment has type u64, expected u32"});
 }
 
+// The types the engine runs have the same blocks in the reader's table as in the kernels, and
+// the table knows ggml's K-quants.
+TEST(TensorTypes, RunnableTypesAgreeWithTheKernels) {
+  int runnable = 0;
+  for (std::uint32_t id = 0; id < 64; ++id) {
+    const std::optional<DType> kernel = kernels::dtype_from_id(id);
+    const TensorType* type = tensor_type(id);
+    if (!kernel) continue;
+    ++runnable;
+    ASSERT_NE(type, nullptr) << id;
+    EXPECT_EQ(type->name, kernels::to_string(*kernel));
+    EXPECT_EQ(type->block, kernels::block_size(*kernel)) << type->name;
+    EXPECT_EQ(type->bytes, kernels::block_bytes(*kernel)) << type->name;
+  }
+  EXPECT_EQ(runnable, 7);  // F32, F16, BF16, Q4_0, Q4_1, Q8_0 and Q8_1 (activations)
+  ASSERT_NE(tensor_type(14), nullptr);
+  EXPECT_EQ(tensor_type(14)->name, "Q6_K");
+  EXPECT_EQ(tensor_type(14)->bytes, 210u);
+  EXPECT_EQ(tensor_type(4), nullptr);  // Q4_2, removed from ggml
+}
+
 TEST_F(GgufTest, RejectsBadTensorTypesAndShapes) {
   using Override = GgufWriter::TensorOverride;
   expect_error(small_model().override_tensor("b", Override{.type_id = 77}),

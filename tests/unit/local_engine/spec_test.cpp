@@ -621,7 +621,7 @@ TEST_F(TinyModels, ADraftWithAnotherVocabularyIsAClearError) {
   EXPECT_NO_THROW(check_same_vocabulary(*Model::load(path("target.gguf")), *Model::load(other)));
   LocalBackendOptions bad = options(SpecMethod::kDraft);
   bad.speculative.model = path("absent.gguf");
-  EXPECT_ANY_THROW(BatchEngine(Model::load(path("target.gguf")), bad));
+  EXPECT_THROW(BatchEngine(Model::load(path("target.gguf")), bad), DraftModelUnusable);
   bad.speculative.model.clear();
   try {
     BatchEngine engine(Model::load(path("target.gguf")), bad);

@@ -88,6 +88,12 @@ struct StepLogUnwritable : std::invalid_argument {
   std::string detail;
 };
 
+// The draft model (speculative.model) could not be loaded, or cannot draft for the model (another
+// vocabulary). The message starts with its path.
+struct DraftModelUnusable : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 class BatchEngine {
   struct Active;
 
@@ -100,7 +106,8 @@ class BatchEngine {
   // around it (the device-sampling path, run on the CPU).
   using ExecutorWrapper = std::function<std::unique_ptr<Executor>(std::unique_ptr<Executor>)>;
 
-  // Throws std::invalid_argument naming a bad option, gguf::Error for a bad draft model file.
+  // Throws std::invalid_argument naming a bad option, DraftModelUnusable for a draft model that
+  // cannot be used.
   BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options,
               const ExecutorWrapper& wrap_executor = {});
   ~BatchEngine();

@@ -56,6 +56,18 @@ struct Value {
   const Array& as_array(std::string_view key) const;
 };
 
+// A tensor type of GGUF files (ggml's numbering): its name, elements per block and bytes per
+// block. The engine runs those kernels::dtype_from_id knows; the others are read so that a file
+// holding them can be listed (`inspect`) and refused by name.
+struct TensorType {
+  std::uint32_t id;
+  std::string_view name;
+  std::int64_t block;
+  std::uint64_t bytes;
+};
+// nullptr for an id no GGUF type has.
+const TensorType* tensor_type(std::uint32_t id);
+
 struct TensorInfo {
   std::string name;
   // The element type: GGUF's id and name ("Q4_K"), and the kernels' type where the engine runs

@@ -105,8 +105,9 @@ struct Verdict {
 // (`logits` holds them one after another, n_vocab each), drawing from `sampler`'s generator.
 // A greedy sampler accepts a draft exactly when it is the argmax, so the result equals
 // decoding one token at a time. So does a sampled one with drafts that have no distribution
-// (n-gram): each position's token is drawn from the target as without drafts (one number from
-// the generator each), and a draft stands where the draw equals it.
+// (n-gram), against sampling on the host: each position's token is drawn from the target as
+// without drafts (one number from the generator each), and a draft stands where the draw
+// equals it.
 Verdict verify(Sampler& sampler, std::span<const float> logits, std::int64_t n_vocab,
                const Draft& draft);
 
