@@ -346,7 +346,10 @@ class Dispatcher {
           timer.expires_after(budget_.time_until_refill());
           co_await timer.async_wait(asio::use_awaitable);
         }
-        if (stopping_) co_return;
+        if (stopping_) {
+          run.cancelled = true;  // stopped during its backoff; a rerun redoes it
+          break;
+        }
       }
     } catch (const boost::system::system_error& e) {
       if (e.code() != asio::error::operation_aborted)
@@ -373,8 +376,10 @@ class Dispatcher {
       ~SlotGuard() { slots.release(); }
     } guard{slots_};
     const std::int64_t estimate = estimate_tokens(item);
-    co_await requests_.acquire(1);
+    // Tokens first: requests waiting for tokens/min must not hold requests/min permits, or a
+    // large give-back of tokens would send them all at once, past the requests/min rate.
     co_await tokens_.acquire(static_cast<double>(estimate));
+    co_await requests_.acquire(1);
     if (stopping_) {
       run.cancelled = true;
       co_return std::nullopt;

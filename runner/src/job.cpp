@@ -981,9 +981,14 @@ void read_retry(const Reader& r, const YAML::Node& node, RetrySpec& retry) {
     retry.max_retry_after = r.duration(node["max_retry_after"], "retry.max_retry_after");
   if (Reader::has(node["budget_ratio"]))
     retry.budget_ratio = r.number(node["budget_ratio"], "retry.budget_ratio", 0, 1e9);
-  if (Reader::has(node["budget_min_per_second"]))
-    retry.budget_min_per_second =
-        r.number(node["budget_min_per_second"], "retry.budget_min_per_second", 0, 1e9);
+  if (Reader::has(node["budget_min_per_second"])) {
+    retry.budget_min_per_second = r.number(node["budget_min_per_second"], "retry.budget_min_per_second", 0, 1e9);
+    // Below one retry in 10 s, a run whose items have all been sent once could never retry.
+    if (retry.budget_min_per_second < 0.1)
+      r.fail(node["budget_min_per_second"], "retry.budget_min_per_second",
+             "must be at least 0.1 (a retry every 10 s): with less, once every item has been sent the budget "
+             "would never allow another retry and the run would wait for good");
+  }
   if (retry.cap < retry.base)
     r.fail(Reader::has(node["cap"]) ? node["cap"] : node, "retry.cap",
            "must be >= retry.base (" + std::to_string(retry.base.count()) + "ms), got " +

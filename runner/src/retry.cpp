@@ -53,37 +53,36 @@ std::chrono::milliseconds RetryPolicy::delay(int next_attempt, const Error& erro
   return milliseconds{draw(rng)};
 }
 
-RetryBudget::RetryBudget(double ratio, double min_per_second, Clock::time_point start)
-    : ratio_(ratio), min_per_second_(min_per_second), start_(start) {}
+RetryBudget::RetryBudget(double ratio, double min_per_second) : ratio_(ratio), min_per_second_(min_per_second) {}
 
-RetryBudget::Bucket& RetryBudget::bucket(Clock::time_point now) {
-  const long long second =
-      std::max<long long>(0, std::chrono::duration_cast<std::chrono::seconds>(now - start_).count());
-  Bucket& b = buckets_[static_cast<std::size_t>(second % kWindowSeconds)];
-  if (b.second != second) b = Bucket{second, 0, 0};  // a bucket from an older window
-  return b;
+void RetryBudget::forget(Clock::time_point now) {
+  while (!first_attempts_.empty() && first_attempts_.front() <= now - kWindow) first_attempts_.pop_front();
+  while (!retries_.empty() && retries_.front() <= now - kWindow) retries_.pop_front();
 }
 
-void RetryBudget::on_first_attempt(Clock::time_point now) { bucket(now).first_attempts += 1; }
+void RetryBudget::on_first_attempt(Clock::time_point now) {
+  forget(now);
+  first_attempts_.push_back(now);
+}
 
 bool RetryBudget::try_spend(Clock::time_point now) {
-  const long long current = bucket(now).second;
-  double first_attempts = 0, retries = 0;
-  for (const Bucket& b : buckets_) {
-    if (b.second < 0 || b.second <= current - kWindowSeconds) continue;
-    first_attempts += b.first_attempts;
-    retries += b.retries;
-  }
-  const double allowed = ratio_ * first_attempts + min_per_second_ * kWindowSeconds - retries;
+  forget(now);
+  const double window_seconds = std::chrono::duration<double>(kWindow).count();
+  const double allowed = ratio_ * static_cast<double>(first_attempts_.size()) + min_per_second_ * window_seconds -
+                         static_cast<double>(retries_.size());
   // The epsilon absorbs rounding in ratio * count (0.1 * 10 must allow one retry).
   if (allowed + 1e-9 < 1.0) return false;
-  bucket(now).retries += 1;
+  retries_.push_back(now);
   return true;
 }
 
-std::chrono::milliseconds RetryBudget::time_until_refill(Clock::time_point now) const {
-  const auto since = std::chrono::duration_cast<std::chrono::milliseconds>(now - start_);
-  return std::chrono::milliseconds(1000 - since.count() % 1000);
+std::chrono::milliseconds RetryBudget::time_until_refill(Clock::time_point now) {
+  using std::chrono::milliseconds;
+  forget(now);
+  if (retries_.empty()) return milliseconds{1000};
+  // Rounded up, so that the wait ends after the retry has left.
+  const auto left = retries_.front() + kWindow - now;
+  return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(left));
 }
 
 }  // namespace batchlm::runner

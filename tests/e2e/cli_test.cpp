@@ -851,6 +851,35 @@ TEST(BatchlmRun, RetryableFailureDuringTheGracePeriodIsLeftForTheNextRun) {
   for (const json& record : records) EXPECT_TRUE(record["error"].is_null()) << record.dump();
 }
 
+// A request waiting for tokens/min holds no requests/min permit: when the unused part of a large
+// estimate comes back, the requests queued behind it still go out at the requests/min rate (31
+// of them went at once, each holding a permit taken while it waited).
+TEST(BatchlmRun, RequestsPerMinuteHoldsWhenTokensPerMinuteReleasesACrowd) {
+  TempDir dir;
+  // Two seconds an answer: the first request's estimate (100,000 tokens) is owed that long.
+  FakeServer server(dir.path, {"--tokens", "20", "--token-delay-ms", "100"});
+  std::string lines;
+  for (int i = 0; i < 41; ++i) {
+    const json body = {{"messages", json::array({{{"role", "user"}, {"content", "say " + std::to_string(i)}}})},
+                       {"max_tokens", i == 0 ? 100000 : 16}};
+    lines += json{{"custom_id", "r" + std::to_string(i)}, {"body", body}}.dump() + "\n";
+  }
+  write_file(dir.path / "batch.jsonl", lines);
+  write_file(dir.path / "job.yaml", "name: pace\ninput: batch.jsonl\nbackend: {type: openai, base_url: \"" +
+                                        server.base_url() + "\", model: fake-model}\nconcurrency: 32\n"
+                                        "rate_limit: {requests_per_minute: 600, tokens_per_minute: 60000}\n"
+                                        "output: {path: out/pace.jsonl}\n");
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto at = server.stats()["arrival_ms"].get<std::vector<double>>();
+  ASSERT_EQ(at.size(), 41u);
+  // 600 a minute: 10 a second after a burst of 10; one more for the edges of the window.
+  for (const double t : at) {
+    const auto in_second = std::count_if(at.begin(), at.end(), [&](double u) { return u >= t && u < t + 1000; });
+    EXPECT_LE(in_second, 21) << "from " << t << " ms";
+  }
+}
+
 // A second SIGTERM, like a second Ctrl-C, does not wait out the grace period.
 TEST(BatchlmRun, SecondSigtermExitsAtOnce) {
   TempDir dir;

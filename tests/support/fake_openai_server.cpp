@@ -351,7 +351,10 @@ struct FakeOpenAIServer::Impl {
     stats.requests = 0;
     stats.authorized = 0;
     stats.per_item.clear();
+    stats.arrival_ms.clear();
+    started = std::chrono::steady_clock::now();
   }
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   std::atomic<std::uint64_t> response_ids{0};
 
   std::string host;
@@ -567,7 +570,8 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::handle(tcp::socket& socket,
       out = {{"requests", stats.requests},
              {"connections", stats.connections},
              {"authorized", stats.authorized},
-             {"per_item", stats.per_item}};
+             {"per_item", stats.per_item},
+             {"arrival_ms", stats.arrival_ms}};
     }
     reply = simple_response(200, "application/json", out.dump(), keep_alive);
   } else if (target == "/_reset" && method == http::verb::post) {
@@ -634,6 +638,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
   {
     std::lock_guard lock(mutex);
     ++stats.requests;
+    stats.arrival_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
     if (request.find(http::field::authorization) != request.end()) ++stats.authorized;
     attempt = ++stats.per_item[item];
     opts = options;

@@ -114,6 +114,8 @@ struct FakeOpenAIStats {
   std::uint64_t connections = 0;  // accepted TCP connections
   std::uint64_t authorized = 0;   // chat-completion requests with an Authorization header
   std::map<std::string, std::uint64_t> per_item;  // by last user message
+  // When each chat-completion request arrived, in ms since the server started (or was reset).
+  std::vector<double> arrival_ms;
 };
 
 class FakeOpenAIServer {

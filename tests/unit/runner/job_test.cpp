@@ -680,6 +680,9 @@ TEST_F(JobFile, OutOfRangeValuesAreRejectedWithBounds) {
       {"output: {flush_every: 0}", "output.flush_every", "must be between 1 and 1000000, got 0"},
       {"limit: -1", "limit", "must be >= 0, got -1"},
       {"retry: {base: 10s, cap: 1s}", "retry.cap", "must be >= retry.base (10000ms), got 1000ms"},
+      {"retry: {budget_min_per_second: 0}", "retry.budget_min_per_second",
+       "must be at least 0.1 (a retry every 10 s): with less, once every item has been sent the budget would never "
+       "allow another retry and the run would wait for good"},
   };
   for (const Case& c : cases) {
     ConfigError e = error_of(with_input(c.yaml + "\n"));

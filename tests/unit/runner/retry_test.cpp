@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
 #include <set>
+#include <vector>
 
 namespace batchlm::runner {
 namespace {
@@ -175,7 +177,7 @@ TEST(RetryPolicy, ReportsMaxAttempts) {
 
 TEST(RetryBudget, AllowsRetriesInProportionToFirstAttempts) {
   const auto start = std::chrono::steady_clock::now();
-  RetryBudget budget(0.2, 0.0, start);
+  RetryBudget budget(0.2, 0.0);
   for (int i = 0; i < 10; ++i) budget.on_first_attempt(start);
   EXPECT_TRUE(budget.try_spend(start));
   EXPECT_TRUE(budget.try_spend(start));
@@ -187,7 +189,7 @@ TEST(RetryBudget, AllowsRetriesInProportionToFirstAttempts) {
 
 TEST(RetryBudget, RoundingInTheRatioStillAllowsTheWholeRetry) {
   const auto start = std::chrono::steady_clock::now();
-  RetryBudget budget(0.1, 0.0, start);
+  RetryBudget budget(0.1, 0.0);
   for (int i = 0; i < 10; ++i) budget.on_first_attempt(start);
   EXPECT_TRUE(budget.try_spend(start));
   EXPECT_FALSE(budget.try_spend(start));
@@ -195,18 +197,19 @@ TEST(RetryBudget, RoundingInTheRatioStillAllowsTheWholeRetry) {
 
 TEST(RetryBudget, AllowsAMinimumRatePerSecondOverTheWindowWithoutTraffic) {
   const auto start = std::chrono::steady_clock::now();
-  RetryBudget budget(0.2, 2.0, start);  // 2/s over a 10 s window: 20
+  RetryBudget budget(0.2, 2.0);  // 2/s over a 10 s window: 20
   int spent = 0;
   while (budget.try_spend(start + milliseconds{500})) ++spent;
   EXPECT_EQ(spent, 20);
   EXPECT_FALSE(budget.try_spend(start + seconds{9}));
-  // The retries of the first second leave the window.
-  EXPECT_TRUE(budget.try_spend(start + seconds{10} + milliseconds{1}));
+  // Ten seconds after they were sent, not at a bucket's edge, the retries leave the window.
+  EXPECT_FALSE(budget.try_spend(start + milliseconds{10'400}));
+  EXPECT_TRUE(budget.try_spend(start + milliseconds{10'501}));
 }
 
 TEST(RetryBudget, FirstAttemptsOutsideTheWindowNoLongerCount) {
   const auto start = std::chrono::steady_clock::now();
-  RetryBudget budget(0.5, 0.0, start);
+  RetryBudget budget(0.5, 0.0);
   for (int i = 0; i < 10; ++i) budget.on_first_attempt(start);
   EXPECT_TRUE(budget.try_spend(start + seconds{1}));
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(budget.try_spend(start + seconds{2}));
@@ -218,11 +221,44 @@ TEST(RetryBudget, FirstAttemptsOutsideTheWindowNoLongerCount) {
   EXPECT_TRUE(budget.try_spend(later));
 }
 
-TEST(RetryBudget, RefillIsAtTheNextBucketBoundary) {
+// A spent budget refills when its oldest retry leaves the window, one retry at a time: the
+// retries held back come out at the pace the earlier ones went, not all at a boundary.
+TEST(RetryBudget, RefillsWhenTheOldestRetryLeavesTheWindow) {
   const auto start = std::chrono::steady_clock::now();
-  RetryBudget budget(0.0, 0.0, start);
-  EXPECT_EQ(budget.time_until_refill(start + milliseconds{300}), milliseconds{700});
-  EXPECT_EQ(budget.time_until_refill(start + seconds{4}), milliseconds{1000});
+  RetryBudget budget(0.0, 0.2);  // 2 in any 10 s
+  EXPECT_EQ(budget.time_until_refill(start), milliseconds{1000});  // nothing to wait for yet
+  EXPECT_TRUE(budget.try_spend(start));
+  EXPECT_TRUE(budget.try_spend(start + seconds{3}));
+  EXPECT_FALSE(budget.try_spend(start + seconds{4}));
+  EXPECT_EQ(budget.time_until_refill(start + seconds{4}), milliseconds{6000});
+  EXPECT_TRUE(budget.try_spend(start + seconds{10} + milliseconds{1}));
+  EXPECT_FALSE(budget.try_spend(start + seconds{10} + milliseconds{2}));
+  EXPECT_EQ(budget.time_until_refill(start + seconds{11}), milliseconds{2000});
+}
+
+// Whatever arrives, at each retry the 10 s before it hold at most the allowance.
+TEST(RetryBudget, NoTenSecondWindowHoldsMoreThanTheAllowance) {
+  const auto start = std::chrono::steady_clock::now();
+  const double ratio = 0.2, floor = 1.0;
+  RetryBudget budget(ratio, floor);
+  std::mt19937 rng(3);
+  std::vector<std::chrono::steady_clock::time_point> firsts, retries;
+  auto now = start;
+  for (int i = 0; i < 20'000; ++i) {
+    now += milliseconds{std::uniform_int_distribution<int>(0, 20)(rng)};
+    if (rng() % 3 == 0) {
+      budget.on_first_attempt(now);
+      firsts.push_back(now);
+    } else if (budget.try_spend(now)) {
+      retries.push_back(now);
+      const auto in_window = [&](const auto& times) {
+        return std::count_if(times.begin(), times.end(), [&](auto t) { return t > now - seconds{10} && t <= now; });
+      };
+      ASSERT_LE(static_cast<double>(in_window(retries)), ratio * static_cast<double>(in_window(firsts)) + floor * 10 + 1e-9)
+          << "at " << (now - start).count();
+    }
+  }
+  EXPECT_GT(retries.size(), 100u);
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 // The one retry policy: what is retried, how long to wait, and a budget that keeps retries a
 // fraction of traffic when a server is failing.
 
-#include <array>
 #include <chrono>
+#include <deque>
 #include <random>
 #include <string>
 
@@ -33,33 +33,29 @@ class RetryPolicy {
   RetrySpec spec_;
 };
 
-// Keeps retries a fraction of traffic over a sliding window (10 s, in 1 s buckets): retries in
-// the window may be at most ratio * first attempts in the window + min_per_second * 10. A
-// retry that finds the budget spent waits for it rather than failing its item: a failing
-// server then sees a trickle of retries, and every item still gets its attempts. Not
-// thread-safe: used from the runner's one thread.
+// Keeps retries a fraction of traffic over a sliding window of 10 s: the retries sent in any
+// 10 s may be at most ratio * first attempts sent in those 10 s + min_per_second * 10. A retry
+// that finds the budget spent waits for it rather than failing its item: a failing server then
+// sees no more than the budget in any 10 s (a retry held back goes when the oldest in the window
+// leaves it), and every item still gets its attempts. Not thread-safe: used from the runner's
+// one thread.
 class RetryBudget {
  public:
   using Clock = std::chrono::steady_clock;
-  static constexpr int kWindowSeconds = 10;
+  static constexpr Clock::duration kWindow = std::chrono::seconds(10);
 
-  RetryBudget(double ratio, double min_per_second, Clock::time_point start = Clock::now());
+  RetryBudget(double ratio, double min_per_second);
   void on_first_attempt(Clock::time_point now = Clock::now());
   // Takes one retry from the budget if there is one.
   bool try_spend(Clock::time_point now = Clock::now());
-  // When a spent budget can next change: the start of the next 1 s bucket.
-  std::chrono::milliseconds time_until_refill(Clock::time_point now = Clock::now()) const;
+  // When a spent budget can next allow a retry: when the oldest retry in the window leaves it
+  // (a second from now when there is none, waiting for first attempts).
+  std::chrono::milliseconds time_until_refill(Clock::time_point now = Clock::now());
 
  private:
-  struct Bucket {
-    long long second = -1;  // seconds since start_ this bucket counts; -1: unused
-    double first_attempts = 0;
-    double retries = 0;
-  };
-  Bucket& bucket(Clock::time_point now);
+  void forget(Clock::time_point now);  // drops what is older than the window
   double ratio_, min_per_second_;
-  Clock::time_point start_;
-  std::array<Bucket, kWindowSeconds> buckets_{};
+  std::deque<Clock::time_point> first_attempts_, retries_;
 };
 
 }  // namespace batchlm::runner
