@@ -14,7 +14,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <limits>
 #include <map>
 #include <set>
@@ -523,6 +522,15 @@ class Reader {
 
   // Present and not null.
   static bool has(const YAML::Node& node) { return node.IsDefined() && !node.IsNull(); }
+
+  // Where each key of a map (when `node` is one) was written, as "path.key".
+  void mark_keys(const YAML::Node& node, const std::string& path, std::map<std::string, SourceMark>& marks) const {
+    if (!has(node) || !node.IsMap()) return;
+    for (auto it = node.begin(); it != node.end(); ++it) {
+      const std::string field = path + "." + it->first.Scalar();
+      marks.emplace(field, mark(it->second, field));
+    }
+  }
 
   // Checks a map's keys against kSections; returns the map (or an empty one when absent).
   // `path` names the section whose keys are valid; `field`, where given, the place in the file
@@ -1108,12 +1116,7 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
     }
     if (!job.request.model.empty())
       job.marks.emplace("request.model", r.mark(root["request"]["model"], "request.model"));
-    if (const YAML::Node extra = root["request"]["extra"]; Reader::has(extra) && extra.IsMap()) {
-      for (auto it = extra.begin(); it != extra.end(); ++it) {
-        const std::string field = "request.extra." + it->first.Scalar();
-        job.marks.emplace(field, r.mark(it->second, field));
-      }
-    }
+    r.mark_keys(root["request"]["extra"], "request.extra", job.marks);
   }
   if (job.kind == JobKind::Synth && job.input.path.empty() && job.request.messages.empty())
     r.fail(Reader::has(root["request"]) ? root["request"] : root, "request.messages",
@@ -1123,15 +1126,8 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
     read_backend(r, root["backend"], job.backend);
     // The engine checks its options against the model once it has loaded it; these say where
     // each was written.
-    const std::function<void(const YAML::Node&, const std::string&)> mark_keys = [&](const YAML::Node& map,
-                                                                                       const std::string& prefix) {
-      for (auto it = map.begin(); it != map.end(); ++it) {
-        const std::string field = prefix + it->first.Scalar();
-        job.marks.emplace(field, r.mark(it->second, field));
-        if (field == "backend.speculative" && it->second.IsMap()) mark_keys(it->second, field + ".");
-      }
-    };
-    if (root["backend"].IsMap()) mark_keys(root["backend"], "backend.");
+    r.mark_keys(root["backend"], "backend", job.marks);
+    r.mark_keys(root["backend"]["speculative"], "backend.speculative", job.marks);
   }
   // No type: a job that names a base_url talks to that API; any other runs on the embedded
   // engine with the default model.

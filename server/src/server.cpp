@@ -492,8 +492,12 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       co_return true;
     }
     // A compressed body is refused by name (RFC 9110 8.4: 415); it would read as bad JSON.
-    if (const auto coding = req.find(http::field::content_encoding);
-        coding != req.end() && !beast::iequals(coding->value(), "identity")) {
+    // Every Content-Encoding field counts: "identity" and an empty value are no coding.
+    const auto [first, last] = req.equal_range(http::field::content_encoding);
+    const auto coding = std::find_if(first, last, [](const auto& f) {
+      return !f.value().empty() && !beast::iequals(f.value(), "identity");
+    });
+    if (coding != last) {
       const std::string_view value = coding->value();
       metrics.completion(label(endpoint), "invalid");
       co_await send_error(c, req,

@@ -1909,6 +1909,16 @@ TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
     EXPECT_TRUE(contains(c.received(), "Content-Encoding 'gzip' is not supported")) << c.received();
   }
   {
+    SCOPED_TRACE("a coding in a second Content-Encoding field");
+    RawConnection c(s->port());
+    c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               "Content-Encoding: identity\r\nContent-Encoding: br\r\nConnection: close\r\nContent-Length: " +
+               std::to_string(completion.size()) + "\r\n\r\n" + completion);
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with("HTTP/1.1 415 Unsupported Media Type\r\n")) << c.received();
+    EXPECT_TRUE(contains(c.received(), "Content-Encoding 'br' is not supported")) << c.received();
+  }
+  {
     SCOPED_TRACE("an identity content coding is no coding");
     RawConnection c(s->port());
     c.send_raw("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
