@@ -65,13 +65,19 @@ void RetryBudget::on_first_attempt(Clock::time_point now) {
   first_attempts_.push_back(now);
 }
 
+double RetryBudget::allowance() const {
+  return ratio_ * static_cast<double>(first_attempts_.size()) +
+         min_per_second_ * std::chrono::duration<double>(kWindow).count();
+}
+
 bool RetryBudget::try_spend(Clock::time_point now) {
   forget(now);
-  const double window_seconds = std::chrono::duration<double>(kWindow).count();
-  const double allowed = ratio_ * static_cast<double>(first_attempts_.size()) + min_per_second_ * window_seconds -
-                         static_cast<double>(retries_.size());
+  const double allowed = allowance();
   // The epsilon absorbs rounding in ratio * count (0.1 * 10 must allow one retry).
-  if (allowed + 1e-9 < 1.0) return false;
+  if (allowed - static_cast<double>(retries_.size()) + 1e-9 < 1.0) return false;
+  // Spread over the window: at most one retry per window / allowance.
+  if (!retries_.empty() && now - retries_.back() < std::chrono::duration_cast<Clock::duration>(kWindow / allowed))
+    return false;
   retries_.push_back(now);
   return true;
 }
@@ -80,9 +86,11 @@ std::chrono::milliseconds RetryBudget::time_until_refill(Clock::time_point now) 
   using std::chrono::milliseconds;
   forget(now);
   if (retries_.empty()) return milliseconds{1000};
-  // Rounded up, so that the wait ends after the retry has left.
-  const auto left = retries_.front() + kWindow - now;
-  return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(left));
+  const double allowed = allowance();
+  // Rounded up, so that the wait ends after the moment it waits for.
+  const auto until = [&](Clock::time_point t) { return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(t - now)); };
+  if (allowed - static_cast<double>(retries_.size()) + 1e-9 < 1.0) return until(retries_.front() + kWindow);
+  return until(retries_.back() + std::chrono::duration_cast<Clock::duration>(kWindow / allowed));
 }
 
 }  // namespace batchlm::runner

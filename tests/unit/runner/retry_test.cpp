@@ -179,12 +179,15 @@ TEST(RetryBudget, AllowsRetriesInProportionToFirstAttempts) {
   const auto start = std::chrono::steady_clock::now();
   RetryBudget budget(0.2, 0.0);
   for (int i = 0; i < 10; ++i) budget.on_first_attempt(start);
+  // 2 in the window, one every 5 s.
   EXPECT_TRUE(budget.try_spend(start));
-  EXPECT_TRUE(budget.try_spend(start));
-  EXPECT_FALSE(budget.try_spend(start));
-  for (int i = 0; i < 5; ++i) budget.on_first_attempt(start);
-  EXPECT_TRUE(budget.try_spend(start));
-  EXPECT_FALSE(budget.try_spend(start));
+  EXPECT_FALSE(budget.try_spend(start + seconds{4}));
+  EXPECT_TRUE(budget.try_spend(start + seconds{5}));
+  EXPECT_FALSE(budget.try_spend(start + seconds{9}));
+  for (int i = 0; i < 5; ++i) budget.on_first_attempt(start + seconds{9});
+  // 3 in the window, one every 3.3 s.
+  EXPECT_TRUE(budget.try_spend(start + milliseconds{8'400}));
+  EXPECT_FALSE(budget.try_spend(start + milliseconds{9'900}));
 }
 
 TEST(RetryBudget, RoundingInTheRatioStillAllowsTheWholeRetry) {
@@ -192,48 +195,49 @@ TEST(RetryBudget, RoundingInTheRatioStillAllowsTheWholeRetry) {
   RetryBudget budget(0.1, 0.0);
   for (int i = 0; i < 10; ++i) budget.on_first_attempt(start);
   EXPECT_TRUE(budget.try_spend(start));
-  EXPECT_FALSE(budget.try_spend(start));
+  EXPECT_FALSE(budget.try_spend(start + seconds{5}));
 }
 
-TEST(RetryBudget, AllowsAMinimumRatePerSecondOverTheWindowWithoutTraffic) {
+// Without traffic, min_per_second: the retries held back come out at that rate, not at once.
+TEST(RetryBudget, SpreadsTheMinimumRateOverTheWindow) {
   const auto start = std::chrono::steady_clock::now();
-  RetryBudget budget(0.2, 2.0);  // 2/s over a 10 s window: 20
-  int spent = 0;
-  while (budget.try_spend(start + milliseconds{500})) ++spent;
-  EXPECT_EQ(spent, 20);
-  EXPECT_FALSE(budget.try_spend(start + seconds{9}));
-  // Ten seconds after they were sent, not at a bucket's edge, the retries leave the window.
-  EXPECT_FALSE(budget.try_spend(start + milliseconds{10'400}));
-  EXPECT_TRUE(budget.try_spend(start + milliseconds{10'501}));
+  RetryBudget budget(0.2, 2.0);  // 2/s over a 10 s window: 20, one every 500 ms
+  EXPECT_TRUE(budget.try_spend(start));
+  EXPECT_FALSE(budget.try_spend(start));
+  EXPECT_FALSE(budget.try_spend(start + milliseconds{499}));
+  EXPECT_EQ(budget.time_until_refill(start + milliseconds{100}), milliseconds{400});
+  for (int i = 1; i < 20; ++i) EXPECT_TRUE(budget.try_spend(start + milliseconds{500} * i)) << i;
+  EXPECT_FALSE(budget.try_spend(start + milliseconds{9'999}));
+  // Ten seconds after it was sent, the first leaves the window.
+  EXPECT_EQ(budget.time_until_refill(start + milliseconds{9'999}), milliseconds{1});
+  EXPECT_TRUE(budget.try_spend(start + milliseconds{10'001}));
 }
 
 TEST(RetryBudget, FirstAttemptsOutsideTheWindowNoLongerCount) {
   const auto start = std::chrono::steady_clock::now();
   RetryBudget budget(0.5, 0.0);
   for (int i = 0; i < 10; ++i) budget.on_first_attempt(start);
-  EXPECT_TRUE(budget.try_spend(start + seconds{1}));
-  for (int i = 0; i < 4; ++i) EXPECT_TRUE(budget.try_spend(start + seconds{2}));
-  EXPECT_FALSE(budget.try_spend(start + seconds{2}));
-  const auto later = start + seconds{12};
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE(budget.try_spend(start + seconds{1 + 2 * i})) << i;
+  EXPECT_FALSE(budget.try_spend(start + milliseconds{9'500}));
+  const auto later = start + seconds{20};
   EXPECT_FALSE(budget.try_spend(later));
   budget.on_first_attempt(later);
   budget.on_first_attempt(later);
   EXPECT_TRUE(budget.try_spend(later));
 }
 
-// A spent budget refills when its oldest retry leaves the window, one retry at a time: the
-// retries held back come out at the pace the earlier ones went, not all at a boundary.
+// A spent budget refills when its oldest retry leaves the window.
 TEST(RetryBudget, RefillsWhenTheOldestRetryLeavesTheWindow) {
   const auto start = std::chrono::steady_clock::now();
-  RetryBudget budget(0.0, 0.2);  // 2 in any 10 s
+  RetryBudget budget(0.0, 0.2);  // 2 in any 10 s, one every 5 s
   EXPECT_EQ(budget.time_until_refill(start), milliseconds{1000});  // nothing to wait for yet
   EXPECT_TRUE(budget.try_spend(start));
-  EXPECT_TRUE(budget.try_spend(start + seconds{3}));
-  EXPECT_FALSE(budget.try_spend(start + seconds{4}));
-  EXPECT_EQ(budget.time_until_refill(start + seconds{4}), milliseconds{6000});
+  EXPECT_FALSE(budget.try_spend(start + seconds{3}));
+  EXPECT_EQ(budget.time_until_refill(start + seconds{3}), milliseconds{2000});
+  EXPECT_TRUE(budget.try_spend(start + seconds{5}));
+  EXPECT_FALSE(budget.try_spend(start + seconds{6}));
+  EXPECT_EQ(budget.time_until_refill(start + seconds{6}), milliseconds{4000});
   EXPECT_TRUE(budget.try_spend(start + seconds{10} + milliseconds{1}));
-  EXPECT_FALSE(budget.try_spend(start + seconds{10} + milliseconds{2}));
-  EXPECT_EQ(budget.time_until_refill(start + seconds{11}), milliseconds{2000});
 }
 
 // Whatever arrives, at each retry the 10 s before it hold at most the allowance.
@@ -254,8 +258,11 @@ TEST(RetryBudget, NoTenSecondWindowHoldsMoreThanTheAllowance) {
       const auto in_window = [&](const auto& times) {
         return std::count_if(times.begin(), times.end(), [&](auto t) { return t > now - seconds{10} && t <= now; });
       };
-      ASSERT_LE(static_cast<double>(in_window(retries)), ratio * static_cast<double>(in_window(firsts)) + floor * 10 + 1e-9)
-          << "at " << (now - start).count();
+      const double allowed = ratio * static_cast<double>(in_window(firsts)) + floor * 10;
+      ASSERT_LE(static_cast<double>(in_window(retries)), allowed + 1e-9) << "at " << (now - start).count();
+      if (retries.size() > 1) {  // and spread: one per window / allowance at most
+        ASSERT_GE(std::chrono::duration<double>(now - retries[retries.size() - 2]).count(), 10.0 / allowed - 1e-9);
+      }
     }
   }
   EXPECT_GT(retries.size(), 100u);

@@ -34,11 +34,12 @@ class RetryPolicy {
 };
 
 // Keeps retries a fraction of traffic over a sliding window of 10 s: the retries sent in any
-// 10 s may be at most ratio * first attempts sent in those 10 s + min_per_second * 10. A retry
-// that finds the budget spent waits for it rather than failing its item: a failing server then
-// sees no more than the budget in any 10 s (a retry held back goes when the oldest in the window
-// leaves it), and every item still gets its attempts. Not thread-safe: used from the runner's
-// one thread.
+// 10 s may be at most ratio * first attempts sent in those 10 s + min_per_second * 10, and they
+// are spread over the window (one every 10 s / that allowance at most), so that a crowd of
+// failed requests does not come back at once. A retry that finds the budget spent waits for it
+// rather than failing its item: a failing server sees a trickle of retries (10 a second by
+// default), and every item still gets its attempts. Not thread-safe: used from the runner's one
+// thread.
 class RetryBudget {
  public:
   using Clock = std::chrono::steady_clock;
@@ -48,12 +49,14 @@ class RetryBudget {
   void on_first_attempt(Clock::time_point now = Clock::now());
   // Takes one retry from the budget if there is one.
   bool try_spend(Clock::time_point now = Clock::now());
-  // When a spent budget can next allow a retry: when the oldest retry in the window leaves it
-  // (a second from now when there is none, waiting for first attempts).
+  // When the budget can next allow a retry: the end of the spacing after the last one, or,
+  // with the window's allowance spent, when the oldest retry in it leaves (a second from now
+  // when there is none, waiting for first attempts).
   std::chrono::milliseconds time_until_refill(Clock::time_point now = Clock::now());
 
  private:
   void forget(Clock::time_point now);  // drops what is older than the window
+  double allowance() const;            // retries the window may hold now
   double ratio_, min_per_second_;
   std::deque<Clock::time_point> first_attempts_, retries_;
 };
