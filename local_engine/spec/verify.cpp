@@ -71,23 +71,15 @@ Verdict verify(Sampler& sampler, std::span<const float> logits, std::int64_t n_v
     return logits.subspan(j * static_cast<std::size_t>(n_vocab), static_cast<std::size_t>(n_vocab));
   };
   Verdict verdict;
-  if (sampler.greedy()) {
+  if (sampler.greedy() || draft.q.empty()) {
+    // Each position's token is what decoding one token at a time picks there: the argmax, or
+    // a draw from p with the request's next number; a draft stands where the pick equals it.
+    // For drafts without a distribution (n-gram: q all on the guessed token) that is the
+    // rejection rule (x accepted with probability p(x); otherwise a token from p without x),
+    // and it gives token for token what sampling without drafts gives from the same seed.
     for (std::size_t j = 0; j <= n; ++j) {
-      const auto best = static_cast<Token>(kernels::argmax(row(j).data(), n_vocab));
-      verdict.tokens.push_back(best);
-      if (j == n || best != draft.tokens[j]) return verdict;
-      ++verdict.accepted;
-    }
-    return verdict;
-  }
-  if (draft.q.empty()) {
-    // Guesses without a distribution (n-gram lookup): q is all on each guessed token. Each
-    // position's token is drawn from p with the request's next number, as without drafts, and
-    // a guess stands where the draw equals it. That is the rejection rule for a point mass (x
-    // accepted with probability p(x); otherwise a token from p without x), and it gives token
-    // for token what sampling without drafts gives from the same seed, whatever was guessed.
-    for (std::size_t j = 0; j <= n; ++j) {
-      const Token token = sampler.distribution(row(j)).draw(sampler.uniform());
+      const Token token = sampler.greedy() ? static_cast<Token>(kernels::argmax(row(j).data(), n_vocab))
+                                           : sampler.distribution(row(j)).draw(sampler.uniform());
       verdict.tokens.push_back(token);
       if (j == n || token != draft.tokens[j]) return verdict;
       ++verdict.accepted;

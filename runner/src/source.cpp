@@ -161,10 +161,7 @@ json parse_object(const std::string& line, const std::string& file, std::int64_t
   if (const std::optional<JsonProblem> problem = check_json(line, kMaxLineDepth)) {
     std::string message;
     switch (problem->kind) {
-      case JsonProblem::Kind::kSyntax:
-        message = "not valid JSON (at byte " + std::to_string(problem->byte) +
-                  (problem->detail.empty() ? "" : ": " + problem->detail) + ")";
-        break;
+      case JsonProblem::Kind::kSyntax: message = "not valid JSON (" + problem->where() + ")"; break;
       case JsonProblem::Kind::kNumberOutOfRange:
         message = "number out of range, " +
                   (problem->token.size() > 40 ? problem->token.substr(0, 40) + "..." : problem->token) +

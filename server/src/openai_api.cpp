@@ -351,8 +351,7 @@ ApiRequest parse_request_body(Endpoint endpoint, std::string_view body_text, std
   if (const std::optional<JsonProblem> problem = check_json(body_text, kMaxBodyDepth)) {
     switch (problem->kind) {
       case JsonProblem::Kind::kSyntax:
-        invalid("", "the request body is not valid JSON (at byte " + std::to_string(problem->byte) +
-                        (problem->detail.empty() ? "" : ": " + problem->detail) + ")");
+        invalid("", "the request body is not valid JSON (" + problem->where() + ")");
       case JsonProblem::Kind::kNumberOutOfRange:
         invalid("", "the request body has a number out of range, " + excerpt(problem->token) + " (at byte " +
                         std::to_string(problem->byte) + ")");

@@ -24,6 +24,11 @@ struct JsonProblem {
   // kSyntax: what the parser found there, in its words ("unexpected '}'; expected string
   // literal", "invalid string: ill-formed UTF-8 byte"), without the input it quotes.
   std::string detail;
+
+  // "at byte 15: unexpected '}'; expected string literal" (kSyntax) or "at byte 15".
+  std::string where() const {
+    return "at byte " + std::to_string(byte) + (detail.empty() ? "" : ": " + detail);
+  }
 };
 
 // The first problem in `text`, or none. `max_depth` counts arrays and objects: "[[1]]" is 2.
