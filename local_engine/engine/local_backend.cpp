@@ -239,6 +239,10 @@ std::int64_t LocalBackend::context() const { return state_->engine->context(); }
 
 std::int64_t LocalBackend::vocab_size() const { return state_->engine->model().config().n_vocab; }
 
+std::int64_t LocalBackend::host_pool_bytes() const {
+  return state_->engine->pool_in_host_memory() ? state_->engine->pool_bytes() : 0;
+}
+
 std::size_t LocalBackend::prompt_bytes_limit() const {
   return static_cast<std::size_t>(state_->engine->context()) * state_->max_token_bytes;
 }

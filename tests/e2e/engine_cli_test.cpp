@@ -570,6 +570,33 @@ TEST_F(EngineCli, RunALocalJobBiasingATokenOutsideTheVocabularyIsAUsageError) {
   EXPECT_FALSE(contains(r.err, "logit_bias")) << r.err;
 }
 
+// A pool set larger than the memory available is taken where the system promises the pages,
+// with a warning that the run may be ended when it fills; or refused where it does not.
+TEST_F(EngineCli, RunALocalJobWithAPoolLargerThanTheMemoryWarns) {
+  std::int64_t available = 0;
+  {
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    std::int64_t kib = 0;
+    while (meminfo >> key >> kib)
+      if (key == "MemAvailable:") available = kib * 1024;
+      else meminfo.ignore(64, '\n');
+  }
+  if (available <= 0) GTEST_SKIP() << "no MemAvailable in /proc/meminfo";
+  write_file(dir() / "job.yaml", local_job("tiny.gguf", 1));
+  const std::string bytes = std::to_string(available / 4 * 5);
+  RunResult r = run_batchlm(dir(), {"run", "job.yaml", "--set", "backend.kv_memory=" + bytes});
+  if (r.exit_code == 2) {
+    EXPECT_TRUE(contains(r.err, "backend.kv_memory: not enough memory for a KV pool this large")) << r.err;
+  } else {
+    EXPECT_TRUE(contains(r.err, "batchlm: warning: backend.kv_memory: the KV pool (")) << r.err;
+    EXPECT_TRUE(contains(r.err, "is more than the memory available now")) << r.err;
+  }
+  // A pool that fits says nothing.
+  r = run_batchlm(dir(), {"run", "job.yaml", "--fresh", "--set", "backend.kv_memory=64MiB"});
+  EXPECT_FALSE(contains(r.err, "warning")) << r.err;
+}
+
 TEST_F(EngineCli, ServeWithAStepLogThatCannotBeOpenedExitsNamingTheFlag) {
   RunResult r = run_batchlm(dir(), {"serve", "--model", "tiny.gguf", "--port", "0", "--threads", "1",
                                     "--no-kv-commit", "--step-log", "no-such-dir/steps.jsonl"});

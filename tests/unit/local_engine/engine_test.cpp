@@ -954,6 +954,15 @@ TEST(LocalBackend, LimitsAreCheckedAndPoolSizeFollowsTheOptions) {
   bad.kv_tokens = 10;
   EXPECT_NE(error_of(bad).find("kv_tokens 10 is less than one context of 64 tokens"), std::string::npos)
       << error_of(bad);
+  // Written at start (serve's default), a pool larger than the memory is refused before it is
+  // taken; not written, it is taken (the caller warns).
+  bad = o;
+  bad.kv_tokens = 0;
+  bad.kv_bytes = available_memory_bytes() / 4 * 5;
+  bad.kv_commit = true;
+  EXPECT_NE(error_of(bad).find("kv_bytes " + std::to_string(bad.kv_bytes) + " is a KV pool of "), std::string::npos)
+      << error_of(bad);
+  EXPECT_NE(error_of(bad).find("more than the memory available now"), std::string::npos) << error_of(bad);
 }
 
 TEST(LocalBackend, PoolSizeDefaultsFromMemory) {

@@ -132,6 +132,7 @@ class BatchEngine {
   // The KV pool: tokens it holds (whole blocks) and its bytes, a draft model's pool included.
   std::int64_t pool_tokens() const;
   std::int64_t pool_bytes() const { return pool_tokens() * kv_bytes_per_token_; }
+  bool pool_in_host_memory() const { return executor_->device() == Device::kCpu; }
   int threads() const;
   // Where the forward passes run, for the log (and why not on a GPU, when auto fell back).
   std::string device() const;
