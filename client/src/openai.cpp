@@ -201,7 +201,10 @@ void fill_from_error_object(const nlohmann::json& error_value, Error& error) {
 
 std::string truncated(std::string_view text) {
   if (text.size() <= kMaxRawBodyInMessage) return std::string(text);
-  return std::string(text.substr(0, kMaxRawBodyInMessage)) + "...";
+  // Cut before a UTF-8 character rather than through it (continuation bytes are 10xxxxxx).
+  std::size_t cut = kMaxRawBodyInMessage;
+  while (cut > kMaxRawBodyInMessage - 3 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return std::string(text.substr(0, cut)) + "...";
 }
 
 Error make_error(ErrorKind kind, std::string message) {

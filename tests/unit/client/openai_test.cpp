@@ -172,6 +172,14 @@ TEST(HttpError, TruncatesLongRawBody) {
   EXPECT_EQ(error.message.substr(0, 500), std::string(500, 'x'));
 }
 
+// The cut falls between UTF-8 characters: "é" is two bytes, and byte 500 is the second of one.
+TEST(HttpError, TruncatesARawBodyBetweenCharacters) {
+  std::string body = "x";
+  while (body.size() < 2'000) body += "\xc3\xa9";
+  const Error error = http_error(with_headers({}, 500, body));
+  EXPECT_EQ(error.message, body.substr(0, 499) + "...");
+}
+
 TEST(HttpError, EmptyBodyNamesStatus) {
   EXPECT_EQ(http_error(with_headers({}, 503)).message, "HTTP 503");
 }
