@@ -222,7 +222,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
     if (job.backend.kv_bytes > 0 || job.backend.kv_tokens > 0) {
       const std::int64_t available = local_engine::available_memory_bytes();
       if (available > 0 && backend->host_pool_bytes() > available) {
-        const std::string field = job.backend.kv_bytes > 0 ? "backend.kv_memory" : "backend.kv_tokens";
+        const std::string field = job.backend.kv_tokens > 0 ? "backend.kv_tokens" : "backend.kv_memory";  // tokens win
         std::fprintf(stderr,
                      "batchlm: warning: %s: the KV pool (%s) is more than the memory available now (%s); the system "
                      "may end the run when the pool fills: a smaller pool avoids it\n",

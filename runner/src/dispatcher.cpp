@@ -107,6 +107,7 @@ class Dispatcher {
         io_(io),
         options_(options),
         slots_(io.get_executor(), static_cast<std::size_t>(job.concurrency)),
+        budget_turn_(io.get_executor(), 1),
         // Items alive at once (in flight, waiting for a slot, or backing off) are bounded so a
         // failing server cannot make the runner read the whole input into memory.
         live_(io.get_executor(), static_cast<std::size_t>(job.concurrency) * 4 + 16),
@@ -341,10 +342,19 @@ class Dispatcher {
         asio::steady_timer timer(io_);
         timer.expires_after(*backoff);
         co_await timer.async_wait(asio::use_awaitable);
-        // A failing server gets retries at the budget's pace, not at the items' pace.
-        while (!stopping_ && !budget_.try_spend()) {
-          timer.expires_after(budget_.time_until_refill());
-          co_await timer.async_wait(asio::use_awaitable);
+        // A failing server gets retries at the budget's pace, not at the items' pace. One item
+        // at a time watches the budget, first come first served; the others queue behind it
+        // (all of them waking at each retry cost a thread's worth at 100,000 waiting).
+        {
+          co_await budget_turn_.acquire();
+          struct TurnGuard {
+            AsyncSemaphore& turn;
+            ~TurnGuard() { turn.release(); }
+          } turn{budget_turn_};
+          while (!stopping_ && !budget_.try_spend()) {
+            timer.expires_after(budget_.time_until_refill());
+            co_await timer.async_wait(asio::use_awaitable);
+          }
         }
         if (stopping_) {
           run.cancelled = true;  // stopped during its backoff; a rerun redoes it
@@ -748,7 +758,7 @@ class Dispatcher {
   Backend& backend_;
   asio::io_context& io_;
   RunOptions options_;
-  AsyncSemaphore slots_, live_;
+  AsyncSemaphore slots_, budget_turn_, live_;
   TokenBucket requests_, tokens_;
   RetryPolicy retry_;
   RetryBudget budget_;

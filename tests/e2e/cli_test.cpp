@@ -880,6 +880,23 @@ TEST(BatchlmRun, RequestsPerMinuteHoldsWhenTokensPerMinuteReleasesACrowd) {
   }
 }
 
+// The retry budget spreads the retries of a crowd that failed at once: with 5 a second
+// allowed, one every 200 ms, in the order they queued, and every item still done.
+TEST(BatchlmRun, RetriesOfACrowdAreSpreadByTheBudget) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--faults", "status=500", "--fault-first-attempts", "1"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 12, .concurrency = 12}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "--set", "retry.budget_ratio=0", "--set",
+                                       "retry.budget_min_per_second=5"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 12);
+  auto at = server.stats()["arrival_ms"].get<std::vector<double>>();
+  ASSERT_EQ(at.size(), 24u);
+  std::sort(at.begin(), at.end());
+  // The first 12 are the first attempts, at once; then the retries.
+  for (std::size_t i = 13; i < at.size(); ++i) EXPECT_GE(at[i] - at[i - 1], 150.0) << "retry " << i - 12;
+}
+
 // A second SIGTERM, like a second Ctrl-C, does not wait out the grace period.
 TEST(BatchlmRun, SecondSigtermExitsAtOnce) {
   TempDir dir;

@@ -185,17 +185,18 @@ TEST(RetryBudget, AllowsRetriesInProportionToFirstAttempts) {
   EXPECT_TRUE(budget.try_spend(start + seconds{5}));
   EXPECT_FALSE(budget.try_spend(start + seconds{9}));
   for (int i = 0; i < 5; ++i) budget.on_first_attempt(start + seconds{9});
-  // 3 in the window, one every 3.3 s.
-  EXPECT_TRUE(budget.try_spend(start + milliseconds{8'400}));
+  // 3 in the window, one every 3.3 s: 3.3 s after the last (at 5 s) has passed.
+  EXPECT_TRUE(budget.try_spend(start + seconds{9}));
   EXPECT_FALSE(budget.try_spend(start + milliseconds{9'900}));
 }
 
 TEST(RetryBudget, RoundingInTheRatioStillAllowsTheWholeRetry) {
   const auto start = std::chrono::steady_clock::now();
-  RetryBudget budget(0.1, 0.0);
-  for (int i = 0; i < 10; ++i) budget.on_first_attempt(start);
-  EXPECT_TRUE(budget.try_spend(start));
-  EXPECT_FALSE(budget.try_spend(start + seconds{5}));
+  RetryBudget budget(0.29, 0.0);  // 0.29 * 100 is 28.999999999999996 in doubles: 29 retries
+  for (int i = 0; i < 100; ++i) budget.on_first_attempt(start);
+  int spent = 0;
+  for (int ms = 0; ms < 10'000; ms += 10) spent += budget.try_spend(start + milliseconds{ms}) ? 1 : 0;
+  EXPECT_EQ(spent, 29);
 }
 
 // Without traffic, min_per_second: the retries held back come out at that rate, not at once.

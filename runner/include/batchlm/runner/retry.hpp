@@ -33,13 +33,13 @@ class RetryPolicy {
   RetrySpec spec_;
 };
 
-// Keeps retries a fraction of traffic over a sliding window of 10 s: the retries sent in any
-// 10 s may be at most ratio * first attempts sent in those 10 s + min_per_second * 10, and they
-// are spread over the window (one every 10 s / that allowance at most), so that a crowd of
-// failed requests does not come back at once. A retry that finds the budget spent waits for it
-// rather than failing its item: a failing server sees a trickle of retries (10 a second by
-// default), and every item still gets its attempts. Not thread-safe: used from the runner's one
-// thread.
+// Keeps retries a fraction of traffic over a sliding window of 10 s: with a retry, the retries
+// of the 10 s before it are at most ratio * first attempts of those 10 s + min_per_second * 10,
+// and they are spread over the window (one every 10 s / that allowance at most), so that a
+// crowd of failed requests does not come back at once. A retry that finds the budget spent
+// waits for it rather than failing its item: a failing server sees a trickle of retries (10 a
+// second by default), and every item still gets its attempts. Not thread-safe: used from the
+// runner's one thread.
 class RetryBudget {
  public:
   using Clock = std::chrono::steady_clock;
