@@ -199,13 +199,7 @@ void fill_from_error_object(const nlohmann::json& error_value, Error& error) {
   }
 }
 
-std::string truncated(std::string_view text) {
-  if (text.size() <= kMaxRawBodyInMessage) return std::string(text);
-  // Cut before a UTF-8 character rather than through it (continuation bytes are 10xxxxxx).
-  std::size_t cut = kMaxRawBodyInMessage;
-  while (cut > kMaxRawBodyInMessage - 3 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
-  return std::string(text.substr(0, cut)) + "...";
-}
+std::string truncated(std::string_view text) { return utf8_excerpt(text, kMaxRawBodyInMessage); }
 
 Error make_error(ErrorKind kind, std::string message) {
   Error error;
@@ -235,12 +229,8 @@ Error unexpected_content(int status, std::string_view expected, std::string_view
   std::string message = "expected " + std::string(expected) + ", got " + std::string(trim(content_type));
   if (body.empty()) {
     message += " with an empty body";
-  } else if (body.size() <= kBodyStartInMessage) {
-    message += ": " + std::string(body);
   } else {
-    std::size_t end = kBodyStartInMessage;
-    while (end > 0 && (static_cast<unsigned char>(body[end]) & 0xC0) == 0x80) --end;
-    message += ": " + std::string(body.substr(0, end)) + "...";
+    message += ": " + utf8_excerpt(body, kBodyStartInMessage);
   }
   Error error = make_error(ErrorKind::Protocol, std::move(message));
   error.http_status = status;

@@ -75,6 +75,14 @@ std::string logprob_token_text(std::string_view bytes) {
   });
 }
 
+std::string utf8_excerpt(std::string_view text, std::size_t max) {
+  if (text.size() <= max) return std::string(text);
+  // Back over continuation bytes (10xxxxxx): a character has at most three.
+  std::size_t end = max;
+  while (end > 0 && max - end < 3 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+  return std::string(text.substr(0, end)) + "...";
+}
+
 std::string terminal_safe(std::string_view text) {
   std::string out;
   out.reserve(text.size());

@@ -94,7 +94,6 @@ ItemResult item_result_from_record(const json& record) {
 // The writer a second SIGINT flushes before exiting.
 OutputWriter* g_writer_for_hard_exit = nullptr;
 
-
 }  // namespace
 
 class Dispatcher {

@@ -56,13 +56,7 @@ std::string type_name(const json& v) {
 
 // A string from the request as an error message quotes it: at most 64 bytes, cut at a
 // character boundary (the message must stay valid UTF-8 to be sent as JSON).
-std::string excerpt(std::string_view text) {
-  constexpr std::size_t kMaxShown = 64;
-  if (text.size() <= kMaxShown) return std::string(text);
-  std::size_t end = kMaxShown;
-  while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;  // a continuation byte
-  return std::string(text.substr(0, end)) + "...";
-}
+std::string excerpt(std::string_view text) { return utf8_excerpt(text, 64); }
 
 // A value as an error message names it: its type, and a scalar's value ("a string (\"64\")");
 // arrays and objects by their type alone.

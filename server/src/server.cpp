@@ -502,8 +502,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       metrics.completion(label(endpoint), "invalid");
       co_await send_error(c, req,
                           ApiError(415, "invalid_request_error", "",
-                                   "the body's Content-Encoding '" +
-                                       std::string(value.substr(0, 40)) + (value.size() > 40 ? "..." : "") +
+                                   "the body's Content-Encoding '" + utf8_excerpt(value, 40) +
                                        "' is not supported: send it uncompressed"),
                           std::pair(http::field::accept_encoding, std::string("identity")));
       co_return true;

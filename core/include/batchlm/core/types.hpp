@@ -87,6 +87,9 @@ struct Completion {
 // The length of the valid UTF-8 character at s[i] (1-4), or 0 when the bytes there are not one
 // (a stray continuation byte, a truncated sequence, an overlong form, a surrogate, > U+10FFFF).
 std::size_t utf8_char_length(std::string_view s, std::size_t i);
+// `text` as a message quotes it: whole when at most `max` bytes, else its first `max` or a few
+// fewer, cut before a character rather than through one, and "..." after.
+std::string utf8_excerpt(std::string_view text, std::size_t max);
 // The offset of the first byte of `s` that is not part of a valid UTF-8 character, or npos.
 std::size_t first_invalid_utf8(std::string_view s);
 // `s` with each byte that is not part of a valid UTF-8 character replaced by replacement(byte).
