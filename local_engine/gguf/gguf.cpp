@@ -533,12 +533,11 @@ File File::open(const std::filesystem::path& path) {
       info.type_id = reader.read<std::uint32_t>();
       const TensorType* file_type = tensor_type(info.type_id);
       if (file_type == nullptr) file.fail(tensor + " has unknown type id " + std::to_string(info.type_id));
-      info.type_name = file_type->name;
       info.type = kernels::dtype_from_id(info.type_id);
       const std::int64_t block = file_type->block;
       if (info.shape[0] % block != 0) {
         file.fail(tensor + " has rows of " + std::to_string(info.shape[0]) +
-                  " elements, not a multiple of the " + std::string(info.type_name) +
+                  " elements, not a multiple of the " + std::string(info.type_name()) +
                   " block size " + std::to_string(block));
       }
       // Whole blocks, so this cannot round; n_elements < 2^63 keeps the division exact but the
@@ -674,7 +673,7 @@ const TensorInfo& File::tensor(std::string_view name,
   const TensorInfo* info = find_tensor(name);
   if (info == nullptr) fail("missing tensor " + quote_name(name));
   if (!info->type) {
-    fail("tensor " + quote_name(name) + " is " + std::string(info->type_name) +
+    fail("tensor " + quote_name(name) + " is " + std::string(info->type_name()) +
          ", which the engine does not run: it runs F32, F16, BF16, Q8_0, Q4_0 and Q4_1 weights "
          "(a Q8_0, Q4_0 or Q4_1 GGUF of this model will load)");
   }

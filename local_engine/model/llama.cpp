@@ -162,7 +162,7 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   auto vector = [&](const std::string& name, std::int64_t n) {
     const gguf::TensorInfo& t = f.tensor(name, std::vector<std::int64_t>{n});
     if (t.type != kops::DType::F32) {
-      f.fail("tensor '" + name + "' has type " + std::string(t.type_name) +
+      f.fail("tensor '" + name + "' has type " + std::string(t.type_name()) +
              ", expected F32");
     }
     return reinterpret_cast<const float*>(t.data);

@@ -201,7 +201,7 @@ int run_inspect() {
   std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> by_type;  // count, bytes
   std::uint64_t params = 0;
   for (const auto& t : file.tensors()) {
-    auto& e = by_type[std::string(t.type_name)];
+    auto& e = by_type[std::string(t.type_name())];
     ++e.first;
     e.second += t.n_bytes;
     params += t.n_elements;
@@ -249,7 +249,7 @@ int run_inspect() {
     for (const auto& t : file.tensors()) {
       std::string shape;
       for (std::size_t i = 0; i < t.shape.size(); ++i) shape += (i ? " x " : "") + std::to_string(t.shape[i]);
-      std::printf("  %-32s %-7s %-16s %s\n", terminal_safe(t.name).c_str(), std::string(t.type_name).c_str(),
+      std::printf("  %-32s %-7s %-16s %s\n", terminal_safe(t.name).c_str(), std::string(t.type_name()).c_str(),
                   shape.c_str(), gguf::human_bytes(static_cast<double>(t.n_bytes)).c_str());
     }
   }

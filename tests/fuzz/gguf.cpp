@@ -79,7 +79,7 @@ void walk(const gguf::File& file) {
     }
     FUZZ_CHECK(n == t.n_elements, "element count does not match the shape of " + t.name);
     const gguf::TensorType* type = gguf::tensor_type(t.type_id);
-    FUZZ_CHECK(type != nullptr && type->name == t.type_name, "unknown or misnamed type of " + t.name);
+    FUZZ_CHECK(type != nullptr, "unknown type of " + t.name);
     const auto block = static_cast<std::uint64_t>(type->block);
     FUZZ_CHECK(t.cols() % type->block == 0, "rows not whole blocks in " + t.name);
     FUZZ_CHECK(t.n_bytes == n / block * type->bytes, "byte size does not match " + t.name);

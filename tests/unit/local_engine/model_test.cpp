@@ -539,10 +539,10 @@ TEST_F(ModelTest, KQuantMatrixIsReadAndRefusedByName) {
   const gguf::TensorInfo* gate = file.find_tensor("blk.1.ffn_gate.weight");
   ASSERT_NE(gate, nullptr);
   EXPECT_EQ(gate->type_id, 12u);
-  EXPECT_EQ(gate->type_name, "Q4_K");
+  EXPECT_EQ(gate->type_name(), "Q4_K");
   EXPECT_FALSE(gate->type.has_value());
   EXPECT_EQ(gate->n_bytes, 256u * 144u);  // 256 rows of one 144-byte block
-  EXPECT_EQ(file.tensor("blk.0.ffn_gate.weight").type_name, "F32");
+  EXPECT_EQ(file.tensor("blk.0.ffn_gate.weight").type_name(), "F32");
   EXPECT_EQ(file.tensor("blk.0.ffn_gate.weight").type, DType::F32);
 
   expect_load_error(path("k.gguf"), {"tensor 'blk.1.ffn_gate.weight' is Q4_K, which the engine does not run",

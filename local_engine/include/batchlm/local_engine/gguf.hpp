@@ -74,8 +74,8 @@ struct TensorInfo {
   // it (F32, F16, BF16, Q4_0, Q4_1, Q8_0). The file's other types (K-quants, i-quants, ...) are
   // read for their sizes and listed, with `type` unset; File::tensor() refuses them.
   std::uint32_t type_id = 0;
-  std::string_view type_name = "F32";
   std::optional<kernels::DType> type = kernels::DType::F32;
+  std::string_view type_name() const { return tensor_type(type_id)->name; }  // a type open() knows
   std::vector<std::int64_t> shape;   // GGUF order: shape[0] is the innermost (row length)
   std::uint64_t offset = 0;          // from the start of the data section
   std::uint64_t n_elements = 0;
