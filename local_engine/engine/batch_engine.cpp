@@ -162,17 +162,21 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
       kv_pool_tokens(options, context_, bytes_per_token, executor_->pool_memory_available(),
                      executor_->device() != Device::kCpu);
   const std::int64_t n_blocks = (pool_tokens + block - 1) / block;
-  // Written at start, a pool larger than the memory would exhaust it before the first request.
-  if (options.kv_commit && executor_->device() == Device::kCpu && (options.kv_tokens > 0 || options.kv_bytes > 0)) {
+  // A pool set larger than the memory available is taken (the system promises pages it may not
+  // have) and said so; written at start, it would exhaust the memory before the first request.
+  if (executor_->device() == Device::kCpu && (options.kv_tokens > 0 || options.kv_bytes > 0)) {
     const std::int64_t available = available_memory_bytes();
     const std::int64_t bytes = n_blocks * block * bytes_per_token;
-    if (available > 0 && bytes > available)
-      throw std::invalid_argument((options.kv_tokens > 0 ? "kv_tokens " + std::to_string(options.kv_tokens)
-                                                         : "kv_bytes " + std::to_string(options.kv_bytes)) +
-                                  " is a KV pool of " + gguf::human_bytes(static_cast<double>(bytes)) +
-                                  ", more than the memory available now (" +
-                                  gguf::human_bytes(static_cast<double>(available)) +
-                                  "), and it is written at start: give a smaller one");
+    if (available > 0 && bytes > available) {
+      if (options.kv_commit)
+        throw std::invalid_argument((options.kv_tokens > 0 ? "kv_tokens " + std::to_string(options.kv_tokens)
+                                                           : "kv_bytes " + std::to_string(options.kv_bytes)) +
+                                    " is a KV pool of " + gguf::human_bytes(static_cast<double>(bytes)) +
+                                    ", more than the memory available now (" +
+                                    gguf::human_bytes(static_cast<double>(available)) +
+                                    "), and it is written at start: give a smaller one");
+      pool_past_memory_ = available;
+    }
   }
   executor_->allocate_pool(block, n_blocks);
   kv_bytes_per_token_ = bytes_per_token;

@@ -239,9 +239,9 @@ std::int64_t LocalBackend::context() const { return state_->engine->context(); }
 
 std::int64_t LocalBackend::vocab_size() const { return state_->engine->model().config().n_vocab; }
 
-std::int64_t LocalBackend::host_pool_bytes() const {
-  return state_->engine->pool_in_host_memory() ? state_->engine->pool_bytes() : 0;
-}
+std::int64_t LocalBackend::pool_bytes() const { return state_->engine->pool_bytes(); }
+
+std::int64_t LocalBackend::pool_past_memory() const { return state_->engine->pool_past_memory(); }
 
 std::size_t LocalBackend::prompt_bytes_limit() const {
   return static_cast<std::size_t>(state_->engine->context()) * state_->max_token_bytes;

@@ -217,18 +217,14 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
       std::fprintf(stderr, "batchlm: note: backend.context %lld is beyond what the model was trained on; using %lld\n",
                    static_cast<long long>(job.backend.context), static_cast<long long>(backend->context()));
     refuse_biases_outside(job, overrides, backend->vocab_size(), backend->model_name());
-    // A pool set larger than the memory is taken (the system promises pages it may not have),
-    // and the run may be ended by the system when the pool fills.
-    if (job.backend.kv_bytes > 0 || job.backend.kv_tokens > 0) {
-      const std::int64_t available = local_engine::available_memory_bytes();
-      if (available > 0 && backend->host_pool_bytes() > available) {
-        const std::string field = job.backend.kv_tokens > 0 ? "backend.kv_tokens" : "backend.kv_memory";  // tokens win
-        std::fprintf(stderr,
-                     "batchlm: warning: %s: the KV pool (%s) is more than the memory available now (%s); the system "
-                     "may end the run when the pool fills: a smaller pool avoids it\n",
-                     field.c_str(), local_engine::gguf::human_bytes(static_cast<double>(backend->host_pool_bytes())).c_str(),
-                     local_engine::gguf::human_bytes(static_cast<double>(available)).c_str());
-      }
+    // A pool set larger than the memory: the system may end the run when the pool fills.
+    if (const std::int64_t available = backend->pool_past_memory(); available > 0) {
+      const std::string field = job.backend.kv_tokens > 0 ? "backend.kv_tokens" : "backend.kv_memory";  // tokens win
+      std::fprintf(stderr,
+                   "batchlm: warning: %s: the KV pool (%s) is more than the memory available now (%s); the system "
+                   "may end the run when the pool fills: a smaller pool avoids it\n",
+                   field.c_str(), local_engine::gguf::human_bytes(static_cast<double>(backend->pool_bytes())).c_str(),
+                   local_engine::gguf::human_bytes(static_cast<double>(available)).c_str());
     }
     // Once at start: the model, its KV pool, and where it runs (or why not on a GPU).
     std::fprintf(stderr, "batchlm: %s\n", backend->describe().c_str());

@@ -132,7 +132,8 @@ class BatchEngine {
   // The KV pool: tokens it holds (whole blocks) and its bytes, a draft model's pool included.
   std::int64_t pool_tokens() const;
   std::int64_t pool_bytes() const { return pool_tokens() * kv_bytes_per_token_; }
-  bool pool_in_host_memory() const { return executor_->device() == Device::kCpu; }
+  // The memory available at start where the pool was set larger than it (on the CPU), else 0.
+  std::int64_t pool_past_memory() const { return pool_past_memory_; }
   int threads() const;
   // Where the forward passes run, for the log (and why not on a GPU, when auto fell back).
   std::string device() const;
@@ -171,6 +172,7 @@ class BatchEngine {
   std::shared_ptr<const Model> model_;
   std::int64_t context_ = 0;
   std::int64_t kv_bytes_per_token_ = 0;  // K and V, F16, every layer the pool holds
+  std::int64_t pool_past_memory_ = 0;
   SpeculativeOptions speculative_;
   std::unique_ptr<kernels::ThreadPool> threads_;
   std::unique_ptr<BlockPool> blocks_;

@@ -34,8 +34,10 @@ class LocalBackend final : public Backend {
   std::string model_name() const;
   std::int64_t context() const;
   std::int64_t vocab_size() const;  // token ids are below it
-  // The KV pool's bytes where it is in the host's memory (the CPU engine), else 0.
-  std::int64_t host_pool_bytes() const;
+  // The KV pool's bytes, and the memory available at start where the pool was set larger than
+  // it (on the CPU), else 0.
+  std::int64_t pool_bytes() const;
+  std::int64_t pool_past_memory() const;
   // A prompt of this many bytes or more cannot fit the context whatever its tokens (no token
   // stands for more bytes than the longest in the vocabulary); complete() refuses it at once.
   std::size_t prompt_bytes_limit() const;
