@@ -70,14 +70,19 @@ double RetryBudget::allowance() const {
          min_per_second_ * std::chrono::duration<double>(kWindow).count();
 }
 
+bool RetryBudget::spent() const {
+  // The epsilon absorbs rounding in ratio * count (0.29 * 100 must allow 29 retries).
+  return allowance() - static_cast<double>(retries_.size()) + 1e-9 < 1.0;
+}
+
+RetryBudget::Clock::time_point RetryBudget::next_allowed() const {
+  // Spread over the window: one retry per window / allowance at most.
+  return retries_.back() + std::chrono::duration_cast<Clock::duration>(kWindow / allowance());
+}
+
 bool RetryBudget::try_spend(Clock::time_point now) {
   forget(now);
-  const double allowed = allowance();
-  // The epsilon absorbs rounding in ratio * count (0.1 * 10 must allow one retry).
-  if (allowed - static_cast<double>(retries_.size()) + 1e-9 < 1.0) return false;
-  // Spread over the window: at most one retry per window / allowance.
-  if (!retries_.empty() && now - retries_.back() < std::chrono::duration_cast<Clock::duration>(kWindow / allowed))
-    return false;
+  if (spent() || (!retries_.empty() && now < next_allowed())) return false;
   retries_.push_back(now);
   return true;
 }
@@ -86,11 +91,9 @@ std::chrono::milliseconds RetryBudget::time_until_refill(Clock::time_point now) 
   using std::chrono::milliseconds;
   forget(now);
   if (retries_.empty()) return milliseconds{1000};
-  const double allowed = allowance();
   // Rounded up, so that the wait ends after the moment it waits for.
-  const auto until = [&](Clock::time_point t) { return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(t - now)); };
-  if (allowed - static_cast<double>(retries_.size()) + 1e-9 < 1.0) return until(retries_.front() + kWindow);
-  return until(retries_.back() + std::chrono::duration_cast<Clock::duration>(kWindow / allowed));
+  const Clock::time_point at = spent() ? retries_.front() + kWindow : next_allowed();
+  return std::max(milliseconds{1}, std::chrono::ceil<milliseconds>(at - now));
 }
 
 }  // namespace batchlm::runner

@@ -57,6 +57,8 @@ class RetryBudget {
  private:
   void forget(Clock::time_point now);  // drops what is older than the window
   double allowance() const;            // retries the window may hold now
+  bool spent() const;                  // the window holds all its allowance
+  Clock::time_point next_allowed() const;  // the end of the spacing after the last retry
   double ratio_, min_per_second_;
   std::deque<Clock::time_point> first_attempts_, retries_;
 };
