@@ -126,7 +126,8 @@ class Dispatcher {
     start_ = Clock::now();
     writer_ = std::make_unique<OutputWriter>(
         OutputWriter::Options{job_.output.path, job_.output.flush_every, job_.output.flush_interval,
-                              options_.fresh, [this] { refuse_other_settings(); }},
+                              options_.fresh, settings_.dump(),
+                              [this](const std::string& earlier) { refuse_other_settings(earlier); }},
         [this](const json& record) {
           kept_.emplace(record["id"].dump(), Kept{item_result_from_record(record), record.value("input", json())});
           // Records from before settings were recorded have none, and are taken as they are.
@@ -592,15 +593,20 @@ class Dispatcher {
 
   // Results made under other settings (another model, prompt, sampling, few-shot or scoring)
   // would be counted as this run's: the run stops before sending anything and says what
-  // changed, from the summary the earlier run left when it has one.
-  void refuse_other_settings() const {
+  // changed, from the settings the earlier run kept in the lock file (even when it was killed),
+  // or else from the summary it left.
+  void refuse_other_settings(const std::string& kept_settings) const {
     if (other_settings_ == 0) return;
     std::string changed;
-    std::ifstream previous(summary_path());
-    const json summary = previous ? json::parse(previous, nullptr, false) : json();
-    if (summary.is_object() && summary.contains("settings") && settings_hash(summary["settings"]) == other_hash_) {
+    json earlier = json::parse(kept_settings, nullptr, false);
+    if (!earlier.is_object() || settings_hash(earlier) != other_hash_) {
+      std::ifstream previous(summary_path());
+      const json summary = previous ? json::parse(previous, nullptr, false) : json();
+      earlier = summary.is_object() && summary.contains("settings") ? summary["settings"] : json();
+    }
+    if (earlier.is_object() && settings_hash(earlier) == other_hash_) {
       std::vector<std::string> differences;
-      diff_settings(summary["settings"], settings_, "", differences);
+      diff_settings(earlier, settings_, "", differences);
       for (std::size_t i = 0; i < differences.size() && i < 3; ++i) changed += (i ? ", " : "") + differences[i];
       if (differences.size() > 3) changed += ", ...";
     } else if (const std::string model = settings_["model"]; !other_model_.empty() && other_model_ != model) {

@@ -214,16 +214,24 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
       char holder[32] = {};
       const ssize_t n = ::pread(lock_fd_, holder, sizeof holder - 1, 0);
       std::string pid = n > 0 ? std::string(holder, static_cast<std::size_t>(n)) : std::string();
+      pid.resize(std::min(pid.size(), pid.find('\n')));  // the settings follow
       pid.erase(std::remove_if(pid.begin(), pid.end(), [](char c) { return c < '0' || c > '9'; }),
                 pid.end());
       throw OutputLockedError("output " + path + " is in use by another run (pid " +
                               (pid.empty() ? std::string("unknown") : pid) + ", lock " + lock_path +
                               ")");
     }
-    const std::string pid = std::to_string(::getpid()) + "\n";
-    if (::ftruncate(lock_fd_, 0) != 0) throw_write_error("cannot write", lock_path, errno);
-    if (::pwrite(lock_fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
-      throw_write_error("cannot write", lock_path, errno);
+    {
+      // The earlier run's settings stay until this run has passed before_changes.
+      std::string text;
+      char block[4096];
+      ssize_t n = 0;
+      for (off_t at = 0; (n = ::pread(lock_fd_, block, sizeof block, at)) > 0; at += n) text.append(block, static_cast<std::size_t>(n));
+      if (const std::size_t eol = text.find('\n'); eol != std::string::npos) {
+        earlier_settings_ = text.substr(eol + 1);
+        while (!earlier_settings_.empty() && earlier_settings_.back() == '\n') earlier_settings_.pop_back();
+      }
+      write_lock(earlier_settings_);
     }
 
     struct stat info {};
@@ -237,6 +245,7 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
       if (::ftruncate(fd_, 0) != 0) throw_write_error("cannot truncate", path, errno);
       fsync_or_throw(fd_, path);
       fsync_directory(path);
+      write_lock(options_.settings);
       return;
     }
     if (exists && resume(on_kept)) {
@@ -254,6 +263,7 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
       lock_output(fd_, path);
     }
     if (!exists) fsync_directory(path);
+    write_lock(options_.settings);
   } catch (...) {
     if (fd_ >= 0) ::close(fd_);
     if (replaced_fd_ >= 0) ::close(replaced_fd_);
@@ -335,7 +345,7 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
     if (on_kept) on_kept(record);
   });
   for (const std::string& id : failed_ids) resume_.dropped_failed += resume_.done_ids.contains(id) ? 0 : 1;
-  if (options_.before_changes) options_.before_changes();
+  if (options_.before_changes) options_.before_changes(earlier_settings_);
   if (dropped.empty()) return false;
 
   if (!kept_after_drop) {
@@ -380,6 +390,15 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   }
   fsync_directory(path);
   return true;
+}
+
+void OutputWriter::write_lock(const std::string& settings) {
+  const std::string text = std::to_string(::getpid()) + "\n" + (settings.empty() ? "" : settings + "\n");
+  const std::string lock_path = options_.path + ".lock";
+  if (::ftruncate(lock_fd_, 0) != 0) throw_write_error("cannot write", lock_path, errno);
+  if (::pwrite(lock_fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+    throw_write_error("cannot write", lock_path, errno);
+  }
 }
 
 OutputWriter::~OutputWriter() {

@@ -126,6 +126,17 @@ TEST(BatchlmRun, SurvivesSigkillAndResumesWithoutLossOrDuplicates) {
   // Simulate a write torn by the kill, on top of whatever the kill left.
   { std::ofstream f(out, std::ios::app); f << "{\"id\": 999, \"outp"; }
 
+  // A rerun under other settings is refused and names the change, though the killed run left
+  // no summary: its settings are in the lock file. The output is left as it was.
+  ASSERT_FALSE(fs::exists(dir.path / "out/e2e.jsonl.summary.json"));
+  const std::string killed = read_file(out);
+  RunResult other = run_batchlm(dir.path, {"run", "job.yaml", "--set", "request.temperature=0.5"});
+  EXPECT_EQ(other.exit_code, 2) << other.err;
+  EXPECT_NE(other.err.find("made with other settings than this job's (request.temperature: 0.0 -> 0.5)"),
+            std::string::npos)
+      << other.err;
+  EXPECT_EQ(read_file(out), killed);
+
   RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("resum"), std::string::npos) << r.err;
@@ -267,8 +278,15 @@ TEST(BatchlmRun, ResumeUnderOtherSettingsIsRefusedAndNamesTheChange) {
   EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), 6u);
   EXPECT_TRUE(fs::exists(dir.path / "out/e2e.jsonl.summary.json"));  // the refused run took nothing
 
-  // Without the earlier summary, the records' model still tells.
+  // Without the summary (a killed run leaves none), the settings kept in the lock file tell.
   fs::remove(dir.path / "out/e2e.jsonl.summary.json");
+  other = run_batchlm(dir.path, {"run", "job.yaml", "-m", "other-model", "--set", "request.temperature=0.5"});
+  EXPECT_EQ(other.exit_code, 2) << other.err;
+  EXPECT_NE(other.err.find("(model: \"fake-model\" -> \"other-model\", request.temperature: 0.0 -> 0.5)"),
+            std::string::npos)
+      << other.err;
+  // Without either, the records' model still does.
+  fs::remove(dir.path / "out/e2e.jsonl.lock");
   other = run_batchlm(dir.path, {"run", "job.yaml", "-m", "other-model"});
   EXPECT_EQ(other.exit_code, 2) << other.err;
   EXPECT_NE(other.err.find("(model: 'fake-model' -> 'other-model')"), std::string::npos) << other.err;

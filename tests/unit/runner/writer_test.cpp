@@ -48,9 +48,10 @@ class OutputWriterTest : public ::testing::Test {
   }
 
   // Read through a separate descriptor: what another process would see.
-  std::string read_raw() const {
+  std::string read_raw() const { return read_file(path_); }
+  static std::string read_file(const std::string& path) {
     std::string text;
-    const int fd = ::open(path_.c_str(), O_RDONLY);
+    const int fd = ::open(path.c_str(), O_RDONLY);
     if (fd < 0) return text;
     char block[4096];
     ssize_t n;
@@ -205,7 +206,7 @@ TEST_F(OutputWriterTest, ARefusalBeforeChangesLeavesTheFileAsItWas) {
   write_raw(text);
   auto o = options();
   int seen = 0;
-  o.before_changes = [] { throw std::runtime_error("other settings"); };
+  o.before_changes = [](const std::string&) { throw std::runtime_error("other settings"); };
   EXPECT_THROW(OutputWriter writer(o, [&](const json&) { ++seen; }), std::runtime_error);
   EXPECT_EQ(seen, 2);
   EXPECT_EQ(read_raw(), text);
@@ -213,6 +214,39 @@ TEST_F(OutputWriterTest, ARefusalBeforeChangesLeavesTheFileAsItWas) {
   o.before_changes = {};
   EXPECT_NO_THROW(OutputWriter writer(o));  // the lock went with the refused writer
   EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(3)));
+}
+
+// The settings a run's records are made with stay in the lock file after its pid, also after a
+// kill (the writer's end does not clear them), and reach the next run's before_changes. They
+// are replaced only once that run has passed it: a refused run leaves them as they were.
+TEST_F(OutputWriterTest, TheLockKeepsTheSettingsForTheNextRun) {
+  write_raw(line(ok(1)) + line(failed(2)));
+  auto o = options();
+  std::vector<std::string> seen;
+  o.before_changes = [&](const std::string& earlier) { seen.push_back(earlier); };
+  o.settings = R"({"model":"a"})";
+  { OutputWriter writer(o); }
+  const std::string pid = std::to_string(::getpid());
+  EXPECT_EQ(read_file(path_ + ".lock"), pid + "\n{\"model\":\"a\"}\n");
+  o.before_changes = [&](const std::string& earlier) {
+    seen.push_back(earlier);
+    throw std::runtime_error("other settings");
+  };
+  o.settings = R"({"model":"b"})";
+  EXPECT_THROW(OutputWriter writer(o), std::runtime_error);
+  EXPECT_EQ(read_file(path_ + ".lock"), pid + "\n{\"model\":\"a\"}\n");
+  o.before_changes = [&](const std::string& earlier) { seen.push_back(earlier); };
+  { OutputWriter writer(o); }
+  EXPECT_EQ(read_file(path_ + ".lock"), pid + "\n{\"model\":\"b\"}\n");
+  EXPECT_EQ(seen, (std::vector<std::string>{"", R"({"model":"a"})", R"({"model":"a"})"}));
+  // --fresh starts over and keeps its own; a writer given none keeps the pid alone.
+  o.fresh = true;
+  o.settings = R"({"model":"c"})";
+  { OutputWriter writer(o); }
+  EXPECT_EQ(read_file(path_ + ".lock"), pid + "\n{\"model\":\"c\"}\n");
+  o.settings.clear();
+  { OutputWriter writer(o); }
+  EXPECT_EQ(read_file(path_ + ".lock"), pid + "\n");
 }
 
 TEST_F(OutputWriterTest, FreshDoesNotEmptyAFileThatIsNotAnOutput) {

@@ -53,9 +53,14 @@ class OutputWriter {
     int flush_every = 64;
     std::chrono::milliseconds flush_interval{1000};
     bool fresh = false;  // start over: the existing output (a batchlm output) is emptied
+    // What the records are made with (the runner's settings, as JSON text). It is kept in the
+    // lock file after the pid once the writer holds the output, so the next run can say what
+    // changed even after a kill -9 of this one.
+    std::string settings;
     // Called once every kept record has been through on_kept and before the file is changed
     // (failed records dropped, a torn line cut): an exception from it leaves the file as it was.
-    std::function<void()> before_changes;
+    // `earlier_settings` are those the last run on this output kept (empty if none).
+    std::function<void(const std::string& earlier_settings)> before_changes;
   };
 
   // Follows symbolic links in the path to the file itself, takes the lock (`<file>.lock` and the
@@ -97,6 +102,10 @@ class OutputWriter {
   // Throws NotAnOutputError when a complete line is not a record with an id.
   void check_is_output() const;
   bool resume(const std::function<void(const nlohmann::json&)>& on_kept);
+  // The lock file's text: this process's pid, then the settings line.
+  void write_lock(const std::string& settings);
+
+  std::string earlier_settings_;  // the settings line the lock file held when taken
 
   Options options_;
   ResumeInfo resume_;
