@@ -1267,7 +1267,13 @@ std::string settings_hash(const nlohmann::json& settings) {
 
 std::string model_label(const JobSpec& job, const std::string& request_model) {
   // The embedded engine runs its one model whatever a request names (a Batch line's "gpt-4o").
-  if (job.backend.type == "local") return fs::path(job.backend.model).filename().string();
+  // Named by the file its path leads to: a link that points elsewhere later is another model,
+  // and two names for one file are the same one.
+  if (job.backend.type == "local") {
+    std::error_code ec;
+    const fs::path file = fs::canonical(job.backend.model, ec);
+    return (ec ? fs::path(job.backend.model) : file).filename().string();
+  }
   return request_model.empty() ? job.backend.model : request_model;
 }
 

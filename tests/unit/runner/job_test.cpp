@@ -1071,5 +1071,25 @@ TEST(ModelLabel, LocalModelsByFileNameApisByTheRequestsModel) {
   EXPECT_EQ(model_label(api, "gpt-4o"), "gpt-4o");
 }
 
+// A local model reached through a symbolic link is named by the file it leads to: two names for
+// one file are one model, and a link pointed at another file later names that one.
+TEST_F(JobFile, ALocalModelThroughALinkIsNamedByItsFile) {
+  write("a.Q4_1.gguf", "GGUF");
+  write("b.Q8_0.gguf", "GGUF");
+  fs::create_symlink("a.Q4_1.gguf", dir_ / "current.gguf");
+  JobSpec local;
+  local.backend.type = "local";
+  local.backend.model = (dir_ / "current.gguf").string();
+  EXPECT_EQ(model_label(local, ""), "a.Q4_1.gguf");
+  const std::string before = settings_hash(result_settings(local));
+  local.backend.model = (dir_ / "a.Q4_1.gguf").string();
+  EXPECT_EQ(settings_hash(result_settings(local)), before);
+  fs::remove(dir_ / "current.gguf");
+  fs::create_symlink("b.Q8_0.gguf", dir_ / "current.gguf");
+  local.backend.model = (dir_ / "current.gguf").string();
+  EXPECT_EQ(model_label(local, ""), "b.Q8_0.gguf");
+  EXPECT_NE(settings_hash(result_settings(local)), before);
+}
+
 }  // namespace
 }  // namespace batchlm::runner
