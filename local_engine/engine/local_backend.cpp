@@ -371,6 +371,8 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     c.text = std::move(text);
     c.finish_reason = r.finish_reason;
     c.usage = Usage{r.stats.prompt_tokens, r.stats.generated_tokens, true};
+    if (r.finish_reason == "length" && (job->params.max_tokens <= 0 || r.stats.generated_tokens < job->params.max_tokens))
+      c.cut_at_context = context();
     c.timings = timings;
     if (job->params.logprobs >= 0) c.logprobs = std::move(logprobs);
     co_return Outcome::success(std::move(c));

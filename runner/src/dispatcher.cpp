@@ -127,7 +127,8 @@ class Dispatcher {
     writer_ = std::make_unique<OutputWriter>(
         OutputWriter::Options{job_.output.path, job_.output.flush_every, job_.output.flush_interval,
                               options_.fresh, settings_.dump(),
-                              [this](const std::string& earlier) { refuse_other_settings(earlier); }},
+                              [this](const std::string& earlier) { refuse_other_settings(earlier); },
+                              redo_cut_answers()},
         [this](const json& record) {
           kept_.emplace(record["id"].dump(), Kept{item_result_from_record(record), record.value("input", json())});
           // Records from before settings were recorded have none, and are taken as they are.
@@ -149,16 +150,18 @@ class Dispatcher {
       std::error_code ec;
       std::filesystem::remove(summary_path(), ec);
     }
-    if (resume.kept > 0 || resume.dropped_failed > 0 || resume.dropped_torn_line || resume.dropped_duplicates > 0) {
-      const std::string duplicates =
-          resume.dropped_duplicates > 0
-              ? ", " + std::to_string(resume.dropped_duplicates) + " later records of ids already done dropped"
-              : std::string();
-      std::fprintf(options_.progress_out,
-                   "batchlm: resuming %s: %lld done, %lld failed to retry%s%s\n",
+    if (resume.kept > 0 || resume.dropped_failed > 0 || resume.dropped_torn_line || resume.dropped_duplicates > 0 ||
+        resume.redone > 0) {
+      std::string more;
+      if (resume.redone > 0)
+        more += ", " + std::to_string(resume.redone) + " cut short by a smaller context to redo (the engine's is " +
+                std::to_string(backend_.context()) + " tokens now)";
+      if (resume.dropped_duplicates > 0)
+        more += ", " + std::to_string(resume.dropped_duplicates) + " later records of ids already done dropped";
+      if (resume.dropped_torn_line) more += ", a torn last line dropped";
+      std::fprintf(options_.progress_out, "batchlm: resuming %s: %lld done, %lld failed to retry%s\n",
                    job_.output.path.c_str(), static_cast<long long>(resume.kept),
-                   static_cast<long long>(resume.dropped_failed), duplicates.c_str(),
-                   resume.dropped_torn_line ? ", a torn last line dropped" : "");
+                   static_cast<long long>(resume.dropped_failed), more.c_str());
     }
 
     std::optional<asio::signal_set> signals;
@@ -468,6 +471,7 @@ class Dispatcher {
       json score = scorer_ ? scorer_->score(item.input, c.text) : json();
       record["output"] = c.text;
       record["finish_reason"] = c.finish_reason;
+      if (c.cut_at_context > 0) record["cut_at_context"] = c.cut_at_context;
       if (c.logprobs) record["logprobs"] = logprobs_json(*c.logprobs);
       record["usage"] = usage;
       record["timings"] = timings;
@@ -590,6 +594,17 @@ class Dispatcher {
   }
 
   std::string summary_path() const { return job_.output.path + ".summary.json"; }
+
+  // Answers the embedded engine cut short at a smaller context than it has now: made again,
+  // since the context is engine tuning, not one of the settings a resume compares.
+  std::function<bool(const json&)> redo_cut_answers() const {
+    const std::int64_t context = backend_.context();
+    if (context <= 0) return {};
+    return [context](const json& record) {
+      const auto cut = record.find("cut_at_context");
+      return cut != record.end() && cut->is_number_integer() && cut->get<std::int64_t>() < context;
+    };
+  }
 
   // Results made under other settings (another model, prompt, sampling, few-shot or scoring)
   // would be counted as this run's: the run stops before sending anything and says what

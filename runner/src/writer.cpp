@@ -320,6 +320,7 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   bool kept_after_drop = false;
   // The ids of dropped failures: one that also has a success is not to retry.
   std::unordered_set<std::string> failed_ids;
+  std::unordered_set<std::string> redone_ids;  // counted once, not as failed too
   bool any_record = false;
   std::int64_t line_number = 0;
   for_each_line(file.get(), path, [&](std::string_view line, std::int64_t offset, bool complete) {
@@ -336,6 +337,11 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
       failed_ids.insert(record["id"].dump());
       return drop();
     }
+    if (options_.redo && options_.redo(record) && !resume_.done_ids.contains(record["id"].dump())) {
+      ++resume_.redone;
+      redone_ids.insert(record["id"].dump());
+      return drop();
+    }
     if (!resume_.done_ids.insert(record["id"].dump()).second) {
       ++resume_.dropped_duplicates;
       return drop();
@@ -344,7 +350,8 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
     if (!dropped.empty()) kept_after_drop = true;
     if (on_kept) on_kept(record);
   });
-  for (const std::string& id : failed_ids) resume_.dropped_failed += resume_.done_ids.contains(id) ? 0 : 1;
+  for (const std::string& id : failed_ids)
+    resume_.dropped_failed += resume_.done_ids.contains(id) || redone_ids.contains(id) ? 0 : 1;
   if (options_.before_changes) options_.before_changes(earlier_settings_);
   if (dropped.empty()) return false;
 

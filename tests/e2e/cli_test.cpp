@@ -752,7 +752,14 @@ TEST(BatchlmRun, ClosedStandardStreamsDoNotSendTextIntoItsFiles) {
   std::istringstream lines(steps);
   for (std::string line; std::getline(lines, line);)
     EXPECT_EQ(line.rfind("{\"step\"", 0), 0u) << "not a step line: " << line;
-  EXPECT_EQ(read_file(dir.path / "out/tiny.jsonl.lock").find_first_not_of("0123456789\n"), std::string::npos);
+  // The lock file holds the pid, then the settings: one line of JSON.
+  std::istringstream lock(read_file(dir.path / "out/tiny.jsonl.lock"));
+  std::string pid, settings, rest;
+  std::getline(lock, pid);
+  std::getline(lock, settings);
+  EXPECT_EQ(pid.find_first_not_of("0123456789"), std::string::npos) << pid;
+  EXPECT_TRUE(json::parse(settings, nullptr, false).contains("model")) << settings;
+  EXPECT_FALSE(std::getline(lock, rest)) << rest;
 }
 
 }  // namespace

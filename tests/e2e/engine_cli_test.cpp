@@ -467,6 +467,70 @@ TEST_F(EngineCli, RunALocalJobWithLogprobsRecordsThemPerToken) {
   EXPECT_NE(bad.err.find("needs logprobs: true"), std::string::npos) << bad.err;
 }
 
+// An answer the context cut short (short of max_tokens) says so in the record; a rerun with a
+// larger context makes it again, and keeps the answers that ended on their own or at
+// max_tokens. A rerun with the same context keeps everything.
+TEST_F(EngineCli, AnswersCutByTheContextAreRedoneWhenItGrows) {
+  batchlm::testing::TinyLlamaOptions options;
+  options.context_length = 1024;
+  batchlm::testing::write_tiny_llama(dir() / "long.gguf", options);
+  std::string job = local_job("long.gguf", 6);
+  job.replace(job.find("max_tokens: 8"), 13, "max_tokens: 120");
+  write_file(dir() / "job.yaml", job);
+  // A context 60 tokens past the longest prompt: that answer is cut at 60, and those of prompts
+  // more than 60 shorter are not.
+  RunResult probe = run_batchlm(dir(), {"run", "job.yaml", "-o", "probe.jsonl"});
+  ASSERT_EQ(probe.exit_code, 0) << probe.err;
+  long long longest = 0;
+  for (const json& rec : read_jsonl(dir() / "probe.jsonl"))
+    longest = std::max(longest, rec["usage"]["prompt_tokens"].get<long long>());
+  const std::string context = std::to_string(longest + 60);
+  RunResult first = run_batchlm(dir(), {"run", "job.yaml", "--set", "backend.context=" + context});
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  std::map<std::string, json> before;
+  std::set<std::string> cut;
+  for (const json& rec : read_jsonl(dir() / "out/local.jsonl")) {
+    const long long prompt = rec["usage"]["prompt_tokens"], completion = rec["usage"]["completion_tokens"];
+    if (rec.contains("cut_at_context")) {
+      EXPECT_EQ(rec["cut_at_context"], longest + 60) << rec.dump();
+      EXPECT_EQ(rec["finish_reason"], "length") << rec.dump();
+      EXPECT_EQ(prompt + completion, longest + 60) << rec.dump();
+      EXPECT_LT(completion, 120) << rec.dump();
+      cut.insert(rec["id"].dump());
+    } else {
+      EXPECT_TRUE(completion == 120 || rec["finish_reason"] == "stop") << rec.dump();
+    }
+    before[rec["id"].dump()] = rec;
+  }
+  ASSERT_EQ(before.size(), 6u);
+  ASSERT_FALSE(cut.empty()) << "no prompt came within 120 tokens of the context: the test needs one";
+  ASSERT_LT(cut.size(), 6u) << "every answer was cut: the test needs one that was not";
+
+  RunResult same = run_batchlm(dir(), {"run", "job.yaml", "--set", "backend.context=" + context});
+  ASSERT_EQ(same.exit_code, 0) << same.err;
+  EXPECT_NE(same.err.find("resuming out/local.jsonl: 6 done, 0 failed to retry\n"), std::string::npos) << same.err;
+
+  RunResult wider = run_batchlm(dir(), {"run", "job.yaml", "--set", "backend.context=1024"});
+  ASSERT_EQ(wider.exit_code, 0) << wider.err;
+  EXPECT_NE(wider.err.find("resuming out/local.jsonl: " + std::to_string(6 - cut.size()) + " done, 0 failed to retry, " +
+                           std::to_string(cut.size()) +
+                           " cut short by a smaller context to redo (the engine's is 1024 tokens now)"),
+            std::string::npos)
+      << wider.err;
+  const std::vector<json> after = read_jsonl(dir() / "out/local.jsonl");
+  ASSERT_EQ(after.size(), 6u);
+  for (const json& rec : after) {
+    const std::string id = rec["id"].dump();
+    if (cut.contains(id)) {
+      EXPECT_FALSE(rec.contains("cut_at_context")) << rec.dump();
+      EXPECT_GT(rec["usage"]["completion_tokens"].get<long long>(), before[id]["usage"]["completion_tokens"].get<long long>())
+          << rec.dump();
+    } else {
+      EXPECT_EQ(rec, before[id]) << "kept as it was";
+    }
+  }
+}
+
 TEST_F(EngineCli, RunALocalJobWhosePromptsOverflowTheContextRecordsA400) {
   write_file(dir() / "job.yaml", local_job("tiny.gguf", 3, ", context: 64"));
   RunResult r = run_batchlm(dir(), {"run", "job.yaml"});

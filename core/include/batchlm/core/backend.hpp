@@ -25,6 +25,10 @@ class Backend {
 
   // A snapshot of the engine's state, for backends that run one; callable from any thread.
   virtual std::optional<EngineStats> engine_stats() const { return std::nullopt; }
+
+  // The tokens a request's prompt and output may hold together, where the backend has such a
+  // context of its own (the embedded engine); 0 where it does not say.
+  virtual std::int64_t context() const { return 0; }
 };
 
 }  // namespace batchlm

@@ -77,6 +77,9 @@ struct TokenLogprob {
 struct Completion {
   std::string text;
   std::string finish_reason;  // "stop", "length", ... as the backend reported it
+  // Where the backend's own context ended the output ("length" short of max_tokens, or with
+  // none): the context's size in tokens, prompt and output together; else 0.
+  std::int64_t cut_at_context = 0;
   Usage usage;
   Timings timings;
   // One entry per token of `text`, when the request asked for log-probabilities and the

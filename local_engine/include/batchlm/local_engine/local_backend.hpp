@@ -32,7 +32,7 @@ class LocalBackend final : public Backend {
 
   // The model's id for APIs (the file name without .gguf) and the context per sequence.
   std::string model_name() const;
-  std::int64_t context() const;
+  std::int64_t context() const override;
   std::int64_t vocab_size() const;  // token ids are below it
   // The KV pool's bytes, and the memory available at start where the pool was set larger than
   // it (on the CPU), else 0.

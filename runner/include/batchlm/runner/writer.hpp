@@ -44,6 +44,7 @@ struct ResumeInfo {
   std::int64_t dropped_failed = 0;   // ids whose failed records were removed and that have no success (to retry)
   bool dropped_torn_line = false;    // a partial last line was cut off
   std::int64_t dropped_duplicates = 0;  // later records for an id already kept
+  std::int64_t redone = 0;           // successful records removed to be made again (Options::redo)
 };
 
 class OutputWriter {
@@ -61,6 +62,9 @@ class OutputWriter {
     // (failed records dropped, a torn line cut): an exception from it leaves the file as it was.
     // `earlier_settings` are those the last run on this output kept (empty if none).
     std::function<void(const std::string& earlier_settings)> before_changes;
+    // Successful records to make again (answers a limit since raised cut short): removed as
+    // failed ones are, so that their items run again, and counted in ResumeInfo::redone.
+    std::function<bool(const nlohmann::json& record)> redo;
   };
 
   // Follows symbolic links in the path to the file itself, takes the lock (`<file>.lock` and the
