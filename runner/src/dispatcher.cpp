@@ -414,6 +414,7 @@ class Dispatcher {
     });
     --counters_.in_flight;
     live.in_attempt = false;
+    watch_refusals(run.outcome, item);
 
     if (run.outcome.ok()) {
       const Usage& usage = run.outcome.completion->usage;
@@ -505,7 +506,6 @@ class Dispatcher {
     ++counters_.done;
     summary_.add(result);
     write_record(record);
-    watch_refusals(run.outcome, model);
   }
 
   // The output takes every record through these two. The first write that fails (a full disk,
@@ -538,14 +538,16 @@ class Dispatcher {
     begin_stop(what.c_str(), false);
   }
 
-  // Failures that every item would meet alike stop the sending: after kRefusalsToStop in a row
-  // with no success between, no new item is sent, and what was not sent is left for the next
-  // run, after the cause is fixed. An API that refuses this client (a wrong key, no quota, no
-  // access); a 404 (no such endpoint, as under a base URL without /v1, or no such model); and,
-  // while nothing has succeeded yet, a server that cannot be reached (not started, the wrong
-  // port): each item would otherwise spend all its attempts on it.
+  // Failures that every item would meet alike stop the sending: after kRefusalsToStop attempts
+  // in a row that meet one, with no success between, no new item is sent, and what was not
+  // sent is left for the next run, after the cause is fixed. An API that refuses this client (a
+  // wrong key, no quota, no access); a 404 (no such endpoint, as under a base URL without /v1,
+  // or no such model); and, while nothing has succeeded yet, a server that cannot be reached
+  // (not started, the wrong port): each item would otherwise spend all its attempts on it.
+  // Attempts are counted, not items: items retry a refused connection, and counting items let
+  // nearly every item start and back off before ten had spent all their attempts.
   static constexpr int kRefusalsToStop = 10;
-  void watch_refusals(const Outcome& outcome, const std::string& model) {
+  void watch_refusals(const Outcome& outcome, const Item& item) {
     if (outcome.ok()) {
       refusals_in_a_row_ = 0;
       any_success_ = true;
@@ -575,7 +577,8 @@ class Dispatcher {
         const std::size_t scheme = trimmed.find("://");
         const bool bare = trimmed.find('/', scheme == std::string::npos ? 0 : scheme + 3) == std::string::npos;
         r.advice = bare ? "OpenAI-compatible APIs are served under /v1: set the base URL to " + trimmed + "/v1"
-                        : "Check the base URL, and that the server has the model '" + model + "'";
+                        : "Check the base URL, and that the server has the model '" +
+                              model_label(job_, item.request.model) + "'";
       }
       refused_ = std::move(r);
     }
@@ -759,13 +762,13 @@ class Dispatcher {
       const std::string not_saved =
           unsaved > 0 ? ", " + std::to_string(unsaved) + " finished items could not be saved" : std::string();
       std::fprintf(options_.progress_out,
-                   "stopped: %s; %s not sent%s. Make room or fix the output, then run the same "
+                   "stopped: %s; %s left for the next run%s. Make room or fix the output, then run the same "
                    "command again: they run then\n",
                    output_error_->c_str(), items_were(r.unfinished).c_str(), not_saved.c_str());
     } else if (refused_) {
       r.exit_code = kExitSomeFailed;
       std::fprintf(options_.progress_out,
-                   "stopped: %s; %s not sent. %s, then run the same command again\n",
+                   "stopped: %s; %s left for the next run. %s, then run the same command again\n",
                    refused_->what.c_str(), items_were(r.unfinished).c_str(), refused_->advice.c_str());
     } else {
       r.exit_code = r.failed > 0 || r.unfinished > 0 ? kExitSomeFailed : kExitOk;

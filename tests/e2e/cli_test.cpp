@@ -199,7 +199,7 @@ TEST(BatchlmRun, StopsSendingWhenTheApiRefusesEveryRequest) {
     EXPECT_NE(r.err.find("the API refused the last 10 requests (HTTP 401 invalid_api_key: Incorrect API key"),
               std::string::npos)
         << r.err;
-    EXPECT_NE(r.err.find("items were not sent"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("items were left for the next run"), std::string::npos) << r.err;
     const long long sent = refusing.stats()["requests"].get<long long>();
     EXPECT_GE(sent, 10);
     EXPECT_LE(sent, 10 + 4);
@@ -229,24 +229,35 @@ TEST(BatchlmRun, StopsOnEveryRequestNotFoundAndSuggestsV1) {
   EXPECT_LE(read_jsonl(dir.path / "out/e2e.jsonl").size(), 12u);
 }
 
-// Nothing listens at the base URL: after ten items could not connect, with no success before,
-// the run stops sending, names the address and the error, and the rest waits for the next run.
+// Nothing listens at the base URL: after ten attempts could not connect, with no success
+// before, the run stops sending, names the address and the error, and the rest waits for the
+// next run. Attempts count, not items: items back off and retry, and would otherwise nearly all
+// start before ten of them had spent their six attempts.
 TEST(BatchlmRun, StopsWhenTheServerCannotBeReachedFromTheStart) {
   TempDir dir;
-  write_file(dir.path / "job.yaml",
-             gsm8k_job({.base_url = "http://127.0.0.1:1/v1", .limit = 100, .concurrency = 2, .max_attempts = 2}));
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = "http://127.0.0.1:1/v1", .limit = 100, .concurrency = 8}));
   RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("stopped: cannot reach http://127.0.0.1:1/v1 ("), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("Start the server or fix the base URL"), std::string::npos) << r.err;
-  // The summary line names the error as well as its kind.
-  EXPECT_NE(r.err.find("failures: connection: "), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("connection: 1"), std::string::npos) << r.err;
-  const auto records = read_jsonl(dir.path / "out/e2e.jsonl");
-  EXPECT_GE(records.size(), 10u);
-  EXPECT_LE(records.size(), 12u);
   const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
-  EXPECT_TRUE(summary["failure_examples"]["connection"].is_string()) << summary.dump(2);
+  // The tenth failed attempt stops the sending; those in flight then may still end.
+  EXPECT_GE(summary["attempts"]["total"].get<long long>(), 10) << summary.dump(2);
+  EXPECT_LT(summary["attempts"]["total"].get<long long>(), 10 + 8) << summary.dump(2);
+  EXPECT_EQ(summary["counts"]["succeeded"], 0) << summary.dump(2);
+  EXPECT_EQ(summary["counts"]["failed"].get<long long>() + summary["counts"]["not_run"].get<long long>(), 100)
+      << summary.dump(2);
+  EXPECT_GE(summary["counts"]["not_run"].get<long long>(), 90) << summary.dump(2);
+  for (const json& rec : read_jsonl(dir.path / "out/e2e.jsonl")) EXPECT_EQ(rec["error"]["kind"], "connection");
+
+  // One item alone spends its attempts, is recorded as failed, and the summary line names the
+  // error as well as its kind.
+  write_file(dir.path / "one.yaml", gsm8k_job({.base_url = "http://127.0.0.1:1/v1", .limit = 1, .max_attempts = 2}));
+  r = run_batchlm(dir.path, {"run", "one.yaml", "-o", "one.jsonl"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("failures: connection: 1 ("), std::string::npos) << r.err;
+  const json one = json::parse(read_file(dir.path / "one.jsonl.summary.json"));
+  EXPECT_TRUE(one["failure_examples"]["connection"].is_string()) << one.dump(2);
 }
 
 // Each record names its model and the settings it was made with; a rerun under other settings
