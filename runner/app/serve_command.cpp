@@ -173,11 +173,23 @@ void add_serve_command(CLI::App& app) {
 
 int run_serve_command() {
   if (serve_cmd == nullptr || !*serve_cmd) return -1;
+  // An option given empty is a slip, not a choice: `--api-key "$KEY"` with KEY unset would
+  // serve without authentication, `--model "$M"` would serve the default model.
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--model", &s.model},
+                                    {"--api-key", &s.api_key},
+                                    {"--served-model-name", &s.served_name},
+                                    {"--host", &s.host},
+                                    {"--draft-model", &s.spec.model},
+                                    {"--step-log", &s.step_log},
+                                    {"--kv-memory", &s.kv_memory}}) {
+    if (serve_cmd->count(flag) > 0 && value->empty())
+      throw std::runtime_error(std::string(flag) + ": empty; give a value, or leave the option out for its default");
+  }
   if (s.model.empty()) s.model = default_model();
   if (const std::string problem = model_file_problem(s.model, "pass --model"); !problem.empty())
     throw std::runtime_error(problem);
   if (s.api_key.empty()) {
-    if (const char* env = std::getenv("BATCHLM_API_KEY"); env && *env) s.api_key = env;
+    if (const char* env = std::getenv("BATCHLM_API_KEY"); env != nullptr) s.api_key = env;  // empty: none
   }
   const std::vector<std::string> allowed_origins = parse_allowed_origins(s.allowed_origins);
   local_engine::LocalBackendOptions engine;
@@ -262,8 +274,10 @@ int run_serve_command() {
   signals.async_wait(on_signal);
 
   const std::string host = s.host.find(':') != std::string::npos ? "[" + s.host + "]" : s.host;
-  std::printf("batchlm serve: listening on http://%s:%u/v1 (model %s, %s)\n", host.c_str(),
-              static_cast<unsigned>(http.port()), options.model_name.c_str(), backend->describe().c_str());
+  // Whether clients need a key is said at start: a key meant but not set shows here.
+  std::printf("batchlm serve: listening on http://%s:%u/v1 (model %s, %s; %s)\n", host.c_str(),
+              static_cast<unsigned>(http.port()), options.model_name.c_str(), backend->describe().c_str(),
+              options.api_key.empty() ? "no API key" : "API key required");
   std::fflush(stdout);
   io.run();
   if (const std::int64_t cancelled = http.aborted(); cancelled > 0)

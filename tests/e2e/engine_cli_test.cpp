@@ -668,6 +668,20 @@ TEST_F(EngineCli, ServeWithAStepLogThatCannotBeOpenedExitsNamingTheFlag) {
   EXPECT_TRUE(contains(r.err, "--step-log: cannot open 'no-such-dir/steps.jsonl'")) << r.err;
 }
 
+// An option given empty is refused, not taken as "none" or "the default": `--api-key "$KEY"`
+// with KEY unset must not serve without authentication. (Whether a key is required is said in
+// the listening line: serve_test.)
+TEST_F(EngineCli, ServeRefusesEmptyOptions) {
+  for (const std::string flag : {"--api-key", "--model", "--served-model-name", "--host"}) {
+    std::vector<std::string> args = {"serve", "--port", "0", "--threads", "1", "--no-kv-commit", flag, ""};
+    if (flag != "--model") args.insert(args.end(), {"--model", "tiny.gguf"});
+    RunResult r = run_batchlm(dir(), args);
+    EXPECT_EQ(r.exit_code, 2) << flag << ": " << r.err;
+    EXPECT_TRUE(contains(r.err, "batchlm: error: " + flag + ": empty; give a value, or leave the option out"))
+        << r.err;
+  }
+}
+
 TEST_F(EngineCli, RunALocalJobWithAMissingModelIsAUsageError) {
   write_file(dir() / "job.yaml", local_job("missing/model.gguf", 5));
   RunResult r = run_batchlm(dir(), {"run", "job.yaml"});

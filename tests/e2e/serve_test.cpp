@@ -754,6 +754,7 @@ TEST_F(Serve, ModelNameDefaultsToTheFileName) {
   auto s = serve();
   EXPECT_EQ(s->model(), "tiny");
   EXPECT_TRUE(contains(s->listening_line(), "local ")) << s->listening_line();
+  EXPECT_TRUE(s->listening_line().ends_with("; no API key)")) << s->listening_line();
   EXPECT_EQ(get(*s, "/v1/models").json_body()["data"][0]["id"], "tiny");
   // Requests naming it, or no model, are served.
   EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"model", "tiny"}, {"max_tokens", 2}})).status, 200);
@@ -1159,6 +1160,7 @@ TEST_F(Serve, ExpectContinueIsAnsweredBeforeTheBody) {
 
 TEST_F(Serve, ApiKeyGuardsV1ButNotHealth) {
   auto s = serve({"--api-key", "s3cret"});
+  EXPECT_TRUE(s->listening_line().ends_with("; API key required)")) << s->listening_line();
   HttpResponse none = get(*s, "/v1/models");
   expect_error(none, 401, "invalid_request_error", nullptr, "invalid_api_key");
   EXPECT_EQ(none.header("www-authenticate"), "Bearer");
