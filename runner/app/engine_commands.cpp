@@ -273,8 +273,8 @@ void add_engine_commands(CLI::App& app) {
       ->capture_default_str()->check(app::between(0, 100, false));
   generate_cmd->add_option("--top-p", g.top_p, "Nucleus sampling threshold")
       ->capture_default_str()->check(app::between(0, 1, false));
-  generate_cmd->add_option("--top-k", g.top_k, "Sample among the k most likely tokens; 0: all")
-      ->capture_default_str()->check(app::at_least(0));
+  generate_cmd->add_option("--top-k", g.top_k, "Sample among the k most likely tokens; 0 or -1: all (as top_k in a request)")
+      ->capture_default_str()->check(app::at_least(-1));
   generate_cmd->add_option("--seed", g.seed, "Random seed (default: random)")
       ->check(CLI::Validator(
           [](std::string& text) {

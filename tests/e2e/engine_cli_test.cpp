@@ -106,13 +106,14 @@ TEST_F(EngineCli, GenerateIsReproducible) {
   EXPECT_NE(many.err.find(std::to_string(hardware + 3) + " compute threads asked for"), std::string::npos) << many.err;
 
   // Sampling with a seed is reproducible too, and the seed matters.
-  auto sampled = [&](const std::string& seed) {
-    RunResult r = generate({"-p", "Hello", "-n", "16", "--temperature", "1.5", "--top-k", "0",
+  auto sampled = [&](const std::string& seed, const std::string& top_k = "0") {
+    RunResult r = generate({"-p", "Hello", "-n", "16", "--temperature", "1.5", "--top-k", top_k,
                             "--top-p", "1", "--ignore-eos", "--seed", seed});
     EXPECT_EQ(r.exit_code, 0) << r.err;
     return r.out;
   };
   EXPECT_EQ(sampled("5"), sampled("5"));
+  EXPECT_EQ(sampled("5", "-1"), sampled("5"));  // -1 is no limit too, as top_k in a request
   std::set<std::string> outputs;
   for (const char* seed : {"1", "2", "3"}) outputs.insert(sampled(seed));
   EXPECT_GE(outputs.size(), 2u);
