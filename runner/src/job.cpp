@@ -799,6 +799,9 @@ void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& requ
   if (Reader::has(node["messages"])) read_messages(r, node["messages"], request.messages);
   if (Reader::has(node["model"])) {
     request.model = r.string(node["model"], "request.model");
+    // Empty would mean "the backend's model": a model the user never named for this request.
+    if (request.model.empty())
+      r.fail(node["model"], "request.model", "empty; name a model, or leave request.model out for backend.model");
     check_template(r, node["model"], "request.model", request.model);
   }
   if (Reader::has(node["max_tokens"]))
@@ -843,6 +846,39 @@ void read_few_shot(const Reader& r, const YAML::Node& node, FewShotSpec& few_sho
   r.require_file(path, "few_shot.path", few_shot.path, "few-shot file");
 }
 
+// What is wrong with an API's base URL, or "" when nothing is: the same checks for
+// backend.base_url, --base-url and $OPENAI_BASE_URL, so that none of them reaches the client
+// (which would retry a URL it cannot use until the run gives up).
+std::string url_problem(std::string_view url) {
+  if (url.empty()) return "empty; give the API's URL, e.g. http://127.0.0.1:8000/v1";
+  std::string_view rest;
+  for (std::string_view scheme : {"http://", "https://"})
+    if (url.starts_with(scheme)) rest = url.substr(scheme.size());
+  if (rest.data() == nullptr)
+    return "expected an http:// or https:// URL, got '" + std::string(url) + "'";
+  if (const auto bad = std::find_if(url.begin(), url.end(),
+                                    [](char c) { return static_cast<unsigned char>(c) <= 0x20 || c == 0x7F; });
+      bad != url.end())
+    return std::string(*bad == ' ' ? "a space" : "a control character") + " at character " +
+           std::to_string(bad - url.begin() + 1) + " of '" + std::string(url) +
+           "' (a URL holds none; percent-encode it, e.g. %20)";
+  const std::string_view authority = rest.substr(0, rest.find_first_of("/?#"));
+  const std::string_view host_port = authority.substr(authority.find('@') == std::string_view::npos ? 0 : authority.find('@') + 1);
+  // The port follows the last ':' outside an IPv6 address's brackets.
+  const std::size_t colon = host_port.rfind(':');
+  const bool has_port = colon != std::string_view::npos && host_port.find(']', colon) == std::string_view::npos;
+  const std::string_view host = has_port ? host_port.substr(0, colon) : host_port;
+  if (host.empty()) return "no host in '" + std::string(url) + "' (e.g. http://127.0.0.1:8000/v1)";
+  if (has_port) {
+    const std::string_view port = host_port.substr(colon + 1);
+    unsigned value = 0;
+    const auto [end, error] = std::from_chars(port.data(), port.data() + port.size(), value);
+    if (port.empty() || error != std::errc() || end != port.data() + port.size() || value == 0 || value > 65535)
+      return "bad port '" + std::string(port) + "' in '" + std::string(url) + "' (1 to 65535)";
+  }
+  return {};
+}
+
 void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend) {
   r.check_map(node, "backend");
   if (Reader::has(node["type"]))
@@ -850,11 +886,17 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
                                          {{"openai", "openai"}, {"local", "local"}});
   if (Reader::has(node["base_url"])) {
     backend.base_url = r.string(node["base_url"], "backend.base_url");
-    if (!backend.base_url.starts_with("http://") && !backend.base_url.starts_with("https://"))
-      r.fail(node["base_url"], "backend.base_url",
-             "expected an http:// or https:// URL, got '" + backend.base_url + "'");
+    if (const std::string problem = url_problem(backend.base_url); !problem.empty())
+      r.fail(node["base_url"], "backend.base_url", problem);
   }
-  if (Reader::has(node["model"])) backend.model = r.string(node["model"], "backend.model");
+  if (Reader::has(node["model"])) {
+    backend.model = r.string(node["model"], "backend.model");
+    // Empty would fall back to the default model: against a paid API, one the user never chose.
+    if (backend.model.empty())
+      r.fail(node["model"], "backend.model",
+             "empty; name a model (a GGUF path for the embedded engine, a model name for an API), or leave it out "
+             "for the default");
+  }
   if (Reader::has(node["api_key_env"]))
     backend.api_key_env = r.string(node["api_key_env"], "backend.api_key_env");
   if (Reader::has(node["headers"])) {
@@ -1134,14 +1176,23 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   if (job.backend.type.empty()) job.backend.type = job.backend.base_url.empty() ? "local" : "openai";
   check_backend_fields(r, root["backend"], job.backend);
   // The environment's defaults are checked as the file's values are (they reach JSON too).
-  const auto from_env = [&](const char* name, std::string fallback) {
-    std::string value = env(name).value_or(std::move(fallback));
+  // empty_is_unset: $BATCHLM_MODEL set but empty is the default GGUF, as for generate, inspect and
+  // serve. $BATCHLM_MODEL_NAME set but empty names no model, and an API is not sent the default
+  // in its place (a model the user never chose, and maybe paid for).
+  const auto from_env = [&](const char* name, std::string fallback, bool empty_is_unset) {
+    std::optional<std::string> set = env(name);
+    if (set && set->empty() && empty_is_unset) set.reset();
+    if (set && set->empty())
+      throw ConfigError(r.file(), 0, 0, "backend.model",
+                        std::string("$") + name + " is set but empty; name a model in it, give backend.model or "
+                        "--model, or unset it for the default (" + fallback + ")");
+    std::string value = set.value_or(std::move(fallback));
     if (const std::string flaw = utf8_flaw(value); !flaw.empty())
       throw ConfigError(r.file(), 0, 0, "backend.model", std::string("$") + name + " " + flaw);
     return value;
   };
   if (job.backend.type == "local") {
-    if (job.backend.model.empty()) job.backend.model = from_env("BATCHLM_MODEL", std::string(kDefaultLocalModel));
+    if (job.backend.model.empty()) job.backend.model = from_env("BATCHLM_MODEL", std::string(kDefaultLocalModel), true);
     // Extra body fields the embedded engine would ignore are refused, not silently dropped.
     if (job.request.extra.is_object()) {
       for (const auto& [key, value] : job.request.extra.items())
@@ -1152,9 +1203,23 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
                *problem + " (the backend is the embedded engine)");
     }
   } else {
-    if (job.backend.base_url.empty())
-      job.backend.base_url = env("OPENAI_BASE_URL").value_or("https://api.openai.com/v1");
-    if (job.backend.model.empty()) job.backend.model = from_env("BATCHLM_MODEL_NAME", "gpt-4o-mini");
+    if (job.backend.base_url.empty()) {
+      constexpr const char* kOpenAI = "https://api.openai.com/v1";
+      const std::optional<std::string> from_variable = env("OPENAI_BASE_URL");
+      job.backend.base_url = from_variable.value_or(kOpenAI);
+      // Checked as backend.base_url is: the variable is where the requests would go.
+      if (from_variable) {
+        const std::string problem =
+            from_variable->empty() ? std::string("is set but empty; set it to the API's URL, or unset it for ") + kOpenAI
+            : !utf8_flaw(*from_variable).empty() ? utf8_flaw(*from_variable)
+                                                 : url_problem(*from_variable);
+        if (!problem.empty())
+          throw ConfigError(r.file(), 0, 0, "backend.base_url",
+                            "$OPENAI_BASE_URL " + (problem.starts_with("is ") ? problem : "is not usable: " + problem) +
+                                " (or give backend.base_url or --base-url)");
+      }
+    }
+    if (job.backend.model.empty()) job.backend.model = from_env("BATCHLM_MODEL_NAME", "gpt-4o-mini", false);
   }
   if (Reader::has(root["concurrency"]))
     job.concurrency = static_cast<int>(r.integer(root["concurrency"], "concurrency", 1, 100'000));

@@ -192,6 +192,32 @@ TEST_F(JobFile, BaseUrlAndModelDefaultFromEnvironment) {
   EXPECT_EQ(local.backend.model, "/models/x.gguf");
 }
 
+// An empty model name would fall back to the default model: against a paid API, one the user never
+// chose. Each way of giving one is refused, naming where it was given.
+TEST_F(JobFile, EmptyModelNameIsAnErrorWhereverItIsGiven) {
+  const std::string api = "backend: {type: openai, base_url: http://127.0.0.1:9/v1, model: fake}\n";
+  ConfigError flag = error_of(with_input(api), {Override{"backend.model", "", true, "--model"}});
+  EXPECT_EQ(flag.file(), "--model");
+  EXPECT_EQ(flag.field(), "backend.model");
+  EXPECT_NE(flag.message().find("empty"), std::string::npos) << flag.what();
+  ConfigError file = error_of(with_input("backend: {type: openai, model: \"\"}\n"));
+  EXPECT_EQ(file.line(), 2);
+  EXPECT_EQ(file.field(), "backend.model");
+  ConfigError local = error_of(with_input("backend: {model: ''}\n"));
+  EXPECT_EQ(local.field(), "backend.model");
+  ConfigError request = error_of(with_input(api), {parse_override("request.model=\"\"")});
+  EXPECT_EQ(request.file(), "--set");
+  EXPECT_EQ(request.field(), "request.model");
+  EXPECT_NE(request.message().find("empty"), std::string::npos) << request.what();
+  // The API's model from a variable set but empty: no model, not the default one. The local
+  // model's variable set but empty is the default GGUF, as for generate, inspect and serve.
+  ConfigError name = error_of(with_input("backend: {type: openai}\n"), {}, {{"BATCHLM_MODEL_NAME", ""}});
+  EXPECT_EQ(name.field(), "backend.model");
+  EXPECT_EQ(name.message(), "$BATCHLM_MODEL_NAME is set but empty; name a model in it, give backend.model or --model, "
+                            "or unset it for the default (gpt-4o-mini)");
+  EXPECT_EQ(load(with_input(""), {}, {{"BATCHLM_MODEL", ""}}).backend.model, kDefaultLocalModel);
+}
+
 TEST_F(JobFile, OutputPathDefaultsToNameOfJob) {
   EXPECT_EQ(load(with_input("name: demo\n")).output.path, "out/demo.jsonl");
 }
@@ -802,6 +828,36 @@ TEST_F(JobFile, RegexErrorsSayWhatAndWhere) {
 
 TEST_F(JobFile, BaseUrlMustBeHttp) {
   EXPECT_EQ(error_of(with_input("backend: {base_url: localhost:8000}\n")).field(), "backend.base_url");
+  for (const char* url : {"ftp://x/v1", "http://a b/v1", "http:///v1", "http://:8000/v1", "http://h:0/v1",
+                          "http://h:99999/v1", "http://h:x/v1"}) {
+    ConfigError e = error_of(with_input("backend: {base_url: \"" + std::string(url) + "\"}\n"));
+    EXPECT_EQ(e.field(), "backend.base_url") << url;
+    EXPECT_EQ(e.line(), 2) << url;
+  }
+  EXPECT_NE(error_of(with_input("backend: {base_url: \"http://a b/v1\"}\n")).message().find("a space at character 9"),
+            std::string::npos);
+  for (const char* url : {"http://127.0.0.1:8000/v1", "https://api.example.com/v1", "http://[::1]:8000/v1",
+                          "http://user@host/v1", "http://host"})
+    EXPECT_EQ(load(with_input("backend: {base_url: \"" + std::string(url) + "\"}\n")).backend.base_url, url);
+}
+
+// $OPENAI_BASE_URL is where the requests go when the job names no base_url: checked as
+// backend.base_url is, and named in the error, before anything is sent.
+TEST_F(JobFile, BaseUrlFromTheEnvironmentIsCheckedToo) {
+  const std::string job = with_input("backend: {type: openai}\n");
+  for (const char* url : {"notaurl", "ftp://x/v1", "http://a b/v1", ""}) {
+    ConfigError e = error_of(job, {}, {{"OPENAI_BASE_URL", url}});
+    EXPECT_EQ(e.field(), "backend.base_url") << url;
+    EXPECT_EQ(e.message().rfind("$OPENAI_BASE_URL is ", 0), 0u) << e.what();
+  }
+  EXPECT_EQ(error_of(job, {}, {{"OPENAI_BASE_URL", "notaurl"}}).message(),
+            "$OPENAI_BASE_URL is not usable: expected an http:// or https:// URL, got 'notaurl' (or give "
+            "backend.base_url or --base-url)");
+  EXPECT_NE(error_of(job, {}, {{"OPENAI_BASE_URL", ""}}).message().find("is set but empty"), std::string::npos);
+  // Not read where the job names its own URL, nor for the embedded engine.
+  EXPECT_EQ(load(with_input("backend: {base_url: http://h/v1}\n"), {}, {{"OPENAI_BASE_URL", "notaurl"}}).backend.base_url,
+            "http://h/v1");
+  EXPECT_EQ(load(with_input(""), {}, {{"OPENAI_BASE_URL", "notaurl"}}).backend.type, "local");
 }
 
 TEST_F(JobFile, ExpandsEnvironmentInEveryStringScalar) {
