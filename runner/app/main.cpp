@@ -167,6 +167,28 @@ void refuse_biases_outside(const JobSpec& job, const std::vector<Override>& over
   }
 }
 
+// An API's key, from backend.api_key_env; an empty one when the variable is unset and the API is
+// not OpenAI's (a local server needs none). Checked by the dry run too.
+std::string api_key(const JobSpec& job, const EnvLookup& env) {
+  if (auto key = env(job.backend.api_key_env); key && !key->empty()) return *key;
+  if (is_openai_host(job.backend.base_url))
+    throw ConfigError(job.file, 0, 0, "backend.api_key_env",
+                      "$" + job.backend.api_key_env + " is not set; export your API key, or point "
+                      "backend.base_url (or $OPENAI_BASE_URL, or --base-url) at another server");
+  return {};
+}
+
+// The output as the writer will take it (a file that can be one, a directory that takes it),
+// before a model is loaded or anything sent, and blamed on where the path was given. The dry run
+// also reads an existing output through, as the run's resume does itself.
+void check_output_path(const JobSpec& job, const std::vector<Override>& overrides, bool read_records) {
+  try {
+    check_output(job.output.path, read_records);
+  } catch (const std::exception& e) {
+    throw field_error(job, overrides, "output.path", e.what());
+  }
+}
+
 std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Override>& overrides,
                                       boost::asio::io_context& io, const EnvLookup& env) {
   if (job.backend.type == "local") {
@@ -234,13 +256,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
   options.base_url = job.backend.base_url;
   options.extra_headers = job.backend.headers;
   options.timeouts = job.backend.timeouts;
-  if (auto key = env(job.backend.api_key_env); key && !key->empty()) {
-    options.api_key = *key;
-  } else if (is_openai_host(job.backend.base_url)) {
-    throw ConfigError(job.file, 0, 0, "backend.api_key_env",
-                      "$" + job.backend.api_key_env + " is not set; export your API key, or point "
-                      "backend.base_url (or $OPENAI_BASE_URL, or --base-url) at another server");
-  }
+  options.api_key = api_key(job, env);
   return std::make_unique<client::OpenAIBackend>(io.get_executor(), std::move(options));
 }
 
@@ -300,7 +316,10 @@ int run_command(const JobOptions& o, bool synth) {
   }
   std::unique_ptr<Source> source = open_source(job);  // validates the whole input
   for (const std::string& warning : source->warnings()) std::fprintf(stderr, "batchlm: warning: %s\n", warning.c_str());
+  // What the run would refuse, the dry run refuses too: the output, and an API's missing key.
+  check_output_path(job, overrides, /*read_records=*/o.dry_run);
   if (o.dry_run) {
+    if (job.backend.type != "local") (void)api_key(job, env);
     // The model too: its header and tensor table (the weights are not read), and its
     // vocabulary, which counts the prompts' tokens.
     PromptTokenCounter count_prompt_tokens;

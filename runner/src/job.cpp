@@ -1234,6 +1234,11 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   if (Reader::has(root["retry"])) read_retry(r, root["retry"], job.retry);
   if (Reader::has(root["output"])) read_output(r, root["output"], job.output);
   if (job.output.path.empty()) job.output.path = "out/" + job.name + ".jsonl";
+  // The output is checked once the job has loaded (whether it can be written there); this says
+  // where its path was given.
+  if (Reader::has(root["output"]))
+    job.marks.emplace("output.path", r.mark(root["output"].IsMap() ? root["output"]["path"] : root["output"],
+                                            "output.path"));
   {
     std::error_code ec;
     if (job.output.path.ends_with('/') || fs::is_directory(job.output.path, ec))

@@ -56,6 +56,28 @@ int open_or_throw(const std::string& path, int flags, mode_t mode = 0644) {
   return fd;
 }
 
+// Opens `path`, creating it if absent; `created` says whether this call made it (a refused run
+// removes what it made, and only that). `what` names it in errors ("output out/x.jsonl").
+int open_creating(const std::string& path, int flags, bool& created, const std::string& what) {
+  // O_EXCL first, so that a file made meanwhile by another run is not taken for this one's.
+  for (int tries = 0;; ++tries) {
+    int fd = ::open(path.c_str(), flags | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      created = true;
+      return fd;
+    }
+    if (errno == EINTR) continue;
+    if (errno != EEXIST) throw_io("cannot open", what, errno);
+    // There: open it as it is (a dangling symbolic link is there too, and open creates its target).
+    fd = ::open(path.c_str(), flags | (tries < 8 ? 0 : O_CREAT) | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      created = false;
+      return fd;
+    }
+    if (errno != EINTR && errno != ENOENT) throw_io("cannot open", what, errno);
+  }
+}
+
 // Writes everything or throws OutputWriteError; `done` tells the caller how far it got, so a
 // retry after an error (disk full) continues at the exact byte instead of duplicating a prefix.
 void write_all(int fd, std::string_view data, const std::string& path, std::size_t& done) {
@@ -189,7 +211,63 @@ void check_can_be_output(const std::string& path) {
   throw std::runtime_error("output " + path + " is " + kind + ", not a file" + kGive);
 }
 
+// The directories `path`'s parent needs made, outermost first (none when it is there). Throws,
+// naming the output, where one on the way is not a directory or cannot be looked into.
+std::vector<std::string> missing_directories(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> missing;
+  for (fs::path dir = parent_directory(path);; dir = dir.has_parent_path() ? dir.parent_path() : fs::path(".")) {
+    struct stat info {};
+    if (::stat(dir.c_str(), &info) == 0) {
+      if (!S_ISDIR(info.st_mode))
+        throw std::runtime_error("cannot create the directory for output " + path + ": " + dir.string() +
+                                 " is not a directory");
+      std::reverse(missing.begin(), missing.end());
+      return missing;
+    }
+    if (errno != ENOENT && errno != ENOTDIR)
+      throw std::runtime_error("cannot create the directory for output " + path + ": " + dir.string() + ": " +
+                               std::strerror(errno));
+    missing.push_back(dir.string());
+    if (dir == "." || dir == dir.root_path()) return missing;  // cannot happen: "." and "/" are there
+  }
+}
+
+// Whether every complete line of the file at `path` is a record with an id (see parse_record).
+void check_records(const std::string& path);
+
 }  // namespace
+
+void check_output(const std::string& given, bool read_records) {
+  if (given.empty()) throw std::runtime_error("output path is empty");
+  check_can_be_output(given);
+  const std::string path = resolve_links(given);
+  const std::string lock_path = path + ".lock";
+  const std::string dir = parent_directory(path);
+  struct stat info {};
+  if (::stat(path.c_str(), &info) == 0) {
+    if (::access(path.c_str(), R_OK | W_OK) != 0)
+      throw std::runtime_error("cannot open output " + path + " for writing: " + std::strerror(errno));
+    if (::access(lock_path.c_str(), F_OK) == 0) {
+      if (::access(lock_path.c_str(), R_OK | W_OK) != 0)
+        throw std::runtime_error("cannot open the lock file " + lock_path + " of output " + path + ": " +
+                                 std::strerror(errno));
+    } else if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+      throw std::runtime_error("cannot create the lock file " + lock_path + " of output " + path + ": " + dir +
+                               ": " + std::strerror(errno));
+    }
+    if (read_records) check_records(path);
+    return;
+  }
+  // Absent: made in the nearest directory there, which must take new entries.
+  const std::vector<std::string> missing = missing_directories(path);
+  const std::string there =
+      missing.empty() ? dir : (std::filesystem::path(missing.front()).has_parent_path()
+                                   ? std::filesystem::path(missing.front()).parent_path().string()
+                                   : std::string("."));
+  if (::access(there.c_str(), W_OK | X_OK) != 0)
+    throw std::runtime_error("cannot create output " + path + ": " + there + ": " + std::strerror(errno));
+}
 
 OutputWriter::OutputWriter(Options options, const std::function<void(const nlohmann::json&)>& on_kept)
     : options_(std::move(options)), last_flush_(std::chrono::steady_clock::now()) {
@@ -199,15 +277,23 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
   check_can_be_output(options_.path);
   options_.path = resolve_links(options_.path);
   const std::string& path = options_.path;
+  const std::string lock_path = path + ".lock";
+  // What this constructor made, removed again when it throws: a refused run leaves nothing behind.
+  std::vector<std::string> made_directories;
+  bool made_lock = false, made_output = false;
   try {
-    std::error_code ec;
-    std::filesystem::create_directories(parent_directory(path), ec);
-    if (ec) throw std::runtime_error("cannot create directory for " + path + ": " + ec.message());
+    for (const std::string& dir : missing_directories(path)) {
+      if (::mkdir(dir.c_str(), 0777) == 0) {
+        made_directories.push_back(dir);
+      } else if (errno != EEXIST) {
+        throw std::runtime_error("cannot create the directory " + dir + " for output " + path + ": " +
+                                 std::strerror(errno));
+      }
+    }
 
     // The lock lives in its own file so that rewriting the output (rename over it) does not
     // drop it, and the kernel releases it however this process ends.
-    const std::string lock_path = path + ".lock";
-    lock_fd_ = open_or_throw(lock_path, O_RDWR | O_CREAT);
+    lock_fd_ = open_creating(lock_path, O_RDWR, made_lock, "the lock file " + lock_path + " of output " + path);
     if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
       if (err != EWOULDBLOCK) throw_io("cannot lock", lock_path, err);
@@ -237,7 +323,7 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
     struct stat info {};
     const bool exists = ::stat(path.c_str(), &info) == 0;
     // Opened without truncating and locked before anything is changed.
-    fd_ = open_or_throw(path, O_WRONLY | O_CREAT | O_APPEND);
+    fd_ = open_creating(path, O_WRONLY | O_APPEND, made_output, "output " + path);
     lock_output(fd_, path);
     if (options_.fresh) {
       // Starting over replaces an earlier output, never a file of another kind.
@@ -265,6 +351,11 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
     if (!exists) fsync_directory(path);
     write_lock(options_.settings);
   } catch (...) {
+    // Removed while still locked: a run that opened the lock file meanwhile finds it held, and
+    // the output's own lock guards the output against a run that makes a new one.
+    if (made_output) ::unlink(path.c_str());
+    if (made_lock) ::unlink(lock_path.c_str());
+    for (auto dir = made_directories.rbegin(); dir != made_directories.rend(); ++dir) ::rmdir(dir->c_str());
     if (fd_ >= 0) ::close(fd_);
     if (replaced_fd_ >= 0) ::close(replaced_fd_);
     if (lock_fd_ >= 0) ::close(lock_fd_);
@@ -300,8 +391,11 @@ nlohmann::json parse_record(std::string_view line, const std::string& path, std:
 
 }  // namespace
 
-void OutputWriter::check_is_output() const {
-  const std::string& path = options_.path;
+void OutputWriter::check_is_output() const { check_records(options_.path); }
+
+namespace {
+
+void check_records(const std::string& path) {
   ScopedFd file(open_or_throw(path, O_RDONLY));
   std::int64_t line_number = 0, records = 0;
   for_each_line(file.get(), path, [&](std::string_view line, std::int64_t, bool complete) {
@@ -309,6 +403,8 @@ void OutputWriter::check_is_output() const {
     if (complete && !blank(line)) parse_record(line, path, line_number, records++ > 0);
   });
 }
+
+}  // namespace
 
 bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_kept) {
   const std::string& path = options_.path;

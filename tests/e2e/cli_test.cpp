@@ -604,6 +604,79 @@ TEST(BatchlmRun, ShippedJobsAndExamplesValidate) {
   }
 }
 
+// What the run would refuse before sending, the dry run refuses too, creating nothing.
+TEST(BatchlmRun, DryRunRefusesWhatTheRunWould) {
+  TempDir dir;
+  FakeServer server(dir.path);
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 2}));
+  write_file(dir.path / "in5.jsonl", "{}\n");
+  write_file(dir.path / "notes.txt", "not results\n");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"-o", "/dev/null"}, "batchlm: error: --output: output.path: output /dev/null is a character device, not a file"},
+      {{"-o", "in5.jsonl/x.jsonl"},
+       "batchlm: error: --output: output.path: cannot create the directory for output " +
+           (fs::canonical(dir.path) / "in5.jsonl/x.jsonl").string() + ": " +
+           (fs::canonical(dir.path) / "in5.jsonl").string() + " is not a directory\n"},
+      {{"-o", "notes.txt"}, "batchlm: error: --output: output.path: " + (fs::canonical(dir.path) / "notes.txt").string() +
+                                ":1: not a JSON line, so this is not a batchlm output file"},
+      {{"--set", "output=in5.jsonl/deeper/x.jsonl"}, "batchlm: error: --set: output.path: cannot create the directory"},
+      {{"--backend", "openai", "--set", "backend.base_url=null"},
+       "batchlm: error: job.yaml: backend.api_key_env: $OPENAI_API_KEY is not set"},
+  };
+  for (const auto& [flags, message] : cases) {
+    for (const bool dry : {true, false}) {
+      std::vector<std::string> args = {"run", "job.yaml"};
+      args.insert(args.end(), flags.begin(), flags.end());
+      if (dry) args.push_back("--dry-run");
+      RunResult r = run_batchlm(dir.path, args);
+      EXPECT_EQ(r.exit_code, 2) << flags[1] << (dry ? " (dry run)" : "") << ": " << r.err;
+      if (dry) {
+        EXPECT_EQ(r.err.rfind(message, 0), 0u) << r.err;
+      }
+      EXPECT_TRUE(r.out.find("nothing was sent") == std::string::npos) << r.out;
+    }
+  }
+  EXPECT_EQ(server.stats()["requests"].get<long long>(), 0);
+  // Nothing made: no lock file beside a refused output, no directory.
+  std::set<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir.path)) names.insert(entry.path().filename().string());
+  for (const std::string& name : names) EXPECT_EQ(name.find(".lock"), std::string::npos) << name;
+  EXPECT_EQ(read_file(dir.path / "notes.txt"), "not results\n");
+  EXPECT_FALSE(fs::exists(dir.path / "out"));
+  // A directory the run cannot write in (not for root, who can write anywhere).
+  if (::geteuid() != 0) {
+    fs::create_directory(dir.path / "ro");
+    fs::permissions(dir.path / "ro", fs::perms::owner_read | fs::perms::owner_exec);
+    RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "-o", "ro/x.jsonl", "--dry-run"});
+    EXPECT_EQ(r.exit_code, 2);
+    EXPECT_NE(r.err.find("--output: output.path: cannot create output "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("Permission denied"), std::string::npos) << r.err;
+    fs::permissions(dir.path / "ro", fs::perms::owner_all);
+  }
+  // And what the run takes, the dry run takes.
+  RunResult fine = run_batchlm(dir.path, {"run", "job.yaml", "-o", "new/dir/x.jsonl", "--dry-run"});
+  EXPECT_EQ(fine.exit_code, 0) << fine.err;
+  EXPECT_FALSE(fs::exists(dir.path / "new"));
+}
+
+// $OPENAI_BASE_URL is where the requests go when the job names no URL: checked before anything is
+// sent, not retried until the run gives up.
+TEST(BatchlmRun, BaseUrlFromTheEnvironmentIsChecked) {
+  TempDir dir;
+  write_file(dir.path / "job.yaml", "input: " + gsm8k_test_file() +
+                                        "\nrequest: {messages: [{role: user, content: \"{{question}}\"}]}\nlimit: 2\n");
+  for (const std::string url : {"notaurl", "ftp://x/v1", "http://a b/v1", ""}) {
+    for (const bool dry : {true, false}) {
+      std::vector<std::string> args = {"run", "job.yaml", "--backend", "openai"};
+      if (dry) args.push_back("--dry-run");
+      RunResult r = run_batchlm(dir.path, args, {{"OPENAI_BASE_URL", url}, {"OPENAI_API_KEY", "x"}});
+      EXPECT_EQ(r.exit_code, 2) << url << ": " << r.err;
+      EXPECT_EQ(r.err.rfind("batchlm: error: job.yaml: backend.base_url: $OPENAI_BASE_URL is ", 0), 0u) << r.err;
+    }
+  }
+  EXPECT_FALSE(fs::exists(dir.path / "out"));
+}
+
 TEST(BatchlmRun, MissingApiKeyForTheOpenAIHostIsAUsageError) {
   TempDir dir;
   write_file(dir.path / "job.yaml", gsm8k_job({.base_url = "https://api.openai.com/v1", .limit = 2}));

@@ -721,6 +721,78 @@ TEST_F(OutputWriterTest, OutputThatIsNotARegularFileIsRefusedBeforeAnythingIsCre
   EXPECT_FALSE(fs::exists(dir_ / "fifo.lock"));
 }
 
+// A refused run leaves no file it made: not the lock file, not the output, not the directories
+// it made for them.
+TEST_F(OutputWriterTest, ARefusedWriterRemovesWhatItMade) {
+  write_raw("not results\n");
+  EXPECT_THROW(OutputWriter writer(options()), NotAnOutputError);
+  EXPECT_EQ(read_raw(), "not results\n");
+  EXPECT_FALSE(fs::exists(path_ + ".lock"));
+  // A lock file that was there before stays.
+  std::ofstream(path_ + ".lock") << "1\n";
+  EXPECT_THROW(OutputWriter writer(options()), NotAnOutputError);
+  EXPECT_TRUE(fs::exists(path_ + ".lock"));
+  // Refused once it made directories: they go too (a name whose lock file's name is too long).
+  path_ = (dir_ / "a" / "b" / (std::string(248, 'x') + ".jsonl")).string();
+  EXPECT_THROW(OutputWriter writer(options()), std::runtime_error);
+  EXPECT_FALSE(fs::exists(dir_ / "a"));
+  // What it did not make stays: another run's output, lock and directories.
+  path_ = (dir_ / "a" / "b" / "out.jsonl").string();
+  {
+    OutputWriter first(options());
+    EXPECT_THROW(OutputWriter second(options()), OutputLockedError);
+    EXPECT_TRUE(fs::exists(path_));
+    EXPECT_TRUE(fs::exists(path_ + ".lock"));
+  }
+  // A directory that cannot be made leaves none of those before it.
+  fs::remove_all(dir_ / "a");
+  fs::create_directories(dir_ / "a");
+  std::ofstream(dir_ / "a" / "b") << "a file where a directory is needed";
+  path_ = (dir_ / "a" / "b" / "c" / "out.jsonl").string();
+  EXPECT_THROW(OutputWriter writer(options()), std::runtime_error);
+  EXPECT_EQ(std::vector<fs::path>(fs::directory_iterator(dir_ / "a"), {}), std::vector<fs::path>{dir_ / "a" / "b"});
+}
+
+// The checks a dry run makes: what the writer would refuse, refused without creating anything.
+TEST_F(OutputWriterTest, CheckOutputRefusesWhatTheWriterWouldAndMakesNothing) {
+  const auto message_of = [](const std::string& path, bool read_records = true) -> std::string {
+    try {
+      check_output(path, read_records);
+    } catch (const std::runtime_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  // Fine: absent (in directories to be made), or an earlier output.
+  EXPECT_EQ(message_of((dir_ / "x" / "y" / "out.jsonl").string()), "");
+  EXPECT_FALSE(fs::exists(dir_ / "x"));
+  write_raw(line(ok(1)) + "{\"id\": 2, \"torn");
+  EXPECT_EQ(message_of(path_), "");
+  EXPECT_FALSE(fs::exists(path_ + ".lock"));
+  // Not an output: refused when read through, as a resume would.
+  write_raw("notes\n");
+  EXPECT_NE(message_of(path_).find("not a batchlm output"), std::string::npos) << message_of(path_);
+  EXPECT_EQ(message_of(path_, false), "");
+  // Under a file; not a file; nothing at all.
+  const std::string under = path_ + "/x.jsonl";
+  EXPECT_EQ(message_of(under), "cannot create the directory for output " + under + ": " + path_ + " is not a directory");
+  EXPECT_NE(message_of((dir_ / "out.jsonl" / "a" / "b.jsonl").string()).find(path_ + " is not a directory"),
+            std::string::npos);
+  EXPECT_NE(message_of("/dev/null").find("is a character device, not a file"), std::string::npos);
+  EXPECT_NE(message_of("-").find("output '-'"), std::string::npos);
+  EXPECT_NE(message_of("").find("empty"), std::string::npos);
+  EXPECT_FALSE(fs::exists(path_ + ".lock"));
+  // A directory that takes no new entries (root may write anywhere: not checked as root).
+  if (::geteuid() != 0) {
+    fs::create_directory(dir_ / "ro");
+    fs::permissions(dir_ / "ro", fs::perms::owner_read | fs::perms::owner_exec);
+    const std::string inside = (dir_ / "ro" / "x.jsonl").string();
+    EXPECT_EQ(message_of(inside), "cannot create output " + inside + ": " + (dir_ / "ro").string() + ": Permission denied");
+    EXPECT_THROW(OutputWriter writer([&] { auto o = options(); o.path = inside; return o; }()), std::runtime_error);
+    fs::permissions(dir_ / "ro", fs::perms::owner_all);
+  }
+}
+
 // "-" usually means stdout; a file named "-" appearing instead would surprise: refused.
 TEST_F(OutputWriterTest, DashIsRefusedAsAnOutput) {
   path_ = "-";

@@ -47,6 +47,15 @@ struct ResumeInfo {
   std::int64_t redone = 0;           // successful records removed to be made again (Options::redo)
 };
 
+// What OutputWriter checks of its output before it takes it, checked without creating or
+// changing anything (for a dry run, and before a run loads its model): the path can be an output
+// (not "-", a directory, a pipe or a device), the directories it needs can be made, an existing
+// file and its lock file can be written, or the directory a new one goes in takes new entries;
+// with read_records, an existing file is read through as a resume would (NotAnOutputError
+// where it is not a batchlm output). Whether another run holds the output is not checked.
+// Throws std::runtime_error naming the output's path.
+void check_output(const std::string& path, bool read_records = true);
+
 class OutputWriter {
  public:
   struct Options {
