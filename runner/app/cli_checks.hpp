@@ -22,8 +22,10 @@ inline std::string show(double v) {
   return text;
 }
 
-// The message for a value outside [min, max] (max infinite: no upper bound), or "".
-inline std::string check_number(const std::string& text, double min, double max, bool integer) {
+// The message for a value outside [min, max] (max infinite: no upper bound but the type's,
+// `largest`, or a long long's), or "". A value past the upper bound is said to be too large.
+inline std::string check_number(const std::string& text, double min, double max, bool integer,
+                                double largest = INFINITY) {
   double value = 0;
   bool parsed = false;
   const char* end = text.data() + text.size();
@@ -32,6 +34,15 @@ inline std::string check_number(const std::string& text, double min, double max,
     const auto [at, err] = std::from_chars(text.data(), end, n);
     parsed = err == std::errc() && at == end;
     value = static_cast<double>(n);
+    if (err == std::errc::result_out_of_range && at == end && std::isinf(max) && !text.starts_with('-'))
+      return "too large: the largest allowed is " + (std::isinf(largest) ? std::string("9223372036854775807") : show(largest)) +
+             ", got " + text;
+    if (err == std::errc::result_out_of_range && at == end) {
+      parsed = true;  // out of range, not malformed
+      value = text.starts_with('-') ? -INFINITY : INFINITY;
+    }
+    if (parsed && std::isinf(max) && value > largest)
+      return "too large: the largest allowed is " + show(largest) + ", got " + text;
   } else {
     const auto [at, err] = std::from_chars(text.data(), end, value);
     parsed = err == std::errc() && at == end && std::isfinite(value);
@@ -50,9 +61,10 @@ inline std::string check_number(const std::string& text, double min, double max,
 
 }  // namespace detail
 
-inline CLI::Validator at_least(double min, bool integer = true) {
+// largest: the most the option's type holds (an int's 2147483647), said to be the largest allowed.
+inline CLI::Validator at_least(double min, bool integer = true, double largest = INFINITY) {
   return CLI::Validator(
-      [=](std::string& text) { return detail::check_number(text, min, INFINITY, integer); },
+      [=](std::string& text) { return detail::check_number(text, min, INFINITY, integer, largest); },
       (integer ? "INT>=" : "NUMBER>=") + detail::show(min));
 }
 

@@ -80,7 +80,8 @@ struct JobOptions {
 };
 
 void add_job_options(CLI::App& cmd, JobOptions& o, bool with_count) {
-  cmd.add_option("--concurrency,-c", o.concurrency, "Requests in flight at once")->check(app::at_least(1));
+  cmd.add_option("--concurrency,-c", o.concurrency, "Requests in flight at once")
+      ->check(app::at_least(1, true, std::numeric_limits<int>::max()));
   cmd.add_option("--limit,-n", o.limit, "Only the first N items")->check(app::at_least(0));
   if (with_count) cmd.add_option("--count", o.count, "Number of items to synthesize")->check(app::at_least(1));
   cmd.add_option("--output,-o", o.output, "Output JSONL path (the summary goes next to it)");

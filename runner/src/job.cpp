@@ -579,16 +579,18 @@ class Reader {
     if (error != std::errc() || end != text.data() + text.size()) {
       double as_double = 0;
       auto [dend, derror] = std::from_chars(begin, text.data() + text.size(), as_double);
-      if (derror == std::errc() && dend == text.data() + text.size() &&
-          as_double == std::floor(as_double) && std::abs(as_double) < 9e15) {
-        value = static_cast<std::int64_t>(as_double);  // 1e3 is a fine integer
-      } else if (error == std::errc::result_out_of_range && end == text.data() + text.size()) {
-        fail(node, field, range_message(text, min, max));
+      const bool whole =
+          derror == std::errc() && dend == text.data() + text.size() && as_double == std::floor(as_double);
+      if (whole && std::abs(as_double) < 9.2e18) {
+        value = static_cast<std::int64_t>(as_double);  // 1e3 is a fine integer (and exact: a whole double is)
+      } else if ((error == std::errc::result_out_of_range && end == text.data() + text.size()) || whole) {
+        // Past what 64 bits hold (or 1e300): too large or too small, whatever the bounds.
+        fail(node, field, range_message(text, min, max, text.starts_with('-') ? -1 : 1));
       } else {
         fail(node, field, "expected an integer, got '" + text + "'");
       }
     }
-    if (value < min || value > max) fail(node, field, range_message(text, min, max));
+    if (value < min || value > max) fail(node, field, range_message(text, min, max, value < min ? -1 : 1));
     return value;
   }
 
@@ -597,6 +599,8 @@ class Reader {
     const std::string& text = node.Scalar();
     std::uint64_t value = 0;
     auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (error == std::errc::result_out_of_range && end == text.data() + text.size())
+      fail(node, field, range_message(text, std::uint64_t{0}, std::numeric_limits<std::uint64_t>::max(), 1));
     if (error != std::errc() || end != text.data() + text.size())
       fail(node, field, "expected a non-negative integer, got '" + text + "'");
     return value;
@@ -610,7 +614,7 @@ class Reader {
     auto [end, error] = std::from_chars(begin, text.data() + text.size(), value);
     if (error != std::errc() || end != text.data() + text.size() || !std::isfinite(value))
       fail(node, field, "expected a number, got '" + text + "'");
-    if (value < min || value > max) fail(node, field, range_message(text, min, max));
+    if (value < min || value > max) fail(node, field, range_message(text, min, max, value < min ? -1 : 1));
     return value;
   }
 
@@ -684,14 +688,20 @@ class Reader {
   }
 
  private:
+  // side: -1 for a value below min, 1 above max. Where that side has no bound of its own (only
+  // the type's), the message says which way it is out: "must be >= 0" for 10^23 would mislead.
   template <typename T>
-  static std::string range_message(const std::string& text, T min, T max) {
+  static std::string range_message(const std::string& text, T min, T max, int side) {
     auto show = [](T v) {
       std::ostringstream s;
       s << v;
       return s.str();
     };
-    if (max == std::numeric_limits<T>::max()) return "must be >= " + show(min) + ", got " + text;
+    const bool min_is_the_types = min == std::numeric_limits<T>::lowest();
+    const bool max_is_the_types = max == std::numeric_limits<T>::max();
+    if (side > 0 && max_is_the_types) return "too large: the largest allowed is " + show(max) + ", got " + text;
+    if (side < 0 && min_is_the_types) return "too small: the smallest allowed is " + show(min) + ", got " + text;
+    if (max_is_the_types) return "must be >= " + show(min) + ", got " + text;
     return "must be between " + show(min) + " and " + show(max) + ", got " + text;
   }
 
@@ -879,6 +889,8 @@ std::string url_problem(std::string_view url) {
   return {};
 }
 
+std::optional<double> parse_byte_size_unbounded(std::string_view text);
+
 void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend) {
   r.check_map(node, "backend");
   if (Reader::has(node["type"]))
@@ -946,6 +958,9 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
   if (Reader::has(node["kv_memory"])) {
     const YAML::Node m = node["kv_memory"];
     const std::optional<std::int64_t> bytes = m.IsScalar() ? parse_byte_size(m.Scalar()) : std::nullopt;
+    if (!bytes && m.IsScalar() && parse_byte_size_unbounded(m.Scalar()))
+      r.fail(m, "backend.kv_memory",
+             "too large: the largest allowed is 9000000000000000000 bytes (about 7.8EiB), got '" + m.Scalar() + "'");
     if (!bytes) {
       r.fail(m, "backend.kv_memory",
              "expected a size such as 2GiB, 512MiB or 1073741824, got " +
@@ -992,7 +1007,13 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
 
 }  // namespace
 
-std::optional<std::int64_t> parse_byte_size(std::string_view text) {
+namespace {
+
+// The largest size taken: below 2^63 with room for a double's rounding.
+constexpr double kMaxByteSize = 9e18;
+
+// parse_byte_size without the bound: a size too large for it is still a size.
+std::optional<double> parse_byte_size_unbounded(std::string_view text) {
   while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
   while (!text.empty() && text.back() == ' ') text.remove_suffix(1);
   std::size_t digits = 0;
@@ -1011,12 +1032,22 @@ std::optional<std::int64_t> parse_byte_size(std::string_view text) {
       {"k", 0x1p10},     {"kib", 0x1p10}, {"ki", 0x1p10}, {"kb", 1e3},
       {"m", 0x1p20},     {"mib", 0x1p20}, {"mi", 0x1p20}, {"mb", 1e6},
       {"g", 0x1p30},     {"gib", 0x1p30}, {"gi", 0x1p30}, {"gb", 1e9},
-      {"t", 0x1p40},     {"tib", 0x1p40}, {"ti", 0x1p40}, {"tb", 1e12}};
+      {"t", 0x1p40},     {"tib", 0x1p40}, {"ti", 0x1p40}, {"tb", 1e12},
+      {"p", 0x1p50},     {"pib", 0x1p50}, {"pi", 0x1p50}, {"pb", 1e15},
+      {"e", 0x1p60},     {"eib", 0x1p60}, {"ei", 0x1p60}, {"eb", 1e18}};
   auto it = units.find(unit);
   if (it == units.end()) return std::nullopt;
   const double bytes = value * it->second;
-  if (!(bytes >= 0) || bytes > 9e18) return std::nullopt;
-  return static_cast<std::int64_t>(bytes);
+  if (!(bytes >= 0)) return std::nullopt;
+  return bytes;
+}
+
+}  // namespace
+
+std::optional<std::int64_t> parse_byte_size(std::string_view text) {
+  const std::optional<double> bytes = parse_byte_size_unbounded(text);
+  if (!bytes || *bytes > kMaxByteSize) return std::nullopt;
+  return static_cast<std::int64_t>(*bytes);
 }
 
 namespace {

@@ -516,6 +516,13 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> numbers = {
       {{"synth", "--count", "0"}, "batchlm: error: --count: must be >= 1, got 0\n"},
       {{"synth", "-c", "many"}, "batchlm: error: --concurrency: must be >= 1 (an integer), got 'many'\n"},
+      // Too large is said to be, with the largest allowed.
+      {{"synth", "-c", "99999999999999999999"},
+       "batchlm: error: --concurrency: too large: the largest allowed is 2147483647, got 99999999999999999999\n"},
+      {{"synth", "-c", "3000000000"}, "batchlm: error: --concurrency: too large: the largest allowed is 2147483647, got 3000000000\n"},
+      {{"synth", "-n", "99999999999999999999"},
+       "batchlm: error: --limit: too large: the largest allowed is 9223372036854775807, got 99999999999999999999\n"},
+      {{"synth", "-n", "-99999999999999999999"}, "batchlm: error: --limit: must be >= 0, got -99999999999999999999\n"},
       {{"serve", "--port", "70000"}, "batchlm: error: --port: must be between 0 and 65535, got 70000\n"},
       {{"generate", "-p", "x", "--top-p", "1.5"}, "batchlm: error: --top-p: must be between 0 and 1, got 1.5\n"},
       {{"generate", "-p", "x", "--system", "Be brief."}, "batchlm: error: --system needs --chat"},

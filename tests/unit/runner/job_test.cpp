@@ -676,6 +676,19 @@ TEST_F(JobFile, InputPathsThatAreNoFileSayWhatTheyAre) {
 TEST_F(JobFile, HugeIntegersAreOutOfRangeNotMalformed) {
   ConfigError e = error_of(with_input("concurrency: 99999999999999999999\n"));
   EXPECT_EQ(e.message(), "must be between 1 and 100000, got 99999999999999999999");
+  // Where only the type bounds a value, one past it is too large (or too small), not "must be >= 0".
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"request: {seed: 99999999999999999999}", "too large: the largest allowed is 9223372036854775807, got 99999999999999999999"},
+      {"request: {seed: -99999999999999999999}", "too small: the smallest allowed is -9223372036854775808, got -99999999999999999999"},
+      {"limit: 99999999999999999999999", "too large: the largest allowed is 9223372036854775807, got 99999999999999999999999"},
+      {"limit: 1e30", "too large: the largest allowed is 9223372036854775807, got 1e30"},
+      {"synth: {seed: 99999999999999999999}", "too large: the largest allowed is 18446744073709551615, got 99999999999999999999"},
+      {"backend: {kv_memory: 16EiB}", "too large: the largest allowed is 9000000000000000000 bytes (about 7.8EiB), got '16EiB'"},
+  };
+  for (const auto& [yaml, message] : cases) EXPECT_EQ(error_of(with_input(yaml + "\n")).message(), message) << yaml;
+  // Written with an exponent, a whole number within the range is taken.
+  EXPECT_EQ(load(with_input("limit: 1e17\n")).limit, 100000000000000000);
+  EXPECT_EQ(load(with_input("backend: {kv_memory: 1EiB}\n")).backend.kv_bytes, std::int64_t{1} << 60);
 }
 
 TEST_F(JobFile, WrongTypeQuotesTheValue) {
