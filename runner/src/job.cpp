@@ -20,6 +20,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
@@ -408,10 +409,11 @@ void check_override_path(const std::vector<std::string>& segments, const std::st
                         "unknown key ('" + section + "' has no fields)");
     const Keys& keys = known->second;
     if (std::find(keys.begin(), keys.end(), segment) == keys.end()) {
-      std::string message = "unknown key";
+      // As in a job file: the nearest key, else every valid one.
       std::string suggestion = nearest_key(segment, keys);
-      if (!suggestion.empty()) message += " (did you mean '" + suggestion + "'?)";
-      throw ConfigError("--set", 0, 0, full, message);
+      throw ConfigError("--set", 0, 0, full,
+                        "unknown key" + (suggestion.empty() ? " (valid keys: " + join(keys) + ")"
+                                                            : " (did you mean '" + suggestion + "'?)"));
     }
     section = child_path(section, segment);
   }
@@ -427,11 +429,22 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
     throw ConfigError(override_value.flag.empty() ? std::string("--set") : override_value.flag, 0, 0,
                       override_value.path, "value " + flaw);
   YAML::Node value;
+  // A value that begins with a placeholder is the template it reads as: YAML would take
+  // `{{verb}} now` for a map whose key is a map, which no field of a job takes.
+  std::string_view text = override_value.value;
+  text.remove_prefix(std::min(text.size(), text.find_first_not_of(" \t")));
+  text.remove_suffix(text.size() - (text.find_last_not_of(" \t") + 1));
   if (override_value.literal) {
     value = YAML::Node(override_value.value);
+  } else if (text.starts_with("{{")) {
+    value = YAML::Node(std::string(text));
+    expand_tree(value, override_value.path, "--set", env);
   } else {
     try {
       value = YAML::Load(override_value.value);
+    } catch (const YAML::DeepRecursion&) {
+      throw ConfigError("--set", 0, 0, override_value.path,
+                        "value nested more than " + std::to_string(kMaxYamlDepth) + " levels deep");
     } catch (const YAML::Exception& e) {
       throw ConfigError("--set", 0, 0, override_value.path, "value is not valid YAML: " + e.msg);
     }
@@ -1178,6 +1191,13 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   } else if (job.synth.count > 0) {
     r.fail(root["synth"]["count"], "synth.count",
            "not used by a job with an input (its lines are the items); use limit to run fewer");
+  } else if (has_synth) {
+    // Nor are variables drawn for them: the lines' own fields fill the templates.
+    for (const char* key : {"variables", "seed"})
+      if (Reader::has(root["synth"][key]))
+        r.fail(root["synth"][key], std::string("synth.") + key,
+               "not used by a job with an input (its lines are the items, and their fields fill the templates); "
+               "remove it, or the input");
   }
   if (Reader::has(root["request"])) {
     read_request(r, root["request"], job.request);
@@ -1264,6 +1284,17 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   }
   if (Reader::has(root["retry"])) read_retry(r, root["retry"], job.retry);
   if (Reader::has(root["output"])) read_output(r, root["output"], job.output);
+  // A synth item's input is its drawn variables, known now: a name that is none of them would
+  // leave every record's input empty.
+  if (job.kind == JobKind::Synth && job.input.path.empty()) {
+    std::string names;
+    for (const auto& [name, choices] : job.synth.variables) names += (names.empty() ? "" : ", ") + name;
+    for (std::size_t i = 0; i < job.output.input_fields.size(); ++i)
+      if (!job.synth.variables.count(job.output.input_fields[i]))
+        r.fail(root["output"]["input_fields"][i], index_path("output.input_fields", i),
+               "'" + job.output.input_fields[i] + "' is not a synth variable (variables: " +
+                   (names.empty() ? "none" : names) + ")");
+  }
   if (job.output.path.empty()) job.output.path = "out/" + job.name + ".jsonl";
   // The output is checked once the job has loaded (whether it can be written there); this says
   // where its path was given.
@@ -1472,6 +1503,11 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
                         "a second YAML document (after '---'); a job file holds one job");
     }
     root = YAML::Load(std::string(yaml));
+  } catch (const YAML::DeepRecursion& e) {
+    // The parser's own bound (some thousand levels) comes with the words "bad file"; past it the
+    // tree is refused as check_tree_size refuses one past kMaxYamlDepth.
+    throw ConfigError(file_label, e.mark.is_null() ? 0 : e.mark.line + 1, e.mark.is_null() ? 0 : e.mark.column + 1, "",
+                      "nested more than " + std::to_string(kMaxYamlDepth) + " levels deep");
   } catch (const YAML::ParserException& e) {
     int line = e.mark.is_null() ? 0 : e.mark.line + 1;
     int column = e.mark.is_null() ? 0 : e.mark.column + 1;
@@ -1505,6 +1541,12 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
   check_runaway_quote(root, yaml, file_label);
   check_duplicate_keys(root, "", file_label);
   expand_tree(root, "", file_label, env);
+  // Overrides go into a map: a file that holds a list or a single value is refused as it is,
+  // not replaced by one made of the flags.
+  if (root.IsDefined() && !root.IsNull() && !root.IsMap())
+    throw ConfigError(file_label, root.Mark().is_null() ? 0 : root.Mark().line + 1,
+                      root.Mark().is_null() ? 0 : root.Mark().column + 1, "",
+                      "expected a map of job settings, got " + describe(root));
   for (const Override& o : overrides) {
     apply_override(root, o, env);
   }

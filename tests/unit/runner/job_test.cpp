@@ -942,6 +942,11 @@ TEST_F(JobFile, OverrideWithUnknownPathNamesSetAndSuggests) {
   ConfigError e = error_of(with_input(""), {parse_override("retry.max_attemps=3")});
   EXPECT_STREQ(e.what(), "--set: retry.max_attemps: unknown key (did you mean 'max_attempts'?)");
   EXPECT_EQ(error_of(with_input(""), {parse_override("concurrency.x=1")}).file(), "--set");
+  // Far from any key: every valid one, as a job file's unknown key gets.
+  ConfigError far = error_of(with_input(""), {parse_override("foo=5")});
+  EXPECT_EQ(far.message().rfind("unknown key (valid keys: name, kind, input, ", 0), 0u) << far.what();
+  EXPECT_NE(error_of(with_input(""), {parse_override("retry.zzz=5")}).message().find("max_attempts, base"),
+            std::string::npos);
 }
 
 TEST_F(JobFile, OverrideWithBadValueIsBlamedOnSet) {
@@ -1033,6 +1038,82 @@ TEST_F(JobFile, SynthCountWithAnInputIsAnError) {
   EXPECT_EQ(e.field(), "synth.count");
   EXPECT_EQ(e.line(), 2);
   EXPECT_EQ(error_of(with_input(""), {parse_override("synth.count=3")}).field(), "synth.count");
+}
+
+// Nor are variables drawn, or a seed used, for the items of an input: refused at their line
+// rather than ignored (a {{variable}} would then be blamed on the input's lines).
+TEST_F(JobFile, SynthVariablesOrSeedWithAnInputAreErrors) {
+  const std::string request = "request: {messages: [{role: user, content: \"{{style}}\"}]}\n";
+  ConfigError variables = error_of(with_input("synth:\n  variables: {style: [a, b]}\n" + request));
+  EXPECT_EQ(variables.field(), "synth.variables");
+  EXPECT_EQ(variables.line(), 3);
+  EXPECT_EQ(variables.message().rfind("not used by a job with an input", 0), 0u) << variables.what();
+  ConfigError seed = error_of(with_input("synth:\n  seed: 4\n" + request));
+  EXPECT_EQ(seed.field(), "synth.seed");
+  EXPECT_EQ(seed.line(), 3);
+  EXPECT_EQ(error_of(with_input(request), {parse_override("synth.seed=3")}).file(), "--set");
+}
+
+// A synth item's input is its drawn variables: output.input_fields may name only those.
+TEST_F(JobFile, SynthInputFieldsMustBeVariables) {
+  const std::string synth = "synth: {count: 2, variables: {animal: [cat], place: [sea]}}\n"
+                            "request: {messages: [{role: user, content: \"{{animal}}\"}]}\n";
+  EXPECT_EQ(load(synth + "output: {input_fields: [place]}\n").output.input_fields, std::vector<std::string>{"place"});
+  ConfigError e = error_of(synth + "output:\n  input_fields:\n    - animal\n    - colour\n");
+  EXPECT_EQ(e.field(), "output.input_fields[1]");
+  EXPECT_EQ(e.line(), 6);
+  EXPECT_EQ(e.message(), "'colour' is not a synth variable (variables: animal, place)");
+  // An input's fields are known only once it is read (a warning then).
+  EXPECT_EQ(load(with_input("output: {input_fields: [colour]}\n")).output.input_fields.size(), 1u);
+}
+
+// Flags are applied to the job's map: a file that is a list or a single value is refused as
+// it is with flags as without.
+TEST_F(JobFile, RootThatIsNotAMapIsAnErrorWithOverridesToo) {
+  for (const Override& o : {Override{"concurrency", "4", false, "--concurrency"},
+                            Override{"output.path", "x.jsonl", true, "--output"}, parse_override("limit=3")}) {
+    EXPECT_EQ(error_of("- a\n- b\n", {o}).message(), "expected a map of job settings, got a list") << o.path;
+    EXPECT_EQ(error_of("just text\n", {o}).message(), "expected a map of job settings, got 'just text'") << o.path;
+  }
+  // An empty file takes the flags as its settings.
+  EXPECT_EQ(load("", {Override{"input", input_, true, "--set"}}).input.path, input_);
+}
+
+// A --set value that begins with a placeholder is the template it reads as, not YAML's map.
+TEST_F(JobFile, OverrideValueStartingWithAPlaceholderIsAString) {
+  const std::string job = with_input("request: {messages: [{role: user, content: a}]}\n");
+  EXPECT_EQ(load(job, {parse_override("request.messages.0.content={{question}} now")}).request.messages[0].content,
+            "{{question}} now");
+  EXPECT_EQ(load(job, {parse_override("request.messages.0.content={{question}}")}).request.messages[0].content,
+            "{{question}}");
+  EXPECT_EQ(load(job, {parse_override("request.messages.0.content=\"{{question}} ${X}\"")}, {{"X", "y"}})
+                .request.messages[0]
+                .content,
+            "{{question}} y");
+  EXPECT_EQ(load(job, {parse_override("request.messages.0.content={{question}} ${X}")}, {{"X", "y"}})
+                .request.messages[0]
+                .content,
+            "{{question}} y");
+  // A flow map is still a map.
+  EXPECT_EQ(load(job, {parse_override("request.extra={user: me}")}).request.extra["user"], "me");
+}
+
+// YAML nested past the parser's own bound gets the same words as past the job's.
+TEST_F(JobFile, NestingPastTheParsersBoundIsNamedAsTooDeep) {
+  for (int depth : {300, 3000}) {
+    ConfigError e = error_of(with_input("request:\n  extra:\n    a: " + std::string(depth, '[') + std::string(depth, ']') + "\n"));
+    EXPECT_EQ(e.message().rfind("nested more than 64 levels deep", 0), 0u) << depth << ": " << e.what();
+    EXPECT_EQ(e.line(), 4) << depth;
+  }
+  ConfigError maps = error_of("a: " + [] {
+    std::string text;
+    for (int i = 0; i < 1500; ++i) text += "{a: ";
+    return text + "1" + std::string(1500, '}');
+  }());
+  EXPECT_EQ(maps.message().rfind("nested more than 64 levels deep", 0), 0u) << maps.what();
+  ConfigError set = error_of(with_input(""), {parse_override("request.extra.a=" + std::string(3000, '[') + std::string(3000, ']'))});
+  EXPECT_EQ(set.file(), "--set");
+  EXPECT_NE(set.message().find("nested more than 64 levels deep"), std::string::npos) << set.what();
 }
 
 TEST_F(JobFile, MoreThanOneAnswerPerItemIsAnError) {
