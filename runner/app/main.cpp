@@ -385,8 +385,11 @@ void hold_standard_descriptors() {
 }
 
 // For each --option on the command line that the command does not have, the nearest one it
-// has ("--concurency": did you mean --concurrency?), or the command that has it.
-std::string option_hint(CLI::App& app, int argc, char** argv) {
+// has ("--concurency": did you mean --concurrency?), or the command that has it. `only_elsewhere`:
+// every one was another command's (what the parser then says of the rest is only its echo:
+// "arguments were not expected: 5 --count", or a value taken for the job file).
+std::string option_hint(CLI::App& app, int argc, char** argv, bool& only_elsewhere) {
+  only_elsewhere = false;
   if (argc < 2) return {};
   CLI::App* command = nullptr;
   for (CLI::App* sub : app.get_subcommands({}))
@@ -400,6 +403,7 @@ std::string option_hint(CLI::App& app, int argc, char** argv) {
   };
   const std::vector<std::string> known = long_names(*command);
   std::string hint;
+  bool other_causes = false;  // a typo, or an option no command has
   for (int i = 2; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--") break;
@@ -409,6 +413,7 @@ std::string option_hint(CLI::App& app, int argc, char** argv) {
     std::string line;
     if (const std::string near = nearest_key(arg, known); !near.empty()) {
       line = arg + ": did you mean " + near + "?";
+      other_causes = true;
     } else {
       for (CLI::App* other : app.get_subcommands({})) {
         const std::vector<std::string> theirs = long_names(*other);
@@ -418,8 +423,10 @@ std::string option_hint(CLI::App& app, int argc, char** argv) {
         }
       }
     }
+    if (line.empty()) other_causes = true;
     if (!line.empty()) hint += (hint.empty() ? "" : "\n") + line;
   }
+  only_elsewhere = !hint.empty() && !other_causes;
   return hint;
 }
 
@@ -466,8 +473,11 @@ int main(int argc, char** argv) {
       message = message.substr(0, at) + ": given " +
                 message.substr(at + std::string_view(": At Most 1 required but received ").size()) +
                 " times; give it once";
-    // An option of another command is the cause; what the parser made of the rest follows.
-    if (const std::string hint = option_hint(app, argc, argv); !hint.empty()) message = hint + "\n" + message;
+    // A mistyped option is the cause; what the parser made of the rest follows. Another command's
+    // option is said alone: the parser's words about it would only mislead.
+    bool only_elsewhere = false;
+    if (const std::string hint = option_hint(app, argc, argv, only_elsewhere); !hint.empty())
+      message = only_elsewhere ? hint : hint + "\n" + message;
     std::fprintf(stderr, "batchlm: error: %s\nRun with --help for more information.\n", message.c_str());
     return kExitUsage;
   }

@@ -541,10 +541,19 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
   // The hint first: it is the cause of what the parser says after it.
   EXPECT_EQ(typo.err.rfind("batchlm: error: --concurency: did you mean --concurrency?\n", 0), 0u) << typo.err;
   write_file(dir.path / "job.yaml", "input: " + gsm8k_test_file() + "\n");
-  RunResult elsewhere = run_batchlm(dir.path, {"run", "job.yaml", "--count", "5"});
-  EXPECT_EQ(elsewhere.exit_code, 2);
-  EXPECT_NE(elsewhere.err.find("--count is an option of 'batchlm synth', not of 'run'"), std::string::npos)
-      << elsewhere.err;
+  // Said alone: what the parser makes of it ("not expected: 5 --count", the value taken for the
+  // job file) would only mislead.
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"run", "job.yaml", "--count", "5"}, {"run", "--count", "5"}, {"run", "job.yaml", "--count=5"}}) {
+    RunResult elsewhere = run_batchlm(dir.path, args);
+    EXPECT_EQ(elsewhere.exit_code, 2);
+    EXPECT_EQ(elsewhere.err,
+              "batchlm: error: --count is an option of 'batchlm synth', not of 'run'\nRun with --help for more information.\n");
+  }
+  // With another mistake beside it, the parser's words stay.
+  RunResult both = run_batchlm(dir.path, {"run", "job.yaml", "--count", "5", "--frobnicate"});
+  EXPECT_NE(both.err.find("--count is an option of 'batchlm synth', not of 'run'\n"), std::string::npos) << both.err;
+  EXPECT_NE(both.err.find("--frobnicate"), std::string::npos) << both.err;
   RunResult twice = run_batchlm(dir.path, {"run", "job.yaml", "-c", "4", "-c", "5"});
   EXPECT_EQ(twice.err.rfind("batchlm: error: --concurrency: given 2 times; give it once\n", 0), 0u) << twice.err;
   RunResult serve_flag = run_batchlm(dir.path, {"serve", "--max-queue", "-1"});
