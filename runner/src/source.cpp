@@ -173,7 +173,46 @@ json parse_object(const std::string& line, const std::string& file, std::int64_t
     }
     throw ConfigError(file, static_cast<int>(line_number), 0, "", message);
   }
-  json value = json::parse(line);
+  // A key given twice in one object: a reader keeps one of the values (nlohmann the last, others
+  // the first), so which was meant is unknown. Refused, as in job files.
+  struct Frame {
+    bool object;
+    std::set<std::string> keys;
+    std::string key;         // object: the key read last
+    std::int64_t count = 0;  // array: the elements begun
+  };
+  std::vector<Frame> frames;
+  std::optional<std::string> duplicate;  // the first one's path
+  const auto begin_element = [&] {
+    if (!frames.empty() && !frames.back().object) ++frames.back().count;
+  };
+  json value = json::parse(line, [&](int, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+      case json::parse_event_t::array_start:
+        begin_element();
+        frames.push_back(Frame{event == json::parse_event_t::object_start, {}, {}, 0});
+        break;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        frames.pop_back();
+        break;
+      case json::parse_event_t::key: {
+        Frame& frame = frames.back();
+        frame.key = parsed.get<std::string>();
+        if (!frame.keys.insert(frame.key).second && !duplicate) {
+          std::string path;
+          for (const Frame& f : frames)
+            path += f.object ? (path.empty() ? "" : ".") + f.key : "[" + std::to_string(f.count - 1) + "]";
+          duplicate = path;
+        }
+        break;
+      }
+      case json::parse_event_t::value: begin_element(); break;
+    }
+    return true;
+  });
+  if (duplicate) throw ConfigError(file, static_cast<int>(line_number), 0, *duplicate, "duplicate key");
   if (!value.is_object())
     throw ConfigError(file, static_cast<int>(line_number), 0, "",
                       std::string("expected a JSON object, got ") + value.type_name());
@@ -342,16 +381,33 @@ Item jsonl_item(const JobSpec& job, json fields, std::int64_t line,
   return finish(json(line), std::move(fields), std::move(request), few_shot);
 }
 
+// "a number", "an object": what a JSON value is, for messages.
+std::string a_kind_of(const json& value) {
+  const std::string name = value.type_name();
+  return (name.starts_with('a') || name.starts_with('o') ? "an " : "a ") + name;
+}
+
 // One line of an OpenAI Batch-API file: {"custom_id", "method", "url", "body"}.
 Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
                 const std::vector<ChatMessage>& few_shot) {
   const std::string& file = job.input.path;
   int line_int = static_cast<int>(line);
-  if (!line_value.contains("custom_id") ||
-      !(line_value["custom_id"].is_string() || line_value["custom_id"].is_number_integer()))
+  // The Batch API's custom_id is a string: a number would be a second kind of id beside it (5
+  // and "5" two items), and an empty one names no item.
+  const auto custom_id = line_value.find("custom_id");
+  if (custom_id == line_value.end() || custom_id->is_null())
     throw ConfigError(file, line_int, 0, "custom_id", "missing (a string) in a Batch-API line");
-  if (!line_value.contains("body") || !line_value["body"].is_object())
+  if (!custom_id->is_string())
+    throw ConfigError(file, line_int, 0, "custom_id",
+                      "must be a string, got " + a_kind_of(*custom_id) +
+                          (custom_id->is_number() ? " (write it in quotes: \"" + custom_id->dump() + "\")" : std::string()));
+  if (custom_id->get_ref<const std::string&>().empty())
+    throw ConfigError(file, line_int, 0, "custom_id", "must not be empty (it names the item in the output)");
+  const auto body_value = line_value.find("body");
+  if (body_value == line_value.end() || body_value->is_null())
     throw ConfigError(file, line_int, 0, "body", "missing (an object) in a Batch-API line");
+  if (!body_value->is_object())
+    throw ConfigError(file, line_int, 0, "body", "must be an object (the request's body), got " + a_kind_of(*body_value));
   const json& body = line_value["body"];
   // The method and URL are optional; where given they must be what is sent.
   if (const auto m = line_value.find("method"); m != line_value.end() && *m != "POST")

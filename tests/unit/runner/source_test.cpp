@@ -4,6 +4,7 @@
 #include <fstream>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -383,6 +384,49 @@ TEST_F(SourceTest, DuplicateCustomIdNamesBothLines) {
   EXPECT_EQ(e.line(), 3);
   EXPECT_EQ(e.field(), "custom_id");
   EXPECT_EQ(e.message(), "duplicate custom_id \"a\" (first on line 1)");
+}
+
+// custom_id is a string, as the Batch API has it: a number is refused as one (5 and "5" would
+// be two items), an empty one names nothing; a body that is there but no object is not "missing".
+TEST_F(SourceTest, BatchCustomIdAndBodyErrorsSayWhatIsWrong) {
+  const std::string body = R"("body": {"messages": [{"role": "user", "content": "x"}]})";
+  const std::vector<std::tuple<std::string, std::string, std::string>> cases = {
+      {R"({"custom_id": 5.5, )" + body + "}", "custom_id", "must be a string, got a number (write it in quotes: \"5.5\")"},
+      {R"({"custom_id": 5, )" + body + "}", "custom_id", "must be a string, got a number (write it in quotes: \"5\")"},
+      {R"({"custom_id": true, )" + body + "}", "custom_id", "must be a string, got a boolean"},
+      {R"({"custom_id": "", )" + body + "}", "custom_id", "must not be empty (it names the item in the output)"},
+      {R"({"custom_id": null, )" + body + "}", "custom_id", "missing (a string) in a Batch-API line"},
+      {R"({"custom_id": "a", "body": "x"})", "body", "must be an object (the request's body), got a string"},
+      {R"({"custom_id": "a", "body": []})", "body", "must be an object (the request's body), got an array"},
+  };
+  for (const auto& [text, field, message] : cases) {
+    std::string in = write("batch.jsonl", std::string(R"({"custom_id": "first", )") + body + "}\n" + text + "\n");
+    ConfigError e = open_error(job("input: " + in + "\n"));
+    EXPECT_EQ(e.line(), 2) << text;
+    EXPECT_EQ(e.field(), field) << text;
+    EXPECT_EQ(e.message(), message) << text;
+  }
+}
+
+// A key given twice in one line is refused, as in a job file: which value was meant?
+TEST_F(SourceTest, DuplicateKeysInALineAreAnError) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"text": "a", "text": "b"})", "text"},
+      {R"({"q": {"a": 1, "b": 2, "a": 3}})", "q.a"},
+      {R"({"q": [1, {"x": 1}, {"y": 1, "y": 2}]})", "q[2].y"},
+      {R"({"q": [[1], [2, 3], {"z": [{}, {"k": 0, "k": 0}]}]})", "q[2].z[1].k"},
+  };
+  for (const auto& [text, field] : cases) {
+    std::string in = write("in.jsonl", "{\"question\": \"a\"}\n\n" + text + "\n");
+    ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
+    EXPECT_EQ(e.file(), in) << text;
+    EXPECT_EQ(e.line(), 3) << text;
+    EXPECT_EQ(e.field(), field) << text;
+    EXPECT_EQ(e.message(), "duplicate key") << text;
+  }
+  // The same key in two objects is no duplicate.
+  std::string in = write("in.jsonl", R"({"question": "a", "x": {"question": 1}, "y": [{"k": 1}, {"k": 2}]})" "\n");
+  EXPECT_EQ(drain(*open_source(job("input: " + in + kQuestionTemplate))).size(), 1u);
 }
 
 TEST_F(SourceTest, ExplicitBatchFormatRejectsPlainLines) {
