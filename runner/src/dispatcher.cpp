@@ -564,13 +564,14 @@ class Dispatcher {
     if (!denied && !missing && !unreachable) return;
     if (++refusals_in_a_row_ < kRefusalsToStop || stopping_) return;
     const std::string& url = job_.backend.base_url;
+    // Cut between characters; shown through terminal_safe, as the server's text it is.
+    const std::string said = utf8_excerpt(e.message, 200);
     if (unreachable) {
-      refused_ = Refusal{"cannot reach " + url + " (" + e.message.substr(0, 200) + ")",
-                         "Start the server or fix the base URL"};
+      refused_ = Refusal{"cannot reach " + url + " (" + said + ")", "Start the server or fix the base URL"};
     } else {
       Refusal r{"the API refused the last " + std::to_string(kRefusalsToStop) + " requests (HTTP " +
                     std::to_string(e.http_status) + (e.code.empty() ? "" : " " + e.code) + ": " +
-                    e.message.substr(0, 200) + ")",
+                    said + ")",
                 "Fix the key, quota or access"};
       if (missing) {
         const std::string trimmed = url.ends_with('/') ? url.substr(0, url.size() - 1) : url;
@@ -764,12 +765,13 @@ class Dispatcher {
       std::fprintf(options_.progress_out,
                    "stopped: %s; %s left for the next run%s. Make room or fix the output, then run the same "
                    "command again: they run then\n",
-                   output_error_->c_str(), items_were(r.unfinished).c_str(), not_saved.c_str());
+                   terminal_safe(*output_error_).c_str(), items_were(r.unfinished).c_str(), not_saved.c_str());
     } else if (refused_) {
       r.exit_code = kExitSomeFailed;
       std::fprintf(options_.progress_out,
                    "stopped: %s; %s left for the next run. %s, then run the same command again\n",
-                   refused_->what.c_str(), items_were(r.unfinished).c_str(), refused_->advice.c_str());
+                   terminal_safe(refused_->what).c_str(), items_were(r.unfinished).c_str(),
+                   terminal_safe(refused_->advice).c_str());
     } else {
       r.exit_code = r.failed > 0 || r.unfinished > 0 ? kExitSomeFailed : kExitOk;
     }
@@ -815,7 +817,7 @@ class Dispatcher {
   int refusals_in_a_row_ = 0;
   bool any_success_ = false;  // an item of this run has succeeded
   struct Refusal {
-    std::string what, advice;
+    std::string what, advice;  // may quote the server: printed through terminal_safe
   };
   std::optional<Refusal> refused_;  // why the run stopped sending: what every item met
   std::optional<std::string> output_error_;  // why the run stopped sending: the output fails

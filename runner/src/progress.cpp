@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "batchlm/core/types.hpp"
+
 namespace batchlm::runner {
 
 namespace {
@@ -246,7 +248,8 @@ void Progress::finish(const ProgressCounters& c, std::chrono::steady_clock::time
 }
 
 void Progress::message(const std::string& line) {
-  std::fprintf(out_, "%s%s\n", bar_length_ > 0 ? "\n" : "", line.c_str());
+  // Messages may quote a server (why the run stops): one line of text, whatever it sent.
+  std::fprintf(out_, "%s%s\n", bar_length_ > 0 ? "\n" : "", terminal_safe(line).c_str());
   std::fflush(out_);
   bar_length_ = 0;
 }
@@ -381,8 +384,11 @@ std::string Summary::to_text(double wall_seconds, std::int64_t total_items) cons
     bool first = true;
     for (const auto& [kind, n] : failures_) {
       text += format("%s %s: %lld", first ? "" : ",", kind.c_str(), static_cast<long long>(n));
+      // The example is the server's text: its escape sequences and control characters would
+      // act on the user's terminal (clear it, recolour it, move the cursor), and a NUL would
+      // end the line when printed as a C string. They are shown as \xNN instead.
       if (const auto example = failure_examples_.find(kind); example != failure_examples_.end())
-        text += " (" + example->second + ")";
+        text += " (" + terminal_safe(example->second) + ")";
       first = false;
     }
     text += "\n";

@@ -446,5 +446,37 @@ TEST(Summary, TextCountsTheAttemptsOfUnfinishedItems) {
   EXPECT_NE(text.find("; 3 attempts\n"), std::string::npos) << text;
 }
 
+// A string literal's bytes, NULs inside included.
+template <std::size_t N>
+std::string with_nul(const char (&literal)[N]) {
+  return std::string(literal, N - 1);
+}
+
+// A failure's message is the server's text. The terminal gets its escape sequences, control
+// characters and NUL bytes as \xNN, the line whole; the JSON keeps the message as it was.
+TEST(Summary, TextShowsAFailureMessagesControlBytesEscaped) {
+  Summary s;
+  ItemResult r = failure("http", 500, 1);
+  r.error_message = with_nul("\x1b[2J\x1b[31mRED\x07 bell\rCR\0after NUL \xc2\x9b");
+  s.add(r);
+  const std::string text = s.to_text(1.0, 1);
+  EXPECT_NE(text.find("failures: http 500: 1 (\\x1b[2J\\x1b[31mRED\\x07 bell\\x0dCR\\x00after NUL \\xc2\\x9b)\n"),
+            std::string::npos)
+      << text;
+  for (const char c : text) EXPECT_TRUE(c == '\n' || static_cast<unsigned char>(c) >= 0x20) << text;
+  EXPECT_EQ(s.to_json(1.0, 1)["failure_examples"]["http 500"], r.error_message);
+}
+
+// Messages may carry a server's text (why the run stops): they reach the terminal as one line
+// of text.
+TEST(Progress, MessageShowsControlBytesEscaped) {
+  std::FILE* file = std::tmpfile();
+  ASSERT_NE(file, nullptr);
+  Progress progress(file, false, seconds{5});
+  progress.message(with_nul("stopped: bad key \x1b]0;owned\x07\0 and more"));
+  EXPECT_EQ(contents(file), "stopped: bad key \\x1b]0;owned\\x07\\x00 and more\n");
+  std::fclose(file);
+}
+
 }  // namespace
 }  // namespace batchlm::runner

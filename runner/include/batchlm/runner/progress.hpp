@@ -48,7 +48,7 @@ class Progress {
   void finish(const ProgressCounters& c,
               std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
   // A line of text while the bar may be showing: the bar's line is ended first, and the bar is
-  // drawn anew below the text.
+  // drawn anew below the text. Control characters in `line` are shown as \xNN (terminal_safe).
   void message(const std::string& line);
   // As if the terminal were now `width` columns wide (tests; a real one is asked at each draw).
   void resize(int width) { width_ = width; }
