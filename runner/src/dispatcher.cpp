@@ -667,7 +667,9 @@ class Dispatcher {
     {
       std::ofstream f(tmp, std::ios::trunc);
       if (!f) return std::string("cannot open ") + tmp + ": " + std::strerror(errno);
-      f << summary.dump(2) << '\n';
+      // A server's error message may hold bytes that are no UTF-8 (a raw body): replaced, as in
+      // the records, rather than failing the summary.
+      f << summary.dump(2, ' ', false, json::error_handler_t::replace) << '\n';
       f.flush();
       if (!f) {
         const std::string reason = std::string("cannot write ") + tmp + ": " + std::strerror(errno);

@@ -274,8 +274,10 @@ void Summary::add(const ItemResult& r) {
     // The status says more only for HTTP errors; a stream cut short after a 200 is "truncated".
     if (r.http_status != 0 && key == "http") key += " " + std::to_string(r.http_status);
     ++failures_[key];
+    // Cut between characters: a cut through one would leave bytes that are no UTF-8, which the
+    // summary file cannot hold and the terminal would show as \xNN.
     if (!r.error_message.empty() && !failure_examples_.count(key))
-      failure_examples_[key] = r.error_message.size() > 120 ? r.error_message.substr(0, 117) + "..." : r.error_message;
+      failure_examples_[key] = r.error_message.size() > 120 ? utf8_excerpt(r.error_message, 117) : r.error_message;
     return;  // an infrastructure failure says nothing about the model: never scored
   }
   ++succeeded_;

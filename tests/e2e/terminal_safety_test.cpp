@@ -187,5 +187,33 @@ TEST(TerminalSafety, TheRefusalThatStopsARunIsShownWithItsControlBytesEscaped) {
   EXPECT_NE(r.err.find("stopped: the API refused the last 10 requests " + shown), std::string::npos) << r.err;
 }
 
+// An error body that is not valid UTF-8 (a raw body is quoted as it came), or one that the
+// summary's excerpt would cut through a character: the summary file is still written, the bytes
+// JSON cannot hold replaced, and the terminal shows them as \xNN.
+TEST(TerminalSafety, AFailureMessageThatIsNotUtf8StillLeavesASummary) {
+  struct Case {
+    std::string body, shown, kept;
+  };
+  const std::string a116(116, 'a');
+  for (const Case& c : {
+           Case{"\xff\xfe raw", "\\xff\\xfe raw", "\xef\xbf\xbd\xef\xbf\xbd raw"},  // U+FFFD twice
+           // 116 bytes, then a character across the 117th, where the summary cuts its examples.
+           Case{a116 + "\xc3\xa9" + std::string(10, 'b'), a116 + "...", a116 + "..."},
+       }) {
+    SCOPED_TRACE(c.shown);
+    TempDir dir;
+    RawServer server(http_reply(500, "Internal Server Error", c.body), RawServer::When::AfterTheRequest);
+    write_job(dir.path, server.base_url(), 2);
+    const RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "--set", "retry.max_attempts=1"});
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    expect_no_control_bytes(r.err);
+    EXPECT_NE(r.err.find("failures: http 500: 2 (" + c.shown + ")\n"), std::string::npos) << r.err;
+    ASSERT_TRUE(fs::exists(dir.path / "out/results.jsonl.summary.json")) << r.err;
+    const json summary = json::parse(read_file(dir.path / "out/results.jsonl.summary.json"));
+    EXPECT_EQ(summary["counts"]["failed"], 2) << summary.dump();
+    EXPECT_EQ(summary["failure_examples"]["http 500"], c.kept) << summary.dump();
+  }
+}
+
 }  // namespace
 }  // namespace batchlm::e2e

@@ -467,6 +467,19 @@ TEST(Summary, TextShowsAFailureMessagesControlBytesEscaped) {
   EXPECT_EQ(s.to_json(1.0, 1)["failure_examples"]["http 500"], r.error_message);
 }
 
+// A long message is cut between characters, never through one: the summary file could not
+// hold the bytes a cut left (JSON is UTF-8), and the terminal would show them as \xNN.
+TEST(Summary, ALongFailureMessageIsCutBetweenCharacters) {
+  Summary s;
+  ItemResult r = failure("http", 500, 1);
+  r.error_message = std::string(116, 'a') + "\xc3\xa9" + std::string(20, 'b');  // é across byte 117
+  s.add(r);
+  const json j = s.to_json(1.0, 1);
+  EXPECT_EQ(j["failure_examples"]["http 500"], std::string(116, 'a') + "...");
+  EXPECT_NO_THROW((void)j.dump());
+  EXPECT_NE(s.to_text(1.0, 1).find("(" + std::string(116, 'a') + "...)\n"), std::string::npos);
+}
+
 // Messages may carry a server's text (why the run stops): they reach the terminal as one line
 // of text.
 TEST(Progress, MessageShowsControlBytesEscaped) {
