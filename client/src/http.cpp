@@ -509,6 +509,21 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     return true;
   }
 
+  // Whether the transfer got as far as a connection to the server.
+  static bool connected(Transfer& t) {
+    char* address = nullptr;
+    return curl_easy_getinfo(t.easy.get(), CURLINFO_PRIMARY_IP, &address) == CURLE_OK && address != nullptr &&
+           *address != '\0';
+  }
+
+  // The URL the transfer ended at: the request's, or where its redirects led.
+  static std::string last_url(Transfer& t) {
+    char* url = nullptr;
+    if (curl_easy_getinfo(t.easy.get(), CURLINFO_EFFECTIVE_URL, &url) == CURLE_OK && url != nullptr && *url != '\0')
+      return url;
+    return t.request.url;
+  }
+
   // Turns what the transfer saw into the response handed back.
   HttpResponse result_of(Transfer& t) {
     HttpResponse response = std::move(t.response);
@@ -535,8 +550,21 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
                                                             " (connect timeout): " + detail);
         response.error->code = "connect_timeout";  // the server was never reached
         break;
-      case CURLE_URL_MALFORMAT:
       case CURLE_UNSUPPORTED_PROTOCOL:
+        if (connected(t)) {
+          // Not a scheme curl lacks (that fails before connecting) but the reply: no HTTP
+          // status line at all (curl's "HTTP/0.9", from an SSH server's banner, a TLS port
+          // spoken to in plain http, any other service), or an HTTP version it does not know.
+          // The address is wrong, not batchlm: the message names it.
+          const std::string why =
+              detail.find("HTTP/0.9") != std::string::npos ? "its reply has no HTTP status line" : detail;
+          response.error = make_error(ErrorKind::Protocol, last_url(t) + " does not answer in HTTP: " + why);
+          response.error->code = "not_http";
+          break;
+        }
+        response.error = make_error(ErrorKind::Internal, detail);
+        break;
+      case CURLE_URL_MALFORMAT:
       case CURLE_BAD_FUNCTION_ARGUMENT:
       case CURLE_OUT_OF_MEMORY:
         response.error = make_error(ErrorKind::Internal, detail);

@@ -543,7 +543,8 @@ class Dispatcher {
   // sent is left for the next run, after the cause is fixed. An API that refuses this client (a
   // wrong key, no quota, no access); a 404 (no such endpoint, as under a base URL without /v1,
   // or no such model); and, while nothing has succeeded yet, a server that cannot be reached
-  // (not started, the wrong port): each item would otherwise spend all its attempts on it.
+  // (not started, the wrong port) or that does not answer in HTTP (another service's port):
+  // each item would otherwise spend all its attempts on it.
   // Attempts are counted, not items: items retry a refused connection, and counting items let
   // nearly every item start and back off before ten had spent all their attempts.
   static constexpr int kRefusalsToStop = 10;
@@ -561,13 +562,20 @@ class Dispatcher {
     const bool unreachable =
         (e.kind == ErrorKind::Connection || (e.kind == ErrorKind::Timeout && e.code == "connect_timeout")) &&
         !any_success_;
-    if (!denied && !missing && !unreachable) return;
+    // A server that answers in something other than HTTP (an SSH port, a database's): the base
+    // URL leads to the wrong service, and every item meets it alike.
+    const bool not_http = e.kind == ErrorKind::Protocol && e.code == "not_http" && !any_success_;
+    if (!denied && !missing && !unreachable && !not_http) return;
     if (++refusals_in_a_row_ < kRefusalsToStop || stopping_) return;
     const std::string& url = job_.backend.base_url;
     // Cut between characters; shown through terminal_safe, as the server's text it is.
     const std::string said = utf8_excerpt(e.message, 200);
     if (unreachable) {
       refused_ = Refusal{"cannot reach " + url + " (" + said + ")", "Start the server or fix the base URL"};
+    } else if (not_http) {
+      refused_ = Refusal{url + " does not answer in HTTP (the last " + std::to_string(kRefusalsToStop) +
+                             " requests had no HTTP reply)",
+                         "Fix the base URL: its host and port must be the API server's"};
     } else {
       Refusal r{"the API refused the last " + std::to_string(kRefusalsToStop) + " requests (HTTP " +
                     std::to_string(e.http_status) + (e.code.empty() ? "" : " " + e.code) + ": " +

@@ -1,6 +1,7 @@
 // What a server says reaches the user's terminal only as text: escape sequences, control
 // characters and NUL bytes in its error messages are written as \xNN, so that a server cannot
-// clear or recolour the terminal, or cut a line short.
+// clear or recolour the terminal, or cut a line short. And an address that answers in
+// something other than HTTP is named as such, not as a bug of batchlm's.
 //
 // The servers here are raw sockets in the test process, writing canned replies: the fake
 // OpenAI server answers only well-formed HTTP.
@@ -212,6 +213,45 @@ TEST(TerminalSafety, AFailureMessageThatIsNotUtf8StillLeavesASummary) {
     const json summary = json::parse(read_file(dir.path / "out/results.jsonl.summary.json"));
     EXPECT_EQ(summary["counts"]["failed"], 2) << summary.dump();
     EXPECT_EQ(summary["failure_examples"]["http 500"], c.kept) << summary.dump();
+  }
+}
+
+// An SSH server's banner, or any bytes that are no HTTP status line: curl calls the reply
+// HTTP/0.9. The failure names the address as one that does not answer in HTTP, not as an
+// internal error; and since every item would meet it alike, the run stops after ten attempts.
+TEST(TerminalSafety, AnAddressThatDoesNotAnswerInHttpIsNamedAndStopsTheRun) {
+  const std::pair<const char*, std::string> banners[] = {
+      {"ssh", "SSH-2.0-OpenSSH_9.6\r\n"},
+      {"raw bytes", with_nul("\x00\x01\x02\xff\x1b[2J garbage\n")},
+  };
+  for (const auto& [name, banner] : banners) {
+    for (const int max_attempts : {1, 3}) {
+      SCOPED_TRACE(std::string(name) + ", max_attempts " + std::to_string(max_attempts));
+      TempDir dir;
+      RawServer server(banner, RawServer::When::AtOnce);
+      write_job(dir.path, server.base_url(), 40);
+      const RunResult r =
+          run_batchlm(dir.path, {"run", "job.yaml", "--set", "retry.max_attempts=" + std::to_string(max_attempts)});
+      EXPECT_EQ(r.exit_code, 1) << r.err;
+      expect_no_control_bytes(r.err);
+      EXPECT_EQ(r.err.find("internal"), std::string::npos) << r.err;
+      EXPECT_NE(r.err.find("stopped: " + server.base_url() + " does not answer in HTTP"), std::string::npos) << r.err;
+      // Ten attempts in a row, and those in flight then; not every item's.
+      EXPECT_LE(server.connections(), 10 + 4) << r.err;
+      const json summary = json::parse(read_file(dir.path / "out/results.jsonl.summary.json"));
+      EXPECT_GT(summary["counts"]["not_run"].get<int>(), 0) << summary.dump();
+      EXPECT_FALSE(summary["failures"].contains("internal")) << summary.dump();
+      if (max_attempts == 1) {
+        // Items that spent their one attempt failed with a protocol error that names the URL.
+        const std::string message = server.base_url() + "/chat/completions does not answer in HTTP";
+        EXPECT_NE(r.err.find("failures: protocol: "), std::string::npos) << r.err;
+        EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+        const auto records = read_jsonl(dir.path / "out/results.jsonl");
+        ASSERT_FALSE(records.empty());
+        EXPECT_EQ(records[0]["error"]["kind"], "protocol") << records[0].dump();
+        EXPECT_EQ(records[0]["error"]["message"].get<std::string>().rfind(message, 0), 0u) << records[0].dump();
+      }
+    }
   }
 }
 

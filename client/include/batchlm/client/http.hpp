@@ -53,8 +53,9 @@ struct HttpResponse {
   int status = 0;
   Headers headers;   // names lower-cased, in arrival order, of the final response
   std::string body;  // the body when no body handler consumed it (always for non-2xx)
-  // A transport failure: Timeout, Connection, TooLarge, Cancelled; or Http for too many
-  // redirects (the message names the last Location).
+  // A transport failure: Timeout, Connection, TooLarge, Cancelled; Http for too many
+  // redirects (the message names the last Location); Protocol with code "not_http" for a
+  // server that answered in something other than HTTP (the message names the URL).
   std::optional<Error> error;
   std::chrono::steady_clock::time_point first_byte_at{};  // of the body; {} if none arrived
 
