@@ -564,6 +564,14 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
         }
         response.error = make_error(ErrorKind::Internal, detail);
         break;
+      case CURLE_WEIRD_SERVER_REPLY:
+        // A reply that starts like HTTP but breaks its form (a header without a colon, a
+        // status line curl cannot read): another service, or something between, not a server
+        // that went away; "cannot reach" would send the user looking in the wrong place.
+        response.error = make_error(ErrorKind::Protocol, last_url(t) + " does not answer in HTTP: its reply is not "
+                                                                       "well-formed HTTP (" + detail + ")");
+        response.error->code = "not_http";
+        break;
       case CURLE_URL_MALFORMAT:
       case CURLE_BAD_FUNCTION_ARGUMENT:
       case CURLE_OUT_OF_MEMORY:

@@ -97,6 +97,19 @@ TEST(HttpClient, AServerThatDoesNotAnswerInHttpIsAProtocolErrorNamingTheUrl) {
   }
 }
 
+// A reply that starts like HTTP and then breaks its form is the same mistake, not a server that
+// cannot be reached.
+TEST(HttpClient, AReplyThatIsNotWellFormedHttpIsAProtocolErrorNamingTheUrl) {
+  GreetingServer server("HTTP/1.1 200 OK\r\nno colon in this header\r\n\r\n");
+  const std::string url = server.url("/v1/chat/completions");
+  const HttpResponse response = post(url);
+  ASSERT_TRUE(response.error.has_value());
+  EXPECT_EQ(response.error->kind, ErrorKind::Protocol) << response.error->message;
+  EXPECT_EQ(response.error->code, "not_http");
+  EXPECT_TRUE(response.error->message.starts_with(url + " does not answer in HTTP: its reply is not well-formed HTTP ("))
+      << response.error->message;
+}
+
 // A scheme curl does not have fails before any connection: that stays an internal error (a
 // job's base URL is checked to be http or https before anything is sent).
 TEST(HttpClient, ASchemeCurlLacksIsNotCalledAServerThatDoesNotAnswerInHttp) {
