@@ -312,7 +312,8 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
       std::string text;
       char block[4096];
       ssize_t n = 0;
-      for (off_t at = 0; (n = ::pread(lock_fd_, block, sizeof block, at)) > 0; at += n) text.append(block, static_cast<std::size_t>(n));
+      for (off_t at = 0; (n = ::pread(lock_fd_, block, sizeof block, at)) > 0; at += n)
+        text.append(block, static_cast<std::size_t>(n));
       if (const std::size_t eol = text.find('\n'); eol != std::string::npos) {
         earlier_settings_ = text.substr(eol + 1);
         while (!earlier_settings_.empty() && earlier_settings_.back() == '\n') earlier_settings_.pop_back();
