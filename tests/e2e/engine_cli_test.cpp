@@ -41,6 +41,13 @@ class EngineCli : public ::testing::Test {
  protected:
   void SetUp() override { info_ = batchlm::testing::write_tiny_llama(dir_.path / "tiny.gguf"); }
   const fs::path& dir() const { return dir_.path; }
+  // long.gguf: the tiny model with 1,024 positions. Its vocabulary spends about a token per
+  // character, so a GSM8K question needs more than tiny.gguf's 256.
+  void write_long_model() const {
+    batchlm::testing::TinyLlamaOptions options;
+    options.context_length = 1024;
+    batchlm::testing::write_tiny_llama(dir() / "long.gguf", options);
+  }
 
   RunResult generate(std::vector<std::string> extra) {
     std::vector<std::string> args = {"generate", "-m", "tiny.gguf"};
@@ -360,11 +367,7 @@ std::string local_job(const std::string& model, int limit, const std::string& ba
 }
 
 TEST_F(EngineCli, RunALocalJobWritesEveryRecord) {
-  // The tiny vocabulary spends about a token per character: a GSM8K question needs more than
-  // the 256 positions of the default tiny model.
-  batchlm::testing::TinyLlamaOptions options;
-  options.context_length = 1024;
-  batchlm::testing::write_tiny_llama(dir() / "long.gguf", options);
+  write_long_model();
   write_file(dir() / "job.yaml", local_job("long.gguf", 5));
   RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -416,9 +419,7 @@ TEST_F(EngineCli, RunALocalJobWritesEveryRecord) {
 // The dry run of a local job counts the prompts with the model's own tokenizer and template:
 // the tokens the run then reports, not four bytes a token (about 30% low on GSM8K).
 TEST_F(EngineCli, DryRunOfALocalJobCountsThePromptTokensExactly) {
-  batchlm::testing::TinyLlamaOptions options;
-  options.context_length = 1024;
-  batchlm::testing::write_tiny_llama(dir() / "long.gguf", options);
+  write_long_model();
   write_file(dir() / "job.yaml", local_job("long.gguf", 4));
   RunResult dry = run_batchlm(dir(), {"run", "job.yaml", "--dry-run"});
   ASSERT_EQ(dry.exit_code, 0) << dry.err;
@@ -434,9 +435,7 @@ TEST_F(EngineCli, DryRunOfALocalJobCountsThePromptTokensExactly) {
 }
 
 TEST_F(EngineCli, RunALocalJobWithLogprobsRecordsThemPerToken) {
-  batchlm::testing::TinyLlamaOptions options;
-  options.context_length = 1024;
-  batchlm::testing::write_tiny_llama(dir() / "long.gguf", options);
+  write_long_model();
   std::string job = local_job("long.gguf", 3);
   job.replace(job.find("  temperature: 0\n"), 17, "  temperature: 0\n  extra: {logprobs: true, top_logprobs: 2}\n");
   write_file(dir() / "job.yaml", job);
@@ -472,9 +471,7 @@ TEST_F(EngineCli, RunALocalJobWithLogprobsRecordsThemPerToken) {
 // larger context makes it again, and keeps the answers that ended on their own or at
 // max_tokens. A rerun with the same context keeps everything.
 TEST_F(EngineCli, AnswersCutByTheContextAreRedoneWhenItGrows) {
-  batchlm::testing::TinyLlamaOptions options;
-  options.context_length = 1024;
-  batchlm::testing::write_tiny_llama(dir() / "long.gguf", options);
+  write_long_model();
   std::string job = local_job("long.gguf", 6);
   job.replace(job.find("max_tokens: 8"), 13, "max_tokens: 120");
   write_file(dir() / "job.yaml", job);
@@ -553,9 +550,7 @@ TEST_F(EngineCli, RunALocalJobWhosePromptsOverflowTheContextRecordsA400) {
 }
 
 TEST_F(EngineCli, RunALocalJobWithAStepLogWritesALinePerStep) {
-  batchlm::testing::TinyLlamaOptions options;  // room for a GSM8K question, as above
-  options.context_length = 1024;
-  batchlm::testing::write_tiny_llama(dir() / "long.gguf", options);
+  write_long_model();
   write_file(dir() / "job.yaml", local_job("long.gguf", 3, ", step_log: steps.jsonl"));
   RunResult r = run_batchlm(dir(), {"run", "job.yaml"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
