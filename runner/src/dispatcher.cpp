@@ -785,6 +785,8 @@ class Dispatcher {
     } else {
       r.exit_code = r.failed > 0 || r.unfinished > 0 ? kExitSomeFailed : kExitOk;
     }
+    // A summary that a script would read and not find is a failed output, whatever the items did.
+    if (summary_error && r.exit_code == kExitOk) r.exit_code = kExitSomeFailed;
     return r;
   }
 

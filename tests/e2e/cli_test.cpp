@@ -1220,6 +1220,21 @@ TEST(BatchlmRun, SummaryThatCannotBeWrittenLeavesNoPartialFile) {
   EXPECT_FALSE(fs::exists(dir.path / "out/e2e.jsonl.summary.json.tmp"));
 }
 
+// Every item succeeded and is saved, but the summary could not be written (a directory holds its
+// name): the run says so and exits 1, so that a script does not go looking for it.
+TEST(BatchlmRun, SummaryThatCannotBeWrittenFailsTheRun) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 3}));
+  fs::create_directories(dir.path / "out/e2e.jsonl.summary.json");
+  write_file(dir.path / "out/e2e.jsonl.summary.json/keep", "");
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("batchlm: summary not written: out/e2e.jsonl.summary.json is a directory"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), 3u);
+}
+
 }  // namespace
 }  // namespace batchlm::e2e
 
