@@ -797,6 +797,24 @@ void check_template(const Reader& r, const YAML::Node& node, const std::string& 
   }
 }
 
+// Placeholders are filled in the messages and request.model only: a {{field}} elsewhere in the
+// request goes to the API as written, which is more likely a mistake than meant.
+void warn_placeholders(const Reader& r, const YAML::Node& node, const std::string& field, const nlohmann::json& value) {
+  if (value.is_string()) {
+    const std::string& text = value.get_ref<const std::string&>();
+    const std::size_t open = text.find("{{");
+    if (open != std::string::npos && text.find("}}", open + 2) != std::string::npos)
+      r.warn(node, field,
+             "'" + text + "' is sent as written: placeholders are filled in request.messages and request.model only");
+  } else if (value.is_array()) {
+    for (std::size_t i = 0; i < value.size(); ++i)
+      warn_placeholders(r, node.IsSequence() ? node[i] : node, index_path(field, i), value[i]);
+  } else if (value.is_object()) {
+    for (const auto& [key, item] : value.items())
+      warn_placeholders(r, node.IsMap() && node[key] ? node[key] : node, field + "." + key, item);
+  }
+}
+
 void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMessage>& messages) {
   if (!node.IsSequence()) r.fail(node, "request.messages", "expected a list of {role, content}, got " + describe(node));
   for (std::size_t i = 0; i < node.size(); ++i) {
@@ -833,13 +851,17 @@ void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& requ
   if (Reader::has(node["temperature"]))
     request.temperature = r.number(node["temperature"], "request.temperature", 0, 2);
   if (Reader::has(node["top_p"])) request.top_p = r.number(node["top_p"], "request.top_p", 0, 1);
-  if (Reader::has(node["stop"])) request.stop = r.string_list(node["stop"], "request.stop");
+  if (Reader::has(node["stop"])) {
+    request.stop = r.string_list(node["stop"], "request.stop");
+    warn_placeholders(r, node["stop"], "request.stop", yaml_to_json(node["stop"]));
+  }
   if (Reader::has(node["seed"]))
     request.seed = r.integer(node["seed"], "request.seed", std::numeric_limits<std::int64_t>::min());
   if (Reader::has(node["extra"])) {
     const YAML::Node extra = node["extra"];
     if (!extra.IsMap()) r.fail(extra, "request.extra", "expected a map of body fields, got " + describe(extra));
     request.extra = yaml_to_json(extra);
+    warn_placeholders(r, extra, "request.extra", request.extra);
     if (const auto n = request.extra.find("n"); n != request.extra.end() && !(n->is_number_integer() && *n == 1))
       r.fail(extra["n"], "request.extra.n", kOneAnswerPerItem);
   }

@@ -619,6 +619,27 @@ TEST_F(JobFile, HeaderNamesAndValuesAreChecked) {
   EXPECT_EQ(job.backend.headers[0].second, "a\tb c");
 }
 
+// Placeholders are filled in the messages and the model only: one in stop or extra goes out as
+// written, which the job is warned about (it still loads: a stop string may be "{{" on purpose).
+TEST_F(JobFile, PlaceholdersOutsideTheMessagesAreWarnedAbout) {
+  JobSpec job = load(with_input("backend: {base_url: http://h/v1}\n"
+                                "request:\n"
+                                "  messages: [{role: user, content: \"{{question}}\"}]\n"
+                                "  stop: [\"END\", \"{{name}}:\"]\n"
+                                "  extra: {user: \"{{id}}\", metadata: {tags: [\"a\", \"{{tag}}\"]}, note: \"{{ not closed\"}\n"));
+  ASSERT_EQ(job.warnings.size(), 3u);
+  EXPECT_EQ(job.warnings[0],
+            "jobs/t.yaml:5:17: request.stop[1]: '{{name}}:' is sent as written: placeholders are filled in "
+            "request.messages and request.model only");
+  EXPECT_NE(job.warnings[1].find("request.extra.metadata.tags[1]: '{{tag}}' is sent as written"), std::string::npos)
+      << job.warnings[1];
+  EXPECT_NE(job.warnings[2].find("jobs/t.yaml:6:17: request.extra.user: '{{id}}' is sent as written"),
+            std::string::npos)
+      << job.warnings[2];
+  EXPECT_TRUE(load(with_input("request: {messages: [{role: user, content: \"{{question}}\"}], stop: [\"{{\"]}\n"))
+                  .warnings.empty());
+}
+
 TEST_F(JobFile, SettingsForTheOtherKindOfBackend) {
   // A base URL on the embedded engine: which one was meant?
   ConfigError e = error_of(with_input("backend: {type: local, base_url: http://h/v1}\n"));
