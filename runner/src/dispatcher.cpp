@@ -608,13 +608,16 @@ class Dispatcher {
   std::string summary_path() const { return job_.output.path + ".summary.json"; }
 
   // Answers the embedded engine cut short at a smaller context than it has now: made again,
-  // since the context is engine tuning, not one of the settings a resume compares.
+  // since the context is engine tuning, not one of the settings a resume compares. Only those
+  // made under this run's settings: others must reach the settings check, which refuses them.
   std::function<bool(const json&)> redo_cut_answers() const {
     const std::int64_t context = backend_.context();
     if (context <= 0) return {};
-    return [context](const json& record) {
+    return [context, hash = settings_hash_](const json& record) {
       const auto cut = record.find("cut_at_context");
-      return cut != record.end() && cut->is_number_integer() && cut->get<std::int64_t>() < context;
+      const auto settings = record.find("settings");
+      return cut != record.end() && cut->is_number_integer() && cut->get<std::int64_t>() < context &&
+             settings != record.end() && *settings == hash;
     };
   }
 

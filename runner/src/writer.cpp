@@ -435,7 +435,6 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
       return drop();
     }
     if (options_.redo && options_.redo(record) && !resume_.done_ids.contains(record["id"].dump())) {
-      ++resume_.redone;
       redone_ids.insert(record["id"].dump());
       return drop();
     }
@@ -449,6 +448,8 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   });
   for (const std::string& id : failed_ids)
     resume_.dropped_failed += resume_.done_ids.contains(id) || redone_ids.contains(id) ? 0 : 1;
+  // Each id once, and not where a later record of it is kept.
+  for (const std::string& id : redone_ids) resume_.redone += resume_.done_ids.contains(id) ? 0 : 1;
   if (options_.before_changes) options_.before_changes(earlier_settings_);
   if (dropped.empty()) return false;
 

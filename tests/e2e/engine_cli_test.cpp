@@ -508,6 +508,18 @@ TEST_F(EngineCli, AnswersCutByTheContextAreRedoneWhenItGrows) {
   ASSERT_EQ(same.exit_code, 0) << same.err;
   EXPECT_NE(same.err.find("resuming out/local.jsonl: 6 done, 0 failed to retry\n"), std::string::npos) << same.err;
 
+  // Under other settings the cut answers are not this job's to redo: the run is refused, as
+  // for any record made under other settings, and the file is left as it was.
+  const std::string file_before = read_file(dir() / "out/local.jsonl");
+  RunResult other = run_batchlm(dir(), {"run", "job.yaml", "--set", "backend.context=1024", "--set",
+                                        "request.temperature=0.5"});
+  EXPECT_EQ(other.exit_code, 2) << other.err;
+  EXPECT_NE(other.err.find("6 earlier results were made with other settings than this job's (request.temperature: "
+                           "0.0 -> 0.5)"),
+            std::string::npos)
+      << other.err;
+  EXPECT_EQ(read_file(dir() / "out/local.jsonl"), file_before);
+
   RunResult wider = run_batchlm(dir(), {"run", "job.yaml", "--set", "backend.context=1024"});
   ASSERT_EQ(wider.exit_code, 0) << wider.err;
   EXPECT_NE(wider.err.find("resuming out/local.jsonl: " + std::to_string(6 - cut.size()) + " done, 0 failed to retry, " +

@@ -252,19 +252,24 @@ TEST_F(OutputWriterTest, TheLockKeepsTheSettingsForTheNextRun) {
 // Records the caller wants made again go as failed ones do, and are counted apart: an id
 // with a failed record before its redone one is one item to redo, not a failure too.
 TEST_F(OutputWriterTest, RecordsToRedoAreDroppedAndCounted) {
-  json cut = ok(3, "cut");
-  cut["cut_at_context"] = 64;
-  write_raw(line(ok(1)) + line(failed(3)) + line(cut) + line(ok(2)) + line(failed(4)));
+  auto cut = [](int id) {
+    json record = ok(id, "cut");
+    record["cut_at_context"] = 64;
+    return record;
+  };
+  // Id 5 is cut twice (one item to redo), id 6 cut and then made whole (nothing to redo).
+  write_raw(line(ok(1)) + line(failed(3)) + line(cut(3)) + line(ok(2)) + line(failed(4)) + line(cut(5)) +
+            line(cut(5)) + line(cut(6)) + line(ok(6)));
   auto o = options();
   o.redo = [](const json& record) { return record.contains("cut_at_context"); };
   std::vector<json> kept;
   OutputWriter writer(o, [&](const json& record) { kept.push_back(record); });
-  EXPECT_EQ(writer.resume_info().kept, 2);
-  EXPECT_EQ(writer.resume_info().redone, 1);
+  EXPECT_EQ(writer.resume_info().kept, 3);
+  EXPECT_EQ(writer.resume_info().redone, 2);
   EXPECT_EQ(writer.resume_info().dropped_failed, 1);  // id 4
   EXPECT_FALSE(writer.resume_info().done_ids.contains("3"));
-  EXPECT_EQ(kept, (std::vector<json>{ok(1), ok(2)}));
-  EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(2)));
+  EXPECT_EQ(kept, (std::vector<json>{ok(1), ok(2), ok(6)}));
+  EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(2)) + line(ok(6)));
 }
 
 TEST_F(OutputWriterTest, FreshDoesNotEmptyAFileThatIsNotAnOutput) {
