@@ -577,6 +577,14 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
       case CURLE_OUT_OF_MEMORY:
         response.error = make_error(ErrorKind::Internal, detail);
         break;
+      case CURLE_COULDNT_RESOLVE_PROXY:
+      case CURLE_COULDNT_RESOLVE_HOST:
+      case CURLE_COULDNT_CONNECT:
+        // Never connected (no such host, nothing listening, refused): told apart from a
+        // connection that broke after it was made, which a flaky server gives.
+        response.error = make_error(ErrorKind::Connection, detail);
+        response.error->code = "connect_failed";
+        break;
       default:
         response.error = make_error(ErrorKind::Connection, detail);
         break;

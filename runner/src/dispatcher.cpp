@@ -546,8 +546,11 @@ class Dispatcher {
   // (not started, the wrong port) or that does not answer in HTTP (another service's port):
   // each item would otherwise spend all its attempts on it.
   // Attempts are counted, not items: items retry a refused connection, and counting items let
-  // nearly every item start and back off before ten had spent all their attempts.
+  // nearly every item start and back off before ten had spent all their attempts. Failures to
+  // connect must also have lasted kUnreachableFor: a server started beside the run
+  // (`server & batchlm run`) gets that long to come up.
   static constexpr int kRefusalsToStop = 10;
+  static constexpr std::chrono::seconds kUnreachableFor{5};
   void watch_refusals(const Outcome& outcome, const Item& item) {
     if (outcome.ok()) {
       refusals_in_a_row_ = 0;
@@ -558,15 +561,19 @@ class Dispatcher {
     const bool denied = (e.kind == ErrorKind::Http && (e.http_status == 401 || e.http_status == 403)) ||
                         e.code == "insufficient_quota" || e.code == "invalid_api_key";
     const bool missing = e.kind == ErrorKind::Http && e.http_status == 404;
-    // Refused connections, unknown hosts, and connect timeouts (a host that drops packets).
-    const bool unreachable =
-        (e.kind == ErrorKind::Connection || (e.kind == ErrorKind::Timeout && e.code == "connect_timeout")) &&
-        !any_success_;
+    // Refused connections, unknown hosts, and connect timeouts (a host that drops packets); not
+    // a connection that broke once made, which a flaky server gives.
+    const bool unreachable = ((e.kind == ErrorKind::Connection && e.code == "connect_failed") ||
+                              (e.kind == ErrorKind::Timeout && e.code == "connect_timeout")) &&
+                             !any_success_;
     // A server that answers in something other than HTTP (an SSH port, a database's): the base
     // URL leads to the wrong service, and every item meets it alike.
     const bool not_http = e.kind == ErrorKind::Protocol && e.code == "not_http" && !any_success_;
     if (!denied && !missing && !unreachable && !not_http) return;
-    if (++refusals_in_a_row_ < kRefusalsToStop || stopping_) return;
+    const auto now = Clock::now();
+    if (refusals_in_a_row_++ == 0) refusals_since_ = now;
+    if (refusals_in_a_row_ < kRefusalsToStop || stopping_) return;
+    if (unreachable && now - refusals_since_ < kUnreachableFor) return;
     const std::string& url = job_.backend.base_url;
     // Cut between characters; shown through terminal_safe, as the server's text it is.
     const std::string said = utf8_excerpt(e.message, 200);
@@ -818,6 +825,7 @@ class Dispatcher {
   const json settings_ = result_settings(job_);
   const std::string settings_hash_ = settings_hash(settings_);
   std::int64_t other_settings_ = 0;  // kept records made under other settings
+  Clock::time_point refusals_since_{};  // the first of refusals_in_a_row_
   std::string other_hash_, other_model_;  // the first of them: its settings and model
   std::unordered_map<std::string, Kept> kept_;
   std::int64_t changed_inputs_ = 0;  // kept records whose input is not the item's now

@@ -2,6 +2,11 @@
 // with SIGKILL and resumed, transient faults retried, permanent ones recorded and retried on
 // rerun, SIGINT, the output lock, dry runs, configuration errors, the built-in synth recipe.
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cctype>
 #include <set>
 
@@ -229,25 +234,26 @@ TEST(BatchlmRun, StopsOnEveryRequestNotFoundAndSuggestsV1) {
   EXPECT_LE(read_jsonl(dir.path / "out/e2e.jsonl").size(), 12u);
 }
 
-// Nothing listens at the base URL: after ten attempts could not connect, with no success
-// before, the run stops sending, names the address and the error, and the rest waits for the
-// next run. Attempts count, not items: items back off and retry, and would otherwise nearly all
-// start before ten of them had spent their six attempts.
+// Nothing listens at the base URL: once attempts have failed to connect ten times in a row and
+// for 5 s, with no success before, the run stops sending, names the address and the error, and
+// the rest waits for the next run. Attempts count, not items: items back off and retry, and
+// would otherwise nearly all start before ten of them had spent their six attempts.
 TEST(BatchlmRun, StopsWhenTheServerCannotBeReachedFromTheStart) {
   TempDir dir;
   write_file(dir.path / "job.yaml", gsm8k_job({.base_url = "http://127.0.0.1:1/v1", .limit = 100, .concurrency = 8}));
+  const auto start = std::chrono::steady_clock::now();
   RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  const auto took = std::chrono::steady_clock::now() - start;
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("stopped: cannot reach http://127.0.0.1:1/v1 ("), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("Start the server or fix the base URL"), std::string::npos) << r.err;
+  EXPECT_GE(took, 5s);
   const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
-  // The tenth failed attempt stops the sending; those in flight then may still end.
   EXPECT_GE(summary["attempts"]["total"].get<long long>(), 10) << summary.dump(2);
-  EXPECT_LT(summary["attempts"]["total"].get<long long>(), 10 + 8) << summary.dump(2);
   EXPECT_EQ(summary["counts"]["succeeded"], 0) << summary.dump(2);
   EXPECT_EQ(summary["counts"]["failed"].get<long long>() + summary["counts"]["not_run"].get<long long>(), 100)
       << summary.dump(2);
-  EXPECT_GE(summary["counts"]["not_run"].get<long long>(), 90) << summary.dump(2);
+  EXPECT_GE(summary["counts"]["not_run"].get<long long>(), 80) << summary.dump(2);
   for (const json& rec : read_jsonl(dir.path / "out/e2e.jsonl")) EXPECT_EQ(rec["error"]["kind"], "connection");
 
   // One item alone spends its attempts, is recorded as failed, and the summary line names the
@@ -258,6 +264,32 @@ TEST(BatchlmRun, StopsWhenTheServerCannotBeReachedFromTheStart) {
   EXPECT_NE(r.err.find("failures: connection: 1 ("), std::string::npos) << r.err;
   const json one = json::parse(read_file(dir.path / "one.jsonl.summary.json"));
   EXPECT_TRUE(one["failure_examples"]["connection"].is_string()) << one.dump(2);
+}
+
+// A server started beside the run (`server & batchlm run`) that comes up a second later: the
+// failed connections are retried, and the run finishes.
+TEST(BatchlmRun, AServerThatComesUpASecondLateIsWaitedFor) {
+  TempDir dir;
+  int port = 0;
+  {  // a port nothing listens on, for now
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    socklen_t len = sizeof addr;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+    ::close(fd);
+  }
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = "http://127.0.0.1:" + std::to_string(port) + "/v1",
+                                               .limit = 20, .concurrency = 8}));
+  Process run({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+               .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  std::this_thread::sleep_for(1s);
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--port", std::to_string(port)});
+  ASSERT_EQ(run.wait(60s), 0) << read_file(dir.path / "run.err");
+  expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 20);
 }
 
 // Each record names its model and the settings it was made with; a rerun under other settings

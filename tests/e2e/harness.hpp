@@ -209,8 +209,11 @@ class FakeServer {
   explicit FakeServer(const fs::path& dir, std::vector<std::string> extra_args = {}) {
     const fs::path port_file = dir / "fake.port";
     fs::remove(port_file);  // a server started earlier in the same directory left its port
-    std::vector<std::string> args = {binary("fake_openai_server"), "--host", "127.0.0.1",
-                                     "--port", "0", "--port-file", port_file.string()};
+    std::vector<std::string> args = {binary("fake_openai_server"), "--host", "127.0.0.1", "--port-file",
+                                     port_file.string()};
+    // Any free port, unless the test names one.
+    if (std::find(extra_args.begin(), extra_args.end(), "--port") == extra_args.end())
+      args.insert(args.end(), {"--port", "0"});
     args.insert(args.end(), extra_args.begin(), extra_args.end());
     process_ = std::make_unique<Process>(Process::Options{
         .args = args, .env = {}, .cwd = dir, .out_file = dir / "fake.out", .err_file = dir / "fake.err"});
