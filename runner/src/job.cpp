@@ -1401,11 +1401,26 @@ nlohmann::json result_settings(const JobSpec& job) {
   json scoring_json = {{"type", kind->first}};
   if (job.scoring.kind != ScoringKind::None) scoring_json["reference_field"] = job.scoring.reference_field;
   if (job.scoring.kind == ScoringKind::Regex) scoring_json["pattern"] = job.scoring.pattern;
-  return {{"backend", local ? "local" : "api"},
-          {"model", model_label(job, "")},
-          {"request", request},
-          {"few_shot", few_shot},
-          {"scoring", scoring_json}};
+  json settings = {{"backend", local ? "local" : "api"},
+                   {"model", model_label(job, "")},
+                   {"request", request},
+                   {"few_shot", few_shot},
+                   {"scoring", scoring_json}};
+  // A local model reached through a symbolic link (a "current.gguf", a download cache's
+  // snapshot pointing at a blob) is also named by the file the link leads to, so that a link
+  // pointed at another model since is another model. Only then: settings made before, without
+  // links, stay the same.
+  if (local) {
+    std::error_code ec;
+    const fs::path file = fs::canonical(job.backend.model, ec);
+    if (!ec && file.filename() != fs::path(job.backend.model).filename())
+      settings["model_file"] = replace_invalid_utf8(file.filename().string(), [](unsigned char byte) {
+        char hex[5];
+        std::snprintf(hex, sizeof hex, "\\x%02x", byte);
+        return std::string(hex);
+      });
+  }
+  return settings;
 }
 
 std::string settings_hash(const nlohmann::json& settings) {
@@ -1421,13 +1436,7 @@ std::string settings_hash(const nlohmann::json& settings) {
 
 std::string model_label(const JobSpec& job, const std::string& request_model) {
   // The embedded engine runs its one model whatever a request names (a Batch line's "gpt-4o").
-  // Named by the file its path leads to: a link that points elsewhere later is another model,
-  // and two names for one file are the same one.
-  if (job.backend.type == "local") {
-    std::error_code ec;
-    const fs::path file = fs::canonical(job.backend.model, ec);
-    return (ec ? fs::path(job.backend.model) : file).filename().string();
-  }
+  if (job.backend.type == "local") return fs::path(job.backend.model).filename().string();
   return request_model.empty() ? job.backend.model : request_model;
 }
 

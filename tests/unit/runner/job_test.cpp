@@ -1242,24 +1242,34 @@ TEST(ModelLabel, LocalModelsByFileNameApisByTheRequestsModel) {
   EXPECT_EQ(model_label(api, "gpt-4o"), "gpt-4o");
 }
 
-// A local model reached through a symbolic link is named by the file it leads to: two names for
-// one file are one model, and a link pointed at another file later names that one.
-TEST_F(JobFile, ALocalModelThroughALinkIsNamedByItsFile) {
+// A local model reached through a symbolic link keeps the link's name in its records, and its
+// settings also name the file the link leads to: a link pointed at another model since is
+// another model. Without a link the settings are as they always were.
+TEST_F(JobFile, ALocalModelThroughALinkIsAlsoNamedByItsFile) {
   write("a.Q4_1.gguf", "GGUF");
   write("b.Q8_0.gguf", "GGUF");
   fs::create_symlink("a.Q4_1.gguf", dir_ / "current.gguf");
   JobSpec local;
   local.backend.type = "local";
   local.backend.model = (dir_ / "current.gguf").string();
-  EXPECT_EQ(model_label(local, ""), "a.Q4_1.gguf");
-  const std::string before = settings_hash(result_settings(local));
-  local.backend.model = (dir_ / "a.Q4_1.gguf").string();
-  EXPECT_EQ(settings_hash(result_settings(local)), before);
+  EXPECT_EQ(model_label(local, ""), "current.gguf");
+  const nlohmann::json through_link = result_settings(local);
+  EXPECT_EQ(through_link["model"], "current.gguf");
+  EXPECT_EQ(through_link["model_file"], "a.Q4_1.gguf");
   fs::remove(dir_ / "current.gguf");
   fs::create_symlink("b.Q8_0.gguf", dir_ / "current.gguf");
+  EXPECT_EQ(model_label(local, ""), "current.gguf");
+  EXPECT_EQ(result_settings(local)["model_file"], "b.Q8_0.gguf");
+  EXPECT_NE(settings_hash(result_settings(local)), settings_hash(through_link));
+  local.backend.model = (dir_ / "a.Q4_1.gguf").string();
+  EXPECT_FALSE(result_settings(local).contains("model_file"));
+  // A target whose name is not UTF-8 is named with its bytes escaped (the settings are JSON).
+  write("mod\xe8le.gguf", "GGUF");
+  fs::remove(dir_ / "current.gguf");
+  fs::create_symlink("mod\xe8le.gguf", dir_ / "current.gguf");
   local.backend.model = (dir_ / "current.gguf").string();
-  EXPECT_EQ(model_label(local, ""), "b.Q8_0.gguf");
-  EXPECT_NE(settings_hash(result_settings(local)), before);
+  EXPECT_EQ(result_settings(local)["model_file"], "mod\\xe8le.gguf");
+  EXPECT_NO_THROW(settings_hash(result_settings(local)));
 }
 
 }  // namespace

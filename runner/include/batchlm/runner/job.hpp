@@ -208,16 +208,16 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
 std::optional<std::string> overriding_flag(const std::vector<Override>& overrides, const std::string& field);
 
 // What decides an item's result besides its input: the kind of backend and its model (a local
-// model by the name of the file its path leads to, symbolic links followed), the request template, the few-shot examples (their file by name) and
-// the scoring. Not the API's address, the engine's tuning or the retry policy. Records carry
-// settings_hash() of it, so that a resume under other settings is refused rather than mixing
-// two runs' results in one file.
+// model by file name, and where that is a symbolic link also by the name of the file it leads
+// to), the request template, the few-shot examples (their file by name) and the scoring. Not the
+// API's address, the engine's tuning or the retry policy. Records carry settings_hash() of it,
+// so that a resume under other settings is refused rather than mixing two runs' results in one
+// file.
 nlohmann::json result_settings(const JobSpec& job);
 // 16 hex digits (FNV-1a, 64 bits, of the settings' compact JSON): the same on every machine.
 std::string settings_hash(const nlohmann::json& settings);
-// The model a record names: the name of the file a local model's path leads to (links
-// followed; the name as given where it leads nowhere); for an API the request's own (a
-// template or a Batch line may set it), else the backend's.
+// The model a record names: a local model's file name, as given; for an API the request's own
+// (a template or a Batch line may set it), else the backend's.
 std::string model_label(const JobSpec& job, const std::string& request_model);
 
 // Why a request's "n" must be 1 (job files and Batch-API lines).
