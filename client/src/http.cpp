@@ -551,7 +551,9 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
         response.error->code = "connect_timeout";  // the server was never reached
         break;
       case CURLE_UNSUPPORTED_PROTOCOL:
-        if (connected(t)) {
+        // A redirect to a scheme curl lacks ('Protocol "gopher" not supported') also comes here
+        // after a connection: that is no reply in another protocol, and not worth a retry.
+        if (connected(t) && detail.find("not supported") == std::string::npos) {
           // Not a scheme curl lacks (that fails before connecting) but the reply: no HTTP
           // status line at all (curl's "HTTP/0.9", from an SSH server's banner, a TLS port
           // spoken to in plain http, any other service), or an HTTP version it does not know.

@@ -293,19 +293,27 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
 
     // The lock lives in its own file so that rewriting the output (rename over it) does not
     // drop it, and the kernel releases it however this process ends.
-    lock_fd_ = open_creating(lock_path, O_RDWR, made_lock, "the lock file " + lock_path + " of output " + path);
-    if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-      const int err = errno;
-      if (err != EWOULDBLOCK) throw_io("cannot lock", lock_path, err);
-      char holder[32] = {};
-      const ssize_t n = ::pread(lock_fd_, holder, sizeof holder - 1, 0);
-      std::string pid = n > 0 ? std::string(holder, static_cast<std::size_t>(n)) : std::string();
-      pid.resize(std::min(pid.size(), pid.find('\n')));  // the settings follow
-      pid.erase(std::remove_if(pid.begin(), pid.end(), [](char c) { return c < '0' || c > '9'; }),
-                pid.end());
-      throw OutputLockedError("output " + path + " is in use by another run (pid " +
-                              (pid.empty() ? std::string("unknown") : pid) + ", lock " + lock_path +
-                              ")");
+    // A run refused at start removes the lock file it made, and a run that opened that file
+    // just before would hold a lock on a name that is gone: the lock counts only while the name
+    // still leads to the file locked, else it is taken again.
+    for (int tries = 0;; ++tries) {
+      lock_fd_ = open_creating(lock_path, O_RDWR, made_lock, "the lock file " + lock_path + " of output " + path);
+      if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+        const int err = errno;
+        if (err != EWOULDBLOCK) throw_io("cannot lock", lock_path, err);
+        char holder[32] = {};
+        const ssize_t n = ::pread(lock_fd_, holder, sizeof holder - 1, 0);
+        std::string pid = n > 0 ? std::string(holder, static_cast<std::size_t>(n)) : std::string();
+        pid.resize(std::min(pid.size(), pid.find('\n')));  // the settings follow
+        pid.erase(std::remove_if(pid.begin(), pid.end(), [](char c) { return c < '0' || c > '9'; }), pid.end());
+        throw OutputLockedError("output " + path + " is in use by another run (pid " +
+                                (pid.empty() ? std::string("unknown") : pid) + ", lock " + lock_path + ")");
+      }
+      struct stat held {}, named {};
+      if (tries >= 8 || (::fstat(lock_fd_, &held) == 0 && ::stat(lock_path.c_str(), &named) == 0 &&
+                         held.st_dev == named.st_dev && held.st_ino == named.st_ino))
+        break;
+      ::close(std::exchange(lock_fd_, -1));
     }
     {
       // The earlier run's settings stay until this run has passed before_changes.
@@ -500,10 +508,12 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
 void OutputWriter::write_lock(const std::string& settings) {
   const std::string text = std::to_string(::getpid()) + "\n" + (settings.empty() ? "" : settings + "\n");
   const std::string lock_path = options_.path + ".lock";
-  if (::ftruncate(lock_fd_, 0) != 0) throw_write_error("cannot write", lock_path, errno);
+  // Written over the old text, then cut to length: a kill between the two never leaves it empty
+  // (at worst the old text's end follows the new, which then reads as no settings).
   if (::pwrite(lock_fd_, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
     throw_write_error("cannot write", lock_path, errno);
   }
+  if (::ftruncate(lock_fd_, static_cast<off_t>(text.size())) != 0) throw_write_error("cannot write", lock_path, errno);
 }
 
 OutputWriter::~OutputWriter() {

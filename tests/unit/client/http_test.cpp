@@ -110,6 +110,16 @@ TEST(HttpClient, AReplyThatIsNotWellFormedHttpIsAProtocolErrorNamingTheUrl) {
       << response.error->message;
 }
 
+// A redirect to a scheme curl lacks fails after a connection, with the code of an HTTP/0.9
+// reply; the server did answer in HTTP, so it is not called one that does not.
+TEST(HttpClient, ARedirectToASchemeCurlLacksIsNotCalledANonHttpReply) {
+  GreetingServer server("HTTP/1.1 307 Temporary Redirect\r\nLocation: gopher://127.0.0.1/x\r\nContent-Length: 0\r\n\r\n");
+  const HttpResponse response = post(server.url("/v1/chat/completions"));
+  ASSERT_TRUE(response.error.has_value());
+  EXPECT_NE(response.error->code, "not_http") << response.error->message;
+  EXPECT_NE(response.error->kind, ErrorKind::Protocol) << response.error->message;
+}
+
 // A scheme curl does not have fails before any connection: that stays an internal error (a
 // job's base URL is checked to be http or https before anything is sent).
 TEST(HttpClient, ASchemeCurlLacksIsNotCalledAServerThatDoesNotAnswerInHttp) {
