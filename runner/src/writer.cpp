@@ -4,12 +4,18 @@
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
 #include <string_view>
 #include <system_error>
 #include <utility>
@@ -238,6 +244,32 @@ void check_records(const std::string& path);
 
 }  // namespace
 
+namespace {
+
+// The pid holding an flock on the file at `path`, from the kernel's table (/proc/locks: "1:
+// FLOCK  ADVISORY  WRITE 15554 fe:00:10952832 0 EOF", device major and minor in hex); nothing
+// where none does or the table cannot be read. Looking, unlike trying the lock, cannot make a
+// run that starts at the same moment find its output taken.
+std::optional<long> flock_holder(const std::string& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) return std::nullopt;
+  std::ifstream table("/proc/locks");
+  for (std::string line; std::getline(table, line);) {
+    std::istringstream fields(line);
+    std::string ordinal, kind, mode, access, pid, where;
+    fields >> ordinal >> kind;  // a waiter has "->" here, below the holder: not one
+    if (kind != "FLOCK" || !(fields >> mode >> access >> pid >> where)) continue;
+    unsigned major = 0, minor = 0;
+    unsigned long long inode = 0;
+    if (std::sscanf(where.c_str(), "%x:%x:%llu", &major, &minor, &inode) != 3) continue;
+    if (major == ::major(info.st_dev) && minor == ::minor(info.st_dev) && inode == info.st_ino)
+      return std::strtol(pid.c_str(), nullptr, 10);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 void check_output(const std::string& given, bool read_records) {
   if (given.empty()) throw std::runtime_error("output path is empty");
   check_can_be_output(given);
@@ -248,6 +280,10 @@ void check_output(const std::string& given, bool read_records) {
   if (::stat(path.c_str(), &info) == 0) {
     if (::access(path.c_str(), R_OK | W_OK) != 0)
       throw std::runtime_error("cannot open output " + path + " for writing: " + std::strerror(errno));
+    if (const std::optional<long> pid = flock_holder(lock_path)) {
+      throw OutputLockedError("output " + path + " is in use by another run (pid " + std::to_string(*pid) +
+                              ", lock " + lock_path + ")");
+    }
     if (::access(lock_path.c_str(), F_OK) == 0) {
       if (::access(lock_path.c_str(), R_OK | W_OK) != 0)
         throw std::runtime_error("cannot open the lock file " + lock_path + " of output " + path + ": " +

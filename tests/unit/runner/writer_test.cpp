@@ -787,6 +787,19 @@ TEST_F(OutputWriterTest, CheckOutputRefusesWhatTheWriterWouldAndMakesNothing) {
   EXPECT_NE(message_of("-").find("output '-'"), std::string::npos);
   EXPECT_NE(message_of("").find("empty"), std::string::npos);
   EXPECT_FALSE(fs::exists(path_ + ".lock"));
+  // Held by a run: said with its pid, read from the kernel's lock table; free again after it.
+  write_raw(line(ok(1)));
+  {
+    OutputWriter holder(options());
+    try {
+      check_output(path_);
+      ADD_FAILURE() << "a held output passed";
+    } catch (const OutputLockedError& e) {
+      EXPECT_EQ(std::string(e.what()), "output " + path_ + " is in use by another run (pid " +
+                                           std::to_string(::getpid()) + ", lock " + path_ + ".lock)");
+    }
+  }
+  EXPECT_EQ(message_of(path_), "");
   // A directory that takes no new entries (root may write anywhere: not checked as root).
   if (::geteuid() != 0) {
     fs::create_directory(dir_ / "ro");

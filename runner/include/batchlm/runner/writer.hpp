@@ -52,8 +52,9 @@ struct ResumeInfo {
 // (not "-", a directory, a pipe or a device), the directories it needs can be made, an existing
 // file and its lock file can be written, or the directory a new one goes in takes new entries;
 // with read_records, an existing file is read through as a resume would (NotAnOutputError
-// where it is not a batchlm output). Whether another run holds the output is not checked.
-// Throws std::runtime_error naming the output's path.
+// where it is not a batchlm output); and no other run holds its lock (OutputLockedError, read
+// from the kernel's lock table, not by trying the lock). Throws std::runtime_error naming the
+// output's path.
 void check_output(const std::string& path, bool read_records = true);
 
 class OutputWriter {
