@@ -242,9 +242,33 @@ std::vector<std::string> missing_directories(const std::string& path) {
 // Whether every complete line of the file at `path` is a record with an id (see parse_record).
 void check_records(const std::string& path);
 
-}  // namespace
+// What the lock file holds: the pid of the run that holds (or last held) it, then the settings
+// its records are made with.
+struct LockText {
+  std::string pid, settings;
+};
+LockText read_lock(int fd) {
+  std::string text;
+  char block[4096];
+  ssize_t n = 0;
+  for (off_t at = 0; (n = ::pread(fd, block, sizeof block, at)) > 0; at += n)
+    text.append(block, static_cast<std::size_t>(n));
+  LockText lock;
+  const std::size_t eol = text.find('\n');
+  lock.pid = text.substr(0, eol);
+  lock.pid.erase(std::remove_if(lock.pid.begin(), lock.pid.end(), [](char c) { return c < '0' || c > '9'; }),
+                 lock.pid.end());
+  if (eol != std::string::npos) {
+    lock.settings = text.substr(eol + 1);
+    while (!lock.settings.empty() && lock.settings.back() == '\n') lock.settings.pop_back();
+  }
+  return lock;
+}
 
-namespace {
+OutputLockedError in_use(const std::string& path, const std::string& lock_path, const std::string& pid) {
+  return OutputLockedError("output " + path + " is in use by another run (pid " + (pid.empty() ? "unknown" : pid) +
+                           ", lock " + lock_path + ")");
+}
 
 // The pid holding an flock on the file at `path`, from the kernel's table (/proc/locks: "1:
 // FLOCK  ADVISORY  WRITE 15554 fe:00:10952832 0 EOF", device major and minor in hex); nothing
@@ -280,10 +304,7 @@ void check_output(const std::string& given, bool read_records) {
   if (::stat(path.c_str(), &info) == 0) {
     if (::access(path.c_str(), R_OK | W_OK) != 0)
       throw std::runtime_error("cannot open output " + path + " for writing: " + std::strerror(errno));
-    if (const std::optional<long> pid = flock_holder(lock_path)) {
-      throw OutputLockedError("output " + path + " is in use by another run (pid " + std::to_string(*pid) +
-                              ", lock " + lock_path + ")");
-    }
+    if (const std::optional<long> pid = flock_holder(lock_path)) throw in_use(path, lock_path, std::to_string(*pid));
     if (::access(lock_path.c_str(), F_OK) == 0) {
       if (::access(lock_path.c_str(), R_OK | W_OK) != 0)
         throw std::runtime_error("cannot open the lock file " + lock_path + " of output " + path + ": " +
@@ -337,13 +358,7 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
       if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
         const int err = errno;
         if (err != EWOULDBLOCK) throw_io("cannot lock", lock_path, err);
-        char holder[32] = {};
-        const ssize_t n = ::pread(lock_fd_, holder, sizeof holder - 1, 0);
-        std::string pid = n > 0 ? std::string(holder, static_cast<std::size_t>(n)) : std::string();
-        pid.resize(std::min(pid.size(), pid.find('\n')));  // the settings follow
-        pid.erase(std::remove_if(pid.begin(), pid.end(), [](char c) { return c < '0' || c > '9'; }), pid.end());
-        throw OutputLockedError("output " + path + " is in use by another run (pid " +
-                                (pid.empty() ? std::string("unknown") : pid) + ", lock " + lock_path + ")");
+        throw in_use(path, lock_path, read_lock(lock_fd_).pid);
       }
       struct stat held {}, named {};
       if (tries >= 8 || (::fstat(lock_fd_, &held) == 0 && ::stat(lock_path.c_str(), &named) == 0 &&
@@ -351,19 +366,9 @@ OutputWriter::OutputWriter(Options options, const std::function<void(const nlohm
         break;
       ::close(std::exchange(lock_fd_, -1));
     }
-    {
-      // The earlier run's settings stay until this run has passed before_changes.
-      std::string text;
-      char block[4096];
-      ssize_t n = 0;
-      for (off_t at = 0; (n = ::pread(lock_fd_, block, sizeof block, at)) > 0; at += n)
-        text.append(block, static_cast<std::size_t>(n));
-      if (const std::size_t eol = text.find('\n'); eol != std::string::npos) {
-        earlier_settings_ = text.substr(eol + 1);
-        while (!earlier_settings_.empty() && earlier_settings_.back() == '\n') earlier_settings_.pop_back();
-      }
-      write_lock(earlier_settings_);
-    }
+    // The earlier run's settings stay until this run has passed before_changes.
+    earlier_settings_ = read_lock(lock_fd_).settings;
+    write_lock(earlier_settings_);
 
     struct stat info {};
     const bool exists = ::stat(path.c_str(), &info) == 0;
@@ -474,15 +479,16 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
     }
     auto record = parse_record(line, path, line_number, any_record);
     any_record = true;
+    std::string id = record["id"].dump();
     if (auto error = record.find("error"); error != record.end() && !error->is_null()) {
-      failed_ids.insert(record["id"].dump());
+      failed_ids.insert(std::move(id));
       return drop();
     }
-    if (options_.redo && options_.redo(record) && !resume_.done_ids.contains(record["id"].dump())) {
-      redone_ids.insert(record["id"].dump());
+    if (options_.redo && options_.redo(record) && !resume_.done_ids.contains(id)) {
+      redone_ids.insert(std::move(id));
       return drop();
     }
-    if (!resume_.done_ids.insert(record["id"].dump()).second) {
+    if (!resume_.done_ids.insert(std::move(id)).second) {
       ++resume_.dropped_duplicates;
       return drop();
     }
