@@ -331,12 +331,16 @@ nlohmann::json yaml_to_json(const YAML::Node& node) {
 constexpr std::size_t kMaxYamlNodes = 2'000'000;
 constexpr int kMaxYamlDepth = 64;
 
+// An error where the parser marked (1-based line and column; 0 where it has no mark).
+ConfigError error_at(const std::string& file, const YAML::Mark& m, const std::string& field,
+                     const std::string& message) {
+  return ConfigError(file, m.is_null() ? 0 : m.line + 1, m.is_null() ? 0 : m.column + 1, field, message);
+}
+
 void check_tree_size(const YAML::Node& root, const std::string& file, const std::string& field) {
   std::size_t nodes = 0;
   const auto fail = [&](const YAML::Node& at, const std::string& message) {
-    const int line = at.Mark().is_null() ? 0 : at.Mark().line + 1;
-    const int column = at.Mark().is_null() ? 0 : at.Mark().column + 1;
-    throw ConfigError(file, line, column, field, message);
+    throw error_at(file, at.Mark(), field, message);
   };
   const auto visit = [&](const auto& self, const YAML::Node& node, int depth) -> void {
     if (++nodes > kMaxYamlNodes)
@@ -368,8 +372,7 @@ void check_duplicate_keys(const YAML::Node& node, const std::string& path, const
       const std::string name = it->first.IsScalar() ? it->first.Scalar() : describe(it->first);
       const std::string field = child_path(path, name);
       if (!seen.insert(name).second) {
-        const YAML::Mark m = it->first.Mark();
-        throw ConfigError(file, m.is_null() ? 0 : m.line + 1, m.is_null() ? 0 : m.column + 1, field, "duplicate key");
+        throw error_at(file, it->first.Mark(), field, "duplicate key");
       }
       check_duplicate_keys(it->second, field, file);
     }
@@ -1414,11 +1417,7 @@ nlohmann::json result_settings(const JobSpec& job) {
     std::error_code ec;
     const fs::path file = fs::canonical(job.backend.model, ec);
     if (!ec && file.filename() != fs::path(job.backend.model).filename())
-      settings["model_file"] = replace_invalid_utf8(file.filename().string(), [](unsigned char byte) {
-        char hex[5];
-        std::snprintf(hex, sizeof hex, "\\x%02x", byte);
-        return std::string(hex);
-      });
+      settings["model_file"] = terminal_safe(file.filename().string());  // JSON needs UTF-8
   }
   return settings;
 }
@@ -1529,16 +1528,13 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
       }
       previous_start = scan.start;
       if (document == 0 || !scan.content) continue;  // '---' or '...' with nothing after it
-      throw ConfigError(file_label, scan.first.is_null() ? 0 : scan.first.line + 1,
-                        scan.first.is_null() ? 0 : scan.first.column + 1, "",
-                        "a second YAML document (after '---'); a job file holds one job");
+      throw error_at(file_label, scan.first, "", "a second YAML document (after '---'); a job file holds one job");
     }
     root = YAML::Load(std::string(yaml));
   } catch (const YAML::DeepRecursion& e) {
     // The parser's own bound (some thousand levels) comes with the words "bad file"; past it the
     // tree is refused as check_tree_size refuses one past kMaxYamlDepth.
-    throw ConfigError(file_label, e.mark.is_null() ? 0 : e.mark.line + 1, e.mark.is_null() ? 0 : e.mark.column + 1, "",
-                      "nested more than " + std::to_string(kMaxYamlDepth) + " levels deep");
+    throw error_at(file_label, e.mark, "", "nested more than " + std::to_string(kMaxYamlDepth) + " levels deep");
   } catch (const YAML::ParserException& e) {
     int line = e.mark.is_null() ? 0 : e.mark.line + 1;
     int column = e.mark.is_null() ? 0 : e.mark.column + 1;
@@ -1575,9 +1571,7 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
   // Overrides go into a map: a file that holds a list or a single value is refused as it is,
   // not replaced by one made of the flags.
   if (root.IsDefined() && !root.IsNull() && !root.IsMap())
-    throw ConfigError(file_label, root.Mark().is_null() ? 0 : root.Mark().line + 1,
-                      root.Mark().is_null() ? 0 : root.Mark().column + 1, "",
-                      "expected a map of job settings, got " + describe(root));
+    throw error_at(file_label, root.Mark(), "", "expected a map of job settings, got " + describe(root));
   for (const Override& o : overrides) {
     apply_override(root, o, env);
   }
