@@ -35,7 +35,7 @@ inline std::string check_number(const std::string& text, double min, double max,
     parsed = err == std::errc() && at == end;
     value = static_cast<double>(n);
     if (err == std::errc::result_out_of_range && at == end && std::isinf(max) && !text.starts_with('-'))
-      return "too large: the largest allowed is " + (std::isinf(largest) ? std::string("9223372036854775807") : show(largest)) +
+      return "too large: the largest allowed is " + (std::isinf(largest) ? std::to_string(std::numeric_limits<long long>::max()) : show(largest)) +
              ", got " + text;
     if (err == std::errc::result_out_of_range && at == end) {
       parsed = true;  // out of range, not malformed

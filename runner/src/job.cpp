@@ -856,7 +856,7 @@ void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& requ
   if (Reader::has(node["top_p"])) request.top_p = r.number(node["top_p"], "request.top_p", 0, 1);
   if (Reader::has(node["stop"])) {
     request.stop = r.string_list(node["stop"], "request.stop");
-    warn_placeholders(r, node["stop"], "request.stop", yaml_to_json(node["stop"]));
+    warn_placeholders(r, node["stop"], "request.stop", nlohmann::json(request.stop));
   }
   if (Reader::has(node["seed"]))
     request.seed = r.integer(node["seed"], "request.seed", std::numeric_limits<std::int64_t>::min());
