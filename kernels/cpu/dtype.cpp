@@ -1,6 +1,8 @@
 #include "batchlm/kernels/dtype.hpp"
 
 #include <bit>
+#include <stdexcept>
+#include <string>
 
 namespace batchlm::kernels {
 
@@ -10,8 +12,14 @@ std::optional<DType> dtype_from_id(std::uint32_t id) {
     case 1: return DType::F16;
     case 2: return DType::Q4_0;
     case 3: return DType::Q4_1;
+    case 6: return DType::Q5_0;
+    case 7: return DType::Q5_1;
     case 8: return DType::Q8_0;
     case 9: return DType::Q8_1;
+    case 12: return DType::Q4_K;
+    case 13: return DType::Q5_K;
+    case 14: return DType::Q6_K;
+    case 15: return DType::Q8_K;
     case 30: return DType::BF16;
     default: return std::nullopt;
   }
@@ -23,8 +31,14 @@ std::string_view to_string(DType t) {
     case DType::F16: return "F16";
     case DType::Q4_0: return "Q4_0";
     case DType::Q4_1: return "Q4_1";
+    case DType::Q5_0: return "Q5_0";
+    case DType::Q5_1: return "Q5_1";
     case DType::Q8_0: return "Q8_0";
     case DType::Q8_1: return "Q8_1";
+    case DType::Q4_K: return "Q4_K";
+    case DType::Q5_K: return "Q5_K";
+    case DType::Q6_K: return "Q6_K";
+    case DType::Q8_K: return "Q8_K";
     case DType::BF16: return "BF16";
   }
   return "?";
@@ -35,6 +49,10 @@ std::int64_t block_size(DType t) {
     case DType::F32:
     case DType::F16:
     case DType::BF16: return 1;
+    case DType::Q4_K:
+    case DType::Q5_K:
+    case DType::Q6_K:
+    case DType::Q8_K: return kSuperBlock;
     default: return kQuantBlock;
   }
 }
@@ -46,10 +64,138 @@ std::size_t block_bytes(DType t) {
     case DType::BF16: return 2;
     case DType::Q4_0: return sizeof(BlockQ4_0);
     case DType::Q4_1: return sizeof(BlockQ4_1);
+    case DType::Q5_0: return sizeof(BlockQ5_0);
+    case DType::Q5_1: return sizeof(BlockQ5_1);
     case DType::Q8_0: return sizeof(BlockQ8_0);
     case DType::Q8_1: return sizeof(BlockQ8_1);
+    case DType::Q4_K: return sizeof(BlockQ4_K);
+    case DType::Q5_K: return sizeof(BlockQ5_K);
+    case DType::Q6_K: return sizeof(BlockQ6_K);
+    case DType::Q8_K: return sizeof(BlockQ8_K);
   }
   return 0;
+}
+
+namespace {
+
+// The fifth bit of element j of a Q5_0 / Q5_1 block, as 16 or 0.
+int fifth_bit(const std::uint8_t* qh, int j) { return ((qh[j / 8] >> (j % 8)) & 1) << 4; }
+
+template <typename Block>
+const Block* blocks_of(const void* row) {
+  return static_cast<const Block*>(row);
+}
+
+}  // namespace
+
+void dequantize_row(DType t, const void* row, std::int64_t n, float* out) {
+  const std::int64_t nb = n / block_size(t);
+  switch (t) {
+    case DType::F32: std::memcpy(out, row, static_cast<std::size_t>(n) * sizeof(float)); return;
+    case DType::F16:
+      for (std::int64_t j = 0; j < n; ++j) out[j] = fp16_to_fp32(blocks_of<std::uint16_t>(row)[j]);
+      return;
+    case DType::BF16:
+      for (std::int64_t j = 0; j < n; ++j) out[j] = bf16_to_fp32(blocks_of<std::uint16_t>(row)[j]);
+      return;
+    case DType::Q8_0:
+      for (std::int64_t k = 0; k < nb; ++k) {
+        const BlockQ8_0& b = blocks_of<BlockQ8_0>(row)[k];
+        const float d = fp16_to_fp32(b.d);
+        for (int j = 0; j < 32; ++j) out[k * 32 + j] = d * static_cast<float>(b.qs[j]);
+      }
+      return;
+    case DType::Q4_0:
+      for (std::int64_t k = 0; k < nb; ++k) {
+        const BlockQ4_0& b = blocks_of<BlockQ4_0>(row)[k];
+        const float d = fp16_to_fp32(b.d);
+        for (int j = 0; j < 16; ++j) {
+          out[k * 32 + j] = d * static_cast<float>((b.qs[j] & 0x0f) - 8);
+          out[k * 32 + j + 16] = d * static_cast<float>((b.qs[j] >> 4) - 8);
+        }
+      }
+      return;
+    case DType::Q4_1:
+      for (std::int64_t k = 0; k < nb; ++k) {
+        const BlockQ4_1& b = blocks_of<BlockQ4_1>(row)[k];
+        const float d = fp16_to_fp32(b.d), m = fp16_to_fp32(b.m);
+        for (int j = 0; j < 16; ++j) {
+          out[k * 32 + j] = d * static_cast<float>(b.qs[j] & 0x0f) + m;
+          out[k * 32 + j + 16] = d * static_cast<float>(b.qs[j] >> 4) + m;
+        }
+      }
+      return;
+    case DType::Q5_0:
+      for (std::int64_t k = 0; k < nb; ++k) {
+        const BlockQ5_0& b = blocks_of<BlockQ5_0>(row)[k];
+        const float d = fp16_to_fp32(b.d);
+        for (int j = 0; j < 16; ++j) {
+          out[k * 32 + j] = d * static_cast<float>(((b.qs[j] & 0x0f) | fifth_bit(b.qh, j)) - 16);
+          out[k * 32 + j + 16] = d * static_cast<float>(((b.qs[j] >> 4) | fifth_bit(b.qh, j + 16)) - 16);
+        }
+      }
+      return;
+    case DType::Q5_1:
+      for (std::int64_t k = 0; k < nb; ++k) {
+        const BlockQ5_1& b = blocks_of<BlockQ5_1>(row)[k];
+        const float d = fp16_to_fp32(b.d), m = fp16_to_fp32(b.m);
+        for (int j = 0; j < 16; ++j) {
+          out[k * 32 + j] = d * static_cast<float>((b.qs[j] & 0x0f) | fifth_bit(b.qh, j)) + m;
+          out[k * 32 + j + 16] = d * static_cast<float>((b.qs[j] >> 4) | fifth_bit(b.qh, j + 16)) + m;
+        }
+      }
+      return;
+    case DType::Q4_K:
+    case DType::Q5_K:
+      for (std::int64_t k = 0; k < nb; ++k) {
+        // Q4_K and Q5_K share the header and the nibbles; Q5_K adds the fifth bits.
+        const std::uint8_t* base = static_cast<const std::uint8_t*>(row) + k * block_bytes(t);
+        const BlockQ4_K& h = *reinterpret_cast<const BlockQ4_K*>(base);
+        const std::uint8_t* qh = t == DType::Q5_K ? reinterpret_cast<const BlockQ5_K*>(base)->qh : nullptr;
+        const std::uint8_t* qs = t == DType::Q5_K ? reinterpret_cast<const BlockQ5_K*>(base)->qs : h.qs;
+        const float d = fp16_to_fp32(h.d), dmin = fp16_to_fp32(h.dmin);
+        float* o = out + k * kSuperBlock;
+        for (int i = 0; i < 4; ++i) {
+          std::uint8_t sc_lo, m_lo, sc_hi, m_hi;
+          k_scale_min(h.scales, 2 * i, sc_lo, m_lo);
+          k_scale_min(h.scales, 2 * i + 1, sc_hi, m_hi);
+          const float d_lo = d * sc_lo, min_lo = dmin * m_lo, d_hi = d * sc_hi, min_hi = dmin * m_hi;
+          for (int l = 0; l < 32; ++l) {
+            int lo = qs[32 * i + l] & 0x0f, hi = qs[32 * i + l] >> 4;
+            if (qh) {
+              lo |= ((qh[l] >> (2 * i)) & 1) << 4;
+              hi |= ((qh[l] >> (2 * i + 1)) & 1) << 4;
+            }
+            o[64 * i + l] = d_lo * static_cast<float>(lo) - min_lo;
+            o[64 * i + 32 + l] = d_hi * static_cast<float>(hi) - min_hi;
+          }
+        }
+      }
+      return;
+    case DType::Q6_K:
+      for (std::int64_t k = 0; k < nb; ++k) {
+        const BlockQ6_K& b = blocks_of<BlockQ6_K>(row)[k];
+        const float d = fp16_to_fp32(b.d);
+        float* o = out + k * kSuperBlock;
+        for (int h = 0; h < 2; ++h) {
+          const std::uint8_t* ql = b.ql + 64 * h;
+          const std::uint8_t* qh = b.qh + 32 * h;
+          float* oh = o + 128 * h;
+          for (int l = 0; l < 32; ++l) {
+            const int q[4] = {(ql[l] & 0x0f) | ((qh[l] & 3) << 4), (ql[32 + l] & 0x0f) | (((qh[l] >> 2) & 3) << 4),
+                              (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4)};
+            for (int s = 0; s < 4; ++s) {
+              const int e = 32 * s + l;
+              oh[e] = d * static_cast<float>(b.scales[(128 * h + e) / 16]) * static_cast<float>(q[s] - 32);
+            }
+          }
+        }
+      }
+      return;
+    case DType::Q8_1:
+    case DType::Q8_K: break;
+  }
+  throw std::invalid_argument("dequantize_row: " + std::string(to_string(t)) + " is not a weight type");
 }
 
 float fp16_to_fp32(std::uint16_t h) {

@@ -43,24 +43,38 @@ DType dot_type(DType t) {
     case DType::Q4_0:
     case DType::Q8_0: return DType::Q8_0;
     case DType::Q4_1: return DType::Q8_1;
+    case DType::Q5_0: return DType::Q8_0;
+    case DType::Q5_1: return DType::Q8_1;
+    case DType::Q4_K:
+    case DType::Q5_K:
+    case DType::Q6_K: return DType::Q8_K;
     case DType::F16: return DType::F16;
     case DType::BF16: return DType::BF16;
     case DType::F32: return DType::F32;
-    case DType::Q8_1: break;
+    case DType::Q8_1:
+    case DType::Q8_K: break;
   }
   throw std::invalid_argument("matmul: weights of type " + std::string(to_string(t)) +
                               " are not supported");
 }
 
+// A path without its own tile for the 5-bit and K types uses the portable one (same results).
 cpu::TileFn tile_for(const cpu::Kernels& k, DType t) {
+  const cpu::Kernels& p = cpu::portable_kernels();
   switch (t) {
     case DType::Q4_0: return k.tile_q4_0;
     case DType::Q4_1: return k.tile_q4_1;
     case DType::Q8_0: return k.tile_q8_0;
+    case DType::Q5_0: return k.tile_q5_0 ? k.tile_q5_0 : p.tile_q5_0;
+    case DType::Q5_1: return k.tile_q5_1 ? k.tile_q5_1 : p.tile_q5_1;
+    case DType::Q4_K: return k.tile_q4_k ? k.tile_q4_k : p.tile_q4_k;
+    case DType::Q5_K: return k.tile_q5_k ? k.tile_q5_k : p.tile_q5_k;
+    case DType::Q6_K: return k.tile_q6_k ? k.tile_q6_k : p.tile_q6_k;
     case DType::F16: return k.tile_f16;
     case DType::BF16: return k.tile_bf16;
     case DType::F32: return k.tile_f32;
-    case DType::Q8_1: break;
+    case DType::Q8_1:
+    case DType::Q8_K: break;
   }
   throw std::invalid_argument("matmul: unsupported weight type");
 }
@@ -79,6 +93,7 @@ void convert_row(const cpu::Kernels& k, DType to, const float* x, std::int64_t n
   switch (to) {
     case DType::Q8_0: k.quantize_q8_0(x, n, out); return;
     case DType::Q8_1: k.quantize_q8_1(x, n, out); return;
+    case DType::Q8_K: (k.quantize_q8_k ? k.quantize_q8_k : cpu::portable_kernels().quantize_q8_k)(x, n, out); return;
     case DType::F16: {
       auto* o = static_cast<std::uint16_t*>(out);
       for (std::int64_t i = 0; i < n; ++i) o[i] = fp32_to_fp16(x[i]);
@@ -322,51 +337,8 @@ void get_rows(const Matrix& w, std::span<const std::int32_t> ids, float* out) {
   const std::size_t w_row = row_bytes(w.type, w.cols);
   for (std::size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= w.rows) throw std::out_of_range("get_rows: row out of range");
-    const auto* row = static_cast<const std::uint8_t*>(w.data) + ids[i] * w_row;
-    float* o = out + static_cast<std::int64_t>(i) * w.cols;
-    switch (w.type) {
-      case DType::F32: std::memcpy(o, row, static_cast<std::size_t>(w.cols) * 4); break;
-      case DType::F16:
-        for (std::int64_t j = 0; j < w.cols; ++j)
-          o[j] = fp16_to_fp32(reinterpret_cast<const std::uint16_t*>(row)[j]);
-        break;
-      case DType::BF16:
-        for (std::int64_t j = 0; j < w.cols; ++j)
-          o[j] = bf16_to_fp32(reinterpret_cast<const std::uint16_t*>(row)[j]);
-        break;
-      case DType::Q8_0: {
-        const auto* b = reinterpret_cast<const BlockQ8_0*>(row);
-        for (std::int64_t k = 0; k < w.cols / 32; ++k) {
-          const float d = fp16_to_fp32(b[k].d);
-          for (int j = 0; j < 32; ++j) o[k * 32 + j] = d * static_cast<float>(b[k].qs[j]);
-        }
-        break;
-      }
-      case DType::Q4_0: {
-        const auto* b = reinterpret_cast<const BlockQ4_0*>(row);
-        for (std::int64_t k = 0; k < w.cols / 32; ++k) {
-          const float d = fp16_to_fp32(b[k].d);
-          for (int j = 0; j < 16; ++j) {
-            o[k * 32 + j] = d * static_cast<float>((b[k].qs[j] & 0x0f) - 8);
-            o[k * 32 + j + 16] = d * static_cast<float>((b[k].qs[j] >> 4) - 8);
-          }
-        }
-        break;
-      }
-      case DType::Q4_1: {
-        const auto* b = reinterpret_cast<const BlockQ4_1*>(row);
-        for (std::int64_t k = 0; k < w.cols / 32; ++k) {
-          const float d = fp16_to_fp32(b[k].d);
-          const float m = fp16_to_fp32(b[k].m);
-          for (int j = 0; j < 16; ++j) {
-            o[k * 32 + j] = d * static_cast<float>(b[k].qs[j] & 0x0f) + m;
-            o[k * 32 + j + 16] = d * static_cast<float>(b[k].qs[j] >> 4) + m;
-          }
-        }
-        break;
-      }
-      case DType::Q8_1: throw std::invalid_argument("get_rows: Q8_1 is not a weight type");
-    }
+    dequantize_row(w.type, static_cast<const std::uint8_t*>(w.data) + ids[i] * w_row, w.cols,
+                   out + static_cast<std::int64_t>(i) * w.cols);
   }
 }
 

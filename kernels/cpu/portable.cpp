@@ -70,6 +70,113 @@ void tile_q8_0(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_
                                     });
 }
 
+// The fifth bit of element j of a Q5_0 / Q5_1 block, as 16 or 0.
+int fifth_bit(const std::uint8_t* qh, int j) { return ((qh[j / 8] >> (j % 8)) & 1) << 4; }
+
+void tile_q5_0(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+               std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
+  tile_blocks<BlockQ5_0, BlockQ8_0>(w, wrb, nr, x, xrb, nt, nb, y, ys,
+                                    [](const BlockQ5_0& a, const BlockQ8_0& b, float acc) {
+                                      int s = 0;
+                                      for (int j = 0; j < 16; ++j) {
+                                        s += (((a.qs[j] & 0x0f) | fifth_bit(a.qh, j)) - 16) * b.qs[j];
+                                        s += (((a.qs[j] >> 4) | fifth_bit(a.qh, j + 16)) - 16) * b.qs[j + 16];
+                                      }
+                                      return std::fma(h2f(a.d) * h2f(b.d), static_cast<float>(s), acc);
+                                    });
+}
+
+void tile_q5_1(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+               std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
+  tile_blocks<BlockQ5_1, BlockQ8_1>(w, wrb, nr, x, xrb, nt, nb, y, ys,
+                                    [](const BlockQ5_1& a, const BlockQ8_1& b, float acc) {
+                                      int s = 0;
+                                      for (int j = 0; j < 16; ++j) {
+                                        s += ((a.qs[j] & 0x0f) | fifth_bit(a.qh, j)) * b.qs[j];
+                                        s += ((a.qs[j] >> 4) | fifth_bit(a.qh, j + 16)) * b.qs[j + 16];
+                                      }
+                                      acc = std::fma(h2f(a.d) * h2f(b.d), static_cast<float>(s), acc);
+                                      return std::fma(h2f(a.m), h2f(b.s), acc);
+                                    });
+}
+
+// The K types against Q8_K activations, super-block by super-block: the integer sums of
+// ktypes_dot (below) exactly, then acc = fma(d_w * d_x, isum, acc) and, for Q4_K / Q5_K,
+// acc = fma(-(dmin_w * d_x), msum, acc), in super-block order. Every path's K tiles give these
+// bits.
+//   Q4_K / Q5_K: isum = sum over sub-blocks j of sc_j * (sum of q * x over its 32 elements),
+//                msum = sum over j of m_j * (bsums[2j] + bsums[2j + 1]);
+//   Q6_K:        isum = sum over sub-blocks j of sc_j * (sum of q * x over its 16 elements
+//                - 32 * bsums[j]).
+template <bool kFifthBit>
+float q45k_block(const std::uint8_t* block, const BlockQ8_K& b, float acc) {
+  const auto& h = *reinterpret_cast<const BlockQ4_K*>(block);
+  const std::uint8_t* qh = kFifthBit ? reinterpret_cast<const BlockQ5_K*>(block)->qh : nullptr;
+  const std::uint8_t* qs = kFifthBit ? reinterpret_cast<const BlockQ5_K*>(block)->qs : h.qs;
+  std::int32_t isum = 0, msum = 0;
+  for (int i = 0; i < 4; ++i) {
+    std::int32_t lo = 0, hi = 0;
+    for (int l = 0; l < 32; ++l) {
+      int ql = qs[32 * i + l] & 0x0f, qhi = qs[32 * i + l] >> 4;
+      if constexpr (kFifthBit) {
+        ql |= ((qh[l] >> (2 * i)) & 1) << 4;
+        qhi |= ((qh[l] >> (2 * i + 1)) & 1) << 4;
+      }
+      lo += ql * b.qs[64 * i + l];
+      hi += qhi * b.qs[64 * i + 32 + l];
+    }
+    std::uint8_t sc, m;
+    k_scale_min(h.scales, 2 * i, sc, m);
+    isum += sc * lo;
+    msum += m * (b.bsums[4 * i] + b.bsums[4 * i + 1]);
+    k_scale_min(h.scales, 2 * i + 1, sc, m);
+    isum += sc * hi;
+    msum += m * (b.bsums[4 * i + 2] + b.bsums[4 * i + 3]);
+  }
+  acc = std::fma(h2f(h.d) * b.d, static_cast<float>(isum), acc);
+  return std::fma(-(h2f(h.dmin) * b.d), static_cast<float>(msum), acc);
+}
+
+float q6k_block(const BlockQ6_K& a, const BlockQ8_K& b, float acc) {
+  std::int32_t sub[16] = {};
+  for (int h = 0; h < 2; ++h) {
+    const std::uint8_t* ql = a.ql + 64 * h;
+    const std::uint8_t* qh = a.qh + 32 * h;
+    for (int l = 0; l < 32; ++l) {
+      const int q[4] = {(ql[l] & 0x0f) | ((qh[l] & 3) << 4), (ql[32 + l] & 0x0f) | (((qh[l] >> 2) & 3) << 4),
+                        (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4)};
+      for (int s = 0; s < 4; ++s) {
+        const int e = 128 * h + 32 * s + l;
+        sub[e / 16] += q[s] * b.qs[e];
+      }
+    }
+  }
+  std::int32_t isum = 0;
+  for (int j = 0; j < 16; ++j) isum += a.scales[j] * (sub[j] - 32 * b.bsums[j]);
+  return std::fma(h2f(a.d) * b.d, static_cast<float>(isum), acc);
+}
+
+void tile_q4_k(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+               std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
+  tile_blocks<BlockQ4_K, BlockQ8_K>(w, wrb, nr, x, xrb, nt, nb, y, ys,
+                                    [](const BlockQ4_K& a, const BlockQ8_K& b, float acc) {
+                                      return q45k_block<false>(reinterpret_cast<const std::uint8_t*>(&a), b, acc);
+                                    });
+}
+
+void tile_q5_k(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+               std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
+  tile_blocks<BlockQ5_K, BlockQ8_K>(w, wrb, nr, x, xrb, nt, nb, y, ys,
+                                    [](const BlockQ5_K& a, const BlockQ8_K& b, float acc) {
+                                      return q45k_block<true>(reinterpret_cast<const std::uint8_t*>(&a), b, acc);
+                                    });
+}
+
+void tile_q6_k(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
+               std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
+  tile_blocks<BlockQ6_K, BlockQ8_K>(w, wrb, nr, x, xrb, nt, nb, y, ys, q6k_block);
+}
+
 template <typename T, typename Load>
 void tile_elements(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
                    std::size_t xrb, int nt, std::int64_t n, float* y, std::int64_t ys,
@@ -117,6 +224,29 @@ void quantize_q8(const float* x, std::int64_t n, void* out) {
       sum += q;
     }
     if constexpr (requires { blk.s; }) blk.s = fp32_to_fp16(d * static_cast<float>(sum));
+  }
+}
+
+// Q8_K of 256 values: d = max|x| / 127 in F32, q = x * (127 / max|x|) rounded half to even,
+// and the sum of each 16 q.
+void quantize_q8_k(const float* x, std::int64_t n, void* out) {
+  auto* blocks = static_cast<BlockQ8_K*>(out);
+  for (std::int64_t b = 0; b < n / kSuperBlock; ++b) {
+    const float* xb = x + b * kSuperBlock;
+    float amax = 0.0f;
+    for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    BlockQ8_K& blk = blocks[b];
+    blk.d = amax / 127.0f;
+    for (int g = 0; g < 16; ++g) {
+      int sum = 0;
+      for (int j = 16 * g; j < 16 * g + 16; ++j) {
+        const int q = static_cast<int>(std::nearbyint(xb[j] * id));
+        blk.qs[j] = static_cast<std::int8_t>(q);
+        sum += q;
+      }
+      blk.bsums[g] = static_cast<std::int16_t>(sum);
+    }
   }
 }
 
@@ -172,13 +302,22 @@ void round_f16(float* x, std::int64_t n) {
 }  // namespace
 
 const Kernels& portable_kernels() {
-  static const Kernels k{"portable",        2,                tile_q4_0,        tile_q4_1,
+  static const Kernels k = [] {
+    Kernels k{"portable",        2,                tile_q4_0,        tile_q4_1,
                          tile_q8_0,         tile_f16,         tile_bf16,
                          tile_f32,          nullptr,          nullptr,          nullptr,
                          quantize_q8<BlockQ8_0>, quantize_q8<BlockQ8_1>,
                          axpy_f16,          to_f16,
                          round_f16,         score_runs_generic, mix_rows_generic,
                          softmax_f16,       exp_f32};
+    k.tile_q5_0 = tile_q5_0;
+    k.tile_q5_1 = tile_q5_1;
+    k.tile_q4_k = tile_q4_k;
+    k.tile_q5_k = tile_q5_k;
+    k.tile_q6_k = tile_q6_k;
+    k.quantize_q8_k = quantize_q8_k;
+    return k;
+  }();
   return k;
 }
 

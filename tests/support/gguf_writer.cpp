@@ -226,6 +226,8 @@ std::vector<std::byte> quantize(DType type, std::span<const float> values) {
     case DType::Q8_1: quantize_blocks<kernels::BlockQ8_1>(out, values, quantize_q8_1); break;
     case DType::Q4_0: quantize_blocks<kernels::BlockQ4_0>(out, values, quantize_q4_0); break;
     case DType::Q4_1: quantize_blocks<kernels::BlockQ4_1>(out, values, quantize_q4_1); break;
+    default:
+      throw std::invalid_argument("quantize: no quantizer for " + std::string(kernels::to_string(type)));
   }
   return out;
 }
@@ -273,6 +275,8 @@ std::vector<float> dequantize(DType type, std::span<const std::byte> data, std::
         }
         break;
       }
+      default:
+        throw std::invalid_argument("dequantize: no dequantizer for " + std::string(kernels::to_string(type)));
     }
   }
   return out;
@@ -466,7 +470,7 @@ std::uint32_t file_type(DType type) {
     case DType::Q4_1: return 3;
     case DType::Q8_0: return 7;
     case DType::BF16: return 32;
-    case DType::Q8_1: break;
+    default: break;
   }
   throw std::invalid_argument("write_tiny_llama: no model file type for " +
                               std::string(kernels::to_string(type)));
