@@ -674,8 +674,9 @@ const TensorInfo& File::tensor(std::string_view name,
   if (info == nullptr) fail("missing tensor " + quote_name(name));
   if (!info->type) {
     fail("tensor " + quote_name(name) + " is " + std::string(info->type_name()) +
-         ", which the engine does not run: it runs F32, F16, BF16, Q8_0, Q4_0 and Q4_1 weights "
-         "(a Q8_0, Q4_0 or Q4_1 GGUF of this model will load)");
+         ", which the engine does not run: it runs F32, F16, BF16, Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, "
+         "Q4_K, Q4_1 and Q4_0 weights (a Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 GGUF of this model will "
+         "load)");
   }
   if (shape && info->shape != *shape) {
     fail("tensor " + quote_name(name) + " has shape " + shape_text(info->shape) + ", expected " +

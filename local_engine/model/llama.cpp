@@ -155,6 +155,10 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   // products read instead of the file's layout; data stays the file's bytes.
   auto matrix = [&](const std::string& name, std::int64_t cols, std::int64_t rows) {
     const gguf::TensorInfo& t = f.tensor(name, std::vector<std::int64_t>{cols, rows});
+    if (*t.type == kops::DType::Q8_1 || *t.type == kops::DType::Q8_K) {
+      f.fail("tensor '" + name + "' is " + std::string(t.type_name()) +
+             ", a type for activations, not weights");
+    }
     kops::Matrix w{*t.type, t.data, rows, cols};
     w.packed = m->packed_.emplace_back(kops::pack_weights(w)).data();
     return w;

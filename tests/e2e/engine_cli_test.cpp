@@ -265,23 +265,23 @@ TEST_F(EngineCli, InspectQuantizedTiedModel) {
   EXPECT_TRUE(contains(r.out, "output head   tied to the embeddings")) << r.out;
 }
 
-// A K-quant model is listed in full, and "runs" says why not.
+// A model with a type the engine does not run (Q3_K) is listed in full, and "runs" says why not.
 TEST_F(EngineCli, InspectListsTypesTheEngineDoesNotRun) {
   batchlm::testing::TinyLlamaOptions options;
   options.n_embd = 256;
   options.n_ff = 256;
-  options.q4_k_tensor = "blk.0.attn_q.weight";
+  options.q3_k_tensor = "blk.0.attn_q.weight";
   batchlm::testing::write_tiny_llama(dir() / "k.gguf", options);
   RunResult r = run_batchlm(dir(), {"inspect", "k.gguf", "--tensors"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_TRUE(contains(r.out, "Q4_K x1 (36.0 KiB)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "Q3_K x1 (27.5 KiB)")) << r.out;
   EXPECT_TRUE(contains(r.out, "runs          no: ")) << r.out;
-  EXPECT_TRUE(contains(r.out, "tensor 'blk.0.attn_q.weight' is Q4_K, which the engine does not run")) << r.out;
+  EXPECT_TRUE(contains(r.out, "tensor 'blk.0.attn_q.weight' is Q3_K, which the engine does not run")) << r.out;
   EXPECT_TRUE(contains(r.out, "blk.0.attn_q.weight")) << r.out;
 
   RunResult g = run_batchlm(dir(), {"generate", "-m", "k.gguf", "-p", "hi"});
   EXPECT_NE(g.exit_code, 0);
-  EXPECT_TRUE(contains(g.err, "is Q4_K, which the engine does not run")) << g.err;
+  EXPECT_TRUE(contains(g.err, "is Q3_K, which the engine does not run")) << g.err;
 }
 
 // A GGUF stores token texts as raw bytes. A special token that is not UTF-8 was shown with a

@@ -563,15 +563,15 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
                           std::int64_t rows, float std_dev) {
     std::vector<float> values(static_cast<std::size_t>(row_length * rows));
     for (float& v : values) v = std_dev * random.next();
-    if (name != o.q4_k_tensor) {
+    if (name != o.q3_k_tensor) {
       writer.add_tensor(name, type, {row_length, rows}, values);
       return;
     }
-    // Q4_K: 144 bytes per 256 elements, written as F32 of the same size, then retyped.
-    if (row_length % 256 != 0) throw std::invalid_argument("q4_k_tensor " + name + ": rows are not whole blocks");
-    const std::int64_t bytes = row_length / 256 * 144 * rows;
-    writer.add_tensor(name, DType::F32, {bytes / 4}, std::vector<std::byte>(static_cast<std::size_t>(bytes)));
-    writer.override_tensor(name, {.type_id = 12, .dims = std::vector<std::uint64_t>{static_cast<std::uint64_t>(row_length),
+    // Q3_K: 110 bytes per 256 elements, written as bytes of the same size, then retyped.
+    if (row_length % 256 != 0) throw std::invalid_argument("q3_k_tensor " + name + ": rows are not whole blocks");
+    const std::int64_t bytes = row_length / 256 * 110 * rows;
+    writer.add_tensor(name, DType::F16, {bytes / 2}, std::vector<std::byte>(static_cast<std::size_t>(bytes)));
+    writer.override_tensor(name, {.type_id = 11, .dims = std::vector<std::uint64_t>{static_cast<std::uint64_t>(row_length),
                                                                                     static_cast<std::uint64_t>(rows)}});
   };
   const auto norm = [&](const std::string& name) {

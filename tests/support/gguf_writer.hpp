@@ -146,9 +146,9 @@ struct TinyLlamaOptions {
   // mix types, as many quantizations do).
   std::optional<DType> v_up_dtype;
   DType embedding_dtype = DType::F32;   // token_embd.weight (and output.weight unless tied)
-  // The matrix of this name, if any, is written as Q4_K blocks of zeros: a type GGUF files use
+  // The matrix of this name, if any, is written as Q3_K blocks of zeros: a type GGUF files use
   // that the engine does not run. Its rows must be whole 256-element blocks.
-  std::string q4_k_tensor;
+  std::string q3_k_tensor;
   std::uint64_t seed = 1;
   bool tied = false;                    // no output.weight: the output reuses token_embd
 };

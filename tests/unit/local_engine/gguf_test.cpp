@@ -582,7 +582,9 @@ TEST(TensorTypes, RunnableTypesAgreeWithTheKernels) {
     EXPECT_EQ(type->block, kernels::block_size(*kernel)) << type->name;
     EXPECT_EQ(type->bytes, kernels::block_bytes(*kernel)) << type->name;
   }
-  EXPECT_EQ(runnable, 7);  // F32, F16, BF16, Q4_0, Q4_1, Q8_0 and Q8_1 (activations)
+  // F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, and Q8_1 and Q8_K
+  // (activations, refused as weights by File::tensor)
+  EXPECT_EQ(runnable, 13);
   ASSERT_NE(tensor_type(14), nullptr);
   EXPECT_EQ(tensor_type(14)->name, "Q6_K");
   EXPECT_EQ(tensor_type(14)->bytes, 210u);

@@ -528,25 +528,25 @@ TEST_F(LoadErrors, VocabSizeContradictsTheTokenizer) {
 
 // Most GGUFs people download are K-quants (Q4_K_M: Q4_K and Q6_K matrices). The file is read
 // and listed (`inspect` shows its tensors), and loading it names the type and what runs.
-TEST_F(ModelTest, KQuantMatrixIsReadAndRefusedByName) {
+TEST_F(ModelTest, UnrunnableMatrixIsReadAndRefusedByName) {
   batchlm::testing::TinyLlamaOptions options;
   options.n_embd = 256;
   options.n_ff = 256;
-  options.q4_k_tensor = "blk.1.ffn_gate.weight";
+  options.q3_k_tensor = "blk.1.ffn_gate.weight";
   batchlm::testing::write_tiny_llama(path("k.gguf"), options);
 
   const gguf::File file = gguf::File::open(path("k.gguf"));
   const gguf::TensorInfo* gate = file.find_tensor("blk.1.ffn_gate.weight");
   ASSERT_NE(gate, nullptr);
-  EXPECT_EQ(gate->type_id, 12u);
-  EXPECT_EQ(gate->type_name(), "Q4_K");
+  EXPECT_EQ(gate->type_id, 11u);
+  EXPECT_EQ(gate->type_name(), "Q3_K");
   EXPECT_FALSE(gate->type.has_value());
-  EXPECT_EQ(gate->n_bytes, 256u * 144u);  // 256 rows of one 144-byte block
+  EXPECT_EQ(gate->n_bytes, 256u * 110u);  // 256 rows of one 110-byte block
   EXPECT_EQ(file.tensor("blk.0.ffn_gate.weight").type_name(), "F32");
   EXPECT_EQ(file.tensor("blk.0.ffn_gate.weight").type, DType::F32);
 
-  expect_load_error(path("k.gguf"), {"tensor 'blk.1.ffn_gate.weight' is Q4_K, which the engine does not run",
-                                     "runs F32, F16, BF16, Q8_0, Q4_0 and Q4_1 weights"});
+  expect_load_error(path("k.gguf"), {"tensor 'blk.1.ffn_gate.weight' is Q3_K, which the engine does not run",
+                                     "runs F32, F16, BF16, Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1 and Q4_0 weights"});
 }
 
 TEST_F(LoadErrors, NormNotF32) {
