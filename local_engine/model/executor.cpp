@@ -103,7 +103,8 @@ std::unique_ptr<Executor> make_executor(std::shared_ptr<const Model> model,
   if (options.device != Device::kCpu) {
     std::string why_not;
 #ifdef BATCHLM_HAVE_CUDA
-    if (cuda_device_usable(why_not)) return make_cuda_executor(std::move(model), options);
+    if (cuda_takes_model(*model, why_not) && cuda_device_usable(why_not))
+      return make_cuda_executor(std::move(model), options);
 #else
     why_not = "this build has no CUDA support (nvcc was not found when it was built)";
 #endif
