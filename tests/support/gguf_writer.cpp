@@ -121,9 +121,228 @@ kernels::BlockQ4_1 quantize_q4_1(const float* x) {
   return block;
 }
 
+kernels::BlockQ5_0 quantize_q5_0(const float* x) {
+  // As Q4_0 with 5 bits: the signed value of largest magnitude maps to q = 0, d = max / -16.
+  float amax = 0.0f, max = 0.0f;
+  for (int j = 0; j < 32; ++j) {
+    if (std::fabs(x[j]) > amax) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  const float d = max / -16.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  kernels::BlockQ5_0 block{};
+  block.d = kernels::fp32_to_fp16(d);
+  std::uint32_t qh = 0;
+  for (int j = 0; j < 16; ++j) {
+    // x * id lies in [-16, 16], so the sum is in [0.5, 32.5].
+    const int lo = std::min(31, static_cast<int>(x[j] * id + 16.5f));
+    const int hi = std::min(31, static_cast<int>(x[j + 16] * id + 16.5f));
+    block.qs[j] = static_cast<std::uint8_t>((lo & 0x0f) | ((hi & 0x0f) << 4));
+    qh |= static_cast<std::uint32_t>(lo >> 4) << j;
+    qh |= static_cast<std::uint32_t>(hi >> 4) << (j + 16);
+  }
+  std::memcpy(block.qh, &qh, sizeof qh);
+  return block;
+}
+
+kernels::BlockQ5_1 quantize_q5_1(const float* x) {
+  float min = x[0], max = x[0];
+  for (int j = 1; j < 32; ++j) {
+    min = std::min(min, x[j]);
+    max = std::max(max, x[j]);
+  }
+  const float d = (max - min) / 31.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  kernels::BlockQ5_1 block{};
+  block.d = kernels::fp32_to_fp16(d);
+  block.m = kernels::fp32_to_fp16(min);
+  std::uint32_t qh = 0;
+  for (int j = 0; j < 16; ++j) {
+    const int lo = std::min(31, static_cast<int>((x[j] - min) * id + 0.5f));
+    const int hi = std::min(31, static_cast<int>((x[j + 16] - min) * id + 0.5f));
+    block.qs[j] = static_cast<std::uint8_t>((lo & 0x0f) | ((hi & 0x0f) << 4));
+    qh |= static_cast<std::uint32_t>(lo >> 4) << j;
+    qh |= static_cast<std::uint32_t>(hi >> 4) << (j + 16);
+  }
+  std::memcpy(block.qh, &qh, sizeof qh);
+  return block;
+}
+
+// ---- The K types: one super-block of 256 floats at a time. --------------------------------
+// Plain formulas of our own (not ggml's search for the best scales): good enough for tests,
+// and every field of the layout is exercised.
+
+int clamped_round(float v, int lo, int hi) {
+  return std::clamp(static_cast<int>(std::round(v)), lo, hi);
+}
+
+// Q4_K / Q5_K without the bit packing: per sub-block of 32 a scale and a min, x ~ d * sc_j * q
+// - dmin * m_j with q in 0..max_q (fit_scale_min); d and dmin are the largest sub-block scale
+// and min over 63, and sc_j, m_j their 6-bit multiples.
+struct ScaledMin {
+  std::uint16_t d = 0, dmin = 0;
+  std::uint8_t sc[8] = {}, m[8] = {};
+  std::uint8_t q[256] = {};
+};
+
+// One sub-block of 32: x ~ scale * q - min with q in 0..max_q, min >= 0. Starts from the
+// range [min(0, lowest), highest], then refines a few times by least squares: the best scale
+// and min for the current q, then q for those (min kept >= 0); keeps the best fit seen.
+void fit_scale_min(const float* x, int max_q, float& scale, float& min) {
+  float lo = 0.0f, hi = x[0];
+  for (int l = 0; l < 32; ++l) {
+    lo = std::min(lo, x[l]);
+    hi = std::max(hi, x[l]);
+  }
+  scale = (hi - lo) / static_cast<float>(max_q);
+  min = -lo;
+  if (scale == 0.0f) return;
+  const auto error = [&](float s, float m) {
+    double e = 0;
+    for (int l = 0; l < 32; ++l) {
+      const float q = static_cast<float>(clamped_round((x[l] + m) / s, 0, max_q));
+      e += (double(s) * q - m - x[l]) * (double(s) * q - m - x[l]);
+    }
+    return e;
+  };
+  double best = error(scale, min);
+  float s = scale, m = min;
+  for (int iteration = 0; iteration < 4; ++iteration) {
+    double sq = 0, sqq = 0, sx = 0, sqx = 0;
+    for (int l = 0; l < 32; ++l) {
+      const double q = clamped_round((x[l] + m) / s, 0, max_q);
+      sq += q, sqq += q * q, sx += x[l], sqx += q * x[l];
+    }
+    const double det = 32 * sqq - sq * sq;
+    if (det <= 0) break;
+    double a = (32 * sqx - sq * sx) / det, b = (sx - a * sq) / 32;  // x ~ a q + b
+    if (b > 0) b = 0, a = sqx / sqq;
+    if (a <= 0) break;
+    s = static_cast<float>(a);
+    m = static_cast<float>(-b);
+    const double e = error(s, m);
+    if (e < best) best = e, scale = s, min = m;
+  }
+}
+
+ScaledMin quantize_scaled_min(const float* x, int max_q) {
+  float scale[8], min[8];
+  float max_scale = 0.0f, max_min = 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    fit_scale_min(x + 32 * j, max_q, scale[j], min[j]);
+    max_scale = std::max(max_scale, scale[j]);
+    max_min = std::max(max_min, min[j]);
+  }
+  ScaledMin out;
+  out.d = kernels::fp32_to_fp16(max_scale / 63.0f);
+  out.dmin = kernels::fp32_to_fp16(max_min / 63.0f);
+  // The rest from the stored (rounded) d and dmin, so that the blocks decode to what they mean.
+  const float d = kernels::fp16_to_fp32(out.d), dmin = kernels::fp16_to_fp32(out.dmin);
+  for (int j = 0; j < 8; ++j) {
+    out.sc[j] = static_cast<std::uint8_t>(d > 0.0f ? clamped_round(scale[j] / d, 0, 63) : 0);
+    out.m[j] = static_cast<std::uint8_t>(dmin > 0.0f ? clamped_round(min[j] / dmin, 0, 63) : 0);
+    const float step = d * static_cast<float>(out.sc[j]);
+    const float offset = dmin * static_cast<float>(out.m[j]);
+    for (int l = 0; l < 32; ++l) {
+      const float v = x[32 * j + l];
+      out.q[32 * j + l] = static_cast<std::uint8_t>(step > 0.0f ? clamped_round((v + offset) / step, 0, max_q) : 0);
+    }
+  }
+  return out;
+}
+
+// The 12 bytes of eight 6-bit scales and mins: bytes 0-3 hold sc_0..3 in their low 6 bits,
+// bytes 4-7 m_0..3; sub-blocks 4..7 keep their low 4 bits in bytes 8-11 (sc low, m high) and
+// their top 2 bits in the top bits of bytes 0-3 (sc) and 4-7 (m).
+void pack_scales(const ScaledMin& s, std::uint8_t* scales) {
+  for (int j = 0; j < 4; ++j) {
+    scales[j] = static_cast<std::uint8_t>(s.sc[j] | ((s.sc[j + 4] >> 4) << 6));
+    scales[j + 4] = static_cast<std::uint8_t>(s.m[j] | ((s.m[j + 4] >> 4) << 6));
+    scales[j + 8] = static_cast<std::uint8_t>((s.sc[j + 4] & 0x0f) | ((s.m[j + 4] & 0x0f) << 4));
+  }
+}
+
+// Element 64i + l in the low nibble of qs[32i + l], element 64i + 32 + l in its high nibble.
+void pack_nibbles(const std::uint8_t* q, std::uint8_t* qs) {
+  for (int i = 0; i < 4; ++i)
+    for (int l = 0; l < 32; ++l)
+      qs[32 * i + l] = static_cast<std::uint8_t>((q[64 * i + l] & 0x0f) | ((q[64 * i + 32 + l] & 0x0f) << 4));
+}
+
+kernels::BlockQ4_K quantize_q4_k(const float* x) {
+  const ScaledMin s = quantize_scaled_min(x, 15);
+  kernels::BlockQ4_K block{};
+  block.d = s.d;
+  block.dmin = s.dmin;
+  pack_scales(s, block.scales);
+  pack_nibbles(s.q, block.qs);
+  return block;
+}
+
+kernels::BlockQ5_K quantize_q5_k(const float* x) {
+  const ScaledMin s = quantize_scaled_min(x, 31);
+  kernels::BlockQ5_K block{};
+  block.d = s.d;
+  block.dmin = s.dmin;
+  pack_scales(s, block.scales);
+  pack_nibbles(s.q, block.qs);
+  // The fifth bit of element 64i + l is bit 2i of qh[l], of element 64i + 32 + l bit 2i + 1.
+  for (int i = 0; i < 4; ++i)
+    for (int l = 0; l < 32; ++l) {
+      block.qh[l] = static_cast<std::uint8_t>(block.qh[l] | ((s.q[64 * i + l] >> 4) << (2 * i)));
+      block.qh[l] = static_cast<std::uint8_t>(block.qh[l] | ((s.q[64 * i + 32 + l] >> 4) << (2 * i + 1)));
+    }
+  return block;
+}
+
+kernels::BlockQ6_K quantize_q6_k(const float* x) {
+  // Per sub-block of 16 a signed scale that maps its value of largest magnitude to q - 32 =
+  // -32 (as Q4_0 does); d is the largest |scale| over 127 and sc_j the int8 multiples of d.
+  float scale[16];
+  float max_abs_scale = 0.0f;
+  for (int j = 0; j < 16; ++j) {
+    float amax = 0.0f, max = 0.0f;
+    for (int l = 0; l < 16; ++l) {
+      if (std::fabs(x[16 * j + l]) > amax) {
+        amax = std::fabs(x[16 * j + l]);
+        max = x[16 * j + l];
+      }
+    }
+    scale[j] = max / -32.0f;
+    max_abs_scale = std::max(max_abs_scale, std::fabs(scale[j]));
+  }
+  kernels::BlockQ6_K block{};
+  block.d = kernels::fp32_to_fp16(max_abs_scale / 127.0f);
+  const float d = kernels::fp16_to_fp32(block.d);
+  std::uint8_t q[256];
+  for (int j = 0; j < 16; ++j) {
+    const int sc = d > 0.0f ? clamped_round(scale[j] / d, -127, 127) : 0;
+    block.scales[j] = static_cast<std::int8_t>(sc);
+    const float step = d * static_cast<float>(sc);
+    for (int l = 0; l < 16; ++l)
+      q[16 * j + l] = static_cast<std::uint8_t>(sc != 0 ? clamped_round(x[16 * j + l] / step, -32, 31) + 32 : 32);
+  }
+  // Each half of 128: for l < 32, element l (low nibble of ql[l], qh bits 0-1), 32 + l (low
+  // nibble of ql[32 + l], bits 2-3), 64 + l (high nibble of ql[l], bits 4-5), 96 + l (high
+  // nibble of ql[32 + l], bits 6-7).
+  for (int h = 0; h < 2; ++h) {
+    const std::uint8_t* qh_half = q + 128 * h;
+    for (int l = 0; l < 32; ++l) {
+      const int q0 = qh_half[l], q1 = qh_half[32 + l], q2 = qh_half[64 + l], q3 = qh_half[96 + l];
+      block.ql[64 * h + l] = static_cast<std::uint8_t>((q0 & 0x0f) | ((q2 & 0x0f) << 4));
+      block.ql[64 * h + 32 + l] = static_cast<std::uint8_t>((q1 & 0x0f) | ((q3 & 0x0f) << 4));
+      block.qh[32 * h + l] = static_cast<std::uint8_t>((q0 >> 4) | ((q1 >> 4) << 2) | ((q2 >> 4) << 4) | ((q3 >> 4) << 6));
+    }
+  }
+  return block;
+}
+
 template <class Block, class F>
-void quantize_blocks(std::vector<std::byte>& out, std::span<const float> values, F quantize_block) {
-  for (std::size_t i = 0; i < values.size(); i += 32) put<Block>(out, quantize_block(&values[i]));
+void quantize_blocks(std::vector<std::byte>& out, std::span<const float> values, F quantize_block,
+                     std::size_t elements = 32) {
+  for (std::size_t i = 0; i < values.size(); i += elements) put<Block>(out, quantize_block(&values[i]));
 }
 
 template <class Block>
@@ -226,6 +445,11 @@ std::vector<std::byte> quantize(DType type, std::span<const float> values) {
     case DType::Q8_1: quantize_blocks<kernels::BlockQ8_1>(out, values, quantize_q8_1); break;
     case DType::Q4_0: quantize_blocks<kernels::BlockQ4_0>(out, values, quantize_q4_0); break;
     case DType::Q4_1: quantize_blocks<kernels::BlockQ4_1>(out, values, quantize_q4_1); break;
+    case DType::Q5_0: quantize_blocks<kernels::BlockQ5_0>(out, values, quantize_q5_0); break;
+    case DType::Q5_1: quantize_blocks<kernels::BlockQ5_1>(out, values, quantize_q5_1); break;
+    case DType::Q4_K: quantize_blocks<kernels::BlockQ4_K>(out, values, quantize_q4_k, 256); break;
+    case DType::Q5_K: quantize_blocks<kernels::BlockQ5_K>(out, values, quantize_q5_k, 256); break;
+    case DType::Q6_K: quantize_blocks<kernels::BlockQ6_K>(out, values, quantize_q6_k, 256); break;
     default:
       throw std::invalid_argument("quantize: no quantizer for " + std::string(kernels::to_string(type)));
   }
@@ -273,6 +497,57 @@ std::vector<float> dequantize(DType type, std::span<const std::byte> data, std::
           out[index] = kernels::fp16_to_fp32(block.d) * static_cast<float>(nibble(block.qs)) +
                        kernels::fp16_to_fp32(block.m);
         }
+        break;
+      }
+      case DType::Q5_0:
+      case DType::Q5_1: {
+        // The low four bits as in Q4_0 / Q4_1; the fifth bit of element j is bit j of qh.
+        const std::int64_t j = i % 32;
+        const auto q = [&](const std::uint8_t* qs, const std::uint8_t* qh) {
+          const int low = j < 16 ? qs[j] & 0x0f : qs[j - 16] >> 4;
+          return low | (((qh[j / 8] >> (j % 8)) & 1) << 4);
+        };
+        if (type == DType::Q5_0) {
+          const auto block = block_at<kernels::BlockQ5_0>(data, i / 32);
+          out[index] = kernels::fp16_to_fp32(block.d) * static_cast<float>(q(block.qs, block.qh) - 16);
+        } else {
+          const auto block = block_at<kernels::BlockQ5_1>(data, i / 32);
+          out[index] = kernels::fp16_to_fp32(block.d) * static_cast<float>(q(block.qs, block.qh)) +
+                       kernels::fp16_to_fp32(block.m);
+        }
+        break;
+      }
+      case DType::Q4_K:
+      case DType::Q5_K: {
+        // Sub-block j of 32; each 64 elements (pair) share 32 bytes of qs, low then high nibbles.
+        const std::int64_t e = i % 256, j = e / 32, l = e % 32, pair = e / 64;
+        const int high = e % 64 >= 32 ? 1 : 0;
+        const auto value = [&](const auto& block, int fifth) {
+          const std::uint8_t byte = block.qs[32 * pair + l];
+          const int q = (high ? byte >> 4 : byte & 0x0f) | (fifth << 4);
+          // The 6-bit scale and min of sub-block j (see pack_scales).
+          const std::uint8_t* s = block.scales;
+          const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+          const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+          return kernels::fp16_to_fp32(block.d) * static_cast<float>(sc) * static_cast<float>(q) -
+                 kernels::fp16_to_fp32(block.dmin) * static_cast<float>(m);
+        };
+        if (type == DType::Q4_K) {
+          out[index] = value(block_at<kernels::BlockQ4_K>(data, i / 256), 0);
+        } else {
+          const auto block = block_at<kernels::BlockQ5_K>(data, i / 256);
+          out[index] = value(block, (block.qh[l] >> (2 * pair + high)) & 1);
+        }
+        break;
+      }
+      case DType::Q6_K: {
+        const auto block = block_at<kernels::BlockQ6_K>(data, i / 256);
+        // Half h of 128 elements; within it, quarter s of 32 and position l.
+        const std::int64_t e = i % 256, h = e / 128, s = e % 128 / 32, l = e % 32;
+        const std::uint8_t low = block.ql[64 * h + 32 * (s % 2) + l];
+        const int q = (s < 2 ? low & 0x0f : low >> 4) | (((block.qh[32 * h + l] >> (2 * s)) & 3) << 4);
+        out[index] = kernels::fp16_to_fp32(block.d) * static_cast<float>(block.scales[e / 16]) *
+                     static_cast<float>(q - 32);
         break;
       }
       default:
@@ -469,6 +744,11 @@ std::uint32_t file_type(DType type) {
     case DType::Q4_0: return 2;
     case DType::Q4_1: return 3;
     case DType::Q8_0: return 7;
+    case DType::Q5_0: return 8;
+    case DType::Q5_1: return 9;
+    case DType::Q4_K: return 15;  // Q4_K_M
+    case DType::Q5_K: return 17;  // Q5_K_M
+    case DType::Q6_K: return 18;
     case DType::BF16: return 32;
     default: break;
   }

@@ -57,10 +57,13 @@ struct GgufValue {
   static GgufValue raw(std::uint32_t type, std::vector<std::byte> bytes);
 };
 
-// Quantizes `values` (a multiple of block_size(type) long) to `type`'s blocks with ggml's
-// reference formulas; F32, F16, BF16, Q8_0, Q8_1, Q4_0 and Q4_1.
+// Quantizes `values` (a multiple of block_size(type) long) to `type`'s blocks: F32, F16, BF16,
+// Q8_0, Q8_1, Q4_0 and Q4_1 with ggml's reference formulas; Q5_0 and Q5_1 likewise with 5 bits;
+// Q4_K, Q5_K and Q6_K with plain formulas of their own (each sub-block's range, scales rounded
+// to the stored precision; not ggml's search for the best scales). Deterministic.
 std::vector<std::byte> quantize(DType type, std::span<const float> values);
-// The inverse: `n` elements from `data`.
+// The inverse: `n` elements from `data`, element by element from the layouts (independent of
+// kernels::dequantize_row, which it helps to test).
 std::vector<float> dequantize(DType type, std::span<const std::byte> data, std::int64_t n);
 
 // Writes `bytes` to `path`, replacing the file. Throws std::runtime_error on failure.
@@ -141,7 +144,10 @@ struct TinyLlamaOptions {
   std::int64_t context_length = 256;
   float rope_freq_base = 10000.0f;
   float rms_norm_eps = 1e-5f;
-  DType weight_dtype = DType::F32;      // the attention and feed-forward matrices
+  // The attention and feed-forward matrices. Rows must be whole blocks: n_embd and n_ff
+  // multiples of 32 for the 4-, 5- and 8-bit types, of 256 for Q4_K, Q5_K and Q6_K (the same
+  // for v_up_dtype and embedding_dtype).
+  DType weight_dtype = DType::F32;
   // Where set, attn_v.weight and ffn_up.weight take this type instead (a model whose layers
   // mix types, as many quantizations do).
   std::optional<DType> v_up_dtype;
