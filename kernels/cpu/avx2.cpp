@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
@@ -642,9 +643,332 @@ void packed_tile(const std::uint8_t* w, int nr, const std::uint8_t* x, std::size
     }                                                                                        \
   }
 
+// The 5-bit and K types bit for bit as portable.cpp: each block's integer sums exactly, in
+// vectors of per-lane partial sums, one per (row, token) pair of the tile; then the partial sums
+// are added across lanes so that pair p = r * NT + t lands in lane p % 8 of vector p / 8, where
+// the block's float steps are done for up to 8 pairs at once, each lane in the portable order.
+
+// Lane i: the sum of the 8 lanes of v[i], for i < n <= 8 (lanes n.. are not used). n is a
+// constant where the callers' loops are unrolled.
+inline __m256i lane_sums(const __m256i* v, int n) {
+  const auto at = [&](int i) { return i < n ? v[i] : _mm256_setzero_si256(); };
+  const __m256i c0 = _mm256_hadd_epi32(_mm256_hadd_epi32(at(0), at(1)), _mm256_hadd_epi32(at(2), at(3)));
+  if (n <= 4) {
+    // Each 128-bit half holds the half sums of v[0..3] in order.
+    return _mm256_add_epi32(c0, _mm256_permute2x128_si256(c0, c0, 0x01));
+  } else {
+    const __m256i c1 = _mm256_hadd_epi32(_mm256_hadd_epi32(at(4), at(5)), _mm256_hadd_epi32(at(6), at(7)));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(c0, c1, 0x20), _mm256_permute2x128_si256(c0, c1, 0x31));
+  }
+}
+
+// The pairs of an NR x NT tile: for vector v, each lane's row and token (lanes past the last
+// pair repeat it).
+template <int NR, int NT>
+struct PairLanes {
+  static constexpr int kPairs = NR * NT;
+  static constexpr int kVectors = (kPairs + 7) / 8;
+  __m256i row[kVectors], token[kVectors];
+  PairLanes() {
+    for (int v = 0; v < kVectors; ++v) {
+      alignas(32) std::int32_t r[8], t[8];
+      for (int lane = 0; lane < 8; ++lane) {
+        const int p = std::min(8 * v + lane, kPairs - 1);
+        r[lane] = p / NT, t[lane] = p % NT;
+      }
+      row[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(r));
+      token[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+    }
+  }
+  // The lanes of each pair's row (token) in a vector whose entry for row (token) i is at
+  // 2i + second.
+  __m256i rows2(int v, int second) const {
+    return _mm256_add_epi32(_mm256_slli_epi32(row[v], 1), _mm256_set1_epi32(second));
+  }
+  __m256i tokens2(int v, int second) const {
+    return _mm256_add_epi32(_mm256_slli_epi32(token[v], 1), _mm256_set1_epi32(second));
+  }
+  // acc lane p to y[t * ys + r].
+  static void store(const __m256 (&acc)[kVectors], float* y, std::int64_t ys) {
+    alignas(32) float lanes[kVectors * 8];
+    for (int v = 0; v < kVectors; ++v) _mm256_store_ps(lanes + 8 * v, acc[v]);
+    for (int p = 0; p < kPairs; ++p) y[(p % NT) * ys + p / NT] = lanes[p];
+  }
+};
+
+// The 4 bytes at p of each of N <= 4 rows `stride` apart, two F16 values each, as 8 floats
+// [a0, b0, a1, b1, ...] (exact conversions).
+template <int N>
+inline __m256 f16_pairs(const std::uint8_t* p, std::size_t stride) {
+  std::int32_t h[4] = {0, 0, 0, 0};
+  for (int i = 0; i < N; ++i) std::memcpy(&h[i], p + i * stride, 4);
+  return _mm256_cvtph_ps(_mm_setr_epi32(h[0], h[1], h[2], h[3]));
+}
+
+// acc + the sums of each 4 products of unsigned bytes u and signed bytes s, per 32-bit lane.
+// AVX2: maddubs's 16-bit pair sums are exact for u < 64.
+inline __m256i dot_u8(__m256i acc, __m256i u, __m256i s) {
+#if defined(BATCHLM_KERNELS_AVX512)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(BATCHLM_KERNELS_VNNI)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + the same 16-bit pair sums (exact for u < 64) times the 16-bit scales sc, per 32-bit lane.
+inline __m256i dot_u8_scaled(__m256i acc, __m256i u, __m256i s, __m256i sc) {
+  const __m256i p16 = _mm256_maddubs_epi16(u, s);
+#if defined(BATCHLM_KERNELS_AVX512)
+  return _mm256_dpwssd_epi32(acc, p16, sc);
+#elif defined(BATCHLM_KERNELS_VNNI)
+  return _mm256_dpwssd_avx_epi32(acc, p16, sc);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, sc));
+#endif
+}
+
+// A Q5_0 / Q5_1 block's 32 values (0..31) as bytes in element order: byte j takes byte j / 8 of
+// qh, and the fifth bit is set where its bit j % 8 is.
+inline __m256i unpack_q5(const std::uint8_t* qs, const std::uint8_t* qh) {
+  std::int32_t h;
+  std::memcpy(&h, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(h), _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+  const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+  return _mm256_or_si256(unpack_nibbles(qs), fifth);
+}
+
+// Q5_0 (Q5_1 with kMin) against Q8_0 (Q8_1). The unsigned 5-bit values are multiplied as they
+// are; Q5_0's offset of 16 is taken off through the activations' sum, added once per token
+// (as -16 x its 4-byte sums) to the start of each pair's sum.
+template <bool kMin, int NR, int NT>
+void tile_q5_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+               std::int64_t nb, float* y, std::int64_t ys) {
+  using WBlock = std::conditional_t<kMin, BlockQ5_1, BlockQ5_0>;
+  using XBlock = std::conditional_t<kMin, BlockQ8_1, BlockQ8_0>;
+  using L = PairLanes<NR, NT>;
+  static const L lanes;
+  constexpr int V = L::kVectors;
+  __m256i wd[V], xd[V];
+  [[maybe_unused]] __m256i wm[V], xs[V];
+  __m256 acc[V];
+  for (int v = 0; v < V; ++v) {
+    wd[v] = lanes.rows2(v, 0), wm[v] = lanes.rows2(v, 1);
+    xd[v] = lanes.tokens2(v, 0), xs[v] = lanes.tokens2(v, 1);
+    acc[v] = _mm256_setzero_ps();
+  }
+  for (std::int64_t b = 0; b < nb; ++b) {
+    __m256i xq[NT], start[NT];
+    for (int t = 0; t < NT; ++t) {
+      const auto& xb = reinterpret_cast<const XBlock*>(x + t * xrb)[b];
+      xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.qs));
+      if constexpr (kMin) {
+        start[t] = _mm256_setzero_si256();
+      } else {
+        start[t] = _mm256_sub_epi32(_mm256_setzero_si256(), dot_u8(_mm256_setzero_si256(), _mm256_set1_epi8(16), xq[t]));
+      }
+    }
+    __m256i sums[NR * NT];
+    for (int r = 0; r < NR; ++r) {
+      const auto& wb = reinterpret_cast<const WBlock*>(w + r * wrb)[b];
+      const __m256i wq = unpack_q5(wb.qs, wb.qh);
+      for (int t = 0; t < NT; ++t) sums[r * NT + t] = dot_u8(start[t], wq, xq[t]);
+    }
+    const __m256 wh = f16_pairs<NR>(w + b * sizeof(WBlock), wrb);  // d (, m) of each row
+    const __m256 xh = f16_pairs<NT>(x + b * sizeof(XBlock), xrb);  // d (, s) of each token
+    for (int v = 0; v < V; ++v) {
+      const __m256i s = lane_sums(sums + 8 * v, std::min(8, NR * NT - 8 * v));
+      const __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(wh, wd[v]), _mm256_permutevar8x32_ps(xh, xd[v]));
+      acc[v] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[v]);
+      if constexpr (kMin)
+        acc[v] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(wh, wm[v]), _mm256_permutevar8x32_ps(xh, xs[v]), acc[v]);
+    }
+  }
+  L::store(acc, y, ys);
+}
+
+template <int NR, int NT>
+void tile_q5_0_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+                 std::int64_t nb, float* y, std::int64_t ys) {
+  tile_q5_t<false, NR, NT>(w, wrb, x, xrb, nb, y, ys);
+}
+template <int NR, int NT>
+void tile_q5_1_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+                 std::int64_t nb, float* y, std::int64_t ys) {
+  tile_q5_t<true, NR, NT>(w, wrb, x, xrb, nb, y, ys);
+}
+
+// The 8 scales (low 8 bytes) and 8 mins (high 8 bytes) of a Q4_K / Q5_K block, k_scale_min
+// four at a time: scales 0-3 and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7; scales
+// (mins) 4-7 the low (high) nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 (4-7).
+inline __m128i k_scales_mins(const std::uint8_t* q) {
+  std::uint32_t a, b, c;
+  std::memcpy(&a, q, 4);
+  std::memcpy(&b, q + 4, 4);
+  std::memcpy(&c, q + 8, 4);
+  const std::uint32_t sc_lo = a & 0x3f3f3f3fu, m_lo = b & 0x3f3f3f3fu;
+  const std::uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
+  const std::uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
+  return _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(m_lo),
+                        static_cast<int>(m_hi));
+}
+
+// The 16-bit value at element j of every 128-bit half, in all 16 elements.
+inline __m256i spread16(__m256i v, int j) {
+  return _mm256_shuffle_epi8(v, _mm256_set1_epi16(static_cast<short>(((2 * j + 1) << 8) | (2 * j))));
+}
+
+// Bit k of each byte of v as its bit 4 (16 or 0).
+template <int K>
+inline __m256i bit_as_16(__m256i v) {
+  const __m256i moved = K >= 4 ? _mm256_srli_epi16(v, K - 4) : _mm256_slli_epi16(v, 4 - K);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(16));
+}
+
+enum class KType { Q4_K, Q5_K, Q6_K };
+
+template <KType K, int I>
+inline void k_chunk(const std::uint8_t* qs, __m256i qh, __m256i sc, const std::int8_t* const* xq,
+                    __m256i* sums, int nt) {
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * I));
+  __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  if constexpr (K == KType::Q5_K) {
+    lo = _mm256_or_si256(lo, bit_as_16<2 * I>(qh));
+    hi = _mm256_or_si256(hi, bit_as_16<2 * I + 1>(qh));
+  }
+  const __m256i sc_lo = spread16(sc, 2 * I), sc_hi = spread16(sc, 2 * I + 1);
+  for (int t = 0; t < nt; ++t) {
+    const std::int8_t* xb = xq[t] + 64 * I;
+    sums[t] = dot_u8_scaled(sums[t], lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)), sc_lo);
+    sums[t] = dot_u8_scaled(sums[t], hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32)), sc_hi);
+  }
+}
+
+// A K type against Q8_K. Per super-block and pair: isum with each 32-byte vector of products
+// (one Q4_K / Q5_K sub-block; two Q6_K sub-blocks, one per 128-bit half) weighted by its
+// scales in the 16-bit pair sums, and Q4_K / Q5_K's msum (Q6_K's -32 * sc_j * bsums[j], added to
+// isum) from the activations' bsums times the 16-bit mins (scales), all in exact 32-bit sums.
+template <KType K, int NR, int NT>
+void tile_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+              std::int64_t nb, float* y, std::int64_t ys) {
+  using WBlock = std::conditional_t<K == KType::Q4_K, BlockQ4_K, std::conditional_t<K == KType::Q5_K, BlockQ5_K, BlockQ6_K>>;
+  constexpr bool kMins = K != KType::Q6_K;
+  using L = PairLanes<NR, NT>;
+  static const L lanes;
+  constexpr int V = L::kVectors;
+  constexpr int P = NR * NT;
+  __m256i wd[V];
+  [[maybe_unused]] __m256i wm[V];
+  __m256 acc[V];
+  for (int v = 0; v < V; ++v) {
+    // Q4_K / Q5_K: d, dmin at the block's start; Q6_K: d, the second F16 value at byte 206.
+    wd[v] = lanes.rows2(v, kMins ? 0 : 1), wm[v] = lanes.rows2(v, 1);
+    acc[v] = _mm256_setzero_ps();
+  }
+  for (std::int64_t b = 0; b < nb; ++b) {
+    const std::int8_t* xq[NT];
+    __m256i bsums[NT];
+    float xd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int t = 0; t < NT; ++t) {
+      const auto& xb = reinterpret_cast<const BlockQ8_K*>(x + t * xrb)[b];
+      xq[t] = xb.qs;
+      bsums[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums));
+      xd[t] = xb.d;
+    }
+    __m256i isum[P];
+    [[maybe_unused]] __m256i msum[P];
+    for (int r = 0; r < NR; ++r) {
+      const WBlock& wb = reinterpret_cast<const WBlock*>(w + r * wrb)[b];
+      __m256i* is = isum + r * NT;
+      if constexpr (kMins) {
+        const __m128i scm = k_scales_mins(wb.scales);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scm));
+        const __m128i m = _mm_cvtepu8_epi16(_mm_srli_si128(scm, 8));
+        // m_j next to itself, against bsums[2j] and bsums[2j + 1].
+        const __m256i mins = _mm256_setr_m128i(_mm_unpacklo_epi16(m, m), _mm_unpackhi_epi16(m, m));
+        for (int t = 0; t < NT; ++t) {
+          msum[r * NT + t] = _mm256_madd_epi16(bsums[t], mins);
+          is[t] = _mm256_setzero_si256();
+        }
+        __m256i qh = _mm256_setzero_si256();
+        if constexpr (K == KType::Q5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb.qh));
+        const std::uint8_t* qs = wb.qs;
+        k_chunk<K, 0>(qs, qh, sc, xq, is, NT);
+        k_chunk<K, 1>(qs, qh, sc, xq, is, NT);
+        k_chunk<K, 2>(qs, qh, sc, xq, is, NT);
+        k_chunk<K, 3>(qs, qh, sc, xq, is, NT);
+      } else {
+        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb.scales));
+        // -32 * sc_j (within 16 bits) against bsums[j].
+        const __m256i neg32 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5));
+        for (int t = 0; t < NT; ++t) is[t] = _mm256_madd_epi16(bsums[t], neg32);
+        const __m256i mask = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb.ql + 64 * h));
+          const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb.ql + 64 * h + 32));
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb.qh + 32 * h));
+          // Elements 128h + 32s + l, s = 0..3 (dtype.hpp).
+          const __m256i q[4] = {
+              _mm256_or_si256(_mm256_and_si256(ql0, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 4), top)),
+              _mm256_or_si256(_mm256_and_si256(ql1, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), mask), _mm256_and_si256(qh, top)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), mask), _mm256_and_si256(_mm256_srli_epi16(qh, 2), top))};
+          for (int s = 0; s < 4; ++s) {
+            // Sub-blocks 8h + 2s and 8h + 2s + 1: their scales in the two 128-bit halves.
+            const int j = 8 * h + 2 * s;
+            const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+                sc8, _mm_set_epi64x(0x0101010101010101ll * (j + 1), 0x0101010101010101ll * j)));
+            for (int t = 0; t < NT; ++t)
+              is[t] = dot_u8_scaled(is[t], q[s], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + 128 * h + 32 * s)), sc);
+          }
+        }
+      }
+    }
+    const std::size_t header = kMins ? 0 : offsetof(BlockQ6_K, d) - 2;
+    const __m256 wh = f16_pairs<NR>(w + b * sizeof(WBlock) + header, wrb);
+    const __m256 xdv = _mm256_setr_ps(xd[0], xd[1], xd[2], xd[3], 0.0f, 0.0f, 0.0f, 0.0f);
+    for (int v = 0; v < V; ++v) {
+      const __m256 dx = _mm256_permutevar8x32_ps(xdv, lanes.token[v]);
+      const __m256i is = lane_sums(isum + 8 * v, std::min(8, P - 8 * v));
+      acc[v] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_permutevar8x32_ps(wh, wd[v]), dx), _mm256_cvtepi32_ps(is), acc[v]);
+      if constexpr (kMins) {
+        const __m256i ms = lane_sums(msum + 8 * v, std::min(8, P - 8 * v));
+        // fma(-(dmin * d_x), msum, acc)
+        acc[v] = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_permutevar8x32_ps(wh, wm[v]), dx), _mm256_cvtepi32_ps(ms), acc[v]);
+      }
+    }
+  }
+  L::store(acc, y, ys);
+}
+
+template <int NR, int NT>
+void tile_q4_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+                 std::int64_t nb, float* y, std::int64_t ys) {
+  tile_k_t<KType::Q4_K, NR, NT>(w, wrb, x, xrb, nb, y, ys);
+}
+template <int NR, int NT>
+void tile_q5_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+                 std::int64_t nb, float* y, std::int64_t ys) {
+  tile_k_t<KType::Q5_K, NR, NT>(w, wrb, x, xrb, nb, y, ys);
+}
+template <int NR, int NT>
+void tile_q6_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std::size_t xrb,
+                 std::int64_t nb, float* y, std::int64_t ys) {
+  tile_k_t<KType::Q6_K, NR, NT>(w, wrb, x, xrb, nb, y, ys);
+}
+
 BATCHLM_TILE_FN(tile_q4_1, tile_q4_1_t)
 BATCHLM_TILE_FN(tile_q4_0, tile_q4_0_t)
 BATCHLM_TILE_FN(tile_q8_0, tile_q8_0_t)
+BATCHLM_TILE_FN(tile_q5_0, tile_q5_0_t)
+BATCHLM_TILE_FN(tile_q5_1, tile_q5_1_t)
+BATCHLM_TILE_FN(tile_q4_k, tile_q4_k_t)
+BATCHLM_TILE_FN(tile_q5_k, tile_q5_k_t)
+BATCHLM_TILE_FN(tile_q6_k, tile_q6_k_t)
 #undef BATCHLM_TILE_FN
 #undef BATCHLM_TILE_WIDE_CASES
 
@@ -761,6 +1085,39 @@ void quantize_q8_t(const float* x, std::int64_t n, void* out) {
         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 #endif
     store_q8_block<WithSum>(out, b, max / 127.0f, sum, bytes);
+  }
+}
+
+// As the portable version: d = max|x| / 127 in F32, q = round_half_even(x * 127 / max|x|), and
+// the sums of each 16 q, 32 values (two sums) at a time.
+void quantize_q8_k(const float* x, std::int64_t n, void* out) {
+  for (std::int64_t b = 0; b < n / kSuperBlock; ++b) {
+    const float* xb = x + b * kSuperBlock;
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 256; j += 8)
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(xb + j)));
+    const float max = hmax(amax);
+    const __m256 id = _mm256_set1_ps(max != 0.0f ? 127.0f / max : 0.0f);
+    auto& blk = static_cast<BlockQ8_K*>(out)[b];
+    blk.d = max / 127.0f;
+    __m256i sums[16];
+    for (int c = 0; c < 8; ++c) {
+      __m256i qi[4];
+      for (int j = 0; j < 4; ++j)
+        qi[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 32 * c + 8 * j), id),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      sums[2 * c] = _mm256_add_epi32(qi[0], qi[1]);
+      sums[2 * c + 1] = _mm256_add_epi32(qi[2], qi[3]);
+      // To bytes in order, as quantize_q8_t.
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])),
+          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.qs + 32 * c), bytes);
+    }
+    // packs interleaves the 128-bit halves of the two sum vectors; the permutation restores
+    // the order (every sum is within [-2032, 2032]).
+    const __m256i bsums = _mm256_permute4x64_epi64(_mm256_packs_epi32(lane_sums(sums, 8), lane_sums(sums + 8, 8)), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.bsums), bsums);
   }
 }
 
@@ -1338,7 +1695,13 @@ const Kernels* BATCHLM_KERNELS_ENTRY() {
                          score_runs,
                          mix_rows,
                          softmax_f16,
-                         exp_f32};
+                         exp_f32,
+                         tile_q5_0,
+                         tile_q5_1,
+                         tile_q4_k,
+                         tile_q5_k,
+                         tile_q6_k,
+                         quantize_q8_k};
   return &k;
 }
 
