@@ -7,14 +7,16 @@
 // the multiply-accumulates per nanosecond across all threads.
 //
 //   matmul_cost --threads 2 --type q4_1 --rows 1536 --cols 576 --tokens 32 --copies 64
+//   matmul_cost --threads 2 --type q4_k --rows 1536 --cols 1536 --tokens 32
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
-#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -27,23 +29,31 @@ namespace {
 
 namespace k = batchlm::kernels;
 
-// One row of random blocks of `type` (dtype.hpp's block layouts): scales about 0.01, quants
-// uniform.
+// One row of random blocks of `type` (dtype.hpp's block layouts): scales about 0.01 (the K
+// types' 6- and 8-bit sub-block scales random), quants and fifth bits uniform.
 std::vector<std::uint8_t> random_row_bytes(k::DType type, std::int64_t cols, std::mt19937& rng) {
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(0.005f, 0.02f);
   std::vector<std::uint8_t> out(k::row_bytes(type, cols));
+  for (auto& b : out) b = static_cast<std::uint8_t>(byte(rng));
   const auto fill = [&](auto* blocks) {
-    for (std::int64_t b = 0; b < cols / 32; ++b) {
+    for (std::int64_t b = 0; b < cols / k::block_size(type); ++b) {
       auto& blk = blocks[b];
       blk.d = k::fp32_to_fp16(scale(rng));
       if constexpr (requires { blk.m; }) blk.m = k::fp32_to_fp16(-8.0f * scale(rng));
-      for (auto& q : blk.qs) q = static_cast<std::remove_reference_t<decltype(q)>>(byte(rng));
+      if constexpr (requires { blk.dmin; }) blk.dmin = k::fp32_to_fp16(scale(rng));
     }
   };
-  if (type == k::DType::Q4_0) fill(reinterpret_cast<k::BlockQ4_0*>(out.data()));
-  else if (type == k::DType::Q4_1) fill(reinterpret_cast<k::BlockQ4_1*>(out.data()));
-  else fill(reinterpret_cast<k::BlockQ8_0*>(out.data()));
+  switch (type) {
+    case k::DType::Q4_0: fill(reinterpret_cast<k::BlockQ4_0*>(out.data())); break;
+    case k::DType::Q4_1: fill(reinterpret_cast<k::BlockQ4_1*>(out.data())); break;
+    case k::DType::Q5_0: fill(reinterpret_cast<k::BlockQ5_0*>(out.data())); break;
+    case k::DType::Q5_1: fill(reinterpret_cast<k::BlockQ5_1*>(out.data())); break;
+    case k::DType::Q4_K: fill(reinterpret_cast<k::BlockQ4_K*>(out.data())); break;
+    case k::DType::Q5_K: fill(reinterpret_cast<k::BlockQ5_K*>(out.data())); break;
+    case k::DType::Q6_K: fill(reinterpret_cast<k::BlockQ6_K*>(out.data())); break;
+    default: fill(reinterpret_cast<k::BlockQ8_0*>(out.data())); break;
+  }
   return out;
 }
 
@@ -57,20 +67,25 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "Kernel threads (the caller included)")->check(CLI::PositiveNumber);
   app.add_option("--reps", reps, "Timed passes")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "Untimed passes first")->check(CLI::NonNegativeNumber);
-  app.add_option("--type", type_name, "Weight type")->check(CLI::IsMember({"q4_0", "q4_1", "q8_0"}));
+  app.add_option("--type", type_name, "Weight type")->check(CLI::IsMember({"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"}));
   app.add_option("--rows", rows, "Matrix rows (outputs)")->check(CLI::PositiveNumber);
-  app.add_option("--cols", cols, "Matrix columns (a multiple of 32)")->check(CLI::PositiveNumber);
+  app.add_option("--cols", cols, "Matrix columns (a multiple of 32; of 256 for the K types)")->check(CLI::PositiveNumber);
   app.add_option("--tokens", tokens, "Activation rows")->check(CLI::PositiveNumber);
   app.add_option("--copies", copies, "Matrices run in turn (1: weights stay in cache)")->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
-  if (cols % 32 != 0) {
-    std::fprintf(stderr, "matmul_cost: --cols must be a multiple of 32\n");
+  const std::pair<const char*, k::DType> names[] = {
+      {"q4_0", k::DType::Q4_0}, {"q4_1", k::DType::Q4_1}, {"q5_0", k::DType::Q5_0}, {"q5_1", k::DType::Q5_1},
+      {"q8_0", k::DType::Q8_0}, {"q4_k", k::DType::Q4_K}, {"q5_k", k::DType::Q5_K}, {"q6_k", k::DType::Q6_K}};
+  const k::DType type = std::find_if(std::begin(names), std::end(names), [&](const auto& n) { return type_name == n.first; })->second;
+  const std::int64_t blocks = cols / k::block_size(type);
+  if (cols % k::block_size(type) != 0) {
+    std::fprintf(stderr, "matmul_cost: --cols must be a multiple of %lld for %s\n",
+                 static_cast<long long>(k::block_size(type)), type_name.c_str());
     return 2;
   }
-  const k::DType type = type_name == "q4_0" ? k::DType::Q4_0 : type_name == "q4_1" ? k::DType::Q4_1 : k::DType::Q8_0;
 
   std::mt19937 rng(11);
-  // One random row, then each matrix's rows are it rotated by a block or so: random enough for
+  // One random row, then each matrix's rows are it rotated by whole blocks: random enough for
   // the arithmetic, and quick to build.
   const std::vector<std::uint8_t> row = random_row_bytes(type, cols, rng);
   const std::size_t row_bytes = row.size();
@@ -81,7 +96,7 @@ int main(int argc, char** argv) {
     auto& bytes = data[c];
     bytes.resize(row_bytes * static_cast<std::size_t>(rows));
     for (std::int64_t r = 0; r < rows; ++r)
-      std::rotate_copy(row.begin(), row.begin() + static_cast<std::ptrdiff_t>((r + c) % (cols / 32) * (row_bytes / (cols / 32))),
+      std::rotate_copy(row.begin(), row.begin() + static_cast<std::ptrdiff_t>((r + c) % blocks * (row_bytes / blocks)),
                        row.end(), bytes.begin() + static_cast<std::ptrdiff_t>(r * row_bytes));
     k::Matrix m{type, bytes.data(), rows, cols, nullptr};
     packed.push_back(k::pack_weights(m));
