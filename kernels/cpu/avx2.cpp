@@ -648,6 +648,10 @@ void packed_tile(const std::uint8_t* w, int nr, const std::uint8_t* x, std::size
 // are added across lanes so that pair p = r * NT + t lands in lane p % 8 of vector p / 8, where
 // the block's float steps are done for up to 8 pairs at once, each lane in the portable order.
 
+// The tiles' loops over rows, tokens and vectors are unrolled, for their sums to live in
+// registers and lane_sums' counts to be constants.
+#define BATCHLM_UNROLL_ALL _Pragma("GCC unroll 16")
+
 // Lane i: the sum of the 8 lanes of v[i], for i < n <= 8 (lanes n.. are not used). n is a
 // constant where the callers' loops are unrolled.
 inline __m256i lane_sums(const __m256i* v, int n) {
@@ -670,8 +674,10 @@ struct PairLanes {
   static constexpr int kVectors = (kPairs + 7) / 8;
   __m256i row[kVectors], token[kVectors];
   PairLanes() {
+    BATCHLM_UNROLL_ALL
     for (int v = 0; v < kVectors; ++v) {
       alignas(32) std::int32_t r[8], t[8];
+      BATCHLM_UNROLL_ALL
       for (int lane = 0; lane < 8; ++lane) {
         const int p = std::min(8 * v + lane, kPairs - 1);
         r[lane] = p / NT, t[lane] = p % NT;
@@ -691,7 +697,9 @@ struct PairLanes {
   // acc lane p to y[t * ys + r].
   static void store(const __m256 (&acc)[kVectors], float* y, std::int64_t ys) {
     alignas(32) float lanes[kVectors * 8];
+    BATCHLM_UNROLL_ALL
     for (int v = 0; v < kVectors; ++v) _mm256_store_ps(lanes + 8 * v, acc[v]);
+    BATCHLM_UNROLL_ALL
     for (int p = 0; p < kPairs; ++p) y[(p % NT) * ys + p / NT] = lanes[p];
   }
 };
@@ -755,6 +763,7 @@ void tile_q5_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, st
   __m256i wd[V], xd[V];
   [[maybe_unused]] __m256i wm[V], xs[V];
   __m256 acc[V];
+  BATCHLM_UNROLL_ALL
   for (int v = 0; v < V; ++v) {
     wd[v] = lanes.rows2(v, 0), wm[v] = lanes.rows2(v, 1);
     xd[v] = lanes.tokens2(v, 0), xs[v] = lanes.tokens2(v, 1);
@@ -762,6 +771,7 @@ void tile_q5_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, st
   }
   for (std::int64_t b = 0; b < nb; ++b) {
     __m256i xq[NT], start[NT];
+    BATCHLM_UNROLL_ALL
     for (int t = 0; t < NT; ++t) {
       const auto& xb = reinterpret_cast<const XBlock*>(x + t * xrb)[b];
       xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.qs));
@@ -772,13 +782,16 @@ void tile_q5_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, st
       }
     }
     __m256i sums[NR * NT];
+    BATCHLM_UNROLL_ALL
     for (int r = 0; r < NR; ++r) {
       const auto& wb = reinterpret_cast<const WBlock*>(w + r * wrb)[b];
       const __m256i wq = unpack_q5(wb.qs, wb.qh);
+      BATCHLM_UNROLL_ALL
       for (int t = 0; t < NT; ++t) sums[r * NT + t] = dot_u8(start[t], wq, xq[t]);
     }
     const __m256 wh = f16_pairs<NR>(w + b * sizeof(WBlock), wrb);  // d (, m) of each row
     const __m256 xh = f16_pairs<NT>(x + b * sizeof(XBlock), xrb);  // d (, s) of each token
+    BATCHLM_UNROLL_ALL
     for (int v = 0; v < V; ++v) {
       const __m256i s = lane_sums(sums + 8 * v, std::min(8, NR * NT - 8 * v));
       const __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(wh, wd[v]), _mm256_permutevar8x32_ps(xh, xd[v]));
@@ -841,6 +854,7 @@ inline void k_chunk(const std::uint8_t* qs, __m256i qh, __m256i sc, const std::i
     hi = _mm256_or_si256(hi, bit_as_16<2 * I + 1>(qh));
   }
   const __m256i sc_lo = spread16(sc, 2 * I), sc_hi = spread16(sc, 2 * I + 1);
+  BATCHLM_UNROLL_ALL
   for (int t = 0; t < nt; ++t) {
     const std::int8_t* xb = xq[t] + 64 * I;
     sums[t] = dot_u8_scaled(sums[t], lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)), sc_lo);
@@ -864,6 +878,7 @@ void tile_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std
   __m256i wd[V];
   [[maybe_unused]] __m256i wm[V];
   __m256 acc[V];
+  BATCHLM_UNROLL_ALL
   for (int v = 0; v < V; ++v) {
     // Q4_K / Q5_K: d, dmin at the block's start; Q6_K: d, the second F16 value at byte 206.
     wd[v] = lanes.rows2(v, kMins ? 0 : 1), wm[v] = lanes.rows2(v, 1);
@@ -873,6 +888,7 @@ void tile_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std
     const std::int8_t* xq[NT];
     __m256i bsums[NT];
     float xd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    BATCHLM_UNROLL_ALL
     for (int t = 0; t < NT; ++t) {
       const auto& xb = reinterpret_cast<const BlockQ8_K*>(x + t * xrb)[b];
       xq[t] = xb.qs;
@@ -881,6 +897,7 @@ void tile_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std
     }
     __m256i isum[P];
     [[maybe_unused]] __m256i msum[P];
+    BATCHLM_UNROLL_ALL
     for (int r = 0; r < NR; ++r) {
       const WBlock& wb = reinterpret_cast<const WBlock*>(w + r * wrb)[b];
       __m256i* is = isum + r * NT;
@@ -890,6 +907,7 @@ void tile_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std
         const __m128i m = _mm_cvtepu8_epi16(_mm_srli_si128(scm, 8));
         // m_j next to itself, against bsums[2j] and bsums[2j + 1].
         const __m256i mins = _mm256_setr_m128i(_mm_unpacklo_epi16(m, m), _mm_unpackhi_epi16(m, m));
+        BATCHLM_UNROLL_ALL
         for (int t = 0; t < NT; ++t) {
           msum[r * NT + t] = _mm256_madd_epi16(bsums[t], mins);
           is[t] = _mm256_setzero_si256();
@@ -905,8 +923,10 @@ void tile_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std
         const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb.scales));
         // -32 * sc_j (within 16 bits) against bsums[j].
         const __m256i neg32 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5));
+        BATCHLM_UNROLL_ALL
         for (int t = 0; t < NT; ++t) is[t] = _mm256_madd_epi16(bsums[t], neg32);
         const __m256i mask = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+        BATCHLM_UNROLL_ALL
         for (int h = 0; h < 2; ++h) {
           const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb.ql + 64 * h));
           const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb.ql + 64 * h + 32));
@@ -917,11 +937,13 @@ void tile_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std
               _mm256_or_si256(_mm256_and_si256(ql1, mask), _mm256_and_si256(_mm256_slli_epi16(qh, 2), top)),
               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), mask), _mm256_and_si256(qh, top)),
               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), mask), _mm256_and_si256(_mm256_srli_epi16(qh, 2), top))};
+          BATCHLM_UNROLL_ALL
           for (int s = 0; s < 4; ++s) {
             // Sub-blocks 8h + 2s and 8h + 2s + 1: their scales in the two 128-bit halves.
             const int j = 8 * h + 2 * s;
             const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
                 sc8, _mm_set_epi64x(0x0101010101010101ll * (j + 1), 0x0101010101010101ll * j)));
+            BATCHLM_UNROLL_ALL
             for (int t = 0; t < NT; ++t)
               is[t] = dot_u8_scaled(is[t], q[s], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + 128 * h + 32 * s)), sc);
           }
@@ -931,6 +953,7 @@ void tile_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, std
     const std::size_t header = kMins ? 0 : offsetof(BlockQ6_K, d) - 2;
     const __m256 wh = f16_pairs<NR>(w + b * sizeof(WBlock) + header, wrb);
     const __m256 xdv = _mm256_setr_ps(xd[0], xd[1], xd[2], xd[3], 0.0f, 0.0f, 0.0f, 0.0f);
+    BATCHLM_UNROLL_ALL
     for (int v = 0; v < V; ++v) {
       const __m256 dx = _mm256_permutevar8x32_ps(xdv, lanes.token[v]);
       const __m256i is = lane_sums(isum + 8 * v, std::min(8, P - 8 * v));
@@ -960,6 +983,8 @@ void tile_q6_k_t(const std::uint8_t* w, std::size_t wrb, const std::uint8_t* x, 
                  std::int64_t nb, float* y, std::int64_t ys) {
   tile_k_t<KType::Q6_K, NR, NT>(w, wrb, x, xrb, nb, y, ys);
 }
+
+#undef BATCHLM_UNROLL_ALL
 
 BATCHLM_TILE_FN(tile_q4_1, tile_q4_1_t)
 BATCHLM_TILE_FN(tile_q4_0, tile_q4_0_t)
