@@ -84,7 +84,8 @@ cpu::PackedTileFn packed_tile_for(const cpu::Kernels& k, DType t) {
   switch (t) {
     case DType::Q4_0: return k.packed_q4_0;
     case DType::Q4_1: return k.packed_q4_1;
-    case DType::Q8_0: return k.packed_q8_0;
+    case DType::Q8_0:
+    case DType::Q5_0: return k.packed_q8_0;  // packed as Q8_0 blocks (pack_weights)
     default: return nullptr;
   }
 }
@@ -146,7 +147,8 @@ std::size_t packed_block_bytes(DType t) {
   switch (t) {
     case DType::Q4_0: return 16 + 128;
     case DType::Q4_1: return 32 + 128;
-    case DType::Q8_0: return 16 + 256;
+    case DType::Q8_0:
+    case DType::Q5_0: return 16 + 256;
     default: return 0;
   }
 }
@@ -314,9 +316,13 @@ PackedWeights pack_weights(const Matrix& w) {
   p.bytes_.reset(static_cast<std::byte*>(::operator new[](p.size_, std::align_val_t{64})));
   std::memset(p.bytes_.get(), 0, p.size_);
   // A GGUF block is F16 headers (d, and m for Q4_1) then the quants; the packed block holds the
-  // 8 rows' headers field by field, then the quants in 4-byte pieces, chunk by chunk.
+  // 8 rows' headers field by field, then the quants in 4-byte pieces, chunk by chunk. A Q5_0
+  // block d * (q - 16) is the Q8_0 block of d and the bytes q - 16, the same values, so it is
+  // packed as that, and its products are Q8_0's: each block's exact integer sum, then one
+  // multiply-add with d_w * d_x, the Q5_0 tiles' arithmetic.
+  const bool q5_0 = w.type == DType::Q5_0;
   const std::size_t headers = w.type == DType::Q4_1 ? 2 : 1;
-  const std::size_t chunks = w.type == DType::Q8_0 ? 8 : 4;
+  const std::size_t chunks = w.type == DType::Q8_0 || q5_0 ? 8 : 4;
   const std::size_t w_row = row_bytes(w.type, w.cols), w_block = block_bytes(w.type);
   for (std::int64_t g = 0; g < groups; ++g)
     for (std::int64_t b = 0; b < n_blocks; ++b) {
@@ -325,6 +331,18 @@ PackedWeights pack_weights(const Matrix& w) {
         const auto* in = static_cast<const std::byte*>(w.data) +
                          static_cast<std::size_t>(g * cpu::kPackRows + r) * w_row +
                          static_cast<std::size_t>(b) * w_block;
+        BlockQ8_0 as_q8_0;
+        if (q5_0) {
+          BlockQ5_0 b5;
+          std::memcpy(&b5, in, sizeof b5);
+          as_q8_0.d = b5.d;
+          for (int j = 0; j < 16; ++j) {
+            const auto fifth = [&](int e) { return ((b5.qh[e / 8] >> (e % 8)) & 1) << 4; };
+            as_q8_0.qs[j] = static_cast<std::int8_t>(((b5.qs[j] & 0x0f) | fifth(j)) - 16);
+            as_q8_0.qs[j + 16] = static_cast<std::int8_t>(((b5.qs[j] >> 4) | fifth(j + 16)) - 16);
+          }
+          in = reinterpret_cast<const std::byte*>(&as_q8_0);
+        }
         for (std::size_t h = 0; h < headers; ++h) std::memcpy(out + 16 * h + 2 * r, in + 2 * h, 2);
         for (std::size_t c = 0; c < chunks; ++c)
           std::memcpy(out + 16 * headers + 32 * c + 4 * r, in + 2 * headers + 4 * c, 4);

@@ -285,6 +285,43 @@ TEST(Packed, AgreesBitForBitWithPortable) {
     }
 }
 
+// Q5_0 is packed as the Q8_0 blocks of the same values (bytes q - 16): its products from the
+// packed copy, on every path, are the portable Q5_0 tile's bit for bit. Random blocks reach
+// every 5-bit value, fifth bits included.
+TEST(Packed, Q5_0AsQ8_0BlocksAgreesBitForBitWithPortable) {
+  const cpu::Kernels& portable = cpu::portable_kernels();
+  std::vector<const cpu::Kernels*> paths = simd_paths();
+  paths.push_back(&portable);
+  const std::int64_t cols = 320;
+  ThreadPool pool(3);
+  std::mt19937 rng(55);
+  for (const std::int64_t rows : {1, 7, 8, 13, 16, 37}) {
+    std::vector<std::uint8_t> w(row_bytes(DType::Q5_0, cols) * rows);
+    for (auto& b : w) b = static_cast<std::uint8_t>(rng());
+    auto* blocks = reinterpret_cast<BlockQ5_0*>(w.data());
+    std::uniform_real_distribution<float> scale(-0.02f, 0.02f);
+    for (std::int64_t i = 0; i < rows * cols / 32; ++i) blocks[i].d = fp32_to_fp16(scale(rng));
+    const PackedWeights packed = pack_weights(Matrix{DType::Q5_0, w.data(), rows, cols});
+    ASSERT_NE(packed.data(), nullptr);
+    EXPECT_EQ(packed.size(), static_cast<std::size_t>((rows + 7) / 8 * 10) * cpu::packed_block_bytes(DType::Q8_0));
+    const Matrix plain{DType::Q5_0, w.data(), rows, cols}, fast{DType::Q5_0, w.data(), rows, cols, packed.data()};
+    for (const std::int64_t n : {1, 2, 3, 4, 5, 8, 9, 17, 33}) {
+      const auto x = random_floats(n * cols, 500 + n);
+      std::vector<std::uint8_t> scratch(activation_bytes(fast, n));
+      std::vector<float> ref(n * rows), got(n * rows);
+      float* const ref_out[1] = {ref.data()};
+      float* const got_out[1] = {got.data()};
+      cpu::matmul_group(portable, std::span(&plain, 1), x.data(), n, ref_out, scratch.data(), pool);
+      for (const cpu::Kernels* k : paths) {
+        std::fill(got.begin(), got.end(), -1.0f);
+        cpu::matmul_group(*k, std::span(&fast, 1), x.data(), n, got_out, scratch.data(), pool);
+        std::string where;
+        EXPECT_TRUE(same_bits(ref, got, &where)) << k->name << " rows " << rows << " n " << n << " " << where;
+      }
+    }
+  }
+}
+
 // A group of packed and GGUF-layout matrices of several dot types, read from one converted
 // copy of x per type: each output is what the matrix gives alone, and the scratch that
 // group_activation_bytes sizes is enough (and activation_bytes for each alone).
