@@ -456,14 +456,35 @@ struct ByteSum {
   }
 };
 
-enum class PackedType { Q4_0, Q4_1, Q8_0 };
+// The same for unsigned weight bytes below 32 (Q5_1's). AVX2: widened per vector, as eight
+// vectors of 16-bit pair sums could reach 8 x 2 x 31 x 128 > 2^15.
+template <class V>
+struct UByteSum {
+  typename V::I v = V::zero();
+  void add(typename V::I u, typename V::I s) {
+    if constexpr (kDotInstruction) {
+      v = V::dot(v, u, s);
+    } else {
+      v = _mm256_add_epi32(v, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    }
+  }
+  typename V::I total() const { return v; }
+};
+
+// Q5_1 is packed with Q4_1's headers (d and m) and Q8_0's 8 chunks of bytes, each weight's 5-bit
+// q in a byte (pack_weights).
+enum class PackedType { Q4_0, Q4_1, Q8_0, Q5_1 };
 
 template <PackedType F>
-constexpr std::size_t kPackedHeaders = F == PackedType::Q4_1 ? 32 : 16;
+constexpr bool kHasMin = F == PackedType::Q4_1 || F == PackedType::Q5_1;
 template <PackedType F>
-constexpr std::size_t kPackedBlock = kPackedHeaders<F> + (F == PackedType::Q8_0 ? 256 : 128);
+constexpr bool kByteChunks = F == PackedType::Q8_0 || F == PackedType::Q5_1;
 template <PackedType F>
-using PackedScales = std::conditional_t<F == PackedType::Q4_1, ScalesQ8_1, ScalesQ8_0>;
+constexpr std::size_t kPackedHeaders = kHasMin<F> ? 32 : 16;
+template <PackedType F>
+constexpr std::size_t kPackedBlock = kPackedHeaders<F> + (kByteChunks<F> ? 256 : 128);
+template <PackedType F>
+using PackedScales = std::conditional_t<kHasMin<F>, ScalesQ8_1, ScalesQ8_0>;
 
 // The loops over tokens and chunks below must be unrolled for the sums and accumulators to
 // live in registers (GCC keeps them in memory otherwise).
@@ -476,7 +497,7 @@ template <PackedType F, class V, int NT>
 void packed_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t* x,
                  std::size_t xrb, const PackedScales<F>* xs, std::int64_t stride,
                  std::int64_t nb, typename V::F (&acc)[NT], const std::uint8_t* ahead) {
-  using XBlock = std::conditional_t<F == PackedType::Q4_1, BlockQ8_1, BlockQ8_0>;
+  using XBlock = std::conditional_t<kHasMin<F>, BlockQ8_1, BlockQ8_0>;
   BATCHLM_UNROLL
   for (int t = 0; t < NT; ++t) acc[t] = V::fzero();
   for (std::int64_t b = 0; b < nb; ++b) {
@@ -505,6 +526,16 @@ void packed_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t* x
       }
       BATCHLM_UNROLL
       for (int t = 0; t < NT; ++t) dot[t] = sum[t].total(xb[t].sum);
+    } else if constexpr (F == PackedType::Q5_1) {
+      UByteSum<V> sum[NT];
+      BATCHLM_UNROLL
+      for (int c = 0; c < 8; ++c) {
+        const typename V::I wc = V::load(q + 32 * c, group);
+        BATCHLM_UNROLL
+        for (int t = 0; t < NT; ++t) sum[t].add(wc, broadcast4<V>(xq[t] + 4 * c));
+      }
+      BATCHLM_UNROLL
+      for (int t = 0; t < NT; ++t) dot[t] = sum[t].total();
     } else {
       // Chunk c: the low nibbles pair with activation bytes 4c.., the high ones with 16+4c...
       const typename V::I mask = V::bytes(0x0f);
@@ -530,7 +561,7 @@ void packed_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t* x
     BATCHLM_UNROLL
     for (int t = 0; t < NT; ++t)
       acc[t] = V::fma(V::mul(d, V::floats(xb[t].d)), V::to_float(dot[t]), acc[t]);
-    if constexpr (F == PackedType::Q4_1) {
+    if constexpr (kHasMin<F>) {
       const typename V::F m = V::load_f16(blk + 16, group);
       BATCHLM_UNROLL
       for (int t = 0; t < NT; ++t) acc[t] = V::fma(m, V::floats(xb[t].s), acc[t]);
@@ -1726,7 +1757,8 @@ const Kernels* BATCHLM_KERNELS_ENTRY() {
                          tile_q4_k,
                          tile_q5_k,
                          tile_q6_k,
-                         quantize_q8_k};
+                         quantize_q8_k,
+                         packed_tile<PackedType::Q5_1>};
   return &k;
 }
 

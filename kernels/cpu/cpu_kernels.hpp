@@ -23,6 +23,8 @@ using TileFn = void (*)(const std::uint8_t* w, std::size_t w_row_bytes, int nr,
 //   Q4_0: d of the 8 rows (8 F16), then 4 chunks of 32 bytes       (144 bytes per block)
 //   Q4_1: d of the 8 rows, m of the 8 rows, then the 4 chunks        (160 bytes)
 //   Q8_0: d of the 8 rows, then 8 chunks of 32 bytes                 (272 bytes)
+//   Q5_0: as Q8_0, the bytes q - 16                                  (272 bytes)
+//   Q5_1: d and m of the 8 rows, then 8 chunks of the bytes q (0..31) (288 bytes)
 // Chunk c holds bytes 4c..4c+3 of each row's quants (row r at 4r): for the 4-bit types the low
 // nibbles are elements 4c..4c+3 and the high nibbles elements 16+4c..16+4c+3; for Q8_0
 // elements 4c..4c+3. Rows past the end of the matrix are zero.
@@ -141,6 +143,8 @@ struct Kernels {
   TileFn tile_q5_k = nullptr;
   TileFn tile_q6_k = nullptr;
   QuantizeFn quantize_q8_k = nullptr;
+  // Q5_1's packed form (nullptr: the path reads the GGUF layout).
+  PackedTileFn packed_q5_1 = nullptr;
 };
 
 const Kernels& portable_kernels();

@@ -78,9 +78,6 @@ std::size_t block_bytes(DType t) {
 
 namespace {
 
-// The fifth bit of element j of a Q5_0 / Q5_1 block, as 16 or 0.
-int fifth_bit(const std::uint8_t* qh, int j) { return ((qh[j / 8] >> (j % 8)) & 1) << 4; }
-
 template <typename Block>
 const Block* blocks_of(const void* row) {
   return static_cast<const Block*>(row);
@@ -129,20 +126,14 @@ void dequantize_row(DType t, const void* row, std::int64_t n, float* out) {
       for (std::int64_t k = 0; k < nb; ++k) {
         const BlockQ5_0& b = blocks_of<BlockQ5_0>(row)[k];
         const float d = fp16_to_fp32(b.d);
-        for (int j = 0; j < 16; ++j) {
-          out[k * 32 + j] = d * static_cast<float>(((b.qs[j] & 0x0f) | fifth_bit(b.qh, j)) - 16);
-          out[k * 32 + j + 16] = d * static_cast<float>(((b.qs[j] >> 4) | fifth_bit(b.qh, j + 16)) - 16);
-        }
+        for (int e = 0; e < 32; ++e) out[k * 32 + e] = d * static_cast<float>(q5_quant(b.qs, b.qh, e) - 16);
       }
       return;
     case DType::Q5_1:
       for (std::int64_t k = 0; k < nb; ++k) {
         const BlockQ5_1& b = blocks_of<BlockQ5_1>(row)[k];
         const float d = fp16_to_fp32(b.d), m = fp16_to_fp32(b.m);
-        for (int j = 0; j < 16; ++j) {
-          out[k * 32 + j] = d * static_cast<float>((b.qs[j] & 0x0f) | fifth_bit(b.qh, j)) + m;
-          out[k * 32 + j + 16] = d * static_cast<float>((b.qs[j] >> 4) | fifth_bit(b.qh, j + 16)) + m;
-        }
+        for (int e = 0; e < 32; ++e) out[k * 32 + e] = d * static_cast<float>(q5_quant(b.qs, b.qh, e)) + m;
       }
       return;
     case DType::Q4_K:

@@ -86,6 +86,7 @@ cpu::PackedTileFn packed_tile_for(const cpu::Kernels& k, DType t) {
     case DType::Q4_1: return k.packed_q4_1;
     case DType::Q8_0:
     case DType::Q5_0: return k.packed_q8_0;  // packed as Q8_0 blocks (pack_weights)
+    case DType::Q5_1: return k.packed_q5_1;
     default: return nullptr;
   }
 }
@@ -149,6 +150,7 @@ std::size_t packed_block_bytes(DType t) {
     case DType::Q4_1: return 32 + 128;
     case DType::Q8_0:
     case DType::Q5_0: return 16 + 256;
+    case DType::Q5_1: return 32 + 256;
     default: return 0;
   }
 }
@@ -320,9 +322,10 @@ PackedWeights pack_weights(const Matrix& w) {
   // block d * (q - 16) is the Q8_0 block of d and the bytes q - 16, the same values, so it is
   // packed as that, and its products are Q8_0's: each block's exact integer sum, then one
   // multiply-add with d_w * d_x, the Q5_0 tiles' arithmetic.
-  const bool q5_0 = w.type == DType::Q5_0;
-  const std::size_t headers = w.type == DType::Q4_1 ? 2 : 1;
-  const std::size_t chunks = w.type == DType::Q8_0 || q5_0 ? 8 : 4;
+  // A Q5_1 block keeps its d and m, and its quants become the bytes q.
+  const bool q5_0 = w.type == DType::Q5_0, q5_1 = w.type == DType::Q5_1;
+  const std::size_t headers = w.type == DType::Q4_1 || q5_1 ? 2 : 1;
+  const std::size_t chunks = w.type == DType::Q8_0 || q5_0 || q5_1 ? 8 : 4;
   const std::size_t w_row = row_bytes(w.type, w.cols), w_block = block_bytes(w.type);
   for (std::int64_t g = 0; g < groups; ++g)
     for (std::int64_t b = 0; b < n_blocks; ++b) {
@@ -331,16 +334,21 @@ PackedWeights pack_weights(const Matrix& w) {
         const auto* in = static_cast<const std::byte*>(w.data) +
                          static_cast<std::size_t>(g * cpu::kPackRows + r) * w_row +
                          static_cast<std::size_t>(b) * w_block;
+        BlockQ8_1 as_bytes;  // Q5_1's d, m and bytes q: the layout the copies below read
+        if (q5_1) {
+          BlockQ5_1 b5;
+          std::memcpy(&b5, in, sizeof b5);
+          as_bytes.d = b5.d;
+          as_bytes.s = b5.m;
+          for (int e = 0; e < 32; ++e) as_bytes.qs[e] = static_cast<std::int8_t>(q5_quant(b5.qs, b5.qh, e));
+          in = reinterpret_cast<const std::byte*>(&as_bytes);
+        }
         BlockQ8_0 as_q8_0;
         if (q5_0) {
           BlockQ5_0 b5;
           std::memcpy(&b5, in, sizeof b5);
           as_q8_0.d = b5.d;
-          for (int j = 0; j < 16; ++j) {
-            const auto fifth = [&](int e) { return ((b5.qh[e / 8] >> (e % 8)) & 1) << 4; };
-            as_q8_0.qs[j] = static_cast<std::int8_t>(((b5.qs[j] & 0x0f) | fifth(j)) - 16);
-            as_q8_0.qs[j + 16] = static_cast<std::int8_t>(((b5.qs[j] >> 4) | fifth(j + 16)) - 16);
-          }
+          for (int e = 0; e < 32; ++e) as_q8_0.qs[e] = static_cast<std::int8_t>(q5_quant(b5.qs, b5.qh, e) - 16);
           in = reinterpret_cast<const std::byte*>(&as_q8_0);
         }
         for (std::size_t h = 0; h < headers; ++h) std::memcpy(out + 16 * h + 2 * r, in + 2 * h, 2);

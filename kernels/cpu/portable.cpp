@@ -70,18 +70,12 @@ void tile_q8_0(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_
                                     });
 }
 
-// The fifth bit of element j of a Q5_0 / Q5_1 block, as 16 or 0.
-int fifth_bit(const std::uint8_t* qh, int j) { return ((qh[j / 8] >> (j % 8)) & 1) << 4; }
-
 void tile_q5_0(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_t* x,
                std::size_t xrb, int nt, std::int64_t nb, float* y, std::int64_t ys) {
   tile_blocks<BlockQ5_0, BlockQ8_0>(w, wrb, nr, x, xrb, nt, nb, y, ys,
                                     [](const BlockQ5_0& a, const BlockQ8_0& b, float acc) {
                                       int s = 0;
-                                      for (int j = 0; j < 16; ++j) {
-                                        s += (((a.qs[j] & 0x0f) | fifth_bit(a.qh, j)) - 16) * b.qs[j];
-                                        s += (((a.qs[j] >> 4) | fifth_bit(a.qh, j + 16)) - 16) * b.qs[j + 16];
-                                      }
+                                      for (int e = 0; e < 32; ++e) s += (q5_quant(a.qs, a.qh, e) - 16) * b.qs[e];
                                       return std::fma(h2f(a.d) * h2f(b.d), static_cast<float>(s), acc);
                                     });
 }
@@ -91,10 +85,7 @@ void tile_q5_1(const std::uint8_t* w, std::size_t wrb, int nr, const std::uint8_
   tile_blocks<BlockQ5_1, BlockQ8_1>(w, wrb, nr, x, xrb, nt, nb, y, ys,
                                     [](const BlockQ5_1& a, const BlockQ8_1& b, float acc) {
                                       int s = 0;
-                                      for (int j = 0; j < 16; ++j) {
-                                        s += ((a.qs[j] & 0x0f) | fifth_bit(a.qh, j)) * b.qs[j];
-                                        s += ((a.qs[j] >> 4) | fifth_bit(a.qh, j + 16)) * b.qs[j + 16];
-                                      }
+                                      for (int e = 0; e < 32; ++e) s += q5_quant(a.qs, a.qh, e) * b.qs[e];
                                       acc = std::fma(h2f(a.d) * h2f(b.d), static_cast<float>(s), acc);
                                       return std::fma(h2f(a.m), h2f(b.s), acc);
                                     });

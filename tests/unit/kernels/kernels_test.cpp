@@ -285,26 +285,33 @@ TEST(Packed, AgreesBitForBitWithPortable) {
     }
 }
 
-// Q5_0 is packed as the Q8_0 blocks of the same values (bytes q - 16): its products from the
-// packed copy, on every path, are the portable Q5_0 tile's bit for bit. Random blocks reach
-// every 5-bit value, fifth bits included.
-TEST(Packed, Q5_0AsQ8_0BlocksAgreesBitForBitWithPortable) {
+// Q5_0 is packed as the Q8_0 blocks of the same values (bytes q - 16), Q5_1 with its quants in
+// bytes: their products from the packed copy, on every path, are the portable 5-bit tiles' bit
+// for bit. Random blocks reach every 5-bit value, fifth bits included.
+TEST(Packed, FiveBitTypesAgreeBitForBitWithPortable) {
   const cpu::Kernels& portable = cpu::portable_kernels();
   std::vector<const cpu::Kernels*> paths = simd_paths();
   paths.push_back(&portable);
   const std::int64_t cols = 320;
   ThreadPool pool(3);
   std::mt19937 rng(55);
+  std::uniform_real_distribution<float> scale(-0.02f, 0.02f);
+  for (const DType type : {DType::Q5_0, DType::Q5_1})
   for (const std::int64_t rows : {1, 7, 8, 13, 16, 37}) {
-    std::vector<std::uint8_t> w(row_bytes(DType::Q5_0, cols) * rows);
+    std::vector<std::uint8_t> w(row_bytes(type, cols) * rows);
     for (auto& b : w) b = static_cast<std::uint8_t>(rng());
-    auto* blocks = reinterpret_cast<BlockQ5_0*>(w.data());
-    std::uniform_real_distribution<float> scale(-0.02f, 0.02f);
-    for (std::int64_t i = 0; i < rows * cols / 32; ++i) blocks[i].d = fp32_to_fp16(scale(rng));
-    const PackedWeights packed = pack_weights(Matrix{DType::Q5_0, w.data(), rows, cols});
+    for (std::int64_t i = 0; i < rows * cols / 32; ++i) {
+      // d (and Q5_1's m) finite.
+      std::uint8_t* blk = w.data() + i * block_bytes(type);
+      const std::uint16_t d = fp32_to_fp16(scale(rng)), m = fp32_to_fp16(scale(rng));
+      std::memcpy(blk, &d, 2);
+      if (type == DType::Q5_1) std::memcpy(blk + 2, &m, 2);
+    }
+    const PackedWeights packed = pack_weights(Matrix{type, w.data(), rows, cols});
     ASSERT_NE(packed.data(), nullptr);
-    EXPECT_EQ(packed.size(), static_cast<std::size_t>((rows + 7) / 8 * 10) * cpu::packed_block_bytes(DType::Q8_0));
-    const Matrix plain{DType::Q5_0, w.data(), rows, cols}, fast{DType::Q5_0, w.data(), rows, cols, packed.data()};
+    EXPECT_EQ(packed.size(), static_cast<std::size_t>((rows + 7) / 8 * 10) * cpu::packed_block_bytes(type));
+    EXPECT_EQ(cpu::packed_block_bytes(type), type == DType::Q5_0 ? 272u : 288u);
+    const Matrix plain{type, w.data(), rows, cols}, fast{type, w.data(), rows, cols, packed.data()};
     for (const std::int64_t n : {1, 2, 3, 4, 5, 8, 9, 17, 33}) {
       const auto x = random_floats(n * cols, 500 + n);
       std::vector<std::uint8_t> scratch(activation_bytes(fast, n));
@@ -316,7 +323,8 @@ TEST(Packed, Q5_0AsQ8_0BlocksAgreesBitForBitWithPortable) {
         std::fill(got.begin(), got.end(), -1.0f);
         cpu::matmul_group(*k, std::span(&fast, 1), x.data(), n, got_out, scratch.data(), pool);
         std::string where;
-        EXPECT_TRUE(same_bits(ref, got, &where)) << k->name << " rows " << rows << " n " << n << " " << where;
+        EXPECT_TRUE(same_bits(ref, got, &where))
+            << k->name << " " << to_string(type) << " rows " << rows << " n " << n << " " << where;
       }
     }
   }

@@ -41,6 +41,11 @@ static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ8_1) == 36);
 struct BlockQ5_0 { std::uint16_t d; std::uint8_t qh[4]; std::uint8_t qs[16]; };
 struct BlockQ5_1 { std::uint16_t d; std::uint16_t m; std::uint8_t qh[4]; std::uint8_t qs[16]; };
 static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24);
+// Element e (0..31) of a Q5_0 / Q5_1 block: its 5-bit q.
+inline int q5_quant(const std::uint8_t* qs, const std::uint8_t* qh, int e) {
+  const int low = e < 16 ? qs[e] & 0x0f : qs[e - 16] >> 4;
+  return low | (((qh[e / 8] >> (e % 8)) & 1) << 4);
+}
 
 inline constexpr std::int64_t kQuantBlock = 32;
 inline constexpr std::int64_t kSuperBlock = 256;
