@@ -119,8 +119,10 @@ void expect_same(const std::vector<Alone>& alone, const std::vector<Alone>& batc
 TEST(BatchedForward, TinyModelsMatchOneSequenceAtATime) {
   const fs::path dir = fs::temp_directory_path() / ("batchlm-batch-" + std::to_string(::getpid()));
   fs::create_directories(dir);
+  // (The K types, which need wider models, in quant_types_model_test.cpp.)
   for (auto type : {batchlm::kernels::DType::F32, batchlm::kernels::DType::Q4_1,
-                    batchlm::kernels::DType::Q8_0}) {
+                    batchlm::kernels::DType::Q8_0, batchlm::kernels::DType::Q5_0,
+                    batchlm::kernels::DType::Q5_1}) {
     batchlm::testing::TinyLlamaOptions options;
     options.weight_dtype = type;
     options.embedding_dtype = type == batchlm::kernels::DType::F32 ? type : batchlm::kernels::DType::Q8_0;
