@@ -6,9 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
-#include <limits>
 #include <memory>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -20,6 +18,7 @@
 #include "batchlm/local_engine/executor.hpp"
 #include "batchlm/local_engine/model.hpp"
 #include "exact_reference.hpp"
+#include "llama_goldens.hpp"
 
 namespace {
 
@@ -27,7 +26,9 @@ using namespace batchlm::local_engine;
 namespace fs = std::filesystem;
 
 const fs::path kModel = fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+using batchlm::testing::near_tie;
 using batchlm::testing::read_reference;
+using batchlm::testing::tolerance;
 
 class Reference : public ::testing::Test {
  protected:
@@ -62,38 +63,6 @@ TEST_F(Reference, TokenizationRoundTrips) {
     EXPECT_EQ(model_->tokenizer().decode(model_->tokenizer().encode(text, special), special), text)
         << "case " << c["name"];
   }
-}
-
-// llama.cpp is not bit-for-bit consistent with itself: its batched and token-by-token prompt
-// paths add in different orders, and on this small quantized model that moves logits by up to
-// a few tenths (the goldens record the spread per case as self_spread; it is 0 where a prompt
-// is short enough for both paths to add alike). Any other order moves them as much, because a
-// last-bit difference can flip the rounding of an activation when it is quantized to 8 bits for
-// the next product. Our quantized dot products add in another order than llama.cpp's (each
-// block's exact integer sum, then one FMA per block, where llama.cpp keeps 8 partial float sums
-// per row): on the prompts whose self_spread is 0 that moves the top logits by up to 0.18, and
-// summing every product in double instead moves them by up to 0.40; our AVX2 and portable
-// paths, whose matrix products are the same bit for bit and whose attention sums differ in the
-// last bits, are up to 0.8 apart on these prompts. So a case's spread is its self_spread, but at
-// least the smallest nonzero self_spread of the goldens (what a second order does to these
-// logits at the least); the tolerances are twice that plus a small margin, and a greedy step may
-// differ only where llama.cpp's top two logits are closer than its largest spread plus 0.05
-// (near_tie).
-double tolerance(const nlohmann::json& goldens, const nlohmann::json& c) {
-  double least = std::numeric_limits<double>::infinity();
-  for (const auto& other : goldens["cases"]) {
-    const double spread = other["self_spread"];
-    if (spread > 0) least = std::min(least, spread);
-  }
-  if (least == std::numeric_limits<double>::infinity()) {
-    throw std::runtime_error("goldens: no case measured a nonzero self_spread");
-  }
-  return 0.03 + 2.0 * std::max(c["self_spread"].get<double>(), least);
-}
-double near_tie(const nlohmann::json& goldens) {
-  double spread = 0;
-  for (const auto& c : goldens["cases"]) spread = std::max(spread, c["self_spread"].get<double>());
-  return spread + 0.05;
 }
 
 // Free running: our own greedy tokens, fed back, must be llama.cpp's; a divergence is allowed

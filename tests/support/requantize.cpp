@@ -1,0 +1,182 @@
+#include "requantize.hpp"
+
+#include <array>
+#include <bit>
+#include <cstdio>
+#include <cstring>
+#include <regex>
+#include <stdexcept>
+#include <utility>
+#include <variant>
+
+#include "gguf_writer.hpp"
+
+namespace batchlm::testing {
+
+namespace gguf = local_engine::gguf;
+using kernels::DType;
+
+namespace {
+
+GgufValue encode(const gguf::Value& v) {
+  const auto u = [&] { return std::get<std::uint64_t>(v.data); };
+  const auto i = [&] { return std::get<std::int64_t>(v.data); };
+  switch (v.type) {
+    case gguf::ValueType::U8: return GgufValue::u8(static_cast<std::uint8_t>(u()));
+    case gguf::ValueType::U16: return GgufValue::u16(static_cast<std::uint16_t>(u()));
+    case gguf::ValueType::U32: return GgufValue::u32(static_cast<std::uint32_t>(u()));
+    case gguf::ValueType::U64: return GgufValue::u64(u());
+    case gguf::ValueType::I8: return GgufValue::i8(static_cast<std::int8_t>(i()));
+    case gguf::ValueType::I16: return GgufValue::i16(static_cast<std::int16_t>(i()));
+    case gguf::ValueType::I32: return GgufValue::i32(static_cast<std::int32_t>(i()));
+    case gguf::ValueType::I64: return GgufValue::i64(i());
+    // The reader widens an F32 to double, which narrows back to the same float.
+    case gguf::ValueType::F32: return GgufValue::f32(static_cast<float>(std::get<double>(v.data)));
+    case gguf::ValueType::F64: return GgufValue::f64(std::get<double>(v.data));
+    case gguf::ValueType::Bool: return GgufValue::boolean(std::get<bool>(v.data));
+    case gguf::ValueType::String: return GgufValue::str(std::get<std::string>(v.data));
+    case gguf::ValueType::Array: {
+      const gguf::Array& a = std::get<gguf::Array>(v.data);
+      std::vector<GgufValue> items;
+      items.reserve(a.items.size());
+      for (const gguf::Value& item : a.items) items.push_back(encode(item));
+      return GgufValue::array(static_cast<GgufType>(a.element_type), items);
+    }
+  }
+  throw std::invalid_argument("requantize: unknown metadata type");
+}
+
+std::vector<std::byte> reencode(const gguf::TensorInfo& t, DType to) {
+  const DType from = *t.type;
+  const std::int64_t cols = t.cols(), rows = t.rows();
+  if (cols % kernels::block_size(to) != 0) {
+    throw std::invalid_argument("requantize: tensor '" + t.name + "' has rows of " +
+                                std::to_string(cols) + ", not whole blocks of " +
+                                std::string(kernels::to_string(to)));
+  }
+  std::vector<float> values(static_cast<std::size_t>(cols * rows));
+  const std::size_t stride = kernels::row_bytes(from, cols);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    kernels::dequantize_row(from, t.data + static_cast<std::size_t>(r) * stride, cols,
+                            values.data() + r * cols);
+  }
+  return quantize(to, values);
+}
+
+}  // namespace
+
+std::vector<std::byte> requantize(const gguf::File& in, const RequantizeOptions& options) {
+  GgufWriter out;
+  out.set_version(in.version());
+  for (const auto& [key, value] : in.metadata()) {
+    if (key == "general.alignment") {
+      // Written as u32 at this point, and the data laid out at it (the reader checked both).
+      out.set_alignment(static_cast<std::uint32_t>(in.alignment()));
+    } else if (key == "general.file_type" && options.file_type) {
+      out.add(key, GgufValue::u32(*options.file_type));
+    } else {
+      out.add(key, encode(value));
+    }
+  }
+  for (const gguf::TensorInfo& t : in.tensors()) {
+    const std::optional<DType> to = options.recipe ? options.recipe(t) : std::nullopt;
+    if (!t.type) {
+      throw std::invalid_argument("requantize: tensor '" + t.name + "' is " +
+                                  std::string(t.type_name()) + ", which the engine does not run");
+    }
+    if (to && *to != *t.type) {
+      out.add_tensor(t.name, *to, t.shape, reencode(t, *to));
+    } else {
+      out.add_tensor(t.name, *t.type, t.shape, std::vector<std::byte>(t.data, t.data + t.n_bytes));
+    }
+  }
+  return out.encode().bytes;
+}
+
+RequantizeOptions smollm2_kmix() {
+  RequantizeOptions options;
+  options.file_type = 15;
+  options.recipe = [](const gguf::TensorInfo& t) -> std::optional<DType> {
+    static const std::regex name(R"(blk\.(\d+)\.(attn_q|attn_k|attn_output|ffn_gate|ffn_up|ffn_down)\.weight)");
+    std::smatch m;
+    if (!std::regex_match(t.name, m, name)) return std::nullopt;
+    const int layer = std::stoi(m[1].str());
+    if (m[2] == "ffn_down") return layer < 10 ? DType::Q4_K : layer < 20 ? DType::Q5_K : DType::Q6_K;
+    return layer % 2 == 0 ? DType::Q5_0 : DType::Q5_1;
+  };
+  return options;
+}
+
+// ---- SHA-256 (FIPS 180-4) ------------------------------------------------------------------
+
+namespace {
+
+constexpr std::array<std::uint32_t, 64> kRoundConstants = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+};
+
+// One 64-byte chunk into the state.
+void compress(std::array<std::uint32_t, 8>& h, const std::byte* chunk) {
+  std::array<std::uint32_t, 64> w;
+  for (int t = 0; t < 16; ++t) {
+    w[t] = std::to_integer<std::uint32_t>(chunk[4 * t]) << 24 |
+           std::to_integer<std::uint32_t>(chunk[4 * t + 1]) << 16 |
+           std::to_integer<std::uint32_t>(chunk[4 * t + 2]) << 8 |
+           std::to_integer<std::uint32_t>(chunk[4 * t + 3]);
+  }
+  for (int t = 16; t < 64; ++t) {
+    const std::uint32_t s0 = std::rotr(w[t - 15], 7) ^ std::rotr(w[t - 15], 18) ^ (w[t - 15] >> 3);
+    const std::uint32_t s1 = std::rotr(w[t - 2], 17) ^ std::rotr(w[t - 2], 19) ^ (w[t - 2] >> 10);
+    w[t] = w[t - 16] + s0 + w[t - 7] + s1;
+  }
+  std::uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], k = h[7];
+  for (int t = 0; t < 64; ++t) {
+    const std::uint32_t t1 = k + (std::rotr(e, 6) ^ std::rotr(e, 11) ^ std::rotr(e, 25)) +
+                             ((e & f) ^ (~e & g)) + kRoundConstants[t] + w[t];
+    const std::uint32_t t2 = (std::rotr(a, 2) ^ std::rotr(a, 13) ^ std::rotr(a, 22)) +
+                             ((a & b) ^ (a & c) ^ (b & c));
+    k = g;
+    g = f;
+    f = e;
+    e = d + t1;
+    d = c;
+    c = b;
+    b = a;
+    a = t1 + t2;
+  }
+  h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e, h[5] += f, h[6] += g, h[7] += k;
+}
+
+}  // namespace
+
+std::string sha256_hex(std::span<const std::byte> bytes) {
+  std::array<std::uint32_t, 8> h = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                    0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  const std::size_t whole = bytes.size() / 64 * 64;
+  for (std::size_t at = 0; at < whole; at += 64) compress(h, bytes.data() + at);
+  // The tail, a 1 bit, zeros, and the length in bits (big-endian): one or two more chunks.
+  std::array<std::byte, 128> last{};
+  const std::size_t tail = bytes.size() - whole;
+  if (tail > 0) std::memcpy(last.data(), bytes.data() + whole, tail);
+  last[tail] = std::byte{0x80};
+  const std::size_t n = tail < 56 ? 64 : 128;
+  const std::uint64_t bits = static_cast<std::uint64_t>(bytes.size()) * 8;
+  for (int i = 0; i < 8; ++i) last[n - 1 - i] = static_cast<std::byte>(bits >> (8 * i));
+  for (std::size_t at = 0; at < n; at += 64) compress(h, last.data() + at);
+  std::string hex;
+  char digits[9];
+  for (std::uint32_t word : h) {
+    std::snprintf(digits, sizeof digits, "%08x", word);
+    hex += digits;
+  }
+  return hex;
+}
+
+}  // namespace batchlm::testing
