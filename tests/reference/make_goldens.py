@@ -5,6 +5,11 @@ Usage (from the repository root):
     tests/reference/setup.sh
     .venv/bin/python tests/reference/make_goldens.py --model models/SmolLM2-135M-Instruct.Q4_1.gguf
 
+The default model requantized to Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (README.md) has its own:
+    build/dev/bin/requantize_gguf models/SmolLM2-135M-Instruct.Q4_1.gguf models/SmolLM2-135M-Instruct.kmix.gguf
+    .venv/bin/python tests/reference/make_goldens.py --model models/SmolLM2-135M-Instruct.kmix.gguf \
+        --out tests/reference/smollm2-135m-instruct-kmix
+
 Writes, into tests/reference/<model-dir>/ (default: smollm2-135m-instruct-q4_1):
   tokenize.json  -- token ids of many texts, from Llama.tokenize(text, add_bos=False,
                     special=parse_special)
