@@ -325,6 +325,19 @@ struct Rows8 {
   static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
   static I shift4(I a) { return _mm256_srli_epi16(a, 4); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I madd16(I a, I b) { return _mm256_madd_epi16(a, b); }
+  static I shl(I a, int n) { return _mm256_slli_epi32(a, n); }
+  // The low and the high 16 bits of each lane, sign-extended.
+  static I low16(I a) { return _mm256_srai_epi32(_mm256_slli_epi32(a, 16), 16); }
+  static I high16(I a) { return _mm256_srai_epi32(a, 16); }
+  // The 16 bytes at p widened to 16 bits (sign-extended when Signed).
+  template <bool Signed>
+  static I widen16(const std::uint8_t* p, std::size_t) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return Signed ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v);
+  }
 #if defined(BATCHLM_KERNELS_AVX512) || defined(BATCHLM_KERNELS_VNNI)
   // acc + the 4-byte dot products of unsigned u and signed s, per lane.
   static I dot(I acc, I u, I s) {
@@ -369,6 +382,19 @@ struct Rows16 {
   static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
   static I shift4(I a) { return _mm512_srli_epi16(a, 4); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_maskz_mullo_epi32(0xffff, a, b); }
+  static I madd16(I a, I b) { return _mm512_maskz_madd_epi16(0xffff, a, b); }
+  static I shl(I a, int n) { return _mm512_maskz_slli_epi32(0xffff, a, static_cast<unsigned>(n)); }
+  static I low16(I a) { return _mm512_maskz_srai_epi32(0xffff, shl(a, 16), 16); }
+  static I high16(I a) { return _mm512_maskz_srai_epi32(0xffff, a, 16); }
+  template <bool Signed>
+  static I widen16(const std::uint8_t* p, std::size_t group) {
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + group)), 1);
+    return Signed ? _mm512_maskz_cvtepi8_epi16(0xffffffff, v) : _mm512_maskz_cvtepu8_epi16(0xffffffff, v);
+  }
   static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F floats(float v) { return _mm512_set1_ps(v); }
@@ -473,16 +499,19 @@ struct UByteSum {
 
 // Q5_1 is packed with Q4_1's headers (d and m) and Q8_0's 8 chunks of bytes, each weight's 5-bit
 // q in a byte (pack_weights).
-enum class PackedType { Q4_0, Q4_1, Q8_0, Q5_1 };
+// The K types' blocks are super-blocks; their headers include the unpacked integer scales.
+enum class PackedType { Q4_0, Q4_1, Q8_0, Q5_1, Q4_K, Q5_K, Q6_K };
 
+template <PackedType F>
+constexpr bool kKType = F == PackedType::Q4_K || F == PackedType::Q5_K || F == PackedType::Q6_K;
 template <PackedType F>
 constexpr bool kHasMin = F == PackedType::Q4_1 || F == PackedType::Q5_1;
 template <PackedType F>
 constexpr bool kByteChunks = F == PackedType::Q8_0 || F == PackedType::Q5_1;
 template <PackedType F>
-constexpr std::size_t kPackedHeaders = kHasMin<F> ? 32 : 16;
+constexpr std::size_t kPackedHeaders = F == PackedType::Q6_K ? 144 : kKType<F> ? 160 : kHasMin<F> ? 32 : 16;
 template <PackedType F>
-constexpr std::size_t kPackedBlock = kPackedHeaders<F> + (kByteChunks<F> ? 256 : 128);
+constexpr std::size_t kPackedBlock = kPackedHeaders<F> + (F == PackedType::Q4_K ? 1024 : kKType<F> ? 2048 : kByteChunks<F> ? 256 : 128);
 template <PackedType F>
 using PackedScales = std::conditional_t<kHasMin<F>, ScalesQ8_1, ScalesQ8_0>;
 
@@ -493,24 +522,152 @@ using PackedScales = std::conditional_t<kHasMin<F>, ScalesQ8_1, ScalesQ8_0>;
 // The rows of V against NT tokens (w: the first group's first block, the next group `group`
 // bytes further; x: the first token's row; scales: its first block's, the next block's
 // `stride` further).
+// Block b of the next tile's groups (`ahead`), a block at a time, while this one is worked on.
+template <PackedType F, class V>
+inline void prefetch_block(const std::uint8_t* ahead, std::size_t group, std::int64_t b) {
+  if (ahead == nullptr) return;
+  for (int g = 0; g < V::kRows / kPackRows; ++g) {
+    const std::uint8_t* p = ahead + g * group + b * kPackedBlock<F>;
+    for (std::size_t at = 0; at < kPackedBlock<F>; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPackedBlock<F> - 1), _MM_HINT_T0);
+  }
+}
+
+// isum[t] += sc * (the N chunks at q against the activation bytes at xq[t], 4 per chunk): one
+// sub-block of a K type (Nibbles: 0 the chunks' bytes, 1 their low nibbles, 2 their high ones).
+// With a dot-product instruction the sub-block's sum is exact in 32 bits, then multiplied by
+// sc (the scale in each 32-bit lane). AVX2: each chunk's 16-bit pair sums (at most
+// 2 x 63 x 128) multiplied by sc (the scale in both 16-bit halves of each lane) and widened in
+// one madd.
+template <class V, int NT, int N, int Nibbles>
+inline void k_sub_block(const std::uint8_t* q, std::size_t group, const std::int8_t* const* xq,
+                        typename V::I sc, typename V::I (&isum)[NT]) {
+  const auto chunk = [&](int c) {
+    const typename V::I raw = V::load(q + 32 * c, group);
+    if constexpr (Nibbles == 0) return raw;
+    else if constexpr (Nibbles == 1) return V::and_(raw, V::bytes(0x0f));
+    else return V::and_(V::shift4(raw), V::bytes(0x0f));
+  };
+  if constexpr (kDotInstruction) {
+    typename V::I sum[NT];
+    BATCHLM_UNROLL
+    for (int t = 0; t < NT; ++t) sum[t] = V::zero();
+    BATCHLM_UNROLL
+    for (int c = 0; c < N; ++c) {
+      const typename V::I u = chunk(c);
+      BATCHLM_UNROLL
+      for (int t = 0; t < NT; ++t) sum[t] = V::dot(sum[t], u, broadcast4<V>(xq[t] + 4 * c));
+    }
+    BATCHLM_UNROLL
+    for (int t = 0; t < NT; ++t) isum[t] = V::add(isum[t], V::mullo(sum[t], sc));
+  } else {
+    BATCHLM_UNROLL
+    for (int c = 0; c < N; ++c) {
+      const typename V::I u = chunk(c);
+      BATCHLM_UNROLL
+      for (int t = 0; t < NT; ++t)
+        isum[t] = V::add(isum[t], V::madd16(_mm256_maddubs_epi16(u, broadcast4<V>(xq[t] + 4 * c)), sc));
+    }
+  }
+}
+
+// The scale of sub-block 2k + Odd of each lane from the 16-bit pairs P (k_sub_block's sc).
+template <class V, int Odd>
+inline typename V::I k_scale(typename V::I p) {
+  if constexpr (kDotInstruction) {
+    return Odd ? V::high16(p) : V::low16(p);
+  } else {
+    constexpr int kPick = Odd ? 0xf5 : 0xa0;  // 16-bit halves 1,1,3,3 or 0,0,2,2
+    return _mm256_shufflelo_epi16(_mm256_shufflehi_epi16(p, kPick), kPick);
+  }
+}
+
+// The K types (layout in cpu_kernels.hpp) against Q8_K rows: per super-block and lane, isum as
+// q45k_block / q6k_block (portable.cpp) sums it, exactly; the mins (Q4_K, Q5_K) or the -32
+// offsets (Q6_K) against the bsums in 16-bit pairs, madd of the scale pairs and the bsum pairs;
+// then the super-block's FMAs in portable order.
+template <PackedType F, class V, int NT>
+void packed_k_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t* x, std::size_t xrb,
+                   std::int64_t nb, typename V::F (&acc)[NT], const std::uint8_t* ahead) {
+  constexpr bool kQ6 = F == PackedType::Q6_K;
+  BATCHLM_UNROLL
+  for (int t = 0; t < NT; ++t) acc[t] = V::fzero();
+  for (std::int64_t b = 0; b < nb; ++b) {
+    const std::uint8_t* blk = w + b * kPackedBlock<F>;
+    const std::uint8_t* q = blk + kPackedHeaders<F>;
+    const std::uint8_t* scales = blk + (kQ6 ? 16 : 32);
+    prefetch_block<F, V>(ahead, group, b);
+    const BlockQ8_K* xb[NT];
+    BATCHLM_UNROLL
+    for (int t = 0; t < NT; ++t) xb[t] = reinterpret_cast<const BlockQ8_K*>(x + t * xrb) + b;
+    typename V::I isum[NT];
+    BATCHLM_UNROLL
+    for (int t = 0; t < NT; ++t) isum[t] = V::zero();
+    for (int k = 0; k < (kQ6 ? 8 : 4); ++k) {
+      const typename V::I pair = V::template widen16<kQ6>(scales + 16 * k, group);
+      const typename V::I even = k_scale<V, 0>(pair), odd = k_scale<V, 1>(pair);
+      const std::int8_t* xq[NT];
+      if constexpr (F == PackedType::Q4_K) {
+        // Chunks 8k..8k+7: sub-block 2k in the low nibbles, 2k + 1 in the high ones.
+        BATCHLM_UNROLL
+        for (int t = 0; t < NT; ++t) xq[t] = xb[t]->qs + 64 * k;
+        k_sub_block<V, NT, 8, 1>(q + 256 * k, group, xq, even, isum);
+        BATCHLM_UNROLL
+        for (int t = 0; t < NT; ++t) xq[t] += 32;
+        k_sub_block<V, NT, 8, 2>(q + 256 * k, group, xq, odd, isum);
+      } else {
+        // Sub-blocks of 32 (Q5_K) or 16 (Q6_K) bytes q, in element order.
+        constexpr int kChunks = kQ6 ? 4 : 8;
+        BATCHLM_UNROLL
+        for (int t = 0; t < NT; ++t) xq[t] = xb[t]->qs + 8 * kChunks * k;
+        k_sub_block<V, NT, kChunks, 0>(q + 64 * kChunks * k, group, xq, even, isum);
+        BATCHLM_UNROLL
+        for (int t = 0; t < NT; ++t) xq[t] += 4 * kChunks;
+        k_sub_block<V, NT, kChunks, 0>(q + 64 * kChunks * k + 32 * kChunks, group, xq, odd, isum);
+      }
+    }
+    const typename V::F d = V::load_f16(blk, group);
+    BATCHLM_UNROLL
+    for (int t = 0; t < NT; ++t) {
+      const typename V::F dx = V::floats(xb[t]->d);
+      if constexpr (kQ6) {
+        // isum - 32 * sum of sc_j * bsums[j]: the pairs of bsums as they lie in the block.
+        typename V::I offset = V::zero();
+        for (int k = 0; k < 8; ++k)
+          offset = V::add(offset, V::madd16(V::template widen16<true>(scales + 16 * k, group),
+                                            broadcast4<V>(reinterpret_cast<const std::int8_t*>(xb[t]->bsums + 2 * k))));
+        acc[t] = V::fma(V::mul(d, dx), V::to_float(V::sub(isum[t], V::shl(offset, 5))), acc[t]);
+      } else {
+        // The bsums of the 8 sub-blocks of 32, in pairs.
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb[t]->bsums));
+        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb[t]->bsums + 8));
+        alignas(16) std::int8_t sums[16];
+        _mm_store_si128(reinterpret_cast<__m128i*>(sums), _mm_hadd_epi16(lo, hi));
+        typename V::I msum = V::zero();
+        for (int k = 0; k < 4; ++k)
+          msum = V::add(msum, V::madd16(V::template widen16<false>(blk + 96 + 16 * k, group), broadcast4<V>(sums + 4 * k)));
+        acc[t] = V::fma(V::mul(d, dx), V::to_float(isum[t]), acc[t]);
+        acc[t] = V::fnmadd(V::mul(V::load_f16(blk + 16, group), dx), V::to_float(msum), acc[t]);
+      }
+    }
+  }
+}
+
 template <PackedType F, class V, int NT>
 void packed_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t* x,
                  std::size_t xrb, const PackedScales<F>* xs, std::int64_t stride,
                  std::int64_t nb, typename V::F (&acc)[NT], const std::uint8_t* ahead) {
+  if constexpr (kKType<F>) {
+    packed_k_rows<F, V, NT>(w, group, x, xrb, nb, acc, ahead);
+    return;
+  }
   using XBlock = std::conditional_t<kHasMin<F>, BlockQ8_1, BlockQ8_0>;
   BATCHLM_UNROLL
   for (int t = 0; t < NT; ++t) acc[t] = V::fzero();
   for (std::int64_t b = 0; b < nb; ++b) {
     const std::uint8_t* blk = w + b * kPackedBlock<F>;
     const std::uint8_t* q = blk + kPackedHeaders<F>;
-    if (ahead != nullptr) {
-      // The same block of the next tile's groups, a block at a time, while this one is worked on.
-      for (int g = 0; g < V::kRows / kPackRows; ++g) {
-        const std::uint8_t* p = ahead + g * group + b * kPackedBlock<F>;
-        for (std::size_t at = 0; at < kPackedBlock<F>; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPackedBlock<F> - 1), _MM_HINT_T0);
-      }
-    }
+    prefetch_block<F, V>(ahead, group, b);
     const PackedScales<F>* xb = xs + b * stride;
     const std::int8_t* xq[NT];
     BATCHLM_UNROLL
@@ -599,11 +756,11 @@ void packed_tokens(const std::uint8_t* w, std::size_t group, int nr, const std::
   // The first pass reads the weights from memory and asks for the next tile's (`ahead`) as it
   // goes; the later passes find them in L1.
   for (; t0 + kTokens <= nt; t0 += kTokens)
-    packed_pass<F, V, kTokens>(w, group, nr, x + t0 * xrb, xrb, xs + t0, nt, nb, y + t0 * ys, ys,
-                               t0 == 0 ? ahead : nullptr);
+    packed_pass<F, V, kTokens>(w, group, nr, x + t0 * xrb, xrb, kKType<F> ? xs : xs + t0, nt, nb,
+                               y + t0 * ys, ys, t0 == 0 ? ahead : nullptr);
   const auto rest = [&]<int NT>() {
-    packed_pass<F, V, NT>(w, group, nr, x + t0 * xrb, xrb, xs + t0, nt, nb, y + t0 * ys, ys,
-                          t0 == 0 ? ahead : nullptr);
+    packed_pass<F, V, NT>(w, group, nr, x + t0 * xrb, xrb, kKType<F> ? xs : xs + t0, nt, nb,
+                          y + t0 * ys, ys, t0 == 0 ? ahead : nullptr);
   };
   switch (nt - t0) {
     case 0: break;
@@ -1758,7 +1915,10 @@ const Kernels* BATCHLM_KERNELS_ENTRY() {
                          tile_q5_k,
                          tile_q6_k,
                          quantize_q8_k,
-                         packed_tile<PackedType::Q5_1>};
+                         packed_tile<PackedType::Q5_1>,
+                         packed_tile<PackedType::Q4_K>,
+                         packed_tile<PackedType::Q5_K>,
+                         packed_tile<PackedType::Q6_K>};
   return &k;
 }
 

@@ -28,6 +28,15 @@ using TileFn = void (*)(const std::uint8_t* w, std::size_t w_row_bytes, int nr,
 // Chunk c holds bytes 4c..4c+3 of each row's quants (row r at 4r): for the 4-bit types the low
 // nibbles are elements 4c..4c+3 and the high nibbles elements 16+4c..16+4c+3; for Q8_0
 // elements 4c..4c+3. Rows past the end of the matrix are zero.
+// The K types, per super-block of 256 elements (their integer scales unpacked to bytes, two
+// sub-blocks to a row: pair k of row r at 16k + 2r, sub-block 2k first):
+//   Q4_K: d, dmin of the 8 rows (F16), the scales of the 4 pairs of sub-blocks (64 bytes), their
+//         mins (64), then 32 chunks of the GGUF nibbles: chunk c is bytes 4c..4c+3 of each
+//         row's qs, low nibbles elements 64i + 4(c % 8).. (i = c / 8), high nibbles 32 later
+//                                                                    (1184 bytes per super-block)
+//   Q5_K: the same headers, then 64 chunks of the bytes q (0..31), elements 4c..4c+3 (2208)
+//   Q6_K: d of the 8 rows, the signed scales of the 8 pairs of sub-blocks (128 bytes), then 64
+//         chunks of the bytes q (0..63)                                              (2192)
 inline constexpr int kPackRows = 8;
 // The rows of a packed tile: two groups, which AVX-512 takes at once in 512-bit vectors.
 inline constexpr int kPackedTileRows = 2 * kPackRows;
@@ -53,6 +62,10 @@ using PackedTileFn = void (*)(const std::uint8_t* w, int nr, const std::uint8_t*
                               std::size_t x_row_bytes, const void* x_scales, int nt,
                               std::int64_t n_blocks, float* y, std::int64_t y_stride,
                               const std::uint8_t* ahead);
+
+// The K types read the BlockQ8_K rows alone (d and the bsums): x_scales is null. Per row and
+// token, each super-block's integer sums of portable.cpp's q45k_block / q6k_block exactly,
+// then its one or two FMAs in the same order, from acc = 0.
 
 // Quantizes one row of n floats (n a multiple of 32 for the block types) to `type`.
 using QuantizeFn = void (*)(const float* x, std::int64_t n, void* out);
@@ -145,6 +158,10 @@ struct Kernels {
   QuantizeFn quantize_q8_k = nullptr;
   // Q5_1's packed form (nullptr: the path reads the GGUF layout).
   PackedTileFn packed_q5_1 = nullptr;
+  // The K types' packed forms (nullptr: the path reads the GGUF layout).
+  PackedTileFn packed_q4_k = nullptr;
+  PackedTileFn packed_q5_k = nullptr;
+  PackedTileFn packed_q6_k = nullptr;
 };
 
 const Kernels& portable_kernels();

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -87,6 +88,9 @@ cpu::PackedTileFn packed_tile_for(const cpu::Kernels& k, DType t) {
     case DType::Q8_0:
     case DType::Q5_0: return k.packed_q8_0;  // packed as Q8_0 blocks (pack_weights)
     case DType::Q5_1: return k.packed_q5_1;
+    case DType::Q4_K: return k.packed_q4_k;
+    case DType::Q5_K: return k.packed_q5_k;
+    case DType::Q6_K: return k.packed_q6_k;
     default: return nullptr;
   }
 }
@@ -110,6 +114,10 @@ void convert_row(const cpu::Kernels& k, DType to, const float* x, std::int64_t n
     default: throw std::invalid_argument("matmul: bad activation type");
   }
 }
+
+// Whether the packed tiles read block scales written beside the rows of dot type xt: those of
+// Q8_K (the K types) read d and the bsums from the BlockQ8_K rows themselves.
+bool has_scales(DType xt) { return xt == DType::Q8_0 || xt == DType::Q8_1; }
 
 // The bytes of the packed tiles' block scales (cpu_kernels.hpp) for n rows of dot type xt.
 std::size_t scales_bytes(DType xt, std::int64_t cols, std::int64_t n) {
@@ -151,6 +159,9 @@ std::size_t packed_block_bytes(DType t) {
     case DType::Q8_0:
     case DType::Q5_0: return 16 + 256;
     case DType::Q5_1: return 32 + 256;
+    case DType::Q4_K: return 32 + 128 + 1024;
+    case DType::Q5_K: return 32 + 128 + 2048;
+    case DType::Q6_K: return 16 + 128 + 2048;
     default: return 0;
   }
 }
@@ -188,7 +199,7 @@ void matmul_group(const Kernels& k, std::span<const Matrix> w, const float* x, s
     std::size_t s = 0;
     while (s < n_slots && slots[s].type != xt) ++s;
     if (s == n_slots) slots[n_slots++] = Slot{xt, row_bytes(xt, cols), false, nullptr, nullptr};
-    slots[s].scales = slots[s].scales || packed[i] != nullptr;
+    slots[s].scales = slots[s].scales || (packed[i] != nullptr && has_scales(xt));
     slot_of[i] = s;
   }
   auto* free_scratch = static_cast<std::uint8_t*>(scratch);
@@ -299,6 +310,56 @@ void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
   cpu::matmul_group(kernels(), w, x, n, y, scratch, pool);
 }
 
+namespace {
+
+// Row r's super-block `in` of a K type into its group's packed block `out` (cpu_kernels.hpp):
+// its d (and dmin), its integer scales (and mins) as bytes two sub-blocks to a row, and its
+// quants in chunks, Q4_K's as the GGUF nibbles, Q5_K's and Q6_K's as the bytes q.
+void pack_k_block(DType t, const std::byte* in, int r, std::byte* out) {
+  const auto put = [&](std::size_t at, std::uint8_t v) { out[at] = static_cast<std::byte>(v); };
+  std::uint8_t q[256];
+  std::size_t quants = 160;
+  if (t == DType::Q6_K) {
+    BlockQ6_K b;
+    std::memcpy(&b, in, sizeof b);
+    std::memcpy(out + 2 * r, &b.d, 2);
+    for (int j = 0; j < 16; ++j) put(16 + 16 * (j / 2) + 2 * r + j % 2, static_cast<std::uint8_t>(b.scales[j]));
+    for (int e = 0; e < 256; ++e) {
+      const int h = e / 128, s = e % 128 / 32, l = e % 32;
+      const int low = (b.ql[64 * h + l + 32 * (s & 1)] >> (4 * (s >> 1))) & 0x0f;
+      q[e] = static_cast<std::uint8_t>(low | (((b.qh[32 * h + l] >> (2 * s)) & 3) << 4));
+    }
+    quants = 144;
+  } else {
+    // Q4_K and Q5_K begin alike: d, dmin, the 12 bytes of scales and mins.
+    std::memcpy(out + 2 * r, in, 2);
+    std::memcpy(out + 16 + 2 * r, in + 2, 2);
+    std::uint8_t scales[12];
+    std::memcpy(scales, in + offsetof(BlockQ4_K, scales), sizeof scales);
+    for (int j = 0; j < 8; ++j) {
+      std::uint8_t sc, m;
+      k_scale_min(scales, j, sc, m);
+      put(32 + 16 * (j / 2) + 2 * r + j % 2, sc);
+      put(96 + 16 * (j / 2) + 2 * r + j % 2, m);
+    }
+    if (t == DType::Q4_K) {
+      const std::byte* qs = in + offsetof(BlockQ4_K, qs);
+      for (int c = 0; c < 32; ++c) std::memcpy(out + quants + 32 * c + 4 * r, qs + 4 * c, 4);
+      return;
+    }
+    BlockQ5_K b;
+    std::memcpy(&b, in, sizeof b);
+    for (int e = 0; e < 256; ++e) {
+      const int i = e / 64, high = e % 64 / 32, l = e % 32;
+      const int low = (b.qs[32 * i + l] >> (4 * high)) & 0x0f;
+      q[e] = static_cast<std::uint8_t>(low | (((b.qh[l] >> (2 * i + high)) & 1) << 4));
+    }
+  }
+  for (int c = 0; c < 64; ++c) std::memcpy(out + quants + 32 * c + 4 * r, q + 4 * c, 4);
+}
+
+}  // namespace
+
 void PackedWeights::Free::operator()(std::byte* p) const {
   ::operator delete[](p, std::align_val_t{64});
 }
@@ -307,10 +368,10 @@ PackedWeights pack_weights(const Matrix& w) {
   PackedWeights p;
   const std::size_t block = cpu::packed_block_bytes(w.type);
   if (block == 0) return p;
-  if (w.cols % kQuantBlock != 0 || w.rows < 0) {
+  if (w.cols % block_size(w.type) != 0 || w.rows < 0) {
     throw std::invalid_argument("pack_weights: bad shape");
   }
-  const std::int64_t n_blocks = w.cols / kQuantBlock;
+  const std::int64_t n_blocks = w.cols / block_size(w.type);
   const std::int64_t groups = (w.rows + cpu::kPackRows - 1) / cpu::kPackRows;
   p.size_ = block * static_cast<std::size_t>(n_blocks * groups);
   // 64-byte aligned: every block of a group then starts 16-byte aligned and most of its
@@ -323,7 +384,9 @@ PackedWeights pack_weights(const Matrix& w) {
   // packed as that, and its products are Q8_0's: each block's exact integer sum, then one
   // multiply-add with d_w * d_x, the Q5_0 tiles' arithmetic.
   // A Q5_1 block keeps its d and m, and its quants become the bytes q.
+  // The K types are laid out by pack_k_block.
   const bool q5_0 = w.type == DType::Q5_0, q5_1 = w.type == DType::Q5_1;
+  const bool k_type = w.type == DType::Q4_K || w.type == DType::Q5_K || w.type == DType::Q6_K;
   const std::size_t headers = w.type == DType::Q4_1 || q5_1 ? 2 : 1;
   const std::size_t chunks = w.type == DType::Q8_0 || q5_0 || q5_1 ? 8 : 4;
   const std::size_t w_row = row_bytes(w.type, w.cols), w_block = block_bytes(w.type);
@@ -334,6 +397,10 @@ PackedWeights pack_weights(const Matrix& w) {
         const auto* in = static_cast<const std::byte*>(w.data) +
                          static_cast<std::size_t>(g * cpu::kPackRows + r) * w_row +
                          static_cast<std::size_t>(b) * w_block;
+        if (k_type) {
+          pack_k_block(w.type, in, static_cast<int>(r), out);
+          continue;
+        }
         BlockQ8_1 as_bytes;  // Q5_1's d, m and bytes q: the layout the copies below read
         if (q5_1) {
           BlockQ5_1 b5;

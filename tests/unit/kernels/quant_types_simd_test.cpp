@@ -186,6 +186,105 @@ TEST(QuantTypesSimd, MatmulAgreesBitForBit) {
   }
 }
 
+// The K types' packed copies (cpu_kernels.hpp): their size, and products from them on every
+// SIMD path bit for bit the portable tiles' on the GGUF layout, through matmul_group: row counts
+// that leave one or two groups of a 16-row tile partly filled, token counts across the passes
+// of the packed tiles, 1 to 5 super-blocks. Random blocks reach every quant, scale and min.
+TEST(QuantTypesSimd, PackedKTypesAgreeBitForBit) {
+  const std::vector<const cpu::Kernels*> paths = simd_paths();
+  const cpu::Kernels& portable = cpu::portable_kernels();
+  EXPECT_EQ(portable.packed_q4_k, nullptr);
+  EXPECT_EQ(portable.packed_q5_k, nullptr);
+  EXPECT_EQ(portable.packed_q6_k, nullptr);
+  for (const cpu::Kernels* k : paths) {
+    EXPECT_NE(k->packed_q4_k, nullptr) << k->name;
+    EXPECT_NE(k->packed_q5_k, nullptr) << k->name;
+    EXPECT_NE(k->packed_q6_k, nullptr) << k->name;
+  }
+  EXPECT_EQ(cpu::packed_block_bytes(DType::Q4_K), 1184u);
+  EXPECT_EQ(cpu::packed_block_bytes(DType::Q5_K), 2208u);
+  EXPECT_EQ(cpu::packed_block_bytes(DType::Q6_K), 2192u);
+  ThreadPool pool(2);
+  std::mt19937_64 rng(19);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const DType type : {DType::Q4_K, DType::Q5_K, DType::Q6_K})
+    for (std::int64_t nb = 1; nb <= 5; ++nb)
+      for (const std::int64_t rows : {1, 7, 8, 13, 16, 37}) {
+        const std::int64_t cols = nb * kSuperBlock;
+        const std::vector<std::uint8_t> w = random_blocks(type, rows, nb, rng);
+        const PackedWeights packed = pack_weights(Matrix{type, w.data(), rows, cols});
+        ASSERT_NE(packed.data(), nullptr) << to_string(type);
+        EXPECT_EQ(packed.size(), static_cast<std::size_t>((rows + 7) / 8 * nb) * cpu::packed_block_bytes(type));
+        const Matrix plain{type, w.data(), rows, cols}, fast{type, w.data(), rows, cols, packed.data()};
+        // No block scales beside the Q8_K rows: the packed matrix needs the plain one's bytes.
+        EXPECT_EQ(activation_bytes(fast, 5), activation_bytes(plain, 5));
+        for (const std::int64_t n : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33}) {
+          std::vector<float> x(static_cast<std::size_t>(n * cols));
+          for (auto& v : x) v = normal(rng);
+          std::vector<std::uint8_t> scratch(activation_bytes(fast, n));
+          std::vector<float> ref(n * rows), got(n * rows);
+          float* const ref_out[1] = {ref.data()};
+          float* const got_out[1] = {got.data()};
+          cpu::matmul_group(portable, std::span(&plain, 1), x.data(), n, ref_out, scratch.data(), pool);
+          std::string where;
+          // The portable path ignores the packed copy.
+          cpu::matmul_group(portable, std::span(&fast, 1), x.data(), n, got_out, scratch.data(), pool);
+          EXPECT_TRUE(same_bits(ref.data(), got.data(), ref.size(), &where))
+              << "portable " << to_string(type) << " blocks " << nb << " rows " << rows << " n " << n << " " << where;
+          for (const cpu::Kernels* k : paths) {
+            std::fill(got.begin(), got.end(), -1.0f);
+            cpu::matmul_group(*k, std::span(&fast, 1), x.data(), n, got_out, scratch.data(), pool);
+            EXPECT_TRUE(same_bits(ref.data(), got.data(), ref.size(), &where))
+                << k->name << " packed " << to_string(type) << " blocks " << nb << " rows " << rows << " n " << n << " " << where;
+          }
+        }
+      }
+}
+
+// A group of packed matrices of all three dot types, K types among them, from one converted
+// scratch of group_activation_bytes: each product is the one alone, bit for bit.
+TEST(QuantTypesSimd, PackedKTypesInAGroup) {
+  std::vector<const cpu::Kernels*> paths = simd_paths();
+  paths.push_back(&cpu::portable_kernels());
+  ThreadPool pool(2);
+  std::mt19937_64 rng(23);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::int64_t cols = 512, n = 6;
+  const DType types[] = {DType::Q4_K, DType::Q5_1, DType::Q6_K, DType::Q5_0, DType::Q5_K};
+  const std::int64_t rows[] = {9, 16, 21, 8, 3};
+  std::vector<std::vector<std::uint8_t>> bytes;
+  std::vector<PackedWeights> packed;
+  std::vector<Matrix> group;
+  for (int i = 0; i < 5; ++i) {
+    bytes.push_back(random_blocks(types[i], rows[i], cols / block_size(types[i]), rng));
+    packed.push_back(pack_weights(Matrix{types[i], bytes.back().data(), rows[i], cols}));
+    group.push_back(Matrix{types[i], bytes.back().data(), rows[i], cols, packed.back().data()});
+  }
+  std::vector<float> x(static_cast<std::size_t>(n * cols));
+  for (auto& v : x) v = normal(rng);
+  std::size_t alone_bytes = 0;
+  for (const Matrix& m : group) alone_bytes = std::max(alone_bytes, activation_bytes(m, n));
+  for (const cpu::Kernels* k : paths) {
+    std::vector<std::vector<float>> ys(5), alone(5);
+    std::vector<float*> outs;
+    for (int i = 0; i < 5; ++i) {
+      ys[i].assign(static_cast<std::size_t>(n * rows[i]), -1.0f);
+      alone[i].assign(static_cast<std::size_t>(n * rows[i]), -2.0f);
+      outs.push_back(ys[i].data());
+      std::vector<std::uint8_t> scratch(alone_bytes);
+      float* const out[1] = {alone[i].data()};
+      cpu::matmul_group(*k, std::span(&group[i], 1), x.data(), n, out, scratch.data(), pool);
+    }
+    std::vector<std::uint8_t> scratch(group_activation_bytes(group, n));
+    cpu::matmul_group(*k, group, x.data(), n, outs, scratch.data(), pool);
+    for (int i = 0; i < 5; ++i) {
+      std::string where;
+      EXPECT_TRUE(same_bits(alone[i].data(), ys[i].data(), ys[i].size(), &where))
+          << k->name << " " << to_string(types[i]) << " " << where;
+    }
+  }
+}
+
 // Activations with one nonzero quant (1, at element e, scale 1) pick out each weight element
 // alone: every path gives the portable bits, and those are the dequantized element (up to
 // the rounding of the scale products), so a quant or scale taken from the wrong element or
