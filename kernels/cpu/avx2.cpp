@@ -534,12 +534,12 @@ inline void prefetch_block(const std::uint8_t* ahead, std::size_t group, std::in
 }
 
 // isum[t] += sc * (the N chunks at q against the activation bytes at xq[t], 4 per chunk): one
-// sub-block of a K type (Nibbles: 0 the chunks' bytes, 1 their low nibbles, 2 their high ones).
-// With a dot-product instruction the sub-block's sum is exact in 32 bits, then multiplied by
-// sc (the scale in each 32-bit lane). AVX2: each chunk's 16-bit pair sums (at most
-// 2 x 63 x 128) multiplied by sc (the scale in both 16-bit halves of each lane) and widened in
-// one madd.
-template <class V, int NT, int N, int Nibbles>
+// sub-block of a K type (Nibbles: 0 the chunks' bytes, 1 their low nibbles, 2 their high ones;
+// weights at most kMaxQ). With a dot-product instruction the sub-block's sum is exact in 32
+// bits, then multiplied by sc (the scale in each 32-bit lane). AVX2: the chunks' 16-bit pair
+// sums added in 16 bits as many at a time as stay exact (each within 2 x kMaxQ x 128), then
+// multiplied by sc (the scale in both 16-bit halves of each lane) and widened in one madd.
+template <class V, int NT, int N, int Nibbles, int kMaxQ>
 inline void k_sub_block(const std::uint8_t* q, std::size_t group, const std::int8_t* const* xq,
                         typename V::I sc, typename V::I (&isum)[NT]) {
   const auto chunk = [&](int c) {
@@ -561,12 +561,22 @@ inline void k_sub_block(const std::uint8_t* q, std::size_t group, const std::int
     BATCHLM_UNROLL
     for (int t = 0; t < NT; ++t) isum[t] = V::add(isum[t], V::mullo(sum[t], sc));
   } else {
+    constexpr int kFit = std::min(N, 32767 / (2 * kMaxQ * 128));
+    static_assert(N % kFit == 0);
     BATCHLM_UNROLL
-    for (int c = 0; c < N; ++c) {
-      const typename V::I u = chunk(c);
+    for (int c0 = 0; c0 < N; c0 += kFit) {
+      __m256i sum[NT];
       BATCHLM_UNROLL
-      for (int t = 0; t < NT; ++t)
-        isum[t] = V::add(isum[t], V::madd16(_mm256_maddubs_epi16(u, broadcast4<V>(xq[t] + 4 * c)), sc));
+      for (int c = c0; c < c0 + kFit; ++c) {
+        const __m256i u = chunk(c);
+        BATCHLM_UNROLL
+        for (int t = 0; t < NT; ++t) {
+          const __m256i p = _mm256_maddubs_epi16(u, broadcast4<V>(xq[t] + 4 * c));
+          sum[t] = c == c0 ? p : _mm256_add_epi16(sum[t], p);
+        }
+      }
+      BATCHLM_UNROLL
+      for (int t = 0; t < NT; ++t) isum[t] = V::add(isum[t], V::madd16(sum[t], sc));
     }
   }
 }
@@ -611,19 +621,19 @@ void packed_k_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t*
         // Chunks 8k..8k+7: sub-block 2k in the low nibbles, 2k + 1 in the high ones.
         BATCHLM_UNROLL
         for (int t = 0; t < NT; ++t) xq[t] = xb[t]->qs + 64 * k;
-        k_sub_block<V, NT, 8, 1>(q + 256 * k, group, xq, even, isum);
+        k_sub_block<V, NT, 8, 1, 15>(q + 256 * k, group, xq, even, isum);
         BATCHLM_UNROLL
         for (int t = 0; t < NT; ++t) xq[t] += 32;
-        k_sub_block<V, NT, 8, 2>(q + 256 * k, group, xq, odd, isum);
+        k_sub_block<V, NT, 8, 2, 15>(q + 256 * k, group, xq, odd, isum);
       } else {
         // Sub-blocks of 32 (Q5_K) or 16 (Q6_K) bytes q, in element order.
         constexpr int kChunks = kQ6 ? 4 : 8;
         BATCHLM_UNROLL
         for (int t = 0; t < NT; ++t) xq[t] = xb[t]->qs + 8 * kChunks * k;
-        k_sub_block<V, NT, kChunks, 0>(q + 64 * kChunks * k, group, xq, even, isum);
+        k_sub_block<V, NT, kChunks, 0, kQ6 ? 63 : 31>(q + 64 * kChunks * k, group, xq, even, isum);
         BATCHLM_UNROLL
         for (int t = 0; t < NT; ++t) xq[t] += 4 * kChunks;
-        k_sub_block<V, NT, kChunks, 0>(q + 64 * kChunks * k + 32 * kChunks, group, xq, odd, isum);
+        k_sub_block<V, NT, kChunks, 0, kQ6 ? 63 : 31>(q + 64 * kChunks * k + 32 * kChunks, group, xq, odd, isum);
       }
     }
     const typename V::F d = V::load_f16(blk, group);
