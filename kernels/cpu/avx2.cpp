@@ -613,8 +613,11 @@ void packed_k_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t*
     typename V::I isum[NT];
     BATCHLM_UNROLL
     for (int t = 0; t < NT; ++t) isum[t] = V::zero();
+    // The scale pairs (Q6_K) or min pairs (Q4_K, Q5_K) that meet the bsums, widened once.
+    typename V::I pairs[kQ6 ? 8 : 4];
     for (int k = 0; k < (kQ6 ? 8 : 4); ++k) {
       const typename V::I pair = V::template widen16<kQ6>(scales + 16 * k, group);
+      pairs[k] = kQ6 ? pair : V::template widen16<false>(blk + 96 + 16 * k, group);
       const typename V::I even = k_scale<V, 0>(pair), odd = k_scale<V, 1>(pair);
       const std::int8_t* xq[NT];
       if constexpr (F == PackedType::Q4_K) {
@@ -644,8 +647,7 @@ void packed_k_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t*
         // isum - 32 * sum of sc_j * bsums[j]: the pairs of bsums as they lie in the block.
         typename V::I offset = V::zero();
         for (int k = 0; k < 8; ++k)
-          offset = V::add(offset, V::madd16(V::template widen16<true>(scales + 16 * k, group),
-                                            broadcast4<V>(reinterpret_cast<const std::int8_t*>(xb[t]->bsums + 2 * k))));
+          offset = V::add(offset, V::madd16(pairs[k], broadcast4<V>(reinterpret_cast<const std::int8_t*>(xb[t]->bsums + 2 * k))));
         acc[t] = V::fma(V::mul(d, dx), V::to_float(V::sub(isum[t], V::shl(offset, 5))), acc[t]);
       } else {
         // The bsums of the 8 sub-blocks of 32, in pairs.
@@ -655,7 +657,7 @@ void packed_k_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t*
         _mm_store_si128(reinterpret_cast<__m128i*>(sums), _mm_hadd_epi16(lo, hi));
         typename V::I msum = V::zero();
         for (int k = 0; k < 4; ++k)
-          msum = V::add(msum, V::madd16(V::template widen16<false>(blk + 96 + 16 * k, group), broadcast4<V>(sums + 4 * k)));
+          msum = V::add(msum, V::madd16(pairs[k], broadcast4<V>(sums + 4 * k)));
         acc[t] = V::fma(V::mul(d, dx), V::to_float(isum[t]), acc[t]);
         acc[t] = V::fnmadd(V::mul(V::load_f16(blk + 16, group), dx), V::to_float(msum), acc[t]);
       }
