@@ -523,8 +523,10 @@ using PackedScales = std::conditional_t<kHasMin<F>, ScalesQ8_1, ScalesQ8_0>;
 // bytes further; x: the first token's row; scales: its first block's, the next block's
 // `stride` further).
 // Block b of the next tile's groups (`ahead`), a block at a time, while this one is worked on.
+// Always inlined: a call in the loops below would spill their accumulators (every vector
+// register is caller-saved).
 template <PackedType F, class V>
-inline void prefetch_block(const std::uint8_t* ahead, std::size_t group, std::int64_t b) {
+[[gnu::always_inline]] inline void prefetch_block(const std::uint8_t* ahead, std::size_t group, std::int64_t b) {
   if (ahead == nullptr) return;
   for (int g = 0; g < V::kRows / kPackRows; ++g) {
     const std::uint8_t* p = ahead + g * group + b * kPackedBlock<F>;
