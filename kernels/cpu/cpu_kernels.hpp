@@ -148,7 +148,7 @@ struct Kernels {
   MixRowsFn mix_rows;
   SoftmaxF16Fn softmax_f16;
   ExpFn exp_f32;
-  // The 5-bit and K types in the GGUF layout (no packed form). nullptr: the portable tile,
+  // The 5-bit and K types in the GGUF layout. nullptr: the portable tile,
   // whose results every path's tile must equal bit for bit (see portable.cpp).
   TileFn tile_q5_0 = nullptr;
   TileFn tile_q5_1 = nullptr;
