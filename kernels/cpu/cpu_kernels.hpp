@@ -148,8 +148,8 @@ struct Kernels {
   MixRowsFn mix_rows;
   SoftmaxF16Fn softmax_f16;
   ExpFn exp_f32;
-  // The 5-bit and K types in the GGUF layout. nullptr: the portable tile,
-  // whose results every path's tile must equal bit for bit (see portable.cpp).
+  // The 5-bit and K types in the GGUF layout, on every path (the defaults only let portable.cpp
+  // set them after the others); each equals the portable tile bit for bit.
   TileFn tile_q5_0 = nullptr;
   TileFn tile_q5_1 = nullptr;
   TileFn tile_q4_k = nullptr;

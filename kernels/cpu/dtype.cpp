@@ -146,20 +146,11 @@ void dequantize_row(DType t, const void* row, std::int64_t n, float* out) {
         const std::uint8_t* qs = t == DType::Q5_K ? reinterpret_cast<const BlockQ5_K*>(base)->qs : h.qs;
         const float d = fp16_to_fp32(h.d), dmin = fp16_to_fp32(h.dmin);
         float* o = out + k * kSuperBlock;
-        for (int i = 0; i < 4; ++i) {
-          std::uint8_t sc_lo, m_lo, sc_hi, m_hi;
-          k_scale_min(h.scales, 2 * i, sc_lo, m_lo);
-          k_scale_min(h.scales, 2 * i + 1, sc_hi, m_hi);
-          const float d_lo = d * sc_lo, min_lo = dmin * m_lo, d_hi = d * sc_hi, min_hi = dmin * m_hi;
-          for (int l = 0; l < 32; ++l) {
-            int lo = qs[32 * i + l] & 0x0f, hi = qs[32 * i + l] >> 4;
-            if (qh) {
-              lo |= ((qh[l] >> (2 * i)) & 1) << 4;
-              hi |= ((qh[l] >> (2 * i + 1)) & 1) << 4;
-            }
-            o[64 * i + l] = d_lo * static_cast<float>(lo) - min_lo;
-            o[64 * i + 32 + l] = d_hi * static_cast<float>(hi) - min_hi;
-          }
+        for (int j = 0; j < 8; ++j) {
+          std::uint8_t sc, m;
+          k_scale_min(h.scales, j, sc, m);
+          const float dj = d * sc, minj = dmin * m;
+          for (int e = 32 * j; e < 32 * j + 32; ++e) o[e] = dj * static_cast<float>(k45_quant(qs, qh, e)) - minj;
         }
       }
       return;
@@ -167,20 +158,8 @@ void dequantize_row(DType t, const void* row, std::int64_t n, float* out) {
       for (std::int64_t k = 0; k < nb; ++k) {
         const BlockQ6_K& b = blocks_of<BlockQ6_K>(row)[k];
         const float d = fp16_to_fp32(b.d);
-        float* o = out + k * kSuperBlock;
-        for (int h = 0; h < 2; ++h) {
-          const std::uint8_t* ql = b.ql + 64 * h;
-          const std::uint8_t* qh = b.qh + 32 * h;
-          float* oh = o + 128 * h;
-          for (int l = 0; l < 32; ++l) {
-            const int q[4] = {(ql[l] & 0x0f) | ((qh[l] & 3) << 4), (ql[32 + l] & 0x0f) | (((qh[l] >> 2) & 3) << 4),
-                              (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4)};
-            for (int s = 0; s < 4; ++s) {
-              const int e = 32 * s + l;
-              oh[e] = d * static_cast<float>(b.scales[(128 * h + e) / 16]) * static_cast<float>(q[s] - 32);
-            }
-          }
-        }
+        for (int e = 0; e < kSuperBlock; ++e)
+          out[k * kSuperBlock + e] = d * static_cast<float>(b.scales[e / 16]) * static_cast<float>(q6k_quant(b.ql, b.qh, e) - 32);
       }
       return;
     case DType::Q8_1:

@@ -59,18 +59,16 @@ DType dot_type(DType t) {
                               " are not supported");
 }
 
-// A path without its own tile for the 5-bit and K types uses the portable one (same results).
 cpu::TileFn tile_for(const cpu::Kernels& k, DType t) {
-  const cpu::Kernels& p = cpu::portable_kernels();
   switch (t) {
     case DType::Q4_0: return k.tile_q4_0;
     case DType::Q4_1: return k.tile_q4_1;
     case DType::Q8_0: return k.tile_q8_0;
-    case DType::Q5_0: return k.tile_q5_0 ? k.tile_q5_0 : p.tile_q5_0;
-    case DType::Q5_1: return k.tile_q5_1 ? k.tile_q5_1 : p.tile_q5_1;
-    case DType::Q4_K: return k.tile_q4_k ? k.tile_q4_k : p.tile_q4_k;
-    case DType::Q5_K: return k.tile_q5_k ? k.tile_q5_k : p.tile_q5_k;
-    case DType::Q6_K: return k.tile_q6_k ? k.tile_q6_k : p.tile_q6_k;
+    case DType::Q5_0: return k.tile_q5_0;
+    case DType::Q5_1: return k.tile_q5_1;
+    case DType::Q4_K: return k.tile_q4_k;
+    case DType::Q5_K: return k.tile_q5_k;
+    case DType::Q6_K: return k.tile_q6_k;
     case DType::F16: return k.tile_f16;
     case DType::BF16: return k.tile_bf16;
     case DType::F32: return k.tile_f32;
@@ -99,7 +97,7 @@ void convert_row(const cpu::Kernels& k, DType to, const float* x, std::int64_t n
   switch (to) {
     case DType::Q8_0: k.quantize_q8_0(x, n, out); return;
     case DType::Q8_1: k.quantize_q8_1(x, n, out); return;
-    case DType::Q8_K: (k.quantize_q8_k ? k.quantize_q8_k : cpu::portable_kernels().quantize_q8_k)(x, n, out); return;
+    case DType::Q8_K: k.quantize_q8_k(x, n, out); return;
     case DType::F16: {
       auto* o = static_cast<std::uint16_t*>(out);
       for (std::int64_t i = 0; i < n; ++i) o[i] = fp32_to_fp16(x[i]);
@@ -324,11 +322,7 @@ void pack_k_block(DType t, const std::byte* in, int r, std::byte* out) {
     std::memcpy(&b, in, sizeof b);
     std::memcpy(out + 2 * r, &b.d, 2);
     for (int j = 0; j < 16; ++j) put(16 + 16 * (j / 2) + 2 * r + j % 2, static_cast<std::uint8_t>(b.scales[j]));
-    for (int e = 0; e < 256; ++e) {
-      const int h = e / 128, s = e % 128 / 32, l = e % 32;
-      const int low = (b.ql[64 * h + l + 32 * (s & 1)] >> (4 * (s >> 1))) & 0x0f;
-      q[e] = static_cast<std::uint8_t>(low | (((b.qh[32 * h + l] >> (2 * s)) & 3) << 4));
-    }
+    for (int e = 0; e < 256; ++e) q[e] = static_cast<std::uint8_t>(q6k_quant(b.ql, b.qh, e));
     quants = 144;
   } else {
     // Q4_K and Q5_K begin alike: d, dmin, the 12 bytes of scales and mins.
@@ -349,11 +343,7 @@ void pack_k_block(DType t, const std::byte* in, int r, std::byte* out) {
     }
     BlockQ5_K b;
     std::memcpy(&b, in, sizeof b);
-    for (int e = 0; e < 256; ++e) {
-      const int i = e / 64, high = e % 64 / 32, l = e % 32;
-      const int low = (b.qs[32 * i + l] >> (4 * high)) & 0x0f;
-      q[e] = static_cast<std::uint8_t>(low | (((b.qh[l] >> (2 * i + high)) & 1) << 4));
-    }
+    for (int e = 0; e < 256; ++e) q[e] = static_cast<std::uint8_t>(k45_quant(b.qs, b.qh, e));
   }
   for (int c = 0; c < 64; ++c) std::memcpy(out + quants + 32 * c + 4 * r, q + 4 * c, 4);
 }

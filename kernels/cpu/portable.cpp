@@ -105,24 +105,13 @@ float q45k_block(const std::uint8_t* block, const BlockQ8_K& b, float acc) {
   const std::uint8_t* qh = kFifthBit ? reinterpret_cast<const BlockQ5_K*>(block)->qh : nullptr;
   const std::uint8_t* qs = kFifthBit ? reinterpret_cast<const BlockQ5_K*>(block)->qs : h.qs;
   std::int32_t isum = 0, msum = 0;
-  for (int i = 0; i < 4; ++i) {
-    std::int32_t lo = 0, hi = 0;
-    for (int l = 0; l < 32; ++l) {
-      int ql = qs[32 * i + l] & 0x0f, qhi = qs[32 * i + l] >> 4;
-      if constexpr (kFifthBit) {
-        ql |= ((qh[l] >> (2 * i)) & 1) << 4;
-        qhi |= ((qh[l] >> (2 * i + 1)) & 1) << 4;
-      }
-      lo += ql * b.qs[64 * i + l];
-      hi += qhi * b.qs[64 * i + 32 + l];
-    }
+  for (int j = 0; j < 8; ++j) {
+    std::int32_t sum = 0;
+    for (int e = 32 * j; e < 32 * j + 32; ++e) sum += k45_quant(qs, qh, e) * b.qs[e];
     std::uint8_t sc, m;
-    k_scale_min(h.scales, 2 * i, sc, m);
-    isum += sc * lo;
-    msum += m * (b.bsums[4 * i] + b.bsums[4 * i + 1]);
-    k_scale_min(h.scales, 2 * i + 1, sc, m);
-    isum += sc * hi;
-    msum += m * (b.bsums[4 * i + 2] + b.bsums[4 * i + 3]);
+    k_scale_min(h.scales, j, sc, m);
+    isum += sc * sum;
+    msum += m * (b.bsums[2 * j] + b.bsums[2 * j + 1]);
   }
   acc = std::fma(h2f(h.d) * b.d, static_cast<float>(isum), acc);
   return std::fma(-(h2f(h.dmin) * b.d), static_cast<float>(msum), acc);
@@ -130,18 +119,7 @@ float q45k_block(const std::uint8_t* block, const BlockQ8_K& b, float acc) {
 
 float q6k_block(const BlockQ6_K& a, const BlockQ8_K& b, float acc) {
   std::int32_t sub[16] = {};
-  for (int h = 0; h < 2; ++h) {
-    const std::uint8_t* ql = a.ql + 64 * h;
-    const std::uint8_t* qh = a.qh + 32 * h;
-    for (int l = 0; l < 32; ++l) {
-      const int q[4] = {(ql[l] & 0x0f) | ((qh[l] & 3) << 4), (ql[32 + l] & 0x0f) | (((qh[l] >> 2) & 3) << 4),
-                        (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4)};
-      for (int s = 0; s < 4; ++s) {
-        const int e = 128 * h + 32 * s + l;
-        sub[e / 16] += q[s] * b.qs[e];
-      }
-    }
-  }
+  for (int e = 0; e < 256; ++e) sub[e / 16] += q6k_quant(a.ql, a.qh, e) * b.qs[e];
   std::int32_t isum = 0;
   for (int j = 0; j < 16; ++j) isum += a.scales[j] * (sub[j] - 32 * b.bsums[j]);
   return std::fma(h2f(a.d) * b.d, static_cast<float>(isum), acc);

@@ -657,6 +657,8 @@ void with_type(DType type, F&& f) {
 
 // ---------------------------------------------------------------------------------------------
 
+bool takes(DType t) { return detail::chunk_elems(t) != 0; }
+
 std::size_t device_bytes(const Matrix& w) {
   detail::check_shape(w.type, w.rows, w.cols, "device_bytes");
   return detail::weight_layout(w.type, w.rows, w.cols).total;

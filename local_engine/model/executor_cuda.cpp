@@ -680,18 +680,12 @@ class CudaExecutor final : public Executor {
 bool cuda_device_usable(std::string& why_not) { return kc::probe(why_not).has_value(); }
 
 bool cuda_takes_model(const Model& model, std::string& why_not) {
-  // The types of kernels/cuda (cuda.hpp): the 5-bit and K types run on the CPU only.
-  const auto takes = [](kernels::DType t) {
-    using kernels::DType;
-    return t == DType::Q4_0 || t == DType::Q4_1 || t == DType::Q8_0 || t == DType::F16 ||
-           t == DType::BF16 || t == DType::F32;
-  };
   std::vector<const kernels::Matrix*> all = {&model.token_embedding(), &model.output()};
   for (const LayerWeights& l : model.layers())
     for (const kernels::Matrix* m : {&l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out, &l.ffn_gate, &l.ffn_up, &l.ffn_down})
       all.push_back(m);
   for (const kernels::Matrix* m : all) {
-    if (!takes(m->type)) {
+    if (!kc::takes(m->type)) {
       why_not = "the GPU kernels do not take this model's " + std::string(kernels::to_string(m->type)) +
                 " matrices (they take Q4_0, Q4_1, Q8_0, F16, BF16 and F32)";
       return false;

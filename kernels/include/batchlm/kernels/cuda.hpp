@@ -54,6 +54,9 @@ struct DeviceMatrix {
   std::int64_t rows = 0;
   std::int64_t cols = 0;
 };
+// Whether the kernels take weights of type t (Q4_0, Q4_1, Q8_0, F16, BF16, F32).
+bool takes(DType t);
+
 // The device bytes `w` takes (a multiple of 256), and the copy: `w` (host memory, GGUF layout)
 // is converted and copied to `device` (device memory of device_bytes(w) bytes, owned by the
 // caller). Synchronous. Throws std::invalid_argument for a type the kernels do not take.

@@ -64,6 +64,19 @@ struct BlockQ5_K {
 // element 96 + l the high nibble of ql[32 + l] and bits 6-7. Element e's scale is scales[e / 16].
 struct BlockQ6_K { std::uint8_t ql[128]; std::uint8_t qh[64]; std::int8_t scales[16]; std::uint16_t d; };
 struct BlockQ8_K { float d; std::int8_t qs[256]; std::int16_t bsums[16]; };
+
+// Element e (0..255) of a Q4_K block (qh null) or of a Q5_K block: its q.
+inline int k45_quant(const std::uint8_t* qs, const std::uint8_t* qh, int e) {
+  const int i = e / 64, high = e % 64 / 32, l = e % 32;
+  const int low = (qs[32 * i + l] >> (4 * high)) & 0x0f;
+  return qh != nullptr ? low | (((qh[l] >> (2 * i + high)) & 1) << 4) : low;
+}
+// Element e (0..255) of a Q6_K block: its q (0..63).
+inline int q6k_quant(const std::uint8_t* ql, const std::uint8_t* qh, int e) {
+  const int h = e / 128, s = e % 128 / 32, l = e % 32;
+  const int low = (ql[64 * h + l + 32 * (s & 1)] >> (4 * (s >> 1))) & 0x0f;
+  return low | (((qh[32 * h + l] >> (2 * s)) & 3) << 4);
+}
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176);
 static_assert(sizeof(BlockQ6_K) == 210 && sizeof(BlockQ8_K) == 292);
 
