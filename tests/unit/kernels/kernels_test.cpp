@@ -13,11 +13,14 @@
 #include <gtest/gtest.h>
 
 #include "../../../kernels/cpu/cpu_kernels.hpp"
+#include "kernel_paths.hpp"
 #include "batchlm/kernels/ops.hpp"
 
 namespace {
 
 using namespace batchlm::kernels;
+using batchlm::kernels::testing::same_bits;
+using batchlm::kernels::testing::simd_paths;
 
 std::vector<float> random_floats(std::size_t n, std::uint64_t seed, float scale = 1.0f) {
   std::mt19937_64 rng(seed);
@@ -208,23 +211,6 @@ TEST(Avx2, AgreesWithPortable) {
         }
     }
   }
-}
-
-std::vector<const cpu::Kernels*> simd_paths() {
-  std::vector<const cpu::Kernels*> paths;
-  if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
-  if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
-  if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
-  return paths;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b, std::string* where) {
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i])) {
-      *where = "element " + std::to_string(i) + ": " + std::to_string(a[i]) + " vs " + std::to_string(b[i]);
-      return false;
-    }
-  return true;
 }
 
 // The packed layout: 8 rows per group, each block of the group packed_block_bytes long; types

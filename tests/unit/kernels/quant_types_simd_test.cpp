@@ -16,19 +16,14 @@
 #include <gtest/gtest.h>
 
 #include "../../../kernels/cpu/cpu_kernels.hpp"
+#include "kernel_paths.hpp"
 #include "batchlm/kernels/ops.hpp"
 
 namespace {
 
 using namespace batchlm::kernels;
-
-std::vector<const cpu::Kernels*> simd_paths() {
-  std::vector<const cpu::Kernels*> paths;
-  if (const cpu::Kernels* k = cpu::avx2_kernels()) paths.push_back(k);
-  if (const cpu::Kernels* k = cpu::avx_vnni_kernels()) paths.push_back(k);
-  if (const cpu::Kernels* k = cpu::avx512_kernels()) paths.push_back(k);
-  return paths;
-}
+using batchlm::kernels::testing::same_bits;
+using batchlm::kernels::testing::simd_paths;
 
 constexpr DType kTypes[] = {DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K};
 
@@ -99,15 +94,6 @@ std::vector<std::uint8_t> random_blocks(DType t, std::int64_t rows, std::int64_t
     }
   }
   return out;
-}
-
-bool same_bits(const float* a, const float* b, std::size_t n, std::string* where) {
-  for (std::size_t i = 0; i < n; ++i)
-    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i])) {
-      *where = "element " + std::to_string(i) + ": " + std::to_string(a[i]) + " vs " + std::to_string(b[i]);
-      return false;
-    }
-  return true;
 }
 
 TEST(QuantTypesSimd, EveryPathHasItsOwnKernels) {
