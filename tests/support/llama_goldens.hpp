@@ -21,13 +21,21 @@
 // spread plus 0.05 (near_tie).
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+
+#include "batchlm/kernels/ops.hpp"
+#include "batchlm/kernels/thread_pool.hpp"
+#include "batchlm/local_engine/model.hpp"
 
 namespace batchlm::testing {
 
@@ -58,6 +66,61 @@ inline double near_tie(const nlohmann::json& goldens) {
   double spread = 0;
   for (const auto& c : goldens["cases"]) spread = std::max(spread, c["self_spread"].get<double>());
   return spread + 0.05;
+}
+
+// Case c's top logits after its prompt (a fresh cache), each within `tolerance` of llama.cpp's,
+// and the most likely token llama.cpp's unless its top two are closer than `tie`; a note line
+// says how close they came.
+inline void expect_top_logits(const local_engine::Model& model, const nlohmann::json& c, double tolerance,
+                              double tie, kernels::ThreadPool& pool) {
+  using local_engine::Token;
+  const std::vector<Token> prompt = c["prompt_tokens"];
+  local_engine::KvCache cache(model.config(), 1024);
+  std::vector<float> logits(model.config().n_vocab);
+  model.forward(prompt, cache, logits, false, pool);
+  double worst = 0;
+  for (const auto& top : c["top_logits"]) {
+    const double theirs = top["logit"];
+    const double ours = logits[top["token"].get<int>()];
+    worst = std::max(worst, std::fabs(ours - theirs));
+    EXPECT_NEAR(ours, theirs, tolerance) << "case " << c["name"] << ", token " << top["token"];
+  }
+  std::printf("[ note ] case %s (%zu prompt tokens): top-5 logits within %.4f of llama.cpp's "
+              "(llama.cpp's own spread %.4f)\n",
+              c["name"].get<std::string>().c_str(), prompt.size(), worst, c["self_spread"].get<double>());
+  if (c["margins"][0].get<double>() >= tie) {
+    EXPECT_EQ(kernels::argmax(logits.data(), logits.size()), c["top_logits"][0]["token"].get<Token>())
+        << "case " << c["name"];
+  }
+}
+
+// Free running: greedy tokens from case c's prompt, each fed back, until one is not llama.cpp's
+// or all of its tokens are matched. The first to differ must be at a near-tie (llama.cpp's
+// margin below `tie`); a note line says where. Returns whether all matched.
+inline bool expect_greedy_continuation(const local_engine::Model& model, const nlohmann::json& c, double tie,
+                                       kernels::ThreadPool& pool) {
+  using local_engine::Token;
+  const std::vector<Token> prompt = c["prompt_tokens"];
+  const std::vector<Token> expected = c["tokens"];
+  const std::vector<double> margins = c["margins"];
+  local_engine::KvCache cache(model.config(), 1024);
+  std::vector<float> logits(model.config().n_vocab);
+  model.forward(prompt, cache, logits, false, pool);
+  std::vector<Token> got;
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    const Token t = static_cast<Token>(kernels::argmax(logits.data(), logits.size()));
+    got.push_back(t);
+    if (t != expected[i]) break;
+    const Token one[1] = {t};
+    model.forward(one, cache, logits, false, pool);
+  }
+  if (got == expected) return true;
+  const std::size_t at = got.size() - 1;
+  EXPECT_LT(margins[at], tie) << "case " << c["name"] << " diverges at token " << at << ": got " << got[at]
+                              << ", llama.cpp " << expected[at] << " (llama.cpp's margin " << margins[at] << ")";
+  std::printf("[ note ] case %s: identical for %zu tokens, then a near-tie (margin %.4f, bound %.3f)\n",
+              c["name"].get<std::string>().c_str(), at, margins[at], tie);
+  return false;
 }
 
 }  // namespace batchlm::testing

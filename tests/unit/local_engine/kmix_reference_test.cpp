@@ -38,6 +38,8 @@ namespace {
 using namespace batchlm::local_engine;
 namespace fs = std::filesystem;
 using batchlm::kernels::DType;
+using batchlm::testing::expect_greedy_continuation;
+using batchlm::testing::expect_top_logits;
 using batchlm::testing::near_tie;
 
 // Next to the default model's goldens (reference_dir(), which $BATCHLM_REFERENCE_DIR moves).
@@ -216,26 +218,7 @@ TEST_F(KmixReference, TopLogitsMatchLlamaCpp) {
   for (const auto& c : goldens_["cases"]) spread = std::max(spread, c["self_spread"].get<double>());
   const double kTolerance = 0.03 + 2.0 * spread;
   batchlm::kernels::ThreadPool pool(2);
-  for (const auto& c : goldens_["cases"]) {
-    const std::vector<Token> prompt = c["prompt_tokens"];
-    KvCache cache(model_->config(), 1024);
-    std::vector<float> logits(model_->config().n_vocab);
-    model_->forward(prompt, cache, logits, false, pool);
-    double worst = 0;
-    for (const auto& top : c["top_logits"]) {
-      const double theirs = top["logit"];
-      const double ours = logits[top["token"].get<int>()];
-      worst = std::max(worst, std::fabs(ours - theirs));
-      EXPECT_NEAR(ours, theirs, kTolerance) << "case " << c["name"] << ", token " << top["token"];
-    }
-    std::printf("[ note ] case %s (%zu prompt tokens): top-5 logits within %.4f of llama.cpp's "
-                "(llama.cpp's own spread %.4f)\n",
-                c["name"].get<std::string>().c_str(), prompt.size(), worst, c["self_spread"].get<double>());
-    if (c["margins"][0].get<double>() >= kTie) {
-      EXPECT_EQ(batchlm::kernels::argmax(logits.data(), logits.size()), c["top_logits"][0]["token"].get<Token>())
-          << "case " << c["name"];
-    }
-  }
+  for (const auto& c : goldens_["cases"]) expect_top_logits(*model_, c, kTolerance, kTie, pool);
 }
 
 // Free running, as reference_test does it for the default model: our greedy tokens, fed back,
@@ -246,31 +229,11 @@ TEST_F(KmixReference, GreedyContinuationsMatchLlamaCpp) {
   batchlm::kernels::ThreadPool pool(2);
   int exact = 0;
   for (const auto& c : goldens_["cases"]) {
-    const std::string name = c["name"];
-    const std::vector<Token> prompt = c["prompt_tokens"];
-    const std::vector<Token> expected = c["tokens"];
-    const std::vector<double> margins = c["margins"];
-    KvCache cache(model_->config(), 1024);
-    std::vector<float> logits(model_->config().n_vocab);
-    model_->forward(prompt, cache, logits, false, pool);
-    std::vector<Token> got;
-    for (std::size_t i = 0; i < expected.size(); ++i) {
-      const Token t = static_cast<Token>(batchlm::kernels::argmax(logits.data(), logits.size()));
-      got.push_back(t);
-      if (t != expected[i]) break;
-      const Token one[1] = {t};
-      model_->forward(one, cache, logits, false, pool);
-    }
-    if (got == expected) {
+    if (expect_greedy_continuation(*model_, c, kTie, pool)) {
       ++exact;
-      std::printf("[ note ] case %s: identical for all %zu tokens\n", name.c_str(), expected.size());
-      continue;
+      std::printf("[ note ] case %s: identical for all %zu tokens\n", c["name"].get<std::string>().c_str(),
+                  c["tokens"].size());
     }
-    const std::size_t at = got.size() - 1;
-    EXPECT_LT(margins[at], kTie) << "case " << name << " diverges at token " << at << ": got " << got[at]
-                                 << ", llama.cpp " << expected[at] << " (llama.cpp's margin " << margins[at] << ")";
-    std::printf("[ note ] case %s: identical for %zu tokens, then a near-tie (margin %.4f, bound %.3f)\n",
-                name.c_str(), at, margins[at], kTie);
   }
   std::printf("[ note ] %d of %zu continuations identical for all 64 tokens\n", exact, goldens_["cases"].size());
 }

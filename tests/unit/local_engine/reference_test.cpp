@@ -26,6 +26,8 @@ using namespace batchlm::local_engine;
 namespace fs = std::filesystem;
 
 const fs::path kModel = fs::path(BATCHLM_SOURCE_DIR) / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+using batchlm::testing::expect_greedy_continuation;
+using batchlm::testing::expect_top_logits;
 using batchlm::testing::near_tie;
 using batchlm::testing::read_reference;
 using batchlm::testing::tolerance;
@@ -77,29 +79,7 @@ TEST_F(Reference, GreedyContinuationsMatchLlamaCpp) {
   for (const auto& c : goldens["cases"]) {
     const std::vector<Token> prompt = c["prompt_tokens"];
     EXPECT_EQ(engine.text_prompt(c["prompt"].get<std::string>()), prompt) << "case " << c["name"];
-    const std::vector<Token> expected = c["tokens"];
-    const std::vector<double> margins = c["margins"];
-    std::vector<Token> got;
-    KvCache cache(model_->config(), 1024);
-    std::vector<float> logits(model_->config().n_vocab);
-    model_->forward(prompt, cache, logits, false, pool);
-    for (std::size_t i = 0; i < expected.size(); ++i) {
-      const Token t = static_cast<Token>(batchlm::kernels::argmax(logits.data(), logits.size()));
-      got.push_back(t);
-      if (t != expected[i]) break;
-      const Token one[1] = {t};
-      model_->forward(one, cache, logits, false, pool);
-    }
-    if (got == expected) {
-      ++exact;
-      continue;
-    }
-    const std::size_t at = got.size() - 1;
-    EXPECT_LT(margins[at], kTie) << "case " << c["name"] << " diverges at token " << at
-                                 << ": got " << got[at] << ", llama.cpp " << expected[at]
-                                 << " (llama.cpp's margin " << margins[at] << ")";
-    std::printf("[ note ] case %s: identical for %zu tokens, then a near-tie (margin %.4f)\n",
-                c["name"].get<std::string>().c_str(), at, margins[at]);
+    if (expect_greedy_continuation(*model_, c, kTie, pool)) ++exact;
   }
   std::printf("[ note ] %d of %zu continuations identical for all 64 tokens\n", exact,
               goldens["cases"].size());
@@ -143,28 +123,7 @@ TEST_F(Reference, TopLogitsMatchLlamaCpp) {
   const nlohmann::json goldens = read_reference("generate.json");
   const double kTie = near_tie(goldens);
   batchlm::kernels::ThreadPool pool(2);
-  for (const auto& c : goldens["cases"]) {
-    const std::vector<Token> prompt = c["prompt_tokens"];
-    KvCache cache(model_->config(), 1024);
-    std::vector<float> logits(model_->config().n_vocab);
-    model_->forward(prompt, cache, logits, false, pool);
-    double worst = 0;
-    for (const auto& top : c["top_logits"]) {
-      const double theirs = top["logit"];
-      const double ours = logits[top["token"].get<int>()];
-      worst = std::max(worst, std::fabs(ours - theirs));
-      EXPECT_NEAR(ours, theirs, tolerance(goldens, c)) << "case " << c["name"] << ", token " << top["token"];
-    }
-    std::printf("[ note ] case %s (%zu prompt tokens): top-5 logits within %.4f of llama.cpp's "
-                "(llama.cpp's own spread %.4f)\n",
-                c["name"].get<std::string>().c_str(), prompt.size(), worst,
-                c["self_spread"].get<double>());
-    // The most likely token is the same, unless llama.cpp's top two are a near-tie.
-    if (c["margins"][0].get<double>() >= kTie) {
-      EXPECT_EQ(batchlm::kernels::argmax(logits.data(), logits.size()),
-                c["top_logits"][0]["token"].get<Token>()) << "case " << c["name"];
-    }
-  }
+  for (const auto& c : goldens["cases"]) expect_top_logits(*model_, c, tolerance(goldens, c), kTie, pool);
 }
 
 // Prompt processing in one batch and token by token must agree: the same cache, the same
