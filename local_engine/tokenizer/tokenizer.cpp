@@ -150,6 +150,12 @@ constexpr std::string_view kLlama3Pattern =
     "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
     "\\p{N}{1,3}| ?[^{WS}\\p{L}\\p{N}]+[\\r\\n]*|[{WS}]*[\\r\\n]+|[{WS}]+(?![^{WS}])|[{WS}]+";
 
+// Qwen2 and Qwen2.5 (and DeepSeek-R1's Qwen distills): Llama 3's pattern with every digit its
+// own piece; unlike Llama 3, a piece that is itself a token still goes through the merges.
+constexpr std::string_view kQwen2Pattern =
+    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+    "\\p{N}| ?[^{WS}\\p{L}\\p{N}]+[\\r\\n]*|[{WS}]*[\\r\\n]+|[{WS}]+(?![^{WS}])|[{WS}]+";
+
 std::string expand_whitespace(std::string_view pattern) {
   std::string out;
   for (std::size_t i = 0; i < pattern.size();) {
@@ -205,6 +211,8 @@ class PreTokenizer {
       patterns = {std::string(kLlama3Pattern)};
       // A piece that is itself a token is taken whole, whatever the merges would make of it.
       ignore_merges_ = true;
+    } else if (name == "qwen2" || name == "deepseek-r1-qwen") {
+      patterns = {std::string(kQwen2Pattern)};
     } else {
       throw std::invalid_argument("tokenizer: unsupported pre-tokenizer '" + std::string(name) + "'");
     }

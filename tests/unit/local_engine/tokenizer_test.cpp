@@ -144,6 +144,37 @@ TEST(Tokenizer, Llama3AndDefaultPreTokenizersGroupDigitsByThree) {
   }
 }
 
+TEST(Tokenizer, Qwen2PreTokenizerSplitsEveryDigit) {
+  const Tokenizer gpt2(toy_vocab("gpt2"));
+  const Token one = gpt2.find("1"), two = gpt2.find("2"), three = gpt2.find("3"), four = gpt2.find("4"),
+              five = gpt2.find("5"), space = gpt2.find("Ġ"), a = gpt2.find("a");
+  for (const char* pre : {"qwen2", "deepseek-r1-qwen"}) {
+    const Tokenizer qwen2(toy_vocab(pre));
+    // Neither "1 2" nor "3 4" can merge: every digit is a piece of its own.
+    EXPECT_EQ(qwen2.encode("12345", false), (std::vector<Token>{one, two, three, four, five})) << pre;
+    // A space before a number is a piece of its own too; letters never take digits along.
+    EXPECT_EQ(qwen2.encode("a 12a", false), (std::vector<Token>{a, space, one, two, a})) << pre;
+  }
+}
+
+TEST(Tokenizer, OnlyLlama3TakesAPieceThatIsATokenWhole) {
+  // "abc" is a token, but the merges make "a" + "bc" of it: "b c" ranks first, and no merge
+  // joins "a" and "bc". Llama 3 looks the piece up first (llama.cpp's ignore_merges); Qwen2 and
+  // GPT-2 do not.
+  const auto with_abc = [](std::string pre) {
+    Vocab vocab = toy_vocab(std::move(pre));
+    vocab.tokens.push_back("abc");
+    vocab.types.push_back(TokenType::Normal);
+    return vocab;
+  };
+  const Tokenizer llama3(with_abc("llama-bpe"));
+  const Token abc = llama3.find("abc"), a = llama3.find("a"), bc = llama3.find("bc");
+  EXPECT_EQ(llama3.encode("abc", false), (std::vector<Token>{abc}));
+  for (const char* pre : {"qwen2", "gpt2"}) {
+    EXPECT_EQ(Tokenizer(with_abc(pre)).encode("abc", false), (std::vector<Token>{a, bc})) << pre;
+  }
+}
+
 TEST_F(ToyTokenizer, EncodesEveryByteAsItsByteToken) {
   for (int b = 0; b < 256; ++b) {
     const std::string text(1, static_cast<char>(b));

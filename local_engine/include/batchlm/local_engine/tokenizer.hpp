@@ -55,6 +55,10 @@ class Tokenizer {
   std::string token_bytes(Token t, bool render_special = false) const;
   // The same as token_bytes(t), viewed in the tokenizer rather than copied.
   std::string_view token_view(Token t) const;
+  // The tokens' bytes joined, nothing cleaned up, so decode(encode(x)) == x. (For most
+  // pre-tokenizers, though not smollm or qwen2, llama.cpp's llama_detokenize also drops the
+  // space before "?", "!", ".", "," and some contractions, its clean_spaces; the pieces of
+  // single tokens, which llama-server streams, are never cleaned.)
   std::string decode(std::span<const Token> tokens, bool render_special = false) const;
 
   std::size_t size() const;
