@@ -444,7 +444,8 @@ void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t 
   }
 }
 
-std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::int32_t* positions, float base) {
+std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::int32_t* positions, float base,
+                               const float* freq_factors) {
   const float theta_scale = std::pow(base, -2.0f / static_cast<float>(rot_dim));
   std::vector<float> cos_sin(static_cast<std::size_t>(n * rot_dim));
   for (std::int64_t t = 0; t < n; ++t) {
@@ -452,8 +453,9 @@ std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::
     float theta = static_cast<float>(positions[t]);
     float* cs = cos_sin.data() + t * rot_dim;
     for (std::int64_t i = 0; i < rot_dim; i += 2) {
-      cs[i] = std::cos(theta);
-      cs[i + 1] = std::sin(theta);
+      const float angle = freq_factors != nullptr ? theta / freq_factors[i / 2] : theta;
+      cs[i] = std::cos(angle);
+      cs[i + 1] = std::sin(angle);
       theta *= theta_scale;
     }
   }
@@ -461,16 +463,21 @@ std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::
 }
 
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim, std::int64_t rot_dim,
-          const float* cos_sin) {
+          const float* cos_sin, RopeStyle style) {
+  // Pair i is (v[i * step], v[i * step + other]).
+  const std::int64_t step = style == RopeStyle::kAdjacent ? 2 : 1;
+  const std::int64_t other = style == RopeStyle::kAdjacent ? 1 : rot_dim / 2;
   for (std::int64_t t = 0; t < n; ++t) {
     const float* cs = cos_sin + t * rot_dim;
     for (std::int64_t h = 0; h < n_heads; ++h) {
       float* v = x + (t * n_heads + h) * head_dim;
-      for (std::int64_t i = 0; i < rot_dim; i += 2) {
-        const float c = cs[i], s = cs[i + 1];
-        const float a = v[i], b = v[i + 1];
-        v[i] = a * c - b * s;
-        v[i + 1] = a * s + b * c;
+      for (std::int64_t i = 0; i < rot_dim / 2; ++i) {
+        const float c = cs[2 * i], s = cs[2 * i + 1];
+        float& a = v[i * step];
+        float& b = v[i * step + other];
+        const float a0 = a, b0 = b;
+        a = a0 * c - b0 * s;
+        b = a0 * s + b0 * c;
       }
     }
   }

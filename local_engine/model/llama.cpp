@@ -1,6 +1,8 @@
 // The Llama forward pass: embeddings, then per layer RMSNorm, attention with rotary positions
 // and grouped-query heads over the F16 KV cache, RMSNorm and a SwiGLU MLP, each with a
-// residual; then the final norm and the output head (the embedding matrix when tied).
+// residual; then the final norm and the output head (the embedding matrix when tied). Qwen2
+// is the same network with biases on the query, key and value products and its rotary pairs
+// in halves of each head.
 
 #include <algorithm>
 #include <cstdio>
@@ -8,6 +10,7 @@
 #include <cstring>
 #include <new>
 #include <numeric>
+#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -78,9 +81,14 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   ModelConfig& c = m->config_;
 
   c.architecture = f.get_string("general.architecture");
-  if (c.architecture != "llama") {
+  if (c.architecture == "qwen2") {
+    // Stored as the checkpoints have it: no permuted query and key rows, so the rotary pairs
+    // are halves of each head.
+    c.rope_style = kops::RopeStyle::kHalves;
+    c.qkv_bias = true;
+  } else if (c.architecture != "llama") {
     f.fail("architecture '" + c.architecture +
-           "' is not supported (this build runs the 'llama' architecture)");
+           "' is not supported (this build runs the 'llama' and 'qwen2' architectures)");
   }
   c.name = f.find_string("general.name").value_or("");
   const std::string a = c.architecture + ".";
@@ -151,10 +159,18 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
            std::to_string(c.n_vocab) + " tokens of the tokenizer");
   }
 
+  // Every tensor of the file must be one the forward pass reads: a tensor this build does not
+  // know (a bias, a norm, scaling factors of another variant) would otherwise be left out of the
+  // network without a word, and its outputs be wrong.
+  std::set<std::string, std::less<>> used;
+  const auto info = [&](const std::string& name, std::vector<std::int64_t> shape) -> const gguf::TensorInfo& {
+    used.insert(name);
+    return f.tensor(name, shape);
+  };
   // Quantized matrices also get the CPU kernels' packed copy (8 rows interleaved), which the
   // products read instead of the file's layout; data stays the file's bytes.
   auto matrix = [&](const std::string& name, std::int64_t cols, std::int64_t rows) {
-    const gguf::TensorInfo& t = f.tensor(name, std::vector<std::int64_t>{cols, rows});
+    const gguf::TensorInfo& t = info(name, {cols, rows});
     if (*t.type == kops::DType::Q8_1 || *t.type == kops::DType::Q8_K) {
       f.fail("tensor '" + name + "' is " + std::string(t.type_name()) +
              ", a type for activations, not weights");
@@ -164,7 +180,7 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     return w;
   };
   auto vector = [&](const std::string& name, std::int64_t n) {
-    const gguf::TensorInfo& t = f.tensor(name, std::vector<std::int64_t>{n});
+    const gguf::TensorInfo& t = info(name, {n});
     if (t.type != kops::DType::F32) {
       f.fail("tensor '" + name + "' has type " + std::string(t.type_name()) +
              ", expected F32");
@@ -180,6 +196,16 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     m->output_ = m->token_embd_;
     c.tied_embeddings = true;
   }
+  if (f.find_tensor("rope_freqs.weight")) {
+    m->rope_freqs_ = vector("rope_freqs.weight", c.rope_dim / 2);
+    for (std::int64_t i = 0; i < c.rope_dim / 2; ++i)
+      if (!(m->rope_freqs_[i] > 0.0f && std::isfinite(m->rope_freqs_[i])))
+        f.fail("tensor 'rope_freqs.weight' holds " + number(m->rope_freqs_[i]) + " at " + std::to_string(i) +
+               " (the factors divide the rotary angles: they must be positive)");
+    c.rope_freq_factors = true;
+  }
+  // Llama files may have the biases too (llama.cpp reads them where present); Qwen2's must.
+  if (c.architecture == "llama" && f.find_tensor("blk.0.attn_q.bias")) c.qkv_bias = true;
   const std::int64_t kv = c.kv_width();
   for (std::int64_t i = 0; i < c.n_layers; ++i) {
     const std::string p = "blk." + std::to_string(i) + ".";
@@ -188,12 +214,22 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     l.attn_q = matrix(p + "attn_q.weight", c.n_embd, c.n_embd);
     l.attn_k = matrix(p + "attn_k.weight", c.n_embd, kv);
     l.attn_v = matrix(p + "attn_v.weight", c.n_embd, kv);
+    if (c.qkv_bias) {
+      l.attn_q_bias = vector(p + "attn_q.bias", c.n_embd);
+      l.attn_k_bias = vector(p + "attn_k.bias", kv);
+      l.attn_v_bias = vector(p + "attn_v.bias", kv);
+    }
     l.attn_out = matrix(p + "attn_output.weight", c.n_embd, c.n_embd);
     l.ffn_norm = vector(p + "ffn_norm.weight", c.n_embd);
     l.ffn_gate = matrix(p + "ffn_gate.weight", c.n_embd, c.n_ff);
     l.ffn_up = matrix(p + "ffn_up.weight", c.n_embd, c.n_ff);
     l.ffn_down = matrix(p + "ffn_down.weight", c.n_ff, c.n_embd);
     m->layers_.push_back(l);
+  }
+  for (const gguf::TensorInfo& t : f.tensors()) {
+    if (!used.contains(t.name))
+      f.fail("tensor '" + t.name + "' is not part of the '" + c.architecture +
+             "' architecture as this build runs it (a variant it does not support)");
   }
   return m;
 }
@@ -297,7 +333,7 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
   const kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
                                    1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   // The rotary angles of the tokens' positions, the same in every layer.
-  const std::vector<float> angles = kops::rope_angles(n, c.rope_dim, b.positions.data(), c.rope_base);
+  const std::vector<float> angles = kops::rope_angles(n, c.rope_dim, b.positions.data(), c.rope_base, rope_freqs_);
   for (std::int64_t li = 0; li < n_layers; ++li) {
     const LayerWeights& l = layers_[li];
     // Later layers' input norm is taken with the previous layer's last residual addition.
@@ -313,8 +349,15 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
       const std::int64_t m = t1 - t0;
       const std::int32_t* at = b.positions.data() + t0;
       const float* cos_sin = angles.data() + t0 * c.rope_dim;
-      kops::rope(q.data() + t0 * c.n_heads * c.head_dim, m, c.n_heads, c.head_dim, c.rope_dim, cos_sin);
-      kops::rope(k.data() + t0 * KV, m, c.n_kv_heads, c.head_dim, c.rope_dim, cos_sin);
+      if (c.qkv_bias) {
+        for (std::int64_t t = t0; t < t1; ++t) {
+          kops::add(q.data() + t * E, l.attn_q_bias, E);
+          kops::add(k.data() + t * KV, l.attn_k_bias, KV);
+          kops::add(v.data() + t * KV, l.attn_v_bias, KV);
+        }
+      }
+      kops::rope(q.data() + t0 * c.n_heads * c.head_dim, m, c.n_heads, c.head_dim, c.rope_dim, cos_sin, c.rope_style);
+      kops::rope(k.data() + t0 * KV, m, c.n_kv_heads, c.head_dim, c.rope_dim, cos_sin, c.rope_style);
       kops::PagedKv part = paged;
       part.sequence_of += t0;
       kops::store_keys_paged(k.data() + t0 * KV, m, KV, at, part, kc);

@@ -87,16 +87,25 @@ void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t 
 void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t dim, float eps,
               float* out, ThreadPool& pool);
 
-// Rotary embedding on adjacent pairs (x[2i], x[2i+1]) of the first rot_dim dims of each head,
-// angle pos * base^(-2i/rot_dim). x is [n][n_heads][head_dim].
+// Which dims of a head a rotary pair joins: (2i, 2i+1) in llama's GGUF layout (its converter
+// permutes the query and key rows so that this is so), (i, i + rot_dim/2) in the layout of
+// Qwen2 and the other models stored as their checkpoints have them ("NeoX" style). Pair i
+// turns by the same angle either way.
+enum class RopeStyle { kAdjacent, kHalves };
+
+// Rotary embedding of the first rot_dim dims of each head, pair i by the angle
+// pos * base^(-2i/rot_dim). x is [n][n_heads][head_dim].
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
           std::int64_t rot_dim, const std::int32_t* positions, float base);
 // The same rotation from angles taken once for every layer of a forward pass: rope_angles gives
 // rot_dim floats per token (the cosine and sine of pair i at 2i and 2i + 1, as rope computes
-// them), and rope with them gives rope's values bit for bit.
-std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::int32_t* positions, float base);
+// them), and rope with them gives rope's values bit for bit. With freq_factors (rot_dim / 2
+// floats, a model's rope_freqs tensor, as Llama 3.1 and later have), pair i's angle is divided
+// by freq_factors[i].
+std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::int32_t* positions, float base,
+                               const float* freq_factors = nullptr);
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim, std::int64_t rot_dim,
-          const float* cos_sin);
+          const float* cos_sin, RopeStyle style = RopeStyle::kAdjacent);
 
 // gate[i] = silu(gate[i]) * up[i], the exponential std::exp's bit for bit at vector speed. With a
 // pool, shared among its threads (the same values).

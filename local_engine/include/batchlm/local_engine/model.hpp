@@ -1,6 +1,8 @@
 #pragma once
-// A Llama-architecture model loaded from GGUF: the hyper-parameters, the weights (views into
-// the mapped file), the tokenizer, and the forward pass, written once against kernels/ops.hpp.
+// A Llama-family model loaded from GGUF: the hyper-parameters, the weights (views into the
+// mapped file), the tokenizer, and the forward pass, written once against kernels/ops.hpp.
+// Architectures: "llama" (Llama, SmolLM, Mistral and the others stored as it) and "qwen2"
+// (Qwen2 and Qwen2.5: biases on the query, key and value products, rotary pairs in halves).
 
 #include <cstdint>
 #include <filesystem>
@@ -17,7 +19,7 @@
 namespace batchlm::local_engine {
 
 struct ModelConfig {
-  std::string architecture;   // "llama"
+  std::string architecture;   // "llama" or "qwen2"
   std::string name;           // general.name, may be empty
   std::int64_t n_vocab = 0;
   std::int64_t n_ctx_train = 0;
@@ -29,6 +31,9 @@ struct ModelConfig {
   std::int64_t head_dim = 0;
   std::int64_t rope_dim = 0;
   float rope_base = 10000.0f;
+  kernels::RopeStyle rope_style = kernels::RopeStyle::kAdjacent;
+  bool rope_freq_factors = false;   // a rope_freqs tensor divides the angles (Llama 3.1 and later)
+  bool qkv_bias = false;            // attn_q/k/v.bias are added to the products
   float rms_eps = 1e-5f;
   bool tied_embeddings = false;
 
@@ -39,6 +44,10 @@ struct LayerWeights {
   kernels::Matrix attn_q, attn_k, attn_v, attn_out, ffn_gate, ffn_up, ffn_down;
   const float* attn_norm = nullptr;
   const float* ffn_norm = nullptr;
+  // Where ModelConfig::qkv_bias: added to the query, key and value products (before rotation).
+  const float* attn_q_bias = nullptr;
+  const float* attn_k_bias = nullptr;
+  const float* attn_v_bias = nullptr;
 };
 
 // Where the keys and values of a batch live, in F16: for layer l a pool of n_blocks blocks of
@@ -143,6 +152,8 @@ class Model {
   const kernels::Matrix& output() const { return output_; }
   const float* output_norm() const { return output_norm_; }
   std::span<const LayerWeights> layers() const { return layers_; }
+  // rope_dim / 2 factors where ModelConfig::rope_freq_factors, else nullptr.
+  const float* rope_freqs() const { return rope_freqs_; }
 
  private:
   explicit Model(gguf::File file);
@@ -153,6 +164,7 @@ class Model {
   kernels::Matrix token_embd_, output_;
   std::vector<kernels::PackedWeights> packed_;  // the matrices' packed copies (Matrix::packed)
   const float* output_norm_ = nullptr;
+  const float* rope_freqs_ = nullptr;
   std::vector<LayerWeights> layers_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<ChatTemplate> chat_template_;
