@@ -10,6 +10,11 @@ The default model requantized to Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (README.md) has
     .venv/bin/python tests/reference/make_goldens.py --model models/SmolLM2-135M-Instruct.kmix.gguf \
         --out tests/reference/smollm2-135m-instruct-kmix
 
+The default model as the qwen2 architecture and with rope_freqs (README.md) likewise:
+    build/dev/bin/requantize_gguf --as qwen2 models/SmolLM2-135M-Instruct.Q4_1.gguf models/SmolLM2-135M-Instruct.qwen2.gguf
+    .venv/bin/python tests/reference/make_goldens.py --model models/SmolLM2-135M-Instruct.qwen2.gguf \
+        --out tests/reference/smollm2-135m-instruct-qwen2
+
 Writes, into tests/reference/<model-dir>/ (default: smollm2-135m-instruct-q4_1):
   tokenize.json  -- token ids of many texts, from Llama.tokenize(text, add_bos=False,
                     special=parse_special)

@@ -803,20 +803,23 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
   const std::int64_t kv_dim = o.n_kv_heads * info.head_dim;
 
   GgufWriter writer;
-  writer.add("general.architecture", GgufValue::str("llama"))
-      .add("general.name", GgufValue::str("tiny-llama"))
+  const std::string& arch = o.architecture;
+  if (arch != "llama" && arch != "qwen2") throw std::invalid_argument("write_tiny_llama: architecture " + arch);
+  const std::string a = arch + ".";
+  writer.add("general.architecture", GgufValue::str(arch))
+      .add("general.name", GgufValue::str("tiny-" + arch))
       .add("general.file_type", GgufValue::u32(file_type(o.weight_dtype)))
       .add("general.quantization_version", GgufValue::u32(2))
-      .add("llama.block_count", GgufValue::u32(static_cast<std::uint32_t>(o.n_layers)))
-      .add("llama.context_length", GgufValue::u32(static_cast<std::uint32_t>(o.context_length)))
-      .add("llama.embedding_length", GgufValue::u32(static_cast<std::uint32_t>(o.n_embd)))
-      .add("llama.feed_forward_length", GgufValue::u32(static_cast<std::uint32_t>(o.n_ff)))
-      .add("llama.attention.head_count", GgufValue::u32(static_cast<std::uint32_t>(o.n_heads)))
-      .add("llama.attention.head_count_kv", GgufValue::u32(static_cast<std::uint32_t>(o.n_kv_heads)))
-      .add("llama.rope.freq_base", GgufValue::f32(o.rope_freq_base))
-      .add("llama.attention.layer_norm_rms_epsilon", GgufValue::f32(o.rms_norm_eps))
-      .add("llama.vocab_size", GgufValue::u32(static_cast<std::uint32_t>(n_vocab)))
-      .add("llama.rope.dimension_count", GgufValue::u32(static_cast<std::uint32_t>(info.head_dim)));
+      .add(a + "block_count", GgufValue::u32(static_cast<std::uint32_t>(o.n_layers)))
+      .add(a + "context_length", GgufValue::u32(static_cast<std::uint32_t>(o.context_length)))
+      .add(a + "embedding_length", GgufValue::u32(static_cast<std::uint32_t>(o.n_embd)))
+      .add(a + "feed_forward_length", GgufValue::u32(static_cast<std::uint32_t>(o.n_ff)))
+      .add(a + "attention.head_count", GgufValue::u32(static_cast<std::uint32_t>(o.n_heads)))
+      .add(a + "attention.head_count_kv", GgufValue::u32(static_cast<std::uint32_t>(o.n_kv_heads)))
+      .add(a + "rope.freq_base", GgufValue::f32(o.rope_freq_base))
+      .add(a + "attention.layer_norm_rms_epsilon", GgufValue::f32(o.rms_norm_eps))
+      .add(a + "vocab_size", GgufValue::u32(static_cast<std::uint32_t>(n_vocab)))
+      .add(a + "rope.dimension_count", GgufValue::u32(static_cast<std::uint32_t>(info.head_dim)));
 
   std::vector<std::int32_t> token_types(static_cast<std::size_t>(n_vocab), 1);  // normal
   for (int special = 0; special < 3; ++special) token_types[static_cast<std::size_t>(special)] = 3;  // control
@@ -872,6 +875,13 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
     matrix(prefix + "attn_q.weight", o.weight_dtype, o.n_embd, o.n_embd, scale(o.n_embd));
     matrix(prefix + "attn_k.weight", o.weight_dtype, o.n_embd, kv_dim, scale(o.n_embd));
     matrix(prefix + "attn_v.weight", o.v_up_dtype.value_or(o.weight_dtype), o.n_embd, kv_dim, scale(o.n_embd));
+    if (arch == "qwen2") {
+      for (const auto& [which, rows] : {std::pair{"q", o.n_embd}, std::pair{"k", kv_dim}, std::pair{"v", kv_dim}}) {
+        std::vector<float> bias(static_cast<std::size_t>(rows));
+        for (float& b : bias) b = 0.1f * random.next();
+        writer.add_tensor(prefix + "attn_" + which + ".bias", DType::F32, {rows}, bias);
+      }
+    }
     matrix(prefix + "attn_output.weight", o.weight_dtype, o.n_embd, o.n_embd, scale(o.n_embd));
     norm(prefix + "ffn_norm.weight");
     matrix(prefix + "ffn_gate.weight", o.weight_dtype, o.n_embd, o.n_ff, scale(o.n_embd));
@@ -879,6 +889,11 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
     matrix(prefix + "ffn_down.weight", o.weight_dtype, o.n_ff, o.n_embd, scale(o.n_ff));
   }
   norm("output_norm.weight");
+  if (!o.rope_freqs.empty()) {
+    if (static_cast<std::int64_t>(o.rope_freqs.size()) != info.head_dim / 2)
+      throw std::invalid_argument("write_tiny_llama: rope_freqs must have head_dim / 2 factors");
+    writer.add_tensor("rope_freqs.weight", DType::F32, {info.head_dim / 2}, o.rope_freqs);
+  }
   if (!o.tied) matrix("output.weight", o.embedding_dtype, o.n_embd, n_vocab, scale(o.n_embd));
 
   writer.write(path);

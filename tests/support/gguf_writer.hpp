@@ -157,6 +157,11 @@ struct TinyLlamaOptions {
   std::string q3_k_tensor;
   std::uint64_t seed = 1;
   bool tied = false;                    // no output.weight: the output reuses token_embd
+  // "llama", or "qwen2": its keys, and attn_q/k/v.bias tensors (drawn after each layer's
+  // matrices, with std 0.1). Random weights have no layout to permute for either rotary style.
+  std::string architecture = "llama";
+  // Where not empty, a rope_freqs.weight tensor of these factors (head_dim / 2 of them).
+  std::vector<float> rope_freqs;
 };
 
 struct TinyLlamaInfo {

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <regex>
 #include <stdexcept>
 #include <utility>
@@ -105,6 +106,121 @@ RequantizeOptions smollm2_kmix() {
     return layer % 2 == 0 ? DType::Q5_0 : DType::Q5_1;
   };
   return options;
+}
+
+namespace {
+
+// The metadata of `in` as the writer takes it, each key through `rename` (which may also
+// replace the value), general.alignment kept as a layout setting.
+void copy_metadata(const gguf::File& in, GgufWriter& out,
+                   const std::function<std::pair<std::string, GgufValue>(const std::string&, const gguf::Value&)>& rename) {
+  out.set_version(in.version());
+  for (const auto& [key, value] : in.metadata()) {
+    if (key == "general.alignment") {
+      out.set_alignment(static_cast<std::uint32_t>(in.alignment()));
+      continue;
+    }
+    auto [name, v] = rename(key, value);
+    out.add(name, std::move(v));
+  }
+}
+
+std::vector<std::byte> bytes_of(const gguf::TensorInfo& t) {
+  return std::vector<std::byte>(t.data, t.data + t.n_bytes);
+}
+
+void require_llama(const gguf::File& in, const char* what) {
+  if (in.get_string("general.architecture") != "llama")
+    throw std::invalid_argument(std::string(what) + ": the input is not a llama-architecture file");
+}
+
+}  // namespace
+
+std::vector<std::byte> as_qwen2(const gguf::File& in, float bias_scale) {
+  require_llama(in, "as_qwen2");
+  GgufWriter out;
+  copy_metadata(in, out, [](const std::string& key, const gguf::Value& value) {
+    if (key == "general.architecture") return std::pair(key, GgufValue::str("qwen2"));
+    if (key.starts_with("llama.")) return std::pair("qwen2." + key.substr(6), encode(value));
+    return std::pair(key, encode(value));
+  });
+  const auto heads = [&](const char* key) { return static_cast<std::int64_t>(in.get_u64(key)); };
+  const std::int64_t n_heads = heads("llama.attention.head_count");
+  const std::int64_t n_kv_heads = in.find("llama.attention.head_count_kv") ? heads("llama.attention.head_count_kv") : n_heads;
+  // One stream for every bias, in tensor order: splitmix64 steps, the top 24 bits as [-1, 1).
+  std::uint64_t state = 0x7177656e32ULL;  // "qwen2"
+  const auto next = [&] {
+    state += 0x9e3779b97f4a7c15ULL;
+    std::uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    return static_cast<float>(static_cast<std::int64_t>(z >> 40) - (1 << 23)) / static_cast<float>(1 << 23);
+  };
+  static const std::regex qk(R"(blk\.(\d+)\.attn_(q|k|v)\.weight)");
+  for (const gguf::TensorInfo& t : in.tensors()) {
+    std::smatch m;
+    if (!std::regex_match(t.name, m, qk)) {
+      out.add_tensor(t.name, *t.type, t.shape, bytes_of(t));
+      continue;
+    }
+    std::vector<std::byte> bytes = bytes_of(t);
+    const std::int64_t rows = t.rows();
+    if (m[2] != "v") {
+      // Row h*d + s*d/2 + j of the checkpoint is row h*d + 2j + s of llama's layout.
+      const std::int64_t n = m[2] == "q" ? n_heads : n_kv_heads;
+      const std::int64_t d = rows / n;
+      const std::size_t row = t.n_bytes / static_cast<std::size_t>(rows);
+      for (std::int64_t h = 0; h < n; ++h)
+        for (std::int64_t s = 0; s < 2; ++s)
+          for (std::int64_t j = 0; j < d / 2; ++j)
+            std::memcpy(bytes.data() + static_cast<std::size_t>(h * d + s * d / 2 + j) * row,
+                        t.data + static_cast<std::size_t>(h * d + 2 * j + s) * row, row);
+    }
+    out.add_tensor(t.name, *t.type, t.shape, std::move(bytes));
+    if (m[2] != "v") continue;
+    // The biases go after attn_v.weight, q, k, v, each as long as its matrix has rows.
+    const std::string layer = "blk." + m[1].str() + ".";
+    for (const char* which : {"q", "k", "v"}) {
+      const gguf::TensorInfo& w = in.tensor(layer + "attn_" + which + ".weight");
+      std::vector<float> bias(static_cast<std::size_t>(w.rows()));
+      for (float& b : bias) b = bias_scale * next();
+      out.add_tensor(layer + "attn_" + which + ".bias", DType::F32, {w.rows()}, bias);
+    }
+  }
+  return out.encode().bytes;
+}
+
+std::vector<std::byte> edit(const gguf::File& in, const GgufEdit& e) {
+  GgufWriter out;
+  copy_metadata(in, out, [&](const std::string& key, const gguf::Value& value) {
+    for (const auto& [k, v] : e.set)
+      if (k == key) return std::pair(key, v);
+    return std::pair(key, encode(value));
+  });
+  for (const gguf::TensorInfo& t : in.tensors())
+    if (!e.drop || !e.drop(t.name)) out.add_tensor(t.name, *t.type, t.shape, bytes_of(t));
+  if (e.add) e.add(out);
+  return out.encode().bytes;
+}
+
+std::vector<std::byte> with_rope_freqs(const gguf::File& in, float max_factor) {
+  require_llama(in, "with_rope_freqs");
+  GgufWriter out;
+  copy_metadata(in, out, [](const std::string& key, const gguf::Value& value) { return std::pair(key, encode(value)); });
+  const std::int64_t dim = in.find("llama.rope.dimension_count")
+                               ? static_cast<std::int64_t>(in.get_u64("llama.rope.dimension_count"))
+                               : static_cast<std::int64_t>(in.get_u64("llama.embedding_length") /
+                                                           in.get_u64("llama.attention.head_count"));
+  const std::int64_t n = dim / 2;
+  std::vector<float> factors(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float f = n > 1 ? static_cast<float>(i) / static_cast<float>(n - 1) : 0.0f;
+    factors[static_cast<std::size_t>(i)] = 1.0f + (max_factor - 1.0f) * f * f;
+  }
+  out.add_tensor("rope_freqs.weight", DType::F32, {n}, factors);
+  for (const gguf::TensorInfo& t : in.tensors()) out.add_tensor(t.name, *t.type, t.shape, bytes_of(t));
+  return out.encode().bytes;
 }
 
 // ---- SHA-256 (FIPS 180-4) ------------------------------------------------------------------

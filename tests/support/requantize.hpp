@@ -17,6 +17,7 @@
 
 #include "batchlm/kernels/dtype.hpp"
 #include "batchlm/local_engine/gguf.hpp"
+#include "gguf_writer.hpp"
 
 namespace batchlm::testing {
 
@@ -43,6 +44,38 @@ RequantizeOptions smollm2_kmix();
 // The requantized default model's file name; its goldens are in
 // tests/reference/smollm2-135m-instruct-kmix/.
 inline constexpr const char* kSmolLM2KmixFile = "SmolLM2-135M-Instruct.kmix.gguf";
+
+// A llama-architecture file stored as the 'qwen2' architecture, computing the same network
+// plus biases: general.architecture "qwen2" and every "llama." key renamed "qwen2.", the rows
+// of each attn_q and attn_k head put back in the order of the checkpoint (llama's converter
+// interleaves a head's two halves so that adjacent dims form the rotary pairs; qwen2 pairs the
+// halves), and attn_q.bias, attn_k.bias and attn_v.bias (F32) added after each layer's
+// attn_v.weight: bias_scale times a fixed pseudo-random sequence in [-1, 1), or zeros. With
+// zeros it is the same network as the input, rotated in the other layout. Every other key and
+// tensor is copied as it is.
+std::vector<std::byte> as_qwen2(const local_engine::gguf::File& in, float bias_scale);
+
+// A copy of a llama-architecture file with a rope_freqs.weight tensor (F32, the rotary
+// dimension / 2 factors that divide each pair's angle), as Llama 3.1 and later have: factor i
+// is 1 + (max_factor - 1) * (i / (n - 1))^2, so the fast pairs stay and the slow ones turn
+// up to max_factor times slower.
+std::vector<std::byte> with_rope_freqs(const local_engine::gguf::File& in, float max_factor);
+
+// A copy of `in` for the loader's tests: the tensors `drop` names left out, the metadata keys
+// of `set` given those values (the others as they are), then `add`'s tensors appended.
+struct GgufEdit {
+  std::function<bool(const std::string&)> drop;
+  std::vector<std::pair<std::string, GgufValue>> set;
+  std::function<void(GgufWriter&)> add;
+};
+std::vector<std::byte> edit(const local_engine::gguf::File& in, const GgufEdit& e);
+
+// The files of these two made from the default model, and where their goldens are
+// (tests/reference/smollm2-135m-instruct-qwen2/ and -ropefreqs/).
+inline constexpr const char* kSmolLM2Qwen2File = "SmolLM2-135M-Instruct.qwen2.gguf";
+inline constexpr float kSmolLM2Qwen2BiasScale = 0.1f;
+inline constexpr const char* kSmolLM2RopeFreqsFile = "SmolLM2-135M-Instruct.ropefreqs.gguf";
+inline constexpr float kSmolLM2RopeFreqsMax = 8.0f;
 
 // SHA-256 of `bytes` as 64 lower-case hex digits (as sha256sum and Python's hashlib print it).
 std::string sha256_hex(std::span<const std::byte> bytes);

@@ -806,6 +806,52 @@ TEST(Rope, AnglesTakenOnceRotateTheSame) {
       }
 }
 
+// Rotary pairs in halves (Qwen2's layout) are the adjacent pairs of the same values laid out
+// the other way: dims (i, i + rot_dim/2) of a head rotated in halves give, bit for bit, what
+// dims (2i, 2i+1) give rotated as adjacent pairs; the dims past rot_dim stay as they are.
+TEST(Rope, HalvesAreAdjacentPairsLaidOutTheOtherWay) {
+  const std::int64_t n = 4, n_heads = 3, head_dim = 16, rot_dim = 12, half = rot_dim / 2;
+  const std::int32_t pos[n] = {0, 9, 700, 4095};
+  const auto x = random_floats(n * n_heads * head_dim, 43);
+  // The same values with each head's first rot_dim dims interleaved: 2i <- i, 2i+1 <- i + half.
+  std::vector<float> interleaved = x;
+  for (std::int64_t r = 0; r < n * n_heads; ++r)
+    for (std::int64_t i = 0; i < half; ++i) {
+      interleaved[r * head_dim + 2 * i] = x[r * head_dim + i];
+      interleaved[r * head_dim + 2 * i + 1] = x[r * head_dim + i + half];
+    }
+  const std::vector<float> angles = rope_angles(n, rot_dim, pos, 1e6f);
+  std::vector<float> halves = x;
+  rope(halves.data(), n, n_heads, head_dim, rot_dim, angles.data(), RopeStyle::kHalves);
+  rope(interleaved.data(), n, n_heads, head_dim, rot_dim, angles.data(), RopeStyle::kAdjacent);
+  for (std::int64_t r = 0; r < n * n_heads; ++r) {
+    for (std::int64_t i = 0; i < half; ++i) {
+      EXPECT_EQ(halves[r * head_dim + i], interleaved[r * head_dim + 2 * i]) << "row " << r << " pair " << i;
+      EXPECT_EQ(halves[r * head_dim + i + half], interleaved[r * head_dim + 2 * i + 1]) << "row " << r << " pair " << i;
+    }
+    for (std::int64_t d = rot_dim; d < head_dim; ++d) EXPECT_EQ(halves[r * head_dim + d], x[r * head_dim + d]);
+  }
+  EXPECT_NE(halves, x);
+}
+
+// rope_freqs divide each pair's angle: pair i of position p turns by p * base^(-2i/rot_dim) / f[i].
+TEST(Rope, FrequencyFactorsDivideTheAngles) {
+  const std::int64_t rot_dim = 8;
+  const std::int32_t pos[2] = {5, 1000};
+  const float factors[4] = {1.0f, 2.0f, 8.0f, 0.5f};
+  const std::vector<float> plain = rope_angles(2, rot_dim, pos, 10000.0f);
+  const std::vector<float> slowed = rope_angles(2, rot_dim, pos, 10000.0f, factors);
+  for (int t = 0; t < 2; ++t)
+    for (int i = 0; i < 4; ++i) {
+      const double theta = pos[t] * std::pow(10000.0, -2.0 * i / rot_dim) / factors[i];
+      EXPECT_NEAR(slowed[t * rot_dim + 2 * i], std::cos(theta), 1e-4) << t << " " << i;
+      EXPECT_NEAR(slowed[t * rot_dim + 2 * i + 1], std::sin(theta), 1e-4) << t << " " << i;
+    }
+  // A factor of 1 is the plain angle, bit for bit.
+  EXPECT_EQ(slowed[0], plain[0]);
+  EXPECT_EQ(slowed[rot_dim + 1], plain[rot_dim + 1]);
+}
+
 TEST(RmsNorm, NormalisesAndScales) {
   const float x[4] = {1, 2, 3, 4}, w[4] = {1, 1, 2, 2};
   float out[4];

@@ -1,5 +1,6 @@
 // Tiny random Llama models whose matrices are Q5_0, Q5_1, Q4_K, Q5_K or Q6_K (and one that mixes
-// them): the forward pass against a float64 forward from the same dequantized weights, several
+// them), and the architecture variants (Qwen2's biases and rotary halves, Llama's rope_freqs):
+// the forward pass against a float64 forward from the same dequantized weights, several
 // sequences in one batch against each alone, and greedy generation through the engine.
 //
 // The K types need rows of whole 256-element super-blocks, so these models are wider than the
@@ -37,12 +38,15 @@ namespace {
 namespace fs = std::filesystem;
 using kernels::DType;
 
-// One model per case: its matrices' type, V and up's where they differ, the embedding's.
+// One model per case: its matrices' type, V and up's where they differ, the embedding's; its
+// architecture, and whether it has rope_freqs.
 struct Case {
   std::string name;
   DType weights;
   std::optional<DType> v_up;
   DType embedding;
+  std::string architecture = "llama";
+  bool rope_freqs = false;
 };
 
 const std::vector<Case>& cases() {
@@ -59,13 +63,18 @@ const std::vector<Case>& cases() {
       {"F32", DType::F32, std::nullopt, DType::F32},
       {"Q8_0", DType::Q8_0, std::nullopt, DType::Q8_0},
       {"Q4_0", DType::Q4_0, std::nullopt, DType::Q4_0},
+      // The architecture variants.
+      {"qwen2_Q8_0", DType::Q8_0, std::nullopt, DType::Q8_0, "qwen2"},
+      {"qwen2_Q4_K", DType::Q4_K, DType::Q6_K, DType::Q8_0, "qwen2"},
+      {"llama_rope_freqs_Q4_1", DType::Q4_1, std::nullopt, DType::Q8_0, "llama", true},
   };
   return all;
 }
 
 // The float64 forward of exact_forward.py (tests/reference) on a tiny model: every weight
 // dequantized by the test writer's decoder, products and attention in float64, keys and values
-// rounded to F16 as every engine stores them. One token at a time.
+// rounded to F16 as every engine stores them. One token at a time. Qwen2 adds its biases and
+// rotates the halves of each head; rope_freqs divide the angles.
 class ExactLlama {
  public:
   explicit ExactLlama(const fs::path& path) {
@@ -75,13 +84,16 @@ class ExactLlama {
       if (v == nullptr) throw std::runtime_error(std::string("no ") + key);
       return *v;
     };
-    const auto u32 = [&](const char* key) { return static_cast<std::int64_t>(value(key).as_u64(key)); };
-    n_layers_ = u32("llama.block_count");
-    n_embd_ = u32("llama.embedding_length");
-    n_heads_ = u32("llama.attention.head_count");
-    n_kv_ = u32("llama.attention.head_count_kv");
-    eps_ = value("llama.attention.layer_norm_rms_epsilon").as_f64("eps");
-    base_ = value("llama.rope.freq_base").as_f64("base");
+    const std::string arch = file.get_string("general.architecture");
+    halves_ = arch == "qwen2";
+    const auto key = [&](const char* name) { return arch + "." + name; };
+    const auto u32 = [&](const char* name) { return static_cast<std::int64_t>(value(key(name).c_str()).as_u64(name)); };
+    n_layers_ = u32("block_count");
+    n_embd_ = u32("embedding_length");
+    n_heads_ = u32("attention.head_count");
+    n_kv_ = u32("attention.head_count_kv");
+    eps_ = value(key("attention.layer_norm_rms_epsilon").c_str()).as_f64("eps");
+    base_ = value(key("rope.freq_base").c_str()).as_f64("base");
     head_dim_ = n_embd_ / n_heads_;
     for (const gguf::TensorInfo& t : file.tensors()) {
       const std::vector<float> v = batchlm::testing::dequantize(
@@ -102,7 +114,12 @@ class ExactLlama {
       const std::string p = "blk." + std::to_string(layer) + ".";
       std::vector<double> h = rms(x, w_.at(p + "attn_norm.weight"));
       std::vector<double> q = matvec(p + "attn_q.weight", h), k = matvec(p + "attn_k.weight", h);
-      const std::vector<double> v = matvec(p + "attn_v.weight", h);
+      std::vector<double> v = matvec(p + "attn_v.weight", h);
+      if (w_.contains(p + "attn_q.bias")) {
+        add(q, w_.at(p + "attn_q.bias"));
+        add(k, w_.at(p + "attn_k.bias"));
+        add(v, w_.at(p + "attn_v.bias"));
+      }
       rope(q, pos);
       rope(k, pos);
       auto& [keys, values] = cache_[static_cast<std::size_t>(layer)];
@@ -152,14 +169,18 @@ class ExactLlama {
       for (std::size_t c = 0; c < cols; ++c) out[r] += m[r * cols + c] * h[c];
     return out;
   }
-  // Adjacent pairs (x[2i], x[2i + 1]) of each head rotate by pos * base^(-2i / head_dim).
+  // Pair i of each head, (x[2i], x[2i + 1]), or (x[i], x[i + head_dim / 2]) for Qwen2, rotates
+  // by pos * base^(-2i / head_dim), divided by rope_freqs[i] where the model has them.
   void rope(std::vector<double>& x, std::int64_t pos) const {
     for (std::size_t at = 0; at < x.size(); at += static_cast<std::size_t>(head_dim_))
-      for (std::int64_t i = 0; i < head_dim_; i += 2) {
-        const double theta = static_cast<double>(pos) * std::pow(base_, -static_cast<double>(i) / static_cast<double>(head_dim_));
-        const double a = x[at + i], b = x[at + i + 1];
-        x[at + i] = a * std::cos(theta) - b * std::sin(theta);
-        x[at + i + 1] = a * std::sin(theta) + b * std::cos(theta);
+      for (std::int64_t i = 0; i < head_dim_ / 2; ++i) {
+        double theta = static_cast<double>(pos) * std::pow(base_, -static_cast<double>(2 * i) / static_cast<double>(head_dim_));
+        if (w_.contains("rope_freqs.weight")) theta /= w_.at("rope_freqs.weight")[static_cast<std::size_t>(i)];
+        const std::size_t first = at + static_cast<std::size_t>(halves_ ? i : 2 * i);
+        const std::size_t second = first + static_cast<std::size_t>(halves_ ? head_dim_ / 2 : 1);
+        const double a = x[first], b = x[second];
+        x[first] = a * std::cos(theta) - b * std::sin(theta);
+        x[second] = a * std::sin(theta) + b * std::cos(theta);
       }
   }
   static void add(std::vector<double>& x, const std::vector<double>& y) {
@@ -168,6 +189,7 @@ class ExactLlama {
 
   std::int64_t n_layers_ = 0, n_embd_ = 0, n_heads_ = 0, n_kv_ = 0, head_dim_ = 0, n_vocab_ = 0;
   double eps_ = 0, base_ = 0;
+  bool halves_ = false;
   std::map<std::string, std::vector<double>> w_;
   std::vector<std::pair<std::vector<std::vector<double>>, std::vector<std::vector<double>>>> cache_;
   std::int64_t position_ = 0;
@@ -198,6 +220,11 @@ class QuantTypesModel : public ::testing::Test {
       o.weight_dtype = c.weights;
       o.v_up_dtype = c.v_up;
       o.embedding_dtype = c.embedding;
+      o.architecture = c.architecture;
+      // Factors from 1 to 16 over the 32 pairs. Llama 3.1's slow only the slow pairs, which
+      // turn too little over a short test to show; these slow the fast ones too.
+      if (c.rope_freqs)
+        for (int i = 0; i < 32; ++i) o.rope_freqs.push_back(1.0f + 15.0f * static_cast<float>(i) / 31.0f);
       batchlm::testing::write_tiny_llama(path(c), o);
     }
   }
@@ -221,6 +248,9 @@ TEST_F(QuantTypesModel, ForwardMatchesTheFloat64Reference) {
   for (const Case& c : cases()) {
     const auto model = Model::load(path(c));
     ASSERT_EQ(model->config().n_embd, 256);
+    EXPECT_EQ(model->config().architecture, c.architecture);
+    EXPECT_EQ(model->config().qkv_bias, c.architecture == "qwen2") << c.name;
+    EXPECT_EQ(model->config().rope_freq_factors, c.rope_freqs) << c.name;
     ExactLlama exact(path(c));
     const std::vector<Token> prompt = model->tokenizer().encode("<|im_start|>user\nHello world, the cat<|im_end|>", true);
     const std::int64_t V = model->config().n_vocab;
