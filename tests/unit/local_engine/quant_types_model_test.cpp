@@ -47,6 +47,7 @@ struct Case {
   DType embedding;
   std::string architecture = "llama";
   bool rope_freqs = false;
+  std::int64_t n_embd = 256, n_heads = 4, n_kv_heads = 2;
 };
 
 const std::vector<Case>& cases() {
@@ -66,6 +67,8 @@ const std::vector<Case>& cases() {
       // The architecture variants.
       {"qwen2_Q8_0", DType::Q8_0, std::nullopt, DType::Q8_0, "qwen2"},
       {"qwen2_Q4_K", DType::Q4_K, DType::Q6_K, DType::Q8_0, "qwen2"},
+      // Qwen2.5-0.5B's attention: 896 wide, 14 query heads of 64 sharing 2 KV heads.
+      {"qwen2_896_14_2_Q8_0", DType::Q8_0, std::nullopt, DType::Q8_0, "qwen2", false, 896, 14, 2},
       {"llama_rope_freqs_Q4_1", DType::Q4_1, std::nullopt, DType::Q8_0, "llama", true},
   };
   return all;
@@ -213,10 +216,10 @@ class QuantTypesModel : public ::testing::Test {
     dir_ = new fs::path(tmpl);
     for (const Case& c : cases()) {
       batchlm::testing::TinyLlamaOptions o;
-      o.n_embd = 256;
+      o.n_embd = c.n_embd;
       o.n_ff = 512;
-      o.n_heads = 4;
-      o.n_kv_heads = 2;
+      o.n_heads = c.n_heads;
+      o.n_kv_heads = c.n_kv_heads;
       o.weight_dtype = c.weights;
       o.v_up_dtype = c.v_up;
       o.embedding_dtype = c.embedding;
@@ -247,7 +250,7 @@ TEST_F(QuantTypesModel, ForwardMatchesTheFloat64Reference) {
   kernels::ThreadPool pool(2);
   for (const Case& c : cases()) {
     const auto model = Model::load(path(c));
-    ASSERT_EQ(model->config().n_embd, 256);
+    ASSERT_EQ(model->config().n_embd, c.n_embd);
     EXPECT_EQ(model->config().architecture, c.architecture);
     EXPECT_EQ(model->config().qkv_bias, c.architecture == "qwen2") << c.name;
     EXPECT_EQ(model->config().rope_freq_factors, c.rope_freqs) << c.name;

@@ -4,6 +4,8 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -392,6 +394,27 @@ TEST(ChatTemplate, FindsSmolLM2sDefaultSystemMessage) {
   const ChatTemplate chat = template_from(kSmolLM2Template);
   EXPECT_EQ(chat.name(), "chatml");
   EXPECT_EQ(chat.default_system(), "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+}
+
+// Qwen2.5's template (llama.cpp's copy, models/templates/, which scripts/fetch-vocabs.sh
+// extracts): a longer program with a branch for tools, whose default system message is found
+// among constants that only open the system turn, and whose conversation is plain ChatML.
+TEST(ChatTemplate, ReadsQwen25sTemplate) {
+  const std::filesystem::path path =
+      std::filesystem::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja";
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent (scripts/fetch-vocabs.sh fetches it)";
+  std::ifstream in(path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const ChatTemplate chat = template_from(text);
+  EXPECT_EQ(chat.default_system(), "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.");
+  const std::vector<ChatMessage> messages = {{"user", "2+2?"}, {"assistant", "4"}, {"user", "And 3+3?"}};
+  EXPECT_EQ(chat.apply(messages, true),
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+            "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+            "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n");
+  const std::vector<ChatMessage> with_system = {{"system", "Be brief."}, {"user", "Hi"}};
+  EXPECT_EQ(chat.apply(with_system, false),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
 }
 
 TEST(ChatTemplate, InsertsTheDefaultSystemMessageWhenTheFirstMessageIsNotSystem) {
