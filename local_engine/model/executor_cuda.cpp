@@ -681,7 +681,8 @@ bool cuda_device_usable(std::string& why_not) { return kc::probe(why_not).has_va
 
 bool cuda_takes_model(const Model& model, std::string& why_not) {
   const ModelConfig& c = model.config();
-  if (c.qkv_bias || c.rope_style != kernels::RopeStyle::kAdjacent || c.rope_freq_factors) {
+  if (c.qkv_bias || c.qk_norm || c.q_width() != c.n_embd || c.rope_style != kernels::RopeStyle::kAdjacent ||
+      c.rope_freq_factors) {
     why_not = "the GPU forward pass runs the 'llama' architecture without biases or rotary factors; this model is '" +
               c.architecture + "'" + (c.qkv_bias ? " with query, key and value biases" : "") +
               (c.rope_freq_factors ? " with rope_freqs" : "");

@@ -2,7 +2,8 @@
 // and grouped-query heads over the F16 KV cache, RMSNorm and a SwiGLU MLP, each with a
 // residual; then the final norm and the output head (the embedding matrix when tied). Qwen2
 // is the same network with biases on the query, key and value products and its rotary pairs
-// in halves of each head.
+// in halves of each head; Qwen3 has no biases but normalizes each head's query and key, and
+// its heads may be wider than n_embd / n_heads.
 
 #include <algorithm>
 #include <cstdio>
@@ -81,14 +82,14 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   ModelConfig& c = m->config_;
 
   c.architecture = f.get_string("general.architecture");
-  if (c.architecture == "qwen2") {
+  if (c.architecture == "qwen2" || c.architecture == "qwen3") {
     // Stored as the checkpoints have it: no permuted query and key rows, so the rotary pairs
     // are halves of each head.
     c.rope_style = kops::RopeStyle::kHalves;
-    c.qkv_bias = true;
+    c.qk_norm = c.architecture == "qwen3";
   } else if (c.architecture != "llama") {
     f.fail("architecture '" + c.architecture +
-           "' is not supported (this build runs the 'llama' and 'qwen2' architectures)");
+           "' is not supported (this build runs the 'llama', 'qwen2' and 'qwen3' architectures)");
   }
   c.name = f.find_string("general.name").value_or("");
   const std::string a = c.architecture + ".";
@@ -104,17 +105,21 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   c.n_kv_heads = f.find(a + "attention.head_count_kv") ? positive(a + "attention.head_count_kv")
                                                          : c.n_heads;
   c.n_ctx_train = f.find(a + "context_length") ? positive(a + "context_length") : 2048;
-  if (c.n_embd % c.n_heads != 0) {
-    f.fail("embedding_length " + std::to_string(c.n_embd) + " is not a multiple of head_count " +
-           std::to_string(c.n_heads));
-  }
   if (c.n_heads % c.n_kv_heads != 0) {
     f.fail("head_count " + std::to_string(c.n_heads) + " is not a multiple of head_count_kv " +
            std::to_string(c.n_kv_heads));
   }
+  if (!f.find(a + "attention.key_length") && c.n_embd % c.n_heads != 0) {
+    f.fail("embedding_length " + std::to_string(c.n_embd) + " is not a multiple of head_count " +
+           std::to_string(c.n_heads));
+  }
   c.head_dim = f.find(a + "attention.key_length") ? positive(a + "attention.key_length")
                                                    : c.n_embd / c.n_heads;
-  if (c.head_dim * c.n_heads != c.n_embd) f.fail("attention.key_length does not match the heads");
+  // Qwen3's heads are wider than n_embd / n_heads: the query product widens, the output one
+  // narrows back.
+  if (const auto v = f.find_u64(a + "attention.value_length"); v && static_cast<std::int64_t>(*v) != c.head_dim)
+    f.fail("attention.value_length " + std::to_string(*v) + " differs from key_length " + std::to_string(c.head_dim) +
+           " (this build runs heads whose keys and values are as long)");
   c.rope_dim = f.find(a + "rope.dimension_count") ? positive(a + "rope.dimension_count") : c.head_dim;
   if (c.rope_dim > c.head_dim || c.rope_dim % 2 != 0) {
     f.fail("rope.dimension_count " + std::to_string(c.rope_dim) + " does not fit head size " +
@@ -204,22 +209,27 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
                " (the factors divide the rotary angles: they must be positive)");
     c.rope_freq_factors = true;
   }
-  // Llama files may have the biases too (llama.cpp reads them where present); Qwen2's must.
-  if (c.architecture == "llama" && f.find_tensor("blk.0.attn_q.bias")) c.qkv_bias = true;
-  const std::int64_t kv = c.kv_width();
+  // Biases on the query, key and value products where the first layer has them (Qwen2 does;
+  // llama.cpp reads them in any of these architectures), and then in every layer.
+  c.qkv_bias = f.find_tensor("blk.0.attn_q.bias") != nullptr;
+  const std::int64_t kv = c.kv_width(), qw = c.q_width();
   for (std::int64_t i = 0; i < c.n_layers; ++i) {
     const std::string p = "blk." + std::to_string(i) + ".";
     LayerWeights l;
     l.attn_norm = vector(p + "attn_norm.weight", c.n_embd);
-    l.attn_q = matrix(p + "attn_q.weight", c.n_embd, c.n_embd);
+    l.attn_q = matrix(p + "attn_q.weight", c.n_embd, qw);
     l.attn_k = matrix(p + "attn_k.weight", c.n_embd, kv);
     l.attn_v = matrix(p + "attn_v.weight", c.n_embd, kv);
     if (c.qkv_bias) {
-      l.attn_q_bias = vector(p + "attn_q.bias", c.n_embd);
+      l.attn_q_bias = vector(p + "attn_q.bias", qw);
       l.attn_k_bias = vector(p + "attn_k.bias", kv);
       l.attn_v_bias = vector(p + "attn_v.bias", kv);
     }
-    l.attn_out = matrix(p + "attn_output.weight", c.n_embd, c.n_embd);
+    if (c.qk_norm) {
+      l.attn_q_norm = vector(p + "attn_q_norm.weight", c.head_dim);
+      l.attn_k_norm = vector(p + "attn_k_norm.weight", c.head_dim);
+    }
+    l.attn_out = matrix(p + "attn_output.weight", qw, c.n_embd);
     l.ffn_norm = vector(p + "ffn_norm.weight", c.n_embd);
     l.ffn_gate = matrix(p + "ffn_gate.weight", c.n_embd, c.n_ff);
     l.ffn_up = matrix(p + "ffn_up.weight", c.n_embd, c.n_ff);
@@ -314,7 +324,8 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
   const auto n_out = static_cast<std::int64_t>(b.logits_rows.size());
 
   const std::int64_t E = c.n_embd, KV = c.kv_width(), F = c.n_ff;
-  std::vector<float> x(n * E), xn(n * E), q(n * E), k(n * KV), v(n * KV), att(n * E);
+  const std::int64_t QW = c.q_width();
+  std::vector<float> x(n * E), xn(n * E), q(n * QW), k(n * KV), v(n * KV), att(n * QW);
   std::vector<float> gate(n * F), up(n * F);
   std::size_t scratch_bytes = 0;
   for (const LayerWeights& l : layers_) {
@@ -351,12 +362,17 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
       const float* cos_sin = angles.data() + t0 * c.rope_dim;
       if (c.qkv_bias) {
         for (std::int64_t t = t0; t < t1; ++t) {
-          kops::add(q.data() + t * E, l.attn_q_bias, E);
+          kops::add(q.data() + t * QW, l.attn_q_bias, QW);
           kops::add(k.data() + t * KV, l.attn_k_bias, KV);
           kops::add(v.data() + t * KV, l.attn_v_bias, KV);
         }
       }
-      kops::rope(q.data() + t0 * c.n_heads * c.head_dim, m, c.n_heads, c.head_dim, c.rope_dim, cos_sin, c.rope_style);
+      if (c.qk_norm) {
+        // Qwen3: each head's query and key RMS-normalized over its own dims, before rotation.
+        kops::rms_norm(q.data() + t0 * QW, l.attn_q_norm, m * c.n_heads, c.head_dim, c.rms_eps, q.data() + t0 * QW);
+        kops::rms_norm(k.data() + t0 * KV, l.attn_k_norm, m * c.n_kv_heads, c.head_dim, c.rms_eps, k.data() + t0 * KV);
+      }
+      kops::rope(q.data() + t0 * QW, m, c.n_heads, c.head_dim, c.rope_dim, cos_sin, c.rope_style);
       kops::rope(k.data() + t0 * KV, m, c.n_kv_heads, c.head_dim, c.rope_dim, cos_sin, c.rope_style);
       kops::PagedKv part = paged;
       part.sequence_of += t0;
@@ -373,7 +389,7 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
         const std::int64_t r = b.logits_rows[i];
         if (r == i) continue;
         std::copy_n(x.data() + r * E, E, x.data() + i * E);
-        std::copy_n(att.data() + r * E, E, att.data() + i * E);
+        std::copy_n(att.data() + r * QW, QW, att.data() + i * QW);
       }
       rows = n_out;
     }

@@ -758,6 +758,22 @@ std::uint32_t file_type(DType type) {
 
 }  // namespace
 
+TinyLlamaOptions tiny_qwen3_reference() {
+  TinyLlamaOptions o;
+  o.architecture = "qwen3";
+  o.n_embd = 256;
+  o.n_heads = 4;
+  o.n_kv_heads = 2;
+  o.head_dim = 128;
+  o.n_ff = 512;
+  o.n_layers = 2;
+  o.context_length = 4096;
+  o.rope_freq_base = 1e6f;
+  o.rms_norm_eps = 1e-6f;
+  o.seed = 3;
+  return o;
+}
+
 TinyLlamaInfo tiny_llama_vocab() {
   TinyLlamaInfo info;
   // Special tokens first, as in SmolLM2: <|endoftext|> = 0, <|im_start|> = 1, <|im_end|> = 2.
@@ -783,7 +799,7 @@ TinyLlamaInfo tiny_llama_vocab() {
 
 TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlamaOptions& options) {
   const TinyLlamaOptions& o = options;
-  if (o.n_heads <= 0 || o.n_kv_heads <= 0 || o.n_embd % o.n_heads != 0 ||
+  if (o.n_heads <= 0 || o.n_kv_heads <= 0 || (o.head_dim == 0 && o.n_embd % o.n_heads != 0) || o.head_dim < 0 ||
       o.n_heads % o.n_kv_heads != 0 || o.n_layers <= 0 || o.n_ff <= 0) {
     throw std::invalid_argument("write_tiny_llama: inconsistent sizes");
   }
@@ -798,13 +814,14 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
   }
 
   TinyLlamaInfo info = tiny_llama_vocab();
-  info.head_dim = o.n_embd / o.n_heads;
+  info.head_dim = o.head_dim > 0 ? o.head_dim : o.n_embd / o.n_heads;
+  const std::int64_t q_dim = o.n_heads * info.head_dim;
   const std::int64_t n_vocab = info.n_vocab;
   const std::int64_t kv_dim = o.n_kv_heads * info.head_dim;
 
   GgufWriter writer;
   const std::string& arch = o.architecture;
-  if (arch != "llama" && arch != "qwen2") throw std::invalid_argument("write_tiny_llama: architecture " + arch);
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3") throw std::invalid_argument("write_tiny_llama: architecture " + arch);
   const std::string a = arch + ".";
   writer.add("general.architecture", GgufValue::str(arch))
       .add("general.name", GgufValue::str("tiny-" + arch))
@@ -820,6 +837,10 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
       .add(a + "attention.layer_norm_rms_epsilon", GgufValue::f32(o.rms_norm_eps))
       .add(a + "vocab_size", GgufValue::u32(static_cast<std::uint32_t>(n_vocab)))
       .add(a + "rope.dimension_count", GgufValue::u32(static_cast<std::uint32_t>(info.head_dim)));
+  if (o.head_dim > 0) {
+    writer.add(a + "attention.key_length", GgufValue::u32(static_cast<std::uint32_t>(o.head_dim)))
+        .add(a + "attention.value_length", GgufValue::u32(static_cast<std::uint32_t>(o.head_dim)));
+  }
 
   std::vector<std::int32_t> token_types(static_cast<std::size_t>(n_vocab), 1);  // normal
   for (int special = 0; special < 3; ++special) token_types[static_cast<std::size_t>(special)] = 3;  // control
@@ -872,17 +893,24 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
   for (std::int64_t layer = 0; layer < o.n_layers; ++layer) {
     const std::string prefix = "blk." + std::to_string(layer) + ".";
     norm(prefix + "attn_norm.weight");
-    matrix(prefix + "attn_q.weight", o.weight_dtype, o.n_embd, o.n_embd, scale(o.n_embd));
+    matrix(prefix + "attn_q.weight", o.weight_dtype, o.n_embd, q_dim, scale(o.n_embd));
     matrix(prefix + "attn_k.weight", o.weight_dtype, o.n_embd, kv_dim, scale(o.n_embd));
     matrix(prefix + "attn_v.weight", o.v_up_dtype.value_or(o.weight_dtype), o.n_embd, kv_dim, scale(o.n_embd));
     if (arch == "qwen2") {
-      for (const auto& [which, rows] : {std::pair{"q", o.n_embd}, std::pair{"k", kv_dim}, std::pair{"v", kv_dim}}) {
+      for (const auto& [which, rows] : {std::pair{"q", q_dim}, std::pair{"k", kv_dim}, std::pair{"v", kv_dim}}) {
         std::vector<float> bias(static_cast<std::size_t>(rows));
         for (float& b : bias) b = 0.1f * random.next();
         writer.add_tensor(prefix + "attn_" + which + ".bias", DType::F32, {rows}, bias);
       }
     }
-    matrix(prefix + "attn_output.weight", o.weight_dtype, o.n_embd, o.n_embd, scale(o.n_embd));
+    if (arch == "qwen3") {
+      for (const char* which : {"q", "k"}) {
+        std::vector<float> weight(static_cast<std::size_t>(info.head_dim));
+        for (float& w : weight) w = 1.0f + 0.1f * random.next();
+        writer.add_tensor(prefix + "attn_" + which + "_norm.weight", DType::F32, {info.head_dim}, weight);
+      }
+    }
+    matrix(prefix + "attn_output.weight", o.weight_dtype, q_dim, o.n_embd, scale(q_dim));
     norm(prefix + "ffn_norm.weight");
     matrix(prefix + "ffn_gate.weight", o.weight_dtype, o.n_embd, o.n_ff, scale(o.n_embd));
     matrix(prefix + "ffn_up.weight", o.v_up_dtype.value_or(o.weight_dtype), o.n_embd, o.n_ff, scale(o.n_embd));

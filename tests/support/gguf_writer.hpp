@@ -157,9 +157,13 @@ struct TinyLlamaOptions {
   std::string q3_k_tensor;
   std::uint64_t seed = 1;
   bool tied = false;                    // no output.weight: the output reuses token_embd
-  // "llama", or "qwen2": its keys, and attn_q/k/v.bias tensors (drawn after each layer's
-  // matrices, with std 0.1). Random weights have no layout to permute for either rotary style.
+  // "llama"; "qwen2": its keys, and attn_q/k/v.bias tensors (drawn after each layer's V
+  // matrix, with std 0.1); "qwen3": its keys, and attn_q_norm/attn_k_norm (near 1) there.
+  // Random weights have no layout to permute for either rotary style.
   std::string architecture = "llama";
+  // Where > 0, heads of this many dims (attention.key_length and value_length), however wide
+  // n_embd / n_heads is, as Qwen3's are; attn_q then has n_heads * head_dim rows.
+  std::int64_t head_dim = 0;
   // Where not empty, a rope_freqs.weight tensor of these factors (head_dim / 2 of them).
   std::vector<float> rope_freqs;
 };
@@ -170,6 +174,11 @@ struct TinyLlamaInfo {
   std::vector<std::string> tokens;      // by id, byte-level encoded as in the file
   std::vector<std::string> merges;      // "a b", by rank
 };
+
+// The tiny Qwen3 whose llama.cpp goldens are in tests/reference/tiny-qwen3/ (tiny_gguf writes
+// it): F32, 2 layers, n_embd 256, 4 query heads of 128 dims sharing 2 KV heads, n_ff 512, and a
+// context of 4096 for the goldens' longest prompt in this vocabulary's tokens.
+TinyLlamaOptions tiny_qwen3_reference();
 
 // The vocabulary alone (tokens and merges of write_tiny_llama).
 TinyLlamaInfo tiny_llama_vocab();

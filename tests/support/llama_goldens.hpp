@@ -26,6 +26,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -68,6 +69,15 @@ inline double near_tie(const nlohmann::json& goldens) {
   return spread + 0.05;
 }
 
+// The prompt through a fresh cache, at most Model::kMaxBatch tokens a pass; the logits are the
+// last token's.
+inline void prefill(const local_engine::Model& model, std::span<const local_engine::Token> prompt,
+                    local_engine::KvCache& cache, std::span<float> logits, kernels::ThreadPool& pool) {
+  for (std::size_t at = 0; at < prompt.size(); at += local_engine::Model::kMaxBatch)
+    model.forward(prompt.subspan(at, std::min<std::size_t>(local_engine::Model::kMaxBatch, prompt.size() - at)), cache,
+                  logits, false, pool);
+}
+
 // Case c's top logits after its prompt (a fresh cache), each within `tolerance` of llama.cpp's,
 // and the most likely token llama.cpp's unless its top two are closer than `tie`; a note line
 // says how close they came.
@@ -75,9 +85,9 @@ inline void expect_top_logits(const local_engine::Model& model, const nlohmann::
                               double tie, kernels::ThreadPool& pool) {
   using local_engine::Token;
   const std::vector<Token> prompt = c["prompt_tokens"];
-  local_engine::KvCache cache(model.config(), 1024);
+  local_engine::KvCache cache(model.config(), std::max<std::int64_t>(1024, c["prompt_tokens"].size() + c["tokens"].size() + 1));
   std::vector<float> logits(model.config().n_vocab);
-  model.forward(prompt, cache, logits, false, pool);
+  prefill(model, prompt, cache, logits, pool);
   double worst = 0;
   for (const auto& top : c["top_logits"]) {
     const double theirs = top["logit"];
@@ -103,9 +113,9 @@ inline bool expect_greedy_continuation(const local_engine::Model& model, const n
   const std::vector<Token> prompt = c["prompt_tokens"];
   const std::vector<Token> expected = c["tokens"];
   const std::vector<double> margins = c["margins"];
-  local_engine::KvCache cache(model.config(), 1024);
+  local_engine::KvCache cache(model.config(), std::max<std::int64_t>(1024, c["prompt_tokens"].size() + c["tokens"].size() + 1));
   std::vector<float> logits(model.config().n_vocab);
-  model.forward(prompt, cache, logits, false, pool);
+  prefill(model, prompt, cache, logits, pool);
   std::vector<Token> got;
   for (std::size_t i = 0; i < expected.size(); ++i) {
     const Token t = static_cast<Token>(kernels::argmax(logits.data(), logits.size()));

@@ -15,7 +15,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -159,6 +161,37 @@ TEST(Qwen2Layout, WithZeroBiasesMeetsTheDefaultModelsGoldens) {
   for (const auto& c : goldens["cases"]) {
     bt::expect_top_logits(*qwen2, c, bt::tolerance(goldens, c), kTie, pool);
     bt::expect_greedy_continuation(*qwen2, c, kTie, pool);
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// A tiny Qwen3 (tiny_qwen3_reference: F32, heads of 128 dims where n_embd / n_heads is 64, each
+// head's query and key normalized) against llama.cpp's goldens for it (tests/reference/
+// tiny-qwen3/). Its logits are about 1.3 and llama.cpp's two paths agree on them to 1e-4, so
+// they are held to kTolerance; greedy steps whose margin is below kTie may go either way.
+TEST(TinyQwen3, MatchesLlamaCpp) {
+  constexpr double kTolerance = 2e-3, kTie = 2e-3;
+  const fs::path dir = fresh_dir("batchlm-tiny-qwen3");
+  const fs::path path = dir / "tiny-qwen3.gguf";
+  bt::write_tiny_llama(path, bt::tiny_qwen3_reference());
+  const nlohmann::json goldens =
+      bt::read_goldens(fs::path(BATCHLM_SOURCE_DIR) / "tests/reference/tiny-qwen3", "generate.json");
+  {
+    std::ifstream in(path, std::ios::binary);
+    const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_EQ(bt::sha256_hex(std::as_bytes(std::span(bytes.data(), bytes.size()))), goldens["model_sha256"].get<std::string>())
+        << "the tiny Qwen3 is not the file the goldens in tests/reference/tiny-qwen3/ come from: regenerate them "
+           "(tests/reference/README.md)";
+  }
+  const auto model = Model::load(path);
+  ASSERT_TRUE(model->config().qk_norm);
+  ASSERT_EQ(model->config().q_width(), 512);
+  batchlm::kernels::ThreadPool pool(2);
+  ASSERT_GE(goldens["cases"].size(), 6u);
+  for (const auto& c : goldens["cases"]) {
+    bt::expect_top_logits(*model, c, kTolerance, kTie, pool);
+    bt::expect_greedy_continuation(*model, c, kTie, pool);
   }
   std::error_code ec;
   fs::remove_all(dir, ec);

@@ -48,6 +48,7 @@ struct Case {
   std::string architecture = "llama";
   bool rope_freqs = false;
   std::int64_t n_embd = 256, n_heads = 4, n_kv_heads = 2;
+  std::int64_t head_dim = 0;  // 0: n_embd / n_heads
 };
 
 const std::vector<Case>& cases() {
@@ -69,6 +70,9 @@ const std::vector<Case>& cases() {
       {"qwen2_Q4_K", DType::Q4_K, DType::Q6_K, DType::Q8_0, "qwen2"},
       // Qwen2.5-0.5B's attention: 896 wide, 14 query heads of 64 sharing 2 KV heads.
       {"qwen2_896_14_2_Q8_0", DType::Q8_0, std::nullopt, DType::Q8_0, "qwen2", false, 896, 14, 2},
+      // Qwen3's: heads of 128 where n_embd / n_heads is 64, each head's query and key normalized.
+      {"qwen3_Q8_0", DType::Q8_0, std::nullopt, DType::Q8_0, "qwen3", false, 256, 4, 2, 128},
+      {"qwen3_Q4_K", DType::Q4_K, DType::Q6_K, DType::Q8_0, "qwen3", false, 256, 4, 2, 128},
       {"llama_rope_freqs_Q4_1", DType::Q4_1, std::nullopt, DType::Q8_0, "llama", true},
   };
   return all;
@@ -88,7 +92,7 @@ class ExactLlama {
       return *v;
     };
     const std::string arch = file.get_string("general.architecture");
-    halves_ = arch == "qwen2";
+    halves_ = arch == "qwen2" || arch == "qwen3";
     const auto key = [&](const char* name) { return arch + "." + name; };
     const auto u32 = [&](const char* name) { return static_cast<std::int64_t>(value(key(name).c_str()).as_u64(name)); };
     n_layers_ = u32("block_count");
@@ -97,7 +101,7 @@ class ExactLlama {
     n_kv_ = u32("attention.head_count_kv");
     eps_ = value(key("attention.layer_norm_rms_epsilon").c_str()).as_f64("eps");
     base_ = value(key("rope.freq_base").c_str()).as_f64("base");
-    head_dim_ = n_embd_ / n_heads_;
+    head_dim_ = file.find(key("attention.key_length")) ? u32("attention.key_length") : n_embd_ / n_heads_;
     for (const gguf::TensorInfo& t : file.tensors()) {
       const std::vector<float> v = batchlm::testing::dequantize(
           *t.type, std::span<const std::byte>(t.data, t.n_bytes), static_cast<std::int64_t>(t.n_elements));
@@ -123,6 +127,10 @@ class ExactLlama {
         add(k, w_.at(p + "attn_k.bias"));
         add(v, w_.at(p + "attn_v.bias"));
       }
+      if (w_.contains(p + "attn_q_norm.weight")) {
+        head_norm(q, w_.at(p + "attn_q_norm.weight"));
+        head_norm(k, w_.at(p + "attn_k_norm.weight"));
+      }
       rope(q, pos);
       rope(k, pos);
       auto& [keys, values] = cache_[static_cast<std::size_t>(layer)];
@@ -130,7 +138,7 @@ class ExactLlama {
       keys.push_back(k);
       values.push_back(v);
       for (double& e : values.back()) e = kernels::fp16_to_fp32(kernels::fp32_to_fp16(static_cast<float>(e)));
-      std::vector<double> out(static_cast<std::size_t>(n_embd_), 0.0);
+      std::vector<double> out(static_cast<std::size_t>(n_heads_ * d), 0.0);
       for (std::int64_t head = 0; head < n_heads_; ++head) {
         const std::int64_t kv = head / g;
         std::vector<double> s(keys.size());
@@ -186,6 +194,15 @@ class ExactLlama {
         x[second] = a * std::sin(theta) + b * std::cos(theta);
       }
   }
+  // Qwen3: each head of x RMS-normalized over its own dims.
+  void head_norm(std::vector<double>& x, const std::vector<double>& weight) const {
+    for (std::size_t at = 0; at < x.size(); at += static_cast<std::size_t>(head_dim_)) {
+      const std::vector<double> head(x.begin() + static_cast<std::ptrdiff_t>(at),
+                                     x.begin() + static_cast<std::ptrdiff_t>(at) + head_dim_);
+      const std::vector<double> normed = rms(head, weight);
+      std::copy(normed.begin(), normed.end(), x.begin() + static_cast<std::ptrdiff_t>(at));
+    }
+  }
   static void add(std::vector<double>& x, const std::vector<double>& y) {
     for (std::size_t i = 0; i < x.size(); ++i) x[i] += y[i];
   }
@@ -220,6 +237,7 @@ class QuantTypesModel : public ::testing::Test {
       o.n_ff = 512;
       o.n_heads = c.n_heads;
       o.n_kv_heads = c.n_kv_heads;
+      o.head_dim = c.head_dim;
       o.weight_dtype = c.weights;
       o.v_up_dtype = c.v_up;
       o.embedding_dtype = c.embedding;
@@ -253,6 +271,8 @@ TEST_F(QuantTypesModel, ForwardMatchesTheFloat64Reference) {
     ASSERT_EQ(model->config().n_embd, c.n_embd);
     EXPECT_EQ(model->config().architecture, c.architecture);
     EXPECT_EQ(model->config().qkv_bias, c.architecture == "qwen2") << c.name;
+    EXPECT_EQ(model->config().qk_norm, c.architecture == "qwen3") << c.name;
+    EXPECT_EQ(model->config().q_width(), c.n_heads * (c.head_dim > 0 ? c.head_dim : c.n_embd / c.n_heads)) << c.name;
     EXPECT_EQ(model->config().rope_freq_factors, c.rope_freqs) << c.name;
     ExactLlama exact(path(c));
     const std::vector<Token> prompt = model->tokenizer().encode("<|im_start|>user\nHello world, the cat<|im_end|>", true);

@@ -1,8 +1,9 @@
 #pragma once
 // A Llama-family model loaded from GGUF: the hyper-parameters, the weights (views into the
 // mapped file), the tokenizer, and the forward pass, written once against kernels/ops.hpp.
-// Architectures: "llama" (Llama, SmolLM, Mistral and the others stored as it) and "qwen2"
-// (Qwen2 and Qwen2.5: biases on the query, key and value products, rotary pairs in halves).
+// Architectures: "llama" (Llama, SmolLM and the others stored as it), "qwen2" (Qwen2 and
+// Qwen2.5: biases on the query, key and value products, rotary pairs in halves) and "qwen3"
+// (no biases; each head's query and key RMS-normalized; heads wider than n_embd / n_heads).
 
 #include <cstdint>
 #include <filesystem>
@@ -19,7 +20,7 @@
 namespace batchlm::local_engine {
 
 struct ModelConfig {
-  std::string architecture;   // "llama" or "qwen2"
+  std::string architecture;   // "llama", "qwen2" or "qwen3"
   std::string name;           // general.name, may be empty
   std::int64_t n_vocab = 0;
   std::int64_t n_ctx_train = 0;
@@ -34,10 +35,12 @@ struct ModelConfig {
   kernels::RopeStyle rope_style = kernels::RopeStyle::kAdjacent;
   bool rope_freq_factors = false;   // a rope_freqs tensor divides the angles (Llama 3.1 and later)
   bool qkv_bias = false;            // attn_q/k/v.bias are added to the products
+  bool qk_norm = false;             // attn_q_norm/attn_k_norm normalize each head (Qwen3)
   float rms_eps = 1e-5f;
   bool tied_embeddings = false;
 
   std::int64_t kv_width() const { return n_kv_heads * head_dim; }
+  std::int64_t q_width() const { return n_heads * head_dim; }  // n_embd but where heads are wider
 };
 
 struct LayerWeights {
@@ -48,6 +51,9 @@ struct LayerWeights {
   const float* attn_q_bias = nullptr;
   const float* attn_k_bias = nullptr;
   const float* attn_v_bias = nullptr;
+  // Where ModelConfig::qk_norm: each head's RMS-norm weights (head_dim) for queries and keys.
+  const float* attn_q_norm = nullptr;
+  const float* attn_k_norm = nullptr;
 };
 
 // Where the keys and values of a batch live, in F16: for layer l a pool of n_blocks blocks of

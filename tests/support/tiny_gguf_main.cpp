@@ -1,0 +1,32 @@
+// tiny_gguf: writes the tiny Qwen3 (tests/support/gguf_writer.hpp tiny_qwen3_reference), the
+// file llama.cpp's goldens in tests/reference/tiny-qwen3/ come from, and prints its sha256.
+
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "gguf_writer.hpp"
+#include "requantize.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Writes the tiny Qwen3 model that tests/reference/tiny-qwen3/'s goldens come from"};
+  std::string out;
+  app.add_option("output", out, "The file to write (replaced)")->required();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    batchlm::testing::write_tiny_llama(out, batchlm::testing::tiny_qwen3_reference());
+    std::ifstream in(out, std::ios::binary);
+    const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::cout << batchlm::testing::sha256_hex(std::as_bytes(std::span(bytes.data(), bytes.size()))) << "  " << out << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << "tiny_gguf: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
