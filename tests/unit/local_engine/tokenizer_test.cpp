@@ -417,6 +417,22 @@ TEST(ChatTemplate, ReadsQwen25sTemplate) {
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
 }
 
+// Qwen3's template: ChatML with no default system message. (For assistant turns before the
+// last user turn it drops reasoning between <think> and </think>; the turns here have none.)
+TEST(ChatTemplate, ReadsQwen3sTemplate) {
+  const std::filesystem::path path =
+      std::filesystem::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen3-0.6B.jinja";
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent (scripts/fetch-vocabs.sh fetches it)";
+  std::ifstream in(path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const ChatTemplate chat = template_from(text);
+  EXPECT_EQ(chat.default_system(), "");
+  const std::vector<ChatMessage> messages = {{"user", "2+2?"}, {"assistant", "4"}, {"user", "And 3+3?"}};
+  EXPECT_EQ(chat.apply(messages, true),
+            "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+            "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n");
+}
+
 TEST(ChatTemplate, InsertsTheDefaultSystemMessageWhenTheFirstMessageIsNotSystem) {
   const ChatTemplate chat = template_from(kSmolLM2Template);
   const std::vector<ChatMessage> messages = {{"user", "Hi!"}, {"assistant", "Hello."}, {"user", "2+2?"}};
