@@ -223,8 +223,12 @@ int run_inspect() {
                 static_cast<long long>(c.n_heads), static_cast<long long>(c.n_kv_heads),
                 static_cast<long long>(c.head_dim));
     std::printf("context       %lld (training)\n", static_cast<long long>(c.n_ctx_train));
-    std::printf("rope          base %g, %lld dims; rms eps %g\n", static_cast<double>(c.rope_base),
-                static_cast<long long>(c.rope_dim), static_cast<double>(c.rms_eps));
+    std::printf("rope          base %g, %lld dims, %s%s; rms eps %g\n", static_cast<double>(c.rope_base),
+                static_cast<long long>(c.rope_dim),
+                c.rope_style == batchlm::kernels::RopeStyle::kHalves ? "pairs in halves" : "adjacent pairs",
+                c.rope_freq_factors ? ", frequency factors (rope_freqs)" : "", static_cast<double>(c.rms_eps));
+    if (c.qkv_bias || c.qk_norm)
+      std::printf("attention     %s\n", c.qkv_bias ? "query, key and value biases" : "query and key normalized per head");
     std::printf("output head   %s\n", c.tied_embeddings ? "tied to the embeddings" : "separate");
     const Tokenizer& tok = model->tokenizer();
     const Vocab& v = tok.vocab();

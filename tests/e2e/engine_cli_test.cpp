@@ -265,6 +265,39 @@ TEST_F(EngineCli, InspectQuantizedTiedModel) {
   EXPECT_TRUE(contains(r.out, "output head   tied to the embeddings")) << r.out;
 }
 
+// The architecture variants: what sets each apart from Llama is on the rope and attention lines,
+// and generate runs them.
+TEST_F(EngineCli, InspectDescribesQwenModels) {
+  batchlm::testing::TinyLlamaOptions qwen2;
+  qwen2.architecture = "qwen2";
+  batchlm::testing::write_tiny_llama(dir() / "qwen2.gguf", qwen2);
+  RunResult r = run_batchlm(dir(), {"inspect", "qwen2.gguf"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "architecture  qwen2")) << r.out;
+  EXPECT_TRUE(contains(r.out, "16 dims, pairs in halves;")) << r.out;
+  EXPECT_TRUE(contains(r.out, "attention     query, key and value biases")) << r.out;
+  EXPECT_TRUE(contains(r.out, "runs          yes")) << r.out;
+
+  batchlm::testing::TinyLlamaOptions qwen3;
+  qwen3.architecture = "qwen3";
+  qwen3.head_dim = 32;
+  batchlm::testing::write_tiny_llama(dir() / "qwen3.gguf", qwen3);
+  r = run_batchlm(dir(), {"inspect", "qwen3.gguf"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "4 query, 2 key/value, head size 32")) << r.out;
+  EXPECT_TRUE(contains(r.out, "attention     query and key normalized per head")) << r.out;
+  RunResult g = run_batchlm(dir(), {"generate", "-m", "qwen3.gguf", "-p", "Hello world", "-n", "5", "--temperature", "0"});
+  EXPECT_EQ(g.exit_code, 0) << g.err;
+
+  batchlm::testing::TinyLlamaOptions freqs;
+  freqs.rope_freqs.assign(8, 4.0f);
+  batchlm::testing::write_tiny_llama(dir() / "freqs.gguf", freqs);
+  r = run_batchlm(dir(), {"inspect", "freqs.gguf"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "adjacent pairs, frequency factors (rope_freqs)")) << r.out;
+  EXPECT_FALSE(contains(r.out, "attention     ")) << r.out;
+}
+
 // A model with a type the engine does not run (Q3_K) is listed in full, and "runs" says why not.
 TEST_F(EngineCli, InspectListsTypesTheEngineDoesNotRun) {
   batchlm::testing::TinyLlamaOptions options;
