@@ -5,7 +5,8 @@
 # them. They ship in llama-cpp-python 0.3.36's source distribution (vendor/llama.cpp/models/, the
 # llama.cpp that bench/engine/setup-llama-server.sh builds); only those of byte-level BPE
 # vocabularies (tokenizer.ggml.model "gpt2") whose pre-tokenizer the engine knows are extracted,
-# and, from models/templates/, Qwen2.5's and Qwen3's chat templates (tokenizer_test reads them).
+# and, from models/templates/, the chat templates of Qwen2.5, Qwen3 and Llama 3.1-3.3 (tokenizer_test
+# reads them).
 # The sdist and every extracted file are checked against their SHA-256; valid files already in
 # place are left alone. The sdist is taken from, in order:
 #   BATCHLM_MIRROR=dir   dir/llama_cpp_python-0.3.36.tar.gz, if present
@@ -44,6 +45,9 @@ be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0  ggml-vocab-sta
 3ef12183c57ad076f9defd8e5eb454f509f5f0865cad35646abb4c4b2d2c5764  ggml-vocab-starcoder.gguf.out
 cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f  templates/Qwen-Qwen2.5-7B-Instruct.jinja
 87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5  templates/Qwen-Qwen3-0.6B.jinja
+e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65  templates/meta-llama-Llama-3.1-8B-Instruct.jinja
+5816fce10444e03c2e9ee1ef8a4a1ea61ae7e69e438613f3b17b69d0426223a4  templates/meta-llama-Llama-3.2-3B-Instruct.jinja
+e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65  templates/meta-llama-Llama-3.3-70B-Instruct.jinja
 EOF
 }
 

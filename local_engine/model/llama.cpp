@@ -105,13 +105,13 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   c.n_kv_heads = f.find(a + "attention.head_count_kv") ? positive(a + "attention.head_count_kv")
                                                          : c.n_heads;
   c.n_ctx_train = f.find(a + "context_length") ? positive(a + "context_length") : 2048;
-  if (c.n_heads % c.n_kv_heads != 0) {
-    f.fail("head_count " + std::to_string(c.n_heads) + " is not a multiple of head_count_kv " +
-           std::to_string(c.n_kv_heads));
-  }
   if (!f.find(a + "attention.key_length") && c.n_embd % c.n_heads != 0) {
     f.fail("embedding_length " + std::to_string(c.n_embd) + " is not a multiple of head_count " +
            std::to_string(c.n_heads));
+  }
+  if (c.n_heads % c.n_kv_heads != 0) {
+    f.fail("head_count " + std::to_string(c.n_heads) + " is not a multiple of head_count_kv " +
+           std::to_string(c.n_kv_heads));
   }
   c.head_dim = f.find(a + "attention.key_length") ? positive(a + "attention.key_length")
                                                    : c.n_embd / c.n_heads;

@@ -2,7 +2,7 @@
 #include "utf8.hpp"
 
 // The chat template is a Jinja program in the GGUF (tokenizer.chat_template). Rather than run
-// Jinja, this recognises the one family the engine supports, ChatML,
+// Jinja, this recognises the families the engine supports: Llama 3's (tokenizer.hpp) and ChatML,
 //
 //   <|im_start|>{role}\n{content}<|im_end|>\n   per message, then <|im_start|>assistant\n
 //
@@ -18,6 +18,9 @@
 // turn, "<|im_start|>system\n...<|im_end|>". A literal that only opens the system turn, as in
 // '<|im_start|>system\n' + message['content'], is not a default.
 
+#include <algorithm>
+#include <cstdio>
+#include <ctime>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -31,6 +34,52 @@ namespace {
 constexpr std::string_view kTurnStart = "<|im_start|>";
 constexpr std::string_view kTurnEnd = "<|im_end|>";
 constexpr std::string_view kSystemTurnStart = "<|im_start|>system\n";
+constexpr std::string_view kHeaderStart = "<|start_header_id|>";
+constexpr std::string_view kHeaderEnd = "<|end_header_id|>";
+constexpr std::string_view kEndOfTurn = "<|eot_id|>";
+constexpr std::string_view kKnowledgeDate = "Cutting Knowledge Date: December 2023\n";
+
+// Jinja's trim: whitespace off both ends (Python's str.strip(), for the ASCII whitespace and the
+// Unicode spaces a chat message may carry: NBSP, the U+2000 block, line and paragraph separators,
+// ideographic space).
+std::string_view trim(std::string_view s) {
+  const auto space_at_front = [](std::string_view t) -> std::size_t {
+    if (t.empty()) return 0;
+    const unsigned char c = static_cast<unsigned char>(t[0]);
+    if (c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f)) return 1;
+    for (std::string_view u : {"\u00a0", "\u1680", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000", "\u0085"})
+      if (t.starts_with(u)) return u.size();
+    if (t.size() >= 3 && c == 0xE2 && static_cast<unsigned char>(t[1]) == 0x80 && static_cast<unsigned char>(t[2]) <= 0x8A)
+      return 3;  // U+2000..U+200A
+    return 0;
+  };
+  const auto space_at_back = [](std::string_view t) -> std::size_t {
+    if (t.empty()) return 0;
+    const unsigned char c = static_cast<unsigned char>(t.back());
+    if (c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f)) return 1;
+    for (std::string_view u : {"\u00a0", "\u1680", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000", "\u0085"})
+      if (t.ends_with(u)) return u.size();
+    if (t.size() >= 3 && static_cast<unsigned char>(t[t.size() - 3]) == 0xE2 &&
+        static_cast<unsigned char>(t[t.size() - 2]) == 0x80 && c <= 0x8A)
+      return 3;
+    return 0;
+  };
+  for (std::size_t n; (n = space_at_front(s)) > 0;) s.remove_prefix(n);
+  for (std::size_t n; (n = space_at_back(s)) > 0;) s.remove_suffix(n);
+  return s;
+}
+
+// Today's local date as Llama 3.2's template writes it: strftime("%d %b %Y"), "26 Nov 2026".
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  static constexpr const char* kMonths[] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
+                                           "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+  char text[32];
+  std::snprintf(text, sizeof text, "%02d %s %d", local.tm_mday, kMonths[local.tm_mon], local.tm_year + 1900);
+  return text;
+}
 
 [[noreturn]] void unsupported(const std::string& why) {
   throw std::invalid_argument("chat template: " + why);
@@ -175,8 +224,24 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
   if (const std::size_t bad = utf8::first_invalid(tmpl); bad != std::string_view::npos) {
     unsupported("not valid UTF-8 (at byte " + std::to_string(bad + 1) + ")");
   }
+  if (tmpl.find(kHeaderStart) != std::string::npos && tmpl.find(kHeaderEnd) != std::string::npos) {
+    result.name_ = "llama3";
+    const std::vector<std::string> constants = constant_strings(tmpl);
+    if (std::find(constants.begin(), constants.end(), kKnowledgeDate) == constants.end()) return result;  // Llama 3.0
+    if (tmpl.find("strftime_now") != std::string::npos) {
+      result.date_ = "today";
+    } else {
+      // {%- set date_string = "26 Jul 2024" %}: the constant after the name.
+      const std::size_t at = tmpl.find("date_string =");
+      std::size_t i = at == std::string::npos ? at : tmpl.find_first_of("'\"", at);
+      if (i == std::string::npos) unsupported("a Llama 3 template with a dated system turn but no date_string");
+      result.date_ = read_string_literal(tmpl, i);
+    }
+    return result;
+  }
   if (tmpl.find(kTurnStart) == std::string::npos) {
-    unsupported("only ChatML templates (<|im_start|>role ... <|im_end|>) are supported; this one begins '" +
+    unsupported("only ChatML (<|im_start|>role ... <|im_end|>) and Llama 3 (<|start_header_id|>role<|end_header_id|> "
+                "... <|eot_id|>) templates are supported; this one begins '" +
                 tmpl.substr(0, 80) + "'");
   }
   for (const std::string& constant : constant_strings(tmpl)) {
@@ -191,6 +256,43 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
 
 std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
   std::string out;
+  if (name_ == "llama3") {
+    const auto append_turn = [&](std::string_view role, std::string_view content) {
+      out += kHeaderStart;
+      out += role;
+      out += kHeaderEnd;
+      out += "\n\n";
+      out += trim(content);
+      out += kEndOfTurn;
+    };
+    std::size_t first = 0;
+    if (!date_.empty()) {
+      // The system turn is always there; the conversation's own system message goes into it.
+      std::string_view system;
+      if (!messages.empty() && messages.front().role == "system") {
+        system = trim(messages.front().content);
+        first = 1;
+      }
+      out += kHeaderStart;
+      out += "system";
+      out += kHeaderEnd;
+      out += "\n\n";
+      out += kKnowledgeDate;
+      out += "Today Date: ";
+      out += date_ == "today" ? today() : date_;
+      out += "\n\n";
+      out += system;
+      out += kEndOfTurn;
+    }
+    for (std::size_t i = first; i < messages.size(); ++i) append_turn(messages[i].role, messages[i].content);
+    if (add_generation_prompt) {
+      out += kHeaderStart;
+      out += "assistant";
+      out += kHeaderEnd;
+      out += "\n\n";
+    }
+    return out;
+  }
   const auto append_turn = [&](std::string_view role, std::string_view content) {
     out += kTurnStart;
     out += role;

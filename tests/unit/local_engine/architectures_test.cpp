@@ -291,7 +291,7 @@ TEST_F(TinyVariants, AnotherArchitectureIsRefusedNamingTheOnesThatRun) {
   bt::write_file(dir_ / "gemma2.gguf",
                  bt::edit(gguf::File::open(good), {.set = {{"general.architecture", bt::GgufValue::str("gemma2")}}}));
   const std::string e = load_error(dir_ / "gemma2.gguf");
-  EXPECT_NE(e.find("architecture 'gemma2' is not supported (this build runs the 'llama' and 'qwen2' architectures)"),
+  EXPECT_NE(e.find("architecture 'gemma2' is not supported (this build runs the 'llama', 'qwen2' and 'qwen3' architectures)"),
             std::string::npos)
       << e;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -433,6 +434,82 @@ TEST(ChatTemplate, ReadsQwen3sTemplate) {
             "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n");
 }
 
+// ---- Llama 3 ----
+// The expected texts are what Jinja (Python's jinja2, with llama.cpp's and Hugging Face's
+// settings: trim_blocks, lstrip_blocks) renders from these templates, less the leading
+// <|begin_of_text|>, which the tokenizer adds (Llama 3 vocabularies set add_bos_token).
+
+// Three conversations: plain (a message to trim), a system message (trimmed), and a system
+// message later on (an ordinary turn).
+const std::vector<std::vector<ChatMessage>>& llama3_conversations() {
+  static const std::vector<std::vector<ChatMessage>> all = {
+      {{"user", "2+2?"}, {"assistant", "4"}, {"user", "  And 3+3?\n"}},
+      {{"system", " Be brief. "}, {"user", "Hi"}},
+      {{"user", "Hi"}, {"system", "Now in French."}, {"user", "Bye"}},
+  };
+  return all;
+}
+
+// The rendered turns after the system turn, for each conversation, with the generation prompt.
+std::vector<std::string> llama3_turns() {
+  const std::string u = "<|start_header_id|>user<|end_header_id|>\n\n", a = "<|start_header_id|>assistant<|end_header_id|>\n\n";
+  return {u + "2+2?<|eot_id|>" + a + "4<|eot_id|>" + u + "And 3+3?<|eot_id|>" + a,
+          u + "Hi<|eot_id|>" + a,
+          u + "Hi<|eot_id|><|start_header_id|>system<|end_header_id|>\n\nNow in French.<|eot_id|>" + u + "Bye<|eot_id|>" + a};
+}
+
+std::string read_template(const std::string& name) {
+  std::ifstream in(std::filesystem::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates" / name, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Llama 3.0's template (Meta's tokenizer_config.json): no system turn of its own.
+TEST(ChatTemplate, Llama30TurnsWithTrimmedContents) {
+  const ChatTemplate chat = template_from(
+      "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+      "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+      "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+      "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}");
+  EXPECT_EQ(chat.name(), "llama3");
+  EXPECT_EQ(chat.date(), "");
+  const std::vector<std::string> turns = llama3_turns();
+  EXPECT_EQ(chat.apply(llama3_conversations()[0], true), turns[0]);
+  EXPECT_EQ(chat.apply(llama3_conversations()[1], true),
+            "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>" + turns[1]);
+  EXPECT_EQ(chat.apply(llama3_conversations()[2], true), turns[2]);
+  // Without the generation prompt, the conversation ends with its last turn.
+  EXPECT_EQ(chat.apply(llama3_conversations()[1], false),
+            "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
+}
+
+// Llama 3.1, 3.2 and 3.3's own templates (llama.cpp's copies, which scripts/fetch-vocabs.sh
+// extracts): the system turn with the knowledge date and the day's date, then the rest. 3.1 and
+// 3.3 set the date to 26 Jul 2024; 3.2 asks for today's (strftime_now).
+TEST(ChatTemplate, Llama31To33OpenWithTheDatedSystemTurn) {
+  for (const char* name : {"meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja",
+                           "meta-llama-Llama-3.3-70B-Instruct.jinja"}) {
+    const std::string text = read_template(name);
+    if (text.empty()) GTEST_SKIP() << name << " is absent (scripts/fetch-vocabs.sh fetches it)";
+    const ChatTemplate chat = template_from(text);
+    EXPECT_EQ(chat.name(), "llama3") << name;
+    std::string date = "26 Jul 2024";
+    if (std::string_view(name).find("3.2") != std::string_view::npos) {
+      EXPECT_EQ(chat.date(), "today") << name;
+      const std::time_t now = std::time(nullptr);
+      char buffer[32];
+      std::strftime(buffer, sizeof buffer, "%d %b %Y", std::localtime(&now));
+      date = buffer;
+    } else {
+      EXPECT_EQ(chat.date(), "26 Jul 2024") << name;
+    }
+    const std::string head = "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: " + date + "\n\n";
+    const std::vector<std::string> turns = llama3_turns();
+    EXPECT_EQ(chat.apply(llama3_conversations()[0], true), head + "<|eot_id|>" + turns[0]) << name;
+    EXPECT_EQ(chat.apply(llama3_conversations()[1], true), head + "Be brief.<|eot_id|>" + turns[1]) << name;
+    EXPECT_EQ(chat.apply(llama3_conversations()[2], true), head + "<|eot_id|>" + turns[2]) << name;
+  }
+}
+
 TEST(ChatTemplate, InsertsTheDefaultSystemMessageWhenTheFirstMessageIsNotSystem) {
   const ChatTemplate chat = template_from(kSmolLM2Template);
   const std::vector<ChatMessage> messages = {{"user", "Hi!"}, {"assistant", "Hello."}, {"user", "2+2?"}};
@@ -477,9 +554,14 @@ TEST(ChatTemplate, ReadsEscapedAndConcatenatedDefaults) {
   EXPECT_EQ(chat.default_system(), "You are Qwen, it's nice.");
 }
 
-TEST(ChatTemplate, RejectsTemplatesThatAreNotChatML) {
-  EXPECT_THROW(template_from("{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"),
-               std::invalid_argument);
+TEST(ChatTemplate, RejectsTemplatesThatAreNotChatMLOrLlama3) {
+  try {
+    template_from("{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}");
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("only ChatML (<|im_start|>role ... <|im_end|>) and Llama 3"), std::string::npos)
+        << e.what();
+  }
   EXPECT_THROW(template_from("<|im_start|>{{ 'unterminated }}"), std::invalid_argument);
 }
 

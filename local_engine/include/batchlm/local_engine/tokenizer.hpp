@@ -88,20 +88,30 @@ class StreamDecoder {
   std::string pending_;
 };
 
-// The chat template of the model family. ChatML (<|im_start|>role\ncontent<|im_end|>\n) is
-// recognised from the GGUF template text; a default system message that the template inserts
-// when the conversation has none (SmolLM2 does) is recognised and applied too.
+// The chat template of the model family, recognised from the GGUF template text rather than run
+// as Jinja. Two families:
+//   ChatML   <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen2.5, Qwen3), with
+//            the default system message a template inserts when the conversation has none.
+//   Llama 3  <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> per message, contents
+//            trimmed (Llama 3, 3.1, 3.2, 3.3). From 3.1 on the template always opens with a system
+//            turn "Cutting Knowledge Date: December 2023\nToday Date: DATE\n\n" + the system
+//            message (or nothing): DATE is today's (as "26 Nov 2026") where the template asks for
+//            strftime_now, else the date the template sets. The BOS token the template begins
+//            with is the tokenizer's to add (Tokenizer::add_bos), not part of the text.
 class ChatTemplate {
  public:
   // Throws std::invalid_argument when the template is not one this build supports.
   static ChatTemplate from_vocab(const Vocab& vocab);
   std::string apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
-  std::string_view name() const { return name_; }
+  std::string_view name() const { return name_; }  // "chatml" or "llama3"
   const std::string& default_system() const { return default_system_; }
+  // Llama 3.1 and later: the date the system turn gives ("26 Jul 2024"), or "today".
+  const std::string& date() const { return date_; }
 
  private:
   std::string name_ = "chatml";
   std::string default_system_;
+  std::string date_;  // empty: no dated system turn
 };
 
 }  // namespace batchlm::local_engine
