@@ -151,7 +151,15 @@ std::vector<Token> text_prompt_tokens(const Tokenizer& tok, std::string_view tex
 
 std::vector<Token> chat_prompt_tokens(const Tokenizer& tok, const ChatTemplate& chat_template,
                                       std::span<const ChatMessage> messages) {
-  return text_prompt_tokens(tok, chat_template.apply(messages, /*add_generation_prompt=*/true));
+  std::vector<ChatMessage> turns(messages.begin(), messages.end());
+  for (std::size_t i = 0; i < turns.size(); ++i) {
+    std::string& role = turns[i].role;
+    if (role == "developer") role = "system";
+    if (role != "system" && role != "user" && role != "assistant")
+      throw std::invalid_argument("messages[" + std::to_string(i) + "].role: the embedded engine takes system, developer, "
+                                  "user and assistant messages, not '" + role + "' (it does not call tools)");
+  }
+  return text_prompt_tokens(tok, chat_template.apply(turns, /*add_generation_prompt=*/true));
 }
 
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text) {

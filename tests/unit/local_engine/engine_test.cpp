@@ -128,6 +128,24 @@ TEST(Engine, ChatPromptAppliesChatMl) {
   EXPECT_EQ(std::count(tokens.begin(), tokens.end(), tok.find("<|im_end|>")), 2);
 }
 
+// OpenAI's roles, as `batchlm serve` takes them: a developer message is a system message; a
+// tool message is refused by name (the engine calls no tools, and a template given one would
+// render a turn the model never saw).
+TEST(Engine, ChatPromptTakesDeveloperAsSystemAndRefusesToolMessages) {
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  const std::vector<ChatMessage> developer = {{"developer", "Be brief."}, {"user", "Hello world"}};
+  const std::vector<ChatMessage> system = {{"system", "Be brief."}, {"user", "Hello world"}};
+  EXPECT_EQ(engine.chat_prompt(developer), engine.chat_prompt(system));
+  const std::vector<ChatMessage> tool = {{"user", "Hello"}, {"assistant", "Calling."}, {"tool", "42"}};
+  try {
+    engine.chat_prompt(tool);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "messages[2].role: the embedded engine takes system, developer, user and assistant messages, "
+                           "not 'tool' (it does not call tools)");
+  }
+}
+
 TEST(Engine, MaxTokensStopsWithLengthAfterExactlyThatMany) {
   Engine engine(tiny_model(), EngineOptions{1, 0});
   for (std::int64_t n : {1, 2, 7, 20}) {

@@ -138,7 +138,10 @@ class Generation {
 };
 
 // A raw-text prompt, tokenized with special tokens recognised (and a BOS if the model wants
-// one); and the chat template applied to messages, then tokenized the same way.
+// one); and the chat template applied to messages, then tokenized the same way. Roles are
+// OpenAI's: a "developer" message is a system message (as `batchlm serve` takes it); a "tool"
+// message, or any other role, throws std::invalid_argument naming the message (the engine does
+// not call tools).
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text);
 std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages);
 // The same from a tokenizer and a template alone (a model file's vocabulary, without weights).
