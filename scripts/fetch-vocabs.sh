@@ -9,6 +9,7 @@
 # reads them).
 # The sdist and every extracted file are checked against their SHA-256; valid files already in
 # place are left alone. The sdist is taken from, in order:
+#   LLAMA_SERVER_SDIST=path   that file (as bench/engine/setup-llama-server.sh takes it)
 #   BATCHLM_MIRROR=dir   dir/llama_cpp_python-0.3.36.tar.gz, if present
 #   bench/engine/.llama-server/dl/llama_cpp_python-0.3.36.tar.gz, if setup-llama-server.sh left it
 #   the Python package index (pip, or curl where there is no pip), 77 MB
@@ -66,7 +67,7 @@ trap 'rm -rf "$tmp"' EXIT
 # --- the source distribution ------------------------------------------------------------------
 archive=
 mirror=${BATCHLM_MIRROR:-}
-for candidate in ${mirror:+"$mirror/$sdist"} "bench/engine/.llama-server/dl/$sdist"; do
+for candidate in ${LLAMA_SERVER_SDIST:+"$LLAMA_SERVER_SDIST"} ${mirror:+"$mirror/$sdist"} "bench/engine/.llama-server/dl/$sdist"; do
   [[ -f $candidate ]] || continue
   if [[ $(sha "$candidate") == "$sdist_sha" ]]; then
     archive=$candidate

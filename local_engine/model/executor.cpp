@@ -4,6 +4,8 @@
 #include "batchlm/local_engine/executor.hpp"
 
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "batchlm/kernels/ops.hpp"
 #include "batchlm/local_engine/batch_engine.hpp"
@@ -96,6 +98,20 @@ bool built_with_cuda() {
 #endif
 }
 
+bool gpu_runs_network(const ModelConfig& c, std::string& why_not) {
+  std::vector<std::string> lacks;
+  if (c.qkv_bias) lacks.push_back("query, key and value biases");
+  if (c.qk_norm) lacks.push_back("per-head query and key norms");
+  if (c.q_width() != c.n_embd) lacks.push_back("heads wider than n_embd / n_heads");
+  if (c.rope_style != kernels::RopeStyle::kAdjacent) lacks.push_back("rotary pairs in halves");
+  if (c.rope_freq_factors) lacks.push_back("rope_freqs");
+  if (lacks.empty()) return true;
+  why_not = "the GPU forward pass does not run this '" + c.architecture + "' model's ";
+  for (std::size_t i = 0; i < lacks.size(); ++i)
+    why_not += (i == 0 ? "" : i + 1 == lacks.size() ? " and " : ", ") + lacks[i];
+  return false;
+}
+
 std::unique_ptr<Executor> make_executor(std::shared_ptr<const Model> model,
                                         const ExecutorOptions& options, std::string* why) {
   if (options.layers < 0) throw std::invalid_argument("executor: layers must be >= 0");
@@ -103,10 +119,11 @@ std::unique_ptr<Executor> make_executor(std::shared_ptr<const Model> model,
   if (options.device != Device::kCpu) {
     std::string why_not;
 #ifdef BATCHLM_HAVE_CUDA
-    if (cuda_takes_model(*model, why_not) && cuda_device_usable(why_not))
+    if (gpu_runs_network(model->config(), why_not) && cuda_takes_model(*model, why_not) && cuda_device_usable(why_not))
       return make_cuda_executor(std::move(model), options);
 #else
-    why_not = "this build has no CUDA support (nvcc was not found when it was built)";
+    if (gpu_runs_network(model->config(), why_not))
+      why_not = "this build has no CUDA support (nvcc was not found when it was built)";
 #endif
     if (options.device == Device::kCuda)
       throw DeviceUnavailable("device 'cuda' was asked for, but " + why_not);

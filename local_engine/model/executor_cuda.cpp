@@ -680,14 +680,6 @@ class CudaExecutor final : public Executor {
 bool cuda_device_usable(std::string& why_not) { return kc::probe(why_not).has_value(); }
 
 bool cuda_takes_model(const Model& model, std::string& why_not) {
-  const ModelConfig& c = model.config();
-  if (c.qkv_bias || c.qk_norm || c.q_width() != c.n_embd || c.rope_style != kernels::RopeStyle::kAdjacent ||
-      c.rope_freq_factors) {
-    why_not = "the GPU forward pass runs the 'llama' architecture without biases or rotary factors; this model is '" +
-              c.architecture + "'" + (c.qkv_bias ? " with query, key and value biases" : "") +
-              (c.rope_freq_factors ? " with rope_freqs" : "");
-    return false;
-  }
   std::vector<const kernels::Matrix*> all = {&model.token_embedding(), &model.output()};
   for (const LayerWeights& l : model.layers())
     for (const kernels::Matrix* m : {&l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out, &l.ffn_gate, &l.ffn_up, &l.ffn_down})

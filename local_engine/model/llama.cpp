@@ -125,6 +125,10 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     f.fail("rope.dimension_count " + std::to_string(c.rope_dim) + " does not fit head size " +
            std::to_string(c.head_dim));
   }
+  // llama.cpp's Qwen graphs rotate whole heads.
+  if (c.architecture != "llama" && c.rope_dim != c.head_dim)
+    f.fail("rope.dimension_count " + std::to_string(c.rope_dim) + " is not the head size " + std::to_string(c.head_dim) +
+           " (the '" + c.architecture + "' architecture rotates whole heads)");
   // Values no model has, which make every output a NaN: refused here, not met at the first token.
   const auto number = [](double v) {
     char text[32];
@@ -201,7 +205,7 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     m->output_ = m->token_embd_;
     c.tied_embeddings = true;
   }
-  if (f.find_tensor("rope_freqs.weight")) {
+  if (f.find_tensor("rope_freqs.weight") && c.architecture == "llama") {
     m->rope_freqs_ = vector("rope_freqs.weight", c.rope_dim / 2);
     for (std::int64_t i = 0; i < c.rope_dim / 2; ++i)
       if (!(m->rope_freqs_[i] > 0.0f && std::isfinite(m->rope_freqs_[i])))
@@ -248,7 +252,7 @@ const ChatTemplate& Model::chat_template() const {
   if (!chat_template_) {
     throw std::runtime_error(file_.path().string() +
                              ": the model's chat template is not one this build supports "
-                             "(supported: ChatML)");
+                             "(supported: ChatML and Llama 3)");
   }
   return *chat_template_;
 }

@@ -41,7 +41,8 @@ constexpr std::string_view kKnowledgeDate = "Cutting Knowledge Date: December 20
 
 // Jinja's trim: whitespace off both ends (Python's str.strip(), for the ASCII whitespace and the
 // Unicode spaces a chat message may carry: NBSP, the U+2000 block, line and paragraph separators,
-// ideographic space).
+// ideographic space), as Hugging Face's rendering of the template does. llama.cpp's own Jinja
+// trims ASCII whitespace only, so a message that ends in such a space renders differently there.
 std::string_view trim(std::string_view s) {
   const auto space_at_front = [](std::string_view t) -> std::size_t {
     if (t.empty()) return 0;
@@ -227,7 +228,22 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
   if (tmpl.find(kHeaderStart) != std::string::npos && tmpl.find(kHeaderEnd) != std::string::npos) {
     result.name_ = "llama3";
     const std::vector<std::string> constants = constant_strings(tmpl);
-    if (std::find(constants.begin(), constants.end(), kKnowledgeDate) == constants.end()) return result;  // Llama 3.0
+    const bool dated = std::any_of(constants.begin(), constants.end(),
+                                   [](const std::string& c) { return c.find("Cutting Knowledge Date:") != std::string::npos; });
+    if (!dated) {
+      // Llama 3.0, or a fine-tune's template: a whole system turn written out is its default.
+      const std::string system_turn = std::string(kHeaderStart) + "system" + std::string(kHeaderEnd) + "\n\n";
+      for (const std::string& constant : constants) {
+        if (!constant.starts_with(system_turn)) continue;
+        const std::size_t end = constant.find(kEndOfTurn, system_turn.size());
+        if (end == std::string::npos) continue;
+        result.default_system_ = constant.substr(system_turn.size(), end - system_turn.size());
+        break;
+      }
+      return result;
+    }
+    if (std::none_of(constants.begin(), constants.end(), [](const std::string& c) { return c.starts_with(kKnowledgeDate); }))
+      unsupported("a Llama 3 template whose system turn is dated other than \"Cutting Knowledge Date: December 2023\"");
     if (tmpl.find("strftime_now") != std::string::npos) {
       result.date_ = "today";
     } else {
@@ -244,6 +260,7 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
                 "... <|eot_id|>) templates are supported; this one begins '" +
                 tmpl.substr(0, 80) + "'");
   }
+  result.reasoning_ = tmpl.find("reasoning_content") != std::string::npos && tmpl.find("</think>") != std::string::npos;
   for (const std::string& constant : constant_strings(tmpl)) {
     if (constant.compare(0, kSystemTurnStart.size(), kSystemTurnStart) != 0) continue;
     const std::size_t end = constant.find(kTurnEnd, kSystemTurnStart.size());
@@ -266,6 +283,8 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
       out += kEndOfTurn;
     };
     std::size_t first = 0;
+    if (date_.empty() && !default_system_.empty() && !messages.empty() && messages.front().role != "system")
+      append_turn("system", default_system_);
     if (!date_.empty()) {
       // The system turn is always there; the conversation's own system message goes into it.
       std::string_view system;
@@ -306,7 +325,50 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
   if (!default_system_.empty() && !messages.empty() && messages.front().role != "system") {
     append_turn("system", default_system_);
   }
-  for (const ChatMessage& message : messages) append_turn(message.role, message.content);
+  if (!reasoning_) {
+    for (const ChatMessage& message : messages) append_turn(message.role, message.content);
+    if (add_generation_prompt) out += "<|im_start|>assistant\n";
+    return out;
+  }
+  // Qwen3: the last user turn that is not a tool's response (the last message where there is
+  // none); assistant turns after it keep their reasoning in a <think> block (an empty one for
+  // the last message), those before it lose it.
+  const auto n = static_cast<std::ptrdiff_t>(messages.size());
+  std::ptrdiff_t last_query = n - 1;
+  for (std::ptrdiff_t i = n - 1; i >= 0; --i) {
+    const ChatMessage& m = messages[static_cast<std::size_t>(i)];
+    if (m.role == "user" && !(m.content.starts_with("<tool_response>") && m.content.ends_with("</tool_response>"))) {
+      last_query = i;
+      break;
+    }
+  }
+  const auto strip = [](std::string_view s, bool front, bool back) {
+    while (front && !s.empty() && s.front() == '\n') s.remove_prefix(1);
+    while (back && !s.empty() && s.back() == '\n') s.remove_suffix(1);
+    return s;
+  };
+  for (std::ptrdiff_t i = 0; i < n; ++i) {
+    const ChatMessage& m = messages[static_cast<std::size_t>(i)];
+    if (m.role != "assistant") {
+      append_turn(m.role, m.content);
+      continue;
+    }
+    std::string_view content = m.content, reasoning;
+    constexpr std::string_view kThinkEnd = "</think>", kThinkStart = "<think>";
+    if (const std::size_t end = content.find(kThinkEnd); end != std::string_view::npos) {
+      reasoning = strip(content.substr(0, end), false, true);
+      if (const std::size_t start = reasoning.rfind(kThinkStart); start != std::string_view::npos)
+        reasoning.remove_prefix(start + kThinkStart.size());
+      reasoning = strip(reasoning, true, false);
+      content = strip(content.substr(content.rfind(kThinkEnd) + kThinkEnd.size()), true, false);
+    }
+    if (i > last_query && (i == n - 1 || !reasoning.empty())) {
+      append_turn("assistant", "<think>\n" + std::string(strip(reasoning, true, true)) + "\n</think>\n\n" +
+                                   std::string(strip(content, true, false)));
+    } else {
+      append_turn("assistant", content);
+    }
+  }
   if (add_generation_prompt) out += "<|im_start|>assistant\n";
   return out;
 }

@@ -443,7 +443,9 @@ Vocab Vocab::from_gguf(const gguf::File& file) {
   vocab.eom = token_id("tokenizer.ggml.eom_token_id");
   vocab.unk = token_id("tokenizer.ggml.unknown_token_id");
   vocab.pad = token_id("tokenizer.ggml.padding_token_id");
-  vocab.add_bos = file.find_bool("tokenizer.ggml.add_bos_token").value_or(false);
+  // Without the key, llama.cpp adds a BOS for Llama 3's pre-tokenizer and for no other BPE one.
+  const bool llama3 = vocab.pre == "llama3" || vocab.pre == "llama-v3" || vocab.pre == "llama-bpe";
+  vocab.add_bos = file.find_bool("tokenizer.ggml.add_bos_token").value_or(llama3);
   vocab.chat_template = file.find_string("tokenizer.chat_template").value_or("");
 
   // Converters often leave the end-of-turn id out; find it by its text, as llama.cpp does.

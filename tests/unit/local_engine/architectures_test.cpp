@@ -222,22 +222,61 @@ class TinyVariants : public ::testing::Test {
   fs::path dir_;
 };
 
+// What the GPU forward pass lacks is decided in every build, before any GPU is looked for.
+TEST(GpuRunsNetwork, NamesWhatTheGpuPassLacks) {
+  ModelConfig llama;
+  llama.architecture = "llama";
+  llama.n_embd = 576;
+  llama.n_heads = 9;
+  llama.head_dim = 64;
+  std::string why;
+  EXPECT_TRUE(gpu_runs_network(llama, why)) << why;
+  ModelConfig qwen2 = llama;
+  qwen2.architecture = "qwen2";
+  qwen2.qkv_bias = true;
+  qwen2.rope_style = batchlm::kernels::RopeStyle::kHalves;
+  EXPECT_FALSE(gpu_runs_network(qwen2, why));
+  EXPECT_EQ(why, "the GPU forward pass does not run this 'qwen2' model's query, key and value biases and rotary pairs in halves");
+  ModelConfig qwen3 = llama;
+  qwen3.architecture = "qwen3";
+  qwen3.qk_norm = true;
+  qwen3.head_dim = 128;
+  qwen3.rope_style = batchlm::kernels::RopeStyle::kHalves;
+  EXPECT_FALSE(gpu_runs_network(qwen3, why));
+  EXPECT_EQ(why, "the GPU forward pass does not run this 'qwen3' model's per-head query and key norms, heads wider than "
+                 "n_embd / n_heads and rotary pairs in halves");
+  ModelConfig wide = llama;
+  wide.head_dim = 128;
+  EXPECT_FALSE(gpu_runs_network(wide, why));
+  EXPECT_EQ(why, "the GPU forward pass does not run this 'llama' model's heads wider than n_embd / n_heads");
+  ModelConfig freqs = llama;
+  freqs.rope_freq_factors = true;
+  EXPECT_FALSE(gpu_runs_network(freqs, why));
+  EXPECT_EQ(why, "the GPU forward pass does not run this 'llama' model's rope_freqs");
+}
+
+// kAuto runs such a model on the CPU and says why; kCuda refuses it.
 TEST_F(TinyVariants, TheGpuLeavesThemToTheCpuWithTheReason) {
   bt::TinyLlamaOptions qwen2;
   qwen2.architecture = "qwen2";
+  bt::TinyLlamaOptions qwen3;
+  qwen3.architecture = "qwen3";
+  qwen3.head_dim = 32;
   bt::TinyLlamaOptions freqs;
   freqs.rope_freqs.assign(8, 2.0f);  // head_dim 16
-  for (const auto& [path, says] : {std::pair{write("qwen2.gguf", qwen2), std::string("'qwen2' with query, key and value biases")},
-                                   std::pair{write("freqs.gguf", freqs), std::string("'llama' with rope_freqs")}}) {
+  for (const auto& [path, says] : {std::pair{write("qwen2.gguf", qwen2), std::string("'qwen2' model's query, key and value biases")},
+                                   std::pair{write("qwen3.gguf", qwen3), std::string("'qwen3' model's per-head query and key norms")},
+                                   std::pair{write("freqs.gguf", freqs), std::string("'llama' model's rope_freqs")}}) {
     const auto m = Model::load(path);
     std::string why;
     auto ex = make_executor(m, {.device = Device::kAuto, .threads = 1}, &why);
     EXPECT_EQ(ex->device(), Device::kCpu);
-    if (built_with_cuda()) {
-      EXPECT_NE(why.find(says), std::string::npos) << why;
-      EXPECT_THROW(make_executor(m, {.device = Device::kCuda, .threads = 1}), DeviceUnavailable);
-    } else {
-      EXPECT_NE(why.find("no CUDA support"), std::string::npos) << why;
+    EXPECT_NE(why.find(says), std::string::npos) << why;
+    try {
+      make_executor(m, {.device = Device::kCuda, .threads = 1});
+      ADD_FAILURE() << "no error";
+    } catch (const DeviceUnavailable& e) {
+      EXPECT_NE(std::string(e.what()).find("device 'cuda' was asked for, but " + why), std::string::npos) << e.what();
     }
   }
 }

@@ -428,10 +428,29 @@ TEST(ChatTemplate, ReadsQwen3sTemplate) {
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const ChatTemplate chat = template_from(text);
   EXPECT_EQ(chat.default_system(), "");
+  EXPECT_TRUE(chat.reasoning_turns());
   const std::vector<ChatMessage> messages = {{"user", "2+2?"}, {"assistant", "4"}, {"user", "And 3+3?"}};
   EXPECT_EQ(chat.apply(messages, true),
             "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
             "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n");
+  // Reasoning: dropped before the last user turn, kept after it (an empty block for a last
+  // assistant message); a user turn that is a tool's response is not a query. The expected texts
+  // are Jinja's renderings of this template.
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"user", "2+2?"}, {"assistant", "<think>\nhmm\n</think>\n\n4"}, {"user", "And 3+3?"}}, true),
+            "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n"
+            "<|im_start|>assistant\n");
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"user", "2+2?"}, {"assistant", "<think>\nr\n</think>\n\nanswer"}}, true),
+            "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>\n\nanswer<|im_end|>\n"
+            "<|im_start|>assistant\n");
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"system", "S"}, {"user", "2+2?"}, {"assistant", "plain"}}, true),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n"
+            "</think>\n\nplain<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"user", "a"}, {"assistant", "x</think>\ny"}, {"assistant", "<think>q</think>z"},
+                                                {"user", "<tool_response>t</tool_response>"}},
+                       true),
+            "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n<think>\nx\n</think>\n\ny<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\nq\n</think>\n\nz<|im_end|>\n<|im_start|>user\n<tool_response>t</tool_response>"
+            "<|im_end|>\n<|im_start|>assistant\n");
 }
 
 // ---- Llama 3 ----
@@ -480,6 +499,20 @@ TEST(ChatTemplate, Llama30TurnsWithTrimmedContents) {
   // Without the generation prompt, the conversation ends with its last turn.
   EXPECT_EQ(chat.apply(llama3_conversations()[1], false),
             "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
+}
+
+// A Llama 3 template (a fine-tune's) that writes out a whole system turn: its default system
+// message, as the ChatML path finds one.
+TEST(ChatTemplate, Llama3DefaultSystemMessage) {
+  const ChatTemplate chat = template_from(
+      "{% if messages[0]['role'] != 'system' %}{{ '<|start_header_id|>system<|end_header_id|>\\n\\nYou are Bob.<|eot_id|>' }}"
+      "{% endif %}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+      "message['content'] | trim + '<|eot_id|>' }}{% endfor %}");
+  EXPECT_EQ(chat.default_system(), "You are Bob.");
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"user", "Hi"}}, false),
+            "<|start_header_id|>system<|end_header_id|>\n\nYou are Bob.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"system", "S"}, {"user", "Hi"}}, false),
+            "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
 }
 
 // Llama 3.1, 3.2 and 3.3's own templates (llama.cpp's copies, which scripts/fetch-vocabs.sh

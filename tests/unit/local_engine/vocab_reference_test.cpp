@@ -16,6 +16,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -95,6 +96,19 @@ TEST_P(LlamaCppVocab, EncodesEveryTestTextAsLlamaCppDoes) {
     EXPECT_EQ(tokens, expected[i]) << name << ", test " << i << ": " << quoted(text);
     // Every text is valid UTF-8 without special-token text, so the ids spell it exactly.
     EXPECT_EQ(tokenizer.decode(tokens), text) << name << ", test " << i << ": " << quoted(text);
+  }
+}
+
+// These files have no tokenizer.ggml.add_bos_token; as llama.cpp does, a BOS is added for Llama
+// 3's pre-tokenizer and for none of the other BPE ones.
+TEST(LlamaCppVocabBos, AddedForLlama3WithoutTheKey) {
+  for (const auto& [name, add_bos] : {std::pair{"llama-bpe", true}, std::pair{"qwen2", false}, std::pair{"gpt-2", false}}) {
+    const fs::path path = kVocabDir / ("ggml-vocab-" + std::string(name) + ".gguf");
+    if (!fs::exists(path)) GTEST_SKIP() << path << " is absent (scripts/fetch-vocabs.sh fetches it)";
+    const gguf::File file = gguf::File::open(path);
+    ASSERT_FALSE(file.find("tokenizer.ggml.add_bos_token")) << name;
+    const Tokenizer tokenizer(Vocab::from_gguf(file));
+    EXPECT_EQ(tokenizer.add_bos(), add_bos) << name;
   }
 }
 

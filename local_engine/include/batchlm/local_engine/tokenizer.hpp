@@ -92,6 +92,9 @@ class StreamDecoder {
 // as Jinja. Two families:
 //   ChatML   <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen2.5, Qwen3), with
 //            the default system message a template inserts when the conversation has none.
+//            Qwen3's template (recognised by its reasoning_content and </think> handling) also
+//            drops the <think>...</think> reasoning of assistant turns before the last user turn
+//            and writes the turns after it with their reasoning in a <think> block.
 //   Llama 3  <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|> per message, contents
 //            trimmed (Llama 3, 3.1, 3.2, 3.3). From 3.1 on the template always opens with a system
 //            turn "Cutting Knowledge Date: December 2023\nToday Date: DATE\n\n" + the system
@@ -107,11 +110,14 @@ class ChatTemplate {
   const std::string& default_system() const { return default_system_; }
   // Llama 3.1 and later: the date the system turn gives ("26 Jul 2024"), or "today".
   const std::string& date() const { return date_; }
+  // Qwen3's: assistant turns' <think> reasoning is kept only after the last user turn.
+  bool reasoning_turns() const { return reasoning_; }
 
  private:
   std::string name_ = "chatml";
   std::string default_system_;
   std::string date_;  // empty: no dated system turn
+  bool reasoning_ = false;
 };
 
 }  // namespace batchlm::local_engine
