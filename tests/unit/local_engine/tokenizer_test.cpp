@@ -397,15 +397,18 @@ TEST(ChatTemplate, FindsSmolLM2sDefaultSystemMessage) {
   EXPECT_EQ(chat.default_system(), "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
 }
 
-// Qwen2.5's template (llama.cpp's copy, models/templates/, which scripts/fetch-vocabs.sh
-// extracts): a longer program with a branch for tools, whose default system message is found
-// among constants that only open the system turn, and whose conversation is plain ChatML.
+// A chat template from llama.cpp's copies (models/templates/), which scripts/fetch-vocabs.sh
+// extracts into models/vocab/templates/; empty where it has not run.
+std::string read_template(const std::string& name) {
+  std::ifstream in(std::filesystem::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates" / name, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Qwen2.5's template: a longer program with a branch for tools, whose default system message is
+// found among constants that only open the system turn, and whose conversation is plain ChatML.
 TEST(ChatTemplate, ReadsQwen25sTemplate) {
-  const std::filesystem::path path =
-      std::filesystem::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja";
-  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent (scripts/fetch-vocabs.sh fetches it)";
-  std::ifstream in(path, std::ios::binary);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = read_template("Qwen-Qwen2.5-7B-Instruct.jinja");
+  if (text.empty()) GTEST_SKIP() << "Qwen2.5's template is absent (scripts/fetch-vocabs.sh fetches it)";
   const ChatTemplate chat = template_from(text);
   EXPECT_EQ(chat.default_system(), "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.");
   const std::vector<ChatMessage> messages = {{"user", "2+2?"}, {"assistant", "4"}, {"user", "And 3+3?"}};
@@ -418,14 +421,10 @@ TEST(ChatTemplate, ReadsQwen25sTemplate) {
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
 }
 
-// Qwen3's template: ChatML with no default system message. (For assistant turns before the
-// last user turn it drops reasoning between <think> and </think>; the turns here have none.)
+// Qwen3's template: ChatML with no default system message, and assistant turns' reasoning.
 TEST(ChatTemplate, ReadsQwen3sTemplate) {
-  const std::filesystem::path path =
-      std::filesystem::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen3-0.6B.jinja";
-  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent (scripts/fetch-vocabs.sh fetches it)";
-  std::ifstream in(path, std::ios::binary);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = read_template("Qwen-Qwen3-0.6B.jinja");
+  if (text.empty()) GTEST_SKIP() << "Qwen3's template is absent (scripts/fetch-vocabs.sh fetches it)";
   const ChatTemplate chat = template_from(text);
   EXPECT_EQ(chat.default_system(), "");
   EXPECT_TRUE(chat.reasoning_turns());
@@ -475,11 +474,6 @@ std::vector<std::string> llama3_turns() {
   return {u + "2+2?<|eot_id|>" + a + "4<|eot_id|>" + u + "And 3+3?<|eot_id|>" + a,
           u + "Hi<|eot_id|>" + a,
           u + "Hi<|eot_id|><|start_header_id|>system<|end_header_id|>\n\nNow in French.<|eot_id|>" + u + "Bye<|eot_id|>" + a};
-}
-
-std::string read_template(const std::string& name) {
-  std::ifstream in(std::filesystem::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates" / name, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 // Llama 3.0's template (Meta's tokenizer_config.json): no system turn of its own.
