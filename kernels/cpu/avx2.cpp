@@ -323,7 +323,11 @@ struct Rows8 {
   static I dwords(std::int32_t v) { return _mm256_set1_epi32(v); }
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I shift4(I a) { return _mm256_srli_epi16(a, 4); }
+  // Each 16-bit half shifted left or right by n.
+  static I shl16(I a, int n) { return _mm256_slli_epi16(a, n); }
+  static I shr16(I a, int n) { return _mm256_srli_epi16(a, n); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
@@ -380,7 +384,10 @@ struct Rows16 {
   static I dwords(std::int32_t v) { return _mm512_set1_epi32(v); }
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I shift4(I a) { return _mm512_srli_epi16(a, 4); }
+  static I shl16(I a, int n) { return _mm512_slli_epi16(a, static_cast<unsigned>(n)); }
+  static I shr16(I a, int n) { return _mm512_srli_epi16(a, static_cast<unsigned>(n)); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I mullo(I a, I b) { return _mm512_maskz_mullo_epi32(0xffff, a, b); }
@@ -511,7 +518,7 @@ constexpr bool kByteChunks = F == PackedType::Q8_0 || F == PackedType::Q5_1;
 template <PackedType F>
 constexpr std::size_t kPackedHeaders = F == PackedType::Q6_K ? 144 : kKType<F> ? 160 : kHasMin<F> ? 32 : 16;
 template <PackedType F>
-constexpr std::size_t kPackedBlock = kPackedHeaders<F> + (F == PackedType::Q4_K ? 1024 : kKType<F> ? 2048 : kByteChunks<F> ? 256 : 128);
+constexpr std::size_t kPackedBlock = kPackedHeaders<F> + (F == PackedType::Q4_K ? 1024 : F == PackedType::Q5_K ? 1024 + 256 : F == PackedType::Q6_K ? 1024 + 512 : kByteChunks<F> ? 256 : 128);
 template <PackedType F>
 using PackedScales = std::conditional_t<kHasMin<F>, ScalesQ8_1, ScalesQ8_0>;
 
@@ -535,20 +542,31 @@ template <PackedType F, class V>
   }
 }
 
+// The high bits of a chunk's quants, bits At.. of the bytes h (Bits of them: Q5_K's fifth bit,
+// Q6_K's fifth and sixth), moved to bits 4.. of each byte: the 16-bit shift moves no bit across
+// a byte into bits 4 and 5, which alone are kept.
+template <class V, int Bits, int At>
+inline typename V::I high_bits(typename V::I h) {
+  if constexpr (At < 4) h = V::shl16(h, 4 - At);
+  else if constexpr (At > 4) h = V::shr16(h, At - 4);
+  return V::and_(h, V::bytes(Bits == 1 ? 0x10 : 0x30));
+}
+
 // isum[t] += sc * (the N chunks at q against the activation bytes at xq[t], 4 per chunk): one
-// sub-block of a K type (Nibbles: 0 the chunks' bytes, 1 their low nibbles, 2 their high ones;
+// sub-block of a K type (Nibble: 1 the chunks' low nibbles, 2 their high ones; HighBits > 0:
+// with that many high bits from bits HighAt.. of the chunks at high, 32 bytes apart like q's;
 // weights at most kMaxQ). With a dot-product instruction the sub-block's sum is exact in 32
 // bits, then multiplied by sc (the scale in each 32-bit lane). AVX2: the chunks' 16-bit pair
 // sums added in 16 bits as many at a time as stay exact (each within 2 x kMaxQ x 128), then
 // multiplied by sc (the scale in both 16-bit halves of each lane) and widened in one madd.
-template <class V, int NT, int N, int Nibbles, int kMaxQ>
-inline void k_sub_block(const std::uint8_t* q, std::size_t group, const std::int8_t* const* xq,
-                        typename V::I sc, typename V::I (&isum)[NT]) {
+template <class V, int NT, int N, int Nibble, int kMaxQ, int HighBits = 0, int HighAt = 0>
+inline void k_sub_block(const std::uint8_t* q, const std::uint8_t* high, std::size_t group,
+                        const std::int8_t* const* xq, typename V::I sc, typename V::I (&isum)[NT]) {
   const auto chunk = [&](int c) {
     const typename V::I raw = V::load(q + 32 * c, group);
-    if constexpr (Nibbles == 0) return raw;
-    else if constexpr (Nibbles == 1) return V::and_(raw, V::bytes(0x0f));
-    else return V::and_(V::shift4(raw), V::bytes(0x0f));
+    const typename V::I low4 = V::and_(Nibble == 1 ? raw : V::shift4(raw), V::bytes(0x0f));
+    if constexpr (HighBits == 0) return low4;
+    else return V::or_(low4, high_bits<V, HighBits, HighAt>(V::load(high + 32 * c, group)));
   };
   if constexpr (kDotInstruction) {
     typename V::I sum[NT];
@@ -594,6 +612,52 @@ inline typename V::I k_scale(typename V::I p) {
   }
 }
 
+// Elements 64K..64K+63 of a K type's super-block at blk: nibble chunks 8K..8K+7, their low
+// nibbles then their high ones, against the activation bytes from 64K (xb), into isum; their
+// scale pairs (Q6_K) or min pairs (Q4_K, Q5_K), widened, into pairs for the bsums. K is a
+// template argument so that the high bits' shifts are immediates.
+template <PackedType F, class V, int NT, int K>
+[[gnu::always_inline]] inline void k_quarter(const std::uint8_t* blk, std::size_t group, const BlockQ8_K* const* xb,
+                                             typename V::I* pairs, typename V::I (&isum)[NT]) {
+  const std::uint8_t* q = blk + kPackedHeaders<F> + 256 * K;
+  const std::uint8_t* high = F == PackedType::Q4_K ? nullptr : blk + kPackedHeaders<F> + 1024;
+  const std::int8_t* xq[NT];
+  BATCHLM_UNROLL
+  for (int t = 0; t < NT; ++t) xq[t] = xb[t]->qs + 64 * K;
+  const auto next = [&](int n) {
+    BATCHLM_UNROLL
+    for (int t = 0; t < NT; ++t) xq[t] += n;
+  };
+  if constexpr (F == PackedType::Q6_K) {
+    // Sub-blocks of 16: 4K and 4K + 1 in the low nibbles of chunks 8K..8K+3 and 8K+4..8K+7
+    // (scale pair 2K), 4K + 2 and 4K + 3 in their high nibbles (pair 2K + 1); their high bits
+    // from chunks 8(K / 2).., bits 4(K % 2) for the low nibbles, two further for the high ones.
+    constexpr int kAt = 4 * (K % 2);
+    high += 256 * (K / 2);
+    const typename V::I low_pair = V::template widen16<true>(blk + 16 + 32 * K, group);
+    const typename V::I high_pair = V::template widen16<true>(blk + 32 + 32 * K, group);
+    pairs[2 * K] = low_pair;
+    pairs[2 * K + 1] = high_pair;
+    k_sub_block<V, NT, 4, 1, 63, 2, kAt>(q, high, group, xq, k_scale<V, 0>(low_pair), isum);
+    next(16);
+    k_sub_block<V, NT, 4, 1, 63, 2, kAt>(q + 128, high + 128, group, xq, k_scale<V, 1>(low_pair), isum);
+    next(16);
+    k_sub_block<V, NT, 4, 2, 63, 2, kAt + 2>(q, high, group, xq, k_scale<V, 0>(high_pair), isum);
+    next(16);
+    k_sub_block<V, NT, 4, 2, 63, 2, kAt + 2>(q + 128, high + 128, group, xq, k_scale<V, 1>(high_pair), isum);
+  } else {
+    // Sub-block 2K in the low nibbles, 2K + 1 in the high ones; Q5_K's fifth bits bits 2K and
+    // 2K + 1 of the 8 high chunks.
+    constexpr int kFifth = F == PackedType::Q5_K ? 1 : 0;
+    constexpr int kMaxQ = F == PackedType::Q5_K ? 31 : 15;
+    const typename V::I pair = V::template widen16<false>(blk + 32 + 16 * K, group);
+    pairs[K] = V::template widen16<false>(blk + 96 + 16 * K, group);
+    k_sub_block<V, NT, 8, 1, kMaxQ, kFifth, 2 * K>(q, high, group, xq, k_scale<V, 0>(pair), isum);
+    next(32);
+    k_sub_block<V, NT, 8, 2, kMaxQ, kFifth, 2 * K + 1>(q, high, group, xq, k_scale<V, 1>(pair), isum);
+  }
+}
+
 // The K types (layout in cpu_kernels.hpp) against Q8_K rows: per super-block and lane, isum as
 // q45k_block / q6k_block (portable.cpp) sums it, exactly; the mins (Q4_K, Q5_K) or the -32
 // offsets (Q6_K) against the bsums in 16-bit pairs, madd of the scale pairs and the bsum pairs;
@@ -606,8 +670,6 @@ void packed_k_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t*
   for (int t = 0; t < NT; ++t) acc[t] = V::fzero();
   for (std::int64_t b = 0; b < nb; ++b) {
     const std::uint8_t* blk = w + b * kPackedBlock<F>;
-    const std::uint8_t* q = blk + kPackedHeaders<F>;
-    const std::uint8_t* scales = blk + (kQ6 ? 16 : 32);
     prefetch_block<F, V>(ahead, group, b);
     const BlockQ8_K* xb[NT];
     BATCHLM_UNROLL
@@ -617,30 +679,10 @@ void packed_k_rows(const std::uint8_t* w, std::size_t group, const std::uint8_t*
     for (int t = 0; t < NT; ++t) isum[t] = V::zero();
     // The scale pairs (Q6_K) or min pairs (Q4_K, Q5_K) that meet the bsums, widened once.
     typename V::I pairs[kQ6 ? 8 : 4];
-    for (int k = 0; k < (kQ6 ? 8 : 4); ++k) {
-      const typename V::I pair = V::template widen16<kQ6>(scales + 16 * k, group);
-      pairs[k] = kQ6 ? pair : V::template widen16<false>(blk + 96 + 16 * k, group);
-      const typename V::I even = k_scale<V, 0>(pair), odd = k_scale<V, 1>(pair);
-      const std::int8_t* xq[NT];
-      if constexpr (F == PackedType::Q4_K) {
-        // Chunks 8k..8k+7: sub-block 2k in the low nibbles, 2k + 1 in the high ones.
-        BATCHLM_UNROLL
-        for (int t = 0; t < NT; ++t) xq[t] = xb[t]->qs + 64 * k;
-        k_sub_block<V, NT, 8, 1, 15>(q + 256 * k, group, xq, even, isum);
-        BATCHLM_UNROLL
-        for (int t = 0; t < NT; ++t) xq[t] += 32;
-        k_sub_block<V, NT, 8, 2, 15>(q + 256 * k, group, xq, odd, isum);
-      } else {
-        // Sub-blocks of 32 (Q5_K) or 16 (Q6_K) bytes q, in element order.
-        constexpr int kChunks = kQ6 ? 4 : 8;
-        BATCHLM_UNROLL
-        for (int t = 0; t < NT; ++t) xq[t] = xb[t]->qs + 8 * kChunks * k;
-        k_sub_block<V, NT, kChunks, 0, kQ6 ? 63 : 31>(q + 64 * kChunks * k, group, xq, even, isum);
-        BATCHLM_UNROLL
-        for (int t = 0; t < NT; ++t) xq[t] += 4 * kChunks;
-        k_sub_block<V, NT, kChunks, 0, kQ6 ? 63 : 31>(q + 64 * kChunks * k + 32 * kChunks, group, xq, odd, isum);
-      }
-    }
+    k_quarter<F, V, NT, 0>(blk, group, xb, pairs, isum);
+    k_quarter<F, V, NT, 1>(blk, group, xb, pairs, isum);
+    k_quarter<F, V, NT, 2>(blk, group, xb, pairs, isum);
+    k_quarter<F, V, NT, 3>(blk, group, xb, pairs, isum);
     const typename V::F d = V::load_f16(blk, group);
     BATCHLM_UNROLL
     for (int t = 0; t < NT; ++t) {

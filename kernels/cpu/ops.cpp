@@ -158,8 +158,8 @@ std::size_t packed_block_bytes(DType t) {
     case DType::Q5_0: return 16 + 256;
     case DType::Q5_1: return 32 + 256;
     case DType::Q4_K: return 32 + 128 + 1024;
-    case DType::Q5_K: return 32 + 128 + 2048;
-    case DType::Q6_K: return 16 + 128 + 2048;
+    case DType::Q5_K: return 32 + 128 + 1024 + 256;
+    case DType::Q6_K: return 16 + 128 + 1024 + 512;
     default: return 0;
   }
 }
@@ -311,41 +311,47 @@ void matmul_group(std::span<const Matrix> w, const float* x, std::int64_t n,
 namespace {
 
 // Row r's super-block `in` of a K type into its group's packed block `out` (cpu_kernels.hpp):
-// its d (and dmin), its integer scales (and mins) as bytes two sub-blocks to a row, and its
-// quants in chunks, Q4_K's as the GGUF nibbles, Q5_K's and Q6_K's as the bytes q.
+// its d (and dmin), its integer scales (and mins) as bytes two sub-blocks to a row, the low 4
+// bits of its quants as Q4_K's GGUF nibbles, and Q5_K's and Q6_K's high bits as their GGUF qh,
+// in chunks of 4 bytes of each row.
 void pack_k_block(DType t, const std::byte* in, int r, std::byte* out) {
   const auto put = [&](std::size_t at, std::uint8_t v) { out[at] = static_cast<std::byte>(v); };
-  std::uint8_t q[256];
-  std::size_t quants = 160;
+  // n chunks from `at`: chunk c holds bytes 4c..4c+3 of `from` at 4r.
+  const auto chunks = [&](std::size_t at, const void* from, int n) {
+    for (int c = 0; c < n; ++c) std::memcpy(out + at + 32 * c + 4 * r, static_cast<const std::byte*>(from) + 4 * c, 4);
+  };
   if (t == DType::Q6_K) {
     BlockQ6_K b;
     std::memcpy(&b, in, sizeof b);
     std::memcpy(out + 2 * r, &b.d, 2);
     for (int j = 0; j < 16; ++j) put(16 + 16 * (j / 2) + 2 * r + j % 2, static_cast<std::uint8_t>(b.scales[j]));
-    for (int e = 0; e < 256; ++e) q[e] = static_cast<std::uint8_t>(q6k_quant(b.ql, b.qh, e));
-    quants = 144;
-  } else {
-    // Q4_K and Q5_K begin alike: d, dmin, the 12 bytes of scales and mins.
-    std::memcpy(out + 2 * r, in, 2);
-    std::memcpy(out + 16 + 2 * r, in + 2, 2);
-    std::uint8_t scales[12];
-    std::memcpy(scales, in + offsetof(BlockQ4_K, scales), sizeof scales);
-    for (int j = 0; j < 8; ++j) {
-      std::uint8_t sc, m;
-      k_scale_min(scales, j, sc, m);
-      put(32 + 16 * (j / 2) + 2 * r + j % 2, sc);
-      put(96 + 16 * (j / 2) + 2 * r + j % 2, m);
-    }
-    if (t == DType::Q4_K) {
-      const std::byte* qs = in + offsetof(BlockQ4_K, qs);
-      for (int c = 0; c < 32; ++c) std::memcpy(out + quants + 32 * c + 4 * r, qs + 4 * c, 4);
-      return;
-    }
-    BlockQ5_K b;
-    std::memcpy(&b, in, sizeof b);
-    for (int e = 0; e < 256; ++e) q[e] = static_cast<std::uint8_t>(k45_quant(b.qs, b.qh, e));
+    // Q6_K's nibbles hold elements 64 apart; Q4_K's, which the tiles read, 32 apart.
+    std::uint8_t nibbles[128];
+    for (int i = 0; i < 4; ++i)
+      for (int l = 0; l < 32; ++l)
+        nibbles[32 * i + l] = static_cast<std::uint8_t>((q6k_quant(b.ql, b.qh, 64 * i + l) & 0x0f) |
+                                                        (q6k_quant(b.ql, b.qh, 64 * i + 32 + l) & 0x0f) << 4);
+    chunks(144, nibbles, 32);
+    chunks(144 + 1024, b.qh, 16);
+    return;
   }
-  for (int c = 0; c < 64; ++c) std::memcpy(out + quants + 32 * c + 4 * r, q + 4 * c, 4);
+  // Q4_K and Q5_K begin alike: d, dmin, the 12 bytes of scales and mins.
+  std::memcpy(out + 2 * r, in, 2);
+  std::memcpy(out + 16 + 2 * r, in + 2, 2);
+  std::uint8_t scales[12];
+  std::memcpy(scales, in + offsetof(BlockQ4_K, scales), sizeof scales);
+  for (int j = 0; j < 8; ++j) {
+    std::uint8_t sc, m;
+    k_scale_min(scales, j, sc, m);
+    put(32 + 16 * (j / 2) + 2 * r + j % 2, sc);
+    put(96 + 16 * (j / 2) + 2 * r + j % 2, m);
+  }
+  if (t == DType::Q4_K) {
+    chunks(160, in + offsetof(BlockQ4_K, qs), 32);
+    return;
+  }
+  chunks(160, in + offsetof(BlockQ5_K, qs), 32);
+  chunks(160 + 1024, in + offsetof(BlockQ5_K, qh), 8);
 }
 
 }  // namespace

@@ -188,8 +188,13 @@ TEST(QuantTypesSimd, PackedKTypesAgreeBitForBit) {
     EXPECT_NE(k->packed_q6_k, nullptr) << k->name;
   }
   EXPECT_EQ(cpu::packed_block_bytes(DType::Q4_K), 1184u);
-  EXPECT_EQ(cpu::packed_block_bytes(DType::Q5_K), 2208u);
-  EXPECT_EQ(cpu::packed_block_bytes(DType::Q6_K), 2192u);
+  EXPECT_EQ(cpu::packed_block_bytes(DType::Q5_K), 1440u);
+  EXPECT_EQ(cpu::packed_block_bytes(DType::Q6_K), 1680u);
+  // Against the GGUF blocks of the group's 8 rows: the scales and mins unpacked to bytes take
+  // 128 bytes where Q4_K's and Q5_K's 12 per block take 96; the quants keep their bits.
+  EXPECT_EQ(cpu::packed_block_bytes(DType::Q4_K), 8 * block_bytes(DType::Q4_K) + 32);
+  EXPECT_EQ(cpu::packed_block_bytes(DType::Q5_K), 8 * block_bytes(DType::Q5_K) + 32);
+  EXPECT_EQ(cpu::packed_block_bytes(DType::Q6_K), 8 * block_bytes(DType::Q6_K));
   ThreadPool pool(2);
   std::mt19937_64 rng(19);
   std::normal_distribution<float> normal(0.0f, 1.0f);

@@ -53,7 +53,7 @@ class PackedWeights {
 };
 // w's weights packed (Q4_0, Q4_1, Q8_0, Q5_0 as Q8_0 blocks of the same values, Q5_1 with its
 // quants in bytes; cols a multiple of 32; Q4_K, Q5_K, Q6_K, cols a multiple of 256, with
-// their scales unpacked and Q5_K's and Q6_K's quants in bytes); empty for the other types,
+// their scales unpacked and their quants' bits as in the file); empty for the other types,
 // which have no packed form. Products of a packed matrix are the portable path's bit for bit on
 // every path (each block's integer dot product, then one FMA per block in block order); the
 // SIMD paths' GGUF-layout tiles, used without a packed copy, sum in another order.
