@@ -44,29 +44,30 @@ constexpr std::string_view kKnowledgeDate = "Cutting Knowledge Date: December 20
 // ideographic space), as Hugging Face's rendering of the template does. llama.cpp's own Jinja
 // trims ASCII whitespace only, so a message that ends in such a space renders differently there.
 std::string_view trim(std::string_view s) {
-  const auto space_at_front = [](std::string_view t) -> std::size_t {
-    if (t.empty()) return 0;
-    const unsigned char c = static_cast<unsigned char>(t[0]);
-    if (c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f)) return 1;
-    for (std::string_view u : {"\u00a0", "\u1680", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000", "\u0085"})
+  // The whitespace that is not ASCII, in UTF-8: U+0085, NBSP, U+1680, U+2000..U+200A, the line
+  // and paragraph separators, U+202F, U+205F, U+3000.
+  static constexpr std::string_view kSpaces[] = {
+      "\u0085", "\u00a0", "\u1680", "\u2000", "\u2001", "\u2002", "\u2003", "\u2004", "\u2005", "\u2006",
+      "\u2007", "\u2008", "\u2009", "\u200a", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000"};
+  const auto ascii = [](char ch) {
+    const auto c = static_cast<unsigned char>(ch);
+    return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
+  };
+  // The length of the whitespace character at s's front (back), or 0.
+  const auto at_front = [&](std::string_view t) -> std::size_t {
+    if (!t.empty() && ascii(t.front())) return 1;
+    for (std::string_view u : kSpaces)
       if (t.starts_with(u)) return u.size();
-    if (t.size() >= 3 && c == 0xE2 && static_cast<unsigned char>(t[1]) == 0x80 && static_cast<unsigned char>(t[2]) <= 0x8A)
-      return 3;  // U+2000..U+200A
     return 0;
   };
-  const auto space_at_back = [](std::string_view t) -> std::size_t {
-    if (t.empty()) return 0;
-    const unsigned char c = static_cast<unsigned char>(t.back());
-    if (c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f)) return 1;
-    for (std::string_view u : {"\u00a0", "\u1680", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000", "\u0085"})
+  const auto at_back = [&](std::string_view t) -> std::size_t {
+    if (!t.empty() && ascii(t.back())) return 1;
+    for (std::string_view u : kSpaces)
       if (t.ends_with(u)) return u.size();
-    if (t.size() >= 3 && static_cast<unsigned char>(t[t.size() - 3]) == 0xE2 &&
-        static_cast<unsigned char>(t[t.size() - 2]) == 0x80 && c <= 0x8A)
-      return 3;
     return 0;
   };
-  for (std::size_t n; (n = space_at_front(s)) > 0;) s.remove_prefix(n);
-  for (std::size_t n; (n = space_at_back(s)) > 0;) s.remove_suffix(n);
+  for (std::size_t n; (n = at_front(s)) > 0;) s.remove_prefix(n);
+  for (std::size_t n; (n = at_back(s)) > 0;) s.remove_suffix(n);
   return s;
 }
 
@@ -274,11 +275,14 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
 std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
   std::string out;
   if (name_ == "llama3") {
-    const auto append_turn = [&](std::string_view role, std::string_view content) {
+    const auto header = [&](std::string_view role) {
       out += kHeaderStart;
       out += role;
       out += kHeaderEnd;
       out += "\n\n";
+    };
+    const auto append_turn = [&](std::string_view role, std::string_view content) {
+      header(role);
       out += trim(content);
       out += kEndOfTurn;
     };
@@ -292,10 +296,7 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
         system = trim(messages.front().content);
         first = 1;
       }
-      out += kHeaderStart;
-      out += "system";
-      out += kHeaderEnd;
-      out += "\n\n";
+      header("system");
       out += kKnowledgeDate;
       out += "Today Date: ";
       out += date_ == "today" ? today() : date_;
@@ -304,12 +305,7 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
       out += kEndOfTurn;
     }
     for (std::size_t i = first; i < messages.size(); ++i) append_turn(messages[i].role, messages[i].content);
-    if (add_generation_prompt) {
-      out += kHeaderStart;
-      out += "assistant";
-      out += kHeaderEnd;
-      out += "\n\n";
-    }
+    if (add_generation_prompt) header("assistant");
     return out;
   }
   const auto append_turn = [&](std::string_view role, std::string_view content) {

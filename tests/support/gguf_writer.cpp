@@ -1,5 +1,7 @@
 #include "gguf_writer.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -555,6 +557,12 @@ std::vector<float> dequantize(DType type, std::span<const std::byte> data, std::
     }
   }
   return out;
+}
+
+std::filesystem::path fresh_dir(const std::string& prefix) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);
+  return tmpl;
 }
 
 void write_file(const std::filesystem::path& path, std::span<const std::byte> bytes) {

@@ -69,6 +69,10 @@ std::vector<float> dequantize(DType type, std::span<const std::byte> data, std::
 // Writes `bytes` to `path`, replacing the file. Throws std::runtime_error on failure.
 void write_file(const std::filesystem::path& path, std::span<const std::byte> bytes);
 
+// A new empty directory under the system's temporary directory, named prefix-XXXXXX. Throws
+// std::runtime_error on failure.
+std::filesystem::path fresh_dir(const std::string& prefix);
+
 class GgufWriter {
  public:
   // What the tensor table says about a tensor, replacing what the writer would say. The

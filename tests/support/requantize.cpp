@@ -4,7 +4,9 @@
 #include <bit>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <regex>
 #include <stdexcept>
 #include <utility>
@@ -271,6 +273,13 @@ void compress(std::array<std::uint32_t, 8>& h, const std::byte* chunk) {
 }
 
 }  // namespace
+
+std::string sha256_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path.string());
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return sha256_hex(std::as_bytes(std::span(bytes.data(), bytes.size())));
+}
 
 std::string sha256_hex(std::span<const std::byte> bytes) {
   std::array<std::uint32_t, 8> h = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,

@@ -79,5 +79,7 @@ inline constexpr float kSmolLM2RopeFreqsMax = 8.0f;
 
 // SHA-256 of `bytes` as 64 lower-case hex digits (as sha256sum and Python's hashlib print it).
 std::string sha256_hex(std::span<const std::byte> bytes);
+// The same of a file's contents. Throws std::runtime_error when it cannot be read.
+std::string sha256_file(const std::filesystem::path& path);
 
 }  // namespace batchlm::testing

@@ -2,12 +2,8 @@
 // file llama.cpp's goldens in tests/reference/tiny-qwen3/ come from, and prints its sha256.
 
 #include <exception>
-#include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <string>
-#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -21,9 +17,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     batchlm::testing::write_tiny_llama(out, batchlm::testing::tiny_qwen3_reference());
-    std::ifstream in(out, std::ios::binary);
-    const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    std::cout << batchlm::testing::sha256_hex(std::as_bytes(std::span(bytes.data(), bytes.size()))) << "  " << out << "\n";
+    std::cout << batchlm::testing::sha256_file(out) << "  " << out << "\n";
   } catch (const std::exception& e) {
     std::cerr << "tiny_gguf: " << e.what() << "\n";
     return 1;

@@ -9,15 +9,11 @@
 // zero biases is the default model's network, and the loader's refusals. The tests on the
 // default model's copies are skipped (not passed) where it has not been fetched.
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <iterator>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -42,11 +38,7 @@ using namespace batchlm::local_engine;
 namespace fs = std::filesystem;
 namespace bt = batchlm::testing;
 
-fs::path fresh_dir(const std::string& prefix) {
-  std::string tmpl = (fs::temp_directory_path() / (prefix + "-XXXXXX")).string();
-  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-  return tmpl;
-}
+using batchlm::testing::fresh_dir;
 
 struct Variant {
   std::string name;  // the goldens' folder is smollm2-135m-instruct-<name>
@@ -177,13 +169,9 @@ TEST(TinyQwen3, MatchesLlamaCpp) {
   bt::write_tiny_llama(path, bt::tiny_qwen3_reference());
   const nlohmann::json goldens =
       bt::read_goldens(fs::path(BATCHLM_SOURCE_DIR) / "tests/reference/tiny-qwen3", "generate.json");
-  {
-    std::ifstream in(path, std::ios::binary);
-    const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    ASSERT_EQ(bt::sha256_hex(std::as_bytes(std::span(bytes.data(), bytes.size()))), goldens["model_sha256"].get<std::string>())
-        << "the tiny Qwen3 is not the file the goldens in tests/reference/tiny-qwen3/ come from: regenerate them "
-           "(tests/reference/README.md)";
-  }
+  ASSERT_EQ(bt::sha256_file(path), goldens["model_sha256"].get<std::string>())
+      << "the tiny Qwen3 is not the file the goldens in tests/reference/tiny-qwen3/ come from: regenerate them "
+         "(tests/reference/README.md)";
   const auto model = Model::load(path);
   ASSERT_TRUE(model->config().qk_norm);
   ASSERT_EQ(model->config().q_width(), 512);

@@ -7,8 +7,6 @@
 // (tests/support/llama_goldens.hpp; the logits' taken from the largest spread). Also the copy
 // itself, on a tiny model. Skipped (not passed) where the default model has not been fetched.
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -48,11 +46,7 @@ nlohmann::json read_kmix_goldens(const std::string& name) {
       batchlm::testing::reference_dir().parent_path() / "smollm2-135m-instruct-kmix", name);
 }
 
-fs::path fresh_dir(const std::string& prefix) {
-  std::string tmpl = (fs::temp_directory_path() / (prefix + "-XXXXXX")).string();
-  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-  return tmpl;
-}
+using batchlm::testing::fresh_dir;
 
 // Type and value alike, arrays item by item.
 bool same_value(const gguf::Value& a, const gguf::Value& b) {

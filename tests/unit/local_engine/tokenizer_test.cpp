@@ -490,6 +490,9 @@ TEST(ChatTemplate, Llama30TurnsWithTrimmedContents) {
   EXPECT_EQ(chat.apply(llama3_conversations()[1], true),
             "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>" + turns[1]);
   EXPECT_EQ(chat.apply(llama3_conversations()[2], true), turns[2]);
+  // Python's strip(), as Jinja's trim: Unicode spaces too.
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"user", "\u3000\u2009Hi\u00a0\u2028"}}, false),
+            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
   // Without the generation prompt, the conversation ends with its last turn.
   EXPECT_EQ(chat.apply(llama3_conversations()[1], false),
             "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
