@@ -86,8 +86,8 @@ int main(int argc, char** argv) {
   int tokens = 128;
   bool no_graphs_too = false, no_graphs = false;
   app.add_option("--model", model_path, "GGUF model");
-  app.add_option("--random-1b", random_1b, "Write and run a 1B-class Llama with random weights: q4_1 or f16")
-      ->check(CLI::IsMember({"q4_1", "f16"}));
+  app.add_option("--random-1b", random_1b, "Write and run a 1B-class Llama with random weights: q4_1, q4_k_m (Q4_K, V and up Q6_K) or f16")
+      ->check(CLI::IsMember({"q4_1", "q4_k_m", "f16"}));
   app.add_option("--sequences", sequences_arg, "Comma-separated sequence counts");
   app.add_option("--tokens", tokens, "New tokens per sequence")->check(CLI::Range(2, 4096));
   app.add_option("--device", device_arg, "cuda or cpu")->check(CLI::IsMember({"cuda", "cpu"}));
@@ -109,7 +109,9 @@ int main(int argc, char** argv) {
     o.n_kv_heads = 8;
     o.n_layers = 16;
     o.context_length = 2048;
-    o.weight_dtype = random_1b == "f16" ? batchlm::kernels::DType::F16 : batchlm::kernels::DType::Q4_1;
+    using batchlm::kernels::DType;
+    o.weight_dtype = random_1b == "f16" ? DType::F16 : random_1b == "q4_k_m" ? DType::Q4_K : DType::Q4_1;
+    if (random_1b == "q4_k_m") o.v_up_dtype = DType::Q6_K;
     o.embedding_dtype = o.weight_dtype;
     model_path = (fs::temp_directory_path() / ("batchlm-random-1b-" + random_1b + ".gguf")).string();
     if (!fs::exists(model_path)) batchlm::testing::write_tiny_llama(model_path, o);

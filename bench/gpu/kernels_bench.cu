@@ -54,7 +54,10 @@ struct Shape {
   std::int64_t rows, cols;
 };
 
-const DType kTypes[] = {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::F16, DType::BF16, DType::F32};
+// Q5_0 and Q5_1 go up in the layouts of Q8_0 and Q5_K (cuda.hpp): the same kernels, not timed
+// again.
+const DType kTypes[] = {DType::Q4_0, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q5_K,
+                        DType::Q6_K, DType::F16,  DType::BF16, DType::F32};
 
 // A fast deterministic generator (xorshift64*): the large matrices have 10^8+ elements.
 struct Rng {
@@ -101,12 +104,16 @@ std::vector<unsigned char> random_weights(DType type, const Shape& s, std::uint6
           const std::uint64_t r = rng.next();
           std::memcpy(blk + j, &r, std::min<std::size_t>(8, bb - j));
         }
-        const float d =
-            0.02f * (1.5f + 0.5f * rng.uniform()) / (type == DType::Q8_0 ? 16.0f : 1.0f);
+        // The K types' integer sub-block scales (random bytes here, up to 63 or 127) multiply d.
+        const bool k = type == DType::Q4_K || type == DType::Q5_K || type == DType::Q6_K;
+        const float d = 0.02f * (1.5f + 0.5f * rng.uniform()) /
+                        (type == DType::Q8_0 ? 16.0f : k ? 64.0f : 1.0f);
         const std::uint16_t dh = fp32_to_fp16(d);
-        std::memcpy(blk, &dh, 2);
-        if (type == DType::Q4_1) {
-          const std::uint16_t mh = fp32_to_fp16(-8.0f * d);
+        // Q6_K keeps its d last; the others first.
+        std::memcpy(blk + (type == DType::Q6_K ? bb - 2 : 0), &dh, 2);
+        if (type == DType::Q4_1 || type == DType::Q4_K || type == DType::Q5_K) {
+          // Q4_1's min, the K types' dmin.
+          const std::uint16_t mh = fp32_to_fp16(type == DType::Q4_1 ? -8.0f * d : 8.0f * d);
           std::memcpy(blk + 2, &mh, 2);
         }
       }

@@ -9,13 +9,16 @@
 #   bench/gpu/run.sh device checks   # on the GPU machine, with .gpu-a/: GPU tests,
 #                                    # compute-sanitizer memcheck, kernel benchmarks, the
 #                                    # engine on a random 1B-class model
-#   bench/gpu/run.sh device model    # with .gpu-a/ and .gpu-b/ (the second call may carry
-#                                    # .gpu-b/ alone: the machine keeps .gpu/ between calls):
+#   bench/gpu/run.sh device model    # with .gpu-a/, .gpu-b/ and .gpu-c/ where pack made one (a
+#                                    # later call may carry .gpu-b/ and .gpu-c/ alone: the
+#                                    # machine keeps .gpu/ between calls):
 #                                    # the default model on the GPU against the CPU, its decode
 #                                    # throughput, GSM8K end to end, the transformers peer
 #   bench/gpu/run.sh device all      # both
 #
-# Stages may also be named one by one: tests (and memcheck), benchmarks, model-test (the
+# Stages may also be named one by one: tests (and memcheck, and the executor's unit tests that
+# decide between the devices), kernels (gpu_kernels_bench --check alone), k-engine (the
+# 1B-class engine in Q4_1 and Q4_K_M-like types), benchmarks, model-test (the
 # default model against its exact reference), model-benchmarks (engine, GSM8K, the peer),
 # engine (its first part alone), profile (per-kernel GPU time of a decode step, with ncu), ab
 # (engine_bench of a base build against this one, alternating); 'checks' is tests and benchmarks, 'model' is model-test and
@@ -34,11 +37,11 @@ pack() {
   set -e
   cmake -S . -B build/gpu -DCMAKE_BUILD_TYPE=Release -DBATCHLM_CUDA=ON >/dev/null
   cmake --build build/gpu -j2 --target batchlm matmul_test ops_test gpu_engine_test \
-    gpu_kernels_bench engine_bench
+    executor_test architectures_test gpu_kernels_bench engine_bench
   rm -rf .gpu .gpu-a .gpu-b
   mkdir -p .gpu/bin .gpu/lib .gpu/data .gpu/whl .gpu-a .gpu-b
   cp build/gpu/bin/batchlm build/gpu/tests/matmul_test build/gpu/tests/ops_test \
-    build/gpu/tests/gpu_engine_test .gpu/bin/
+    build/gpu/tests/gpu_engine_test build/gpu/tests/executor_test build/gpu/tests/architectures_test .gpu/bin/
   cp build/gpu/bin/gpu_kernels_bench build/gpu/bin/engine_bench .gpu/bin/
   strip --strip-debug .gpu/bin/*
   # Shared libraries beyond the C and C++ runtimes and CUDA's (libcurl, yaml-cpp, PCRE2, ...).
@@ -52,15 +55,23 @@ pack() {
   tar -C .gpu -cf - bin lib data whl | xz -T2 -6 >.gpu-a/bundle.tar.xz
   rm -rf .gpu
   [ -f "$MODEL" ] || scripts/fetch-model.sh
-  # The model goes in two parts: what fits beside the tree and the bundle, then the rest.
-  local tree_kib bundle_kib first_kib
+  # The model goes in parts: what fits beside the tree and the bundle, then the rest in .gpu-b
+  # (and .gpu-c when it does not fit there either).
+  local tree_kib bundle_kib first_kib part_kib
   tree_kib=$(git ls-files -z | du -ck --files0-from=- | tail -1 | cut -f1)
   bundle_kib=$(du -k .gpu-a/bundle.tar.xz | cut -f1)
   first_kib=$((LIMIT_MIB * 1024 - tree_kib - bundle_kib - 2048))
+  part_kib=$((LIMIT_MIB * 1024 - tree_kib - 2048))
+  rm -rf .gpu-c
   head -c $((first_kib * 1024)) "$MODEL" >.gpu-a/model.1
-  tail -c +$((first_kib * 1024 + 1)) "$MODEL" >.gpu-b/model.2
-  du -sh .gpu-a .gpu-b
-  for d in .gpu-a .gpu-b; do
+  dd if="$MODEL" of=.gpu-b/model.2 bs=1024 skip="$first_kib" count="$part_kib" status=none
+  if (($(stat -c %s "$MODEL") > (first_kib + part_kib) * 1024)); then
+    mkdir -p .gpu-c
+    tail -c +$(((first_kib + part_kib) * 1024 + 1)) "$MODEL" >.gpu-c/model.3
+  fi
+  du -sh .gpu-a .gpu-b .gpu-c 2>/dev/null
+  for d in .gpu-a .gpu-b .gpu-c; do
+    [ -d $d ] || continue
     if (($(du -sk $d | cut -f1) + tree_kib > LIMIT_MIB * 1024)); then
       echo "pack: $d and the tree exceed ${LIMIT_MIB} MiB" >&2
       exit 1
@@ -103,11 +114,15 @@ gpu_tests() {
   echo "== GPU tests, and under compute-sanitizer memcheck (at the same time)"
   local t memchecks=()
   for t in matmul_test ops_test gpu_engine_test; do
-    (step "memcheck $t" 180 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    (step "memcheck $t" 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
       .gpu/bin/$t --gtest_brief=1 >"$OUT/memcheck-$t.txt" 2>&1) &
     memchecks+=($!)
   done
-  for t in matmul_test ops_test gpu_engine_test; do step "test $t" 120 .gpu/bin/$t --gtest_brief=1; done
+  for t in matmul_test ops_test gpu_engine_test; do step "test $t" 180 .gpu/bin/$t --gtest_brief=1; done
+  # Where the executor goes for each model (kAuto), with a GPU present.
+  step "test executor_test" 60 .gpu/bin/executor_test --gtest_brief=1
+  step "test architectures_test (the device decision)" 60 \
+    .gpu/bin/architectures_test --gtest_brief=1 --gtest_filter='TinyVariants.*:GpuRunsNetwork.*'
   wait "${memchecks[@]}"
   for t in matmul_test ops_test gpu_engine_test; do tail -5 "$OUT/memcheck-$t.txt"; done
 }
@@ -116,22 +131,39 @@ gpu_tests() {
 # before the tests when benchmarks follow them.
 write_random_models() {
   .gpu/bin/engine_bench --random-1b q4_1 --device cpu --sequences 1 --tokens 2 >/dev/null &&
-    .gpu/bin/engine_bench --random-1b f16 --device cpu --sequences 1 --tokens 2 >/dev/null
+    .gpu/bin/engine_bench --random-1b f16 --device cpu --sequences 1 --tokens 2 >/dev/null &&
+    .gpu/bin/engine_bench --random-1b q4_k_m --device cpu --sequences 1 --tokens 2 >/dev/null
+}
+
+kernels() {
+  step "kernels: gpu_kernels_bench --check" 240 .gpu/bin/gpu_kernels_bench --check
+}
+
+# The 1B-class engine in Q4_1 and in a Q4_K_M-like mix (Q4_K, V and up Q6_K), writing the models
+# first where they are not there yet.
+k_engine() {
+  local t
+  for t in q4_1 q4_k_m; do
+    step "engine: random 1B-class $t, 1/8/64 sequences" 150 \
+      .gpu/bin/engine_bench --random-1b $t --sequences 1,8,64 --tokens 64
+  done
 }
 
 benchmarks() {
   [ -n "${writer:-}" ] && wait "$writer"
-  step "kernels: gpu_kernels_bench --check" 120 .gpu/bin/gpu_kernels_bench --check
+  kernels
   step "engine: random 1B-class q4_1, 1/8/64 sequences" 75 \
     .gpu/bin/engine_bench --random-1b q4_1 --sequences 1,8,64 --tokens 64
   step "engine: random 1B-class f16, 1/8/64 sequences" 75 \
     .gpu/bin/engine_bench --random-1b f16 --sequences 1,8,64 --tokens 64
+  step "engine: random 1B-class q4_k_m, 1/8/64 sequences" 75 \
+    .gpu/bin/engine_bench --random-1b q4_k_m --sequences 1,8,64 --tokens 64
 }
 
 assemble_model() {
   if [ ! -f "$MODEL" ]; then
     mkdir -p models
-    cat .gpu-a/model.1 .gpu-b/model.2 >"$MODEL"
+    cat .gpu-a/model.1 .gpu-b/model.2 $([ -f .gpu-c/model.3 ] && echo .gpu-c/model.3) >"$MODEL"
   fi
 }
 
@@ -206,6 +238,8 @@ device() {
     for stage in "$@"; do
       case "$stage" in
         tests) gpu_tests ;;
+        kernels) kernels ;;
+        k-engine) k_engine ;;
         benchmarks) benchmarks ;;
         model-test) model_test ;;
         model-benchmarks) model_benchmarks ;;

@@ -1,6 +1,6 @@
 // Element-wise and row operations of cuda.hpp (the definitions of ops.hpp, on the device):
-// rms_norm, add_rms_norm, rope, swiglu, add, gather_rows, store_f16_paged, and the fused
-// rope_store_kv and swiglu_rows.
+// rms_norm, add_rms_norm, rope, swiglu, add, gather_rows, store_f16_paged, the fused
+// rope_store_kv and swiglu_rows, and qkv_bias_norm.
 //
 // Shapes: the norms run one 256-thread block per row (a block reduction of the sum of
 // squares, F32); everything else is a grid-stride loop over its elements, so any size runs
@@ -80,9 +80,13 @@ unsigned row_grid(std::int64_t n) {
 // rounded to F32; the rotation itself is F32 as on the CPU.
 // cos and sin of pair i's angle at position pos: pos * base^(-2i/rot_dim), with
 // base^(-2i/rot_dim) = exp(-(2i/rot_dim) * ln(base)).
+// With freq_factors (rot_dim / 2 floats, a model's rope_freqs), pair i's angle is divided by
+// freq_factors[i].
 __device__ __forceinline__ void rope_cos_sin(std::int64_t i, std::int64_t rot_dim, double log_base,
-                                             std::int32_t pos, float& c, float& s) {
-  const double inv_freq = exp(-(2.0 * static_cast<double>(i) / static_cast<double>(rot_dim)) * log_base);
+                                             std::int32_t pos, const float* __restrict__ freq_factors,
+                                             float& c, float& s) {
+  double inv_freq = exp(-(2.0 * static_cast<double>(i) / static_cast<double>(rot_dim)) * log_base);
+  if (freq_factors != nullptr) inv_freq /= static_cast<double>(freq_factors[i]);
   const double angle = static_cast<double>(pos) * inv_freq;
   double sd, cd;
   sincos(angle, &sd, &cd);
@@ -96,20 +100,37 @@ __device__ __forceinline__ float2 rotate_pair(float a, float b, float c, float s
   return make_float2(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)), __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c)));
 }
 
+// The two elements of a head that pair p holds: pair p < rot_pairs is rotated, (2p, 2p + 1)
+// with adjacent pairs, (p, p + rot_pairs) with pairs in halves; a pair past the rotated ones,
+// (2p, 2p + 1) either way (elements rot_dim .. head_dim - 1, copied).
+__device__ __forceinline__ void pair_elements(std::int64_t p, std::int64_t rot_pairs, bool halves,
+                                              std::int64_t& e0, std::int64_t& e1) {
+  if (halves && p < rot_pairs) {
+    e0 = p;
+    e1 = p + rot_pairs;
+  } else {
+    e0 = 2 * p;
+    e1 = 2 * p + 1;
+  }
+}
+
 __global__ void rope_kernel(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
                             std::int64_t pairs, std::int64_t rot_dim,
-                            const std::int32_t* __restrict__ positions, double log_base) {
+                            const std::int32_t* __restrict__ positions, double log_base, bool halves,
+                            const float* __restrict__ freq_factors) {
   const std::int64_t total = n * pairs;
   for (std::int64_t idx = grid_index(); idx < total; idx += grid_stride()) {
     const std::int64_t t = idx / pairs;
     const std::int64_t i = idx % pairs;
     float c, s;
-    rope_cos_sin(i, rot_dim, log_base, positions[t], c, s);
-    float* v = x + t * n_heads * head_dim + 2 * i;
+    rope_cos_sin(i, rot_dim, log_base, positions[t], freq_factors, c, s);
+    std::int64_t e0, e1;
+    pair_elements(i, pairs, halves, e0, e1);
+    float* v = x + t * n_heads * head_dim;
     for (std::int64_t h = 0; h < n_heads; ++h, v += head_dim) {
-      const float2 r = rotate_pair(v[0], v[1], c, s);
-      v[0] = r.x;
-      v[1] = r.y;
+      const float2 r = rotate_pair(v[e0], v[e1], c, s);
+      v[e0] = r.x;
+      v[e1] = r.y;
     }
   }
 }
@@ -143,6 +164,8 @@ struct RopeStoreArgs {
   std::int64_t stride_q, stride_k, stride_v;
   std::int64_t n, n_heads, n_kv_heads, head_dim, rot_pairs, rot_dim;
   double log_base;
+  bool halves;
+  const float* freq_factors;
   std::int64_t block_size;
   const std::int32_t* block_tables;
   std::int32_t max_blocks;
@@ -160,28 +183,94 @@ __global__ void rope_store_kv_kernel(const RopeStoreArgs a) {
     const std::int64_t t = idx / half, p = idx % half;
     const bool rotated = p < a.rot_pairs;
     float c = 1.0f, s = 0.0f;
-    if (rotated) rope_cos_sin(p, a.rot_dim, a.log_base, a.positions[t], c, s);
-    const float* qi = a.q + t * a.stride_q + 2 * p;
-    float* qo = a.q_out + t * a.n_heads * a.head_dim + 2 * p;
+    if (rotated) rope_cos_sin(p, a.rot_dim, a.log_base, a.positions[t], a.freq_factors, c, s);
+    std::int64_t e0, e1;
+    pair_elements(p, a.rot_pairs, a.halves, e0, e1);
+    const float* qi = a.q + t * a.stride_q;
+    float* qo = a.q_out + t * a.n_heads * a.head_dim;
     for (std::int64_t h = 0; h < a.n_heads; ++h, qi += a.head_dim, qo += a.head_dim) {
-      const float x0 = qi[0], x1 = qi[1];
+      const float x0 = qi[e0], x1 = qi[e1];
       const float2 r = rotated ? rotate_pair(x0, x1, c, s) : make_float2(x0, x1);
-      qo[0] = r.x;
-      qo[1] = r.y;
+      qo[e0] = r.x;
+      qo[e1] = r.y;
     }
     const std::int64_t row =
         pool_row(t, a.block_size, a.block_tables, a.max_blocks, a.sequence_of, a.positions);
     if (row < 0) continue;
-    const float* ki = a.k + t * a.stride_k + 2 * p;
-    const float* vi = a.v + t * a.stride_v + 2 * p;
+    const float* ki = a.k + t * a.stride_k;
+    const float* vi = a.v + t * a.stride_v;
     for (std::int64_t h = 0; h < a.n_kv_heads; ++h, ki += a.head_dim, vi += a.head_dim) {
-      const float2 r = rotated ? rotate_pair(ki[0], ki[1], c, s) : make_float2(ki[0], ki[1]);
-      const std::int64_t at = row * width + h * a.head_dim + 2 * p;
+      const float2 r = rotated ? rotate_pair(ki[e0], ki[e1], c, s) : make_float2(ki[e0], ki[e1]);
+      const std::int64_t at = row * width + h * a.head_dim;
       // Round to nearest even, as the CPU's fp32_to_fp16.
-      a.k_pool[at] = __half_as_ushort(__float2half_rn(r.x));
-      a.k_pool[at + 1] = __half_as_ushort(__float2half_rn(r.y));
-      a.v_pool[at] = __half_as_ushort(__float2half_rn(vi[0]));
-      a.v_pool[at + 1] = __half_as_ushort(__float2half_rn(vi[1]));
+      a.k_pool[at + e0] = __half_as_ushort(__float2half_rn(r.x));
+      a.k_pool[at + e1] = __half_as_ushort(__float2half_rn(r.y));
+      a.v_pool[at + e0] = __half_as_ushort(__float2half_rn(vi[e0]));
+      a.v_pool[at + e1] = __half_as_ushort(__float2half_rn(vi[e1]));
+    }
+  }
+}
+
+// qkv_bias_norm: one warp per (token, head), over the query heads, then the key heads, then
+// the value heads. A lane holds elements lane, lane + 32, ... of its head (head_dim <= 256:
+// at most 8), adds their bias, and where the head has a norm weight the warp sums the squares
+// and scales (rms_norm's expression, F32 sums in another order than the CPU's).
+constexpr int kMaxHeadPerLane = 8;
+struct BiasNormArgs {
+  float* q;
+  float* k;
+  float* v;
+  std::int64_t stride_q, stride_k, stride_v;
+  std::int64_t n, n_heads, n_kv_heads, head_dim;
+  QkvExtras extras;
+};
+
+__global__ void qkv_bias_norm_kernel(const BiasNormArgs a) {
+  const std::int64_t heads = a.n_heads + 2 * a.n_kv_heads;
+  const std::int64_t total = a.n * heads;
+  const int lane = static_cast<int>(threadIdx.x) % detail::kWarp;
+  const std::int64_t warps = grid_stride() / detail::kWarp;
+  for (std::int64_t w = grid_index() / detail::kWarp; w < total; w += warps) {
+    const std::int64_t t = w / heads, slot = w % heads;
+    float* x;
+    const float* bias;
+    const float* weight;
+    if (slot < a.n_heads) {
+      x = a.q + t * a.stride_q + slot * a.head_dim;
+      bias = a.extras.q_bias != nullptr ? a.extras.q_bias + slot * a.head_dim : nullptr;
+      weight = a.extras.q_norm;
+    } else if (slot < a.n_heads + a.n_kv_heads) {
+      const std::int64_t h = slot - a.n_heads;
+      x = a.k + t * a.stride_k + h * a.head_dim;
+      bias = a.extras.k_bias != nullptr ? a.extras.k_bias + h * a.head_dim : nullptr;
+      weight = a.extras.k_norm;
+    } else {
+      const std::int64_t h = slot - a.n_heads - a.n_kv_heads;
+      x = a.v + t * a.stride_v + h * a.head_dim;
+      bias = a.extras.v_bias != nullptr ? a.extras.v_bias + h * a.head_dim : nullptr;
+      weight = nullptr;
+    }
+    if (bias == nullptr && weight == nullptr) continue;  // the same for the whole warp
+    float vals[kMaxHeadPerLane];
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxHeadPerLane; ++j) {
+      const std::int64_t i = lane + j * detail::kWarp;
+      vals[j] = 0.0f;
+      if (i < a.head_dim) {
+        vals[j] = bias != nullptr ? x[i] + bias[i] : x[i];
+        sum += vals[j] * vals[j];
+      }
+    }
+    float scale = 1.0f;
+    if (weight != nullptr) {
+      sum = detail::warp_sum(sum);
+      scale = 1.0f / sqrtf(sum / static_cast<float>(a.head_dim) + a.extras.eps);
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxHeadPerLane; ++j) {
+      const std::int64_t i = lane + j * detail::kWarp;
+      if (i < a.head_dim) x[i] = weight != nullptr ? vals[j] * scale * weight[i] : vals[j];
     }
   }
 }
@@ -257,7 +346,8 @@ void add_rms_norm(float* x, const float* y, const float* weight, std::int64_t n,
 }
 
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
-          std::int64_t rot_dim, const std::int32_t* positions, float base, cudaStream_t stream) {
+          std::int64_t rot_dim, const std::int32_t* positions, float base, cudaStream_t stream,
+          RopeStyle style, const float* freq_factors) {
   if (rot_dim < 0 || rot_dim % 2 != 0 || rot_dim > head_dim) {
     throw std::invalid_argument("rope: rot_dim " + std::to_string(rot_dim) +
                                 " must be even and at most head_dim " + std::to_string(head_dim));
@@ -265,13 +355,15 @@ void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
   const std::int64_t pairs = rot_dim / 2;
   if (n <= 0 || n_heads <= 0 || pairs == 0) return;
   rope_kernel<<<grid_for(n * pairs), kThreads, 0, stream>>>(
-      x, n, n_heads, head_dim, pairs, rot_dim, positions, std::log(static_cast<double>(base)));
+      x, n, n_heads, head_dim, pairs, rot_dim, positions, std::log(static_cast<double>(base)),
+      style == RopeStyle::kHalves, freq_factors);
   detail::check_launch("rope");
 }
 
 void rope_store_kv(const QkvRows& in, std::int64_t n, std::int64_t n_heads, std::int64_t n_kv_heads,
                    std::int64_t head_dim, std::int64_t rot_dim, float base, const PagedBatch& batch,
-                   float* q_out, std::uint16_t* k_pool, std::uint16_t* v_pool, cudaStream_t stream) {
+                   float* q_out, std::uint16_t* k_pool, std::uint16_t* v_pool, cudaStream_t stream,
+                   RopeStyle style, const float* freq_factors) {
   if (head_dim <= 0 || head_dim % 2 != 0)
     throw std::invalid_argument("rope_store_kv: head_dim " + std::to_string(head_dim) + " must be even");
   if (rot_dim < 0 || rot_dim % 2 != 0 || rot_dim > head_dim) {
@@ -285,10 +377,27 @@ void rope_store_kv(const QkvRows& in, std::int64_t n, std::int64_t n_heads, std:
   if (n <= 0) return;
   const RopeStoreArgs a{in.q, in.k, in.v, in.stride_q, in.stride_k, in.stride_v, n, n_heads, n_kv_heads,
                         head_dim, rot_dim / 2, rot_dim, std::log(static_cast<double>(base)),
-                        batch.block_size, batch.block_tables, batch.max_blocks, batch.sequence_of,
+                        style == RopeStyle::kHalves, freq_factors, batch.block_size, batch.block_tables, batch.max_blocks, batch.sequence_of,
                         batch.positions, q_out, k_pool, v_pool};
   rope_store_kv_kernel<<<grid_for(n * (head_dim / 2)), kThreads, 0, stream>>>(a);
   detail::check_launch("rope_store_kv");
+}
+
+void qkv_bias_norm(float* q, float* k, float* v, std::int64_t stride_q, std::int64_t stride_k,
+                   std::int64_t stride_v, std::int64_t n, std::int64_t n_heads, std::int64_t n_kv_heads,
+                   std::int64_t head_dim, const QkvExtras& extras, cudaStream_t stream) {
+  if (head_dim <= 0 || head_dim > kMaxHeadPerLane * detail::kWarp)
+    throw std::invalid_argument("qkv_bias_norm: head_dim " + std::to_string(head_dim) + " must be in 1..256");
+  if (n_heads < 0 || n_kv_heads < 0 || stride_q < n_heads * head_dim || stride_k < n_kv_heads * head_dim ||
+      stride_v < n_kv_heads * head_dim)
+    throw std::invalid_argument("qkv_bias_norm: a row stride is smaller than its heads");
+  const bool any = extras.q_bias != nullptr || extras.k_bias != nullptr || extras.v_bias != nullptr ||
+                   extras.q_norm != nullptr || extras.k_norm != nullptr;
+  if (n <= 0 || !any) return;
+  const BiasNormArgs a{q, k, v, stride_q, stride_k, stride_v, n, n_heads, n_kv_heads, head_dim, extras};
+  const std::int64_t warps = n * (n_heads + 2 * n_kv_heads);
+  qkv_bias_norm_kernel<<<grid_for(warps * detail::kWarp), kThreads, 0, stream>>>(a);
+  detail::check_launch("qkv_bias_norm");
 }
 
 void swiglu_rows(const float* gate, const float* up, std::int64_t n, std::int64_t width, std::int64_t stride,

@@ -638,13 +638,15 @@ void launch_get_rows(const Parts& p, std::int64_t rows, const std::int32_t* ids,
   check_launch("get_rows");
 }
 
-// Calls f.template operator()<T>() for the runtime type (one of the six the kernels take).
+// Calls f.template operator()<T>() for the runtime device layout (one of the eight).
 template <typename F>
 void with_type(DType type, F&& f) {
   switch (type) {
     case DType::Q4_0: f.template operator()<DType::Q4_0>(); break;
     case DType::Q4_1: f.template operator()<DType::Q4_1>(); break;
     case DType::Q8_0: f.template operator()<DType::Q8_0>(); break;
+    case DType::Q4_K: f.template operator()<DType::Q4_K>(); break;
+    case DType::Q5_K: f.template operator()<DType::Q5_K>(); break;
     case DType::F16: f.template operator()<DType::F16>(); break;
     case DType::BF16: f.template operator()<DType::BF16>(); break;
     case DType::F32: f.template operator()<DType::F32>(); break;
@@ -657,27 +659,100 @@ void with_type(DType type, F&& f) {
 
 // ---------------------------------------------------------------------------------------------
 
-bool takes(DType t) { return detail::chunk_elems(t) != 0; }
+bool takes(DType t) { return detail::chunk_elems(detail::device_type(t)) != 0; }
 
 std::size_t device_bytes(const Matrix& w) {
-  detail::check_shape(w.type, w.rows, w.cols, "device_bytes");
-  return detail::weight_layout(w.type, w.rows, w.cols).total;
+  const DType dt = detail::device_type(w.type);
+  detail::check_shape(dt, w.rows, w.cols, "device_bytes");
+  return detail::weight_layout(dt, w.rows, w.cols).total;
 }
+
+namespace detail {
+namespace {
+
+// One 32-element block of a file type that goes up repacked (Q5_0, Q5_1, Q4_K, Q5_K): its
+// integer quants and the F32 scale and min of its values d * q + m, the CPU's dequantization
+// (dequantize_row) rounding for rounding. Q5_0's q is q - 16 with m = 0.
+struct RepackedBlock {
+  int q[32];
+  float d = 0.0f, m = 0.0f;
+  std::uint16_t d16 = 0;  // Q5_0: the file's fp16 scale, kept as Q8_0's
+};
+
+RepackedBlock repacked_block(DType t, const unsigned char* row, std::int64_t b) {
+  RepackedBlock out;
+  switch (t) {
+    case DType::Q5_0: {
+      BlockQ5_0 blk;
+      std::memcpy(&blk, row + static_cast<std::size_t>(b) * sizeof blk, sizeof blk);
+      for (int e = 0; e < 32; ++e) out.q[e] = q5_quant(blk.qs, blk.qh, e) - 16;
+      out.d16 = blk.d;
+      break;
+    }
+    case DType::Q5_1: {
+      BlockQ5_1 blk;
+      std::memcpy(&blk, row + static_cast<std::size_t>(b) * sizeof blk, sizeof blk);
+      for (int e = 0; e < 32; ++e) out.q[e] = q5_quant(blk.qs, blk.qh, e);
+      out.d = fp16_to_fp32(blk.d);
+      out.m = fp16_to_fp32(blk.m);
+      break;
+    }
+    case DType::Q4_K:
+    case DType::Q5_K: {
+      // Sub-block j of super-block b / 8.
+      const std::size_t bytes = block_bytes(t);
+      const unsigned char* base = row + static_cast<std::size_t>(b / 8) * bytes;
+      const int j = static_cast<int>(b % 8);
+      BlockQ5_K k5{};
+      BlockQ4_K k4{};
+      const std::uint8_t* qh = nullptr;
+      const std::uint8_t* qs = nullptr;
+      if (t == DType::Q5_K) {
+        std::memcpy(&k5, base, sizeof k5);
+        std::memcpy(&k4, base, 16);  // d, dmin, scales
+        qh = k5.qh;
+        qs = k5.qs;
+      } else {
+        std::memcpy(&k4, base, sizeof k4);
+        qs = k4.qs;
+      }
+      std::uint8_t sc = 0, mn = 0;
+      k_scale_min(k4.scales, j, sc, mn);
+      out.d = fp16_to_fp32(k4.d) * static_cast<float>(sc);
+      out.m = -(fp16_to_fp32(k4.dmin) * static_cast<float>(mn));
+      for (int e = 0; e < 32; ++e) out.q[e] = k45_quant(qs, qh, 32 * j + e);
+      break;
+    }
+    default: invalid("upload: internal: no repacking for " + std::string(to_string(t)));
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace detail
 
 DeviceMatrix upload(const Matrix& w, void* device) {
   using detail::WeightLayout;
-  detail::check_shape(w.type, w.rows, w.cols, "upload");
+  const DType dt = detail::device_type(w.type);
+  detail::check_shape(dt, w.rows, w.cols, "upload");
   if (device == nullptr || !detail::aligned16(device)) {
     detail::invalid("upload: device memory missing or not 16-byte aligned");
   }
   if (w.data == nullptr && w.rows > 0) detail::invalid("upload: no host data");
-  const WeightLayout l = detail::weight_layout(w.type, w.rows, w.cols);
+  if (w.cols % block_size(w.type) != 0) {
+    detail::invalid("upload: cols " + std::to_string(w.cols) + " is not a whole number of " +
+                    std::string(to_string(w.type)) + " blocks");
+  }
+  const WeightLayout l = detail::weight_layout(dt, w.rows, w.cols);
   static const unsigned char kZeros[detail::kLayoutAlign] = {};
+  const auto* src = static_cast<const unsigned char*>(w.data);
+  const std::size_t src_row = row_bytes(w.type, w.cols);
+  const auto bpr = static_cast<std::size_t>(l.blocks_per_row);
 
-  if (detail::scale_entry_bytes(w.type) == 0) {
+  if (dt == w.type && detail::scale_entry_bytes(dt) == 0) {
     // F32 / F16 / BF16: the GGUF rows as they are, then zero padding (less than 256 bytes, or
     // 256 for an empty matrix).
-    if (l.quant_bytes != static_cast<std::size_t>(w.rows) * row_bytes(w.type, w.cols)) {
+    if (l.quant_bytes != static_cast<std::size_t>(w.rows) * src_row) {
       detail::invalid("upload: internal layout mismatch");
     }
     if (l.quant_bytes > 0) {
@@ -690,16 +765,23 @@ DeviceMatrix upload(const Matrix& w, void* device) {
                        cudaMemcpyHostToDevice),
             "upload");
     }
-  } else {
-    // Quantized: split every block into its quants (the chunk part) and its scale(s).
+  } else if (dt == DType::F16) {
+    // Q6_K: each row dequantized as the CPU does, then rounded to F16.
     std::vector<unsigned char> host(l.total, 0);
-    const auto* src = static_cast<const unsigned char*>(w.data);
-    const std::size_t src_row = row_bytes(w.type, w.cols);
+    std::vector<float> values(static_cast<std::size_t>(w.cols));
+    auto* halves = reinterpret_cast<std::uint16_t*>(host.data());
+    for (std::int64_t r = 0; r < w.rows; ++r) {
+      dequantize_row(w.type, src + static_cast<std::size_t>(r) * src_row, w.cols, values.data());
+      for (std::int64_t c = 0; c < w.cols; ++c) halves[r * w.cols + c] = fp32_to_fp16(values[static_cast<std::size_t>(c)]);
+    }
+    check(cudaMemcpy(device, host.data(), l.total, cudaMemcpyHostToDevice), "upload");
+  } else if (w.type == DType::Q4_0 || w.type == DType::Q4_1 || w.type == DType::Q8_0) {
+    // Split every block into its quants (the chunk part) and its scale(s).
+    std::vector<unsigned char> host(l.total, 0);
     const std::size_t src_block = block_bytes(w.type);
     // Bytes of the fp16 scale(s) at the start of a block, then its quants.
     const std::size_t head = detail::scale_entry_bytes(w.type);  // 2 (d) or 4 (d, m)
     const std::size_t qs_bytes = src_block - head;                // 16 (Q4) or 32 (Q8_0)
-    const auto bpr = static_cast<std::size_t>(l.blocks_per_row);
     for (std::int64_t r = 0; r < w.rows; ++r) {
       for (std::size_t b = 0; b < bpr; ++b) {
         const unsigned char* block = src + static_cast<std::size_t>(r) * src_row + b * src_block;
@@ -711,11 +793,37 @@ DeviceMatrix upload(const Matrix& w, void* device) {
       }
     }
     check(cudaMemcpy(device, host.data(), l.total, cudaMemcpyHostToDevice), "upload");
+  } else {
+    // Q5_0 (as Q8_0), Q5_1 and Q5_K (as "Q5_K"), Q4_K: every 32-element block's quants
+    // repacked into the device layout's chunks, its scale (and min) beside them.
+    std::vector<unsigned char> host(l.total, 0);
+    for (std::int64_t r = 0; r < w.rows; ++r) {
+      const unsigned char* row = src + static_cast<std::size_t>(r) * src_row;
+      for (std::size_t b = 0; b < bpr; ++b) {
+        const detail::RepackedBlock k = detail::repacked_block(w.type, row, static_cast<std::int64_t>(b));
+        const std::size_t flat = static_cast<std::size_t>(r) * bpr + b;
+        unsigned char* scale = host.data() + l.scale_offset + flat * detail::scale_entry_bytes(dt);
+        if (dt == DType::Q4_K) {
+          unsigned char* qs = host.data() + flat * 16;
+          for (int e = 0; e < 16; ++e) qs[e] = static_cast<unsigned char>(k.q[e] | (k.q[e + 16] << 4));
+        } else {
+          auto* qs = reinterpret_cast<std::int8_t*>(host.data() + flat * 32);
+          for (int e = 0; e < 32; ++e) qs[e] = static_cast<std::int8_t>(k.q[e]);
+        }
+        if (dt == DType::Q8_0) {
+          std::memcpy(scale, &k.d16, sizeof k.d16);
+        } else {
+          std::memcpy(scale, &k.d, sizeof k.d);
+          std::memcpy(scale + sizeof k.d, &k.m, sizeof k.m);
+        }
+      }
+    }
+    check(cudaMemcpy(device, host.data(), l.total, cudaMemcpyHostToDevice), "upload");
   }
   // A copy from pageable memory may return before the DMA lands: wait for it, so that work
   // on any stream (non-blocking ones included) sees the weights.
   check(cudaStreamSynchronize(cudaStreamLegacy), "upload: synchronize");
-  return DeviceMatrix{w.type, device, w.rows, w.cols};
+  return DeviceMatrix{dt, device, w.rows, w.cols};
 }
 
 std::size_t matmul_scratch_bytes(const DeviceMatrix& w, std::int64_t n) {

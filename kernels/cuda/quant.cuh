@@ -3,6 +3,12 @@
 // dequantization of their 16-byte chunks, shared by the matrix-vector, tensor-core and
 // get_rows kernels.
 //
+// A matrix's device layout has a type of its own (device_type below): the file's type for
+// F32, F16, BF16, Q4_0, Q4_1, Q8_0 and Q4_K; Q5_0 goes up as Q8_0 (its q - 16 as int8, the
+// same scale: the same values), Q5_1 and Q5_K as the device layout "Q5_K" (q as int8, an F32
+// scale and min per 32 elements: the same values), and Q6_K as F16 (its elements rounded to
+// F16: sixteen scales per 256 elements have no 32-element block to ride on).
+//
 // Device layout of a matrix of `rows` x `cols` (cols a multiple of 32, checked by the callers):
 //
 //   [0, quant_bytes)                      the element data, row-major, in 16-byte "chunks":
@@ -10,13 +16,17 @@
 //   [scale_offset, scale_offset + scale_bytes)   per 32-element block, row-major
 //                                         (row r, block b at index r * blocks_per_row + b):
 //                                         Q4_0, Q8_0: uint16 (the fp16 scale d);
-//                                         Q4_1: uint32 (d in the low half, m in the high half).
+//                                         Q4_1: uint32 (d in the low half, m in the high half);
+//                                         Q4_K, Q5_K: two floats {d, m}, the block's element
+//                                         being d * q + m (a K sub-block's d * sc and
+//                                         -dmin * min, as the CPU computes them).
 //   [.., total)                           zero padding; every part starts 256-byte aligned.
 //
 // What a chunk holds (E = elements per chunk):
-//   Q4_0 / Q4_1 (E = 32): one whole block's 16 bytes of quants, exactly as in GGUF: byte j holds
-//                         element j in its low nibble and element j + 16 in its high nibble.
-//   Q8_0 (E = 16):        half a block: 16 int8 quants. Block b = chunks 2b and 2b + 1.
+//   Q4_0 / Q4_1 / Q4_K (E = 32): one whole block's 16 bytes of quants: byte j holds element j
+//                         in its low nibble and element j + 16 in its high nibble (Q4_0 and
+//                         Q4_1 exactly as in GGUF; a Q4_K sub-block repacked so).
+//   Q8_0 / Q5_K (E = 16): half a block: 16 int8 quants. Block b = chunks 2b and 2b + 1.
 //   F16 / BF16 (E = 8):   8 consecutive 16-bit values.
 //   F32 (E = 4):          4 consecutive floats.
 // Float types have no scales (scale_bytes = 0): their data is the GGUF row-major data as is.
@@ -41,12 +51,24 @@ __host__ __device__ constexpr std::size_t round_up(std::size_t v, std::size_t a)
   return (v + a - 1) / a * a;
 }
 
-// Elements per 16-byte chunk, 0 for a type the CUDA kernels do not take.
+// The device layout a file type goes up in (the header above).
+__host__ __device__ constexpr DType device_type(DType t) {
+  switch (t) {
+    case DType::Q5_0: return DType::Q8_0;
+    case DType::Q5_1: return DType::Q5_K;
+    case DType::Q6_K: return DType::F16;
+    default: return t;
+  }
+}
+
+// Elements per 16-byte chunk of a device layout, 0 for a type that is no device layout.
 __host__ __device__ constexpr std::int64_t chunk_elems(DType t) {
   switch (t) {
     case DType::Q4_0:
-    case DType::Q4_1: return 32;
-    case DType::Q8_0: return 16;
+    case DType::Q4_1:
+    case DType::Q4_K: return 32;
+    case DType::Q8_0:
+    case DType::Q5_K: return 16;
     case DType::F16:
     case DType::BF16: return 8;
     case DType::F32: return 4;
@@ -60,6 +82,8 @@ __host__ __device__ constexpr std::size_t scale_entry_bytes(DType t) {
     case DType::Q4_0:
     case DType::Q8_0: return 2;
     case DType::Q4_1: return 4;
+    case DType::Q4_K:
+    case DType::Q5_K: return 8;
     default: return 0;
   }
 }
@@ -165,6 +189,16 @@ struct Chunk<DType::Q8_0> {
   }
 };
 
+// Q4_K's sub-blocks as Q4_1's nibbles (q), with an F32 scale and min.
+template <>
+struct Chunk<DType::Q4_K> : Chunk<DType::Q4_1> {};
+
+// Q5_1 and Q5_K: q (0..31) as int8, as Q8_0's chunks hold them, with an F32 scale and min.
+template <>
+struct Chunk<DType::Q5_K> : Chunk<DType::Q8_0> {
+  static constexpr bool kHasMin = true;
+};
+
 template <>
 struct Chunk<DType::F16> {
   static constexpr int kElems = 8;
@@ -221,6 +255,10 @@ __device__ __forceinline__ BlockScale load_scale(const void* scales, std::int64_
     const std::uint32_t dm = __ldg(static_cast<const unsigned int*>(scales) + block);
     s.d = half_lo(dm);
     s.m = half_hi(dm);
+  } else if constexpr (T == DType::Q4_K || T == DType::Q5_K) {
+    const float2 dm = __ldg(static_cast<const float2*>(scales) + block);
+    s.d = dm.x;
+    s.m = dm.y;
   } else if constexpr (T == DType::Q4_0 || T == DType::Q8_0) {
     const unsigned short d = __ldg(static_cast<const unsigned short*>(scales) + block);
     s.d = __half2float(__ushort_as_half(d));

@@ -99,16 +99,11 @@ bool built_with_cuda() {
 }
 
 bool gpu_runs_network(const ModelConfig& c, std::string& why_not) {
-  std::vector<std::string> lacks;
-  if (c.qkv_bias) lacks.push_back("query, key and value biases");
-  if (c.qk_norm) lacks.push_back("per-head query and key norms");
-  if (c.q_width() != c.n_embd) lacks.push_back("heads wider than n_embd / n_heads");
-  if (c.rope_style != kernels::RopeStyle::kAdjacent) lacks.push_back("rotary pairs in halves");
-  if (c.rope_freq_factors) lacks.push_back("rope_freqs");
-  if (lacks.empty()) return true;
-  why_not = "the GPU forward pass does not run this '" + c.architecture + "' model's ";
-  for (std::size_t i = 0; i < lacks.size(); ++i)
-    why_not += (i == 0 ? "" : i + 1 == lacks.size() ? " and " : ", ") + lacks[i];
+  // The GPU attention and the per-head steps before it hold a head in at most 256 floats, in
+  // groups of 8.
+  if (c.head_dim >= 8 && c.head_dim <= 256 && c.head_dim % 8 == 0) return true;
+  why_not = "the GPU forward pass does not run this '" + c.architecture + "' model's heads of " +
+            std::to_string(c.head_dim) + " (it takes multiples of 8 up to 256)";
   return false;
 }
 

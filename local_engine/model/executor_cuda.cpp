@@ -1,5 +1,6 @@
-// The CUDA executor: the Llama forward pass of model/llama.cpp on the GPU, written against
-// kernels/cuda.hpp.
+// The CUDA executor: the forward pass of model/llama.cpp on the GPU (the llama, qwen2 and qwen3
+// architectures: biases, per-head norms, wide heads, rotary pairs in halves, rope_freqs), written
+// against kernels/cuda.hpp.
 //
 // Memory, all allocated when the executor is made (nothing is allocated per step):
 // - the weights, uploaded once into one arena (tied embeddings shared);
@@ -110,6 +111,7 @@ struct DeviceLayer {
   kc::DeviceMatrix qkv, gate_up;
   const float* attn_norm = nullptr;
   const float* ffn_norm = nullptr;
+  kc::QkvExtras extras;  // biases and per-head norms, where the architecture has them
 };
 
 // Where each array of the step metadata sits, in bytes from the start of the buffer.
@@ -292,7 +294,12 @@ class CudaExecutor final : public Executor {
       matrices.insert(matrices.end(), {&l.attn_out, &l.ffn_down});
       vectors.emplace_back(l.attn_norm, c.n_embd);
       vectors.emplace_back(l.ffn_norm, c.n_embd);
+      for (const auto& [p, n] : {std::pair{l.attn_q_bias, c.q_width()}, std::pair{l.attn_k_bias, c.kv_width()},
+                                 std::pair{l.attn_v_bias, c.kv_width()}, std::pair{l.attn_q_norm, c.head_dim},
+                                 std::pair{l.attn_k_norm, c.head_dim}})
+        if (p != nullptr) vectors.emplace_back(p, n);
     }
+    if (model_->rope_freqs() != nullptr) vectors.emplace_back(model_->rope_freqs(), c.rope_dim / 2);
     std::size_t total = 0;
     for (const kernels::Matrix* m : matrices) total += align_up(kc::device_bytes(*m));
     for (const kernels::Matrix& m : stacked_shapes) total += align_up(kc::device_bytes(m));
@@ -336,6 +343,8 @@ class CudaExecutor final : public Executor {
     token_embd_ = matrix(model_->token_embedding());
     output_ = matrix(model_->output());
     output_norm_ = vector(model_->output_norm(), c.n_embd);
+    if (model_->rope_freqs() != nullptr) rope_freqs_ = vector(model_->rope_freqs(), c.rope_dim / 2);
+    auto optional = [&](const float* host, std::int64_t n) { return host != nullptr ? vector(host, n) : nullptr; };
     for (std::int64_t li = 0; li < layers_; ++li) {
       const LayerWeights& l = model_->layers()[li];
       DeviceLayer d;
@@ -357,6 +366,12 @@ class CudaExecutor final : public Executor {
       d.down = matrix(l.ffn_down);
       d.attn_norm = vector(l.attn_norm, c.n_embd);
       d.ffn_norm = vector(l.ffn_norm, c.n_embd);
+      d.extras.q_bias = optional(l.attn_q_bias, c.q_width());
+      d.extras.k_bias = optional(l.attn_k_bias, c.kv_width());
+      d.extras.v_bias = optional(l.attn_v_bias, c.kv_width());
+      d.extras.q_norm = optional(l.attn_q_norm, c.head_dim);
+      d.extras.k_norm = optional(l.attn_k_norm, c.head_dim);
+      d.extras.eps = c.rms_eps;
       layers_dev_.push_back(d);
     }
   }
@@ -365,14 +380,15 @@ class CudaExecutor final : public Executor {
     const ModelConfig& c = model_->config();
     const auto T = static_cast<std::size_t>(Model::kMaxBatch);
     const auto E = static_cast<std::size_t>(c.n_embd), KV = static_cast<std::size_t>(c.kv_width()),
-               F = static_cast<std::size_t>(c.n_ff), V = static_cast<std::size_t>(c.n_vocab);
+               F = static_cast<std::size_t>(c.n_ff), V = static_cast<std::size_t>(c.n_vocab),
+               QW = static_cast<std::size_t>(c.q_width());
     auto floats = [&](std::size_t n, const char* what) { return DeviceMemory(n * sizeof(float), what); };
     x_ = floats(T * E, "cudaMalloc (activations)");
     x2_ = floats(T * E, "cudaMalloc (activations)");
     xn_ = floats(T * E, "cudaMalloc (activations)");
-    q_ = floats(T * E, "cudaMalloc (activations)");
-    att_ = floats(T * E, "cudaMalloc (activations)");
-    att2_ = floats(T * E, "cudaMalloc (activations)");
+    q_ = floats(T * QW, "cudaMalloc (activations)");
+    att_ = floats(T * QW, "cudaMalloc (activations)");
+    att2_ = floats(T * QW, "cudaMalloc (activations)");
     tmp_ = floats(T * E, "cudaMalloc (activations)");
     gate_ = floats(T * F, "cudaMalloc (activations)");
     // The stacked products write their rows side by side; the separate ones write K, V and up
@@ -382,7 +398,7 @@ class CudaExecutor final : public Executor {
       return std::any_of(layers_dev_.begin(), layers_dev_.end(),
                          [&](const DeviceLayer& l) { return ((l.*member).rows > 0) == stacked; });
     };
-    if (any(true, &DeviceLayer::qkv)) qkv_ = floats(T * (E + 2 * KV), "cudaMalloc (activations)");
+    if (any(true, &DeviceLayer::qkv)) qkv_ = floats(T * (QW + 2 * KV), "cudaMalloc (activations)");
     if (any(false, &DeviceLayer::qkv)) {
       k_ = floats(T * KV, "cudaMalloc (activations)");
       v_ = floats(T * KV, "cudaMalloc (activations)");
@@ -571,7 +587,7 @@ class CudaExecutor final : public Executor {
   // The forward pass (and sampling) for a step whose metadata is on the device.
   void launch(const StepShape& s) {
     const ModelConfig& c = model_->config();
-    const std::int64_t n = s.tokens, E = c.n_embd, KV = c.kv_width();
+    const std::int64_t n = s.tokens, E = c.n_embd, KV = c.kv_width(), QW = c.q_width();
     void* scratch = scratch_.get();
     const auto* positions = meta<std::int32_t>(layout_.positions);
     const kc::PagedBatch paged{block_size_, meta<std::int32_t>(layout_.tables),
@@ -594,19 +610,28 @@ class CudaExecutor final : public Executor {
     std::int64_t rows = n;
     for (std::int64_t li = 0; li < layers_; ++li) {
       const DeviceLayer& l = layers_dev_[static_cast<std::size_t>(li)];
-      kc::QkvRows in{q, k, v, E, KV, KV};
+      float* rq = q;
+      float* rk = k;
+      float* rv = v;
+      std::int64_t stride_q = QW, stride_kv = KV;
       if (l.qkv.rows > 0) {
         kc::matmul(l.qkv, xn, n, qkv, scratch, stream_);
-        in = kc::QkvRows{qkv, qkv + E, qkv + E + KV, E + 2 * KV, E + 2 * KV, E + 2 * KV};
+        rq = qkv;
+        rk = qkv + QW;
+        rv = qkv + QW + KV;
+        stride_q = stride_kv = QW + 2 * KV;
       } else {
         kc::matmul(l.q, xn, n, q, scratch, stream_);
         kc::matmul(l.k, xn, n, k, scratch, stream_);
         kc::matmul(l.v, xn, n, v, scratch, stream_);
       }
+      kc::qkv_bias_norm(rq, rk, rv, stride_q, stride_kv, stride_kv, n, c.n_heads, c.n_kv_heads, c.head_dim, l.extras,
+                        stream_);
+      const kc::QkvRows in{rq, rk, rv, stride_q, stride_kv, stride_kv};
       std::uint16_t* kc_pool = pool_k_.get<std::uint16_t>() + li * layer_stride_;
       std::uint16_t* vc_pool = pool_v_.get<std::uint16_t>() + li * layer_stride_;
       kc::rope_store_kv(in, n, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, c.rope_base, paged, q, kc_pool,
-                        vc_pool, stream_);
+                        vc_pool, stream_, c.rope_style, rope_freqs_);
       kc::attention_paged(attention_batch(s, li), q, n, att, scratch, stream_);
 
       // After the last layer's attention only the rows whose logits are wanted go on.
@@ -614,7 +639,7 @@ class CudaExecutor final : public Executor {
         if (s.outputs == 0) return;
         const auto* wanted = meta<std::int32_t>(layout_.logits_rows);
         kc::gather_rows(x, wanted, s.outputs, E, x2_.get<float>(), stream_);
-        kc::gather_rows(att, wanted, s.outputs, E, att2_.get<float>(), stream_);
+        kc::gather_rows(att, wanted, s.outputs, QW, att2_.get<float>(), stream_);
         x = x2_.get<float>();
         att = att2_.get<float>();
         rows = s.outputs;
@@ -661,6 +686,7 @@ class CudaExecutor final : public Executor {
   std::size_t weight_bytes_ = 0;
   kc::DeviceMatrix token_embd_, output_;
   const float* output_norm_ = nullptr;
+  const float* rope_freqs_ = nullptr;
   std::vector<DeviceLayer> layers_dev_;
 
   DeviceMemory x_, x2_, xn_, q_, k_, v_, att_, att2_, tmp_, gate_, up_, logits_dev_, tokens_dev_;
@@ -686,8 +712,7 @@ bool cuda_takes_model(const Model& model, std::string& why_not) {
       all.push_back(m);
   for (const kernels::Matrix* m : all) {
     if (!kc::takes(m->type)) {
-      why_not = "the GPU kernels do not take this model's " + std::string(kernels::to_string(m->type)) +
-                " matrices (they take Q4_0, Q4_1, Q8_0, F16, BF16 and F32)";
+      why_not = "the GPU kernels do not take this model's " + std::string(kernels::to_string(m->type)) + " matrices";
       return false;
     }
   }

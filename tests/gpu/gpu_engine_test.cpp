@@ -69,6 +69,21 @@ class GpuEngine : public ::testing::Test {
       o.embedding_dtype = t == DType::BF16 ? DType::F16 : t;
       write_tiny_llama(path(t), o);
     }
+    // The 5-bit and K types (K blocks are 256 wide: n_embd and n_ff multiples of 256).
+    for (DType t : {DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+      batchlm::testing::TinyLlamaOptions o;
+      o.n_layers = 2;
+      o.context_length = 1024;
+      o.n_embd = 256;
+      o.n_ff = 512;
+      o.weight_dtype = t;
+      o.embedding_dtype = t;
+      write_tiny_llama(path(t), o);
+    }
+    // The other architectures: Qwen2's biases and rotary halves, Qwen3's per-head norms and
+    // heads wider than n_embd / n_heads (as tiny-qwen3 has them), Llama's rope_freqs; and a
+    // Q4_K_M-like mix (Q4_K, with V and up in Q6_K, the embeddings Q6_K).
+    for (const auto& [name, o] : variants()) write_tiny_llama(*dir_ / (name + ".gguf"), o);
     // Layers of mixed types: Q, K and V (gate and up) cannot be stacked into one product.
     batchlm::testing::TinyLlamaOptions o;
     o.n_layers = 2;
@@ -89,6 +104,47 @@ class GpuEngine : public ::testing::Test {
   }
 
   static fs::path mixed_path() { return *dir_ / "tiny-mixed.gguf"; }
+
+  // The architecture variants, by name, with the weight type their logits bound is for.
+  static std::vector<std::pair<std::string, batchlm::testing::TinyLlamaOptions>> variants() {
+    using kernels::DType;
+    std::vector<std::pair<std::string, batchlm::testing::TinyLlamaOptions>> v;
+    batchlm::testing::TinyLlamaOptions o;
+    o.n_layers = 2;
+    o.context_length = 1024;
+    o.architecture = "qwen2";
+    o.weight_dtype = DType::Q8_0;
+    o.embedding_dtype = DType::Q8_0;
+    v.emplace_back("qwen2-q8_0", o);
+    o.architecture = "qwen3";
+    o.head_dim = 32;  // 4 heads of 32 over n_embd 64
+    o.weight_dtype = DType::F32;
+    o.embedding_dtype = DType::F32;
+    v.emplace_back("qwen3-f32", o);
+    batchlm::testing::TinyLlamaOptions q3 = batchlm::testing::tiny_qwen3_reference();
+    q3.context_length = 1024;
+    q3.weight_dtype = DType::Q4_K;
+    q3.embedding_dtype = DType::Q6_K;
+    v.emplace_back("qwen3-q4_k", q3);
+    batchlm::testing::TinyLlamaOptions freqs;
+    freqs.n_layers = 2;
+    freqs.context_length = 1024;
+    freqs.weight_dtype = DType::F16;
+    freqs.embedding_dtype = DType::F16;
+    freqs.rope_freqs = {1.0f, 1.0f, 1.5f, 2.0f, 4.0f, 8.0f, 8.0f, 8.0f};  // head_dim 16
+    v.emplace_back("llama-rope-freqs-f16", freqs);
+    batchlm::testing::TinyLlamaOptions km;
+    km.n_layers = 2;
+    km.context_length = 1024;
+    km.n_embd = 256;
+    km.n_ff = 512;
+    km.weight_dtype = DType::Q4_K;
+    km.v_up_dtype = DType::Q6_K;
+    km.embedding_dtype = DType::Q6_K;
+    v.emplace_back("llama-q4_k_m", km);
+    return v;
+  }
+  static fs::path variant_path(const std::string& name) { return *dir_ / (name + ".gguf"); }
 
   static inline fs::path* dir_ = nullptr;
 };
@@ -131,9 +187,11 @@ void compare_greedy(Executor& cpu, Executor& gpu, const std::vector<Token>& prom
 TEST_F(GpuEngine, GreedyLogitsMatchTheCpuForEveryWeightType) {
   using kernels::DType;
   std::vector<std::pair<fs::path, DType>> models;
-  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0})
+  for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1,
+                  DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K})
     models.emplace_back(path(t), t);
   models.emplace_back(mixed_path(), DType::Q4_1);  // Q4_1, with V and up in Q8_0
+  for (const auto& [name, o] : variants()) models.emplace_back(variant_path(name), o.weight_dtype);
   for (const auto& [file, t] : models) {
     const auto model = Model::load(file);
     auto cpu = make_executor(model, {.device = Device::kCpu, .threads = 2, .context = 512});
@@ -151,9 +209,13 @@ TEST_F(GpuEngine, GreedyLogitsMatchTheCpuForEveryWeightType) {
 }
 
 // A mixed batch (two prefill chunks and three decoding sequences, logits of some rows), then
-// the same decode batch replayed from a graph with other contents, and the eager path.
+// the same decode batch replayed from a graph with other contents, and the eager path; for a
+// Llama, a Qwen3 (per-head norms, wide heads) and a Qwen2 (biases: padding tokens in a graph's
+// bucket get them too, and must still store nothing).
 TEST_F(GpuEngine, MixedBatchesAndGraphReplaysMatchTheCpu) {
-  const auto model = Model::load(path(kernels::DType::Q4_1));
+  for (const fs::path& file : {path(kernels::DType::Q4_1), variant_path("qwen3-q4_k"), variant_path("qwen2-q8_0")}) {
+  SCOPED_TRACE(file.filename().string());
+  const auto model = Model::load(file);
   const ModelConfig& c = model->config();
   auto cpu = make_executor(model, {.device = Device::kCpu, .threads = 2, .context = 256});
   auto gpu = make_executor(model, {.device = Device::kCuda, .context = 256});
@@ -198,6 +260,7 @@ TEST_F(GpuEngine, MixedBatchesAndGraphReplaysMatchTheCpu) {
   step({1, 0, 1, 0, 1}, true, "decode, fewer sequences in the same bucket");
   step({0, 1, 0, 0, 0}, true, "decode, one sequence");
   step({40, 1, 1, 1, 1}, false, "a long chunk beside decodes");
+  }
 }
 
 // The CUDA executor's block copies (part of a block from the prefix cache): a token that reads

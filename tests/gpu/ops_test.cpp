@@ -127,6 +127,137 @@ TEST(CudaOps, RopeMatchesDefinitionAndCpu) {
   }
 }
 
+// Rotary pairs in halves of each head (Qwen's layout) and angles divided by per-pair factors
+// (Llama 3.1's rope_freqs), against the definition in double and the CPU.
+TEST(CudaOps, RopeInHalvesAndWithFreqFactorsMatchesDefinitionAndCpu) {
+  BATCHLM_REQUIRE_GPU();
+  std::mt19937 rng(13);
+  const std::vector<std::int32_t> positions = {0, 1, 3, 100, 2047, 8191, 31000};
+  const auto n = static_cast<std::int64_t>(positions.size());
+  const std::int64_t n_heads = 3, head_dim = 64;
+  for (const k::RopeStyle style : {k::RopeStyle::kAdjacent, k::RopeStyle::kHalves}) {
+    for (const std::int64_t rot_dim : {64, 32}) {
+      for (const bool with_factors : {false, true}) {
+        std::vector<float> factors(static_cast<std::size_t>(rot_dim / 2));
+        for (std::size_t i = 0; i < factors.size(); ++i) factors[i] = 1.0f + 0.37f * static_cast<float>(i);
+        const float* host_factors = with_factors ? factors.data() : nullptr;
+        const float base = 500000.0f;
+        const auto x = random_floats(n * n_heads * head_dim, rng);
+        std::vector<float> exact = x;
+        const std::int64_t half = rot_dim / 2;
+        for (std::int64_t t = 0; t < n; ++t)
+          for (std::int64_t h = 0; h < n_heads; ++h)
+            for (std::int64_t i = 0; i < half; ++i) {
+              double angle = positions[t] * std::pow(static_cast<double>(base), -2.0 * i / rot_dim);
+              if (with_factors) angle /= factors[i];
+              const std::int64_t at = (t * n_heads + h) * head_dim;
+              const std::int64_t e0 = style == k::RopeStyle::kHalves ? i : 2 * i;
+              const std::int64_t e1 = style == k::RopeStyle::kHalves ? i + half : 2 * i + 1;
+              const double a = x[at + e0], b = x[at + e1];
+              exact[at + e0] = static_cast<float>(a * std::cos(angle) - b * std::sin(angle));
+              exact[at + e1] = static_cast<float>(a * std::sin(angle) + b * std::cos(angle));
+            }
+        std::vector<float> cpu = x;
+        k::rope(cpu.data(), n, n_heads, head_dim, rot_dim,
+                k::rope_angles(n, rot_dim, positions.data(), base, host_factors).data(), style);
+        DeviceBuffer<float> dx(x), dfactors(factors);
+        DeviceBuffer<std::int32_t> dpos(positions);
+        kc::rope(dx.get(), n, n_heads, head_dim, rot_dim, dpos.get(), base, nullptr, style,
+                 with_factors ? dfactors.get() : nullptr);
+        sync();
+        const auto gpu = dx.download();
+        const std::string what = std::string(style == k::RopeStyle::kHalves ? "halves" : "adjacent") + " rot_dim " +
+                                 std::to_string(rot_dim) + (with_factors ? " with factors" : "");
+        EXPECT_LT(relative_error(gpu, exact), 2e-6) << what;
+        EXPECT_LT(relative_error(gpu, cpu), 5e-3) << what;
+        for (std::int64_t r = 0; r < n * n_heads; ++r)
+          for (std::int64_t d = rot_dim; d < head_dim; ++d) ASSERT_EQ(gpu[r * head_dim + d], x[r * head_dim + d]) << what;
+      }
+    }
+  }
+}
+
+// Biases, then per-head RMS norms of the queries and keys, in place, stacked or apart: against
+// the CPU's add and rms_norm (as the forward pass applies them), any part left out.
+TEST(CudaOps, QkvBiasNormMatchesTheCpu) {
+  BATCHLM_REQUIRE_GPU();
+  std::mt19937 rng(21);
+  struct Case {
+    std::int64_t heads, kv_heads, dim;
+    bool bias, norm, stacked;
+  };
+  for (const Case c : {Case{14, 2, 64, true, false, true}, Case{4, 2, 128, false, true, true},
+                       Case{8, 8, 256, true, true, false}, Case{3, 1, 40, true, true, true},
+                       Case{2, 1, 8, false, true, false}}) {
+    const std::int64_t n = 13, QW = c.heads * c.dim, KV = c.kv_heads * c.dim, row = QW + 2 * KV;
+    const std::string what = std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " heads of " +
+                             std::to_string(c.dim) + (c.bias ? ", biases" : "") + (c.norm ? ", norms" : "") +
+                             (c.stacked ? ", stacked" : ", apart");
+    const auto qkv = random_floats(n * row, rng, 2.0f);
+    const auto qb = random_floats(QW, rng, 0.5f), kb = random_floats(KV, rng, 0.5f), vb = random_floats(KV, rng, 0.5f);
+    auto qn = random_floats(c.dim, rng, 0.2f), kn = random_floats(c.dim, rng, 0.2f);
+    for (auto& w : qn) w += 1.0f;
+    for (auto& w : kn) w += 1.0f;
+    // The CPU's steps on rows apart.
+    std::vector<float> q(n * QW), kk(n * KV), v(n * KV);
+    for (std::int64_t t = 0; t < n; ++t) {
+      std::copy_n(qkv.begin() + t * row, QW, q.begin() + t * QW);
+      std::copy_n(qkv.begin() + t * row + QW, KV, kk.begin() + t * KV);
+      std::copy_n(qkv.begin() + t * row + QW + KV, KV, v.begin() + t * KV);
+    }
+    std::vector<float> want_q = q, want_k = kk, want_v = v;
+    if (c.bias) {
+      for (std::int64_t t = 0; t < n; ++t) {
+        k::add(want_q.data() + t * QW, qb.data(), QW);
+        k::add(want_k.data() + t * KV, kb.data(), KV);
+        k::add(want_v.data() + t * KV, vb.data(), KV);
+      }
+    }
+    if (c.norm) {
+      k::rms_norm(want_q.data(), qn.data(), n * c.heads, c.dim, 1e-6f, want_q.data());
+      k::rms_norm(want_k.data(), kn.data(), n * c.kv_heads, c.dim, 1e-6f, want_k.data());
+    }
+    DeviceBuffer<float> dqkv(qkv), dq(q), dk(kk), dv(v), dqb(qb), dkb(kb), dvb(vb), dqn(qn), dkn(kn);
+    kc::QkvExtras extras;
+    if (c.bias) {
+      extras.q_bias = dqb.get();
+      extras.k_bias = dkb.get();
+      extras.v_bias = dvb.get();
+    }
+    if (c.norm) {
+      extras.q_norm = dqn.get();
+      extras.k_norm = dkn.get();
+    }
+    extras.eps = 1e-6f;
+    std::vector<float> got_q(n * QW), got_k(n * KV), got_v(n * KV);
+    if (c.stacked) {
+      kc::qkv_bias_norm(dqkv.get(), dqkv.get() + QW, dqkv.get() + QW + KV, row, row, row, n, c.heads, c.kv_heads,
+                        c.dim, extras, nullptr);
+      sync();
+      const auto back = dqkv.download();
+      for (std::int64_t t = 0; t < n; ++t) {
+        std::copy_n(back.begin() + t * row, QW, got_q.begin() + t * QW);
+        std::copy_n(back.begin() + t * row + QW, KV, got_k.begin() + t * KV);
+        std::copy_n(back.begin() + t * row + QW + KV, KV, got_v.begin() + t * KV);
+      }
+    } else {
+      kc::qkv_bias_norm(dq.get(), dk.get(), dv.get(), QW, KV, KV, n, c.heads, c.kv_heads, c.dim, extras, nullptr);
+      sync();
+      got_q = dq.download();
+      got_k = dk.download();
+      got_v = dv.download();
+    }
+    EXPECT_LT(relative_error(got_q, want_q), 1e-6) << what;
+    EXPECT_LT(relative_error(got_k, want_k), 1e-6) << what;
+    EXPECT_EQ(got_v, want_v) << what;  // one F32 addition, or nothing
+  }
+  // Heads wider than 256 values are refused; no extras launches nothing.
+  EXPECT_THROW(kc::qkv_bias_norm(nullptr, nullptr, nullptr, 512, 512, 512, 1, 1, 1, 512, kc::QkvExtras{}, nullptr),
+               std::invalid_argument);
+  kc::qkv_bias_norm(nullptr, nullptr, nullptr, 64, 64, 64, 4, 1, 1, 64, kc::QkvExtras{}, nullptr);
+  sync();
+}
+
 TEST(CudaOps, SwigluAddGatherMatchCpu) {
   BATCHLM_REQUIRE_GPU();
   std::mt19937 rng(4);
@@ -242,9 +373,18 @@ TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
   struct Case {
     std::int64_t heads, kv_heads, dim, rot;
     bool stacked;
+    k::RopeStyle style = k::RopeStyle::kAdjacent;
+    bool factors = false;
   };
   for (const Case c : {Case{9, 3, 64, 64, true}, Case{9, 3, 64, 64, false}, Case{4, 4, 80, 32, true},
-                       Case{8, 2, 128, 0, false}, Case{6, 1, 16, 8, true}}) {
+                       Case{8, 2, 128, 0, false}, Case{6, 1, 16, 8, true},
+                       Case{14, 2, 64, 64, true, k::RopeStyle::kHalves},
+                       Case{4, 2, 128, 128, false, k::RopeStyle::kHalves, true},
+                       Case{4, 4, 80, 32, true, k::RopeStyle::kHalves}, Case{9, 3, 64, 64, true, k::RopeStyle::kAdjacent, true}}) {
+    std::vector<float> factors(static_cast<std::size_t>(std::max<std::int64_t>(c.rot / 2, 1)));
+    for (std::size_t i = 0; i < factors.size(); ++i) factors[i] = 1.0f + static_cast<float>(i % 5);
+    DeviceBuffer<float> dfactors(factors);
+    const float* f = c.factors ? dfactors.get() : nullptr;
     const std::int64_t QW = c.heads * c.dim, KV = c.kv_heads * c.dim, row = QW + 2 * KV;
     const auto qkv = random_floats(n * row, rng, 3.0f);
     std::vector<float> q(n * QW), kk(n * KV), v(n * KV);
@@ -257,12 +397,13 @@ TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
     for (auto& h : pool) h = static_cast<std::uint16_t>(rng());
     const std::string what = std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " heads, dim " +
                              std::to_string(c.dim) + ", rot " + std::to_string(c.rot) +
-                             (c.stacked ? ", stacked" : ", apart");
+                             (c.stacked ? ", stacked" : ", apart") +
+                             (c.style == k::RopeStyle::kHalves ? ", halves" : "") + (c.factors ? ", factors" : "");
     // The reference: rope, rope, store, store.
     DeviceBuffer<float> rq(q), rk(kk), rv(v);
     DeviceBuffer<std::uint16_t> rkp(pool), rvp(pool);
-    kc::rope(rq.get(), n, c.heads, c.dim, c.rot, dpos.get(), 100000.0f, nullptr);
-    kc::rope(rk.get(), n, c.kv_heads, c.dim, c.rot, dpos.get(), 100000.0f, nullptr);
+    kc::rope(rq.get(), n, c.heads, c.dim, c.rot, dpos.get(), 100000.0f, nullptr, c.style, f);
+    kc::rope(rk.get(), n, c.kv_heads, c.dim, c.rot, dpos.get(), 100000.0f, nullptr, c.style, f);
     kc::store_f16_paged(rk.get(), n, KV, batch, rkp.get(), nullptr);
     kc::store_f16_paged(rv.get(), n, KV, batch, rvp.get(), nullptr);
     // The fused kernel.
@@ -272,7 +413,7 @@ TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
     const kc::QkvRows in = c.stacked ? kc::QkvRows{dqkv.get(), dqkv.get() + QW, dqkv.get() + QW + KV, row, row, row}
                                      : kc::QkvRows{dq.get(), dk.get(), dv.get(), QW, KV, KV};
     kc::rope_store_kv(in, n, c.heads, c.kv_heads, c.dim, c.rot, 100000.0f, batch, dq_out.get(), dkp.get(), dvp.get(),
-                      nullptr);
+                      nullptr, c.style, f);
     sync();
     const auto want_q = rq.download(), got_q = dq_out.download();
     EXPECT_EQ(std::memcmp(got_q.data(), want_q.data(), got_q.size() * sizeof(float)), 0) << what;
@@ -291,7 +432,7 @@ TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
     EXPECT_EQ(changed, 6) << what << ": a real token's key row was not written";
     if (!c.stacked) {  // in place, as the executor uses it when Q, K and V are apart
       kc::rope_store_kv(in, n, c.heads, c.kv_heads, c.dim, c.rot, 100000.0f, batch, dq.get(), dkp.get(), dvp.get(),
-                        nullptr);
+                        nullptr, c.style, f);
       sync();
       const auto in_place = dq.download();
       EXPECT_EQ(std::memcmp(in_place.data(), want_q.data(), in_place.size() * sizeof(float)), 0) << what;

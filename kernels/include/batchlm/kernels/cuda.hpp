@@ -54,18 +54,25 @@ struct DeviceMatrix {
   std::int64_t rows = 0;
   std::int64_t cols = 0;
 };
-// Whether the kernels take weights of type t (Q4_0, Q4_1, Q8_0, F16, BF16, F32).
+// Whether the kernels take weights of type t: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// Q4_K, Q5_K, Q6_K.
 bool takes(DType t);
 
 // The device bytes `w` takes (a multiple of 256), and the copy: `w` (host memory, GGUF layout)
 // is converted and copied to `device` (device memory of device_bytes(w) bytes, owned by the
 // caller). Synchronous. Throws std::invalid_argument for a type the kernels do not take.
+//
+// The returned matrix's `type` is its device layout's: the file's type, except Q5_0 (which
+// goes up as Q8_0, the same values), Q5_1 (as Q5_K's layout: 8-bit quants with an F32 scale and
+// min per 32 elements, the same values) and Q6_K (as F16: its values rounded to F16). Bytes
+// per weight on the device: 4.5 (Q4_0), 5 (Q4_1), 6 (Q4_K), 8.5 (Q5_0, Q8_0), 10 (Q5_1,
+// Q5_K), 16 (Q6_K, F16, BF16), 32 (F32) bits.
 std::size_t device_bytes(const Matrix& w);
 DeviceMatrix upload(const Matrix& w, void* device);
 
 // ---------------------------------------------------------------------------------------------
 // Matrix products. y[t * w.rows + r] = dot(w row r, x[t * w.cols ...]) for t in [0, n).
-// Types: Q4_0, Q4_1, Q8_0, F16, BF16, F32. cols must be a multiple of the type's block size.
+// w is a matrix upload() made (any type it takes). cols must be a multiple of 32.
 // Small n (up to kMatvecMaxTokens) runs the matrix-vector kernels: one pass over the weights,
 // each weight dequantized once in registers and used for every token. Larger n runs the
 // tensor-core kernel: weight tiles dequantized to F16 in shared memory, x converted to F16 in
@@ -75,7 +82,8 @@ std::size_t matmul_scratch_bytes(const DeviceMatrix& w, std::int64_t n);
 void matmul(const DeviceMatrix& w, const float* x, std::int64_t n, float* y, void* scratch,
             cudaStream_t stream);
 
-// out[i * w.cols ...] = row ids[i] of w, dequantized to F32, for i < n.
+// out[i * w.cols ...] = row ids[i] of w, dequantized to F32, for i < n: the CPU's
+// dequantize_row bit for bit, except for Q6_K (rounded to F16 by upload).
 void get_rows(const DeviceMatrix& w, const std::int32_t* ids, std::int64_t n, float* out,
               cudaStream_t stream);
 
@@ -86,8 +94,11 @@ void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t 
 // The residual and the next norm in one pass: x += y, then out = rms_norm(x).
 void add_rms_norm(float* x, const float* y, const float* weight, std::int64_t n,
                   std::int64_t dim, float eps, float* out, cudaStream_t stream);
+// rope as ops.hpp has it: pairs adjacent or in halves of each head (style), each angle
+// divided by its freq_factors entry where given (device memory, rot_dim / 2 floats).
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
-          std::int64_t rot_dim, const std::int32_t* positions, float base, cudaStream_t stream);
+          std::int64_t rot_dim, const std::int32_t* positions, float base, cudaStream_t stream,
+          RopeStyle style = RopeStyle::kAdjacent, const float* freq_factors = nullptr);
 void swiglu(float* gate, const float* up, std::int64_t n, cudaStream_t stream);
 // out[t * width + i] = silu(gate[t * stride + i]) * up[t * stride + i] for t < n, i < width:
 // swiglu over rows read with a stride (gate and up may be the two halves of one product's
@@ -131,9 +142,30 @@ struct QkvRows {
 // to q_out ([n][n_heads * head_dim]; it may be in.q when that is contiguous), the keys and
 // values to the pools (pool rows of n_kv_heads * head_dim). head_dim even, rot_dim even and at
 // most head_dim; throws std::invalid_argument otherwise.
+// style and freq_factors as rope's.
 void rope_store_kv(const QkvRows& in, std::int64_t n, std::int64_t n_heads, std::int64_t n_kv_heads,
                    std::int64_t head_dim, std::int64_t rot_dim, float base, const PagedBatch& batch,
-                   float* q_out, std::uint16_t* k_pool, std::uint16_t* v_pool, cudaStream_t stream);
+                   float* q_out, std::uint16_t* k_pool, std::uint16_t* v_pool, cudaStream_t stream,
+                   RopeStyle style = RopeStyle::kAdjacent, const float* freq_factors = nullptr);
+
+// What some architectures do to the queries, keys and values before rope (Qwen2's biases,
+// Qwen3's per-head norms): biases added (q_bias: n_heads * head_dim floats, k_bias and v_bias:
+// n_kv_heads * head_dim), then every query and key head RMS-normalized with its weight (q_norm,
+// k_norm: head_dim floats, rms_norm's definition with eps). Null pointers skip their part; all
+// are device memory.
+struct QkvExtras {
+  const float* q_bias = nullptr;
+  const float* k_bias = nullptr;
+  const float* v_bias = nullptr;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  float eps = 1e-6f;
+};
+// In place on rows laid out as QkvRows's (token t's queries at q + t * stride_q, ...). head_dim
+// at most 256 (std::invalid_argument otherwise). Launches nothing when `extras` is empty.
+void qkv_bias_norm(float* q, float* k, float* v, std::int64_t stride_q, std::int64_t stride_k,
+                   std::int64_t stride_v, std::int64_t n, std::int64_t n_heads, std::int64_t n_kv_heads,
+                   std::int64_t head_dim, const QkvExtras& extras, cudaStream_t stream);
 
 // The queries of a step, grouped by sequence: the tokens of sequence s are the contiguous
 // range [query_start[s], query_start[s + 1]) at consecutive positions from first_position[s]

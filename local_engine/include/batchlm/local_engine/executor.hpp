@@ -104,11 +104,10 @@ std::unique_ptr<Executor> make_executor(std::shared_ptr<const Model> model,
 // Whether this build contains the CUDA executor.
 bool built_with_cuda();
 
-// Whether the GPU forward pass runs this network: the 'llama' architecture without query, key
-// and value biases, per-head norms, heads wider than n_embd / n_heads, rotary pairs in halves or
-// rope_freqs. Where it does not, why_not names what it lacks. Decided in every build (the
-// executor kAuto picks asks it before looking for a GPU); the matrix types are asked of the
-// CUDA kernels separately.
+// Whether the GPU forward pass runs this network (every architecture the loader takes, with
+// heads of a multiple of 8 up to 256 values). Where it does not, why_not names what it lacks.
+// Decided in every build (the executor kAuto picks asks it before looking for a GPU); the
+// matrix types are asked of the CUDA kernels separately.
 bool gpu_runs_network(const ModelConfig& config, std::string& why_not);
 
 }  // namespace batchlm::local_engine
