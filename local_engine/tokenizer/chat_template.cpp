@@ -2,7 +2,8 @@
 #include "utf8.hpp"
 
 // The chat template is a Jinja program in the GGUF (tokenizer.chat_template). Rather than run
-// Jinja, this recognises the families the engine supports: Llama 3's (tokenizer.hpp) and ChatML,
+// Jinja, this recognises the families the engine supports: Llama 3's and DeepSeek-R1's (tokenizer.hpp)
+// and ChatML,
 //
 //   <|im_start|>{role}\n{content}<|im_end|>\n   per message, then <|im_start|>assistant\n
 //
@@ -38,6 +39,11 @@ constexpr std::string_view kHeaderStart = "<|start_header_id|>";
 constexpr std::string_view kHeaderEnd = "<|end_header_id|>";
 constexpr std::string_view kEndOfTurn = "<|eot_id|>";
 constexpr std::string_view kKnowledgeDate = "Cutting Knowledge Date: December 2023\n";
+// DeepSeek-R1's turns (its distills of Qwen2.5 and Llama 3 keep its template).
+constexpr std::string_view kR1User = "<｜User｜>";
+constexpr std::string_view kR1Assistant = "<｜Assistant｜>";
+constexpr std::string_view kR1End = "<｜end▁of▁sentence｜>";
+constexpr std::string_view kThinkOpen = "<think>\n";
 
 // Jinja's trim: whitespace off both ends (Python's str.strip(), for the ASCII whitespace and the
 // Unicode spaces a chat message may carry: NBSP, the U+2000 block, line and paragraph separators,
@@ -226,6 +232,15 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
   if (const std::size_t bad = utf8::first_invalid(tmpl); bad != std::string_view::npos) {
     unsupported("not valid UTF-8 (at byte " + std::to_string(bad + 1) + ")");
   }
+  if (tmpl.find(kR1User) != std::string::npos && tmpl.find(kR1Assistant) != std::string::npos) {
+    // The generation prompt opens the reasoning where the template writes it so (the distills'
+    // later templates); the first ones end with the assistant's tag alone.
+    result.name_ = "deepseek-r1";
+    const std::string opening = std::string(kR1Assistant) + std::string(kThinkOpen);
+    const std::vector<std::string> constants = constant_strings(tmpl);
+    result.opens_reasoning_ = std::find(constants.begin(), constants.end(), opening) != constants.end();
+    return result;
+  }
   if (tmpl.find(kHeaderStart) != std::string::npos && tmpl.find(kHeaderEnd) != std::string::npos) {
     result.name_ = "llama3";
     const std::vector<std::string> constants = constant_strings(tmpl);
@@ -257,8 +272,9 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
     return result;
   }
   if (tmpl.find(kTurnStart) == std::string::npos) {
-    unsupported("only ChatML (<|im_start|>role ... <|im_end|>) and Llama 3 (<|start_header_id|>role<|end_header_id|> "
-                "... <|eot_id|>) templates are supported; this one begins '" +
+    unsupported("only ChatML (<|im_start|>role ... <|im_end|>), Llama 3 (<|start_header_id|>role<|end_header_id|> "
+                "... <|eot_id|>) and DeepSeek-R1 (<｜User｜> ... <｜Assistant｜>) templates are supported; "
+                "this one begins '" +
                 tmpl.substr(0, 80) + "'");
   }
   result.reasoning_ = tmpl.find("reasoning_content") != std::string::npos && tmpl.find("</think>") != std::string::npos;
@@ -274,6 +290,31 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
 
 std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
   std::string out;
+  if (name_ == "deepseek-r1") {
+    // The last system message's content first, bare; then the turns, an assistant's without
+    // the reasoning before its last </think>; system messages in between add nothing.
+    for (const ChatMessage& m : messages)
+      if (m.role == "system") out = m.content;
+    for (const ChatMessage& m : messages) {
+      if (m.role == "user") {
+        out += kR1User;
+        out += m.content;
+      } else if (m.role == "assistant") {
+        std::string_view content = m.content;
+        constexpr std::string_view kThinkEnd = "</think>";
+        if (const std::size_t end = content.rfind(kThinkEnd); end != std::string_view::npos)
+          content.remove_prefix(end + kThinkEnd.size());
+        out += kR1Assistant;
+        out += content;
+        out += kR1End;
+      }
+    }
+    if (add_generation_prompt) {
+      out += kR1Assistant;
+      if (opens_reasoning_) out += kThinkOpen;
+    }
+    return out;
+  }
   if (name_ == "llama3") {
     const auto header = [&](std::string_view role) {
       out += kHeaderStart;

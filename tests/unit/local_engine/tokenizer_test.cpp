@@ -540,6 +540,56 @@ TEST(ChatTemplate, Llama31To33OpenWithTheDatedSystemTurn) {
   }
 }
 
+// ---- DeepSeek-R1's distills ----
+// The expected texts are what Jinja (jinja2 with trim_blocks and lstrip_blocks, bos_token empty:
+// the tokenizer adds it) renders from llama.cpp's copies of the distills' templates; the Qwen
+// one there asks for enable_thinking, rendered as true (the model's own template has no such
+// switch).
+TEST(ChatTemplate, DeepSeekR1DistillTemplates) {
+  const std::string u = "<\uff5cUser\uff5c>", a = "<\uff5cAssistant\uff5c>", end = "<\uff5cend\u2581of\u2581sentence\uff5c>";
+  for (const char* name : {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"}) {
+    const std::string text = read_template(name);
+    if (text.empty()) GTEST_SKIP() << name << " is absent (scripts/fetch-vocabs.sh fetches it)";
+    const ChatTemplate chat = template_from(text);
+    EXPECT_EQ(chat.name(), "deepseek-r1") << name;
+    EXPECT_TRUE(chat.opens_reasoning()) << name;
+    EXPECT_EQ(chat.default_system(), "") << name;
+    using M = std::vector<ChatMessage>;
+    EXPECT_EQ(chat.apply(M{{"user", "2+2?"}, {"assistant", "4"}, {"user", "And 3+3?"}}, true),
+              u + "2+2?" + a + "4" + end + u + "And 3+3?" + a + "<think>\n")
+        << name;
+    EXPECT_EQ(chat.apply(M{{"system", "Be brief."}, {"user", "Hi"}}, true), "Be brief." + u + "Hi" + a + "<think>\n") << name;
+    // A system message anywhere goes first; the last one wins.
+    EXPECT_EQ(chat.apply(M{{"user", "Hi"}, {"system", "Now in French."}, {"user", "Bye"}}, true),
+              "Now in French." + u + "Hi" + u + "Bye" + a + "<think>\n")
+        << name;
+    EXPECT_EQ(chat.apply(M{{"system", "S1"}, {"system", "S2"}, {"user", "x"}}, true), "S2" + u + "x" + a + "<think>\n") << name;
+    // An assistant turn keeps what follows its last </think>; contents are not trimmed.
+    EXPECT_EQ(chat.apply(M{{"user", "a"},
+                           {"assistant", "<think>\nr\n</think>\n\nanswer"},
+                           {"assistant", "x</think>y</think>\nz"},
+                           {"user", " b\n"}},
+                         true),
+              u + "a" + a + "\n\nanswer" + end + a + "\nz" + end + u + " b\n" + a + "<think>\n")
+        << name;
+    EXPECT_EQ(chat.apply(M{{"system", "Be brief."}, {"user", "Hi"}}, false), "Be brief." + u + "Hi") << name;
+  }
+}
+
+// The distills' first templates ended the prompt with the assistant's tag alone.
+TEST(ChatTemplate, AnEarlierDeepSeekR1TemplateDoesNotOpenTheReasoning) {
+  const ChatTemplate chat = template_from(
+      "{% set ns = namespace(system_prompt='') %}{% for message in messages %}{% if message['role'] == 'system' %}"
+      "{% set ns.system_prompt = message['content'] %}{% endif %}{% endfor %}{{bos_token}}{{ns.system_prompt}}"
+      "{% for message in messages %}{% if message['role'] == 'user' %}{{'<\uff5cUser\uff5c>' + message['content']}}{% endif %}"
+      "{% if message['role'] == 'assistant' %}{{'<\uff5cAssistant\uff5c>' + message['content'] + "
+      "'<\uff5cend\u2581of\u2581sentence\uff5c>'}}{% endif %}{% endfor %}"
+      "{% if add_generation_prompt %}{{'<\uff5cAssistant\uff5c>'}}{% endif %}");
+  EXPECT_EQ(chat.name(), "deepseek-r1");
+  EXPECT_FALSE(chat.opens_reasoning());
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"user", "Hi"}}, true), "<\uff5cUser\uff5c>Hi<\uff5cAssistant\uff5c>");
+}
+
 TEST(ChatTemplate, InsertsTheDefaultSystemMessageWhenTheFirstMessageIsNotSystem) {
   const ChatTemplate chat = template_from(kSmolLM2Template);
   const std::vector<ChatMessage> messages = {{"user", "Hi!"}, {"assistant", "Hello."}, {"user", "2+2?"}};
@@ -589,7 +639,7 @@ TEST(ChatTemplate, RejectsTemplatesThatAreNotChatMLOrLlama3) {
     template_from("{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}");
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("only ChatML (<|im_start|>role ... <|im_end|>) and Llama 3"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("only ChatML (<|im_start|>role ... <|im_end|>), Llama 3"), std::string::npos)
         << e.what();
   }
   EXPECT_THROW(template_from("<|im_start|>{{ 'unterminated }}"), std::invalid_argument);

@@ -89,7 +89,7 @@ class StreamDecoder {
 };
 
 // The chat template of the model family, recognised from the GGUF template text rather than run
-// as Jinja. Two families:
+// as Jinja. Three families:
 //   ChatML   <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen2.5, Qwen3), with
 //            the default system message a template inserts when the conversation has none.
 //            Qwen3's template (recognised by its reasoning_content and </think> handling) also
@@ -101,23 +101,31 @@ class StreamDecoder {
 //            message (or nothing): DATE is today's (as "26 Nov 2026") where the template asks for
 //            strftime_now, else the date the template sets. The BOS token the template begins
 //            with is the tokenizer's to add (Tokenizer::add_bos), not part of the text.
+//   DeepSeek-R1 (its Qwen2.5 and Llama 3 distills): the last system message's content, bare,
+//            then <｜User｜>content per user message and <｜Assistant｜>content<｜end▁of▁sentence｜>
+//            per assistant message, its reasoning up to the last </think> dropped; the
+//            generation prompt is <｜Assistant｜>, with "<think>\n" after it where the template
+//            writes that (the distills' later templates). BOS as for Llama 3.
 class ChatTemplate {
  public:
   // Throws std::invalid_argument when the template is not one this build supports.
   static ChatTemplate from_vocab(const Vocab& vocab);
   std::string apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
-  std::string_view name() const { return name_; }  // "chatml" or "llama3"
+  std::string_view name() const { return name_; }  // "chatml", "llama3" or "deepseek-r1"
   const std::string& default_system() const { return default_system_; }
   // Llama 3.1 and later: the date the system turn gives ("26 Jul 2024"), or "today".
   const std::string& date() const { return date_; }
   // Qwen3's: assistant turns' <think> reasoning is kept only after the last user turn.
   bool reasoning_turns() const { return reasoning_; }
+  // DeepSeek-R1's: the generation prompt opens a <think> block.
+  bool opens_reasoning() const { return opens_reasoning_; }
 
  private:
   std::string name_ = "chatml";
   std::string default_system_;
   std::string date_;  // empty: no dated system turn
   bool reasoning_ = false;
+  bool opens_reasoning_ = false;
 };
 
 }  // namespace batchlm::local_engine
