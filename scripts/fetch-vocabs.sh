@@ -5,8 +5,8 @@
 # them. They ship in llama-cpp-python 0.3.36's source distribution (vendor/llama.cpp/models/, the
 # llama.cpp that bench/engine/setup-llama-server.sh builds); only those of byte-level BPE
 # vocabularies (tokenizer.ggml.model "gpt2") whose pre-tokenizer the engine knows are extracted,
-# and, from models/templates/, the chat templates of Qwen2.5, Qwen3, Llama 3.1-3.3 and DeepSeek-R1's
-# Llama and Qwen distills (tokenizer_test reads them).
+# and, from models/templates/, the chat templates of Qwen2.5, Qwen3, Llama 3.1-3.3, DeepSeek-R1's
+# Llama and Qwen distills and Phi-3.5 (tokenizer_test reads them).
 # The sdist and every extracted file are checked against their SHA-256; valid files already in
 # place are left alone. The sdist is taken from, in order:
 #   LLAMA_SERVER_SDIST=path   that file (as bench/engine/setup-llama-server.sh takes it)
@@ -51,6 +51,7 @@ e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65  templates/meta
 e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65  templates/meta-llama-Llama-3.3-70B-Instruct.jinja
 dd2675619a64a449cdcdd2b93e605a0a50764cee41e344f244752bc93643936c  templates/deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja
 bbe594884b44d740667ee65a70bc8d333a565eab3d63ea59f291ea73ada84ba6  templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja
+78d976a442bcde2f0be15aafbb8e3050e1104f86732266f68403251b89982a90  templates/microsoft-Phi-3.5-mini-instruct.jinja
 EOF
 }
 

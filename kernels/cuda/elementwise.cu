@@ -82,9 +82,10 @@ unsigned row_grid(std::int64_t n) {
 // base^(-2i/rot_dim) = exp(-(2i/rot_dim) * ln(base)).
 // With freq_factors (rot_dim / 2 floats, a model's rope_freqs), pair i's angle is divided by
 // freq_factors[i].
+// attn_factor (Phi-3's long-context magnitude) multiplies the F32 cosine and sine.
 __device__ __forceinline__ void rope_cos_sin(std::int64_t i, std::int64_t rot_dim, double log_base,
                                              std::int32_t pos, const float* __restrict__ freq_factors,
-                                             float& c, float& s) {
+                                             float attn_factor, float& c, float& s) {
   double inv_freq = exp(-(2.0 * static_cast<double>(i) / static_cast<double>(rot_dim)) * log_base);
   if (freq_factors != nullptr) inv_freq /= static_cast<double>(freq_factors[i]);
   const double angle = static_cast<double>(pos) * inv_freq;
@@ -92,6 +93,10 @@ __device__ __forceinline__ void rope_cos_sin(std::int64_t i, std::int64_t rot_di
   sincos(angle, &sd, &cd);
   c = static_cast<float>(cd);
   s = static_cast<float>(sd);
+  if (attn_factor != 1.0f) {
+    c *= attn_factor;
+    s *= attn_factor;
+  }
 }
 
 // The rotation of one pair, rounded after every operation (no fused multiply-add), so that
@@ -117,13 +122,13 @@ __device__ __forceinline__ void pair_elements(std::int64_t p, std::int64_t rot_p
 __global__ void rope_kernel(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
                             std::int64_t pairs, std::int64_t rot_dim,
                             const std::int32_t* __restrict__ positions, double log_base, bool halves,
-                            const float* __restrict__ freq_factors) {
+                            const float* __restrict__ freq_factors, float attn_factor) {
   const std::int64_t total = n * pairs;
   for (std::int64_t idx = grid_index(); idx < total; idx += grid_stride()) {
     const std::int64_t t = idx / pairs;
     const std::int64_t i = idx % pairs;
     float c, s;
-    rope_cos_sin(i, rot_dim, log_base, positions[t], freq_factors, c, s);
+    rope_cos_sin(i, rot_dim, log_base, positions[t], freq_factors, attn_factor, c, s);
     std::int64_t e0, e1;
     pair_elements(i, pairs, halves, e0, e1);
     float* v = x + t * n_heads * head_dim;
@@ -166,6 +171,7 @@ struct RopeStoreArgs {
   double log_base;
   bool halves;
   const float* freq_factors;
+  float attn_factor;
   std::int64_t block_size;
   const std::int32_t* block_tables;
   std::int32_t max_blocks;
@@ -183,7 +189,7 @@ __global__ void rope_store_kv_kernel(const RopeStoreArgs a) {
     const std::int64_t t = idx / half, p = idx % half;
     const bool rotated = p < a.rot_pairs;
     float c = 1.0f, s = 0.0f;
-    if (rotated) rope_cos_sin(p, a.rot_dim, a.log_base, a.positions[t], a.freq_factors, c, s);
+    if (rotated) rope_cos_sin(p, a.rot_dim, a.log_base, a.positions[t], a.freq_factors, a.attn_factor, c, s);
     std::int64_t e0, e1;
     pair_elements(p, a.rot_pairs, a.halves, e0, e1);
     const float* qi = a.q + t * a.stride_q;
@@ -347,7 +353,7 @@ void add_rms_norm(float* x, const float* y, const float* weight, std::int64_t n,
 
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
           std::int64_t rot_dim, const std::int32_t* positions, float base, cudaStream_t stream,
-          RopeStyle style, const float* freq_factors) {
+          RopeStyle style, const float* freq_factors, float attn_factor) {
   if (rot_dim < 0 || rot_dim % 2 != 0 || rot_dim > head_dim) {
     throw std::invalid_argument("rope: rot_dim " + std::to_string(rot_dim) +
                                 " must be even and at most head_dim " + std::to_string(head_dim));
@@ -356,14 +362,14 @@ void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
   if (n <= 0 || n_heads <= 0 || pairs == 0) return;
   rope_kernel<<<grid_for(n * pairs), kThreads, 0, stream>>>(
       x, n, n_heads, head_dim, pairs, rot_dim, positions, std::log(static_cast<double>(base)),
-      style == RopeStyle::kHalves, freq_factors);
+      style == RopeStyle::kHalves, freq_factors, attn_factor);
   detail::check_launch("rope");
 }
 
 void rope_store_kv(const QkvRows& in, std::int64_t n, std::int64_t n_heads, std::int64_t n_kv_heads,
                    std::int64_t head_dim, std::int64_t rot_dim, float base, const PagedBatch& batch,
                    float* q_out, std::uint16_t* k_pool, std::uint16_t* v_pool, cudaStream_t stream,
-                   RopeStyle style, const float* freq_factors) {
+                   RopeStyle style, const float* freq_factors, float attn_factor) {
   if (head_dim <= 0 || head_dim % 2 != 0)
     throw std::invalid_argument("rope_store_kv: head_dim " + std::to_string(head_dim) + " must be even");
   if (rot_dim < 0 || rot_dim % 2 != 0 || rot_dim > head_dim) {
@@ -377,7 +383,7 @@ void rope_store_kv(const QkvRows& in, std::int64_t n, std::int64_t n_heads, std:
   if (n <= 0) return;
   const RopeStoreArgs a{in.q, in.k, in.v, in.stride_q, in.stride_k, in.stride_v, n, n_heads, n_kv_heads,
                         head_dim, rot_dim / 2, rot_dim, std::log(static_cast<double>(base)),
-                        style == RopeStyle::kHalves, freq_factors, batch.block_size, batch.block_tables, batch.max_blocks, batch.sequence_of,
+                        style == RopeStyle::kHalves, freq_factors, attn_factor, batch.block_size, batch.block_tables, batch.max_blocks, batch.sequence_of,
                         batch.positions, q_out, k_pool, v_pool};
   rope_store_kv_kernel<<<grid_for(n * (head_dim / 2)), kThreads, 0, stream>>>(a);
   detail::check_launch("rope_store_kv");

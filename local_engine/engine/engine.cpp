@@ -15,8 +15,8 @@ double ms_since(std::chrono::steady_clock::time_point t) {
 }  // namespace
 
 std::int64_t choose_context(const ModelConfig& c, std::int64_t requested) {
-  if (requested > 0) return std::min(requested, c.n_ctx_train);
-  return std::min<std::int64_t>(c.n_ctx_train, 4096);
+  if (requested > 0) return std::min(requested, c.n_ctx_usable());
+  return std::min<std::int64_t>(c.n_ctx_usable(), 4096);
 }
 
 std::string prompt_past_context(const ModelConfig& c, std::int64_t n_prompt, std::int64_t context) {
@@ -26,7 +26,11 @@ std::string prompt_past_context(const ModelConfig& c, std::int64_t n_prompt, std
 
 std::string context_holds(const ModelConfig& c, std::int64_t context) {
   std::string text = "the context holds " + std::to_string(context) + " tokens";
-  if (context < c.n_ctx_train) text += " (the model's own holds " + std::to_string(c.n_ctx_train) + ")";
+  if (c.n_ctx_usable() < c.n_ctx_train && context == c.n_ctx_usable())
+    text += " (the model's own holds " + std::to_string(c.n_ctx_train) + " with its long-context rotary factors, "
+            "which this build does not run)";
+  else if (context < c.n_ctx_train)
+    text += " (the model's own holds " + std::to_string(c.n_ctx_train) + ")";
   return text;
 }
 

@@ -1,5 +1,6 @@
-// The CUDA executor: the forward pass of model/llama.cpp on the GPU (the llama, qwen2 and qwen3
-// architectures: biases, per-head norms, wide heads, rotary pairs in halves, rope_freqs), written
+// The CUDA executor: the forward pass of model/llama.cpp on the GPU (the llama, qwen2, qwen3 and
+// phi3 architectures: biases, per-head norms, wide heads, rotary pairs in halves, rotary factors
+// and magnitude), written
 // against kernels/cuda.hpp.
 //
 // Memory, all allocated when the executor is made (nothing is allocated per step):
@@ -631,7 +632,7 @@ class CudaExecutor final : public Executor {
       std::uint16_t* kc_pool = pool_k_.get<std::uint16_t>() + li * layer_stride_;
       std::uint16_t* vc_pool = pool_v_.get<std::uint16_t>() + li * layer_stride_;
       kc::rope_store_kv(in, n, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, c.rope_base, paged, q, kc_pool,
-                        vc_pool, stream_, c.rope_style, rope_freqs_);
+                        vc_pool, stream_, c.rope_style, rope_freqs_, c.rope_attn_factor);
       kc::attention_paged(attention_batch(s, li), q, n, att, scratch, stream_);
 
       // After the last layer's attention only the rows whose logits are wanted go on.

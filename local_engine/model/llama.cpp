@@ -3,7 +3,10 @@
 // residual; then the final norm and the output head (the embedding matrix when tied). Qwen2
 // is the same network with biases on the query, key and value products and its rotary pairs
 // in halves of each head; Qwen3 has no biases but normalizes each head's query and key, and
-// its heads may be wider than n_embd / n_heads.
+// its heads may be wider than n_embd / n_heads. Phi-3 is Llama's network with its rotary pairs
+// in halves, stored with Q, K and V in one matrix and gate and up in another (loaded as views
+// of their rows), and for its long-context models factors dividing the rotary angles and one
+// multiplying their cosines and sines.
 
 #include <algorithm>
 #include <cstdio>
@@ -87,9 +90,12 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     // are halves of each head.
     c.rope_style = kops::RopeStyle::kHalves;
     c.qk_norm = c.architecture == "qwen3";
+  } else if (c.architecture == "phi3") {
+    // Converted from the checkpoints as they are: rotary pairs in halves.
+    c.rope_style = kops::RopeStyle::kHalves;
   } else if (c.architecture != "llama") {
     f.fail("architecture '" + c.architecture +
-           "' is not supported (this build runs the 'llama', 'qwen2' and 'qwen3' architectures)");
+           "' is not supported (this build runs the 'llama', 'qwen2', 'qwen3' and 'phi3' architectures)");
   }
   c.name = f.find_string("general.name").value_or("");
   const std::string a = c.architecture + ".";
@@ -125,8 +131,8 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     f.fail("rope.dimension_count " + std::to_string(c.rope_dim) + " does not fit head size " +
            std::to_string(c.head_dim));
   }
-  // llama.cpp's Qwen graphs rotate whole heads.
-  if (c.architecture != "llama" && c.rope_dim != c.head_dim)
+  // llama.cpp's Qwen graphs rotate whole heads (Phi-4-mini's rotates three quarters of each).
+  if ((c.architecture == "qwen2" || c.architecture == "qwen3") && c.rope_dim != c.head_dim)
     f.fail("rope.dimension_count " + std::to_string(c.rope_dim) + " is not the head size " + std::to_string(c.head_dim) +
            " (the '" + c.architecture + "' architecture rotates whole heads)");
   // Values no model has, which make every output a NaN: refused here, not met at the first token.
@@ -146,8 +152,18 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   c.rms_eps = static_cast<float>(rms_eps);
   if (f.find(a + "rope.scaling.type")) {
     const std::string type = f.get_string(a + "rope.scaling.type");
-    if (type != "none") f.fail("rope scaling '" + type + "' is not supported");
+    if (type != "none" && !(type == "longrope" && c.architecture == "phi3"))
+      f.fail("rope scaling '" + type + "' is not supported");
   }
+  if (const auto factor = f.find_f64(a + "rope.scaling.factor"); factor && *factor != 0.0 && *factor != 1.0)
+    f.fail("metadata '" + a + "rope.scaling.factor' = " + number(*factor) + " (scaled rotary positions) is not supported");
+  if (const auto attn = f.find_f64(a + "rope.scaling.attn_factor")) {
+    if (!(*attn > 0.0 && *attn < 100.0))
+      f.fail("metadata '" + a + "rope.scaling.attn_factor' = " + number(*attn) + " is out of range (above 0)");
+    c.rope_attn_factor = static_cast<float>(*attn);
+  }
+  if (f.find(a + "rope.scaling.original_context_length"))
+    c.n_ctx_orig = positive(a + "rope.scaling.original_context_length");
 
   // Tokenizer first: the vocabulary size it gives is what the embedding must have.
   Vocab vocab = Vocab::from_gguf(f);
@@ -188,6 +204,27 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     w.packed = m->packed_.emplace_back(kops::pack_weights(w)).data();
     return w;
   };
+  // A matrix whose rows are several matrices one after the other (Phi-3's attn_qkv and its
+  // ffn_up of gate and up rows): each part a view of its rows, with a packed copy of its own.
+  auto parts = [&](const std::string& name, std::int64_t cols, std::vector<std::int64_t> rows) {
+    std::int64_t total = 0;
+    for (const std::int64_t r : rows) total += r;
+    const gguf::TensorInfo& t = info(name, {cols, total});
+    if (*t.type == kops::DType::Q8_1 || *t.type == kops::DType::Q8_K) {
+      f.fail("tensor '" + name + "' is " + std::string(t.type_name()) +
+             ", a type for activations, not weights");
+    }
+    std::vector<kops::Matrix> out;
+    const std::size_t row_bytes = kops::row_bytes(*t.type, cols);
+    std::int64_t first = 0;
+    for (const std::int64_t r : rows) {
+      kops::Matrix w{*t.type, t.data + static_cast<std::size_t>(first) * row_bytes, r, cols};
+      w.packed = m->packed_.emplace_back(kops::pack_weights(w)).data();
+      out.push_back(w);
+      first += r;
+    }
+    return out;
+  };
   auto vector = [&](const std::string& name, std::int64_t n) {
     const gguf::TensorInfo& t = info(name, {n});
     if (t.type != kops::DType::F32) {
@@ -205,13 +242,27 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     m->output_ = m->token_embd_;
     c.tied_embeddings = true;
   }
-  if (f.find_tensor("rope_freqs.weight") && c.architecture == "llama") {
-    m->rope_freqs_ = vector("rope_freqs.weight", c.rope_dim / 2);
+  // Factors dividing the rotary angles, checked positive.
+  const auto factors = [&](const std::string& name) {
+    const float* v = vector(name, c.rope_dim / 2);
     for (std::int64_t i = 0; i < c.rope_dim / 2; ++i)
-      if (!(m->rope_freqs_[i] > 0.0f && std::isfinite(m->rope_freqs_[i])))
-        f.fail("tensor 'rope_freqs.weight' holds " + number(m->rope_freqs_[i]) + " at " + std::to_string(i) +
+      if (!(v[i] > 0.0f && std::isfinite(v[i])))
+        f.fail("tensor '" + name + "' holds " + number(v[i]) + " at " + std::to_string(i) +
                " (the factors divide the rotary angles: they must be positive)");
+    return v;
+  };
+  if (f.find_tensor("rope_freqs.weight") && c.architecture == "llama") {
+    m->rope_freqs_ = factors("rope_freqs.weight");
     c.rope_freq_factors = true;
+  }
+  // Phi-3's long-context models: llama.cpp runs the short factors while the context is at most
+  // the original one, and the long ones past it; this build runs the short ones and stops the
+  // context there (ModelConfig::n_ctx_usable).
+  if (c.architecture == "phi3" && (f.find_tensor("rope_factors_short.weight") || f.find_tensor("rope_factors_long.weight"))) {
+    m->rope_freqs_ = factors("rope_factors_short.weight");
+    factors("rope_factors_long.weight");
+    c.rope_freq_factors = true;
+    c.rope_long_factors = true;
   }
   // Biases on the query, key and value products where the first layer has them (Qwen2 does;
   // llama.cpp reads them in any of these architectures), and then in every layer.
@@ -221,9 +272,16 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     const std::string p = "blk." + std::to_string(i) + ".";
     LayerWeights l;
     l.attn_norm = vector(p + "attn_norm.weight", c.n_embd);
-    l.attn_q = matrix(p + "attn_q.weight", c.n_embd, qw);
-    l.attn_k = matrix(p + "attn_k.weight", c.n_embd, kv);
-    l.attn_v = matrix(p + "attn_v.weight", c.n_embd, kv);
+    if (c.architecture == "phi3" && f.find_tensor(p + "attn_qkv.weight")) {
+      const std::vector<kops::Matrix> qkv = parts(p + "attn_qkv.weight", c.n_embd, {qw, kv, kv});
+      l.attn_q = qkv[0];
+      l.attn_k = qkv[1];
+      l.attn_v = qkv[2];
+    } else {
+      l.attn_q = matrix(p + "attn_q.weight", c.n_embd, qw);
+      l.attn_k = matrix(p + "attn_k.weight", c.n_embd, kv);
+      l.attn_v = matrix(p + "attn_v.weight", c.n_embd, kv);
+    }
     if (c.qkv_bias) {
       l.attn_q_bias = vector(p + "attn_q.bias", qw);
       l.attn_k_bias = vector(p + "attn_k.bias", kv);
@@ -235,8 +293,15 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     }
     l.attn_out = matrix(p + "attn_output.weight", qw, c.n_embd);
     l.ffn_norm = vector(p + "ffn_norm.weight", c.n_embd);
-    l.ffn_gate = matrix(p + "ffn_gate.weight", c.n_embd, c.n_ff);
-    l.ffn_up = matrix(p + "ffn_up.weight", c.n_embd, c.n_ff);
+    if (c.architecture == "phi3") {
+      // The gate's rows, then the up product's.
+      const std::vector<kops::Matrix> gate_up = parts(p + "ffn_up.weight", c.n_embd, {c.n_ff, c.n_ff});
+      l.ffn_gate = gate_up[0];
+      l.ffn_up = gate_up[1];
+    } else {
+      l.ffn_gate = matrix(p + "ffn_gate.weight", c.n_embd, c.n_ff);
+      l.ffn_up = matrix(p + "ffn_up.weight", c.n_embd, c.n_ff);
+    }
     l.ffn_down = matrix(p + "ffn_down.weight", c.n_ff, c.n_embd);
     m->layers_.push_back(l);
   }
@@ -252,7 +317,7 @@ const ChatTemplate& Model::chat_template() const {
   if (!chat_template_) {
     throw std::runtime_error(file_.path().string() +
                              ": the model's chat template is not one this build supports "
-                             "(supported: ChatML and Llama 3)");
+                             "(supported: ChatML, Llama 3, DeepSeek-R1 and Phi-3)");
   }
   return *chat_template_;
 }
@@ -348,7 +413,9 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
   const kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
                                    1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   // The rotary angles of the tokens' positions, the same in every layer.
-  const std::vector<float> angles = kops::rope_angles(n, c.rope_dim, b.positions.data(), c.rope_base, rope_freqs_);
+  std::vector<float> angles = kops::rope_angles(n, c.rope_dim, b.positions.data(), c.rope_base, rope_freqs_);
+  if (c.rope_attn_factor != 1.0f)
+    for (float& cs : angles) cs *= c.rope_attn_factor;
   for (std::int64_t li = 0; li < n_layers; ++li) {
     const LayerWeights& l = layers_[li];
     // Later layers' input norm is taken with the previous layer's last residual addition.

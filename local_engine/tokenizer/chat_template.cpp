@@ -2,8 +2,8 @@
 #include "utf8.hpp"
 
 // The chat template is a Jinja program in the GGUF (tokenizer.chat_template). Rather than run
-// Jinja, this recognises the families the engine supports: Llama 3's and DeepSeek-R1's (tokenizer.hpp)
-// and ChatML,
+// Jinja, this recognises the families the engine supports: Llama 3's, DeepSeek-R1's and Phi-3's
+// (tokenizer.hpp) and ChatML,
 //
 //   <|im_start|>{role}\n{content}<|im_end|>\n   per message, then <|im_start|>assistant\n
 //
@@ -44,6 +44,11 @@ constexpr std::string_view kR1User = "<｜User｜>";
 constexpr std::string_view kR1Assistant = "<｜Assistant｜>";
 constexpr std::string_view kR1End = "<｜end▁of▁sentence｜>";
 constexpr std::string_view kThinkOpen = "<think>\n";
+// Phi-3's turns.
+constexpr std::string_view kPhiUser = "<|user|>";
+constexpr std::string_view kPhiSystem = "<|system|>";
+constexpr std::string_view kPhiAssistant = "<|assistant|>";
+constexpr std::string_view kPhiEnd = "<|end|>";
 
 // Jinja's trim: whitespace off both ends (Python's str.strip(), for the ASCII whitespace and the
 // Unicode spaces a chat message may carry: NBSP, the U+2000 block, line and paragraph separators,
@@ -241,6 +246,13 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
     result.opens_reasoning_ = std::find(constants.begin(), constants.end(), opening) != constants.end();
     return result;
   }
+  if (tmpl.find(kPhiUser) != std::string::npos && tmpl.find(kPhiEnd) != std::string::npos &&
+      tmpl.find(kPhiAssistant) != std::string::npos) {
+    // Phi-3's first templates leave system messages out; later ones (3.5) write them as turns.
+    result.name_ = "phi3";
+    result.system_turns_ = tmpl.find(kPhiSystem) != std::string::npos;
+    return result;
+  }
   if (tmpl.find(kHeaderStart) != std::string::npos && tmpl.find(kHeaderEnd) != std::string::npos) {
     result.name_ = "llama3";
     const std::vector<std::string> constants = constant_strings(tmpl);
@@ -273,7 +285,8 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
   }
   if (tmpl.find(kTurnStart) == std::string::npos) {
     unsupported("only ChatML (<|im_start|>role ... <|im_end|>), Llama 3 (<|start_header_id|>role<|end_header_id|> "
-                "... <|eot_id|>) and DeepSeek-R1 (<｜User｜> ... <｜Assistant｜>) templates are supported; "
+                "... <|eot_id|>), DeepSeek-R1 (<｜User｜> ... <｜Assistant｜>) and Phi-3 (<|user|> ... <|end|>) "
+                "templates are supported; "
                 "this one begins '" +
                 tmpl.substr(0, 80) + "'");
   }
@@ -290,6 +303,27 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
 
 std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
   std::string out;
+  if (name_ == "phi3") {
+    // <|role|>\ncontent<|end|>\n per turn; an empty system message, or any where the template
+    // has no system turn, adds nothing.
+    for (const ChatMessage& m : messages) {
+      std::string_view tag;
+      if (m.role == "user") tag = kPhiUser;
+      if (m.role == "assistant") tag = kPhiAssistant;
+      if (m.role == "system" && system_turns_ && !m.content.empty()) tag = kPhiSystem;
+      if (tag.empty()) continue;
+      out += tag;
+      out += '\n';
+      out += m.content;
+      out += kPhiEnd;
+      out += '\n';
+    }
+    if (add_generation_prompt) {
+      out += kPhiAssistant;
+      out += '\n';
+    }
+    return out;
+  }
   if (name_ == "deepseek-r1") {
     // The last system message's content first, bare; then the turns, an assistant's without
     // the reasoning before its last </think>; system messages in between add nothing.

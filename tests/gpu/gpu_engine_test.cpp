@@ -81,8 +81,9 @@ class GpuEngine : public ::testing::Test {
       write_tiny_llama(path(t), o);
     }
     // The other architectures: Qwen2's biases and rotary halves, Qwen3's per-head norms and
-    // heads wider than n_embd / n_heads (as tiny-qwen3 has them), Llama's rope_freqs; and a
-    // Q4_K_M-like mix (Q4_K, with V and up in Q6_K, the embeddings Q6_K).
+    // heads wider than n_embd / n_heads (as tiny-qwen3 has them), Llama's rope_freqs, Phi-3's
+    // stacked matrices and rotary factors; and a Q4_K_M-like mix (Q4_K, with V and up in Q6_K,
+    // the embeddings Q6_K).
     for (const auto& [name, o] : variants()) write_tiny_llama(*dir_ / (name + ".gguf"), o);
     // Layers of mixed types: Q, K and V (gate and up) cannot be stacked into one product.
     batchlm::testing::TinyLlamaOptions o;
@@ -142,6 +143,31 @@ class GpuEngine : public ::testing::Test {
     km.v_up_dtype = DType::Q6_K;
     km.embedding_dtype = DType::Q6_K;
     v.emplace_back("llama-q4_k_m", km);
+    // Phi-3: Q, K and V (gate and up) stacked in the file; the long-context factors and
+    // magnitude; Phi-4-mini's rotation of three quarters of each head.
+    batchlm::testing::TinyLlamaOptions phi;
+    phi.n_layers = 2;
+    phi.context_length = 4096;
+    phi.architecture = "phi3";
+    phi.weight_dtype = DType::Q8_0;
+    phi.embedding_dtype = DType::Q8_0;
+    for (int i = 0; i < 8; ++i) {  // head_dim 16
+      phi.rope_factors_short.push_back(1.0f + static_cast<float>(i));
+      phi.rope_factors_long.push_back(40.0f - static_cast<float>(i));
+    }
+    phi.rope_attn_factor = 1.1902f;
+    phi.original_context_length = 1024;
+    v.emplace_back("phi3-q8_0", phi);
+    batchlm::testing::TinyLlamaOptions phi4;
+    phi4.n_layers = 2;
+    phi4.context_length = 1024;
+    phi4.architecture = "phi3";
+    phi4.n_embd = 256;
+    phi4.n_ff = 512;
+    phi4.rope_dim = 48;  // of 64
+    phi4.weight_dtype = DType::Q4_K;
+    phi4.embedding_dtype = DType::Q8_0;
+    v.emplace_back("phi3-partial-q4_k", phi4);
     return v;
   }
   static fs::path variant_path(const std::string& name) { return *dir_ / (name + ".gguf"); }
@@ -213,7 +239,8 @@ TEST_F(GpuEngine, GreedyLogitsMatchTheCpuForEveryWeightType) {
 // Llama, a Qwen3 (per-head norms, wide heads) and a Qwen2 (biases: padding tokens in a graph's
 // bucket get them too, and must still store nothing).
 TEST_F(GpuEngine, MixedBatchesAndGraphReplaysMatchTheCpu) {
-  for (const fs::path& file : {path(kernels::DType::Q4_1), variant_path("qwen3-q4_k"), variant_path("qwen2-q8_0")}) {
+  for (const fs::path& file : {path(kernels::DType::Q4_1), variant_path("qwen3-q4_k"), variant_path("qwen2-q8_0"),
+                               variant_path("phi3-q8_0")}) {
   SCOPED_TRACE(file.filename().string());
   const auto model = Model::load(file);
   const ModelConfig& c = model->config();

@@ -127,8 +127,9 @@ TEST(CudaOps, RopeMatchesDefinitionAndCpu) {
   }
 }
 
-// Rotary pairs in halves of each head (Qwen's layout) and angles divided by per-pair factors
-// (Llama 3.1's rope_freqs), against the definition in double and the CPU.
+// Rotary pairs in halves of each head (Qwen's and Phi-3's layout), angles divided by per-pair
+// factors (Llama 3.1's rope_freqs, Phi-3's short factors) and Phi-3's magnitude, against the
+// definition in double and the CPU.
 TEST(CudaOps, RopeInHalvesAndWithFreqFactorsMatchesDefinitionAndCpu) {
   BATCHLM_REQUIRE_GPU();
   std::mt19937 rng(13);
@@ -141,6 +142,8 @@ TEST(CudaOps, RopeInHalvesAndWithFreqFactorsMatchesDefinitionAndCpu) {
         std::vector<float> factors(static_cast<std::size_t>(rot_dim / 2));
         for (std::size_t i = 0; i < factors.size(); ++i) factors[i] = 1.0f + 0.37f * static_cast<float>(i);
         const float* host_factors = with_factors ? factors.data() : nullptr;
+        // With the factors, Phi-3.5's magnitude too.
+        const float attn_factor = with_factors ? 1.1902f : 1.0f;
         const float base = 500000.0f;
         const auto x = random_floats(n * n_heads * head_dim, rng);
         std::vector<float> exact = x;
@@ -154,16 +157,18 @@ TEST(CudaOps, RopeInHalvesAndWithFreqFactorsMatchesDefinitionAndCpu) {
               const std::int64_t e0 = style == k::RopeStyle::kHalves ? i : 2 * i;
               const std::int64_t e1 = style == k::RopeStyle::kHalves ? i + half : 2 * i + 1;
               const double a = x[at + e0], b = x[at + e1];
-              exact[at + e0] = static_cast<float>(a * std::cos(angle) - b * std::sin(angle));
-              exact[at + e1] = static_cast<float>(a * std::sin(angle) + b * std::cos(angle));
+              const double c = std::cos(angle) * attn_factor, sn = std::sin(angle) * attn_factor;
+              exact[at + e0] = static_cast<float>(a * c - b * sn);
+              exact[at + e1] = static_cast<float>(a * sn + b * c);
             }
         std::vector<float> cpu = x;
-        k::rope(cpu.data(), n, n_heads, head_dim, rot_dim,
-                k::rope_angles(n, rot_dim, positions.data(), base, host_factors).data(), style);
+        std::vector<float> angles = k::rope_angles(n, rot_dim, positions.data(), base, host_factors);
+        for (float& cs : angles) cs *= attn_factor;  // as the forward pass applies it
+        k::rope(cpu.data(), n, n_heads, head_dim, rot_dim, angles.data(), style);
         DeviceBuffer<float> dx(x), dfactors(factors);
         DeviceBuffer<std::int32_t> dpos(positions);
         kc::rope(dx.get(), n, n_heads, head_dim, rot_dim, dpos.get(), base, nullptr, style,
-                 with_factors ? dfactors.get() : nullptr);
+                 with_factors ? dfactors.get() : nullptr, attn_factor);
         sync();
         const auto gpu = dx.download();
         const std::string what = std::string(style == k::RopeStyle::kHalves ? "halves" : "adjacent") + " rot_dim " +
@@ -402,8 +407,9 @@ TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
     // The reference: rope, rope, store, store.
     DeviceBuffer<float> rq(q), rk(kk), rv(v);
     DeviceBuffer<std::uint16_t> rkp(pool), rvp(pool);
-    kc::rope(rq.get(), n, c.heads, c.dim, c.rot, dpos.get(), 100000.0f, nullptr, c.style, f);
-    kc::rope(rk.get(), n, c.kv_heads, c.dim, c.rot, dpos.get(), 100000.0f, nullptr, c.style, f);
+    const float attn = c.factors ? 1.25f : 1.0f;
+    kc::rope(rq.get(), n, c.heads, c.dim, c.rot, dpos.get(), 100000.0f, nullptr, c.style, f, attn);
+    kc::rope(rk.get(), n, c.kv_heads, c.dim, c.rot, dpos.get(), 100000.0f, nullptr, c.style, f, attn);
     kc::store_f16_paged(rk.get(), n, KV, batch, rkp.get(), nullptr);
     kc::store_f16_paged(rv.get(), n, KV, batch, rvp.get(), nullptr);
     // The fused kernel.
@@ -413,7 +419,7 @@ TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
     const kc::QkvRows in = c.stacked ? kc::QkvRows{dqkv.get(), dqkv.get() + QW, dqkv.get() + QW + KV, row, row, row}
                                      : kc::QkvRows{dq.get(), dk.get(), dv.get(), QW, KV, KV};
     kc::rope_store_kv(in, n, c.heads, c.kv_heads, c.dim, c.rot, 100000.0f, batch, dq_out.get(), dkp.get(), dvp.get(),
-                      nullptr, c.style, f);
+                      nullptr, c.style, f, attn);
     sync();
     const auto want_q = rq.download(), got_q = dq_out.download();
     EXPECT_EQ(std::memcmp(got_q.data(), want_q.data(), got_q.size() * sizeof(float)), 0) << what;
@@ -432,7 +438,7 @@ TEST(CudaOps, RopeStoreKvEqualsRopeThenStores) {
     EXPECT_EQ(changed, 6) << what << ": a real token's key row was not written";
     if (!c.stacked) {  // in place, as the executor uses it when Q, K and V are apart
       kc::rope_store_kv(in, n, c.heads, c.kv_heads, c.dim, c.rot, 100000.0f, batch, dq.get(), dkp.get(), dvp.get(),
-                        nullptr, c.style, f);
+                        nullptr, c.style, f, attn);
       sync();
       const auto in_place = dq.download();
       EXPECT_EQ(std::memcmp(in_place.data(), want_q.data(), in_place.size() * sizeof(float)), 0) << what;

@@ -829,7 +829,11 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
 
   GgufWriter writer;
   const std::string& arch = o.architecture;
-  if (arch != "llama" && arch != "qwen2" && arch != "qwen3") throw std::invalid_argument("write_tiny_llama: architecture " + arch);
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && arch != "phi3")
+    throw std::invalid_argument("write_tiny_llama: architecture " + arch);
+  const bool fused = arch == "phi3";
+  if (fused && o.v_up_dtype) throw std::invalid_argument("write_tiny_llama: phi3's fused matrices have one type");
+  const std::int64_t rope_dim = o.rope_dim > 0 ? o.rope_dim : info.head_dim;
   const std::string a = arch + ".";
   writer.add("general.architecture", GgufValue::str(arch))
       .add("general.name", GgufValue::str("tiny-" + arch))
@@ -844,7 +848,11 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
       .add(a + "rope.freq_base", GgufValue::f32(o.rope_freq_base))
       .add(a + "attention.layer_norm_rms_epsilon", GgufValue::f32(o.rms_norm_eps))
       .add(a + "vocab_size", GgufValue::u32(static_cast<std::uint32_t>(n_vocab)))
-      .add(a + "rope.dimension_count", GgufValue::u32(static_cast<std::uint32_t>(info.head_dim)));
+      .add(a + "rope.dimension_count", GgufValue::u32(static_cast<std::uint32_t>(rope_dim)));
+  if (o.rope_attn_factor > 0.0f) writer.add(a + "rope.scaling.attn_factor", GgufValue::f32(o.rope_attn_factor));
+  if (o.original_context_length > 0)
+    writer.add(a + "rope.scaling.original_context_length",
+               GgufValue::u32(static_cast<std::uint32_t>(o.original_context_length)));
   if (o.head_dim > 0) {
     writer.add(a + "attention.key_length", GgufValue::u32(static_cast<std::uint32_t>(o.head_dim)))
         .add(a + "attention.value_length", GgufValue::u32(static_cast<std::uint32_t>(o.head_dim)));
@@ -886,6 +894,18 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
     writer.override_tensor(name, {.type_id = 11, .dims = std::vector<std::uint64_t>{static_cast<std::uint64_t>(row_length),
                                                                                     static_cast<std::uint64_t>(rows)}});
   };
+  // Matrices of one row length written as one, their rows one after the other (drawn in the
+  // order they would be apart).
+  const auto stacked = [&](const std::string& name, DType type, std::int64_t row_length, std::vector<std::int64_t> rows,
+                           float std_dev) {
+    std::vector<float> values;
+    std::int64_t total = 0;
+    for (const std::int64_t r : rows) {
+      total += r;
+      for (std::int64_t i = 0; i < r * row_length; ++i) values.push_back(std_dev * random.next());
+    }
+    writer.add_tensor(name, type, {row_length, total}, values);
+  };
   const auto norm = [&](const std::string& name) {
     std::vector<float> values(static_cast<std::size_t>(o.n_embd));
     for (float& v : values) v = 1.0f + 0.1f * random.next();
@@ -901,9 +921,13 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
   for (std::int64_t layer = 0; layer < o.n_layers; ++layer) {
     const std::string prefix = "blk." + std::to_string(layer) + ".";
     norm(prefix + "attn_norm.weight");
-    matrix(prefix + "attn_q.weight", o.weight_dtype, o.n_embd, q_dim, scale(o.n_embd));
-    matrix(prefix + "attn_k.weight", o.weight_dtype, o.n_embd, kv_dim, scale(o.n_embd));
-    matrix(prefix + "attn_v.weight", o.v_up_dtype.value_or(o.weight_dtype), o.n_embd, kv_dim, scale(o.n_embd));
+    if (fused) {
+      stacked(prefix + "attn_qkv.weight", o.weight_dtype, o.n_embd, {q_dim, kv_dim, kv_dim}, scale(o.n_embd));
+    } else {
+      matrix(prefix + "attn_q.weight", o.weight_dtype, o.n_embd, q_dim, scale(o.n_embd));
+      matrix(prefix + "attn_k.weight", o.weight_dtype, o.n_embd, kv_dim, scale(o.n_embd));
+      matrix(prefix + "attn_v.weight", o.v_up_dtype.value_or(o.weight_dtype), o.n_embd, kv_dim, scale(o.n_embd));
+    }
     if (arch == "qwen2") {
       for (const auto& [which, rows] : {std::pair{"q", q_dim}, std::pair{"k", kv_dim}, std::pair{"v", kv_dim}}) {
         std::vector<float> bias(static_cast<std::size_t>(rows));
@@ -920,8 +944,12 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
     }
     matrix(prefix + "attn_output.weight", o.weight_dtype, q_dim, o.n_embd, scale(q_dim));
     norm(prefix + "ffn_norm.weight");
-    matrix(prefix + "ffn_gate.weight", o.weight_dtype, o.n_embd, o.n_ff, scale(o.n_embd));
-    matrix(prefix + "ffn_up.weight", o.v_up_dtype.value_or(o.weight_dtype), o.n_embd, o.n_ff, scale(o.n_embd));
+    if (fused) {
+      stacked(prefix + "ffn_up.weight", o.weight_dtype, o.n_embd, {o.n_ff, o.n_ff}, scale(o.n_embd));  // gate, up
+    } else {
+      matrix(prefix + "ffn_gate.weight", o.weight_dtype, o.n_embd, o.n_ff, scale(o.n_embd));
+      matrix(prefix + "ffn_up.weight", o.v_up_dtype.value_or(o.weight_dtype), o.n_embd, o.n_ff, scale(o.n_embd));
+    }
     matrix(prefix + "ffn_down.weight", o.weight_dtype, o.n_ff, o.n_embd, scale(o.n_ff));
   }
   norm("output_norm.weight");
@@ -929,6 +957,13 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
     if (static_cast<std::int64_t>(o.rope_freqs.size()) != info.head_dim / 2)
       throw std::invalid_argument("write_tiny_llama: rope_freqs must have head_dim / 2 factors");
     writer.add_tensor("rope_freqs.weight", DType::F32, {info.head_dim / 2}, o.rope_freqs);
+  }
+  for (const auto& [name, factors] : {std::pair{"rope_factors_short.weight", &o.rope_factors_short},
+                                      std::pair{"rope_factors_long.weight", &o.rope_factors_long}}) {
+    if (factors->empty()) continue;
+    if (static_cast<std::int64_t>(factors->size()) != rope_dim / 2)
+      throw std::invalid_argument(std::string("write_tiny_llama: ") + name + " must have rope_dim / 2 factors");
+    writer.add_tensor(name, DType::F32, {rope_dim / 2}, *factors);
   }
   if (!o.tied) matrix("output.weight", o.embedding_dtype, o.n_embd, n_vocab, scale(o.n_embd));
 

@@ -170,6 +170,15 @@ struct TinyLlamaOptions {
   std::int64_t head_dim = 0;
   // Where not empty, a rope_freqs.weight tensor of these factors (head_dim / 2 of them).
   std::vector<float> rope_freqs;
+  // Where > 0, the rotary dims (rope.dimension_count) when fewer than the head's.
+  std::int64_t rope_dim = 0;
+  // "phi3" writes Q, K and V as one attn_qkv matrix and gate and up as one ffn_up of 2 * n_ff
+  // rows (v_up_dtype must be unset), and, where these are set, Phi-3's long-context keys and
+  // tensors: rope_factors_short and rope_factors_long (rope_dim / 2 factors each),
+  // rope.scaling.attn_factor, rope.scaling.original_context_length.
+  std::vector<float> rope_factors_short, rope_factors_long;
+  float rope_attn_factor = 0.0f;
+  std::int64_t original_context_length = 0;
 };
 
 struct TinyLlamaInfo {

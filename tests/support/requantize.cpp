@@ -138,6 +138,25 @@ void require_llama(const gguf::File& in, const char* what) {
 
 }  // namespace
 
+namespace {
+
+// Row h*d + s*d/2 + j of the checkpoint is row h*d + 2j + s of llama's layout: `t`'s rows (a
+// query or key matrix of n heads) put back in the checkpoint's order.
+std::vector<std::byte> unpermuted_rows(const gguf::TensorInfo& t, std::int64_t n) {
+  std::vector<std::byte> bytes = bytes_of(t);
+  const std::int64_t rows = t.rows();
+  const std::int64_t d = rows / n;
+  const std::size_t row = t.n_bytes / static_cast<std::size_t>(rows);
+  for (std::int64_t h = 0; h < n; ++h)
+    for (std::int64_t s = 0; s < 2; ++s)
+      for (std::int64_t j = 0; j < d / 2; ++j)
+        std::memcpy(bytes.data() + static_cast<std::size_t>(h * d + s * d / 2 + j) * row,
+                    t.data + static_cast<std::size_t>(h * d + 2 * j + s) * row, row);
+  return bytes;
+}
+
+}  // namespace
+
 std::vector<std::byte> as_qwen2(const gguf::File& in, float bias_scale) {
   require_llama(in, "as_qwen2");
   GgufWriter out;
@@ -166,19 +185,7 @@ std::vector<std::byte> as_qwen2(const gguf::File& in, float bias_scale) {
       out.add_tensor(t.name, *t.type, t.shape, bytes_of(t));
       continue;
     }
-    std::vector<std::byte> bytes = bytes_of(t);
-    const std::int64_t rows = t.rows();
-    if (m[2] != "v") {
-      // Row h*d + s*d/2 + j of the checkpoint is row h*d + 2j + s of llama's layout.
-      const std::int64_t n = m[2] == "q" ? n_heads : n_kv_heads;
-      const std::int64_t d = rows / n;
-      const std::size_t row = t.n_bytes / static_cast<std::size_t>(rows);
-      for (std::int64_t h = 0; h < n; ++h)
-        for (std::int64_t s = 0; s < 2; ++s)
-          for (std::int64_t j = 0; j < d / 2; ++j)
-            std::memcpy(bytes.data() + static_cast<std::size_t>(h * d + s * d / 2 + j) * row,
-                        t.data + static_cast<std::size_t>(h * d + 2 * j + s) * row, row);
-    }
+    std::vector<std::byte> bytes = m[2] == "v" ? bytes_of(t) : unpermuted_rows(t, m[2] == "q" ? n_heads : n_kv_heads);
     out.add_tensor(t.name, *t.type, t.shape, std::move(bytes));
     if (m[2] != "v") continue;
     // The biases go after attn_v.weight, q, k, v, each as long as its matrix has rows.
@@ -188,6 +195,65 @@ std::vector<std::byte> as_qwen2(const gguf::File& in, float bias_scale) {
       std::vector<float> bias(static_cast<std::size_t>(w.rows()));
       for (float& b : bias) b = bias_scale * next();
       out.add_tensor(layer + "attn_" + which + ".bias", DType::F32, {w.rows()}, bias);
+    }
+  }
+  return out.encode().bytes;
+}
+
+std::vector<std::byte> as_phi3(const gguf::File& in, float short_max, float attn_factor, std::int64_t original_context) {
+  require_llama(in, "as_phi3");
+  GgufWriter out;
+  copy_metadata(in, out, [](const std::string& key, const gguf::Value& value) {
+    if (key == "general.architecture") return std::pair(key, GgufValue::str("phi3"));
+    if (key.starts_with("llama.")) return std::pair("phi3." + key.substr(6), encode(value));
+    return std::pair(key, encode(value));
+  });
+  out.add("phi3.rope.scaling.attn_factor", GgufValue::f32(attn_factor));
+  out.add("phi3.rope.scaling.original_context_length", GgufValue::u32(static_cast<std::uint32_t>(original_context)));
+  const auto u64 = [&](const char* key) { return static_cast<std::int64_t>(in.get_u64(key)); };
+  const std::int64_t n_heads = u64("llama.attention.head_count");
+  const std::int64_t n_kv_heads = in.find("llama.attention.head_count_kv") ? u64("llama.attention.head_count_kv") : n_heads;
+  const std::int64_t dim = in.find("llama.rope.dimension_count") ? u64("llama.rope.dimension_count")
+                                                                 : u64("llama.embedding_length") / n_heads;
+  std::vector<float> short_factors(static_cast<std::size_t>(dim / 2)), long_factors(short_factors.size());
+  for (std::size_t i = 0; i < short_factors.size(); ++i) {
+    const float f = short_factors.size() > 1 ? static_cast<float>(i) / static_cast<float>(short_factors.size() - 1) : 0.0f;
+    short_factors[i] = 1.0f + (short_max - 1.0f) * f * f;
+    long_factors[i] = 10.0f * short_factors[i];
+  }
+  out.add_tensor("rope_factors_long.weight", DType::F32, {dim / 2}, long_factors);
+  out.add_tensor("rope_factors_short.weight", DType::F32, {dim / 2}, short_factors);
+  // Rows of several matrices of one type and width, one after the other.
+  const auto stack = [&](const std::string& name, std::initializer_list<std::pair<const gguf::TensorInfo*, std::vector<std::byte>>> parts) {
+    const gguf::TensorInfo& first = *parts.begin()->first;
+    std::vector<std::byte> bytes;
+    std::int64_t rows = 0;
+    for (const auto& [t, data] : parts) {
+      if (*t->type != *first.type || t->shape[0] != first.shape[0])
+        throw std::invalid_argument("as_phi3: " + t->name + " differs in type or width from " + first.name);
+      bytes.insert(bytes.end(), data.begin(), data.end());
+      rows += t->rows();
+    }
+    out.add_tensor(name, *first.type, {first.shape[0], rows}, std::move(bytes));
+  };
+  static const std::regex layer_tensor(R"(blk\.(\d+)\.(attn_q|attn_k|attn_v|ffn_gate|ffn_up)\.weight)");
+  for (const gguf::TensorInfo& t : in.tensors()) {
+    std::smatch m;
+    if (!std::regex_match(t.name, m, layer_tensor)) {
+      out.add_tensor(t.name, *t.type, t.shape, bytes_of(t));
+      continue;
+    }
+    const std::string p = "blk." + m[1].str() + ".";
+    // Written once per layer, where its first part comes.
+    if (m[2] == "attn_q") {
+      const gguf::TensorInfo& q = in.tensor(p + "attn_q.weight");
+      const gguf::TensorInfo& k = in.tensor(p + "attn_k.weight");
+      const gguf::TensorInfo& v = in.tensor(p + "attn_v.weight");
+      stack(p + "attn_qkv.weight", {{&q, unpermuted_rows(q, n_heads)}, {&k, unpermuted_rows(k, n_kv_heads)}, {&v, bytes_of(v)}});
+    } else if (m[2] == "ffn_gate") {
+      const gguf::TensorInfo& gate = in.tensor(p + "ffn_gate.weight");
+      const gguf::TensorInfo& up = in.tensor(p + "ffn_up.weight");
+      stack(p + "ffn_up.weight", {{&gate, bytes_of(gate)}, {&up, bytes_of(up)}});
     }
   }
   return out.encode().bytes;

@@ -61,6 +61,22 @@ std::vector<std::byte> as_qwen2(const local_engine::gguf::File& in, float bias_s
 // up to max_factor times slower.
 std::vector<std::byte> with_rope_freqs(const local_engine::gguf::File& in, float max_factor);
 
+// A llama-architecture file stored as the 'phi3' architecture of a long-context Phi-3 (Phi-3.5's
+// layout): general.architecture "phi3", every "llama." key renamed "phi3."; each layer's attn_q,
+// attn_k and attn_v as one attn_qkv (their rows one after the other; attn_q and attn_k rows in the
+// checkpoint's order, as for qwen2, since phi3 pairs the halves) and ffn_gate and ffn_up as one
+// ffn_up (the gate's rows first); rope_factors_short.weight (factor i = 1 + (short_max - 1) *
+// (i / (n - 1))^2) and rope_factors_long.weight (ten times those), phi3.rope.scaling.attn_factor
+// and phi3.rope.scaling.original_context_length. Below the original context the short factors
+// run, so the network is the input's with its angles divided by them and every cosine and sine
+// times attn_factor. The matrices stacked must share a type.
+std::vector<std::byte> as_phi3(const local_engine::gguf::File& in, float short_max, float attn_factor,
+                               std::int64_t original_context);
+inline constexpr float kSmolLM2Phi3ShortMax = 4.0f;
+inline constexpr float kSmolLM2Phi3AttnFactor = 1.03f;
+inline constexpr std::int64_t kSmolLM2Phi3OriginalContext = 4096;
+inline constexpr const char* kSmolLM2Phi3File = "SmolLM2-135M-Instruct.phi3.gguf";
+
 // A copy of `in` for the loader's tests: the tensors `drop` names left out, the metadata keys
 // of `set` given those values (the others as they are), then `add`'s tensors appended.
 struct GgufEdit {

@@ -1,9 +1,10 @@
 // The architecture variants on a real model, against llama.cpp: the default model stored as
 // the 'qwen2' architecture (tests/support/requantize.hpp as_qwen2: its query and key rows in the
 // checkpoint's order, so the rotary pairs are halves of each head, and small biases on the query,
-// key and value products) and the default model with a rope_freqs tensor (with_rope_freqs), each
-// with llama.cpp's goldens for that file (tests/reference/smollm2-135m-instruct-qwen2/ and
-// -ropefreqs/). The test makes each file again, checks that it is the one the goldens come from,
+// key and value products), the default model with a rope_freqs tensor (with_rope_freqs), and the
+// default model as a long-context 'phi3' (as_phi3: Q, K and V stacked in attn_qkv, gate and up in
+// ffn_up, short and long rotary factors and a magnitude factor), each with llama.cpp's goldens for
+// that file (tests/reference/smollm2-135m-instruct-qwen2/, -ropefreqs/ and -phi3/). The test makes each file again, checks that it is the one the goldens come from,
 // and compares the top logits after each prompt and the greedy continuations with the
 // tolerances of reference_test (tests/support/llama_goldens.hpp). Also: the qwen2 layout with
 // zero biases is the default model's network, and the loader's refusals. The tests on the
@@ -23,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "batchlm/kernels/ops.hpp"
+#include "batchlm/local_engine/engine.hpp"
 #include "batchlm/local_engine/executor.hpp"
 #include "batchlm/local_engine/gguf.hpp"
 #include "batchlm/local_engine/model.hpp"
@@ -51,6 +53,10 @@ const std::vector<Variant>& variants() {
       {"qwen2", bt::kSmolLM2Qwen2File, [](const gguf::File& f) { return bt::as_qwen2(f, bt::kSmolLM2Qwen2BiasScale); }},
       {"ropefreqs", bt::kSmolLM2RopeFreqsFile,
        [](const gguf::File& f) { return bt::with_rope_freqs(f, bt::kSmolLM2RopeFreqsMax); }},
+      {"phi3", bt::kSmolLM2Phi3File,
+       [](const gguf::File& f) {
+         return bt::as_phi3(f, bt::kSmolLM2Phi3ShortMax, bt::kSmolLM2Phi3AttnFactor, bt::kSmolLM2Phi3OriginalContext);
+       }},
   };
   return all;
 }
@@ -99,6 +105,19 @@ TEST_P(Variants, AreTheArchitectureTheyClaim) {
     EXPECT_TRUE(c.qkv_bias);
     EXPECT_EQ(c.rope_style, batchlm::kernels::RopeStyle::kHalves);
     EXPECT_FALSE(c.rope_freq_factors);
+  } else if (variants()[GetParam()].name == "phi3") {
+    // The stacked matrices load as views of their rows; the short factors run.
+    EXPECT_EQ(c.architecture, "phi3");
+    EXPECT_EQ(c.rope_style, batchlm::kernels::RopeStyle::kHalves);
+    EXPECT_TRUE(c.rope_long_factors);
+    EXPECT_EQ(c.n_ctx_usable(), bt::kSmolLM2Phi3OriginalContext);
+    EXPECT_EQ(c.rope_attn_factor, bt::kSmolLM2Phi3AttnFactor);
+    ASSERT_NE(model().rope_freqs(), nullptr);
+    EXPECT_EQ(model().rope_freqs()[c.rope_dim / 2 - 1], bt::kSmolLM2Phi3ShortMax);
+    const LayerWeights& l = model().layers()[0];
+    EXPECT_EQ(l.attn_k.data, static_cast<const std::byte*>(l.attn_q.data) +
+                                 batchlm::kernels::row_bytes(l.attn_q.type, l.attn_q.cols) * static_cast<std::size_t>(l.attn_q.rows));
+    EXPECT_EQ(l.ffn_up.rows, c.n_ff);
   } else {
     EXPECT_EQ(c.architecture, "llama");
     EXPECT_FALSE(c.qkv_bias);
@@ -132,7 +151,7 @@ TEST_P(Variants, GreedyContinuationsMatchLlamaCpp) {
               goldens_["cases"].size());
 }
 
-INSTANTIATE_TEST_SUITE_P(DefaultModel, Variants, ::testing::Range<std::size_t>(0, 2),
+INSTANTIATE_TEST_SUITE_P(DefaultModel, Variants, ::testing::Range<std::size_t>(0, 3),
                          [](const auto& info) { return variants()[info.param].name; });
 
 // With zero biases the qwen2 copy is the default model's network in the other layout: each
@@ -255,7 +274,10 @@ TEST_F(TinyVariants, TheyRunOnTheGpuWhereALlamaDoes) {
   qwen3.head_dim = 32;
   bt::TinyLlamaOptions freqs;
   freqs.rope_freqs.assign(8, 2.0f);  // head_dim 16
-  for (const fs::path& path : {write("qwen2.gguf", qwen2), write("qwen3.gguf", qwen3), write("freqs.gguf", freqs)}) {
+  bt::TinyLlamaOptions phi3;
+  phi3.architecture = "phi3";
+  for (const fs::path& path :
+       {write("qwen2.gguf", qwen2), write("qwen3.gguf", qwen3), write("freqs.gguf", freqs), write("phi3.gguf", phi3)}) {
     const auto m = Model::load(path);
     std::string why;
     auto ex = make_executor(m, {.device = Device::kAuto, .threads = 1}, &why);
@@ -314,13 +336,46 @@ TEST_F(TinyVariants, RopeFreqsMustBePositiveAndOfTheRotaryDimension) {
   EXPECT_NE(e.find("expected [8]"), std::string::npos) << e;
 }
 
+// Phi-3's long-context models: the short rotary factors run, so the context stops at the
+// original one, by default and when asked for more, and the message says why.
+TEST_F(TinyVariants, Phi3LongContextStopsAtTheOriginalContext) {
+  bt::TinyLlamaOptions o;
+  o.architecture = "phi3";
+  o.context_length = 8192;
+  o.original_context_length = 1024;
+  o.rope_factors_short.assign(8, 1.5f);  // head_dim 16
+  o.rope_factors_long.assign(8, 30.0f);
+  o.rope_attn_factor = 1.2f;
+  const auto m = Model::load(write("phi3-long.gguf", o));
+  const ModelConfig& c = m->config();
+  EXPECT_TRUE(c.rope_long_factors);
+  EXPECT_EQ(c.n_ctx_usable(), 1024);
+  EXPECT_EQ(choose_context(c, 0), 1024);
+  EXPECT_EQ(choose_context(c, 100000), 1024);
+  EXPECT_EQ(choose_context(c, 512), 512);
+  EXPECT_NE(context_holds(c, 1024).find("the model's own holds 8192 with its long-context rotary factors, which this build does "
+                                        "not run"),
+            std::string::npos)
+      << context_holds(c, 1024);
+  // Without the factors the training context is the limit.
+  bt::TinyLlamaOptions plain;
+  plain.architecture = "phi3";
+  plain.context_length = 8192;
+  EXPECT_EQ(choose_context(Model::load(write("phi3-plain.gguf", plain))->config(), 100000), 8192);
+  // Short factors without long ones (or the other way) are refused by name.
+  bt::write_file(dir_ / "phi3-short-only.gguf", bt::edit(gguf::File::open(dir_ / "phi3-long.gguf"),
+                                                         {.drop = [](const std::string& n) { return n == "rope_factors_long.weight"; }}));
+  const std::string e = load_error(dir_ / "phi3-short-only.gguf");
+  EXPECT_NE(e.find("rope_factors_long.weight"), std::string::npos) << e;
+}
+
 TEST_F(TinyVariants, AnotherArchitectureIsRefusedNamingTheOnesThatRun) {
   bt::TinyLlamaOptions o;
   const fs::path good = write("llama.gguf", o);
   bt::write_file(dir_ / "gemma2.gguf",
                  bt::edit(gguf::File::open(good), {.set = {{"general.architecture", bt::GgufValue::str("gemma2")}}}));
   const std::string e = load_error(dir_ / "gemma2.gguf");
-  EXPECT_NE(e.find("architecture 'gemma2' is not supported (this build runs the 'llama', 'qwen2' and 'qwen3' architectures)"),
+  EXPECT_NE(e.find("architecture 'gemma2' is not supported (this build runs the 'llama', 'qwen2', 'qwen3' and 'phi3' architectures)"),
             std::string::npos)
       << e;
 }

@@ -49,6 +49,9 @@ struct Case {
   bool rope_freqs = false;
   std::int64_t n_embd = 256, n_heads = 4, n_kv_heads = 2;
   std::int64_t head_dim = 0;  // 0: n_embd / n_heads
+  // phi3: rotary dims (0: the head's), and the long-context factors and magnitude.
+  std::int64_t rope_dim = 0;
+  bool long_context = false;
 };
 
 const std::vector<Case>& cases() {
@@ -74,6 +77,10 @@ const std::vector<Case>& cases() {
       {"qwen3_Q8_0", DType::Q8_0, std::nullopt, DType::Q8_0, "qwen3", false, 256, 4, 2, 128},
       {"qwen3_Q4_K", DType::Q4_K, DType::Q6_K, DType::Q8_0, "qwen3", false, 256, 4, 2, 128},
       {"llama_rope_freqs_Q4_1", DType::Q4_1, std::nullopt, DType::Q8_0, "llama", true},
+      // Phi-3: Q, K and V in one matrix, gate and up in another; the long-context models' short
+      // factors and magnitude; Phi-4-mini's rotation of three quarters of each head.
+      {"phi3_Q8_0_long_context", DType::Q8_0, std::nullopt, DType::Q8_0, "phi3", false, 256, 4, 2, 0, 0, true},
+      {"phi3_Q4_K_partial_rotary", DType::Q4_K, std::nullopt, DType::Q8_0, "phi3", false, 256, 4, 2, 0, 48},
   };
   return all;
 }
@@ -81,7 +88,8 @@ const std::vector<Case>& cases() {
 // The float64 forward of exact_forward.py (tests/reference) on a tiny model: every weight
 // dequantized by the test writer's decoder, products and attention in float64, keys and values
 // rounded to F16 as every engine stores them. One token at a time. Qwen2 adds its biases and
-// rotates the halves of each head; rope_freqs divide the angles.
+// rotates the halves of each head; rope_freqs divide the angles; Phi-3's stacked matrices are
+// taken apart, its short factors divide the angles and its attn_factor scales the rotation.
 class ExactLlama {
  public:
   explicit ExactLlama(const fs::path& path) {
@@ -92,7 +100,7 @@ class ExactLlama {
       return *v;
     };
     const std::string arch = file.get_string("general.architecture");
-    halves_ = arch == "qwen2" || arch == "qwen3";
+    halves_ = arch == "qwen2" || arch == "qwen3" || arch == "phi3";
     const auto key = [&](const char* name) { return arch + "." + name; };
     const auto u32 = [&](const char* name) { return static_cast<std::int64_t>(value(key(name).c_str()).as_u64(name)); };
     n_layers_ = u32("block_count");
@@ -102,10 +110,28 @@ class ExactLlama {
     eps_ = value(key("attention.layer_norm_rms_epsilon").c_str()).as_f64("eps");
     base_ = value(key("rope.freq_base").c_str()).as_f64("base");
     head_dim_ = file.find(key("attention.key_length")) ? u32("attention.key_length") : n_embd_ / n_heads_;
+    rope_dim_ = file.find(key("rope.dimension_count")) ? u32("rope.dimension_count") : head_dim_;
+    if (file.find(key("rope.scaling.attn_factor"))) mscale_ = value(key("rope.scaling.attn_factor").c_str()).as_f64("attn");
     for (const gguf::TensorInfo& t : file.tensors()) {
       const std::vector<float> v = batchlm::testing::dequantize(
           *t.type, std::span<const std::byte>(t.data, t.n_bytes), static_cast<std::int64_t>(t.n_elements));
       w_[t.name] = std::vector<double>(v.begin(), v.end());
+    }
+    // Phi-3's stacked matrices, taken apart by rows: Q, K, V; gate, up.
+    const std::int64_t n_ff = u32("feed_forward_length");
+    for (std::int64_t layer = 0; layer < n_layers_; ++layer) {
+      const std::string p = "blk." + std::to_string(layer) + ".";
+      if (!w_.contains(p + "attn_qkv.weight")) continue;
+      const std::vector<double> qkv = w_.at(p + "attn_qkv.weight"), gate_up = w_.at(p + "ffn_up.weight");
+      const std::int64_t q_rows = n_heads_ * head_dim_, kv_rows = n_kv_ * head_dim_;
+      const auto rows = [&](const std::vector<double>& m, std::int64_t first, std::int64_t count) {
+        return std::vector<double>(m.begin() + first * n_embd_, m.begin() + (first + count) * n_embd_);
+      };
+      w_[p + "attn_q.weight"] = rows(qkv, 0, q_rows);
+      w_[p + "attn_k.weight"] = rows(qkv, q_rows, kv_rows);
+      w_[p + "attn_v.weight"] = rows(qkv, q_rows + kv_rows, kv_rows);
+      w_[p + "ffn_gate.weight"] = rows(gate_up, 0, n_ff);
+      w_[p + "ffn_up.weight"] = rows(gate_up, n_ff, n_ff);
     }
     n_vocab_ = static_cast<std::int64_t>(w_.at("token_embd.weight").size()) / n_embd_;
     if (!w_.contains("output.weight")) w_["output.weight"] = w_.at("token_embd.weight");
@@ -180,18 +206,24 @@ class ExactLlama {
       for (std::size_t c = 0; c < cols; ++c) out[r] += m[r * cols + c] * h[c];
     return out;
   }
-  // Pair i of each head, (x[2i], x[2i + 1]), or (x[i], x[i + head_dim / 2]) for Qwen2, rotates
-  // by pos * base^(-2i / head_dim), divided by rope_freqs[i] where the model has them.
+  // Pair i < rot / 2 of each head (rot = the rotary dims), (x[2i], x[2i + 1]), or (x[i],
+  // x[i + rot / 2]) for Qwen2, Qwen3 and Phi-3, rotates by pos * base^(-2i / rot), divided by
+  // rope_freqs[i] (Phi-3: rope_factors_short[i]) where the model has them; Phi-3's
+  // attn_factor multiplies the cosine and the sine.
   void rope(std::vector<double>& x, std::int64_t pos) const {
+    const std::vector<double>* factors = w_.contains("rope_freqs.weight")           ? &w_.at("rope_freqs.weight")
+                                         : w_.contains("rope_factors_short.weight") ? &w_.at("rope_factors_short.weight")
+                                                                                    : nullptr;
     for (std::size_t at = 0; at < x.size(); at += static_cast<std::size_t>(head_dim_))
-      for (std::int64_t i = 0; i < head_dim_ / 2; ++i) {
-        double theta = static_cast<double>(pos) * std::pow(base_, -static_cast<double>(2 * i) / static_cast<double>(head_dim_));
-        if (w_.contains("rope_freqs.weight")) theta /= w_.at("rope_freqs.weight")[static_cast<std::size_t>(i)];
+      for (std::int64_t i = 0; i < rope_dim_ / 2; ++i) {
+        double theta = static_cast<double>(pos) * std::pow(base_, -static_cast<double>(2 * i) / static_cast<double>(rope_dim_));
+        if (factors != nullptr) theta /= (*factors)[static_cast<std::size_t>(i)];
         const std::size_t first = at + static_cast<std::size_t>(halves_ ? i : 2 * i);
-        const std::size_t second = first + static_cast<std::size_t>(halves_ ? head_dim_ / 2 : 1);
+        const std::size_t second = first + static_cast<std::size_t>(halves_ ? rope_dim_ / 2 : 1);
         const double a = x[first], b = x[second];
-        x[first] = a * std::cos(theta) - b * std::sin(theta);
-        x[second] = a * std::sin(theta) + b * std::cos(theta);
+        const double c = std::cos(theta) * mscale_, s = std::sin(theta) * mscale_;
+        x[first] = a * c - b * s;
+        x[second] = a * s + b * c;
       }
   }
   // Qwen3: each head of x RMS-normalized over its own dims.
@@ -207,8 +239,8 @@ class ExactLlama {
     for (std::size_t i = 0; i < x.size(); ++i) x[i] += y[i];
   }
 
-  std::int64_t n_layers_ = 0, n_embd_ = 0, n_heads_ = 0, n_kv_ = 0, head_dim_ = 0, n_vocab_ = 0;
-  double eps_ = 0, base_ = 0;
+  std::int64_t n_layers_ = 0, n_embd_ = 0, n_heads_ = 0, n_kv_ = 0, head_dim_ = 0, rope_dim_ = 0, n_vocab_ = 0;
+  double eps_ = 0, base_ = 0, mscale_ = 1.0;
   bool halves_ = false;
   std::map<std::string, std::vector<double>> w_;
   std::vector<std::pair<std::vector<std::vector<double>>, std::vector<std::vector<double>>>> cache_;
@@ -246,6 +278,18 @@ class QuantTypesModel : public ::testing::Test {
       // turn too little over a short test to show; these slow the fast ones too.
       if (c.rope_freqs)
         for (int i = 0; i < 32; ++i) o.rope_freqs.push_back(1.0f + 15.0f * static_cast<float>(i) / 31.0f);
+      o.rope_dim = c.rope_dim;
+      if (c.long_context) {
+        // Short factors that slow the fast pairs; long ones (which must not run at this
+        // context) far from them. The magnitude Phi-3.5's 128k / 4k gives.
+        for (int i = 0; i < 32; ++i) {
+          o.rope_factors_short.push_back(1.0f + 7.0f * static_cast<float>(i) / 31.0f);
+          o.rope_factors_long.push_back(40.0f - static_cast<float>(i));
+        }
+        o.rope_attn_factor = 1.1902f;
+        o.original_context_length = 1024;
+        o.context_length = 4096;
+      }
       batchlm::testing::write_tiny_llama(path(c), o);
     }
   }
@@ -273,7 +317,13 @@ TEST_F(QuantTypesModel, ForwardMatchesTheFloat64Reference) {
     EXPECT_EQ(model->config().qkv_bias, c.architecture == "qwen2") << c.name;
     EXPECT_EQ(model->config().qk_norm, c.architecture == "qwen3") << c.name;
     EXPECT_EQ(model->config().q_width(), c.n_heads * (c.head_dim > 0 ? c.head_dim : c.n_embd / c.n_heads)) << c.name;
-    EXPECT_EQ(model->config().rope_freq_factors, c.rope_freqs) << c.name;
+    EXPECT_EQ(model->config().rope_freq_factors, c.rope_freqs || c.long_context) << c.name;
+    EXPECT_EQ(model->config().rope_long_factors, c.long_context) << c.name;
+    if (c.long_context) {
+      // The context stops at the original one: the long factors do not run.
+      EXPECT_EQ(model->config().n_ctx_usable(), 1024) << c.name;
+      EXPECT_EQ(model->config().rope_attn_factor, 1.1902f) << c.name;
+    }
     ExactLlama exact(path(c));
     const std::vector<Token> prompt = model->tokenizer().encode("<|im_start|>user\nHello world, the cat<|im_end|>", true);
     const std::int64_t V = model->config().n_vocab;

@@ -590,6 +590,37 @@ TEST(ChatTemplate, AnEarlierDeepSeekR1TemplateDoesNotOpenTheReasoning) {
   EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"user", "Hi"}}, true), "<\uff5cUser\uff5c>Hi<\uff5cAssistant\uff5c>");
 }
 
+// ---- Phi-3 ----
+// Phi-3.5's template (llama.cpp's copy); the expected texts are jinja2's renderings of it.
+TEST(ChatTemplate, Phi35TurnsWithSystemMessages) {
+  const std::string text = read_template("microsoft-Phi-3.5-mini-instruct.jinja");
+  if (text.empty()) GTEST_SKIP() << "Phi-3.5's template is absent (scripts/fetch-vocabs.sh fetches it)";
+  const ChatTemplate chat = template_from(text);
+  EXPECT_EQ(chat.name(), "phi3");
+  EXPECT_TRUE(chat.system_turns());
+  using M = std::vector<ChatMessage>;
+  EXPECT_EQ(chat.apply(M{{"user", "2+2?"}, {"assistant", "4"}, {"user", "And 3+3?"}}, true),
+            "<|user|>\n2+2?<|end|>\n<|assistant|>\n4<|end|>\n<|user|>\nAnd 3+3?<|end|>\n<|assistant|>\n");
+  EXPECT_EQ(chat.apply(M{{"system", "Be brief."}, {"user", "Hi"}}, true),
+            "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n");
+  EXPECT_EQ(chat.apply(M{{"system", ""}, {"user", "Hi"}}, true), "<|user|>\nHi<|end|>\n<|assistant|>\n");
+  EXPECT_EQ(chat.apply(M{{"user", "Hi"}, {"system", "Now in French."}, {"user", " Bye\n"}}, true),
+            "<|user|>\nHi<|end|>\n<|system|>\nNow in French.<|end|>\n<|user|>\n Bye\n<|end|>\n<|assistant|>\n");
+}
+
+// Phi-3-mini's first template (its tokenizer_config.json): no system turns, the assistant's tag
+// after every user turn. The same text for the conversations it renders.
+TEST(ChatTemplate, Phi3FirstTemplateLeavesSystemMessagesOut) {
+  const ChatTemplate chat = template_from(
+      "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') %}{{'<|user|>' + '\\n' + "
+      "message['content'] + '<|end|>' + '\\n' + '<|assistant|>' + '\\n'}}{% elif (message['role'] == 'assistant') %}"
+      "{{message['content'] + '<|end|>' + '\\n'}}{% endif %}{% endfor %}");
+  EXPECT_EQ(chat.name(), "phi3");
+  EXPECT_FALSE(chat.system_turns());
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"system", "S"}, {"user", "2+2?"}, {"assistant", "4"}, {"user", "3+3?"}}, true),
+            "<|user|>\n2+2?<|end|>\n<|assistant|>\n4<|end|>\n<|user|>\n3+3?<|end|>\n<|assistant|>\n");
+}
+
 TEST(ChatTemplate, InsertsTheDefaultSystemMessageWhenTheFirstMessageIsNotSystem) {
   const ChatTemplate chat = template_from(kSmolLM2Template);
   const std::vector<ChatMessage> messages = {{"user", "Hi!"}, {"assistant", "Hello."}, {"user", "2+2?"}};

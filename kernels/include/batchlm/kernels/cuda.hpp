@@ -95,10 +95,12 @@ void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t 
 void add_rms_norm(float* x, const float* y, const float* weight, std::int64_t n,
                   std::int64_t dim, float eps, float* out, cudaStream_t stream);
 // rope as ops.hpp has it: pairs adjacent or in halves of each head (style), each angle
-// divided by its freq_factors entry where given (device memory, rot_dim / 2 floats).
+// divided by its freq_factors entry where given (device memory, rot_dim / 2 floats), each
+// cosine and sine multiplied by attn_factor (Phi-3's long-context magnitude).
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
           std::int64_t rot_dim, const std::int32_t* positions, float base, cudaStream_t stream,
-          RopeStyle style = RopeStyle::kAdjacent, const float* freq_factors = nullptr);
+          RopeStyle style = RopeStyle::kAdjacent, const float* freq_factors = nullptr,
+          float attn_factor = 1.0f);
 void swiglu(float* gate, const float* up, std::int64_t n, cudaStream_t stream);
 // out[t * width + i] = silu(gate[t * stride + i]) * up[t * stride + i] for t < n, i < width:
 // swiglu over rows read with a stride (gate and up may be the two halves of one product's
@@ -142,11 +144,12 @@ struct QkvRows {
 // to q_out ([n][n_heads * head_dim]; it may be in.q when that is contiguous), the keys and
 // values to the pools (pool rows of n_kv_heads * head_dim). head_dim even, rot_dim even and at
 // most head_dim; throws std::invalid_argument otherwise.
-// style and freq_factors as rope's.
+// style, freq_factors and attn_factor as rope's.
 void rope_store_kv(const QkvRows& in, std::int64_t n, std::int64_t n_heads, std::int64_t n_kv_heads,
                    std::int64_t head_dim, std::int64_t rot_dim, float base, const PagedBatch& batch,
                    float* q_out, std::uint16_t* k_pool, std::uint16_t* v_pool, cudaStream_t stream,
-                   RopeStyle style = RopeStyle::kAdjacent, const float* freq_factors = nullptr);
+                   RopeStyle style = RopeStyle::kAdjacent, const float* freq_factors = nullptr,
+                   float attn_factor = 1.0f);
 
 // What some architectures do to the queries, keys and values before rope (Qwen2's biases,
 // Qwen3's per-head norms): biases added (q_bias: n_heads * head_dim floats, k_bias and v_bias:

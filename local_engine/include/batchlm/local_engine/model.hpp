@@ -3,8 +3,12 @@
 // mapped file), the tokenizer, and the forward pass, written once against kernels/ops.hpp.
 // Architectures: "llama" (Llama, SmolLM and the others stored as it), "qwen2" (Qwen2 and
 // Qwen2.5: biases on the query, key and value products, rotary pairs in halves) and "qwen3"
-// (no biases; each head's query and key RMS-normalized; heads wider than n_embd / n_heads).
+// (no biases; each head's query and key RMS-normalized; heads wider than n_embd / n_heads),
+// and "phi3" (Phi-3, Phi-3.5, Phi-4-mini: Q, K and V in one matrix and gate and up in another,
+// which load as views of their rows; rotary pairs in halves, over part of the head for some;
+// the long-context models' short rotary factors and magnitude factor).
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -20,7 +24,7 @@
 namespace batchlm::local_engine {
 
 struct ModelConfig {
-  std::string architecture;   // "llama", "qwen2" or "qwen3"
+  std::string architecture;   // "llama", "qwen2", "qwen3" or "phi3"
   std::string name;           // general.name, may be empty
   std::int64_t n_vocab = 0;
   std::int64_t n_ctx_train = 0;
@@ -33,13 +37,24 @@ struct ModelConfig {
   std::int64_t rope_dim = 0;
   float rope_base = 10000.0f;
   kernels::RopeStyle rope_style = kernels::RopeStyle::kAdjacent;
-  bool rope_freq_factors = false;   // a rope_freqs tensor divides the angles (Llama 3.1 and later)
+  bool rope_freq_factors = false;   // factors divide the angles: Llama 3.1's rope_freqs, Phi-3's short ones
+  // Phi-3's long-context models: rope_factors_short is what runs (llama.cpp's choice up to the
+  // original context); rope_factors_long, for longer contexts, is not run, so the context stops
+  // at n_ctx_orig.
+  bool rope_long_factors = false;
+  std::int64_t n_ctx_orig = 0;      // rope.scaling.original_context_length (0: none given)
+  float rope_attn_factor = 1.0f;    // rope.scaling.attn_factor: multiplies each cosine and sine
   bool qkv_bias = false;            // attn_q/k/v.bias are added to the products
   bool qk_norm = false;             // attn_q_norm/attn_k_norm normalize each head (Qwen3)
   float rms_eps = 1e-5f;
   bool tied_embeddings = false;
 
   std::int64_t kv_width() const { return n_kv_heads * head_dim; }
+  // The longest context this build runs the model at: the training context, or the original
+  // one where only the short rotary factors run.
+  std::int64_t n_ctx_usable() const {
+    return rope_long_factors && n_ctx_orig > 0 ? std::min(n_ctx_train, n_ctx_orig) : n_ctx_train;
+  }
   std::int64_t q_width() const { return n_heads * head_dim; }  // n_embd but where heads are wider
 };
 

@@ -89,7 +89,7 @@ class StreamDecoder {
 };
 
 // The chat template of the model family, recognised from the GGUF template text rather than run
-// as Jinja. Three families:
+// as Jinja. Four families:
 //   ChatML   <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen2.5, Qwen3), with
 //            the default system message a template inserts when the conversation has none.
 //            Qwen3's template (recognised by its reasoning_content and </think> handling) also
@@ -106,12 +106,17 @@ class StreamDecoder {
 //            per assistant message, its reasoning up to the last </think> dropped; the
 //            generation prompt is <｜Assistant｜>, with "<think>\n" after it where the template
 //            writes that (the distills' later templates). BOS as for Llama 3.
+//   Phi-3    <|role|>\ncontent<|end|>\n per user and assistant message, and per non-empty system
+//            message where the template has system turns (Phi-3.5; Phi-3's first templates
+//            leave system messages out); the generation prompt is <|assistant|>\n. Without the
+//            generation prompt Phi-3.5's template ends with the EOS token's text, which is left
+//            out here as the BOS token is.
 class ChatTemplate {
  public:
   // Throws std::invalid_argument when the template is not one this build supports.
   static ChatTemplate from_vocab(const Vocab& vocab);
   std::string apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
-  std::string_view name() const { return name_; }  // "chatml", "llama3" or "deepseek-r1"
+  std::string_view name() const { return name_; }  // "chatml", "llama3", "deepseek-r1" or "phi3"
   const std::string& default_system() const { return default_system_; }
   // Llama 3.1 and later: the date the system turn gives ("26 Jul 2024"), or "today".
   const std::string& date() const { return date_; }
@@ -119,6 +124,8 @@ class ChatTemplate {
   bool reasoning_turns() const { return reasoning_; }
   // DeepSeek-R1's: the generation prompt opens a <think> block.
   bool opens_reasoning() const { return opens_reasoning_; }
+  // Phi-3's: whether system messages are turns (else they are left out).
+  bool system_turns() const { return system_turns_; }
 
  private:
   std::string name_ = "chatml";
@@ -126,6 +133,7 @@ class ChatTemplate {
   std::string date_;  // empty: no dated system turn
   bool reasoning_ = false;
   bool opens_reasoning_ = false;
+  bool system_turns_ = false;
 };
 
 }  // namespace batchlm::local_engine
