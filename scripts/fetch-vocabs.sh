@@ -4,9 +4,10 @@
 # the vocabulary alone (no weights), .gguf.inp test texts and .gguf.out the ids llama.cpp gives
 # them. They ship in llama-cpp-python 0.3.36's source distribution (vendor/llama.cpp/models/, the
 # llama.cpp that bench/engine/setup-llama-server.sh builds); only those of byte-level BPE
-# vocabularies (tokenizer.ggml.model "gpt2") whose pre-tokenizer the engine knows are extracted,
-# and, from models/templates/, the chat templates of Qwen2.5, Qwen3, Llama 3.1-3.3, DeepSeek-R1's
-# Llama and Qwen distills and Phi-3.5 (tokenizer_test reads them).
+# vocabularies (tokenizer.ggml.model "gpt2") whose pre-tokenizer the engine knows and those of
+# SentencePiece vocabularies ("llama") are extracted, and, from models/templates/, the chat
+# templates of Qwen2.5, Qwen3, Llama 3.1-3.3, DeepSeek-R1's Llama and Qwen distills and Phi-3.5
+# (tokenizer_test reads them).
 # The sdist and every extracted file are checked against their SHA-256; valid files already in
 # place are left alone. The sdist is taken from, in order:
 #   LLAMA_SERVER_SDIST=path   that file (as bench/engine/setup-llama-server.sh takes it)
@@ -23,10 +24,10 @@ sdist_sha=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e  # as
 members=llama_cpp_python-0.3.36/vendor/llama.cpp/models
 dest=models/vocab
 
-# The sdist's other vocabularies are left out: aquila and gpt-neox have no test files;
+# The sdist's other vocabularies are left out: aquila, baichuan and gpt-neox have no test files;
 # command-r, deepseek-coder, deepseek-llm, falcon, mpt and qwen35 name pre-tokenizers the engine
-# does not know; baichuan, bert-bge, gemma-4, llama-spm, nomic-bert-moe and phi-3 are not
-# byte-level BPE.
+# does not know; bert-bge, gemma-4 and nomic-bert-moe are neither byte-level BPE nor
+# SentencePiece ("llama").
 manifest() {
   cat <<'EOF'
 cedc56ca6e2e89f63e781696d1fd76b4b1d49e6720dee86463e915f6e90016ac  ggml-vocab-gpt-2.gguf
@@ -44,6 +45,12 @@ c7e5c1c5dc1dfd3e0d56576bf699d2aca0b760b80779523ea9d323aad6cd1b88  ggml-vocab-ref
 fedb892b4e1bd3c1f2fcdae356440b14fb458f4264d586e5c987ed93df4e174d  ggml-vocab-starcoder.gguf
 be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0  ggml-vocab-starcoder.gguf.inp
 3ef12183c57ad076f9defd8e5eb454f509f5f0865cad35646abb4c4b2d2c5764  ggml-vocab-starcoder.gguf.out
+16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69  ggml-vocab-llama-spm.gguf
+be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0  ggml-vocab-llama-spm.gguf.inp
+ad6905c925c49c022974fe67e030382e8a4f56eb4489a0b9481dcedb1ec73b29  ggml-vocab-llama-spm.gguf.out
+967d7190d11c4842eab697079d98d56c2116e10eb617be355a2733bfc132e326  ggml-vocab-phi-3.gguf
+be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0  ggml-vocab-phi-3.gguf.inp
+ad6905c925c49c022974fe67e030382e8a4f56eb4489a0b9481dcedb1ec73b29  ggml-vocab-phi-3.gguf.out
 cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f  templates/Qwen-Qwen2.5-7B-Instruct.jinja
 87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5  templates/Qwen-Qwen3-0.6B.jinja
 e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65  templates/meta-llama-Llama-3.1-8B-Instruct.jinja

@@ -1,11 +1,16 @@
 #include "batchlm/local_engine/tokenizer.hpp"
 #include "utf8.hpp"
 
+// Two tokenizers, chosen by tokenizer.ggml.model, both meant to give llama.cpp's ids
+// (src/llama-vocab.cpp, src/unicode.cpp) exactly.
+//
 // Byte-level BPE as GPT-2 introduced it and llama.cpp runs it for `tokenizer.ggml.model =
 // "gpt2"` vocabularies. Encoding a text takes four steps:
 //
 //   1. Special tokens. The text of control, user-defined and unknown-type tokens is cut out
 //      first and becomes those ids directly (control and unknown ones only with parse_special).
+//      A vocabulary that llama.cpp takes for Phi-3's also drops the whitespace after most of
+//      them (Vocab::strip_after_special).
 //   2. Pre-tokenizer. Each remaining stretch of text is split into pieces by the model family's
 //      sequence of regular expressions (tokenizer.ggml.pre); BPE never merges across pieces.
 //   3. BPE. Each piece starts as one symbol per byte; the adjacent pair with the lowest merge
@@ -17,16 +22,47 @@
 // Because every merge joins two tokens into a token, the BPE works on token ids throughout
 // and never builds strings; the pair -> merge table is keyed by the two ids.
 //
-// The reference is llama.cpp (src/llama-vocab.cpp, src/unicode.cpp); for valid UTF-8 the ids
-// are meant to be identical. Where llama.cpp replaces invalid UTF-8 bytes by U+FFFD before
-// tokenizing, this tokenizer keeps the bytes (they still split the text as U+FFFD would), so
-// decode(encode(x)) == x for every byte string, given a vocabulary with all 256 byte tokens.
+// For valid UTF-8 the ids are meant to be identical to llama.cpp's. Where llama.cpp replaces
+// invalid UTF-8 bytes by U+FFFD before tokenizing, this tokenizer keeps the bytes (they still
+// split the text as U+FFFD would), so decode(encode(x)) == x for every byte string, given a
+// vocabulary with all 256 byte tokens.
+//
+// SentencePiece's BPE, as llama.cpp runs it for `tokenizer.ggml.model = "llama"` vocabularies
+// (Llama 2, Mistral 7B, Phi-3, ...). There are no merge rules; each token has a score
+// (tokenizer.ggml.scores), and any two adjacent symbols whose joined text is a token may join.
+//
+//   1. Special tokens, as for BPE, except that llama.cpp's end-of-generation texts ("</s>",
+//      "<|end|>", ...) are control tokens whatever type the file gives them.
+//   2. Escape. In each remaining stretch of text every space becomes U+2581 "▁", and, with
+//      add_space_prefix (the default), one more "▁" goes in front of a stretch that starts the
+//      text or follows a special token. There is no pre-tokenizer: joins cross words.
+//   3. Join by score. The stretch starts as one symbol per character, a character being as
+//      many bytes as its first byte announces (the rest of the text permitting), whether or not
+//      they are valid UTF-8. Of the adjacent pairs whose joined text is a token, of any type,
+//      the one with the highest score joins (the leftmost on a tie), until none is left.
+//   4. Lookup with byte fallback. A final symbol whose text is a token is that token. Only a
+//      symbol that never joined can fail to be one (every join makes a token's text), and it
+//      becomes one byte token "<0xXX>" per byte; failing that, the token whose text is the
+//      byte itself; failing that, UNK, once for each run of such bytes.
+//
+// SentencePiece also "resegments": a final symbol whose token may not be output is split back
+// into the two symbols it was joined from. llama.cpp keeps that step but only ever records
+// pairs whose joined text is a token, so every symbol it would resegment is a token already,
+// and the step never splits anything; this tokenizer leaves it out. Where llama.cpp throws for
+// a byte without a token (std::out_of_range), this tokenizer gives UNK, or drops the byte when
+// the vocabulary has no UNK either.
+//
+// Decoding turns a "▁" of a normal token back into a space and a byte token into its byte.
+// Invalid UTF-8 goes through steps 2-4 as llama.cpp's does (it does not replace it with
+// U+FFFD here); every byte comes back, but a "▁" that such a symbol swallowed comes back as
+// the bytes of "▁" rather than a space.
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -348,12 +384,59 @@ struct LaterCandidate {
   }
 };
 
+// --- SentencePiece BPE ---------------------------------------------------------------------------
+
+constexpr std::string_view kSpaceMark = "\xE2\x96\x81";  // U+2581, which stands for a space
+
+// The length of the character that starts with byte `lead`, counted as llama.cpp counts it (its
+// unicode_len_utf8): from the lead byte's top bits alone, so a stray continuation byte is a
+// character of one byte and an invalid lead byte takes the bytes after it along.
+std::size_t character_length(char lead) {
+  const auto byte = static_cast<unsigned char>(lead);
+  if (byte < 0xC0) return 1;
+  if (byte < 0xE0) return 2;
+  if (byte < 0xF0) return 3;
+  return 4;
+}
+
+// One symbol of the stretch being joined: escaped[begin, begin + length), in a doubly linked list.
+struct SpmSymbol {
+  std::uint32_t begin;
+  std::uint32_t length;  // 0 once joined into its left neighbour
+  std::int32_t prev;     // -1 at the start
+  std::int32_t next;     // -1 at the end
+};
+
+// Two adjacent symbols whose joined text is a token, `length` bytes long. It is stale once
+// either symbol has joined another since it was queued: lengths only grow, so theirs no longer
+// add up to `length`.
+struct SpmCandidate {
+  float score;  // of the joined token
+  std::int32_t left, right;
+  std::uint32_t length;
+};
+
+// Orders the heap so that the top is the highest score, and of equal scores the leftmost.
+struct LowerScore {
+  bool operator()(const SpmCandidate& a, const SpmCandidate& b) const {
+    if (a.score < b.score) return true;
+    if (b.score < a.score) return false;
+    return a.left > b.left;
+  }
+};
+
+// The whitespace of C's isspace in the "C" locale, which llama.cpp strips after special tokens.
+bool is_ascii_space(char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+
 // Per-call storage, reused across the pieces of one encode() call.
 struct Workspace {
   std::vector<Range> pieces, split_scratch;
   std::vector<Symbol> symbols;
   std::vector<Candidate> heap;
   std::string byte_level;
+  std::string escaped;
+  std::vector<SpmSymbol> spm_symbols;
+  std::vector<SpmCandidate> spm_heap;
 };
 
 struct Fragment {
@@ -371,6 +454,42 @@ constexpr std::array<std::string_view, 18> kEndOfGenerationTexts = {
     "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
     "<REPO>", "<reponame>", "<|file_sep|>", "<PAD>",
 };
+
+// Texts that llama.cpp makes end of generation, and control tokens, whatever type the file
+// gives them (its "control-looking token" override). Applied to "llama" vocabularies, where it
+// matters for Phi-3: its "</s>" is user-defined in the file, and so would otherwise be cut out
+// of plain text and rendered without render_special. (llama.cpp's exceptions to the list, for
+// gpt-oss, Solar Open, Gemma 4 and PLaMo, concern BPE vocabularies.)
+constexpr std::array<std::string_view, 22> kControlLookingEndTexts = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\xEF\xBD\x9C" "end\xE2\x96\x81" "of\xE2\x96\x81" "sentence\xEF\xBD\x9C>",  // DeepSeek's, fullwidth bars
+    "[e~[",
+};
+
+// The special tokens after which a Phi-3 vocabulary keeps the whitespace (strip_after_special).
+constexpr std::array<std::string_view, 3> kKeepSpaceAfter = {"<unk>", "<s>", "<|endoftext|>"};
+
+template <std::size_t N>
+bool is_one_of(const std::array<std::string_view, N>& texts, std::string_view text) {
+  return std::find(texts.begin(), texts.end(), text) != texts.end();
+}
+
+// The token text with every "▁" turned back into a space.
+std::string unescape_spaces(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (std::size_t i = 0; i < text.size();) {
+    if (text.substr(i, kSpaceMark.size()) == kSpaceMark) {
+      out += ' ';
+      i += kSpaceMark.size();
+    } else {
+      out += text[i++];
+    }
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -423,6 +542,29 @@ Vocab Vocab::from_gguf(const gguf::File& file) {
     vocab.types.assign(vocab.tokens.size(), TokenType::Normal);
   }
 
+  const bool spm = vocab.model == "llama";
+  if (spm) {
+    // SentencePiece joins by score, so a "llama" vocabulary must have them (llama.cpp would take
+    // every score as 0 and join in text order).
+    const std::string scores_key = "tokenizer.ggml.scores";
+    const gguf::Array& scores = file.require(scores_key).as_array(scores_key);
+    // As in llama.cpp: F32 or I32, and at least one per token (the first n_tokens are read).
+    if (scores.element_type != gguf::ValueType::F32 && scores.element_type != gguf::ValueType::I32 &&
+        !scores.items.empty()) {
+      file.fail("metadata key '" + scores_key + "' is an array of " +
+                std::string(gguf::to_string(scores.element_type)) + ", expected an array of " +
+                std::string(gguf::to_string(gguf::ValueType::F32)));
+    }
+    if (scores.items.size() < vocab.tokens.size()) {
+      file.fail("metadata key '" + scores_key + "' has " + std::to_string(scores.items.size()) +
+                " entries for " + std::to_string(vocab.tokens.size()) + " tokens");
+    }
+    vocab.scores.reserve(vocab.tokens.size());
+    for (std::size_t i = 0; i < vocab.tokens.size(); ++i) {
+      vocab.scores.push_back(static_cast<float>(scores.items[i].as_f64(scores_key)));
+    }
+  }
+
   const std::string merges_key = "tokenizer.ggml.merges";
   if (vocab.model == "gpt2" || file.find(merges_key) != nullptr) {
     const gguf::Array& merges = require_array(file, merges_key, gguf::ValueType::String);
@@ -431,21 +573,31 @@ Vocab Vocab::from_gguf(const gguf::File& file) {
   }
 
   // An id past the vocabulary is ignored rather than fatal, as llama.cpp does: published files
-  // exist whose padding id is one past the end, and nothing here depends on it.
-  const auto token_id = [&](const std::string& key) -> Token {
+  // exist whose padding id is one past the end, and nothing here depends on it. llama.cpp then
+  // keeps its default, which for "llama" vocabularies is bos 1, eos 2 and unk 0 (if the
+  // vocabulary is that large); here the BPE ones have none.
+  const auto token_id = [&](const std::string& key, Token default_id = -1) -> Token {
     const std::optional<std::uint64_t> id = file.find_u64(key);
-    if (!id || *id >= vocab.tokens.size()) return -1;
-    return static_cast<Token>(*id);
+    if (id && *id < vocab.tokens.size()) return static_cast<Token>(*id);
+    return default_id >= 0 && static_cast<std::size_t>(default_id) < vocab.tokens.size() ? default_id : -1;
   };
-  vocab.bos = token_id("tokenizer.ggml.bos_token_id");
-  vocab.eos = token_id("tokenizer.ggml.eos_token_id");
+  vocab.bos = token_id("tokenizer.ggml.bos_token_id", spm ? 1 : -1);
+  vocab.eos = token_id("tokenizer.ggml.eos_token_id", spm ? 2 : -1);
   vocab.eot = token_id("tokenizer.ggml.eot_token_id");
   vocab.eom = token_id("tokenizer.ggml.eom_token_id");
-  vocab.unk = token_id("tokenizer.ggml.unknown_token_id");
+  vocab.unk = token_id("tokenizer.ggml.unknown_token_id", spm ? 0 : -1);
   vocab.pad = token_id("tokenizer.ggml.padding_token_id");
-  // Without the key, llama.cpp adds a BOS for Llama 3's pre-tokenizer and for no other BPE one.
+  // Without the key, llama.cpp adds a BOS for every "llama" vocabulary, and for Llama 3's
+  // pre-tokenizer and no other BPE one.
   const bool llama3 = vocab.pre == "llama3" || vocab.pre == "llama-v3" || vocab.pre == "llama-bpe";
-  vocab.add_bos = file.find_bool("tokenizer.ggml.add_bos_token").value_or(llama3);
+  vocab.add_bos = file.find_bool("tokenizer.ggml.add_bos_token").value_or(spm || llama3);
+  vocab.add_space_prefix = file.find_bool("tokenizer.ggml.add_space_prefix").value_or(spm);
+  // llama.cpp marks the special tokens of Phi-3 by the model's name (lower-cased).
+  std::string name = file.find_string("general.name").value_or("");
+  for (char& c : name) {
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  }
+  vocab.strip_after_special = name.find("phi-3") != std::string::npos || name.find("phi3") != std::string::npos;
   vocab.chat_template = file.find_string("tokenizer.chat_template").value_or("");
 
   // Converters often leave the end-of-turn id out; find it by its text, as llama.cpp does.
@@ -465,10 +617,12 @@ Vocab Vocab::from_gguf(const gguf::File& file) {
 
 struct Tokenizer::Impl {
   Vocab vocab;
-  PreTokenizer pre_tokenizer;
+  bool spm = false;  // "llama": SentencePiece; else "gpt2": byte-level BPE
+  std::optional<PreTokenizer> pre_tokenizer;  // "gpt2" only
   // Token text -> id. The keys view vocab.tokens, which never changes after construction.
   std::unordered_map<std::string_view, Token> ids;
-  // Raw byte -> the id of the token that is that byte's alphabet character, or kNoToken.
+  // Raw byte -> "gpt2": the id of the token that is that byte's alphabet character; "llama":
+  // its fallback token, <0xXX> or else the byte's own text. kNoToken where there is none.
   std::array<Token, 256> byte_tokens{};
   // (left id, right id) -> rank and merged id; pair_key() packs the two ids. 48,900 entries
   // for SmolLM2, one lookup per adjacent pair a piece ever forms.
@@ -477,18 +631,22 @@ struct Tokenizer::Impl {
   std::vector<std::string> pieces;
   // Tokens cut out of the text before pre-tokenizing: longest text first, then lowest id.
   std::vector<Token> special_tokens;
+  std::vector<bool> strip_after;        // by id: the whitespace after this special token goes
   std::vector<bool> end_of_generation;  // by id
 
-  explicit Impl(Vocab v) : vocab(std::move(v)), pre_tokenizer(vocab.pre) {}
+  explicit Impl(Vocab v) : vocab(std::move(v)), spm(vocab.model == "llama") {
+    if (!spm) pre_tokenizer.emplace(vocab.pre);
+  }
 
   void encode_text(std::string_view text, Workspace& work, std::vector<Token>& out) const;
   void encode_piece(std::string_view piece, Workspace& work, std::vector<Token>& out) const;
+  void encode_spm(std::string_view text, bool space_prefix, Workspace& work, std::vector<Token>& out) const;
 };
 
 Tokenizer::Tokenizer(Vocab vocab) {
-  if (vocab.model != "gpt2") {
+  if (vocab.model != "gpt2" && vocab.model != "llama") {
     throw std::invalid_argument("tokenizer: unsupported tokenizer model '" + vocab.model +
-                                "' (only byte-level BPE, \"gpt2\", is supported)");
+                                "' (byte-level BPE, \"gpt2\", and SentencePiece, \"llama\", are supported)");
   }
   impl_ = std::make_unique<Impl>(std::move(vocab));
   Impl& impl = *impl_;
@@ -501,6 +659,17 @@ Tokenizer::Tokenizer(Vocab vocab) {
                                 std::to_string(n) + " tokens");
   }
   if (v.types.empty()) impl.vocab.types.assign(n, TokenType::Normal);
+  if (impl.spm) {
+    if (v.scores.size() != n) {
+      throw std::invalid_argument("tokenizer: " + std::to_string(v.scores.size()) + " scores for " +
+                                  std::to_string(n) + " tokens");
+    }
+    for (std::size_t id = 0; id < n; ++id) {
+      if (std::isnan(v.scores[id])) {
+        throw std::invalid_argument("tokenizer: the score of token " + std::to_string(id) + " is not a number");
+      }
+    }
+  }
 
   const std::array<std::pair<const char*, Token>, 6> special_ids = {{
       {"bos", v.bos}, {"eos", v.eos}, {"eot", v.eot}, {"eom", v.eom}, {"unk", v.unk}, {"pad", v.pad}}};
@@ -524,13 +693,21 @@ Tokenizer::Tokenizer(Vocab vocab) {
 
   for (int b = 0; b < 256; ++b) {
     std::string text;
-    utf8::append(text, kByteAlphabet.char_of_byte[b]);
+    if (impl.spm) {
+      constexpr std::string_view kHex = "0123456789ABCDEF";
+      text = std::string("<0x") + kHex[b >> 4] + kHex[b & 15] + ">";
+      if (!impl.ids.contains(text)) text = std::string(1, static_cast<char>(b));
+    } else {
+      utf8::append(text, kByteAlphabet.char_of_byte[b]);
+    }
     const auto it = impl.ids.find(text);
     impl.byte_tokens[b] = it == impl.ids.end() ? kNoToken : it->second;
   }
 
-  impl.merges.reserve(v.merges.size());
-  for (std::size_t rank = 0; rank < v.merges.size(); ++rank) {
+  // SentencePiece has no merge rules; a "llama" vocabulary's, if it had any, would go unused.
+  const std::size_t merge_count = impl.spm ? 0 : v.merges.size();
+  impl.merges.reserve(merge_count);
+  for (std::size_t rank = 0; rank < merge_count; ++rank) {
     const std::string& merge = v.merges[rank];
     // "a b": split at the first space after the first character, as llama.cpp does.
     const std::size_t space = merge.find(' ', 1);
@@ -558,13 +735,20 @@ Tokenizer::Tokenizer(Vocab vocab) {
   impl.end_of_generation.assign(n, false);
   for (std::size_t id = 0; id < n; ++id) {
     const std::string& text = v.tokens[id];
+    if (impl.spm && is_one_of(kControlLookingEndTexts, text)) {
+      impl.vocab.types[id] = TokenType::Control;
+      impl.end_of_generation[id] = true;
+    }
     switch (v.types[id]) {
       case TokenType::Normal:
-        impl.pieces[id] = bytes_of_byte_level(text);
+        impl.pieces[id] = impl.spm ? unescape_spaces(text) : bytes_of_byte_level(text);
         break;
       case TokenType::Byte: {
+        // A byte token whose text is not "<0xXX>" (none is known) renders as its text.
         const int byte = parse_byte_token(text);
-        impl.pieces[id] = byte >= 0 ? std::string(1, static_cast<char>(byte)) : bytes_of_byte_level(text);
+        impl.pieces[id] = byte >= 0    ? std::string(1, static_cast<char>(byte))
+                          : impl.spm ? text
+                                     : bytes_of_byte_level(text);
         break;
       }
       case TokenType::Control:
@@ -591,6 +775,12 @@ Tokenizer::Tokenizer(Vocab vocab) {
   std::stable_sort(impl.special_tokens.begin(), impl.special_tokens.end(), [&](Token a, Token b) {
     return v.tokens[static_cast<std::size_t>(a)].size() > v.tokens[static_cast<std::size_t>(b)].size();
   });
+  impl.strip_after.assign(n, false);
+  if (v.strip_after_special) {
+    for (const Token id : impl.special_tokens) {
+      impl.strip_after[static_cast<std::size_t>(id)] = !is_one_of(kKeepSpaceAfter, v.tokens[static_cast<std::size_t>(id)]);
+    }
+  }
 }
 
 Tokenizer::~Tokenizer() = default;
@@ -624,16 +814,35 @@ std::vector<Token> Tokenizer::encode(std::string_view text, bool parse_special) 
         if (hit > position) next.push_back({{position, hit}, kNoToken});
         next.push_back({{hit, hit + needle.size()}, special});
         position = hit + needle.size();
+        if (impl.strip_after[static_cast<std::size_t>(special)]) {
+          while (position < fragment.range.end && is_ascii_space(text[position])) ++position;
+        }
       }
       if (position < fragment.range.end) next.push_back({{position, fragment.range.end}, kNoToken});
     }
     fragments.swap(next);
   }
 
-  // 2-4. Pre-tokenize and merge each text fragment.
   std::vector<Token> out;
   out.reserve(text.size() / 3 + 8);
   Workspace work;
+  if (impl.spm) {
+    // 2-4. Escape and join each text fragment; the start of the text counts as a special token.
+    bool after_special = true;
+    for (const Fragment& fragment : fragments) {
+      if (fragment.token != kNoToken) {
+        out.push_back(fragment.token);
+        after_special = true;
+      } else {
+        impl.encode_spm(text.substr(fragment.range.begin, fragment.range.end - fragment.range.begin),
+                        v.add_space_prefix && after_special, work, out);
+        after_special = false;
+      }
+    }
+    return out;
+  }
+
+  // 2-4. Pre-tokenize and merge each text fragment.
   for (const Fragment& fragment : fragments) {
     if (fragment.token != kNoToken) {
       out.push_back(fragment.token);
@@ -647,7 +856,7 @@ std::vector<Token> Tokenizer::encode(std::string_view text, bool parse_special) 
 
 void Tokenizer::Impl::encode_text(std::string_view text, Workspace& work, std::vector<Token>& out) const {
   work.pieces.clear();
-  pre_tokenizer.split(text, work.pieces, work.split_scratch);
+  pre_tokenizer->split(text, work.pieces, work.split_scratch);
   for (const Range piece : work.pieces) encode_piece(text.substr(piece.begin, piece.end - piece.begin), work, out);
 }
 
@@ -664,7 +873,7 @@ void Tokenizer::Impl::encode_piece(std::string_view piece, Workspace& work, std:
     emit(byte_tokens[static_cast<unsigned char>(piece[0])]);
     return;
   }
-  if (pre_tokenizer.ignore_merges()) {
+  if (pre_tokenizer->ignore_merges()) {
     work.byte_level.clear();
     append_byte_level(work.byte_level, piece);
     const auto it = ids.find(work.byte_level);
@@ -715,6 +924,88 @@ void Tokenizer::Impl::encode_piece(std::string_view piece, Workspace& work, std:
 
   // Symbol 0 is never merged away (merges absorb rightwards), so the list starts there.
   for (std::int32_t i = 0; i >= 0; i = symbols[i].next) emit(symbols[i].token);
+}
+
+void Tokenizer::Impl::encode_spm(std::string_view text, bool space_prefix, Workspace& work,
+                                 std::vector<Token>& out) const {
+  // 2. Escape.
+  std::string& escaped = work.escaped;
+  escaped.clear();
+  escaped.reserve(text.size() + 16);
+  if (space_prefix) escaped += kSpaceMark;
+  for (const char c : text) {
+    if (c == ' ') {
+      escaped += kSpaceMark;
+    } else {
+      escaped += c;
+    }
+  }
+  if (escaped.size() > static_cast<std::size_t>(INT32_MAX)) {
+    throw std::length_error("tokenizer: a text of " + std::to_string(text.size()) + " bytes is too long");
+  }
+  const std::string_view s = escaped;
+
+  // 3. One symbol per character, linked in order; then join by score.
+  std::vector<SpmSymbol>& symbols = work.spm_symbols;
+  symbols.clear();
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t length = std::min(character_length(s[i]), s.size() - i);
+    const auto index = static_cast<std::int32_t>(symbols.size());
+    symbols.push_back({static_cast<std::uint32_t>(i), static_cast<std::uint32_t>(length), index - 1,
+                       i + length < s.size() ? index + 1 : -1});
+    i += length;
+  }
+  if (symbols.empty()) return;
+
+  std::vector<SpmCandidate>& heap = work.spm_heap;
+  heap.clear();
+  const auto consider = [&](std::int32_t left, std::int32_t right) {
+    if (left < 0 || right < 0) return;
+    const std::uint32_t length = symbols[left].length + symbols[right].length;
+    const auto it = ids.find(s.substr(symbols[left].begin, length));
+    if (it == ids.end()) return;
+    heap.push_back({vocab.scores[static_cast<std::size_t>(it->second)], left, right, length});
+    std::push_heap(heap.begin(), heap.end(), LowerScore{});
+  };
+  for (std::int32_t i = 0; i + 1 < static_cast<std::int32_t>(symbols.size()); ++i) consider(i, i + 1);
+
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), LowerScore{});
+    const SpmCandidate best = heap.back();
+    heap.pop_back();
+    SpmSymbol& left = symbols[best.left];
+    SpmSymbol& right = symbols[best.right];
+    if (left.length == 0 || right.length == 0 || left.length + right.length != best.length) {
+      continue;  // stale: one side has joined another since this pair was queued
+    }
+    // The right symbol joins the left one and leaves the list.
+    left.length = best.length;
+    left.next = right.next;
+    if (right.next >= 0) symbols[right.next].prev = best.left;
+    right.length = 0;
+    consider(left.prev, best.left);
+    consider(best.left, left.next);
+  }
+
+  // 4. Lookup with byte fallback. Symbol 0 is never joined away, so the list starts there.
+  for (std::int32_t i = 0; i >= 0; i = symbols[i].next) {
+    const std::string_view piece = s.substr(symbols[i].begin, symbols[i].length);
+    if (const auto it = ids.find(piece); it != ids.end()) {
+      out.push_back(it->second);
+      continue;
+    }
+    bool in_unknown_run = false;
+    for (const char c : piece) {
+      const Token byte_token = byte_tokens[static_cast<unsigned char>(c)];
+      if (byte_token != kNoToken) {
+        out.push_back(byte_token);
+        in_unknown_run = false;
+      } else if (!in_unknown_run && vocab.unk >= 0) {
+        out.push_back(vocab.unk);
+        in_unknown_run = true;
+      }
+    }
+  }
 }
 
 std::string Tokenizer::token_bytes(Token t, bool render_special) const {

@@ -7,11 +7,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -298,10 +300,10 @@ TEST(Tokenizer, RejectsAnUnknownPreTokenizerByName) {
   EXPECT_NE(invalid_argument_message([] { Tokenizer t(toy_vocab("qwen9")); }).find("'qwen9'"), std::string::npos);
 }
 
-TEST(Tokenizer, RejectsAModelOtherThanByteLevelBpe) {
+TEST(Tokenizer, RejectsAModelOtherThanByteLevelBpeOrSentencePiece) {
   Vocab vocab = toy_vocab();
-  vocab.model = "llama";
-  EXPECT_NE(invalid_argument_message([&] { Tokenizer t(vocab); }).find("'llama'"), std::string::npos);
+  vocab.model = "bert";
+  EXPECT_NE(invalid_argument_message([&] { Tokenizer t(vocab); }).find("'bert'"), std::string::npos);
 }
 
 TEST(Tokenizer, RejectsAMergeOfUnknownTokens) {
@@ -373,6 +375,261 @@ TEST_F(ToyTokenizer, StreamDecoderRendersControlTokensOnlyWhenAsked) {
   EXPECT_EQ(plain.push(kImEnd), "");
   StreamDecoder rendered(tokenizer, /*render_special=*/true);
   EXPECT_EQ(rendered.push(kImEnd), "<|im_end|>");
+}
+
+// --- SentencePiece ("llama") ----------------------------------------------------------------------
+
+constexpr Token kSpmUnk = 0, kSpmBos = 1, kSpmEos = 2, kSpmTool = 3, kSpmEnd = 4, kSpmEndOfText = 5;
+constexpr Token kSpmFirstByte = 6;  // with byte tokens: ids 6..261 are <0x00>..<0xFF>
+
+Token spm_byte_id(unsigned char b) { return kSpmFirstByte + b; }
+
+// <unk>; <s>; </s>, user-defined as in Phi-3's file (llama.cpp, and so the tokenizer, takes it
+// for a control token); <tool>, user-defined; <|end|> and <|endoftext|>, control; the 256 byte
+// tokens (or not); then normal tokens whose scores are chosen to test:
+//   "bc" above "ab" (the score decides, not the position); "aa" (the leftmost on ties);
+//   "hi", then "▁hi" (joining goes on while a joined text is a token); "▁▁" (runs of spaces);
+//   no "▁a" nor "é", so those stay apart or fall back to bytes.
+Vocab toy_spm_vocab(bool byte_tokens = true) {
+  Vocab vocab;
+  vocab.model = "llama";
+  vocab.add_space_prefix = true;
+  vocab.add_bos = true;
+  vocab.tokens = {"<unk>", "<s>", "</s>", "<tool>", "<|end|>", "<|endoftext|>"};
+  vocab.types = {TokenType::Unknown, TokenType::Control, TokenType::UserDefined,
+                 TokenType::UserDefined, TokenType::Control, TokenType::Control};
+  vocab.scores.assign(vocab.tokens.size(), 0.0f);
+  if (byte_tokens) {
+    constexpr std::string_view kHex = "0123456789ABCDEF";
+    for (int b = 0; b < 256; ++b) {
+      vocab.tokens.push_back(std::string("<0x") + kHex[b >> 4] + kHex[b & 15] + ">");
+      vocab.types.push_back(TokenType::Byte);
+      vocab.scores.push_back(0.0f);
+    }
+  }
+  const std::vector<std::pair<std::string, float>> normal = {
+      {"\u2581", -1000}, {"a", -1000}, {"b", -1000}, {"c", -1000}, {"h", -1000}, {"i", -1000},
+      {"ab", -5}, {"bc", -1}, {"aa", -2}, {"hi", -3}, {"\u2581hi", -4}, {"\u2581\u2581", -50}};
+  for (const auto& [text, score] : normal) {
+    vocab.tokens.push_back(text);
+    vocab.types.push_back(TokenType::Normal);
+    vocab.scores.push_back(score);
+  }
+  vocab.bos = kSpmBos;
+  vocab.eos = kSpmEos;
+  vocab.unk = kSpmUnk;
+  return vocab;
+}
+
+Vocab without_space_prefix(Vocab vocab) {
+  vocab.add_space_prefix = false;
+  return vocab;
+}
+
+class ToySpmTokenizer : public ::testing::Test {
+ protected:
+  Tokenizer tokenizer{toy_spm_vocab()};
+  Tokenizer unprefixed{without_space_prefix(toy_spm_vocab())};
+
+  // The id of a token given by its text, with "_" standing for "▁".
+  Token id(std::string_view text) const {
+    std::string escaped;
+    for (const char c : text) {
+      if (c == '_') {
+        escaped += "\u2581";
+      } else {
+        escaped += c;
+      }
+    }
+    const Token t = tokenizer.find(escaped);
+    EXPECT_GE(t, 0) << "no token '" << escaped << "'";
+    return t;
+  }
+};
+
+TEST_F(ToySpmTokenizer, JoinsTheHighestScoreFirstWhereverItIs) {
+  // "ab" is the leftmost pair but "bc" scores higher.
+  EXPECT_EQ(unprefixed.encode("abc", false), (std::vector<Token>{id("a"), id("bc")}));
+  EXPECT_EQ(tokenizer.encode("abc", false), (std::vector<Token>{id("_"), id("a"), id("bc")}));
+}
+
+TEST_F(ToySpmTokenizer, JoinsTheLeftmostPairOnEqualScores) {
+  EXPECT_EQ(unprefixed.encode("aaa", false), (std::vector<Token>{id("aa"), id("a")}));
+  EXPECT_EQ(unprefixed.encode("aaaa", false), (std::vector<Token>{id("aa"), id("aa")}));
+  EXPECT_EQ(unprefixed.encode("aaaaa", false), (std::vector<Token>{id("aa"), id("aa"), id("a")}));
+}
+
+TEST_F(ToySpmTokenizer, EscapesSpacesAndAddsTheSpacePrefix) {
+  EXPECT_EQ(tokenizer.encode("hi", false), (std::vector<Token>{id("_hi")}));
+  EXPECT_EQ(tokenizer.encode("hi hi", false), (std::vector<Token>{id("_hi"), id("_hi")}));
+  // "▁▁hi": "hi" joins first (-3), then "▁hi" (-4) beats "▁▁" (-50).
+  EXPECT_EQ(tokenizer.encode(" hi", false), (std::vector<Token>{id("_"), id("_hi")}));
+  EXPECT_EQ(unprefixed.encode("hi", false), (std::vector<Token>{id("hi")}));
+  EXPECT_EQ(unprefixed.encode("hi hi", false), (std::vector<Token>{id("hi"), id("_hi")}));
+  // The pieces give the spaces back, the prefix included.
+  EXPECT_EQ(tokenizer.token_bytes(id("_hi")), " hi");
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode("hi hi", false)), " hi hi");
+  EXPECT_EQ(unprefixed.decode(unprefixed.encode("hi hi", false)), "hi hi");
+}
+
+TEST_F(ToySpmTokenizer, EmptyTextAndOnlySpaces) {
+  EXPECT_EQ(tokenizer.encode("", false), (std::vector<Token>{}));
+  EXPECT_EQ(tokenizer.encode("", true), (std::vector<Token>{}));
+  // "▁▁▁▁": the leftmost "▁▁" first, then the next.
+  EXPECT_EQ(tokenizer.encode("   ", false), (std::vector<Token>{id("__"), id("__")}));
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode("   ", false)), "    ");
+  EXPECT_EQ(unprefixed.encode("   ", false), (std::vector<Token>{id("__"), id("_")}));
+  EXPECT_EQ(tokenizer.encode(" ", false), (std::vector<Token>{id("__")}));
+}
+
+TEST_F(ToySpmTokenizer, FallsBackToByteTokens) {
+  // No "é": its two bytes. A tab: its byte.
+  EXPECT_EQ(tokenizer.encode("\xC3\xA9", false), (std::vector<Token>{id("_"), spm_byte_id(0xC3), spm_byte_id(0xA9)}));
+  EXPECT_EQ(tokenizer.encode("hi\t", false), (std::vector<Token>{id("_hi"), spm_byte_id('\t')}));
+  for (int b = 0; b < 256; ++b) {
+    EXPECT_EQ(tokenizer.token_bytes(spm_byte_id(static_cast<unsigned char>(b))), std::string(1, static_cast<char>(b)));
+  }
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode("h\xC3\xA9\t", false)), " h\xC3\xA9\t");
+  // A stream holds the first byte of "é" back until the second.
+  StreamDecoder decoder(tokenizer);
+  EXPECT_EQ(decoder.push(id("_")), " ");
+  EXPECT_EQ(decoder.push(spm_byte_id(0xC3)), "");
+  EXPECT_EQ(decoder.push(spm_byte_id(0xA9)), "\xC3\xA9");
+  EXPECT_EQ(decoder.finish(), "");
+}
+
+TEST(SpmTokenizer, UnknownWhereThereIsNoByteToken) {
+  const Tokenizer tokenizer(toy_spm_vocab(/*byte_tokens=*/false));
+  const Token space = tokenizer.find("\u2581");
+  // One <unk> for each character without a token, an invalid lead byte with the bytes it takes
+  // along counting as one.
+  EXPECT_EQ(tokenizer.encode("\xC3\xA9", false), (std::vector<Token>{space, kSpmUnk}));
+  EXPECT_EQ(tokenizer.encode("\xC3\xA9\xC3\xA9", false), (std::vector<Token>{space, kSpmUnk, kSpmUnk}));
+  EXPECT_EQ(tokenizer.encode("\xFF\xFF", false), (std::vector<Token>{space, kSpmUnk}));
+  EXPECT_EQ(tokenizer.encode("\xFF\xFF\xFF\xFF\xFF", false), (std::vector<Token>{space, kSpmUnk, kSpmUnk}));
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode("\xC3\xA9", false)), " ");
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode("\xC3\xA9", false), /*render_special=*/true), " <unk>");
+
+  // Without a byte token, the token whose text is the byte itself, as llama.cpp falls back: "a"
+  // here, which 0xFF took along.
+  EXPECT_EQ(tokenizer.encode("\xFF" "a", false), (std::vector<Token>{space, kSpmUnk, tokenizer.find("a")}));
+  Vocab with_byte_text = toy_spm_vocab(false);
+  with_byte_text.tokens.push_back("\xC3");
+  with_byte_text.types.push_back(TokenType::Normal);
+  with_byte_text.scores.push_back(-1000);
+  const Tokenizer byte_text(with_byte_text);
+  EXPECT_EQ(byte_text.encode("\xC3\xA9", false),
+            (std::vector<Token>{space, static_cast<Token>(with_byte_text.tokens.size() - 1), kSpmUnk}));
+
+  // Without an unknown token either, the bytes are dropped (llama.cpp throws).
+  Vocab no_unk = toy_spm_vocab(false);
+  no_unk.unk = -1;
+  EXPECT_EQ(Tokenizer(no_unk).encode("hi\xC3\xA9", false), (std::vector<Token>{tokenizer.find("\u2581hi")}));
+}
+
+TEST_F(ToySpmTokenizer, SpecialTokensAndTheSpacePrefixAfterThem) {
+  // With parse_special, control text is its token, and the text after a special token gets the
+  // space prefix as the start of the text does.
+  EXPECT_EQ(tokenizer.encode("<s>hi", true), (std::vector<Token>{kSpmBos, id("_hi")}));
+  EXPECT_EQ(tokenizer.encode("hi<|end|>hi", true), (std::vector<Token>{id("_hi"), kSpmEnd, id("_hi")}));
+  EXPECT_EQ(tokenizer.encode("<s> hi", true), (std::vector<Token>{kSpmBos, id("_"), id("_hi")}));
+  EXPECT_EQ(tokenizer.encode("<s><|end|>", true), (std::vector<Token>{kSpmBos, kSpmEnd}));
+  EXPECT_EQ(unprefixed.encode("<s>hi", true), (std::vector<Token>{kSpmBos, unprefixed.find("hi")}));
+  // Without it, control text is plain text.
+  const std::vector<Token> plain = tokenizer.encode("<s>hi", false);
+  EXPECT_EQ(std::count(plain.begin(), plain.end(), kSpmBos), 0);
+  EXPECT_EQ(tokenizer.decode(plain), " <s>hi");
+  // User-defined tokens are cut out either way.
+  EXPECT_EQ(tokenizer.encode("hi<tool>hi", false), (std::vector<Token>{id("_hi"), kSpmTool, id("_hi")}));
+  EXPECT_EQ(tokenizer.encode("<tool>", false), (std::vector<Token>{kSpmTool}));
+  // Control tokens render only when asked; user-defined ones always.
+  EXPECT_EQ(tokenizer.token_bytes(kSpmBos), "");
+  EXPECT_EQ(tokenizer.token_bytes(kSpmBos, /*render_special=*/true), "<s>");
+  EXPECT_EQ(tokenizer.token_bytes(kSpmTool), "<tool>");
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode("<s>hi<|end|>", true)), " hi");
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode("<s>hi<|end|>", true), true), "<s> hi<|end|>");
+}
+
+TEST_F(ToySpmTokenizer, ControlLookingTextsAreControlTokens) {
+  // "</s>" is user-defined in this vocabulary, as in Phi-3's; like llama.cpp, the tokenizer
+  // takes it for a control token that ends generation.
+  EXPECT_EQ(tokenizer.vocab().types[kSpmEos], TokenType::Control);
+  EXPECT_EQ(tokenizer.encode("hi</s>", true), (std::vector<Token>{id("_hi"), kSpmEos}));
+  const std::vector<Token> plain = tokenizer.encode("hi</s>", false);
+  EXPECT_EQ(std::count(plain.begin(), plain.end(), kSpmEos), 0);
+  EXPECT_EQ(tokenizer.token_bytes(kSpmEos), "");
+  EXPECT_TRUE(tokenizer.is_end_of_generation(kSpmEos));
+  EXPECT_TRUE(tokenizer.is_end_of_generation(kSpmEndOfText));
+  EXPECT_FALSE(tokenizer.is_end_of_generation(kSpmBos));
+  EXPECT_FALSE(tokenizer.is_end_of_generation(kSpmTool));
+}
+
+TEST(SpmTokenizer, Phi3DropsTheWhitespaceAfterMostSpecialTokens) {
+  Vocab vocab = toy_spm_vocab();
+  vocab.strip_after_special = true;
+  const Tokenizer phi3(vocab);
+  const Token space = phi3.find("\u2581"), space_hi = phi3.find("\u2581hi");
+  EXPECT_EQ(phi3.encode("<|end|>\n hi", true), (std::vector<Token>{kSpmEnd, space_hi}));
+  EXPECT_EQ(phi3.encode("<tool> \t\r\nhi", false), (std::vector<Token>{kSpmTool, space_hi}));
+  EXPECT_EQ(phi3.encode("<|end|>  ", true), (std::vector<Token>{kSpmEnd}));
+  // Not after <s>, <unk> or <|endoftext|>.
+  EXPECT_EQ(phi3.encode("<s> hi", true), (std::vector<Token>{kSpmBos, space, space_hi}));
+  EXPECT_EQ(phi3.encode("<|endoftext|> hi", true), (std::vector<Token>{kSpmEndOfText, space, space_hi}));
+  // Without the flag, the whitespace stays.
+  const Tokenizer plain(toy_spm_vocab());
+  EXPECT_EQ(plain.encode("<|end|>\n hi", true),
+            (std::vector<Token>{kSpmEnd, space, spm_byte_id('\n'), space_hi}));
+}
+
+TEST_F(ToySpmTokenizer, InvalidUtf8KeepsEveryByte) {
+  // A lead byte takes as many bytes as it announces, whatever they are, as in llama.cpp: here
+  // 0xE2 takes the "▁" that the space became, which then comes back as the bytes of "▁".
+  EXPECT_EQ(tokenizer.encode("\xE2 hi", false),
+            (std::vector<Token>{id("_"), spm_byte_id(0xE2), spm_byte_id(0xE2), spm_byte_id(0x96),
+                                spm_byte_id(0x81), id("hi")}));
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode("\xE2 hi", false)), " \xE2\xE2\x96\x81hi");
+  // A truncated character at the end, and stray continuation bytes.
+  EXPECT_EQ(tokenizer.encode("hi\xE2\x96", false), (std::vector<Token>{id("_hi"), spm_byte_id(0xE2), spm_byte_id(0x96)}));
+  EXPECT_EQ(tokenizer.encode("\x80\x80", false), (std::vector<Token>{id("_"), spm_byte_id(0x80), spm_byte_id(0x80)}));
+  // Any bytes: no byte is lost or added, apart from spaces written as "▁" (which the bytes of
+  // an invalid character may swallow).
+  const auto escaped = [](std::string_view text) {
+    std::string out;
+    for (const char c : text) {
+      if (c == ' ') {
+        out += "\u2581";
+      } else {
+        out += c;
+      }
+    }
+    return out;
+  };
+  std::mt19937 rng(2024);
+  for (int i = 0; i < 500; ++i) {
+    std::string text(rng() % 40, '\0');
+    for (char& c : text) {
+      c = static_cast<char>(rng() % 256);
+      if (c == '<') c = ' ';  // keep special-token text out
+    }
+    for (const bool parse_special : {false, true}) {
+      const std::vector<Token> tokens = tokenizer.encode(text, parse_special);
+      EXPECT_EQ(escaped(tokenizer.decode(tokens)), escaped(text.empty() ? "" : " " + text));
+    }
+  }
+}
+
+TEST(SpmTokenizer, RejectsScoresThatDoNotMatchTheTokens) {
+  Vocab vocab = toy_spm_vocab();
+  vocab.scores.pop_back();
+  EXPECT_NE(invalid_argument_message([&] { Tokenizer t(vocab); }).find("scores"), std::string::npos);
+  vocab = toy_spm_vocab();
+  vocab.scores.back() = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_NE(invalid_argument_message([&] { Tokenizer t(vocab); }).find("not a number"), std::string::npos);
+  // A "llama" vocabulary needs no merges, nor a known pre-tokenizer (llama.cpp ignores it).
+  vocab = toy_spm_vocab();
+  vocab.pre = "whatever";
+  vocab.merges = {"a b"};
+  EXPECT_NO_THROW(Tokenizer{vocab});
 }
 
 // --- Chat template --------------------------------------------------------------------------------
@@ -795,6 +1052,98 @@ TEST(VocabFromGguf, ErrorsNameTheFileAndKey) {
       .add("tokenizer.ggml.merges", support::GgufValue::str_array({}));
   const std::string short_message = gguf_error(short_types);
   EXPECT_NE(short_message.find("tokenizer.ggml.token_type"), std::string::npos) << short_message;
+}
+
+// A "llama" vocabulary's file, with only the keys that have no default.
+support::GgufWriter spm_gguf(const Vocab& vocab) {
+  using support::GgufValue;
+  std::vector<std::int32_t> types;
+  for (const TokenType type : vocab.types) types.push_back(static_cast<std::int32_t>(type));
+  support::GgufWriter writer;
+  writer.add("general.architecture", GgufValue::str("llama"))
+      .add("tokenizer.ggml.model", GgufValue::str("llama"))
+      .add("tokenizer.ggml.tokens", GgufValue::str_array(vocab.tokens))
+      .add("tokenizer.ggml.scores", GgufValue::f32_array(vocab.scores))
+      .add("tokenizer.ggml.token_type", GgufValue::i32_array(types));
+  return writer;
+}
+
+TEST(VocabFromGguf, ReadsALlamaVocabularyWithLlamaCppsDefaults) {
+  const Vocab expected = toy_spm_vocab();
+  const TempFile file("spm-vocab");
+  spm_gguf(expected).write(file.path());
+  const Vocab vocab = Vocab::from_gguf(gguf::File::open(file.path()));
+  EXPECT_EQ(vocab.model, "llama");
+  EXPECT_EQ(vocab.tokens, expected.tokens);
+  EXPECT_EQ(vocab.types, expected.types);
+  EXPECT_EQ(vocab.scores, expected.scores);
+  EXPECT_TRUE(vocab.merges.empty());
+  EXPECT_EQ(vocab.bos, 1);
+  EXPECT_EQ(vocab.eos, 2);
+  EXPECT_EQ(vocab.unk, 0);
+  EXPECT_TRUE(vocab.add_bos);
+  EXPECT_TRUE(vocab.add_space_prefix);
+  EXPECT_FALSE(vocab.strip_after_special);
+  EXPECT_EQ(vocab.eot, kSpmEnd);  // "<|end|>", found by its text
+  const Tokenizer tokenizer(vocab);
+  EXPECT_EQ(tokenizer.encode("hi", false), (std::vector<Token>{tokenizer.find("\u2581hi")}));
+}
+
+TEST(VocabFromGguf, ReadsALlamaVocabularysOwnSettings) {
+  using support::GgufValue;
+  const TempFile file("spm-vocab-keys");
+  support::GgufWriter writer = spm_gguf(toy_spm_vocab());
+  writer.add("general.name", GgufValue::str("Phi3 Mini"))
+      .add("tokenizer.ggml.bos_token_id", GgufValue::u32(4))
+      .add("tokenizer.ggml.eos_token_id", GgufValue::u32(99999))  // out of range: the default, 2
+      .add("tokenizer.ggml.unknown_token_id", GgufValue::u32(3))
+      .add("tokenizer.ggml.add_bos_token", GgufValue::boolean(false))
+      .add("tokenizer.ggml.add_space_prefix", GgufValue::boolean(false));
+  writer.write(file.path());
+  const Vocab vocab = Vocab::from_gguf(gguf::File::open(file.path()));
+  EXPECT_EQ(vocab.bos, 4);
+  EXPECT_EQ(vocab.eos, 2);
+  EXPECT_EQ(vocab.unk, 3);
+  EXPECT_FALSE(vocab.add_bos);
+  EXPECT_FALSE(vocab.add_space_prefix);
+  EXPECT_TRUE(vocab.strip_after_special);  // "phi3" in general.name
+  const Tokenizer tokenizer(vocab);
+  EXPECT_EQ(tokenizer.encode("hi", false), (std::vector<Token>{tokenizer.find("hi")}));
+}
+
+TEST(VocabFromGguf, LlamaVocabularyErrorsNameTheKey) {
+  using support::GgufValue;
+  const Vocab vocab = toy_spm_vocab();
+  std::vector<std::int32_t> types;
+  for (const TokenType type : vocab.types) types.push_back(static_cast<std::int32_t>(type));
+  const auto without_scores = [&] {
+    support::GgufWriter writer;
+    writer.add("tokenizer.ggml.model", GgufValue::str("llama"))
+        .add("tokenizer.ggml.tokens", GgufValue::str_array(vocab.tokens))
+        .add("tokenizer.ggml.token_type", GgufValue::i32_array(types));
+    return writer;
+  };
+  const std::string missing = gguf_error(without_scores());
+  EXPECT_NE(missing.find("tokenizer.ggml.scores"), std::string::npos) << missing;
+  EXPECT_NE(missing.find(".gguf"), std::string::npos) << missing;
+
+  support::GgufWriter short_scores = without_scores();
+  const std::vector<float> fewer(vocab.scores.begin(), vocab.scores.end() - 1);
+  short_scores.add("tokenizer.ggml.scores", GgufValue::f32_array(fewer));
+  const std::string short_message = gguf_error(short_scores);
+  EXPECT_NE(short_message.find("tokenizer.ggml.scores"), std::string::npos) << short_message;
+  EXPECT_NE(short_message.find("entries for"), std::string::npos) << short_message;
+
+  support::GgufWriter string_scores = without_scores();
+  string_scores.add("tokenizer.ggml.scores", GgufValue::str_array(vocab.tokens));
+  const std::string wrong = gguf_error(string_scores);
+  EXPECT_NE(wrong.find("tokenizer.ggml.scores"), std::string::npos) << wrong;
+
+  // llama.cpp also takes integer scores.
+  support::GgufWriter integer_scores = without_scores();
+  const std::vector<std::int32_t> integers(vocab.tokens.size(), -1);
+  integer_scores.add("tokenizer.ggml.scores", GgufValue::i32_array(integers));
+  EXPECT_EQ(gguf_error(integer_scores), "(no gguf::Error)");
 }
 
 // --- The real SmolLM2 vocabulary ------------------------------------------------------------------

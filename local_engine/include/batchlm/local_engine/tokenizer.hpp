@@ -1,7 +1,9 @@
 #pragma once
-// Byte-level BPE over a GGUF vocabulary (tokenizer.ggml.model = "gpt2"), with the model
-// family's pre-tokenizer (tokenizer.ggml.pre), special and control tokens, and a streaming
-// decoder that never splits a UTF-8 character. Also the family's chat template.
+// The tokenizers of GGUF vocabularies, as llama.cpp runs them: byte-level BPE
+// (tokenizer.ggml.model = "gpt2") with the model family's pre-tokenizer (tokenizer.ggml.pre), and
+// SentencePiece's BPE with byte fallback (tokenizer.ggml.model = "llama": Llama 2, Mistral 7B,
+// Phi-3, ...). Both with special and control tokens, and a streaming decoder that never splits a
+// UTF-8 character. Also the family's chat template.
 
 #include <cstdint>
 #include <memory>
@@ -25,13 +27,26 @@ enum class TokenType : std::int32_t {
 
 // What the GGUF says about the vocabulary; Tokenizer validates it.
 struct Vocab {
-  std::string model = "gpt2";            // tokenizer.ggml.model
-  std::string pre = "default";           // tokenizer.ggml.pre
-  std::vector<std::string> tokens;       // byte-level-encoded token text
-  std::vector<TokenType> types;          // same length as tokens (Normal when absent)
-  std::vector<std::string> merges;       // "a b", by rank
+  std::string model = "gpt2";            // tokenizer.ggml.model: "gpt2" or "llama"
+  std::string pre = "default";           // tokenizer.ggml.pre ("gpt2" only)
+  // Token text: byte-level encoded for "gpt2" ("Ġworld"); for "llama" UTF-8 with U+2581 for
+  // a space ("▁world"), and "<0x0A>" for the byte tokens.
+  std::vector<std::string> tokens;
+  // Same length as tokens (Normal when absent). A "llama" Tokenizer's vocab() has the texts that
+  // llama.cpp always takes for control tokens ("</s>", "<|end|>", ...) as Control.
+  std::vector<TokenType> types;
+  std::vector<std::string> merges;       // "a b", by rank ("gpt2" only)
+  std::vector<float> scores;             // tokenizer.ggml.scores, one per token ("llama" only)
+  // From the file; where a key is absent, "llama" vocabularies take llama.cpp's defaults:
+  // bos 1, eos 2, unk 0, add_bos and add_space_prefix true.
   Token bos = -1, eos = -1, eot = -1, eom = -1, unk = -1, pad = -1;
   bool add_bos = false;
+  // tokenizer.ggml.add_space_prefix ("llama" only): a "▁" goes in front of the text, and of the
+  // text after each special token.
+  bool add_space_prefix = false;
+  // Phi-3, which llama.cpp recognises by general.name ("phi-3" or "phi3" in it): the whitespace
+  // after a special token, other than <unk>, <s> and <|endoftext|>, is dropped before tokenizing.
+  bool strip_after_special = false;
   std::string chat_template;             // tokenizer.chat_template, may be empty
 
   // Reads the tokenizer.* keys. Throws gguf::Error naming the file and key.
@@ -40,25 +55,30 @@ struct Vocab {
 
 class Tokenizer {
  public:
-  // Throws std::invalid_argument for an unsupported model or pre-tokenizer, or a merge that
-  // names a token not in the vocabulary.
+  // Throws std::invalid_argument for an unsupported model or pre-tokenizer, a merge that
+  // names a token not in the vocabulary, or ("llama") scores that do not match the tokens.
   explicit Tokenizer(Vocab vocab);
   ~Tokenizer();
   Tokenizer(Tokenizer&&) noexcept;
 
-  // Text to tokens. With parse_special, the text of control and user-defined tokens
-  // ("<|im_start|>") becomes that token; without, it is tokenized as plain text. No BOS is
-  // added here; add_bos() tells the caller whether the model wants one.
+  // Text to tokens. With parse_special, the text of control tokens ("<|im_start|>") becomes
+  // that token; without, it is tokenized as plain text. User-defined tokens are matched either
+  // way. No BOS is added here; add_bos() tells the caller whether the model wants one.
   std::vector<Token> encode(std::string_view text, bool parse_special) const;
 
-  // The bytes a token stands for. Control tokens give "" unless render_special.
+  // The bytes a token stands for (llama.cpp's llama_token_to_piece): "▁" of "llama" tokens
+  // as a space, a byte token as its byte. Control tokens give "" unless render_special.
   std::string token_bytes(Token t, bool render_special = false) const;
   // The same as token_bytes(t), viewed in the tokenizer rather than copied.
   std::string_view token_view(Token t) const;
-  // The tokens' bytes joined, nothing cleaned up, so decode(encode(x)) == x. (For most
+  // The tokens' bytes joined, nothing cleaned up. For "gpt2", decode(encode(x)) == x. (For most
   // pre-tokenizers, though not smollm or qwen2, llama.cpp's llama_detokenize also drops the
   // space before "?", "!", ".", "," and some contractions, its clean_spaces; the pieces of
-  // single tokens, which llama-server streams, are never cleaned.)
+  // single tokens, which llama-server streams, are never cleaned.) For "llama" with
+  // add_space_prefix, decode(encode(x)) == " " + x for a non-empty valid UTF-8 x without
+  // special-token text or U+2581 (which comes back as a space), given the byte tokens: the
+  // prefix comes back as a space. llama_detokenize drops one leading space of the first token's
+  // piece (unless a BOS comes first); llama-server's stream does not.
   std::string decode(std::span<const Token> tokens, bool render_special = false) const;
 
   std::size_t size() const;
