@@ -222,11 +222,23 @@ int run_inspect() {
     std::printf("heads         %lld query, %lld key/value, head size %lld\n",
                 static_cast<long long>(c.n_heads), static_cast<long long>(c.n_kv_heads),
                 static_cast<long long>(c.head_dim));
-    std::printf("context       %lld (training)\n", static_cast<long long>(c.n_ctx_train));
-    std::printf("rope          base %g, %lld dims, %s%s; rms eps %g\n", static_cast<double>(c.rope_base),
+    if (c.n_ctx_usable() < c.n_ctx_train)
+      std::printf("context       %lld (training %lld; past its original %lld only with the long rotary factors, "
+                  "which this build does not run)\n",
+                  static_cast<long long>(c.n_ctx_usable()), static_cast<long long>(c.n_ctx_train),
+                  static_cast<long long>(c.n_ctx_orig));
+    else
+      std::printf("context       %lld (training)\n", static_cast<long long>(c.n_ctx_train));
+    char magnitude[48] = "";
+    if (c.rope_attn_factor != 1.0f)
+      std::snprintf(magnitude, sizeof magnitude, ", magnitude %g", static_cast<double>(c.rope_attn_factor));
+    std::printf("rope          base %g, %lld dims, %s%s%s; rms eps %g\n", static_cast<double>(c.rope_base),
                 static_cast<long long>(c.rope_dim),
                 c.rope_style == batchlm::kernels::RopeStyle::kHalves ? "pairs in halves" : "adjacent pairs",
-                c.rope_freq_factors ? ", frequency factors (rope_freqs)" : "", static_cast<double>(c.rms_eps));
+                !c.rope_freq_factors    ? ""
+                : c.rope_long_factors   ? ", frequency factors (rope_factors_short)"
+                                        : ", frequency factors (rope_freqs)",
+                magnitude, static_cast<double>(c.rms_eps));
     if (c.qkv_bias || c.qk_norm)
       std::printf("attention     %s\n", c.qkv_bias ? "query, key and value biases" : "query and key normalized per head");
     std::printf("output head   %s\n", c.tied_embeddings ? "tied to the embeddings" : "separate");

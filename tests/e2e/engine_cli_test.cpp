@@ -267,7 +267,7 @@ TEST_F(EngineCli, InspectQuantizedTiedModel) {
 
 // The architecture variants: what sets each apart from Llama is on the rope and attention lines,
 // and generate runs them.
-TEST_F(EngineCli, InspectDescribesQwenModels) {
+TEST_F(EngineCli, InspectDescribesQwenAndPhi3Models) {
   batchlm::testing::TinyLlamaOptions qwen2;
   qwen2.architecture = "qwen2";
   batchlm::testing::write_tiny_llama(dir() / "qwen2.gguf", qwen2);
@@ -296,6 +296,23 @@ TEST_F(EngineCli, InspectDescribesQwenModels) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(contains(r.out, "adjacent pairs, frequency factors (rope_freqs)")) << r.out;
   EXPECT_FALSE(contains(r.out, "attention     ")) << r.out;
+
+  // A long-context Phi-3: the short factors, the magnitude, and the context they allow.
+  batchlm::testing::TinyLlamaOptions phi3;
+  phi3.architecture = "phi3";
+  phi3.context_length = 8192;
+  phi3.original_context_length = 1024;
+  phi3.rope_factors_short.assign(8, 2.0f);
+  phi3.rope_factors_long.assign(8, 20.0f);
+  phi3.rope_attn_factor = 1.5f;
+  batchlm::testing::write_tiny_llama(dir() / "phi3.gguf", phi3);
+  r = run_batchlm(dir(), {"inspect", "phi3.gguf"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "architecture  phi3")) << r.out;
+  EXPECT_TRUE(contains(r.out, "context       1024 (training 8192; past its original 1024 only with the long rotary factors")) << r.out;
+  EXPECT_TRUE(contains(r.out, "pairs in halves, frequency factors (rope_factors_short), magnitude 1.5;")) << r.out;
+  g = run_batchlm(dir(), {"generate", "-m", "phi3.gguf", "-p", "Hello world", "-n", "5", "--temperature", "0"});
+  EXPECT_EQ(g.exit_code, 0) << g.err;
 }
 
 // A model with a type the engine does not run (Q3_K) is listed in full, and "runs" says why not.
