@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -772,7 +773,15 @@ DeviceMatrix upload(const Matrix& w, void* device) {
     auto* halves = reinterpret_cast<std::uint16_t*>(host.data());
     for (std::int64_t r = 0; r < w.rows; ++r) {
       dequantize_row(w.type, src + static_cast<std::size_t>(r) * src_row, w.cols, values.data());
-      for (std::int64_t c = 0; c < w.cols; ++c) halves[r * w.cols + c] = fp32_to_fp16(values[static_cast<std::size_t>(c)]);
+      for (std::int64_t c = 0; c < w.cols; ++c) {
+        const float v = values[static_cast<std::size_t>(c)];
+        const std::uint16_t h = fp32_to_fp16(v);
+        // |v| past 65504 would become an infinity the CPU never sees.
+        if (!std::isfinite(fp16_to_fp32(h)) && std::isfinite(v))
+          detail::invalid("upload: a " + std::string(to_string(w.type)) + " value (" + std::to_string(v) + ", row " +
+                          std::to_string(r) + ") is past F16's range, which the GPU holds this type in");
+        halves[r * w.cols + c] = h;
+      }
     }
     check(cudaMemcpy(device, host.data(), l.total, cudaMemcpyHostToDevice), "upload");
   } else if (w.type == DType::Q4_0 || w.type == DType::Q4_1 || w.type == DType::Q8_0) {

@@ -114,8 +114,15 @@ std::unique_ptr<Executor> make_executor(std::shared_ptr<const Model> model,
   if (options.device != Device::kCpu) {
     std::string why_not;
 #ifdef BATCHLM_HAVE_CUDA
-    if (gpu_runs_network(model->config(), why_not) && cuda_takes_model(*model, why_not) && cuda_device_usable(why_not))
-      return make_cuda_executor(std::move(model), options);
+    if (gpu_runs_network(model->config(), why_not) && cuda_takes_model(*model, why_not) && cuda_device_usable(why_not)) {
+      // What the upload finds wrong (a value past F16's range, memory the card lacks) leaves
+      // `auto` on the CPU, with the reason.
+      try {
+        return make_cuda_executor(model, options);
+      } catch (const std::exception& e) {
+        why_not = std::string("the GPU could not take the model: ") + e.what();
+      }
+    }
 #else
     if (gpu_runs_network(model->config(), why_not))
       why_not = "this build has no CUDA support (nvcc was not found when it was built)";

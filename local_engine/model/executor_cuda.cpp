@@ -707,13 +707,22 @@ class CudaExecutor final : public Executor {
 bool cuda_device_usable(std::string& why_not) { return kc::probe(why_not).has_value(); }
 
 bool cuda_takes_model(const Model& model, std::string& why_not) {
-  std::vector<const kernels::Matrix*> all = {&model.token_embedding(), &model.output()};
+  std::vector<std::pair<const char*, const kernels::Matrix*>> all = {{"token_embd", &model.token_embedding()},
+                                                                      {"output", &model.output()}};
   for (const LayerWeights& l : model.layers())
-    for (const kernels::Matrix* m : {&l.attn_q, &l.attn_k, &l.attn_v, &l.attn_out, &l.ffn_gate, &l.ffn_up, &l.ffn_down})
-      all.push_back(m);
-  for (const kernels::Matrix* m : all) {
+    for (const auto& named : {std::pair{"attn_q", &l.attn_q}, std::pair{"attn_k", &l.attn_k}, std::pair{"attn_v", &l.attn_v},
+                              std::pair{"attn_output", &l.attn_out}, std::pair{"ffn_gate", &l.ffn_gate},
+                              std::pair{"ffn_up", &l.ffn_up}, std::pair{"ffn_down", &l.ffn_down}})
+      all.push_back(named);
+  for (const auto& [name, m] : all) {
     if (!kc::takes(m->type)) {
       why_not = "the GPU kernels do not take this model's " + std::string(kernels::to_string(m->type)) + " matrices";
+      return false;
+    }
+    // The kernels read rows in whole 32-value blocks (the float types too).
+    if (m->cols % 32 != 0) {
+      why_not = "the GPU kernels take rows of a multiple of 32 values, and this model's " + std::string(name) +
+                " rows hold " + std::to_string(m->cols);
       return false;
     }
   }

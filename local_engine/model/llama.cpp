@@ -155,11 +155,15 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     if (type != "none" && !(type == "longrope" && c.architecture == "phi3"))
       f.fail("rope scaling '" + type + "' is not supported");
   }
-  if (const auto factor = f.find_f64(a + "rope.scaling.factor"); factor && *factor != 0.0 && *factor != 1.0)
+  // A scaling factor scales the positions unless the type says "none" (llama.cpp then ignores it;
+  // without a type it scales them linearly).
+  const bool scaling_none = f.find(a + "rope.scaling.type") && f.get_string(a + "rope.scaling.type") == "none";
+  if (const auto factor = f.find_f64(a + "rope.scaling.factor");
+      factor && *factor != 0.0 && *factor != 1.0 && !scaling_none)
     f.fail("metadata '" + a + "rope.scaling.factor' = " + number(*factor) + " (scaled rotary positions) is not supported");
   if (const auto attn = f.find_f64(a + "rope.scaling.attn_factor")) {
     if (!(*attn > 0.0 && *attn < 100.0))
-      f.fail("metadata '" + a + "rope.scaling.attn_factor' = " + number(*attn) + " is out of range (above 0)");
+      f.fail("metadata '" + a + "rope.scaling.attn_factor' = " + number(*attn) + " is out of range (between 0 and 100)");
     c.rope_attn_factor = static_cast<float>(*attn);
   }
   if (f.find(a + "rope.scaling.original_context_length"))

@@ -248,9 +248,11 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
   }
   if (tmpl.find(kPhiUser) != std::string::npos && tmpl.find(kPhiEnd) != std::string::npos &&
       tmpl.find(kPhiAssistant) != std::string::npos) {
-    // Phi-3's first templates leave system messages out; later ones (3.5) write them as turns.
+    // Phi-3's first templates leave system messages out; later ones write them as turns, and
+    // Phi-3.5's only those with content.
     result.name_ = "phi3";
     result.system_turns_ = tmpl.find(kPhiSystem) != std::string::npos;
+    result.skip_empty_system_ = tmpl.find("'system' and message['content']") != std::string::npos;
     return result;
   }
   if (tmpl.find(kHeaderStart) != std::string::npos && tmpl.find(kHeaderEnd) != std::string::npos) {
@@ -304,13 +306,13 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
 std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
   std::string out;
   if (name_ == "phi3") {
-    // <|role|>\ncontent<|end|>\n per turn; an empty system message, or any where the template
-    // has no system turn, adds nothing.
+    // <|role|>\ncontent<|end|>\n per turn; a system message adds nothing where the template has
+    // no system turn, nor an empty one where the template skips those.
     for (const ChatMessage& m : messages) {
       std::string_view tag;
       if (m.role == "user") tag = kPhiUser;
       if (m.role == "assistant") tag = kPhiAssistant;
-      if (m.role == "system" && system_turns_ && !m.content.empty()) tag = kPhiSystem;
+      if (m.role == "system" && system_turns_ && !(skip_empty_system_ && m.content.empty())) tag = kPhiSystem;
       if (tag.empty()) continue;
       out += tag;
       out += '\n';

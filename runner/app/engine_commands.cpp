@@ -120,7 +120,7 @@ int run_generate() {
   std::shared_ptr<const Model> model = Model::load(g.model);
   Engine engine(model, EngineOptions{app::usable_threads(g.threads), g.context});
   if (g.context > engine.context())
-    std::fprintf(stderr, "batchlm: note: --context %lld is beyond what the model was trained on; using %lld\n",
+    std::fprintf(stderr, "batchlm: note: --context %lld is beyond the longest context this model runs at; using %lld\n",
                  static_cast<long long>(g.context), static_cast<long long>(engine.context()));
   std::vector<Token> prompt;
   if (g.chat) {

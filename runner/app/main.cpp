@@ -237,7 +237,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
                             : "not enough memory for a KV pool this large (with the model's weights); give a smaller one");
     }
     if (job.backend.context > backend->context())
-      std::fprintf(stderr, "batchlm: note: backend.context %lld is beyond what the model was trained on; using %lld\n",
+      std::fprintf(stderr, "batchlm: note: backend.context %lld is beyond the longest context this model runs at; using %lld\n",
                    static_cast<long long>(job.backend.context), static_cast<long long>(backend->context()));
     refuse_biases_outside(job, overrides, backend->vocab_size(), backend->model_name());
     // A pool set larger than the memory: the system may end the run when the pool fills.

@@ -86,7 +86,7 @@ TEST_F(EngineCli, GenerateGreedyPrintsTextAndTimings) {
   // A context beyond the model's training is lowered to it, with a note.
   RunResult wide = generate({"-p", "Hello", "-n", "2", "--temperature", "0", "--context", "100000000"});
   ASSERT_EQ(wide.exit_code, 0) << wide.err;
-  EXPECT_NE(wide.err.find("--context 100000000 is beyond what the model was trained on"), std::string::npos) << wide.err;
+  EXPECT_NE(wide.err.find("--context 100000000 is beyond the longest context this model runs at"), std::string::npos) << wide.err;
 
   // Without --timings, no JSON on stderr.
   RunResult quiet = generate({"-p", "Hello", "-n", "8", "--temperature", "0", "--ignore-eos"});

@@ -369,6 +369,23 @@ TEST_F(TinyVariants, Phi3LongContextStopsAtTheOriginalContext) {
   EXPECT_NE(e.find("rope_factors_long.weight"), std::string::npos) << e;
 }
 
+// A rotary scaling factor scales the positions (llama.cpp: linearly, where no type is given),
+// which this build does not run: refused by name; with the type "none" it is ignored, as there.
+TEST_F(TinyVariants, ARopeScalingFactorIsRefusedUnlessTheTypeIsNone) {
+  const fs::path good = write("llama.gguf", {});
+  bt::write_file(dir_ / "scaled.gguf", bt::edit(gguf::File::open(good), {.add = [](bt::GgufWriter& w) {
+                   w.add("llama.rope.scaling.factor", bt::GgufValue::f32(4.0f));
+                 }}));
+  const std::string e = load_error(dir_ / "scaled.gguf");
+  EXPECT_NE(e.find("metadata 'llama.rope.scaling.factor' = 4 (scaled rotary positions) is not supported"), std::string::npos)
+      << e;
+  bt::write_file(dir_ / "none.gguf", bt::edit(gguf::File::open(good), {.add = [](bt::GgufWriter& w) {
+                   w.add("llama.rope.scaling.type", bt::GgufValue::str("none"));
+                   w.add("llama.rope.scaling.factor", bt::GgufValue::f32(4.0f));
+                 }}));
+  EXPECT_NO_THROW(Model::load(dir_ / "none.gguf"));
+}
+
 TEST_F(TinyVariants, AnotherArchitectureIsRefusedNamingTheOnesThatRun) {
   bt::TinyLlamaOptions o;
   const fs::path good = write("llama.gguf", o);

@@ -119,6 +119,34 @@ TEST_F(ExecutorTest, AModelOfKTypesGoesWhereTheDefaultModelGoes) {
   }
 }
 
+// Rows the GPU kernels cannot read (here attn_output's 5 heads of 40 values: 200) leave `auto`
+// on the CPU, saying which matrix, before any GPU is looked for; `cuda` refuses with the same
+// words.
+TEST_F(ExecutorTest, RowsTheGpuCannotReadStayOnTheCpu) {
+  batchlm::testing::TinyLlamaOptions o;
+  o.n_layers = 1;
+  o.n_heads = 5;
+  o.n_kv_heads = 1;
+  o.head_dim = 40;
+  o.context_length = 128;
+  batchlm::testing::write_tiny_llama(*dir_ / "w200.gguf", o);
+  const auto m = Model::load(*dir_ / "w200.gguf");
+  std::string why;
+  auto ex = make_executor(m, {.device = Device::kAuto, .threads = 1}, &why);
+  EXPECT_EQ(ex->device(), Device::kCpu);
+  if (!built_with_cuda()) {
+    EXPECT_NE(why.find("no CUDA support"), std::string::npos) << why;
+    return;
+  }
+  EXPECT_EQ(why, "the GPU kernels take rows of a multiple of 32 values, and this model's attn_output rows hold 200");
+  try {
+    make_executor(m, {.device = Device::kCuda, .threads = 1});
+    FAIL() << "no error";
+  } catch (const DeviceUnavailable& e) {
+    EXPECT_NE(std::string(e.what()).find("device 'cuda' was asked for, but " + why), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(ExecutorTest, CpuExecutorIsModelForwardBatch) {
   const auto m = model();
   const ModelConfig& c = m->config();

@@ -865,6 +865,19 @@ TEST(ChatTemplate, Phi35TurnsWithSystemMessages) {
             "<|user|>\nHi<|end|>\n<|system|>\nNow in French.<|end|>\n<|user|>\n Bye\n<|end|>\n<|assistant|>\n");
 }
 
+// A Phi-3 template with system turns but no test of their content writes an empty one too
+// (the expected text is jinja2's rendering).
+TEST(ChatTemplate, Phi3TemplateWithoutTheContentTestWritesEmptySystemTurns) {
+  const ChatTemplate chat = template_from(
+      "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + message['content'] + "
+      "'<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}"
+      "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}"
+      "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}");
+  EXPECT_TRUE(chat.system_turns());
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"system", ""}, {"user", "Hi"}}, true),
+            "<|system|>\n<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n");
+}
+
 // Phi-3-mini's first template (its tokenizer_config.json): no system turns, the assistant's tag
 // after every user turn. The same text for the conversations it renders.
 TEST(ChatTemplate, Phi3FirstTemplateLeavesSystemMessagesOut) {

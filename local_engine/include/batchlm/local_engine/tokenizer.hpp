@@ -126,9 +126,11 @@ class StreamDecoder {
 //            per assistant message, its reasoning up to the last </think> dropped; the
 //            generation prompt is <｜Assistant｜>, with "<think>\n" after it where the template
 //            writes that (the distills' later templates). BOS as for Llama 3.
-//   Phi-3    <|role|>\ncontent<|end|>\n per user and assistant message, and per non-empty system
-//            message where the template has system turns (Phi-3.5; Phi-3's first templates
-//            leave system messages out); the generation prompt is <|assistant|>\n. Without the
+//   Phi-3    <|role|>\ncontent<|end|>\n per user and assistant message, and per system message
+//            where the template has system turns (Phi-3.5's only those with content; Phi-3's
+//            first templates leave system messages out, and write the assistant's tag after
+//            each user turn, which is the same text for alternating turns ending in the
+//            generation prompt); the generation prompt is <|assistant|>\n. Without the
 //            generation prompt Phi-3.5's template ends with the EOS token's text, which is left
 //            out here as the BOS token is.
 class ChatTemplate {
@@ -154,6 +156,7 @@ class ChatTemplate {
   bool reasoning_ = false;
   bool opens_reasoning_ = false;
   bool system_turns_ = false;
+  bool skip_empty_system_ = false;
 };
 
 }  // namespace batchlm::local_engine
