@@ -246,6 +246,30 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
     result.opens_reasoning_ = std::find(constants.begin(), constants.end(), opening) != constants.end();
     return result;
   }
+  if (tmpl.find("[INST]") != std::string::npos && tmpl.find("[/INST]") != std::string::npos) {
+    if (tmpl.find("<<SYS>>") != std::string::npos) unsupported("Llama 2's [INST] <<SYS>> template is not supported");
+    // Mistral's: the turn's tags as the template's constants spell them (" [INST] ... [/INST]"
+    // in v0.1/v0.2, "[INST] ...[/INST]" in v0.3, "[INST]...[/INST]" in Nemo's), whether an
+    // answer follows a space and is trimmed, and which user turn the system message joins.
+    result.name_ = "mistral";
+    for (const std::string& c : constant_strings(tmpl)) {
+      if (result.inst_open_.empty() && (c == "[INST] " || c == " [INST] " || c == "[INST]")) result.inst_open_ = c;
+      if (result.inst_close_.empty() && (c == " [/INST]" || c == "[/INST]")) result.inst_close_ = c;
+    }
+    if (result.inst_open_.empty() || result.inst_close_.empty())
+      unsupported("a Mistral [INST] template whose turns this build does not recognise");
+    const auto has = [&](std::initializer_list<std::string_view> texts) {
+      return std::any_of(texts.begin(), texts.end(), [&](std::string_view t) { return tmpl.find(t) != std::string::npos; });
+    };
+    result.answer_space_ = has({"' ' + message['content']", "\" \" + message[\"content\"]", "' ' + message[\"content\"]",
+                                "\" \" + message['content']", "' '  + message['content']"});
+    result.answer_trim_ = has({"message[\"content\"]|trim", "message['content']|trim", "message[\"content\"] | trim",
+                              "message['content'] | trim"});
+    result.system_place_ = has({"loop.first and system_message"}) ? "first" : has({"loop.last and system_message"}) ? "last" : "";
+    if (vocab.eos >= 0 && static_cast<std::size_t>(vocab.eos) < vocab.tokens.size())
+      result.eos_text_ = vocab.tokens[static_cast<std::size_t>(vocab.eos)];
+    return result;
+  }
   if (tmpl.find(kPhiUser) != std::string::npos && tmpl.find(kPhiEnd) != std::string::npos &&
       tmpl.find(kPhiAssistant) != std::string::npos) {
     // Phi-3's first templates leave system messages out; later ones write them as turns, and
@@ -287,7 +311,8 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
   }
   if (tmpl.find(kTurnStart) == std::string::npos) {
     unsupported("only ChatML (<|im_start|>role ... <|im_end|>), Llama 3 (<|start_header_id|>role<|end_header_id|> "
-                "... <|eot_id|>), DeepSeek-R1 (<｜User｜> ... <｜Assistant｜>) and Phi-3 (<|user|> ... <|end|>) "
+                "... <|eot_id|>), DeepSeek-R1 (<｜User｜> ... <｜Assistant｜>), Phi-3 (<|user|> ... <|end|>) and "
+                "Mistral ([INST] ... [/INST]) "
                 "templates are supported; "
                 "this one begins '" +
                 tmpl.substr(0, 80) + "'");
@@ -305,6 +330,41 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
 
 std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
   std::string out;
+  if (name_ == "mistral") {
+    // An optional system message first, then user and assistant messages in turn, as the
+    // template requires (it raises otherwise).
+    std::size_t first = 0;
+    std::string_view system;
+    if (!messages.empty() && messages.front().role == "system") {
+      if (system_place_.empty())
+        throw std::invalid_argument("messages[0]: this model's chat template takes no system message");
+      system = messages.front().content;
+      first = 1;
+    }
+    for (std::size_t i = first; i < messages.size(); ++i) {
+      const char* expected = (i - first) % 2 == 0 ? "user" : "assistant";
+      if (messages[i].role != expected)
+        throw std::invalid_argument("messages[" + std::to_string(i) + "]: this model's chat template takes user and "
+                                    "assistant messages in turn (after an optional first system message), so this one "
+                                    "must be " + expected + ", not " + messages[i].role);
+      if (messages[i].role == "user") {
+        out += inst_open_;
+        const bool joins = first == 1 && ((system_place_ == "first" && i == first) ||
+                                          (system_place_ == "last" && i + 1 == messages.size()));
+        if (joins) {
+          out += system;
+          out += "\n\n";
+        }
+        out += messages[i].content;
+        out += inst_close_;
+      } else {
+        if (answer_space_) out += ' ';
+        out += answer_trim_ ? trim(messages[i].content) : std::string_view(messages[i].content);
+        out += eos_text_;
+      }
+    }
+    return out;
+  }
   if (name_ == "phi3") {
     // <|role|>\ncontent<|end|>\n per turn; a system message adds nothing where the template has
     // no system turn, nor an empty one where the template skips those.

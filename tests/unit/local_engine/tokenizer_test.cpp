@@ -891,6 +891,86 @@ TEST(ChatTemplate, Phi3FirstTemplateLeavesSystemMessagesOut) {
             "<|user|>\n2+2?<|end|>\n<|assistant|>\n4<|end|>\n<|user|>\n3+3?<|end|>\n<|assistant|>\n");
 }
 
+// ---- Mistral ----
+// Templates with the features of Mistral's (the tags' spaces, the answer's space and trim, where
+// the system message goes); the expected texts are jinja2's renderings of these templates with
+// eos_token "</s>", the EOS token's text in the vocabulary used here.
+ChatTemplate mistral_template(std::string text) {
+  Vocab vocab = toy_vocab();
+  vocab.tokens.push_back("</s>");
+  vocab.types.push_back(TokenType::Control);
+  vocab.eos = static_cast<Token>(vocab.tokens.size() - 1);
+  vocab.chat_template = std::move(text);
+  return ChatTemplate::from_vocab(vocab);
+}
+
+const std::vector<std::vector<ChatMessage>>& mistral_conversations() {
+  static const std::vector<std::vector<ChatMessage>> all = {
+      {{"user", "Hello"}, {"assistant", "  Hi there "}, {"user", "Who are you"}},
+      {{"system", "S"}, {"user", "Hello"}, {"assistant", "Hi"}, {"user", "Q"}},
+      {{"system", "S"}, {"user", "Hello"}, {"assistant", "Hi"}},
+  };
+  return all;
+}
+
+// v0.1/v0.2: " [INST] ... [/INST]", the answer after a space, the system message in the first turn.
+TEST(ChatTemplate, MistralV02SystemInTheFirstTurn) {
+  const ChatTemplate chat = mistral_template(
+      "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}{%- set loop_messages = "
+      "messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}{{- bos_token }}{%- for message in "
+      "loop_messages %}{%- if message['role'] == 'user' %}{%- if loop.first and system_message is defined %}{{- ' [INST] ' "
+      "+ system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{%- else %}{{- ' [INST] ' + message['content'] + ' "
+      "[/INST]' }}{%- endif %}{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif "
+      "%}{%- endfor %}");
+  EXPECT_EQ(chat.name(), "mistral");
+  const auto& c = mistral_conversations();
+  EXPECT_EQ(chat.apply(c[0], true), " [INST] Hello [/INST]   Hi there </s> [INST] Who are you [/INST]");
+  EXPECT_EQ(chat.apply(c[1], true), " [INST] S\n\nHello [/INST] Hi</s> [INST] Q [/INST]");
+  EXPECT_EQ(chat.apply(c[2], true), " [INST] S\n\nHello [/INST] Hi</s>");
+}
+
+// v0.3: "[INST] ...[/INST]", the answer trimmed after a space, the system message in the last
+// message when that is a user turn.
+TEST(ChatTemplate, MistralV03SystemInTheLastTurn) {
+  const ChatTemplate chat = mistral_template(
+      "{%- if messages[0][\"role\"] == \"system\" %}{%- set system_message = messages[0][\"content\"] %}{%- set "
+      "loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}{{- bos_token }}{%- for "
+      "message in loop_messages %}{%- if message[\"role\"] == \"user\" %}{%- if loop.last and system_message is defined "
+      "%}{{- \"[INST] \" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}{%- else %}{{- \"[INST] \" + "
+      "message[\"content\"] + \"[/INST]\" }}{%- endif %}{%- elif message[\"role\"] == \"assistant\" %}{{- \" \" + "
+      "message[\"content\"]|trim + eos_token }}{%- endif %}{%- endfor %}");
+  const auto& c = mistral_conversations();
+  EXPECT_EQ(chat.apply(c[0], true), "[INST] Hello[/INST] Hi there</s>[INST] Who are you[/INST]");
+  EXPECT_EQ(chat.apply(c[1], true), "[INST] Hello[/INST] Hi</s>[INST] S\n\nQ[/INST]");
+  EXPECT_EQ(chat.apply(c[2], true), "[INST] Hello[/INST] Hi</s>");
+}
+
+// The first v0.2 template: no system message (the template raises, here std::invalid_argument),
+// and turns that must alternate.
+TEST(ChatTemplate, MistralWithoutASystemMessageAndTurnsInOrder) {
+  const ChatTemplate chat = mistral_template(
+      "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' "
+      "[/INST]' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}");
+  const auto& c = mistral_conversations();
+  EXPECT_EQ(chat.apply(c[0], true), "[INST] Hello [/INST]  Hi there </s>[INST] Who are you [/INST]");
+  const auto error = [&](const std::vector<ChatMessage>& m) {
+    try {
+      (void)chat.apply(m, true);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  EXPECT_EQ(error(c[1]), "messages[0]: this model's chat template takes no system message");
+  EXPECT_NE(error({{"user", "a"}, {"user", "b"}}).find("messages[1]: this model's chat template takes user and assistant "
+                                                       "messages in turn"),
+            std::string::npos);
+  EXPECT_NE(error({{"assistant", "a"}}).find("so this one must be user, not assistant"), std::string::npos);
+  // Llama 2's template is not Mistral's.
+  EXPECT_THROW(template_from("{% for m in messages %}[INST] <<SYS>>\n{{ m['content'] }}\n<</SYS>> [/INST]{% endfor %}"),
+               std::invalid_argument);
+}
+
 TEST(ChatTemplate, InsertsTheDefaultSystemMessageWhenTheFirstMessageIsNotSystem) {
   const ChatTemplate chat = template_from(kSmolLM2Template);
   const std::vector<ChatMessage> messages = {{"user", "Hi!"}, {"assistant", "Hello."}, {"user", "2+2?"}};
@@ -937,7 +1017,7 @@ TEST(ChatTemplate, ReadsEscapedAndConcatenatedDefaults) {
 
 TEST(ChatTemplate, RejectsTemplatesThatAreNotChatMLOrLlama3) {
   try {
-    template_from("{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}");
+    template_from("{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>{% endfor %}");
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("only ChatML (<|im_start|>role ... <|im_end|>), Llama 3"), std::string::npos)

@@ -109,7 +109,7 @@ class StreamDecoder {
 };
 
 // The chat template of the model family, recognised from the GGUF template text rather than run
-// as Jinja. Four families:
+// as Jinja. Five families:
 //   ChatML   <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen2.5, Qwen3), with
 //            the default system message a template inserts when the conversation has none.
 //            Qwen3's template (recognised by its reasoning_content and </think> handling) also
@@ -133,12 +133,21 @@ class StreamDecoder {
 //            generation prompt); the generation prompt is <|assistant|>\n. Without the
 //            generation prompt Phi-3.5's template ends with the EOS token's text, which is left
 //            out here as the BOS token is.
+//   Mistral  [INST] user [/INST] answer</s> per turn, with the spaces the template's constants
+//            have (v0.1/v0.2: " [INST] ... [/INST] answer</s>"; v0.3: "[INST] ...[/INST] answer</s>"
+//            with the answer trimmed; Nemo: "[INST]...[/INST]answer</s>"); the system message
+//            joins the first user turn (v0.2) or the last message when that is a user turn
+//            (v0.3), "system\n\nuser", and a template without either takes none. As these
+//            templates do, messages other than an optional first system message must alternate
+//            user/assistant from a user message, else std::invalid_argument. The prompt ends
+//            with [/INST]. Llama 2's [INST] <<SYS>> template is not supported.
 class ChatTemplate {
  public:
   // Throws std::invalid_argument when the template is not one this build supports.
   static ChatTemplate from_vocab(const Vocab& vocab);
   std::string apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
-  std::string_view name() const { return name_; }  // "chatml", "llama3", "deepseek-r1" or "phi3"
+  // "chatml", "llama3", "deepseek-r1", "phi3" or "mistral"
+  std::string_view name() const { return name_; }
   const std::string& default_system() const { return default_system_; }
   // Llama 3.1 and later: the date the system turn gives ("26 Jul 2024"), or "today".
   const std::string& date() const { return date_; }
@@ -157,6 +166,10 @@ class ChatTemplate {
   bool opens_reasoning_ = false;
   bool system_turns_ = false;
   bool skip_empty_system_ = false;
+  // Mistral's.
+  std::string inst_open_, inst_close_, eos_text_;
+  bool answer_space_ = false, answer_trim_ = false;
+  std::string system_place_;  // "first" or "last" user turn; empty: no system message
 };
 
 }  // namespace batchlm::local_engine
