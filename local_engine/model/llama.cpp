@@ -321,7 +321,7 @@ const ChatTemplate& Model::chat_template() const {
   if (!chat_template_) {
     throw std::runtime_error(file_.path().string() +
                              ": the model's chat template is not one this build supports "
-                             "(supported: ChatML, Llama 3, DeepSeek-R1, Phi-3 and Mistral)");
+                             "(supported: ChatML, Llama 3, DeepSeek-R1, Phi-3, Mistral and Llama 2)");
   }
   return *chat_template_;
 }

@@ -247,7 +247,24 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
     return result;
   }
   if (tmpl.find("[INST]") != std::string::npos && tmpl.find("[/INST]") != std::string::npos) {
-    if (tmpl.find("<<SYS>>") != std::string::npos) unsupported("Llama 2's [INST] <<SYS>> template is not supported");
+    const auto token_text = [&](Token id) {
+      return id >= 0 && static_cast<std::size_t>(id) < vocab.tokens.size() ? vocab.tokens[static_cast<std::size_t>(id)]
+                                                                             : std::string();
+    };
+    if (tmpl.find("<<SYS>>") != std::string::npos) {
+      // Llama 2's: BOS + "[INST] " + content.strip() + " [/INST]" per user turn (the system
+      // message in a <<SYS>> block at the head of the first one), " " + answer.strip() + " " +
+      // EOS per answer.
+      const std::vector<std::string> constants = constant_strings(tmpl);
+      const auto has = [&](std::string_view c) { return std::find(constants.begin(), constants.end(), c) != constants.end(); };
+      if (!has("<<SYS>>\n") || !has("\n<</SYS>>\n\n") || !has("[INST] ") || !has(" [/INST]") ||
+          tmpl.find("bos_token + '[INST] '") == std::string::npos || tmpl.find(".strip()") == std::string::npos)
+        unsupported("an [INST] <<SYS>> template other than Llama 2's");
+      result.name_ = "llama2";
+      result.bos_text_ = token_text(vocab.bos);
+      result.eos_text_ = token_text(vocab.eos);
+      return result;
+    }
     // Mistral's: the turn's tags as the template's constants spell them (" [INST] ... [/INST]"
     // in v0.1/v0.2, "[INST] ...[/INST]" in v0.3, "[INST]...[/INST]" in Nemo's), whether an
     // answer follows a space and is trimmed, and which user turn the system message joins.
@@ -266,8 +283,7 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
     result.answer_trim_ = has({"message[\"content\"]|trim", "message['content']|trim", "message[\"content\"] | trim",
                               "message['content'] | trim"});
     result.system_place_ = has({"loop.first and system_message"}) ? "first" : has({"loop.last and system_message"}) ? "last" : "";
-    if (vocab.eos >= 0 && static_cast<std::size_t>(vocab.eos) < vocab.tokens.size())
-      result.eos_text_ = vocab.tokens[static_cast<std::size_t>(vocab.eos)];
+    result.eos_text_ = token_text(vocab.eos);
     return result;
   }
   if (tmpl.find(kPhiUser) != std::string::npos && tmpl.find(kPhiEnd) != std::string::npos &&
@@ -311,8 +327,8 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
   }
   if (tmpl.find(kTurnStart) == std::string::npos) {
     unsupported("only ChatML (<|im_start|>role ... <|im_end|>), Llama 3 (<|start_header_id|>role<|end_header_id|> "
-                "... <|eot_id|>), DeepSeek-R1 (<｜User｜> ... <｜Assistant｜>), Phi-3 (<|user|> ... <|end|>) and "
-                "Mistral ([INST] ... [/INST]) "
+                "... <|eot_id|>), DeepSeek-R1 (<｜User｜> ... <｜Assistant｜>), Phi-3 (<|user|> ... <|end|>), "
+                "Mistral and Llama 2 ([INST] ... [/INST]) "
                 "templates are supported; "
                 "this one begins '" +
                 tmpl.substr(0, 80) + "'");
@@ -330,13 +346,14 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
 
 std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
   std::string out;
-  if (name_ == "mistral") {
+  if (name_ == "mistral" || name_ == "llama2") {
     // An optional system message first, then user and assistant messages in turn, as the
     // template requires (it raises otherwise).
+    const bool llama2 = name_ == "llama2";
     std::size_t first = 0;
     std::string_view system;
     if (!messages.empty() && messages.front().role == "system") {
-      if (system_place_.empty())
+      if (system_place_.empty() && !llama2)
         throw std::invalid_argument("messages[0]: this model's chat template takes no system message");
       system = messages.front().content;
       first = 1;
@@ -347,6 +364,24 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
         throw std::invalid_argument("messages[" + std::to_string(i) + "]: this model's chat template takes user and "
                                     "assistant messages in turn (after an optional first system message), so this one "
                                     "must be " + expected + ", not " + messages[i].role);
+      if (llama2) {
+        // The first BOS is the tokenizer's (as for the other templates); later turns write it.
+        if (messages[i].role == "user") {
+          if (i > first) out += bos_text_;
+          std::string content = messages[i].content;
+          if (i == first && first == 1)
+            content = "<<SYS>>\n" + std::string(system) + "\n<</SYS>>\n\n" + content;
+          out += "[INST] ";
+          out += trim(content);
+          out += " [/INST]";
+        } else {
+          out += ' ';
+          out += trim(messages[i].content);
+          out += ' ';
+          out += eos_text_;
+        }
+        continue;
+      }
       if (messages[i].role == "user") {
         out += inst_open_;
         const bool joins = first == 1 && ((system_place_ == "first" && i == first) ||

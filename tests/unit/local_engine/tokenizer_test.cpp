@@ -966,9 +966,38 @@ TEST(ChatTemplate, MistralWithoutASystemMessageAndTurnsInOrder) {
                                                        "messages in turn"),
             std::string::npos);
   EXPECT_NE(error({{"assistant", "a"}}).find("so this one must be user, not assistant"), std::string::npos);
-  // Llama 2's template is not Mistral's.
+  // An [INST] <<SYS>> template other than Llama 2's is refused.
   EXPECT_THROW(template_from("{% for m in messages %}[INST] <<SYS>>\n{{ m['content'] }}\n<</SYS>> [/INST]{% endfor %}"),
                std::invalid_argument);
+}
+
+// Llama 2's shape: each user turn from the BOS token's text (the first BOS is the tokenizer's,
+// as for the other templates), contents stripped, the system message in a <<SYS>> block at the
+// head of the first turn. The expected texts are jinja2's renderings less the leading "<s>".
+TEST(ChatTemplate, Llama2TurnsWithTheSystemBlock) {
+  Vocab vocab = toy_vocab();
+  for (const char* text : {"<s>", "</s>"}) {
+    vocab.tokens.push_back(text);
+    vocab.types.push_back(TokenType::Control);
+  }
+  vocab.bos = static_cast<Token>(vocab.tokens.size() - 2);
+  vocab.eos = static_cast<Token>(vocab.tokens.size() - 1);
+  vocab.chat_template =
+      "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = "
+      "messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+      "{% for message in loop_messages %}{% if loop.index0 == 0 and system_message != false %}{% set content = "
+      "'<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = "
+      "message['content'] %}{% endif %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' "
+      "[/INST]' }}{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}"
+      "{% endfor %}";
+  const ChatTemplate chat = ChatTemplate::from_vocab(vocab);
+  EXPECT_EQ(chat.name(), "llama2");
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"user", "Hello"}, {"assistant", "  Hi there "}, {"user", " Who are you\n"}}, true),
+            "[INST] Hello [/INST] Hi there </s><s>[INST] Who are you [/INST]");
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"system", " S "}, {"user", "Hello "}, {"assistant", "Hi"}, {"user", "Q"}}, true),
+            "[INST] <<SYS>>\n S \n<</SYS>>\n\nHello [/INST] Hi </s><s>[INST] Q [/INST]");
+  EXPECT_EQ(chat.apply(std::vector<ChatMessage>{{"system", "S"}, {"user", "Hello"}}, true), "[INST] <<SYS>>\nS\n<</SYS>>\n\nHello [/INST]");
+  EXPECT_THROW((void)chat.apply(std::vector<ChatMessage>{{"user", "a"}, {"user", "b"}}, true), std::invalid_argument);
 }
 
 TEST(ChatTemplate, InsertsTheDefaultSystemMessageWhenTheFirstMessageIsNotSystem) {

@@ -109,7 +109,7 @@ class StreamDecoder {
 };
 
 // The chat template of the model family, recognised from the GGUF template text rather than run
-// as Jinja. Five families:
+// as Jinja. Six families:
 //   ChatML   <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen2.5, Qwen3), with
 //            the default system message a template inserts when the conversation has none.
 //            Qwen3's template (recognised by its reasoning_content and </think> handling) also
@@ -140,13 +140,17 @@ class StreamDecoder {
 //            (v0.3), "system\n\nuser", and a template without either takes none. As these
 //            templates do, messages other than an optional first system message must alternate
 //            user/assistant from a user message, else std::invalid_argument. The prompt ends
-//            with [/INST]. Llama 2's [INST] <<SYS>> template is not supported.
+//            with [/INST].
+//   Llama 2  [INST] content [/INST] per user turn, contents stripped, the first with the system
+//            message as "<<SYS>>\nsystem\n<</SYS>>\n\n" at its head, and " answer </s>" per
+//            answer; every user turn after the first opens with the BOS token's text (the
+//            first BOS is the tokenizer's). Roles alternate as for Mistral.
 class ChatTemplate {
  public:
   // Throws std::invalid_argument when the template is not one this build supports.
   static ChatTemplate from_vocab(const Vocab& vocab);
   std::string apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
-  // "chatml", "llama3", "deepseek-r1", "phi3" or "mistral"
+  // "chatml", "llama3", "deepseek-r1", "phi3", "mistral" or "llama2"
   std::string_view name() const { return name_; }
   const std::string& default_system() const { return default_system_; }
   // Llama 3.1 and later: the date the system turn gives ("26 Jul 2024"), or "today".
@@ -167,7 +171,7 @@ class ChatTemplate {
   bool system_turns_ = false;
   bool skip_empty_system_ = false;
   // Mistral's.
-  std::string inst_open_, inst_close_, eos_text_;
+  std::string inst_open_, inst_close_, eos_text_, bos_text_;
   bool answer_space_ = false, answer_trim_ = false;
   std::string system_place_;  // "first" or "last" user turn; empty: no system message
 };
