@@ -451,7 +451,7 @@ void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t 
 }
 
 std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::int32_t* positions, float base,
-                               const float* freq_factors) {
+                               const float* freq_factors, float attn_factor) {
   const float theta_scale = std::pow(base, -2.0f / static_cast<float>(rot_dim));
   std::vector<float> cos_sin(static_cast<std::size_t>(n * rot_dim));
   for (std::int64_t t = 0; t < n; ++t) {
@@ -462,6 +462,10 @@ std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::
       const float angle = freq_factors != nullptr ? theta / freq_factors[i / 2] : theta;
       cs[i] = std::cos(angle);
       cs[i + 1] = std::sin(angle);
+      if (attn_factor != 1.0f) {
+        cs[i] *= attn_factor;
+        cs[i + 1] *= attn_factor;
+      }
       theta *= theta_scale;
     }
   }

@@ -1,7 +1,6 @@
 // The CUDA executor: the forward pass of model/llama.cpp on the GPU (the llama, qwen2, qwen3 and
 // phi3 architectures: biases, per-head norms, wide heads, rotary pairs in halves, rotary factors
-// and magnitude), written
-// against kernels/cuda.hpp.
+// and magnitude), written against kernels/cuda.hpp.
 //
 // Memory, all allocated when the executor is made (nothing is allocated per step):
 // - the weights, uploaded once into one arena (tied embeddings shared);

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <new>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -150,16 +151,13 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
            " is out of range (between 0 and 1)");
   c.rope_base = static_cast<float>(rope_base);
   c.rms_eps = static_cast<float>(rms_eps);
-  if (f.find(a + "rope.scaling.type")) {
-    const std::string type = f.get_string(a + "rope.scaling.type");
-    if (type != "none" && !(type == "longrope" && c.architecture == "phi3"))
-      f.fail("rope scaling '" + type + "' is not supported");
-  }
+  const std::optional<std::string> scaling = f.find_string(a + "rope.scaling.type");
+  if (scaling && *scaling != "none" && !(*scaling == "longrope" && c.architecture == "phi3"))
+    f.fail("rope scaling '" + *scaling + "' is not supported");
   // A scaling factor scales the positions unless the type says "none" (llama.cpp then ignores it;
   // without a type it scales them linearly).
-  const bool scaling_none = f.find(a + "rope.scaling.type") && f.get_string(a + "rope.scaling.type") == "none";
   if (const auto factor = f.find_f64(a + "rope.scaling.factor");
-      factor && *factor != 0.0 && *factor != 1.0 && !scaling_none)
+      factor && *factor != 0.0 && *factor != 1.0 && scaling != "none")
     f.fail("metadata '" + a + "rope.scaling.factor' = " + number(*factor) + " (scaled rotary positions) is not supported");
   if (const auto attn = f.find_f64(a + "rope.scaling.attn_factor")) {
     if (!(*attn > 0.0 && *attn < 100.0))
@@ -196,20 +194,10 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     used.insert(name);
     return f.tensor(name, shape);
   };
-  // Quantized matrices also get the CPU kernels' packed copy (8 rows interleaved), which the
-  // products read instead of the file's layout; data stays the file's bytes.
-  auto matrix = [&](const std::string& name, std::int64_t cols, std::int64_t rows) {
-    const gguf::TensorInfo& t = info(name, {cols, rows});
-    if (*t.type == kops::DType::Q8_1 || *t.type == kops::DType::Q8_K) {
-      f.fail("tensor '" + name + "' is " + std::string(t.type_name()) +
-             ", a type for activations, not weights");
-    }
-    kops::Matrix w{*t.type, t.data, rows, cols};
-    w.packed = m->packed_.emplace_back(kops::pack_weights(w)).data();
-    return w;
-  };
-  // A matrix whose rows are several matrices one after the other (Phi-3's attn_qkv and its
-  // ffn_up of gate and up rows): each part a view of its rows, with a packed copy of its own.
+  // The matrices a tensor holds, their rows one after the other (one, or Phi-3's Q, K and V in
+  // attn_qkv and gate and up in ffn_up): each a view of its rows. Quantized matrices also get
+  // the CPU kernels' packed copy (8 rows interleaved), which the products read instead of the
+  // file's layout; data stays the file's bytes.
   auto parts = [&](const std::string& name, std::int64_t cols, std::vector<std::int64_t> rows) {
     std::int64_t total = 0;
     for (const std::int64_t r : rows) total += r;
@@ -228,6 +216,9 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
       first += r;
     }
     return out;
+  };
+  auto matrix = [&](const std::string& name, std::int64_t cols, std::int64_t rows) {
+    return parts(name, cols, {rows}).front();
   };
   auto vector = [&](const std::string& name, std::int64_t n) {
     const gguf::TensorInfo& t = info(name, {n});
@@ -417,9 +408,8 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
   const kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
                                    1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   // The rotary angles of the tokens' positions, the same in every layer.
-  std::vector<float> angles = kops::rope_angles(n, c.rope_dim, b.positions.data(), c.rope_base, rope_freqs_);
-  if (c.rope_attn_factor != 1.0f)
-    for (float& cs : angles) cs *= c.rope_attn_factor;
+  const std::vector<float> angles =
+      kops::rope_angles(n, c.rope_dim, b.positions.data(), c.rope_base, rope_freqs_, c.rope_attn_factor);
   for (std::int64_t li = 0; li < n_layers; ++li) {
     const LayerWeights& l = layers_[li];
     // Later layers' input norm is taken with the previous layer's last residual addition.

@@ -44,6 +44,8 @@ constexpr std::string_view kR1User = "<｜User｜>";
 constexpr std::string_view kR1Assistant = "<｜Assistant｜>";
 constexpr std::string_view kR1End = "<｜end▁of▁sentence｜>";
 constexpr std::string_view kThinkOpen = "<think>\n";
+constexpr std::string_view kThinkStart = "<think>";
+constexpr std::string_view kThinkEnd = "</think>";
 // Phi-3's turns.
 constexpr std::string_view kPhiUser = "<|user|>";
 constexpr std::string_view kPhiSystem = "<|system|>";
@@ -282,7 +284,9 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
                                 "\" \" + message['content']", "' '  + message['content']"});
     result.answer_trim_ = has({"message[\"content\"]|trim", "message['content']|trim", "message[\"content\"] | trim",
                               "message['content'] | trim"});
-    result.system_place_ = has({"loop.first and system_message"}) ? "first" : has({"loop.last and system_message"}) ? "last" : "";
+    result.system_turn_ = has({"loop.first and system_message"})  ? SystemTurn::kFirst
+                          : has({"loop.last and system_message"}) ? SystemTurn::kLast
+                                                                  : SystemTurn::kNone;
     result.eos_text_ = token_text(vocab.eos);
     return result;
   }
@@ -353,7 +357,7 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
     std::size_t first = 0;
     std::string_view system;
     if (!messages.empty() && messages.front().role == "system") {
-      if (system_place_.empty() && !llama2)
+      if (system_turn_ == SystemTurn::kNone && !llama2)
         throw std::invalid_argument("messages[0]: this model's chat template takes no system message");
       system = messages.front().content;
       first = 1;
@@ -384,8 +388,8 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
       }
       if (messages[i].role == "user") {
         out += inst_open_;
-        const bool joins = first == 1 && ((system_place_ == "first" && i == first) ||
-                                          (system_place_ == "last" && i + 1 == messages.size()));
+        const bool joins = first == 1 && ((system_turn_ == SystemTurn::kFirst && i == first) ||
+                                          (system_turn_ == SystemTurn::kLast && i + 1 == messages.size()));
         if (joins) {
           out += system;
           out += "\n\n";
@@ -432,7 +436,6 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
         out += m.content;
       } else if (m.role == "assistant") {
         std::string_view content = m.content;
-        constexpr std::string_view kThinkEnd = "</think>";
         if (const std::size_t end = content.rfind(kThinkEnd); end != std::string_view::npos)
           content.remove_prefix(end + kThinkEnd.size());
         out += kR1Assistant;
@@ -522,7 +525,6 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
       continue;
     }
     std::string_view content = m.content, reasoning;
-    constexpr std::string_view kThinkEnd = "</think>", kThinkStart = "<think>";
     if (const std::size_t end = content.find(kThinkEnd); end != std::string_view::npos) {
       reasoning = strip(content.substr(0, end), false, true);
       if (const std::size_t start = reasoning.rfind(kThinkStart); start != std::string_view::npos)

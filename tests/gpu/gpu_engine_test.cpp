@@ -61,36 +61,18 @@ class GpuEngine : public ::testing::Test {
     if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
     dir_ = new fs::path(tmpl);
     using kernels::DType;
-    for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0}) {
-      batchlm::testing::TinyLlamaOptions o;
-      o.n_layers = 2;
-      o.context_length = 1024;
-      o.weight_dtype = t;
-      o.embedding_dtype = t == DType::BF16 ? DType::F16 : t;
-      write_tiny_llama(path(t), o);
-    }
+    for (DType t : {DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0})
+      write_tiny_llama(path(t), tiny(t, t == DType::BF16 ? DType::F16 : t));
     // The 5-bit and K types (K blocks are 256 wide: n_embd and n_ff multiples of 256).
-    for (DType t : {DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
-      batchlm::testing::TinyLlamaOptions o;
-      o.n_layers = 2;
-      o.context_length = 1024;
-      o.n_embd = 256;
-      o.n_ff = 512;
-      o.weight_dtype = t;
-      o.embedding_dtype = t;
-      write_tiny_llama(path(t), o);
-    }
+    for (DType t : {DType::Q5_0, DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K})
+      write_tiny_llama(path(t), tiny(t, t, /*wide=*/true));
     // The other architectures: Qwen2's biases and rotary halves, Qwen3's per-head norms and
     // heads wider than n_embd / n_heads (as tiny-qwen3 has them), Llama's rope_freqs, Phi-3's
     // stacked matrices and rotary factors; and a Q4_K_M-like mix (Q4_K, with V and up in Q6_K,
     // the embeddings Q6_K).
     for (const auto& [name, o] : variants()) write_tiny_llama(*dir_ / (name + ".gguf"), o);
     // Layers of mixed types: Q, K and V (gate and up) cannot be stacked into one product.
-    batchlm::testing::TinyLlamaOptions o;
-    o.n_layers = 2;
-    o.context_length = 1024;
-    o.weight_dtype = DType::Q4_1;
-    o.embedding_dtype = DType::Q4_1;
+    batchlm::testing::TinyLlamaOptions o = tiny(DType::Q4_1, DType::Q4_1);
     o.v_up_dtype = DType::Q8_0;
     write_tiny_llama(mixed_path(), o);
   }
@@ -106,51 +88,48 @@ class GpuEngine : public ::testing::Test {
 
   static fs::path mixed_path() { return *dir_ / "tiny-mixed.gguf"; }
 
+  // A 2-layer model of 1024 positions in these types, of the writer's default width, or 256
+  // wide with an n_ff of 512 (whole blocks of the K types).
+  static batchlm::testing::TinyLlamaOptions tiny(kernels::DType weights, kernels::DType embedding, bool wide = false) {
+    batchlm::testing::TinyLlamaOptions o;
+    o.n_layers = 2;
+    o.context_length = 1024;
+    o.weight_dtype = weights;
+    o.embedding_dtype = embedding;
+    if (wide) {
+      o.n_embd = 256;
+      o.n_ff = 512;
+    }
+    return o;
+  }
+
   // The architecture variants, by name, with the weight type their logits bound is for.
   static std::vector<std::pair<std::string, batchlm::testing::TinyLlamaOptions>> variants() {
     using kernels::DType;
     std::vector<std::pair<std::string, batchlm::testing::TinyLlamaOptions>> v;
-    batchlm::testing::TinyLlamaOptions o;
-    o.n_layers = 2;
-    o.context_length = 1024;
-    o.architecture = "qwen2";
-    o.weight_dtype = DType::Q8_0;
-    o.embedding_dtype = DType::Q8_0;
-    v.emplace_back("qwen2-q8_0", o);
-    o.architecture = "qwen3";
-    o.head_dim = 32;  // 4 heads of 32 over n_embd 64
-    o.weight_dtype = DType::F32;
-    o.embedding_dtype = DType::F32;
-    v.emplace_back("qwen3-f32", o);
+    batchlm::testing::TinyLlamaOptions qwen2 = tiny(DType::Q8_0, DType::Q8_0);
+    qwen2.architecture = "qwen2";
+    v.emplace_back("qwen2-q8_0", qwen2);
+    batchlm::testing::TinyLlamaOptions qwen3 = tiny(DType::F32, DType::F32);
+    qwen3.architecture = "qwen3";
+    qwen3.head_dim = 32;  // 4 heads of 32 over n_embd 64
+    v.emplace_back("qwen3-f32", qwen3);
     batchlm::testing::TinyLlamaOptions q3 = batchlm::testing::tiny_qwen3_reference();
     q3.context_length = 1024;
     q3.weight_dtype = DType::Q4_K;
     q3.embedding_dtype = DType::Q6_K;
     v.emplace_back("qwen3-q4_k", q3);
-    batchlm::testing::TinyLlamaOptions freqs;
-    freqs.n_layers = 2;
-    freqs.context_length = 1024;
-    freqs.weight_dtype = DType::F16;
-    freqs.embedding_dtype = DType::F16;
+    batchlm::testing::TinyLlamaOptions freqs = tiny(DType::F16, DType::F16);
     freqs.rope_freqs = {1.0f, 1.0f, 1.5f, 2.0f, 4.0f, 8.0f, 8.0f, 8.0f};  // head_dim 16
     v.emplace_back("llama-rope-freqs-f16", freqs);
-    batchlm::testing::TinyLlamaOptions km;
-    km.n_layers = 2;
-    km.context_length = 1024;
-    km.n_embd = 256;
-    km.n_ff = 512;
-    km.weight_dtype = DType::Q4_K;
+    batchlm::testing::TinyLlamaOptions km = tiny(DType::Q4_K, DType::Q6_K, /*wide=*/true);
     km.v_up_dtype = DType::Q6_K;
-    km.embedding_dtype = DType::Q6_K;
     v.emplace_back("llama-q4_k_m", km);
     // Phi-3: Q, K and V (gate and up) stacked in the file; the long-context factors and
     // magnitude; Phi-4-mini's rotation of three quarters of each head.
-    batchlm::testing::TinyLlamaOptions phi;
-    phi.n_layers = 2;
+    batchlm::testing::TinyLlamaOptions phi = tiny(DType::Q8_0, DType::Q8_0);
     phi.context_length = 4096;
     phi.architecture = "phi3";
-    phi.weight_dtype = DType::Q8_0;
-    phi.embedding_dtype = DType::Q8_0;
     for (int i = 0; i < 8; ++i) {  // head_dim 16
       phi.rope_factors_short.push_back(1.0f + static_cast<float>(i));
       phi.rope_factors_long.push_back(40.0f - static_cast<float>(i));
@@ -158,15 +137,9 @@ class GpuEngine : public ::testing::Test {
     phi.rope_attn_factor = 1.1902f;
     phi.original_context_length = 1024;
     v.emplace_back("phi3-q8_0", phi);
-    batchlm::testing::TinyLlamaOptions phi4;
-    phi4.n_layers = 2;
-    phi4.context_length = 1024;
+    batchlm::testing::TinyLlamaOptions phi4 = tiny(DType::Q4_K, DType::Q8_0, /*wide=*/true);
     phi4.architecture = "phi3";
-    phi4.n_embd = 256;
-    phi4.n_ff = 512;
     phi4.rope_dim = 48;  // of 64
-    phi4.weight_dtype = DType::Q4_K;
-    phi4.embedding_dtype = DType::Q8_0;
     v.emplace_back("phi3-partial-q4_k", phi4);
     return v;
   }

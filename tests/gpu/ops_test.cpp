@@ -162,9 +162,8 @@ TEST(CudaOps, RopeInHalvesAndWithFreqFactorsMatchesDefinitionAndCpu) {
               exact[at + e1] = static_cast<float>(a * sn + b * c);
             }
         std::vector<float> cpu = x;
-        std::vector<float> angles = k::rope_angles(n, rot_dim, positions.data(), base, host_factors);
-        for (float& cs : angles) cs *= attn_factor;  // as the forward pass applies it
-        k::rope(cpu.data(), n, n_heads, head_dim, rot_dim, angles.data(), style);
+        k::rope(cpu.data(), n, n_heads, head_dim, rot_dim,
+                k::rope_angles(n, rot_dim, positions.data(), base, host_factors, attn_factor).data(), style);
         DeviceBuffer<float> dx(x), dfactors(factors);
         DeviceBuffer<std::int32_t> dpos(positions);
         kc::rope(dx.get(), n, n_heads, head_dim, rot_dim, dpos.get(), base, nullptr, style,

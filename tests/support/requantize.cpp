@@ -127,6 +127,16 @@ void copy_metadata(const gguf::File& in, GgufWriter& out,
   }
 }
 
+// The metadata of a llama-architecture file as another architecture's: general.architecture
+// `arch` and every "llama." key renamed "<arch>.".
+void copy_metadata_as(const gguf::File& in, GgufWriter& out, const std::string& arch) {
+  copy_metadata(in, out, [&](const std::string& key, const gguf::Value& value) {
+    if (key == "general.architecture") return std::pair(key, GgufValue::str(arch));
+    if (key.starts_with("llama.")) return std::pair(arch + "." + key.substr(6), encode(value));
+    return std::pair(key, encode(value));
+  });
+}
+
 std::vector<std::byte> bytes_of(const gguf::TensorInfo& t) {
   return std::vector<std::byte>(t.data, t.data + t.n_bytes);
 }
@@ -160,11 +170,7 @@ std::vector<std::byte> unpermuted_rows(const gguf::TensorInfo& t, std::int64_t n
 std::vector<std::byte> as_qwen2(const gguf::File& in, float bias_scale) {
   require_llama(in, "as_qwen2");
   GgufWriter out;
-  copy_metadata(in, out, [](const std::string& key, const gguf::Value& value) {
-    if (key == "general.architecture") return std::pair(key, GgufValue::str("qwen2"));
-    if (key.starts_with("llama.")) return std::pair("qwen2." + key.substr(6), encode(value));
-    return std::pair(key, encode(value));
-  });
+  copy_metadata_as(in, out, "qwen2");
   const auto heads = [&](const char* key) { return static_cast<std::int64_t>(in.get_u64(key)); };
   const std::int64_t n_heads = heads("llama.attention.head_count");
   const std::int64_t n_kv_heads = in.find("llama.attention.head_count_kv") ? heads("llama.attention.head_count_kv") : n_heads;
@@ -203,11 +209,7 @@ std::vector<std::byte> as_qwen2(const gguf::File& in, float bias_scale) {
 std::vector<std::byte> as_phi3(const gguf::File& in, float short_max, float attn_factor, std::int64_t original_context) {
   require_llama(in, "as_phi3");
   GgufWriter out;
-  copy_metadata(in, out, [](const std::string& key, const gguf::Value& value) {
-    if (key == "general.architecture") return std::pair(key, GgufValue::str("phi3"));
-    if (key.starts_with("llama.")) return std::pair("phi3." + key.substr(6), encode(value));
-    return std::pair(key, encode(value));
-  });
+  copy_metadata_as(in, out, "phi3");
   out.add("phi3.rope.scaling.attn_factor", GgufValue::f32(attn_factor));
   out.add("phi3.rope.scaling.original_context_length", GgufValue::u32(static_cast<std::uint32_t>(original_context)));
   const auto u64 = [&](const char* key) { return static_cast<std::int64_t>(in.get_u64(key)); };

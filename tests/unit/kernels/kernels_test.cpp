@@ -850,6 +850,9 @@ TEST(Rope, FrequencyFactorsDivideTheAngles) {
   // A factor of 1 is the plain angle, bit for bit.
   EXPECT_EQ(slowed[0], plain[0]);
   EXPECT_EQ(slowed[rot_dim + 1], plain[rot_dim + 1]);
+  // Phi-3's magnitude multiplies each cosine and sine, one F32 product.
+  const std::vector<float> scaled = rope_angles(2, rot_dim, pos, 10000.0f, factors, 1.25f);
+  for (std::size_t i = 0; i < scaled.size(); ++i) EXPECT_EQ(scaled[i], slowed[i] * 1.25f) << i;
 }
 
 TEST(RmsNorm, NormalisesAndScales) {

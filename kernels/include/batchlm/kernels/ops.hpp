@@ -100,10 +100,11 @@ void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
 // The same rotation from angles taken once for every layer of a forward pass: rope_angles gives
 // rot_dim floats per token (the cosine and sine of pair i at 2i and 2i + 1, as rope computes
 // them), and rope with them gives rope's values bit for bit. With freq_factors (rot_dim / 2
-// floats, a model's rope_freqs tensor, as Llama 3.1 and later have), pair i's angle is divided
-// by freq_factors[i].
+// floats, a model's rope_freqs tensor, as Llama 3.1 and later have, or Phi-3's short factors),
+// pair i's angle is divided by freq_factors[i]; attn_factor (Phi-3's long-context magnitude)
+// multiplies each cosine and sine.
 std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::int32_t* positions, float base,
-                               const float* freq_factors = nullptr);
+                               const float* freq_factors = nullptr, float attn_factor = 1.0f);
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim, std::int64_t rot_dim,
           const float* cos_sin, RopeStyle style = RopeStyle::kAdjacent);
 

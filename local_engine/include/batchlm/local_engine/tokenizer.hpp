@@ -173,7 +173,9 @@ class ChatTemplate {
   // Mistral's.
   std::string inst_open_, inst_close_, eos_text_, bos_text_;
   bool answer_space_ = false, answer_trim_ = false;
-  std::string system_place_;  // "first" or "last" user turn; empty: no system message
+  // Which user turn Mistral's system message joins (kNone: the template takes none).
+  enum class SystemTurn { kNone, kFirst, kLast };
+  SystemTurn system_turn_ = SystemTurn::kNone;
 };
 
 }  // namespace batchlm::local_engine
