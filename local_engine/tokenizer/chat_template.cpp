@@ -2,8 +2,8 @@
 #include "utf8.hpp"
 
 // The chat template is a Jinja program in the GGUF (tokenizer.chat_template). Rather than run
-// Jinja, this recognises the families the engine supports: Llama 3's, DeepSeek-R1's and Phi-3's
-// (tokenizer.hpp) and ChatML,
+// Jinja, this recognises the families the engine supports: Llama 3's, DeepSeek-R1's, Phi-3's,
+// Mistral's, Llama 2's and Gemma's (tokenizer.hpp) and ChatML,
 //
 //   <|im_start|>{role}\n{content}<|im_end|>\n   per message, then <|im_start|>assistant\n
 //
@@ -51,6 +51,10 @@ constexpr std::string_view kPhiUser = "<|user|>";
 constexpr std::string_view kPhiSystem = "<|system|>";
 constexpr std::string_view kPhiAssistant = "<|assistant|>";
 constexpr std::string_view kPhiEnd = "<|end|>";
+// Gemma's turns.
+constexpr std::string_view kGemmaStart = "<start_of_turn>";
+constexpr std::string_view kGemmaEnd = "<end_of_turn>\n";
+constexpr std::string_view kGemmaPrompt = "<start_of_turn>model\n";
 
 // Jinja's trim: whitespace off both ends (Python's str.strip(), for the ASCII whitespace and the
 // Unicode spaces a chat message may carry: NBSP, the U+2000 block, line and paragraph separators,
@@ -98,6 +102,17 @@ std::string today() {
 
 [[noreturn]] void unsupported(const std::string& why) {
   throw std::invalid_argument("chat template: " + why);
+}
+
+// Templates that take user and assistant messages in turn, from a user message, raise
+// otherwise; this throws, naming the message and the role it must have. `first` is the index of
+// the first turn (1 after a system message).
+void require_turn(std::span<const ChatMessage> messages, std::size_t i, std::size_t first) {
+  const char* expected = (i - first) % 2 == 0 ? "user" : "assistant";
+  if (messages[i].role != expected)
+    throw std::invalid_argument("messages[" + std::to_string(i) + "]: this model's chat template takes user and "
+                                "assistant messages in turn (after an optional first system message), so this one "
+                                "must be " + expected + ", not " + messages[i].role);
 }
 
 // Reads the Jinja string literal whose opening quote is at text[i]; returns its value and
@@ -299,6 +314,25 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
     result.skip_empty_system_ = tmpl.find("'system' and message['content']") != std::string::npos;
     return result;
   }
+  if (tmpl.find(kGemmaStart) != std::string::npos) {
+    // Gemma 2's and 3's: '<start_of_turn>' + role + '\n' + content | trim + '<end_of_turn>\n'.
+    const std::vector<std::string> constants = constant_strings(tmpl);
+    const auto has = [&](std::string_view c) { return std::find(constants.begin(), constants.end(), c) != constants.end(); };
+    if (!has(kGemmaStart) || !has(kGemmaEnd) || !has(kGemmaPrompt) ||
+        (tmpl.find("| trim") == std::string::npos && tmpl.find("|trim") == std::string::npos))
+      unsupported("a <start_of_turn> template other than Gemma 2's and 3's");
+    result.name_ = "gemma";
+    if (tmpl.find("first_user_prefix") != std::string::npos) {
+      // Gemma 3's: {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}, the constant
+      // after the system message.
+      constexpr std::string_view kPrefix = "first_user_prefix = messages[0]['content'] +";
+      const std::size_t at = tmpl.find(kPrefix);
+      std::size_t i = at == std::string::npos ? at : tmpl.find_first_of("'\"", at + kPrefix.size());
+      if (i == std::string::npos) unsupported("a Gemma 3 template whose first_user_prefix this build does not recognise");
+      result.system_separator_ = read_string_literal(tmpl, i);
+    }
+    return result;
+  }
   if (tmpl.find(kHeaderStart) != std::string::npos && tmpl.find(kHeaderEnd) != std::string::npos) {
     result.name_ = "llama3";
     const std::vector<std::string> constants = constant_strings(tmpl);
@@ -332,7 +366,7 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
   if (tmpl.find(kTurnStart) == std::string::npos) {
     unsupported("only ChatML (<|im_start|>role ... <|im_end|>), Llama 3 (<|start_header_id|>role<|end_header_id|> "
                 "... <|eot_id|>), DeepSeek-R1 (<｜User｜> ... <｜Assistant｜>), Phi-3 (<|user|> ... <|end|>), "
-                "Mistral and Llama 2 ([INST] ... [/INST]) "
+                "Mistral and Llama 2 ([INST] ... [/INST]), Gemma (<start_of_turn>role ... <end_of_turn>) "
                 "templates are supported; "
                 "this one begins '" +
                 tmpl.substr(0, 80) + "'");
@@ -363,11 +397,7 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
       first = 1;
     }
     for (std::size_t i = first; i < messages.size(); ++i) {
-      const char* expected = (i - first) % 2 == 0 ? "user" : "assistant";
-      if (messages[i].role != expected)
-        throw std::invalid_argument("messages[" + std::to_string(i) + "]: this model's chat template takes user and "
-                                    "assistant messages in turn (after an optional first system message), so this one "
-                                    "must be " + expected + ", not " + messages[i].role);
+      require_turn(messages, i, first);
       if (llama2) {
         // The first BOS is the tokenizer's (as for the other templates); later turns write it.
         if (messages[i].role == "user") {
@@ -402,6 +432,33 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
         out += eos_text_;
       }
     }
+    return out;
+  }
+  if (name_ == "gemma") {
+    // User and model turns in turn from a user turn, as the templates require (they raise
+    // otherwise), contents trimmed. Gemma 3's template writes a first system message as it is,
+    // and its separator, at the head of the first user turn (an empty one too). Gemma 2's refuses
+    // a system message; here it goes there as llama.cpp's own Gemma formatting puts it, trimmed
+    // and followed by "\n\n" (nothing when empty), so that a job with a system prompt still runs.
+    std::size_t first = 0;
+    std::string prefix;
+    if (!messages.empty() && messages.front().role == "system") {
+      first = 1;
+      if (system_separator_) {
+        prefix = messages.front().content + *system_separator_;
+      } else if (const std::string_view system = trim(messages.front().content); !system.empty()) {
+        prefix = std::string(system) + "\n\n";
+      }
+    }
+    for (std::size_t i = first; i < messages.size(); ++i) {
+      require_turn(messages, i, first);
+      out += kGemmaStart;
+      out += messages[i].role == "user" ? "user\n" : "model\n";
+      if (i == first) out += prefix;
+      out += trim(messages[i].content);
+      out += kGemmaEnd;
+    }
+    if (add_generation_prompt) out += kGemmaPrompt;
     return out;
   }
   if (name_ == "phi3") {

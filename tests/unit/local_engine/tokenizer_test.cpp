@@ -581,6 +581,24 @@ TEST(SpmTokenizer, Phi3DropsTheWhitespaceAfterMostSpecialTokens) {
             (std::vector<Token>{kSpmEnd, space, spm_byte_id('\n'), space_hi}));
 }
 
+// Gemma's turn tokens, user-defined here: <end_of_turn> is taken for a control token that ends
+// generation, as llama.cpp does, <start_of_turn> is not; both are cut out of a chat prompt.
+TEST(SpmTokenizer, GemmasEndOfTurnEndsGeneration) {
+  Vocab vocab = without_space_prefix(toy_spm_vocab());
+  for (const char* text : {"<start_of_turn>", "<end_of_turn>"}) {
+    vocab.tokens.push_back(text);
+    vocab.types.push_back(TokenType::UserDefined);
+    vocab.scores.push_back(0.0f);
+  }
+  const Tokenizer gemma(vocab);
+  const Token start = gemma.find("<start_of_turn>"), end = gemma.find("<end_of_turn>");
+  EXPECT_TRUE(gemma.is_end_of_generation(end));
+  EXPECT_EQ(gemma.vocab().types[static_cast<std::size_t>(end)], TokenType::Control);
+  EXPECT_FALSE(gemma.is_end_of_generation(start));
+  EXPECT_EQ(gemma.encode("<start_of_turn>hi<end_of_turn>\n", true),
+            (std::vector<Token>{start, gemma.find("hi"), end, spm_byte_id('\n')}));
+}
+
 TEST_F(ToySpmTokenizer, InvalidUtf8KeepsEveryByte) {
   // A lead byte takes as many bytes as it announces, whatever they are, as in llama.cpp: here
   // 0xE2 takes the "▁" that the space became, which then comes back as the bytes of "▁".
@@ -1000,6 +1018,104 @@ TEST(ChatTemplate, Llama2TurnsWithTheSystemBlock) {
   EXPECT_THROW((void)chat.apply(std::vector<ChatMessage>{{"user", "a"}, {"user", "b"}}, true), std::invalid_argument);
 }
 
+// ---- Gemma ----
+// Gemma 2's template (llama.cpp's copy, google-gemma-2-2b-it.jinja) and Gemma 3's (its
+// tokenizer_config.json); the expected texts are jinja2's renderings less the leading "<bos>",
+// which the tokenizer adds.
+const std::string kGemma2Template =
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% "
+    "endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ "
+    "raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if "
+    "(message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% "
+    "endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% "
+    "if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}";
+const std::string kGemma3Template =
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string "
+    "-%}\n        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n    {%- else -%}\n        "
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n    {%- endif -%}\n    {%- "
+    "set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n    {%- set "
+    "loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n    {%- if "
+    "(message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n        {{ raise_exception(\"Conversation roles "
+    "must alternate user/assistant/user/assistant/...\") }}\n    {%- endif -%}\n    {%- if (message['role'] == "
+    "'assistant') -%}\n        {%- set role = \"model\" -%}\n    {%- else -%}\n        {%- set role = "
+    "message['role'] -%}\n    {%- endif -%}\n    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if "
+    "loop.first else \"\") }}\n    {%- if message['content'] is string -%}\n        {{ message['content'] | trim "
+    "}}\n    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n       "
+    "     {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n            {%- elif "
+    "item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n            {%- endif -%}\n        "
+    "{%- endfor -%}\n    {%- else -%}\n        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif "
+    "-%}\n    {{ '<end_of_turn>\\n' }}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n    "
+    "{{'<start_of_turn>model\\n'}}\n{%- endif -%}\n";
+
+struct GemmaTurns {
+  std::string user = "<start_of_turn>user\n", model = "<start_of_turn>model\n", end = "<end_of_turn>\n";
+};
+
+TEST(ChatTemplate, Gemma3TurnsWithTheSystemMessageAtTheHeadOfTheFirst) {
+  const ChatTemplate chat = template_from(kGemma3Template);
+  EXPECT_EQ(chat.name(), "gemma");
+  const GemmaTurns t;
+  using M = std::vector<ChatMessage>;
+  EXPECT_EQ(chat.apply(M{{"user", "  2+2?\n"}, {"assistant", "\n4 "}, {"user", "\tAnd 3+3? "}}, true),
+            t.user + "2+2?" + t.end + t.model + "4" + t.end + t.user + "And 3+3?" + t.end + t.model);
+  EXPECT_EQ(chat.apply(M{{"user", "Hi"}}, false), t.user + "Hi" + t.end);
+  // Python's strip(), as Jinja's trim: Unicode spaces too.
+  EXPECT_EQ(chat.apply(M{{"user", "\u3000\u2009Hi\u00a0\u2028"}}, false), t.user + "Hi" + t.end);
+  // The system message as it is, then "\n\n" (after an empty one too); the content trimmed.
+  EXPECT_EQ(chat.apply(M{{"system", "Be brief."}, {"user", "Hi"}}, true), t.user + "Be brief.\n\nHi" + t.end + t.model);
+  EXPECT_EQ(chat.apply(M{{"system", " Be brief.\n"}, {"user", " Hi "}}, true), t.user + " Be brief.\n\n\nHi" + t.end + t.model);
+  EXPECT_EQ(chat.apply(M{{"system", ""}, {"user", "Hi"}}, true), t.user + "\n\nHi" + t.end + t.model);
+  EXPECT_EQ(chat.apply(M{{"system", "S"}, {"user", "Hello"}, {"assistant", " Hi "}, {"user", "Q"}}, false),
+            t.user + "S\n\nHello" + t.end + t.model + "Hi" + t.end + t.user + "Q" + t.end);
+  EXPECT_EQ(chat.apply(M{{"system", "S"}}, true), t.model);
+  // A template whose first_user_prefix adds one newline, as some GGUF conversions have: its own.
+  std::string one_newline = kGemma3Template;
+  for (std::size_t at; (at = one_newline.find("+ '\\n\\n'")) != std::string::npos;) one_newline.replace(at, 8, "+ '\\n'");
+  EXPECT_EQ(template_from(one_newline).apply(M{{"system", "Be brief."}, {"user", "Hi"}}, true),
+            t.user + "Be brief.\nHi" + t.end + t.model);
+}
+
+// Gemma 2's template raises on a system message; as llama.cpp's own Gemma formatting does, the
+// system message goes at the head of the first user turn, trimmed, with "\n\n" after it unless
+// empty (the expected texts with a system message are that formatting's).
+TEST(ChatTemplate, Gemma2PutsTheSystemMessageInTheFirstTurnAsLlamaCppDoes) {
+  const ChatTemplate chat = template_from(kGemma2Template);
+  EXPECT_EQ(chat.name(), "gemma");
+  const GemmaTurns t;
+  using M = std::vector<ChatMessage>;
+  EXPECT_EQ(chat.apply(M{{"user", "  2+2?\n"}, {"assistant", "\n4 "}, {"user", "\tAnd 3+3? "}}, true),
+            t.user + "2+2?" + t.end + t.model + "4" + t.end + t.user + "And 3+3?" + t.end + t.model);
+  EXPECT_EQ(chat.apply(M{{"user", "Hi"}}, false), t.user + "Hi" + t.end);
+  EXPECT_EQ(chat.apply(M{{"user", "\u3000\u2009Hi\u00a0\u2028"}}, true), t.user + "Hi" + t.end + t.model);
+  EXPECT_EQ(chat.apply(M{{"system", " Be brief.\n"}, {"user", " Hi "}}, true), t.user + "Be brief.\n\nHi" + t.end + t.model);
+  EXPECT_EQ(chat.apply(M{{"system", "S"}, {"user", "Hello"}, {"assistant", " Hi "}, {"user", "Q"}}, false),
+            t.user + "S\n\nHello" + t.end + t.model + "Hi" + t.end + t.user + "Q" + t.end);
+  EXPECT_EQ(chat.apply(M{{"system", ""}, {"user", "Hi"}}, true), t.user + "Hi" + t.end + t.model);
+  EXPECT_EQ(chat.apply(M{{"system", "  \n"}, {"user", "Hi"}}, false), t.user + "Hi" + t.end);
+}
+
+// Roles alternate user/assistant from a user message, after an optional first system message;
+// the templates raise otherwise. A later system message is refused too: the templates raise
+// where it stands for a user turn, and elsewhere write a "system" turn, which Gemma has not.
+TEST(ChatTemplate, GemmaTurnsMustAlternate) {
+  for (const std::string& text : {kGemma2Template, kGemma3Template}) {
+    const ChatTemplate chat = template_from(text);
+    const auto error = [&](const std::vector<ChatMessage>& m) {
+      return invalid_argument_message([&] { (void)chat.apply(m, true); });
+    };
+    const std::string turns = ": this model's chat template takes user and assistant messages in turn (after an optional "
+                              "first system message), so this one must be ";
+    EXPECT_EQ(error({{"user", "a"}, {"user", "b"}}), "messages[1]" + turns + "assistant, not user");
+    EXPECT_EQ(error({{"assistant", "a"}}), "messages[0]" + turns + "user, not assistant");
+    EXPECT_EQ(error({{"user", "a"}, {"assistant", "b"}, {"system", "c"}}), "messages[2]" + turns + "user, not system");
+    EXPECT_EQ(error({{"user", "a"}, {"system", "b"}, {"user", "c"}}), "messages[1]" + turns + "assistant, not system");
+    EXPECT_EQ(error({{"system", "s"}, {"system", "t"}, {"user", "a"}}), "messages[1]" + turns + "user, not system");
+  }
+  // A <start_of_turn> template without Gemma's turns is refused.
+  const std::string other = "{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>{% endfor %}";
+  EXPECT_NE(invalid_argument_message([&] { template_from(other); }).find("other than Gemma 2's and 3's"), std::string::npos);
+}
+
 TEST(ChatTemplate, InsertsTheDefaultSystemMessageWhenTheFirstMessageIsNotSystem) {
   const ChatTemplate chat = template_from(kSmolLM2Template);
   const std::vector<ChatMessage> messages = {{"user", "Hi!"}, {"assistant", "Hello."}, {"user", "2+2?"}};
@@ -1046,11 +1162,12 @@ TEST(ChatTemplate, ReadsEscapedAndConcatenatedDefaults) {
 
 TEST(ChatTemplate, RejectsTemplatesThatAreNotChatMLOrLlama3) {
   try {
-    template_from("{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>{% endfor %}");
+    template_from("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n\n{% endfor %}");
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("only ChatML (<|im_start|>role ... <|im_end|>), Llama 3"), std::string::npos)
         << e.what();
+    EXPECT_NE(std::string(e.what()).find("Gemma (<start_of_turn>role ... <end_of_turn>)"), std::string::npos) << e.what();
   }
   EXPECT_THROW(template_from("<|im_start|>{{ 'unterminated }}"), std::invalid_argument);
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -109,7 +110,7 @@ class StreamDecoder {
 };
 
 // The chat template of the model family, recognised from the GGUF template text rather than run
-// as Jinja. Six families:
+// as Jinja. Seven families:
 //   ChatML   <|im_start|>role\ncontent<|im_end|>\n per message (SmolLM2, Qwen2.5, Qwen3), with
 //            the default system message a template inserts when the conversation has none.
 //            Qwen3's template (recognised by its reasoning_content and </think> handling) also
@@ -145,12 +146,19 @@ class StreamDecoder {
 //            message as "<<SYS>>\nsystem\n<</SYS>>\n\n" at its head, and " answer </s>" per
 //            answer; every user turn after the first opens with the BOS token's text (the
 //            first BOS is the tokenizer's). Roles alternate as for Mistral.
+//   Gemma    <start_of_turn>user\ncontent<end_of_turn>\n per user message and the same with
+//            "model" per assistant message, contents trimmed (Gemma 2, Gemma 3); the generation
+//            prompt is <start_of_turn>model\n. Gemma 3's template puts a first system message, as
+//            it is, at the head of the first user turn, followed by the separator its
+//            first_user_prefix writes ("\n\n"). Gemma 2's template refuses a system message; here
+//            it goes there trimmed, with "\n\n" after it unless empty, as llama.cpp's own Gemma
+//            formatting does. Roles alternate as for Mistral. BOS as for Llama 3.
 class ChatTemplate {
  public:
   // Throws std::invalid_argument when the template is not one this build supports.
   static ChatTemplate from_vocab(const Vocab& vocab);
   std::string apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
-  // "chatml", "llama3", "deepseek-r1", "phi3", "mistral" or "llama2"
+  // "chatml", "llama3", "deepseek-r1", "phi3", "mistral", "llama2" or "gemma"
   std::string_view name() const { return name_; }
   const std::string& default_system() const { return default_system_; }
   // Llama 3.1 and later: the date the system turn gives ("26 Jul 2024"), or "today".
@@ -176,6 +184,9 @@ class ChatTemplate {
   // Which user turn Mistral's system message joins (kNone: the template takes none).
   enum class SystemTurn { kNone, kFirst, kLast };
   SystemTurn system_turn_ = SystemTurn::kNone;
+  // Gemma 3's: what its first_user_prefix writes after the system message; none for Gemma 2's,
+  // whose template takes no system message.
+  std::optional<std::string> system_separator_;
 };
 
 }  // namespace batchlm::local_engine
