@@ -451,7 +451,7 @@ void rms_norm(const float* x, const float* weight, std::int64_t n, std::int64_t 
 }
 
 std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::int32_t* positions, float base,
-                               const float* freq_factors, float attn_factor) {
+                               const float* freq_factors, float attn_factor, float freq_scale) {
   const float theta_scale = std::pow(base, -2.0f / static_cast<float>(rot_dim));
   std::vector<float> cos_sin(static_cast<std::size_t>(n * rot_dim));
   for (std::int64_t t = 0; t < n; ++t) {
@@ -459,7 +459,8 @@ std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::
     float theta = static_cast<float>(positions[t]);
     float* cs = cos_sin.data() + t * rot_dim;
     for (std::int64_t i = 0; i < rot_dim; i += 2) {
-      const float angle = freq_factors != nullptr ? theta / freq_factors[i / 2] : theta;
+      float angle = freq_factors != nullptr ? theta / freq_factors[i / 2] : theta;
+      if (freq_scale != 1.0f) angle = freq_scale * angle;
       cs[i] = std::cos(angle);
       cs[i + 1] = std::sin(angle);
       if (attn_factor != 1.0f) {
@@ -515,6 +516,45 @@ void swiglu(float* gate, const float* up, std::int64_t n, ThreadPool& pool) {
   pool.parallel_for((n + kSpan - 1) / kSpan, 1, [&](std::int64_t b, std::int64_t e, int) {
     swiglu(gate + b * kSpan, up + b * kSpan, std::min(n, e * kSpan) - b * kSpan);
   });
+}
+
+namespace {
+// GELU's tanh form of every F16 input, rounded to F16 (the table llama.cpp's CPU backend looks
+// its GELU up in).
+const std::vector<std::uint16_t>& gelu_table() {
+  static const std::vector<std::uint16_t> table = [] {
+    std::vector<std::uint16_t> t(65536);
+    constexpr float kCoef = 0.044715f, kSqrt2OverPi = 0.79788456080286535587989211986876f;
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      const float x = fp16_to_fp32(static_cast<std::uint16_t>(i));
+      t[i] = fp32_to_fp16(0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * x * (1.0f + kCoef * x * x))));
+    }
+    return t;
+  }();
+  return table;
+}
+}  // namespace
+
+void geglu(float* gate, const float* up, std::int64_t n, ThreadPool& pool) {
+  const std::vector<std::uint16_t>& table = gelu_table();
+  constexpr std::int64_t kSpan = 4096;
+  pool.parallel_for((n + kSpan - 1) / kSpan, 1, [&](std::int64_t b, std::int64_t e, int) {
+    const std::int64_t end = std::min(n, e * kSpan);
+    for (std::int64_t i = b * kSpan; i < end; ++i) {
+      const float x = gate[i];
+      if (x <= -10.0f)
+        gate[i] = 0.0f;
+      else if (x >= 10.0f)
+        gate[i] = x * up[i];
+      else
+        gate[i] = fp16_to_fp32(table[fp32_to_fp16(x)]) * up[i];
+    }
+  });
+}
+
+void softcap(float* x, std::int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (std::int64_t i = 0; i < n; ++i) x[i] = std::tanh(x[i] * inv) * cap;
 }
 
 namespace {
@@ -599,6 +639,11 @@ void gather_key_runs(const AttentionShape& s, const PagedKv& kv, std::span<const
   }
 }
 
+// The first position a query at position p sees.
+std::int64_t window_start(const AttentionShape& s, std::int64_t p) {
+  return s.window > 0 ? std::max<std::int64_t>(0, p - s.window + 1) : 0;
+}
+
 // Few tokens on many threads: one work item per query head, so that more threads pull the
 // rows from memory, each KV head's rows once per query head.
 void attention_per_head(const AttentionShape& s, const float* q, std::int64_t n,
@@ -615,21 +660,22 @@ void attention_per_head(const AttentionShape& s, const float* q, std::int64_t n,
       // Latest tokens first: they see the most positions, so the longest items start first.
       const std::int64_t item = n * s.n_heads - 1 - index;
       const std::int64_t t = item / s.n_heads, h = item % s.n_heads;
-      const std::int64_t n_ctx = positions[t] + 1;
-      rows.resize(static_cast<std::size_t>(n_ctx));
-      gather_rows(s, kv, kv.block_tables[kv.sequence_of[t]], h / group, 0, n_ctx, rows.data());
+      const std::int64_t lo = window_start(s, positions[t]), n_seen = positions[t] + 1 - lo;
+      rows.resize(static_cast<std::size_t>(n_seen));
+      gather_rows(s, kv, kv.block_tables[kv.sequence_of[t]], h / group, lo, lo + n_seen, rows.data());
       runs.clear();
-      gather_key_runs(s, kv, kv.block_tables[kv.sequence_of[t]], h / group, 0, n_ctx, runs);
+      gather_key_runs(s, kv, kv.block_tables[kv.sequence_of[t]], h / group, lo, lo + n_seen, runs);
       const float* qsrc = q + (t * s.n_heads + h) * s.head_dim;
       qh.assign(qsrc, qsrc + s.head_dim);
       kern.round_f16(qh.data(), s.head_dim);
-      scores.resize(static_cast<std::size_t>(n_ctx));
+      scores.resize(static_cast<std::size_t>(n_seen));
       kern.score_runs(qh.data(), 1, kv.k_pool, runs.data(), static_cast<std::int64_t>(runs.size()), 0, s.head_dim,
-                      kv.block_size, s.scale, scores.data(), n_ctx);
-      kern.softmax_f16(scores.data(), n_ctx, n_ctx, 1);
+                      kv.block_size, s.scale, scores.data(), n_seen);
+      if (s.softcap != 0.0f) softcap(scores.data(), n_seen, s.softcap);
+      kern.softmax_f16(scores.data(), n_seen, n_seen, 1);
       float* o = out + (t * s.n_heads + h) * s.head_dim;
       std::fill(o, o + s.head_dim, 0.0f);
-      kern.mix_rows(scores.data(), 1, kv.v_pool, rows.data(), n_ctx, 0, s.head_dim, o, n_ctx);
+      kern.mix_rows(scores.data(), 1, kv.v_pool, rows.data(), n_seen, 0, s.head_dim, o, n_seen);
     }
   });
 }
@@ -708,28 +754,36 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
     for (std::int64_t index = b; index < e; ++index) {
       const Item& it = items[index];
       const std::int64_t m = it.end - it.begin, n_q = m * group;
-      std::int64_t ld = 0;
-      for (std::int64_t i = 0; i < m; ++i) ld = std::max<std::int64_t>(ld, positions[order[it.begin + i]] + 1);
+      // Scores are kept from `first`, the first position any of the tokens sees (0 but with a
+      // sliding window); the shared rows are [first, shared_end), then each token's own.
+      std::int64_t ld = 0, first = std::numeric_limits<std::int64_t>::max();
+      for (std::int64_t i = 0; i < m; ++i) {
+        const std::int64_t p = positions[order[it.begin + i]];
+        ld = std::max<std::int64_t>(ld, p + 1);
+        first = std::min(first, window_start(s, p));
+      }
+      const std::int64_t shared_end = std::max(first, it.shared);
+      ld -= first;
       qbuf.resize(static_cast<std::size_t>(n_q * dim));
       for (std::int64_t i = 0; i < m; ++i) {
         const float* src = q + (order[it.begin + i] * s.n_heads + it.kvh * group) * dim;
         std::copy_n(src, group * dim, qbuf.data() + i * group * dim);
       }
       kern.round_f16(qbuf.data(), n_q * dim);
-      shared_rows.resize(static_cast<std::size_t>(it.shared));
-      gather_rows(s, kv, table_of(order[it.begin]), it.kvh, 0, it.shared, shared_rows.data());
+      shared_rows.resize(static_cast<std::size_t>(shared_end - first));
+      gather_rows(s, kv, table_of(order[it.begin]), it.kvh, first, shared_end, shared_rows.data());
       shared_runs.clear();
-      gather_key_runs(s, kv, table_of(order[it.begin]), it.kvh, 0, it.shared, shared_runs);
+      gather_key_runs(s, kv, table_of(order[it.begin]), it.kvh, first, shared_end, shared_runs);
       tail_start.assign(1, 0);
       tail_rows.clear();
       tail_run_start.assign(1, 0);
       tail_runs.clear();
       for (std::int64_t i = 0; i < m; ++i) {
         const std::int64_t t = order[it.begin + i], n_ctx = positions[t] + 1;
-        tail_rows.resize(static_cast<std::size_t>(tail_start.back() + n_ctx - it.shared));
-        gather_rows(s, kv, table_of(t), it.kvh, it.shared, n_ctx, tail_rows.data() + tail_start.back());
+        tail_rows.resize(static_cast<std::size_t>(tail_start.back() + n_ctx - shared_end));
+        gather_rows(s, kv, table_of(t), it.kvh, shared_end, n_ctx, tail_rows.data() + tail_start.back());
         tail_start.push_back(static_cast<std::int64_t>(tail_rows.size()));
-        gather_key_runs(s, kv, table_of(t), it.kvh, it.shared, n_ctx, tail_runs);
+        gather_key_runs(s, kv, table_of(t), it.kvh, shared_end, n_ctx, tail_runs);
         tail_run_start.push_back(static_cast<std::int64_t>(tail_runs.size()));
       }
       scores.resize(static_cast<std::size_t>(n_q * ld));
@@ -741,16 +795,22 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
         kern.score_runs(qbuf.data() + i * group * dim, static_cast<int>(group), kv.k_pool,
                         tail_runs.data() + tail_run_start[i], tail_run_start[i + 1] - tail_run_start[i],
                         n_tail_runs - tail_run_start[i + 1], dim, kv.block_size, s.scale,
-                        scores.data() + i * group * ld + it.shared, ld);
+                        scores.data() + i * group * ld + (shared_end - first), ld);
       for (std::int64_t i = 0; i < m; ++i) {
-        const std::int64_t n_ctx = positions[order[it.begin + i]] + 1;
-        kern.softmax_f16(scores.data() + i * group * ld, n_ctx, ld, static_cast<int>(group));
+        // Each query's softmax over the positions it sees, as alone (the same values whatever
+        // else the item holds); the positions before its window then weigh exactly 0.
+        const std::int64_t p = positions[order[it.begin + i]], lo = window_start(s, p) - first;
+        float* row = scores.data() + i * group * ld;
+        if (s.softcap != 0.0f)
+          for (std::int64_t g = 0; g < group; ++g) softcap(row + g * ld + lo, p + 1 - first - lo, s.softcap);
+        kern.softmax_f16(row + lo, p + 1 - first - lo, ld, static_cast<int>(group));
+        for (std::int64_t g = 0; g < group; ++g) std::fill(row + g * ld, row + g * ld + lo, 0.0f);
       }
       obuf.assign(static_cast<std::size_t>(n_q * dim), 0.0f);
-      kern.mix_rows(scores.data(), static_cast<int>(n_q), kv.v_pool, shared_rows.data(), it.shared, 0, dim,
+      kern.mix_rows(scores.data(), static_cast<int>(n_q), kv.v_pool, shared_rows.data(), shared_end - first, 0, dim,
                     obuf.data(), ld);
       for (std::int64_t i = 0; i < m; ++i) {
-        kern.mix_rows(scores.data() + i * group * ld + it.shared, static_cast<int>(group), kv.v_pool,
+        kern.mix_rows(scores.data() + i * group * ld + (shared_end - first), static_cast<int>(group), kv.v_pool,
                       tail_rows.data() + tail_start[i], tail_start[i + 1] - tail_start[i],
                       tail_start[m] - tail_start[i + 1], dim,
                       obuf.data() + i * group * dim, ld);

@@ -99,6 +99,17 @@ bool built_with_cuda() {
 }
 
 bool gpu_runs_network(const ModelConfig& c, std::string& why_not) {
+  // Gemma's steps (GELU, the scaled embeddings and queries, post-norms, sliding windows, soft
+  // caps) and linear rotary scaling are the CPU pass's only.
+  if (c.gelu) {
+    why_not = "the GPU forward pass does not run the '" + c.architecture + "' architecture (GELU MLPs, "
+              "post-norms, sliding-window attention): it runs on the CPU";
+    return false;
+  }
+  if (c.rope_freq_scale != 1.0f) {
+    why_not = "the GPU forward pass does not run linearly scaled rotary positions (rope.scaling.factor)";
+    return false;
+  }
   // The GPU attention and the per-head steps before it hold a head in at most 256 floats, in
   // groups of 8.
   if (c.head_dim >= 8 && c.head_dim <= 256 && c.head_dim % 8 == 0) return true;

@@ -6,7 +6,9 @@
 // its heads may be wider than n_embd / n_heads. Phi-3 is Llama's network with its rotary pairs
 // in halves, stored with Q, K and V in one matrix and gate and up in another (loaded as views
 // of their rows), and for its long-context models factors dividing the rotary angles and one
-// multiplying their cosines and sines.
+// multiplying their cosines and sines. Gemma scales the embeddings and the queries, gates its
+// MLP with GELU, and (Gemma 2 and 3) norms each block's output before the residual addition
+// and runs most layers' attention over a sliding window; Gemma 2 caps scores and logits.
 
 #include <algorithm>
 #include <cstdio>
@@ -94,10 +96,19 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   } else if (c.architecture == "phi3") {
     // Converted from the checkpoints as they are: rotary pairs in halves.
     c.rope_style = kops::RopeStyle::kHalves;
+  } else if (c.architecture == "gemma" || c.architecture == "gemma2" || c.architecture == "gemma3") {
+    // Rotary pairs in halves; GELU-gated MLPs; Gemma 2 and 3 norm each block's output, and
+    // Gemma 3 each head's query and key.
+    c.rope_style = kops::RopeStyle::kHalves;
+    c.gelu = true;
+    c.post_norms = c.architecture != "gemma";
+    c.qk_norm = c.architecture == "gemma3";
   } else if (c.architecture != "llama") {
     f.fail("architecture '" + c.architecture +
-           "' is not supported (this build runs the 'llama', 'qwen2', 'qwen3' and 'phi3' architectures)");
+           "' is not supported (this build runs the 'llama', 'qwen2', 'qwen3', 'phi3', 'gemma', 'gemma2' and "
+           "'gemma3' architectures)");
   }
+  const bool gemma = c.gelu;
   c.name = f.find_string("general.name").value_or("");
   const std::string a = c.architecture + ".";
   auto positive = [&](const std::string& key) {
@@ -152,13 +163,18 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   c.rope_base = static_cast<float>(rope_base);
   c.rms_eps = static_cast<float>(rms_eps);
   const std::optional<std::string> scaling = f.find_string(a + "rope.scaling.type");
-  if (scaling && *scaling != "none" && !(*scaling == "longrope" && c.architecture == "phi3"))
+  if (scaling && *scaling != "none" && *scaling != "linear" && !(*scaling == "longrope" && c.architecture == "phi3"))
     f.fail("rope scaling '" + *scaling + "' is not supported");
-  // A scaling factor scales the positions unless the type says "none" (llama.cpp then ignores it;
-  // without a type it scales them linearly).
-  if (const auto factor = f.find_f64(a + "rope.scaling.factor");
-      factor && *factor != 0.0 && *factor != 1.0 && scaling != "none")
-    f.fail("metadata '" + a + "rope.scaling.factor' = " + number(*factor) + " (scaled rotary positions) is not supported");
+  // A scaling factor scales the positions linearly (the angles by 1 / factor) unless the type
+  // says "none" (llama.cpp then ignores it). The older key is rope.scale_linear.
+  const std::string factor_key = f.find(a + "rope.scaling.factor") ? a + "rope.scaling.factor" : a + "rope.scale_linear";
+  if (const auto factor = f.find_f64(factor_key); factor && *factor != 0.0 && *factor != 1.0 && scaling != "none") {
+    if (scaling == "longrope")
+      f.fail("metadata '" + factor_key + "' = " + number(*factor) + " with longrope scaling is not supported");
+    if (!(*factor > 0.0 && *factor < 1e6))
+      f.fail("metadata '" + factor_key + "' = " + number(*factor) + " is out of range (above 0)");
+    c.rope_freq_scale = static_cast<float>(1.0 / *factor);
+  }
   if (const auto attn = f.find_f64(a + "rope.scaling.attn_factor")) {
     if (!(*attn > 0.0 && *attn < 100.0))
       f.fail("metadata '" + a + "rope.scaling.attn_factor' = " + number(*attn) + " is out of range (between 0 and 100)");
@@ -166,6 +182,52 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   }
   if (f.find(a + "rope.scaling.original_context_length"))
     c.n_ctx_orig = positive(a + "rope.scaling.original_context_length");
+  if (gemma) {
+    // As llama.cpp has them: the embeddings times sqrt(n_embd); queries times
+    // 1 / sqrt(head size), or for the 27B models (by their layer counts)
+    // 1 / sqrt(n_embd / n_heads).
+    c.embd_scale = std::sqrt(static_cast<float>(c.n_embd));
+    const bool big = (c.architecture == "gemma2" && c.n_layers == 46) || (c.architecture == "gemma3" && c.n_layers == 62);
+    c.q_scale = 1.0f / std::sqrt(static_cast<float>(big ? c.n_embd / c.n_heads : c.head_dim));
+    const auto cap = [&](const std::string& key, double fallback) {
+      const double v = f.find_f64(a + key).value_or(fallback);
+      if (!(v >= 0.0 && v < 1e6)) f.fail("metadata '" + a + key + "' = " + number(v) + " is out of range (0 or above)");
+      return static_cast<float>(v);
+    };
+    if (c.architecture == "gemma2") {
+      c.attn_softcap = cap("attn_logit_softcapping", 50.0);
+      c.final_softcap = cap("final_logit_softcapping", 30.0);
+    } else if (c.architecture == "gemma3") {
+      c.final_softcap = cap("final_logit_softcapping", 0.0);
+    }
+    // Sliding windows: Gemma 2 in every other layer (4,096 positions unless the file says),
+    // Gemma 3 in five layers of six where the file gives a window. The window layers rotate
+    // with rope.freq_base_swa: Gemma 2's default is the model's base and scale, Gemma 3's
+    // 10,000 unscaled.
+    const bool has_window = f.find(a + "attention.sliding_window") != nullptr;
+    if (c.architecture == "gemma2" || (c.architecture == "gemma3" && has_window && f.get_u64(a + "attention.sliding_window") > 0)) {
+      c.sliding_window = has_window ? positive(a + "attention.sliding_window") : 4096;
+      c.swa_layers.assign(static_cast<std::size_t>(c.n_layers), false);
+      const std::string pattern_key = a + "attention.sliding_window_pattern";
+      if (const gguf::Value* pattern = f.find(pattern_key); pattern && pattern->type == gguf::ValueType::Array) {
+        const gguf::Array& flags = pattern->as_array(pattern_key);
+        if (static_cast<std::int64_t>(flags.items.size()) != c.n_layers)
+          f.fail("metadata '" + pattern_key + "' has " + std::to_string(flags.items.size()) + " entries for " +
+                 std::to_string(c.n_layers) + " layers");
+        for (std::size_t i = 0; i < flags.items.size(); ++i) c.swa_layers[i] = flags.items[i].as_bool(pattern_key);
+      } else {
+        // Every n-th layer sees the whole context, the others the window.
+        const std::int64_t every = pattern ? static_cast<std::int64_t>(f.get_u64(pattern_key))
+                                           : (c.architecture == "gemma2" ? 2 : 6);
+        for (std::int64_t i = 0; i < c.n_layers; ++i) c.swa_layers[static_cast<std::size_t>(i)] = every == 0 || i % every < every - 1;
+      }
+      const double base_swa = f.find_f64(a + "rope.freq_base_swa").value_or(c.architecture == "gemma2" ? rope_base : 10000.0);
+      if (!(base_swa > 1.0 && base_swa < 1e30))
+        f.fail("metadata '" + a + "rope.freq_base_swa' = " + number(base_swa) + " is out of range (above 1)");
+      c.rope_base_swa = static_cast<float>(base_swa);
+      c.rope_freq_scale_swa = c.architecture == "gemma2" ? c.rope_freq_scale : 1.0f;
+    }
+  }
 
   // Tokenizer first: the vocabulary size it gives is what the embedding must have.
   Vocab vocab = Vocab::from_gguf(f);
@@ -231,7 +293,8 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
 
   m->token_embd_ = matrix("token_embd.weight", c.n_embd, c.n_vocab);
   m->output_norm_ = vector("output_norm.weight", c.n_embd);
-  if (f.find_tensor("output.weight")) {
+  // Gemma and Gemma 2 always take the embedding matrix as their output head (as llama.cpp does).
+  if (f.find_tensor("output.weight") && c.architecture != "gemma" && c.architecture != "gemma2") {
     m->output_ = matrix("output.weight", c.n_embd, c.n_vocab);
   } else {
     m->output_ = m->token_embd_;
@@ -287,6 +350,10 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
       l.attn_k_norm = vector(p + "attn_k_norm.weight", c.head_dim);
     }
     l.attn_out = matrix(p + "attn_output.weight", qw, c.n_embd);
+    if (c.post_norms) {
+      l.attn_post_norm = vector(p + "post_attention_norm.weight", c.n_embd);
+      l.ffn_post_norm = vector(p + "post_ffw_norm.weight", c.n_embd);
+    }
     l.ffn_norm = vector(p + "ffn_norm.weight", c.n_embd);
     if (c.architecture == "phi3") {
       // The gate's rows, then the up product's.
@@ -404,14 +471,28 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
   std::vector<std::uint8_t> scratch(scratch_bytes);
 
   kops::get_rows(token_embd_, b.tokens, x.data());
+  if (c.embd_scale != 1.0f)
+    for (float& e : x) e *= c.embd_scale;
 
+  // Gemma scales its queries itself, and its scores are then taken unscaled.
   const kops::AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim, KV,
-                                   1.0f / std::sqrt(static_cast<float>(c.head_dim))};
-  // The rotary angles of the tokens' positions, the same in every layer.
-  const std::vector<float> angles =
-      kops::rope_angles(n, c.rope_dim, b.positions.data(), c.rope_base, rope_freqs_, c.rope_attn_factor);
+                                   c.q_scale != 0.0f ? 1.0f : 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                                   0, c.attn_softcap};
+  kops::AttentionShape window_shape = shape;
+  window_shape.window = c.sliding_window;
+  // The rotary angles of the tokens' positions, the same in every layer (the window layers'
+  // where they rotate differently).
+  const std::vector<float> angles = kops::rope_angles(n, c.rope_dim, b.positions.data(), c.rope_base, rope_freqs_,
+                                                      c.rope_attn_factor, c.rope_freq_scale);
+  const bool own_angles = c.sliding_window > 0 && (c.rope_base_swa != c.rope_base || c.rope_freq_scale_swa != c.rope_freq_scale);
+  const std::vector<float> window_angles =
+      own_angles ? kops::rope_angles(n, c.rope_dim, b.positions.data(), c.rope_base_swa, rope_freqs_,
+                                     c.rope_attn_factor, c.rope_freq_scale_swa)
+                 : std::vector<float>{};
   for (std::int64_t li = 0; li < n_layers; ++li) {
     const LayerWeights& l = layers_[li];
+    const bool windowed = c.sliding_window > 0 && c.swa_layers[static_cast<std::size_t>(li)];
+    const std::vector<float>& layer_angles = windowed && own_angles ? window_angles : angles;
     // Later layers' input norm is taken with the previous layer's last residual addition.
     if (li == 0) kops::rms_norm(x.data(), l.attn_norm, n, E, c.rms_eps, xn.data(), pool);
     const kops::Matrix qkv[3] = {l.attn_q, l.attn_k, l.attn_v};
@@ -424,7 +505,7 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
     pool.parallel_for(n, kRowGrain, [&](std::int64_t t0, std::int64_t t1, int) {
       const std::int64_t m = t1 - t0;
       const std::int32_t* at = b.positions.data() + t0;
-      const float* cos_sin = angles.data() + t0 * c.rope_dim;
+      const float* cos_sin = layer_angles.data() + t0 * c.rope_dim;
       if (c.qkv_bias) {
         for (std::int64_t t = t0; t < t1; ++t) {
           kops::add(q.data() + t * QW, l.attn_q_bias, QW);
@@ -439,12 +520,14 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
       }
       kops::rope(q.data() + t0 * QW, m, c.n_heads, c.head_dim, c.rope_dim, cos_sin, c.rope_style);
       kops::rope(k.data() + t0 * KV, m, c.n_kv_heads, c.head_dim, c.rope_dim, cos_sin, c.rope_style);
+      if (c.q_scale != 0.0f)
+        for (float* e = q.data() + t0 * QW; e != q.data() + t1 * QW; ++e) *e *= c.q_scale;
       kops::PagedKv part = paged;
       part.sequence_of += t0;
       kops::store_keys_paged(k.data() + t0 * KV, m, KV, at, part, kc);
       kops::store_f16_paged(v.data() + t0 * KV, m, KV, at, part, vc);
     });
-    kops::attention_paged(shape, q.data(), n, b.positions.data(), paged, att.data(), pool);
+    kops::attention_paged(windowed ? window_shape : shape, q.data(), n, b.positions.data(), paged, att.data(), pool);
 
     // After the last layer's attention only the rows whose logits are wanted go on: they are
     // gathered to the front of x and att.
@@ -460,12 +543,17 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
     }
     if (rows == 0) break;
     kops::matmul(l.attn_out, att.data(), rows, xn.data(), scratch.data(), pool);
+    if (c.post_norms) kops::rms_norm(xn.data(), l.attn_post_norm, rows, E, c.rms_eps, xn.data(), pool);
     kops::add_rms_norm(x.data(), xn.data(), l.ffn_norm, rows, E, c.rms_eps, xn.data(), pool);
     const kops::Matrix gate_up[2] = {l.ffn_gate, l.ffn_up};
     float* const gate_up_out[2] = {gate.data(), up.data()};
     kops::matmul_group(gate_up, xn.data(), rows, gate_up_out, scratch.data(), pool);
-    kops::swiglu(gate.data(), up.data(), rows * F, pool);
+    if (c.gelu)
+      kops::geglu(gate.data(), up.data(), rows * F, pool);
+    else
+      kops::swiglu(gate.data(), up.data(), rows * F, pool);
     kops::matmul(l.ffn_down, gate.data(), rows, xn.data(), scratch.data(), pool);
+    if (c.post_norms) kops::rms_norm(xn.data(), l.ffn_post_norm, rows, E, c.rms_eps, xn.data(), pool);
     // The residual addition, then the next norm: the next layer's input norm, or after the last
     // layer (whose rows are then the n_out wanted ones) the final norm.
     const float* next_norm = li + 1 < n_layers ? layers_[li + 1].attn_norm : output_norm_;
@@ -473,6 +561,7 @@ void Model::forward_batch(const Batch& b, const KvPool& kv, std::span<float> log
   }
   if (n_out == 0) return;
   kops::matmul(output_, xn.data(), n_out, logits.data(), scratch.data(), pool);
+  if (c.final_softcap != 0.0f) kops::softcap(logits.data(), n_out * c.n_vocab, c.final_softcap);
 }
 
 }  // namespace batchlm::local_engine

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -239,8 +240,20 @@ int run_inspect() {
                 : c.rope_long_factors   ? ", frequency factors (rope_factors_short)"
                                         : ", frequency factors (rope_freqs)",
                 magnitude, static_cast<double>(c.rms_eps));
+    if (c.rope_freq_scale != 1.0f)
+      std::printf("rope scaling  linear, factor %g\n", 1.0 / static_cast<double>(c.rope_freq_scale));
     if (c.qkv_bias || c.qk_norm)
       std::printf("attention     %s\n", c.qkv_bias ? "query, key and value biases" : "query and key normalized per head");
+    if (c.sliding_window > 0) {
+      const auto windowed = std::count(c.swa_layers.begin(), c.swa_layers.end(), true);
+      std::printf("window        %lld positions in %lld of %lld layers (rope base %g there)\n",
+                  static_cast<long long>(c.sliding_window), static_cast<long long>(windowed),
+                  static_cast<long long>(c.n_layers), static_cast<double>(c.rope_base_swa));
+    }
+    if (c.gelu)
+      std::printf("network       embeddings x %g, GELU MLP, queries x %g%s%s\n", static_cast<double>(c.embd_scale),
+                  static_cast<double>(c.q_scale), c.post_norms ? ", post-norms" : "",
+                  c.attn_softcap != 0.0f || c.final_softcap != 0.0f ? ", soft-capped scores and logits" : "");
     std::printf("output head   %s\n", c.tied_embeddings ? "tied to the embeddings" : "separate");
     const Tokenizer& tok = model->tokenizer();
     const Vocab& v = tok.vocab();

@@ -829,7 +829,8 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
 
   GgufWriter writer;
   const std::string& arch = o.architecture;
-  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && arch != "phi3")
+  const bool gemma = arch == "gemma" || arch == "gemma2" || arch == "gemma3";
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && arch != "phi3" && !gemma)
     throw std::invalid_argument("write_tiny_llama: architecture " + arch);
   const bool fused = arch == "phi3";
   if (fused && o.v_up_dtype) throw std::invalid_argument("write_tiny_llama: phi3's fused matrices have one type");
@@ -853,6 +854,15 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
   if (o.original_context_length > 0)
     writer.add(a + "rope.scaling.original_context_length",
                GgufValue::u32(static_cast<std::uint32_t>(o.original_context_length)));
+  if (o.sliding_window > 0)
+    writer.add(a + "attention.sliding_window", GgufValue::u32(static_cast<std::uint32_t>(o.sliding_window)));
+  if (o.sliding_window_pattern > 0)
+    writer.add(a + "attention.sliding_window_pattern", GgufValue::u32(static_cast<std::uint32_t>(o.sliding_window_pattern)));
+  if (o.rope_freq_base_swa > 0.0f) writer.add(a + "rope.freq_base_swa", GgufValue::f32(o.rope_freq_base_swa));
+  if (o.attn_softcap > 0.0f) writer.add(a + "attn_logit_softcapping", GgufValue::f32(o.attn_softcap));
+  if (o.final_softcap > 0.0f) writer.add(a + "final_logit_softcapping", GgufValue::f32(o.final_softcap));
+  if (o.rope_scaling_factor > 0.0f)
+    writer.add(a + "rope.scaling.type", GgufValue::str("linear")).add(a + "rope.scaling.factor", GgufValue::f32(o.rope_scaling_factor));
   if (o.head_dim > 0) {
     writer.add(a + "attention.key_length", GgufValue::u32(static_cast<std::uint32_t>(o.head_dim)))
         .add(a + "attention.value_length", GgufValue::u32(static_cast<std::uint32_t>(o.head_dim)));
@@ -935,7 +945,7 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
         writer.add_tensor(prefix + "attn_" + which + ".bias", DType::F32, {rows}, bias);
       }
     }
-    if (arch == "qwen3") {
+    if (arch == "qwen3" || arch == "gemma3") {
       for (const char* which : {"q", "k"}) {
         std::vector<float> weight(static_cast<std::size_t>(info.head_dim));
         for (float& w : weight) w = 1.0f + 0.1f * random.next();
@@ -943,6 +953,7 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
       }
     }
     matrix(prefix + "attn_output.weight", o.weight_dtype, q_dim, o.n_embd, scale(q_dim));
+    if (arch == "gemma2" || arch == "gemma3") norm(prefix + "post_attention_norm.weight");
     norm(prefix + "ffn_norm.weight");
     if (fused) {
       stacked(prefix + "ffn_up.weight", o.weight_dtype, o.n_embd, {o.n_ff, o.n_ff}, scale(o.n_embd));  // gate, up
@@ -951,6 +962,7 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
       matrix(prefix + "ffn_up.weight", o.v_up_dtype.value_or(o.weight_dtype), o.n_embd, o.n_ff, scale(o.n_embd));
     }
     matrix(prefix + "ffn_down.weight", o.weight_dtype, o.n_ff, o.n_embd, scale(o.n_ff));
+    if (arch == "gemma2" || arch == "gemma3") norm(prefix + "post_ffw_norm.weight");
   }
   norm("output_norm.weight");
   if (!o.rope_freqs.empty()) {
@@ -965,7 +977,8 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
       throw std::invalid_argument(std::string("write_tiny_llama: ") + name + " must have rope_dim / 2 factors");
     writer.add_tensor(name, DType::F32, {rope_dim / 2}, *factors);
   }
-  if (!o.tied) matrix("output.weight", o.embedding_dtype, o.n_embd, n_vocab, scale(o.n_embd));
+  // Gemma and Gemma 2 always reuse the embedding matrix as their output head.
+  if (!o.tied && arch != "gemma" && arch != "gemma2") matrix("output.weight", o.embedding_dtype, o.n_embd, n_vocab, scale(o.n_embd));
 
   writer.write(path);
   return info;

@@ -179,6 +179,17 @@ struct TinyLlamaOptions {
   std::vector<float> rope_factors_short, rope_factors_long;
   float rope_attn_factor = 0.0f;
   std::int64_t original_context_length = 0;
+  // "gemma", "gemma2" and "gemma3" write Gemma's tensors: post_attention_norm and post_ffw_norm
+  // (Gemma 2 and 3, drawn after attn_output and ffn_down), attn_q_norm and attn_k_norm (Gemma
+  // 3, as Qwen3's); Gemma and Gemma 2 are always tied (no output.weight). Where set: attention.sliding_window, attention.sliding_window_pattern
+  // (every n-th layer without the window), rope.freq_base_swa, and the soft caps
+  // (attn_logit_softcapping, final_logit_softcapping).
+  std::int64_t sliding_window = 0;
+  std::int64_t sliding_window_pattern = 0;
+  float rope_freq_base_swa = 0.0f;
+  float attn_softcap = 0.0f, final_softcap = 0.0f;
+  // Any architecture: rope.scaling.type "linear" with this factor, where > 0.
+  float rope_scaling_factor = 0.0f;
 };
 
 struct TinyLlamaInfo {

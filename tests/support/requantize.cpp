@@ -2,6 +2,7 @@
 
 #include <array>
 #include <bit>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -256,6 +257,75 @@ std::vector<std::byte> as_phi3(const gguf::File& in, float short_max, float attn
       const gguf::TensorInfo& gate = in.tensor(p + "ffn_gate.weight");
       const gguf::TensorInfo& up = in.tensor(p + "ffn_up.weight");
       stack(p + "ffn_up.weight", {{&gate, bytes_of(gate)}, {&up, bytes_of(up)}});
+    }
+  }
+  return out.encode().bytes;
+}
+
+std::vector<std::byte> as_gemma(const gguf::File& in, const GemmaCopy& g) {
+  require_llama(in, "as_gemma");
+  if (g.architecture != "gemma2" && g.architecture != "gemma3")
+    throw std::invalid_argument("as_gemma: architecture " + g.architecture);
+  const bool gemma3 = g.architecture == "gemma3";
+  const std::string a = g.architecture + ".";
+  GgufWriter out;
+  copy_metadata_as(in, out, g.architecture);
+  out.add(a + "attention.sliding_window", GgufValue::u32(static_cast<std::uint32_t>(g.window)));
+  out.add(a + "rope.scaling.type", GgufValue::str("linear"));
+  out.add(a + "rope.scaling.factor", GgufValue::f32(g.rope_factor));
+  if (g.attn_softcap > 0.0f) out.add(a + "attn_logit_softcapping", GgufValue::f32(g.attn_softcap));
+  if (g.final_softcap > 0.0f) out.add(a + "final_logit_softcapping", GgufValue::f32(g.final_softcap));
+  const auto u64 = [&](const char* key) { return static_cast<std::int64_t>(in.get_u64(key)); };
+  const std::int64_t n_embd = u64("llama.embedding_length"), n_heads = u64("llama.attention.head_count");
+  const std::int64_t n_kv_heads = in.find("llama.attention.head_count_kv") ? u64("llama.attention.head_count_kv") : n_heads;
+  const std::int64_t head_dim = n_embd / n_heads;
+  // One stream for every new norm, in tensor order, as for as_qwen2's biases.
+  std::uint64_t state = 0x67656d6d6133ULL;  // "gemma3", for both
+  const auto next = [&] {
+    state += 0x9e3779b97f4a7c15ULL;
+    std::uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    return static_cast<float>(static_cast<std::int64_t>(z >> 40) - (1 << 23)) / static_cast<float>(1 << 23);
+  };
+  const auto norm = [&](const std::string& name, std::int64_t n, float scale) {
+    std::vector<float> w(static_cast<std::size_t>(n));
+    for (float& e : w) e = scale * (1.0f + 0.1f * next());
+    out.add_tensor(name, DType::F32, {n}, w);
+  };
+  static const std::regex layer_tensor(R"(blk\.(\d+)\.(attn_q|attn_k|attn_output|ffn_down)\.weight)");
+  for (const gguf::TensorInfo& t : in.tensors()) {
+    std::smatch m;
+    if (t.name == "token_embd.weight" && !in.find_tensor("output.weight")) {
+      // Gemma multiplies the embeddings by sqrt(n_embd): each Q8_0 block's scale divided by it,
+      // so that the network's input is the input file's again (to F16's precision). Gemma 3's
+      // output head, tied there, becomes a tensor of its own with the original bytes; Gemma 2's
+      // stays the (divided) embedding matrix, so its logits are the input's / sqrt(n_embd).
+      if (*t.type != DType::Q8_0) throw std::invalid_argument("as_gemma: token_embd.weight is not Q8_0");
+      std::vector<std::byte> scaled = bytes_of(t);
+      const float root = std::sqrt(static_cast<float>(n_embd));
+      for (std::size_t at = 0; at < scaled.size(); at += 34) {
+        std::uint16_t d;
+        std::memcpy(&d, scaled.data() + at, 2);
+        d = kernels::fp32_to_fp16(kernels::fp16_to_fp32(d) / root);
+        std::memcpy(scaled.data() + at, &d, 2);
+      }
+      out.add_tensor(t.name, *t.type, t.shape, std::move(scaled));
+      if (gemma3) out.add_tensor("output.weight", *t.type, t.shape, bytes_of(t));
+      continue;
+    }
+    if (!std::regex_match(t.name, m, layer_tensor)) {
+      out.add_tensor(t.name, *t.type, t.shape, bytes_of(t));
+      continue;
+    }
+    const std::string p = "blk." + m[1].str() + ".";
+    if (m[2] == "attn_q" || m[2] == "attn_k") {
+      out.add_tensor(t.name, *t.type, t.shape, unpermuted_rows(t, m[2] == "attn_q" ? n_heads : n_kv_heads));
+      if (gemma3) norm(p + m[2].str() + "_norm.weight", head_dim, g.qk_norm);
+    } else {
+      out.add_tensor(t.name, *t.type, t.shape, bytes_of(t));
+      norm(p + (m[2] == "attn_output" ? "post_attention_norm.weight" : "post_ffw_norm.weight"), n_embd, g.post_norm);
     }
   }
   return out.encode().bytes;

@@ -77,6 +77,35 @@ inline constexpr float kSmolLM2Phi3AttnFactor = 1.03f;
 inline constexpr std::int64_t kSmolLM2Phi3OriginalContext = 4096;
 inline constexpr const char* kSmolLM2Phi3File = "SmolLM2-135M-Instruct.phi3.gguf";
 
+// A llama-architecture file stored as Gemma 2 or 3 ('gemma2', 'gemma3'): general.architecture
+// and every "llama." key renamed; attention.sliding_window = window (Gemma 3: five layers in six
+// then see only that many positions and rotate with its window base of 10,000; Gemma 2: every
+// other layer, with the model's base); linear rotary scaling by rope_factor (Gemma 3: in the
+// other layers; Gemma 2: all); where above 0, attn_logit_softcapping and final_logit_softcapping;
+// attn_q and attn_k rows in the checkpoint's order (as for qwen2), Gemma 3's attn_q_norm and
+// attn_k_norm after them; post_attention_norm and post_ffw_norm after attn_output and ffn_down.
+// The new norms are F32, scale * (1 + 0.1 * a fixed pseudo-random sequence in [-1, 1)), with
+// scale qk_norm for the head norms and post_norm for the others. Gemma multiplies the
+// embeddings by sqrt(n_embd), so token_embd's Q8_0 block scales are divided by it; Gemma 3's
+// output head, tied in the input, becomes output.weight with the original bytes, while Gemma 2's
+// is always the embedding matrix (its logits are then the input's / sqrt(n_embd)). llama.cpp's
+// Gemma network then runs on it: GELU in place of SiLU, the norms, the windows, the caps.
+struct GemmaCopy {
+  std::string architecture;
+  std::int64_t window = 64;
+  float rope_factor = 2.0f;
+  float qk_norm = 1.0f;
+  float post_norm = 0.1f;
+  float attn_softcap = 0.0f, final_softcap = 0.0f;
+};
+std::vector<std::byte> as_gemma(const local_engine::gguf::File& in, const GemmaCopy& copy);
+// The two copies whose goldens are in tests/reference/smollm2-135m-instruct-gemma3/ and -gemma2/.
+// A larger post_norm or qk_norm makes this untrained network chaotic (llama.cpp's own two
+// paths then differ by more than a logit), so both stay small.
+inline GemmaCopy smollm2_gemma3() { return {"gemma3"}; }
+inline GemmaCopy smollm2_gemma2() { return {.architecture = "gemma2", .attn_softcap = 5.0f, .final_softcap = 1.0f}; }
+inline constexpr const char* kSmolLM2Gemma3File = "SmolLM2-135M-Instruct.gemma3.gguf";
+inline constexpr const char* kSmolLM2Gemma2File = "SmolLM2-135M-Instruct.gemma2.gguf";
 // A copy of `in` for the loader's tests: the tensors `drop` names left out, the metadata keys
 // of `set` given those values (the others as they are), then `add`'s tensors appended.
 struct GgufEdit {

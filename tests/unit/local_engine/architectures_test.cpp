@@ -3,8 +3,11 @@
 // checkpoint's order, so the rotary pairs are halves of each head, and small biases on the query,
 // key and value products), the default model with a rope_freqs tensor (with_rope_freqs), and the
 // default model as a long-context 'phi3' (as_phi3: Q, K and V stacked in attn_qkv, gate and up in
-// ffn_up, short and long rotary factors and a magnitude factor), each with llama.cpp's goldens for
-// that file (tests/reference/smollm2-135m-instruct-qwen2/, -ropefreqs/ and -phi3/). The test makes each file again, checks that it is the one the goldens come from,
+// ffn_up, short and long rotary factors and a magnitude factor), and the default model as
+// 'gemma3' (as_gemma3: per-head and post-block norms, GELU, scaled embeddings and queries,
+// sliding windows of 64 in 25 of its 30 layers with their own rotary base, linear rotary scaling
+// in the others), each with llama.cpp's goldens for that file
+// (tests/reference/smollm2-135m-instruct-qwen2/, -ropefreqs/, -phi3/ and -gemma3/). The test makes each file again, checks that it is the one the goldens come from,
 // and compares the top logits after each prompt and the greedy continuations with the
 // tolerances of reference_test (tests/support/llama_goldens.hpp). Also: the qwen2 layout with
 // zero biases is the default model's network, and the loader's refusals. The tests on the
@@ -16,6 +19,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -57,6 +61,8 @@ const std::vector<Variant>& variants() {
        [](const gguf::File& f) {
          return bt::as_phi3(f, bt::kSmolLM2Phi3ShortMax, bt::kSmolLM2Phi3AttnFactor, bt::kSmolLM2Phi3OriginalContext);
        }},
+      {"gemma3", bt::kSmolLM2Gemma3File, [](const gguf::File& f) { return bt::as_gemma(f, bt::smollm2_gemma3()); }},
+      {"gemma2", bt::kSmolLM2Gemma2File, [](const gguf::File& f) { return bt::as_gemma(f, bt::smollm2_gemma2()); }},
   };
   return all;
 }
@@ -118,6 +124,32 @@ TEST_P(Variants, AreTheArchitectureTheyClaim) {
     EXPECT_EQ(l.attn_k.data, static_cast<const std::byte*>(l.attn_q.data) +
                                  batchlm::kernels::row_bytes(l.attn_q.type, l.attn_q.cols) * static_cast<std::size_t>(l.attn_q.rows));
     EXPECT_EQ(l.ffn_up.rows, c.n_ff);
+  } else if (variants()[GetParam()].name == "gemma3") {
+    EXPECT_EQ(c.architecture, "gemma3");
+    EXPECT_EQ(c.rope_style, batchlm::kernels::RopeStyle::kHalves);
+    EXPECT_TRUE(c.qk_norm && c.post_norms && c.gelu);
+    EXPECT_EQ(c.embd_scale, 24.0f);
+    EXPECT_EQ(c.q_scale, 0.125f);
+    EXPECT_EQ(c.sliding_window, 64);
+    ASSERT_EQ(c.swa_layers.size(), 30u);
+    EXPECT_EQ(std::count(c.swa_layers.begin(), c.swa_layers.end(), true), 25);
+    EXPECT_FALSE(c.swa_layers[5]);
+    EXPECT_EQ(c.rope_base_swa, 10000.0f);
+    EXPECT_EQ(c.rope_freq_scale, 0.5f);
+    EXPECT_EQ(c.rope_freq_scale_swa, 1.0f);
+    EXPECT_EQ(c.attn_softcap, 0.0f);
+    EXPECT_EQ(c.final_softcap, 0.0f);
+  } else if (variants()[GetParam()].name == "gemma2") {
+    EXPECT_EQ(c.architecture, "gemma2");
+    EXPECT_TRUE(!c.qk_norm && c.post_norms && c.gelu);
+    EXPECT_EQ(c.sliding_window, 64);
+    ASSERT_EQ(c.swa_layers.size(), 30u);
+    EXPECT_EQ(std::count(c.swa_layers.begin(), c.swa_layers.end(), true), 15);
+    EXPECT_TRUE(c.swa_layers[0] && !c.swa_layers[1]);
+    EXPECT_EQ(c.rope_base_swa, c.rope_base);
+    EXPECT_EQ(c.rope_freq_scale_swa, 0.5f);
+    EXPECT_EQ(c.attn_softcap, 5.0f);
+    EXPECT_EQ(c.final_softcap, 1.0f);
   } else {
     EXPECT_EQ(c.architecture, "llama");
     EXPECT_FALSE(c.qkv_bias);
@@ -151,7 +183,7 @@ TEST_P(Variants, GreedyContinuationsMatchLlamaCpp) {
               goldens_["cases"].size());
 }
 
-INSTANTIATE_TEST_SUITE_P(DefaultModel, Variants, ::testing::Range<std::size_t>(0, 3),
+INSTANTIATE_TEST_SUITE_P(DefaultModel, Variants, ::testing::Range<std::size_t>(0, 5),
                          [](const auto& info) { return variants()[info.param].name; });
 
 // With zero biases the qwen2 copy is the default model's network in the other layout: each
@@ -258,6 +290,16 @@ TEST(GpuRunsNetwork, NamesWhatTheGpuPassLacks) {
   odd.head_dim = 36;
   EXPECT_FALSE(gpu_runs_network(odd, why));
   EXPECT_EQ(why, "the GPU forward pass does not run this 'llama' model's heads of 36 (it takes multiples of 8 up to 256)");
+  ModelConfig gemma = llama;
+  gemma.architecture = "gemma3";
+  gemma.gelu = true;
+  EXPECT_FALSE(gpu_runs_network(gemma, why));
+  EXPECT_EQ(why, "the GPU forward pass does not run the 'gemma3' architecture (GELU MLPs, post-norms, sliding-window "
+                 "attention): it runs on the CPU");
+  ModelConfig scaled = llama;
+  scaled.rope_freq_scale = 0.25f;
+  EXPECT_FALSE(gpu_runs_network(scaled, why));
+  EXPECT_EQ(why, "the GPU forward pass does not run linearly scaled rotary positions (rope.scaling.factor)");
 }
 
 // kAuto runs the other architectures wherever it runs a plain Llama: on the GPU where there is
@@ -369,30 +411,99 @@ TEST_F(TinyVariants, Phi3LongContextStopsAtTheOriginalContext) {
   EXPECT_NE(e.find("rope_factors_long.weight"), std::string::npos) << e;
 }
 
-// A rotary scaling factor scales the positions (llama.cpp: linearly, where no type is given),
-// which this build does not run: refused by name; with the type "none" it is ignored, as there.
-TEST_F(TinyVariants, ARopeScalingFactorIsRefusedUnlessTheTypeIsNone) {
+// A rotary scaling factor scales the positions linearly (as llama.cpp does where no type is
+// given, or the type is "linear"): the angles by 1 / factor. With the type "none" it is ignored,
+// as there; other types are refused by name.
+TEST_F(TinyVariants, ARopeScalingFactorScalesLinearlyUnlessTheTypeIsNone) {
   const fs::path good = write("llama.gguf", {});
-  bt::write_file(dir_ / "scaled.gguf", bt::edit(gguf::File::open(good), {.add = [](bt::GgufWriter& w) {
-                   w.add("llama.rope.scaling.factor", bt::GgufValue::f32(4.0f));
+  const auto with = [&](const std::string& name, std::optional<std::string> type, float factor) {
+    bt::write_file(dir_ / name, bt::edit(gguf::File::open(good), {.add = [&](bt::GgufWriter& w) {
+                     if (type) w.add("llama.rope.scaling.type", bt::GgufValue::str(*type));
+                     w.add("llama.rope.scaling.factor", bt::GgufValue::f32(factor));
+                   }}));
+    return dir_ / name;
+  };
+  EXPECT_EQ(Model::load(with("scaled.gguf", std::nullopt, 4.0f))->config().rope_freq_scale, 0.25f);
+  EXPECT_EQ(Model::load(with("linear.gguf", "linear", 8.0f))->config().rope_freq_scale, 0.125f);
+  EXPECT_EQ(Model::load(with("none.gguf", "none", 4.0f))->config().rope_freq_scale, 1.0f);
+  const std::string e = load_error(with("yarn.gguf", "yarn", 4.0f));
+  EXPECT_NE(e.find("rope scaling 'yarn' is not supported"), std::string::npos) << e;
+  const std::string negative = load_error(with("negative.gguf", "linear", -2.0f));
+  EXPECT_NE(negative.find("metadata 'llama.rope.scaling.factor' = -2 is out of range (above 0)"), std::string::npos) << negative;
+}
+
+// Gemma's windows as llama.cpp reads them: Gemma 2's default to 4,096 positions in every other
+// layer, Gemma 3 has none unless the file gives one (then in five layers of six), and a pattern
+// given as one flag per layer is taken as it is.
+TEST_F(TinyVariants, GemmaWindowsAndPatternsAreReadAsLlamaCppReadsThem) {
+  bt::TinyLlamaOptions o;
+  o.n_layers = 6;
+  o.architecture = "gemma2";
+  const ModelConfig g2 = Model::load(write("gemma2.gguf", o))->config();
+  EXPECT_EQ(g2.sliding_window, 4096);
+  EXPECT_EQ(g2.swa_layers, (std::vector<bool>{true, false, true, false, true, false}));
+  EXPECT_EQ(g2.attn_softcap, 50.0f);
+  EXPECT_EQ(g2.final_softcap, 30.0f);
+  EXPECT_EQ(g2.rope_base_swa, g2.rope_base);
+  o.architecture = "gemma3";
+  const ModelConfig none = Model::load(write("gemma3-none.gguf", o))->config();
+  EXPECT_EQ(none.sliding_window, 0);
+  EXPECT_EQ(none.final_softcap, 0.0f);
+  o.sliding_window = 512;
+  const fs::path g3 = write("gemma3.gguf", o);
+  const ModelConfig five = Model::load(g3)->config();
+  EXPECT_EQ(five.sliding_window, 512);
+  EXPECT_EQ(five.swa_layers, (std::vector<bool>{true, true, true, true, true, false}));
+  EXPECT_EQ(five.rope_base_swa, 10000.0f);
+  const auto flags = [](std::vector<bool> v) {
+    std::vector<bt::GgufValue> items;
+    for (bool b : v) items.push_back(bt::GgufValue::boolean(b));
+    return bt::GgufValue::array(bt::GgufType::Bool, items);
+  };
+  bt::write_file(dir_ / "flags.gguf", bt::edit(gguf::File::open(g3), {.add = [&](bt::GgufWriter& w) {
+                   w.add("gemma3.attention.sliding_window_pattern", flags({false, true, true, false, true, true}));
                  }}));
-  const std::string e = load_error(dir_ / "scaled.gguf");
-  EXPECT_NE(e.find("metadata 'llama.rope.scaling.factor' = 4 (scaled rotary positions) is not supported"), std::string::npos)
-      << e;
-  bt::write_file(dir_ / "none.gguf", bt::edit(gguf::File::open(good), {.add = [](bt::GgufWriter& w) {
-                   w.add("llama.rope.scaling.type", bt::GgufValue::str("none"));
-                   w.add("llama.rope.scaling.factor", bt::GgufValue::f32(4.0f));
+  EXPECT_EQ(Model::load(dir_ / "flags.gguf")->config().swa_layers, (std::vector<bool>{false, true, true, false, true, true}));
+  bt::write_file(dir_ / "short.gguf", bt::edit(gguf::File::open(g3), {.add = [&](bt::GgufWriter& w) {
+                   w.add("gemma3.attention.sliding_window_pattern", flags({true, false}));
                  }}));
-  EXPECT_NO_THROW(Model::load(dir_ / "none.gguf"));
+  const std::string e = load_error(dir_ / "short.gguf");
+  EXPECT_NE(e.find("metadata 'gemma3.attention.sliding_window_pattern' has 2 entries for 6 layers"), std::string::npos) << e;
+}
+
+// Gemma 2's output head is its embedding matrix: an output.weight is refused, as llama.cpp does.
+TEST_F(TinyVariants, Gemma2TakesNoOutputMatrix) {
+  bt::TinyLlamaOptions o;
+  o.architecture = "gemma2";
+  const fs::path good = write("gemma2.gguf", o);
+  bt::write_file(dir_ / "output.gguf", bt::edit(gguf::File::open(good), {.add = [](bt::GgufWriter& w) {
+                   std::vector<float> zeros(static_cast<std::size_t>(64 * bt::tiny_llama_vocab().n_vocab), 0.0f);
+                   w.add_tensor("output.weight", batchlm::kernels::DType::F32, {64, bt::tiny_llama_vocab().n_vocab}, zeros);
+                 }}));
+  const std::string e = load_error(dir_ / "output.gguf");
+  EXPECT_NE(e.find("tensor 'output.weight' is not part of the 'gemma2' architecture"), std::string::npos) << e;
+}
+
+// Gemma runs on the CPU wherever it runs, and kAuto says why.
+TEST_F(TinyVariants, GemmaRunsOnTheCpuAndSaysWhy) {
+  for (const char* arch : {"gemma", "gemma2", "gemma3"}) {
+    bt::TinyLlamaOptions o;
+    o.architecture = arch;
+    std::string why;
+    const auto ex = make_executor(Model::load(write(std::string(arch) + ".gguf", o)), {.device = Device::kAuto, .threads = 1}, &why);
+    EXPECT_EQ(ex->device(), Device::kCpu) << arch;
+    EXPECT_NE(why.find("does not run the '" + std::string(arch) + "' architecture"), std::string::npos) << why;
+  }
 }
 
 TEST_F(TinyVariants, AnotherArchitectureIsRefusedNamingTheOnesThatRun) {
   bt::TinyLlamaOptions o;
   const fs::path good = write("llama.gguf", o);
-  bt::write_file(dir_ / "gemma2.gguf",
-                 bt::edit(gguf::File::open(good), {.set = {{"general.architecture", bt::GgufValue::str("gemma2")}}}));
-  const std::string e = load_error(dir_ / "gemma2.gguf");
-  EXPECT_NE(e.find("architecture 'gemma2' is not supported (this build runs the 'llama', 'qwen2', 'qwen3' and 'phi3' architectures)"),
+  bt::write_file(dir_ / "falcon.gguf",
+                 bt::edit(gguf::File::open(good), {.set = {{"general.architecture", bt::GgufValue::str("falcon")}}}));
+  const std::string e = load_error(dir_ / "falcon.gguf");
+  EXPECT_NE(e.find("architecture 'falcon' is not supported (this build runs the 'llama', 'qwen2', 'qwen3', 'phi3', "
+                   "'gemma', 'gemma2' and 'gemma3' architectures)"),
             std::string::npos)
       << e;
 }

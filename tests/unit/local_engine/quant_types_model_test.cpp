@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <numbers>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -52,7 +53,18 @@ struct Case {
   // phi3: rotary dims (0: the head's), and the long-context factors and magnitude.
   std::int64_t rope_dim = 0;
   bool long_context = false;
+  // Gemma: the sliding window and its pattern, the soft caps, the rotary base (the window
+  // layers' base is then Gemma 3's default, 10,000) and a linear scaling factor.
+  std::int64_t window = 0, pattern = 0;
+  float attn_softcap = 0, final_softcap = 0, rope_base = 0, rope_factor = 0;
 };
+
+Case gemma(std::string name, DType weights, std::string architecture) {
+  Case c{std::move(name), weights, std::nullopt, DType::Q8_0, std::move(architecture)};
+  c.n_heads = 4;
+  c.n_kv_heads = 1;
+  return c;
+}
 
 const std::vector<Case>& cases() {
   static const std::vector<Case> all = {
@@ -81,6 +93,26 @@ const std::vector<Case>& cases() {
       // factors and magnitude; Phi-4-mini's rotation of three quarters of each head.
       {"phi3_Q8_0_long_context", DType::Q8_0, std::nullopt, DType::Q8_0, "phi3", false, 256, 4, 2, 0, 0, true},
       {"phi3_Q4_K_partial_rotary", DType::Q4_K, std::nullopt, DType::Q8_0, "phi3", false, 256, 4, 2, 0, 48},
+      // Gemma: scaled embeddings and queries, GELU; Gemma 2's post-norms, soft caps (small
+      // enough to bend these scores and logits) and a window of 8 in every other layer; Gemma
+      // 3's per-head norms, its window layers rotating with their own base while the others
+      // rotate with a base of 10^6 scaled linearly by 1/8 (as the 4B and larger models do).
+      gemma("gemma_Q8_0", DType::Q8_0, "gemma"),
+      [] {
+        Case c = gemma("gemma2_Q4_K_window_softcap", DType::Q4_K, "gemma2");
+        c.window = 8;
+        c.attn_softcap = 0.5f;
+        c.final_softcap = 2.0f;
+        return c;
+      }(),
+      [] {
+        Case c = gemma("gemma3_Q8_0_window_linear_rope", DType::Q8_0, "gemma3");
+        c.window = 8;
+        c.pattern = 2;
+        c.rope_base = 1e6f;
+        c.rope_factor = 8.0f;
+        return c;
+      }(),
   };
   return all;
 }
@@ -100,7 +132,8 @@ class ExactLlama {
       return *v;
     };
     const std::string arch = file.get_string("general.architecture");
-    halves_ = arch == "qwen2" || arch == "qwen3" || arch == "phi3";
+    gemma_ = arch == "gemma" || arch == "gemma2" || arch == "gemma3";
+    halves_ = arch == "qwen2" || arch == "qwen3" || arch == "phi3" || gemma_;
     const auto key = [&](const char* name) { return arch + "." + name; };
     const auto u32 = [&](const char* name) { return static_cast<std::int64_t>(value(key(name).c_str()).as_u64(name)); };
     n_layers_ = u32("block_count");
@@ -112,6 +145,20 @@ class ExactLlama {
     head_dim_ = file.find(key("attention.key_length")) ? u32("attention.key_length") : n_embd_ / n_heads_;
     rope_dim_ = file.find(key("rope.dimension_count")) ? u32("rope.dimension_count") : head_dim_;
     if (file.find(key("rope.scaling.attn_factor"))) mscale_ = value(key("rope.scaling.attn_factor").c_str()).as_f64("attn");
+    const auto number = [&](const char* name, double fallback) {
+      return file.find(key(name)) ? value(key(name).c_str()).as_f64(name) : fallback;
+    };
+    if (file.find(key("rope.scaling.factor"))) freq_scale_ = 1.0 / number("rope.scaling.factor", 1.0);
+    // Gemma 2's caps default to 50 and 30, its window to 4,096 in every other layer; Gemma 3's
+    // window layers rotate with a base of 10,000, unscaled.
+    attn_cap_ = arch == "gemma2" ? number("attn_logit_softcapping", 50.0) : 0.0;
+    final_cap_ = arch == "gemma2" ? number("final_logit_softcapping", 30.0) : number("final_logit_softcapping", 0.0);
+    if (arch == "gemma2" || (arch == "gemma3" && file.find(key("attention.sliding_window")))) {
+      window_ = static_cast<std::int64_t>(number("attention.sliding_window", 4096));
+      pattern_ = static_cast<std::int64_t>(number("attention.sliding_window_pattern", arch == "gemma2" ? 2 : 6));
+      base_swa_ = number("rope.freq_base_swa", arch == "gemma2" ? base_ : 10000.0);
+      freq_scale_swa_ = arch == "gemma2" ? freq_scale_ : 1.0;
+    }
     for (const gguf::TensorInfo& t : file.tensors()) {
       const std::vector<float> v = batchlm::testing::dequantize(
           *t.type, std::span<const std::byte>(t.data, t.n_bytes), static_cast<std::int64_t>(t.n_elements));
@@ -143,8 +190,11 @@ class ExactLlama {
     const std::int64_t d = head_dim_, g = n_heads_ / n_kv_, pos = position_++;
     std::vector<double> x(w_.at("token_embd.weight").begin() + token * n_embd_,
                           w_.at("token_embd.weight").begin() + (token + 1) * n_embd_);
+    if (gemma_)
+      for (double& e : x) e *= std::sqrt(static_cast<double>(n_embd_));
     for (std::int64_t layer = 0; layer < n_layers_; ++layer) {
       const std::string p = "blk." + std::to_string(layer) + ".";
+      const bool windowed = window_ > 0 && layer % pattern_ < pattern_ - 1;
       std::vector<double> h = rms(x, w_.at(p + "attn_norm.weight"));
       std::vector<double> q = matvec(p + "attn_q.weight", h), k = matvec(p + "attn_k.weight", h);
       std::vector<double> v = matvec(p + "attn_v.weight", h);
@@ -157,8 +207,8 @@ class ExactLlama {
         head_norm(q, w_.at(p + "attn_q_norm.weight"));
         head_norm(k, w_.at(p + "attn_k_norm.weight"));
       }
-      rope(q, pos);
-      rope(k, pos);
+      rope(q, pos, windowed);
+      rope(k, pos, windowed);
       auto& [keys, values] = cache_[static_cast<std::size_t>(layer)];
       for (double& e : k) e = kernels::fp16_to_fp32(kernels::fp32_to_fp16(static_cast<float>(e)));
       keys.push_back(k);
@@ -171,6 +221,9 @@ class ExactLlama {
         for (std::size_t t = 0; t < keys.size(); ++t) {
           for (std::int64_t i = 0; i < d; ++i) s[t] += keys[t][kv * d + i] * q[head * d + i];
           s[t] /= std::sqrt(static_cast<double>(d));
+          if (attn_cap_ > 0) s[t] = attn_cap_ * std::tanh(s[t] / attn_cap_);
+          // Outside the window: weighs nothing.
+          if (windowed && pos - static_cast<std::int64_t>(t) >= window_) s[t] = -INFINITY;
         }
         const double top = *std::max_element(s.begin(), s.end());
         double sum = 0;
@@ -178,14 +231,26 @@ class ExactLlama {
         for (std::size_t t = 0; t < keys.size(); ++t)
           for (std::int64_t i = 0; i < d; ++i) out[head * d + i] += s[t] / sum * values[t][kv * d + i];
       }
-      add(x, matvec(p + "attn_output.weight", out));
+      std::vector<double> attended = matvec(p + "attn_output.weight", out);
+      if (w_.contains(p + "post_attention_norm.weight")) attended = rms(attended, w_.at(p + "post_attention_norm.weight"));
+      add(x, attended);
       h = rms(x, w_.at(p + "ffn_norm.weight"));
       std::vector<double> gate = matvec(p + "ffn_gate.weight", h);
       const std::vector<double> up = matvec(p + "ffn_up.weight", h);
-      for (std::size_t i = 0; i < gate.size(); ++i) gate[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
-      add(x, matvec(p + "ffn_down.weight", gate));
+      for (std::size_t i = 0; i < gate.size(); ++i) {
+        const double g = gate[i];
+        // GELU's tanh form for Gemma, SiLU for the others.
+        gate[i] = (gemma_ ? 0.5 * g * (1.0 + std::tanh(std::sqrt(2.0 / std::numbers::pi) * (g + 0.044715 * g * g * g)))
+                          : g / (1.0 + std::exp(-g))) * up[i];
+      }
+      std::vector<double> mlp = matvec(p + "ffn_down.weight", gate);
+      if (w_.contains(p + "post_ffw_norm.weight")) mlp = rms(mlp, w_.at(p + "post_ffw_norm.weight"));
+      add(x, mlp);
     }
-    return matvec("output.weight", rms(x, w_.at("output_norm.weight")));
+    std::vector<double> logits = matvec("output.weight", rms(x, w_.at("output_norm.weight")));
+    if (final_cap_ > 0)
+      for (double& e : logits) e = final_cap_ * std::tanh(e / final_cap_);
+    return logits;
   }
 
  private:
@@ -210,14 +275,18 @@ class ExactLlama {
   // x[i + rot / 2]) for Qwen2, Qwen3 and Phi-3, rotates by pos * base^(-2i / rot), divided by
   // rope_freqs[i] (Phi-3: rope_factors_short[i]) where the model has them; Phi-3's
   // attn_factor multiplies the cosine and the sine.
-  void rope(std::vector<double>& x, std::int64_t pos) const {
+  // Gemma's window layers rotate with their own base and scale; a linear scaling factor
+  // multiplies the angles by 1 / factor.
+  void rope(std::vector<double>& x, std::int64_t pos, bool windowed) const {
+    const double base = windowed ? base_swa_ : base_, freq_scale = windowed ? freq_scale_swa_ : freq_scale_;
     const std::vector<double>* factors = w_.contains("rope_freqs.weight")           ? &w_.at("rope_freqs.weight")
                                          : w_.contains("rope_factors_short.weight") ? &w_.at("rope_factors_short.weight")
                                                                                     : nullptr;
     for (std::size_t at = 0; at < x.size(); at += static_cast<std::size_t>(head_dim_))
       for (std::int64_t i = 0; i < rope_dim_ / 2; ++i) {
-        double theta = static_cast<double>(pos) * std::pow(base_, -static_cast<double>(2 * i) / static_cast<double>(rope_dim_));
+        double theta = static_cast<double>(pos) * std::pow(base, -static_cast<double>(2 * i) / static_cast<double>(rope_dim_));
         if (factors != nullptr) theta /= (*factors)[static_cast<std::size_t>(i)];
+        theta *= freq_scale;
         const std::size_t first = at + static_cast<std::size_t>(halves_ ? i : 2 * i);
         const std::size_t second = first + static_cast<std::size_t>(halves_ ? rope_dim_ / 2 : 1);
         const double a = x[first], b = x[second];
@@ -240,8 +309,10 @@ class ExactLlama {
   }
 
   std::int64_t n_layers_ = 0, n_embd_ = 0, n_heads_ = 0, n_kv_ = 0, head_dim_ = 0, rope_dim_ = 0, n_vocab_ = 0;
-  double eps_ = 0, base_ = 0, mscale_ = 1.0;
-  bool halves_ = false;
+  double eps_ = 0, base_ = 0, mscale_ = 1.0, freq_scale_ = 1.0;
+  bool halves_ = false, gemma_ = false;
+  double attn_cap_ = 0, final_cap_ = 0, base_swa_ = 0, freq_scale_swa_ = 1.0;
+  std::int64_t window_ = 0, pattern_ = 1;
   std::map<std::string, std::vector<double>> w_;
   std::vector<std::pair<std::vector<std::vector<double>>, std::vector<std::vector<double>>>> cache_;
   std::int64_t position_ = 0;
@@ -279,6 +350,12 @@ class QuantTypesModel : public ::testing::Test {
       if (c.rope_freqs)
         for (int i = 0; i < 32; ++i) o.rope_freqs.push_back(1.0f + 15.0f * static_cast<float>(i) / 31.0f);
       o.rope_dim = c.rope_dim;
+      o.sliding_window = c.window;
+      o.sliding_window_pattern = c.pattern;
+      o.attn_softcap = c.attn_softcap;
+      o.final_softcap = c.final_softcap;
+      o.rope_scaling_factor = c.rope_factor;
+      if (c.rope_base > 0) o.rope_freq_base = c.rope_base;
       if (c.long_context) {
         // Short factors that slow the fast pairs; long ones (which must not run at this
         // context) far from them. The magnitude Phi-3.5's 128k / 4k gives.
@@ -315,7 +392,8 @@ TEST_F(QuantTypesModel, ForwardMatchesTheFloat64Reference) {
     ASSERT_EQ(model->config().n_embd, c.n_embd);
     EXPECT_EQ(model->config().architecture, c.architecture);
     EXPECT_EQ(model->config().qkv_bias, c.architecture == "qwen2") << c.name;
-    EXPECT_EQ(model->config().qk_norm, c.architecture == "qwen3") << c.name;
+    EXPECT_EQ(model->config().qk_norm, c.architecture == "qwen3" || c.architecture == "gemma3") << c.name;
+    EXPECT_EQ(model->config().sliding_window, c.window) << c.name;
     EXPECT_EQ(model->config().q_width(), c.n_heads * (c.head_dim > 0 ? c.head_dim : c.n_embd / c.n_heads)) << c.name;
     EXPECT_EQ(model->config().rope_freq_factors, c.rope_freqs || c.long_context) << c.name;
     EXPECT_EQ(model->config().rope_long_factors, c.long_context) << c.name;

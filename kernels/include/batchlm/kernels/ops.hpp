@@ -103,8 +103,11 @@ void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
 // floats, a model's rope_freqs tensor, as Llama 3.1 and later have, or Phi-3's short factors),
 // pair i's angle is divided by freq_factors[i]; attn_factor (Phi-3's long-context magnitude)
 // multiplies each cosine and sine.
+// freq_scale (linear rotary scaling: 1 / the scaling factor) multiplies each angle after the
+// factors divide it, as llama.cpp's rotation does.
 std::vector<float> rope_angles(std::int64_t n, std::int64_t rot_dim, const std::int32_t* positions, float base,
-                               const float* freq_factors = nullptr, float attn_factor = 1.0f);
+                               const float* freq_factors = nullptr, float attn_factor = 1.0f,
+                               float freq_scale = 1.0f);
 void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim, std::int64_t rot_dim,
           const float* cos_sin, RopeStyle style = RopeStyle::kAdjacent);
 
@@ -112,6 +115,12 @@ void rope(float* x, std::int64_t n, std::int64_t n_heads, std::int64_t head_dim,
 // pool, shared among its threads (the same values).
 void swiglu(float* gate, const float* up, std::int64_t n);
 void swiglu(float* gate, const float* up, std::int64_t n, ThreadPool& pool);
+// gate[i] = gelu(gate[i]) * up[i], GELU's tanh form as llama.cpp's CPU backend takes it: the
+// input rounded to F16 and looked up in a table of F16 results (0 at or below -10, the input
+// itself at or above 10).
+void geglu(float* gate, const float* up, std::int64_t n, ThreadPool& pool);
+// x[i] = cap * tanh(x[i] / cap): Gemma 2's soft capping of attention scores and logits.
+void softcap(float* x, std::int64_t n, float cap);
 void add(float* x, const float* y, std::int64_t n);  // x += y
 // A residual step: x += y, then out = rms_norm(x), row by row in one pass shared among the
 // pool's threads (the values of add, then rms_norm). out may be y.
@@ -129,6 +138,11 @@ struct AttentionShape {
   std::int64_t head_dim = 0;
   std::int64_t kv_stride = 0;  // elements between positions in k and v
   float scale = 1.0f;
+  // Sliding-window attention (Gemma): a query at position p sees positions p - window + 1 .. p
+  // only. 0: every earlier position.
+  std::int64_t window = 0;
+  // Gemma 2: each score (after scale) becomes softcap * tanh(score / softcap). 0: none.
+  float softcap = 0.0f;
 };
 void attention(const AttentionShape& shape, const float* q, std::int64_t n,
                const std::int32_t* positions, const std::uint16_t* k, const std::uint16_t* v,

@@ -6,7 +6,12 @@
 // (no biases; each head's query and key RMS-normalized; heads wider than n_embd / n_heads),
 // and "phi3" (Phi-3, Phi-3.5, Phi-4-mini: Q, K and V in one matrix and gate and up in another,
 // which load as views of their rows; rotary pairs in halves, over part of the head for some;
-// the long-context models' short rotary factors and magnitude factor).
+// the long-context models' short rotary factors and magnitude factor), and "gemma",
+// "gemma2" and "gemma3" (embeddings scaled by sqrt(n_embd), GELU in place of SiLU, queries
+// scaled before attention; Gemma 2 and 3 add a norm after attention and after the MLP and
+// sliding-window attention in most layers; Gemma 2 caps attention scores and logits with
+// tanh, Gemma 3 normalizes each head's query and key and rotates its window layers with a
+// base of their own).
 
 #include <algorithm>
 #include <cstdint>
@@ -24,7 +29,7 @@
 namespace batchlm::local_engine {
 
 struct ModelConfig {
-  std::string architecture;   // "llama", "qwen2", "qwen3" or "phi3"
+  std::string architecture;   // "llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2" or "gemma3"
   std::string name;           // general.name, may be empty
   std::int64_t n_vocab = 0;
   std::int64_t n_ctx_train = 0;
@@ -44,6 +49,22 @@ struct ModelConfig {
   bool rope_long_factors = false;
   std::int64_t n_ctx_orig = 0;      // rope.scaling.original_context_length (0: none given)
   float rope_attn_factor = 1.0f;    // rope.scaling.attn_factor: multiplies each cosine and sine
+  float rope_freq_scale = 1.0f;     // linear rotary scaling: 1 / rope.scaling.factor
+  // Sliding-window attention (Gemma 2 and 3): the layers marked in swa_layers see the last
+  // sliding_window positions only, and rotate with their own base and scale.
+  std::int64_t sliding_window = 0;
+  std::vector<bool> swa_layers;     // n_layers entries where sliding_window > 0
+  float rope_base_swa = 10000.0f;
+  float rope_freq_scale_swa = 1.0f;
+  // Gemma: the token embeddings are multiplied by embd_scale, the MLP is GELU-gated, queries
+  // are multiplied by q_scale after rotation (the scores then unscaled), and with post_norms
+  // the attention's and the MLP's outputs are RMS-normalized before each residual addition.
+  float embd_scale = 1.0f;
+  bool gelu = false;
+  float q_scale = 0.0f;             // 0: scores scaled by 1 / sqrt(head_dim) instead
+  bool post_norms = false;
+  float attn_softcap = 0.0f;        // Gemma 2: scores capped as cap * tanh(score / cap); 0: none
+  float final_softcap = 0.0f;       // Gemma 2: logits capped likewise; 0: none
   bool qkv_bias = false;            // attn_q/k/v.bias are added to the products
   bool qk_norm = false;             // attn_q_norm/attn_k_norm normalize each head (Qwen3)
   float rms_eps = 1e-5f;
@@ -69,6 +90,9 @@ struct LayerWeights {
   // Where ModelConfig::qk_norm: each head's RMS-norm weights (head_dim) for queries and keys.
   const float* attn_q_norm = nullptr;
   const float* attn_k_norm = nullptr;
+  // Where ModelConfig::post_norms: the norms of the attention's and the MLP's outputs.
+  const float* attn_post_norm = nullptr;
+  const float* ffn_post_norm = nullptr;
 };
 
 // Where the keys and values of a batch live, in F16: for layer l a pool of n_blocks blocks of
