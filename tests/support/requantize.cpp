@@ -151,6 +151,24 @@ void require_llama(const gguf::File& in, const char* what) {
 
 namespace {
 
+// A fixed pseudo-random sequence: splitmix64 steps from `seed`, the top 24 bits of each as a
+// float in [-1, 1).
+class Stream {
+ public:
+  explicit Stream(std::uint64_t seed) : state_(seed) {}
+  float next() {
+    state_ += 0x9e3779b97f4a7c15ULL;
+    std::uint64_t z = state_;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    return static_cast<float>(static_cast<std::int64_t>(z >> 40) - (1 << 23)) / static_cast<float>(1 << 23);
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
 // Row h*d + s*d/2 + j of the checkpoint is row h*d + 2j + s of llama's layout: `t`'s rows (a
 // query or key matrix of n heads) put back in the checkpoint's order.
 std::vector<std::byte> unpermuted_rows(const gguf::TensorInfo& t, std::int64_t n) {
@@ -175,16 +193,8 @@ std::vector<std::byte> as_qwen2(const gguf::File& in, float bias_scale) {
   const auto heads = [&](const char* key) { return static_cast<std::int64_t>(in.get_u64(key)); };
   const std::int64_t n_heads = heads("llama.attention.head_count");
   const std::int64_t n_kv_heads = in.find("llama.attention.head_count_kv") ? heads("llama.attention.head_count_kv") : n_heads;
-  // One stream for every bias, in tensor order: splitmix64 steps, the top 24 bits as [-1, 1).
-  std::uint64_t state = 0x7177656e32ULL;  // "qwen2"
-  const auto next = [&] {
-    state += 0x9e3779b97f4a7c15ULL;
-    std::uint64_t z = state;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    z ^= z >> 31;
-    return static_cast<float>(static_cast<std::int64_t>(z >> 40) - (1 << 23)) / static_cast<float>(1 << 23);
-  };
+  // One stream for every bias, in tensor order.
+  Stream random(0x7177656e32ULL);  // "qwen2"
   static const std::regex qk(R"(blk\.(\d+)\.attn_(q|k|v)\.weight)");
   for (const gguf::TensorInfo& t : in.tensors()) {
     std::smatch m;
@@ -200,7 +210,7 @@ std::vector<std::byte> as_qwen2(const gguf::File& in, float bias_scale) {
     for (const char* which : {"q", "k", "v"}) {
       const gguf::TensorInfo& w = in.tensor(layer + "attn_" + which + ".weight");
       std::vector<float> bias(static_cast<std::size_t>(w.rows()));
-      for (float& b : bias) b = bias_scale * next();
+      for (float& b : bias) b = bias_scale * random.next();
       out.add_tensor(layer + "attn_" + which + ".bias", DType::F32, {w.rows()}, bias);
     }
   }
@@ -279,19 +289,11 @@ std::vector<std::byte> as_gemma(const gguf::File& in, const GemmaCopy& g) {
   const std::int64_t n_embd = u64("llama.embedding_length"), n_heads = u64("llama.attention.head_count");
   const std::int64_t n_kv_heads = in.find("llama.attention.head_count_kv") ? u64("llama.attention.head_count_kv") : n_heads;
   const std::int64_t head_dim = n_embd / n_heads;
-  // One stream for every new norm, in tensor order, as for as_qwen2's biases.
-  std::uint64_t state = 0x67656d6d6133ULL;  // "gemma3", for both
-  const auto next = [&] {
-    state += 0x9e3779b97f4a7c15ULL;
-    std::uint64_t z = state;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    z ^= z >> 31;
-    return static_cast<float>(static_cast<std::int64_t>(z >> 40) - (1 << 23)) / static_cast<float>(1 << 23);
-  };
+  // One stream for every new norm, in tensor order.
+  Stream random(0x67656d6d6133ULL);  // "gemma3", for both
   const auto norm = [&](const std::string& name, std::int64_t n, float scale) {
     std::vector<float> w(static_cast<std::size_t>(n));
-    for (float& e : w) e = scale * (1.0f + 0.1f * next());
+    for (float& e : w) e = scale * (1.0f + 0.1f * random.next());
     out.add_tensor(name, DType::F32, {n}, w);
   };
   static const std::regex layer_tensor(R"(blk\.(\d+)\.(attn_q|attn_k|attn_output|ffn_down)\.weight)");
