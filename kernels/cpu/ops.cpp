@@ -778,12 +778,14 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
       tail_rows.clear();
       tail_run_start.assign(1, 0);
       tail_runs.clear();
+      // A token's own rows start where the shared ones end, or where its window starts if later.
+      const auto tail_from = [&](std::int64_t i) { return std::max(shared_end, window_start(s, positions[order[it.begin + i]])); };
       for (std::int64_t i = 0; i < m; ++i) {
-        const std::int64_t t = order[it.begin + i], n_ctx = positions[t] + 1;
-        tail_rows.resize(static_cast<std::size_t>(tail_start.back() + n_ctx - shared_end));
-        gather_rows(s, kv, table_of(t), it.kvh, shared_end, n_ctx, tail_rows.data() + tail_start.back());
+        const std::int64_t t = order[it.begin + i], n_ctx = positions[t] + 1, from = tail_from(i);
+        tail_rows.resize(static_cast<std::size_t>(tail_start.back() + n_ctx - from));
+        gather_rows(s, kv, table_of(t), it.kvh, from, n_ctx, tail_rows.data() + tail_start.back());
         tail_start.push_back(static_cast<std::int64_t>(tail_rows.size()));
-        gather_key_runs(s, kv, table_of(t), it.kvh, shared_end, n_ctx, tail_runs);
+        gather_key_runs(s, kv, table_of(t), it.kvh, from, n_ctx, tail_runs);
         tail_run_start.push_back(static_cast<std::int64_t>(tail_runs.size()));
       }
       scores.resize(static_cast<std::size_t>(n_q * ld));
@@ -795,7 +797,7 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
         kern.score_runs(qbuf.data() + i * group * dim, static_cast<int>(group), kv.k_pool,
                         tail_runs.data() + tail_run_start[i], tail_run_start[i + 1] - tail_run_start[i],
                         n_tail_runs - tail_run_start[i + 1], dim, kv.block_size, s.scale,
-                        scores.data() + i * group * ld + (shared_end - first), ld);
+                        scores.data() + i * group * ld + (tail_from(i) - first), ld);
       for (std::int64_t i = 0; i < m; ++i) {
         // Each query's softmax over the positions it sees, as alone (the same values whatever
         // else the item holds); the positions before its window then weigh exactly 0.
@@ -810,7 +812,7 @@ void attention_paged(const AttentionShape& s, const float* q, std::int64_t n,
       kern.mix_rows(scores.data(), static_cast<int>(n_q), kv.v_pool, shared_rows.data(), shared_end - first, 0, dim,
                     obuf.data(), ld);
       for (std::int64_t i = 0; i < m; ++i) {
-        kern.mix_rows(scores.data() + i * group * ld + (shared_end - first), static_cast<int>(group), kv.v_pool,
+        kern.mix_rows(scores.data() + i * group * ld + (tail_from(i) - first), static_cast<int>(group), kv.v_pool,
                       tail_rows.data() + tail_start[i], tail_start[i + 1] - tail_start[i],
                       tail_start[m] - tail_start[i + 1], dim,
                       obuf.data() + i * group * dim, ld);

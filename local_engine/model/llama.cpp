@@ -188,6 +188,8 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     // 1 / sqrt(n_embd / n_heads).
     c.embd_scale = std::sqrt(static_cast<float>(c.n_embd));
     const bool big = (c.architecture == "gemma2" && c.n_layers == 46) || (c.architecture == "gemma3" && c.n_layers == 62);
+    if (big && c.n_embd < c.n_heads)
+      f.fail("embedding_length " + std::to_string(c.n_embd) + " is less than head_count " + std::to_string(c.n_heads));
     c.q_scale = 1.0f / std::sqrt(static_cast<float>(big ? c.n_embd / c.n_heads : c.head_dim));
     const auto cap = [&](const std::string& key, double fallback) {
       const double v = f.find_f64(a + key).value_or(fallback);
@@ -210,16 +212,26 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
       c.swa_layers.assign(static_cast<std::size_t>(c.n_layers), false);
       const std::string pattern_key = a + "attention.sliding_window_pattern";
       if (const gguf::Value* pattern = f.find(pattern_key); pattern && pattern->type == gguf::ValueType::Array) {
+        // A flag per layer (booleans, or integers where not 0 means windowed, as llama.cpp reads them).
         const gguf::Array& flags = pattern->as_array(pattern_key);
         if (static_cast<std::int64_t>(flags.items.size()) != c.n_layers)
           f.fail("metadata '" + pattern_key + "' has " + std::to_string(flags.items.size()) + " entries for " +
                  std::to_string(c.n_layers) + " layers");
-        for (std::size_t i = 0; i < flags.items.size(); ++i) c.swa_layers[i] = flags.items[i].as_bool(pattern_key);
+        for (std::size_t i = 0; i < flags.items.size(); ++i) {
+          const gguf::Value& flag = flags.items[i];
+          if (flag.type == gguf::ValueType::Bool)
+            c.swa_layers[i] = flag.as_bool(pattern_key);
+          else if (flag.type == gguf::ValueType::I32 || flag.type == gguf::ValueType::U32)
+            c.swa_layers[i] = flag.as_i64(pattern_key) != 0;
+          else
+            f.fail("metadata '" + pattern_key + "' holds " + std::string(gguf::to_string(flag.type)) +
+                   " values (expected booleans, one per layer)");
+        }
       } else {
-        // Every n-th layer sees the whole context, the others the window.
-        const std::int64_t every = pattern ? static_cast<std::int64_t>(f.get_u64(pattern_key))
-                                           : (c.architecture == "gemma2" ? 2 : 6);
-        for (std::int64_t i = 0; i < c.n_layers; ++i) c.swa_layers[static_cast<std::size_t>(i)] = every == 0 || i % every < every - 1;
+        // Every n-th layer sees the whole context, the others the window (0: every layer windowed).
+        const std::uint64_t every = pattern ? f.get_u64(pattern_key) : (c.architecture == "gemma2" ? 2 : 6);
+        if (every > (1u << 24)) f.fail("metadata '" + pattern_key + "' = " + std::to_string(every) + " is out of range");
+        for (std::uint64_t i = 0; i < static_cast<std::uint64_t>(c.n_layers); ++i) c.swa_layers[i] = every == 0 || i % every < every - 1;
       }
       const double base_swa = f.find_f64(a + "rope.freq_base_swa").value_or(c.architecture == "gemma2" ? rope_base : 10000.0);
       if (!(base_swa > 1.0 && base_swa < 1e30))

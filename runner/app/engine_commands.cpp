@@ -241,7 +241,8 @@ int run_inspect() {
                                         : ", frequency factors (rope_freqs)",
                 magnitude, static_cast<double>(c.rms_eps));
     if (c.rope_freq_scale != 1.0f)
-      std::printf("rope scaling  linear, factor %g\n", 1.0 / static_cast<double>(c.rope_freq_scale));
+      std::printf("rope scaling  linear, factor %g%s\n", 1.0 / static_cast<double>(c.rope_freq_scale),
+                  c.sliding_window > 0 && c.rope_freq_scale_swa != c.rope_freq_scale ? " (the full-attention layers)" : "");
     if (c.qkv_bias || c.qk_norm)
       std::printf("attention     %s\n", c.qkv_bias ? "query, key and value biases" : "query and key normalized per head");
     if (c.sliding_window > 0) {
@@ -250,10 +251,16 @@ int run_inspect() {
                   static_cast<long long>(c.sliding_window), static_cast<long long>(windowed),
                   static_cast<long long>(c.n_layers), static_cast<double>(c.rope_base_swa));
     }
-    if (c.gelu)
+    if (c.gelu) {
+      char caps[64] = "";
+      if (c.attn_softcap != 0.0f)
+        std::snprintf(caps, sizeof caps, ", scores capped at %g", static_cast<double>(c.attn_softcap));
+      if (c.final_softcap != 0.0f)
+        std::snprintf(caps + std::strlen(caps), sizeof caps - std::strlen(caps), ", logits capped at %g",
+                      static_cast<double>(c.final_softcap));
       std::printf("network       embeddings x %g, GELU MLP, queries x %g%s%s\n", static_cast<double>(c.embd_scale),
-                  static_cast<double>(c.q_scale), c.post_norms ? ", post-norms" : "",
-                  c.attn_softcap != 0.0f || c.final_softcap != 0.0f ? ", soft-capped scores and logits" : "");
+                  static_cast<double>(c.q_scale), c.post_norms ? ", post-norms" : "", caps);
+    }
     std::printf("output head   %s\n", c.tied_embeddings ? "tied to the embeddings" : "separate");
     const Tokenizer& tok = model->tokenizer();
     const Vocab& v = tok.vocab();

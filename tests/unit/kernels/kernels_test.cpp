@@ -736,6 +736,81 @@ TEST(Attention, SharedPrefixBlocksGiveTheSameResultAsAlone) {
   }
 }
 
+// Sliding windows (and Gemma 2's score cap): tokens of sequences that share prefix blocks, at
+// positions far apart, with early prompt tokens in the same items; every token's result is the
+// bits it gets alone, on any number of threads, and near the exact sums over its window.
+TEST(Attention, WindowedTokensEqualEachAloneAndTheExactSums) {
+  for (const std::int64_t dim : {64, 40}) {
+    for (const std::int64_t window : {1, 2, 3, 5, 9, 20, 25, 64}) {
+      for (const float cap : {0.0f, 0.7f}) {
+        AttentionShape s{6, 2, dim, 2 * dim, 0.2f};
+        s.window = window;
+        s.softcap = cap;
+        const std::int64_t block = 4, n_blocks = 40;
+        const std::vector<std::vector<std::int32_t>> tables = {
+            {0, 1, 2, 3, 4, 5, 10, 11}, {0, 1, 2, 3, 4, 5, 12, 13, 14}, {0, 1, 2, 20, 21, 22, 23}, {30, 31, 32}};
+        const std::int64_t lens[4] = {30, 35, 27, 12};
+        const std::vector<std::span<const std::int32_t>> spans(tables.begin(), tables.end());
+        const auto kf = random_floats(n_blocks * block * s.kv_stride, 80), vf = random_floats(kf.size(), 81);
+        std::vector<std::uint16_t> kpool(kf.size()), vpool(kf.size());
+        for (std::size_t i = 0; i < kf.size(); ++i) kpool[i] = fp32_to_fp16(kf[i]), vpool[i] = fp32_to_fp16(vf[i]);
+        std::vector<std::int32_t> positions, sequence_of;
+        for (int seq = 0; seq < 4; ++seq) positions.push_back(static_cast<std::int32_t>(lens[seq] - 1)), sequence_of.push_back(seq);
+        for (int p = 28; p < 34; ++p) positions.push_back(p), sequence_of.push_back(1);
+        for (int p : {0, 1, 2, 5, 13}) positions.push_back(p), sequence_of.push_back(0);
+        for (int p : {3, 26}) positions.push_back(p), sequence_of.push_back(2);
+        const auto n = static_cast<std::int64_t>(positions.size());
+        const std::int64_t row = s.n_heads * s.head_dim;
+        const auto q = random_floats(n * row, 82);
+        for (const int threads : {1, 2, 8, 64}) {
+          std::vector<float> batched(q.size());
+          ThreadPool pool(threads);
+          const PagedKv kv{kpool.data(), vpool.data(), block, spans, sequence_of.data()};
+          attention_paged(s, q.data(), n, positions.data(), kv, batched.data(), pool);
+          for (std::int64_t t = 0; t < n; ++t) {
+            const auto& table = tables[sequence_of[t]];
+            const std::int64_t n_ctx = positions[t] + 1;
+            std::vector<std::uint16_t> kc(n_ctx * s.kv_stride), vc(kc.size());
+            for (std::int64_t p = 0; p < n_ctx; ++p) {
+              const std::int64_t src = (table[p / block] * block + p % block) * s.kv_stride;
+              std::copy_n(vpool.data() + src, s.kv_stride, vc.data() + p * s.kv_stride);
+              for (std::int64_t c = 0; c < s.kv_stride; ++c)
+                kc[p * s.kv_stride + c] = kpool[table[p / block] * block * s.kv_stride + c * block + p % block];
+            }
+            std::vector<float> alone(row);
+            attention(s, q.data() + t * row, 1, &positions[t], kc.data(), vc.data(), alone.data(), pool);
+            for (std::int64_t i = 0; i < row; ++i)
+              ASSERT_EQ(batched[t * row + i], alone[i])
+                  << "dim " << dim << " window " << window << " cap " << cap << " threads " << threads << " token " << t;
+            // The exact sums over positions p - window + 1 .. p.
+            const std::int64_t lo = std::max<std::int64_t>(0, positions[t] - window + 1);
+            for (std::int64_t h = 0; h < s.n_heads; ++h) {
+              const std::int64_t kvh = h / (s.n_heads / s.n_kv_heads);
+              std::vector<double> w;
+              for (std::int64_t p = lo; p < n_ctx; ++p) {
+                double d = 0;
+                for (std::int64_t i = 0; i < dim; ++i)
+                  d += static_cast<double>(fp16_to_fp32(fp32_to_fp16(q[t * row + h * dim + i]))) *
+                       fp16_to_fp32(kc[p * s.kv_stride + kvh * dim + i]);
+                d *= s.scale;
+                w.push_back(cap != 0.0f ? cap * std::tanh(d / cap) : d);
+              }
+              const double top = *std::max_element(w.begin(), w.end());
+              double sum = 0;
+              for (double& e : w) sum += (e = std::exp(e - top));
+              for (std::int64_t i = 0; i < dim; ++i) {
+                double o = 0;
+                for (std::int64_t p = lo; p < n_ctx; ++p) o += w[p - lo] / sum * fp16_to_fp32(vc[p * s.kv_stride + kvh * dim + i]);
+                ASSERT_NEAR(batched[t * row + h * dim + i], o, 2e-3) << "dim " << dim << " window " << window << " token " << t;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // A token's attention is the same bits whichever way the threads split it: one item per query
 // head (few tokens on many threads) or one per token and KV head, whose rows are read once for
 // the group (the rest).

@@ -469,6 +469,34 @@ TEST_F(TinyVariants, GemmaWindowsAndPatternsAreReadAsLlamaCppReadsThem) {
                  }}));
   const std::string e = load_error(dir_ / "short.gguf");
   EXPECT_NE(e.find("metadata 'gemma3.attention.sliding_window_pattern' has 2 entries for 6 layers"), std::string::npos) << e;
+  // Integer flags as llama.cpp reads them (not 0: windowed); other element types are refused.
+  bt::write_file(dir_ / "ints.gguf", bt::edit(gguf::File::open(g3), {.add = [&](bt::GgufWriter& w) {
+                   const std::int32_t v[6] = {1, 0, 7, 1, 0, 1};
+                   w.add("gemma3.attention.sliding_window_pattern", bt::GgufValue::i32_array(v));
+                 }}));
+  EXPECT_EQ(Model::load(dir_ / "ints.gguf")->config().swa_layers, (std::vector<bool>{true, false, true, true, false, true}));
+  bt::write_file(dir_ / "strings.gguf", bt::edit(gguf::File::open(g3), {.add = [&](bt::GgufWriter& w) {
+                   w.add("gemma3.attention.sliding_window_pattern", bt::GgufValue::str_array({"a", "b", "c", "d", "e", "f"}));
+                 }}));
+  const std::string strings = load_error(dir_ / "strings.gguf");
+  EXPECT_NE(strings.find("metadata 'gemma3.attention.sliding_window_pattern' holds string values (expected booleans, one per layer)"),
+            std::string::npos)
+      << strings;
+}
+
+// Queries are scaled by 1 / sqrt(head size), or for the 27B models (46 layers of Gemma 2, 62 of
+// Gemma 3) by 1 / sqrt(n_embd / n_heads), as llama.cpp has them.
+TEST_F(TinyVariants, GemmaQueryScaleFollowsTheModelSize) {
+  bt::TinyLlamaOptions o;
+  o.architecture = "gemma2";
+  o.head_dim = 32;  // n_embd / n_heads is 16
+  EXPECT_EQ(Model::load(write("gemma2-2.gguf", o))->config().q_scale, 1.0f / std::sqrt(32.0f));
+  o.n_layers = 46;
+  EXPECT_EQ(Model::load(write("gemma2-46.gguf", o))->config().q_scale, 0.25f);
+  o.architecture = "gemma3";
+  EXPECT_EQ(Model::load(write("gemma3-46.gguf", o))->config().q_scale, 1.0f / std::sqrt(32.0f));
+  o.n_layers = 62;
+  EXPECT_EQ(Model::load(write("gemma3-62.gguf", o))->config().q_scale, 0.25f);
 }
 
 // Gemma 2's output head is its embedding matrix: an output.weight is refused, as llama.cpp does.

@@ -106,7 +106,8 @@ const std::vector<Case>& cases() {
         return c;
       }(),
       [] {
-        Case c = gemma("gemma3_Q8_0_window_linear_rope", DType::Q8_0, "gemma3");
+        Case c = gemma("gemma3_Q8_0_window_linear_rope_wide_heads", DType::Q8_0, "gemma3");
+        c.head_dim = 128;  // wider than n_embd / n_heads, as every Gemma 3's 256 are
         c.window = 8;
         c.pattern = 2;
         c.rope_base = 1e6f;
