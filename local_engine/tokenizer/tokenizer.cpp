@@ -192,6 +192,47 @@ constexpr std::string_view kQwen2Pattern =
     "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
     "\\p{N}| ?[^{WS}\\p{L}\\p{N}]+[\\r\\n]*|[{WS}]*[\\r\\n]+|[{WS}]+(?![^{WS}])|[{WS}]+";
 
+// Tekken (Mistral Nemo, Mistral Small 3, Pixtral) and GPT-4o's o200k (Phi-4-mini, Llama 4): a
+// word is capitals then small letters ("Camel", "HTTPServer") or capitals alone ("ALL"), after
+// at most one non-letter; symbols take trailing newlines and slashes. Tekken makes every digit
+// a piece; o200k groups digits by three and lets a word take a contraction ("DON'T"). The case
+// classes are llama.cpp's, which runs these patterns with std::regex on a copy of the text in
+// which every non-ASCII letter is one placeholder: a capital is a letter other than a-z, a
+// small letter one other than A-Z. So a non-ASCII letter is both ("ÉCOLE" is "É" and "COLE"),
+// and combining marks, which the models' own patterns count with letters, are not letters.
+constexpr std::string_view kTekkenPattern =
+    "[^\\r\\n\\p{L}\\p{N}]?[^\\P{L}a-z]*[^\\P{L}A-Z]+|[^\\r\\n\\p{L}\\p{N}]?[^\\P{L}a-z]+[^\\P{L}A-Z]*|"
+    "\\p{N}| ?[^{WS}\\p{L}\\p{N}]+[\\r\\n/]*|[{WS}]*[\\r\\n]+|[{WS}]+(?![^{WS}])|[{WS}]+";
+
+constexpr std::string_view kGpt4oPattern =
+    "[^\\r\\n\\p{L}\\p{N}]?[^\\P{L}a-z]*[^\\P{L}A-Z]+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+    "[^\\r\\n\\p{L}\\p{N}]?[^\\P{L}a-z]+[^\\P{L}A-Z]*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+    "\\p{N}{1,3}| ?[^{WS}\\p{L}\\p{N}]+[\\r\\n/]*|[{WS}]*[\\r\\n]+|[{WS}]+(?![^{WS}])|[{WS}]+";
+
+// The pre-tokenizers this build knows: the tokenizer.ggml.pre values that name each (llama.cpp's
+// names for the same patterns), the patterns, and whether a piece that is itself a token is taken
+// whole, whatever the merges would make of it (llama.cpp's ignore_merges).
+struct PreTokenizerKind {
+  std::vector<std::string_view> names;
+  std::vector<std::string_view> patterns;
+  bool ignore_merges = false;
+};
+
+const std::vector<PreTokenizerKind>& pre_tokenizer_kinds() {
+  static const std::vector<PreTokenizerKind> kinds = {
+      // Every digit its own piece first, then GPT-2's pattern.
+      {{"smollm", "starcoder", "refact"}, {"\\p{N}", kGpt2Pattern}},
+      {{"gpt2", "gpt-2"}, {kGpt2Pattern}},
+      // llama.cpp's fallback for a vocabulary that names no known pre-tokenizer.
+      {{"default", ""}, {"[\\p{P}\\$\\+<=>\\^~\\|]+", kGpt2Pattern, "\\p{N}+", "[0-9][0-9][0-9]"}},
+      {{"llama3", "llama-v3", "llama-bpe"}, {kLlama3Pattern}, true},
+      {{"qwen2", "deepseek-r1-qwen"}, {kQwen2Pattern}},
+      {{"tekken"}, {kTekkenPattern}, true},
+      {{"gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"}, {kGpt4oPattern}},
+  };
+  return kinds;
+}
+
 std::string expand_whitespace(std::string_view pattern) {
   std::string out;
   for (std::size_t i = 0; i < pattern.size();) {
@@ -234,25 +275,22 @@ class PreTokenizer {
  public:
   // Throws std::invalid_argument for a pre-tokenizer this build does not know.
   explicit PreTokenizer(std::string_view name) {
-    std::vector<std::string> patterns;
-    if (name == "smollm" || name == "starcoder" || name == "refact") {
-      // Every digit its own piece first, then GPT-2's pattern.
-      patterns = {"\\p{N}", std::string(kGpt2Pattern)};
-    } else if (name == "gpt2" || name == "gpt-2") {
-      patterns = {std::string(kGpt2Pattern)};
-    } else if (name == "default" || name.empty()) {
-      // llama.cpp's fallback for a vocabulary that names no known pre-tokenizer.
-      patterns = {"[\\p{P}\\$\\+<=>\\^~\\|]+", std::string(kGpt2Pattern), "\\p{N}+", "[0-9][0-9][0-9]"};
-    } else if (name == "llama3" || name == "llama-v3" || name == "llama-bpe") {
-      patterns = {std::string(kLlama3Pattern)};
-      // A piece that is itself a token is taken whole, whatever the merges would make of it.
-      ignore_merges_ = true;
-    } else if (name == "qwen2" || name == "deepseek-r1-qwen") {
-      patterns = {std::string(kQwen2Pattern)};
-    } else {
-      throw std::invalid_argument("tokenizer: unsupported pre-tokenizer '" + std::string(name) + "'");
+    const auto& kinds = pre_tokenizer_kinds();
+    const auto kind = std::find_if(kinds.begin(), kinds.end(), [&](const PreTokenizerKind& k) {
+      return std::find(k.names.begin(), k.names.end(), name) != k.names.end();
+    });
+    if (kind == kinds.end()) {
+      std::string known;
+      for (const PreTokenizerKind& k : kinds) {
+        for (const std::string_view n : k.names) {
+          if (!n.empty()) known += (known.empty() ? "" : ", ") + std::string(n);
+        }
+      }
+      throw std::invalid_argument("tokenizer: unsupported pre-tokenizer '" + std::string(name) +
+                                  "' (tokenizer.ggml.pre; known: " + known + ")");
     }
-    for (const std::string& pattern : patterns) {
+    ignore_merges_ = kind->ignore_merges;
+    for (const std::string_view pattern : kind->patterns) {
       const std::string expanded = expand_whitespace(pattern);
       int error = 0;
       PCRE2_SIZE error_offset = 0;
@@ -587,10 +625,11 @@ Vocab Vocab::from_gguf(const gguf::File& file) {
   vocab.eom = token_id("tokenizer.ggml.eom_token_id");
   vocab.unk = token_id("tokenizer.ggml.unknown_token_id", spm ? 0 : -1);
   vocab.pad = token_id("tokenizer.ggml.padding_token_id");
-  // Without the key, llama.cpp adds a BOS for every "llama" vocabulary, and for Llama 3's
-  // pre-tokenizer and no other BPE one.
-  const bool llama3 = vocab.pre == "llama3" || vocab.pre == "llama-v3" || vocab.pre == "llama-bpe";
-  vocab.add_bos = file.find_bool("tokenizer.ggml.add_bos_token").value_or(spm || llama3);
+  // Without the key, llama.cpp adds a BOS for every "llama" vocabulary, and for Llama 3's and
+  // Tekken's pre-tokenizers and no other BPE one.
+  const bool bos_by_default = vocab.pre == "llama3" || vocab.pre == "llama-v3" || vocab.pre == "llama-bpe" ||
+                              vocab.pre == "tekken";
+  vocab.add_bos = file.find_bool("tokenizer.ggml.add_bos_token").value_or(spm || bos_by_default);
   vocab.add_space_prefix = file.find_bool("tokenizer.ggml.add_space_prefix").value_or(spm);
   // llama.cpp marks the special tokens of Phi-3 by the model's name (lower-cased).
   std::string name = file.find_string("general.name").value_or("");

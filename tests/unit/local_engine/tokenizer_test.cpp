@@ -162,10 +162,19 @@ TEST(Tokenizer, Qwen2PreTokenizerSplitsEveryDigit) {
   }
 }
 
-TEST(Tokenizer, OnlyLlama3TakesAPieceThatIsATokenWhole) {
+TEST(Tokenizer, TekkenSplitsEveryDigitAndGpt4oGroupsThem) {
+  const Tokenizer gpt2(toy_vocab("gpt2"));
+  const Token one = gpt2.find("1"), two = gpt2.find("2"), twelve = gpt2.find("12"), three = gpt2.find("3"),
+              four = gpt2.find("4"), five = gpt2.find("5");
+  EXPECT_EQ(Tokenizer(toy_vocab("tekken")).encode("12345", false), (std::vector<Token>{one, two, three, four, five}));
+  // "123" and "45": "3 4" cannot merge.
+  EXPECT_EQ(Tokenizer(toy_vocab("gpt-4o")).encode("12345", false), (std::vector<Token>{twelve, three, four, five}));
+}
+
+TEST(Tokenizer, OnlyLlama3AndTekkenTakeAPieceThatIsATokenWhole) {
   // "abc" is a token, but the merges make "a" + "bc" of it: "b c" ranks first, and no merge
-  // joins "a" and "bc". Llama 3 looks the piece up first (llama.cpp's ignore_merges); Qwen2 and
-  // GPT-2 do not.
+  // joins "a" and "bc". Llama 3 and Tekken look the piece up first (llama.cpp's ignore_merges);
+  // Qwen2, GPT-2 and GPT-4o do not.
   const auto with_abc = [](std::string pre) {
     Vocab vocab = toy_vocab(std::move(pre));
     vocab.tokens.push_back("abc");
@@ -175,7 +184,8 @@ TEST(Tokenizer, OnlyLlama3TakesAPieceThatIsATokenWhole) {
   const Tokenizer llama3(with_abc("llama-bpe"));
   const Token abc = llama3.find("abc"), a = llama3.find("a"), bc = llama3.find("bc");
   EXPECT_EQ(llama3.encode("abc", false), (std::vector<Token>{abc}));
-  for (const char* pre : {"qwen2", "gpt2"}) {
+  EXPECT_EQ(Tokenizer(with_abc("tekken")).encode("abc", false), (std::vector<Token>{abc}));
+  for (const char* pre : {"qwen2", "gpt2", "gpt-4o"}) {
     EXPECT_EQ(Tokenizer(with_abc(pre)).encode("abc", false), (std::vector<Token>{a, bc})) << pre;
   }
 }
@@ -297,7 +307,18 @@ std::string invalid_argument_message(F&& make) {
 }
 
 TEST(Tokenizer, RejectsAnUnknownPreTokenizerByName) {
-  EXPECT_NE(invalid_argument_message([] { Tokenizer t(toy_vocab("qwen9")); }).find("'qwen9'"), std::string::npos);
+  const std::string message = invalid_argument_message([] { Tokenizer t(toy_vocab("qwen9")); });
+  EXPECT_NE(message.find("unsupported pre-tokenizer 'qwen9'"), std::string::npos) << message;
+  // The message lists the names this build knows, and each of them loads.
+  const std::string known = "smollm, starcoder, refact, gpt2, gpt-2, default, llama3, llama-v3, llama-bpe, qwen2, "
+                            "deepseek-r1-qwen, tekken, gpt-4o, llama4, kanana2, talkie, minimax-m2";
+  EXPECT_NE(message.find("(tokenizer.ggml.pre; known: " + known + ")"), std::string::npos) << message;
+  for (std::size_t begin = 0; begin < known.size();) {
+    const std::size_t end = std::min(known.find(", ", begin), known.size());
+    const std::string name = known.substr(begin, end - begin);
+    EXPECT_NO_THROW(Tokenizer{toy_vocab(name)}) << name;
+    begin = end + 2;
+  }
 }
 
 TEST(Tokenizer, RejectsAModelOtherThanByteLevelBpeOrSentencePiece) {

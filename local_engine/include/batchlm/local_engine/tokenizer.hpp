@@ -73,9 +73,9 @@ class Tokenizer {
   // The same as token_bytes(t), viewed in the tokenizer rather than copied.
   std::string_view token_view(Token t) const;
   // The tokens' bytes joined, nothing cleaned up. For "gpt2", decode(encode(x)) == x. (For most
-  // pre-tokenizers, though not smollm or qwen2, llama.cpp's llama_detokenize also drops the
-  // space before "?", "!", ".", "," and some contractions, its clean_spaces; the pieces of
-  // single tokens, which llama-server streams, are never cleaned.) For "llama" with
+  // pre-tokenizers, though not smollm, qwen2, tekken or gpt-4o, llama.cpp's llama_detokenize
+  // also drops the space before "?", "!", ".", "," and some contractions, its clean_spaces; the
+  // pieces of single tokens, which llama-server streams, are never cleaned.) For "llama" with
   // add_space_prefix, decode(encode(x)) == " " + x for a non-empty valid UTF-8 x without
   // special-token text or U+2581 (which comes back as a space), given the byte tokens: the
   // prefix comes back as a space. llama_detokenize drops one leading space of the first token's
