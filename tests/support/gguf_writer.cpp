@@ -805,6 +805,69 @@ TinyLlamaInfo tiny_llama_vocab() {
   return info;
 }
 
+namespace {
+
+// The tokenizer keys of a byte-level BPE vocabulary whose first three tokens are control tokens
+// (<|endoftext|>, <|im_start|>, <|im_end|>), add_bos_token only where given.
+void add_vocab(GgufWriter& writer, const TinyLlamaInfo& info, const std::string& pre, std::optional<bool> add_bos) {
+  std::vector<std::int32_t> token_types(info.tokens.size(), 1);  // normal
+  for (int special = 0; special < 3; ++special) token_types[static_cast<std::size_t>(special)] = 3;  // control
+  writer.add("tokenizer.ggml.model", GgufValue::str("gpt2"))
+      .add("tokenizer.ggml.pre", GgufValue::str(pre))
+      .add("tokenizer.ggml.tokens", GgufValue::str_array(info.tokens))
+      .add("tokenizer.ggml.token_type", GgufValue::i32_array(token_types))
+      .add("tokenizer.ggml.merges", GgufValue::str_array(info.merges))
+      .add("tokenizer.ggml.bos_token_id", GgufValue::u32(1))
+      .add("tokenizer.ggml.eos_token_id", GgufValue::u32(2))
+      .add("tokenizer.ggml.unknown_token_id", GgufValue::u32(0))
+      .add("tokenizer.ggml.padding_token_id", GgufValue::u32(2));
+  if (add_bos) writer.add("tokenizer.ggml.add_bos_token", GgufValue::boolean(*add_bos));
+}
+
+}  // namespace
+
+TinyLlamaInfo byte_pair_vocab() {
+  TinyLlamaInfo info;
+  info.tokens = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
+  const auto alphabet = byte_level_alphabet();
+  info.tokens.insert(info.tokens.end(), alphabet.begin(), alphabet.end());
+  // Each pair (first byte * 256 + second) ranked by a hash of it, splitmix64's finalizer, so the
+  // order is the same on every platform.
+  const auto hash = [](std::uint64_t x) {
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+  };
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> ranked;
+  for (std::uint32_t pair = 0; pair < 256 * 256; ++pair) ranked.emplace_back(hash(pair), pair);
+  std::sort(ranked.begin(), ranked.end());
+  for (const auto& [key, pair] : ranked) {
+    const std::string& left = alphabet[pair >> 8];
+    const std::string& right = alphabet[pair & 255];
+    info.merges.push_back(left + " " + right);
+    info.tokens.push_back(left + right);
+  }
+  info.n_vocab = static_cast<std::int64_t>(info.tokens.size());
+  return info;
+}
+
+void write_vocab_gguf(const std::filesystem::path& path, const TinyLlamaInfo& vocab, const std::string& pre) {
+  GgufWriter writer;
+  writer.add("general.architecture", GgufValue::str("llama"))
+      .add("general.name", GgufValue::str("vocab-" + pre))
+      .add("llama.block_count", GgufValue::u32(1))
+      .add("llama.context_length", GgufValue::u32(256))
+      .add("llama.embedding_length", GgufValue::u32(64))
+      .add("llama.feed_forward_length", GgufValue::u32(128))
+      .add("llama.attention.head_count", GgufValue::u32(4))
+      .add("llama.attention.head_count_kv", GgufValue::u32(4))
+      .add("llama.attention.layer_norm_rms_epsilon", GgufValue::f32(1e-5f))
+      .add("llama.vocab_size", GgufValue::u32(static_cast<std::uint32_t>(vocab.tokens.size())))
+      .add("llama.rope.dimension_count", GgufValue::u32(16));
+  add_vocab(writer, vocab, pre, std::nullopt);
+  writer.write(path);
+}
+
 TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlamaOptions& options) {
   const TinyLlamaOptions& o = options;
   if (o.n_heads <= 0 || o.n_kv_heads <= 0 || (o.head_dim == 0 && o.n_embd % o.n_heads != 0) || o.head_dim < 0 ||
@@ -868,22 +931,11 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
         .add(a + "attention.value_length", GgufValue::u32(static_cast<std::uint32_t>(o.head_dim)));
   }
 
-  std::vector<std::int32_t> token_types(static_cast<std::size_t>(n_vocab), 1);  // normal
-  for (int special = 0; special < 3; ++special) token_types[static_cast<std::size_t>(special)] = 3;  // control
-  writer.add("tokenizer.ggml.model", GgufValue::str("gpt2"))
-      .add("tokenizer.ggml.pre", GgufValue::str("smollm"))
-      .add("tokenizer.ggml.tokens", GgufValue::str_array(info.tokens))
-      .add("tokenizer.ggml.token_type", GgufValue::i32_array(token_types))
-      .add("tokenizer.ggml.merges", GgufValue::str_array(info.merges))
-      .add("tokenizer.ggml.bos_token_id", GgufValue::u32(1))
-      .add("tokenizer.ggml.eos_token_id", GgufValue::u32(2))
-      .add("tokenizer.ggml.unknown_token_id", GgufValue::u32(0))
-      .add("tokenizer.ggml.padding_token_id", GgufValue::u32(2))
-      .add("tokenizer.ggml.add_bos_token", GgufValue::boolean(false))
-      .add("tokenizer.chat_template",
-           GgufValue::str("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-                          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-                          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"));
+  add_vocab(writer, info, "smollm", false);
+  writer.add("tokenizer.chat_template",
+             GgufValue::str("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+                            "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+                            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"));
 
   // Weights: normal with std 0.5 / sqrt(row length) for matrices, so that a matrix-vector
   // product keeps activations near unit scale (0.04 to 0.06 at the default sizes); the

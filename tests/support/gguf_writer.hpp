@@ -207,6 +207,18 @@ TinyLlamaOptions tiny_qwen3_reference();
 // The vocabulary alone (tokens and merges of write_tiny_llama).
 TinyLlamaInfo tiny_llama_vocab();
 
+// A vocabulary in which any two bytes merge: the three special tokens and 256 byte tokens of
+// tiny_llama_vocab, then the 65,536 pairs of bytes as tokens, their merges ranked in a fixed
+// pseudo-random order. Where two pre-tokenizers split a text differently, the ids mostly
+// differ too, since a piece's bytes pair up across the place where the other splits it.
+// llama.cpp's pre-tokenizer goldens (tests/reference/pretokenizers/) are made with it.
+TinyLlamaInfo byte_pair_vocab();
+
+// Writes a vocabulary-only file, as llama.cpp's ggml-vocab-*.gguf are (no tensors): the keys of
+// a small llama-architecture model, then `vocab` as the first three tokens control, bos 1,
+// eos 2, unk 0, tokenizer.ggml.pre = pre, and no add_bos_token (the pre-tokenizer's default).
+void write_vocab_gguf(const std::filesystem::path& path, const TinyLlamaInfo& vocab, const std::string& pre);
+
 // Writes the model to `path`. Weights are deterministic in options.seed. Throws
 // std::invalid_argument for sizes that do not make a model (n_embd not a multiple of
 // n_heads, rows not whole blocks of the chosen dtypes, ...).
