@@ -314,6 +314,15 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
     result.skip_empty_system_ = tmpl.find("'system' and message['content']") != std::string::npos;
     return result;
   }
+  if ((tmpl.find("'<|' + message['role'] + '|>'") != std::string::npos ||
+       tmpl.find("\"<|\" + message[\"role\"] + \"|>\"") != std::string::npos) &&
+      tmpl.find(kPhiEnd) != std::string::npos && tmpl.find(kPhiAssistant) != std::string::npos) {
+    // Phi-4-mini's: '<|' + role + '|>' + content + '<|end|>' for every message, no newlines.
+    result.name_ = "phi3";
+    result.system_turns_ = true;
+    result.phi_newlines_ = false;
+    return result;
+  }
   if (tmpl.find(kGemmaStart) != std::string::npos) {
     // Gemma 2's and 3's: '<start_of_turn>' + role + '\n' + content | trim + '<end_of_turn>\n'.
     const std::vector<std::string> constants = constant_strings(tmpl);
@@ -462,8 +471,9 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
     return out;
   }
   if (name_ == "phi3") {
-    // <|role|>\ncontent<|end|>\n per turn; a system message adds nothing where the template has
-    // no system turn, nor an empty one where the template skips those.
+    // <|role|>\ncontent<|end|>\n per turn (Phi-4-mini's without the newlines); a system message
+    // adds nothing where the template has no system turn, nor an empty one where the template
+    // skips those.
     for (const ChatMessage& m : messages) {
       std::string_view tag;
       if (m.role == "user") tag = kPhiUser;
@@ -471,14 +481,14 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
       if (m.role == "system" && system_turns_ && !(skip_empty_system_ && m.content.empty())) tag = kPhiSystem;
       if (tag.empty()) continue;
       out += tag;
-      out += '\n';
+      if (phi_newlines_) out += '\n';
       out += m.content;
       out += kPhiEnd;
-      out += '\n';
+      if (phi_newlines_) out += '\n';
     }
     if (add_generation_prompt) {
       out += kPhiAssistant;
-      out += '\n';
+      if (phi_newlines_) out += '\n';
     }
     return out;
   }

@@ -930,6 +930,23 @@ TEST(ChatTemplate, Phi3FirstTemplateLeavesSystemMessagesOut) {
             "<|user|>\n2+2?<|end|>\n<|assistant|>\n4<|end|>\n<|user|>\n3+3?<|end|>\n<|assistant|>\n");
 }
 
+// Phi-4-mini's template: its tags built as '<|' + role + '|>', no newlines; every message a
+// turn, an empty system message too. The expected texts are jinja2's renderings of it.
+TEST(ChatTemplate, Phi4MiniTagsTakeNoNewlines) {
+  const ChatTemplate chat = template_from(
+      "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and message['tools'] is not none %}"
+      "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}"
+      "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}");
+  EXPECT_EQ(chat.name(), "phi3");
+  EXPECT_TRUE(chat.system_turns());
+  using M = std::vector<ChatMessage>;
+  EXPECT_EQ(chat.apply(M{{"user", "2+2?"}, {"assistant", "4"}, {"user", "And 3+3?"}}, true),
+            "<|user|>2+2?<|end|><|assistant|>4<|end|><|user|>And 3+3?<|end|><|assistant|>");
+  EXPECT_EQ(chat.apply(M{{"system", "Be brief."}, {"user", " Hi\n"}}, true), "<|system|>Be brief.<|end|><|user|> Hi\n<|end|><|assistant|>");
+  EXPECT_EQ(chat.apply(M{{"system", ""}, {"user", "Hi"}}, true), "<|system|><|end|><|user|>Hi<|end|><|assistant|>");
+}
+
 // ---- Mistral ----
 // Templates with the features of Mistral's (the tags' spaces, the answer's space and trim, where
 // the system message goes); the expected texts are jinja2's renderings of these templates with

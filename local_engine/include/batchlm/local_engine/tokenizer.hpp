@@ -178,6 +178,7 @@ class ChatTemplate {
   bool opens_reasoning_ = false;
   bool system_turns_ = false;
   bool skip_empty_system_ = false;
+  bool phi_newlines_ = true;  // Phi-3's "<|user|>\n"; Phi-4-mini's tags take none
   // Mistral's.
   std::string inst_open_, inst_close_, eos_text_, bos_text_;
   bool answer_space_ = false, answer_trim_ = false;
