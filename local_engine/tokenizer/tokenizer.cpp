@@ -211,11 +211,13 @@ constexpr std::string_view kGpt4oPattern =
 
 // The pre-tokenizers this build knows: the tokenizer.ggml.pre values that name each (llama.cpp's
 // names for the same patterns), the patterns, and whether a piece that is itself a token is taken
-// whole, whatever the merges would make of it (llama.cpp's ignore_merges).
+// whole, whatever the merges would make of it (llama.cpp's ignore_merges), and whether a
+// vocabulary without tokenizer.ggml.add_bos_token adds a BOS (llama.cpp does for these two only).
 struct PreTokenizerKind {
   std::vector<std::string_view> names;
   std::vector<std::string_view> patterns;
   bool ignore_merges = false;
+  bool bos_by_default = false;
 };
 
 const std::vector<PreTokenizerKind>& pre_tokenizer_kinds() {
@@ -225,12 +227,19 @@ const std::vector<PreTokenizerKind>& pre_tokenizer_kinds() {
       {{"gpt2", "gpt-2"}, {kGpt2Pattern}},
       // llama.cpp's fallback for a vocabulary that names no known pre-tokenizer.
       {{"default", ""}, {"[\\p{P}\\$\\+<=>\\^~\\|]+", kGpt2Pattern, "\\p{N}+", "[0-9][0-9][0-9]"}},
-      {{"llama3", "llama-v3", "llama-bpe"}, {kLlama3Pattern}, true},
+      {{"llama3", "llama-v3", "llama-bpe"}, {kLlama3Pattern}, true, true},
       {{"qwen2", "deepseek-r1-qwen"}, {kQwen2Pattern}},
-      {{"tekken"}, {kTekkenPattern}, true},
+      {{"tekken"}, {kTekkenPattern}, true, true},
       {{"gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"}, {kGpt4oPattern}},
   };
   return kinds;
+}
+
+// The kind a tokenizer.ggml.pre value names, or nullptr.
+const PreTokenizerKind* find_pre_tokenizer(std::string_view name) {
+  for (const PreTokenizerKind& k : pre_tokenizer_kinds())
+    if (std::find(k.names.begin(), k.names.end(), name) != k.names.end()) return &k;
+  return nullptr;
 }
 
 std::string expand_whitespace(std::string_view pattern) {
@@ -275,13 +284,10 @@ class PreTokenizer {
  public:
   // Throws std::invalid_argument for a pre-tokenizer this build does not know.
   explicit PreTokenizer(std::string_view name) {
-    const auto& kinds = pre_tokenizer_kinds();
-    const auto kind = std::find_if(kinds.begin(), kinds.end(), [&](const PreTokenizerKind& k) {
-      return std::find(k.names.begin(), k.names.end(), name) != k.names.end();
-    });
-    if (kind == kinds.end()) {
+    const PreTokenizerKind* kind = find_pre_tokenizer(name);
+    if (kind == nullptr) {
       std::string known;
-      for (const PreTokenizerKind& k : kinds) {
+      for (const PreTokenizerKind& k : pre_tokenizer_kinds()) {
         for (const std::string_view n : k.names) {
           if (!n.empty()) known += (known.empty() ? "" : ", ") + std::string(n);
         }
@@ -625,11 +631,10 @@ Vocab Vocab::from_gguf(const gguf::File& file) {
   vocab.eom = token_id("tokenizer.ggml.eom_token_id");
   vocab.unk = token_id("tokenizer.ggml.unknown_token_id", spm ? 0 : -1);
   vocab.pad = token_id("tokenizer.ggml.padding_token_id");
-  // Without the key, llama.cpp adds a BOS for every "llama" vocabulary, and for Llama 3's and
-  // Tekken's pre-tokenizers and no other BPE one.
-  const bool bos_by_default = vocab.pre == "llama3" || vocab.pre == "llama-v3" || vocab.pre == "llama-bpe" ||
-                              vocab.pre == "tekken";
-  vocab.add_bos = file.find_bool("tokenizer.ggml.add_bos_token").value_or(spm || bos_by_default);
+  // Without the key, llama.cpp adds a BOS for every "llama" vocabulary, and for the BPE ones
+  // whose pre-tokenizer says so (PreTokenizerKind::bos_by_default).
+  const PreTokenizerKind* kind = find_pre_tokenizer(vocab.pre);
+  vocab.add_bos = file.find_bool("tokenizer.ggml.add_bos_token").value_or(spm || (kind != nullptr && kind->bos_by_default));
   vocab.add_space_prefix = file.find_bool("tokenizer.ggml.add_space_prefix").value_or(spm);
   // llama.cpp marks the special tokens of Phi-3 by the model's name (lower-cased).
   std::string name = file.find_string("general.name").value_or("");

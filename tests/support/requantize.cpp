@@ -147,6 +147,20 @@ void require_llama(const gguf::File& in, const char* what) {
     throw std::invalid_argument(std::string(what) + ": the input is not a llama-architecture file");
 }
 
+// The sizes of a llama-architecture file that the copies need.
+struct LlamaShape {
+  std::int64_t n_embd, n_heads, n_kv_heads, rope_dim;
+};
+LlamaShape llama_shape(const gguf::File& in) {
+  const auto u64 = [&](const char* key) { return static_cast<std::int64_t>(in.get_u64(key)); };
+  LlamaShape s{};
+  s.n_embd = u64("llama.embedding_length");
+  s.n_heads = u64("llama.attention.head_count");
+  s.n_kv_heads = in.find("llama.attention.head_count_kv") ? u64("llama.attention.head_count_kv") : s.n_heads;
+  s.rope_dim = in.find("llama.rope.dimension_count") ? u64("llama.rope.dimension_count") : s.n_embd / s.n_heads;
+  return s;
+}
+
 }  // namespace
 
 namespace {
@@ -190,9 +204,7 @@ std::vector<std::byte> as_qwen2(const gguf::File& in, float bias_scale) {
   require_llama(in, "as_qwen2");
   GgufWriter out;
   copy_metadata_as(in, out, "qwen2");
-  const auto heads = [&](const char* key) { return static_cast<std::int64_t>(in.get_u64(key)); };
-  const std::int64_t n_heads = heads("llama.attention.head_count");
-  const std::int64_t n_kv_heads = in.find("llama.attention.head_count_kv") ? heads("llama.attention.head_count_kv") : n_heads;
+  const auto [n_embd, n_heads, n_kv_heads, rope_dim] = llama_shape(in);
   // One stream for every bias, in tensor order.
   Stream random(0x7177656e32ULL);  // "qwen2"
   static const std::regex qk(R"(blk\.(\d+)\.attn_(q|k|v)\.weight)");
@@ -223,11 +235,7 @@ std::vector<std::byte> as_phi3(const gguf::File& in, float short_max, float attn
   copy_metadata_as(in, out, "phi3");
   out.add("phi3.rope.scaling.attn_factor", GgufValue::f32(attn_factor));
   out.add("phi3.rope.scaling.original_context_length", GgufValue::u32(static_cast<std::uint32_t>(original_context)));
-  const auto u64 = [&](const char* key) { return static_cast<std::int64_t>(in.get_u64(key)); };
-  const std::int64_t n_heads = u64("llama.attention.head_count");
-  const std::int64_t n_kv_heads = in.find("llama.attention.head_count_kv") ? u64("llama.attention.head_count_kv") : n_heads;
-  const std::int64_t dim = in.find("llama.rope.dimension_count") ? u64("llama.rope.dimension_count")
-                                                                 : u64("llama.embedding_length") / n_heads;
+  const auto [n_embd, n_heads, n_kv_heads, dim] = llama_shape(in);
   std::vector<float> short_factors(static_cast<std::size_t>(dim / 2)), long_factors(short_factors.size());
   for (std::size_t i = 0; i < short_factors.size(); ++i) {
     const float f = short_factors.size() > 1 ? static_cast<float>(i) / static_cast<float>(short_factors.size() - 1) : 0.0f;
@@ -285,9 +293,7 @@ std::vector<std::byte> as_gemma(const gguf::File& in, const GemmaCopy& g) {
   out.add(a + "rope.scaling.factor", GgufValue::f32(g.rope_factor));
   if (g.attn_softcap > 0.0f) out.add(a + "attn_logit_softcapping", GgufValue::f32(g.attn_softcap));
   if (g.final_softcap > 0.0f) out.add(a + "final_logit_softcapping", GgufValue::f32(g.final_softcap));
-  const auto u64 = [&](const char* key) { return static_cast<std::int64_t>(in.get_u64(key)); };
-  const std::int64_t n_embd = u64("llama.embedding_length"), n_heads = u64("llama.attention.head_count");
-  const std::int64_t n_kv_heads = in.find("llama.attention.head_count_kv") ? u64("llama.attention.head_count_kv") : n_heads;
+  const auto [n_embd, n_heads, n_kv_heads, rope_dim] = llama_shape(in);
   const std::int64_t head_dim = n_embd / n_heads;
   // One stream for every new norm, in tensor order.
   Stream random(0x67656d6d6133ULL);  // "gemma3", for both
@@ -350,11 +356,7 @@ std::vector<std::byte> with_rope_freqs(const gguf::File& in, float max_factor) {
   require_llama(in, "with_rope_freqs");
   GgufWriter out;
   copy_metadata(in, out, [](const std::string& key, const gguf::Value& value) { return std::pair(key, encode(value)); });
-  const std::int64_t dim = in.find("llama.rope.dimension_count")
-                               ? static_cast<std::int64_t>(in.get_u64("llama.rope.dimension_count"))
-                               : static_cast<std::int64_t>(in.get_u64("llama.embedding_length") /
-                                                           in.get_u64("llama.attention.head_count"));
-  const std::int64_t n = dim / 2;
+  const std::int64_t n = llama_shape(in).rope_dim / 2;
   std::vector<float> factors(static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) {
     const float f = n > 1 ? static_cast<float>(i) / static_cast<float>(n - 1) : 0.0f;

@@ -690,6 +690,38 @@ TEST(Attention, PagedEqualsContiguousPerSequence) {
   }
 }
 
+// A pool of blocks of 4 positions in which blocks 0..5 hold a prefix of 24 positions shared by
+// sequences 0 and 1; sequence 2 shares only blocks 0..2, sequence 3 nothing. Keys transposed
+// within each block, as the engine stores them.
+struct SharedPrefixPool {
+  static constexpr std::int64_t kBlock = 4, kBlocks = 40;
+  std::vector<std::vector<std::int32_t>> tables = {
+      {0, 1, 2, 3, 4, 5, 10, 11}, {0, 1, 2, 3, 4, 5, 12, 13, 14}, {0, 1, 2, 20, 21, 22, 23}, {30, 31, 32}};
+  std::int64_t lens[4] = {30, 35, 27, 12};
+  std::vector<std::span<const std::int32_t>> spans{tables.begin(), tables.end()};
+  std::vector<std::uint16_t> k, v;
+
+  explicit SharedPrefixPool(std::int64_t kv_stride) {
+    const auto kf = random_floats(kBlocks * kBlock * kv_stride, 80), vf = random_floats(kf.size(), 81);
+    k.resize(kf.size());
+    v.resize(kf.size());
+    for (std::size_t i = 0; i < kf.size(); ++i) k[i] = fp32_to_fp16(kf[i]), v[i] = fp32_to_fp16(vf[i]);
+  }
+  PagedKv paged(const std::int32_t* sequence_of) const { return {k.data(), v.data(), kBlock, spans, sequence_of}; }
+  // A contiguous copy of positions 0..n_ctx-1 of a sequence: keys and values by position.
+  void contiguous(int seq, std::int64_t n_ctx, std::int64_t kv_stride, std::vector<std::uint16_t>& kc,
+                  std::vector<std::uint16_t>& vc) const {
+    const auto& table = tables[static_cast<std::size_t>(seq)];
+    kc.assign(static_cast<std::size_t>(n_ctx * kv_stride), 0);
+    vc.assign(kc.size(), 0);
+    for (std::int64_t p = 0; p < n_ctx; ++p) {
+      const std::int64_t b = table[p / kBlock];
+      std::copy_n(v.data() + (b * kBlock + p % kBlock) * kv_stride, kv_stride, vc.data() + p * kv_stride);
+      for (std::int64_t c = 0; c < kv_stride; ++c) kc[p * kv_stride + c] = k[b * kBlock * kv_stride + c * kBlock + p % kBlock];
+    }
+  }
+};
+
 // Sequences that share cached prefix blocks (the same block ids at the start of their tables),
 // one that diverges part-way, one that shares nothing, decoding tokens and a run of prompt
 // tokens in one batch: every token's output is bit for bit what it gets alone over a
@@ -697,37 +729,20 @@ TEST(Attention, PagedEqualsContiguousPerSequence) {
 TEST(Attention, SharedPrefixBlocksGiveTheSameResultAsAlone) {
   for (const std::int64_t dim : {64, 40}) {
     const AttentionShape s{6, 2, dim, 2 * dim, 0.2f};
-    const std::int64_t block = 4, n_blocks = 40;
-    // Blocks 0..5 hold a shared prefix of 24 positions; sequence 2 shares only blocks 0..2.
-    std::vector<std::vector<std::int32_t>> tables = {
-        {0, 1, 2, 3, 4, 5, 10, 11}, {0, 1, 2, 3, 4, 5, 12, 13, 14}, {0, 1, 2, 20, 21, 22, 23}, {30, 31, 32}};
-    const std::int64_t lens[4] = {30, 35, 27, 12};
-    std::vector<std::span<const std::int32_t>> spans(tables.begin(), tables.end());
-    const auto kf = random_floats(n_blocks * block * s.kv_stride, 80), vf = random_floats(kf.size(), 81);
-    std::vector<std::uint16_t> kpool(kf.size()), vpool(kf.size());
-    for (std::size_t i = 0; i < kf.size(); ++i) kpool[i] = fp32_to_fp16(kf[i]), vpool[i] = fp32_to_fp16(vf[i]);
+    const SharedPrefixPool pool_kv(s.kv_stride);
     // The batch: the last position of every sequence, and the 6 positions before sequence 1's.
     std::vector<std::int32_t> positions, sequence_of;
-    for (int seq = 0; seq < 4; ++seq) positions.push_back(static_cast<std::int32_t>(lens[seq] - 1)), sequence_of.push_back(seq);
+    for (int seq = 0; seq < 4; ++seq) positions.push_back(static_cast<std::int32_t>(pool_kv.lens[seq] - 1)), sequence_of.push_back(seq);
     for (int p = 28; p < 34; ++p) positions.push_back(p), sequence_of.push_back(1);
     const auto n = static_cast<std::int64_t>(positions.size());
     const std::int64_t row = s.n_heads * s.head_dim;
     const auto q = random_floats(n * row, 82);
     std::vector<float> batched(q.size());
     ThreadPool pool(2);
-    const PagedKv kv{kpool.data(), vpool.data(), block, spans, sequence_of.data()};
-    attention_paged(s, q.data(), n, positions.data(), kv, batched.data(), pool);
+    attention_paged(s, q.data(), n, positions.data(), pool_kv.paged(sequence_of.data()), batched.data(), pool);
+    std::vector<std::uint16_t> kc, vc;
     for (std::int64_t t = 0; t < n; ++t) {
-      // A contiguous copy of the positions this token sees.
-      const auto& table = tables[sequence_of[t]];
-      const std::int64_t n_ctx = positions[t] + 1;
-      std::vector<std::uint16_t> kc(n_ctx * s.kv_stride), vc(kc.size());
-      for (std::int64_t p = 0; p < n_ctx; ++p) {
-        const std::int64_t src = (table[p / block] * block + p % block) * s.kv_stride;
-        std::copy_n(vpool.data() + src, s.kv_stride, vc.data() + p * s.kv_stride);
-        for (std::int64_t c = 0; c < s.kv_stride; ++c)  // keys transposed within the block
-          kc[p * s.kv_stride + c] = kpool[table[p / block] * block * s.kv_stride + c * block + p % block];
-      }
+      pool_kv.contiguous(sequence_of[t], positions[t] + 1, s.kv_stride, kc, vc);
       std::vector<float> alone(row);
       attention(s, q.data() + t * row, 1, &positions[t], kc.data(), vc.data(), alone.data(), pool);
       for (std::int64_t i = 0; i < row; ++i)
@@ -746,16 +761,9 @@ TEST(Attention, WindowedTokensEqualEachAloneAndTheExactSums) {
         AttentionShape s{6, 2, dim, 2 * dim, 0.2f};
         s.window = window;
         s.softcap = cap;
-        const std::int64_t block = 4, n_blocks = 40;
-        const std::vector<std::vector<std::int32_t>> tables = {
-            {0, 1, 2, 3, 4, 5, 10, 11}, {0, 1, 2, 3, 4, 5, 12, 13, 14}, {0, 1, 2, 20, 21, 22, 23}, {30, 31, 32}};
-        const std::int64_t lens[4] = {30, 35, 27, 12};
-        const std::vector<std::span<const std::int32_t>> spans(tables.begin(), tables.end());
-        const auto kf = random_floats(n_blocks * block * s.kv_stride, 80), vf = random_floats(kf.size(), 81);
-        std::vector<std::uint16_t> kpool(kf.size()), vpool(kf.size());
-        for (std::size_t i = 0; i < kf.size(); ++i) kpool[i] = fp32_to_fp16(kf[i]), vpool[i] = fp32_to_fp16(vf[i]);
+        const SharedPrefixPool pool_kv(s.kv_stride);
         std::vector<std::int32_t> positions, sequence_of;
-        for (int seq = 0; seq < 4; ++seq) positions.push_back(static_cast<std::int32_t>(lens[seq] - 1)), sequence_of.push_back(seq);
+        for (int seq = 0; seq < 4; ++seq) positions.push_back(static_cast<std::int32_t>(pool_kv.lens[seq] - 1)), sequence_of.push_back(seq);
         for (int p = 28; p < 34; ++p) positions.push_back(p), sequence_of.push_back(1);
         for (int p : {0, 1, 2, 5, 13}) positions.push_back(p), sequence_of.push_back(0);
         for (int p : {3, 26}) positions.push_back(p), sequence_of.push_back(2);
@@ -765,18 +773,11 @@ TEST(Attention, WindowedTokensEqualEachAloneAndTheExactSums) {
         for (const int threads : {1, 2, 8, 64}) {
           std::vector<float> batched(q.size());
           ThreadPool pool(threads);
-          const PagedKv kv{kpool.data(), vpool.data(), block, spans, sequence_of.data()};
-          attention_paged(s, q.data(), n, positions.data(), kv, batched.data(), pool);
+          attention_paged(s, q.data(), n, positions.data(), pool_kv.paged(sequence_of.data()), batched.data(), pool);
+          std::vector<std::uint16_t> kc, vc;
           for (std::int64_t t = 0; t < n; ++t) {
-            const auto& table = tables[sequence_of[t]];
             const std::int64_t n_ctx = positions[t] + 1;
-            std::vector<std::uint16_t> kc(n_ctx * s.kv_stride), vc(kc.size());
-            for (std::int64_t p = 0; p < n_ctx; ++p) {
-              const std::int64_t src = (table[p / block] * block + p % block) * s.kv_stride;
-              std::copy_n(vpool.data() + src, s.kv_stride, vc.data() + p * s.kv_stride);
-              for (std::int64_t c = 0; c < s.kv_stride; ++c)
-                kc[p * s.kv_stride + c] = kpool[table[p / block] * block * s.kv_stride + c * block + p % block];
-            }
+            pool_kv.contiguous(sequence_of[t], n_ctx, s.kv_stride, kc, vc);
             std::vector<float> alone(row);
             attention(s, q.data() + t * row, 1, &positions[t], kc.data(), vc.data(), alone.data(), pool);
             for (std::int64_t i = 0; i < row; ++i)
