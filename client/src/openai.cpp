@@ -250,6 +250,41 @@ Error wrong_type(std::string_view field, std::string_view expected, const nlohma
                                              truncated(value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)));
 }
 
+// What is wrong with a `tool_calls` value of an answer or a chunk (`field` names it): it must be
+// a list of objects. nullopt when it is one.
+std::optional<Error> tool_calls_problem(std::string_view field, const nlohmann::json& calls) {
+  if (!calls.is_array()) return wrong_type(field, "a list of tool calls", calls);
+  for (std::size_t i = 0; i < calls.size(); ++i)
+    if (!calls[i].is_object())
+      return wrong_type(std::string(field) + "[" + std::to_string(i) + "]", "an object", calls[i]);
+  return std::nullopt;
+}
+
+// A streamed fragment of a tool call (or of a `function_call`) added to what came before it:
+// the arguments arrive a few characters at a time and are appended; nested objects are merged
+// key by key; `index` and `type` are replaced. `id` and `name` are appended too (a server may
+// split them), except that a fragment repeating the whole value so far, as some servers send
+// with every fragment, is not appended again.
+void merge_fragment(nlohmann::json& into, const nlohmann::json& fragment) {
+  for (const auto& [key, value] : fragment.items()) {
+    auto it = into.find(key);
+    if (it == into.end() || it->is_null()) {
+      into[key] = value;
+    } else if (value.is_null()) {
+      continue;
+    } else if (key == "index" || key == "type") {
+      *it = value;
+    } else if (it->is_string() && value.is_string()) {
+      if ((key == "id" || key == "name") && *it == value) continue;
+      it->get_ref<std::string&>() += value.get_ref<const std::string&>();
+    } else if (it->is_object() && value.is_object()) {
+      merge_fragment(*it, value);
+    } else {
+      *it = value;
+    }
+  }
+}
+
 // Invalid UTF-8 sequences replaced by U+FFFD (EF BF BD): what a decoder shows for them.
 std::string replace_invalid_utf8(std::string_view in) {
   return batchlm::replace_invalid_utf8(in, [](unsigned char) { return std::string("\xEF\xBF\xBD"); });
@@ -373,7 +408,17 @@ nlohmann::json to_openai_body(const Request& request) {
     body["prompt"] = *request.prompt;
   } else {
     nlohmann::json messages = nlohmann::json::array();
-    for (const auto& m : request.messages) messages.push_back({{"role", m.role}, {"content", m.content}});
+    for (const auto& m : request.messages) {
+      nlohmann::json message = {{"role", m.role}, {"content", m.content}};
+      // An assistant turn that only called tools has no content: null, as the API writes it.
+      if (m.calls_tools()) {
+        if (m.content.empty()) message["content"] = nullptr;
+        message["tool_calls"] = m.tool_calls;
+      }
+      if (!m.tool_call_id.empty()) message["tool_call_id"] = m.tool_call_id;
+      if (!m.name.empty()) message["name"] = m.name;
+      messages.push_back(std::move(message));
+    }
     if (!request.messages.empty() || !body.contains("messages")) body["messages"] = std::move(messages);
   }
   if (request.max_tokens) body["max_tokens"] = *request.max_tokens;
@@ -520,6 +565,14 @@ Outcome answer_from_body(int status, std::string_view body_text, Timings timings
     if (!message->is_object()) return Outcome::failure(wrong_type("message", "an object", *message), timings);
     if (auto c = message->find("content"); c != message->end()) content = &*c;
     content_field = "message.content";
+    if (auto calls = message->find("tool_calls"); calls != message->end() && !calls->is_null()) {
+      if (auto problem = tool_calls_problem("message.tool_calls", *calls)) return Outcome::failure(std::move(*problem), timings);
+      if (!calls->empty()) completion.tool_calls = *calls;
+    }
+    if (auto call = message->find("function_call"); call != message->end() && !call->is_null()) {
+      if (!call->is_object()) return Outcome::failure(wrong_type("message.function_call", "an object", *call), timings);
+      completion.function_call = *call;
+    }
   } else if (auto text = choice.find("text"); text != choice.end()) {
     content = &*text;
   }
@@ -624,6 +677,7 @@ void StreamedAnswer::on_event(const SseEvent& event) {
       }
       if (auto c = delta->find("content"); c != delta->end()) content = &*c;
       content_field = "delta.content";
+      if (!add_call_fragments(*delta)) return;
     } else if (auto t = choice.find("text"); t != choice.end()) {
       content = &*t;
     }
@@ -661,6 +715,61 @@ void StreamedAnswer::on_event(const SseEvent& event) {
       finish_reason_ = reason->get<std::string>();
   }
   if (Usage u = usage_from(chunk); u.reported) usage_ = u;
+}
+
+bool StreamedAnswer::add_call_fragments(const nlohmann::json& delta) {
+  bool called = false;
+  if (auto calls = delta.find("tool_calls"); calls != delta.end() && !calls->is_null()) {
+    if (auto problem = tool_calls_problem("delta.tool_calls", *calls)) {
+      error_ = std::move(*problem);
+      return false;
+    }
+    for (const auto& fragment : *calls) {
+      // Each fragment names the call it belongs to by `index`. Without one, a fragment with a
+      // new id starts the next call and any other continues the last.
+      long long index = 0;
+      if (auto i = fragment.find("index"); i != fragment.end() && !i->is_null()) {
+        if (!i->is_number_integer() || i->get<long long>() < 0 || i->get<long long>() > kMaxToolCalls) {
+          error_ = wrong_type("delta.tool_calls[].index", "an integer from 0 to " + std::to_string(kMaxToolCalls), *i);
+          return false;
+        }
+        index = i->get<long long>();
+      } else if (!tool_calls_.empty()) {
+        index = last_tool_call_;
+        const nlohmann::json& last = tool_calls_[index];
+        if (auto id = fragment.find("id"); id != fragment.end() && id->is_string() && !id->get_ref<const std::string&>().empty() &&
+            last.contains("id") && last["id"] != *id)
+          index = tool_calls_.rbegin()->first + 1;
+      }
+      if (!tool_calls_.contains(index) && tool_calls_.size() >= static_cast<std::size_t>(kMaxToolCalls)) {
+        error_ = make_error(ErrorKind::TooLarge, "more than " + std::to_string(kMaxToolCalls) + " tool calls in one answer");
+        return false;
+      }
+      nlohmann::json& call = tool_calls_[index];
+      if (call.is_null()) call = nlohmann::json::object();
+      merge_fragment(call, fragment);
+      last_tool_call_ = index;
+      called = true;
+    }
+  }
+  if (auto call = delta.find("function_call"); call != delta.end() && !call->is_null()) {
+    if (!call->is_object()) {
+      error_ = wrong_type("delta.function_call", "an object", *call);
+      return false;
+    }
+    if (function_call_.is_null()) function_call_ = nlohmann::json::object();
+    merge_fragment(function_call_, *call);
+    called = true;
+  }
+  if (called) {
+    // A call's fragment is output as a piece of text is: it counts for the time to the first
+    // token and the time per token.
+    const auto now = Clock::now();
+    if (deltas_ == 0) first_delta_at_ = now;
+    last_delta_at_ = now;
+    ++deltas_;
+  }
+  return true;
 }
 
 Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point started) {
@@ -709,6 +818,14 @@ Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point s
   completion.finish_reason = std::move(finish_reason_);
   completion.usage = usage_;
   completion.logprobs = std::move(logprobs_);
+  if (!tool_calls_.empty()) {
+    completion.tool_calls = nlohmann::json::array();
+    for (auto& [index, call] : tool_calls_) {
+      call.erase("index");
+      completion.tool_calls.push_back(std::move(call));
+    }
+  }
+  completion.function_call = std::move(function_call_);
   completion.timings = timings;
   return Outcome::success(std::move(completion));
 }

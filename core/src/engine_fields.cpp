@@ -40,6 +40,11 @@ std::optional<std::int64_t> token_id(std::string_view s) {
 
 }  // namespace
 
+std::optional<std::string> engine_message_problem(const ChatMessage& message) {
+  if (message.calls_tools()) return std::string("the embedded engine does not call tools") + kElsewhere;
+  return std::nullopt;
+}
+
 std::optional<std::string> engine_field_problem(std::string_view key, const json& value) {
   // In the API a null field is one not set.
   if (value.is_null()) return std::nullopt;

@@ -133,6 +133,50 @@ nlohmann::json logprobs_json(std::span<const TokenLogprob> logprobs) {
   return out;
 }
 
+std::optional<std::pair<std::string, std::string>> read_tool_fields(const nlohmann::json& m, ChatMessage& message) {
+  using Problem = std::pair<std::string, std::string>;
+  const auto type_of = [](const nlohmann::json& v) { return std::string(v.type_name()); };
+  if (auto id = m.find("tool_call_id"); id != m.end() && !id->is_null()) {
+    if (!id->is_string()) return Problem{".tool_call_id", "expected a string, got " + type_of(*id)};
+    if (message.role != "tool")
+      return Problem{".tool_call_id", "only a tool message answers a call (this one's role is " + message.role + ")"};
+    message.tool_call_id = id->get<std::string>();
+  }
+  if (auto name = m.find("name"); name != m.end() && !name->is_null()) {
+    if (!name->is_string()) return Problem{".name", "expected a string, got " + type_of(*name)};
+    message.name = name->get<std::string>();
+  }
+  auto calls = m.find("tool_calls");
+  if (calls == m.end() || calls->is_null()) return std::nullopt;
+  if (!calls->is_array()) return Problem{".tool_calls", "expected a list of {id, type, function}, got " + type_of(*calls)};
+  if (calls->empty()) return std::nullopt;
+  if (message.role != "assistant")
+    return Problem{".tool_calls", "only an assistant message calls tools (this one's role is " + message.role + ")"};
+  for (std::size_t i = 0; i < calls->size(); ++i) {
+    const nlohmann::json& call = (*calls)[i];
+    const std::string at = ".tool_calls[" + std::to_string(i) + "]";
+    if (!call.is_object()) return Problem{at, "expected {id, type, function}, got " + type_of(call)};
+    const auto id = call.find("id");
+    if (id == call.end() || !id->is_string() || id->get_ref<const std::string&>().empty())
+      return Problem{at + ".id", "required: a non-empty string (the id a tool message answers with tool_call_id)"};
+    if (auto type = call.find("type"); type != call.end() && *type != "function")
+      return Problem{at + ".type", "expected \"function\", got " + type->dump()};
+    const auto function = call.find("function");
+    if (function == call.end() || !function->is_object())
+      return Problem{at + ".function", "required: {name, arguments}"};
+    const auto name = function->find("name");
+    if (name == function->end() || !name->is_string() || name->get_ref<const std::string&>().empty())
+      return Problem{at + ".function.name", "required: a non-empty string"};
+    const auto arguments = function->find("arguments");
+    if (arguments == function->end() || !arguments->is_string())
+      return Problem{at + ".function.arguments",
+                     "required: a string, the arguments as JSON text (e.g. '{\"city\": \"Paris\"}'), not " +
+                         (arguments == function->end() ? std::string("nothing") : type_of(*arguments))};
+  }
+  message.tool_calls = *calls;
+  return std::nullopt;
+}
+
 std::size_t Request::text_bytes() const {
   std::size_t bytes = prompt ? prompt->size() : 0;
   for (const ChatMessage& m : messages) bytes += m.content.size();

@@ -288,6 +288,11 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       co_return Outcome::failure(
           Error{ErrorKind::Http, 400, "invalid_request", "'top_logprobs': " + *problem, std::nullopt, false});
   }
+  for (std::size_t i = 0; i < request.messages.size(); ++i)
+    if (const auto problem = engine_message_problem(request.messages[i]))
+      co_return Outcome::failure(Error{ErrorKind::Http, 400, "unsupported_parameter",
+                                       "'messages[" + std::to_string(i) + "].tool_calls': " + *problem, std::nullopt,
+                                       false});
   if (request.prompt) {
     job->text = *request.prompt;
   } else {

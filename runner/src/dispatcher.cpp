@@ -464,13 +464,18 @@ class Dispatcher {
         // The server did not count: estimate so tokens/s stays meaningful, and say so. A
         // streamed piece is usually a token; a server that sends few large pieces (or no stream)
         // gets the four bytes a token that English text averages.
-        const auto by_bytes = static_cast<std::int64_t>((c.text.size() + 3) / 4);
+        std::size_t bytes = c.text.size();
+        if (!c.tool_calls.is_null()) bytes += c.tool_calls.dump(-1, ' ', false, json::error_handler_t::replace).size();
+        if (!c.function_call.is_null()) bytes += c.function_call.dump(-1, ' ', false, json::error_handler_t::replace).size();
+        const auto by_bytes = static_cast<std::int64_t>((bytes + 3) / 4);
         usage = {{"prompt_tokens", item.estimated_prompt_tokens},
                  {"completion_tokens", std::max<std::int64_t>(run.streamed, by_bytes)},
                  {"estimated", true}};
       }
       json score = scorer_ ? scorer_->score(item.input, c.text) : json();
       record["output"] = c.text;
+      if (!c.tool_calls.is_null()) record["tool_calls"] = c.tool_calls;
+      if (!c.function_call.is_null()) record["function_call"] = c.function_call;
       record["finish_reason"] = c.finish_reason;
       if (c.cut_at_context > 0) record["cut_at_context"] = c.cut_at_context;
       if (c.logprobs) record["logprobs"] = logprobs_json(*c.logprobs);

@@ -226,7 +226,7 @@ const std::map<std::string, Keys>& sections() {
       {"synth", {"count", "seed", "variables"}},
       {"request",
        {"messages", "model", "max_tokens", "temperature", "top_p", "stop", "seed", "extra"}},
-      {"request.messages", {"role", "content"}},
+      {"request.messages", {"role", "content", "tool_calls", "tool_call_id", "name"}},
       {"few_shot", {"path", "count", "seed", "user", "assistant"}},
       {"backend", {"type", "base_url", "model", "api_key_env", "headers", "timeouts", "stream",
                    "threads", "device", "context", "max_sequences", "token_budget", "block_size",
@@ -827,13 +827,26 @@ void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMess
     r.check_map(m, "request.messages", field);
     ChatMessage message;
     if (!Reader::has(m["role"])) r.fail(m, field + ".role", "required");
-    if (!Reader::has(m["content"])) r.fail(m, field + ".content", "required");
     message.role = r.choice<std::string>(m["role"], field + ".role",
                                          {{"system", "system"}, {"developer", "developer"},
                                           {"user", "user"}, {"assistant", "assistant"},
                                           {"tool", "tool"}});
-    message.content = r.string(m["content"], field + ".content");
-    check_template(r, m["content"], field + ".content", message.content);
+    // The tool-calling fields are sent as written (no placeholders), held to the API's form.
+    nlohmann::json tool_fields = nlohmann::json::object();
+    for (const char* key : {"tool_calls", "tool_call_id", "name"})
+      if (Reader::has(m[key])) tool_fields[key] = yaml_to_json(m[key]);
+    if (auto problem = read_tool_fields(tool_fields, message)) {
+      const std::string& at = problem->first;
+      const std::string key = at.substr(1, at.find_first_of(".[", 1) - 1);
+      r.fail(m[key], field + at, problem->second);
+    }
+    // An assistant message that calls tools may leave its content out.
+    if (Reader::has(m["content"])) {
+      message.content = r.string(m["content"], field + ".content");
+      check_template(r, m["content"], field + ".content", message.content);
+    } else if (!message.calls_tools()) {
+      r.fail(m, field + ".content", "required");
+    }
     messages.push_back(std::move(message));
   }
 }
@@ -1269,6 +1282,10 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   };
   if (job.backend.type == "local") {
     if (job.backend.model.empty()) job.backend.model = from_env("BATCHLM_MODEL", std::string(kDefaultLocalModel), true);
+    for (std::size_t i = 0; i < job.request.messages.size(); ++i)
+      if (const auto problem = engine_message_problem(job.request.messages[i]))
+        r.fail(root["request"]["messages"][i]["tool_calls"], index_path("request.messages", i) + ".tool_calls",
+               *problem + " (the backend is the embedded engine)");
     // Extra body fields the embedded engine would ignore are refused, not silently dropped.
     if (job.request.extra.is_object()) {
       for (const auto& [key, value] : job.request.extra.items())
@@ -1385,7 +1402,14 @@ nlohmann::json result_settings(const JobSpec& job) {
   using nlohmann::json;
   const bool local = job.backend.type == "local";
   json messages = json::array();
-  for (const ChatMessage& m : job.request.messages) messages.push_back({{"role", m.role}, {"content", m.content}});
+  for (const ChatMessage& m : job.request.messages) {
+    json message = {{"role", m.role}, {"content", m.content}};
+    // Only where given, so that the settings of a job without them read as they always have.
+    if (m.calls_tools()) message["tool_calls"] = m.tool_calls;
+    if (!m.tool_call_id.empty()) message["tool_call_id"] = m.tool_call_id;
+    if (!m.name.empty()) message["name"] = m.name;
+    messages.push_back(std::move(message));
+  }
   json request = {{"messages", messages}, {"model", job.request.model}, {"stop", job.request.stop},
                   {"extra", job.request.extra}};
   request["max_tokens"] = job.request.max_tokens ? json(*job.request.max_tokens) : json();

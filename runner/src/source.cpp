@@ -234,13 +234,17 @@ std::int64_t estimate_tokens(const std::vector<ChatMessage>& messages) {
   // About four bytes per token for English text, plus the few tokens each message's framing
   // costs; only rate limits and dry runs rely on it.
   std::int64_t bytes = 0;
-  for (const auto& m : messages) bytes += static_cast<std::int64_t>(m.content.size());
+  for (const auto& m : messages) {
+    bytes += static_cast<std::int64_t>(m.content.size());
+    if (m.calls_tools())
+      bytes += static_cast<std::int64_t>(m.tool_calls.dump(-1, ' ', false, json::error_handler_t::replace).size());
+  }
   return bytes / 4 + 4 * static_cast<std::int64_t>(messages.size());
 }
 
 // A chat message list from JSON (a Batch body, or an input line's own "messages").
 std::vector<ChatMessage> parse_messages(const json& value, const std::string& file,
-                                        std::int64_t line, const std::string& field) {
+                                        std::int64_t line, const std::string& field, bool local) {
   int line_int = static_cast<int>(line);
   if (!value.is_array() || value.empty())
     throw ConfigError(file, line_int, 0, field, "expected a non-empty list of {role, content}");
@@ -271,6 +275,10 @@ std::vector<ChatMessage> parse_messages(const json& value, const std::string& fi
     } else if (!content.is_null()) {
       throw ConfigError(file, line_int, 0, here + ".content", "expected a string or text parts");
     }
+    if (auto problem = read_tool_fields(m, message)) throw ConfigError(file, line_int, 0, here + problem->first, problem->second);
+    if (local)
+      if (auto problem = engine_message_problem(message))
+        throw ConfigError(file, line_int, 0, here + ".tool_calls", *problem + " (the backend is the embedded engine)");
     out.push_back(std::move(message));
   }
   return out;
@@ -331,11 +339,13 @@ Request render_request(const JobSpec& job, const json& fields, const std::string
                        std::int64_t line) {
   const RequestTemplate& t = job.request;
   Request request;
-  for (std::size_t i = 0; i < t.messages.size(); ++i)
-    request.messages.push_back(
-        {t.messages[i].role,
-         render_or_throw(t.messages[i].content, fields, file, line,
-                         "request.messages[" + std::to_string(i) + "].content")});
+  for (std::size_t i = 0; i < t.messages.size(); ++i) {
+    // The tool-calling fields go as written; only the content is a template.
+    ChatMessage message = t.messages[i];
+    message.content = render_or_throw(t.messages[i].content, fields, file, line,
+                                      "request.messages[" + std::to_string(i) + "].content");
+    request.messages.push_back(std::move(message));
+  }
   request.model = render_or_throw(t.model, fields, file, line, "request.model");
   request.max_tokens = t.max_tokens;
   request.temperature = t.temperature;
@@ -366,7 +376,7 @@ Item jsonl_item(const JobSpec& job, json fields, std::int64_t line,
   if (job.request.messages.empty()) {
     // No template: the line carries its own conversation, or a bare prompt.
     if (fields.contains("messages")) {
-      request.messages = parse_messages(fields["messages"], file, line, "messages");
+      request.messages = parse_messages(fields["messages"], file, line, "messages", job.backend.type == "local");
     } else if (fields.contains("prompt")) {
       if (!fields["prompt"].is_string())
         throw ConfigError(file, static_cast<int>(line), 0, "prompt",
@@ -436,7 +446,7 @@ Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
     throw ConfigError(file, line_int, 0, "body.messages", "missing (only chat completions are supported)");
   for (const auto& [key, value] : body.items()) {
     if (key == "messages") {
-      request.messages = parse_messages(value, file, line, "body.messages");
+      request.messages = parse_messages(value, file, line, "body.messages", job.backend.type == "local");
     } else if (key == "model") {
       if (!value.is_string()) throw wrong(key, "a string");
       request.model = value.get<std::string>();

@@ -9,6 +9,7 @@
 
 #include <cctype>
 #include <set>
+#include <sstream>
 
 #include "gguf_writer.hpp"
 #include "harness.hpp"
@@ -1317,6 +1318,147 @@ TEST(BatchlmProgress, BackgroundRunDrawsNoBarOverTheShell) {
   // The terminal turns "\n" into "\r\n": any other "\r" is a redraw.
   for (std::size_t at = screen.find('\r'); at != std::string::npos; at = screen.find('\r', at + 1))
     ASSERT_EQ(screen.substr(at, 2), "\r\n") << "a redraw at byte " << at << ": " << screen;
+}
+
+// ---- tool calls --------------------------------------------------------------------------------
+
+const char* const kToolsYaml =
+    "  extra:\n"
+    "    tools:\n"
+    "      - {type: function, function: {name: get_weather, parameters: {type: object}}}\n"
+    "      - {type: function, function: {name: get_time, parameters: {type: object}}}\n";
+
+// A tool-calling job against an API: each record holds the calls whole, streamed or not, even
+// where every first attempt's stream was cut inside a call.
+TEST(BatchlmRun, ToolCallsAreRecordedWholeAndACallCutShortIsRetried) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--fault-rate", "1", "--faults", "reset_after=3", "--fault-first-attempts", "1"});
+  for (const bool stream : {true, false}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    // Questions of their own: the server counts first attempts by question.
+    std::string questions;
+    for (int i = 1; i <= 6; ++i)
+      questions += json{{"question", "Weather in city " + std::to_string(i) + (stream ? "?" : "!")}}.dump() + "\n";
+    write_file(dir.path / "questions.jsonl", questions);
+    const std::string out = stream ? "out/stream.jsonl" : "out/whole.jsonl";
+    write_file(dir.path / "job.yaml",
+               "input: questions.jsonl\n"
+               "request:\n"
+               "  messages:\n"
+               "    - {role: user, content: \"{{question}}\"}\n" +
+                   std::string(kToolsYaml) +
+                   "backend: {type: openai, base_url: \"" + server.base_url() + "\", model: fake-model, stream: " +
+                   (stream ? "true" : "false") + "}\n"
+                   "retry: {max_attempts: 3, base: 10ms, cap: 50ms}\n"
+                   "output: " + out + "\n");
+    RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto records = read_jsonl(dir.path / out);
+    ASSERT_EQ(records.size(), 6u);
+    for (const auto& rec : records) {
+      SCOPED_TRACE(rec.dump());
+      EXPECT_TRUE(rec["error"].is_null());
+      EXPECT_EQ(rec["finish_reason"], "tool_calls");
+      EXPECT_EQ(rec["output"], "");
+      EXPECT_EQ(rec["attempts"], 2);  // a stream is cut inside the first call, a whole answer before any byte
+      ASSERT_TRUE(rec["tool_calls"].is_array());
+      ASSERT_EQ(rec["tool_calls"].size(), 2u);
+      for (int k = 0; k < 2; ++k) {
+        const json& call = rec["tool_calls"][k];
+        EXPECT_EQ(call["type"], "function");
+        EXPECT_EQ(call["function"]["name"], k == 0 ? "get_weather" : "get_time");
+        EXPECT_FALSE(call.contains("index"));
+        const json arguments = json::parse(call["function"]["arguments"].get<std::string>());
+        EXPECT_EQ(arguments, (json{{"query", rec["input"]["question"]}, {"call", k}}));
+      }
+    }
+    // The keys in the documented order: the calls right after the output.
+    std::istringstream lines(read_file(dir.path / out));
+    for (std::string line; std::getline(lines, line);) {
+      const auto output = line.find("\"output\":");
+      const auto calls = line.find("\"tool_calls\":");
+      const auto reason = line.find("\"finish_reason\":");
+      ASSERT_NE(calls, std::string::npos) << line;
+      EXPECT_TRUE(output < calls && calls < reason) << line;
+    }
+  }
+}
+
+// A Batch-API file of conversations with calls and their results: sent whole, so the API
+// accepts them (it refuses a tool message that answers no call made before it).
+TEST(BatchlmRun, ToolConversationsOfABatchFileReachTheApiWhole) {
+  TempDir dir;
+  FakeServer server(dir.path);
+  std::string lines;
+  for (int i = 1; i <= 3; ++i) {
+    const std::string id = "call_" + std::to_string(i);
+    const json body = {
+        {"model", "fake-model"},
+        {"messages",
+         {{{"role", "user"}, {"content", "Weather in city " + std::to_string(i) + "?"}},
+          {{"role", "assistant"},
+           {"content", nullptr},
+           {"tool_calls", {{{"id", id}, {"type", "function"}, {"function", {{"name", "get_weather"}, {"arguments", "{}"}}}}}}},
+          {{"role", "tool"}, {"tool_call_id", id}, {"content", std::to_string(10 + i) + " C"}}}}};
+    lines += json{{"custom_id", "c" + std::to_string(i)}, {"method", "POST"}, {"url", "/v1/chat/completions"}, {"body", body}}.dump() + "\n";
+  }
+  write_file(dir.path / "batch.jsonl", lines);
+  write_file(dir.path / "job.yaml", "input: batch.jsonl\nbackend: {type: openai, base_url: \"" + server.base_url() +
+                                        "\"}\noutput: out/batch.jsonl\n");
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto records = read_jsonl(dir.path / "out/batch.jsonl");
+  ASSERT_EQ(records.size(), 3u);
+  for (const auto& rec : records) {
+    const std::string n = rec["id"].get<std::string>().substr(1);
+    EXPECT_EQ(rec["output"], "The tool said: " + std::to_string(10 + std::stoi(n)) + " C") << rec.dump();
+    EXPECT_FALSE(rec.contains("tool_calls")) << rec.dump();
+  }
+
+  // A call whose arguments are not JSON text is named, with its line, before anything is sent.
+  write_file(dir.path / "batch.jsonl",
+             lines + R"({"custom_id": "bad", "body": {"messages": [{"role": "user", "content": "hi"}, )"
+                     R"({"role": "assistant", "tool_calls": [{"id": "x", "type": "function", "function": )"
+                     R"({"name": "f", "arguments": {"a": 1}}}]}]}})" "\n");
+  RunResult bad = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/bad.jsonl"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("batch.jsonl:4"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("body.messages[1].tool_calls[0].function.arguments"), std::string::npos) << bad.err;
+}
+
+// The embedded engine's chat templates cannot show a model its own calls: a job that would
+// send them there is refused at load, naming the field, not run with the calls dropped.
+TEST(BatchlmRun, AJobThatSendsCallsToTheEmbeddedEngineIsRefusedAtLoad) {
+  TempDir dir;
+  write_file(dir.path / "job.yaml",
+             "synth: {count: 2}\n"
+             "request:\n"
+             "  messages:\n"
+             "    - {role: user, content: \"Weather?\"}\n"
+             "    - role: assistant\n"
+             "      tool_calls: [{id: call_1, type: function, function: {name: get_weather, arguments: '{}'}}]\n"
+             "    - {role: tool, tool_call_id: call_1, content: \"18 C\"}\n"
+             "backend: {type: local}\n");
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("job.yaml:6:"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("request.messages[1].tool_calls: the embedded engine does not call tools"), std::string::npos)
+      << r.err;
+
+  // The same fields held to the API's form in a job file.
+  write_file(dir.path / "job.yaml",
+             "synth: {count: 2}\n"
+             "request:\n"
+             "  messages:\n"
+             "    - {role: user, content: \"Weather?\"}\n"
+             "    - role: assistant\n"
+             "      tool_calls: [{id: call_1, type: function, function: {name: get_weather, arguments: {}}}]\n"
+             "backend: {type: openai, base_url: \"http://127.0.0.1:9/v1\"}\n");
+  RunResult bad = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("job.yaml:6:"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("request.messages[1].tool_calls[0].function.arguments: required: a string"), std::string::npos)
+      << bad.err;
 }
 
 }  // namespace

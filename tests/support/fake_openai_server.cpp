@@ -8,6 +8,7 @@
 #include <exception>
 #include <fstream>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
@@ -236,6 +237,88 @@ std::int64_t prompt_words(const json& body) {
     }
   }
   return std::max<std::int64_t>(n, 1);
+}
+
+// What the API would refuse in a conversation's tool-calling fields (an empty string when
+// nothing): an assistant's call without an id, a name or string arguments; a tool message that
+// answers no call made before it.
+std::string tool_message_problem(const json& body) {
+  auto messages = body.find("messages");
+  if (messages == body.end() || !messages->is_array()) return {};
+  std::set<std::string> called;
+  for (std::size_t i = 0; i < messages->size(); ++i) {
+    const json& m = (*messages)[i];
+    if (!m.is_object()) continue;
+    const std::string where = "messages[" + std::to_string(i) + "]";
+    if (auto calls = m.find("tool_calls"); calls != m.end() && calls->is_array()) {
+      for (const json& call : *calls) {
+        if (!call.is_object() || !call.contains("id") || !call["id"].is_string() || !call.contains("function") ||
+            !call["function"].is_object() || !call["function"].contains("name") ||
+            !call["function"].contains("arguments") || !call["function"]["arguments"].is_string())
+          return "Invalid value for '" + where + ".tool_calls': expected {id, type, function: {name, arguments}}.";
+        called.insert(call["id"].get<std::string>());
+      }
+    }
+    if (m.value("role", "") == "tool") {
+      auto id = m.find("tool_call_id");
+      if (id == m.end() || !id->is_string() || !called.contains(id->get<std::string>()))
+        return "Invalid parameter: messages with role 'tool' must be a response to a preceding message with "
+               "'tool_calls' (" + where + ").";
+    }
+  }
+  return {};
+}
+
+// The content of the last message when it is a tool's result, else null.
+const json* last_tool_result(const json& body) {
+  auto messages = body.find("messages");
+  if (messages == body.end() || !messages->is_array() || messages->empty()) return nullptr;
+  const json& last = messages->back();
+  if (!last.is_object() || last.value("role", "") != "tool" || !last.contains("content") || !last["content"].is_string())
+    return nullptr;
+  return &last["content"];
+}
+
+// The calls an answer makes: one per function tool (only the first with parallel_tool_calls:
+// false), each with the arguments {"query": the last user message, "call": its index} as JSON
+// text; none when the request has no tools or the conversation ends with a tool's result.
+json tool_calls_for(const json& body, const std::string& item, const std::string& response_id) {
+  json calls = json::array();
+  auto tools = body.find("tools");
+  if (tools == body.end() || !tools->is_array() || last_tool_result(body) != nullptr) return calls;
+  const bool parallel = body.value("parallel_tool_calls", true);
+  for (const json& tool : *tools) {
+    if (!tool.is_object() || !tool.contains("function") || !tool["function"].is_object()) continue;
+    const std::string name = tool["function"].value("name", "");
+    if (name.empty()) continue;
+    const int k = static_cast<int>(calls.size());
+    // ASCII (non-ASCII escaped), so the stream may split it anywhere.
+    const std::string arguments = json{{"query", item}, {"call", k}}.dump(-1, ' ', true);
+    calls.push_back({{"id", "call_" + response_id.substr(response_id.rfind('-') + 1) + "_" + std::to_string(k)},
+                     {"type", "function"},
+                     {"function", {{"name", name}, {"arguments", arguments}}}});
+    if (!parallel) break;
+  }
+  return calls;
+}
+
+// The stream of `calls` as the API sends it: each call's id, type and name with empty
+// arguments, then its arguments a few characters at a time, each fragment naming its index.
+std::vector<json> tool_call_deltas(const json& calls) {
+  std::vector<json> deltas;
+  constexpr std::size_t kFragment = 7;
+  for (std::size_t k = 0; k < calls.size(); ++k) {
+    const json& call = calls[k];
+    deltas.push_back({{"tool_calls", json::array({{{"index", k},
+                                                   {"id", call["id"]},
+                                                   {"type", "function"},
+                                                   {"function", {{"name", call["function"]["name"]}, {"arguments", ""}}}}})}});
+    const std::string& arguments = call["function"]["arguments"].get_ref<const std::string&>();
+    for (std::size_t at = 0; at < arguments.size(); at += kFragment)
+      deltas.push_back({{"tool_calls", json::array({{{"index", k},
+                                                     {"function", {{"arguments", arguments.substr(at, kFragment)}}}}})}});
+  }
+  return deltas;
 }
 
 const std::string& filler() {
@@ -697,18 +780,35 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
         socket, simple_response(f.status, "application/json", payload, keep_alive, headers));
   }
 
-  // The answer: a scripted GSM8K solution when the prompt holds a known question, else words.
+  if (const std::string problem = tool_message_problem(body); !problem.empty()) {
+    co_return !co_await write_all(
+        socket, simple_response(400, "application/json", error_body(problem, "invalid_request_error", ""), keep_alive));
+  }
+  const std::string id = "chatcmpl-fake-" + std::to_string(++response_ids);
+  // With tools and no tool result yet, the answer calls them; after a tool's result it quotes
+  // it; else a scripted GSM8K solution when the prompt holds a known question, else words.
+  const json calls = tool_calls_for(body, item, id);
+  const json* tool_result = last_tool_result(body);
   const GsmQuestion* question = script ? script->find(item) : nullptr;
   std::vector<std::string> tokens = split_words(
-      question ? gsm_reasoning(question->answer) : FakeOpenAIServer::generated_text(opts.tokens));
+      tool_result ? "The tool said: " + tool_result->get<std::string>()
+      : question  ? gsm_reasoning(question->answer)
+                  : FakeOpenAIServer::generated_text(opts.tokens));
   std::string finish_reason = "stop";
   if (max_tokens && *max_tokens >= 0 && static_cast<std::size_t>(*max_tokens) < tokens.size()) {
     tokens.resize(static_cast<std::size_t>(*max_tokens));
     finish_reason = "length";
   }
+  // What the stream sends, one delta per chunk.
+  std::vector<json> deltas;
+  if (calls.empty()) {
+    for (const auto& t : tokens) deltas.push_back({{"content", t}});
+  } else {
+    deltas = tool_call_deltas(calls);
+    finish_reason = "tool_calls";
+  }
   const std::int64_t prompt_tokens = prompt_words(body);
-  const auto completion_tokens = static_cast<std::int64_t>(tokens.size());
-  const std::string id = "chatcmpl-fake-" + std::to_string(++response_ids);
+  const auto completion_tokens = static_cast<std::int64_t>(deltas.size());
   const std::int64_t created = std::time(nullptr);
   const json usage = {{"prompt_tokens", prompt_tokens},
                       {"completion_tokens", completion_tokens},
@@ -738,12 +838,14 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     co_await sleep_ms(opts.ttft_ms);
     std::string text;
     for (const auto& t : tokens) text += t;
+    json message = {{"role", "assistant"}, {"content", text}};
+    if (!calls.empty()) message = {{"role", "assistant"}, {"content", nullptr}, {"tool_calls", calls}};
     json reply = {{"id", id},
                   {"object", "chat.completion"},
                   {"created", created},
                   {"model", model},
                   {"choices", json::array({{{"index", 0},
-                                            {"message", {{"role", "assistant"}, {"content", text}}},
+                                            {"message", std::move(message)},
                                             {"finish_reason", finish_reason}}})},
                   {"usage", usage}};
     if (f.no_usage) reply.erase("usage");
@@ -780,7 +882,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
   };
   // "n": several answers, their chunks interleaved as OpenAI sends them; choice k > 0 says
   // "alt<k>-" before each word.
-  const int choices = body.contains("n") && body["n"].is_number_integer()
+  const int choices = calls.empty() && body.contains("n") && body["n"].is_number_integer()
                           ? std::clamp(body["n"].get<int>(), 1, 8)
                           : 1;
 
@@ -806,9 +908,9 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
   const bool mid_stream_fault = !f.at_end && (f.reset_after || f.stall_ms > 0 || f.truncate || f.error_event ||
                                                f.event_error || f.malformed);
   const std::size_t fault_at =
-      std::min<std::size_t>(static_cast<std::size_t>(f.reset_after.value_or(f.after)), tokens.size());
+      std::min<std::size_t>(static_cast<std::size_t>(f.reset_after.value_or(f.after)), deltas.size());
 
-  for (std::size_t i = 0; i <= tokens.size(); ++i) {
+  for (std::size_t i = 0; i <= deltas.size(); ++i) {
     if (mid_stream_fault && i == fault_at) {
       if (f.reset_after) {
         reset_connection(socket);
@@ -828,9 +930,9 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
         }
       }
     }
-    if (i == tokens.size()) break;
+    if (i == deltas.size()) break;
     if (i > 0) co_await sleep_ms(opts.token_delay_ms);
-    const std::string content_chunk = chunk_json({{"content", tokens[i]}}, nullptr);
+    const std::string content_chunk = chunk_json(deltas[i], nullptr);
     if (co_await events.data(content_chunk)) co_return false;
     for (int k = 1; k < choices; ++k) {
       const std::string other = chunk_json({{"content", "alt" + std::to_string(k) + "-" + tokens[i]}}, nullptr, k);

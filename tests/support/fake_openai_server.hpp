@@ -10,6 +10,13 @@
 //                   "per_item": {"<last user message>": n}}
 //   POST /_reset   clears the stats (and with them the per-item attempt counts)
 //
+// Tools: a request with `tools` is answered by calling each function tool (only the first with
+// `parallel_tool_calls: false`), finish reason "tool_calls", the arguments {"query": the last
+// user message, "call": k} as JSON text, streamed as the API streams them (id and name first,
+// then the arguments 7 characters at a time). A conversation that ends with a tool's result is
+// answered "The tool said: <its content>". A tool message that answers no earlier call, or a
+// call without an id, a name or string arguments, gets a 400 as from the API.
+//
 // Fault spec: `;`-separated `key` or `key=value` items, in the request header
 // `x-fake-fault: <spec>` or in a FaultRule. Several faults may be combined (`cr;byte_chunks`).
 //   status=CODE            answer with this HTTP status and an OpenAI error body

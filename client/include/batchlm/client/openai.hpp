@@ -3,6 +3,7 @@
 // stream_options.include_usage) and not.
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -60,8 +61,8 @@ Outcome answer_from_body(int status, std::string_view body, Timings timings, con
 // bytes. nullopt for null or anything else; entries that are not understood are skipped.
 std::optional<std::vector<TokenLogprob>> parse_logprobs(const nlohmann::json& value);
 
-// A streamed answer as it arrives: the SSE events of a 2xx body read into text, finish reason
-// and usage, or the error that ends the stream. OpenAIBackend::complete feeds it each chunk of
+// A streamed answer as it arrives: the SSE events of a 2xx body read into text, tool calls,
+// finish reason and usage, or the error that ends the stream. OpenAIBackend::complete feeds it each chunk of
 // the body and asks it for the Outcome once the transfer is over; it does no I/O itself.
 class StreamedAnswer {
  public:
@@ -85,6 +86,12 @@ class StreamedAnswer {
 
  private:
   void on_event(const SseEvent& event);
+  // Adds a chunk's `delta.tool_calls` and `delta.function_call` fragments to the calls so far.
+  // False, with error_ set, when they are malformed.
+  bool add_call_fragments(const nlohmann::json& delta);
+
+  // The most tool calls one answer may hold, and the highest index a fragment may give.
+  static constexpr long long kMaxToolCalls = 1024;
 
   SseParser parser_;
   TokenSink sink_;
@@ -92,6 +99,9 @@ class StreamedAnswer {
   std::string finish_reason_;
   Usage usage_;
   std::optional<std::vector<TokenLogprob>> logprobs_;
+  std::map<long long, nlohmann::json> tool_calls_;  // by the fragments' index
+  long long last_tool_call_ = 0;
+  nlohmann::json function_call_;
   bool done_ = false;        // `data: [DONE]` seen
   bool saw_event_ = false;
   bool choice_seen_ = false; // a chunk carried choice 0

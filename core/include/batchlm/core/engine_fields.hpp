@@ -16,11 +16,17 @@
 
 #include <nlohmann/json.hpp>
 
+#include "batchlm/core/types.hpp"
+
 namespace batchlm {
 
 // Why the embedded engine cannot honour body field `key` with this value; nullopt when it
 // honours it or the field changes nothing.
 std::optional<std::string> engine_field_problem(std::string_view key, const nlohmann::json& value);
+
+// Why the embedded engine cannot take this chat message as it is: an assistant message's
+// `tool_calls` (its chat templates would drop them). nullopt when it can.
+std::optional<std::string> engine_message_problem(const ChatMessage& message);
 
 // What is wrong with `top_logprobs` next to `logprobs` in the extra fields (each already
 // passed engine_field_problem): a count without logprobs turned on, or one that disagrees with

@@ -11,6 +11,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -20,7 +21,22 @@ namespace batchlm {
 struct ChatMessage {
   std::string role;     // "system" | "user" | "assistant" | ...
   std::string content;
+  // The API's tool-calling fields, sent as given: an assistant message's calls (null, or a
+  // non-empty array of {id, type, function: {name, arguments}}; its content then goes as null
+  // when empty), a tool message's `tool_call_id`, and a message's `name`. Empty: not sent.
+  nlohmann::json tool_calls;
+  std::string tool_call_id;
+  std::string name;
+
+  bool calls_tools() const { return tool_calls.is_array() && !tool_calls.empty(); }
 };
+
+// Reads a chat message's tool-calling fields (`tool_calls`, `tool_call_id`, `name`) from its
+// JSON object `m` into `message`, whose role is set. Returns the first problem as (the field's
+// path below the message, e.g. ".tool_calls[0].function.arguments", what is wrong), or nullopt.
+// Calls are held to the API's form: an assistant's list of {id, type: function, function:
+// {name, arguments}}, the arguments a string (the JSON text); an empty list is no calls.
+std::optional<std::pair<std::string, std::string>> read_tool_fields(const nlohmann::json& m, ChatMessage& message);
 
 // One chat-completion call. Fields left empty are not sent, so the server's defaults apply.
 struct Request {
@@ -85,6 +101,13 @@ struct Completion {
   // One entry per token of `text`, when the request asked for log-probabilities and the
   // backend returned them.
   std::optional<std::vector<TokenLogprob>> logprobs;
+  // The tools the model called (an API's `tool_calls`, streamed fragments put together): an
+  // array of {id, type, function: {name, arguments}}, or null when it called none. `arguments`
+  // is the JSON text the model wrote, kept as it came.
+  nlohmann::json tool_calls;
+  // The older single call (`function_call`: {name, arguments}) an API gives for `functions`,
+  // or null.
+  nlohmann::json function_call;
 };
 
 // The length of the valid UTF-8 character at s[i] (1-4), or 0 when the bytes there are not one

@@ -1,0 +1,97 @@
+// A chat message's tool-calling fields read from JSON, held to the API's form, and what the
+// embedded engine says of a message that calls tools.
+
+#include <gtest/gtest.h>
+
+#include "batchlm/core/engine_fields.hpp"
+#include "batchlm/core/types.hpp"
+
+namespace batchlm {
+namespace {
+
+using nlohmann::json;
+
+const json kCall = {{"id", "call_a"},
+                    {"type", "function"},
+                    {"function", {{"name", "get_weather"}, {"arguments", "{\"city\": \"Paris\"}"}}}};
+
+std::optional<std::pair<std::string, std::string>> read(const std::string& role, const json& m, ChatMessage* out = nullptr) {
+  ChatMessage message{role, ""};
+  auto problem = read_tool_fields(m, message);
+  if (out) *out = message;
+  return problem;
+}
+
+TEST(ReadToolFields, TakesAnAssistantsCallsAndAToolsIdAndName) {
+  ChatMessage assistant;
+  EXPECT_EQ(read("assistant", {{"tool_calls", {kCall}}}, &assistant), std::nullopt);
+  EXPECT_TRUE(assistant.calls_tools());
+  EXPECT_EQ(assistant.tool_calls, json::array({kCall}));
+
+  ChatMessage tool;
+  EXPECT_EQ(read("tool", {{"tool_call_id", "call_a"}, {"name", "get_weather"}}, &tool), std::nullopt);
+  EXPECT_EQ(tool.tool_call_id, "call_a");
+  EXPECT_EQ(tool.name, "get_weather");
+  EXPECT_FALSE(tool.calls_tools());
+
+  // Absent, null or an empty list: no calls.
+  for (const json& m : {json::object(), json{{"tool_calls", nullptr}}, json{{"tool_calls", json::array()}}}) {
+    ChatMessage plain;
+    EXPECT_EQ(read("assistant", m, &plain), std::nullopt) << m.dump();
+    EXPECT_FALSE(plain.calls_tools());
+  }
+  // A call may leave its type out (the API's only type is assumed).
+  json untyped = kCall;
+  untyped.erase("type");
+  EXPECT_EQ(read("assistant", {{"tool_calls", {untyped}}}), std::nullopt);
+}
+
+TEST(ReadToolFields, NamesTheFieldAndWhatIsWrong) {
+  const auto problem = [](const std::string& role, const json& m) {
+    auto p = read(role, m);
+    return p ? p->first + ": " + p->second : std::string("none");
+  };
+  const auto with = [](const char* key, json value) {
+    json call = kCall;
+    if (std::string(key).starts_with("function.")) {
+      call["function"][std::string(key).substr(9)] = std::move(value);
+    } else {
+      call[key] = std::move(value);
+    }
+    return json{{"tool_calls", {call}}};
+  };
+  EXPECT_EQ(problem("user", {{"tool_calls", {kCall}}}),
+            ".tool_calls: only an assistant message calls tools (this one's role is user)");
+  EXPECT_EQ(problem("assistant", {{"tool_calls", kCall}}),
+            ".tool_calls: expected a list of {id, type, function}, got object");
+  EXPECT_EQ(problem("assistant", {{"tool_calls", {"get_weather"}}}),
+            ".tool_calls[0]: expected {id, type, function}, got string");
+  EXPECT_EQ(problem("assistant", with("id", "")),
+            ".tool_calls[0].id: required: a non-empty string (the id a tool message answers with tool_call_id)");
+  EXPECT_EQ(problem("assistant", with("type", "code_interpreter")),
+            ".tool_calls[0].type: expected \"function\", got \"code_interpreter\"");
+  EXPECT_EQ(problem("assistant", with("function", "get_weather")), ".tool_calls[0].function: required: {name, arguments}");
+  EXPECT_EQ(problem("assistant", with("function.name", 3)), ".tool_calls[0].function.name: required: a non-empty string");
+  EXPECT_EQ(problem("assistant", with("function.arguments", {{"city", "Paris"}})),
+            ".tool_calls[0].function.arguments: required: a string, the arguments as JSON text (e.g. "
+            "'{\"city\": \"Paris\"}'), not object");
+  EXPECT_EQ(problem("user", {{"tool_call_id", "call_a"}}),
+            ".tool_call_id: only a tool message answers a call (this one's role is user)");
+  EXPECT_EQ(problem("tool", {{"tool_call_id", 7}}), ".tool_call_id: expected a string, got number");
+  EXPECT_EQ(problem("user", {{"name", true}}), ".name: expected a string, got boolean");
+}
+
+TEST(EngineMessageProblem, RefusesAMessageThatCallsToolsOnly) {
+  ChatMessage calls{"assistant", ""};
+  calls.tool_calls = json::array({kCall});
+  const auto problem = engine_message_problem(calls);
+  ASSERT_TRUE(problem);
+  EXPECT_NE(problem->find("the embedded engine does not call tools"), std::string::npos) << *problem;
+  EXPECT_EQ(engine_message_problem(ChatMessage{"assistant", "4"}), std::nullopt);
+  ChatMessage tool{"tool", "18 C"};
+  tool.tool_call_id = "call_a";
+  EXPECT_EQ(engine_message_problem(tool), std::nullopt);
+}
+
+}  // namespace
+}  // namespace batchlm
