@@ -262,26 +262,46 @@ std::optional<Error> tool_calls_problem(std::string_view field, const nlohmann::
 
 // A streamed fragment of a tool call (or of a `function_call`) added to what came before it:
 // the arguments arrive a few characters at a time and are appended; nested objects are merged
-// key by key; `index` and `type` are replaced. `id` and `name` are appended too (a server may
-// split them), except that a fragment repeating the whole value so far, as some servers send
-// with every fragment, is not appended again.
+// key by key. An id, a name and a type come whole (a server may repeat them with every
+// fragment, or send them empty): the first non-empty one is kept. `index` is not kept.
 void merge_fragment(nlohmann::json& into, const nlohmann::json& fragment) {
   for (const auto& [key, value] : fragment.items()) {
+    if (key == "index" || value.is_null()) continue;
+    const bool whole = key == "id" || key == "name" || key == "type";
+    if (whole && value.is_string() && value.get_ref<const std::string&>().empty()) continue;
     auto it = into.find(key);
-    if (it == into.end() || it->is_null()) {
+    if (it == into.end() || it->is_null() || (it->is_string() && it->get_ref<const std::string&>().empty())) {
       into[key] = value;
-    } else if (value.is_null()) {
+    } else if (whole) {
       continue;
-    } else if (key == "index" || key == "type") {
-      *it = value;
     } else if (it->is_string() && value.is_string()) {
-      if ((key == "id" || key == "name") && *it == value) continue;
       it->get_ref<std::string&>() += value.get_ref<const std::string&>();
     } else if (it->is_object() && value.is_object()) {
       merge_fragment(*it, value);
     } else {
       *it = value;
     }
+  }
+}
+
+// A non-empty string field of `object` (`function.name` for "name"), or "".
+std::string whole_field(const nlohmann::json& object, const char* key) {
+  const nlohmann::json* at = &object;
+  if (std::string_view(key) == "name") {
+    const auto function = object.find("function");
+    if (function == object.end() || !function->is_object()) return {};
+    at = &*function;
+  }
+  const auto it = at->find(key);
+  return it != at->end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+// Calls as a record holds them: each with its type ("function" where the server gave none),
+// without the stream's `index`.
+void normalise_calls(nlohmann::json& calls) {
+  for (auto& call : calls) {
+    call.erase("index");
+    if (whole_field(call, "type").empty()) call["type"] = "function";
   }
 }
 
@@ -567,7 +587,10 @@ Outcome answer_from_body(int status, std::string_view body_text, Timings timings
     content_field = "message.content";
     if (auto calls = message->find("tool_calls"); calls != message->end() && !calls->is_null()) {
       if (auto problem = tool_calls_problem("message.tool_calls", *calls)) return Outcome::failure(std::move(*problem), timings);
-      if (!calls->empty()) completion.tool_calls = *calls;
+      if (!calls->empty()) {
+        completion.tool_calls = *calls;
+        normalise_calls(completion.tool_calls);
+      }
     }
     if (auto call = message->find("function_call"); call != message->end() && !call->is_null()) {
       if (!call->is_object()) return Outcome::failure(wrong_type("message.function_call", "an object", *call), timings);
@@ -725,21 +748,31 @@ bool StreamedAnswer::add_call_fragments(const nlohmann::json& delta) {
       return false;
     }
     for (const auto& fragment : *calls) {
-      // Each fragment names the call it belongs to by `index`. Without one, a fragment with a
-      // new id starts the next call and any other continues the last.
+      // Each fragment names its call by `index`; without one (as some servers send them), it
+      // continues the last call. Either way, a fragment whose id or name differs from its
+      // call's starts a call of its own: two calls are never joined into one.
       long long index = 0;
       if (auto i = fragment.find("index"); i != fragment.end() && !i->is_null()) {
         if (!i->is_number_integer() || i->get<long long>() < 0 || i->get<long long>() > kMaxToolCalls) {
           error_ = wrong_type("delta.tool_calls[].index", "an integer from 0 to " + std::to_string(kMaxToolCalls), *i);
           return false;
         }
-        index = i->get<long long>();
+        const auto slot = tool_call_slots_.find(i->get<long long>());
+        index = slot != tool_call_slots_.end() ? slot->second : i->get<long long>();
       } else if (!tool_calls_.empty()) {
         index = last_tool_call_;
-        const nlohmann::json& last = tool_calls_[index];
-        if (auto id = fragment.find("id"); id != fragment.end() && id->is_string() && !id->get_ref<const std::string&>().empty() &&
-            last.contains("id") && last["id"] != *id)
-          index = tool_calls_.rbegin()->first + 1;
+      }
+      if (const auto at = tool_calls_.find(index); at != tool_calls_.end()) {
+        const auto differs = [&](const char* key) {
+          const std::string mine = whole_field(at->second, key), theirs = whole_field(fragment, key);
+          return !mine.empty() && !theirs.empty() && mine != theirs;
+        };
+        if (differs("id") || differs("name")) {
+          const long long fresh = std::max(tool_calls_.rbegin()->first + 1, kMaxToolCalls + 1 + static_cast<long long>(tool_call_slots_.size()));
+          if (auto i = fragment.find("index"); i != fragment.end() && i->is_number_integer())
+            tool_call_slots_[i->get<long long>()] = fresh;
+          index = fresh;
+        }
       }
       if (!tool_calls_.contains(index) && tool_calls_.size() >= static_cast<std::size_t>(kMaxToolCalls)) {
         error_ = make_error(ErrorKind::TooLarge, "more than " + std::to_string(kMaxToolCalls) + " tool calls in one answer");
@@ -820,10 +853,8 @@ Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point s
   completion.logprobs = std::move(logprobs_);
   if (!tool_calls_.empty()) {
     completion.tool_calls = nlohmann::json::array();
-    for (auto& [index, call] : tool_calls_) {
-      call.erase("index");
-      completion.tool_calls.push_back(std::move(call));
-    }
+    for (auto& [index, call] : tool_calls_) completion.tool_calls.push_back(std::move(call));
+    normalise_calls(completion.tool_calls);
   }
   completion.function_call = std::move(function_call_);
   completion.timings = timings;

@@ -40,9 +40,12 @@ std::optional<std::int64_t> token_id(std::string_view s) {
 
 }  // namespace
 
-std::optional<std::string> engine_message_problem(const ChatMessage& message) {
-  if (message.calls_tools()) return std::string("the embedded engine does not call tools") + kElsewhere;
-  return std::nullopt;
+bool requested_tools(const json& extra) {
+  if (!extra.is_object()) return false;
+  const auto tools = extra.find("tools");
+  if (tools == extra.end() || !tools->is_array() || tools->empty()) return false;
+  const auto choice = extra.find("tool_choice");
+  return choice == extra.end() || *choice != "none";
 }
 
 std::optional<std::string> engine_field_problem(std::string_view key, const json& value) {
@@ -106,12 +109,45 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     }
     return "expected an object whose type is text, json_object or json_schema, not " + value.dump().substr(0, 80);
   }
-  if (key == "tools" || key == "functions") {
-    if (value.is_null() || (value.is_array() && value.empty())) return std::nullopt;
-    return std::string("the embedded engine does not call tools") + kElsewhere;
+  if (key == "functions" || key == "function_call") {
+    if (value.is_null() || (value.is_array() && value.empty()) || value == "none" || value == "auto") return std::nullopt;
+    return std::string("the embedded engine calls tools given as 'tools', not the older 'functions'") + kElsewhere;
   }
-  // Without tools (refused above when there are any) these change nothing.
-  if (key == "tool_choice" || key == "function_call" || key == "parallel_tool_calls") return std::nullopt;
+  if (key == "tools") {
+    // Function tools, which templates that list tools show the model (its calls are read back
+    // from what it writes); whether the model's template does is checked once it is loaded.
+    if (value.is_null()) return std::nullopt;
+    if (!value.is_array()) return "expected a list of {type: function, function: {name, description, parameters}}";
+    for (std::size_t i = 0; i < value.size(); ++i) {
+      const json& tool = value[i];
+      const std::string at = "tools[" + std::to_string(i) + "]";
+      if (!tool.is_object() || tool.value("type", json()) != "function")
+        return at + ": expected {type: function, function: {...}} (the embedded engine calls function tools only)";
+      const auto function = tool.find("function");
+      if (function == tool.end() || !function->is_object()) return at + ".function: required: {name, description, parameters}";
+      const auto name = function->find("name");
+      if (name == function->end() || !name->is_string() || name->get_ref<const std::string&>().empty())
+        return at + ".function.name: required: a non-empty string";
+      if (const auto d = function->find("description"); d != function->end() && !d->is_string() && !d->is_null())
+        return at + ".function.description: expected a string";
+      if (const auto p = function->find("parameters"); p != function->end() && !p->is_object() && !p->is_null())
+        return at + ".function.parameters: expected a JSON schema (an object)";
+    }
+    return std::nullopt;
+  }
+  if (key == "tool_choice") {
+    // The model decides ("auto", the default), or is not shown the tools ("none"); it cannot
+    // be held to calling one.
+    if (value.is_null() || value == "auto" || value == "none") return std::nullopt;
+    return std::string("the embedded engine takes tool_choice \"auto\" (the model decides) or \"none\", not ") +
+           value.dump().substr(0, 80) + kElsewhere;
+  }
+  if (key == "parallel_tool_calls") {
+    if (value.is_null() || value == true) return std::nullopt;
+    if (value == false)
+      return std::string("the embedded engine cannot hold the model to one call (parallel_tool_calls: false)") + kElsewhere;
+    return "expected true or false";
+  }
   if (key == "modalities") {
     if (value == json::array({"text"})) return std::nullopt;
     return std::string("the embedded engine generates text only (modalities: [\"text\"])") + kElsewhere;

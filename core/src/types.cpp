@@ -1,5 +1,6 @@
 #include "batchlm/core/types.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 
@@ -136,12 +137,17 @@ nlohmann::json logprobs_json(std::span<const TokenLogprob> logprobs) {
 std::optional<std::pair<std::string, std::string>> read_tool_fields(const nlohmann::json& m, ChatMessage& message) {
   using Problem = std::pair<std::string, std::string>;
   const auto type_of = [](const nlohmann::json& v) { return std::string(v.type_name()); };
+  if (auto call = m.find("function_call"); call != m.end() && !call->is_null())
+    return Problem{".function_call", "the older single call is not sent; give it as tool_calls: [{id, type: function, "
+                                     "function: {name, arguments}}]"};
   if (auto id = m.find("tool_call_id"); id != m.end() && !id->is_null()) {
     if (!id->is_string()) return Problem{".tool_call_id", "expected a string, got " + type_of(*id)};
     if (message.role != "tool")
       return Problem{".tool_call_id", "only a tool message answers a call (this one's role is " + message.role + ")"};
     message.tool_call_id = id->get<std::string>();
   }
+  if (message.role == "tool" && message.tool_call_id.empty())
+    return Problem{".tool_call_id", "required: the id of the call this tool message answers"};
   if (auto name = m.find("name"); name != m.end() && !name->is_null()) {
     if (!name->is_string()) return Problem{".name", "expected a string, got " + type_of(*name)};
     message.name = name->get<std::string>();
@@ -174,6 +180,19 @@ std::optional<std::pair<std::string, std::string>> read_tool_fields(const nlohma
                          (arguments == function->end() ? std::string("nothing") : type_of(*arguments))};
   }
   message.tool_calls = *calls;
+  return std::nullopt;
+}
+
+std::optional<std::pair<std::size_t, std::string>> unanswered_tool_message(std::span<const ChatMessage> messages) {
+  std::vector<std::string> called;
+  for (std::size_t i = 0; i < messages.size(); ++i) {
+    const ChatMessage& m = messages[i];
+    if (m.calls_tools())
+      for (const auto& call : m.tool_calls)
+        if (auto id = call.find("id"); id != call.end() && id->is_string()) called.push_back(id->get<std::string>());
+    if (m.role == "tool" && std::find(called.begin(), called.end(), m.tool_call_id) == called.end())
+      return std::make_pair(i, "answers the call '" + m.tool_call_id + "', which no earlier assistant message made");
+  }
   return std::nullopt;
 }
 

@@ -154,24 +154,31 @@ std::vector<Token> text_prompt_tokens(const Tokenizer& tok, std::string_view tex
 }
 
 std::vector<Token> chat_prompt_tokens(const Tokenizer& tok, const ChatTemplate& chat_template,
-                                      std::span<const ChatMessage> messages) {
+                                      std::span<const ChatMessage> messages, const nlohmann::json& tools) {
   std::vector<ChatMessage> turns(messages.begin(), messages.end());
+  const bool tool_turns = chat_template.calls_tools();
+  const std::string why_not = tool_turns ? std::string() : *tools_problem(chat_template);
   for (std::size_t i = 0; i < turns.size(); ++i) {
     std::string& role = turns[i].role;
+    const std::string at = "messages[" + std::to_string(i) + "]";
     if (role == "developer") role = "system";
-    if (role != "system" && role != "user" && role != "assistant")
-      throw std::invalid_argument("messages[" + std::to_string(i) + "].role: the embedded engine takes system, developer, "
-                                  "user and assistant messages, not '" + role + "' (it does not call tools)");
+    if (role == "tool" && !tool_turns) throw std::invalid_argument(at + ".role: a tool's result, but " + why_not);
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+      throw std::invalid_argument(at + ".role: the embedded engine takes system, developer, user, assistant and tool "
+                                  "messages, not '" + role + "'");
+    if (turns[i].calls_tools() && !tool_turns) throw std::invalid_argument(at + ".tool_calls: " + why_not);
   }
-  return text_prompt_tokens(tok, chat_template.apply(turns, /*add_generation_prompt=*/true));
+  if (tools.is_array() && !tools.empty() && !tool_turns) throw std::invalid_argument("tools: " + why_not);
+  return text_prompt_tokens(tok, chat_template.apply(turns, /*add_generation_prompt=*/true, tools));
 }
 
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text) {
   return text_prompt_tokens(model.tokenizer(), text);
 }
 
-std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages) {
-  return chat_prompt_tokens(model.tokenizer(), model.chat_template(), messages);
+std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages,
+                                      const nlohmann::json& tools) {
+  return chat_prompt_tokens(model.tokenizer(), model.chat_template(), messages, tools);
 }
 
 std::vector<Token> Engine::chat_prompt(std::span<const ChatMessage> messages) const {

@@ -54,6 +54,7 @@ struct Job {
   // What the caller sent, until the preparing thread turns it into `prompt`.
   std::optional<std::string> text;
   std::vector<ChatMessage> messages;
+  nlohmann::json tools;  // the function tools the template lists, or null
   std::vector<Token> prompt;
   GenerateParams params;
   std::shared_ptr<Channel> channel;
@@ -154,13 +155,14 @@ struct LocalBackend::State {
       if (job->cancelled.load()) continue;
       try {
         const Model& model = engine->model();
-        job->prompt = job->text ? text_prompt_tokens(model, *job->text) : chat_prompt_tokens(model, job->messages);
+        job->prompt = job->text ? text_prompt_tokens(model, *job->text) : chat_prompt_tokens(model, job->messages, job->tools);
       } catch (const std::exception& e) {
         fail(*job, ErrorKind::Http, 400, "invalid_request", e.what());
         continue;
       }
       job->text.reset();
       job->messages = {};
+      job->tools = nullptr;
       {
         std::lock_guard lock(mutex);
         if (stopping) return;
@@ -239,6 +241,10 @@ std::int64_t LocalBackend::context() const { return state_->engine->context(); }
 
 std::int64_t LocalBackend::vocab_size() const { return state_->engine->model().config().n_vocab; }
 
+std::optional<std::string> LocalBackend::tools_problem() const {
+  return local_engine::tools_problem(state_->engine->model().chat_template());
+}
+
 std::int64_t LocalBackend::pool_bytes() const { return state_->engine->pool_bytes(); }
 
 std::int64_t LocalBackend::pool_past_memory() const { return state_->engine->pool_past_memory(); }
@@ -288,15 +294,14 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       co_return Outcome::failure(
           Error{ErrorKind::Http, 400, "invalid_request", "'top_logprobs': " + *problem, std::nullopt, false});
   }
-  for (std::size_t i = 0; i < request.messages.size(); ++i)
-    if (const auto problem = engine_message_problem(request.messages[i]))
-      co_return Outcome::failure(Error{ErrorKind::Http, 400, "unsupported_parameter",
-                                       "'messages[" + std::to_string(i) + "].tool_calls': " + *problem, std::nullopt,
-                                       false});
+  // Tools are shown to the model (and its calls read back) unless tool_choice is "none"; a
+  // template that does not list them refuses them when the prompt is made.
+  const bool tools = !request.prompt && requested_tools(request.extra);
   if (request.prompt) {
     job->text = *request.prompt;
   } else {
     job->messages = request.messages;
+    if (tools) job->tools = request.extra["tools"];
   }
   GenerateParams& p = job->params;
   p.max_tokens = request.max_tokens.value_or(0);
@@ -337,6 +342,17 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   std::optional<Clock::time_point> first;
   std::string text;
   std::vector<TokenLogprob> logprobs;
+  // With tools, the sink gets the text up to where a call may begin: once a <tool_call> has
+  // begun, the rest is held until the answer is whole (a call, or text after all).
+  std::size_t sunk = 0;
+  bool holding = false;
+  std::vector<TokenLogprob> held_logprobs;
+  const auto release = [&](std::size_t end) {
+    if (sink && (end > sunk || !held_logprobs.empty()))
+      sink(std::string_view(text).substr(sunk, end - sunk), held_logprobs);
+    sunk = end;
+    held_logprobs.clear();
+  };
   for (;;) {
     // A cancellation that arrived while this coroutine ran (inside the sink, say) is seen here;
     // one that arrives while it waits aborts the receive.
@@ -362,7 +378,15 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       }
       text += piece->text;
       logprobs.insert(logprobs.end(), piece->logprobs.begin(), piece->logprobs.end());
-      if (sink) sink(piece->text, piece->logprobs);
+      if (!tools) {
+        if (sink) sink(piece->text, piece->logprobs);
+        continue;
+      }
+      held_logprobs.insert(held_logprobs.end(), piece->logprobs.begin(), piece->logprobs.end());
+      if (holding) continue;
+      const std::size_t start = sunk + tool_call_start(std::string_view(text).substr(sunk));
+      holding = std::string_view(text).substr(start).starts_with("<tool_call>");
+      if (start > sunk || (!holding && start == text.size())) release(start);
       continue;
     }
     timings.total_ms = ms_between(start, now);
@@ -373,8 +397,18 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       timings.tpot_ms = ms_between(*first, now) / static_cast<double>(r.stats.generated_tokens - 1);
     }
     Completion c;
-    c.text = std::move(text);
     c.finish_reason = r.finish_reason;
+    if (tools) {
+      if (auto parsed = parse_tool_calls(text)) {
+        // The calls, and the text beside them; an answer that ended on its own ended to call.
+        c.tool_calls = std::move(parsed->calls);
+        if (c.finish_reason == "stop") c.finish_reason = "tool_calls";
+        text = std::move(parsed->content);
+      } else {
+        release(text.size());
+      }
+    }
+    c.text = std::move(text);
     c.usage = Usage{r.stats.prompt_tokens, r.stats.generated_tokens, true};
     if (r.finish_reason == "length" && (job->params.max_tokens <= 0 || r.stats.generated_tokens < job->params.max_tokens))
       c.cut_at_context = context();

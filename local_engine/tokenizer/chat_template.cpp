@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <ctime>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -86,6 +87,54 @@ std::string_view trim(std::string_view s) {
   for (std::size_t n; (n = at_front(s)) > 0;) s.remove_prefix(n);
   for (std::size_t n; (n = at_back(s)) > 0;) s.remove_suffix(n);
   return s;
+}
+
+// A JSON value as the templates' tojson writes it (Python's json.dumps with ensure_ascii off):
+// ", " between items, ": " after keys, keys in the value's order.
+template <class Json>
+std::string python_json(const Json& value) {
+  std::string out;
+  if (value.is_object()) {
+    out += '{';
+    bool first = true;
+    for (auto it = value.begin(); it != value.end(); ++it) {
+      if (!first) out += ", ";
+      first = false;
+      out += Json(it.key()).dump(-1, ' ', false, Json::error_handler_t::replace);
+      out += ": ";
+      out += python_json(it.value());
+    }
+    out += '}';
+  } else if (value.is_array()) {
+    out += '[';
+    for (std::size_t i = 0; i < value.size(); ++i) {
+      if (i > 0) out += ", ";
+      out += python_json(value[i]);
+    }
+    out += ']';
+  } else {
+    out += value.dump(-1, ' ', false, Json::error_handler_t::replace);
+  }
+  return out;
+}
+
+// A call's arguments as the template sees them: the API gives them as JSON text, which clients
+// that render these templates (vLLM, llama.cpp's server) parse first; text that is not a JSON
+// object stays text. Keys keep the order they were written in.
+nlohmann::ordered_json call_arguments(const nlohmann::json& call) {
+  const nlohmann::json& function = call.contains("function") ? call["function"] : call;
+  const auto arguments = function.find("arguments");
+  if (arguments == function.end()) return nlohmann::ordered_json::object();
+  if (!arguments->is_string()) return nlohmann::ordered_json::parse(arguments->dump());
+  auto parsed = nlohmann::ordered_json::parse(arguments->get_ref<const std::string&>(), nullptr, false);
+  if (parsed.is_discarded() || !parsed.is_object()) return arguments->get<std::string>();
+  return parsed;
+}
+
+std::string call_name(const nlohmann::json& call) {
+  const nlohmann::json& function = call.contains("function") ? call["function"] : call;
+  const auto name = function.find("name");
+  return name != function.end() && name->is_string() ? name->get<std::string>() : std::string();
 }
 
 // Today's local date as Llama 3.2's template writes it: strftime("%d %b %Y"), "26 Nov 2026".
@@ -381,6 +430,27 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
                 tmpl.substr(0, 80) + "'");
   }
   result.reasoning_ = tmpl.find("reasoning_content") != std::string::npos && tmpl.find("</think>") != std::string::npos;
+  {
+    // Qwen 2.5's and 3's tool calling: the constants that list the tools, frame a call and a
+    // tool's result. All must be there, a call framed one way or the other.
+    std::string preamble, postamble;
+    bool call_after_newline = false, call_alone = false, call_middle = false, call_end = false, response = false;
+    for (const std::string& c : constant_strings(tmpl)) {
+      if (preamble.empty() && (c.starts_with("\n\n# Tools\n\n") || c.starts_with("# Tools\n\n")) && c.ends_with("<tools>"))
+        preamble = c;
+      if (postamble.empty() && c.starts_with("\n</tools>") && c.ends_with("<|im_end|>\n")) postamble = c;
+      call_after_newline |= c == "\n<tool_call>\n{\"name\": \"";
+      call_alone |= c == "<tool_call>\n{\"name\": \"";
+      call_middle |= c == "\", \"arguments\": ";
+      call_end |= c == "}\n</tool_call>";
+      response |= c == "\n<tool_response>\n";
+    }
+    if (!preamble.empty() && !postamble.empty() && call_after_newline != call_alone && call_middle && call_end && response) {
+      result.tools_preamble_ = std::move(preamble);
+      result.tools_postamble_ = std::move(postamble);
+      result.newline_before_call_ = call_after_newline;
+    }
+  }
   for (const std::string& constant : constant_strings(tmpl)) {
     if (constant.compare(0, kSystemTurnStart.size(), kSystemTurnStart) != 0) continue;
     const std::size_t end = constant.find(kTurnEnd, kSystemTurnStart.size());
@@ -391,7 +461,10 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
   return result;
 }
 
-std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const {
+std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt,
+                                const nlohmann::json& tools) const {
+  if (tools.is_array() && !tools.empty() && !calls_tools()) throw std::invalid_argument(*tools_problem(*this));
+  if (calls_tools()) return apply_with_tool_turns(messages, add_generation_prompt, tools);
   std::string out;
   if (name_ == "mistral" || name_ == "llama2") {
     // An optional system message first, then user and assistant messages in turn, as the
@@ -608,6 +681,178 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
   }
   if (add_generation_prompt) out += "<|im_start|>assistant\n";
   return out;
+}
+
+// ChatML with Qwen 2.5's or Qwen 3's tool turns: the tools listed in the system turn, an
+// assistant's calls after its content, consecutive tool results in one user turn.
+std::string ChatTemplate::apply_with_tool_turns(std::span<const ChatMessage> messages, bool add_generation_prompt,
+                                                const nlohmann::json& tools) const {
+  std::string out;
+  const auto append_turn = [&](std::string_view role, std::string_view content) {
+    out += kTurnStart;
+    out += role;
+    out += '\n';
+    out += content;
+    out += kTurnEnd;
+    out += '\n';
+  };
+  const auto n = messages.size();
+  const bool system_first = n > 0 && messages.front().role == "system";
+  std::size_t first = 0;
+  if (tools.is_array() && !tools.empty()) {
+    out += kSystemTurnStart;
+    if (tools_preamble_.starts_with("\n\n")) {
+      // Qwen 2.5: the system message, or the default one, then the tools.
+      out += system_first ? messages.front().content : default_system_;
+    } else if (system_first) {
+      // Qwen 3: the system message and a blank line, when there is one.
+      out += messages.front().content;
+      out += "\n\n";
+    }
+    out += tools_preamble_;
+    for (const auto& tool : tools) {
+      out += '\n';
+      out += python_json(tool);
+    }
+    out += tools_postamble_;
+    first = system_first ? 1 : 0;
+  } else if (!default_system_.empty() && n > 0 && !system_first) {
+    append_turn("system", default_system_);
+  }
+  // Qwen 3: assistant turns after the last user query keep their reasoning (see apply).
+  std::size_t last_query = n == 0 ? 0 : n - 1;
+  for (std::size_t i = n; i-- > 0;) {
+    const ChatMessage& m = messages[i];
+    if (m.role == "user" && !(m.content.starts_with("<tool_response>") && m.content.ends_with("</tool_response>"))) {
+      last_query = i;
+      break;
+    }
+  }
+  const auto strip = [](std::string_view s, bool front, bool back) {
+    while (front && !s.empty() && s.front() == '\n') s.remove_prefix(1);
+    while (back && !s.empty() && s.back() == '\n') s.remove_suffix(1);
+    return s;
+  };
+  for (std::size_t i = first; i < n; ++i) {
+    const ChatMessage& m = messages[i];
+    if (m.role == "tool") {
+      if (i == 0 || messages[i - 1].role != "tool") out += "<|im_start|>user";
+      out += "\n<tool_response>\n";
+      out += m.content;
+      out += "\n</tool_response>";
+      if (i + 1 == n || messages[i + 1].role != "tool") out += "<|im_end|>\n";
+      continue;
+    }
+    if (m.role != "assistant") {
+      append_turn(m.role, m.content);
+      continue;
+    }
+    // The turn's text, and the content after any reasoning (what decides the calls' spacing).
+    std::string body = m.content;
+    std::string_view content = m.content;
+    if (reasoning_) {
+      std::string_view reasoning;
+      if (const std::size_t end = content.find(kThinkEnd); end != std::string_view::npos) {
+        reasoning = strip(content.substr(0, end), false, true);
+        if (const std::size_t start = reasoning.rfind(kThinkStart); start != std::string_view::npos)
+          reasoning.remove_prefix(start + kThinkStart.size());
+        reasoning = strip(reasoning, true, false);
+        content = strip(content.substr(content.rfind(kThinkEnd) + kThinkEnd.size()), true, false);
+      }
+      body = i > last_query && (i == n - 1 || !reasoning.empty())
+                 ? "<think>\n" + std::string(strip(reasoning, true, true)) + "\n</think>\n\n" +
+                       std::string(strip(content, true, false))
+                 : std::string(content);
+    }
+    if (!m.calls_tools()) {
+      append_turn("assistant", body);
+      continue;
+    }
+    if (newline_before_call_) {
+      // Qwen 2.5: the content on its own line when there is any, each call on the next.
+      out += "<|im_start|>assistant";
+      if (!body.empty()) out += "\n" + body;
+    } else {
+      out += "<|im_start|>assistant\n" + body;
+    }
+    for (std::size_t k = 0; k < m.tool_calls.size(); ++k) {
+      const nlohmann::json& call = m.tool_calls[k];
+      if (newline_before_call_ || k > 0 || !content.empty()) out += '\n';
+      out += "<tool_call>\n{\"name\": \"";
+      out += call_name(call);
+      out += "\", \"arguments\": ";
+      const nlohmann::ordered_json arguments = call_arguments(call);
+      // Qwen 3 writes arguments given as text as they are; Qwen 2.5 writes every value as JSON.
+      out += arguments.is_string() && !newline_before_call_ ? arguments.get<std::string>() : python_json(arguments);
+      out += "}\n</tool_call>";
+    }
+    out += "<|im_end|>\n";
+  }
+  if (add_generation_prompt) out += "<|im_start|>assistant\n";
+  return out;
+}
+
+namespace {
+constexpr std::string_view kCallOpen = "<tool_call>";
+constexpr std::string_view kCallClose = "</tool_call>";
+
+std::string new_call_id() {
+  static constexpr char kDigits[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  std::string id = "call_";
+  for (int i = 0; i < 24; ++i) id += kDigits[rng() % (sizeof kDigits - 1)];
+  return id;
+}
+}  // namespace
+
+std::optional<std::string> tools_problem(const ChatTemplate& chat_template) {
+  if (chat_template.calls_tools()) return std::nullopt;
+  return "this model's chat template (" + std::string(chat_template.name()) +
+         ") does not list tools; the embedded engine calls tools with templates that do, as Qwen 2.5's and Qwen 3's "
+         "(<tool_call> ... </tool_call>)";
+}
+
+std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text) {
+  if (text.find(kCallOpen) == std::string_view::npos) return std::nullopt;
+  ParsedToolCalls out;
+  out.calls = nlohmann::json::array();
+  std::string content;
+  std::size_t pos = 0;
+  for (std::size_t at; (at = text.find(kCallOpen, pos)) != std::string_view::npos;) {
+    content += text.substr(pos, at - pos);
+    const std::size_t body = at + kCallOpen.size();
+    const std::size_t end = text.find(kCallClose, body);
+    if (end == std::string_view::npos) return std::nullopt;
+    const auto call = nlohmann::ordered_json::parse(text.substr(body, end - body), nullptr, false);
+    if (call.is_discarded() || !call.is_object()) return std::nullopt;
+    const auto name = call.find("name");
+    if (name == call.end() || !name->is_string() || name->get_ref<const std::string&>().empty()) return std::nullopt;
+    const auto arguments = call.find("arguments");
+    std::string arguments_text = "{}";
+    if (arguments != call.end()) {
+      if (arguments->is_string()) {
+        arguments_text = arguments->get<std::string>();
+      } else if (arguments->is_object()) {
+        arguments_text = arguments->dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+      } else {
+        return std::nullopt;
+      }
+    }
+    out.calls.push_back({{"id", new_call_id()},
+                         {"type", "function"},
+                         {"function", {{"name", name->get<std::string>()}, {"arguments", std::move(arguments_text)}}}});
+    pos = end + kCallClose.size();
+  }
+  content += text.substr(pos);
+  out.content = std::string(trim(content));
+  return out;
+}
+
+std::size_t tool_call_start(std::string_view text) {
+  if (const std::size_t at = text.find(kCallOpen); at != std::string_view::npos) return at;
+  for (std::size_t keep = std::min(text.size(), kCallOpen.size() - 1); keep > 0; --keep)
+    if (kCallOpen.starts_with(text.substr(text.size() - keep))) return text.size() - keep;
+  return text.size();
 }
 
 }  // namespace batchlm::local_engine

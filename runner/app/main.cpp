@@ -190,6 +190,21 @@ void check_output_path(const JobSpec& job, const std::vector<Override>& override
   }
 }
 
+// Tools, and a conversation's calls and results, need a chat template that shows them to the
+// model: `problem` says why this model's does not (nullopt: it does).
+void refuse_tools_without_template(const JobSpec& job, const std::vector<Override>& overrides,
+                                   const std::optional<std::string>& problem) {
+  if (!problem) return;
+  if (requested_tools(job.request.extra)) throw field_error(job, overrides, "request.extra.tools", *problem);
+  for (std::size_t i = 0; i < job.request.messages.size(); ++i) {
+    const ChatMessage& m = job.request.messages[i];
+    if (m.calls_tools() || m.role == "tool")
+      throw field_error(job, overrides,
+                        "request.messages[" + std::to_string(i) + "]" + (m.calls_tools() ? ".tool_calls" : ".role"),
+                        *problem);
+  }
+}
+
 std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Override>& overrides,
                                       boost::asio::io_context& io, const EnvLookup& env) {
   if (job.backend.type == "local") {
@@ -240,6 +255,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
       std::fprintf(stderr, "batchlm: note: backend.context %lld is beyond the longest context this model runs at; using %lld\n",
                    static_cast<long long>(job.backend.context), static_cast<long long>(backend->context()));
     refuse_biases_outside(job, overrides, backend->vocab_size(), backend->model_name());
+    refuse_tools_without_template(job, overrides, backend->tools_problem());
     // A pool set larger than the memory: the system may end the run when the pool fills.
     if (const std::int64_t available = backend->pool_past_memory(); available > 0) {
       const std::string field = job.backend.kv_tokens > 0 ? "backend.kv_tokens" : "backend.kv_memory";  // tokens win
@@ -341,8 +357,14 @@ int run_command(const JobOptions& o, bool synth) {
         count_prompt_tokens = [tokenizer, chat](const Request& request) {
           return static_cast<std::int64_t>(
               request.prompt ? local_engine::text_prompt_tokens(*tokenizer, *request.prompt).size()
-                             : local_engine::chat_prompt_tokens(*tokenizer, *chat, request.messages).size());
+                             : local_engine::chat_prompt_tokens(*tokenizer, *chat, request.messages,
+                                                                requested_tools(request.extra) ? request.extra["tools"]
+                                                                                               : nlohmann::json())
+                                   .size());
         };
+        refuse_tools_without_template(job, overrides, local_engine::tools_problem(*chat));
+      } catch (const ConfigError&) {
+        throw;
       } catch (const std::exception&) {
         // No usable vocabulary or chat template: the run would say so; the dry run estimates.
       }

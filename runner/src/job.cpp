@@ -835,6 +835,18 @@ void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMess
     nlohmann::json tool_fields = nlohmann::json::object();
     for (const char* key : {"tool_calls", "tool_call_id", "name"})
       if (Reader::has(m[key])) tool_fields[key] = yaml_to_json(m[key]);
+    // Ids and names are text even where YAML would read a number (id: 12345).
+    for (const char* key : {"tool_call_id", "name"})
+      if (Reader::has(m[key]) && m[key].IsScalar()) tool_fields[key] = m[key].Scalar();
+    if (Reader::has(m["tool_calls"]) && m["tool_calls"].IsSequence())
+      for (std::size_t k = 0; k < m["tool_calls"].size(); ++k) {
+        const YAML::Node call = m["tool_calls"][k];
+        if (!call.IsMap()) continue;
+        if (Reader::has(call["id"]) && call["id"].IsScalar()) tool_fields["tool_calls"][k]["id"] = call["id"].Scalar();
+        if (Reader::has(call["function"]) && call["function"].IsMap() && Reader::has(call["function"]["name"]) &&
+            call["function"]["name"].IsScalar())
+          tool_fields["tool_calls"][k]["function"]["name"] = call["function"]["name"].Scalar();
+      }
     if (auto problem = read_tool_fields(tool_fields, message)) {
       const std::string& at = problem->first;
       const std::string key = at.substr(1, at.find_first_of(".[", 1) - 1);
@@ -849,6 +861,9 @@ void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMess
     }
     messages.push_back(std::move(message));
   }
+  if (auto problem = unanswered_tool_message(messages))
+    r.fail(node[problem->first]["tool_call_id"], index_path("request.messages", problem->first) + ".tool_call_id",
+           problem->second);
 }
 
 void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& request) {
@@ -1244,6 +1259,10 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
     for (std::size_t i = 0; i < job.request.messages.size(); ++i) {
       const std::string field = index_path("request.messages", i) + ".content";
       job.marks.emplace(field, r.mark(messages[i]["content"], field));
+      for (const char* key : {"tool_calls", "role"}) {
+        const std::string at = index_path("request.messages", i) + "." + key;
+        job.marks.emplace(at, r.mark(messages[i][key], at));
+      }
     }
     if (!job.request.model.empty())
       job.marks.emplace("request.model", r.mark(root["request"]["model"], "request.model"));
@@ -1282,10 +1301,6 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   };
   if (job.backend.type == "local") {
     if (job.backend.model.empty()) job.backend.model = from_env("BATCHLM_MODEL", std::string(kDefaultLocalModel), true);
-    for (std::size_t i = 0; i < job.request.messages.size(); ++i)
-      if (const auto problem = engine_message_problem(job.request.messages[i]))
-        r.fail(root["request"]["messages"][i]["tool_calls"], index_path("request.messages", i) + ".tool_calls",
-               *problem + " (the backend is the embedded engine)");
     // Extra body fields the embedded engine would ignore are refused, not silently dropped.
     if (job.request.extra.is_object()) {
       for (const auto& [key, value] : job.request.extra.items())

@@ -244,7 +244,7 @@ std::int64_t estimate_tokens(const std::vector<ChatMessage>& messages) {
 
 // A chat message list from JSON (a Batch body, or an input line's own "messages").
 std::vector<ChatMessage> parse_messages(const json& value, const std::string& file,
-                                        std::int64_t line, const std::string& field, bool local) {
+                                        std::int64_t line, const std::string& field) {
   int line_int = static_cast<int>(line);
   if (!value.is_array() || value.empty())
     throw ConfigError(file, line_int, 0, field, "expected a non-empty list of {role, content}");
@@ -276,11 +276,10 @@ std::vector<ChatMessage> parse_messages(const json& value, const std::string& fi
       throw ConfigError(file, line_int, 0, here + ".content", "expected a string or text parts");
     }
     if (auto problem = read_tool_fields(m, message)) throw ConfigError(file, line_int, 0, here + problem->first, problem->second);
-    if (local)
-      if (auto problem = engine_message_problem(message))
-        throw ConfigError(file, line_int, 0, here + ".tool_calls", *problem + " (the backend is the embedded engine)");
     out.push_back(std::move(message));
   }
+  if (auto problem = unanswered_tool_message(out))
+    throw ConfigError(file, line_int, 0, field + "[" + std::to_string(problem->first) + "].tool_call_id", problem->second);
   return out;
 }
 
@@ -376,7 +375,7 @@ Item jsonl_item(const JobSpec& job, json fields, std::int64_t line,
   if (job.request.messages.empty()) {
     // No template: the line carries its own conversation, or a bare prompt.
     if (fields.contains("messages")) {
-      request.messages = parse_messages(fields["messages"], file, line, "messages", job.backend.type == "local");
+      request.messages = parse_messages(fields["messages"], file, line, "messages");
     } else if (fields.contains("prompt")) {
       if (!fields["prompt"].is_string())
         throw ConfigError(file, static_cast<int>(line), 0, "prompt",
@@ -446,7 +445,7 @@ Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
     throw ConfigError(file, line_int, 0, "body.messages", "missing (only chat completions are supported)");
   for (const auto& [key, value] : body.items()) {
     if (key == "messages") {
-      request.messages = parse_messages(value, file, line, "body.messages", job.backend.type == "local");
+      request.messages = parse_messages(value, file, line, "body.messages");
     } else if (key == "model") {
       if (!value.is_string()) throw wrong(key, "a string");
       request.model = value.get<std::string>();

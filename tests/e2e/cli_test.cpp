@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -1424,28 +1425,70 @@ TEST(BatchlmRun, ToolConversationsOfABatchFileReachTheApiWhole) {
   EXPECT_EQ(bad.exit_code, 2) << bad.err;
   EXPECT_NE(bad.err.find("batch.jsonl:4"), std::string::npos) << bad.err;
   EXPECT_NE(bad.err.find("body.messages[1].tool_calls[0].function.arguments"), std::string::npos) << bad.err;
+  // And so is a tool message that answers no call made before it, which the API would refuse.
+  write_file(dir.path / "batch.jsonl",
+             lines + R"({"custom_id": "stray", "body": {"messages": [{"role": "user", "content": "hi"}, )"
+                     R"({"role": "tool", "tool_call_id": "call_9", "content": "18 C"}]}})" "\n");
+  RunResult stray = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/stray.jsonl"});
+  EXPECT_EQ(stray.exit_code, 2) << stray.err;
+  EXPECT_NE(stray.err.find("body.messages[1].tool_call_id: answers the call 'call_9', which no earlier assistant message made"),
+            std::string::npos)
+      << stray.err;
 }
 
-// The embedded engine's chat templates cannot show a model its own calls: a job that would
-// send them there is refused at load, naming the field, not run with the calls dropped.
-TEST(BatchlmRun, AJobThatSendsCallsToTheEmbeddedEngineIsRefusedAtLoad) {
+// Tools on the embedded engine: a model whose chat template lists tools (Qwen 2.5's) is shown
+// them and the conversation's calls and results; one whose template does not refuses them when
+// the model is loaded, naming the field, rather than running with them dropped.
+TEST(BatchlmRun, TheEmbeddedEngineTakesToolsWhereItsTemplateListsThem) {
   TempDir dir;
-  write_file(dir.path / "job.yaml",
-             "synth: {count: 2}\n"
-             "request:\n"
-             "  messages:\n"
-             "    - {role: user, content: \"Weather?\"}\n"
-             "    - role: assistant\n"
-             "      tool_calls: [{id: call_1, type: function, function: {name: get_weather, arguments: '{}'}}]\n"
-             "    - {role: tool, tool_call_id: call_1, content: \"18 C\"}\n"
-             "backend: {type: local}\n");
-  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
-  EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_NE(r.err.find("job.yaml:6:"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("request.messages[1].tool_calls: the embedded engine does not call tools"), std::string::npos)
-      << r.err;
+  std::ifstream in(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja");
+  const std::string qwen((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (qwen.empty()) GTEST_SKIP() << "Qwen2.5's template is absent (scripts/fetch-vocabs.sh fetches it)";
+  batchlm::testing::TinyLlamaOptions tools_model;
+  tools_model.chat_template = qwen;
+  tools_model.context_length = 2048;
+  batchlm::testing::write_tiny_llama(dir.path / "qwen.gguf", tools_model);
+  batchlm::testing::write_tiny_llama(dir.path / "plain.gguf");
+  const std::string job =
+      "synth: {count: 2}\n"
+      "request:\n"
+      "  messages:\n"
+      "    - {role: user, content: \"Weather?\"}\n"
+      "    - role: assistant\n"
+      "      tool_calls: [{id: call_1, type: function, function: {name: get_weather, arguments: '{\"city\": \"Oslo\"}'}}]\n"
+      "    - {role: tool, tool_call_id: call_1, content: \"-3 C\"}\n"
+      "  max_tokens: 4\n" +
+      std::string(kToolsYaml) + "backend: {type: local, threads: 1, model: ";
+  write_file(dir.path / "job.yaml", job + "qwen.gguf}\n");
+  RunResult ok = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/qwen.jsonl"});
+  ASSERT_EQ(ok.exit_code, 0) << ok.err;
+  const auto records = read_jsonl(dir.path / "out/qwen.jsonl");
+  ASSERT_EQ(records.size(), 2u);
+  for (const auto& rec : records) {
+    EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
+    // The tools, the call and its result are in the prompt: far more than the three messages' words.
+    EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 300) << rec.dump();
+  }
 
-  // The same fields held to the API's form in a job file.
+  write_file(dir.path / "job.yaml", job + "plain.gguf}\n");
+  RunResult refused = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/plain.jsonl"});
+  EXPECT_EQ(refused.exit_code, 2) << refused.err;
+  EXPECT_NE(refused.err.find("job.yaml:"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("request.extra.tools: this model's chat template (chatml) does not list tools"),
+            std::string::npos)
+      << refused.err;
+  EXPECT_FALSE(fs::exists(dir.path / "out/plain.jsonl"));
+  // Without the tools, the call in the conversation is what it cannot show.
+  const std::string without_tools = job.substr(0, job.find("  extra:")) + "backend: {type: local, threads: 1, model: plain.gguf}\n";
+  write_file(dir.path / "job.yaml", without_tools);
+  RunResult call = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/plain.jsonl"});
+  EXPECT_EQ(call.exit_code, 2) << call.err;
+  EXPECT_NE(call.err.find("job.yaml:6:"), std::string::npos) << call.err;
+  EXPECT_NE(call.err.find("request.messages[1].tool_calls: this model's chat template (chatml) does not list tools"),
+            std::string::npos)
+      << call.err;
+
+  // The same fields are held to the API's form in a job file.
   write_file(dir.path / "job.yaml",
              "synth: {count: 2}\n"
              "request:\n"

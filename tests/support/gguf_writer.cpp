@@ -933,9 +933,11 @@ TinyLlamaInfo write_tiny_llama(const std::filesystem::path& path, const TinyLlam
 
   add_vocab(writer, info, "smollm", false);
   writer.add("tokenizer.chat_template",
-             GgufValue::str("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-                            "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-                            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"));
+             GgufValue::str(!o.chat_template.empty()
+                                ? o.chat_template
+                                : "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+                                  "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+                                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"));
 
   // Weights: normal with std 0.5 / sqrt(row length) for matrices, so that a matrix-vector
   // product keeps activations near unit scale (0.04 to 0.06 at the default sizes); the

@@ -190,6 +190,8 @@ struct TinyLlamaOptions {
   float attn_softcap = 0.0f, final_softcap = 0.0f;
   // Any architecture: rope.scaling.type "linear" with this factor, where > 0.
   float rope_scaling_factor = 0.0f;
+  // tokenizer.chat_template; empty: plain ChatML.
+  std::string chat_template;
 };
 
 struct TinyLlamaInfo {

@@ -99,7 +99,7 @@ TEST(ToolCallsStream, TextBesideCallsIsKeptAndAnAnswerWithoutCallsHasNone) {
   EXPECT_TRUE(plain.completion->tool_calls.is_null());
 }
 
-TEST(ToolCallsStream, AnIdOrNameRepeatedInEveryFragmentIsNotDoubledButOneSentInPiecesIsJoined) {
+TEST(ToolCallsStream, AnIdNameOrTypeRepeatedInEveryFragmentIsKeptOnce) {
   const std::string repeated =
       event(call_fragment(0, {{"id", "call_a"}, {"type", "function"}, {"function", {{"name", "get_weather"}, {"arguments", "{\"city\""}}}})) +
       event(call_fragment(0, {{"id", "call_a"}, {"type", "function"}, {"function", {{"name", "get_weather"}, {"arguments", ": \"Paris\"}"}}}})) +
@@ -107,14 +107,42 @@ TEST(ToolCallsStream, AnIdOrNameRepeatedInEveryFragmentIsNotDoubledButOneSentInP
   const Outcome r = streamed(repeated);
   ASSERT_TRUE(r.ok()) << r.error->message;
   EXPECT_EQ(r.completion->tool_calls, json::array({kWeather}));
+}
 
-  const std::string pieces =
-      event(call_fragment(0, {{"id", "call_"}, {"function", {{"name", "get_"}}}})) +
-      event(call_fragment(0, {{"id", "a"}, {"type", "function"}, {"function", {{"name", "weather"}, {"arguments", "{\"city\": \"Paris\"}"}}}})) +
-      event(json::object(), "tool_calls") + "data: [DONE]\n\n";
-  const Outcome p = streamed(pieces);
-  ASSERT_TRUE(p.ok()) << p.error->message;
-  EXPECT_EQ(p.completion->tool_calls, json::array({kWeather}));
+// As Gemini's OpenAI-compatible endpoint and proxies in front of it send calls: no index, and
+// ids and types empty. A name that differs starts a call of its own.
+TEST(ToolCallsStream, CallsWithoutIndexOrIdAreNotJoinedIntoOne) {
+  const auto no_index = [](json fields) { return json{{"tool_calls", json::array({std::move(fields)})}}; };
+  const std::string body =
+      event(no_index({{"id", ""}, {"type", ""}, {"function", {{"name", "get_weather"}, {"arguments", "{\"city\": \"Paris\"}"}}}})) +
+      event(no_index({{"id", ""}, {"type", ""}, {"function", {{"name", "get_time"}, {"arguments", "{\"zone\": \"CET\"}"}}}})) +
+      event(json::object(), "stop") + "data: [DONE]\n\n";
+  const Outcome o = streamed(body);
+  ASSERT_TRUE(o.ok()) << o.error->message;
+  json weather = kWeather, time = kTime;
+  weather.erase("id");
+  time.erase("id");
+  EXPECT_EQ(o.completion->tool_calls, json::array({weather, time}));
+
+  // Both calls in one delta, without ids.
+  const Outcome one = streamed(event({{"tool_calls", json::array({{{"function", kWeather["function"]}}, {{"function", kTime["function"]}}})}}) +
+                               event(json::object(), "tool_calls") + "data: [DONE]\n\n");
+  ASSERT_TRUE(one.ok()) << one.error->message;
+  EXPECT_EQ(one.completion->tool_calls, json::array({weather, time}));
+}
+
+// A proxy that numbers every call 0: the second call (another id) gets a place of its own, and
+// the fragments after it go to it.
+TEST(ToolCallsStream, AnIndexGivenToTwoCallsKeepsThemApart) {
+  const std::string body =
+      event(call_fragment(0, {{"id", "call_a"}, {"type", "function"}, {"function", {{"name", "get_weather"}, {"arguments", "{\"city\": "}}}})) +
+      event(call_fragment(0, {{"function", {{"arguments", "\"Paris\"}"}}}})) +
+      event(call_fragment(0, {{"id", "call_b"}, {"type", "function"}, {"function", {{"name", "get_time"}, {"arguments", "{\"zone\": "}}}})) +
+      event(call_fragment(0, {{"function", {{"arguments", "\"CET\"}"}}}})) + event(json::object(), "tool_calls") +
+      "data: [DONE]\n\n";
+  const Outcome o = streamed(body);
+  ASSERT_TRUE(o.ok()) << o.error->message;
+  EXPECT_EQ(o.completion->tool_calls, json::array({kWeather, kTime}));
 }
 
 TEST(ToolCallsStream, FragmentsWithoutAnIndexContinueTheLastCallUntilANewIdStartsTheNext) {
@@ -187,6 +215,12 @@ TEST(ToolCallsBody, AWholeAnswersCallsAreRead) {
   const Outcome f = answer_from_body(200, legacy.dump(), {});
   ASSERT_TRUE(f.ok()) << f.error->message;
   EXPECT_EQ(f.completion->function_call, kWeather["function"]);
+
+  // A whole answer's calls lose the index a server may give them and have a type.
+  const Outcome indexed = answer_from_body(
+      200, R"({"choices": [{"message": {"content": null, "tool_calls": [{"index": 0, "id": "call_a", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}, "finish_reason": "tool_calls"}]})", {});
+  ASSERT_TRUE(indexed.ok()) << indexed.error->message;
+  EXPECT_EQ(indexed.completion->tool_calls, json::array({kWeather}));
 
   // An empty list is no calls.
   const Outcome none = answer_from_body(

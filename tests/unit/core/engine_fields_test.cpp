@@ -45,7 +45,7 @@ TEST(EngineFields, FieldsThatChangeNothingPass) {
   EXPECT_TRUE(ok("response_format", {{"type", "text"}}));
   EXPECT_TRUE(ok("tools", json::array()));
   EXPECT_TRUE(ok("tool_choice", "none"));
-  EXPECT_TRUE(ok("parallel_tool_calls", false));
+  EXPECT_FALSE(ok("parallel_tool_calls", false));
   EXPECT_TRUE(ok("presence_penalty", nullptr));
   // Without tools, the tool settings change nothing; null means "not set" for any field.
   EXPECT_TRUE(ok("tool_choice", "auto"));
@@ -79,7 +79,7 @@ TEST(EngineFields, FieldsThatWouldChangeTheOutputAreRefusedWithTheReason) {
   EXPECT_TRUE(ok("response_format", {{"type", "json_object"}}));
   EXPECT_TRUE(requested_json_object({{"response_format", {{"type", "json_object"}}}}));
   EXPECT_FALSE(requested_json_object({{"response_format", {{"type", "text"}}}}));
-  EXPECT_TRUE(problem("tools", json::array({{{"type", "function"}}})).starts_with("the embedded engine does not call tools"));
+  EXPECT_EQ(problem("tools", json::array({{{"type", "function"}}})), "tools[0].function: required: {name, description, parameters}");
   EXPECT_TRUE(problem("modalities", json::array({"text", "audio"})).starts_with("the embedded engine generates text only"));
   EXPECT_EQ(problem("n", 2), "several answers per item are not supported (one request, one answer)");
 }

@@ -1,5 +1,5 @@
-// A chat message's tool-calling fields read from JSON, held to the API's form, and what the
-// embedded engine says of a message that calls tools.
+// A chat message's tool-calling fields read from JSON, held to the API's form, and the tool
+// fields the embedded engine takes.
 
 #include <gtest/gtest.h>
 
@@ -78,19 +78,55 @@ TEST(ReadToolFields, NamesTheFieldAndWhatIsWrong) {
   EXPECT_EQ(problem("user", {{"tool_call_id", "call_a"}}),
             ".tool_call_id: only a tool message answers a call (this one's role is user)");
   EXPECT_EQ(problem("tool", {{"tool_call_id", 7}}), ".tool_call_id: expected a string, got number");
+  EXPECT_EQ(problem("tool", json::object()), ".tool_call_id: required: the id of the call this tool message answers");
+  EXPECT_TRUE(problem("assistant", {{"function_call", {{"name", "f"}, {"arguments", "{}"}}}})
+                  .starts_with(".function_call: the older single call is not sent"));
   EXPECT_EQ(problem("user", {{"name", true}}), ".name: expected a string, got boolean");
 }
 
-TEST(EngineMessageProblem, RefusesAMessageThatCallsToolsOnly) {
-  ChatMessage calls{"assistant", ""};
-  calls.tool_calls = json::array({kCall});
-  const auto problem = engine_message_problem(calls);
+TEST(UnansweredToolMessage, NamesAToolMessageWhoseCallNoEarlierMessageMade) {
+  ChatMessage assistant{"assistant", ""};
+  assistant.tool_calls = json::array({kCall});
+  ChatMessage answer{"tool", "18 C"};
+  answer.tool_call_id = "call_a";
+  ChatMessage stray{"tool", "?"};
+  stray.tool_call_id = "call_z";
+  EXPECT_EQ(unanswered_tool_message(std::vector<ChatMessage>{{"user", "Weather?"}, assistant, answer}), std::nullopt);
+  const auto problem = unanswered_tool_message(std::vector<ChatMessage>{{"user", "Weather?"}, assistant, answer, stray});
   ASSERT_TRUE(problem);
-  EXPECT_NE(problem->find("the embedded engine does not call tools"), std::string::npos) << *problem;
-  EXPECT_EQ(engine_message_problem(ChatMessage{"assistant", "4"}), std::nullopt);
-  ChatMessage tool{"tool", "18 C"};
-  tool.tool_call_id = "call_a";
-  EXPECT_EQ(engine_message_problem(tool), std::nullopt);
+  EXPECT_EQ(problem->first, 3u);
+  EXPECT_EQ(problem->second, "answers the call 'call_z', which no earlier assistant message made");
+  // The answer must come after the call.
+  EXPECT_TRUE(unanswered_tool_message(std::vector<ChatMessage>{{"user", "Weather?"}, answer, assistant}));
+}
+
+TEST(EngineToolFields, TakesFunctionToolsAndTheChoicesItCanHonour) {
+  const json weather = {{"type", "function"},
+                        {"function", {{"name", "get_weather"}, {"description", "Weather"}, {"parameters", {{"type", "object"}}}}}};
+  EXPECT_EQ(engine_field_problem("tools", json::array({weather})), std::nullopt);
+  EXPECT_EQ(engine_field_problem("tools", json::array()), std::nullopt);
+  EXPECT_EQ(engine_field_problem("tool_choice", "auto"), std::nullopt);
+  EXPECT_EQ(engine_field_problem("tool_choice", "none"), std::nullopt);
+  EXPECT_EQ(engine_field_problem("parallel_tool_calls", true), std::nullopt);
+  const auto problem = [](const std::string& key, const json& value) {
+    return engine_field_problem(key, value).value_or("none");
+  };
+  EXPECT_EQ(problem("tools", weather), "expected a list of {type: function, function: {name, description, parameters}}");
+  EXPECT_EQ(problem("tools", json::array({{{"type", "code_interpreter"}}})),
+            "tools[0]: expected {type: function, function: {...}} (the embedded engine calls function tools only)");
+  EXPECT_EQ(problem("tools", json::array({{{"type", "function"}, {"function", {{"name", ""}}}}})),
+            "tools[0].function.name: required: a non-empty string");
+  EXPECT_EQ(problem("tools", json::array({{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", "x"}}}}})),
+            "tools[0].function.parameters: expected a JSON schema (an object)");
+  EXPECT_TRUE(problem("tool_choice", "required").starts_with("the embedded engine takes tool_choice \"auto\""));
+  EXPECT_TRUE(problem("parallel_tool_calls", false).starts_with("the embedded engine cannot hold the model to one call"));
+  EXPECT_TRUE(problem("functions", json::array({weather["function"]})).starts_with("the embedded engine calls tools given as 'tools'"));
+
+  EXPECT_TRUE(requested_tools({{"tools", {weather}}}));
+  EXPECT_TRUE(requested_tools({{"tools", {weather}}, {"tool_choice", "auto"}}));
+  EXPECT_FALSE(requested_tools({{"tools", {weather}}, {"tool_choice", "none"}}));
+  EXPECT_FALSE(requested_tools({{"tools", json::array()}}));
+  EXPECT_FALSE(requested_tools(json()));
 }
 
 }  // namespace

@@ -129,8 +129,8 @@ TEST(Engine, ChatPromptAppliesChatMl) {
 }
 
 // OpenAI's roles, as `batchlm serve` takes them: a developer message is a system message; a
-// tool message is refused by name (the engine calls no tools, and a template given one would
-// render a turn the model never saw).
+// tool message is refused by name where the template does not list tools (it would render a
+// turn the model never saw).
 TEST(Engine, ChatPromptTakesDeveloperAsSystemAndRefusesToolMessages) {
   Engine engine(tiny_model(), EngineOptions{1, 0});
   const std::vector<ChatMessage> developer = {{"developer", "Be brief."}, {"user", "Hello world"}};
@@ -141,8 +141,9 @@ TEST(Engine, ChatPromptTakesDeveloperAsSystemAndRefusesToolMessages) {
     engine.chat_prompt(tool);
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
-    EXPECT_STREQ(e.what(), "messages[2].role: the embedded engine takes system, developer, user and assistant messages, "
-                           "not 'tool' (it does not call tools)");
+    EXPECT_STREQ(e.what(), "messages[2].role: a tool's result, but this model's chat template (chatml) does not list "
+                           "tools; the embedded engine calls tools with templates that do, as Qwen 2.5's and Qwen 3's "
+                           "(<tool_call> ... </tool_call>)");
   }
 }
 

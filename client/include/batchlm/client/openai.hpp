@@ -100,6 +100,9 @@ class StreamedAnswer {
   Usage usage_;
   std::optional<std::vector<TokenLogprob>> logprobs_;
   std::map<long long, nlohmann::json> tool_calls_;  // by the fragments' index
+  // Where an index a server gave two calls (with different ids) points now: the second call's
+  // own slot, past the indices a server may give.
+  std::map<long long, long long> tool_call_slots_;
   long long last_tool_call_ = 0;
   nlohmann::json function_call_;
   bool done_ = false;        // `data: [DONE]` seen

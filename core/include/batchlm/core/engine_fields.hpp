@@ -3,8 +3,8 @@
 // and the body of an OpenAI Batch-API line pass fields through to an API as they are; the
 // embedded engine reads `top_k`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
 // `logprobs`, `top_logprobs` and `response_format` (text, JSON mode, or a JSON schema it can
-// follow: json_schema.hpp) among them, so any other field that would change the output (tools,
-// ...) is refused rather than silently ignored. Fields that change nothing (`user`, `metadata`, a zero penalty, `n: 1`, ...)
+// follow: json_schema.hpp) and `tools` with `tool_choice` among them, so any other field that would
+// change the output is refused rather than silently ignored. Fields that change nothing (`user`, `metadata`, a zero penalty, `n: 1`, ...)
 // pass. The runner checks jobs with it before a run starts; LocalBackend checks each request.
 
 #include <cstdint>
@@ -24,9 +24,9 @@ namespace batchlm {
 // honours it or the field changes nothing.
 std::optional<std::string> engine_field_problem(std::string_view key, const nlohmann::json& value);
 
-// Why the embedded engine cannot take this chat message as it is: an assistant message's
-// `tool_calls` (its chat templates would drop them). nullopt when it can.
-std::optional<std::string> engine_message_problem(const ChatMessage& message);
+// Whether the extra fields give the model tools to call: a non-empty `tools` without
+// `tool_choice: "none"`. For fields that passed the checks above.
+bool requested_tools(const nlohmann::json& extra);
 
 // What is wrong with `top_logprobs` next to `logprobs` in the extra fields (each already
 // passed engine_field_problem): a count without logprobs turned on, or one that disagrees with

@@ -35,8 +35,13 @@ struct ChatMessage {
 // JSON object `m` into `message`, whose role is set. Returns the first problem as (the field's
 // path below the message, e.g. ".tool_calls[0].function.arguments", what is wrong), or nullopt.
 // Calls are held to the API's form: an assistant's list of {id, type: function, function:
-// {name, arguments}}, the arguments a string (the JSON text); an empty list is no calls.
+// {name, arguments}}, the arguments a string (the JSON text); an empty list is no calls. A tool
+// message must name the call it answers; the older `function_call` is refused.
 std::optional<std::pair<std::string, std::string>> read_tool_fields(const nlohmann::json& m, ChatMessage& message);
+
+// The first tool message of a conversation whose tool_call_id no earlier assistant message's
+// calls have (the API refuses it), as (its index, what is wrong); nullopt when there is none.
+std::optional<std::pair<std::size_t, std::string>> unanswered_tool_message(std::span<const ChatMessage> messages);
 
 // One chat-completion call. Fields left empty are not sent, so the server's defaults apply.
 struct Request {

@@ -139,15 +139,17 @@ class Generation {
 
 // A raw-text prompt, tokenized with special tokens recognised (and a BOS if the model wants
 // one); and the chat template applied to messages, then tokenized the same way. Roles are
-// OpenAI's: a "developer" message is a system message (as `batchlm serve` takes it); a "tool"
-// message, or any other role, throws std::invalid_argument naming the message (the engine does
-// not call tools).
+// OpenAI's: a "developer" message is a system message (as `batchlm serve` takes it). Tools,
+// assistant messages' calls and "tool" messages go to a template that lists tools
+// (ChatTemplate::calls_tools()); with another template, and for any other role, it throws
+// std::invalid_argument naming the message.
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text);
-std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages);
+std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages,
+                                      const nlohmann::json& tools = nullptr);
 // The same from a tokenizer and a template alone (a model file's vocabulary, without weights).
 std::vector<Token> text_prompt_tokens(const Tokenizer& tokenizer, std::string_view text);
 std::vector<Token> chat_prompt_tokens(const Tokenizer& tokenizer, const ChatTemplate& chat_template,
-                                      std::span<const ChatMessage> messages);
+                                      std::span<const ChatMessage> messages, const nlohmann::json& tools = nullptr);
 
 class Engine {
  public:

@@ -34,6 +34,9 @@ class LocalBackend final : public Backend {
   std::string model_name() const;
   std::int64_t context() const override;
   std::int64_t vocab_size() const;  // token ids are below it
+  // Why this model cannot take tools or a conversation's calls and results (its chat template
+  // does not list tools), or nullopt when it can.
+  std::optional<std::string> tools_problem() const;
   // The KV pool's bytes, and the memory available at start where the pool was set larger than
   // it (on the CPU), else 0.
   std::int64_t pool_bytes() const;

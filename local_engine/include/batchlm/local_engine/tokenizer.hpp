@@ -157,7 +157,10 @@ class ChatTemplate {
  public:
   // Throws std::invalid_argument when the template is not one this build supports.
   static ChatTemplate from_vocab(const Vocab& vocab);
-  std::string apply(std::span<const ChatMessage> messages, bool add_generation_prompt) const;
+  // `tools`: the request's function tools (null or an empty array for none), rendered where
+  // the template lists them (calls_tools()); a template that does not throws for them.
+  std::string apply(std::span<const ChatMessage> messages, bool add_generation_prompt,
+                    const nlohmann::json& tools = nullptr) const;
   // "chatml", "llama3", "deepseek-r1", "phi3", "mistral", "llama2" or "gemma"
   std::string_view name() const { return name_; }
   const std::string& default_system() const { return default_system_; }
@@ -169,6 +172,12 @@ class ChatTemplate {
   bool opens_reasoning() const { return opens_reasoning_; }
   // Phi-3's: whether system messages are turns (else they are left out).
   bool system_turns() const { return system_turns_; }
+  // Whether the template lists tools and shows the model its calls and their results, as
+  // Qwen 2.5's and Qwen 3's do: the tools in the system turn, a call as
+  // <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, results in a user turn as
+  // <tool_response>...</tool_response>. The model answers with calls in the same form
+  // (parse_tool_calls).
+  bool calls_tools() const { return !tools_preamble_.empty(); }
 
  private:
   std::string name_ = "chatml";
@@ -188,6 +197,32 @@ class ChatTemplate {
   // Gemma 3's: what its first_user_prefix writes after the system message; none for Gemma 2's,
   // whose template takes no system message.
   std::optional<std::string> system_separator_;
+  std::string apply_with_tool_turns(std::span<const ChatMessage> messages, bool add_generation_prompt,
+                                    const nlohmann::json& tools) const;
+  // ChatML tool calling (calls_tools()): what the template writes before the tools and after
+  // them, and whether a call's tag follows a newline it writes itself (Qwen 2.5) or one written
+  // only between parts (Qwen 3).
+  std::string tools_preamble_, tools_postamble_;
+  bool newline_before_call_ = false;
 };
+
+// Why a model with this template cannot take tools, or a conversation's calls and results
+// (it does not list tools); nullopt when it can.
+std::optional<std::string> tools_problem(const ChatTemplate& chat_template);
+
+// An answer's tool calls, in the form calls_tools() templates teach: every
+// <tool_call>{"name": ..., "arguments": {...}}</tool_call> block of `text`, as
+// [{id, type: "function", function: {name, arguments}}] with the arguments as JSON text (their
+// keys in the order written), ids "call_" and 24 random letters and digits; `content` is the text
+// outside the blocks, trimmed. nullopt when the text holds no block, or a block that is not one
+// whole call (unclosed, not JSON, no name): the text is then the answer as it stands.
+struct ParsedToolCalls {
+  std::string content;
+  nlohmann::json calls;
+};
+std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text);
+// The first byte of `text` from which it might begin a call (a "<tool_call>" or a prefix of one
+// at its end): what a stream may send as text before the answer is whole.
+std::size_t tool_call_start(std::string_view text);
 
 }  // namespace batchlm::local_engine

@@ -1,0 +1,141 @@
+// Tool calling in the embedded engine's chat templates: Qwen 2.5's and Qwen 3's tool turns
+// rendered as Jinja renders them (tests/reference/tool_turns/renders.json, made by
+// tests/reference/make_tool_turn_goldens.py from llama.cpp's copies of the templates), and the
+// calls read back from what a model writes.
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "batchlm/local_engine/tokenizer.hpp"
+
+namespace batchlm::local_engine {
+namespace {
+
+using nlohmann::json;
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+ChatTemplate template_from(std::string text) {
+  Vocab vocab;
+  vocab.model = "gpt2";
+  vocab.pre = "gpt2";
+  vocab.tokens = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
+  vocab.types = {TokenType::Control, TokenType::Control, TokenType::Control};
+  vocab.bos = 0;
+  vocab.eos = 2;
+  vocab.chat_template = std::move(text);
+  return ChatTemplate::from_vocab(vocab);
+}
+
+std::vector<ChatMessage> messages_from(const json& list) {
+  std::vector<ChatMessage> out;
+  for (const json& m : list) {
+    ChatMessage message{m["role"].get<std::string>(), m.value("content", std::string())};
+    if (auto problem = read_tool_fields(m, message)) ADD_FAILURE() << problem->first << ": " << problem->second;
+    out.push_back(std::move(message));
+  }
+  return out;
+}
+
+TEST(ToolTurns, QwenTemplatesRenderToolsCallsAndResultsAsJinjaDoes) {
+  const std::filesystem::path source(BATCHLM_SOURCE_DIR);
+  const json renders = json::parse(read_file(source / "tests/reference/tool_turns/renders.json"));
+  ASSERT_EQ(renders.size(), 12u);
+  std::set<std::string> seen;
+  for (const json& r : renders) {
+    const std::string name = r["template"].get<std::string>();
+    SCOPED_TRACE(name + ": " + r["case"].get<std::string>());
+    const std::string text = read_file(source / "models/vocab/templates" / name);
+    if (text.empty()) GTEST_SKIP() << name << " is absent (scripts/fetch-vocabs.sh fetches it)";
+    const ChatTemplate chat = template_from(text);
+    ASSERT_TRUE(chat.calls_tools());
+    EXPECT_EQ(chat.apply(messages_from(r["messages"]), true, r["tools"]), r["expected"].get<std::string>());
+    seen.insert(name);
+  }
+  EXPECT_EQ(seen.size(), 2u);
+}
+
+TEST(ToolTurns, ATemplateWithoutToolsRefusesThemAndKeepsItsToolRole) {
+  const ChatTemplate smollm = template_from(
+      "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+      "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+      "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+      "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}");
+  EXPECT_FALSE(smollm.calls_tools());
+  const std::vector<ChatMessage> messages = {{"user", "Weather?"}};
+  const json tools = json::array({{{"type", "function"}, {"function", {{"name", "get_weather"}}}}});
+  try {
+    (void)smollm.apply(messages, true, tools);
+    ADD_FAILURE() << "tools were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("does not list tools"), std::string::npos) << e.what();
+  }
+  // No tools (null or an empty list): the conversation as before.
+  EXPECT_EQ(smollm.apply(messages, true, json::array()), smollm.apply(messages, true));
+}
+
+TEST(ParseToolCalls, ReadsEveryCallAndTheTextAroundThem) {
+  const auto parsed = parse_tool_calls(
+      "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"unit\": \"C\", \"city\": \"Zürich\"}}\n"
+      "</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>");
+  ASSERT_TRUE(parsed);
+  EXPECT_EQ(parsed->content, "Let me check.");
+  ASSERT_EQ(parsed->calls.size(), 2u);
+  const json& first = parsed->calls[0];
+  EXPECT_EQ(first["type"], "function");
+  EXPECT_EQ(first["function"]["name"], "get_weather");
+  // The arguments as JSON text, keys in the order the model wrote them.
+  EXPECT_EQ(first["function"]["arguments"], "{\"unit\":\"C\",\"city\":\"Zürich\"}");
+  EXPECT_EQ(parsed->calls[1]["function"], (json{{"name", "get_time"}, {"arguments", "{}"}}));
+  std::set<std::string> ids;
+  for (const json& call : parsed->calls) {
+    const std::string id = call["id"].get<std::string>();
+    EXPECT_TRUE(id.starts_with("call_") && id.size() == 29) << id;
+    ids.insert(id);
+  }
+  EXPECT_EQ(ids.size(), 2u);
+
+  // Arguments written as text are kept as they are; none are an empty object.
+  const auto text = parse_tool_calls("<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>");
+  ASSERT_TRUE(text);
+  EXPECT_EQ(text->calls[0]["function"]["arguments"], "{\"a\": 1}");
+  EXPECT_EQ(text->content, "");
+  const auto none = parse_tool_calls("<tool_call>{\"name\": \"f\"}</tool_call>");
+  ASSERT_TRUE(none);
+  EXPECT_EQ(none->calls[0]["function"]["arguments"], "{}");
+}
+
+TEST(ParseToolCalls, TextThatIsNotAWholeCallIsLeftAsItIs) {
+  for (const std::string text : {
+           "The answer is 4.",
+           "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par",          // cut short
+           "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>",  // not JSON
+           "<tool_call>\n{\"arguments\": {}}\n</tool_call>",                                      // no name
+           "<tool_call>\n[\"get_weather\"]\n</tool_call>",                                        // not an object
+           "<tool_call>{\"name\": \"f\", \"arguments\": 3}</tool_call>",                          // arguments a number
+           "<tool_call>{\"name\": \"f\"}</tool_call> then <tool_call>{\"name\": \"g\"",           // second cut short
+       }) {
+    EXPECT_FALSE(parse_tool_calls(text)) << text;
+  }
+}
+
+TEST(ParseToolCalls, AStreamHoldsBackWhatMayBeginACall) {
+  EXPECT_EQ(tool_call_start("The answer"), 10u);
+  EXPECT_EQ(tool_call_start("Checking <tool_call>\n{"), 9u);
+  EXPECT_EQ(tool_call_start("Checking <tool_ca"), 9u);
+  EXPECT_EQ(tool_call_start("Checking <"), 9u);
+  EXPECT_EQ(tool_call_start("a < b"), 5u);
+  EXPECT_EQ(tool_call_start(""), 0u);
+}
+
+}  // namespace
+}  // namespace batchlm::local_engine
