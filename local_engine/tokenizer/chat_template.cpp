@@ -464,7 +464,6 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
 std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt,
                                 const nlohmann::json& tools) const {
   if (tools.is_array() && !tools.empty() && !calls_tools()) throw std::invalid_argument(*tools_problem(*this));
-  if (calls_tools()) return apply_with_tool_turns(messages, add_generation_prompt, tools);
   std::string out;
   if (name_ == "mistral" || name_ == "llama2") {
     // An optional system message first, then user and assistant messages in turn, as the
@@ -623,68 +622,14 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
     if (add_generation_prompt) header("assistant");
     return out;
   }
-  const auto append_turn = [&](std::string_view role, std::string_view content) {
-    out += kTurnStart;
-    out += role;
-    out += '\n';
-    out += content;
-    out += kTurnEnd;
-    out += '\n';
-  };
-  // As the SmolLM2 template does: the default goes before the first message, when that is not
-  // a system message (and so not at all for an empty conversation).
-  if (!default_system_.empty() && !messages.empty() && messages.front().role != "system") {
-    append_turn("system", default_system_);
-  }
-  if (!reasoning_) {
-    for (const ChatMessage& message : messages) append_turn(message.role, message.content);
-    if (add_generation_prompt) out += "<|im_start|>assistant\n";
-    return out;
-  }
-  // Qwen3: the last user turn that is not a tool's response (the last message where there is
-  // none); assistant turns after it keep their reasoning in a <think> block (an empty one for
-  // the last message), those before it lose it.
-  const auto n = static_cast<std::ptrdiff_t>(messages.size());
-  std::ptrdiff_t last_query = n - 1;
-  for (std::ptrdiff_t i = n - 1; i >= 0; --i) {
-    const ChatMessage& m = messages[static_cast<std::size_t>(i)];
-    if (m.role == "user" && !(m.content.starts_with("<tool_response>") && m.content.ends_with("</tool_response>"))) {
-      last_query = i;
-      break;
-    }
-  }
-  const auto strip = [](std::string_view s, bool front, bool back) {
-    while (front && !s.empty() && s.front() == '\n') s.remove_prefix(1);
-    while (back && !s.empty() && s.back() == '\n') s.remove_suffix(1);
-    return s;
-  };
-  for (std::ptrdiff_t i = 0; i < n; ++i) {
-    const ChatMessage& m = messages[static_cast<std::size_t>(i)];
-    if (m.role != "assistant") {
-      append_turn(m.role, m.content);
-      continue;
-    }
-    std::string_view content = m.content, reasoning;
-    if (const std::size_t end = content.find(kThinkEnd); end != std::string_view::npos) {
-      reasoning = strip(content.substr(0, end), false, true);
-      if (const std::size_t start = reasoning.rfind(kThinkStart); start != std::string_view::npos)
-        reasoning.remove_prefix(start + kThinkStart.size());
-      reasoning = strip(reasoning, true, false);
-      content = strip(content.substr(content.rfind(kThinkEnd) + kThinkEnd.size()), true, false);
-    }
-    if (i > last_query && (i == n - 1 || !reasoning.empty())) {
-      append_turn("assistant", "<think>\n" + std::string(strip(reasoning, true, true)) + "\n</think>\n\n" +
-                                   std::string(strip(content, true, false)));
-    } else {
-      append_turn("assistant", content);
-    }
-  }
-  if (add_generation_prompt) out += "<|im_start|>assistant\n";
-  return out;
+  return apply_with_tool_turns(messages, add_generation_prompt, tools);
 }
 
-// ChatML with Qwen 2.5's or Qwen 3's tool turns: the tools listed in the system turn, an
-// assistant's calls after its content, consecutive tool results in one user turn.
+// ChatML: a turn per message, after the default system message where the conversation does not
+// start with one (as SmolLM2's template writes it); Qwen 3's reasoning kept only after the last
+// user query; and, where the template has them (calls_tools()), Qwen 2.5's or Qwen 3's tool
+// turns: the tools listed in the system turn, an assistant's calls after its content,
+// consecutive tool results in one user turn.
 std::string ChatTemplate::apply_with_tool_turns(std::span<const ChatMessage> messages, bool add_generation_prompt,
                                                 const nlohmann::json& tools) const {
   std::string out;
@@ -735,7 +680,7 @@ std::string ChatTemplate::apply_with_tool_turns(std::span<const ChatMessage> mes
   };
   for (std::size_t i = first; i < n; ++i) {
     const ChatMessage& m = messages[i];
-    if (m.role == "tool") {
+    if (m.role == "tool" && calls_tools()) {
       if (i == 0 || messages[i - 1].role != "tool") out += "<|im_start|>user";
       out += "\n<tool_response>\n";
       out += m.content;
