@@ -343,16 +343,10 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   std::string text;
   std::vector<TokenLogprob> logprobs;
   // With tools, the sink gets the text up to where a call may begin: once a <tool_call> has
-  // begun, the rest is held until the answer is whole (a call, or text after all).
-  std::size_t sunk = 0;
-  bool holding = false;
+  // begun, the rest is held until the answer is whole (calls, or text after all). Log-probabilities
+  // go with the text they came with, or the next text that goes.
+  ToolCallStream calls;
   std::vector<TokenLogprob> held_logprobs;
-  const auto release = [&](std::size_t end) {
-    if (sink && (end > sunk || !held_logprobs.empty()))
-      sink(std::string_view(text).substr(sunk, end - sunk), held_logprobs);
-    sunk = end;
-    held_logprobs.clear();
-  };
   for (;;) {
     // A cancellation that arrived while this coroutine ran (inside the sink, say) is seen here;
     // one that arrives while it waits aborts the receive.
@@ -383,10 +377,10 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
         continue;
       }
       held_logprobs.insert(held_logprobs.end(), piece->logprobs.begin(), piece->logprobs.end());
-      if (holding) continue;
-      const std::size_t start = sunk + tool_call_start(std::string_view(text).substr(sunk));
-      holding = std::string_view(text).substr(start).starts_with("<tool_call>");
-      if (start > sunk || (!holding && start == text.size())) release(start);
+      if (const std::string out = calls.add(piece->text); !out.empty()) {
+        if (sink) sink(out, held_logprobs);
+        held_logprobs.clear();
+      }
       continue;
     }
     timings.total_ms = ms_between(start, now);
@@ -399,13 +393,13 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     Completion c;
     c.finish_reason = r.finish_reason;
     if (tools) {
-      if (auto parsed = parse_tool_calls(text)) {
+      if (auto parsed = calls.finish()) {
         // The calls, and the text beside them; an answer that ended on its own ended to call.
         c.tool_calls = std::move(parsed->calls);
         if (c.finish_reason == "stop") c.finish_reason = "tool_calls";
         text = std::move(parsed->content);
-      } else {
-        release(text.size());
+      } else if (sink && (!calls.rest().empty() || !held_logprobs.empty())) {
+        sink(calls.rest(), held_logprobs);
       }
     }
     c.text = std::move(text);

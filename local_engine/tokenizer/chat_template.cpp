@@ -800,4 +800,14 @@ std::size_t tool_call_start(std::string_view text) {
   return text.size();
 }
 
+std::string ToolCallStream::add(std::string_view piece) {
+  text_ += piece;
+  if (holding_) return {};
+  const std::size_t start = sent_ + tool_call_start(std::string_view(text_).substr(sent_));
+  holding_ = std::string_view(text_).substr(start).starts_with(kCallOpen);
+  std::string out = text_.substr(sent_, start - sent_);
+  sent_ = start;
+  return out;
+}
+
 }  // namespace batchlm::local_engine

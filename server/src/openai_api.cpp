@@ -146,15 +146,12 @@ std::vector<ChatMessage> read_messages(const json& body) {
     if (!role || !role->is_string()) invalid(param + ".role", "'" + param + ".role' is required and must be a string");
     std::string r = role->get<std::string>();
     if (r == "developer") r = "system";
-    if (r != "system" && r != "user" && r != "assistant") {
-      if (r == "tool" || r == "function") unsupported(param + ".role", "the role '" + r + "'");
-      invalid(param + ".role", "'" + param + ".role' must be one of system, developer, user, assistant, not '" +
+    if (r != "system" && r != "user" && r != "assistant" && r != "tool") {
+      if (r == "function") unsupported(param + ".role", "the role 'function' (give results as 'tool' messages)");
+      invalid(param + ".role", "'" + param + ".role' must be one of system, developer, user, assistant, tool, not '" +
                                    excerpt(role->get<std::string>()) + "'");
     }
-    // An empty list of calls, as some clients write for none, is none.
-    if (const json* calls = field(m, "tool_calls"); calls && !(calls->is_array() && calls->empty()))
-      unsupported(param + ".tool_calls", "tool calling");
-    if (field(m, "function_call")) unsupported(param + ".function_call", "function calling");
+    if (field(m, "function_call")) unsupported(param + ".function_call", "function calling (give calls as 'tool_calls')");
     const json* content = field(m, "content");
     std::string text;
     if (content) {
@@ -162,7 +159,15 @@ std::vector<ChatMessage> read_messages(const json& body) {
     } else if (r != "assistant") {
       invalid(param + ".content", "'" + param + ".content' is required");
     }
-    out.push_back(ChatMessage{std::move(r), std::move(text)});
+    ChatMessage message{std::move(r), std::move(text)};
+    // An assistant's calls, a tool message's call id, a name: held to the API's form.
+    if (auto problem = read_tool_fields(m, message))
+      invalid(param + problem->first, "'" + param + problem->first + "': " + problem->second);
+    out.push_back(std::move(message));
+  }
+  if (auto problem = unanswered_tool_message(out)) {
+    const std::string param = "messages[" + std::to_string(problem->first) + "].tool_call_id";
+    invalid(param, "'" + param + "' " + problem->second);
   }
   return out;
 }
@@ -285,7 +290,23 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
     if (const json* top = field(body, "top_logprobs"); top && !(top->is_number() && top->get<double>() == 0))
       invalid("top_logprobs", "'top_logprobs' is a chat completions parameter; text completions take 'logprobs': N");
   }
-  if (const json* v = field(body, "tools"); v && !(v->is_array() && v->empty())) unsupported("tools", "tool calling");
+  // Tools: shown to the model where its chat template lists them (the engine refuses them
+  // otherwise); the choices it cannot honour are refused here.
+  for (const char* key : {"tools", "tool_choice", "parallel_tool_calls"}) {
+    const json* v = field(body, key);
+    if (!v) continue;
+    if (!chat) invalid(key, std::string("'") + key + "' is a chat completions parameter");
+    if (const auto problem = engine_field_problem(key, *v)) {
+      // The engine's reason, less its advice to a job (to use an API instead).
+      const std::string why = problem->substr(0, problem->find("; remove it"));
+      if (!why.starts_with("the embedded engine")) invalid(key, std::string("'") + key + "': " + why);
+      throw ApiError(400, "invalid_request_error", key, std::string("'") + key + "': " + why, "unsupported_parameter");
+    }
+    if (!r.extra.is_object()) r.extra = json::object();
+    r.extra[key] = *v;
+  }
+  if (const json* v = field(body, "functions"); v && !(v->is_array() && v->empty()))
+    unsupported("functions", "'functions' (give them as 'tools')");
   if (chat) {
     // Output in other modalities than text (audio) is not something the engine can produce.
     if (const json* v = field(body, "modalities")) {
@@ -402,6 +423,11 @@ json completion_body(const ResponseContext& ctx, std::span<const Completion> cho
     }
     if (ctx.endpoint == Endpoint::kChat) {
       choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
+      if (!completion.tool_calls.is_null()) {
+        // An answer that only calls tools has no content: null, as the API writes it.
+        if (completion.text.empty()) choice["message"]["content"] = nullptr;
+        choice["message"]["tool_calls"] = completion.tool_calls;
+      }
     } else {
       choice["text"] = completion.text;
     }
@@ -461,6 +487,23 @@ json text_chunk(const ResponseContext& ctx, std::string_view text, bool first, b
     choice["text"] = std::string(text);
   }
   body["choices"] = json::array({choice});
+  if (include_usage) body["usage"] = nullptr;
+  return body;
+}
+
+json tool_calls_chunk(const ResponseContext& ctx, const json& calls, bool first, bool include_usage, int index) {
+  json body = envelope(ctx, true);
+  json delta = {{"tool_calls", json::array()}};
+  if (first) {
+    delta["role"] = "assistant";
+    delta["content"] = nullptr;
+  }
+  for (std::size_t k = 0; k < calls.size(); ++k) {
+    json call = calls[k];
+    call["index"] = k;
+    delta["tool_calls"].push_back(std::move(call));
+  }
+  body["choices"] = json::array({{{"index", index}, {"delta", std::move(delta)}, {"finish_reason", nullptr}, {"logprobs", nullptr}}});
   if (include_usage) body["usage"] = nullptr;
   return body;
 }

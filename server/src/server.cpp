@@ -379,6 +379,11 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       s.wake.cancel();
     });
     if (o.ok()) {
+      // The calls, whole, once the answer is (the engine held their text back).
+      if (!o.completion->tool_calls.is_null() && ctx.endpoint == Endpoint::kChat) {
+        s.pending += sse(tool_calls_chunk(ctx, o.completion->tool_calls, first, api.include_usage, index));
+        first = false;
+      }
       // A chat choice with no text (a stop string at its very start) still says its role first.
       if (first && ctx.endpoint == Endpoint::kChat) s.pending += sse(text_chunk(ctx, "", true, api.include_usage, index));
       s.pending += sse(finish_chunk(ctx, o.completion->finish_reason, api.include_usage, index));

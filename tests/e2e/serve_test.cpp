@@ -11,6 +11,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <regex>
 
 #include "gguf_writer.hpp"
@@ -797,6 +798,59 @@ TEST_F(Serve, ChatCompletion) {
   ASSERT_EQ(again.status, 200) << again.body;
   EXPECT_EQ(again.json_body()["choices"][0]["message"]["content"], choice["message"]["content"]);
   EXPECT_NE(again.json_body()["id"], c["id"]);
+}
+
+// Tools, and a conversation's calls and results, reach a model whose chat template lists them
+// (Qwen 2.5's), whole or streamed; a model whose template does not refuses them by name.
+TEST_F(Serve, ToolsReachAModelWhoseTemplateListsThem) {
+  std::ifstream in(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja");
+  const std::string qwen((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (qwen.empty()) GTEST_SKIP() << "Qwen2.5's template is absent (scripts/fetch-vocabs.sh fetches it)";
+  batchlm::testing::TinyLlamaOptions o;
+  o.chat_template = qwen;
+  o.context_length = 2048;
+  batchlm::testing::write_tiny_llama(dir() / "qwen.gguf", o);
+  const json tools = json::array(
+      {{{"type", "function"},
+        {"function", {{"name", "get_weather"}, {"description", "Weather in a city"}, {"parameters", {{"type", "object"}}}}}}});
+  const json call = {{"id", "call_1"}, {"type", "function"}, {"function", {{"name", "get_weather"}, {"arguments", "{\"city\": \"Oslo\"}"}}}};
+  json body = {{"messages", json::array({{{"role", "user"}, {"content", "Weather in Oslo?"}},
+                                          {{"role", "assistant"}, {"content", nullptr}, {"tool_calls", {call}}},
+                                          {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "-3 C"}}})},
+               {"tools", tools}, {"max_tokens", 4}, {"temperature", 0}};
+  auto s = serve({}, {}, "qwen.gguf");
+  HttpResponse whole = post(*s, "/v1/chat/completions", body.dump());
+  ASSERT_EQ(whole.status, 200) << whole.body << whole.error;
+  const json answer = whole.json_body();
+  const long long with_tools = answer["usage"]["prompt_tokens"].get<long long>();
+  EXPECT_GT(with_tools, 300) << whole.body;  // the tools' instructions, the call and its result
+  EXPECT_TRUE(answer["choices"][0]["message"]["content"].is_string()) << whole.body;
+
+  json streamed = body;
+  streamed["stream"] = true;
+  HttpResponse stream = post(*s, "/v1/chat/completions", streamed.dump());
+  ASSERT_EQ(stream.status, 200) << stream.body << stream.error;
+  EXPECT_TRUE(contains(stream.body, "data: [DONE]")) << stream.body;
+
+  // tool_choice "none": the tools are not shown.
+  json none = body;
+  none["tool_choice"] = "none";
+  HttpResponse plain = post(*s, "/v1/chat/completions", none.dump());
+  ASSERT_EQ(plain.status, 200) << plain.body;
+  EXPECT_LT(plain.json_body()["usage"]["prompt_tokens"].get<long long>(), with_tools) << plain.body;
+  // What the engine cannot honour is refused by name.
+  json required = body;
+  required["tool_choice"] = "required";
+  HttpResponse refused = post(*s, "/v1/chat/completions", required.dump());
+  EXPECT_EQ(refused.status, 400) << refused.body;
+  EXPECT_EQ(refused.json_body()["error"]["param"], "tool_choice") << refused.body;
+  s.reset();
+
+  // The tiny model's template (ChatML without tools) refuses them.
+  auto t = serve();
+  HttpResponse no = post(*t, "/v1/chat/completions", body.dump());
+  EXPECT_EQ(no.status, 400) << no.body;
+  EXPECT_TRUE(contains(no.json_body()["error"]["message"].get<std::string>(), "does not list tools")) << no.body;
 }
 
 TEST_F(Serve, ChatCompletionStreamsServerSentEvents) {

@@ -137,5 +137,29 @@ TEST(ParseToolCalls, AStreamHoldsBackWhatMayBeginACall) {
   EXPECT_EQ(tool_call_start(""), 0u);
 }
 
+TEST(ToolCallStream, TextGoesOutUntilACallMayBeginAndTheCallIsHeldWhole) {
+  ToolCallStream stream;
+  std::string sent;
+  for (const char* piece : {"Let me", " check.", "\n<", "tool_", "call>\n{\"name\": ", "\"get_time\", \"arguments\": {}}",
+                            "\n</tool_call>"})
+    sent += stream.add(piece);
+  EXPECT_EQ(sent, "Let me check.\n");
+  const auto calls = stream.finish();
+  ASSERT_TRUE(calls);
+  EXPECT_EQ(calls->content, "Let me check.");
+  ASSERT_EQ(calls->calls.size(), 1u);
+  EXPECT_EQ(calls->calls[0]["function"]["name"], "get_time");
+
+  // A '<' that begins no call is held only until it is clear; an unclosed call is text after all.
+  ToolCallStream text;
+  EXPECT_EQ(text.add("a <"), "a ");
+  EXPECT_EQ(text.add("b and <tool"), "<b and ");
+  EXPECT_EQ(text.add("_call>{\"name\""), "");
+  EXPECT_EQ(text.add(" more"), "");
+  EXPECT_FALSE(text.finish());
+  EXPECT_EQ(text.rest(), "<tool_call>{\"name\" more");
+  EXPECT_EQ(text.text(), "a <b and <tool_call>{\"name\" more");
+}
+
 }  // namespace
 }  // namespace batchlm::local_engine

@@ -157,7 +157,7 @@ TEST(ParseRequest, AssistantMessageMayOmitContent) {
 
 TEST(ParseRequest, UnknownFieldsAreIgnored) {
   ApiRequest r = chat({{"user", "someone"}, {"metadata", {{"a", 1}}}, {"store", false},
-                       {"parallel_tool_calls", true}, {"x_made_up", json::array({1, 2})},
+                       {"x_made_up", json::array({1, 2})},
                        {"service_tier", "auto"}});
   EXPECT_EQ(r.request.messages.size(), 1u);
   EXPECT_TRUE(r.request.extra.is_null());
@@ -244,24 +244,39 @@ TEST(ParseRequest, RoleIsRequiredAndKnown) {
   expect_invalid(chat_error(body), "messages[0].role", "'messages[0].role' is required and must be a string");
   body["messages"][0]["role"] = "wizard";
   expect_invalid(chat_error(body), "messages[0].role",
-                 "'messages[0].role' must be one of system, developer, user, assistant, not 'wizard'");
+                 "'messages[0].role' must be one of system, developer, user, assistant, tool, not 'wizard'");
 }
 
-TEST(ParseRequest, ToolRolesAreUnsupported) {
-  for (const char* role : {"tool", "function"}) {
-    json body = chat_body();
-    body["messages"].push_back({{"role", role}, {"content", "42"}});
-    expect_unsupported(chat_error(body), "messages[1].role",
-                       std::string("the role '") + role + "' is not supported by this server");
-  }
-}
+const json kCall = {{"id", "call_a"}, {"type", "function"}, {"function", {{"name", "get_weather"}, {"arguments", "{\"city\": \"Paris\"}"}}}};
 
-TEST(ParseRequest, ToolCallsInAMessageAreUnsupported) {
+TEST(ParseRequest, AConversationsCallsAndResultsAreTaken) {
   json body = chat_body();
-  body["messages"].push_back({{"role", "assistant"}, {"tool_calls", json::array({{{"id", "x"}}})}});
-  expect_unsupported(chat_error(body), "messages[1].tool_calls", "tool calling is not supported by this server");
+  body["messages"].push_back({{"role", "assistant"}, {"content", nullptr}, {"tool_calls", {kCall}}});
+  body["messages"].push_back({{"role", "tool"}, {"tool_call_id", "call_a"}, {"content", "18 C"}});
+  const ApiRequest r = parse_request(Endpoint::kChat, body, kModel);
+  ASSERT_EQ(r.request.messages.size(), 3u);
+  EXPECT_EQ(r.request.messages[1].tool_calls, json::array({kCall}));
+  EXPECT_EQ(r.request.messages[2].role, "tool");
+  EXPECT_EQ(r.request.messages[2].tool_call_id, "call_a");
+  EXPECT_EQ(r.request.messages[2].content, "18 C");
+}
+
+TEST(ParseRequest, ToolMessagesAndCallsAreHeldToTheApisForm) {
+  json body = chat_body();
+  body["messages"].push_back({{"role", "tool"}, {"tool_call_id", "call_z"}, {"content", "42"}});
+  expect_invalid(chat_error(body), "messages[1].tool_call_id",
+                 "'messages[1].tool_call_id' answers the call 'call_z', which no earlier assistant message made");
+  body["messages"][1] = {{"role", "tool"}, {"content", "42"}};
+  expect_invalid(chat_error(body), "messages[1].tool_call_id",
+                 "'messages[1].tool_call_id': required: the id of the call this tool message answers");
+  body["messages"][1] = {{"role", "assistant"}, {"tool_calls", json::array({{{"id", "x"}}})}};
+  expect_invalid(chat_error(body), "messages[1].tool_calls[0].function", "'messages[1].tool_calls[0].function': required: {name, arguments}");
   body["messages"][1] = {{"role", "assistant"}, {"content", "x"}, {"function_call", {{"name", "f"}}}};
-  expect_unsupported(chat_error(body), "messages[1].function_call", "function calling is not supported by this server");
+  expect_unsupported(chat_error(body), "messages[1].function_call",
+                     "function calling (give calls as 'tool_calls') is not supported by this server");
+  body["messages"][1] = {{"role", "function"}, {"content", "42"}};
+  expect_unsupported(chat_error(body), "messages[1].role",
+                     "the role 'function' (give results as 'tool' messages) is not supported by this server");
 }
 
 TEST(ParseRequest, AnEmptyListOfToolCallsIsNone) {
@@ -525,12 +540,21 @@ TEST(ParseRequest, LogprobsInEachApisForm) {
                  "'top_logprobs' is a chat completions parameter; text completions take 'logprobs': N");
 }
 
-TEST(ParseRequest, ToolsAndFunctionsAreUnsupported) {
-  json tool = {{"type", "function"}, {"function", {{"name", "f"}, {"parameters", json::object()}}}};
-  expect_unsupported(chat_error(chat_body({{"tools", json::array({tool})}})), "tools",
-                     "tool calling is not supported by this server");
+TEST(ParseRequest, ToolsGoToTheEngineAndWhatItCannotHonourIsRefused) {
+  const json tool = {{"type", "function"}, {"function", {{"name", "f"}, {"parameters", json::object()}}}};
+  const ApiRequest r = chat({{"tools", json::array({tool})}, {"tool_choice", "auto"}, {"parallel_tool_calls", true}});
+  EXPECT_EQ(r.request.extra, (json{{"tools", {tool}}, {"tool_choice", "auto"}, {"parallel_tool_calls", true}}));
+  expect_invalid(chat_error(chat_body({{"tools", json::array({{{"type", "function"}}})}})), "tools",
+                 "'tools': tools[0].function: required: {name, description, parameters}");
+  expect_unsupported(chat_error(chat_body({{"tools", json::array({tool})}, {"tool_choice", "required"}})), "tool_choice",
+                     "'tool_choice': the embedded engine takes tool_choice \"auto\" (the model decides) or \"none\", not "
+                     "\"required\"");
+  expect_unsupported(chat_error(chat_body({{"parallel_tool_calls", false}})), "parallel_tool_calls",
+                     "'parallel_tool_calls': the embedded engine cannot hold the model to one call (parallel_tool_calls: false)");
   expect_unsupported(chat_error(chat_body({{"functions", json::array({tool["function"]})}})), "functions",
-                     "function calling is not supported by this server");
+                     "'functions' (give them as 'tools') is not supported by this server");
+  expect_invalid(completion_error(completion_body_json({{"tools", json::array({tool})}})), "tools",
+                 "'tools' is a chat completions parameter");
 }
 
 TEST(ParseRequest, OutputModalitiesOtherThanTextAreUnsupported) {
@@ -970,4 +994,27 @@ TEST(Logprobs, StreamChunksCarryTheirTokensAndOffsetsRunOn) {
 }
 
 }  // namespace
+TEST(CompletionBody, ToolCallsGoInTheMessageAndInOneStreamChunk) {
+  Completion c;
+  c.finish_reason = "tool_calls";
+  c.tool_calls = json::array({kCall});
+  json body = completion_body(chat_ctx(), c);
+  EXPECT_EQ(body["choices"][0]["message"], (json{{"role", "assistant"}, {"content", nullptr}, {"tool_calls", {kCall}}}));
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "tool_calls");
+  c.text = "Checking.";
+  EXPECT_EQ(completion_body(chat_ctx(), c)["choices"][0]["message"]["content"], "Checking.");
+
+  json chunk = tool_calls_chunk(chat_ctx(), json::array({kCall, kCall}), true, false, 0);
+  const json& delta = chunk["choices"][0]["delta"];
+  EXPECT_EQ(delta["role"], "assistant");
+  EXPECT_TRUE(delta["content"].is_null());
+  ASSERT_EQ(delta["tool_calls"].size(), 2u);
+  json first = kCall;
+  first["index"] = 0;
+  EXPECT_EQ(delta["tool_calls"][0], first);
+  EXPECT_EQ(delta["tool_calls"][1]["index"], 1);
+  EXPECT_TRUE(chunk["choices"][0]["finish_reason"].is_null());
+  EXPECT_FALSE(tool_calls_chunk(chat_ctx(), json::array({kCall}), false, false, 0)["choices"][0]["delta"].contains("role"));
+}
+
 }  // namespace batchlm::server

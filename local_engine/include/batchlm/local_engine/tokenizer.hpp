@@ -225,4 +225,23 @@ std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text);
 // at its end): what a stream may send as text before the answer is whole.
 std::size_t tool_call_start(std::string_view text);
 
+// An answer that may hold tool calls, streamed: the text goes out up to where a call may begin;
+// once a <tool_call> has begun, the rest is held until the answer is whole, when it is either
+// calls (finish()) or text after all (rest()).
+class ToolCallStream {
+ public:
+  // Adds the next piece of the answer; returns what may go out now (often all of it).
+  std::string add(std::string_view piece);
+  // The calls and the text beside them, when the answer holds whole calls (parse_tool_calls).
+  std::optional<ParsedToolCalls> finish() const { return parse_tool_calls(text_); }
+  // What has not gone out, for an answer that holds no calls after all.
+  std::string_view rest() const { return std::string_view(text_).substr(sent_); }
+  const std::string& text() const { return text_; }
+
+ private:
+  std::string text_;
+  std::size_t sent_ = 0;
+  bool holding_ = false;
+};
+
 }  // namespace batchlm::local_engine

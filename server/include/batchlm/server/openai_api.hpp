@@ -88,6 +88,10 @@ nlohmann::json choice_logprobs(Endpoint endpoint, std::span<const TokenLogprob> 
 // also carries the role), and its tokens' `logprobs` (choice_logprobs) when asked for.
 nlohmann::json text_chunk(const ResponseContext& ctx, std::string_view text, bool first,
                           bool include_usage, int index = 0, nlohmann::json logprobs = nullptr);
+// A chat stream's chunk carrying choice `index`'s tool calls, whole, each with its `index` (and the
+// role, with null content, where it is the choice's first chunk).
+nlohmann::json tool_calls_chunk(const ResponseContext& ctx, const nlohmann::json& calls, bool first,
+                                bool include_usage, int index = 0);
 // The chunk that ends choice `index` (empty delta or text, finish_reason set).
 nlohmann::json finish_chunk(const ResponseContext& ctx, std::string_view finish_reason,
                             bool include_usage, int index = 0);
