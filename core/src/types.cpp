@@ -198,7 +198,16 @@ std::optional<std::pair<std::size_t, std::string>> unanswered_tool_message(std::
 
 std::size_t Request::text_bytes() const {
   std::size_t bytes = prompt ? prompt->size() : 0;
-  for (const ChatMessage& m : messages) bytes += m.content.size();
+  const auto json_bytes = [](const nlohmann::json& v) {
+    return v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).size();
+  };
+  for (const ChatMessage& m : messages) {
+    bytes += m.content.size();
+    if (m.calls_tools()) bytes += json_bytes(m.tool_calls);
+  }
+  // The tools a template lists go into the prompt too.
+  if (extra.is_object())
+    if (const auto tools = extra.find("tools"); tools != extra.end() && tools->is_array()) bytes += json_bytes(*tools);
   return bytes;
 }
 

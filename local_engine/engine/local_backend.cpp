@@ -395,6 +395,8 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     if (tools) {
       if (auto parsed = calls.finish()) {
         // The calls, and the text beside them; an answer that ended on its own ended to call.
+        // The stream gets the text after (or between) the calls that it has not had.
+        if (const std::string tail = calls.unsent_content(*parsed); sink && !tail.empty()) sink(tail, held_logprobs);
         c.tool_calls = std::move(parsed->calls);
         if (c.finish_reason == "stop") c.finish_reason = "tool_calls";
         text = std::move(parsed->content);

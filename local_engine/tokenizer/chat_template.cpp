@@ -1,6 +1,8 @@
 #include "batchlm/local_engine/tokenizer.hpp"
 #include "utf8.hpp"
 
+#include "batchlm/core/json_check.hpp"
+
 // The chat template is a Jinja program in the GGUF (tokenizer.chat_template). Rather than run
 // Jinja, this recognises the families the engine supports: Llama 3's, DeepSeek-R1's, Phi-3's,
 // Mistral's, Llama 2's and Gemma's (tokenizer.hpp) and ChatML,
@@ -118,6 +120,9 @@ std::string python_json(const Json& value) {
   return out;
 }
 
+// The deepest a call's arguments may nest to be read as JSON (as a request body's).
+constexpr std::size_t kMaxArgumentDepth = 64;
+
 // A call's arguments as the template sees them: the API gives them as JSON text, which clients
 // that render these templates (vLLM, llama.cpp's server) parse first; text that is not a JSON
 // object stays text. Keys keep the order they were written in.
@@ -126,6 +131,8 @@ nlohmann::ordered_json call_arguments(const nlohmann::json& call) {
   const auto arguments = function.find("arguments");
   if (arguments == function.end()) return nlohmann::ordered_json::object();
   if (!arguments->is_string()) return nlohmann::ordered_json::parse(arguments->dump());
+  // Text nested deeper than a request may be stays text: writing it out recurses per level.
+  if (check_json(arguments->get_ref<const std::string&>(), kMaxArgumentDepth)) return arguments->get<std::string>();
   auto parsed = nlohmann::ordered_json::parse(arguments->get_ref<const std::string&>(), nullptr, false);
   if (parsed.is_discarded() || !parsed.is_object()) return arguments->get<std::string>();
   return parsed;
@@ -768,6 +775,7 @@ std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text) {
     const std::size_t body = at + kCallOpen.size();
     const std::size_t end = text.find(kCallClose, body);
     if (end == std::string_view::npos) return std::nullopt;
+    if (check_json(text.substr(body, end - body), kMaxArgumentDepth + 1)) return std::nullopt;
     const auto call = nlohmann::ordered_json::parse(text.substr(body, end - body), nullptr, false);
     if (call.is_discarded() || !call.is_object()) return std::nullopt;
     const auto name = call.find("name");
@@ -790,6 +798,7 @@ std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text) {
   }
   content += text.substr(pos);
   out.content = std::string(trim(content));
+  out.outside = std::move(content);
   return out;
 }
 
@@ -798,6 +807,14 @@ std::size_t tool_call_start(std::string_view text) {
   for (std::size_t keep = std::min(text.size(), kCallOpen.size() - 1); keep > 0; --keep)
     if (kCallOpen.starts_with(text.substr(text.size() - keep))) return text.size() - keep;
   return text.size();
+}
+
+std::string ToolCallStream::unsent_content(const ParsedToolCalls& parsed) const {
+  // What went out is the text before the first call, which is where `outside` begins.
+  std::string_view rest = std::string_view(parsed.outside).substr(std::min(sent_, parsed.outside.size()));
+  while (!rest.empty() && (rest.back() == ' ' || rest.back() == '\n' || rest.back() == '\t' || rest.back() == '\r'))
+    rest.remove_suffix(1);
+  return std::string(rest);
 }
 
 std::string ToolCallStream::add(std::string_view piece) {

@@ -321,7 +321,6 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
     }
     if (field(body, "audio")) unsupported("audio", "audio output");
   }
-  if (const json* v = field(body, "functions"); v && !(v->is_array() && v->empty())) unsupported("functions", "function calling");
   if (const json* v = field(body, "response_format")) {
     const json* type = v->is_object() ? field(*v, "type") : nullptr;
     if (!type || !type->is_string()) invalid("response_format", "'response_format' must be an object with a 'type'");

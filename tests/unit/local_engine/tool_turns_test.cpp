@@ -128,6 +128,22 @@ TEST(ParseToolCalls, TextThatIsNotAWholeCallIsLeftAsItIs) {
   }
 }
 
+// Arguments nested deeper than a request may be are text, never a value written out level by
+// level (which would overflow the stack).
+TEST(ParseToolCalls, ArgumentsNestedTooDeepStayText) {
+  const std::size_t levels = 200000;
+  const std::string deep = "{\"a\": " + std::string(levels, '[') + std::string(levels, ']') + "}";
+  EXPECT_FALSE(parse_tool_calls("<tool_call>{\"name\": \"f\", \"arguments\": " + deep + "}</tool_call>"));
+  ChatMessage call{"assistant", ""};
+  call.tool_calls = json::array({{{"id", "c"}, {"type", "function"}, {"function", {{"name", "f"}, {"arguments", deep}}}}});
+  ChatMessage result{"tool", "ok"};
+  result.tool_call_id = "c";
+  const std::string text = read_file(std::filesystem::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen3-0.6B.jinja");
+  if (text.empty()) GTEST_SKIP() << "Qwen3's template is absent (scripts/fetch-vocabs.sh fetches it)";
+  const std::string prompt = template_from(text).apply(std::vector<ChatMessage>{{"user", "x"}, call, result}, true);
+  EXPECT_NE(prompt.find("\"arguments\": " + deep + "}"), std::string::npos);
+}
+
 TEST(ParseToolCalls, AStreamHoldsBackWhatMayBeginACall) {
   EXPECT_EQ(tool_call_start("The answer"), 10u);
   EXPECT_EQ(tool_call_start("Checking <tool_call>\n{"), 9u);
@@ -149,6 +165,17 @@ TEST(ToolCallStream, TextGoesOutUntilACallMayBeginAndTheCallIsHeldWhole) {
   EXPECT_EQ(calls->content, "Let me check.");
   ASSERT_EQ(calls->calls.size(), 1u);
   EXPECT_EQ(calls->calls[0]["function"]["name"], "get_time");
+
+  EXPECT_EQ(stream.unsent_content(*calls), "");
+  // Text after a call goes out at the end, as the whole answer's content has it.
+  ToolCallStream after;
+  std::string out = after.add("Checking.\n<tool_call>{\"name\": \"f\"}</tool_call>\n\nDone, ");
+  out += after.add("asked.\n");
+  EXPECT_EQ(out, "Checking.\n");
+  const auto tail = after.finish();
+  ASSERT_TRUE(tail);
+  EXPECT_EQ(tail->content, "Checking.\n\n\nDone, asked.");
+  EXPECT_EQ(out + after.unsent_content(*tail), "Checking.\n\n\nDone, asked.");
 
   // A '<' that begins no call is held only until it is clear; an unclosed call is text after all.
   ToolCallStream text;

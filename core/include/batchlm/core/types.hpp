@@ -65,7 +65,7 @@ struct Request {
   // response_format, logprobs, ...). A JSON object or null.
   nlohmann::json extra;
 
-  // Bytes of prompt text: the prompt, or every message's content.
+  // Bytes of prompt text: the prompt, or every message's content and calls, and the tools.
   std::size_t text_bytes() const;
 };
 

@@ -219,6 +219,7 @@ std::optional<std::string> tools_problem(const ChatTemplate& chat_template);
 struct ParsedToolCalls {
   std::string content;
   nlohmann::json calls;
+  std::string outside;  // the text outside the blocks as written (content before trimming)
 };
 std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text);
 // The first byte of `text` from which it might begin a call (a "<tool_call>" or a prefix of one
@@ -236,6 +237,9 @@ class ToolCallStream {
   std::optional<ParsedToolCalls> finish() const { return parse_tool_calls(text_); }
   // What has not gone out, for an answer that holds no calls after all.
   std::string_view rest() const { return std::string_view(text_).substr(sent_); }
+  // For an answer that holds calls: the text beside them that has not gone out (the text after
+  // and between the calls, less trailing whitespace).
+  std::string unsent_content(const ParsedToolCalls& parsed) const;
   const std::string& text() const { return text_; }
 
  private:
