@@ -725,10 +725,7 @@ void StreamedAnswer::on_event(const SseEvent& event) {
     const std::string empty;
     const std::string& piece = content && content->is_string() ? content->get_ref<const std::string&>() : empty;
     if (!piece.empty()) {
-      const auto now = Clock::now();
-      if (deltas_ == 0) first_delta_at_ = now;
-      last_delta_at_ = now;
-      ++deltas_;
+      note_delta();
       text_ += piece;
     }
     if (sink_ && (!piece.empty() || (logprobs && !logprobs->empty())))
@@ -768,7 +765,7 @@ bool StreamedAnswer::add_call_fragments(const nlohmann::json& delta) {
           return !mine.empty() && !theirs.empty() && mine != theirs;
         };
         if (differs("id") || differs("name")) {
-          const long long fresh = std::max(tool_calls_.rbegin()->first + 1, kMaxToolCalls + 1 + static_cast<long long>(tool_call_slots_.size()));
+          const long long fresh = std::max(tool_calls_.rbegin()->first + 1, kMaxToolCalls + 1);
           if (auto i = fragment.find("index"); i != fragment.end() && i->is_number_integer())
             tool_call_slots_[i->get<long long>()] = fresh;
           index = fresh;
@@ -794,15 +791,17 @@ bool StreamedAnswer::add_call_fragments(const nlohmann::json& delta) {
     merge_fragment(function_call_, *call);
     called = true;
   }
-  if (called) {
-    // A call's fragment is output as a piece of text is: it counts for the time to the first
-    // token and the time per token.
-    const auto now = Clock::now();
-    if (deltas_ == 0) first_delta_at_ = now;
-    last_delta_at_ = now;
-    ++deltas_;
-  }
+  // A call's fragment is output as a piece of text is: it counts for the time to the first
+  // token and the time per token.
+  if (called) note_delta();
   return true;
+}
+
+void StreamedAnswer::note_delta() {
+  const auto now = Clock::now();
+  if (deltas_ == 0) first_delta_at_ = now;
+  last_delta_at_ = now;
+  ++deltas_;
 }
 
 Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point started) {

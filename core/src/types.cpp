@@ -196,15 +196,17 @@ std::optional<std::pair<std::size_t, std::string>> unanswered_tool_message(std::
   return std::nullopt;
 }
 
+namespace {
+std::size_t json_bytes(const nlohmann::json& value) {
+  return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).size();
+}
+}  // namespace
+
+std::size_t ChatMessage::text_bytes() const { return content.size() + (calls_tools() ? json_bytes(tool_calls) : 0); }
+
 std::size_t Request::text_bytes() const {
   std::size_t bytes = prompt ? prompt->size() : 0;
-  const auto json_bytes = [](const nlohmann::json& v) {
-    return v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).size();
-  };
-  for (const ChatMessage& m : messages) {
-    bytes += m.content.size();
-    if (m.calls_tools()) bytes += json_bytes(m.tool_calls);
-  }
+  for (const ChatMessage& m : messages) bytes += m.text_bytes();
   // The tools a template lists go into the prompt too.
   if (extra.is_object())
     if (const auto tools = extra.find("tools"); tools != extra.end() && tools->is_array()) bytes += json_bytes(*tools);

@@ -157,18 +157,19 @@ std::vector<Token> chat_prompt_tokens(const Tokenizer& tok, const ChatTemplate& 
                                       std::span<const ChatMessage> messages, const nlohmann::json& tools) {
   std::vector<ChatMessage> turns(messages.begin(), messages.end());
   const bool tool_turns = chat_template.calls_tools();
-  const std::string why_not = tool_turns ? std::string() : *tools_problem(chat_template);
   for (std::size_t i = 0; i < turns.size(); ++i) {
     std::string& role = turns[i].role;
-    const std::string at = "messages[" + std::to_string(i) + "]";
+    const auto at = [&] { return "messages[" + std::to_string(i) + "]"; };
     if (role == "developer") role = "system";
-    if (role == "tool" && !tool_turns) throw std::invalid_argument(at + ".role: a tool's result, but " + why_not);
+    if (role == "tool" && !tool_turns)
+      throw std::invalid_argument(at() + ".role: a tool's result, but " + *tools_problem(chat_template));
     if (role != "system" && role != "user" && role != "assistant" && role != "tool")
-      throw std::invalid_argument(at + ".role: the embedded engine takes system, developer, user, assistant and tool "
+      throw std::invalid_argument(at() + ".role: the embedded engine takes system, developer, user, assistant and tool "
                                   "messages, not '" + role + "'");
-    if (turns[i].calls_tools() && !tool_turns) throw std::invalid_argument(at + ".tool_calls: " + why_not);
+    if (turns[i].calls_tools() && !tool_turns)
+      throw std::invalid_argument(at() + ".tool_calls: " + *tools_problem(chat_template));
   }
-  if (tools.is_array() && !tools.empty() && !tool_turns) throw std::invalid_argument("tools: " + why_not);
+  // Tools for a template that does not list them: apply() refuses them.
   return text_prompt_tokens(tok, chat_template.apply(turns, /*add_generation_prompt=*/true, tools));
 }
 

@@ -127,7 +127,7 @@ constexpr std::size_t kMaxArgumentDepth = 64;
 // that render these templates (vLLM, llama.cpp's server) parse first; text that is not a JSON
 // object stays text. Keys keep the order they were written in.
 nlohmann::ordered_json call_arguments(const nlohmann::json& call) {
-  const nlohmann::json& function = call.contains("function") ? call["function"] : call;
+  const nlohmann::json& function = call.at("function");
   const auto arguments = function.find("arguments");
   if (arguments == function.end()) return nlohmann::ordered_json::object();
   if (!arguments->is_string()) return nlohmann::ordered_json::parse(arguments->dump());
@@ -138,11 +138,7 @@ nlohmann::ordered_json call_arguments(const nlohmann::json& call) {
   return parsed;
 }
 
-std::string call_name(const nlohmann::json& call) {
-  const nlohmann::json& function = call.contains("function") ? call["function"] : call;
-  const auto name = function.find("name");
-  return name != function.end() && name->is_string() ? name->get<std::string>() : std::string();
-}
+std::string call_name(const nlohmann::json& call) { return call.at("function").value("name", std::string()); }
 
 // Today's local date as Llama 3.2's template writes it: strftime("%d %b %Y"), "26 Nov 2026".
 std::string today() {
@@ -470,7 +466,7 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
 
 std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt,
                                 const nlohmann::json& tools) const {
-  if (tools.is_array() && !tools.empty() && !calls_tools()) throw std::invalid_argument(*tools_problem(*this));
+  if (tools.is_array() && !tools.empty() && !calls_tools()) throw std::invalid_argument("tools: " + *tools_problem(*this));
   std::string out;
   if (name_ == "mistral" || name_ == "llama2") {
     // An optional system message first, then user and assistant messages in turn, as the

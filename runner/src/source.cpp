@@ -234,11 +234,7 @@ std::int64_t estimate_tokens(const std::vector<ChatMessage>& messages) {
   // About four bytes per token for English text, plus the few tokens each message's framing
   // costs; only rate limits and dry runs rely on it.
   std::int64_t bytes = 0;
-  for (const auto& m : messages) {
-    bytes += static_cast<std::int64_t>(m.content.size());
-    if (m.calls_tools())
-      bytes += static_cast<std::int64_t>(m.tool_calls.dump(-1, ' ', false, json::error_handler_t::replace).size());
-  }
+  for (const auto& m : messages) bytes += static_cast<std::int64_t>(m.text_bytes());
   return bytes / 4 + 4 * static_cast<std::int64_t>(messages.size());
 }
 

@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <cctype>
-#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -1441,8 +1440,7 @@ TEST(BatchlmRun, ToolConversationsOfABatchFileReachTheApiWhole) {
 // the model is loaded, naming the field, rather than running with them dropped.
 TEST(BatchlmRun, TheEmbeddedEngineTakesToolsWhereItsTemplateListsThem) {
   TempDir dir;
-  std::ifstream in(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja");
-  const std::string qwen((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string qwen = read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja");
   if (qwen.empty()) GTEST_SKIP() << "Qwen2.5's template is absent (scripts/fetch-vocabs.sh fetches it)";
   batchlm::testing::TinyLlamaOptions tools_model;
   tools_model.chat_template = qwen;

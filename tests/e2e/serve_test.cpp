@@ -11,7 +11,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <regex>
 
 #include "gguf_writer.hpp"
@@ -803,8 +802,7 @@ TEST_F(Serve, ChatCompletion) {
 // Tools, and a conversation's calls and results, reach a model whose chat template lists them
 // (Qwen 2.5's), whole or streamed; a model whose template does not refuses them by name.
 TEST_F(Serve, ToolsReachAModelWhoseTemplateListsThem) {
-  std::ifstream in(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja");
-  const std::string qwen((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string qwen = read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja");
   if (qwen.empty()) GTEST_SKIP() << "Qwen2.5's template is absent (scripts/fetch-vocabs.sh fetches it)";
   batchlm::testing::TinyLlamaOptions o;
   o.chat_template = qwen;

@@ -1089,14 +1089,21 @@ struct GemmaTurns {
   std::string user = "<start_of_turn>user\n", model = "<start_of_turn>model\n", end = "<end_of_turn>\n";
 };
 
-TEST(ChatTemplate, Gemma3TurnsWithTheSystemMessageAtTheHeadOfTheFirst) {
-  const ChatTemplate chat = template_from(kGemma3Template);
-  EXPECT_EQ(chat.name(), "gemma");
+// What Gemma 2's and 3's templates write alike: the family's name, turns of trimmed content.
+void expect_gemma_turns(const ChatTemplate& chat) {
   const GemmaTurns t;
   using M = std::vector<ChatMessage>;
+  EXPECT_EQ(chat.name(), "gemma");
   EXPECT_EQ(chat.apply(M{{"user", "  2+2?\n"}, {"assistant", "\n4 "}, {"user", "\tAnd 3+3? "}}, true),
             t.user + "2+2?" + t.end + t.model + "4" + t.end + t.user + "And 3+3?" + t.end + t.model);
   EXPECT_EQ(chat.apply(M{{"user", "Hi"}}, false), t.user + "Hi" + t.end);
+}
+
+TEST(ChatTemplate, Gemma3TurnsWithTheSystemMessageAtTheHeadOfTheFirst) {
+  const ChatTemplate chat = template_from(kGemma3Template);
+  expect_gemma_turns(chat);
+  const GemmaTurns t;
+  using M = std::vector<ChatMessage>;
   // Python's strip(), as Jinja's trim: Unicode spaces too.
   EXPECT_EQ(chat.apply(M{{"user", "\u3000\u2009Hi\u00a0\u2028"}}, false), t.user + "Hi" + t.end);
   // The system message as it is, then "\n\n" (after an empty one too); the content trimmed.
@@ -1118,12 +1125,9 @@ TEST(ChatTemplate, Gemma3TurnsWithTheSystemMessageAtTheHeadOfTheFirst) {
 // empty (the expected texts with a system message are that formatting's).
 TEST(ChatTemplate, Gemma2PutsTheSystemMessageInTheFirstTurnAsLlamaCppDoes) {
   const ChatTemplate chat = template_from(kGemma2Template);
-  EXPECT_EQ(chat.name(), "gemma");
+  expect_gemma_turns(chat);
   const GemmaTurns t;
   using M = std::vector<ChatMessage>;
-  EXPECT_EQ(chat.apply(M{{"user", "  2+2?\n"}, {"assistant", "\n4 "}, {"user", "\tAnd 3+3? "}}, true),
-            t.user + "2+2?" + t.end + t.model + "4" + t.end + t.user + "And 3+3?" + t.end + t.model);
-  EXPECT_EQ(chat.apply(M{{"user", "Hi"}}, false), t.user + "Hi" + t.end);
   EXPECT_EQ(chat.apply(M{{"user", "\u3000\u2009Hi\u00a0\u2028"}}, true), t.user + "Hi" + t.end + t.model);
   EXPECT_EQ(chat.apply(M{{"system", " Be brief.\n"}, {"user", " Hi "}}, true), t.user + "Be brief.\n\nHi" + t.end + t.model);
   EXPECT_EQ(chat.apply(M{{"system", "S"}, {"user", "Hello"}, {"assistant", " Hi "}, {"user", "Q"}}, false),

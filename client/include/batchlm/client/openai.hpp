@@ -89,6 +89,8 @@ class StreamedAnswer {
   // Adds a chunk's `delta.tool_calls` and `delta.function_call` fragments to the calls so far.
   // False, with error_ set, when they are malformed.
   bool add_call_fragments(const nlohmann::json& delta);
+  // A piece of output (text or a call's fragment) arrived now: for the timings.
+  void note_delta();
 
   // The most tool calls one answer may hold, and the highest index a fragment may give.
   static constexpr long long kMaxToolCalls = 1024;

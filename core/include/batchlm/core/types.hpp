@@ -29,6 +29,8 @@ struct ChatMessage {
   std::string name;
 
   bool calls_tools() const { return tool_calls.is_array() && !tool_calls.empty(); }
+  // Bytes of the message's text: its content and its calls as JSON.
+  std::size_t text_bytes() const;
 };
 
 // Reads a chat message's tool-calling fields (`tool_calls`, `tool_call_id`, `name`) from its
