@@ -419,17 +419,17 @@ nlohmann::json parse_answer_json(std::string_view text) {
   return nlohmann::json::parse(replace_lone_surrogates(replace_invalid_utf8(text)), nullptr, false);
 }
 
-nlohmann::json to_openai_body(const Request& request) {
-  nlohmann::json body = nlohmann::json::object();
-  // Pass-through fields go in first so the typed fields of the Request win over them.
-  if (request.extra.is_object()) body.update(request.extra);
+nlohmann::ordered_json to_openai_body(const Request& request) {
+  using Json = nlohmann::ordered_json;
+  Json body = Json::object();
   if (!request.model.empty()) body["model"] = request.model;
+  const bool extra = request.extra.is_object();
   if (request.prompt) {
     body["prompt"] = *request.prompt;
-  } else {
-    nlohmann::json messages = nlohmann::json::array();
+  } else if (!request.messages.empty() || !extra || !request.extra.contains("messages")) {
+    Json messages = Json::array();
     for (const auto& m : request.messages) {
-      nlohmann::json message = {{"role", m.role}, {"content", m.content}};
+      Json message = {{"role", m.role}, {"content", m.content}};
       // An assistant turn that only called tools has no content: null, as the API writes it.
       if (m.calls_tools()) {
         if (m.content.empty()) message["content"] = nullptr;
@@ -439,7 +439,7 @@ nlohmann::json to_openai_body(const Request& request) {
       if (!m.name.empty()) message["name"] = m.name;
       messages.push_back(std::move(message));
     }
-    if (!request.messages.empty() || !body.contains("messages")) body["messages"] = std::move(messages);
+    body["messages"] = std::move(messages);
   }
   if (request.max_tokens) body["max_tokens"] = *request.max_tokens;
   if (request.temperature) body["temperature"] = *request.temperature;
@@ -447,9 +447,14 @@ nlohmann::json to_openai_body(const Request& request) {
   if (!request.stop.empty()) body["stop"] = request.stop;
   if (request.seed) body["seed"] = *request.seed;
   body["stream"] = request.stream;
+  // Pass-through fields after them, in the order given (a server that writes tools into a
+  // prompt sees them as written); the typed fields above win over them.
+  if (extra)
+    for (const auto& [key, value] : request.extra.items())
+      if (!body.contains(key)) body[key] = value;
   if (request.stream) {
     if (!body.contains("stream_options") || !body["stream_options"].is_object())
-      body["stream_options"] = nlohmann::json::object();
+      body["stream_options"] = Json::object();
     body["stream_options"]["include_usage"] = true;
   } else {
     // The API rejects stream_options on a request that does not stream.
@@ -874,7 +879,7 @@ boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, 
   http_request.same_origin_redirects = !options_.extra_headers.empty();
   try {
     // Invalid UTF-8 in a prompt makes dump() throw; replacing it keeps the request sendable.
-    http_request.body = to_openai_body(request).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    http_request.body = to_openai_body(request).dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
   } catch (const std::exception& e) {
     co_return Outcome::failure(make_error(ErrorKind::Internal, std::string("cannot encode request: ") + e.what()));
   }

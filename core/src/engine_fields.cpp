@@ -12,6 +12,7 @@ namespace batchlm {
 namespace {
 
 using nlohmann::json;
+using ojson = nlohmann::ordered_json;
 
 constexpr const char* kElsewhere = "; remove it, or run the job against an API that does (--base-url)";
 
@@ -40,7 +41,7 @@ std::optional<std::int64_t> token_id(std::string_view s) {
 
 }  // namespace
 
-bool requested_tools(const json& extra) {
+bool requested_tools(const ojson& extra) {
   if (!extra.is_object()) return false;
   const auto tools = extra.find("tools");
   if (tools == extra.end() || !tools->is_array() || tools->empty()) return false;
@@ -162,11 +163,11 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
          kElsewhere;
 }
 
-std::optional<std::string> top_logprobs_problem(const json& extra) {
+std::optional<std::string> top_logprobs_problem(const ojson& extra) {
   if (!extra.is_object()) return std::nullopt;
-  const json top = extra.value("top_logprobs", json());
+  const ojson top = extra.value("top_logprobs", ojson());
   if (top.is_null() || !top.is_number()) return std::nullopt;
-  const json logprobs = extra.value("logprobs", json());
+  const ojson logprobs = extra.value("logprobs", ojson());
   const bool on = logprobs == true || logprobs.is_number();
   if (!on && top.get<double>() > 0) return std::string("needs logprobs: true");
   if (logprobs.is_number() && logprobs.get<double>() != top.get<double>())
@@ -174,32 +175,32 @@ std::optional<std::string> top_logprobs_problem(const json& extra) {
   return std::nullopt;
 }
 
-const json* requested_json_schema(const json& extra) {
+const ojson* requested_json_schema(const ojson& extra) {
   if (!extra.is_object()) return nullptr;
   const auto format = extra.find("response_format");
-  if (format == extra.end() || !format->is_object() || format->value("type", json()) != "json_schema") return nullptr;
+  if (format == extra.end() || !format->is_object() || format->value("type", ojson()) != "json_schema") return nullptr;
   const auto spec = format->find("json_schema");
   if (spec == format->end() || !spec->is_object()) return nullptr;
   const auto schema = spec->find("schema");
   return schema == spec->end() ? nullptr : &*schema;
 }
 
-bool requested_json_object(const json& extra) {
+bool requested_json_object(const ojson& extra) {
   if (!extra.is_object()) return false;
-  const json format = extra.value("response_format", json());
-  return format.is_object() && format.value("type", json()) == "json_object";
+  const ojson format = extra.value("response_format", ojson());
+  return format.is_object() && format.value("type", ojson()) == "json_object";
 }
 
-int requested_logprobs(const json& extra) {
+int requested_logprobs(const ojson& extra) {
   if (!extra.is_object()) return -1;
-  const json logprobs = extra.value("logprobs", json());
+  const ojson logprobs = extra.value("logprobs", ojson());
   if (logprobs.is_number()) return static_cast<int>(logprobs.get<double>());
   if (logprobs != true) return -1;
-  const json top = extra.value("top_logprobs", json());
+  const ojson top = extra.value("top_logprobs", ojson());
   return top.is_number() ? static_cast<int>(top.get<double>()) : 0;
 }
 
-std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const json& extra) {
+std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const ojson& extra) {
   std::vector<std::pair<std::int64_t, double>> out;
   if (!extra.is_object()) return out;
   const auto it = extra.find("logit_bias");

@@ -154,7 +154,7 @@ std::vector<Token> text_prompt_tokens(const Tokenizer& tok, std::string_view tex
 }
 
 std::vector<Token> chat_prompt_tokens(const Tokenizer& tok, const ChatTemplate& chat_template,
-                                      std::span<const ChatMessage> messages, const nlohmann::json& tools) {
+                                      std::span<const ChatMessage> messages, const nlohmann::ordered_json& tools) {
   std::vector<ChatMessage> turns(messages.begin(), messages.end());
   const bool tool_turns = chat_template.calls_tools();
   for (std::size_t i = 0; i < turns.size(); ++i) {
@@ -178,7 +178,7 @@ std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text)
 }
 
 std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages,
-                                      const nlohmann::json& tools) {
+                                      const nlohmann::ordered_json& tools) {
   return chat_prompt_tokens(model.tokenizer(), model.chat_template(), messages, tools);
 }
 

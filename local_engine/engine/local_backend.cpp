@@ -54,7 +54,7 @@ struct Job {
   // What the caller sent, until the preparing thread turns it into `prompt`.
   std::optional<std::string> text;
   std::vector<ChatMessage> messages;
-  nlohmann::json tools;  // the function tools the template lists, or null
+  nlohmann::ordered_json tools;  // the function tools the template lists, or null
   std::vector<Token> prompt;
   GenerateParams params;
   std::shared_ptr<Channel> channel;
@@ -326,7 +326,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     }
     p.logprobs = requested_logprobs(request.extra);
     p.json_object = requested_json_object(request.extra);
-    if (const nlohmann::json* schema = requested_json_schema(request.extra))
+    if (const nlohmann::ordered_json* schema = requested_json_schema(request.extra))
       p.json_schema = std::make_shared<const JsonSchema>(compile_json_schema(*schema));  // checked above
   }
   p.sampling.seed = request.seed ? static_cast<std::uint64_t>(*request.seed)

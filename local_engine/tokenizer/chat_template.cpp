@@ -22,6 +22,8 @@
 // '<|im_start|>system\n' + message['content'], is not a default.
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <optional>
@@ -91,6 +93,34 @@ std::string_view trim(std::string_view s) {
   return s;
 }
 
+// A float as Python's repr writes it: the shortest digits that read back to it, the closest
+// of those to its exact value (std::to_chars chooses as Python does; nlohmann's own writer may
+// choose another at a tie), positional from 1e-4 to below 1e16 and with an exponent of at least
+// two digits outside that.
+std::string python_float(double value) {
+  if (!std::isfinite(value)) return value != value ? "NaN" : value > 0 ? "Infinity" : "-Infinity";
+  char text[64];
+  const auto written = std::to_chars(text, text + sizeof text, value, std::chars_format::scientific);
+  const std::string_view shortest(text, static_cast<std::size_t>(written.ptr - text));  // -d.ddde+XX
+  const std::size_t e = shortest.find('e');
+  std::string digits;
+  for (const char c : shortest.substr(0, e))
+    if (c >= '0' && c <= '9') digits += c;
+  int exponent = 0;
+  std::from_chars(shortest.data() + e + (shortest[e + 1] == '+' ? 2 : 1), shortest.data() + shortest.size(), exponent);
+  const std::string sign = std::signbit(value) ? "-" : "";
+  const int n = static_cast<int>(digits.size());
+  if (exponent < -4 || exponent >= 16) {
+    const std::string mantissa = digits.substr(0, 1) + (n > 1 ? "." + digits.substr(1) : "");
+    const int magnitude = exponent < 0 ? -exponent : exponent;
+    return sign + mantissa + (exponent < 0 ? "e-" : "e+") + (magnitude < 10 ? "0" : "") + std::to_string(magnitude);
+  }
+  if (exponent < 0) return sign + "0." + std::string(static_cast<std::size_t>(-exponent - 1), '0') + digits;
+  if (n <= exponent + 1) return sign + digits + std::string(static_cast<std::size_t>(exponent + 1 - n), '0') + ".0";
+  return sign + digits.substr(0, static_cast<std::size_t>(exponent + 1)) + "." +
+         digits.substr(static_cast<std::size_t>(exponent + 1));
+}
+
 // A JSON value as the templates' tojson writes it (Python's json.dumps with ensure_ascii off):
 // ", " between items, ": " after keys, keys in the value's order.
 template <class Json>
@@ -114,6 +144,8 @@ std::string python_json(const Json& value) {
       out += python_json(value[i]);
     }
     out += ']';
+  } else if (value.is_number_float()) {
+    out += python_float(value.template get<double>());
   } else {
     out += value.dump(-1, ' ', false, Json::error_handler_t::replace);
   }
@@ -124,8 +156,8 @@ std::string python_json(const Json& value) {
 constexpr std::size_t kMaxArgumentDepth = 64;
 
 // A call's arguments as the template sees them: the API gives them as JSON text, which clients
-// that render these templates (vLLM, llama.cpp's server) parse first; text that is not a JSON
-// object stays text. Keys keep the order they were written in.
+// that render these templates (vLLM, llama.cpp's server) parse first; text that is not JSON
+// stays text. Keys keep the order they were written in.
 nlohmann::ordered_json call_arguments(const nlohmann::json& call) {
   const nlohmann::json& function = call.at("function");
   const auto arguments = function.find("arguments");
@@ -134,7 +166,7 @@ nlohmann::ordered_json call_arguments(const nlohmann::json& call) {
   // Text nested deeper than a request may be stays text: writing it out recurses per level.
   if (check_json(arguments->get_ref<const std::string&>(), kMaxArgumentDepth)) return arguments->get<std::string>();
   auto parsed = nlohmann::ordered_json::parse(arguments->get_ref<const std::string&>(), nullptr, false);
-  if (parsed.is_discarded() || !parsed.is_object()) return arguments->get<std::string>();
+  if (parsed.is_discarded()) return arguments->get<std::string>();
   return parsed;
 }
 
@@ -465,7 +497,7 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
 }
 
 std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_generation_prompt,
-                                const nlohmann::json& tools) const {
+                                const nlohmann::ordered_json& tools) const {
   if (tools.is_array() && !tools.empty() && !calls_tools()) throw std::invalid_argument("tools: " + *tools_problem(*this));
   std::string out;
   if (name_ == "mistral" || name_ == "llama2") {
@@ -634,7 +666,7 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
 // turns: the tools listed in the system turn, an assistant's calls after its content,
 // consecutive tool results in one user turn.
 std::string ChatTemplate::apply_with_tool_turns(std::span<const ChatMessage> messages, bool add_generation_prompt,
-                                                const nlohmann::json& tools) const {
+                                                const nlohmann::ordered_json& tools) const {
   std::string out;
   const auto append_turn = [&](std::string_view role, std::string_view content) {
     out += kTurnStart;

@@ -359,7 +359,7 @@ int run_command(const JobOptions& o, bool synth) {
               request.prompt ? local_engine::text_prompt_tokens(*tokenizer, *request.prompt).size()
                              : local_engine::chat_prompt_tokens(*tokenizer, *chat, request.messages,
                                                                 requested_tools(request.extra) ? request.extra["tools"]
-                                                                                               : nlohmann::json())
+                                                                                               : nlohmann::ordered_json())
                                    .size());
         };
         refuse_tools_without_template(job, overrides, local_engine::tools_problem(*chat));

@@ -288,17 +288,17 @@ std::string index_path(const std::string& parent, std::size_t index) {
 }
 
 // YAML -> JSON for body fields passed through as given. Plain scalars take the type YAML 1.2
-// would give them; quoted scalars stay strings.
-nlohmann::json yaml_to_json(const YAML::Node& node) {
+// would give them; quoted scalars stay strings. Keys stay in the file's order.
+nlohmann::ordered_json yaml_to_json(const YAML::Node& node) {
   switch (node.Type()) {
     case YAML::NodeType::Map: {
-      nlohmann::json out = nlohmann::json::object();
+      nlohmann::ordered_json out = nlohmann::ordered_json::object();
       for (auto it = node.begin(); it != node.end(); ++it)
         out[it->first.Scalar()] = yaml_to_json(it->second);
       return out;
     }
     case YAML::NodeType::Sequence: {
-      nlohmann::json out = nlohmann::json::array();
+      nlohmann::ordered_json out = nlohmann::ordered_json::array();
       for (const auto& child : node) out.push_back(yaml_to_json(child));
       return out;
     }
@@ -1425,8 +1425,10 @@ nlohmann::json result_settings(const JobSpec& job) {
     if (!m.name.empty()) message["name"] = m.name;
     messages.push_back(std::move(message));
   }
+  // The extra fields with their keys sorted, as they always were: the order they are written in
+  // changes nothing that is sent.
   json request = {{"messages", messages}, {"model", job.request.model}, {"stop", job.request.stop},
-                  {"extra", job.request.extra}};
+                  {"extra", json(job.request.extra)}};
   request["max_tokens"] = job.request.max_tokens ? json(*job.request.max_tokens) : json();
   request["temperature"] = job.request.temperature ? json(*job.request.temperature) : json();
   request["top_p"] = job.request.top_p ? json(*job.request.top_p) : json();

@@ -23,6 +23,9 @@ namespace batchlm::runner {
 namespace {
 
 using nlohmann::json;
+// Input lines are read with their keys in order: a Batch-API body's fields (its tools) are
+// passed on as written.
+using ordered = nlohmann::ordered_json;
 
 // A template named a field the item lacks, or one whose value is null (which would be sent
 // as the text "null").
@@ -148,7 +151,7 @@ class LineReader {
 // levels) overflowed the stack where an item's input is copied or written.
 constexpr std::size_t kMaxLineDepth = 256;
 
-json parse_object(const std::string& line, const std::string& file, std::int64_t line_number) {
+ordered parse_object(const std::string& line, const std::string& file, std::int64_t line_number) {
   if (const std::size_t bad = first_invalid_utf8(line); bad != std::string::npos) {
     char byte[8];
     std::snprintf(byte, sizeof byte, "0x%02X", static_cast<unsigned>(static_cast<unsigned char>(line[bad])));
@@ -186,18 +189,18 @@ json parse_object(const std::string& line, const std::string& file, std::int64_t
   const auto begin_element = [&] {
     if (!frames.empty() && !frames.back().object) ++frames.back().count;
   };
-  json value = json::parse(line, [&](int, json::parse_event_t event, json& parsed) {
+  ordered value = ordered::parse(line, [&](int, ordered::parse_event_t event, ordered& parsed) {
     switch (event) {
-      case json::parse_event_t::object_start:
-      case json::parse_event_t::array_start:
+      case ordered::parse_event_t::object_start:
+      case ordered::parse_event_t::array_start:
         begin_element();
-        frames.push_back(Frame{event == json::parse_event_t::object_start, {}, {}, 0});
+        frames.push_back(Frame{event == ordered::parse_event_t::object_start, {}, {}, 0});
         break;
-      case json::parse_event_t::object_end:
-      case json::parse_event_t::array_end:
+      case ordered::parse_event_t::object_end:
+      case ordered::parse_event_t::array_end:
         frames.pop_back();
         break;
-      case json::parse_event_t::key: {
+      case ordered::parse_event_t::key: {
         Frame& frame = frames.back();
         frame.key = parsed.get<std::string>();
         if (!frame.keys.insert(frame.key).second && !duplicate) {
@@ -208,7 +211,7 @@ json parse_object(const std::string& line, const std::string& file, std::int64_t
         }
         break;
       }
-      case json::parse_event_t::value: begin_element(); break;
+      case ordered::parse_event_t::value: begin_element(); break;
     }
     return true;
   });
@@ -348,7 +351,7 @@ Request render_request(const JobSpec& job, const json& fields, const std::string
   request.stop = t.stop;
   request.seed = t.seed;
   request.stream = job.backend.stream;
-  request.extra = t.extra.is_object() ? t.extra : json::object();
+  request.extra = t.extra.is_object() ? t.extra : ordered::object();
   return request;
 }
 
@@ -393,7 +396,7 @@ std::string a_kind_of(const json& value) {
 }
 
 // One line of an OpenAI Batch-API file: {"custom_id", "method", "url", "body"}.
-Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
+Item batch_item(const JobSpec& job, ordered line_value, std::int64_t line,
                 const std::vector<ChatMessage>& few_shot) {
   const std::string& file = job.input.path;
   int line_int = static_cast<int>(line);
@@ -413,7 +416,7 @@ Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
     throw ConfigError(file, line_int, 0, "body", "missing (an object) in a Batch-API line");
   if (!body_value->is_object())
     throw ConfigError(file, line_int, 0, "body", "must be an object (the request's body), got " + a_kind_of(*body_value));
-  const json& body = line_value["body"];
+  const ordered& body = line_value["body"];
   // The method and URL are optional; where given they must be what is sent.
   if (const auto m = line_value.find("method"); m != line_value.end() && *m != "POST")
     throw ConfigError(file, line_int, 0, "method", "expected \"POST\", got " + m->dump());
@@ -432,7 +435,7 @@ Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
   request.stop = job.request.stop;
   request.seed = job.request.seed;
   request.stream = job.backend.stream;
-  request.extra = job.request.extra.is_object() ? job.request.extra : json::object();
+  request.extra = job.request.extra.is_object() ? job.request.extra : ordered::object();
 
   auto wrong = [&](const std::string& key, const char* expected) {
     return ConfigError(file, line_int, 0, "body." + key, std::string("expected ") + expected);
@@ -459,7 +462,7 @@ Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
       if (value.is_string()) {
         request.stop.push_back(value.get<std::string>());
       } else if (value.is_array()) {
-        for (const json& s : value) {
+        for (const ordered& s : value) {
           if (!s.is_string()) throw wrong(key, "a string or a list of strings");
           request.stop.push_back(s.get<std::string>());
         }
@@ -486,7 +489,7 @@ Item batch_item(const JobSpec& job, json line_value, std::int64_t line,
   return finish(std::move(id), std::move(line_value), std::move(request), few_shot);
 }
 
-bool looks_like_batch(const json& first_line) {
+bool looks_like_batch(const ordered& first_line) {
   return first_line.contains("custom_id") && first_line.contains("body");
 }
 
@@ -500,7 +503,7 @@ class FileSource : public Source {
     batch_ = job.input.format == InputFormat::Batch;
     std::set<std::string> wanted(job.output.input_fields.begin(), job.output.input_fields.end());
     while (total_ < limit && reader.next(line)) {
-      json value = parse_object(line, job.input.path, reader.line_number());
+      ordered value = parse_object(line, job.input.path, reader.line_number());
       if (total_ == 0 && job.input.format == InputFormat::Auto) batch_ = looks_like_batch(value);
       for (auto it = wanted.begin(); it != wanted.end();) it = value.contains(*it) ? wanted.erase(it) : std::next(it);
       Item item = build(std::move(value), reader.line_number());
@@ -535,7 +538,7 @@ class FileSource : public Source {
   std::int64_t total() const override { return total_; }
 
  private:
-  Item build(json value, std::int64_t line) const {
+  Item build(ordered value, std::int64_t line) const {
     Item item = batch_ ? batch_item(job_, std::move(value), line, few_shot_)
                        : jsonl_item(job_, std::move(value), line, few_shot_);
     // A scored job needs each item's reference answer; without it every score would be

@@ -12,6 +12,8 @@
 namespace batchlm::server {
 
 using nlohmann::json;
+// A request body is read with its keys in order: the tools go into the prompt as written.
+using Body = nlohmann::ordered_json;
 
 ApiError::ApiError(int status, std::string type, std::string param, std::string message,
                    std::string code)
@@ -40,16 +42,16 @@ namespace {
                  what + " is not supported by this server", "unsupported_parameter");
 }
 
-std::string type_name(const json& v) {
+std::string type_name(const Body& v) {
   switch (v.type()) {
-    case json::value_t::null: return "null";
-    case json::value_t::boolean: return "a boolean";
-    case json::value_t::string: return "a string";
-    case json::value_t::array: return "an array";
-    case json::value_t::object: return "an object";
-    case json::value_t::number_float: return "a number";
-    case json::value_t::number_integer:
-    case json::value_t::number_unsigned: return "an integer";
+    case Body::value_t::null: return "null";
+    case Body::value_t::boolean: return "a boolean";
+    case Body::value_t::string: return "a string";
+    case Body::value_t::array: return "an array";
+    case Body::value_t::object: return "an object";
+    case Body::value_t::number_float: return "a number";
+    case Body::value_t::number_integer:
+    case Body::value_t::number_unsigned: return "an integer";
     default: return "an unknown value";
   }
 }
@@ -60,20 +62,20 @@ std::string excerpt(std::string_view text) { return utf8_excerpt(text, 64); }
 
 // A value as an error message names it: its type, and a scalar's value ("a string (\"64\")");
 // arrays and objects by their type alone.
-std::string described(const json& v) {
+std::string described(const Body& v) {
   if (v.is_array() || v.is_object()) return type_name(v);
-  if (v.is_string()) return type_name(v) + " (" + json(excerpt(v.get_ref<const std::string&>())).dump() + ")";
+  if (v.is_string()) return type_name(v) + " (" + Body(excerpt(v.get_ref<const std::string&>())).dump() + ")";
   return type_name(v) + " (" + v.dump() + ")";
 }
 
 // The field when present and not null.
-const json* field(const json& body, const char* name) {
+const Body* field(const Body& body, const char* name) {
   auto it = body.find(name);
   if (it == body.end() || it->is_null()) return nullptr;
   return &*it;
 }
 
-std::int64_t integer(const json& v, const std::string& param, std::int64_t min, std::int64_t max) {
+std::int64_t integer(const Body& v, const std::string& param, std::int64_t min, std::int64_t max) {
   std::int64_t value = 0;
   if (v.is_number_unsigned()) {  // before is_number_integer(), which is true for these too
     const auto u = v.get<std::uint64_t>();
@@ -97,52 +99,52 @@ std::int64_t integer(const json& v, const std::string& param, std::int64_t min, 
   return value;
 }
 
-double number(const json& v, const std::string& param, double min, double max, bool min_open = false) {
+double number(const Body& v, const std::string& param, double min, double max, bool min_open = false) {
   if (!v.is_number()) invalid(param, "'" + param + "' must be a number, not " + type_name(v));
   const double x = v.get<double>();
   if (!(min_open ? x > min : x >= min) || !(x <= max)) {
     invalid(param, "'" + param + "' must be " + (min_open ? "greater than " : "between ") +
-                       json(min).dump() + (min_open ? " and at most " : " and ") + json(max).dump() +
+                       Body(min).dump() + (min_open ? " and at most " : " and ") + Body(max).dump() +
                        ", not " + v.dump());
   }
   return x;
 }
 
-bool boolean(const json& v, const std::string& param) {
+bool boolean(const Body& v, const std::string& param) {
   if (!v.is_boolean()) invalid(param, "'" + param + "' must be a boolean, not " + type_name(v));
   return v.get<bool>();
 }
 
 // Chat message content: a string, or an array of text parts {"type": "text", "text": ...}.
-std::string content_text(const json& v, const std::string& param) {
+std::string content_text(const Body& v, const std::string& param) {
   if (v.is_string()) return v.get<std::string>();
   if (!v.is_array()) invalid(param, "'" + param + "' must be a string or an array of text parts, not " + type_name(v));
   std::string text;
   for (std::size_t i = 0; i < v.size(); ++i) {
     const std::string part = param + "[" + std::to_string(i) + "]";
-    const json& p = v[i];
+    const Body& p = v[i];
     if (!p.is_object()) invalid(part, "'" + part + "' must be an object, not " + type_name(p));
-    const json* type = field(p, "type");
+    const Body* type = field(p, "type");
     if (!type || !type->is_string()) invalid(part + ".type", "'" + part + ".type' is required");
     if (type->get<std::string>() != "text") unsupported(part + ".type", "content of type '" + excerpt(type->get<std::string>()) + "'");
-    const json* t = field(p, "text");
+    const Body* t = field(p, "text");
     if (!t || !t->is_string()) invalid(part + ".text", "'" + part + ".text' must be a string");
     text += t->get<std::string>();
   }
   return text;
 }
 
-std::vector<ChatMessage> read_messages(const json& body) {
-  const json* messages = field(body, "messages");
+std::vector<ChatMessage> read_messages(const Body& body) {
+  const Body* messages = field(body, "messages");
   if (!messages) invalid("messages", "'messages' is required");
   if (!messages->is_array()) invalid("messages", "'messages' must be an array, not " + type_name(*messages));
   if (messages->empty()) invalid("messages", "'messages' must not be empty");
   std::vector<ChatMessage> out;
   for (std::size_t i = 0; i < messages->size(); ++i) {
     const std::string param = "messages[" + std::to_string(i) + "]";
-    const json& m = (*messages)[i];
+    const Body& m = (*messages)[i];
     if (!m.is_object()) invalid(param, "'" + param + "' must be an object, not " + type_name(m));
-    const json* role = field(m, "role");
+    const Body* role = field(m, "role");
     if (!role || !role->is_string()) invalid(param + ".role", "'" + param + ".role' is required and must be a string");
     std::string r = role->get<std::string>();
     if (r == "developer") r = "system";
@@ -152,7 +154,7 @@ std::vector<ChatMessage> read_messages(const json& body) {
                                    excerpt(role->get<std::string>()) + "'");
     }
     if (field(m, "function_call")) unsupported(param + ".function_call", "function calling (give calls as 'tool_calls')");
-    const json* content = field(m, "content");
+    const Body* content = field(m, "content");
     std::string text;
     if (content) {
       text = content_text(*content, param + ".content");
@@ -172,8 +174,8 @@ std::vector<ChatMessage> read_messages(const json& body) {
   return out;
 }
 
-std::string read_prompt(const json& body) {
-  const json* prompt = field(body, "prompt");
+std::string read_prompt(const Body& body) {
+  const Body* prompt = field(body, "prompt");
   if (!prompt) invalid("prompt", "'prompt' is required");
   if (prompt->is_string()) return prompt->get<std::string>();
   if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string()) return (*prompt)[0].get<std::string>();
@@ -182,7 +184,7 @@ std::string read_prompt(const json& body) {
   invalid("prompt", "'prompt' must be a string, not " + type_name(*prompt));
 }
 
-std::vector<std::string> read_stop(const json& v) {
+std::vector<std::string> read_stop(const Body& v) {
   constexpr std::size_t kMaxStops = 16;
   if (v.is_string()) {
     if (v.get<std::string>().empty()) return {};
@@ -200,14 +202,14 @@ std::vector<std::string> read_stop(const json& v) {
 
 }  // namespace
 
-ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view served_model) {
+ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view served_model) {
   if (!body.is_object()) invalid("", "the request body must be a JSON object, not " + type_name(body));
   ApiRequest out;
   out.endpoint = endpoint;
   Request& r = out.request;
   const bool chat = endpoint == Endpoint::kChat;
 
-  if (const json* model = field(body, "model")) {
+  if (const Body* model = field(body, "model")) {
     if (!model->is_string()) invalid("model", "'model' must be a string, not " + type_name(*model));
     r.model = model->get<std::string>();
     if (!r.model.empty() && r.model != served_model) {
@@ -224,7 +226,7 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
   }
 
   // Chat: max_completion_tokens is the current name, max_tokens the older one.
-  const json* max_tokens = chat ? field(body, "max_completion_tokens") : nullptr;
+  const Body* max_tokens = chat ? field(body, "max_completion_tokens") : nullptr;
   std::string max_param = "max_completion_tokens";
   if (!max_tokens) {
     max_tokens = field(body, "max_tokens");
@@ -237,33 +239,33 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
   } else if (!chat) {
     r.max_tokens = 16;  // the completions API's default
   }
-  if (const json* t = field(body, "temperature")) r.temperature = number(*t, "temperature", 0.0, 2.0);
-  if (const json* p = field(body, "top_p")) r.top_p = number(*p, "top_p", 0.0, 1.0, true);
-  if (const json* k = field(body, "top_k")) {
-    r.extra = json::object();
+  if (const Body* t = field(body, "temperature")) r.temperature = number(*t, "temperature", 0.0, 2.0);
+  if (const Body* p = field(body, "top_p")) r.top_p = number(*p, "top_p", 0.0, 1.0, true);
+  if (const Body* k = field(body, "top_k")) {
+    r.extra = Body::object();
     r.extra["top_k"] = integer(*k, "top_k", -1, std::numeric_limits<int>::max());
     if (r.extra["top_k"].get<std::int64_t>() < 0) r.extra["top_k"] = 0;  // -1: no limit
   }
-  if (const json* seed = field(body, "seed")) {
+  if (const Body* seed = field(body, "seed")) {
     r.seed = integer(*seed, "seed", std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max());
   }
-  if (const json* stop = field(body, "stop")) r.stop = read_stop(*stop);
-  if (const json* n = field(body, "n")) out.n = static_cast<int>(integer(*n, "n", 1, kMaxChoices));
-  if (const json* s = field(body, "stream")) out.stream = boolean(*s, "stream");
-  if (const json* so = field(body, "stream_options")) {
+  if (const Body* stop = field(body, "stop")) r.stop = read_stop(*stop);
+  if (const Body* n = field(body, "n")) out.n = static_cast<int>(integer(*n, "n", 1, kMaxChoices));
+  if (const Body* s = field(body, "stream")) out.stream = boolean(*s, "stream");
+  if (const Body* so = field(body, "stream_options")) {
     if (!so->is_object()) invalid("stream_options", "'stream_options' must be an object, not " + type_name(*so));
     if (!out.stream) invalid("stream_options", "'stream_options' is only allowed when 'stream' is true");
-    if (const json* u = field(*so, "include_usage")) out.include_usage = boolean(*u, "stream_options.include_usage");
+    if (const Body* u = field(*so, "include_usage")) out.include_usage = boolean(*u, "stream_options.include_usage");
   }
   r.stream = out.stream;
 
   for (const char* name : {"presence_penalty", "frequency_penalty"}) {
-    if (const json* v = field(body, name)) {
+    if (const Body* v = field(body, name)) {
       if (const double penalty = number(*v, name, -2.0, 2.0); penalty != 0.0) r.extra[name] = penalty;
     }
   }
 
-  if (const json* v = field(body, "logit_bias")) {
+  if (const Body* v = field(body, "logit_bias")) {
     if (!v->is_object()) invalid("logit_bias", "'logit_bias' must be an object, not " + type_name(*v));
     if (const auto problem = engine_field_problem("logit_bias", *v)) invalid("logit_bias", "'logit_bias' " + *problem);
     if (!v->empty()) r.extra["logit_bias"] = *v;
@@ -271,9 +273,9 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
   // Log-probabilities: the chat API asks with logprobs: true and top_logprobs: N, the
   // completions API with logprobs: N.
   if (chat) {
-    const json* lp = field(body, "logprobs");
+    const Body* lp = field(body, "logprobs");
     const bool on = lp && boolean(*lp, "logprobs");
-    if (const json* top = field(body, "top_logprobs")) {
+    if (const Body* top = field(body, "top_logprobs")) {
       const std::int64_t n = integer(*top, "top_logprobs", 0, kMaxTopLogprobs);
       if (n > 0 && !on) invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true");
       if (on) r.extra["top_logprobs"] = n;
@@ -283,17 +285,17 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
       out.logprobs = true;
     }
   } else {
-    if (const json* lp = field(body, "logprobs")) {
+    if (const Body* lp = field(body, "logprobs")) {
       r.extra["logprobs"] = integer(*lp, "logprobs", 0, kMaxTopLogprobs);
       out.logprobs = true;
     }
-    if (const json* top = field(body, "top_logprobs"); top && !(top->is_number() && top->get<double>() == 0))
+    if (const Body* top = field(body, "top_logprobs"); top && !(top->is_number() && top->get<double>() == 0))
       invalid("top_logprobs", "'top_logprobs' is a chat completions parameter; text completions take 'logprobs': N");
   }
   // Tools: shown to the model where its chat template lists them (the engine refuses them
   // otherwise); the choices it cannot honour are refused here.
   for (const char* key : {"tools", "tool_choice", "parallel_tool_calls"}) {
-    const json* v = field(body, key);
+    const Body* v = field(body, key);
     if (!v) continue;
     if (!chat) invalid(key, std::string("'") + key + "' is a chat completions parameter");
     if (const auto problem = engine_field_problem(key, *v)) {
@@ -302,17 +304,17 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
       if (!why.starts_with("the embedded engine")) invalid(key, std::string("'") + key + "': " + why);
       throw ApiError(400, "invalid_request_error", key, std::string("'") + key + "': " + why, "unsupported_parameter");
     }
-    if (!r.extra.is_object()) r.extra = json::object();
+    if (!r.extra.is_object()) r.extra = Body::object();
     r.extra[key] = *v;
   }
-  if (const json* v = field(body, "functions"); v && !(v->is_array() && v->empty()))
+  if (const Body* v = field(body, "functions"); v && !(v->is_array() && v->empty()))
     unsupported("functions", "'functions' (give them as 'tools')");
   if (chat) {
     // Output in other modalities than text (audio) is not something the engine can produce.
-    if (const json* v = field(body, "modalities")) {
+    if (const Body* v = field(body, "modalities")) {
       if (!v->is_array()) invalid("modalities", "'modalities' must be an array of strings, not " + type_name(*v));
       for (std::size_t i = 0; i < v->size(); ++i) {
-        const json& m = (*v)[i];
+        const Body& m = (*v)[i];
         if (!m.is_string())
           invalid("modalities", "'modalities[" + std::to_string(i) + "]' must be a string, not " + type_name(m));
         if (m.get<std::string>() != "text")
@@ -321,14 +323,14 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
     }
     if (field(body, "audio")) unsupported("audio", "audio output");
   }
-  if (const json* v = field(body, "response_format")) {
-    const json* type = v->is_object() ? field(*v, "type") : nullptr;
+  if (const Body* v = field(body, "response_format")) {
+    const Body* type = v->is_object() ? field(*v, "type") : nullptr;
     if (!type || !type->is_string()) invalid("response_format", "'response_format' must be an object with a 'type'");
     if (type->get<std::string>() == "json_object") {
       r.extra["response_format"] = {{"type", "json_object"}};
     } else if (type->get<std::string>() == "json_schema") {
-      const json* spec = field(*v, "json_schema");
-      const json* schema = spec && spec->is_object() ? field(*spec, "schema") : nullptr;
+      const Body* spec = field(*v, "json_schema");
+      const Body* schema = spec && spec->is_object() ? field(*spec, "schema") : nullptr;
       if (!schema) invalid("response_format", "'response_format' of type json_schema needs 'json_schema': {'name': ..., 'schema': {...}}");
       try {
         (void)compile_json_schema(*schema);
@@ -341,10 +343,10 @@ ApiRequest parse_request(Endpoint endpoint, const json& body, std::string_view s
     }
   }
   if (!chat) {
-    if (const json* v = field(body, "echo"); v && boolean(*v, "echo")) unsupported("echo", "'echo'");
-    if (const json* v = field(body, "suffix"); v && !(v->is_string() && v->get<std::string>().empty()))
+    if (const Body* v = field(body, "echo"); v && boolean(*v, "echo")) unsupported("echo", "'echo'");
+    if (const Body* v = field(body, "suffix"); v && !(v->is_string() && v->get<std::string>().empty()))
       unsupported("suffix", "'suffix'");
-    if (const json* v = field(body, "best_of"); v && integer(*v, "best_of", 1, 128) != 1)
+    if (const Body* v = field(body, "best_of"); v && integer(*v, "best_of", 1, 128) != 1)
       unsupported("best_of", "best_of > 1");
   }
   return out;
@@ -373,7 +375,7 @@ ApiRequest parse_request_body(Endpoint endpoint, std::string_view body_text, std
         invalid("", "the request body nests arrays and objects more than " + std::to_string(kMaxBodyDepth) + " deep");
     }
   }
-  return parse_request(endpoint, json::parse(body_text), served_model);
+  return parse_request(endpoint, Body::parse(body_text), served_model);
 }
 
 std::string new_response_id(Endpoint endpoint) {

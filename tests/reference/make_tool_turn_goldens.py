@@ -4,14 +4,15 @@ Hugging Face's apply_chat_template does (jinja2 with trim_blocks and lstrip_bloc
 json.dumps with ensure_ascii off), into tests/reference/tool_turns/renders.json, which
 tokenizer_test holds the engine's rendering to.
 
-Messages are in the API's form; as vLLM and llama.cpp's server do before rendering, a call's
-arguments given as JSON text are parsed into an object (text that is not a JSON object stays
-text). Tools are given with their keys sorted, as the engine holds them.
+Messages are in the API's form; as vLLM does before rendering, a call's arguments given as
+JSON text are parsed (text that is not JSON stays text). Tools keep their keys in the order
+written, as a client's request body gives them.
 
     python3 -m venv /tmp/jv && /tmp/jv/bin/pip install jinja2
     /tmp/jv/bin/python tests/reference/make_tool_turn_goldens.py models/vocab/templates
 """
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -20,15 +21,24 @@ import jinja2
 TEMPLATES = ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3-0.6B.jinja"]
 
 
-def sort_keys(value):
-    return json.loads(json.dumps(value, sort_keys=True))
-
-
-WEATHER = sort_keys({"type": "function", "function": {
+WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city (°C).",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
-TIME = sort_keys({"type": "function", "function": {
-    "name": "get_time", "description": "Local time", "parameters": {"type": "object", "properties": {}}}})
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time", "parameters": {"type": "object", "properties": {}}}}
+# Properties out of alphabetical order, and floats in every range Python writes differently.
+THERMOSTAT = {"type": "function", "function": {
+    "name": "set_thermostat", "description": "Set a room's temperature.",
+    "parameters": {"type": "object", "properties": {
+        "room": {"type": "string"},
+        "celsius": {"type": "number", "minimum": 5.0, "maximum": 30.5, "multipleOf": 0.5,
+                    "examples": [1e15, 1234567890123456.7, -2.5e15, 9999999999999998.0, 1e16, 1e-05, 0.0001,
+                                 100.0, 3, 1.5e300]}},
+        "required": ["room", "celsius"]}}}
+# And floats of every size, whose shortest digits Python chooses by closeness at a tie.
+_r = random.Random(7)
+THERMOSTAT["function"]["parameters"]["properties"]["offset"] = {"type": "number", "enum": [
+    round(_r.uniform(-10, 10), _r.randint(0, 17)) * 10.0 ** _r.randint(-22, 22) for _ in range(300)]}
 
 
 def call(i, name, arguments):
@@ -63,6 +73,17 @@ CASES = [
      "messages": [{"role": "user", "content": "Weather?"},
                   {"role": "assistant", "content": "", "tool_calls": [call(5, "get_weather", "city=Paris")]},
                   {"role": "tool", "tool_call_id": "call_5", "content": "bad arguments"}]},
+    {"name": "keys as written, floats as Python writes them", "tools": [THERMOSTAT, WEATHER],
+     "messages": [{"role": "user", "content": "Kitchen to 21.5, please."},
+                  {"role": "assistant", "content": "", "tool_calls": [
+                      call(6, "set_thermostat", "{\"room\": \"kitchen\", \"celsius\": 21.5, \"at\": 1e15, \"z\": 0, \"a\": -0.0}")]},
+                  {"role": "tool", "tool_call_id": "call_6", "content": "ok"}]},
+    {"name": "arguments that are JSON but not an object", "tools": [WEATHER],
+     "messages": [{"role": "user", "content": "Weather?"},
+                  {"role": "assistant", "content": "", "tool_calls": [
+                      call(7, "get_weather", "[\"Paris\",1]"), call(8, "get_weather", "42"),
+                      call(9, "get_weather", "\"Oslo\"")]},
+                  {"role": "tool", "tool_call_id": "call_7", "content": "?"}]},
 ]
 
 
@@ -75,9 +96,7 @@ def rendered_messages(messages):
             for c in m["tool_calls"]:
                 c = json.loads(json.dumps(c))
                 try:
-                    parsed = json.loads(c["function"]["arguments"])
-                    if isinstance(parsed, dict):
-                        c["function"]["arguments"] = parsed
+                    c["function"]["arguments"] = json.loads(c["function"]["arguments"])
                 except ValueError:
                     pass
                 calls.append(c)

@@ -26,7 +26,7 @@ TEST(ToOpenAIBody, MapsModelMessagesAndStreamingOptions) {
   const auto body = to_openai_body(chat_request());
   EXPECT_EQ(body["model"], "gpt-4o-mini");
   ASSERT_EQ(body["messages"].size(), 2u);
-  EXPECT_EQ(body["messages"][0], (nlohmann::json{{"role", "system"}, {"content", "Be brief."}}));
+  EXPECT_EQ(body["messages"][0].dump(), R"({"role":"system","content":"Be brief."})");
   EXPECT_EQ(body["messages"][1]["content"], "2+2?");
   EXPECT_EQ(body["stream"], true);
   EXPECT_EQ(body["stream_options"]["include_usage"], true);
@@ -74,6 +74,18 @@ TEST(ToOpenAIBody, PassesExtraFieldsButTypedFieldsWin) {
   EXPECT_EQ(body["logprobs"], true);
   EXPECT_EQ(body["temperature"], 0.5);
   EXPECT_EQ(body["stream"], true);
+}
+
+TEST(ToOpenAIBody, ExtraFieldsFollowTheTypedOnesInTheOrderGiven) {
+  // A server that writes tools into a prompt (vLLM, llama.cpp's) sees them as the job wrote them.
+  Request request = chat_request();
+  request.max_tokens = 8;
+  request.extra = nlohmann::ordered_json::parse(
+      R"({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "logprobs": true})");
+  EXPECT_EQ(to_openai_body(request).dump(),
+            R"({"model":"gpt-4o-mini","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"2+2?"}],)"
+            R"("max_tokens":8,"stream":true,"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}],)"
+            R"("logprobs":true,"stream_options":{"include_usage":true}})");
 }
 
 TEST(ParseRetryAfter, MillisecondsHeaderWins) {

@@ -111,7 +111,7 @@ TEST(EngineFields, LogitBiasIsTokenIdsAndBiasesWithinRange) {
   for (int i = 0; i <= 1024; ++i) many[std::to_string(i)] = 1;
   EXPECT_EQ(problem("logit_bias", many), "names 1025 tokens; at most 1024 are allowed");
   EXPECT_EQ(requested_logit_bias({{"logit_bias", {{"7", -100}, {"12", 2.5}}}}),
-            (std::vector<std::pair<std::int64_t, double>>{{12, 2.5}, {7, -100.0}}));
+            (std::vector<std::pair<std::int64_t, double>>{{7, -100.0}, {12, 2.5}}));
   EXPECT_TRUE(requested_logit_bias({{"top_k", 3}}).empty());
 }
 

@@ -47,10 +47,11 @@ std::vector<ChatMessage> messages_from(const json& list) {
 
 TEST(ToolTurns, QwenTemplatesRenderToolsCallsAndResultsAsJinjaDoes) {
   const std::filesystem::path source(BATCHLM_SOURCE_DIR);
-  const json renders = json::parse(read_file(source / "tests/reference/tool_turns/renders.json"));
-  ASSERT_EQ(renders.size(), 12u);
+  // Read in order: the tools' keys reach the prompt as written.
+  const auto renders = nlohmann::ordered_json::parse(read_file(source / "tests/reference/tool_turns/renders.json"));
+  ASSERT_EQ(renders.size(), 16u);
   std::set<std::string> seen;
-  for (const json& r : renders) {
+  for (const auto& r : renders) {
     const std::string name = r["template"].get<std::string>();
     SCOPED_TRACE(name + ": " + r["case"].get<std::string>());
     const std::string text = read_file(source / "models/vocab/templates" / name);

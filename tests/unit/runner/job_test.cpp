@@ -266,7 +266,8 @@ grace_period: 3s
   EXPECT_DOUBLE_EQ(*job.request.top_p, 0.9);
   EXPECT_EQ(job.request.stop, (std::vector<std::string>{"\n\n", "END"}));
   EXPECT_EQ(job.request.seed, 7);
-  EXPECT_EQ(job.request.extra, nlohmann::json::parse(
+  // In the file's order: body fields go on as written.
+  EXPECT_EQ(job.request.extra, nlohmann::ordered_json::parse(
       R"({"logprobs": true, "top_logprobs": 2, "response_format": {"type": "text"}, "note": "01"})"));
   EXPECT_EQ(job.few_shot.count, 1);
   EXPECT_EQ(job.few_shot.seed, 3u);
@@ -1240,6 +1241,16 @@ TEST(ModelLabel, LocalModelsByFileNameApisByTheRequestsModel) {
   api.backend.model = "gpt-4o-mini";
   EXPECT_EQ(model_label(api, ""), "gpt-4o-mini");
   EXPECT_EQ(model_label(api, "gpt-4o"), "gpt-4o");
+}
+
+// The extra fields go on in the order written, but a job's settings (what resuming compares)
+// hold them sorted, as they always have: writing them in another order changes nothing sent.
+TEST_F(JobFile, TheOrderOfExtraFieldsChangesNoSettings) {
+  const JobSpec one = load(with_input("request: {extra: {zeta: 1, alpha: {y: 2, b: 3}}}\nbackend: {base_url: http://127.0.0.1:9/v1}\n"));
+  const JobSpec other = load(with_input("request: {extra: {alpha: {b: 3, y: 2}, zeta: 1}}\nbackend: {base_url: http://127.0.0.1:9/v1}\n"));
+  EXPECT_NE(one.request.extra.dump(), other.request.extra.dump());
+  EXPECT_EQ(result_settings(one)["request"]["extra"].dump(), R"({"alpha":{"b":3,"y":2},"zeta":1})");
+  EXPECT_EQ(settings_hash(result_settings(one)), settings_hash(result_settings(other)));
 }
 
 // A local model reached through a symbolic link keeps the link's name in its records, and its

@@ -344,6 +344,21 @@ TEST_F(SourceTest, BatchFormatIsDetectedAndMapped) {
   EXPECT_EQ(items[1].request.messages[0].content, "Hello");
 }
 
+TEST_F(SourceTest, BodyFieldsKeepTheirKeysInTheOrderWritten) {
+  // A Batch-API body's tools, and a job file's extra fields, reach the request as written: the
+  // embedded engine writes tools into the prompt as a template would.
+  const std::string tool = R"({"type": "function", "function": {"name": "set", "parameters": {"type": "object", )"
+                           R"("properties": {"room": {"type": "string"}, "celsius": {"type": "number"}}}}})";
+  std::string in = write("tools.jsonl", R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "Hi"}], "tools": [)" +
+                                            tool + "]}}\n");
+  auto source = open_source(job("input: " + in +
+                                "\nrequest: {extra: {zeta: 1, alpha: {y: 2, b: 3}}}\nbackend: {base_url: http://127.0.0.1:1/v1}\n"));
+  std::vector<Item> items = drain(*source);
+  ASSERT_EQ(items.size(), 1u);
+  EXPECT_EQ(items[0].request.extra.dump(),
+            R"({"zeta":1,"alpha":{"y":2,"b":3},"tools":[)" + nlohmann::ordered_json::parse(tool).dump() + "]}");
+}
+
 TEST_F(SourceTest, BatchLineAskingForSeveralAnswersIsAnError) {
   std::string in = write("batch.jsonl",
                          R"({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}})"

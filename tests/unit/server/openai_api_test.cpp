@@ -519,7 +519,7 @@ TEST(ParseRequest, LogprobsInEachApisForm) {
   // Chat: logprobs true and top_logprobs N.
   ApiRequest r = chat({{"logprobs", true}, {"top_logprobs", 3}});
   EXPECT_TRUE(r.logprobs);
-  EXPECT_EQ(r.request.extra, json({{"logprobs", true}, {"top_logprobs", 3}}));
+  EXPECT_EQ(json(r.request.extra), json({{"logprobs", true}, {"top_logprobs", 3}}));
   r = chat({{"logprobs", true}});
   EXPECT_TRUE(r.logprobs);
   EXPECT_EQ(r.request.extra, json({{"logprobs", true}}));
@@ -543,7 +543,7 @@ TEST(ParseRequest, LogprobsInEachApisForm) {
 TEST(ParseRequest, ToolsGoToTheEngineAndWhatItCannotHonourIsRefused) {
   const json tool = {{"type", "function"}, {"function", {{"name", "f"}, {"parameters", json::object()}}}};
   const ApiRequest r = chat({{"tools", json::array({tool})}, {"tool_choice", "auto"}, {"parallel_tool_calls", true}});
-  EXPECT_EQ(r.request.extra, (json{{"tools", {tool}}, {"tool_choice", "auto"}, {"parallel_tool_calls", true}}));
+  EXPECT_EQ(json(r.request.extra), (json{{"tools", {tool}}, {"tool_choice", "auto"}, {"parallel_tool_calls", true}}));
   expect_invalid(chat_error(chat_body({{"tools", json::array({{{"type", "function"}}})}})), "tools",
                  "'tools': tools[0].function: required: {name, description, parameters}");
   expect_unsupported(chat_error(chat_body({{"tools", json::array({tool})}, {"tool_choice", "required"}})), "tool_choice",
@@ -555,6 +555,17 @@ TEST(ParseRequest, ToolsGoToTheEngineAndWhatItCannotHonourIsRefused) {
                      "'functions' (give them as 'tools') is not supported by this server");
   expect_invalid(completion_error(completion_body_json({{"tools", json::array({tool})}})), "tools",
                  "'tools' is a chat completions parameter");
+}
+
+TEST(ParseRequest, ToolsKeepTheirKeysInTheOrderTheClientWroteThem) {
+  // The engine writes the tools into the prompt as a template would, keys as given.
+  const std::string tool =
+      R"({"type": "function", "function": {"name": "set", "description": "Set it.", "parameters": )"
+      R"({"type": "object", "properties": {"room": {"type": "string"}, "celsius": {"type": "number"}}, "required": ["room"]}}})";
+  const ApiRequest r = parse_request_body(
+      Endpoint::kChat, R"({"messages": [{"role": "user", "content": "hi"}], "tools": [)" + tool + "]}", kModel);
+  EXPECT_EQ(r.request.extra["tools"][0].dump(), nlohmann::ordered_json::parse(tool).dump());
+  EXPECT_NE(r.request.extra["tools"][0].dump(), json::parse(tool).dump());  // not sorted
 }
 
 TEST(ParseRequest, OutputModalitiesOtherThanTextAreUnsupported) {
@@ -604,8 +615,8 @@ TEST(ParseRequest, ResponseFormatIsTextJsonModeOrASchema) {
             "json_object");
   // A schema the engine can follow reaches it; one it cannot is a 400 that says where.
   const json schema = {{"type", "object"}, {"properties", {{"a", {{"type", "string"}}}}}, {"required", {"a"}}};
-  EXPECT_EQ(chat({{"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "x"}, {"schema", schema}, {"strict", true}}}}}})
-                .request.extra,
+  EXPECT_EQ(json(chat({{"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "x"}, {"schema", schema}, {"strict", true}}}}}})
+                    .request.extra),
             json({{"response_format", {{"type", "json_schema"}, {"json_schema", {{"schema", schema}}}}}}));
   expect_invalid(chat_error(chat_body({{"response_format", {{"type", "json_schema"}, {"json_schema", json::object()}}}})),
                  "response_format",

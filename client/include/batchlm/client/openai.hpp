@@ -27,8 +27,8 @@ struct OpenAIOptions {
 };
 
 // The JSON body for a Request (model, messages, sampling fields, stop, seed, extra fields;
-// with stream: true and stream_options.include_usage when streaming).
-nlohmann::json to_openai_body(const Request& request);
+// with stream: true and stream_options.include_usage when streaming), in that order.
+nlohmann::ordered_json to_openai_body(const Request& request);
 
 // JSON from a server's answer. Text that is JSON but for invalid UTF-8 bytes or unpaired
 // surrogate escapes ("\ud83d" alone) is read with U+FFFD in their place, as a decoder would

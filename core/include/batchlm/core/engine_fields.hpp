@@ -26,24 +26,24 @@ std::optional<std::string> engine_field_problem(std::string_view key, const nloh
 
 // Whether the extra fields give the model tools to call: a non-empty `tools` without
 // `tool_choice: "none"`. For fields that passed the checks above.
-bool requested_tools(const nlohmann::json& extra);
+bool requested_tools(const nlohmann::ordered_json& extra);
 
 // What is wrong with `top_logprobs` next to `logprobs` in the extra fields (each already
 // passed engine_field_problem): a count without logprobs turned on, or one that disagrees with
 // the count `logprobs` gives. nullopt when they agree.
-std::optional<std::string> top_logprobs_problem(const nlohmann::json& extra);
+std::optional<std::string> top_logprobs_problem(const nlohmann::ordered_json& extra);
 // The log-probabilities the extra fields ask for: -1 for none, else how many of the most
 // likely tokens to list at each position. `logprobs` turns them on, as true (the chat API) or a
 // count (the completions API); `top_logprobs` gives the count in the chat API. For fields that
 // passed the checks above.
-int requested_logprobs(const nlohmann::json& extra);
+int requested_logprobs(const nlohmann::ordered_json& extra);
 // Whether `response_format` asks for JSON mode ({"type": "json_object"}).
-bool requested_json_object(const nlohmann::json& extra);
+bool requested_json_object(const nlohmann::ordered_json& extra);
 // The schema `response_format` asks the output to follow ({"type": "json_schema", "json_schema":
 // {"schema": ...}}), or null.
-const nlohmann::json* requested_json_schema(const nlohmann::json& extra);
+const nlohmann::ordered_json* requested_json_schema(const nlohmann::ordered_json& extra);
 // `logit_bias` as (token id, bias) pairs; empty without it. For fields that passed the checks.
-std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const nlohmann::json& extra);
+std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const nlohmann::ordered_json& extra);
 
 // The most tokens a logit_bias may name (OpenAI's limit is 300; this one only bounds the work).
 inline constexpr std::size_t kMaxLogitBias = 1024;

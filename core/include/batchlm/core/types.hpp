@@ -64,8 +64,9 @@ struct Request {
   std::optional<std::int64_t> seed;
   bool stream = true;
   // Further body fields passed through as given (e.g. from an OpenAI Batch-API line's body:
-  // response_format, logprobs, ...). A JSON object or null.
-  nlohmann::json extra;
+  // response_format, logprobs, ...). A JSON object or null. Keys stay in the order given: the
+  // embedded engine writes `tools` into the prompt as written, as a Python template would.
+  nlohmann::ordered_json extra;
 
   // Bytes of prompt text: the prompt, or every message's content and calls, and the tools.
   std::size_t text_bytes() const;

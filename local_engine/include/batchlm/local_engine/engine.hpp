@@ -145,11 +145,11 @@ class Generation {
 // std::invalid_argument naming the message.
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text);
 std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages,
-                                      const nlohmann::json& tools = nullptr);
+                                      const nlohmann::ordered_json& tools = nullptr);
 // The same from a tokenizer and a template alone (a model file's vocabulary, without weights).
 std::vector<Token> text_prompt_tokens(const Tokenizer& tokenizer, std::string_view text);
 std::vector<Token> chat_prompt_tokens(const Tokenizer& tokenizer, const ChatTemplate& chat_template,
-                                      std::span<const ChatMessage> messages, const nlohmann::json& tools = nullptr);
+                                      std::span<const ChatMessage> messages, const nlohmann::ordered_json& tools = nullptr);
 
 class Engine {
  public:

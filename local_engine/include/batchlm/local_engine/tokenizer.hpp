@@ -160,7 +160,7 @@ class ChatTemplate {
   // `tools`: the request's function tools (null or an empty array for none), rendered where
   // the template lists them (calls_tools()); a template that does not throws for them.
   std::string apply(std::span<const ChatMessage> messages, bool add_generation_prompt,
-                    const nlohmann::json& tools = nullptr) const;
+                    const nlohmann::ordered_json& tools = nullptr) const;
   // "chatml", "llama3", "deepseek-r1", "phi3", "mistral", "llama2" or "gemma"
   std::string_view name() const { return name_; }
   const std::string& default_system() const { return default_system_; }
@@ -198,7 +198,7 @@ class ChatTemplate {
   // whose template takes no system message.
   std::optional<std::string> system_separator_;
   std::string apply_with_tool_turns(std::span<const ChatMessage> messages, bool add_generation_prompt,
-                                    const nlohmann::json& tools) const;
+                                    const nlohmann::ordered_json& tools) const;
   // ChatML tool calling (calls_tools()): what the template writes before the tools and after
   // them, and whether a call's tag follows a newline it writes itself (Qwen 2.5) or one written
   // only between parts (Qwen 3).

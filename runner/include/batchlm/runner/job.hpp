@@ -62,7 +62,7 @@ struct RequestTemplate {
   std::optional<double> top_p;
   std::vector<std::string> stop;
   std::optional<std::int64_t> seed;
-  nlohmann::json extra = nlohmann::json::object();  // further body fields, passed through
+  nlohmann::ordered_json extra = nlohmann::ordered_json::object();  // further body fields, passed through, in order
 };
 
 // Few-shot examples drawn from a file and placed, as user/assistant turns, before the last

@@ -50,10 +50,11 @@ struct ApiRequest {
 
 // Checks a request body against the endpoint's schema and what the engine supports. Unknown
 // fields are ignored (clients send many); fields that would change the output in a way the
-// engine cannot honour (tools, JSON mode, ...) are refused. `served_model`:
+// engine cannot honour (tool_choice "required", audio output, ...) are refused. The body's keys
+// are read in order: tools reach the model's prompt as the client wrote them. `served_model`:
 // a body that names another model gets 404 model_not_found; a body without one is served.
 // Throws ApiError naming the field (param) and what was wrong.
-ApiRequest parse_request(Endpoint endpoint, const nlohmann::json& body, std::string_view served_model);
+ApiRequest parse_request(Endpoint endpoint, const nlohmann::ordered_json& body, std::string_view served_model);
 // The same from the raw body text (400 when it is not a JSON object).
 ApiRequest parse_request_body(Endpoint endpoint, std::string_view body_text, std::string_view served_model);
 
