@@ -792,13 +792,23 @@ std::optional<std::string> tools_problem(const ChatTemplate& chat_template) {
          "(<tool_call> ... </tool_call>)";
 }
 
+std::optional<std::size_t> answer_start(std::string_view text) {
+  std::size_t at = 0;
+  while (at < text.size() && (text[at] == ' ' || text[at] == '\n' || text[at] == '\t' || text[at] == '\r')) ++at;
+  if (!text.substr(at).starts_with(kThinkStart)) return std::size_t{0};
+  const std::size_t end = text.find(kThinkEnd, at + kThinkStart.size());
+  if (end == std::string_view::npos) return std::nullopt;
+  return end + kThinkEnd.size();
+}
+
 std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text) {
-  if (text.find(kCallOpen) == std::string_view::npos) return std::nullopt;
+  const std::optional<std::size_t> from = answer_start(text);
+  if (!from || text.find(kCallOpen, *from) == std::string_view::npos) return std::nullopt;
   ParsedToolCalls out;
   out.calls = nlohmann::json::array();
   std::string content;
   std::size_t pos = 0;
-  for (std::size_t at; (at = text.find(kCallOpen, pos)) != std::string_view::npos;) {
+  for (std::size_t at; (at = text.find(kCallOpen, std::max(pos, *from))) != std::string_view::npos;) {
     content += text.substr(pos, at - pos);
     const std::size_t body = at + kCallOpen.size();
     const std::size_t end = text.find(kCallClose, body);
@@ -848,7 +858,10 @@ std::string ToolCallStream::unsent_content(const ParsedToolCalls& parsed) const 
 std::string ToolCallStream::add(std::string_view piece) {
   text_ += piece;
   if (holding_) return {};
-  const std::size_t start = sent_ + tool_call_start(std::string_view(text_).substr(sent_));
+  // Reasoning goes out as it comes; a call may begin only after it.
+  const std::optional<std::size_t> from = answer_start(text_);
+  const std::size_t look = from ? std::max(sent_, *from) : text_.size();
+  const std::size_t start = look + tool_call_start(std::string_view(text_).substr(look));
   holding_ = std::string_view(text_).substr(start).starts_with(kCallOpen);
   std::string out = text_.substr(sent_, start - sent_);
   sent_ = start;

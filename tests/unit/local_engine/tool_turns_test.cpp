@@ -189,5 +189,46 @@ TEST(ToolCallStream, TextGoesOutUntilACallMayBeginAndTheCallIsHeldWhole) {
   EXPECT_EQ(text.text(), "a <b and <tool_call>{\"name\" more");
 }
 
+// Qwen 3 reasons in a <think> block first: a call it writes out while reasoning ("I could write
+// <tool_call>...") is part of the reasoning, and only what follows </think> is read for calls.
+TEST(ToolCallStream, CallsAreReadAfterTheReasoningOnly) {
+  EXPECT_EQ(answer_start("Plain"), 0u);
+  EXPECT_EQ(answer_start("\n<think>\nhmm\n</think>\n\nYes"), 21u);
+  EXPECT_EQ(answer_start("<think>\nstill"), std::nullopt);
+  EXPECT_EQ(answer_start("Done. <think> is a tag"), 0u);  // reasoning only where it opens the answer
+
+  const std::string call = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
+  const std::string thought = "<think>\nI should write " + call + " to ask.\n</think>\n\n";
+  // Reasoning alone, with a call written out in it: text, all of it.
+  EXPECT_FALSE(parse_tool_calls(thought + "It is noon."));
+  EXPECT_FALSE(parse_tool_calls("<think>\n" + call));  // still reasoning
+  // A call after the reasoning: the call, with the reasoning in the content.
+  const auto parsed = parse_tool_calls(thought + call);
+  ASSERT_TRUE(parsed);
+  ASSERT_EQ(parsed->calls.size(), 1u);
+  EXPECT_EQ(parsed->content, "<think>\nI should write " + call + " to ask.\n</think>");
+
+  // Streamed token by token: the reasoning goes out as it comes, calls written in it too; the
+  // call after it is held.
+  ToolCallStream stream;
+  std::string sent;
+  const std::string answer = thought + call;
+  for (std::size_t i = 0; i < answer.size(); i += 3) sent += stream.add(answer.substr(i, 3));
+  EXPECT_EQ(sent, thought);
+  const auto streamed = stream.finish();
+  ASSERT_TRUE(streamed);
+  EXPECT_EQ(streamed->calls.size(), 1u);
+  EXPECT_EQ(stream.unsent_content(*streamed), "");
+
+  // Reasoning that ends in a plain answer goes out whole, the answer's '<' held only until clear.
+  ToolCallStream plain;
+  EXPECT_EQ(plain.add("<"), "");  // may begin <think> or <tool_call>
+  EXPECT_EQ(plain.add("think>\na <tool_call> b"), "<think>\na <tool_call> b");
+  EXPECT_EQ(plain.add("</think>\n\nx <"), "</think>\n\nx ");
+  EXPECT_EQ(plain.add("3"), "<3");
+  EXPECT_FALSE(plain.finish());
+  EXPECT_EQ(plain.rest(), "");
+}
+
 }  // namespace
 }  // namespace batchlm::local_engine

@@ -210,12 +210,18 @@ class ChatTemplate {
 // (it does not list tools); nullopt when it can.
 std::optional<std::string> tools_problem(const ChatTemplate& chat_template);
 
+// Where calls may begin in an answer: after the reasoning, when it opens with a
+// <think>...</think> block (as Qwen 3 writes it), else at 0; nullopt while it is still
+// reasoning (no </think> yet). A <tool_call> the model writes while it reasons is text.
+std::optional<std::size_t> answer_start(std::string_view text);
+
 // An answer's tool calls, in the form calls_tools() templates teach: every
-// <tool_call>{"name": ..., "arguments": {...}}</tool_call> block of `text`, as
+// <tool_call>{"name": ..., "arguments": {...}}</tool_call> block of `text` after its reasoning, as
 // [{id, type: "function", function: {name, arguments}}] with the arguments as JSON text (their
 // keys in the order written), ids "call_" and 24 random letters and digits; `content` is the text
-// outside the blocks, trimmed. nullopt when the text holds no block, or a block that is not one
-// whole call (unclosed, not JSON, no name): the text is then the answer as it stands.
+// outside the blocks, the reasoning included, trimmed. nullopt when the text holds no block, or
+// a block that is not one whole call (unclosed, not JSON, no name): the text is then the answer
+// as it stands.
 struct ParsedToolCalls {
   std::string content;
   nlohmann::json calls;
