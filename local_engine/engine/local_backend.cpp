@@ -345,7 +345,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   // With tools, the sink gets the text up to where a call may begin: once a <tool_call> has
   // begun, the rest is held until the answer is whole (calls, or text after all). Log-probabilities
   // go with the text they came with, or the next text that goes.
-  ToolCallStream calls;
+  ToolCallStream calls(state_->engine->model().chat_template().call_format());
   std::vector<TokenLogprob> held_logprobs;
   for (;;) {
     // A cancellation that arrived while this coroutine ran (inside the sink, say) is seen here;

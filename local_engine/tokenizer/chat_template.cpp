@@ -44,6 +44,9 @@ constexpr std::string_view kHeaderStart = "<|start_header_id|>";
 constexpr std::string_view kHeaderEnd = "<|end_header_id|>";
 constexpr std::string_view kEndOfTurn = "<|eot_id|>";
 constexpr std::string_view kKnowledgeDate = "Cutting Knowledge Date: December 2023\n";
+constexpr std::string_view kIpythonEnvironment = "Environment: ipython\n";
+constexpr std::string_view kIpythonTurn = "<|start_header_id|>ipython<|end_header_id|>\n\n";
+constexpr std::string_view kPythonTag = "<|python_tag|>";
 // DeepSeek-R1's turns (its distills of Qwen2.5 and Llama 3 keep its template).
 constexpr std::string_view kR1User = "<｜User｜>";
 constexpr std::string_view kR1Assistant = "<｜Assistant｜>";
@@ -122,34 +125,29 @@ std::string python_float(double value) {
 }
 
 // A JSON value as the templates' tojson writes it (Python's json.dumps with ensure_ascii off):
-// ", " between items, ": " after keys, keys in the value's order.
+// keys in the value's order, ": " after keys; ", " between items, or with `indent` >= 0
+// (tojson(indent=4)) each item on its own line, indented by `indent` spaces a level, "," after
+// all but the last, and empty objects and arrays as {} and [].
 template <class Json>
-std::string python_json(const Json& value) {
-  std::string out;
-  if (value.is_object()) {
-    out += '{';
+std::string python_json(const Json& value, int indent = -1, int level = 0) {
+  if (value.is_object() || value.is_array()) {
+    const bool object = value.is_object();
+    if (value.empty()) return object ? "{}" : "[]";
+    const std::string inner = indent < 0 ? "" : "\n" + std::string(static_cast<std::size_t>(indent * (level + 1)), ' ');
+    std::string out(1, object ? '{' : '[');
     bool first = true;
     for (auto it = value.begin(); it != value.end(); ++it) {
-      if (!first) out += ", ";
+      out += first ? inner : (indent < 0 ? ", " : "," + inner);
       first = false;
-      out += Json(it.key()).dump(-1, ' ', false, Json::error_handler_t::replace);
-      out += ": ";
-      out += python_json(it.value());
+      if (object) out += Json(it.key()).dump(-1, ' ', false, Json::error_handler_t::replace) + ": ";
+      out += python_json(it.value(), indent, level + 1);
     }
-    out += '}';
-  } else if (value.is_array()) {
-    out += '[';
-    for (std::size_t i = 0; i < value.size(); ++i) {
-      if (i > 0) out += ", ";
-      out += python_json(value[i]);
-    }
-    out += ']';
-  } else if (value.is_number_float()) {
-    out += python_float(value.template get<double>());
-  } else {
-    out += value.dump(-1, ' ', false, Json::error_handler_t::replace);
+    if (indent >= 0) out += "\n" + std::string(static_cast<std::size_t>(indent * level), ' ');
+    out += object ? '}' : ']';
+    return out;
   }
-  return out;
+  if (value.is_number_float()) return python_float(value.template get<double>());
+  return value.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
 // The deepest a call's arguments may nest to be read as JSON (as a request body's).
@@ -454,6 +452,20 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
       if (i == std::string::npos) unsupported("a Llama 3 template with a dated system turn but no date_string");
       result.date_ = read_string_literal(tmpl, i);
     }
+    // Llama 3.1's tool calling, with the tools in the first user turn (tools_in_user_message,
+    // the template's default): its instructions, a call's frame and the result's turn must all
+    // be there.
+    const auto has = [&](std::string_view c) { return std::find(constants.begin(), constants.end(), c) != constants.end(); };
+    constexpr std::string_view kInstructions[] = {
+        "Given the following functions, please respond with a JSON for a function call ",
+        "with its proper arguments that best answers the given prompt.\n\n",
+        "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.",
+        "Do not use variables.\n\n"};
+    if (std::all_of(std::begin(kInstructions), std::end(kInstructions), has) && has(kIpythonEnvironment) &&
+        has(kIpythonTurn) && has("{\"name\": \"") && has("\"parameters\": ") && tmpl.find("tools_in_user_message = true") != std::string::npos) {
+      result.call_format_ = CallFormat::kJson;
+      for (const std::string_view c : kInstructions) result.user_tools_preamble_ += c;
+    }
     return result;
   }
   if (tmpl.find(kTurnStart) == std::string::npos) {
@@ -481,6 +493,7 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
       response |= c == "\n<tool_response>\n";
     }
     if (!preamble.empty() && !postamble.empty() && call_after_newline != call_alone && call_middle && call_end && response) {
+      result.call_format_ = CallFormat::kTagged;
       result.tools_preamble_ = std::move(preamble);
       result.tools_postamble_ = std::move(postamble);
       result.newline_before_call_ = call_after_newline;
@@ -636,6 +649,7 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
       out += kEndOfTurn;
     };
     std::size_t first = 0;
+    const bool listing = tools.is_array() && !tools.empty();
     if (date_.empty() && !default_system_.empty() && !messages.empty() && messages.front().role != "system")
       append_turn("system", default_system_);
     if (!date_.empty()) {
@@ -646,6 +660,7 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
         first = 1;
       }
       header("system");
+      if (listing) out += kIpythonEnvironment;
       out += kKnowledgeDate;
       out += "Today Date: ";
       out += date_ == "today" ? today() : date_;
@@ -653,7 +668,38 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
       out += system;
       out += kEndOfTurn;
     }
-    for (std::size_t i = first; i < messages.size(); ++i) append_turn(messages[i].role, messages[i].content);
+    if (listing) {
+      // The tools open the first message after the system message, which is written as a
+      // user turn whatever its role, as the template does.
+      if (first == messages.size())
+        throw std::invalid_argument("messages: this model's chat template puts the tools in the first user message, "
+                                    "and the conversation has none");
+      header("user");
+      out += user_tools_preamble_;
+      for (const auto& tool : tools) out += python_json(tool, 4) + "\n\n";
+      out += trim(messages[first].content);
+      out += kEndOfTurn;
+      ++first;
+    }
+    for (std::size_t i = first; i < messages.size(); ++i) {
+      const ChatMessage& m = messages[i];
+      if (call_format_ == CallFormat::kJson && m.calls_tools()) {
+        if (m.tool_calls.size() != 1)
+          throw std::invalid_argument("messages[" + std::to_string(i) + "].tool_calls: this model's chat template takes "
+                                      "one call per assistant message, not " + std::to_string(m.tool_calls.size()));
+        // The call alone: the message's content is not written.
+        header("assistant");
+        out += "{\"name\": \"" + call_name(m.tool_calls[0]) + "\", \"parameters\": " +
+               python_json(call_arguments(m.tool_calls[0])) + "}";
+        out += kEndOfTurn;
+      } else if (call_format_ == CallFormat::kJson && m.role == "tool") {
+        out += kIpythonTurn;
+        out += python_json(nlohmann::ordered_json(m.content));
+        out += kEndOfTurn;
+      } else {
+        append_turn(m.role, m.content);
+      }
+    }
     if (add_generation_prompt) header("assistant");
     return out;
   }
@@ -789,7 +835,7 @@ std::optional<std::string> tools_problem(const ChatTemplate& chat_template) {
   if (chat_template.calls_tools()) return std::nullopt;
   return "this model's chat template (" + std::string(chat_template.name()) +
          ") does not list tools; the embedded engine calls tools with templates that do, as Qwen 2.5's and Qwen 3's "
-         "(<tool_call> ... </tool_call>)";
+         "(<tool_call> ... </tool_call>) and Llama 3.1's, 3.2's and 3.3's";
 }
 
 std::optional<std::size_t> answer_start(std::string_view text) {
@@ -801,9 +847,92 @@ std::optional<std::size_t> answer_start(std::string_view text) {
   return end + kThinkEnd.size();
 }
 
-std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text) {
+namespace {
+
+// One call as the model wrote it, {"name": ..., "arguments" (or "parameters"): {...}}, as an
+// API's call with a new id; nullopt when the text is not one.
+std::optional<nlohmann::json> model_call(std::string_view text) {
+  if (check_json(text, kMaxArgumentDepth + 1)) return std::nullopt;
+  const auto call = nlohmann::ordered_json::parse(text, nullptr, false);
+  if (call.is_discarded() || !call.is_object()) return std::nullopt;
+  const auto name = call.find("name");
+  if (name == call.end() || !name->is_string() || name->get_ref<const std::string&>().empty()) return std::nullopt;
+  auto arguments = call.find("arguments");
+  if (arguments == call.end()) arguments = call.find("parameters");
+  std::string arguments_text = "{}";
+  if (arguments != call.end()) {
+    if (arguments->is_string()) {
+      arguments_text = arguments->get<std::string>();
+    } else if (arguments->is_object()) {
+      arguments_text = arguments->dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+    } else {
+      return std::nullopt;
+    }
+  }
+  return nlohmann::json{{"id", new_call_id()},
+                        {"type", "function"},
+                        {"function", {{"name", name->get<std::string>()}, {"arguments", std::move(arguments_text)}}}};
+}
+
+std::size_t skip_space(std::string_view text, std::size_t at) {
+  while (at < text.size() && (text[at] == ' ' || text[at] == '\n' || text[at] == '\t' || text[at] == '\r')) ++at;
+  return at;
+}
+
+// The end of the JSON object that opens at text[at] ('{'): one past its closing brace, or npos
+// when it is not closed.
+std::size_t object_end(std::string_view text, std::size_t at) {
+  int depth = 0;
+  bool quoted = false;
+  for (std::size_t i = at; i < text.size(); ++i) {
+    const char c = text[i];
+    if (quoted) {
+      if (c == '\\') ++i;
+      else if (c == '"') quoted = false;
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == '{' || c == '[') {
+      ++depth;
+    } else if ((c == '}' || c == ']') && --depth == 0) {
+      return i + 1;
+    }
+  }
+  return std::string_view::npos;
+}
+
+// kJson: the answer from `from` on, when it is nothing but calls separated by ';'.
+std::optional<ParsedToolCalls> parse_json_calls(std::string_view text, std::size_t from) {
+  std::size_t at = skip_space(text, from);
+  const std::size_t before = at;
+  if (text.substr(at).starts_with(kPythonTag)) at = skip_space(text, at + kPythonTag.size());
+  if (at == text.size() || text[at] != '{') return std::nullopt;
+  ParsedToolCalls out;
+  out.calls = nlohmann::json::array();
+  for (;;) {
+    const std::size_t end = object_end(text, at);
+    if (end == std::string_view::npos) return std::nullopt;
+    auto call = model_call(text.substr(at, end - at));
+    if (!call) return std::nullopt;
+    out.calls.push_back(std::move(*call));
+    at = skip_space(text, end);
+    if (at == text.size()) break;
+    if (text[at] != ';') return std::nullopt;
+    at = skip_space(text, at + 1);
+    if (at == text.size()) break;
+    if (text[at] != '{') return std::nullopt;
+  }
+  out.outside = std::string(text.substr(0, before));
+  out.content = std::string(trim(out.outside));
+  return out;
+}
+
+}  // namespace
+
+std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text, CallFormat format) {
   const std::optional<std::size_t> from = answer_start(text);
-  if (!from || text.find(kCallOpen, *from) == std::string_view::npos) return std::nullopt;
+  if (!from) return std::nullopt;
+  if (format == CallFormat::kJson) return parse_json_calls(text, *from);
+  if (text.find(kCallOpen, *from) == std::string_view::npos) return std::nullopt;
   ParsedToolCalls out;
   out.calls = nlohmann::json::array();
   std::string content;
@@ -813,25 +942,9 @@ std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text) {
     const std::size_t body = at + kCallOpen.size();
     const std::size_t end = text.find(kCallClose, body);
     if (end == std::string_view::npos) return std::nullopt;
-    if (check_json(text.substr(body, end - body), kMaxArgumentDepth + 1)) return std::nullopt;
-    const auto call = nlohmann::ordered_json::parse(text.substr(body, end - body), nullptr, false);
-    if (call.is_discarded() || !call.is_object()) return std::nullopt;
-    const auto name = call.find("name");
-    if (name == call.end() || !name->is_string() || name->get_ref<const std::string&>().empty()) return std::nullopt;
-    const auto arguments = call.find("arguments");
-    std::string arguments_text = "{}";
-    if (arguments != call.end()) {
-      if (arguments->is_string()) {
-        arguments_text = arguments->get<std::string>();
-      } else if (arguments->is_object()) {
-        arguments_text = arguments->dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
-      } else {
-        return std::nullopt;
-      }
-    }
-    out.calls.push_back({{"id", new_call_id()},
-                         {"type", "function"},
-                         {"function", {{"name", name->get<std::string>()}, {"arguments", std::move(arguments_text)}}}});
+    auto call = model_call(text.substr(body, end - body));
+    if (!call) return std::nullopt;
+    out.calls.push_back(std::move(*call));
     pos = end + kCallClose.size();
   }
   content += text.substr(pos);
@@ -860,9 +973,20 @@ std::string ToolCallStream::add(std::string_view piece) {
   if (holding_) return {};
   // Reasoning goes out as it comes; a call may begin only after it.
   const std::optional<std::size_t> from = answer_start(text_);
-  const std::size_t look = from ? std::max(sent_, *from) : text_.size();
-  const std::size_t start = look + tool_call_start(std::string_view(text_).substr(look));
-  holding_ = std::string_view(text_).substr(start).starts_with(kCallOpen);
+  std::size_t start = text_.size();
+  if (from && format_ == CallFormat::kTagged) {
+    const std::size_t look = std::max(sent_, *from);
+    start = look + tool_call_start(std::string_view(text_).substr(look));
+    holding_ = std::string_view(text_).substr(start).starts_with(kCallOpen);
+  } else if (from && !plain_) {
+    // kJson: the answer is calls only when it opens with one, so its first characters decide:
+    // held while they may still open a call (or a <think>), and all of it once they do.
+    const std::size_t look = std::max(sent_, *from);
+    const std::string_view head = std::string_view(text_).substr(skip_space(text_, look));
+    holding_ = head.starts_with('{') || head.starts_with(kPythonTag);
+    plain_ = !holding_ && !kPythonTag.starts_with(head) && !kThinkStart.starts_with(head);
+    if (!plain_) start = look;
+  }
   std::string out = text_.substr(sent_, start - sent_);
   sent_ = start;
   return out;

@@ -1468,6 +1468,24 @@ TEST(BatchlmRun, TheEmbeddedEngineTakesToolsWhereItsTemplateListsThem) {
     EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 300) << rec.dump();
   }
 
+  // Llama 3.1's template lists them too, in the first user message.
+  const std::string llama =
+      read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/meta-llama-Llama-3.1-8B-Instruct.jinja");
+  if (!llama.empty()) {
+    batchlm::testing::TinyLlamaOptions llama_model = tools_model;
+    llama_model.chat_template = llama;
+    batchlm::testing::write_tiny_llama(dir.path / "llama.gguf", llama_model);
+    write_file(dir.path / "job.yaml", job + "llama.gguf}\n");
+    RunResult listed = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/llama.jsonl"});
+    ASSERT_EQ(listed.exit_code, 0) << listed.err;
+    const auto llama_records = read_jsonl(dir.path / "out/llama.jsonl");
+    ASSERT_EQ(llama_records.size(), 2u);
+    for (const auto& rec : llama_records) {
+      EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
+      EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 300) << rec.dump();
+    }
+  }
+
   write_file(dir.path / "job.yaml", job + "plain.gguf}\n");
   RunResult refused = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/plain.jsonl"});
   EXPECT_EQ(refused.exit_code, 2) << refused.err;

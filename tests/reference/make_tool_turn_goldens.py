@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Renders tool-calling conversations with Qwen 2.5's and Qwen 3's chat templates, as
+"""Renders tool-calling conversations with Qwen 2.5's, Qwen 3's and Llama 3.1's, 3.2's and 3.3's
+chat templates, as
 Hugging Face's apply_chat_template does (jinja2 with trim_blocks and lstrip_blocks, tojson as
 json.dumps with ensure_ascii off), into tests/reference/tool_turns/renders.json, which
 tokenizer_test holds the engine's rendering to.
 
 Messages are in the API's form; as vLLM does before rendering, a call's arguments given as
 JSON text are parsed (text that is not JSON stays text). Tools keep their keys in the order
-written, as a client's request body gives them.
+written, as a client's request body gives them. Llama 3.2's template dates its system turn with
+today's date, written here as @DATE@ for the test to fill in.
 
     python3 -m venv /tmp/jv && /tmp/jv/bin/pip install jinja2
     /tmp/jv/bin/python tests/reference/make_tool_turn_goldens.py models/vocab/templates
@@ -19,6 +21,8 @@ from pathlib import Path
 import jinja2
 
 TEMPLATES = ["Qwen-Qwen2.5-7B-Instruct.jinja", "Qwen-Qwen3-0.6B.jinja"]
+LLAMA_TEMPLATES = ["meta-llama-Llama-3.1-8B-Instruct.jinja", "meta-llama-Llama-3.2-3B-Instruct.jinja",
+                   "meta-llama-Llama-3.3-70B-Instruct.jinja"]
 
 
 WEATHER = {"type": "function", "function": {
@@ -86,6 +90,42 @@ CASES = [
                   {"role": "tool", "tool_call_id": "call_7", "content": "?"}]},
 ]
 
+# Llama's templates take one call per assistant message, and put the tools in the first user
+# message.
+LLAMA_CASES = [
+    {"name": "tools, system", "tools": [WEATHER, TIME],
+     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]},
+    {"name": "tools, no system", "tools": [WEATHER],
+     "messages": [{"role": "user", "content": "  Weather in Paris?\n"}]},
+    {"name": "round trip", "tools": [WEATHER, TIME],
+     "messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": "", "tool_calls": [
+                      call(1, "get_weather", "{\"city\": \"Paris\", \"unit\": \"C\"}")]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "18 C, clear"},
+                  {"role": "assistant", "content": "18 C."},
+                  {"role": "user", "content": "Thanks. And Rome?"}]},
+    {"name": "content beside a call is not written", "tools": [WEATHER],
+     "messages": [{"role": "user", "content": "Weather in Rome?"},
+                  {"role": "assistant", "content": "Let me check.", "tool_calls": [call(3, "get_weather", "{\"city\":\"Rome\"}")]},
+                  {"role": "tool", "tool_call_id": "call_3", "content": "{\"temp\": 21}"}]},
+    {"name": "history without tools", "tools": [],
+     "messages": [{"role": "user", "content": "Weather in Oslo?"},
+                  {"role": "assistant", "content": "", "tool_calls": [call(4, "get_weather", "{\"city\": \"Oslo\"}")]},
+                  {"role": "tool", "tool_call_id": "call_4", "content": "-3 C"},
+                  {"role": "assistant", "content": "It is -3 C."},
+                  {"role": "user", "content": "Warm enough?"}]},
+    {"name": "keys as written, floats as Python writes them", "tools": [THERMOSTAT, WEATHER],
+     "messages": [{"role": "user", "content": "Kitchen to 21.5, please."},
+                  {"role": "assistant", "content": "", "tool_calls": [
+                      call(6, "set_thermostat", "{\"room\": \"kitchen\", \"celsius\": 21.5, \"at\": 1e15}")]},
+                  {"role": "tool", "tool_call_id": "call_6", "content": "ok"}]},
+    {"name": "arguments that are not JSON, a result with quotes", "tools": [WEATHER],
+     "messages": [{"role": "user", "content": "Weather?"},
+                  {"role": "assistant", "content": "", "tool_calls": [call(5, "get_weather", "city=Paris")]},
+                  {"role": "tool", "tool_call_id": "call_5", "content": "He said \"hi\" \u2014 5 \u00b0C\n"}]},
+]
+
 
 def rendered_messages(messages):
     out = []
@@ -109,14 +149,20 @@ def main():
     directory = Path(sys.argv[1] if len(sys.argv) > 1 else "models/vocab/templates")
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+
+    def raise_exception(message):
+        raise ValueError(message)
+
     results = []
-    for name in TEMPLATES:
-        template = env.from_string((directory / name).read_text())
-        for case in CASES:
-            text = template.render(messages=rendered_messages(case["messages"]), tools=case["tools"] or None,
-                                   add_generation_prompt=True)
-            results.append({"template": name, "case": case["name"], "tools": case["tools"],
-                            "messages": case["messages"], "expected": text})
+    for names, cases in ((TEMPLATES, CASES), (LLAMA_TEMPLATES, LLAMA_CASES)):
+        for name in names:
+            template = env.from_string((directory / name).read_text())
+            for case in cases:
+                text = template.render(messages=rendered_messages(case["messages"]), tools=case["tools"] or None,
+                                       add_generation_prompt=True, bos_token="", raise_exception=raise_exception,
+                                       strftime_now=lambda format: "@DATE@")
+                results.append({"template": name, "case": case["name"], "tools": case["tools"],
+                                "messages": case["messages"], "expected": text})
     out = Path(__file__).parent / "tool_turns" / "renders.json"
     out.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     print(f"{len(results)} renderings -> {out}")

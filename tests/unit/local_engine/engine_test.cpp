@@ -143,7 +143,7 @@ TEST(Engine, ChatPromptTakesDeveloperAsSystemAndRefusesToolMessages) {
   } catch (const std::invalid_argument& e) {
     EXPECT_STREQ(e.what(), "messages[2].role: a tool's result, but this model's chat template (chatml) does not list "
                            "tools; the embedded engine calls tools with templates that do, as Qwen 2.5's and Qwen 3's "
-                           "(<tool_call> ... </tool_call>)");
+                           "(<tool_call> ... </tool_call>) and Llama 3.1's, 3.2's and 3.3's");
   }
 }
 

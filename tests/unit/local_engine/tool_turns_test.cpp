@@ -3,6 +3,7 @@
 // tests/reference/make_tool_turn_goldens.py from llama.cpp's copies of the templates), and the
 // calls read back from what a model writes.
 
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -45,11 +46,22 @@ std::vector<ChatMessage> messages_from(const json& list) {
   return out;
 }
 
-TEST(ToolTurns, QwenTemplatesRenderToolsCallsAndResultsAsJinjaDoes) {
+// Today's date as Llama 3.2's template writes it (strftime_now("%d %b %Y")), for the renderings'
+// @DATE@.
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  char text[32];
+  std::strftime(text, sizeof text, "%d %b %Y", &local);
+  return text;
+}
+
+TEST(ToolTurns, QwenAndLlamaTemplatesRenderToolsCallsAndResultsAsJinjaDoes) {
   const std::filesystem::path source(BATCHLM_SOURCE_DIR);
   // Read in order: the tools' keys reach the prompt as written.
   const auto renders = nlohmann::ordered_json::parse(read_file(source / "tests/reference/tool_turns/renders.json"));
-  ASSERT_EQ(renders.size(), 16u);
+  ASSERT_EQ(renders.size(), 37u);
   std::set<std::string> seen;
   for (const auto& r : renders) {
     const std::string name = r["template"].get<std::string>();
@@ -57,11 +69,13 @@ TEST(ToolTurns, QwenTemplatesRenderToolsCallsAndResultsAsJinjaDoes) {
     const std::string text = read_file(source / "models/vocab/templates" / name);
     if (text.empty()) GTEST_SKIP() << name << " is absent (scripts/fetch-vocabs.sh fetches it)";
     const ChatTemplate chat = template_from(text);
-    ASSERT_TRUE(chat.calls_tools());
-    EXPECT_EQ(chat.apply(messages_from(r["messages"]), true, r["tools"]), r["expected"].get<std::string>());
+    ASSERT_EQ(chat.call_format(), name.starts_with("Qwen") ? CallFormat::kTagged : CallFormat::kJson);
+    std::string expected = r["expected"].get<std::string>();
+    if (const std::size_t at = expected.find("@DATE@"); at != std::string::npos) expected.replace(at, 6, today());
+    EXPECT_EQ(chat.apply(messages_from(r["messages"]), true, r["tools"]), expected);
     seen.insert(name);
   }
-  EXPECT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen.size(), 5u);
 }
 
 TEST(ToolTurns, ATemplateWithoutToolsRefusesThemAndKeepsItsToolRole) {
@@ -228,6 +242,107 @@ TEST(ToolCallStream, CallsAreReadAfterTheReasoningOnly) {
   EXPECT_EQ(plain.add("3"), "<3");
   EXPECT_FALSE(plain.finish());
   EXPECT_EQ(plain.rest(), "");
+}
+
+// Llama 3.1's to 3.3's templates: the model answers a call with the call alone.
+TEST(ParseToolCalls, LlamaAnswersThatAreCallsAlone) {
+  const auto one = parse_tool_calls("{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\", \"unit\": \"C\"}}",
+                                    CallFormat::kJson);
+  ASSERT_TRUE(one);
+  EXPECT_EQ(one->content, "");
+  ASSERT_EQ(one->calls.size(), 1u);
+  EXPECT_EQ(one->calls[0]["function"], (json{{"name", "get_weather"}, {"arguments", "{\"city\":\"Paris\",\"unit\":\"C\"}"}}));
+  EXPECT_EQ(one->calls[0]["type"], "function");
+  EXPECT_TRUE(one->calls[0]["id"].get<std::string>().starts_with("call_"));
+
+  // Several, separated by ';'; "arguments" read as well; the python tag and spaces around.
+  const auto several = parse_tool_calls(
+      "\n<|python_tag|>{\"name\": \"a\", \"parameters\": {\"s\": \"} ; {\"}}; {\"name\": \"b\", \"arguments\": {}} \n",
+      CallFormat::kJson);
+  ASSERT_TRUE(several);
+  ASSERT_EQ(several->calls.size(), 2u);
+  EXPECT_EQ(several->calls[0]["function"]["arguments"], "{\"s\":\"} ; {\"}");
+  EXPECT_EQ(several->calls[1]["function"]["name"], "b");
+  EXPECT_EQ(several->content, "");
+
+  // Anything else is the answer as it stands: text first or after, an unclosed or unnamed
+  // call, arguments that are not an object, the other template's form.
+  for (const char* text : {"Sure: {\"name\": \"a\", \"parameters\": {}}", "{\"name\": \"a\", \"parameters\": {}} done",
+                           "{\"name\": \"a\", \"parameters\": {}", "{\"parameters\": {}}", "{\"name\": \"a\", \"parameters\": 3}",
+                           "{\"name\": \"a\"} {\"name\": \"b\"}", "{\"name\": \"a\"};", "It is 18 C.", "",
+                           "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>"}) {
+    const auto parsed = parse_tool_calls(text, CallFormat::kJson);
+    if (std::string_view(text) == "{\"name\": \"a\"};") {
+      ASSERT_TRUE(parsed) << text;  // a trailing separator is allowed
+      EXPECT_EQ(parsed->calls.size(), 1u);
+    } else {
+      EXPECT_FALSE(parsed) << text;
+    }
+  }
+}
+
+TEST(ToolCallStream, ALlamaAnswerIsHeldWholeWhenItOpensWithACall) {
+  // Text goes out as it comes once it opens with anything but a call.
+  ToolCallStream text(CallFormat::kJson);
+  EXPECT_EQ(text.add(" "), "");
+  EXPECT_EQ(text.add("It is"), " It is");
+  EXPECT_EQ(text.add(" {\"name\": 1}"), " {\"name\": 1}");
+  EXPECT_FALSE(text.finish());
+  EXPECT_EQ(text.rest(), "");
+
+  // A call is held from its first brace to the end.
+  ToolCallStream call(CallFormat::kJson);
+  std::string sent;
+  const std::string answer = "\n{\"name\": \"get_time\", \"parameters\": {}}";
+  for (std::size_t i = 0; i < answer.size(); i += 2) sent += call.add(answer.substr(i, 2));
+  EXPECT_EQ(sent, "");
+  const auto parsed = call.finish();
+  ASSERT_TRUE(parsed);
+  EXPECT_EQ(parsed->calls[0]["function"]["name"], "get_time");
+  EXPECT_EQ(call.unsent_content(*parsed), "");
+
+  // Held until clear: "<" may open the python tag or a <think>.
+  ToolCallStream tag(CallFormat::kJson);
+  EXPECT_EQ(tag.add("<"), "");
+  EXPECT_EQ(tag.add("b>bold</b>"), "<b>bold</b>");
+  ToolCallStream reasoned(CallFormat::kJson);
+  EXPECT_EQ(reasoned.add("<think>\nhmm\n</think>\n\n"), "<think>\nhmm\n</think>");
+  EXPECT_EQ(reasoned.add("{\"name\": \"f\"}"), "");
+  const auto after = reasoned.finish();
+  ASSERT_TRUE(after);
+  EXPECT_EQ(after->content, "<think>\nhmm\n</think>");
+  EXPECT_EQ(reasoned.unsent_content(*after), "");
+}
+
+TEST(ToolTurns, LlamaTemplatesTakeOneCallPerMessageAndToolsBeforeAUserMessage) {
+  const std::string text =
+      read_file(std::filesystem::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/meta-llama-Llama-3.1-8B-Instruct.jinja");
+  if (text.empty()) GTEST_SKIP() << "Llama 3.1's template is absent (scripts/fetch-vocabs.sh fetches it)";
+  const ChatTemplate chat = template_from(text);
+  const json tools = json::array({{{"type", "function"}, {"function", {{"name", "f"}}}}});
+  ChatMessage two{"assistant", ""};
+  two.tool_calls = json::array({{{"id", "a"}, {"type", "function"}, {"function", {{"name", "f"}, {"arguments", "{}"}}}},
+                                {{"id", "b"}, {"type", "function"}, {"function", {{"name", "f"}, {"arguments", "{}"}}}}});
+  const auto error = [&](const std::vector<ChatMessage>& messages, const json& with) {
+    try {
+      (void)chat.apply(messages, true, with);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error({{"user", "x"}, two}, nullptr),
+            "messages[1].tool_calls: this model's chat template takes one call per assistant message, not 2");
+  EXPECT_EQ(error({{"system", "Be brief."}}, tools),
+            "messages: this model's chat template puts the tools in the first user message, and the conversation has none");
+  // Llama 3.0's template, undated, lists no tools.
+  const ChatTemplate llama3 = template_from(
+      "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+      "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}"
+      "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}");
+  EXPECT_EQ(llama3.name(), "llama3");
+  EXPECT_FALSE(llama3.calls_tools());
 }
 
 }  // namespace

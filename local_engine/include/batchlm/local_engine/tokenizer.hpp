@@ -122,6 +122,11 @@ class StreamDecoder {
 //            message (or nothing): DATE is today's (as "26 Nov 2026") where the template asks for
 //            strftime_now, else the date the template sets. The BOS token the template begins
 //            with is the tokenizer's to add (Tokenizer::add_bos), not part of the text.
+//            Tools (3.1, 3.2, 3.3): "Environment: ipython\n" heads the system turn, and the
+//            tools, each as tojson(indent=4) writes it, go into the first user turn after the
+//            template's instructions; an assistant's call is written as its only content,
+//            {"name": "NAME", "parameters": ARGUMENTS}, one call per message; a tool's result
+//            is an "ipython" turn holding its content as a JSON string.
 //   DeepSeek-R1 (its Qwen2.5 and Llama 3 distills): the last system message's content, bare,
 //            then <｜User｜>content per user message and <｜Assistant｜>content<｜end▁of▁sentence｜>
 //            per assistant message, its reasoning up to the last </think> dropped; the
@@ -153,6 +158,8 @@ class StreamDecoder {
 //            first_user_prefix writes ("\n\n"). Gemma 2's template refuses a system message; here
 //            it goes there trimmed, with "\n\n" after it unless empty, as llama.cpp's own Gemma
 //            formatting does. Roles alternate as for Mistral. BOS as for Llama 3.
+enum class CallFormat { kNone, kTagged, kJson };
+
 class ChatTemplate {
  public:
   // Throws std::invalid_argument when the template is not one this build supports.
@@ -172,12 +179,16 @@ class ChatTemplate {
   bool opens_reasoning() const { return opens_reasoning_; }
   // Phi-3's: whether system messages are turns (else they are left out).
   bool system_turns() const { return system_turns_; }
-  // Whether the template lists tools and shows the model its calls and their results, as
-  // Qwen 2.5's and Qwen 3's do: the tools in the system turn, a call as
-  // <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, results in a user turn as
-  // <tool_response>...</tool_response>. The model answers with calls in the same form
-  // (parse_tool_calls).
-  bool calls_tools() const { return !tools_preamble_.empty(); }
+  // Whether the template lists tools and shows the model its calls and their results, and in
+  // which form the model calls them (parse_tool_calls reads that form):
+  //   kTagged  Qwen 2.5's and Qwen 3's: the tools in the system turn, a call as
+  //            <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, results in a user
+  //            turn as <tool_response>...</tool_response>.
+  //   kJson    Llama 3.1's, 3.2's and 3.3's: the tools in the first user turn, and an answer
+  //            that is a call is the call alone, {"name": ..., "parameters": ...} (calls one
+  //            after another separated by ';').
+  bool calls_tools() const { return call_format_ != CallFormat::kNone; }
+  CallFormat call_format() const { return call_format_; }
 
  private:
   std::string name_ = "chatml";
@@ -204,6 +215,10 @@ class ChatTemplate {
   // only between parts (Qwen 3).
   std::string tools_preamble_, tools_postamble_;
   bool newline_before_call_ = false;
+  CallFormat call_format_ = CallFormat::kNone;
+  // Llama 3.1's and later's (kJson): the instructions the first user turn opens with before the
+  // tools.
+  std::string user_tools_preamble_;
 };
 
 // Why a model with this template cannot take tools, or a conversation's calls and results
@@ -215,8 +230,10 @@ std::optional<std::string> tools_problem(const ChatTemplate& chat_template);
 // reasoning (no </think> yet). A <tool_call> the model writes while it reasons is text.
 std::optional<std::size_t> answer_start(std::string_view text);
 
-// An answer's tool calls, in the form calls_tools() templates teach: every
-// <tool_call>{"name": ..., "arguments": {...}}</tool_call> block of `text` after its reasoning, as
+// An answer's tool calls, in the form the template teaches (ChatTemplate::call_format()).
+// kTagged: every <tool_call>{"name": ..., "arguments": {...}}</tool_call> block of `text` after
+// its reasoning. kJson: the answer after its reasoning, when it is nothing but calls
+// {"name": ..., "parameters": {...}} ("arguments" read as well), separated by ';'. Either as
 // [{id, type: "function", function: {name, arguments}}] with the arguments as JSON text (their
 // keys in the order written), ids "call_" and 24 random letters and digits; `content` is the text
 // outside the blocks, the reasoning included, trimmed. nullopt when the text holds no block, or
@@ -227,20 +244,21 @@ struct ParsedToolCalls {
   nlohmann::json calls;
   std::string outside;  // the text outside the blocks as written (content before trimming)
 };
-std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text);
+std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text, CallFormat format = CallFormat::kTagged);
 // The first byte of `text` from which it might begin a call (a "<tool_call>" or a prefix of one
 // at its end): what a stream may send as text before the answer is whole.
 std::size_t tool_call_start(std::string_view text);
 
 // An answer that may hold tool calls, streamed: the text goes out up to where a call may begin;
-// once a <tool_call> has begun, the rest is held until the answer is whole, when it is either
-// calls (finish()) or text after all (rest()).
+// once a call has begun (a <tool_call>, or for kJson an answer that opens with '{'), the rest is
+// held until the answer is whole, when it is either calls (finish()) or text after all (rest()).
 class ToolCallStream {
  public:
+  explicit ToolCallStream(CallFormat format = CallFormat::kTagged) : format_(format) {}
   // Adds the next piece of the answer; returns what may go out now (often all of it).
   std::string add(std::string_view piece);
   // The calls and the text beside them, when the answer holds whole calls (parse_tool_calls).
-  std::optional<ParsedToolCalls> finish() const { return parse_tool_calls(text_); }
+  std::optional<ParsedToolCalls> finish() const { return parse_tool_calls(text_, format_); }
   // What has not gone out, for an answer that holds no calls after all.
   std::string_view rest() const { return std::string_view(text_).substr(sent_); }
   // For an answer that holds calls: the text beside them that has not gone out (the text after
@@ -249,9 +267,11 @@ class ToolCallStream {
   const std::string& text() const { return text_; }
 
  private:
+  CallFormat format_;
   std::string text_;
   std::size_t sent_ = 0;
   bool holding_ = false;
+  bool plain_ = false;  // kJson: the answer opened with text, so it holds no calls
 };
 
 }  // namespace batchlm::local_engine
