@@ -137,16 +137,24 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return std::nullopt;
   }
   if (key == "tool_choice") {
-    // The model decides ("auto", the default), or is not shown the tools ("none"); it cannot
-    // be held to calling one.
-    if (value.is_null() || value == "auto" || value == "none") return std::nullopt;
-    return std::string("the embedded engine takes tool_choice \"auto\" (the model decides) or \"none\", not ") +
-           value.dump().substr(0, 80) + kElsewhere;
+    // The model decides ("auto", the default), is not shown the tools ("none"), or is held to
+    // calling one of them ("required") or the one named; tool_choice_problem checks the name.
+    if (value.is_null() || value == "auto" || value == "none" || value == "required") return std::nullopt;
+    if (value.is_object() && value.value("type", json()) == "function") {
+      const auto function = value.find("function");
+      if (function != value.end() && function->is_object()) {
+        const auto name = function->find("name");
+        if (name != function->end() && name->is_string() && !name->get_ref<const std::string&>().empty())
+          return std::nullopt;
+      }
+    }
+    return std::string("expected \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}, "
+                       "not ") +
+           value.dump().substr(0, 80);
   }
   if (key == "parallel_tool_calls") {
-    if (value.is_null() || value == true) return std::nullopt;
-    if (value == false)
-      return std::string("the embedded engine cannot hold the model to one call (parallel_tool_calls: false)") + kElsewhere;
+    // false: checked with tool_choice (tool_choice_problem).
+    if (value.is_null() || value.is_boolean()) return std::nullopt;
     return "expected true or false";
   }
   if (key == "modalities") {
@@ -173,6 +181,99 @@ std::optional<std::string> top_logprobs_problem(const ojson& extra) {
   if (logprobs.is_number() && logprobs.get<double>() != top.get<double>())
     return "asks for " + top.dump() + " most likely tokens where logprobs asks for " + logprobs.dump();
   return std::nullopt;
+}
+
+namespace {
+
+// The tool a forced tool_choice names, or null for "required" (any of them); `forced` is false
+// where the model decides.
+struct ForcedChoice {
+  bool forced = false;
+  const ojson* named = nullptr;
+};
+ForcedChoice forced_choice(const ojson& extra) {
+  ForcedChoice out;
+  if (!extra.is_object()) return out;
+  const auto choice = extra.find("tool_choice");
+  if (choice == extra.end()) return out;
+  if (*choice == "required") out.forced = true;
+  if (choice->is_object()) {
+    out.forced = true;
+    out.named = &choice->at("function").at("name");
+  }
+  return out;
+}
+
+// A call to `tool` as its template's form has the model write it: {"name": its name,
+// arguments_key: an object its parameters schema admits (any object without one)}.
+json call_schema(const ojson& tool, std::string_view arguments_key) {
+  const ojson& function = tool.at("function");
+  json parameters = {{"type", "object"}};
+  if (const auto p = function.find("parameters"); p != function.end() && p->is_object() && !p->empty()) parameters = json(*p);
+  return {{"type", "object"},
+          {"properties", {{"name", {{"const", function.at("name")}}}, {std::string(arguments_key), std::move(parameters)}}},
+          {"required", {"name", arguments_key}},
+          {"additionalProperties", false}};
+}
+
+}  // namespace
+
+std::optional<std::pair<std::string, std::string>> tool_choice_problem(const ojson& extra) {
+  if (!extra.is_object()) return std::nullopt;
+  const ForcedChoice choice = forced_choice(extra);
+  const auto tools = extra.find("tools");
+  const bool any = tools != extra.end() && tools->is_array() && !tools->empty();
+  if (const auto parallel = extra.find("parallel_tool_calls");
+      parallel != extra.end() && *parallel == false && any && !choice.forced && extra.value("tool_choice", ojson()) != "none")
+    return std::make_pair(std::string("parallel_tool_calls"),
+                          std::string("the embedded engine cannot hold the model to one call where it decides "
+                                      "(parallel_tool_calls: false with tool_choice \"auto\"); a forced tool_choice "
+                                      "(\"required\" or a named function) makes one call") +
+                              kElsewhere);
+  if (!choice.forced) return std::nullopt;
+  if (!any) return std::make_pair(std::string("tool_choice"), std::string("forces a call, but no tools are given"));
+  // The arguments are held to the parameters of the tool named, or of the only tool.
+  if (!choice.named && tools->size() > 1) return std::nullopt;
+  bool found = false;
+  for (std::size_t i = 0; i < tools->size(); ++i) {
+    const ojson& function = (*tools)[i].at("function");
+    if (choice.named && function.at("name") != *choice.named) continue;
+    found = true;
+    // The call is held to the tool's parameters: they must be a schema the engine can follow.
+    try {
+      (void)compile_json_schema(call_schema((*tools)[i], "arguments"));
+    } catch (const SchemaError& e) {
+      // Where in the parameters, and what is wrong there (the error's text after its place).
+      constexpr std::string_view kInside = "/properties/arguments";
+      const std::string where = e.where().starts_with(kInside) ? e.where().substr(kInside.size()) : e.where();
+      const std::string what = std::string(e.what()).substr((e.where().empty() ? std::string("at the root") : "at " + e.where()).size() + 2);
+      return std::make_pair(std::string("tools"),
+                            "tools[" + std::to_string(i) + "].function.parameters" + (where.empty() ? "" : " at " + where) +
+                                ": a forced call is held to its tool's parameters, and " + what + kElsewhere);
+    }
+  }
+  if (!found)
+    return std::make_pair(std::string("tool_choice"), "names the function " + choice.named->dump() +
+                                                          ", which is not among the tools");
+  return std::nullopt;
+}
+
+std::optional<json> forced_call_schema(const ojson& extra, std::string_view arguments_key) {
+  const ForcedChoice choice = forced_choice(extra);
+  if (!choice.forced) return std::nullopt;
+  const ojson& tools = extra.at("tools");
+  for (const ojson& tool : tools)
+    if (tools.size() == 1 || (choice.named && tool.at("function").at("name") == *choice.named))
+      return call_schema(tool, arguments_key);
+  // "required" among several: the schema follower tells anyOf's branches apart by the JSON type
+  // of the value, and every call is an object, so the call names one of the tools and its
+  // arguments are an object.
+  json names = json::array();
+  for (const ojson& tool : tools) names.push_back(json(tool.at("function").at("name")));
+  return json{{"type", "object"},
+              {"properties", {{"name", {{"enum", std::move(names)}}}, {std::string(arguments_key), {{"type", "object"}}}}},
+              {"required", {"name", arguments_key}},
+              {"additionalProperties", false}};
 }
 
 const ojson* requested_json_schema(const ojson& extra) {

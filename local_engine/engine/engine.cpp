@@ -154,7 +154,8 @@ std::vector<Token> text_prompt_tokens(const Tokenizer& tok, std::string_view tex
 }
 
 std::vector<Token> chat_prompt_tokens(const Tokenizer& tok, const ChatTemplate& chat_template,
-                                      std::span<const ChatMessage> messages, const nlohmann::ordered_json& tools) {
+                                      std::span<const ChatMessage> messages, const nlohmann::ordered_json& tools,
+                                      std::string_view answer_prefix) {
   std::vector<ChatMessage> turns(messages.begin(), messages.end());
   const bool tool_turns = chat_template.calls_tools();
   for (std::size_t i = 0; i < turns.size(); ++i) {
@@ -170,7 +171,7 @@ std::vector<Token> chat_prompt_tokens(const Tokenizer& tok, const ChatTemplate& 
       throw std::invalid_argument(at() + ".tool_calls: " + *tools_problem(chat_template));
   }
   // Tools for a template that does not list them: apply() refuses them.
-  return text_prompt_tokens(tok, chat_template.apply(turns, /*add_generation_prompt=*/true, tools));
+  return text_prompt_tokens(tok, chat_template.apply(turns, /*add_generation_prompt=*/true, tools) + std::string(answer_prefix));
 }
 
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text) {
@@ -178,8 +179,8 @@ std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text)
 }
 
 std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages,
-                                      const nlohmann::ordered_json& tools) {
-  return chat_prompt_tokens(model.tokenizer(), model.chat_template(), messages, tools);
+                                      const nlohmann::ordered_json& tools, std::string_view answer_prefix) {
+  return chat_prompt_tokens(model.tokenizer(), model.chat_template(), messages, tools, answer_prefix);
 }
 
 std::vector<Token> Engine::chat_prompt(std::span<const ChatMessage> messages) const {

@@ -55,6 +55,9 @@ struct Job {
   std::optional<std::string> text;
   std::vector<ChatMessage> messages;
   nlohmann::ordered_json tools;  // the function tools the template lists, or null
+  // What the answer opens with, written after the generation prompt: a forced call's frame
+  // ("<tool_call>\n" for Qwen's templates).
+  std::string answer_prefix;
   std::vector<Token> prompt;
   GenerateParams params;
   std::shared_ptr<Channel> channel;
@@ -155,7 +158,8 @@ struct LocalBackend::State {
       if (job->cancelled.load()) continue;
       try {
         const Model& model = engine->model();
-        job->prompt = job->text ? text_prompt_tokens(model, *job->text) : chat_prompt_tokens(model, job->messages, job->tools);
+        job->prompt = job->text ? text_prompt_tokens(model, *job->text)
+                                : chat_prompt_tokens(model, job->messages, job->tools, job->answer_prefix);
       } catch (const std::exception& e) {
         fail(*job, ErrorKind::Http, 400, "invalid_request", e.what());
         continue;
@@ -293,15 +297,27 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     if (const auto problem = top_logprobs_problem(request.extra))
       co_return Outcome::failure(
           Error{ErrorKind::Http, 400, "invalid_request", "'top_logprobs': " + *problem, std::nullopt, false});
+    if (const auto problem = tool_choice_problem(request.extra))
+      co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request",
+                                       "'" + problem->first + "': " + problem->second, std::nullopt, false});
   }
   // Tools are shown to the model (and its calls read back) unless tool_choice is "none"; a
   // template that does not list them refuses them when the prompt is made.
   const bool tools = !request.prompt && requested_tools(request.extra);
+  // A forced tool_choice holds the answer to one call in the template's form: Qwen's opens it
+  // with "<tool_call>\n" in the prompt and the model writes the call's JSON; Llama's answer is
+  // the call's JSON alone. Either way it is read as the JSON of one call.
+  const ChatTemplate& chat = state_->engine->model().chat_template();
+  const std::optional<nlohmann::json> forced =
+      tools && chat.calls_tools()
+          ? forced_call_schema(request.extra, chat.call_format() == CallFormat::kJson ? "parameters" : "arguments")
+          : std::nullopt;
   if (request.prompt) {
     job->text = *request.prompt;
   } else {
     job->messages = request.messages;
     if (tools) job->tools = request.extra["tools"];
+    if (forced && chat.call_format() == CallFormat::kTagged) job->answer_prefix = "<tool_call>\n";
   }
   GenerateParams& p = job->params;
   p.max_tokens = request.max_tokens.value_or(0);
@@ -329,6 +345,15 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     if (const nlohmann::ordered_json* schema = requested_json_schema(request.extra))
       p.json_schema = std::make_shared<const JsonSchema>(compile_json_schema(*schema));  // checked above
   }
+  // The answer is the call; a response_format would be for text beside it, and there is none.
+  if (forced) {
+    try {
+      p.json_schema = std::make_shared<const JsonSchema>(compile_json_schema(*forced));
+    } catch (const SchemaError& e) {  // the parameters were checked above (tool_choice_problem)
+      co_return Outcome::failure(
+          Error{ErrorKind::Http, 400, "invalid_request", std::string("'tools': ") + e.what(), std::nullopt, false});
+    }
+  }
   p.sampling.seed = request.seed ? static_cast<std::uint64_t>(*request.seed)
                                  : std::random_device{}() * 0x9e3779b97f4a7c15ull;
   p.stop = request.stop;
@@ -345,7 +370,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   // With tools, the sink gets the text up to where a call may begin: once a <tool_call> has
   // begun, the rest is held until the answer is whole (calls, or text after all). Log-probabilities
   // go with the text they came with, or the next text that goes.
-  ToolCallStream calls(state_->engine->model().chat_template().call_format());
+  ToolCallStream calls(forced ? CallFormat::kJson : chat.call_format());
   std::vector<TokenLogprob> held_logprobs;
   for (;;) {
     // A cancellation that arrived while this coroutine ran (inside the sink, say) is seen here;

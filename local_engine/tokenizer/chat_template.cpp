@@ -161,6 +161,8 @@ nlohmann::ordered_json call_arguments(const nlohmann::json& call) {
   const auto arguments = function.find("arguments");
   if (arguments == function.end()) return nlohmann::ordered_json::object();
   if (!arguments->is_string()) return nlohmann::ordered_json::parse(arguments->dump());
+  // No arguments (empty text): an empty object, as vLLM renders them.
+  if (trim(arguments->get_ref<const std::string&>()).empty()) return nlohmann::ordered_json::object();
   // Text nested deeper than a request may be stays text: writing it out recurses per level.
   if (check_json(arguments->get_ref<const std::string&>(), kMaxArgumentDepth)) return arguments->get<std::string>();
   auto parsed = nlohmann::ordered_json::parse(arguments->get_ref<const std::string&>(), nullptr, false);
@@ -684,14 +686,14 @@ std::string ChatTemplate::apply(std::span<const ChatMessage> messages, bool add_
     for (std::size_t i = first; i < messages.size(); ++i) {
       const ChatMessage& m = messages[i];
       if (call_format_ == CallFormat::kJson && m.calls_tools()) {
-        if (m.tool_calls.size() != 1)
-          throw std::invalid_argument("messages[" + std::to_string(i) + "].tool_calls: this model's chat template takes "
-                                      "one call per assistant message, not " + std::to_string(m.tool_calls.size()));
-        // The call alone: the message's content is not written.
-        header("assistant");
-        out += "{\"name\": \"" + call_name(m.tool_calls[0]) + "\", \"parameters\": " +
-               python_json(call_arguments(m.tool_calls[0])) + "}";
-        out += kEndOfTurn;
+        // The call alone: the message's content is not written. The template takes one call per
+        // message (it raises for more); several, as the model may answer them, are written as
+        // that many turns, one after another.
+        for (const auto& call : m.tool_calls) {
+          header("assistant");
+          out += "{\"name\": \"" + call_name(call) + "\", \"parameters\": " + python_json(call_arguments(call)) + "}";
+          out += kEndOfTurn;
+        }
       } else if (call_format_ == CallFormat::kJson && m.role == "tool") {
         out += kIpythonTurn;
         out += python_json(nlohmann::ordered_json(m.content));
@@ -850,8 +852,9 @@ std::optional<std::size_t> answer_start(std::string_view text) {
 namespace {
 
 // One call as the model wrote it, {"name": ..., "arguments" (or "parameters"): {...}}, as an
-// API's call with a new id; nullopt when the text is not one.
-std::optional<nlohmann::json> model_call(std::string_view text) {
+// API's call with a new id; nullopt when the text is not one. Without tags around it (kJson) a
+// call must give its arguments, so that a JSON answer with a "name" is not taken for one.
+std::optional<nlohmann::json> model_call(std::string_view text, bool tagged) {
   if (check_json(text, kMaxArgumentDepth + 1)) return std::nullopt;
   const auto call = nlohmann::ordered_json::parse(text, nullptr, false);
   if (call.is_discarded() || !call.is_object()) return std::nullopt;
@@ -859,6 +862,7 @@ std::optional<nlohmann::json> model_call(std::string_view text) {
   if (name == call.end() || !name->is_string() || name->get_ref<const std::string&>().empty()) return std::nullopt;
   auto arguments = call.find("arguments");
   if (arguments == call.end()) arguments = call.find("parameters");
+  if (arguments == call.end() && !tagged) return std::nullopt;
   std::string arguments_text = "{}";
   if (arguments != call.end()) {
     if (arguments->is_string()) {
@@ -911,7 +915,7 @@ std::optional<ParsedToolCalls> parse_json_calls(std::string_view text, std::size
   for (;;) {
     const std::size_t end = object_end(text, at);
     if (end == std::string_view::npos) return std::nullopt;
-    auto call = model_call(text.substr(at, end - at));
+    auto call = model_call(text.substr(at, end - at), /*tagged=*/false);
     if (!call) return std::nullopt;
     out.calls.push_back(std::move(*call));
     at = skip_space(text, end);
@@ -942,7 +946,7 @@ std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text, CallForma
     const std::size_t body = at + kCallOpen.size();
     const std::size_t end = text.find(kCallClose, body);
     if (end == std::string_view::npos) return std::nullopt;
-    auto call = model_call(text.substr(body, end - body));
+    auto call = model_call(text.substr(body, end - body), /*tagged=*/true);
     if (!call) return std::nullopt;
     out.calls.push_back(std::move(*call));
     pos = end + kCallClose.size();
@@ -968,11 +972,28 @@ std::string ToolCallStream::unsent_content(const ParsedToolCalls& parsed) const 
   return std::string(rest);
 }
 
+std::optional<std::size_t> ToolCallStream::answer_from() {
+  // answer_start(text_), without reading a long reasoning again for every piece: once the text
+  // is known to open with a <think> block, </think> is looked for only in what came since.
+  if (answer_) return answer_;
+  const std::size_t at = skip_space(text_, 0);
+  const std::string_view head = std::string_view(text_).substr(at);
+  if (!head.starts_with(kThinkStart)) {
+    if (!head.empty() && !kThinkStart.starts_with(head)) answer_ = 0;  // no reasoning
+    return std::size_t{0};
+  }
+  const std::size_t from = std::max(at + kThinkStart.size(), searched_ < kThinkEnd.size() ? 0 : searched_ - kThinkEnd.size());
+  const std::size_t end = text_.find(kThinkEnd, from);
+  searched_ = text_.size();
+  if (end != std::string::npos) answer_ = end + kThinkEnd.size();
+  return answer_;
+}
+
 std::string ToolCallStream::add(std::string_view piece) {
   text_ += piece;
   if (holding_) return {};
   // Reasoning goes out as it comes; a call may begin only after it.
-  const std::optional<std::size_t> from = answer_start(text_);
+  const std::optional<std::size_t> from = answer_from();
   std::size_t start = text_.size();
   if (from && format_ == CallFormat::kTagged) {
     const std::size_t look = std::max(sent_, *from);

@@ -1309,6 +1309,9 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
       if (const auto problem = top_logprobs_problem(job.request.extra))
         r.fail(root["request"]["extra"]["top_logprobs"], "request.extra.top_logprobs",
                *problem + " (the backend is the embedded engine)");
+      if (const auto problem = tool_choice_problem(job.request.extra))
+        r.fail(root["request"]["extra"][problem->first], "request.extra." + problem->first,
+               problem->second + " (the backend is the embedded engine)");
     }
   } else {
     if (job.backend.base_url.empty()) {

@@ -482,9 +482,12 @@ Item batch_item(const JobSpec& job, ordered line_value, std::int64_t line,
       request.extra[key] = value;
     }
   }
-  if (job.backend.type == "local")
+  if (job.backend.type == "local") {
     if (const auto problem = top_logprobs_problem(request.extra))
       throw ConfigError(file, line_int, 0, "body.top_logprobs", *problem + " (the backend is the embedded engine)");
+    if (const auto problem = tool_choice_problem(request.extra))
+      throw ConfigError(file, line_int, 0, "body." + problem->first, problem->second + " (the backend is the embedded engine)");
+  }
   json id = line_value["custom_id"];
   return finish(std::move(id), std::move(line_value), std::move(request), few_shot);
 }

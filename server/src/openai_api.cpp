@@ -307,6 +307,12 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
     if (!r.extra.is_object()) r.extra = Body::object();
     r.extra[key] = *v;
   }
+  if (const auto problem = tool_choice_problem(r.extra)) {
+    const std::string why = problem->second.substr(0, problem->second.find("; remove it"));
+    if (why.starts_with("the embedded engine"))
+      throw ApiError(400, "invalid_request_error", problem->first, "'" + problem->first + "': " + why, "unsupported_parameter");
+    invalid(problem->first, "'" + problem->first + "': " + why);
+  }
   if (const Body* v = field(body, "functions"); v && !(v->is_array() && v->empty()))
     unsupported("functions", "'functions' (give them as 'tools')");
   if (chat) {

@@ -1486,6 +1486,42 @@ TEST(BatchlmRun, TheEmbeddedEngineTakesToolsWhereItsTemplateListsThem) {
     }
   }
 
+  // A forced tool_choice: every record is a call of the tool named, whatever the (random) model.
+  const std::string forced_job =
+      "synth: {count: 2}\n"
+      "request:\n"
+      "  messages: [{role: user, content: \"Celsius, please.\"}]\n"
+      "  max_tokens: 1100\n"
+      "  extra:\n"
+      "    tools:\n"
+      "      - {type: function, function: {name: get_weather, parameters: {type: object}}}\n"
+      "      - {type: function, function: {name: set_unit, parameters: {type: object, properties: {unit: {enum: [C, F]}},\n"
+      "                                                                 required: [unit], additionalProperties: false}}}\n"
+      "    tool_choice: {type: function, function: {name: set_unit}}\n"
+      "backend: {type: local, threads: 1, model: qwen.gguf}\n";
+  write_file(dir.path / "job.yaml", forced_job);
+  RunResult forced = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/forced.jsonl"});
+  ASSERT_EQ(forced.exit_code, 0) << forced.err;
+  const auto forced_records = read_jsonl(dir.path / "out/forced.jsonl");
+  ASSERT_EQ(forced_records.size(), 2u);
+  for (const auto& rec : forced_records) {
+    EXPECT_EQ(rec["finish_reason"], "tool_calls") << rec.dump();
+    ASSERT_TRUE(rec["tool_calls"].is_array() && rec["tool_calls"].size() == 1) << rec.dump();
+    EXPECT_EQ(rec["tool_calls"][0]["function"]["name"], "set_unit") << rec.dump();
+    const auto arguments = nlohmann::json::parse(rec["tool_calls"][0]["function"]["arguments"].get<std::string>());
+    EXPECT_TRUE(arguments == nlohmann::json({{"unit", "C"}}) || arguments == nlohmann::json({{"unit", "F"}})) << rec.dump();
+  }
+  // A function the tools do not have is refused before the run, by line and field.
+  std::string missing = forced_job;
+  missing.replace(missing.find("name: set_unit}}"), 16, "name: set_mode}}");
+  write_file(dir.path / "job.yaml", missing);
+  RunResult unknown = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/unknown.jsonl"});
+  EXPECT_EQ(unknown.exit_code, 2) << unknown.err;
+  EXPECT_NE(unknown.err.find("job.yaml:10:"), std::string::npos) << unknown.err;
+  EXPECT_NE(unknown.err.find("request.extra.tool_choice: names the function \"set_mode\", which is not among the tools"),
+            std::string::npos)
+      << unknown.err;
+
   write_file(dir.path / "job.yaml", job + "plain.gguf}\n");
   RunResult refused = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/plain.jsonl"});
   EXPECT_EQ(refused.exit_code, 2) << refused.err;

@@ -836,10 +836,48 @@ TEST_F(Serve, ToolsReachAModelWhoseTemplateListsThem) {
   HttpResponse plain = post(*s, "/v1/chat/completions", none.dump());
   ASSERT_EQ(plain.status, 200) << plain.body;
   EXPECT_LT(plain.json_body()["usage"]["prompt_tokens"].get<long long>(), with_tools) << plain.body;
-  // What the engine cannot honour is refused by name.
-  json required = body;
-  required["tool_choice"] = "required";
-  HttpResponse refused = post(*s, "/v1/chat/completions", required.dump());
+  // A forced tool_choice holds the answer to a call of the tool named, whole and streamed,
+  // whatever the model would write (a tiny random model here).
+  json forced = body;
+  forced["tools"].push_back({{"type", "function"},
+                             {"function", {{"name", "set_unit"},
+                                           {"parameters", {{"type", "object"},
+                                                           {"properties", {{"unit", {{"enum", {"C", "F"}}}}}},
+                                                           {"required", {"unit"}},
+                                                           {"additionalProperties", false}}}}}});
+  forced["tool_choice"] = {{"type", "function"}, {"function", {{"name", "set_unit"}}}};
+  forced["max_tokens"] = 1100;  // room for the whitespace a random model writes between tokens (64 at most a run)
+  HttpResponse held = post(*s, "/v1/chat/completions", forced.dump());
+  ASSERT_EQ(held.status, 200) << held.body;
+  const json held_choice = held.json_body()["choices"][0];
+  EXPECT_EQ(held_choice["finish_reason"], "tool_calls") << held.body;
+  EXPECT_TRUE(held_choice["message"]["content"].is_null()) << held.body;
+  ASSERT_EQ(held_choice["message"]["tool_calls"].size(), 1u) << held.body;
+  const json& forced_call = held_choice["message"]["tool_calls"][0];
+  EXPECT_EQ(forced_call["function"]["name"], "set_unit") << held.body;
+  const json arguments = json::parse(forced_call["function"]["arguments"].get<std::string>());
+  EXPECT_TRUE(arguments == json({{"unit", "C"}}) || arguments == json({{"unit", "F"}})) << held.body;
+  forced["stream"] = true;
+  HttpResponse held_stream = post(*s, "/v1/chat/completions", forced.dump());
+  ASSERT_EQ(held_stream.status, 200) << held_stream.body;
+  EXPECT_TRUE(contains(held_stream.body, "\"name\":\"set_unit\"")) << held_stream.body;
+  EXPECT_TRUE(contains(held_stream.body, "\"finish_reason\":\"tool_calls\"")) << held_stream.body;
+  // "required": a call of one of the tools; of the only one here, held to its parameters (among
+  // several, to one of their names and an object of arguments: engine_fields_test).
+  forced["stream"] = false;
+  forced["tool_choice"] = "required";
+  forced["tools"] = json::array({forced["tools"][1]});
+  forced["tools"][0]["function"]["name"] = "set_scale";
+  HttpResponse any = post(*s, "/v1/chat/completions", forced.dump());
+  ASSERT_EQ(any.status, 200) << any.body;
+  const json any_choice = any.json_body()["choices"][0];
+  EXPECT_EQ(any_choice["finish_reason"], "tool_calls") << any.body;
+  ASSERT_EQ(any_choice["message"]["tool_calls"].size(), 1u) << any.body;
+  const std::string name = any_choice["message"]["tool_calls"][0]["function"]["name"].get<std::string>();
+  EXPECT_EQ(name, "set_scale") << any.body;
+  // A named function that is not among the tools is refused by name.
+  forced["tool_choice"] = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
+  HttpResponse refused = post(*s, "/v1/chat/completions", forced.dump());
   EXPECT_EQ(refused.status, 400) << refused.body;
   EXPECT_EQ(refused.json_body()["error"]["param"], "tool_choice") << refused.body;
   s.reset();

@@ -2,6 +2,7 @@
 // nothing, and which it refuses (rather than ignoring them in silence).
 
 #include "batchlm/core/engine_fields.hpp"
+#include "batchlm/core/json_schema.hpp"
 
 #include <gtest/gtest.h>
 
@@ -45,7 +46,13 @@ TEST(EngineFields, FieldsThatChangeNothingPass) {
   EXPECT_TRUE(ok("response_format", {{"type", "text"}}));
   EXPECT_TRUE(ok("tools", json::array()));
   EXPECT_TRUE(ok("tool_choice", "none"));
-  EXPECT_FALSE(ok("parallel_tool_calls", false));
+  EXPECT_TRUE(ok("tool_choice", "required"));
+  EXPECT_TRUE(ok("tool_choice", {{"type", "function"}, {"function", {{"name", "f"}}}}));
+  EXPECT_EQ(problem("tool_choice", "any"),
+            "expected \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}, not \"any\"");
+  EXPECT_FALSE(ok("tool_choice", {{"type", "function"}, {"function", {{"name", ""}}}}));
+  EXPECT_TRUE(ok("parallel_tool_calls", false));  // checked with tool_choice
+  EXPECT_EQ(problem("parallel_tool_calls", "no"), "expected true or false");
   EXPECT_TRUE(ok("presence_penalty", nullptr));
   // Without tools, the tool settings change nothing; null means "not set" for any field.
   EXPECT_TRUE(ok("tool_choice", "auto"));
@@ -139,6 +146,69 @@ TEST(EngineFields, LogprobsInTheChatAndTheCompletionsForm) {
   EXPECT_EQ(top_logprobs_problem({{"logprobs", false}, {"top_logprobs", 2}}), "needs logprobs: true");
   EXPECT_EQ(top_logprobs_problem({{"logprobs", 4}, {"top_logprobs", 2}}),
             "asks for 2 most likely tokens where logprobs asks for 4");
+}
+
+// tool_choice "required" or a named function holds the answer to one call: to a tool that is
+// there, and whose parameters are a schema the engine can hold the call to.
+TEST(EngineFields, AForcedToolChoiceNeedsItsToolAndAParametersSchemaTheEngineFollows) {
+  const nlohmann::ordered_json weather = {
+      {"type", "function"},
+      {"function", {{"name", "get_weather"},
+                    {"parameters", {{"type", "object"}, {"properties", {{"city", {{"type", "string"}}}}}, {"required", {"city"}}}}}}};
+  const nlohmann::ordered_json time = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
+  const auto with = [&](nlohmann::ordered_json choice) {
+    nlohmann::ordered_json extra = {{"tools", {weather, time}}};
+    if (!choice.is_null()) extra["tool_choice"] = std::move(choice);
+    return extra;
+  };
+  const nlohmann::ordered_json named = {{"type", "function"}, {"function", {{"name", "get_time"}}}};
+  EXPECT_FALSE(tool_choice_problem(with(nullptr)));
+  EXPECT_FALSE(tool_choice_problem(with("required")));
+  EXPECT_FALSE(tool_choice_problem(with(named)));
+  EXPECT_EQ(tool_choice_problem({{"tool_choice", "required"}}),
+            std::make_pair(std::string("tool_choice"), std::string("forces a call, but no tools are given")));
+  nlohmann::ordered_json other = named;
+  other["function"]["name"] = "get_date";
+  EXPECT_EQ(tool_choice_problem(with(other)),
+            std::make_pair(std::string("tool_choice"),
+                           std::string("names the function \"get_date\", which is not among the tools")));
+  // One call where the model decides cannot be promised; a forced choice makes exactly one.
+  nlohmann::ordered_json one = with("auto");
+  one["parallel_tool_calls"] = false;
+  ASSERT_TRUE(tool_choice_problem(one));
+  EXPECT_EQ(tool_choice_problem(one)->first, "parallel_tool_calls");
+  one["tool_choice"] = "required";
+  EXPECT_FALSE(tool_choice_problem(one));
+  // A forced tool's parameters the schema follower cannot hold a call to, named where.
+  nlohmann::ordered_json bounded = with(nlohmann::ordered_json{{"type", "function"}, {"function", {{"name", "get_weather"}}}});
+  bounded["tools"][0]["function"]["parameters"]["properties"]["city"]["minimum"] = 3;
+  const auto schema = tool_choice_problem(bounded);
+  ASSERT_TRUE(schema);
+  EXPECT_EQ(schema->first, "tools");
+  EXPECT_TRUE(schema->second.starts_with("tools[0].function.parameters at /properties/city/minimum: a forced call is "
+                                         "held to its tool's parameters, and 'minimum' is not supported"))
+      << schema->second;
+  // ... but only where the call is forced to that tool.
+  nlohmann::ordered_json elsewhere = bounded;
+  elsewhere["tool_choice"] = named;
+  EXPECT_FALSE(tool_choice_problem(elsewhere));
+
+  // The schema: the named tool's call, or any tool's, with the arguments under the template's key.
+  const auto only = forced_call_schema(with(named), "parameters");
+  ASSERT_TRUE(only);
+  EXPECT_EQ(*only, json::parse(R"({"type": "object", "properties": {"name": {"const": "get_time"},
+      "parameters": {"type": "object"}}, "required": ["name", "parameters"], "additionalProperties": false})"));
+  // "required" among several: one of their names, and an object of arguments.
+  const auto any = forced_call_schema(with("required"), "arguments");
+  ASSERT_TRUE(any);
+  EXPECT_EQ(*any, json::parse(R"({"type": "object", "properties": {"name": {"enum": ["get_weather", "get_time"]},
+      "arguments": {"type": "object"}}, "required": ["name", "arguments"], "additionalProperties": false})"));
+  EXPECT_NO_THROW((void)compile_json_schema(*any));
+  // Of one tool: held to its parameters.
+  nlohmann::ordered_json alone = {{"tools", {weather}}, {"tool_choice", "required"}};
+  EXPECT_EQ((*forced_call_schema(alone, "arguments"))["properties"]["arguments"]["required"], json::array({"city"}));
+  EXPECT_FALSE(forced_call_schema(with("auto"), "arguments"));
+  EXPECT_FALSE(forced_call_schema(with(nullptr), "arguments"));
 }
 
 }  // namespace

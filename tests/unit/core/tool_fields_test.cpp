@@ -118,8 +118,10 @@ TEST(EngineToolFields, TakesFunctionToolsAndTheChoicesItCanHonour) {
             "tools[0].function.name: required: a non-empty string");
   EXPECT_EQ(problem("tools", json::array({{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", "x"}}}}})),
             "tools[0].function.parameters: expected a JSON schema (an object)");
-  EXPECT_TRUE(problem("tool_choice", "required").starts_with("the embedded engine takes tool_choice \"auto\""));
-  EXPECT_TRUE(problem("parallel_tool_calls", false).starts_with("the embedded engine cannot hold the model to one call"));
+  EXPECT_EQ(engine_field_problem("tool_choice", "required"), std::nullopt);  // a forced call (tool_choice_problem)
+  EXPECT_TRUE(problem("tool_choice", 3).starts_with("expected \"auto\", \"none\", \"required\""));
+  EXPECT_EQ(engine_field_problem("parallel_tool_calls", false), std::nullopt);  // with tool_choice
+  EXPECT_TRUE(requested_tools({{"tools", {weather}}, {"tool_choice", "required"}}));
   EXPECT_TRUE(problem("functions", json::array({weather["function"]})).starts_with("the embedded engine calls tools given as 'tools'"));
 
   EXPECT_TRUE(requested_tools({{"tools", {weather}}}));

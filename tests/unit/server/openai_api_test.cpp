@@ -546,11 +546,23 @@ TEST(ParseRequest, ToolsGoToTheEngineAndWhatItCannotHonourIsRefused) {
   EXPECT_EQ(json(r.request.extra), (json{{"tools", {tool}}, {"tool_choice", "auto"}, {"parallel_tool_calls", true}}));
   expect_invalid(chat_error(chat_body({{"tools", json::array({{{"type", "function"}}})}})), "tools",
                  "'tools': tools[0].function: required: {name, description, parameters}");
-  expect_unsupported(chat_error(chat_body({{"tools", json::array({tool})}, {"tool_choice", "required"}})), "tool_choice",
-                     "'tool_choice': the embedded engine takes tool_choice \"auto\" (the model decides) or \"none\", not "
-                     "\"required\"");
-  expect_unsupported(chat_error(chat_body({{"parallel_tool_calls", false}})), "parallel_tool_calls",
-                     "'parallel_tool_calls': the embedded engine cannot hold the model to one call (parallel_tool_calls: false)");
+  // A forced call: any of the tools, or the one named, which must be there.
+  EXPECT_EQ(chat({{"tools", json::array({tool})}, {"tool_choice", "required"}}).request.extra["tool_choice"], "required");
+  const json named = {{"type", "function"}, {"function", {{"name", "f"}}}};
+  EXPECT_EQ(json(chat({{"tools", json::array({tool})}, {"tool_choice", named}, {"parallel_tool_calls", false}})
+                     .request.extra["tool_choice"]),
+            named);
+  expect_invalid(chat_error(chat_body({{"tools", json::array({tool})}, {"tool_choice", {{"type", "function"}, {"function", {{"name", "g"}}}}}})),
+                 "tool_choice", "'tool_choice': names the function \"g\", which is not among the tools");
+  expect_invalid(chat_error(chat_body({{"tool_choice", "required"}})), "tool_choice",
+                 "'tool_choice': forces a call, but no tools are given");
+  expect_invalid(chat_error(chat_body({{"tools", json::array({tool})}, {"tool_choice", "any"}})), "tool_choice",
+                 "'tool_choice': expected \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": "
+                 "{\"name\": ...}}, not \"any\"");
+  expect_unsupported(chat_error(chat_body({{"tools", json::array({tool})}, {"parallel_tool_calls", false}})), "parallel_tool_calls",
+                     "'parallel_tool_calls': the embedded engine cannot hold the model to one call where it decides "
+                     "(parallel_tool_calls: false with tool_choice \"auto\"); a forced tool_choice (\"required\" or a "
+                     "named function) makes one call");
   expect_unsupported(chat_error(chat_body({{"functions", json::array({tool["function"]})}})), "functions",
                      "'functions' (give them as 'tools') is not supported by this server");
   expect_invalid(completion_error(completion_body_json({{"tools", json::array({tool})}})), "tools",

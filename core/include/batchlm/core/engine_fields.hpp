@@ -28,6 +28,21 @@ std::optional<std::string> engine_field_problem(std::string_view key, const nloh
 // `tool_choice: "none"`. For fields that passed the checks above.
 bool requested_tools(const nlohmann::ordered_json& extra);
 
+// What is wrong with the tool fields together (each already passed engine_field_problem), as
+// (the field to name, what is wrong), or nullopt: a forced tool_choice ("required", or
+// {"type": "function", "function": {"name": ...}}) without tools, or naming none of them; the
+// tool a forced call is held to (the one named, or the only one) with parameters that are a
+// schema the engine cannot follow (see compile_json_schema); parallel_tool_calls false where the model decides (it cannot be held to
+// one call; a forced choice makes exactly one).
+std::optional<std::pair<std::string, std::string>> tool_choice_problem(const nlohmann::ordered_json& extra);
+// The schema the answer is held to where tool_choice forces a call: {"name": N, arguments_key:
+// an object N's parameters admit} for the tool named (or the only one); for "required" among
+// several tools, {"name": one of theirs, arguments_key: an object} (the schema follower cannot
+// tell objects apart by a property's value). arguments_key is what the model's template calls
+// the arguments ("arguments", or "parameters" for Llama 3.1's). nullopt where the model decides.
+// For fields that passed the checks above.
+std::optional<nlohmann::json> forced_call_schema(const nlohmann::ordered_json& extra, std::string_view arguments_key);
+
 // What is wrong with `top_logprobs` next to `logprobs` in the extra fields (each already
 // passed engine_field_problem): a count without logprobs turned on, or one that disagrees with
 // the count `logprobs` gives. nullopt when they agree.

@@ -142,14 +142,16 @@ class Generation {
 // OpenAI's: a "developer" message is a system message (as `batchlm serve` takes it). Tools,
 // assistant messages' calls and "tool" messages go to a template that lists tools
 // (ChatTemplate::calls_tools()); with another template, and for any other role, it throws
-// std::invalid_argument naming the message.
+// std::invalid_argument naming the message. `answer_prefix` is written after the generation
+// prompt, as the opening of the answer (a forced call's "<tool_call>\n").
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text);
 std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages,
-                                      const nlohmann::ordered_json& tools = nullptr);
+                                      const nlohmann::ordered_json& tools = nullptr, std::string_view answer_prefix = {});
 // The same from a tokenizer and a template alone (a model file's vocabulary, without weights).
 std::vector<Token> text_prompt_tokens(const Tokenizer& tokenizer, std::string_view text);
 std::vector<Token> chat_prompt_tokens(const Tokenizer& tokenizer, const ChatTemplate& chat_template,
-                                      std::span<const ChatMessage> messages, const nlohmann::ordered_json& tools = nullptr);
+                                      std::span<const ChatMessage> messages, const nlohmann::ordered_json& tools = nullptr,
+                                      std::string_view answer_prefix = {});
 
 class Engine {
  public:

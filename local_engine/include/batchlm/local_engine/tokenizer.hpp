@@ -125,8 +125,9 @@ class StreamDecoder {
 //            Tools (3.1, 3.2, 3.3): "Environment: ipython\n" heads the system turn, and the
 //            tools, each as tojson(indent=4) writes it, go into the first user turn after the
 //            template's instructions; an assistant's call is written as its only content,
-//            {"name": "NAME", "parameters": ARGUMENTS}, one call per message; a tool's result
-//            is an "ipython" turn holding its content as a JSON string.
+//            {"name": "NAME", "parameters": ARGUMENTS} (a message with several calls, which
+//            the template refuses, as that many turns); a tool's result is an "ipython" turn
+//            holding its content as a JSON string.
 //   DeepSeek-R1 (its Qwen2.5 and Llama 3 distills): the last system message's content, bare,
 //            then <｜User｜>content per user message and <｜Assistant｜>content<｜end▁of▁sentence｜>
 //            per assistant message, its reasoning up to the last </think> dropped; the
@@ -267,9 +268,13 @@ class ToolCallStream {
   const std::string& text() const { return text_; }
 
  private:
+  std::optional<std::size_t> answer_from();
+
   CallFormat format_;
   std::string text_;
   std::size_t sent_ = 0;
+  std::optional<std::size_t> answer_;  // answer_start(text_), once it can no longer change
+  std::size_t searched_ = 0;           // how far </think> has been looked for
   bool holding_ = false;
   bool plain_ = false;  // kJson: the answer opened with text, so it holds no calls
 };
