@@ -204,16 +204,46 @@ ForcedChoice forced_choice(const ojson& extra) {
   return out;
 }
 
+// The parameters' references, which point into the parameters' own document, made to point
+// into the call's schema that holds them at `at` ("/properties/arguments"): "#" and
+// "#/properties/..." move under `at`; "#/$defs/..." and "#/definitions/..." stay, the
+// definitions being moved up to the call's root.
+void move_references(json& schema, const std::string& at) {
+  if (schema.is_array()) {
+    for (json& item : schema) move_references(item, at);
+    return;
+  }
+  if (!schema.is_object()) return;
+  for (auto& [key, value] : schema.items()) {
+    if (key == "$ref" && value.is_string()) {
+      const std::string& ref = value.get_ref<const std::string&>();
+      if (ref.starts_with("#") && !ref.starts_with("#/$defs/") && !ref.starts_with("#/definitions/"))
+        value = "#" + at + ref.substr(1);
+    } else {
+      move_references(value, at);
+    }
+  }
+}
+
 // A call to `tool` as its template's form has the model write it: {"name": its name,
 // arguments_key: an object its parameters schema admits (any object without one)}.
 json call_schema(const ojson& tool, std::string_view arguments_key) {
   const ojson& function = tool.at("function");
   json parameters = {{"type", "object"}};
   if (const auto p = function.find("parameters"); p != function.end() && p->is_object() && !p->empty()) parameters = json(*p);
-  return {{"type", "object"},
-          {"properties", {{"name", {{"const", function.at("name")}}}, {std::string(arguments_key), std::move(parameters)}}},
-          {"required", {"name", arguments_key}},
-          {"additionalProperties", false}};
+  json call = {{"type", "object"},
+               {"required", {"name", arguments_key}},
+               {"additionalProperties", false}};
+  for (const char* definitions : {"$defs", "definitions"}) {
+    if (const auto d = parameters.find(definitions); d != parameters.end()) {
+      call[definitions] = std::move(*d);
+      parameters.erase(definitions);
+    }
+  }
+  move_references(call, "/properties/" + std::string(arguments_key));
+  move_references(parameters, "/properties/" + std::string(arguments_key));
+  call["properties"] = {{"name", {{"const", function.at("name")}}}, {std::string(arguments_key), std::move(parameters)}};
+  return call;
 }
 
 }  // namespace
@@ -232,8 +262,16 @@ std::optional<std::pair<std::string, std::string>> tool_choice_problem(const ojs
                               kElsewhere);
   if (!choice.forced) return std::nullopt;
   if (!any) return std::make_pair(std::string("tool_choice"), std::string("forces a call, but no tools are given"));
-  // The arguments are held to the parameters of the tool named, or of the only tool.
-  if (!choice.named && tools->size() > 1) return std::nullopt;
+  // The arguments are held to the parameters of the tool named, or of the only tool; among
+  // several, the call to one of their names.
+  if (!choice.named && tools->size() > 1) {
+    if (tools->size() > kMaxSchemaValues)
+      return std::make_pair(std::string("tool_choice"),
+                            "\"required\" among " + std::to_string(tools->size()) + " tools: the embedded engine holds a "
+                            "call to one of at most " + std::to_string(kMaxSchemaValues) +
+                                " names; name the function, or give fewer tools");
+    return std::nullopt;
+  }
   bool found = false;
   for (std::size_t i = 0; i < tools->size(); ++i) {
     const ojson& function = (*tools)[i].at("function");

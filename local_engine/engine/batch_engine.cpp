@@ -216,6 +216,7 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
         : !params.sampling.logit_bias.empty() ? "'logit_bias': biases are applied"
         : params.logprobs >= 0                ? "'logprobs': log-probabilities are computed"
         : params.json_object                  ? "'response_format': JSON mode is applied"
+        : params.forced_call                  ? "'tool_choice': forced calls are held to their tool's schema"
         : params.json_schema                  ? "'response_format': JSON schemas are followed"
                                               : nullptr;
     if (what)

@@ -309,15 +309,13 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   // the call's JSON alone. Either way it is read as the JSON of one call.
   const ChatTemplate& chat = state_->engine->model().chat_template();
   const std::optional<nlohmann::json> forced =
-      tools && chat.calls_tools()
-          ? forced_call_schema(request.extra, chat.call_format() == CallFormat::kJson ? "parameters" : "arguments")
-          : std::nullopt;
+      tools && chat.calls_tools() ? forced_call_schema(request.extra, call_arguments_key(chat.call_format())) : std::nullopt;
   if (request.prompt) {
     job->text = *request.prompt;
   } else {
     job->messages = request.messages;
     if (tools) job->tools = request.extra["tools"];
-    if (forced && chat.call_format() == CallFormat::kTagged) job->answer_prefix = "<tool_call>\n";
+    if (forced) job->answer_prefix = forced_call_opening(chat.call_format());
   }
   GenerateParams& p = job->params;
   p.max_tokens = request.max_tokens.value_or(0);
@@ -347,6 +345,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   }
   // The answer is the call; a response_format would be for text beside it, and there is none.
   if (forced) {
+    p.forced_call = true;
     try {
       p.json_schema = std::make_shared<const JsonSchema>(compile_json_schema(*forced));
     } catch (const SchemaError& e) {  // the parameters were checked above (tool_choice_problem)
@@ -356,7 +355,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   }
   p.sampling.seed = request.seed ? static_cast<std::uint64_t>(*request.seed)
                                  : std::random_device{}() * 0x9e3779b97f4a7c15ull;
-  p.stop = request.stop;
+  if (!forced) p.stop = request.stop;  // stop strings are for text; they would cut a forced call's JSON
   {
     std::lock_guard lock(state_->mutex);
     state_->to_prepare.push_back(job);

@@ -833,6 +833,10 @@ std::string new_call_id() {
 }
 }  // namespace
 
+std::string_view forced_call_opening(CallFormat format) { return format == CallFormat::kTagged ? "<tool_call>\n" : ""; }
+
+std::string_view call_arguments_key(CallFormat format) { return format == CallFormat::kJson ? "parameters" : "arguments"; }
+
 std::optional<std::string> tools_problem(const ChatTemplate& chat_template) {
   if (chat_template.calls_tools()) return std::nullopt;
   return "this model's chat template (" + std::string(chat_template.name()) +

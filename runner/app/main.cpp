@@ -357,9 +357,13 @@ int run_command(const JobOptions& o, bool synth) {
         count_prompt_tokens = [tokenizer, chat](const Request& request) {
           return static_cast<std::int64_t>(
               request.prompt ? local_engine::text_prompt_tokens(*tokenizer, *request.prompt).size()
-                             : local_engine::chat_prompt_tokens(*tokenizer, *chat, request.messages,
-                                                                requested_tools(request.extra) ? request.extra["tools"]
-                                                                                               : nlohmann::ordered_json())
+                             : local_engine::chat_prompt_tokens(
+                                   *tokenizer, *chat, request.messages,
+                                   requested_tools(request.extra) ? request.extra["tools"] : nlohmann::ordered_json(),
+                                   requested_tools(request.extra) && chat->calls_tools() &&
+                                           forced_call_schema(request.extra, local_engine::call_arguments_key(chat->call_format()))
+                                       ? local_engine::forced_call_opening(chat->call_format())
+                                       : std::string_view())
                                    .size());
         };
         refuse_tools_without_template(job, overrides, local_engine::tools_problem(*chat));

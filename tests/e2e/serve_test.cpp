@@ -846,7 +846,8 @@ TEST_F(Serve, ToolsReachAModelWhoseTemplateListsThem) {
                                                            {"required", {"unit"}},
                                                            {"additionalProperties", false}}}}}});
   forced["tool_choice"] = {{"type", "function"}, {"function", {{"name", "set_unit"}}}};
-  forced["max_tokens"] = 1100;  // room for the whitespace a random model writes between tokens (64 at most a run)
+  forced["max_tokens"] = 1100;
+  forced["stop"] = {"}", ","};  // for text: a forced call's JSON is not cut by them  // room for the whitespace a random model writes between tokens (64 at most a run)
   HttpResponse held = post(*s, "/v1/chat/completions", forced.dump());
   ASSERT_EQ(held.status, 200) << held.body;
   const json held_choice = held.json_body()["choices"][0];

@@ -209,6 +209,37 @@ TEST(EngineFields, AForcedToolChoiceNeedsItsToolAndAParametersSchemaTheEngineFol
   EXPECT_EQ((*forced_call_schema(alone, "arguments"))["properties"]["arguments"]["required"], json::array({"city"}));
   EXPECT_FALSE(forced_call_schema(with("auto"), "arguments"));
   EXPECT_FALSE(forced_call_schema(with(nullptr), "arguments"));
+
+  // Parameters with their own definitions and references (as pydantic writes them) keep pointing
+  // at the same places once they sit inside the call: "#" is the parameters, not the call.
+  nlohmann::ordered_json defs = {{"tools", {weather}}, {"tool_choice", "required"}};
+  defs["tools"][0]["function"]["parameters"] = nlohmann::ordered_json::parse(R"({"type": "object",
+      "$defs": {"Unit": {"enum": ["C", "F"]}, "Pair": {"type": "array", "items": {"$ref": "#/$defs/Unit"}}},
+      "properties": {"unit": {"$ref": "#/$defs/Unit"}, "same": {"$ref": "#/properties/unit"},
+                     "children": {"type": "array", "items": {"$ref": "#"}}}})");
+  EXPECT_FALSE(tool_choice_problem(defs));
+  const auto moved = forced_call_schema(defs, "parameters");
+  ASSERT_TRUE(moved);
+  EXPECT_EQ((*moved)["$defs"]["Pair"]["items"]["$ref"], "#/$defs/Unit");
+  const json& parameters = (*moved)["properties"]["parameters"];
+  EXPECT_FALSE(parameters.contains("$defs"));
+  EXPECT_EQ(parameters["properties"]["unit"]["$ref"], "#/$defs/Unit");
+  EXPECT_EQ(parameters["properties"]["same"]["$ref"], "#/properties/parameters/properties/unit");
+  EXPECT_EQ(parameters["properties"]["children"]["items"]["$ref"], "#/properties/parameters");
+  EXPECT_NO_THROW((void)compile_json_schema(*moved));
+
+  // "required" among more tools than a call's name can be held to one of.
+  nlohmann::ordered_json many = {{"tool_choice", "required"}, {"tools", nlohmann::ordered_json::array()}};
+  for (int i = 0; i < 65; ++i) {
+    nlohmann::ordered_json tool = time;
+    tool["function"]["name"] = "t" + std::to_string(i);
+    many["tools"].push_back(tool);
+  }
+  ASSERT_TRUE(tool_choice_problem(many));
+  EXPECT_EQ(tool_choice_problem(many)->first, "tool_choice");
+  many["tools"].erase(64);
+  EXPECT_FALSE(tool_choice_problem(many));
+  EXPECT_NO_THROW((void)compile_json_schema(*forced_call_schema(many, "arguments")));
 }
 
 }  // namespace

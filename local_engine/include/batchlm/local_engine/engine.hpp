@@ -54,6 +54,8 @@ struct GenerateParams {
   // Structured outputs: the same, held to this schema (json_schema.hpp); takes precedence over
   // json_object.
   std::shared_ptr<const JsonSchema> json_schema;
+  // The schema holds the answer to a tool call (a forced tool_choice), not to response_format.
+  bool forced_call = false;
 };
 
 struct GenerateStats {

@@ -222,6 +222,12 @@ class ChatTemplate {
   std::string user_tools_preamble_;
 };
 
+// An answer that tool_choice forces to be a call, in the template's form: what opens it after
+// the generation prompt ("<tool_call>\n" for kTagged; nothing for kJson, whose call is the whole
+// answer), and the key the call gives its arguments under ("arguments", or "parameters").
+std::string_view forced_call_opening(CallFormat format);
+std::string_view call_arguments_key(CallFormat format);
+
 // Why a model with this template cannot take tools, or a conversation's calls and results
 // (it does not list tools); nullopt when it can.
 std::optional<std::string> tools_problem(const ChatTemplate& chat_template);
