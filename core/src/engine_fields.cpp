@@ -231,6 +231,7 @@ json call_schema(const ojson& tool, std::string_view arguments_key) {
   const ojson& function = tool.at("function");
   json parameters = {{"type", "object"}};
   if (const auto p = function.find("parameters"); p != function.end() && p->is_object() && !p->empty()) parameters = json(*p);
+  move_references(parameters, "/properties/" + std::string(arguments_key));
   json call = {{"type", "object"},
                {"required", {"name", arguments_key}},
                {"additionalProperties", false}};
@@ -240,8 +241,6 @@ json call_schema(const ojson& tool, std::string_view arguments_key) {
       parameters.erase(definitions);
     }
   }
-  move_references(call, "/properties/" + std::string(arguments_key));
-  move_references(parameters, "/properties/" + std::string(arguments_key));
   call["properties"] = {{"name", {{"const", function.at("name")}}}, {std::string(arguments_key), std::move(parameters)}};
   return call;
 }
@@ -295,6 +294,8 @@ std::optional<std::pair<std::string, std::string>> tool_choice_problem(const ojs
                                                           ", which is not among the tools");
   return std::nullopt;
 }
+
+bool forces_call(const ojson& extra) { return forced_choice(extra).forced; }
 
 std::optional<json> forced_call_schema(const ojson& extra, std::string_view arguments_key) {
   const ForcedChoice choice = forced_choice(extra);

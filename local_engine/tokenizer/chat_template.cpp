@@ -833,6 +833,15 @@ std::string new_call_id() {
 }
 }  // namespace
 
+namespace {
+
+std::size_t skip_space(std::string_view text, std::size_t at) {
+  while (at < text.size() && (text[at] == ' ' || text[at] == '\n' || text[at] == '\t' || text[at] == '\r')) ++at;
+  return at;
+}
+
+}  // namespace
+
 std::string_view forced_call_opening(CallFormat format) { return format == CallFormat::kTagged ? "<tool_call>\n" : ""; }
 
 std::string_view call_arguments_key(CallFormat format) { return format == CallFormat::kJson ? "parameters" : "arguments"; }
@@ -845,8 +854,7 @@ std::optional<std::string> tools_problem(const ChatTemplate& chat_template) {
 }
 
 std::optional<std::size_t> answer_start(std::string_view text) {
-  std::size_t at = 0;
-  while (at < text.size() && (text[at] == ' ' || text[at] == '\n' || text[at] == '\t' || text[at] == '\r')) ++at;
+  const std::size_t at = skip_space(text, 0);
   if (!text.substr(at).starts_with(kThinkStart)) return std::size_t{0};
   const std::size_t end = text.find(kThinkEnd, at + kThinkStart.size());
   if (end == std::string_view::npos) return std::nullopt;
@@ -880,11 +888,6 @@ std::optional<nlohmann::json> model_call(std::string_view text, bool tagged) {
   return nlohmann::json{{"id", new_call_id()},
                         {"type", "function"},
                         {"function", {{"name", name->get<std::string>()}, {"arguments", std::move(arguments_text)}}}};
-}
-
-std::size_t skip_space(std::string_view text, std::size_t at) {
-  while (at < text.size() && (text[at] == ' ' || text[at] == '\n' || text[at] == '\t' || text[at] == '\r')) ++at;
-  return at;
 }
 
 // The end of the JSON object that opens at text[at] ('{'): one past its closing brace, or npos
@@ -999,14 +1002,13 @@ std::string ToolCallStream::add(std::string_view piece) {
   // Reasoning goes out as it comes; a call may begin only after it.
   const std::optional<std::size_t> from = answer_from();
   std::size_t start = text_.size();
+  const std::size_t look = from ? std::max(sent_, *from) : text_.size();
   if (from && format_ == CallFormat::kTagged) {
-    const std::size_t look = std::max(sent_, *from);
     start = look + tool_call_start(std::string_view(text_).substr(look));
     holding_ = std::string_view(text_).substr(start).starts_with(kCallOpen);
   } else if (from && !plain_) {
     // kJson: the answer is calls only when it opens with one, so its first characters decide:
     // held while they may still open a call (or a <think>), and all of it once they do.
-    const std::size_t look = std::max(sent_, *from);
     const std::string_view head = std::string_view(text_).substr(skip_space(text_, look));
     holding_ = head.starts_with('{') || head.starts_with(kPythonTag);
     plain_ = !holding_ && !kPythonTag.starts_with(head) && !kThinkStart.starts_with(head);

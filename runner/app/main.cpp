@@ -355,16 +355,15 @@ int run_command(const JobOptions& o, bool synth) {
         auto chat = std::make_shared<const local_engine::ChatTemplate>(local_engine::ChatTemplate::from_vocab(vocab));
         auto tokenizer = std::make_shared<const local_engine::Tokenizer>(std::move(vocab));
         count_prompt_tokens = [tokenizer, chat](const Request& request) {
+          if (request.prompt) return static_cast<std::int64_t>(local_engine::text_prompt_tokens(*tokenizer, *request.prompt).size());
+          const bool tools = requested_tools(request.extra);
           return static_cast<std::int64_t>(
-              request.prompt ? local_engine::text_prompt_tokens(*tokenizer, *request.prompt).size()
-                             : local_engine::chat_prompt_tokens(
-                                   *tokenizer, *chat, request.messages,
-                                   requested_tools(request.extra) ? request.extra["tools"] : nlohmann::ordered_json(),
-                                   requested_tools(request.extra) && chat->calls_tools() &&
-                                           forced_call_schema(request.extra, local_engine::call_arguments_key(chat->call_format()))
-                                       ? local_engine::forced_call_opening(chat->call_format())
-                                       : std::string_view())
-                                   .size());
+              local_engine::chat_prompt_tokens(*tokenizer, *chat, request.messages,
+                                               tools ? request.extra["tools"] : nlohmann::ordered_json(),
+                                               tools && forces_call(request.extra)
+                                                   ? local_engine::forced_call_opening(chat->call_format())
+                                                   : std::string_view())
+                  .size());
         };
         refuse_tools_without_template(job, overrides, local_engine::tools_problem(*chat));
       } catch (const ConfigError&) {

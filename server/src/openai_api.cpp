@@ -294,25 +294,22 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
   }
   // Tools: shown to the model where its chat template lists them (the engine refuses them
   // otherwise); the choices it cannot honour are refused here.
+  // The engine's reason, less its advice to a job (to use an API instead): unsupported where
+  // the engine cannot do it, else invalid.
+  const auto refuse = [](const std::string& key, const std::string& problem) {
+    const std::string why = problem.substr(0, problem.find("; remove it"));
+    if (!why.starts_with("the embedded engine")) invalid(key, "'" + key + "': " + why);
+    throw ApiError(400, "invalid_request_error", key, "'" + key + "': " + why, "unsupported_parameter");
+  };
   for (const char* key : {"tools", "tool_choice", "parallel_tool_calls"}) {
     const Body* v = field(body, key);
     if (!v) continue;
     if (!chat) invalid(key, std::string("'") + key + "' is a chat completions parameter");
-    if (const auto problem = engine_field_problem(key, *v)) {
-      // The engine's reason, less its advice to a job (to use an API instead).
-      const std::string why = problem->substr(0, problem->find("; remove it"));
-      if (!why.starts_with("the embedded engine")) invalid(key, std::string("'") + key + "': " + why);
-      throw ApiError(400, "invalid_request_error", key, std::string("'") + key + "': " + why, "unsupported_parameter");
-    }
+    if (const auto problem = engine_field_problem(key, *v)) refuse(key, *problem);
     if (!r.extra.is_object()) r.extra = Body::object();
     r.extra[key] = *v;
   }
-  if (const auto problem = tool_choice_problem(r.extra)) {
-    const std::string why = problem->second.substr(0, problem->second.find("; remove it"));
-    if (why.starts_with("the embedded engine"))
-      throw ApiError(400, "invalid_request_error", problem->first, "'" + problem->first + "': " + why, "unsupported_parameter");
-    invalid(problem->first, "'" + problem->first + "': " + why);
-  }
+  if (const auto problem = tool_choice_problem(r.extra)) refuse(problem->first, problem->second);
   if (const Body* v = field(body, "functions"); v && !(v->is_array() && v->empty()))
     unsupported("functions", "'functions' (give them as 'tools')");
   if (chat) {

@@ -1468,22 +1468,21 @@ TEST(BatchlmRun, TheEmbeddedEngineTakesToolsWhereItsTemplateListsThem) {
     EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 300) << rec.dump();
   }
 
-  // Llama 3.1's template lists them too, in the first user message.
+  // Llama 3.1's template lists them too, in the first user message (fetched with Qwen's).
   const std::string llama =
       read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/meta-llama-Llama-3.1-8B-Instruct.jinja");
-  if (!llama.empty()) {
-    batchlm::testing::TinyLlamaOptions llama_model = tools_model;
-    llama_model.chat_template = llama;
-    batchlm::testing::write_tiny_llama(dir.path / "llama.gguf", llama_model);
-    write_file(dir.path / "job.yaml", job + "llama.gguf}\n");
-    RunResult listed = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/llama.jsonl"});
-    ASSERT_EQ(listed.exit_code, 0) << listed.err;
-    const auto llama_records = read_jsonl(dir.path / "out/llama.jsonl");
-    ASSERT_EQ(llama_records.size(), 2u);
-    for (const auto& rec : llama_records) {
-      EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
-      EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 300) << rec.dump();
-    }
+  ASSERT_FALSE(llama.empty());
+  batchlm::testing::TinyLlamaOptions llama_model = tools_model;
+  llama_model.chat_template = llama;
+  batchlm::testing::write_tiny_llama(dir.path / "llama.gguf", llama_model);
+  write_file(dir.path / "job.yaml", job + "llama.gguf}\n");
+  RunResult listed = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/llama.jsonl"});
+  ASSERT_EQ(listed.exit_code, 0) << listed.err;
+  const auto llama_records = read_jsonl(dir.path / "out/llama.jsonl");
+  ASSERT_EQ(llama_records.size(), 2u);
+  for (const auto& rec : llama_records) {
+    EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
+    EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 300) << rec.dump();
   }
 
   // A forced tool_choice: every record is a call of the tool named, whatever the (random) model.

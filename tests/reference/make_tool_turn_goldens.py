@@ -93,8 +93,7 @@ CASES = [
 # Llama's templates take one call per assistant message, and put the tools in the first user
 # message.
 LLAMA_CASES = [
-    {"name": "tools, system", "tools": [WEATHER, TIME],
-     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]},
+    CASES[0],  # tools, system
     {"name": "tools, no system", "tools": [WEATHER],
      "messages": [{"role": "user", "content": "  Weather in Paris?\n"}]},
     {"name": "round trip", "tools": [WEATHER, TIME],
@@ -109,12 +108,7 @@ LLAMA_CASES = [
      "messages": [{"role": "user", "content": "Weather in Rome?"},
                   {"role": "assistant", "content": "Let me check.", "tool_calls": [call(3, "get_weather", "{\"city\":\"Rome\"}")]},
                   {"role": "tool", "tool_call_id": "call_3", "content": "{\"temp\": 21}"}]},
-    {"name": "history without tools", "tools": [],
-     "messages": [{"role": "user", "content": "Weather in Oslo?"},
-                  {"role": "assistant", "content": "", "tool_calls": [call(4, "get_weather", "{\"city\": \"Oslo\"}")]},
-                  {"role": "tool", "tool_call_id": "call_4", "content": "-3 C"},
-                  {"role": "assistant", "content": "It is -3 C."},
-                  {"role": "user", "content": "Warm enough?"}]},
+    next(c for c in CASES if c["name"] == "history without tools"),
     {"name": "keys as written, floats as Python writes them", "tools": [THERMOSTAT, WEATHER],
      "messages": [{"role": "user", "content": "Kitchen to 21.5, please."},
                   {"role": "assistant", "content": "", "tool_calls": [

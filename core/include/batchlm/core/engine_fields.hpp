@@ -42,6 +42,9 @@ std::optional<std::pair<std::string, std::string>> tool_choice_problem(const nlo
 // the arguments ("arguments", or "parameters" for Llama 3.1's). nullopt where the model decides.
 // For fields that passed the checks above.
 std::optional<nlohmann::json> forced_call_schema(const nlohmann::ordered_json& extra, std::string_view arguments_key);
+// Whether tool_choice forces a call ("required" or a named function), as forced_call_schema
+// would give a schema for.
+bool forces_call(const nlohmann::ordered_json& extra);
 
 // What is wrong with `top_logprobs` next to `logprobs` in the extra fields (each already
 // passed engine_field_problem): a count without logprobs turned on, or one that disagrees with
