@@ -437,6 +437,7 @@ nlohmann::ordered_json to_openai_body(const Request& request) {
       }
       if (!m.tool_call_id.empty()) message["tool_call_id"] = m.tool_call_id;
       if (!m.name.empty()) message["name"] = m.name;
+      if (m.reasoning) message["reasoning_content"] = *m.reasoning;
       messages.push_back(std::move(message));
     }
     body["messages"] = std::move(messages);
@@ -566,6 +567,15 @@ std::optional<std::vector<TokenLogprob>> parse_logprobs(const nlohmann::json& va
   return out;
 }
 
+// The reasoning a message or a delta gives apart from its content: `reasoning_content` (DeepSeek's
+// API, vLLM, SGLang, llama.cpp's server), else `reasoning` (later vLLM, OpenRouter). Only text
+// is read; a server that sends both sends the same text twice, so the first is taken.
+static const std::string* reasoning_of(const nlohmann::json& object) {
+  for (const char* key : {"reasoning_content", "reasoning"})
+    if (auto r = object.find(key); r != object.end() && r->is_string()) return &r->get_ref<const std::string&>();
+  return nullptr;
+}
+
 Outcome answer_from_body(int status, std::string_view body_text, Timings timings, const TokenSink& sink) {
   auto body = parse_answer_json(body_text);
   if (body.is_discarded())
@@ -590,6 +600,7 @@ Outcome answer_from_body(int status, std::string_view body_text, Timings timings
     if (!message->is_object()) return Outcome::failure(wrong_type("message", "an object", *message), timings);
     if (auto c = message->find("content"); c != message->end()) content = &*c;
     content_field = "message.content";
+    if (const std::string* reasoning = reasoning_of(*message)) completion.reasoning = *reasoning;
     if (auto calls = message->find("tool_calls"); calls != message->end() && !calls->is_null()) {
       if (auto problem = tool_calls_problem("message.tool_calls", *calls)) return Outcome::failure(std::move(*problem), timings);
       if (!calls->empty()) {
@@ -618,10 +629,14 @@ Outcome answer_from_body(int status, std::string_view body_text, Timings timings
   completion.usage = usage_from(body);
   timings.ttft_ms = timings.total_ms;
   completion.timings = timings;
-  if (sink && (!completion.text.empty() || (completion.logprobs && !completion.logprobs->empty()))) {
+  if (sink && (!completion.text.empty() || (completion.logprobs && !completion.logprobs->empty()) ||
+               !completion.reasoning.empty())) {
     try {
-      sink(completion.text, completion.logprobs ? std::span<const TokenLogprob>(*completion.logprobs)
-                                                : std::span<const TokenLogprob>());
+      if (!completion.reasoning.empty()) sink(completion.reasoning, {}, TextPart::kReasoning);
+      if (!completion.text.empty() || (completion.logprobs && !completion.logprobs->empty()))
+        sink(completion.text,
+             completion.logprobs ? std::span<const TokenLogprob>(*completion.logprobs) : std::span<const TokenLogprob>(),
+             TextPart::kContent);
     } catch (const std::exception& e) {
       return Outcome::failure(make_error(ErrorKind::Internal, std::string("token sink threw: ") + e.what()), timings);
     }
@@ -697,6 +712,7 @@ void StreamedAnswer::on_event(const SseEvent& event) {
     // role chunk, a tool call); another type is not an answer, and neither is a delta that is
     // no object.
     const nlohmann::json* content = nullptr;
+    const std::string* reasoning = nullptr;
     std::string_view content_field = "text";
     if (auto delta = choice.find("delta"); delta != choice.end() && !delta->is_null()) {
       if (!delta->is_object()) {
@@ -705,6 +721,7 @@ void StreamedAnswer::on_event(const SseEvent& event) {
       }
       if (auto c = delta->find("content"); c != delta->end()) content = &*c;
       content_field = "delta.content";
+      if (const std::string* r = reasoning_of(*delta); r != nullptr && !r->empty()) reasoning = r;
       if (!add_call_fragments(*delta)) return;
     } else if (auto t = choice.find("text"); t != choice.end()) {
       content = &*t;
@@ -729,12 +746,18 @@ void StreamedAnswer::on_event(const SseEvent& event) {
     }
     const std::string empty;
     const std::string& piece = content && content->is_string() ? content->get_ref<const std::string&>() : empty;
+    if (reasoning != nullptr) {
+      note_delta();
+      reasoning_ += *reasoning;
+      if (sink_) sink_(*reasoning, {}, TextPart::kReasoning);
+    }
     if (!piece.empty()) {
       note_delta();
       text_ += piece;
     }
     if (sink_ && (!piece.empty() || (logprobs && !logprobs->empty())))
-      sink_(piece, logprobs ? std::span<const TokenLogprob>(*logprobs) : std::span<const TokenLogprob>());
+      sink_(piece, logprobs ? std::span<const TokenLogprob>(*logprobs) : std::span<const TokenLogprob>(),
+            TextPart::kContent);
     // An empty finish reason is read as null: the choice has not finished.
     if (reason != nullptr && !reason->get_ref<const std::string&>().empty())
       finish_reason_ = reason->get<std::string>();
@@ -852,6 +875,7 @@ Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point s
   }
   Completion completion;
   completion.text = std::move(text_);
+  completion.reasoning = std::move(reasoning_);
   completion.finish_reason = std::move(finish_reason_);
   completion.usage = usage_;
   completion.logprobs = std::move(logprobs_);

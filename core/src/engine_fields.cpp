@@ -41,6 +41,15 @@ std::optional<std::int64_t> token_id(std::string_view s) {
 
 }  // namespace
 
+std::optional<bool> requested_thinking(const ojson& extra) {
+  if (!extra.is_object()) return std::nullopt;
+  const auto kwargs = extra.find("chat_template_kwargs");
+  if (kwargs == extra.end() || !kwargs->is_object()) return std::nullopt;
+  const auto thinking = kwargs->find("enable_thinking");
+  if (thinking == kwargs->end() || !thinking->is_boolean()) return std::nullopt;
+  return thinking->get<bool>();
+}
+
 bool requested_tools(const ojson& extra) {
   if (!extra.is_object()) return false;
   const auto tools = extra.find("tools");
@@ -54,6 +63,18 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
   if (value.is_null()) return std::nullopt;
   for (const std::string_view k : kNoEffect)
     if (key == k) return std::nullopt;
+  if (key == "chat_template_kwargs") {
+    // The engine writes its templates itself: of the variables a Jinja template reads, it
+    // takes enable_thinking (Qwen 3's switch); any other would be silently ignored.
+    if (!value.is_object()) return "expected an object of template variables, not " + value.dump();
+    for (const auto& [name, v] : value.items()) {
+      if (name != "enable_thinking")
+        return "the embedded engine takes only 'enable_thinking' among the template's variables, not '" +
+               name.substr(0, 40) + "'" + kElsewhere;
+      if (!v.is_boolean() && !v.is_null()) return "'enable_thinking' must be true or false, not " + v.dump();
+    }
+    return std::nullopt;
+  }
   if (key == "top_k") {
     if (value.is_number() && value.get<double>() == std::floor(value.get<double>()) && value.get<double>() >= -1 &&
         value.get<double>() <= std::numeric_limits<int>::max())

@@ -152,6 +152,12 @@ std::optional<std::pair<std::string, std::string>> read_tool_fields(const nlohma
     if (!name->is_string()) return Problem{".name", "expected a string, got " + type_of(*name)};
     message.name = name->get<std::string>();
   }
+  if (auto reasoning = m.find("reasoning_content"); reasoning != m.end() && !reasoning->is_null()) {
+    if (!reasoning->is_string()) return Problem{".reasoning_content", "expected a string, got " + type_of(*reasoning)};
+    if (message.role != "assistant")
+      return Problem{".reasoning_content", "only an assistant message has reasoning (this one's role is " + message.role + ")"};
+    message.reasoning = reasoning->get<std::string>();
+  }
   auto calls = m.find("tool_calls");
   if (calls == m.end() || calls->is_null()) return std::nullopt;
   if (!calls->is_array()) return Problem{".tool_calls", "expected a list of {id, type, function}, got " + type_of(*calls)};
@@ -202,7 +208,9 @@ std::size_t json_bytes(const nlohmann::json& value) {
 }
 }  // namespace
 
-std::size_t ChatMessage::text_bytes() const { return content.size() + (calls_tools() ? json_bytes(tool_calls) : 0); }
+std::size_t ChatMessage::text_bytes() const {
+  return content.size() + (reasoning ? reasoning->size() : 0) + (calls_tools() ? json_bytes(tool_calls) : 0);
+}
 
 std::size_t Request::text_bytes() const {
   std::size_t bytes = prompt ? prompt->size() : 0;

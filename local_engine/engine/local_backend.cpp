@@ -91,6 +91,7 @@ struct LocalBackend::State {
   // The most text bytes one token can stand for: no token's stored text is shorter than the
   // bytes it decodes to (byte-level and SentencePiece forms only add).
   std::size_t max_token_bytes = 1;
+  bool split_reasoning = true;  // LocalBackendOptions::split_reasoning
 
   // A snapshot for engine_stats(), refreshed after every step.
   mutable std::mutex stats_mutex;
@@ -212,6 +213,7 @@ LocalBackend::LocalBackend(asio::any_io_executor executor, const LocalBackendOpt
     : executor_(std::move(executor)), state_(std::make_shared<State>()) {
   State& s = *state_;
   s.path = options.model;
+  s.split_reasoning = options.split_reasoning;
   s.engine = std::make_unique<BatchEngine>(Model::load(options.model), options);
   for (const std::string& t : s.engine->model().tokenizer().vocab().tokens)
     s.max_token_bytes = std::max(s.max_token_bytes, t.size());
@@ -315,7 +317,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   } else {
     job->messages = request.messages;
     if (tools) job->tools = request.extra["tools"];
-    if (forced) job->answer_prefix = forced_call_opening(chat.call_format());
+    job->answer_prefix = answer_prefix(chat, request.extra);  // enable_thinking false, a forced call's opening
   }
   GenerateParams& p = job->params;
   p.max_tokens = request.max_tokens.value_or(0);
@@ -364,13 +366,39 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
 
   Timings timings;
   std::optional<Clock::time_point> first;
-  std::string text;
+  std::string text;       // the content (all of the answer when the reasoning is not split off)
+  std::string reasoning;  // the <think> block's text, when it is
   std::vector<TokenLogprob> logprobs;
-  // With tools, the sink gets the text up to where a call may begin: once a <tool_call> has
-  // begun, the rest is held until the answer is whole (calls, or text after all). Log-probabilities
-  // go with the text they came with, or the next text that goes.
+  // Log-probabilities go out with the text they came with, or the next text that goes.
+  std::vector<TokenLogprob> pending;
+  // A chat answer's opening <think> block is reasoning, given apart from the content, unless
+  // the options keep it in the text; a constrained answer (JSON, a forced call) has none.
+  std::optional<ReasoningSplit> split;
+  if (state_->split_reasoning && !request.prompt && !p.json_object && !p.json_schema)
+    split.emplace(chat.opens_reasoning());
+  // With tools, the sink gets the content up to where a call may begin: once a <tool_call> has
+  // begun, the rest is held until the answer is whole (calls, or text after all).
   ToolCallStream calls(forced ? CallFormat::kJson : chat.call_format());
-  std::vector<TokenLogprob> held_logprobs;
+  const auto send = [&](std::string_view piece, TextPart part) {
+    if (sink) sink(piece, pending, part);
+    pending.clear();
+  };
+  const auto add_content = [&](std::string_view piece) {
+    text += piece;
+    if (!tools) {
+      send(piece, TextPart::kContent);
+    } else if (const std::string out = calls.add(piece); !out.empty()) {
+      send(out, TextPart::kContent);
+    }
+  };
+  const auto add_parts = [&](const ReasoningSplit::Parts& parts) {
+    if (!parts.reasoning.empty()) {
+      reasoning += parts.reasoning;
+      if (sink) sink(parts.reasoning, parts.content.empty() ? std::span<const TokenLogprob>(pending) : std::span<const TokenLogprob>(), TextPart::kReasoning);
+      if (parts.content.empty()) pending.clear();
+    }
+    if (!parts.content.empty()) add_content(parts.content);
+  };
   for (;;) {
     // A cancellation that arrived while this coroutine ran (inside the sink, say) is seen here;
     // one that arrives while it waits aborts the receive.
@@ -394,16 +422,12 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
         first = now;
         timings.ttft_ms = ms_between(start, now);
       }
-      text += piece->text;
       logprobs.insert(logprobs.end(), piece->logprobs.begin(), piece->logprobs.end());
-      if (!tools) {
-        if (sink) sink(piece->text, piece->logprobs);
-        continue;
-      }
-      held_logprobs.insert(held_logprobs.end(), piece->logprobs.begin(), piece->logprobs.end());
-      if (const std::string out = calls.add(piece->text); !out.empty()) {
-        if (sink) sink(out, held_logprobs);
-        held_logprobs.clear();
+      pending.insert(pending.end(), piece->logprobs.begin(), piece->logprobs.end());
+      if (split) {
+        add_parts(split->add(piece->text));
+      } else {
+        add_content(piece->text);  // a token that ends no character still brings its log-probability
       }
       continue;
     }
@@ -414,21 +438,26 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     if (r.stats.generated_tokens > 1 && first) {
       timings.tpot_ms = ms_between(*first, now) / static_cast<double>(r.stats.generated_tokens - 1);
     }
+    if (split) add_parts(split->finish());
     Completion c;
     c.finish_reason = r.finish_reason;
     if (tools) {
       if (auto parsed = calls.finish()) {
         // The calls, and the text beside them; an answer that ended on its own ended to call.
         // The stream gets the text after (or between) the calls that it has not had.
-        if (const std::string tail = calls.unsent_content(*parsed); sink && !tail.empty()) sink(tail, held_logprobs);
+        if (const std::string tail = calls.unsent_content(*parsed); !tail.empty() || !pending.empty())
+          send(tail, TextPart::kContent);
         c.tool_calls = std::move(parsed->calls);
         if (c.finish_reason == "stop") c.finish_reason = "tool_calls";
         text = std::move(parsed->content);
-      } else if (sink && (!calls.rest().empty() || !held_logprobs.empty())) {
-        sink(calls.rest(), held_logprobs);
+      } else if (!calls.rest().empty() || !pending.empty()) {
+        send(calls.rest(), TextPart::kContent);
       }
+    } else if (!pending.empty()) {
+      send("", TextPart::kContent);
     }
     c.text = std::move(text);
+    c.reasoning = std::move(reasoning);
     c.usage = Usage{r.stats.prompt_tokens, r.stats.generated_tokens, true};
     if (r.finish_reason == "length" && (job->params.max_tokens <= 0 || r.stats.generated_tokens < job->params.max_tokens))
       c.cut_at_context = context();

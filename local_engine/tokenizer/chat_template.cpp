@@ -1,6 +1,7 @@
 #include "batchlm/local_engine/tokenizer.hpp"
 #include "utf8.hpp"
 
+#include "batchlm/core/engine_fields.hpp"
 #include "batchlm/core/json_check.hpp"
 
 // The chat template is a Jinja program in the GGUF (tokenizer.chat_template). Rather than run
@@ -479,6 +480,11 @@ ChatTemplate ChatTemplate::from_vocab(const Vocab& vocab) {
                 tmpl.substr(0, 80) + "'");
   }
   result.reasoning_ = tmpl.find("reasoning_content") != std::string::npos && tmpl.find("</think>") != std::string::npos;
+  if (tmpl.find("enable_thinking") != std::string::npos) {
+    const std::vector<std::string> constants = constant_strings(tmpl);
+    const std::string empty_block = std::string(kThinkOpen) + "\n" + std::string(kThinkEnd) + "\n\n";
+    if (std::find(constants.begin(), constants.end(), empty_block) != constants.end()) result.thinking_off_ = empty_block;
+  }
   {
     // Qwen 2.5's and 3's tool calling: the constants that list the tools, frame a call and a
     // tool's result. All must be there, a call framed one way or the other.
@@ -779,8 +785,12 @@ std::string ChatTemplate::apply_with_tool_turns(std::span<const ChatMessage> mes
     std::string body = m.content;
     std::string_view content = m.content;
     if (reasoning_) {
+      // The reasoning given apart (reasoning_content) is taken as it is, the content then
+      // whole; else a </think> in the content ends it.
       std::string_view reasoning;
-      if (const std::size_t end = content.find(kThinkEnd); end != std::string_view::npos) {
+      if (m.reasoning) {
+        reasoning = *m.reasoning;
+      } else if (const std::size_t end = content.find(kThinkEnd); end != std::string_view::npos) {
         reasoning = strip(content.substr(0, end), false, true);
         if (const std::size_t start = reasoning.rfind(kThinkStart); start != std::string_view::npos)
           reasoning.remove_prefix(start + kThinkStart.size());
@@ -842,6 +852,14 @@ std::size_t skip_space(std::string_view text, std::size_t at) {
 
 }  // namespace
 
+std::string answer_prefix(const ChatTemplate& chat_template, const nlohmann::ordered_json& extra) {
+  std::string prefix;
+  if (requested_thinking(extra) == false) prefix = chat_template.thinking_off();
+  if (chat_template.calls_tools() && requested_tools(extra) && forces_call(extra))
+    prefix += forced_call_opening(chat_template.call_format());
+  return prefix;
+}
+
 std::string_view forced_call_opening(CallFormat format) { return format == CallFormat::kTagged ? "<tool_call>\n" : ""; }
 
 std::string_view call_arguments_key(CallFormat format) { return format == CallFormat::kJson ? "parameters" : "arguments"; }
@@ -859,6 +877,86 @@ std::optional<std::size_t> answer_start(std::string_view text) {
   const std::size_t end = text.find(kThinkEnd, at + kThinkStart.size());
   if (end == std::string_view::npos) return std::nullopt;
   return end + kThinkEnd.size();
+}
+
+namespace {
+
+bool is_space(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
+
+// The length of the longest end of `text` that begins `tag` (a tag that may be completed by the
+// next piece).
+std::size_t partial_tag(std::string_view text, std::string_view tag) {
+  for (std::size_t n = std::min(text.size(), tag.size() - 1); n > 0; --n)
+    if (tag.starts_with(text.substr(text.size() - n))) return n;
+  return 0;
+}
+
+}  // namespace
+
+ReasoningSplit::Parts ReasoningSplit::add(std::string_view piece) {
+  Parts out;
+  held_ += piece;
+  for (;;) {
+    switch (state_) {
+      case State::kStart: {
+        // Whitespace, then "<think>" or text that cannot begin it.
+        const std::string_view head = std::string_view(held_).substr(skip_space(held_, 0));
+        if (head.starts_with(kThinkStart)) {
+          held_.erase(0, held_.size() - head.size() + kThinkStart.size());
+          state_ = State::kReasoningStart;
+          continue;
+        }
+        if (!head.empty() && !kThinkStart.starts_with(head)) {
+          state_ = State::kContent;
+          continue;
+        }
+        return out;
+      }
+      case State::kReasoningStart:
+        held_.erase(0, skip_space(held_, 0));
+        if (held_.empty()) return out;
+        state_ = State::kReasoning;
+        continue;
+      case State::kReasoning: {
+        if (const std::size_t end = held_.find(kThinkEnd); end != std::string::npos) {
+          std::size_t keep = end;
+          while (keep > 0 && is_space(held_[keep - 1])) --keep;
+          out.reasoning.append(held_, 0, keep);
+          held_.erase(0, end + kThinkEnd.size());
+          state_ = State::kContentStart;
+          continue;
+        }
+        // Out goes all but a tag's possible beginning and the whitespace before it.
+        std::size_t keep = held_.size() - partial_tag(held_, kThinkEnd);
+        while (keep > 0 && is_space(held_[keep - 1])) --keep;
+        out.reasoning.append(held_, 0, keep);
+        held_.erase(0, keep);
+        return out;
+      }
+      case State::kContentStart:
+        held_.erase(0, skip_space(held_, 0));
+        if (held_.empty()) return out;
+        state_ = State::kContent;
+        continue;
+      case State::kContent:
+        out.content += held_;
+        held_.clear();
+        return out;
+    }
+  }
+}
+
+ReasoningSplit::Parts ReasoningSplit::finish() {
+  Parts out;
+  if (state_ == State::kStart) {
+    out.content = std::move(held_);  // the start of a tag, or whitespace, and nothing after it
+  } else if (state_ == State::kReasoning) {
+    std::size_t keep = held_.size();
+    while (keep > 0 && is_space(held_[keep - 1])) --keep;
+    out.reasoning = held_.substr(0, keep);  // a tag begun and not finished is text
+  }
+  held_.clear();
+  return out;
 }
 
 namespace {

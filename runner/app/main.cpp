@@ -221,6 +221,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
     options.kv_bytes = job.backend.kv_bytes;
     options.kv_recycle = job.backend.kv_recycle;
     options.step_log = job.backend.step_log;
+    options.split_reasoning = job.backend.reasoning == "separate";
     try {
       options.speculative = app::speculative_options(job.backend.speculative);
     } catch (const std::runtime_error& e) {
@@ -360,9 +361,7 @@ int run_command(const JobOptions& o, bool synth) {
           return static_cast<std::int64_t>(
               local_engine::chat_prompt_tokens(*tokenizer, *chat, request.messages,
                                                tools ? request.extra["tools"] : nlohmann::ordered_json(),
-                                               tools && forces_call(request.extra)
-                                                   ? local_engine::forced_call_opening(chat->call_format())
-                                                   : std::string_view())
+                                               local_engine::answer_prefix(*chat, request.extra))
                   .size());
         };
         refuse_tools_without_template(job, overrides, local_engine::tools_problem(*chat));

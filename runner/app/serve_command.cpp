@@ -48,6 +48,7 @@ struct ServeOptions {
   bool kv_commit = true;
   std::string kv_memory;
   std::string step_log;
+  std::string reasoning = "separate";
   int max_queue = 256;
   double shutdown_grace = 30;
   double write_timeout = 30;
@@ -139,6 +140,10 @@ void add_serve_command(CLI::App& app) {
   serve_cmd->add_option("--step-log", s.step_log,
                         "Append one JSON line per engine step to this file: time, sequences, decode and prompt "
                         "tokens, forward and step milliseconds");
+  serve_cmd->add_option("--reasoning", s.reasoning,
+                        "separate: a chat answer's opening <think> block goes out as the message's "
+                        "reasoning_content, apart from its content; inline: it stays at the head of the content")
+      ->check(CLI::IsMember({"separate", "inline"}))->capture_default_str();
   serve_cmd->add_option("--max-queue", s.max_queue,
                         "Choices waiting beyond --max-sequences before new requests get 429 (a request with n choices counts n)")
       ->check(app::between(0, 1 << 20))->capture_default_str();
@@ -204,6 +209,7 @@ int run_serve_command() {
   engine.kv_recycle = s.kv_recycle;
   engine.kv_commit = s.kv_commit;
   engine.step_log = s.step_log;
+  engine.split_reasoning = s.reasoning == "separate";
   if (!s.kv_memory.empty()) {
     const auto bytes = runner::parse_byte_size(s.kv_memory);
     if (!bytes) throw std::runtime_error("--kv-memory: expected a size such as 2GiB or 512MiB, got '" + s.kv_memory + "'");

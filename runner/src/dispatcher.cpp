@@ -407,7 +407,8 @@ class Dispatcher {
     live.in_attempt = true;
     ++counters_.in_flight;
     run.streamed = 0;
-    run.outcome = co_await backend_.complete(item.request, [this, &run](std::string_view text, std::span<const TokenLogprob>) {
+    // Reasoning pieces are output tokens as well.
+    run.outcome = co_await backend_.complete(item.request, [this, &run](std::string_view text, std::span<const TokenLogprob>, TextPart) {
       if (text.empty()) return;
       ++run.streamed;
       ++counters_.output_tokens;
@@ -464,7 +465,7 @@ class Dispatcher {
         // The server did not count: estimate so tokens/s stays meaningful, and say so. A
         // streamed piece is usually a token; a server that sends few large pieces (or no stream)
         // gets the four bytes a token that English text averages.
-        std::size_t bytes = c.text.size();
+        std::size_t bytes = c.text.size() + c.reasoning.size();
         if (!c.tool_calls.is_null()) bytes += c.tool_calls.dump(-1, ' ', false, json::error_handler_t::replace).size();
         if (!c.function_call.is_null()) bytes += c.function_call.dump(-1, ' ', false, json::error_handler_t::replace).size();
         const auto by_bytes = static_cast<std::int64_t>((bytes + 3) / 4);
@@ -474,6 +475,7 @@ class Dispatcher {
       }
       json score = scorer_ ? scorer_->score(item.input, c.text) : json();
       record["output"] = c.text;
+      if (!c.reasoning.empty()) record["reasoning"] = c.reasoning;
       if (!c.tool_calls.is_null()) record["tool_calls"] = c.tool_calls;
       if (!c.function_call.is_null()) record["function_call"] = c.function_call;
       record["finish_reason"] = c.finish_reason;

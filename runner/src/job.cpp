@@ -226,11 +226,11 @@ const std::map<std::string, Keys>& sections() {
       {"synth", {"count", "seed", "variables"}},
       {"request",
        {"messages", "model", "max_tokens", "temperature", "top_p", "stop", "seed", "extra"}},
-      {"request.messages", {"role", "content", "tool_calls", "tool_call_id", "name"}},
+      {"request.messages", {"role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content"}},
       {"few_shot", {"path", "count", "seed", "user", "assistant"}},
       {"backend", {"type", "base_url", "model", "api_key_env", "headers", "timeouts", "stream",
                    "threads", "device", "context", "max_sequences", "token_budget", "block_size",
-                   "kv_tokens", "kv_memory", "kv_recycle", "step_log", "speculative"}},
+                   "kv_tokens", "kv_memory", "kv_recycle", "step_log", "speculative", "reasoning"}},
       {"backend.speculative", {"method", "model", "layers", "k_max", "k_min", "ngram_max",
                                "ngram_min"}},
       {"backend.timeouts", {"connect", "first_byte", "idle", "total"}},
@@ -833,10 +833,10 @@ void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMess
                                           {"tool", "tool"}});
     // The tool-calling fields are sent as written (no placeholders), held to the API's form.
     nlohmann::json tool_fields = nlohmann::json::object();
-    for (const char* key : {"tool_calls", "tool_call_id", "name"})
+    for (const char* key : {"tool_calls", "tool_call_id", "name", "reasoning_content"})
       if (Reader::has(m[key])) tool_fields[key] = yaml_to_json(m[key]);
-    // Ids and names are text even where YAML would read a number (id: 12345).
-    for (const char* key : {"tool_call_id", "name"})
+    // Ids, names and reasoning are text even where YAML would read a number (id: 12345).
+    for (const char* key : {"tool_call_id", "name", "reasoning_content"})
       if (Reader::has(m[key]) && m[key].IsScalar()) tool_fields[key] = m[key].Scalar();
     if (Reader::has(m["tool_calls"]) && m["tool_calls"].IsSequence())
       for (std::size_t k = 0; k < m["tool_calls"].size(); ++k) {
@@ -1036,6 +1036,9 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
   }
   if (Reader::has(node["kv_recycle"])) backend.kv_recycle = r.boolean(node["kv_recycle"], "backend.kv_recycle");
   if (Reader::has(node["step_log"])) backend.step_log = r.string(node["step_log"], "backend.step_log");
+  if (Reader::has(node["reasoning"]))
+    backend.reasoning = r.choice<std::string>(node["reasoning"], "backend.reasoning",
+                                              {{"separate", "separate"}, {"inline", "inline"}});
   if (Reader::has(node["speculative"])) {
     const YAML::Node n = node["speculative"];
     r.check_map(n, "backend.speculative");
@@ -1204,7 +1207,8 @@ void check_backend_fields(const Reader& r, const YAML::Node& node, const Backend
            "(--backend openai)");
   if (!Reader::has(node) || !node.IsMap()) return;
   static const Keys engine_only = {"threads", "device", "context", "max_sequences", "token_budget", "block_size",
-                                   "kv_tokens", "kv_memory", "kv_recycle", "step_log", "speculative"};
+                                   "kv_tokens", "kv_memory", "kv_recycle", "step_log", "speculative",
+                                   "reasoning"};
   static const Keys api_only = {"api_key_env", "headers", "timeouts", "stream"};
   const bool local = backend.type == "local";
   for (const std::string& key : local ? api_only : engine_only) {
@@ -1426,6 +1430,7 @@ nlohmann::json result_settings(const JobSpec& job) {
     if (m.calls_tools()) message["tool_calls"] = m.tool_calls;
     if (!m.tool_call_id.empty()) message["tool_call_id"] = m.tool_call_id;
     if (!m.name.empty()) message["name"] = m.name;
+    if (m.reasoning) message["reasoning_content"] = *m.reasoning;
     messages.push_back(std::move(message));
   }
   // The extra fields with their keys sorted, as they always were: the order they are written in
@@ -1457,6 +1462,9 @@ nlohmann::json result_settings(const JobSpec& job) {
   // snapshot pointing at a blob) is also named by the file the link leads to, so that a link
   // pointed at another model since is another model. Only then: settings made before, without
   // links, stay the same.
+  // The engine's reasoning kept in the output's text: other records. Only then, so that the
+  // settings of other jobs read as they always have.
+  if (local && job.backend.reasoning == "inline") settings["reasoning"] = "inline";
   if (local) {
     std::error_code ec;
     const fs::path file = fs::canonical(job.backend.model, ec);

@@ -310,6 +310,14 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
     r.extra[key] = *v;
   }
   if (const auto problem = tool_choice_problem(r.extra)) refuse(problem->first, problem->second);
+  // The template's thinking switch (Qwen 3's enable_thinking); other template variables would
+  // go unread.
+  if (const Body* v = field(body, "chat_template_kwargs")) {
+    if (!chat) invalid("chat_template_kwargs", "'chat_template_kwargs' is a chat completions parameter");
+    if (const auto problem = engine_field_problem("chat_template_kwargs", *v)) refuse("chat_template_kwargs", *problem);
+    if (!r.extra.is_object()) r.extra = Body::object();
+    r.extra["chat_template_kwargs"] = *v;
+  }
   if (const Body* v = field(body, "functions"); v && !(v->is_array() && v->empty()))
     unsupported("functions", "'functions' (give them as 'tools')");
   if (chat) {
@@ -427,6 +435,7 @@ json completion_body(const ResponseContext& ctx, std::span<const Completion> cho
     }
     if (ctx.endpoint == Endpoint::kChat) {
       choice["message"] = {{"role", "assistant"}, {"content", completion.text}};
+      if (!completion.reasoning.empty()) choice["message"]["reasoning_content"] = completion.reasoning;
       if (!completion.tool_calls.is_null()) {
         // An answer that only calls tools has no content: null, as the API writes it.
         if (completion.text.empty()) choice["message"]["content"] = nullptr;
@@ -480,11 +489,11 @@ Usage total_usage(std::span<const Completion> choices) {
 }
 
 json text_chunk(const ResponseContext& ctx, std::string_view text, bool first, bool include_usage, int index,
-               json logprobs) {
+               json logprobs, TextPart part) {
   json body = envelope(ctx, true);
   json choice = {{"index", index}, {"finish_reason", nullptr}, {"logprobs", std::move(logprobs)}};
   if (ctx.endpoint == Endpoint::kChat) {
-    json delta = {{"content", std::string(text)}};
+    json delta = {{part == TextPart::kReasoning ? "reasoning_content" : "content", std::string(text)}};
     if (first) delta["role"] = "assistant";
     choice["delta"] = std::move(delta);
   } else {

@@ -372,9 +372,10 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
                                           const ResponseContext& ctx, int index) {
     bool first = true;
     std::int64_t text_offset = ctx.prompt_chars;
-    Outcome o = co_await backend.complete(request, [&](std::string_view delta, std::span<const TokenLogprob> logprobs) {
+    Outcome o = co_await backend.complete(request, [&](std::string_view delta, std::span<const TokenLogprob> logprobs,
+                                                       TextPart part) {
       json lp = api.logprobs ? choice_logprobs(ctx.endpoint, logprobs, text_offset) : json(nullptr);
-      s.pending += sse(text_chunk(ctx, delta, first, api.include_usage, index, std::move(lp)));
+      s.pending += sse(text_chunk(ctx, delta, first, api.include_usage, index, std::move(lp), part));
       first = false;
       s.wake.cancel();
     });

@@ -1438,6 +1438,74 @@ TEST(BatchlmRun, ToolConversationsOfABatchFileReachTheApiWhole) {
 // Tools on the embedded engine: a model whose chat template lists tools (Qwen 2.5's) is shown
 // them and the conversation's calls and results; one whose template does not refuses them when
 // the model is loaded, naming the field, rather than running with them dropped.
+// A reasoning model's reasoning, given apart by an API (reasoning_content) or by the embedded
+// engine (the <think> block a DeepSeek-R1 distill's prompt opens), is the record's `reasoning`,
+// right after the output, which holds only the answer.
+TEST(BatchlmRun, ReasoningIsRecordedApartFromTheOutput) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--fault-rate", "1", "--faults", "reset_after=2", "--fault-first-attempts", "1"});
+  for (const bool stream : {true, false}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    const std::string out = stream ? "out/stream.jsonl" : "out/whole.jsonl";
+    // Questions of their own: the server counts first attempts by question.
+    std::string questions;
+    for (int i = 1; i <= 3; ++i) questions += json{{"question", "Question " + std::to_string(i) + (stream ? "?" : "!")}}.dump() + "\n";
+    write_file(dir.path / "questions.jsonl", questions);
+    write_file(dir.path / "job.yaml",
+               "input: questions.jsonl\n"
+               "request: {messages: [{role: user, content: \"{{question}}\"}]}\n"
+               "backend: {type: openai, base_url: \"" + server.base_url() + "\", model: fake-reasoner, stream: " +
+                   (stream ? "true" : "false") + "}\n"
+                   "retry: {max_attempts: 3, base: 10ms, cap: 50ms}\n"
+                   "output: " + out + "\n");
+    RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto records = read_jsonl(dir.path / out);
+    ASSERT_EQ(records.size(), 3u);
+    for (const auto& rec : records) {
+      SCOPED_TRACE(rec.dump());
+      EXPECT_TRUE(rec["error"].is_null());
+      // The first attempt was cut inside the reasoning; the record holds the second's, once.
+      EXPECT_EQ(rec["attempts"], 2);
+      EXPECT_EQ(rec["reasoning"], "First I read the question, then I answer it.");
+      EXPECT_FALSE(rec["output"].get<std::string>().empty());
+      EXPECT_EQ(rec["output"].get<std::string>().find("First I read"), std::string::npos);
+    }
+    std::istringstream lines(read_file(dir.path / out));
+    for (std::string line; std::getline(lines, line);)
+      EXPECT_LT(line.find("\"output\":"), line.find("\"reasoning\":")) << line;
+  }
+
+  const std::string r1 =
+      read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja");
+  ASSERT_FALSE(r1.empty());  // fetched with Qwen's
+  batchlm::testing::TinyLlamaOptions o;
+  o.chat_template = r1;
+  batchlm::testing::write_tiny_llama(dir.path / "r1.gguf", o);
+  write_file(dir.path / "local.yaml",
+             "synth: {count: 2, seed: 3, variables: {q: [one, two, three]}}\n"
+             "request: {messages: [{role: user, content: \"Question {{q}}\"}], max_tokens: 12, temperature: 0}\n"
+             "backend: {type: local, threads: 1, model: r1.gguf}\n");
+  RunResult apart = run_batchlm(dir.path, {"run", "local.yaml", "--output", "out/apart.jsonl"});
+  ASSERT_EQ(apart.exit_code, 0) << apart.err;
+  RunResult kept = run_batchlm(dir.path, {"run", "local.yaml", "--output", "out/inline.jsonl", "--set", "backend.reasoning=inline"});
+  ASSERT_EQ(kept.exit_code, 0) << kept.err;
+  const auto split = read_jsonl(dir.path / "out/apart.jsonl"), whole = read_jsonl(dir.path / "out/inline.jsonl");
+  ASSERT_EQ(split.size(), 2u);
+  ASSERT_EQ(whole.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    SCOPED_TRACE(split[i].dump() + "\n" + whole[i].dump());
+    // A tiny random model never closes the block: its whole answer is reasoning.
+    EXPECT_EQ(split[i]["output"], "");
+    ASSERT_TRUE(split[i]["reasoning"].is_string());
+    EXPECT_FALSE(split[i]["reasoning"].get<std::string>().empty());
+    EXPECT_NE(whole[i]["output"].get<std::string>().find(split[i]["reasoning"].get<std::string>()), std::string::npos);
+    EXPECT_FALSE(whole[i].contains("reasoning"));
+    // Other records: other settings, so neither run resumes the other's output.
+    EXPECT_NE(split[i]["settings"], whole[i]["settings"]);
+  }
+}
+
 TEST(BatchlmRun, TheEmbeddedEngineTakesToolsWhereItsTemplateListsThem) {
   TempDir dir;
   const std::string qwen = read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja");

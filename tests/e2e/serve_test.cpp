@@ -801,6 +801,79 @@ TEST_F(Serve, ChatCompletion) {
 
 // Tools, and a conversation's calls and results, reach a model whose chat template lists them
 // (Qwen 2.5's), whole or streamed; a model whose template does not refuses them by name.
+// The whitespace the engine takes off the ends of reasoning.
+std::string trimmed(std::string s) {
+  const char* space = " \n\t\r";
+  s.erase(0, std::min(s.size(), s.find_first_not_of(space)));
+  s.erase(s.find_last_not_of(space) + 1);
+  return s;
+}
+
+// A DeepSeek-R1 distill's template opens a <think> block in the prompt, so the answer begins
+// inside it: by default its text is the message's reasoning_content, apart from the content,
+// whole and streamed; with --reasoning inline it is the content, as the model wrote it. (A tiny
+// random model never closes the block, so all of its answer is reasoning.)
+TEST_F(Serve, AReasoningModelsThinkBlockGoesOutAsReasoningContent) {
+  const std::string r1 =
+      read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja");
+  if (r1.empty()) GTEST_SKIP() << "the R1 distill's template is absent (scripts/fetch-vocabs.sh fetches it)";
+  batchlm::testing::TinyLlamaOptions o;
+  o.chat_template = r1;
+  batchlm::testing::write_tiny_llama(dir() / "r1.gguf", o);
+  const std::string body = chat_request("What is 2+2?", {{"max_tokens", 24}, {"temperature", 0}});
+  std::string written;
+  {
+    auto s = serve({"--reasoning", "inline"}, {}, "r1.gguf");
+    HttpResponse r = post(*s, "/v1/chat/completions", body);
+    ASSERT_EQ(r.status, 200) << r.body << r.error;
+    const json message = r.json_body()["choices"][0]["message"];
+    EXPECT_FALSE(message.contains("reasoning_content")) << r.body;
+    written = message["content"].get<std::string>();
+  }
+  ASSERT_FALSE(trimmed(written).empty());
+  ASSERT_EQ(written.find("</think>"), std::string::npos) << written;
+
+  auto s = serve({}, {}, "r1.gguf");
+  HttpResponse whole = post(*s, "/v1/chat/completions", body);
+  ASSERT_EQ(whole.status, 200) << whole.body << whole.error;
+  const json message = whole.json_body()["choices"][0]["message"];
+  EXPECT_EQ(message["reasoning_content"], trimmed(written)) << whole.body;
+  EXPECT_EQ(message["content"], "") << whole.body;
+  EXPECT_EQ(whole.json_body()["usage"]["completion_tokens"], 24) << whole.body;
+
+  HttpResponse stream = post(*s, "/v1/chat/completions", chat_request("What is 2+2?", {{"max_tokens", 24}, {"temperature", 0}, {"stream", true}}));
+  ASSERT_EQ(stream.status, 200) << stream.body << stream.error;
+  std::string reasoning, content;
+  const std::vector<json> chunks = sse_chunks(stream.body);
+  ASSERT_FALSE(chunks.empty());
+  EXPECT_EQ(chunks.front()["choices"][0]["delta"]["role"], "assistant") << stream.body;
+  for (const json& chunk : chunks) {
+    const json& delta = chunk["choices"][0]["delta"];
+    if (delta.contains("reasoning_content")) reasoning += delta["reasoning_content"].get<std::string>();
+    if (delta.contains("content")) content += delta["content"].get<std::string>();
+  }
+  EXPECT_EQ(reasoning, trimmed(written)) << stream.body;
+  EXPECT_EQ(content, "") << stream.body;
+
+  // Qwen 3's thinking switch: with enable_thinking false the answer opens with the empty block
+  // its template writes (7 more prompt tokens here); true is its default.
+  const std::string qwen3 = read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen3-0.6B.jinja");
+  ASSERT_FALSE(qwen3.empty());  // fetched with R1's
+  o.chat_template = qwen3;
+  batchlm::testing::write_tiny_llama(dir() / "qwen3.gguf", o);
+  auto q = serve({}, {}, "qwen3.gguf");
+  std::map<std::string, long long> prompt_tokens;
+  for (const char* thinking : {"default", "true", "false"}) {
+    json extra = {{"max_tokens", 2}};
+    if (thinking != std::string("default")) extra["chat_template_kwargs"] = {{"enable_thinking", thinking == std::string("true")}};
+    HttpResponse r = post(*q, "/v1/chat/completions", chat_request("What is 2+2?", extra));
+    ASSERT_EQ(r.status, 200) << r.body << r.error;
+    prompt_tokens[thinking] = r.json_body()["usage"]["prompt_tokens"].get<long long>();
+  }
+  EXPECT_EQ(prompt_tokens["true"], prompt_tokens["default"]);
+  EXPECT_GT(prompt_tokens["false"], prompt_tokens["default"]);
+}
+
 TEST_F(Serve, ToolsReachAModelWhoseTemplateListsThem) {
   const std::string qwen = read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja");
   if (qwen.empty()) GTEST_SKIP() << "Qwen2.5's template is absent (scripts/fetch-vocabs.sh fetches it)";
@@ -847,7 +920,7 @@ TEST_F(Serve, ToolsReachAModelWhoseTemplateListsThem) {
                                                            {"additionalProperties", false}}}}}});
   forced["tool_choice"] = {{"type", "function"}, {"function", {{"name", "set_unit"}}}};
   forced["max_tokens"] = 1100;
-  forced["stop"] = {"}", ","};  // for text: a forced call's JSON is not cut by them  // room for the whitespace a random model writes between tokens (64 at most a run)
+  forced["stop"] = {"}", ","};  // for text; a forced call's JSON is not cut by them
   HttpResponse held = post(*s, "/v1/chat/completions", forced.dump());
   ASSERT_EQ(held.status, 200) << held.body;
   const json held_choice = held.json_body()["choices"][0];

@@ -65,9 +65,14 @@ void check_error(const Error& error) {
 // What the sink was handed: text, and log-probabilities.
 struct Sunk {
   std::string text;
+  std::string reasoning;
   std::vector<batchlm::TokenLogprob> logprobs;
   batchlm::TokenSink sink() {
-    return [this](std::string_view piece, std::span<const batchlm::TokenLogprob> lp) {
+    return [this](std::string_view piece, std::span<const batchlm::TokenLogprob> lp, batchlm::TextPart part) {
+      if (part == batchlm::TextPart::kReasoning) {
+        reasoning += piece;
+        return;
+      }
       text += piece;
       logprobs.insert(logprobs.end(), lp.begin(), lp.end());
     };
@@ -82,6 +87,8 @@ void check_outcome(const Outcome& o, const Sunk& sunk) {
   if (o.ok()) {
     FUZZ_CHECK(streamed == o.completion->text, "the sink got '" + streamed + "', the completion has '" +
                                                     o.completion->text + "'");
+    FUZZ_CHECK(sunk.reasoning == o.completion->reasoning, "the sink got reasoning '" + sunk.reasoning +
+                                                              "', the completion has '" + o.completion->reasoning + "'");
     const std::size_t kept = o.completion->logprobs ? o.completion->logprobs->size() : 0;
     FUZZ_CHECK(sunk.logprobs.size() == kept, "the sink got " + std::to_string(sunk.logprobs.size()) +
                                                  " log-probabilities, the completion has " + std::to_string(kept));

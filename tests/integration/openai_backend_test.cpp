@@ -57,7 +57,8 @@ class OpenAIBackendTest : public ::testing::Test {
   Result complete(const OpenAIOptions& options, const Request& request) {
     OpenAIBackend backend(ioc_.get_executor(), options);
     Result result;
-    batchlm::TokenSink sink = [&result](std::string_view delta, std::span<const batchlm::TokenLogprob>) {
+    batchlm::TokenSink sink = [&result](std::string_view delta, std::span<const batchlm::TokenLogprob>, batchlm::TextPart part) {
+      if (part != batchlm::TextPart::kContent) return;
       result.deltas.emplace_back(delta);
     };
     result.outcome = run_on(ioc_, backend.complete(request, sink));

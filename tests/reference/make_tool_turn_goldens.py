@@ -88,6 +88,22 @@ CASES = [
                       call(7, "get_weather", "[\"Paris\",1]"), call(8, "get_weather", "42"),
                       call(9, "get_weather", "\"Oslo\"")]},
                   {"role": "tool", "tool_call_id": "call_7", "content": "?"}]},
+    # Reasoning given apart (an API's reasoning_content), which Qwen 3's template writes in place
+    # of a <think> block in the content, only after the last user query; Qwen 2.5's ignores it.
+    {"name": "reasoning given apart", "tools": [WEATHER],
+     "messages": [{"role": "user", "content": "Weather in Oslo?"},
+                  {"role": "assistant", "content": "-3 C.", "reasoning_content": "Before the query: left out."},
+                  {"role": "user", "content": "And in Rome?"},
+                  {"role": "assistant", "content": "", "reasoning_content": "\nI should look it up.\n",
+                   "tool_calls": [call(10, "get_weather", "{\"city\": \"Rome\"}")]},
+                  {"role": "tool", "tool_call_id": "call_10", "content": "21 C"},
+                  {"role": "assistant", "content": "\n\nIt is 21 C.", "reasoning_content": "It is 21 C there."}]},
+    # chat_template_kwargs: {enable_thinking: false} (Qwen 3's switch; Qwen 2.5's has none).
+    {"name": "thinking off", "tools": [WEATHER], "kwargs": {"enable_thinking": False},
+     "messages": [{"role": "user", "content": "Weather in Paris?"}]},
+    {"name": "empty reasoning given apart keeps the content whole", "tools": [],
+     "messages": [{"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "<think>\nkept</think>\n\nHello", "reasoning_content": ""}]},
 ]
 
 # Llama's templates take one call per assistant message, and put the tools in the first user
@@ -154,9 +170,12 @@ def main():
             for case in cases:
                 text = template.render(messages=rendered_messages(case["messages"]), tools=case["tools"] or None,
                                        add_generation_prompt=True, bos_token="", raise_exception=raise_exception,
-                                       strftime_now=lambda format: "@DATE@")
-                results.append({"template": name, "case": case["name"], "tools": case["tools"],
-                                "messages": case["messages"], "expected": text})
+                                       strftime_now=lambda format: "@DATE@", **case.get("kwargs", {}))
+                result = {"template": name, "case": case["name"], "tools": case["tools"],
+                          "messages": case["messages"], "expected": text}
+                if "kwargs" in case:
+                    result["chat_template_kwargs"] = case["kwargs"]
+                results.append(result)
     out = Path(__file__).parent / "tool_turns" / "renders.json"
     out.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     print(f"{len(results)} renderings -> {out}")

@@ -799,12 +799,18 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     tokens.resize(static_cast<std::size_t>(*max_tokens));
     finish_reason = "length";
   }
+  // A model named as a reasoner (DeepSeek's "deepseek-reasoner") reasons first, and gives its
+  // reasoning apart from the content, as `reasoning_content`.
+  const std::vector<std::string> reasoning =
+      model.find("reasoner") != std::string::npos ? split_words("First I read the question, then I answer it.")
+                                                  : std::vector<std::string>();
   // What the stream sends, one delta per chunk.
   std::vector<json> deltas;
+  for (const auto& t : reasoning) deltas.push_back({{"reasoning_content", t}});
   if (calls.empty()) {
     for (const auto& t : tokens) deltas.push_back({{"content", t}});
   } else {
-    deltas = tool_call_deltas(calls);
+    for (json& d : tool_call_deltas(calls)) deltas.push_back(std::move(d));
     finish_reason = "tool_calls";
   }
   const std::int64_t prompt_tokens = prompt_words(body);
@@ -840,6 +846,11 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     for (const auto& t : tokens) text += t;
     json message = {{"role", "assistant"}, {"content", text}};
     if (!calls.empty()) message = {{"role", "assistant"}, {"content", nullptr}, {"tool_calls", calls}};
+    if (!reasoning.empty()) {
+      std::string thought;
+      for (const auto& t : reasoning) thought += t;
+      message["reasoning_content"] = thought;
+    }
     json reply = {{"id", id},
                   {"object", "chat.completion"},
                   {"created", created},
@@ -882,7 +893,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
   };
   // "n": several answers, their chunks interleaved as OpenAI sends them; choice k > 0 says
   // "alt<k>-" before each word.
-  const int choices = calls.empty() && body.contains("n") && body["n"].is_number_integer()
+  const int choices = calls.empty() && reasoning.empty() && body.contains("n") && body["n"].is_number_integer()
                           ? std::clamp(body["n"].get<int>(), 1, 8)
                           : 1;
 

@@ -232,7 +232,7 @@ TEST(StreamedAnswer, ReadsTextFinishReasonAndUsageInAnyChunking) {
       "data: [DONE]\n\n";
   for (const std::size_t chunk : {body.size(), std::size_t{1}, std::size_t{5}}) {
     std::string sunk;
-    StreamedAnswer answer(SseLimits{}, [&](std::string_view piece, std::span<const TokenLogprob>) { sunk += piece; });
+    StreamedAnswer answer(SseLimits{}, [&](std::string_view piece, std::span<const TokenLogprob>, TextPart) { sunk += piece; });
     for (std::size_t at = 0; at < body.size(); at += chunk) ASSERT_TRUE(answer.feed(std::string_view(body).substr(at, chunk)));
     const Outcome o = answer.finish(stream_response(), std::chrono::steady_clock::now());
     ASSERT_TRUE(o.ok()) << o.error->message;
@@ -459,7 +459,7 @@ TEST(AnswerFromBody, ReadsAChatCompletion) {
   std::string sunk;
   const Outcome o = answer_from_body(
       200, R"({"choices": [{"message": {"content": "4"}, "finish_reason": "stop"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})",
-      {}, [&](std::string_view piece, std::span<const TokenLogprob>) { sunk += piece; });
+      {}, [&](std::string_view piece, std::span<const TokenLogprob>, TextPart) { sunk += piece; });
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(o.completion->text, "4");
   EXPECT_EQ(sunk, "4");
@@ -563,7 +563,7 @@ TEST(StreamedAnswer, CollectsEachChunksLogprobsAndHandsThemToTheSink) {
       "[{\"token\": \"lo\", \"logprob\": -2.0, \"top_logprobs\": []}]}, \"finish_reason\": \"stop\"}]}\n\n"
       "data: [DONE]\n\n";
   std::vector<std::pair<std::string, std::size_t>> sunk;
-  StreamedAnswer answer(SseLimits{}, [&](std::string_view piece, std::span<const TokenLogprob> lp) {
+  StreamedAnswer answer(SseLimits{}, [&](std::string_view piece, std::span<const TokenLogprob> lp, TextPart) {
     sunk.emplace_back(std::string(piece), lp.size());
   });
   ASSERT_TRUE(answer.feed(body));
@@ -590,11 +590,69 @@ TEST(AnswerFromBody, ReadsLogprobsOfAWholeAnswer) {
   const Outcome o = answer_from_body(
       200,
       R"({"choices": [{"text": " 4", "finish_reason": "stop", "logprobs": {"tokens": [" 4"], "token_logprobs": [-0.01], "top_logprobs": [{" 4": -0.01}]}}]})",
-      {}, [&](std::string_view, std::span<const TokenLogprob> lp) { sunk += lp.size(); });
+      {}, [&](std::string_view, std::span<const TokenLogprob> lp, TextPart) { sunk += lp.size(); });
   ASSERT_TRUE(o.ok());
   ASSERT_TRUE(o.completion->logprobs);
   EXPECT_EQ((*o.completion->logprobs)[0].token, " 4");
   EXPECT_EQ(sunk, 1u);
+}
+
+// ---- reasoning given apart from the content ---------------------------------------------------
+
+TEST(StreamedAnswer, ReasoningDeltasAreTheAnswersReasoningAndGoToTheSinkAsSuch) {
+  // DeepSeek's API, vLLM and llama.cpp's server send `reasoning_content`; later vLLM and
+  // OpenRouter `reasoning`; a server that sends both sends the same text twice.
+  const std::string body =
+      "data: {\"choices\": [{\"delta\": {\"role\": \"assistant\", \"content\": null, \"reasoning_content\": \"Add \"}}]}\n\n"
+      "data: {\"choices\": [{\"delta\": {\"reasoning\": \"them\"}}]}\n\n"
+      "data: {\"choices\": [{\"delta\": {\"reasoning_content\": \".\", \"reasoning\": \".\"}}]}\n\n"
+      "data: {\"choices\": [{\"delta\": {\"content\": \"4\", \"reasoning_content\": null}, \"finish_reason\": \"stop\"}]}\n\n"
+      "data: [DONE]\n\n";
+  std::vector<std::pair<std::string, TextPart>> sunk;
+  StreamedAnswer answer(SseLimits{}, [&](std::string_view piece, std::span<const TokenLogprob>, TextPart part) {
+    sunk.emplace_back(std::string(piece), part);
+  });
+  ASSERT_TRUE(answer.feed(body));
+  const Outcome o = answer.finish(stream_response(), std::chrono::steady_clock::now());
+  ASSERT_TRUE(o.ok()) << o.error->message;
+  EXPECT_EQ(o.completion->reasoning, "Add them.");
+  EXPECT_EQ(o.completion->text, "4");
+  EXPECT_EQ(sunk, (std::vector<std::pair<std::string, TextPart>>{{"Add ", TextPart::kReasoning},
+                                                                  {"them", TextPart::kReasoning},
+                                                                  {".", TextPart::kReasoning},
+                                                                  {"4", TextPart::kContent}}));
+}
+
+TEST(AnswerFromBody, ReadsTheReasoningOfAWholeAnswer) {
+  for (const char* key : {"reasoning_content", "reasoning"}) {
+    std::vector<std::pair<std::string, TextPart>> sunk;
+    const Outcome o = answer_from_body(
+        200,
+        R"({"choices": [{"message": {"role": "assistant", "content": "4", ")" + std::string(key) +
+            R"(": "Add them."}, "finish_reason": "stop"}]})",
+        {}, [&](std::string_view piece, std::span<const TokenLogprob>, TextPart part) { sunk.emplace_back(std::string(piece), part); });
+    ASSERT_TRUE(o.ok()) << key;
+    EXPECT_EQ(o.completion->reasoning, "Add them.") << key;
+    EXPECT_EQ(o.completion->text, "4") << key;
+    EXPECT_EQ(sunk, (std::vector<std::pair<std::string, TextPart>>{{"Add them.", TextPart::kReasoning}, {"4", TextPart::kContent}}));
+  }
+  // Reasoning that is not text is not read, and does not fail the answer.
+  const Outcome o = answer_from_body(
+      200, R"({"choices": [{"message": {"content": "4", "reasoning": {"effort": "low"}}, "finish_reason": "stop"}]})", {});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o.completion->reasoning, "");
+}
+
+TEST(ToOpenAIBody, SendsAnAssistantsReasoningWhereGiven) {
+  Request r = chat_request();
+  ChatMessage answer{"assistant", "4"};
+  answer.reasoning = "Add them.";
+  r.messages.push_back(answer);
+  r.messages.push_back({"user", "And 3+3?"});
+  const auto body = to_openai_body(r);
+  EXPECT_EQ(body["messages"][2].dump(), R"({"role":"assistant","content":"4","reasoning_content":"Add them."})");
+  EXPECT_FALSE(body["messages"][1].contains("reasoning_content"));
+  EXPECT_FALSE(body["messages"][3].contains("reasoning_content"));
 }
 
 }  // namespace batchlm::client

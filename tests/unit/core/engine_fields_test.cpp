@@ -25,6 +25,21 @@ TEST(EngineFields, TopKIsHonoured) {
   EXPECT_FALSE(ok("top_k", 1ll << 40));
 }
 
+TEST(EngineFields, TheTemplatesThinkingSwitchIsTheOnlyTemplateVariableTaken) {
+  EXPECT_TRUE(ok("chat_template_kwargs", {{"enable_thinking", false}}));
+  EXPECT_TRUE(ok("chat_template_kwargs", json::object()));
+  EXPECT_EQ(problem("chat_template_kwargs", {{"enable_thinking", "no"}}), "'enable_thinking' must be true or false, not \"no\"");
+  EXPECT_EQ(problem("chat_template_kwargs", {{"thinking", true}}),
+            "the embedded engine takes only 'enable_thinking' among the template's variables, not 'thinking'; remove it, "
+            "or run the job against an API that does (--base-url)");
+  EXPECT_EQ(problem("chat_template_kwargs", json::array()), "expected an object of template variables, not []");
+  using ojson = nlohmann::ordered_json;
+  EXPECT_EQ(requested_thinking(ojson{{"chat_template_kwargs", {{"enable_thinking", false}}}}), false);
+  EXPECT_EQ(requested_thinking(ojson{{"chat_template_kwargs", {{"enable_thinking", true}}}}), true);
+  EXPECT_EQ(requested_thinking(ojson{{"chat_template_kwargs", {{"enable_thinking", nullptr}}}}), std::nullopt);
+  EXPECT_EQ(requested_thinking(ojson::object()), std::nullopt);
+}
+
 TEST(EngineFields, PenaltiesAreHonouredInTheApiRange) {
   EXPECT_TRUE(ok("presence_penalty", 0.5));
   EXPECT_TRUE(ok("frequency_penalty", -2));

@@ -46,6 +46,25 @@ TEST(ReadToolFields, TakesAnAssistantsCallsAndAToolsIdAndName) {
   EXPECT_EQ(read("assistant", {{"tool_calls", {untyped}}}), std::nullopt);
 }
 
+TEST(ReadToolFields, TakesAnAssistantsReasoningGivenApart) {
+  ChatMessage assistant;
+  EXPECT_EQ(read("assistant", {{"reasoning_content", "Add them."}}, &assistant), std::nullopt);
+  EXPECT_EQ(assistant.reasoning, "Add them.");
+  // Given empty is given (a template then writes an empty block); null or absent is not given.
+  EXPECT_EQ(read("assistant", {{"reasoning_content", ""}}, &assistant), std::nullopt);
+  EXPECT_EQ(assistant.reasoning, "");
+  EXPECT_EQ(read("assistant", {{"reasoning_content", nullptr}}, &assistant), std::nullopt);
+  EXPECT_EQ(assistant.reasoning, std::nullopt);
+
+  const auto p = read("user", {{"reasoning_content", "x"}});
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->first, ".reasoning_content");
+  EXPECT_EQ(p->second, "only an assistant message has reasoning (this one's role is user)");
+  const auto q = read("assistant", {{"reasoning_content", 3}});
+  ASSERT_TRUE(q);
+  EXPECT_EQ(q->first + ": " + q->second, ".reasoning_content: expected a string, got number");
+}
+
 TEST(ReadToolFields, NamesTheFieldAndWhatIsWrong) {
   const auto problem = [](const std::string& role, const json& m) {
     auto p = read(role, m);

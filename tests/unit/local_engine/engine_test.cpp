@@ -655,7 +655,7 @@ struct Call {
 // Runs complete() and stores what it returned, streamed and threw.
 asio::awaitable<void> call_complete(Backend& backend, Request request, Call& call) {
   try {
-    Outcome outcome = co_await backend.complete(request, [&call](std::string_view piece, std::span<const TokenLogprob>) {
+    Outcome outcome = co_await backend.complete(request, [&call](std::string_view piece, std::span<const TokenLogprob>, TextPart) {
       call.pieces.emplace_back(piece);
       if (call.on_piece) call.on_piece();
     });

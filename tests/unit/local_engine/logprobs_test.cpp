@@ -361,7 +361,7 @@ Call complete_on(LocalBackend& backend, asio::io_context& io, const Request& req
   asio::co_spawn(
       io,
       [&]() -> asio::awaitable<void> {
-        call.outcome = co_await backend.complete(request, [&](std::string_view text, std::span<const TokenLogprob> lp) {
+        call.outcome = co_await backend.complete(request, [&](std::string_view text, std::span<const TokenLogprob> lp, TextPart) {
           call.streamed += text;
           call.logprobs.insert(call.logprobs.end(), lp.begin(), lp.end());
         });

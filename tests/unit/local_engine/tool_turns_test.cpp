@@ -61,7 +61,7 @@ TEST(ToolTurns, QwenAndLlamaTemplatesRenderToolsCallsAndResultsAsJinjaDoes) {
   const std::filesystem::path source(BATCHLM_SOURCE_DIR);
   // Read in order: the tools' keys reach the prompt as written.
   const auto renders = nlohmann::ordered_json::parse(read_file(source / "tests/reference/tool_turns/renders.json"));
-  ASSERT_EQ(renders.size(), 37u);
+  ASSERT_EQ(renders.size(), 43u);
   std::set<std::string> seen;
   for (const auto& r : renders) {
     const std::string name = r["template"].get<std::string>();
@@ -72,10 +72,35 @@ TEST(ToolTurns, QwenAndLlamaTemplatesRenderToolsCallsAndResultsAsJinjaDoes) {
     ASSERT_EQ(chat.call_format(), name.starts_with("Qwen") ? CallFormat::kTagged : CallFormat::kJson);
     std::string expected = r["expected"].get<std::string>();
     if (const std::size_t at = expected.find("@DATE@"); at != std::string::npos) expected.replace(at, 6, today());
-    EXPECT_EQ(chat.apply(messages_from(r["messages"]), true, r["tools"]), expected);
+    // Template variables (enable_thinking) the engine writes as the answer's opening.
+    nlohmann::ordered_json extra = nlohmann::ordered_json::object();
+    if (r.contains("chat_template_kwargs")) extra["chat_template_kwargs"] = r["chat_template_kwargs"];
+    EXPECT_EQ(chat.apply(messages_from(r["messages"]), true, r["tools"]) + answer_prefix(chat, extra), expected);
     seen.insert(name);
   }
   EXPECT_EQ(seen.size(), 5u);
+}
+
+// Qwen 3's enable_thinking false writes an empty <think> block after the generation prompt, and a
+// forced call opens after it; a template without the switch (Qwen 2.5's) leaves it unread.
+TEST(ToolTurns, TheAnswersOpeningTakesThinkingOffBeforeAForcedCall) {
+  const std::filesystem::path templates = std::filesystem::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates";
+  const std::string qwen3 = read_file(templates / "Qwen-Qwen3-0.6B.jinja");
+  const std::string qwen25 = read_file(templates / "Qwen-Qwen2.5-7B-Instruct.jinja");
+  if (qwen3.empty() || qwen25.empty()) GTEST_SKIP() << "Qwen's templates are absent (scripts/fetch-vocabs.sh fetches them)";
+  const ChatTemplate three = template_from(qwen3), two = template_from(qwen25);
+  EXPECT_EQ(three.thinking_off(), "<think>\n\n</think>\n\n");
+  EXPECT_EQ(two.thinking_off(), "");
+  const auto extra = nlohmann::ordered_json::parse(R"({"chat_template_kwargs": {"enable_thinking": false},
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+      "tool_choice": "required"})");
+  EXPECT_EQ(answer_prefix(three, extra), "<think>\n\n</think>\n\n<tool_call>\n");
+  EXPECT_EQ(answer_prefix(two, extra), "<tool_call>\n");
+  nlohmann::ordered_json on = extra;
+  on["chat_template_kwargs"]["enable_thinking"] = true;
+  on["tool_choice"] = "auto";
+  EXPECT_EQ(answer_prefix(three, on), "");
+  EXPECT_EQ(answer_prefix(three, nullptr), "");
 }
 
 TEST(ToolTurns, ATemplateWithoutToolsRefusesThemAndKeepsItsToolRole) {

@@ -569,6 +569,24 @@ TEST(ParseRequest, ToolsGoToTheEngineAndWhatItCannotHonourIsRefused) {
                  "'tools' is a chat completions parameter");
 }
 
+TEST(ParseRequest, ReasoningBackAndTheThinkingSwitchGoToTheEngine) {
+  const ApiRequest r = chat({{"messages", json::array({{{"role", "user"}, {"content", "2+2?"}},
+                                                       {{"role", "assistant"}, {"content", "4"}, {"reasoning_content", "Add."}},
+                                                       {{"role", "user"}, {"content", "3+3?"}}})},
+                             {"chat_template_kwargs", {{"enable_thinking", false}}}});
+  EXPECT_EQ(r.request.messages[1].reasoning, "Add.");
+  EXPECT_EQ(r.request.messages[0].reasoning, std::nullopt);
+  EXPECT_EQ(json(r.request.extra["chat_template_kwargs"]), (json{{"enable_thinking", false}}));
+  expect_invalid(chat_error(chat_body({{"messages", json::array({{{"role", "user"}, {"content", "x"}, {"reasoning_content", "y"}}})}})),
+                 "messages[0].reasoning_content",
+                 "'messages[0].reasoning_content': only an assistant message has reasoning (this one's role is user)");
+  expect_unsupported(chat_error(chat_body({{"chat_template_kwargs", {{"reasoning_effort", "low"}}}})), "chat_template_kwargs",
+                     "'chat_template_kwargs': the embedded engine takes only 'enable_thinking' among the template's "
+                     "variables, not 'reasoning_effort'");
+  expect_invalid(completion_error(completion_body_json({{"chat_template_kwargs", {{"enable_thinking", false}}}})),
+                 "chat_template_kwargs", "'chat_template_kwargs' is a chat completions parameter");
+}
+
 TEST(ParseRequest, ToolsKeepTheirKeysInTheOrderTheClientWroteThem) {
   // The engine writes the tools into the prompt as a template would, keys as given.
   const std::string tool =
@@ -1038,6 +1056,19 @@ TEST(CompletionBody, ToolCallsGoInTheMessageAndInOneStreamChunk) {
   EXPECT_EQ(delta["tool_calls"][1]["index"], 1);
   EXPECT_TRUE(chunk["choices"][0]["finish_reason"].is_null());
   EXPECT_FALSE(tool_calls_chunk(chat_ctx(), json::array({kCall}), false, false, 0)["choices"][0]["delta"].contains("role"));
+}
+
+TEST(CompletionBody, ReasoningGoesApartFromTheContent) {
+  Completion c;
+  c.finish_reason = "stop";
+  c.text = "4";
+  c.reasoning = "Add them.";
+  EXPECT_EQ(completion_body(chat_ctx(), c)["choices"][0]["message"],
+            (json{{"role", "assistant"}, {"content", "4"}, {"reasoning_content", "Add them."}}));
+  c.reasoning.clear();
+  EXPECT_FALSE(completion_body(chat_ctx(), c)["choices"][0]["message"].contains("reasoning_content"));
+  const json chunk = text_chunk(chat_ctx(), "Add", true, false, 0, nullptr, TextPart::kReasoning);
+  EXPECT_EQ(chunk["choices"][0]["delta"], (json{{"role", "assistant"}, {"reasoning_content", "Add"}}));
 }
 
 }  // namespace batchlm::server

@@ -68,7 +68,7 @@ class StreamedAnswer {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // `sink` gets each piece of text as its event is read.
+  // `sink` gets each piece of text (content or reasoning) as its event is read.
   StreamedAnswer(SseLimits limits, TokenSink sink);
 
   // The next bytes of the body. False when the transfer should stop: the stream failed (an
@@ -98,6 +98,7 @@ class StreamedAnswer {
   SseParser parser_;
   TokenSink sink_;
   std::string text_;
+  std::string reasoning_;  // delta.reasoning_content (or .reasoning) put together
   std::string finish_reason_;
   Usage usage_;
   std::optional<std::vector<TokenLogprob>> logprobs_;

@@ -27,6 +27,9 @@ std::optional<std::string> engine_field_problem(std::string_view key, const nloh
 // Whether the extra fields give the model tools to call: a non-empty `tools` without
 // `tool_choice: "none"`. For fields that passed the checks above.
 bool requested_tools(const nlohmann::ordered_json& extra);
+// `chat_template_kwargs.enable_thinking` (Qwen 3's switch: false writes an empty <think> block
+// after the generation prompt, so the model answers without reasoning); nullopt when not given.
+std::optional<bool> requested_thinking(const nlohmann::ordered_json& extra);
 
 // What is wrong with the tool fields together (each already passed engine_field_problem), as
 // (the field to name, what is wrong), or nullopt: a forced tool_choice ("required", or

@@ -27,14 +27,20 @@ struct ChatMessage {
   nlohmann::json tool_calls;
   std::string tool_call_id;
   std::string name;
+  // An assistant message's reasoning, given apart from its content (the API's
+  // `reasoning_content`, as a reasoning model's answer returns it); nullopt: not given. A
+  // template that keeps reasoning (Qwen 3's) then writes it in place of a <think> block found
+  // in the content.
+  std::optional<std::string> reasoning;
 
   bool calls_tools() const { return tool_calls.is_array() && !tool_calls.empty(); }
-  // Bytes of the message's text: its content and its calls as JSON.
+  // Bytes of the message's text: its content, its reasoning and its calls as JSON.
   std::size_t text_bytes() const;
 };
 
-// Reads a chat message's tool-calling fields (`tool_calls`, `tool_call_id`, `name`) from its
-// JSON object `m` into `message`, whose role is set. Returns the first problem as (the field's
+// Reads a chat message's tool-calling fields (`tool_calls`, `tool_call_id`, `name`) and an
+// assistant's `reasoning_content` (a string, or null for none) from its JSON object `m` into
+// `message`, whose role is set. Returns the first problem as (the field's
 // path below the message, e.g. ".tool_calls[0].function.arguments", what is wrong), or nullopt.
 // Calls are held to the API's form: an assistant's list of {id, type: function, function:
 // {name, arguments}}, the arguments a string (the JSON text); an empty list is no calls. A tool
@@ -116,6 +122,10 @@ struct Completion {
   // The older single call (`function_call`: {name, arguments}) an API gives for `functions`,
   // or null.
   nlohmann::json function_call;
+  // The reasoning the model wrote before its answer, where the backend gives it apart from
+  // `text` (an API's `reasoning_content` or `reasoning`; the embedded engine's <think> block);
+  // empty when there was none or it is part of `text`.
+  std::string reasoning;
 };
 
 // The length of the valid UTF-8 character at s[i] (1-4), or 0 when the bytes there are not one
@@ -225,8 +235,14 @@ struct EngineStats {
   nlohmann::json to_json() const;
 };
 
+// Which part of an answer a streamed piece belongs to: the content, or the reasoning a model
+// writes before it (Completion::reasoning).
+enum class TextPart { kContent, kReasoning };
+
 // Receives each piece of output text as it arrives (one call per streamed delta), with the
-// log-probabilities of the tokens it completes when the request asked for them (else empty).
-using TokenSink = std::function<void(std::string_view delta, std::span<const TokenLogprob> logprobs)>;
+// log-probabilities of the tokens it completes when the request asked for them (else empty),
+// and which part of the answer it is.
+using TokenSink =
+    std::function<void(std::string_view delta, std::span<const TokenLogprob> logprobs, TextPart part)>;
 
 }  // namespace batchlm

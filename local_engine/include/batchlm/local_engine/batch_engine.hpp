@@ -59,6 +59,10 @@ struct LocalBackendOptions {
   SpeculativeOptions speculative;  // method kNone: off
   Device device = Device::kAuto;   // auto: CUDA when a usable GPU is present, else the CPU
   bool cuda_graphs = true;         // CUDA: replay decode steps from captured graphs
+  // A chat answer that opens with a <think> block (or whose prompt opened one, as DeepSeek-R1
+  // distills' do) gives the block's text as Completion::reasoning, apart from the content, as
+  // reasoning APIs do (`reasoning_content`); false: it stays at the head of the text.
+  bool split_reasoning = true;
 };
 
 // The pool size in tokens those options give for a model with `bytes_per_token` of keys and

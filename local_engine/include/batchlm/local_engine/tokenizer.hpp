@@ -178,6 +178,10 @@ class ChatTemplate {
   bool reasoning_turns() const { return reasoning_; }
   // DeepSeek-R1's: the generation prompt opens a <think> block.
   bool opens_reasoning() const { return opens_reasoning_; }
+  // Qwen 3's enable_thinking: what the template writes after the generation prompt when it is
+  // false (an empty <think> block, "<think>\n\n</think>\n\n"); empty for a template without the
+  // switch, which a Jinja template would leave unread.
+  std::string_view thinking_off() const { return thinking_off_; }
   // Phi-3's: whether system messages are turns (else they are left out).
   bool system_turns() const { return system_turns_; }
   // Whether the template lists tools and shows the model its calls and their results, and in
@@ -197,6 +201,7 @@ class ChatTemplate {
   std::string date_;  // empty: no dated system turn
   bool reasoning_ = false;
   bool opens_reasoning_ = false;
+  std::string thinking_off_;
   bool system_turns_ = false;
   bool skip_empty_system_ = false;
   bool phi_newlines_ = true;  // Phi-3's "<|user|>\n"; Phi-4-mini's tags take none
@@ -222,6 +227,11 @@ class ChatTemplate {
   std::string user_tools_preamble_;
 };
 
+// What opens the answer after the template's generation prompt for a request with these extra
+// fields: the empty <think> block of enable_thinking false (ChatTemplate::thinking_off()), then a
+// forced call's opening (forced_call_opening) when tools are shown and tool_choice forces one.
+std::string answer_prefix(const ChatTemplate& chat_template, const nlohmann::ordered_json& extra);
+
 // An answer that tool_choice forces to be a call, in the template's form: what opens it after
 // the generation prompt ("<tool_call>\n" for kTagged; nothing for kJson, whose call is the whole
 // answer), and the key the call gives its arguments under ("arguments", or "parameters").
@@ -236,6 +246,31 @@ std::optional<std::string> tools_problem(const ChatTemplate& chat_template);
 // <think>...</think> block (as Qwen 3 writes it), else at 0; nullopt while it is still
 // reasoning (no </think> yet). A <tool_call> the model writes while it reasons is text.
 std::optional<std::size_t> answer_start(std::string_view text);
+
+// An answer split, as it streams, into the reasoning a model writes in a <think> ... </think>
+// block at its start and the content after the block (an API's `reasoning_content` and
+// `content`). `opened`: the prompt opened the block (a DeepSeek-R1 distill's generation prompt
+// ends with "<think>\n"), so the answer begins inside it. The reasoning is given without the
+// whitespace at its ends, the content without the whitespace at its start. An answer that
+// does not open with a block is all content; one that ends inside the block (cut short) is all
+// reasoning. The text of each piece goes out at once but for what may still turn out to be
+// part of a tag or the whitespace at an end.
+class ReasoningSplit {
+ public:
+  explicit ReasoningSplit(bool opened) : state_(opened ? State::kReasoningStart : State::kStart) {}
+  struct Parts {
+    std::string reasoning, content;
+  };
+  // The next piece of the answer; returns what of it goes out now.
+  Parts add(std::string_view piece);
+  // The answer is whole: what was held back.
+  Parts finish();
+
+ private:
+  enum class State { kStart, kReasoningStart, kReasoning, kContentStart, kContent };
+  State state_;
+  std::string held_;  // text not yet given out
+};
 
 // An answer's tool calls, in the form the template teaches (ChatTemplate::call_format()).
 // kTagged: every <tool_call>{"name": ..., "arguments": {...}}</tool_call> block of `text` after

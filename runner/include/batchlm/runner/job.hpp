@@ -107,6 +107,9 @@ struct BackendSpec {
   bool kv_recycle = true;
   // local: a file that gets one JSON line per engine step (empty: none).
   std::string step_log;
+  // local: "separate" gives a chat answer's opening <think> block as the record's `reasoning`,
+  // apart from its `output`; "inline" keeps it at the head of the output.
+  std::string reasoning = "separate";
   // local, speculative decoding (backend.speculative): method none|draft|self|ngram, the draft
   // model (draft), the target's layers that draft (self; 0: a quarter), the bounds of each
   // sequence's draft length, and the n-gram lengths looked up (ngram).

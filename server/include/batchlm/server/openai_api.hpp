@@ -86,9 +86,10 @@ Usage total_usage(std::span<const Completion> choices);
 // moves past the tokens (a stream's chunks carry it from one to the next).
 nlohmann::json choice_logprobs(Endpoint endpoint, std::span<const TokenLogprob> logprobs, std::int64_t& text_offset);
 // One stream chunk carrying text of choice `index` (chat: a delta; the choice's first chunk
-// also carries the role), and its tokens' `logprobs` (choice_logprobs) when asked for.
-nlohmann::json text_chunk(const ResponseContext& ctx, std::string_view text, bool first,
-                          bool include_usage, int index = 0, nlohmann::json logprobs = nullptr);
+// also carries the role), and its tokens' `logprobs` (choice_logprobs) when asked for. Reasoning
+// (`part`) goes in a chat delta's `reasoning_content`.
+nlohmann::json text_chunk(const ResponseContext& ctx, std::string_view text, bool first, bool include_usage,
+                          int index = 0, nlohmann::json logprobs = nullptr, TextPart part = TextPart::kContent);
 // A chat stream's chunk carrying choice `index`'s tool calls, whole, each with its `index` (and the
 // role, with null content, where it is the choice's first chunk).
 nlohmann::json tool_calls_chunk(const ResponseContext& ctx, const nlohmann::json& calls, bool first,
