@@ -568,11 +568,13 @@ std::optional<std::vector<TokenLogprob>> parse_logprobs(const nlohmann::json& va
 }
 
 // The reasoning a message or a delta gives apart from its content: `reasoning_content` (DeepSeek's
-// API, vLLM, SGLang, llama.cpp's server), else `reasoning` (later vLLM, OpenRouter). Only text
-// is read; a server that sends both sends the same text twice, so the first is taken.
+// API, vLLM, SGLang, llama.cpp's server), else `reasoning` (later vLLM, OpenRouter); nullptr for
+// none. Only text is read, and empty text is none; a server that sends both sends the same text
+// twice, so the first is taken.
 static const std::string* reasoning_of(const nlohmann::json& object) {
   for (const char* key : {"reasoning_content", "reasoning"})
-    if (auto r = object.find(key); r != object.end() && r->is_string()) return &r->get_ref<const std::string&>();
+    if (auto r = object.find(key); r != object.end() && r->is_string() && !r->get_ref<const std::string&>().empty())
+      return &r->get_ref<const std::string&>();
   return nullptr;
 }
 
@@ -721,7 +723,7 @@ void StreamedAnswer::on_event(const SseEvent& event) {
       }
       if (auto c = delta->find("content"); c != delta->end()) content = &*c;
       content_field = "delta.content";
-      if (const std::string* r = reasoning_of(*delta); r != nullptr && !r->empty()) reasoning = r;
+      reasoning = reasoning_of(*delta);
       if (!add_call_fragments(*delta)) return;
     } else if (auto t = choice.find("text"); t != choice.end()) {
       content = &*t;
@@ -746,15 +748,12 @@ void StreamedAnswer::on_event(const SseEvent& event) {
     }
     const std::string empty;
     const std::string& piece = content && content->is_string() ? content->get_ref<const std::string&>() : empty;
+    if (reasoning != nullptr || !piece.empty()) note_delta();
     if (reasoning != nullptr) {
-      note_delta();
       reasoning_ += *reasoning;
       if (sink_) sink_(*reasoning, {}, TextPart::kReasoning);
     }
-    if (!piece.empty()) {
-      note_delta();
-      text_ += piece;
-    }
+    text_ += piece;
     if (sink_ && (!piece.empty() || (logprobs && !logprobs->empty())))
       sink_(piece, logprobs ? std::span<const TokenLogprob>(*logprobs) : std::span<const TokenLogprob>(),
             TextPart::kContent);

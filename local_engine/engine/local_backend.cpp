@@ -392,10 +392,14 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     }
   };
   const auto add_parts = [&](const ReasoningSplit::Parts& parts) {
+    // The log-probabilities go with the content when there is some, else with the reasoning.
     if (!parts.reasoning.empty()) {
       reasoning += parts.reasoning;
-      if (sink) sink(parts.reasoning, parts.content.empty() ? std::span<const TokenLogprob>(pending) : std::span<const TokenLogprob>(), TextPart::kReasoning);
-      if (parts.content.empty()) pending.clear();
+      if (parts.content.empty()) {
+        send(parts.reasoning, TextPart::kReasoning);
+      } else if (sink) {
+        sink(parts.reasoning, {}, TextPart::kReasoning);
+      }
     }
     if (!parts.content.empty()) add_content(parts.content);
   };

@@ -845,9 +845,26 @@ std::string new_call_id() {
 
 namespace {
 
+bool is_space(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
+
 std::size_t skip_space(std::string_view text, std::size_t at) {
-  while (at < text.size() && (text[at] == ' ' || text[at] == '\n' || text[at] == '\t' || text[at] == '\r')) ++at;
+  while (at < text.size() && is_space(text[at])) ++at;
   return at;
+}
+
+// The length of `text` without the whitespace at its end.
+std::size_t trimmed_size(std::string_view text) {
+  std::size_t n = text.size();
+  while (n > 0 && is_space(text[n - 1])) --n;
+  return n;
+}
+
+// The length of the longest end of `text` that begins `tag` (a tag that the next piece may
+// complete).
+std::size_t partial_tag(std::string_view text, std::string_view tag) {
+  for (std::size_t n = std::min(text.size(), tag.size() - 1); n > 0; --n)
+    if (tag.starts_with(text.substr(text.size() - n))) return n;
+  return 0;
 }
 
 }  // namespace
@@ -879,20 +896,6 @@ std::optional<std::size_t> answer_start(std::string_view text) {
   return end + kThinkEnd.size();
 }
 
-namespace {
-
-bool is_space(char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
-
-// The length of the longest end of `text` that begins `tag` (a tag that may be completed by the
-// next piece).
-std::size_t partial_tag(std::string_view text, std::string_view tag) {
-  for (std::size_t n = std::min(text.size(), tag.size() - 1); n > 0; --n)
-    if (tag.starts_with(text.substr(text.size() - n))) return n;
-  return 0;
-}
-
-}  // namespace
-
 ReasoningSplit::Parts ReasoningSplit::add(std::string_view piece) {
   Parts out;
   held_ += piece;
@@ -919,16 +922,13 @@ ReasoningSplit::Parts ReasoningSplit::add(std::string_view piece) {
         continue;
       case State::kReasoning: {
         if (const std::size_t end = held_.find(kThinkEnd); end != std::string::npos) {
-          std::size_t keep = end;
-          while (keep > 0 && is_space(held_[keep - 1])) --keep;
-          out.reasoning.append(held_, 0, keep);
+          out.reasoning.append(held_, 0, trimmed_size(std::string_view(held_).substr(0, end)));
           held_.erase(0, end + kThinkEnd.size());
           state_ = State::kContentStart;
           continue;
         }
         // Out goes all but a tag's possible beginning and the whitespace before it.
-        std::size_t keep = held_.size() - partial_tag(held_, kThinkEnd);
-        while (keep > 0 && is_space(held_[keep - 1])) --keep;
+        const std::size_t keep = trimmed_size(std::string_view(held_).substr(0, held_.size() - partial_tag(held_, kThinkEnd)));
         out.reasoning.append(held_, 0, keep);
         held_.erase(0, keep);
         return out;
@@ -951,9 +951,7 @@ ReasoningSplit::Parts ReasoningSplit::finish() {
   if (state_ == State::kStart) {
     out.content = std::move(held_);  // the start of a tag, or whitespace, and nothing after it
   } else if (state_ == State::kReasoning) {
-    std::size_t keep = held_.size();
-    while (keep > 0 && is_space(held_[keep - 1])) --keep;
-    out.reasoning = held_.substr(0, keep);  // a tag begun and not finished is text
+    out.reasoning = held_.substr(0, trimmed_size(held_));  // a tag begun and not finished is text
   }
   held_.clear();
   return out;
@@ -1064,17 +1062,13 @@ std::optional<ParsedToolCalls> parse_tool_calls(std::string_view text, CallForma
 
 std::size_t tool_call_start(std::string_view text) {
   if (const std::size_t at = text.find(kCallOpen); at != std::string_view::npos) return at;
-  for (std::size_t keep = std::min(text.size(), kCallOpen.size() - 1); keep > 0; --keep)
-    if (kCallOpen.starts_with(text.substr(text.size() - keep))) return text.size() - keep;
-  return text.size();
+  return text.size() - partial_tag(text, kCallOpen);
 }
 
 std::string ToolCallStream::unsent_content(const ParsedToolCalls& parsed) const {
   // What went out is the text before the first call, which is where `outside` begins.
-  std::string_view rest = std::string_view(parsed.outside).substr(std::min(sent_, parsed.outside.size()));
-  while (!rest.empty() && (rest.back() == ' ' || rest.back() == '\n' || rest.back() == '\t' || rest.back() == '\r'))
-    rest.remove_suffix(1);
-  return std::string(rest);
+  const std::string_view rest = std::string_view(parsed.outside).substr(std::min(sent_, parsed.outside.size()));
+  return std::string(rest.substr(0, trimmed_size(rest)));
 }
 
 std::optional<std::size_t> ToolCallStream::answer_from() {

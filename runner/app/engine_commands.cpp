@@ -271,12 +271,16 @@ int run_inspect() {
                 v.add_bos ? ", BOS added" : "");
     try {
       const ChatTemplate& ct = model->chat_template();
-      std::printf("chat template %s%s%s%s%s\n", terminal_safe(ct.name()).c_str(),
+      const char* tools = ct.call_format() == CallFormat::kTagged ? ", tools called in <tool_call> blocks"
+                          : ct.call_format() == CallFormat::kJson ? ", tools called as JSON answers"
+                                                                   : "";
+      std::printf("chat template %s%s%s%s%s%s%s\n", terminal_safe(ct.name()).c_str(),
                   ct.default_system().empty() ? "" : (", default system: " +
                   quoted(ct.default_system())).c_str(),
                   ct.date().empty() ? "" : (", system turn dated " + terminal_safe(ct.date())).c_str(),
                   ct.reasoning_turns() ? ", <think> reasoning kept after the last user turn only" : "",
-                  ct.opens_reasoning() ? ", the answer opens with <think>" : "");
+                  ct.opens_reasoning() ? ", the answer opens with <think>" : "",
+                  ct.thinking_off().empty() ? "" : ", thinking switched off by enable_thinking: false", tools);
     } catch (const std::exception& e) {
       std::printf("chat template unsupported (%s)\n", terminal_safe(e.what()).c_str());
     }

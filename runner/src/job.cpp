@@ -1458,13 +1458,13 @@ nlohmann::json result_settings(const JobSpec& job) {
                    {"request", request},
                    {"few_shot", few_shot},
                    {"scoring", scoring_json}};
+  // The engine's reasoning kept in the output's text: other records. Only then, so that the
+  // settings of other jobs read as they always have.
+  if (local && job.backend.reasoning == "inline") settings["reasoning"] = "inline";
   // A local model reached through a symbolic link (a "current.gguf", a download cache's
   // snapshot pointing at a blob) is also named by the file the link leads to, so that a link
   // pointed at another model since is another model. Only then: settings made before, without
   // links, stay the same.
-  // The engine's reasoning kept in the output's text: other records. Only then, so that the
-  // settings of other jobs read as they always have.
-  if (local && job.backend.reasoning == "inline") settings["reasoning"] = "inline";
   if (local) {
     std::error_code ec;
     const fs::path file = fs::canonical(job.backend.model, ec);

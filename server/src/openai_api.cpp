@@ -311,9 +311,8 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
   }
   if (const auto problem = tool_choice_problem(r.extra)) refuse(problem->first, problem->second);
   // The template's thinking switch (Qwen 3's enable_thinking); other template variables would
-  // go unread.
-  if (const Body* v = field(body, "chat_template_kwargs")) {
-    if (!chat) invalid("chat_template_kwargs", "'chat_template_kwargs' is a chat completions parameter");
+  // go unread. A text completion has no template, and ignores them as other servers do.
+  if (const Body* v = field(body, "chat_template_kwargs"); v && chat) {
     if (const auto problem = engine_field_problem("chat_template_kwargs", *v)) refuse("chat_template_kwargs", *problem);
     if (!r.extra.is_object()) r.extra = Body::object();
     r.extra["chat_template_kwargs"] = *v;

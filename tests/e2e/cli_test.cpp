@@ -1435,9 +1435,6 @@ TEST(BatchlmRun, ToolConversationsOfABatchFileReachTheApiWhole) {
       << stray.err;
 }
 
-// Tools on the embedded engine: a model whose chat template lists tools (Qwen 2.5's) is shown
-// them and the conversation's calls and results; one whose template does not refuses them when
-// the model is loaded, naming the field, rather than running with them dropped.
 // A reasoning model's reasoning, given apart by an API (reasoning_content) or by the embedded
 // engine (the <think> block a DeepSeek-R1 distill's prompt opens), is the record's `reasoning`,
 // right after the output, which holds only the answer.
@@ -1506,6 +1503,9 @@ TEST(BatchlmRun, ReasoningIsRecordedApartFromTheOutput) {
   }
 }
 
+// Tools on the embedded engine: a model whose chat template lists tools (Qwen 2.5's) is shown
+// them and the conversation's calls and results; one whose template does not refuses them when
+// the model is loaded, naming the field, rather than running with them dropped.
 TEST(BatchlmRun, TheEmbeddedEngineTakesToolsWhereItsTemplateListsThem) {
   TempDir dir;
   const std::string qwen = read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja");

@@ -286,6 +286,15 @@ TEST_F(EngineCli, InspectDescribesQwenAndPhi3Models) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(contains(r.out, "4 query, 2 key/value, head size 32")) << r.out;
   EXPECT_TRUE(contains(r.out, "attention     query and key normalized per head")) << r.out;
+  // With Qwen 3's template: what it does with reasoning and tools.
+  qwen3.chat_template = read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen3-0.6B.jinja");
+  ASSERT_FALSE(qwen3.chat_template.empty());  // scripts/fetch-vocabs.sh fetches it
+  batchlm::testing::write_tiny_llama(dir() / "qwen3-chat.gguf", qwen3);
+  r = run_batchlm(dir(), {"inspect", "qwen3-chat.gguf"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "chat template chatml, <think> reasoning kept after the last user turn only, thinking "
+                              "switched off by enable_thinking: false, tools called in <tool_call> blocks\n"))
+      << r.out;
   RunResult g = run_batchlm(dir(), {"generate", "-m", "qwen3.gguf", "-p", "Hello world", "-n", "5", "--temperature", "0"});
   EXPECT_EQ(g.exit_code, 0) << g.err;
 

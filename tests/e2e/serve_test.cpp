@@ -799,8 +799,6 @@ TEST_F(Serve, ChatCompletion) {
   EXPECT_NE(again.json_body()["id"], c["id"]);
 }
 
-// Tools, and a conversation's calls and results, reach a model whose chat template lists them
-// (Qwen 2.5's), whole or streamed; a model whose template does not refuses them by name.
 // The whitespace the engine takes off the ends of reasoning.
 std::string trimmed(std::string s) {
   const char* space = " \n\t\r";
@@ -874,6 +872,8 @@ TEST_F(Serve, AReasoningModelsThinkBlockGoesOutAsReasoningContent) {
   EXPECT_GT(prompt_tokens["false"], prompt_tokens["default"]);
 }
 
+// Tools, and a conversation's calls and results, reach a model whose chat template lists them
+// (Qwen 2.5's), whole or streamed; a model whose template does not refuses them by name.
 TEST_F(Serve, ToolsReachAModelWhoseTemplateListsThem) {
   const std::string qwen = read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen2.5-7B-Instruct.jinja");
   if (qwen.empty()) GTEST_SKIP() << "Qwen2.5's template is absent (scripts/fetch-vocabs.sh fetches it)";

@@ -2,13 +2,24 @@
 // embedded engine gives them (Completion::reasoning and text; an API's reasoning_content and
 // content), whole and piece by piece.
 
+#include <filesystem>
+#include <fstream>
+#include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/io_context.hpp>
 #include <gtest/gtest.h>
 
+#include "batchlm/local_engine/local_backend.hpp"
 #include "batchlm/local_engine/tokenizer.hpp"
+#include "gguf_writer.hpp"
 
 namespace batchlm::local_engine {
 namespace {
@@ -118,6 +129,87 @@ TEST(ReasoningSplit, PiecesOfAnySizeSplitAsTheWholeAnswer) {
     const Split one = whole(text, opened), many = split(pieces, opened);
     ASSERT_EQ(many.reasoning, one.reasoning) << text << " opened " << opened;
     ASSERT_EQ(many.content, one.content) << text << " opened " << opened;
+  }
+}
+
+// ---- the embedded engine's answers --------------------------------------------------------------
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::string trimmed(std::string_view s) {
+  while (!s.empty() && std::string_view(" \n\t\r").find(s.front()) != std::string_view::npos) s.remove_prefix(1);
+  while (!s.empty() && std::string_view(" \n\t\r").find(s.back()) != std::string_view::npos) s.remove_suffix(1);
+  return std::string(s);
+}
+
+struct Streamed {
+  std::optional<Outcome> outcome;
+  std::string reasoning, content;
+  std::vector<TokenLogprob> logprobs;
+};
+
+// A tiny random model with a DeepSeek-R1 distill's template: its prompt opens the <think> block,
+// and the model never closes it, so its whole answer is reasoning.
+TEST(LocalBackendReasoning, EveryTokensLogProbabilityGoesOutOnceWhicheverPartItIsIn) {
+  const std::string r1 = read_file(std::filesystem::path(BATCHLM_SOURCE_DIR) /
+                                   "models/vocab/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja");
+  if (r1.empty()) GTEST_SKIP() << "the R1 distill's template is absent (scripts/fetch-vocabs.sh fetches it)";
+  std::string dir = (std::filesystem::temp_directory_path() / "batchlm-reasoning-XXXXXX").string();
+  if (::mkdtemp(dir.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  batchlm::testing::TinyLlamaOptions o;
+  o.chat_template = r1;
+  batchlm::testing::write_tiny_llama(std::filesystem::path(dir) / "r1.gguf", o);
+
+  Request request;
+  request.messages = {{"user", "What is 2+2?"}};
+  request.max_tokens = 24;
+  request.temperature = 0;
+  request.extra = {{"logprobs", true}};
+  std::vector<Streamed> runs;
+  for (const bool split : {true, false}) {
+    boost::asio::io_context io;
+    LocalBackendOptions options;
+    options.model = std::filesystem::path(dir) / "r1.gguf";
+    options.threads = 1;
+    options.split_reasoning = split;
+    LocalBackend backend(io.get_executor(), options);
+    Streamed& run = runs.emplace_back();
+    boost::asio::co_spawn(
+        io,
+        [&]() -> boost::asio::awaitable<void> {
+          run.outcome = co_await backend.complete(request, [&](std::string_view text, std::span<const TokenLogprob> lp, TextPart part) {
+            (part == TextPart::kReasoning ? run.reasoning : run.content) += text;
+            run.logprobs.insert(run.logprobs.end(), lp.begin(), lp.end());
+          });
+        },
+        boost::asio::detached);
+    io.run();
+    ASSERT_TRUE(run.outcome && run.outcome->ok()) << run.outcome->error->message;
+  }
+  std::filesystem::remove_all(dir);
+  const Completion &apart = *runs[0].outcome->completion, &kept = *runs[1].outcome->completion;
+  ASSERT_TRUE(apart.logprobs && kept.logprobs);
+  ASSERT_EQ(apart.logprobs->size(), 24u);
+  // The same tokens either way; all of them are reasoning when it is split off.
+  ASSERT_EQ(kept.logprobs->size(), apart.logprobs->size());
+  for (std::size_t k = 0; k < apart.logprobs->size(); ++k) EXPECT_EQ((*apart.logprobs)[k].token, (*kept.logprobs)[k].token);
+  EXPECT_EQ(kept.reasoning, "");
+  EXPECT_EQ(apart.text, "");
+  ASSERT_NE(trimmed(kept.text), "");
+  EXPECT_EQ(apart.reasoning, trimmed(kept.text));
+  for (std::size_t i = 0; i < 2; ++i) {
+    const Completion& c = *runs[i].outcome->completion;
+    EXPECT_EQ(runs[i].reasoning, c.reasoning);
+    EXPECT_EQ(runs[i].content, c.text);
+    // Each token's log-probability went out once, in order.
+    ASSERT_EQ(runs[i].logprobs.size(), c.logprobs->size());
+    for (std::size_t k = 0; k < c.logprobs->size(); ++k) {
+      EXPECT_EQ(runs[i].logprobs[k].token, (*c.logprobs)[k].token);
+      EXPECT_EQ(runs[i].logprobs[k].logprob, (*c.logprobs)[k].logprob);
+    }
   }
 }
 

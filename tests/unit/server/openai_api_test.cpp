@@ -583,8 +583,10 @@ TEST(ParseRequest, ReasoningBackAndTheThinkingSwitchGoToTheEngine) {
   expect_unsupported(chat_error(chat_body({{"chat_template_kwargs", {{"reasoning_effort", "low"}}}})), "chat_template_kwargs",
                      "'chat_template_kwargs': the embedded engine takes only 'enable_thinking' among the template's "
                      "variables, not 'reasoning_effort'");
-  expect_invalid(completion_error(completion_body_json({{"chat_template_kwargs", {{"enable_thinking", false}}}})),
-                 "chat_template_kwargs", "'chat_template_kwargs' is a chat completions parameter");
+  // A text completion has no template: ignored, as unknown fields are.
+  const ApiRequest text = parse_request(Endpoint::kCompletions,
+                                        completion_body_json({{"chat_template_kwargs", {{"reasoning_effort", "low"}}}}), kModel);
+  EXPECT_FALSE(text.request.extra.is_object() && text.request.extra.contains("chat_template_kwargs"));
 }
 
 TEST(ParseRequest, ToolsKeepTheirKeysInTheOrderTheClientWroteThem) {
