@@ -936,6 +936,23 @@ TEST_F(Serve, ToolsReachAModelWhoseTemplateListsThem) {
   ASSERT_EQ(held_stream.status, 200) << held_stream.body;
   EXPECT_TRUE(contains(held_stream.body, "\"name\":\"set_unit\"")) << held_stream.body;
   EXPECT_TRUE(contains(held_stream.body, "\"finish_reason\":\"tool_calls\"")) << held_stream.body;
+  // Asked for, the call's tokens' log-probabilities go out too, once each, before the calls.
+  forced["logprobs"] = true;
+  forced["stream_options"] = {{"include_usage", true}};
+  HttpResponse scored = post(*s, "/v1/chat/completions", forced.dump());
+  ASSERT_EQ(scored.status, 200) << scored.body;
+  std::size_t streamed_logprobs = 0;
+  long long generated = -1;
+  for (const json& chunk : sse_chunks(scored.body)) {
+    if (chunk.contains("usage") && chunk["usage"].is_object()) generated = chunk["usage"]["completion_tokens"].get<long long>();
+    if (chunk["choices"].empty()) continue;
+    const json& lp = chunk["choices"][0]["logprobs"];
+    if (lp.is_object()) streamed_logprobs += lp["content"].size();
+  }
+  EXPECT_GT(generated, 0) << scored.body;
+  EXPECT_EQ(static_cast<long long>(streamed_logprobs), generated) << scored.body;
+  forced.erase("logprobs");
+  forced.erase("stream_options");
   // "required": a call of one of the tools; of the only one here, held to its parameters (among
   // several, to one of their names and an object of arguments: engine_fields_test).
   forced["stream"] = false;
