@@ -916,9 +916,11 @@ ReasoningSplit::Parts ReasoningSplit::add(std::string_view piece) {
         return out;
       }
       case State::kReasoningStart:
+      case State::kContentStart:
+        // The whitespace at the start of the reasoning and of the content is dropped.
         held_.erase(0, skip_space(held_, 0));
         if (held_.empty()) return out;
-        state_ = State::kReasoning;
+        state_ = state_ == State::kReasoningStart ? State::kReasoning : State::kContent;
         continue;
       case State::kReasoning: {
         if (const std::size_t end = held_.find(kThinkEnd); end != std::string::npos) {
@@ -933,11 +935,6 @@ ReasoningSplit::Parts ReasoningSplit::add(std::string_view piece) {
         held_.erase(0, keep);
         return out;
       }
-      case State::kContentStart:
-        held_.erase(0, skip_space(held_, 0));
-        if (held_.empty()) return out;
-        state_ = State::kContent;
-        continue;
       case State::kContent:
         out.content += held_;
         held_.clear();

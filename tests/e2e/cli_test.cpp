@@ -1328,6 +1328,17 @@ const char* const kToolsYaml =
     "      - {type: function, function: {name: get_weather, parameters: {type: object}}}\n"
     "      - {type: function, function: {name: get_time, parameters: {type: object}}}\n";
 
+// A job over questions.jsonl with this `request` section, against `server`'s `model`, streamed or
+// not, retried at once, written to `out`.
+std::string retried_api_job(const FakeServer& server, const std::string& request, const std::string& model, bool stream,
+                            const std::string& out) {
+  return "input: questions.jsonl\n" + request + "backend: {type: openai, base_url: \"" + server.base_url() +
+         "\", model: " + model + ", stream: " + (stream ? "true" : "false") +
+         "}\n"
+         "retry: {max_attempts: 3, base: 10ms, cap: 50ms}\n"
+         "output: " + out + "\n";
+}
+
 // A tool-calling job against an API: each record holds the calls whole, streamed or not, even
 // where every first attempt's stream was cut inside a call.
 TEST(BatchlmRun, ToolCallsAreRecordedWholeAndACallCutShortIsRetried) {
@@ -1342,15 +1353,11 @@ TEST(BatchlmRun, ToolCallsAreRecordedWholeAndACallCutShortIsRetried) {
     write_file(dir.path / "questions.jsonl", questions);
     const std::string out = stream ? "out/stream.jsonl" : "out/whole.jsonl";
     write_file(dir.path / "job.yaml",
-               "input: questions.jsonl\n"
-               "request:\n"
-               "  messages:\n"
-               "    - {role: user, content: \"{{question}}\"}\n" +
-                   std::string(kToolsYaml) +
-                   "backend: {type: openai, base_url: \"" + server.base_url() + "\", model: fake-model, stream: " +
-                   (stream ? "true" : "false") + "}\n"
-                   "retry: {max_attempts: 3, base: 10ms, cap: 50ms}\n"
-                   "output: " + out + "\n");
+               retried_api_job(server, "request:\n"
+                                       "  messages:\n"
+                                       "    - {role: user, content: \"{{question}}\"}\n" +
+                                           std::string(kToolsYaml),
+                               "fake-model", stream, out));
     RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
     ASSERT_EQ(r.exit_code, 0) << r.err;
     const auto records = read_jsonl(dir.path / out);
@@ -1449,12 +1456,8 @@ TEST(BatchlmRun, ReasoningIsRecordedApartFromTheOutput) {
     for (int i = 1; i <= 3; ++i) questions += json{{"question", "Question " + std::to_string(i) + (stream ? "?" : "!")}}.dump() + "\n";
     write_file(dir.path / "questions.jsonl", questions);
     write_file(dir.path / "job.yaml",
-               "input: questions.jsonl\n"
-               "request: {messages: [{role: user, content: \"{{question}}\"}]}\n"
-               "backend: {type: openai, base_url: \"" + server.base_url() + "\", model: fake-reasoner, stream: " +
-                   (stream ? "true" : "false") + "}\n"
-                   "retry: {max_attempts: 3, base: 10ms, cap: 50ms}\n"
-                   "output: " + out + "\n");
+               retried_api_job(server, "request: {messages: [{role: user, content: \"{{question}}\"}]}\n", "fake-reasoner",
+                               stream, out));
     RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
     ASSERT_EQ(r.exit_code, 0) << r.err;
     const auto records = read_jsonl(dir.path / out);
