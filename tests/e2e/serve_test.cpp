@@ -853,6 +853,42 @@ TEST_F(Serve, AReasoningModelsThinkBlockGoesOutAsReasoningContent) {
   EXPECT_EQ(reasoning, trimmed(written)) << stream.body;
   EXPECT_EQ(content, "") << stream.body;
 
+  // The official Python client reads it as the API's other reasoning servers send it: an
+  // attribute of the message and of each delta (which its models take as extra fields), and takes
+  // chat_template_kwargs through extra_body.
+  if (fs::exists(kPython)) {
+    const std::string script = R"PY(
+import json, sys
+import openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="none", max_retries=0, timeout=60)
+ask = dict(model="r1", messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=24, temperature=0)
+whole = client.chat.completions.create(**ask).choices[0].message
+parts = {"reasoning": "", "content": ""}
+for chunk in client.chat.completions.create(stream=True, **ask):
+    if chunk.choices:
+        delta = chunk.choices[0].delta
+        parts["reasoning"] += getattr(delta, "reasoning_content", None) or ""
+        parts["content"] += delta.content or ""
+off = client.chat.completions.create(extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **ask)
+print(json.dumps({"reasoning": whole.reasoning_content, "content": whole.content, "stream": parts,
+                  "off_prompt_tokens": off.usage.prompt_tokens}))
+)PY";
+    write_file(dir() / "reasoning_check.py", script);
+    Process py({.args = {kPython.string(), (dir() / "reasoning_check.py").string(), s->base_url()},
+                .env = {{"OPENAI_API_KEY", ""}, {"OPENAI_BASE_URL", ""}, {"NO_PROXY", "*"}, {"no_proxy", "*"}},
+                .cwd = dir(),
+                .out_file = dir() / "py.out",
+                .err_file = dir() / "py.err"});
+    ASSERT_EQ(py.wait(60s), 0) << read_file(dir() / "py.out") << read_file(dir() / "py.err");
+    const json r = json::parse(read_file(dir() / "py.out"));
+    EXPECT_EQ(r["reasoning"], trimmed(written)) << r.dump();
+    EXPECT_EQ(r["content"], "") << r.dump();
+    EXPECT_EQ(r["stream"]["reasoning"], trimmed(written)) << r.dump();
+    EXPECT_EQ(r["stream"]["content"], "") << r.dump();
+    // An R1 template has no thinking switch: the prompt is as without it.
+    EXPECT_EQ(r["off_prompt_tokens"], whole.json_body()["usage"]["prompt_tokens"]) << r.dump();
+  }
+
   // Qwen 3's thinking switch: with enable_thinking false the answer opens with the empty block
   // its template writes (7 more prompt tokens here); true is its default.
   const std::string qwen3 = read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/Qwen-Qwen3-0.6B.jinja");
