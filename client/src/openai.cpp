@@ -631,8 +631,7 @@ Outcome answer_from_body(int status, std::string_view body_text, Timings timings
   completion.usage = usage_from(body);
   timings.ttft_ms = timings.total_ms;
   completion.timings = timings;
-  if (sink && (!completion.text.empty() || (completion.logprobs && !completion.logprobs->empty()) ||
-               !completion.reasoning.empty())) {
+  if (sink) {
     try {
       if (!completion.reasoning.empty()) sink(completion.reasoning, {}, TextPart::kReasoning);
       if (!completion.text.empty() || (completion.logprobs && !completion.logprobs->empty()))

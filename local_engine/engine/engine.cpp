@@ -1,5 +1,7 @@
 #include "batchlm/local_engine/engine.hpp"
 
+#include "batchlm/core/engine_fields.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
@@ -172,6 +174,13 @@ std::vector<Token> chat_prompt_tokens(const Tokenizer& tok, const ChatTemplate& 
   }
   // Tools for a template that does not list them: apply() refuses them.
   return text_prompt_tokens(tok, chat_template.apply(turns, /*add_generation_prompt=*/true, tools) + std::string(answer_prefix));
+}
+
+std::vector<Token> request_prompt_tokens(const Tokenizer& tok, const ChatTemplate& chat_template, const Request& request) {
+  if (request.prompt) return text_prompt_tokens(tok, *request.prompt);
+  return chat_prompt_tokens(tok, chat_template, request.messages,
+                            requested_tools(request.extra) ? request.extra.at("tools") : nlohmann::ordered_json(),
+                            answer_prefix(chat_template, request.extra));
 }
 
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text) {

@@ -52,12 +52,7 @@ using Channel = asio::experimental::concurrent_channel<void(boost::system::error
 
 struct Job {
   // What the caller sent, until the preparing thread turns it into `prompt`.
-  std::optional<std::string> text;
-  std::vector<ChatMessage> messages;
-  nlohmann::ordered_json tools;  // the function tools the template lists, or null
-  // What the answer opens with, written after the generation prompt: a forced call's frame
-  // ("<tool_call>\n" for Qwen's templates).
-  std::string answer_prefix;
+  Request request;
   std::vector<Token> prompt;
   GenerateParams params;
   std::shared_ptr<Channel> channel;
@@ -159,15 +154,12 @@ struct LocalBackend::State {
       if (job->cancelled.load()) continue;
       try {
         const Model& model = engine->model();
-        job->prompt = job->text ? text_prompt_tokens(model, *job->text)
-                                : chat_prompt_tokens(model, job->messages, job->tools, job->answer_prefix);
+        job->prompt = request_prompt_tokens(model.tokenizer(), model.chat_template(), job->request);
       } catch (const std::exception& e) {
         fail(*job, ErrorKind::Http, 400, "invalid_request", e.what());
         continue;
       }
-      job->text.reset();
-      job->messages = {};
-      job->tools = nullptr;
+      job->request = {};
       {
         std::lock_guard lock(mutex);
         if (stopping) return;
@@ -312,13 +304,7 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   const ChatTemplate& chat = state_->engine->model().chat_template();
   const std::optional<nlohmann::json> forced =
       tools && chat.calls_tools() ? forced_call_schema(request.extra, call_arguments_key(chat.call_format())) : std::nullopt;
-  if (request.prompt) {
-    job->text = *request.prompt;
-  } else {
-    job->messages = request.messages;
-    if (tools) job->tools = request.extra["tools"];
-    job->answer_prefix = answer_prefix(chat, request.extra);  // enable_thinking false, a forced call's opening
-  }
+  job->request = request;  // its prompt is made on the preparing thread
   GenerateParams& p = job->params;
   p.max_tokens = request.max_tokens.value_or(0);
   p.refuse_past_context = request.max_tokens_exact;  // without max_tokens there is nothing to refuse

@@ -356,13 +356,7 @@ int run_command(const JobOptions& o, bool synth) {
         auto chat = std::make_shared<const local_engine::ChatTemplate>(local_engine::ChatTemplate::from_vocab(vocab));
         auto tokenizer = std::make_shared<const local_engine::Tokenizer>(std::move(vocab));
         count_prompt_tokens = [tokenizer, chat](const Request& request) {
-          if (request.prompt) return static_cast<std::int64_t>(local_engine::text_prompt_tokens(*tokenizer, *request.prompt).size());
-          const bool tools = requested_tools(request.extra);
-          return static_cast<std::int64_t>(
-              local_engine::chat_prompt_tokens(*tokenizer, *chat, request.messages,
-                                               tools ? request.extra["tools"] : nlohmann::ordered_json(),
-                                               local_engine::answer_prefix(*chat, request.extra))
-                  .size());
+          return static_cast<std::int64_t>(local_engine::request_prompt_tokens(*tokenizer, *chat, request).size());
         };
         refuse_tools_without_template(job, overrides, local_engine::tools_problem(*chat));
       } catch (const ConfigError&) {

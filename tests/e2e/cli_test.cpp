@@ -1528,17 +1528,6 @@ TEST(BatchlmRun, TheEmbeddedEngineTakesToolsWhereItsTemplateListsThem) {
       "    - {role: tool, tool_call_id: call_1, content: \"-3 C\"}\n"
       "  max_tokens: 4\n" +
       std::string(kToolsYaml) + "backend: {type: local, threads: 1, model: ";
-  write_file(dir.path / "job.yaml", job + "qwen.gguf}\n");
-  RunResult ok = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/qwen.jsonl"});
-  ASSERT_EQ(ok.exit_code, 0) << ok.err;
-  const auto records = read_jsonl(dir.path / "out/qwen.jsonl");
-  ASSERT_EQ(records.size(), 2u);
-  for (const auto& rec : records) {
-    EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
-    // The tools, the call and its result are in the prompt: far more than the three messages' words.
-    EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 300) << rec.dump();
-  }
-
   // Llama 3.1's template lists them too, in the first user message (fetched with Qwen's).
   const std::string llama =
       read_file(fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/templates/meta-llama-Llama-3.1-8B-Instruct.jinja");
@@ -1546,14 +1535,18 @@ TEST(BatchlmRun, TheEmbeddedEngineTakesToolsWhereItsTemplateListsThem) {
   batchlm::testing::TinyLlamaOptions llama_model = tools_model;
   llama_model.chat_template = llama;
   batchlm::testing::write_tiny_llama(dir.path / "llama.gguf", llama_model);
-  write_file(dir.path / "job.yaml", job + "llama.gguf}\n");
-  RunResult listed = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/llama.jsonl"});
-  ASSERT_EQ(listed.exit_code, 0) << listed.err;
-  const auto llama_records = read_jsonl(dir.path / "out/llama.jsonl");
-  ASSERT_EQ(llama_records.size(), 2u);
-  for (const auto& rec : llama_records) {
-    EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
-    EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 300) << rec.dump();
+  for (const std::string name : {"qwen", "llama"}) {
+    SCOPED_TRACE(name);
+    write_file(dir.path / "job.yaml", job + name + ".gguf}\n");
+    RunResult ok = run_batchlm(dir.path, {"run", "job.yaml", "--output", "out/" + name + ".jsonl"});
+    ASSERT_EQ(ok.exit_code, 0) << ok.err;
+    const auto records = read_jsonl(dir.path / ("out/" + name + ".jsonl"));
+    ASSERT_EQ(records.size(), 2u);
+    for (const auto& rec : records) {
+      EXPECT_TRUE(rec["error"].is_null()) << rec.dump();
+      // The tools, the call and its result are in the prompt: far more than the three messages' words.
+      EXPECT_GT(rec["usage"]["prompt_tokens"].get<long long>(), 300) << rec.dump();
+    }
   }
 
   // A forced tool_choice: every record is a call of the tool named, whatever the (random) model.

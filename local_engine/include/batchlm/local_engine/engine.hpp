@@ -154,6 +154,11 @@ std::vector<Token> text_prompt_tokens(const Tokenizer& tokenizer, std::string_vi
 std::vector<Token> chat_prompt_tokens(const Tokenizer& tokenizer, const ChatTemplate& chat_template,
                                       std::span<const ChatMessage> messages, const nlohmann::ordered_json& tools = nullptr,
                                       std::string_view answer_prefix = {});
+// A request's prompt as the embedded engine makes it: a text completion's prompt as it is; a
+// chat's messages with the tools shown (requested_tools) and the answer's opening
+// (answer_prefix: enable_thinking false, a forced call's frame). Throws as chat_prompt_tokens.
+std::vector<Token> request_prompt_tokens(const Tokenizer& tokenizer, const ChatTemplate& chat_template,
+                                         const Request& request);
 
 class Engine {
  public:
