@@ -514,6 +514,19 @@ Error http_error(const HttpResponse& response) {
   return error;
 }
 
+std::string endpoint_url(std::string_view base_url, bool text_prompt) {
+  std::string_view query;
+  if (const std::size_t q = base_url.find('?'); q != std::string_view::npos) {
+    query = base_url.substr(q);
+    base_url = base_url.substr(0, q);
+  }
+  while (base_url.ends_with('/')) base_url.remove_suffix(1);
+  std::string url(base_url);
+  url += text_prompt ? "/completions" : "/chat/completions";
+  url += query;
+  return url;
+}
+
 OpenAIBackend::OpenAIBackend(boost::asio::any_io_executor executor, OpenAIOptions options)
     : options_(std::move(options)), http_(std::move(executor), options_.http) {
   while (!options_.base_url.empty() && options_.base_url.back() == '/') options_.base_url.pop_back();
@@ -890,7 +903,7 @@ Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point s
 boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, TokenSink sink) {
   const auto started = Clock::now();
   HttpRequest http_request;
-  http_request.url = options_.base_url + (request.prompt ? "/completions" : "/chat/completions");
+  http_request.url = endpoint_url(options_.base_url, request.prompt.has_value());
   http_request.timeouts = options_.timeouts;
   http_request.max_response_bytes = options_.max_response_bytes;
   http_request.headers.emplace_back("Content-Type", "application/json");

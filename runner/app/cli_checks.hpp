@@ -74,6 +74,23 @@ inline CLI::Validator between(double min, double max, bool integer = true) {
       (integer ? "INT in " : "NUMBER in ") + detail::show(min) + ".." + detail::show(max));
 }
 
+// An option that takes a value takes the next argument whatever it is, so `-o --dry-run` would
+// write to a file named "--dry-run" and send every request. A value that is one of the command's
+// own options is refused instead, in every command below `cmd`.
+inline void refuse_options_as_values(CLI::App& cmd) {
+  for (CLI::Option* option : cmd.get_options()) {
+    if (!option->nonpositional() || option->get_type_size_max() == 0) continue;  // positionals, flags
+    option->check(CLI::Validator(
+        [&cmd](std::string& value) -> std::string {
+          if (value.size() < 2 || value[0] != '-' || cmd.get_option_no_throw(value.substr(0, value.find('='))) == nullptr)
+            return {};
+          return "value missing: " + value + " is an option, not a value";
+        },
+        ""));
+  }
+  for (CLI::App* sub : cmd.get_subcommands({})) refuse_options_as_values(*sub);
+}
+
 // Compute threads for the engine: more than the machine's hardware threads only makes the
 // kernel threads, which spin between the steps of a forward pass, take turns on the cores
 // (many times slower), so a larger request is lowered, with a note. 0 stays 0 (one per

@@ -171,7 +171,20 @@ void refuse_biases_outside(const JobSpec& job, const std::vector<Override>& over
 // An API's key, from backend.api_key_env; an empty one when the variable is unset and the API is
 // not OpenAI's (a local server needs none). Checked by the dry run too.
 std::string api_key(const JobSpec& job, const EnvLookup& env) {
-  if (auto key = env(job.backend.api_key_env); key && !key->empty()) return *key;
+  if (auto key = env(job.backend.api_key_env); key && !key->empty()) {
+    // It goes out in a header, which a line break would end (a key copied from a Windows .env
+    // file keeps its carriage return): every request would fail, so nothing is sent.
+    const auto control = std::find_if(key->begin(), key->end(), [](char c) {
+      return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+    });
+    if (control != key->end())
+      throw ConfigError(job.file, 0, 0, "backend.api_key_env",
+                        "$" + job.backend.api_key_env + " holds " +
+                            (*control == '\r' ? "a carriage return" : *control == '\n' ? "a line break" : "a control character") +
+                            " at character " + std::to_string(control - key->begin() + 1) + " of " +
+                            std::to_string(key->size()) + "; an API key is one line of printable characters");
+    return *key;
+  }
   if (is_openai_host(job.backend.base_url))
     throw ConfigError(job.file, 0, 0, "backend.api_key_env",
                       "$" + job.backend.api_key_env + " is not set; export your API key, or point "
@@ -474,6 +487,7 @@ int main(int argc, char** argv) {
   synth->footer(kExamples);
   app::add_engine_commands(app);
   app::add_serve_command(app);
+  app::refuse_options_as_values(app);
 
   try {
     app.parse(argc, argv);

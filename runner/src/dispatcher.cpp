@@ -877,9 +877,9 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show, const
     if (item->request.model.empty()) item->request.model = job.backend.model;
     item->request.stream = job.backend.stream;
     if (items < show) {
-      std::fprintf(out, "--- item %s: %s%s%s\n%s\n", item->id.dump().c_str(),
-                   local ? "local engine, model " : "POST ", target.c_str(),
-                   (local ? std::string() : "/chat/completions").c_str(),
+      std::fprintf(out, "--- item %s: %s%s\n%s\n", item->id.dump().c_str(),
+                   local ? "local engine, model " : "POST ",
+                   (local ? target : client::endpoint_url(target, item->request.prompt.has_value())).c_str(),
                    client::to_openai_body(item->request).dump(2).c_str());
     }
     ++items;

@@ -895,6 +895,18 @@ void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& requ
     warn_placeholders(r, extra, "request.extra", request.extra);
     if (const auto n = request.extra.find("n"); n != request.extra.end() && !(n->is_number_integer() && *n == 1))
       r.fail(extra["n"], "request.extra.n", kOneAnswerPerItem);
+    // The body's own fields are typed, checked and win over the extra ones, which would
+    // otherwise be sent unchecked when the typed one is unset, or dropped without a word.
+    for (const char* key : {"model", "messages", "max_tokens", "temperature", "top_p", "stop", "seed"})
+      if (request.extra.contains(key))
+        r.fail(extra[key], std::string("request.extra.") + key,
+               std::string("set it as ") + (std::string_view(key) == "model" ? "backend.model or request.model"
+                                                                             : "request." + std::string(key)) +
+                   ", where it is checked");
+    if (request.extra.contains("prompt"))
+      r.fail(extra["prompt"], "request.extra.prompt", "a job sends chats: write the text as a user message in request.messages");
+    if (request.extra.contains("stream"))
+      r.fail(extra["stream"], "request.extra.stream", "set it as backend.stream");
   }
 }
 
@@ -945,6 +957,14 @@ std::string url_problem(std::string_view url) {
   const bool has_port = colon != std::string_view::npos && host_port.find(']', colon) == std::string_view::npos;
   const std::string_view host = has_port ? host_port.substr(0, colon) : host_port;
   if (host.empty()) return "no host in '" + std::string(url) + "' (e.g. http://127.0.0.1:8000/v1)";
+  // An IPv6 address is the whole host, in brackets; brackets anywhere else are no host at all.
+  const bool bracketed = host.starts_with('[') && host.ends_with(']') && host.size() > 2;
+  if ((host.find_first_of("[]") != std::string_view::npos && !bracketed) ||
+      (bracketed && host.substr(1, host.size() - 2).find_first_of("[]") != std::string_view::npos))
+    return "bad host '" + std::string(host) + "' in '" + std::string(url) +
+           "' (an IPv6 address goes in brackets, e.g. http://[::1]:8000/v1)";
+  if (url.find('#') != std::string_view::npos)
+    return "a fragment ('#') in '" + std::string(url) + "': it is never sent to a server; leave it out";
   if (has_port) {
     const std::string_view port = host_port.substr(colon + 1);
     unsigned value = 0;
@@ -975,8 +995,12 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
              "empty; name a model (a GGUF path for the embedded engine, a model name for an API), or leave it out "
              "for the default");
   }
-  if (Reader::has(node["api_key_env"]))
+  if (Reader::has(node["api_key_env"])) {
     backend.api_key_env = r.string(node["api_key_env"], "backend.api_key_env");
+    if (backend.api_key_env.empty())
+      r.fail(node["api_key_env"], "backend.api_key_env",
+             "empty; name the environment variable that holds the API key (default OPENAI_API_KEY)");
+  }
   if (Reader::has(node["headers"])) {
     const YAML::Node headers = node["headers"];
     if (!headers.IsMap()) r.fail(headers, "backend.headers", "expected a map of name: value, got " + describe(headers));

@@ -17,6 +17,7 @@
 
 #include "batchlm/core/engine_fields.hpp"
 #include "batchlm/core/json_check.hpp"
+#include "batchlm/runner/scoring.hpp"
 
 namespace batchlm::runner {
 
@@ -178,43 +179,8 @@ ordered parse_object(const std::string& line, const std::string& file, std::int6
   }
   // A key given twice in one object: a reader keeps one of the values (nlohmann the last, others
   // the first), so which was meant is unknown. Refused, as in job files.
-  struct Frame {
-    bool object;
-    std::set<std::string> keys;
-    std::string key;         // object: the key read last
-    std::int64_t count = 0;  // array: the elements begun
-  };
-  std::vector<Frame> frames;
-  std::optional<std::string> duplicate;  // the first one's path
-  const auto begin_element = [&] {
-    if (!frames.empty() && !frames.back().object) ++frames.back().count;
-  };
-  ordered value = ordered::parse(line, [&](int, ordered::parse_event_t event, ordered& parsed) {
-    switch (event) {
-      case ordered::parse_event_t::object_start:
-      case ordered::parse_event_t::array_start:
-        begin_element();
-        frames.push_back(Frame{event == ordered::parse_event_t::object_start, {}, {}, 0});
-        break;
-      case ordered::parse_event_t::object_end:
-      case ordered::parse_event_t::array_end:
-        frames.pop_back();
-        break;
-      case ordered::parse_event_t::key: {
-        Frame& frame = frames.back();
-        frame.key = parsed.get<std::string>();
-        if (!frame.keys.insert(frame.key).second && !duplicate) {
-          std::string path;
-          for (const Frame& f : frames)
-            path += f.object ? (path.empty() ? "" : ".") + f.key : "[" + std::to_string(f.count - 1) + "]";
-          duplicate = path;
-        }
-        break;
-      }
-      case ordered::parse_event_t::value: begin_element(); break;
-    }
-    return true;
-  });
+  std::optional<std::string> duplicate;
+  ordered value = parse_ordered_json(line, &duplicate);
   if (duplicate) throw ConfigError(file, static_cast<int>(line_number), 0, *duplicate, "duplicate key");
   if (!value.is_object())
     throw ConfigError(file, static_cast<int>(line_number), 0, "",
@@ -275,6 +241,9 @@ std::vector<ChatMessage> parse_messages(const json& value, const std::string& fi
       throw ConfigError(file, line_int, 0, here + ".content", "expected a string or text parts");
     }
     if (auto problem = read_tool_fields(m, message)) throw ConfigError(file, line_int, 0, here + problem->first, problem->second);
+    // As in a job file: only an assistant message that calls tools may leave its content out.
+    if (content.is_null() && !message.calls_tools())
+      throw ConfigError(file, line_int, 0, here + ".content", "required (a string or text parts)");
     out.push_back(std::move(message));
   }
   if (auto problem = unanswered_tool_message(out))
@@ -312,10 +281,11 @@ std::vector<ChatMessage> load_few_shot(const FewShotSpec& spec) {
   std::unordered_map<std::int64_t, std::pair<json, std::int64_t>> examples;  // index -> (line, number)
   LineReader reader(spec.path);
   std::int64_t index = 0;
-  for (std::string line; reader.next(line); ++index)
-    if (taken.count(index))
-      examples.emplace(index, std::make_pair(parse_object(line, spec.path, reader.line_number()),
-                                             reader.line_number()));
+  // Every line is read as JSON, drawn or not: a broken file is refused whatever the seed draws.
+  for (std::string line; reader.next(line); ++index) {
+    json fields = parse_object(line, spec.path, reader.line_number());
+    if (taken.count(index)) examples.emplace(index, std::make_pair(std::move(fields), reader.line_number()));
+  }
   std::vector<ChatMessage> turns;
   for (std::int64_t pick : chosen) {
     const auto& [fields, line] = examples.at(pick);
@@ -447,6 +417,9 @@ Item batch_item(const JobSpec& job, ordered line_value, std::int64_t line,
       request.messages = parse_messages(value, file, line, "body.messages");
     } else if (key == "model") {
       if (!value.is_string()) throw wrong(key, "a string");
+      // Empty would fall back to the job's model, one this line never named.
+      if (value.get_ref<const std::string&>().empty())
+        throw ConfigError(file, line_int, 0, "body.model", "empty; name a model, or leave the key out for the job's");
       request.model = value.get<std::string>();
     } else if (key == "max_tokens" || key == "max_completion_tokens") {
       // Checked as unsigned first: a value past INT64_MAX must not wrap around to a small one.
@@ -551,6 +524,17 @@ class FileSource : public Source {
       throw ConfigError(job_.input.path, static_cast<int>(line), 0, job_.scoring.reference_field,
                         "missing field (the reference answer scoring reads; set "
                         "scoring.reference_field to the field that holds it)");
+    // GSM8K's gold is the reference's "#### N" line or a bare number; any other text would
+    // leave every score of the item empty, unsaid.
+    if (job_.scoring.kind == ScoringKind::Gsm8k && item.input.is_object()) {
+      const nlohmann::json& reference = item.input[job_.scoring.reference_field];
+      const std::string text = reference.is_string() ? reference.get<std::string>() : reference.dump();
+      if (!reference.is_null() && !gsm8k_gold(text))  // null: an item without one, left unscored
+        throw ConfigError(job_.input.path, static_cast<int>(line), 0, job_.scoring.reference_field,
+                          "no final answer to score against: gsm8k scoring reads a '#### N' line or a bare number, "
+                          "got " + nlohmann::json(utf8_excerpt(text, 80)).dump() +
+                          " (set scoring.reference_field to the field that holds it, or use exact or regex scoring)");
+    }
     return item;
   }
 

@@ -294,10 +294,37 @@ std::optional<long> flock_holder(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+// The output's companions (its lock, its summary and the summary's temporary file) are named by
+// suffixes: a name the file system takes may still be one that makes them too long, found only
+// when the summary is written, after every request.
+void check_name_length(const std::string& path, const std::string& dir) {
+  constexpr std::string_view kLongest = ".summary.json.tmp";
+  const std::string name = std::filesystem::path(path).filename().string();
+  long most = ::pathconf(dir.c_str(), _PC_NAME_MAX);
+  if (most <= 0) most = 255;
+  if (static_cast<long>(name.size() + kLongest.size()) > most)
+    throw std::runtime_error("output name " + name.substr(0, 40) + "... is " + std::to_string(name.size()) +
+                             " bytes: its summary's temporary file (" + std::string(kLongest) +
+                             " added) would exceed this file system's limit of " + std::to_string(most) +
+                             " bytes per name; choose a name of at most " +
+                             std::to_string(most - static_cast<long>(kLongest.size())));
+}
+
+}  // namespace
+
 void check_output(const std::string& given, bool read_records) {
   if (given.empty()) throw std::runtime_error("output path is empty");
   check_can_be_output(given);
   const std::string path = resolve_links(given);
+  {
+    std::string existing = parent_directory(path);
+    while (::access(existing.c_str(), F_OK) != 0 && existing != "/" && existing != ".")
+      existing = parent_directory(existing);
+    check_name_length(given, existing);
+    check_name_length(path, existing);
+  }
   const std::string lock_path = path + ".lock";
   const std::string dir = parent_directory(path);
   struct stat info {};

@@ -17,15 +17,16 @@ using Body = nlohmann::ordered_json;
 
 ApiError::ApiError(int status, std::string type, std::string param, std::string message,
                    std::string code)
-    : std::runtime_error(std::move(message)),
+    : std::runtime_error(message),
       status_(status),
       type_(std::move(type)),
       param_(std::move(param)),
-      code_(std::move(code)) {}
+      code_(std::move(code)),
+      message_(std::move(message)) {}
 
 json ApiError::body() const {
   return {{"error",
-           {{"message", what()},
+           {{"message", message_},
             {"type", type_},
             {"param", param_.empty() ? json(nullptr) : json(param_)},
             {"code", code_.empty() ? json(nullptr) : json(code_)}}}};
@@ -385,7 +386,7 @@ ApiRequest parse_request_body(Endpoint endpoint, std::string_view body_text, std
         invalid("", "the request body nests arrays and objects more than " + std::to_string(kMaxBodyDepth) + " deep");
     }
   }
-  return parse_request(endpoint, Body::parse(body_text), served_model);
+  return parse_request(endpoint, parse_ordered_json(body_text), served_model);
 }
 
 std::string new_response_id(Endpoint endpoint) {
@@ -546,6 +547,18 @@ namespace {
 // the vocabulary of 49152" or "'presence_penalty', 'frequency_penalty': ..." (the first); empty
 // when it names none.
 std::string leading_field(std::string_view message) {
+  // Or a path before a colon, as the chat template's checks write them: "tools: this model's
+  // chat template ...", "messages[1].tool_calls: ...".
+  if (const std::size_t colon = message.find(": "); !message.starts_with('\'') && colon != std::string_view::npos) {
+    const std::string_view path = message.substr(0, colon);
+    const std::string_view first = path.substr(0, path.find_first_of(".["));
+    static constexpr std::string_view kFields[] = {"messages", "tools", "tool_choice", "response_format", "prompt"};
+    const bool known = std::find(std::begin(kFields), std::end(kFields), first) != std::end(kFields);
+    const bool plain = std::all_of(path.begin(), path.end(), [](char c) {
+      return c == '_' || c == '.' || c == '[' || c == ']' || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9');
+    });
+    return known && plain ? std::string(path) : std::string();
+  }
   if (!message.starts_with('\'')) return {};
   const std::size_t end = message.find('\'', 1);
   if (end == std::string_view::npos || end == 1) return {};

@@ -653,6 +653,41 @@ TEST(BatchlmRun, ShippedJobsAndExamplesValidate) {
   }
 }
 
+// An API key with a line break (a Windows .env file's carriage return) would end the header it
+// goes in: every request would fail, after minutes of retries. Refused before anything is sent.
+TEST(BatchlmRun, ApiKeyWithALineBreakIsRefused) {
+  TempDir dir;
+  FakeServer server(dir.path);
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 2}));
+  for (const bool dry : {true, false}) {
+    std::vector<std::string> args = {"run", "job.yaml"};
+    if (dry) args.push_back("--dry-run");
+    RunResult r = run_batchlm(dir.path, args, {{"OPENAI_API_KEY", "sk-abc\r"}});
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(r.err,
+              "batchlm: error: job.yaml: backend.api_key_env: $OPENAI_API_KEY holds a carriage return at character 7 "
+              "of 7; an API key is one line of printable characters\n");
+  }
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"}, {{"OPENAI_API_KEY", "sk-abc\nX-Evil: 1"}});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("holds a line break at character 7 of 16"), std::string::npos) << r.err;
+  EXPECT_EQ(server.stats()["requests"].get<long long>(), 0);
+}
+
+// A base URL with a query (Azure's ?api-version=...): the endpoint's path goes before it.
+TEST(BatchlmRun, BaseUrlWithAQueryKeepsItAfterThePath) {
+  TempDir dir;
+  FakeServer server(dir.path);
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url() + "?api-version=2024-10-21", .limit = 2}));
+  RunResult dry = run_batchlm(dir.path, {"run", "job.yaml", "--dry-run"});
+  EXPECT_EQ(dry.exit_code, 0) << dry.err;
+  EXPECT_NE(dry.out.find("POST " + server.base_url() + "/chat/completions?api-version=2024-10-21\n"), std::string::npos)
+      << dry.out;
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(server.stats()["requests"].get<long long>(), 2);
+}
+
 // What the run would refuse before sending, the dry run refuses too, creating nothing.
 TEST(BatchlmRun, DryRunRefusesWhatTheRunWould) {
   TempDir dir;
@@ -671,6 +706,14 @@ TEST(BatchlmRun, DryRunRefusesWhatTheRunWould) {
       {{"--set", "output=in5.jsonl/deeper/x.jsonl"}, "batchlm: error: --set: output.path: cannot create the directory"},
       {{"--backend", "openai", "--set", "backend.base_url=null"},
        "batchlm: error: job.yaml: backend.api_key_env: $OPENAI_API_KEY is not set"},
+      // An option where a value belongs: taken as the value, the run would write to "--fresh".
+      {{"-o", "--fresh"}, "batchlm: error: --output: value missing: --fresh is an option, not a value\n"},
+      {{"-m", "--backend=local"}, "batchlm: error: --model: value missing: --backend=local is an option, not a value\n"},
+      // A name the file system takes, but its summary's temporary file's it would not.
+      {{"-o", std::string(239, 'c') + ".jsonl"},
+       "batchlm: error: --output: output.path: output name cccccccccccccccccccccccccccccccccccccccc... is 245 bytes: its "
+       "summary's temporary file (.summary.json.tmp added) would exceed this file system's limit of 255 bytes per "
+       "name; choose a name of at most 238\n"},
   };
   for (const auto& [flags, message] : cases) {
     for (const bool dry : {true, false}) {

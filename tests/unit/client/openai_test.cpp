@@ -22,6 +22,17 @@ Request chat_request() {
   return request;
 }
 
+// The endpoint's path goes after the base URL's path and before its query (Azure's
+// ?api-version=...), which every request keeps.
+TEST(EndpointUrl, PathBeforeTheQuery) {
+  EXPECT_EQ(endpoint_url("http://h:8000/v1", false), "http://h:8000/v1/chat/completions");
+  EXPECT_EQ(endpoint_url("http://h:8000/v1//", true), "http://h:8000/v1/completions");
+  EXPECT_EQ(endpoint_url("https://r.example.com/openai/deployments/d?api-version=2024-10-21", false),
+            "https://r.example.com/openai/deployments/d/chat/completions?api-version=2024-10-21");
+  EXPECT_EQ(endpoint_url("http://h/v1/?a=1&b=2", true), "http://h/v1/completions?a=1&b=2");
+  EXPECT_EQ(endpoint_url("http://h", false), "http://h/chat/completions");
+}
+
 TEST(ToOpenAIBody, MapsModelMessagesAndStreamingOptions) {
   const auto body = to_openai_body(chat_request());
   EXPECT_EQ(body["model"], "gpt-4o-mini");

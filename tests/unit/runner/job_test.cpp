@@ -872,8 +872,55 @@ TEST_F(JobFile, BaseUrlMustBeHttp) {
   EXPECT_NE(error_of(with_input("backend: {base_url: \"http://a b/v1\"}\n")).message().find("a space at character 9"),
             std::string::npos);
   for (const char* url : {"http://127.0.0.1:8000/v1", "https://api.example.com/v1", "http://[::1]:8000/v1",
-                          "http://user@host/v1", "http://host"})
+                          "http://user@host/v1", "http://host", "http://[::1]/v1",
+                          "https://x.example.com/openai/deployments/d?api-version=2024-10-21"})
     EXPECT_EQ(load(with_input("backend: {base_url: \"" + std::string(url) + "\"}\n")).backend.base_url, url);
+  // Brackets are an IPv6 address's, around the whole host; a fragment never reaches a server.
+  for (const char* url : {"http://[::1/v1", "http://::1]/v1", "http://[]/v1", "http://a[1]/v1", "http://[[::1]]/v1"}) {
+    ConfigError e = error_of(with_input("backend: {base_url: \"" + std::string(url) + "\"}\n"));
+    EXPECT_EQ(e.field(), "backend.base_url") << url;
+    EXPECT_NE(e.message().find("(an IPv6 address goes in brackets"), std::string::npos) << url << ": " << e.message();
+  }
+  EXPECT_EQ(error_of(with_input("backend: {base_url: \"http://h/v1#x\"}\n")).message(),
+            "a fragment ('#') in 'http://h/v1#x': it is never sent to a server; leave it out");
+}
+
+// Fields the request has its own keys for are set there, checked; from the extra fields they
+// would go out unchecked when the typed one is unset, or be dropped without a word.
+TEST_F(JobFile, ExtraFieldsMayNotStandForTheRequestsOwn) {
+  const std::string api = "backend: {base_url: http://127.0.0.1:1/v1}\n";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"max_tokens: -1", "set it as request.max_tokens, where it is checked"},
+      {"temperature: 99", "set it as request.temperature, where it is checked"},
+      {"top_p: 7", "set it as request.top_p, where it is checked"},
+      {"stop: [x]", "set it as request.stop, where it is checked"},
+      {"seed: 1", "set it as request.seed, where it is checked"},
+      {"model: other", "set it as backend.model or request.model, where it is checked"},
+      {"messages: []", "set it as request.messages, where it is checked"},
+      {"prompt: hi", "a job sends chats: write the text as a user message in request.messages"},
+      {"stream: false", "set it as backend.stream"},
+  };
+  for (const auto& [field, message] : cases) {
+    const std::string key = field.substr(0, field.find(':'));
+    for (const std::string& backend : {api, std::string()}) {
+      ConfigError e = error_of(with_input(backend + "request:\n  extra:\n    " + field + "\n"));
+      EXPECT_EQ(e.field(), "request.extra." + key) << field;
+      EXPECT_EQ(e.line(), backend.empty() ? 4 : 5) << field;
+      EXPECT_EQ(e.message(), message) << field;
+    }
+  }
+  // What only APIs have their own names for still passes: max_completion_tokens (reasoning
+  // models), stream_options (the client adds include_usage).
+  const JobSpec job = load(with_input(api + "request:\n  max_tokens: null\n  extra: {max_completion_tokens: 500, "
+                                            "stream_options: {continuous_usage_stats: true}}\n"));
+  EXPECT_EQ(job.request.extra["max_completion_tokens"], 500);
+}
+
+TEST_F(JobFile, EmptyApiKeyVariableIsRefused) {
+  ConfigError e = error_of(with_input("backend: {base_url: http://127.0.0.1:1/v1, api_key_env: \"\"}\n"));
+  EXPECT_EQ(e.field(), "backend.api_key_env");
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.message(), "empty; name the environment variable that holds the API key (default OPENAI_API_KEY)");
 }
 
 // $OPENAI_BASE_URL is where the requests go when the job names no base_url: checked as

@@ -208,6 +208,58 @@ TEST_F(SourceTest, ScoredJobNeedsTheReferenceFieldOnEveryLine) {
   EXPECT_NO_THROW(open_source(job("input: " + nulls + "\nscoring: gsm8k" + kQuestionTemplate)));
 }
 
+// GSM8K scoring reads a "#### N" line or a bare number: a reference with neither would leave the
+// item's scores empty, unsaid.
+TEST_F(SourceTest, Gsm8kReferenceWithoutAFinalAnswerIsRefused) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\", \"answer\": \"so 5\\n#### 5\"}\n"
+                                     "{\"question\": \"b\", \"answer\": 7}\n"
+                                     "{\"question\": \"c\", \"answer\": \" $1,000 \"}\n"
+                                     "{\"question\": \"d\", \"answer\": \"no hashes here\\n5 apples\"}\n");
+  ConfigError e = open_error(job("input: " + in + "\nscoring: gsm8k" + kQuestionTemplate));
+  EXPECT_EQ(e.file(), in);
+  EXPECT_EQ(e.line(), 4);
+  EXPECT_EQ(e.field(), "answer");
+  EXPECT_EQ(e.message(),
+            "no final answer to score against: gsm8k scoring reads a '#### N' line or a bare number, got "
+            "\"no hashes here\\n5 apples\" (set scoring.reference_field to the field that holds it, or use exact or "
+            "regex scoring)");
+  e = open_error(job("input: " + in + "\nscoring: {type: gsm8k, reference_field: question}" + kQuestionTemplate));
+  EXPECT_EQ(e.line(), 1);
+  EXPECT_EQ(e.field(), "question");
+  // Other scorers take any text.
+  EXPECT_NO_THROW(open_source(job("input: " + in + "\nscoring: exact_match" + kQuestionTemplate)));
+}
+
+// An input line's message without content is refused, as in a job file; an assistant message
+// that calls tools may leave it out.
+TEST_F(SourceTest, LineMessageWithoutContentIsRefused) {
+  std::string in = write("in.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n"
+                                     "{\"messages\": [{\"role\": \"user\"}]}\n");
+  ConfigError e = open_error(job("input: " + in + "\n"));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.field(), "messages[0].content");
+  EXPECT_EQ(e.message(), "required (a string or text parts)");
+  in = write("batch.jsonl",
+             R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": null}]}})"
+             "\n");
+  e = open_error(job("input: " + in + "\n"));
+  EXPECT_EQ(e.field(), "body.messages[1].content");
+  in = write("calls.jsonl",
+             R"({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "1"}]})"
+             "\n");
+  EXPECT_NO_THROW(open_source(job("input: " + in + "\n")));
+}
+
+// A Batch-API line's empty model would go out as the job's, which the line never named.
+TEST_F(SourceTest, BatchLineWithAnEmptyModelIsRefused) {
+  std::string in = write("batch.jsonl", R"({"custom_id": "a", "body": {"model": "", "messages": [{"role": "user", "content": "hi"}]}})"
+                                        "\n");
+  ConfigError e = open_error(job("input: " + in + "\n"));
+  EXPECT_EQ(e.line(), 1);
+  EXPECT_EQ(e.field(), "body.model");
+  EXPECT_EQ(e.message(), "empty; name a model, or leave the key out for the job's");
+}
+
 TEST_F(SourceTest, PromptThatIsNotAStringNamesItsType) {
   std::string in = write("in.jsonl", "{\"prompt\": \"hi\"}\n{\"prompt\": 5}\n");
   ConfigError e = open_error(job("input: " + in + "\n"));
@@ -563,6 +615,17 @@ TEST_F(SourceTest, FewShotErrorsNameTheFewShotFile) {
   e = open_error(job("input: " + in + "\nfew_shot: {path: " + few + ", count: 1}\n" + kQuestionTemplate));
   EXPECT_EQ(e.line(), 1);
   EXPECT_EQ(e.field(), "answer");
+  // A broken line is refused whether or not the seed draws it.
+  std::string broken = write("broken.jsonl", "{\"question\": \"q1\", \"answer\": \"a1\"}\n"
+                                             "{\"question\": \"q2\", \"answer\": \"a2\"}\n"
+                                             "{\"question\": \"broken\", \n"
+                                             "{\"question\": \"q4\", \"answer\": \"a4\"}\n");
+  for (const int count : {1, 2, 3}) {
+    e = open_error(job("input: " + in + "\nfew_shot: {path: " + broken + ", count: " + std::to_string(count) +
+                       "}\n" + kQuestionTemplate));
+    EXPECT_EQ(e.file(), broken) << count;
+    EXPECT_EQ(e.line(), 3) << count;
+  }
 }
 
 TEST(ShippedJobSources, Gsm8kStreamsTheTestSetWithEightShots) {

@@ -811,6 +811,24 @@ TEST(ErrorFromOutcome, EngineErrorsNameTheField) {
                      "'presence_penalty', 'frequency_penalty': penalties are applied on the CPU only");
   // A quoted word that is no field name is not taken for one.
   EXPECT_EQ(engine_error("unsupported_parameter", "'the model' cannot do that").param(), "");
+  // The chat template's checks name a path before a colon.
+  EXPECT_EQ(engine_error("invalid_request", "tools: this model's chat template (chatml) does not list tools").param(),
+            "tools");
+  EXPECT_EQ(engine_error("invalid_request", "messages[1].tool_calls: this model's chat template does not show calls")
+                .param(),
+            "messages[1].tool_calls");
+  // Only a request's own fields, written plainly.
+  EXPECT_EQ(engine_error("invalid_request", "note: the model is small").param(), "messages");
+  EXPECT_EQ(engine_error("invalid_request", "tools of the Model: none").param(), "messages");
+}
+
+// A NUL in a request's text (a model name) stays in the message, escaped by the JSON writer.
+TEST(ApiErrorBody, KeepsTheWholeMessage) {
+  const ApiError e(404, "invalid_request_error", "model", std::string("the model 'gp\0t' does not exist", 31),
+                   "model_not_found");
+  EXPECT_EQ(e.message().size(), 31u);
+  EXPECT_EQ(e.body()["error"]["message"].get<std::string>(), e.message());
+  EXPECT_NE(e.body().dump().find("gp\\u0000t"), std::string::npos) << e.body().dump();
 }
 
 TEST(ErrorFromOutcome, AnythingElseIs500) {

@@ -17,7 +17,7 @@
 namespace batchlm::client {
 
 struct OpenAIOptions {
-  std::string base_url = "https://api.openai.com/v1";  // ".../v1"; "/chat/completions" is appended
+  std::string base_url = "https://api.openai.com/v1";  // ".../v1"; see endpoint_url
   std::string api_key;                                 // sent as a bearer token when not empty
   Headers extra_headers;
   HttpTimeouts timeouts;
@@ -25,6 +25,11 @@ struct OpenAIOptions {
   std::size_t max_response_bytes = 64 << 20;
   HttpClientOptions http;
 };
+
+// Where a request goes: the base URL (trailing slashes dropped) with "/chat/completions", or
+// "/completions" for a text prompt, and then the base URL's query if it has one (Azure's
+// "?api-version=..." goes on every request).
+std::string endpoint_url(std::string_view base_url, bool text_prompt);
 
 // The JSON body for a Request (model, messages, sampling fields, stop, seed, extra fields;
 // with stream: true and stream_options.include_usage when streaming), in that order.

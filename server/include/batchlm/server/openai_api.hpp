@@ -25,12 +25,15 @@ class ApiError : public std::runtime_error {
   const std::string& type() const { return type_; }
   const std::string& param() const { return param_; }
   const std::string& code() const { return code_; }
+  // The whole message, NUL characters (a request's text may hold them) and all; what() ends at
+  // the first.
+  const std::string& message() const { return message_; }
   // {"error": {"message", "type", "param", "code"}} (param and code null when empty).
   nlohmann::json body() const;
 
  private:
   int status_;
-  std::string type_, param_, code_;
+  std::string type_, param_, code_, message_;
 };
 
 enum class Endpoint { kChat, kCompletions };
