@@ -392,6 +392,7 @@ int run_command(const JobOptions& o, bool synth) {
                             "cannot open '" + job.backend.step_log + "' for writing: " + std::strerror(err));
       }
     }
+    if (!o.fresh) refuse_other_earlier_settings(job);
     dry_run(job, *source, stdout, 3, count_prompt_tokens);
     return kExitOk;
   }

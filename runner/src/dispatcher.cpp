@@ -94,6 +94,60 @@ ItemResult item_result_from_record(const json& record) {
 // The writer a second SIGINT flushes before exiting.
 OutputWriter* g_writer_for_hard_exit = nullptr;
 
+std::string brief(const json& value) {
+  const std::string text = value.is_null() ? "unset" : value.dump();
+  return text.size() > 40 ? text.substr(0, 37) + "..." : text;
+}
+
+void diff_settings(const json& before, const json& now, const std::string& path,
+                          std::vector<std::string>& out) {
+  if (before.is_object() && now.is_object() && path != "request.messages") {
+    std::set<std::string> keys;
+    for (const auto& [k, v] : before.items()) keys.insert(k);
+    for (const auto& [k, v] : now.items()) keys.insert(k);
+    for (const std::string& k : keys)
+      diff_settings(before.contains(k) ? before[k] : json(), now.contains(k) ? now[k] : json(),
+                    path.empty() ? k : path + "." + k, out);
+  } else if (before != now) {
+    out.push_back(path == "request.messages" ? path : path + ": " + brief(before) + " -> " + brief(now));
+  }
+}
+
+// Earlier records made under other settings than this job's: how many, the first one's hash
+// and model.
+struct OtherSettings {
+  std::int64_t count = 0;
+  std::string hash, model;
+};
+
+// The error that stops a run (or its dry run) whose output holds results made under other
+// settings, saying what changed: from the settings the earlier run kept in the lock file (even
+// when it was killed), or else from the summary it left.
+ConfigError other_settings_error(const std::string& output, const json& settings, const OtherSettings& other,
+                                 const std::string& kept_settings) {
+  std::string changed;
+  json earlier = json::parse(kept_settings, nullptr, false);
+  if (!earlier.is_object() || settings_hash(earlier) != other.hash) {
+    std::ifstream previous(output + ".summary.json");
+    const json summary = previous ? json::parse(previous, nullptr, false) : json();
+    earlier = summary.is_object() && summary.contains("settings") ? summary["settings"] : json();
+  }
+  if (earlier.is_object() && settings_hash(earlier) == other.hash) {
+    std::vector<std::string> differences;
+    diff_settings(earlier, settings, "", differences);
+    for (std::size_t i = 0; i < differences.size() && i < 3; ++i) changed += (i ? ", " : "") + differences[i];
+    if (differences.size() > 3) changed += ", ...";
+  } else if (const std::string model = settings["model"]; !other.model.empty() && other.model != model) {
+    changed = "model: '" + other.model + "' -> '" + model + "'";
+  } else {
+    changed = "the model, the request template, the few-shot examples or the scoring";
+  }
+  return ConfigError(output, 0, 0, "",
+                     std::to_string(other.count) + " earlier result" + (other.count == 1 ? " was" : "s were") +
+                         " made with other settings than this job's (" + changed +
+                         "); --fresh replaces them, or give this run another output with -o");
+}
+
 }  // namespace
 
 class Dispatcher {
@@ -133,9 +187,9 @@ class Dispatcher {
           kept_.emplace(record["id"].dump(), Kept{item_result_from_record(record), record.value("input", json())});
           // Records from before settings were recorded have none, and are taken as they are.
           if (const auto it = record.find("settings"); it != record.end() && *it != settings_hash_) {
-            if (other_settings_++ == 0) {
-              other_hash_ = it->is_string() ? it->get<std::string>() : it->dump();
-              other_model_ = record.value("model", json()).is_string() ? record["model"].get<std::string>() : "";
+            if (other_.count++ == 0) {
+              other_.hash = it->is_string() ? it->get<std::string>() : it->dump();
+              other_.model = record.value("model", json()).is_string() ? record["model"].get<std::string>() : "";
             }
           }
         });
@@ -191,6 +245,7 @@ class Dispatcher {
     io_.run();
     g_writer_for_hard_exit = nullptr;
     if (producer_error_) std::rethrow_exception(producer_error_);
+    take_earlier_records_past_the_stop();
 
     flush_output(false);
     if (auto stats = backend_.engine_stats()) counters_.engine = stats->brief();
@@ -294,16 +349,7 @@ class Dispatcher {
     while (!stopping_) {
       std::optional<Item> item = source_.next();
       if (!item) break;
-      // Done in an earlier run: the output's record stands for it (kept_ holds every id the
-      // writer kept).
-      if (const auto kept = kept_.find(item->id_key); kept != kept_.end()) {
-        summary_.add(kept->second.result);
-        ++counters_.resumed;
-        ++resumed_in_scope_;
-        if (!same_input(kept->second.input, item->input) && changed_inputs_++ == 0)
-          first_changed_id_ = item->id.dump();
-        continue;
-      }
+      if (take_earlier_record(*item)) continue;
       co_await live_.acquire();
       if (stopping_) {
         live_.release();
@@ -322,6 +368,33 @@ class Dispatcher {
                          all_done_.cancel();
                        });
                      }));
+    }
+  }
+
+  // Done in an earlier run: the output's record stands for the item, and counts (kept_ holds
+  // every id the writer kept from before this run).
+  bool take_earlier_record(const Item& item) {
+    const auto kept = kept_.find(item.id_key);
+    if (kept == kept_.end()) return false;
+    summary_.add(kept->second.result);
+    ++counters_.resumed;
+    ++resumed_in_scope_;
+    if (!same_input(kept->second.input, item.input) && changed_inputs_++ == 0) first_changed_id_ = item.id.dump();
+    return true;
+  }
+
+  // A run that stopped early (Ctrl-C, an API that refuses the client, a full disk) never came to
+  // the items after the stop; those the output holds from before count all the same, as a
+  // finished run counts them, so the summary and its accuracy cover every record in the file.
+  void take_earlier_records_past_the_stop() {
+    try {
+      while (resumed_in_scope_ < static_cast<std::int64_t>(kept_.size())) {
+        std::optional<Item> item = source_.next();
+        if (!item) break;
+        take_earlier_record(*item);
+      }
+    } catch (const std::exception&) {
+      // The input changed under the run: what was counted stands.
     }
   }
 
@@ -637,51 +710,12 @@ class Dispatcher {
 
   // Results made under other settings (another model, prompt, sampling, few-shot or scoring)
   // would be counted as this run's: the run stops before sending anything and says what
-  // changed, from the settings the earlier run kept in the lock file (even when it was killed),
-  // or else from the summary it left.
+  // changed (other_settings_error).
   void refuse_other_settings(const std::string& kept_settings) const {
-    if (other_settings_ == 0) return;
-    std::string changed;
-    json earlier = json::parse(kept_settings, nullptr, false);
-    if (!earlier.is_object() || settings_hash(earlier) != other_hash_) {
-      std::ifstream previous(summary_path());
-      const json summary = previous ? json::parse(previous, nullptr, false) : json();
-      earlier = summary.is_object() && summary.contains("settings") ? summary["settings"] : json();
-    }
-    if (earlier.is_object() && settings_hash(earlier) == other_hash_) {
-      std::vector<std::string> differences;
-      diff_settings(earlier, settings_, "", differences);
-      for (std::size_t i = 0; i < differences.size() && i < 3; ++i) changed += (i ? ", " : "") + differences[i];
-      if (differences.size() > 3) changed += ", ...";
-    } else if (const std::string model = settings_["model"]; !other_model_.empty() && other_model_ != model) {
-      changed = "model: '" + other_model_ + "' -> '" + model + "'";
-    } else {
-      changed = "the model, the request template, the few-shot examples or the scoring";
-    }
-    throw ConfigError(job_.output.path, 0, 0, "",
-                      std::to_string(other_settings_) + " earlier result" + (other_settings_ == 1 ? " was" : "s were") +
-                          " made with other settings than this job's (" + changed +
-                          "); --fresh replaces them, or give this run another output with -o");
+    if (other_.count == 0) return;
+    throw other_settings_error(job_.output.path, settings_, other_, kept_settings);
   }
 
-  static std::string brief(const json& value) {
-    const std::string text = value.is_null() ? "unset" : value.dump();
-    return text.size() > 40 ? text.substr(0, 37) + "..." : text;
-  }
-
-  static void diff_settings(const json& before, const json& now, const std::string& path,
-                            std::vector<std::string>& out) {
-    if (before.is_object() && now.is_object() && path != "request.messages") {
-      std::set<std::string> keys;
-      for (const auto& [k, v] : before.items()) keys.insert(k);
-      for (const auto& [k, v] : now.items()) keys.insert(k);
-      for (const std::string& k : keys)
-        diff_settings(before.contains(k) ? before[k] : json(), now.contains(k) ? now[k] : json(),
-                      path.empty() ? k : path + "." + k, out);
-    } else if (before != now) {
-      out.push_back(path == "request.messages" ? path : path + ": " + brief(before) + " -> " + brief(now));
-    }
-  }
 
   // The summary beside the output, whole or not at all (a temporary file renamed over it); the
   // reason when it could not be written.
@@ -831,9 +865,8 @@ class Dispatcher {
   };
   const json settings_ = result_settings(job_);
   const std::string settings_hash_ = settings_hash(settings_);
-  std::int64_t other_settings_ = 0;  // kept records made under other settings
+  OtherSettings other_;  // kept records made under other settings
   Clock::time_point refusals_since_{};  // the first of refusals_in_a_row_
-  std::string other_hash_, other_model_;  // the first of them: its settings and model
   std::unordered_map<std::string, Kept> kept_;
   std::int64_t changed_inputs_ = 0;  // kept records whose input is not the item's now
   std::string first_changed_id_;
@@ -858,6 +891,38 @@ RunResult run_job(const JobSpec& job, Source& source, Backend& backend, asio::io
                   const RunOptions& options) {
   Dispatcher dispatcher(job, source, backend, io, options);
   return dispatcher.run();
+}
+
+void refuse_other_earlier_settings(const JobSpec& job) {
+  const std::string& path = job.output.path;
+  std::ifstream in(path);
+  if (!in) return;
+  const json settings = result_settings(job);
+  const std::string hash = settings_hash(settings);
+  OtherSettings other;
+  for (std::string line; std::getline(in, line);) {
+    const json record = json::parse(line, nullptr, false);
+    // Failed records are redone, not kept: they count for nothing.
+    if (!record.is_object() || !record.value("error", json()).is_null()) continue;
+    const auto it = record.find("settings");
+    if (it == record.end() || *it == hash) continue;
+    if (other.count++ == 0) {
+      other.hash = it->is_string() ? it->get<std::string>() : it->dump();
+      other.model = record.value("model", json()).is_string() ? record["model"].get<std::string>() : "";
+    }
+  }
+  if (other.count == 0) return;
+  // The settings after the pid in the lock file, as the run reads them.
+  std::string kept;
+  std::error_code ec;
+  const std::filesystem::path real = std::filesystem::canonical(path, ec);
+  if (std::ifstream lock(ec ? path + ".lock" : real.string() + ".lock"); lock) {
+    std::string pid;
+    std::getline(lock, pid);
+    std::getline(lock, kept, '\0');
+    while (!kept.empty() && kept.back() == '\n') kept.pop_back();
+  }
+  throw other_settings_error(path, settings, other, kept);
 }
 
 void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show, const PromptTokenCounter& count_prompt_tokens) {

@@ -296,6 +296,22 @@ std::optional<long> flock_holder(const std::string& path) {
 
 namespace {
 
+// A resume's rewrite goes to PATH.tmp, made anew: what is there must be a rewrite a killed run
+// left (records, or nothing yet), never a file of the user's.
+void check_rewrite_file(const std::string& path) {
+  const std::string tmp_path = path + ".tmp";
+  struct stat info {};
+  if (::lstat(tmp_path.c_str(), &info) != 0) return;
+  const std::string reason = "it is where a resume rewrites the output, and batchlm never deletes what it did not "
+                             "write: move it away, then run again";
+  if (!S_ISREG(info.st_mode)) throw std::runtime_error(tmp_path + " exists and is not a file; " + reason);
+  try {
+    check_records(tmp_path);
+  } catch (const std::exception&) {
+    throw std::runtime_error(tmp_path + " exists and holds other things than records; " + reason);
+  }
+}
+
 // The output's companions (its lock, its summary and the summary's temporary file) are named by
 // suffixes: a name the file system takes may still be one that makes them too long, found only
 // when the summary is written, after every request.
@@ -340,7 +356,16 @@ void check_output(const std::string& given, bool read_records) {
       throw std::runtime_error("cannot create the lock file " + lock_path + " of output " + path + ": " + dir +
                                ": " + std::strerror(errno));
     }
-    if (read_records) check_records(path);
+    // The summary is made beside the output and renamed into place, the earlier one removed at
+    // the start: in a directory that takes no new entries, the run would send everything, then
+    // leave the earlier run's summary describing a file it no longer does.
+    if (::access(dir.c_str(), W_OK | X_OK) != 0)
+      throw std::runtime_error("cannot write the summary of output " + path + " beside it: " + dir + ": " +
+                               std::strerror(errno));
+    if (read_records) {
+      check_records(path);
+      check_rewrite_file(path);
+    }
     return;
   }
   // Absent: made in the nearest directory there, which must take new entries.
@@ -541,6 +566,7 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   // Pass 2: copy the kept lines to a temporary file and rename it over the output, so a kill
   // during the rewrite leaves either the old file or the new one, never a mix.
   if (::lseek(file.get(), 0, SEEK_SET) != 0) throw_io("cannot seek", path, errno);
+  check_rewrite_file(path);
   const std::string tmp_path = path + ".tmp";
   ScopedFd tmp(open_or_throw(tmp_path, O_WRONLY | O_CREAT | O_TRUNC));
   try {

@@ -220,6 +220,90 @@ TEST(BatchlmRun, StopsSendingWhenTheApiRefusesEveryRequest) {
   expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 200);
 }
 
+// A resume that stops early (here an API that refuses the client) never comes to the items after
+// the stop; the records the output holds for them from before count all the same: in the
+// summary, its accuracy and the final line, as a finished run counts them.
+TEST(BatchlmRun, AResumeThatStopsEarlyCountsEveryEarlierRecord) {
+  TempDir dir;
+  {
+    FakeServer answering(dir.path, {"--gsm8k", gsm8k_test_file()});
+    write_file(dir.path / "job.yaml", gsm8k_job({.base_url = answering.base_url(), .limit = 60, .concurrency = 4}));
+    ASSERT_EQ(run_batchlm(dir.path, {"run", "job.yaml"}).exit_code, 0);
+  }
+  // The first 20 items' records gone: the run starts with them, and stops before it comes to
+  // the 40 others.
+  std::string kept;
+  for (const json& record : read_jsonl(dir.path / "out/e2e.jsonl"))
+    if (record["id"].get<long long>() > 20) kept += record.dump() + "\n";
+  write_file(dir.path / "out/e2e.jsonl", kept);
+  FakeServer refusing(dir.path, {"--gsm8k", gsm8k_test_file(), "--fault-rate", "1", "--faults",
+                                 "status=401;code=invalid_api_key;message=Incorrect API key provided"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = refusing.base_url(), .limit = 60, .concurrency = 2}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  const long long sent = refusing.stats()["requests"].get<long long>();
+  ASSERT_GE(sent, 10);
+  ASSERT_LE(sent, 12);
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_EQ(summary["counts"]["resumed"], 40) << summary.dump(2);
+  EXPECT_EQ(summary["counts"]["succeeded"], 40) << summary.dump(2);
+  EXPECT_EQ(summary["counts"]["failed"].get<long long>() + summary["counts"]["not_run"].get<long long>(), 20)
+      << summary.dump(2);
+  EXPECT_NE(r.err.find("60 items: 40 succeeded (40 resumed)"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("not among this run's"), std::string::npos) << r.err;
+}
+
+// A file of the user's at PATH.tmp, where a resume's rewrite goes, is never overwritten: the
+// run and its dry run refuse, sending nothing; a rewrite a killed run left there is taken over.
+TEST(BatchlmRun, AFileAtTheRewritesPathIsNotOverwritten) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--fault-rate", "0.5", "--faults", "status=500", "--seed", "3"});
+  write_file(dir.path / "job.yaml",
+             gsm8k_job({.base_url = server.base_url(), .limit = 20, .concurrency = 2, .max_attempts = 1}));
+  ASSERT_EQ(run_batchlm(dir.path, {"run", "job.yaml"}).exit_code, 1);
+  const std::size_t records = read_jsonl(dir.path / "out/e2e.jsonl").size();
+  ASSERT_EQ(records, 20u);
+  write_file(dir.path / "out/e2e.jsonl.tmp", "my notes\n");
+  for (const bool dry : {true, false}) {
+    std::vector<std::string> args = {"run", "job.yaml"};
+    if (dry) args.push_back("--dry-run");
+    RunResult r = run_batchlm(dir.path, args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find("e2e.jsonl.tmp exists and holds other things than records; it is where a resume rewrites "
+                         "the output, and batchlm never deletes what it did not write: move it away, then run again"),
+              std::string::npos)
+        << r.err;
+  }
+  EXPECT_EQ(read_file(dir.path / "out/e2e.jsonl.tmp"), "my notes\n");
+  EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), records);
+  // Records there are a rewrite a killed run left: replaced.
+  write_file(dir.path / "out/e2e.jsonl.tmp", read_jsonl(dir.path / "out/e2e.jsonl").front().dump() + "\n{\"id\": 3, \"inp");
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_NE(r.exit_code, 2) << r.err;
+  EXPECT_FALSE(fs::exists(dir.path / "out/e2e.jsonl.tmp"));
+}
+
+// The dry run refuses a resume the run would refuse: results made under other settings.
+TEST(BatchlmRun, DryRunRefusesEarlierResultsOfOtherSettings) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 5}));
+  ASSERT_EQ(run_batchlm(dir.path, {"run", "job.yaml"}).exit_code, 0);
+  const long long sent = server.stats()["requests"].get<long long>();
+  for (const bool dry : {true, false}) {
+    std::vector<std::string> args = {"run", "job.yaml", "--set", "request.temperature=0.5"};
+    if (dry) args.push_back("--dry-run");
+    RunResult r = run_batchlm(dir.path, args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find("5 earlier results were made with other settings than this job's (request.temperature: "),
+              std::string::npos)
+        << r.err;
+  }
+  RunResult fresh = run_batchlm(dir.path, {"run", "job.yaml", "--set", "request.temperature=0.5", "--dry-run", "--fresh"});
+  EXPECT_EQ(fresh.exit_code, 0) << fresh.err;
+  EXPECT_EQ(server.stats()["requests"].get<long long>(), sent);
+}
+
 // A base URL without /v1 gets 404 for every item: the run stops after ten and says what to fix.
 TEST(BatchlmRun, StopsOnEveryRequestNotFoundAndSuggestsV1) {
   TempDir dir;

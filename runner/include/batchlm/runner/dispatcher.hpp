@@ -47,6 +47,11 @@ struct RunResult {
 RunResult run_job(const JobSpec& job, Source& source, Backend& backend, boost::asio::io_context& io,
                   const RunOptions& options);
 
+// What a run's resume would refuse before sending anything, for `--dry-run` (not --fresh): an
+// output holding results made under other settings than this job's (another model, prompt,
+// sampling, few-shot or scoring). Throws ConfigError saying what changed.
+void refuse_other_earlier_settings(const JobSpec& job);
+
 // `--dry-run`: validates (already done by the caller), prints the first `show` requests as the
 // JSON bodies that would be sent, and an estimate of the tokens of the whole job. Sends nothing.
 // With `count_prompt_tokens` (the local model's tokenizer) prompts are counted exactly rather
