@@ -12,6 +12,7 @@
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/asio/deferred.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/experimental/parallel_group.hpp>
@@ -135,6 +136,10 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   std::int64_t aborted_requests = 0;
   std::list<Connection*> connections;
   Metrics metrics;
+  // Large bodies are read into requests here, off the thread that serves every connection: the
+  // largest (8 MB) take a few hundred milliseconds, a pause in every stream.
+  asio::thread_pool parsing{1};
+  static constexpr std::size_t kParsedAside = 64 << 10;
 
   Impl(asio::io_context& io_, Backend& backend_, ServerOptions options_)
       : io(io_), backend(backend_), options(std::move(options_)), acceptor(io_), grace(io_) {}
@@ -516,7 +521,15 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     std::optional<ApiRequest> parsed;
     std::optional<ApiError> invalid;
     try {
-      parsed = parse_request_body(endpoint, req.body(), options.model_name);
+      if (req.body().size() < kParsedAside) {
+        parsed = parse_request_body(endpoint, req.body(), options.model_name);
+      } else {
+        // The session waits for it (a cancellation does not end the wait), so req outlives it.
+        parsed = co_await asio::co_spawn(
+            parsing,
+            [&]() -> asio::awaitable<ApiRequest> { co_return parse_request_body(endpoint, req.body(), options.model_name); },
+            asio::use_awaitable);
+      }
     } catch (const ApiError& e) {
       invalid = e;
     }

@@ -1014,6 +1014,10 @@ TEST_F(Serve, ToolsReachAModelWhoseTemplateListsThem) {
   HttpResponse no = post(*t, "/v1/chat/completions", body.dump());
   EXPECT_EQ(no.status, 400) << no.body;
   EXPECT_TRUE(contains(no.json_body()["error"]["message"].get<std::string>(), "does not list tools")) << no.body;
+  // The field named is the one the message starts with (here the history's call).
+  const std::string message = no.json_body()["error"]["message"];
+  EXPECT_EQ(no.json_body()["error"]["param"], "messages[1].tool_calls") << no.body;
+  EXPECT_EQ(message.rfind("messages[1].tool_calls: ", 0), 0u) << no.body;
 }
 
 TEST_F(Serve, ChatCompletionStreamsServerSentEvents) {
@@ -1296,6 +1300,16 @@ TEST_F(Serve, BadRequestsNameTheField) {
                           {{"role", "user"}, {"content", "And?"}}}},
                         {"max_tokens", 1}};
   EXPECT_EQ(post(*s, "/v1/chat/completions", history.dump()).status, 200);
+
+  // Bodies past 64 KiB are read into requests off the thread that serves the connections: the
+  // same answers, a refusal naming its field included.
+  const std::string long_user(100'000, 'u');
+  expect_error(post(*s, "/v1/chat/completions", chat_request("Hi", {{"user", long_user}, {"temperature", 5}})), 400,
+               "invalid_request_error", "temperature", nullptr);
+  EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"user", long_user}, {"max_tokens", 1}})).status, 200);
+  HttpResponse big_bad_json = post(*s, "/v1/chat/completions", chat_request("Hi", {{"user", long_user}}) + ",");
+  expect_error(big_bad_json, 400, "invalid_request_error", nullptr, nullptr);
+  EXPECT_TRUE(contains(big_bad_json.body, "not valid JSON")) << big_bad_json.body;
 
   // The server still serves.
   EXPECT_EQ(post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 1}})).status, 200);
