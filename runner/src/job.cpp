@@ -1577,13 +1577,16 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
                       const std::vector<Override>& overrides, const EnvLookup& env) {
   // yaml-cpp takes any bytes; JSON output and HTTP bodies take only UTF-8. Refused here, where
   // the line and column can still be named, rather than after the items have been sent.
-  if (const std::size_t bad = first_invalid_utf8(yaml); bad != std::string::npos) {
+  // A NUL byte too: YAML allows none, and yaml-cpp reads it as the end of its input, then
+  // reports whatever follows in words about something else.
+  const std::size_t nul = yaml.find('\0');
+  if (const std::size_t bad = std::min(first_invalid_utf8(yaml), nul); bad != std::string::npos) {
     const std::size_t line_start = yaml.rfind('\n', bad == 0 ? 0 : bad - 1);
     const std::size_t first = line_start == std::string_view::npos || bad == 0 ? 0 : line_start + 1;
     const auto line = static_cast<int>(std::count(yaml.begin(), yaml.begin() + static_cast<std::ptrdiff_t>(first), '\n')) + 1;
     throw ConfigError(file_label, line, static_cast<int>(bad - first) + 1, "",
-                      "not valid UTF-8 (byte " + hex_byte(yaml[bad]) +
-                          "); save the job file as UTF-8");
+                      bad == nul ? std::string("a NUL byte, which YAML text never holds (is this a job file?)")
+                                 : "not valid UTF-8 (byte " + hex_byte(yaml[bad]) + "); save the job file as UTF-8");
   }
   YAML::Node root;
   try {

@@ -469,6 +469,13 @@ TEST_F(JobFile, DuplicateKeysAreErrorsAtAnyDepth) {
   EXPECT_EQ(e.field(), "request.extra.a");
 }
 
+TEST_F(JobFile, ANulByteIsAnErrorWhereItIs) {
+  ConfigError e = error_of(with_input(std::string("name: x\0y\n", 10)));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.column(), 8);
+  EXPECT_EQ(e.message(), "a NUL byte, which YAML text never holds (is this a job file?)");
+}
+
 TEST_F(JobFile, BytesThatAreNotUtf8AreAnErrorWhereTheyAre) {
   ConfigError e = error_of(with_input("name: caf\xE9\n"));
   EXPECT_EQ(e.line(), 2);
