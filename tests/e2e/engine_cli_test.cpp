@@ -649,7 +649,10 @@ TEST_F(EngineCli, RunALocalJobWithAStepLogWritesALinePerStep) {
   RunResult dry = run_batchlm(dir(), {"run", "bad.yaml", "--dry-run"});
   EXPECT_EQ(dry.exit_code, 2) << dry.err;
   EXPECT_TRUE(contains(dry.err, "backend.step_log: cannot open 'no-such-dir/steps.jsonl' for writing")) << dry.err;
-  dry = run_batchlm(dir(), {"run", "bad.yaml", "--dry-run", "--set", "backend.step_log=fresh-steps.jsonl"});
+  // (In an output of its own: the job's holds the first run's results, of another model, which
+  // the dry run refuses as the run would.)
+  dry = run_batchlm(dir(), {"run", "bad.yaml", "--dry-run", "--set", "backend.step_log=fresh-steps.jsonl", "-o",
+                            "out/bad.jsonl"});
   EXPECT_EQ(dry.exit_code, 0) << dry.err;
   EXPECT_FALSE(fs::exists(dir() / "fresh-steps.jsonl"));
   dry = run_batchlm(dir(), {"run", "bad.yaml", "--dry-run", "--set", "backend.step_log=."});
