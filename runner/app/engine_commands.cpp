@@ -303,6 +303,12 @@ int run_inspect() {
 
 void add_engine_commands(CLI::App& app) {
   generate_cmd = app.add_subcommand("generate", "Stream a completion from a local GGUF model");
+  generate_cmd->footer(
+      "Examples:\n"
+      "  batchlm generate -p \"Once upon a time\" --max-tokens 64\n"
+      "  batchlm generate --chat -p \"What is 17 * 3?\" --temperature 0\n"
+      "  echo \"Summarize: ...\" | batchlm generate --chat -f -\n\n"
+      "Exit status: 0 done, 2 bad usage or a model that cannot be loaded, 130 interrupted (Ctrl-C).");
   g.model = default_model();
   generate_cmd->add_option("--model,-m", g.model, "GGUF model file (default: $BATCHLM_MODEL or the default model)")
       ->capture_default_str();
@@ -313,7 +319,7 @@ void add_engine_commands(CLI::App& app) {
   generate_cmd->add_option("--max-tokens,-n", g.max_tokens, "Tokens to generate at most")
       ->capture_default_str()->check(app::at_least(1));
   generate_cmd->add_option("--temperature", g.temperature, "Sampling temperature; 0 is greedy")
-      ->capture_default_str()->check(app::between(0, 100, false));
+      ->capture_default_str()->check(app::between(0, 2, false));
   generate_cmd->add_option("--top-p", g.top_p, "Nucleus sampling threshold")
       ->capture_default_str()->check(app::between(0, 1, false));
   generate_cmd->add_option("--top-k", g.top_k, "Sample among the k most likely tokens; 0 or -1: all (as top_k in a request)")
@@ -339,6 +345,7 @@ void add_engine_commands(CLI::App& app) {
                          "Print prompt and generation speed as one JSON line on stderr");
 
   inspect_cmd = app.add_subcommand("inspect", "Describe a GGUF model: architecture, sizes, types, tokenizer");
+  inspect_cmd->footer("Exit status: 0 described, 2 a file that is not a GGUF model it can read.");
   in.model = default_model();
   inspect_cmd->add_option("model", in.model, "GGUF model file (default: $BATCHLM_MODEL or the default model)")->capture_default_str();
   inspect_cmd->add_flag("--tensors", in.tensors, "List every tensor");

@@ -189,6 +189,15 @@ std::string api_key(const JobSpec& job, const EnvLookup& env) {
     throw ConfigError(job.file, 0, 0, "backend.api_key_env",
                       "$" + job.backend.api_key_env + " is not set; export your API key, or point "
                       "backend.base_url (or $OPENAI_BASE_URL, or --base-url) at another server");
+  // A variable the job names is one it means to send: unset, every request would go without a
+  // key (a local server needs none, and takes the default's absence quietly).
+  if (job.backend.api_key_env != BackendSpec().api_key_env) {
+    const auto at = job.marks.find("backend.api_key_env");
+    throw ConfigError(at != job.marks.end() ? at->second.file : job.file, at != job.marks.end() ? at->second.line : 0,
+                      at != job.marks.end() ? at->second.column : 0, "backend.api_key_env",
+                      "$" + job.backend.api_key_env + " is " + (env(job.backend.api_key_env) ? "empty" : "not set") +
+                          "; export the API key in it, or leave backend.api_key_env out for a server that needs no key");
+  }
   return {};
 }
 
@@ -490,6 +499,11 @@ int main(int argc, char** argv) {
   app::add_serve_command(app);
   app::refuse_options_as_values(app);
 
+  // No command at all: the usage, rather than an error about a missing subcommand.
+  if (argc <= 1) {
+    std::fputs(app.help().c_str(), stderr);
+    return kExitUsage;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

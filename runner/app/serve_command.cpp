@@ -133,7 +133,7 @@ void add_serve_command(CLI::App& app) {
   serve_cmd->add_flag("--kv-recycle", s.kv_recycle,
                       "Reuse the KV blocks of finished requests that nothing shared before taking pool memory "
                       "never used (the prefix cache then forgets unshared prompts sooner)");
-  serve_cmd->add_flag("--no-kv-commit{false}", s.kv_commit,
+  serve_cmd->add_flag_callback("--no-kv-commit", [] { s.kv_commit = false; },
                       "Leave the KV pool's pages to be mapped as the cache first grows into them; by default "
                       "the whole pool is written once at start-up, so requests never wait for the system to "
                       "map fresh memory");
@@ -148,7 +148,7 @@ void add_serve_command(CLI::App& app) {
                         "Choices waiting beyond --max-sequences before new requests get 429 (a request with n choices counts n)")
       ->check(app::between(0, 1 << 20))->capture_default_str();
   serve_cmd->add_option("--shutdown-grace", s.shutdown_grace,
-                        "Seconds requests in flight get to finish after SIGTERM")
+                        "Seconds requests in flight get to finish after SIGINT, SIGTERM or SIGHUP")
       ->check(app::between(0, 86400, false))->capture_default_str();
   serve_cmd->add_option("--write-timeout", s.write_timeout,
                         "Seconds a write to a client may make no progress (a client that stopped reading) "

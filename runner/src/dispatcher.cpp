@@ -310,13 +310,18 @@ class Dispatcher {
       return;
     }
     stopping_ = true;
+    counters_.stopping = true;
     interrupted_ = interrupted;
     char grace[32];
     const double grace_s = std::chrono::duration<double>(job_.grace_period).count();
     std::snprintf(grace, sizeof grace, grace_s < 10 && grace_s != std::floor(grace_s) ? "%.1fs" : "%.0fs", grace_s);
-    progress_.message("batchlm: " + std::string(why) + ": no new items; waiting up to " + grace + " for " +
-                      std::to_string(counters_.in_flight) + " in flight" +
-                      (interrupted && ctrl_c_hint ? " (Ctrl-C again to exit now)" : ""));
+    // What the grace period waits for: attempts under way (items waiting for a slot or a
+    // backoff stop at once, below).
+    const auto attempts = std::count_if(items_.begin(), items_.end(), [](const LiveItem& i) { return i.in_attempt; });
+    progress_.message("batchlm: " + std::string(why) + ": no new items; " +
+                      (attempts == 0 ? std::string("none in flight")
+                                     : "waiting up to " + std::string(grace) + " for " + std::to_string(attempts) +
+                                           " in flight" + (interrupted && ctrl_c_hint ? " (Ctrl-C again to exit now)" : "")));
     // Items not inside an attempt (waiting for a slot, a rate limit or a backoff) stop now.
     for (auto& item : items_)
       if (!item.in_attempt) item.cancel.emit(asio::cancellation_type::terminal);
@@ -765,6 +770,13 @@ class Dispatcher {
     const std::optional<EngineStats> engine = backend_.engine_stats();
     if (engine) summary["engine"] = engine->to_json();
     if (output_error_) summary["output_error"] = {{"message", *output_error_}, {"unsaved", unsaved}};
+    // Why the run stopped sending, and what the console's notes say, for a script that reads
+    // the summary rather than the terminal.
+    if (refused_) summary["stopped"] = {{"reason", refused_->what}, {"advice", refused_->advice}};
+    const auto outside = static_cast<std::int64_t>(kept_.size()) - resumed_in_scope_;
+    if (changed_inputs_ > 0)
+      summary["earlier_records_of_other_inputs"] = {{"count", changed_inputs_}, {"first_id", json::parse(first_changed_id_)}};
+    if (!interrupted_ && outside > 0) summary["earlier_records_outside_the_job"] = outside;
     const std::optional<std::string> summary_error = write_summary(summary);
     if (!summary_error) r.summary_path = summary_path();
     std::fputs(summary_.to_text(wall, counters_.total).c_str(), options_.progress_out);
@@ -776,7 +788,6 @@ class Dispatcher {
                    static_cast<long long>(changed_inputs_), changed_inputs_ == 1 ? " was" : "s were",
                    first_changed_id_.c_str());
     }
-    const auto outside = static_cast<std::int64_t>(kept_.size()) - resumed_in_scope_;
     if (!interrupted_ && outside > 0) {
       std::fprintf(options_.progress_out,
                    "note: %lld earlier record%s in the output %s not among this run's %lld item%s "

@@ -44,6 +44,7 @@ struct Figures {
   std::string in_flight, retries, failed;
   std::string engine;        // "engine 12 run 20 wait cache 87% kv 41%", empty for remote APIs
   bool known_total = false;
+  bool any_retries = false, any_failed = false;
 };
 
 Figures figures(const ProgressCounters& c, double elapsed) {
@@ -66,7 +67,9 @@ Figures figures(const ProgressCounters& c, double elapsed) {
   f.requests_rate = format("%.1f req/s", answers_per_second);
   f.tokens_rate = format("%.0f tok/s", tokens_per_second);
   const std::int64_t remaining = c.total - finished;
-  if (!f.known_total || requests_per_second <= 0) {
+  if (c.stopping) {
+    f.eta = "stopping";  // nothing new starts: the rest waits for the next run
+  } else if (!f.known_total || requests_per_second <= 0) {
     f.eta = remaining <= 0 && f.known_total ? "eta 0s" : "eta --";
   } else {
     f.eta = "eta " + format_duration(static_cast<double>(std::max<std::int64_t>(0, remaining)) / requests_per_second);
@@ -74,6 +77,8 @@ Figures figures(const ProgressCounters& c, double elapsed) {
   f.in_flight = format("in-flight %lld", static_cast<long long>(c.in_flight));
   f.retries = format("retries %lld", static_cast<long long>(c.retries));
   f.failed = format("failed %lld", static_cast<long long>(c.failed));
+  f.any_retries = c.retries > 0;
+  f.any_failed = c.failed > 0;
   if (!c.engine.empty()) f.engine = "engine " + c.engine;
   return f;
 }
@@ -131,6 +136,12 @@ int Progress::columns() const {
   if (out_ != nullptr && ::ioctl(::fileno(out_), TIOCGWINSZ, &size) == 0 && size.ws_col > 0) {
     return size.ws_col;
   }
+  // A terminal that reports no size (a serial console, some containers' ptys): $COLUMNS, as the
+  // shell sets it or the user does, else 80.
+  if (const char* env = std::getenv("COLUMNS"); env != nullptr) {
+    const int value = std::atoi(env);
+    if (value > 0 && value < 10'000) return value;
+  }
   return 80;
 }
 
@@ -142,14 +153,18 @@ std::string Progress::render_bar(const ProgressCounters& c, double elapsed_secon
   const int avail = std::max(1, columns() - 3);
 
   // Fields in display order; when the line is too narrow the lowest priority goes first.
+  // Retries and failures are news once there are any: they outrank the bar and the rates then.
   struct Field {
     std::string text;  // empty: the bar
     int priority;
     bool present = true;
   };
   std::vector<Field> fields{
-      {f.count, 100}, {f.percent, 95}, {"", 70}, {f.requests_rate, 80}, {f.tokens_rate, 60},
-      {f.eta, 90},    {f.in_flight, 50}, {f.retries, 40}, {f.failed, 85}, {f.engine, 55}};
+      {f.count, 100},    {f.percent, 95},
+      {"", 70},          {f.requests_rate, 65},
+      {f.tokens_rate, 60}, {f.eta, 90},
+      {f.in_flight, 50}, {f.retries, f.any_retries ? 80 : 40},
+      {f.failed, f.any_failed ? 85 : 45}, {f.engine, 55}};
   if (!f.known_total) fields[1].present = fields[2].present = false;
   for (auto& field : fields) {
     if (!field.text.empty() || &field == &fields[2]) continue;
@@ -175,7 +190,23 @@ std::string Progress::render_bar(const ProgressCounters& c, double elapsed_secon
     if (lowest == fields.end()) break;  // only the count is left; cut below
     lowest->present = false;
   }
-  const int cells = std::clamp(avail - length(0), kMinBar, kMaxBar);
+  // The bar keeps its length as the figures beside it grow, rather than shifting every field
+  // after it at each redraw: laid out with room for the count at its final width, the percent
+  // at "100.0%" and a few digits more of the rates, and laid out afresh when the terminal's
+  // width changes or the fields no longer fit beside it.
+  int cells = bar_cells_;
+  if (bar_columns_ != avail || cells <= 0 || length(cells) > avail) {
+    int growth = 4;
+    if (f.known_total) {
+      const int final_count = 2 * static_cast<int>(std::to_string(c.total).size()) + 1;
+      growth += std::max(0, final_count - static_cast<int>(f.count.size())) +
+                std::max(0, 6 - static_cast<int>(f.percent.size()));
+    }
+    cells = std::clamp(avail - length(0) - growth, kMinBar, kMaxBar);
+    if (length(cells) > avail) cells = std::clamp(avail - length(0), kMinBar, kMaxBar);
+  }
+  bar_columns_ = avail;
+  bar_cells_ = cells;
 
   std::string line;
   for (std::size_t i = 0; i < fields.size(); ++i) {

@@ -212,6 +212,11 @@ TEST(BatchlmRun, StopsSendingWhenTheApiRefusesEveryRequest) {
     EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), static_cast<std::size_t>(sent));
     const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
     EXPECT_EQ(summary["counts"]["not_run"].get<long long>(), 200 - sent) << summary.dump(2);
+    // Why, for a script that reads the summary.
+    EXPECT_EQ(summary["stopped"]["reason"].get<std::string>().rfind("the API refused the last 10 requests (HTTP 401", 0),
+              0u)
+        << summary.dump(2);
+    EXPECT_FALSE(summary["stopped"]["advice"].get<std::string>().empty());
   }
   FakeServer answering(dir.path, {"--gsm8k", gsm8k_test_file()});
   write_file(dir.path / "job.yaml", gsm8k_job({.base_url = answering.base_url(), .limit = 200, .concurrency = 4}));
@@ -251,6 +256,15 @@ TEST(BatchlmRun, AResumeThatStopsEarlyCountsEveryEarlierRecord) {
       << summary.dump(2);
   EXPECT_NE(r.err.find("60 items: 40 succeeded (40 resumed)"), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("not among this run's"), std::string::npos) << r.err;
+  EXPECT_FALSE(summary.contains("earlier_records_outside_the_job")) << summary.dump(2);
+  // A lower limit leaves records outside the job: said in the summary as on the console.
+  FakeServer answering(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = answering.base_url(), .limit = 30, .concurrency = 2}));
+  r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("note: 30 earlier records in the output are not among this run's 30 items"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"))["earlier_records_outside_the_job"], 30);
 }
 
 // A file of the user's at PATH.tmp, where a resume's rewrite goes, is never overwritten: the
@@ -730,11 +744,37 @@ TEST(BatchlmRun, ShippedJobsAndExamplesValidate) {
   for (const auto& file : files) {
     // Relative inputs in the examples are relative to the checkout.
     Process p({.args = {binary("batchlm"), "run", file.string(), "--dry-run"},
-               .env = {{"BATCHLM_DATA", BATCHLM_SHARED_DATA}, {"OPENAI_API_KEY", "unused"}},
+               .env = {{"BATCHLM_DATA", BATCHLM_SHARED_DATA}, {"OPENAI_API_KEY", "unused"}, {"OPENROUTER_API_KEY", "unused"}},
                .cwd = BATCHLM_SOURCE_DIR, .out_file = dir.path / "out.txt", .err_file = dir.path / "err.txt"});
     EXPECT_EQ(p.wait(60s), 0) << file << ": " << read_file(dir.path / "err.txt");
     EXPECT_NE(read_file(dir.path / "out.txt").find("nothing was sent"), std::string::npos) << file;
   }
+}
+
+// A key variable the job names is one it means to send: unset or empty, the run and its dry run
+// refuse, naming it where the job does, before anything is sent. The default variable may be
+// unset for a server that needs no key.
+TEST(BatchlmRun, AKeyVariableTheJobNamesMustBeSet) {
+  TempDir dir;
+  FakeServer server(dir.path);
+  std::string job = gsm8k_job({.base_url = server.base_url(), .limit = 2});
+  job.replace(job.find("model: fake-model}"), 18, "model: fake-model, api_key_env: MY_PROVIDER_KEY}");
+  write_file(dir.path / "job.yaml", job);
+  for (const bool dry : {true, false}) {
+    std::vector<std::string> args = {"run", "job.yaml"};
+    if (dry) args.push_back("--dry-run");
+    RunResult r = run_batchlm(dir.path, args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find("job.yaml:10:"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("backend.api_key_env: $MY_PROVIDER_KEY is not set; export the API key in it, or leave "
+                         "backend.api_key_env out for a server that needs no key"),
+              std::string::npos)
+        << r.err;
+  }
+  EXPECT_NE(run_batchlm(dir.path, {"run", "job.yaml"}, {{"MY_PROVIDER_KEY", ""}}).err.find("$MY_PROVIDER_KEY is empty"),
+            std::string::npos);
+  EXPECT_EQ(server.stats()["requests"].get<long long>(), 0);
+  EXPECT_EQ(run_batchlm(dir.path, {"run", "job.yaml"}, {{"MY_PROVIDER_KEY", "sk-1"}}).exit_code, 0);
 }
 
 // An API key with a line break (a Windows .env file's carriage return) would end the header it

@@ -118,6 +118,69 @@ TEST(ProgressBar, NarrowTerminalDropsTheLeastImportantFieldsFirst) {
   EXPECT_EQ(line.find("tok/s"), std::string::npos) << line;
 }
 
+// Retries and failures, once there are any, outrank the rates and the in-flight count: on a
+// standard terminal a flaky API shows.
+TEST(ProgressBar, RetriesShowAtEightyColumnsOnceThereAreAny) {
+  ProgressCounters c = counters();
+  c.total = 30;
+  c.resumed = 0;
+  c.done = 14;
+  c.in_flight = 4;
+  c.retries = 7;
+  Progress progress(nullptr, true, seconds{5}, 80);
+  const std::string line = progress.render_bar(c, 1.4);
+  for (const char* field : {"14/30", "46.7%", "[", "eta", "retries 7", "failed 2"})
+    EXPECT_NE(line.find(field), std::string::npos) << field << " missing in: " << line;
+  // None yet: the first to go.
+  c.retries = 0;
+  c.failed = 0;
+  Progress calm(nullptr, true, seconds{5}, 60);
+  const std::string quiet = calm.render_bar(c, 1.4);
+  EXPECT_EQ(quiet.find("retries"), std::string::npos) << quiet;
+  EXPECT_NE(quiet.find("req/s"), std::string::npos) << quiet;
+}
+
+// The bar keeps its length from one redraw to the next as the figures beside it grow, so the
+// fields after it stay put; a new width lays it out afresh.
+TEST(ProgressBar, TheBarKeepsItsLengthAsTheFiguresGrow) {
+  const auto bar_length = [](const std::string& line) { return line.find(']') - line.find('['); };
+  for (const int width : {80, 100, 120}) {
+    Progress progress(nullptr, true, seconds{5}, width);
+    ProgressCounters c;
+    c.total = 1000;
+    std::size_t first = 0;
+    for (const std::int64_t done : {0, 1, 9, 10, 99, 100, 999, 1000}) {
+      c.done = done;
+      c.output_tokens = done * 137;
+      c.in_flight = done < 1000 ? 32 : 0;
+      const std::string line = progress.render_bar(c, 0.5 + static_cast<double>(done) / 50.0);
+      if (done == 0) first = bar_length(line);
+      EXPECT_EQ(bar_length(line), first) << width << " at " << done << ": " << line;
+      EXPECT_LE(static_cast<int>(line.size()), width - 3) << line;
+    }
+  }
+}
+
+// After Ctrl-C nothing new starts: no time left to estimate.
+TEST(ProgressBar, AStoppingRunShowsNoEta) {
+  ProgressCounters c = counters();
+  c.stopping = true;
+  Progress progress(nullptr, true, seconds{5}, 160);
+  const std::string line = progress.render_bar(c, 10.0);
+  EXPECT_EQ(line.find("eta"), std::string::npos) << line;
+  EXPECT_NE(line.find("stopping"), std::string::npos) << line;
+}
+
+// A terminal that reports no size: $COLUMNS, else 80.
+TEST(ProgressBar, ColumnsFromTheEnvironmentWhereTheTerminalSaysNone) {
+  ::setenv("COLUMNS", "50", 1);
+  Progress progress(nullptr, true, seconds{5}, 0);
+  EXPECT_LE(progress.render_bar(counters(), 10.0).size(), 47u);
+  ::setenv("COLUMNS", "junk", 1);
+  EXPECT_GT(progress.render_bar(counters(), 10.0).size(), 60u);
+  ::unsetenv("COLUMNS");
+}
+
 TEST(ProgressBar, VeryNarrowTerminalKeepsTheCount) {
   Progress progress(nullptr, true, seconds{5}, 12);
   EXPECT_EQ(progress.render_bar(counters(), 10.0), "120/1319");

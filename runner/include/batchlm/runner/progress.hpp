@@ -23,6 +23,7 @@ struct ProgressCounters {
   std::int64_t retries = 0;      // retry attempts started
   std::int64_t output_tokens = 0;  // streamed so far (deltas until usage corrects them)
   std::string engine;              // the embedded engine's state (EngineStats::brief), or ""
+  bool stopping = false;           // no new items (a signal, a refusal): no ETA to give
 };
 
 // Whether `out` is a terminal a bar can be redrawn on in place: a TTY whose $TERM is not
@@ -70,6 +71,10 @@ class Progress {
   std::chrono::steady_clock::time_point start_, last_draw_{};
   bool drawn_ = false;
   std::size_t bar_length_ = 0;  // of the bar on the cursor's line, 0 when there is none
+  // The bar's cells, kept from one redraw to the next while the terminal's width (less the
+  // margin) stays bar_columns_ and the fields fit beside them.
+  mutable int bar_cells_ = 0;
+  mutable int bar_columns_ = 0;
 };
 
 // Per item, what the summary needs.
