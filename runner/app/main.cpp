@@ -201,6 +201,21 @@ std::string api_key(const JobSpec& job, const EnvLookup& env) {
   return {};
 }
 
+// The context the engine would give the job's sequences, at most: the job's or 4096, within the
+// model's trained length (the engine may hold less, where it cannot run the model's long-context
+// rotary factors). 0 where the file does not say.
+std::int64_t dry_run_context(const JobSpec& job) {
+  try {
+    const local_engine::gguf::File file = local_engine::gguf::File::open(job.backend.model);
+    const std::optional<std::string> arch = file.find_string("general.architecture");
+    if (!arch || file.find(*arch + ".context_length") == nullptr) return 0;
+    const auto trained = static_cast<std::int64_t>(file.get_u64(*arch + ".context_length"));
+    return std::min<std::int64_t>(job.backend.context > 0 ? job.backend.context : 4096, trained);
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
 // The output as the writer will take it (a file that can be one, a directory that takes it),
 // before a model is loaded or anything sent, and blamed on where the path was given. The dry run
 // also reads an existing output through, as the run's resume does itself.
@@ -402,7 +417,9 @@ int run_command(const JobOptions& o, bool synth) {
       }
     }
     if (!o.fresh) refuse_other_earlier_settings(job);
-    dry_run(job, *source, stdout, 3, count_prompt_tokens);
+    DryRunOptions dry{.show = 3, .count_prompt_tokens = count_prompt_tokens, .context = 0, .fresh = o.fresh};
+    if (count_prompt_tokens) dry.context = dry_run_context(job);
+    dry_run(job, *source, stdout, dry);
     return kExitOk;
   }
   fit_concurrency_to_open_files(job);

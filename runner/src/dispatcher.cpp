@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <unordered_set>
 #include <list>
 #include <optional>
 #include <random>
@@ -936,8 +937,29 @@ void refuse_other_earlier_settings(const JobSpec& job) {
   throw other_settings_error(path, settings, other, kept);
 }
 
-void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show, const PromptTokenCounter& count_prompt_tokens) {
-  std::int64_t items = 0, prompt_tokens = 0, max_output_tokens = 0, unbounded = 0;
+namespace {
+
+// The ids of the records the output holds finished (no error): a resume skips their items.
+std::unordered_set<std::string> finished_ids(const std::string& path) {
+  std::unordered_set<std::string> ids;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    const json record = json::parse(line, nullptr, false);
+    if (record.is_object() && record.contains("id") && record.value("error", json()).is_null())
+      ids.insert(record["id"].dump());
+  }
+  return ids;
+}
+
+}  // namespace
+
+void dry_run(const JobSpec& job, Source& source, std::FILE* out, const DryRunOptions& options) {
+  const int show = options.show;
+  const PromptTokenCounter& count_prompt_tokens = options.count_prompt_tokens;
+  const std::unordered_set<std::string> done = options.fresh ? std::unordered_set<std::string>() : finished_ids(job.output.path);
+  std::int64_t items = 0, prompt_tokens = 0, max_output_tokens = 0, unbounded = 0, skipped = 0;
+  std::int64_t past_context = 0;  // of the prompts counted
+  std::string first_past;         // the first such item's id and length
   // Counted exactly for the first items, then their counts' ratio to the length estimate
   // scales the estimates of the rest (tokenizing a million long prompts takes minutes).
   constexpr std::int64_t kItemsCounted = 20'000;
@@ -950,6 +972,10 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show, const
   while (items < kItemsLooked) {
     std::optional<Item> item = source.next();
     if (!item) break;
+    if (done.contains(item->id_key)) {
+      ++skipped;
+      continue;
+    }
     if (item->request.model.empty()) item->request.model = job.backend.model;
     item->request.stream = job.backend.stream;
     if (items < show) {
@@ -960,8 +986,11 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show, const
     }
     ++items;
     if (count_prompt_tokens && items <= kItemsCounted) {
-      counted += count_prompt_tokens(item->request);
+      const std::int64_t n = count_prompt_tokens(item->request);
+      counted += n;
       counted_estimate += item->estimated_prompt_tokens;
+      if (options.context > 0 && n >= options.context && past_context++ == 0)
+        first_past = "id " + item->id.dump() + ": " + std::to_string(n) + " tokens";
     } else {
       uncounted_estimate += item->estimated_prompt_tokens;
     }
@@ -979,8 +1008,11 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show, const
   }
   std::string estimated_from;
   double scale = 1;
-  if (const std::int64_t total = source.total(); total > items && items > 0) {
-    scale = static_cast<double>(total) / static_cast<double>(items);
+  // The items to send: the job's less those finished in the output (counted among the items
+  // looked at; a resume's finished items come first).
+  const std::int64_t to_send = std::max(items, source.total() - skipped);
+  if (to_send > items && items > 0) {
+    scale = static_cast<double>(to_send) / static_cast<double>(items);
     estimated_from = " (from the first " + std::to_string(items) + ")";
   }
   // Counts scaled up to every item: whole numbers, in powers of ten past what reads as one.
@@ -1003,15 +1035,27 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show, const
                              " items counted with the model's tokenizer, the rest scaled" +
                              (scale == 1.0 ? std::string() : "; from the first " + std::to_string(items) + " items") +
                              ")";
-  std::fprintf(out,
-               "--- dry run: job '%s' is valid; %lld item%s to %s (%s), concurrency %d\n"
-               "%s: %s (about %lld per item); output tokens: %s\n"
-               "output: %s\nnothing was sent.\n",
-               job.name.c_str(), static_cast<long long>(std::max(items, source.total())),
-               std::max(items, source.total()) == 1 ? "" : "s", target.c_str(),
-               job.backend.type.c_str(), job.concurrency, prompt_label.c_str(), count(prompt_tokens).c_str(),
-               static_cast<long long>(items > 0 ? prompt_tokens / items : 0), output_bound.c_str(),
-               job.output.path.c_str());
+  const std::int64_t total = std::max(items + skipped, source.total());
+  const std::string resumed =
+      skipped > 0 ? " (" + std::to_string(skipped) + " finished in the output, " + std::to_string(to_send) + " to send)"
+                  : std::string();
+  std::fprintf(out, "--- dry run: job '%s' is valid; %lld item%s%s to %s (%s), concurrency %d\n", job.name.c_str(),
+               static_cast<long long>(total), total == 1 ? "" : "s", resumed.c_str(), target.c_str(),
+               job.backend.type.c_str(), job.concurrency);
+  if (items == 0 && skipped > 0) {
+    std::fprintf(out, "nothing to send: every item is finished in the output (--fresh redoes them)\n");
+  } else {
+    std::fprintf(out, "%s: %s (about %lld per item); output tokens: %s\n", prompt_label.c_str(),
+                 count(prompt_tokens).c_str(), static_cast<long long>(items > 0 ? prompt_tokens / items : 0),
+                 output_bound.c_str());
+  }
+  if (past_context > 0)
+    std::fprintf(out,
+                 "warning: %lld of the prompts counted leave%s no room in the context of %lld tokens (the first, %s): "
+                 "the run would fail %s; raise backend.context or shorten the prompts\n",
+                 static_cast<long long>(past_context), past_context == 1 ? "s" : "",
+                 static_cast<long long>(options.context), first_past.c_str(), past_context == 1 ? "it" : "them");
+  std::fprintf(out, "output: %s\nnothing was sent.\n", job.output.path.c_str());
 }
 
 }  // namespace batchlm::runner

@@ -437,7 +437,7 @@ std::string Summary::to_text(double wall_seconds, std::int64_t total_items) cons
     // Failed and unfinished items have no score: the accuracy is over fewer than the job's.
     const std::int64_t scored = metrics_.begin()->second.second;
     if (total_items > scored)
-      text += format("; %lld of %lld items not scored (failed, not run, or without a reference)",
+      text += format("; %lld of %lld items not scored",
                      static_cast<long long>(total_items - scored), static_cast<long long>(total_items));
     text += "\n";
   }

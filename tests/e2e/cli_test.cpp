@@ -297,6 +297,36 @@ TEST(BatchlmRun, AFileAtTheRewritesPathIsNotOverwritten) {
   EXPECT_FALSE(fs::exists(dir.path / "out/e2e.jsonl.tmp"));
 }
 
+// The dry run shows and counts what the run would send: items finished in the output are left
+// out, as the resume skips them (failed ones are redone); --fresh counts them all again.
+TEST(BatchlmRun, DryRunLeavesOutTheItemsTheOutputHoldsFinished) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 10}));
+  ASSERT_EQ(run_batchlm(dir.path, {"run", "job.yaml"}).exit_code, 0);
+  RunResult all_done = run_batchlm(dir.path, {"run", "job.yaml", "--dry-run"});
+  EXPECT_EQ(all_done.exit_code, 0) << all_done.err;
+  EXPECT_NE(all_done.out.find("10 items (10 finished in the output, 0 to send)"), std::string::npos) << all_done.out;
+  EXPECT_NE(all_done.out.find("nothing to send: every item is finished in the output"), std::string::npos) << all_done.out;
+  EXPECT_EQ(all_done.out.find("--- item"), std::string::npos) << all_done.out;
+  // Ids 1-4 gone, 5 failed: six to send, the first shown is 1.
+  std::string kept;
+  for (json record : read_jsonl(dir.path / "out/e2e.jsonl")) {
+    const long long id = record["id"];
+    if (id <= 4) continue;
+    if (id == 5) record["error"] = {{"kind", "http"}, {"status", 500}, {"message", "boom"}};
+    kept += record.dump() + "\n";
+  }
+  write_file(dir.path / "out/e2e.jsonl", kept);
+  RunResult some = run_batchlm(dir.path, {"run", "job.yaml", "--dry-run"});
+  EXPECT_EQ(some.exit_code, 0) << some.err;
+  EXPECT_NE(some.out.find("10 items (5 finished in the output, 5 to send)"), std::string::npos) << some.out;
+  EXPECT_NE(some.out.find("--- item 1: POST"), std::string::npos) << some.out;
+  EXPECT_EQ(some.out.find("--- item 6:"), std::string::npos) << some.out;
+  RunResult fresh = run_batchlm(dir.path, {"run", "job.yaml", "--dry-run", "--fresh"});
+  EXPECT_NE(fresh.out.find("job 'e2e' is valid; 10 items to "), std::string::npos) << fresh.out;
+}
+
 // The dry run refuses a resume the run would refuse: results made under other settings.
 TEST(BatchlmRun, DryRunRefusesEarlierResultsOfOtherSettings) {
   TempDir dir;

@@ -491,6 +491,20 @@ TEST_F(EngineCli, DryRunOfALocalJobCountsThePromptTokensExactly) {
   long long used = 0;
   for (const auto& rec : read_jsonl(dir() / "out/local.jsonl")) used += rec["usage"]["prompt_tokens"].get<long long>();
   EXPECT_EQ(counted, used) << dry.out;
+
+  // Prompts that leave no room in the context are counted: the run would fail them.
+  const std::vector<json> records = read_jsonl(dir() / "out/local.jsonl");
+  const long long shortest = std::min_element(records.begin(), records.end(), [](const json& a, const json& b) {
+                               return a["usage"]["prompt_tokens"] < b["usage"]["prompt_tokens"];
+                             })->at("usage")["prompt_tokens"];
+  RunResult tight = run_batchlm(dir(), {"run", "job.yaml", "--dry-run", "--fresh", "--set",
+                                        "backend.context=" + std::to_string(shortest)});
+  ASSERT_EQ(tight.exit_code, 0) << tight.err;
+  EXPECT_NE(tight.out.find("warning: 4 of the prompts counted leave no room in the context of " +
+                           std::to_string(shortest) + " tokens (the first, id 1: "),
+            std::string::npos)
+      << tight.out;
+  EXPECT_EQ(dry.out.find("leave no room"), std::string::npos) << dry.out;
 }
 
 TEST_F(EngineCli, RunALocalJobWithLogprobsRecordsThemPerToken) {

@@ -52,12 +52,19 @@ RunResult run_job(const JobSpec& job, Source& source, Backend& backend, boost::a
 // sampling, few-shot or scoring). Throws ConfigError saying what changed.
 void refuse_other_earlier_settings(const JobSpec& job);
 
-// `--dry-run`: validates (already done by the caller), prints the first `show` requests as the
-// JSON bodies that would be sent, and an estimate of the tokens of the whole job. Sends nothing.
-// With `count_prompt_tokens` (the local model's tokenizer) prompts are counted exactly rather
-// than estimated from their length.
+// `--dry-run`: validates (already done by the caller), prints the first `show` requests that
+// would be sent as their JSON bodies, and an estimate of the tokens of the whole job. Sends
+// nothing. Items the output already holds finished are left out, as the run's resume skips them
+// (unless `fresh`). With `count_prompt_tokens` (the local model's tokenizer) prompts are counted
+// exactly rather than estimated from their length, and with `context` those longer than it are
+// counted: the run would fail them.
 using PromptTokenCounter = std::function<std::int64_t(const Request&)>;
-void dry_run(const JobSpec& job, Source& source, std::FILE* out, int show = 3,
-             const PromptTokenCounter& count_prompt_tokens = {});
+struct DryRunOptions {
+  int show = 3;
+  PromptTokenCounter count_prompt_tokens;
+  std::int64_t context = 0;  // tokens (the embedded engine's, at most); 0: unknown
+  bool fresh = false;
+};
+void dry_run(const JobSpec& job, Source& source, std::FILE* out, const DryRunOptions& options = {});
 
 }  // namespace batchlm::runner
