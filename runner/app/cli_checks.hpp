@@ -82,9 +82,12 @@ inline void refuse_options_as_values(CLI::App& cmd) {
     if (!option->nonpositional() || option->get_type_size_max() == 0) continue;  // positionals, flags
     option->check(CLI::Validator(
         [&cmd](std::string& value) -> std::string {
-          if (value.size() < 2 || value[0] != '-' || cmd.get_option_no_throw(value.substr(0, value.find('='))) == nullptr)
-            return {};
-          return "value missing: " + value + " is an option, not a value";
+          if (value.size() < 2 || value[0] != '-') return {};
+          // The command's options, and those of the commands above it (--version).
+          const std::string name = value.substr(0, value.find('='));
+          for (const CLI::App* at = &cmd; at != nullptr; at = at->get_parent())
+            if (at->get_option_no_throw(name) != nullptr) return "value missing: " + value + " is an option, not a value";
+          return {};
         },
         ""));
   }

@@ -204,9 +204,8 @@ std::string api_key(const JobSpec& job, const EnvLookup& env) {
 // The context the engine would give the job's sequences, at most: the job's or 4096, within the
 // model's trained length (the engine may hold less, where it cannot run the model's long-context
 // rotary factors). 0 where the file does not say.
-std::int64_t dry_run_context(const JobSpec& job) {
+std::int64_t dry_run_context(const JobSpec& job, const local_engine::gguf::File& file) {
   try {
-    const local_engine::gguf::File file = local_engine::gguf::File::open(job.backend.model);
     const std::optional<std::string> arch = file.find_string("general.architecture");
     if (!arch || file.find(*arch + ".context_length") == nullptr) return 0;
     const auto trained = static_cast<std::int64_t>(file.get_u64(*arch + ".context_length"));
@@ -219,9 +218,9 @@ std::int64_t dry_run_context(const JobSpec& job) {
 // The output as the writer will take it (a file that can be one, a directory that takes it),
 // before a model is loaded or anything sent, and blamed on where the path was given. The dry run
 // also reads an existing output through, as the run's resume does itself.
-void check_output_path(const JobSpec& job, const std::vector<Override>& overrides, bool read_records) {
+void check_output_path(const JobSpec& job, const std::vector<Override>& overrides, bool read_records, bool fresh) {
   try {
-    check_output(job.output.path, read_records);
+    check_output(job.output.path, read_records, fresh);
   } catch (const std::exception& e) {
     throw field_error(job, overrides, "output.path", e.what());
   }
@@ -372,12 +371,13 @@ int run_command(const JobOptions& o, bool synth) {
   std::unique_ptr<Source> source = open_source(job);  // validates the whole input
   for (const std::string& warning : source->warnings()) std::fprintf(stderr, "batchlm: warning: %s\n", warning.c_str());
   // What the run would refuse, the dry run refuses too: the output, and an API's missing key.
-  check_output_path(job, overrides, /*read_records=*/o.dry_run);
+  check_output_path(job, overrides, /*read_records=*/o.dry_run, o.fresh);
   if (o.dry_run) {
     if (job.backend.type != "local") (void)api_key(job, env);
     // The model too: its header and tensor table (the weights are not read), and its
     // vocabulary, which counts the prompts' tokens.
     PromptTokenCounter count_prompt_tokens;
+    std::int64_t context = 0;
     if (job.backend.type == "local") {
       require_model_file(job, overrides);
       std::optional<local_engine::gguf::File> file;
@@ -386,6 +386,7 @@ int run_command(const JobOptions& o, bool synth) {
       } catch (const std::exception& e) {
         throw field_error(job, overrides, "backend.model", e.what());
       }
+      context = dry_run_context(job, *file);
       std::optional<std::int64_t> n_vocab;
       try {
         local_engine::Vocab vocab = local_engine::Vocab::from_gguf(*file);
@@ -417,8 +418,7 @@ int run_command(const JobOptions& o, bool synth) {
       }
     }
     if (!o.fresh) refuse_other_earlier_settings(job);
-    DryRunOptions dry{.show = 3, .count_prompt_tokens = count_prompt_tokens, .context = 0, .fresh = o.fresh};
-    if (count_prompt_tokens) dry.context = dry_run_context(job);
+    DryRunOptions dry{.show = 3, .count_prompt_tokens = count_prompt_tokens, .context = context, .fresh = o.fresh};
     dry_run(job, *source, stdout, dry);
     return kExitOk;
   }

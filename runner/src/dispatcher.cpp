@@ -246,9 +246,13 @@ class Dispatcher {
     io_.run();
     g_writer_for_hard_exit = nullptr;
     if (producer_error_) std::rethrow_exception(producer_error_);
+    flush_output(false);
+    // Counting the earlier records past a stop may read the rest of the input, with no loop
+    // left to take a signal: one now ends the process at once, as before the run began (every
+    // record is written by now; the summary was removed at the start).
+    if (signals) signals->clear();
     take_earlier_records_past_the_stop();
 
-    flush_output(false);
     if (auto stats = backend_.engine_stats()) counters_.engine = stats->brief();
     if (counters_.total > 0) {
       progress_.finish(counters_);
@@ -675,10 +679,14 @@ class Dispatcher {
                     said + ")",
                 "Fix the key, quota or access"};
       if (missing) {
-        const std::string trimmed = url.ends_with('/') ? url.substr(0, url.size() - 1) : url;
+        // The path before the query ("?api-version=..."), which stays after it.
+        const std::size_t q = url.find('?');
+        std::string trimmed = url.substr(0, q);
+        const std::string query = q == std::string::npos ? std::string() : url.substr(q);
+        if (trimmed.ends_with('/')) trimmed.pop_back();
         const std::size_t scheme = trimmed.find("://");
         const bool bare = trimmed.find('/', scheme == std::string::npos ? 0 : scheme + 3) == std::string::npos;
-        r.advice = bare ? "OpenAI-compatible APIs are served under /v1: set the base URL to " + trimmed + "/v1"
+        r.advice = bare ? "OpenAI-compatible APIs are served under /v1: set the base URL to " + trimmed + "/v1" + query
                         : "Check the base URL, and that the server has the model '" +
                               model_label(job_, item.request.model) + "'";
       }
@@ -944,6 +952,7 @@ std::unordered_set<std::string> finished_ids(const std::string& path) {
   std::unordered_set<std::string> ids;
   std::ifstream in(path);
   for (std::string line; std::getline(in, line);) {
+    if (in.eof()) break;  // a last line without its newline is torn: the resume drops it
     const json record = json::parse(line, nullptr, false);
     if (record.is_object() && record.contains("id") && record.value("error", json()).is_null())
       ids.insert(record["id"].dump());

@@ -526,10 +526,11 @@ class FileSource : public Source {
                         "scoring.reference_field to the field that holds it)");
     // GSM8K's gold is the reference's "#### N" line or a bare number; any other text would
     // leave every score of the item empty, unsaid.
-    if (job_.scoring.kind == ScoringKind::Gsm8k && item.input.is_object()) {
-      const nlohmann::json& reference = item.input[job_.scoring.reference_field];
-      const std::string text = reference.is_string() ? reference.get<std::string>() : reference.dump();
-      if (!reference.is_null() && !gsm8k_gold(text))  // null: an item without one, left unscored
+    // A null or blank reference is an item without one, left unscored; a number is its own gold.
+    if (job_.scoring.kind == ScoringKind::Gsm8k && item.input.is_object() &&
+        item.input[job_.scoring.reference_field].is_string()) {
+      const std::string text = reference_text(item.input, job_.scoring.reference_field).value_or("");
+      if (text.find_first_not_of(" \t\r\n") != std::string::npos && !gsm8k_gold(text))
         throw ConfigError(job_.input.path, static_cast<int>(line), 0, job_.scoring.reference_field,
                           "no final answer to score against: gsm8k scoring reads a '#### N' line or a bare number, "
                           "got " + nlohmann::json(utf8_excerpt(text, 80)).dump() +

@@ -305,11 +305,28 @@ void check_rewrite_file(const std::string& path) {
   const std::string reason = "it is where a resume rewrites the output, and batchlm never deletes what it did not "
                              "write: move it away, then run again";
   if (!S_ISREG(info.st_mode)) throw std::runtime_error(tmp_path + " exists and is not a file; " + reason);
+  if (::access(tmp_path.c_str(), R_OK) != 0)
+    throw std::runtime_error(tmp_path + " exists and cannot be read (" + std::strerror(errno) + "); " + reason);
   try {
     check_records(tmp_path);
   } catch (const std::exception&) {
     throw std::runtime_error(tmp_path + " exists and holds other things than records; " + reason);
   }
+}
+
+// Whether a resume would rewrite the output (PATH.tmp): a failed record, redone, before a line
+// that is kept.
+bool would_rewrite(const std::string& path) {
+  std::ifstream in(path);
+  bool failed_before = false;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json record = nlohmann::json::parse(line, nullptr, false);
+    if (!record.is_object()) continue;
+    const bool failed = !record.value("error", nlohmann::json()).is_null();
+    if (!failed && failed_before) return true;
+    failed_before = failed_before || failed;
+  }
+  return false;
 }
 
 // The output's companions (its lock, its summary and the summary's temporary file) are named by
@@ -330,7 +347,7 @@ void check_name_length(const std::string& path, const std::string& dir) {
 
 }  // namespace
 
-void check_output(const std::string& given, bool read_records) {
+void check_output(const std::string& given, bool read_records, bool fresh) {
   if (given.empty()) throw std::runtime_error("output path is empty");
   check_can_be_output(given);
   const std::string path = resolve_links(given);
@@ -356,15 +373,16 @@ void check_output(const std::string& given, bool read_records) {
       throw std::runtime_error("cannot create the lock file " + lock_path + " of output " + path + ": " + dir +
                                ": " + std::strerror(errno));
     }
-    // The summary is made beside the output and renamed into place, the earlier one removed at
-    // the start: in a directory that takes no new entries, the run would send everything, then
-    // leave the earlier run's summary describing a file it no longer does.
-    if (::access(dir.c_str(), W_OK | X_OK) != 0)
-      throw std::runtime_error("cannot write the summary of output " + path + " beside it: " + dir + ": " +
+    // The summary is made beside the output as given (a link's directory, not its target's)
+    // and renamed into place, the earlier one removed at the start: in a directory that takes
+    // no new entries, the run would send everything, then leave the earlier run's summary
+    // describing a file it no longer does.
+    if (const std::string beside = parent_directory(given); ::access(beside.c_str(), W_OK | X_OK) != 0)
+      throw std::runtime_error("cannot write the summary of output " + given + " beside it: " + beside + ": " +
                                std::strerror(errno));
     if (read_records) {
       check_records(path);
-      check_rewrite_file(path);
+      if (!fresh && would_rewrite(path)) check_rewrite_file(path);
     }
     return;
   }

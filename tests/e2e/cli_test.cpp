@@ -290,10 +290,13 @@ TEST(BatchlmRun, AFileAtTheRewritesPathIsNotOverwritten) {
   }
   EXPECT_EQ(read_file(dir.path / "out/e2e.jsonl.tmp"), "my notes\n");
   EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), records);
+  // With nothing to rewrite (--fresh replaces the output), it is left alone and not in the way.
+  RunResult fresh = run_batchlm(dir.path, {"run", "job.yaml", "--dry-run", "--fresh"});
+  EXPECT_EQ(fresh.exit_code, 0) << fresh.err;
   // Records there are a rewrite a killed run left: replaced.
   write_file(dir.path / "out/e2e.jsonl.tmp", read_jsonl(dir.path / "out/e2e.jsonl").front().dump() + "\n{\"id\": 3, \"inp");
   RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
-  EXPECT_NE(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(r.exit_code == 0 || r.exit_code == 1) << r.exit_code << ": " << r.err;  // ran: some may fail again
   EXPECT_FALSE(fs::exists(dir.path / "out/e2e.jsonl.tmp"));
 }
 
@@ -309,7 +312,7 @@ TEST(BatchlmRun, DryRunLeavesOutTheItemsTheOutputHoldsFinished) {
   EXPECT_NE(all_done.out.find("10 items (10 finished in the output, 0 to send)"), std::string::npos) << all_done.out;
   EXPECT_NE(all_done.out.find("nothing to send: every item is finished in the output"), std::string::npos) << all_done.out;
   EXPECT_EQ(all_done.out.find("--- item"), std::string::npos) << all_done.out;
-  // Ids 1-4 gone, 5 failed: six to send, the first shown is 1.
+  // Ids 1-4 gone, 5 failed: five to send, the first shown is 1.
   std::string kept;
   for (json record : read_jsonl(dir.path / "out/e2e.jsonl")) {
     const long long id = record["id"];
@@ -361,6 +364,11 @@ TEST(BatchlmRun, StopsOnEveryRequestNotFoundAndSuggestsV1) {
             std::string::npos)
       << r.err;
   EXPECT_LE(read_jsonl(dir.path / "out/e2e.jsonl").size(), 12u);
+  // A base URL's query stays after the path the advice adds.
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = url + "?api-version=1", .limit = 100, .concurrency = 2}));
+  r = run_batchlm(dir.path, {"run", "job.yaml", "--fresh"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("set the base URL to " + url + "/v1?api-version=1, then run"), std::string::npos) << r.err;
 }
 
 // Nothing listens at the base URL: once attempts have failed to connect ten times in a row and
@@ -863,6 +871,7 @@ TEST(BatchlmRun, DryRunRefusesWhatTheRunWould) {
       // An option where a value belongs: taken as the value, the run would write to "--fresh".
       {{"-o", "--fresh"}, "batchlm: error: --output: value missing: --fresh is an option, not a value\n"},
       {{"-m", "--backend=local"}, "batchlm: error: --model: value missing: --backend=local is an option, not a value\n"},
+      {{"-o", "--version"}, "batchlm: error: --output: value missing: --version is an option, not a value\n"},
       // A name the file system takes, but its summary's temporary file's it would not.
       {{"-o", std::string(239, 'c') + ".jsonl"},
        "batchlm: error: --output: output.path: output name cccccccccccccccccccccccccccccccccccccccc... is 245 bytes: its "

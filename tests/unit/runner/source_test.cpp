@@ -228,6 +228,11 @@ TEST_F(SourceTest, Gsm8kReferenceWithoutAFinalAnswerIsRefused) {
   EXPECT_EQ(e.field(), "question");
   // Other scorers take any text.
   EXPECT_NO_THROW(open_source(job("input: " + in + "\nscoring: exact_match" + kQuestionTemplate)));
+  // A blank reference is an item without one, as null is; a number is its own gold.
+  std::string unlabeled = write("unlabeled.jsonl", "{\"question\": \"a\", \"answer\": \"\"}\n"
+                                                   "{\"question\": \"b\", \"answer\": \" \\n\"}\n"
+                                                   "{\"question\": \"c\", \"answer\": 1e21}\n");
+  EXPECT_NO_THROW(open_source(job("input: " + unlabeled + "\nscoring: gsm8k" + kQuestionTemplate)));
 }
 
 // An input line's message without content is refused, as in a job file; an assistant message

@@ -54,8 +54,9 @@ struct ResumeInfo {
 // with read_records, an existing file is read through as a resume would (NotAnOutputError
 // where it is not a batchlm output); and no other run holds its lock (OutputLockedError, read
 // from the kernel's lock table, not by trying the lock). Throws std::runtime_error naming the
-// output's path.
-void check_output(const std::string& path, bool read_records = true);
+// output's path. Unless `fresh`, a resume's rewrite file (PATH.tmp) that is not batchlm's is
+// refused where the resume would rewrite.
+void check_output(const std::string& path, bool read_records = true, bool fresh = false);
 
 class OutputWriter {
  public:
