@@ -66,17 +66,6 @@ json select_input(const json& input, const std::vector<std::string>& fields) {
   return out;
 }
 
-// Whether a record's input is the item's: the fields the record kept (output.input_fields may
-// have picked some, then or now) have the same values.
-bool same_input(const json& recorded, const json& input) {
-  if (!recorded.is_object() || !input.is_object()) return recorded == input;
-  for (const auto& [key, value] : recorded.items()) {
-    const auto it = input.find(key);
-    if (it == input.end() || *it != value) return false;
-  }
-  return true;
-}
-
 // What the summary needs from a record already in the output (resumed from an earlier run).
 ItemResult item_result_from_record(const json& record) {
   ItemResult r;
@@ -185,7 +174,7 @@ class Dispatcher {
                               [this](const std::string& earlier) { refuse_other_settings(earlier); },
                               redo_cut_answers()},
         [this](const json& record) {
-          kept_.emplace(record["id"].dump(), Kept{item_result_from_record(record), record.value("input", json())});
+          kept_.emplace(record["id"].dump(), keep(record));
           // Records from before settings were recorded have none, and are taken as they are.
           if (const auto it = record.find("settings"); it != record.end() && *it != settings_hash_) {
             if (other_.count++ == 0) {
@@ -386,11 +375,107 @@ class Dispatcher {
   bool take_earlier_record(const Item& item) {
     const auto kept = kept_.find(item.id_key);
     if (kept == kept_.end()) return false;
-    summary_.add(kept->second.result);
+    summary_.add(result_of(kept->second));
     ++counters_.resumed;
     ++resumed_in_scope_;
-    if (!same_input(kept->second.input, item.input) && changed_inputs_++ == 0) first_changed_id_ = item.id.dump();
+    if (input_digest(kept->second.input_keys, item.input) != kept->second.input_digest && changed_inputs_++ == 0)
+      first_changed_id_ = item.id.dump();
     return true;
+  }
+
+  // An earlier record's part in the summary, until its item comes up: a few dozen bytes for
+  // the usual record (a success whose score is booleans), not its input and score as JSON, which
+  // made a resume's memory grow with the output (936 MB over 570,000 records).
+  struct Kept {
+    std::int64_t prompt_tokens = 0, completion_tokens = 0;
+    std::uint64_t input_digest = 0;  // of the record's input, over input_keys
+    std::uint32_t input_keys = 0;    // the input's keys: an index into key_sets_
+    std::int32_t attempts = 0;
+    std::uint16_t scored = 0, correct = 0;  // a bit per metric_names_ entry
+    bool ok = false;
+    std::unique_ptr<ItemResult> other;  // a record the bits cannot say (a failure, another score)
+  };
+  static constexpr std::uint32_t kNotAnObject = 0xFFFFFFFF;
+
+  Kept keep(const json& record) {
+    Kept k;
+    ItemResult r = item_result_from_record(record);
+    k.prompt_tokens = r.prompt_tokens;
+    k.completion_tokens = r.completion_tokens;
+    k.attempts = r.attempts;
+    k.ok = r.ok;
+    bool compact = r.ok;
+    const auto bit = [&](const std::string& name) -> int {
+      const auto at = std::find(metric_names_.begin(), metric_names_.end(), name);
+      if (at != metric_names_.end()) return static_cast<int>(at - metric_names_.begin());
+      if (metric_names_.size() >= 16) return -1;
+      metric_names_.push_back(name);
+      return static_cast<int>(metric_names_.size()) - 1;
+    };
+    if (compact && !r.score.is_null()) {
+      const json scores = r.score.is_object() ? r.score : json{{"score", r.score}};
+      for (const auto& [name, value] : scores.items()) {
+        const int b = value.is_boolean() ? bit(name) : -1;
+        if (b < 0) {
+          compact = false;
+          break;
+        }
+        k.scored |= static_cast<std::uint16_t>(1u << b);
+        if (value.get<bool>()) k.correct |= static_cast<std::uint16_t>(1u << b);
+      }
+    }
+    if (!compact) k.other = std::make_unique<ItemResult>(std::move(r));
+    const json input = record.value("input", json());
+    std::vector<std::string> keys;
+    if (input.is_object())
+      for (const auto& [key, value] : input.items()) keys.push_back(key);
+    if (!input.is_object()) {
+      k.input_keys = kNotAnObject;
+    } else {
+      std::string joined;
+      for (const std::string& key : keys) joined.append(key).push_back('\0');
+      const auto [at, added] = key_set_index_.emplace(std::move(joined), static_cast<std::uint32_t>(key_sets_.size()));
+      if (added) key_sets_.push_back(std::move(keys));
+      k.input_keys = at->second;
+    }
+    k.input_digest = input_digest(k.input_keys, input);
+    return k;
+  }
+
+  ItemResult result_of(const Kept& k) const {
+    if (k.other) return *k.other;
+    ItemResult r;
+    r.resumed = true;
+    r.ok = k.ok;
+    r.prompt_tokens = k.prompt_tokens;
+    r.completion_tokens = k.completion_tokens;
+    r.attempts = k.attempts;
+    if (k.scored != 0) {
+      r.score = json::object();
+      for (std::size_t b = 0; b < metric_names_.size(); ++b)
+        if ((k.scored >> b) & 1u) r.score[metric_names_[b]] = ((k.correct >> b) & 1u) != 0;
+    }
+    return r;
+  }
+
+  // A digest of an input's fields named by key set `keys` (those the record kept: with
+  // output.input_fields, some), so that a record's input and an item's compare on the fields the
+  // record kept; the whole input where it is not an object.
+  std::uint64_t input_digest(std::uint32_t keys, const json& input) const {
+    const auto mix = [](std::uint64_t h, std::uint64_t v) {
+      h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+      return h * 0xFF51AFD7ED558CCDull;
+    };
+    const std::hash<std::string> hash;
+    if (keys == kNotAnObject) return input.is_object() ? 1 : mix(2, hash(input.dump()));
+    if (!input.is_object()) return 3;
+    std::uint64_t h = 4;
+    for (const std::string& key : key_sets_[keys]) {
+      const auto it = input.find(key);
+      if (it == input.end()) return 5;
+      h = mix(mix(h, hash(key)), hash(it->dump()));
+    }
+    return h;
   }
 
   // A run that stopped early (Ctrl-C, an API that refuses the client, a full disk) never came to
@@ -878,11 +963,11 @@ class Dispatcher {
   // Ignored while the run lasts, up to the writer's last flush in its destructor (see run()).
   std::optional<IgnoredSignal> broken_pipes_, too_large_files_;
   std::unique_ptr<OutputWriter> writer_;
-  // The records the output already held, by id, and how many of them were this run's items.
-  struct Kept {
-    ItemResult result;
-    json input;  // as the record holds it (output.input_fields may have picked some fields)
-  };
+  // The records the output already held, by id (see Kept), and how many of them were this
+  // run's items.
+  std::vector<std::string> metric_names_;            // the scores' names, a bit each in Kept
+  std::vector<std::vector<std::string>> key_sets_;   // the kept inputs' keys, most often one set
+  std::unordered_map<std::string, std::uint32_t> key_set_index_;  // a key set, joined, to its index
   const json settings_ = result_settings(job_);
   const std::string settings_hash_ = settings_hash(settings_);
   OtherSettings other_;  // kept records made under other settings

@@ -255,6 +255,11 @@ TEST(BatchlmRun, AResumeThatStopsEarlyCountsEveryEarlierRecord) {
   EXPECT_EQ(summary["counts"]["failed"].get<long long>() + summary["counts"]["not_run"].get<long long>(), 20)
       << summary.dump(2);
   EXPECT_NE(r.err.find("60 items: 40 succeeded (40 resumed)"), std::string::npos) << r.err;
+  // Their scores count, as the records hold them.
+  EXPECT_EQ(summary["accuracy"]["strict"]["scored"], 40) << summary.dump(2);
+  EXPECT_EQ(summary["accuracy"]["strict"]["correct"], 40) << summary.dump(2);
+  EXPECT_EQ(summary["accuracy"]["flexible"]["scored"], 40) << summary.dump(2);
+  EXPECT_EQ(summary["tokens_in_output"]["completion"].get<long long>() > 0, true) << summary.dump(2);
   EXPECT_EQ(r.err.find("not among this run's"), std::string::npos) << r.err;
   EXPECT_FALSE(summary.contains("earlier_records_outside_the_job")) << summary.dump(2);
   // A lower limit leaves records outside the job: said in the summary as on the console.
