@@ -682,6 +682,21 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
   EXPECT_NE(version.out.find("batchlm"), std::string::npos);
   RunResult bad = run_batchlm(dir.path, {"run", "missing.yaml"});
   EXPECT_EQ(bad.exit_code, 2);
+  // No command: the usage, on stderr, as a usage error.
+  RunResult bare = run_batchlm(dir.path, {});
+  EXPECT_EQ(bare.exit_code, 2);
+  EXPECT_NE(bare.err.find("Usage:"), std::string::npos) << bare.err;
+  EXPECT_NE(bare.err.find("Subcommands:"), std::string::npos) << bare.err;
+  // Each engine command's help is its own: not run's exit codes and resume text.
+  for (const char* command : {"generate", "inspect"}) {
+    RunResult h = run_batchlm(dir.path, {command, "--help"});
+    EXPECT_EQ(h.exit_code, 0) << command;
+    EXPECT_EQ(h.out.find("Rerunning the same command resumes"), std::string::npos) << command << ": " << h.out;
+    EXPECT_NE(h.out.find("Exit status: 0 "), std::string::npos) << command << ": " << h.out;
+  }
+  RunResult serve_help = run_batchlm(dir.path, {"serve", "--help"});
+  EXPECT_NE(serve_help.out.find("--no-kv-commit "), std::string::npos) << serve_help.out;
+  EXPECT_EQ(serve_help.out.find("{false}"), std::string::npos) << serve_help.out;
   RunResult unknown = run_batchlm(dir.path, {"frobnicate"});
   EXPECT_EQ(unknown.exit_code, 2);
   EXPECT_EQ(unknown.err.rfind("batchlm: error: unknown command 'frobnicate' (commands: run, synth, generate, inspect, serve)", 0), 0u)
@@ -699,6 +714,8 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
       {{"synth", "-n", "-99999999999999999999"}, "batchlm: error: --limit: must be >= 0, got -99999999999999999999\n"},
       {{"serve", "--port", "70000"}, "batchlm: error: --port: must be between 0 and 65535, got 70000\n"},
       {{"generate", "-p", "x", "--top-p", "1.5"}, "batchlm: error: --top-p: must be between 0 and 1, got 1.5\n"},
+      // As a request's temperature.
+      {{"generate", "-p", "x", "--temperature", "3"}, "batchlm: error: --temperature: must be between 0 and 2, got 3\n"},
       {{"generate", "-p", "x", "--system", "Be brief."}, "batchlm: error: --system needs --chat"},
       // A flag's value that the job refuses is blamed on the flag, not on --set.
       {{"synth", "--count", "3", "--set", "input=" + gsm8k_test_file(), "--set", "request={max_tokens: 5}"},
