@@ -1073,10 +1073,16 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, const DryRunOpt
     if (item->request.model.empty()) item->request.model = job.backend.model;
     item->request.stream = job.backend.stream;
     if (items < show) {
+      // The engine takes the request, not a body: streaming is the client's business.
+      nlohmann::ordered_json body = client::to_openai_body(item->request);
+      if (local) {
+        body.erase("stream");
+        body.erase("stream_options");
+      }
       std::fprintf(out, "--- item %s: %s%s\n%s\n", item->id.dump().c_str(),
                    local ? "local engine, model " : "POST ",
                    (local ? target : client::endpoint_url(target, item->request.prompt.has_value())).c_str(),
-                   client::to_openai_body(item->request).dump(2).c_str());
+                   body.dump(2).c_str());
     }
     ++items;
     if (count_prompt_tokens && items <= kItemsCounted) {

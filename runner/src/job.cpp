@@ -856,6 +856,9 @@ void read_messages(const Reader& r, const YAML::Node& node, std::vector<ChatMess
     if (Reader::has(m["content"])) {
       message.content = r.string(m["content"], field + ".content");
       check_template(r, m["content"], field + ".content", message.content);
+      // Every item would get the same empty turn: most likely a template left unfilled.
+      if (message.content.empty() && !message.calls_tools())
+        r.warn(m["content"], field + ".content", "empty: every item's " + message.role + " turn says nothing");
     } else if (!message.calls_tools()) {
       r.fail(m, field + ".content", "required");
     }
@@ -1090,6 +1093,10 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
                  std::to_string(spec.ngram_max));
     if (spec.method == "draft" && spec.model.empty())
       r.fail(n, "backend.speculative.model", "required by method draft (a GGUF with the model's vocabulary)");
+    if (spec.method != "draft" && !spec.model.empty())
+      r.warn(n["model"], "backend.speculative.model",
+             "used only by method draft; method " + (spec.method.empty() ? std::string("none") : spec.method) +
+                 " leaves it unread");
   }
   if (backend.token_budget > 0 && backend.token_budget < backend.max_sequences) {
     r.fail(node["token_budget"], "backend.token_budget",

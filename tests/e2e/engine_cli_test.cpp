@@ -486,6 +486,9 @@ TEST_F(EngineCli, DryRunOfALocalJobCountsThePromptTokensExactly) {
   const std::size_t at = dry.out.find(label);
   ASSERT_NE(at, std::string::npos) << dry.out;
   const long long counted = std::stoll(dry.out.substr(at + label.size()));
+  // The engine takes the request, not an HTTP body: no streaming fields are shown.
+  EXPECT_NE(dry.out.find("--- item 1: local engine, model long.gguf"), std::string::npos) << dry.out;
+  EXPECT_EQ(dry.out.find("\"stream"), std::string::npos) << dry.out;
   RunResult run = run_batchlm(dir(), {"run", "job.yaml"});
   ASSERT_EQ(run.exit_code, 0) << run.err;
   long long used = 0;

@@ -469,6 +469,21 @@ TEST_F(JobFile, DuplicateKeysAreErrorsAtAnyDepth) {
   EXPECT_EQ(e.field(), "request.extra.a");
 }
 
+// Settings that are valid but change nothing are warned about where they are written.
+TEST_F(JobFile, SettingsThatChangeNothingAreWarnedAbout) {
+  JobSpec job = load(with_input("request:\n  messages:\n    - {role: system, content: \"\"}\n"
+                                "    - {role: user, content: \"{{question}}\"}\n"
+                                "backend: {type: local, speculative: {method: ngram, model: draft.gguf}}\n"));
+  ASSERT_EQ(job.warnings.size(), 2u);
+  EXPECT_EQ(job.warnings[0], "jobs/t.yaml:4:31: request.messages[0].content: empty: every item's system turn says nothing");
+  EXPECT_EQ(job.warnings[1],
+            "jobs/t.yaml:6:60: backend.speculative.model: used only by method draft; method ngram leaves it unread");
+  // The draft method reads it; content given, nothing to say.
+  EXPECT_TRUE(load(with_input("request: {messages: [{role: user, content: \"{{question}}\"}]}\n"
+                              "backend: {type: local, speculative: {method: draft, model: draft.gguf}}\n"))
+                  .warnings.empty());
+}
+
 TEST_F(JobFile, ANulByteIsAnErrorWhereItIs) {
   ConfigError e = error_of(with_input(std::string("name: x\0y\n", 10)));
   EXPECT_EQ(e.line(), 2);
