@@ -417,7 +417,6 @@ int run_command(const JobOptions& o, bool synth) {
                             "cannot open '" + job.backend.step_log + "' for writing: " + std::strerror(err));
       }
     }
-    if (!o.fresh) refuse_other_earlier_settings(job);
     DryRunOptions dry{.show = 3, .count_prompt_tokens = count_prompt_tokens, .context = context, .fresh = o.fresh};
     dry_run(job, *source, stdout, dry);
     return kExitOk;

@@ -998,17 +998,25 @@ RunResult run_job(const JobSpec& job, Source& source, Backend& backend, asio::io
   return dispatcher.run();
 }
 
-void refuse_other_earlier_settings(const JobSpec& job) {
+namespace {
+
+// What a resume would take from the output, read once: the ids of the finished records (no
+// error), whose items it skips; and those made with other settings than the job's, which it
+// refuses (other_settings_error, said from the lock file's settings as the run says it).
+std::unordered_set<std::string> take_earlier_records(const JobSpec& job) {
   const std::string& path = job.output.path;
+  std::unordered_set<std::string> ids;
   std::ifstream in(path);
-  if (!in) return;
+  if (!in) return ids;
   const json settings = result_settings(job);
   const std::string hash = settings_hash(settings);
   OtherSettings other;
   for (std::string line; std::getline(in, line);) {
+    if (in.eof()) break;  // a last line without its newline is torn: the resume drops it
     const json record = json::parse(line, nullptr, false);
     // Failed records are redone, not kept: they count for nothing.
-    if (!record.is_object() || !record.value("error", json()).is_null()) continue;
+    if (!record.is_object() || !record.contains("id") || !record.value("error", json()).is_null()) continue;
+    ids.insert(record["id"].dump());
     const auto it = record.find("settings");
     if (it == record.end() || *it == hash) continue;
     if (other.count++ == 0) {
@@ -1016,7 +1024,7 @@ void refuse_other_earlier_settings(const JobSpec& job) {
       other.model = record.value("model", json()).is_string() ? record["model"].get<std::string>() : "";
     }
   }
-  if (other.count == 0) return;
+  if (other.count == 0) return ids;
   // The settings after the pid in the lock file, as the run reads them.
   std::string kept;
   std::error_code ec;
@@ -1030,27 +1038,12 @@ void refuse_other_earlier_settings(const JobSpec& job) {
   throw other_settings_error(path, settings, other, kept);
 }
 
-namespace {
-
-// The ids of the records the output holds finished (no error): a resume skips their items.
-std::unordered_set<std::string> finished_ids(const std::string& path) {
-  std::unordered_set<std::string> ids;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) {
-    if (in.eof()) break;  // a last line without its newline is torn: the resume drops it
-    const json record = json::parse(line, nullptr, false);
-    if (record.is_object() && record.contains("id") && record.value("error", json()).is_null())
-      ids.insert(record["id"].dump());
-  }
-  return ids;
-}
-
 }  // namespace
 
 void dry_run(const JobSpec& job, Source& source, std::FILE* out, const DryRunOptions& options) {
   const int show = options.show;
   const PromptTokenCounter& count_prompt_tokens = options.count_prompt_tokens;
-  const std::unordered_set<std::string> done = options.fresh ? std::unordered_set<std::string>() : finished_ids(job.output.path);
+  const std::unordered_set<std::string> done = options.fresh ? std::unordered_set<std::string>() : take_earlier_records(job);
   std::int64_t items = 0, prompt_tokens = 0, max_output_tokens = 0, unbounded = 0, skipped = 0;
   std::int64_t past_context = 0;  // of the prompts counted
   std::string first_past;         // the first such item's id and length

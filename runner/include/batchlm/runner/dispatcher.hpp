@@ -47,17 +47,13 @@ struct RunResult {
 RunResult run_job(const JobSpec& job, Source& source, Backend& backend, boost::asio::io_context& io,
                   const RunOptions& options);
 
-// What a run's resume would refuse before sending anything, for `--dry-run` (not --fresh): an
-// output holding results made under other settings than this job's (another model, prompt,
-// sampling, few-shot or scoring). Throws ConfigError saying what changed.
-void refuse_other_earlier_settings(const JobSpec& job);
-
 // `--dry-run`: validates (already done by the caller), prints the first `show` requests that
 // would be sent as their JSON bodies, and an estimate of the tokens of the whole job. Sends
-// nothing. Items the output already holds finished are left out, as the run's resume skips them
-// (unless `fresh`). With `count_prompt_tokens` (the local model's tokenizer) prompts are counted
-// exactly rather than estimated from their length, and with `context` those longer than it are
-// counted: the run would fail them.
+// nothing. Items the output already holds finished are left out, as the run's resume skips them,
+// and results in it made with other settings than the job's are refused as it refuses them
+// (ConfigError saying what changed); neither with `fresh`. With `count_prompt_tokens` (the local
+// model's tokenizer) prompts are counted exactly rather than estimated from their length, and
+// with `context` those longer than it are counted: the run would fail them.
 using PromptTokenCounter = std::function<std::int64_t(const Request&)>;
 struct DryRunOptions {
   int show = 3;
