@@ -426,16 +426,17 @@ class Dispatcher {
     }
     if (!compact) k.other = std::make_unique<ItemResult>(std::move(r));
     const json input = record.value("input", json());
-    std::vector<std::string> keys;
-    if (input.is_object())
-      for (const auto& [key, value] : input.items()) keys.push_back(key);
     if (!input.is_object()) {
       k.input_keys = kNotAnObject;
     } else {
+      // Looked up by the keys joined; listed only the first time a set is seen.
       std::string joined;
-      for (const std::string& key : keys) joined.append(key).push_back('\0');
+      for (const auto& [key, value] : input.items()) joined.append(key).push_back('\0');
       const auto [at, added] = key_set_index_.emplace(std::move(joined), static_cast<std::uint32_t>(key_sets_.size()));
-      if (added) key_sets_.push_back(std::move(keys));
+      if (added) {
+        std::vector<std::string>& keys = key_sets_.emplace_back();
+        for (const auto& [key, value] : input.items()) keys.push_back(key);
+      }
       k.input_keys = at->second;
     }
     k.input_digest = input_digest(k.input_keys, input);

@@ -90,6 +90,14 @@ std::string trim(std::string_view text) {
   return std::string(text.substr(begin, end - begin));
 }
 
+// The reference field as text: strings as they are, numbers as JSON writes them.
+std::optional<std::string> reference_text(const nlohmann::json& input, const std::string& field) {
+  if (!input.is_object()) return std::nullopt;
+  auto it = input.find(field);
+  if (it == input.end() || it->is_null()) return std::nullopt;
+  if (it->is_string()) return it->get<std::string>();
+  return it->dump();
+}
 
 class Gsm8kScorer : public Scorer {
  public:
@@ -142,14 +150,6 @@ class RegexScorer : public Scorer {
 };
 
 }  // namespace
-
-std::optional<std::string> reference_text(const nlohmann::json& input, const std::string& field) {
-  if (!input.is_object()) return std::nullopt;
-  auto it = input.find(field);
-  if (it == input.end() || it->is_null()) return std::nullopt;
-  if (it->is_string()) return it->get<std::string>();
-  return it->dump();
-}
 
 std::string normalize_number(std::string_view number) {
   std::string s;

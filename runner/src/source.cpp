@@ -527,9 +527,9 @@ class FileSource : public Source {
     // GSM8K's gold is the reference's "#### N" line or a bare number; any other text would
     // leave every score of the item empty, unsaid.
     // A null or blank reference is an item without one, left unscored; a number is its own gold.
-    if (job_.scoring.kind == ScoringKind::Gsm8k && item.input.is_object() &&
-        item.input[job_.scoring.reference_field].is_string()) {
-      const std::string text = reference_text(item.input, job_.scoring.reference_field).value_or("");
+    const auto reference = item.input.is_object() ? item.input.find(job_.scoring.reference_field) : item.input.end();
+    if (job_.scoring.kind == ScoringKind::Gsm8k && reference != item.input.end() && reference->is_string()) {
+      const std::string& text = reference->get_ref<const std::string&>();
       if (text.find_first_not_of(" \t\r\n") != std::string::npos && !gsm8k_gold(text))
         throw ConfigError(job_.input.path, static_cast<int>(line), 0, job_.scoring.reference_field,
                           "no final answer to score against: gsm8k scoring reads a '#### N' line or a bare number, "

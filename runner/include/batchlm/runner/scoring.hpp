@@ -19,10 +19,6 @@ std::optional<std::string> gsm8k_extract_strict(std::string_view output);  // "#
 std::optional<std::string> gsm8k_extract_flexible(std::string_view output);  // last number
 std::string normalize_number(std::string_view number);
 
-// An item's reference answer as text: strings as they are, numbers as JSON writes them; none
-// where the field is missing or null.
-std::optional<std::string> reference_text(const nlohmann::json& input, const std::string& field);
-
 class Scorer {
  public:
   virtual ~Scorer() = default;
