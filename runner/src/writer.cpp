@@ -351,15 +351,16 @@ void check_output(const std::string& given, bool read_records, bool fresh) {
   if (given.empty()) throw std::runtime_error("output path is empty");
   check_can_be_output(given);
   const std::string path = resolve_links(given);
-  {
-    std::string existing = parent_directory(path);
-    while (::access(existing.c_str(), F_OK) != 0 && existing != "/" && existing != ".")
-      existing = parent_directory(existing);
-    check_name_length(given, existing);
-    check_name_length(path, existing);
-  }
   const std::string lock_path = path + ".lock";
   const std::string dir = parent_directory(path);
+  // The nearest directory there: the output's own, or the one its missing directories go in.
+  const std::vector<std::string> missing = missing_directories(path);
+  const std::string there =
+      missing.empty() ? dir : (std::filesystem::path(missing.front()).has_parent_path()
+                                   ? std::filesystem::path(missing.front()).parent_path().string()
+                                   : std::string("."));
+  check_name_length(given, there);
+  check_name_length(path, there);
   struct stat info {};
   if (::stat(path.c_str(), &info) == 0) {
     if (::access(path.c_str(), R_OK | W_OK) != 0)
@@ -387,11 +388,6 @@ void check_output(const std::string& given, bool read_records, bool fresh) {
     return;
   }
   // Absent: made in the nearest directory there, which must take new entries.
-  const std::vector<std::string> missing = missing_directories(path);
-  const std::string there =
-      missing.empty() ? dir : (std::filesystem::path(missing.front()).has_parent_path()
-                                   ? std::filesystem::path(missing.front()).parent_path().string()
-                                   : std::string("."));
   if (::access(there.c_str(), W_OK | X_OK) != 0)
     throw std::runtime_error("cannot create output " + path + ": " + there + ": " + std::strerror(errno));
 }
