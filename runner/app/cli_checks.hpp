@@ -76,7 +76,8 @@ inline CLI::Validator between(double min, double max, bool integer = true) {
 
 // An option that takes a value takes the next argument whatever it is, so `-o --dry-run` would
 // write to a file named "--dry-run" and send every request. A value that is one of the command's
-// own options is refused instead, in every command below `cmd`.
+// own options, or of a command above it (--version), is refused instead, in every command below
+// `cmd`.
 inline void refuse_options_as_values(CLI::App& cmd) {
   for (CLI::Option* option : cmd.get_options()) {
     if (!option->nonpositional() || option->get_type_size_max() == 0) continue;  // positionals, flags

@@ -44,7 +44,6 @@ struct Figures {
   std::string in_flight, retries, failed;
   std::string engine;        // "engine 12 run 20 wait cache 87% kv 41%", empty for remote APIs
   bool known_total = false;
-  bool any_retries = false, any_failed = false;
 };
 
 Figures figures(const ProgressCounters& c, double elapsed) {
@@ -77,8 +76,6 @@ Figures figures(const ProgressCounters& c, double elapsed) {
   f.in_flight = format("in-flight %lld", static_cast<long long>(c.in_flight));
   f.retries = format("retries %lld", static_cast<long long>(c.retries));
   f.failed = format("failed %lld", static_cast<long long>(c.failed));
-  f.any_retries = c.retries > 0;
-  f.any_failed = c.failed > 0;
   if (!c.engine.empty()) f.engine = "engine " + c.engine;
   return f;
 }
@@ -163,8 +160,8 @@ std::string Progress::render_bar(const ProgressCounters& c, double elapsed_secon
       {f.count, 100},    {f.percent, 95},
       {"", 70},          {f.requests_rate, 65},
       {f.tokens_rate, 60}, {f.eta, 90},
-      {f.in_flight, 50}, {f.retries, f.any_retries ? 80 : 40},
-      {f.failed, f.any_failed ? 85 : 45}, {f.engine, 55}};
+      {f.in_flight, 50}, {f.retries, c.retries > 0 ? 80 : 40},
+      {f.failed, c.failed > 0 ? 85 : 45}, {f.engine, 55}};
   if (!f.known_total) fields[1].present = fields[2].present = false;
   for (auto& field : fields) {
     if (!field.text.empty() || &field == &fields[2]) continue;
