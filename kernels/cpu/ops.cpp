@@ -846,6 +846,8 @@ void store_keys_paged(const float* x, std::int64_t n, std::int64_t width,
   }
 }
 
+void exp_f32(const float* x, float* out, std::int64_t n) { kernels().exp_f32(x, out, n); }
+
 std::int64_t argmax(const float* x, std::int64_t n) {
   // The greatest value first, sixteen running maxima at a time (loops the compiler turns into
   // vector instructions), then the first position that holds it: the first of the greatest,

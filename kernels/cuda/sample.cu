@@ -13,7 +13,7 @@
 // - Each candidate's logit is mapped to an order-preserving 32-bit key. The k-th largest key
 //   (top-k) and the key where the cumulative probability crosses top_p (top-p) are found by
 //   radix selection: 4 passes of 8 bits, each a 256-bin histogram in shared memory. Ties at
-//   the threshold key are resolved by token id (the lower ids are kept, as the CPU's sort
+//   the threshold key are resolved by token id (the lower ids are kept, as the CPU sampler
 //   does) with one ordered counting pass.
 // - Probabilities are fixed point: W = round(exp(x) * 2^40) as a 64-bit integer (x <= 0, so
 //   W <= 2^40; with at most 2^23 tokens no sum overflows). Every sum is then exact and

@@ -1,13 +1,31 @@
 #include "batchlm/local_engine/sampling.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "batchlm/kernels/ops.hpp"
 
 namespace batchlm::local_engine {
+
+namespace {
+
+// A token as one integer whose order is the order top-k and top-p keep tokens in: the larger
+// logit first, and on equal logits the lower id first. The high half is the logit's bits
+// turned so that unsigned order is descending logit order (-0 taken as +0, which compare
+// equal); the low half is the id.
+std::uint64_t rank_key(float logit, Token id) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &logit, sizeof bits);
+  if (bits == 0x80000000u) bits = 0;
+  const std::uint32_t ascending = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (static_cast<std::uint64_t>(~ascending) << 32) | static_cast<std::uint32_t>(id);
+}
+
+}  // namespace
 
 Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {}
 
@@ -114,65 +132,137 @@ PositionLogprobs position_logprobs(std::span<const float> logits, Token token, i
 
 TokenDistribution Sampler::distribution(std::span<const float> raw) {
   const std::span<const float> logits = adjust(raw);
-  const auto n = static_cast<std::int64_t>(logits.size());
-  TokenDistribution out;
-  if (n == 0) return out;
-  if (greedy()) {
-    out = TokenDistribution::point(static_cast<Token>(kernels::argmax(logits.data(), n)));
-    return out;
-  }
-  const float t = params_.temperature;
-  const float max = *std::max_element(logits.begin(), logits.end());
-  // Tokens more than 30 nats (after temperature) below the best have probability < 1e-13 of
-  // the best one's: they cannot matter, and skipping them keeps the sort short.
-  candidates_.clear();
-  for (std::int64_t i = 0; i < n; ++i) {
-    if ((logits[i] - max) / t > -30.0f) candidates_.emplace_back(logits[i], static_cast<Token>(i));
-  }
-  auto by_logit = [](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  };
-  std::size_t keep = candidates_.size();
-  if (params_.top_k > 0 && static_cast<std::size_t>(params_.top_k) < keep) {
-    keep = static_cast<std::size_t>(params_.top_k);
-    std::partial_sort(candidates_.begin(), candidates_.begin() + keep, candidates_.end(), by_logit);
-  } else {
-    std::sort(candidates_.begin(), candidates_.end(), by_logit);
-  }
-  std::vector<double>& probs = out.weights;
-  probs.resize(keep);
-  double sum = 0.0;
-  for (std::size_t i = 0; i < keep; ++i) {
-    probs[i] = std::exp(static_cast<double>((candidates_[i].first - max) / t));
-    sum += probs[i];
-  }
-  if (params_.top_p < 1.0f) {
-    double cum = 0.0;
-    std::size_t cut = keep;
-    for (std::size_t i = 0; i < keep; ++i) {
-      cum += probs[i] / sum;
-      if (cum >= params_.top_p) {
-        cut = i + 1;
-        break;
-      }
-    }
-    keep = cut;
-    probs.resize(keep);
-    sum = 0.0;
-    for (std::size_t i = 0; i < keep; ++i) sum += probs[i];
-  }
-  out.tokens.resize(keep);
-  for (std::size_t i = 0; i < keep; ++i) out.tokens[i] = candidates_[i].second;
-  out.total = sum;
-  return out;
+  if (logits.empty()) return TokenDistribution{};
+  if (greedy())
+    return TokenDistribution::point(static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(logits.size()))));
+  prepare(logits);
+  return dist_;
 }
 
 Token Sampler::sample(std::span<const float> raw) {
-  if (greedy()) {
-    const std::span<const float> logits = adjust(raw);
-    return static_cast<Token>(kernels::argmax(logits.data(), logits.size()));
+  const std::span<const float> logits = adjust(raw);
+  if (logits.empty()) return 0;
+  if (greedy()) return static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(logits.size())));
+  prepare(logits);
+  return dist_.draw(uniform());
+}
+
+namespace {
+
+// The bucket of a candidate's logit after temperature (x = (logit - max) / t, in (-30, 0]):
+// eighths of a nat below the best, 0 to 239. A larger logit never falls in a later bucket.
+std::size_t nat_bucket(float x) { return static_cast<std::size_t>(-x * 8.0f); }
+constexpr std::size_t kNatBuckets = 256;
+
+}  // namespace
+
+void Sampler::prepare(std::span<const float> logits) {
+  const std::size_t n = logits.size();
+  const float t = params_.temperature;
+  const float max = logits[static_cast<std::size_t>(kernels::argmax(logits.data(), static_cast<std::int64_t>(n)))];
+  // Every token's logit after temperature relative to the best, x <= 0, and its weight exp(x).
+  scaled_.resize(n);
+  weights_.resize(n);
+  for (std::size_t i = 0; i < n; ++i) scaled_[i] = (logits[i] - max) / t;
+  kernels::exp_f32(scaled_.data(), weights_.data(), static_cast<std::int64_t>(n));
+  // The candidates, in id order: tokens more than 30 nats below the best (after temperature)
+  // have less than 1e-13 of its probability and cannot matter. Taken without a branch (each
+  // id is written, and counted only when kept).
+  std::vector<Token>& kept = dist_.tokens;
+  kept.resize(n);
+  std::size_t count = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    kept[count] = static_cast<Token>(i);
+    count += scaled_[i] > -30.0f ? 1 : 0;
   }
-  return distribution(raw).draw(uniform());
+  kept.resize(count);
+  if (count == 0) {
+    // Only a row with a NaN or an infinity leaves no candidate (broken_logits tells such rows
+    // apart before sampling): the largest number, as greedy decoding takes it.
+    dist_ = TokenDistribution::point(static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(n))));
+    return;
+  }
+  if (params_.top_k > 0 && static_cast<std::size_t>(params_.top_k) < kept.size())
+    keep_best(logits, static_cast<std::size_t>(params_.top_k));
+  if (params_.top_p < 1.0f) keep_nucleus(logits);
+  dist_.weights.resize(kept.size());
+  double total = 0.0;
+  for (std::size_t i = 0; i < kept.size(); ++i) total += dist_.weights[i] = weights_[static_cast<std::size_t>(kept[i])];
+  dist_.total = total;
+}
+
+// The candidates are ranked by logit, the lower id first on equal logits. Top-k and top-p each
+// keep a run of the best: the buckets before the one where the run ends, whole, and of that
+// bucket the tokens up to the last one in the run, found by ranking only that bucket's tokens.
+void Sampler::keep_ranked(std::span<const float> logits, std::size_t bucket, std::uint64_t last) {
+  std::vector<Token>& kept = dist_.tokens;
+  std::size_t count = 0;
+  for (const Token id : kept) {
+    const auto i = static_cast<std::size_t>(id);
+    const std::size_t b = nat_bucket(scaled_[i]);
+    kept[count] = id;
+    count += b < bucket || (b == bucket && rank_key(logits[i], id) <= last) ? 1 : 0;
+  }
+  kept.resize(count);
+}
+
+void Sampler::collect_bucket(std::span<const float> logits, std::size_t bucket) {
+  ranks_.clear();
+  for (const Token id : dist_.tokens) {
+    const auto i = static_cast<std::size_t>(id);
+    if (nat_bucket(scaled_[i]) == bucket) ranks_.push_back(rank_key(logits[i], id));
+  }
+}
+
+void Sampler::keep_best(std::span<const float> logits, std::size_t k) {
+  // Counted in four interleaved tallies, so that a run of tokens in one bucket does not make
+  // each count wait for the one before.
+  std::array<std::array<std::uint32_t, kNatBuckets>, 4> tally{};
+  const std::vector<Token>& kept = dist_.tokens;
+  for (std::size_t j = 0; j < kept.size(); ++j) ++tally[j & 3][nat_bucket(scaled_[static_cast<std::size_t>(kept[j])])];
+  std::size_t before = 0, bucket = 0;
+  for (;; ++bucket) {
+    const std::size_t here = tally[0][bucket] + tally[1][bucket] + tally[2][bucket] + tally[3][bucket];
+    if (before + here >= k) break;
+    before += here;
+  }
+  collect_bucket(logits, bucket);
+  const auto last = ranks_.begin() + static_cast<std::ptrdiff_t>(k - before - 1);
+  std::nth_element(ranks_.begin(), last, ranks_.end());
+  keep_ranked(logits, bucket, *last);
+}
+
+void Sampler::keep_nucleus(std::span<const float> logits) {
+  std::array<std::array<double, kNatBuckets>, 4> tally{};
+  const std::vector<Token>& kept = dist_.tokens;
+  for (std::size_t j = 0; j < kept.size(); ++j) {
+    const auto i = static_cast<std::size_t>(kept[j]);
+    tally[j & 3][nat_bucket(scaled_[i])] += weights_[i];
+  }
+  std::array<double, kNatBuckets> mass{};
+  double total = 0.0;
+  for (std::size_t b = 0; b < kNatBuckets; ++b) {
+    mass[b] = (tally[0][b] + tally[1][b]) + (tally[2][b] + tally[3][b]);
+    total += mass[b];
+  }
+  const double target = static_cast<double>(params_.top_p) * total;
+  double before = 0.0;
+  std::size_t bucket = 0;
+  while (bucket < kNatBuckets && before + mass[bucket] < target) before += mass[bucket++];
+  // Rounding can leave the sum of every bucket a hair short of the target: all are kept.
+  if (bucket == kNatBuckets) return;
+  collect_bucket(logits, bucket);
+  std::sort(ranks_.begin(), ranks_.end());
+  std::uint64_t last = ranks_.back();
+  double sum = before;
+  for (const std::uint64_t key : ranks_) {
+    sum += weights_[static_cast<std::uint32_t>(key)];
+    if (sum >= target) {
+      last = key;
+      break;
+    }
+  }
+  keep_ranked(logits, bucket, last);
 }
 
 StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {

@@ -995,11 +995,17 @@ std::int32_t expected_draw(const IdOrder& ids, double u, double& margin) {
   return ids.tokens[std::min(i, ids.tokens.size() - 1)];
 }
 
-// True when no cumulative probability in the CPU's (logit) order is within `gap` of top_p: the
-// kept set cannot depend on rounding.
-bool top_p_is_clear(const local_engine::TokenDistribution& full, float top_p, double gap) {
+// True when no cumulative probability in the order top-p keeps tokens in (logit descending, the
+// lower id first) is within `gap` of top_p: the kept set cannot depend on rounding. `full` is
+// the CPU's distribution of `row` without top-p (its tokens in id order).
+bool top_p_is_clear(std::span<const float> row, const local_engine::TokenDistribution& full, float top_p, double gap) {
+  std::vector<std::size_t> order(full.tokens.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return row[static_cast<std::size_t>(full.tokens[a])] > row[static_cast<std::size_t>(full.tokens[b])];
+  });
   double cum = 0.0;
-  for (std::size_t i = 0; i < full.tokens.size(); ++i) {
+  for (const std::size_t i : order) {
     cum += full.weights[i] / full.total;
     if (std::abs(cum - top_p) < gap) return false;
   }
@@ -1065,7 +1071,7 @@ TEST(CudaSample, SmallVocabularyDrawsAreExact) {
     if (cs.top_p < 1.0f) {
       kc::SampleParams no_p = p;
       no_p.top_p = 1.0f;
-      ASSERT_TRUE(top_p_is_clear(cpu_distribution(row, no_p), cs.top_p, 1e-4)) << "test data";
+      ASSERT_TRUE(top_p_is_clear(row, cpu_distribution(row, no_p), cs.top_p, 1e-4)) << "test data";
     }
     const std::string what = "t " + std::to_string(cs.temperature) + " top_p " + std::to_string(cs.top_p) +
                              " top_k " + std::to_string(cs.top_k);
@@ -1097,7 +1103,7 @@ TEST(CudaSample, LargeVocabularyDrawsAreExact) {
         for (auto& x : row) x = std::round(x * 4.0f) / 4.0f;  // many ties, at every threshold
       kc::SampleParams no_p = p;
       no_p.top_p = 1.0f;
-      if (cs.top_p >= 1.0f || top_p_is_clear(cpu_distribution(row, no_p), cs.top_p, 1e-6)) break;
+      if (cs.top_p >= 1.0f || top_p_is_clear(row, cpu_distribution(row, no_p), cs.top_p, 1e-6)) break;
       ASSERT_LT(attempt, 20) << "test data";
     }
     const std::string what = "spread " + std::to_string(cs.spread) + " top_p " + std::to_string(cs.top_p) +

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -493,6 +494,125 @@ TEST(Sampler, SameSeedSameSequence) {
   };
   EXPECT_EQ(sequence(11), sequence(11));
   EXPECT_NE(sequence(11), sequence(12));
+}
+
+// What the sampler's distribution is, written the plain way: every token within 30 nats of the
+// best (after temperature), sorted by logit with the lower id first on ties, the first top_k of
+// them, then the shortest run of those whose probability reaches top_p; weights exp(x) in F32.
+// Returned as token -> weight.
+std::map<Token, double> reference_distribution(const std::vector<float>& logits, const SamplingParams& p) {
+  const float max = *std::max_element(logits.begin(), logits.end());
+  std::vector<Token> order;
+  for (std::size_t i = 0; i < logits.size(); ++i)
+    if ((logits[i] - max) / p.temperature > -30.0f) order.push_back(static_cast<Token>(i));
+  std::stable_sort(order.begin(), order.end(), [&](Token a, Token b) {
+    return logits[static_cast<std::size_t>(a)] > logits[static_cast<std::size_t>(b)];
+  });
+  if (p.top_k > 0 && static_cast<std::size_t>(p.top_k) < order.size()) order.resize(static_cast<std::size_t>(p.top_k));
+  const auto weight = [&](Token id) {
+    return static_cast<double>(std::exp((logits[static_cast<std::size_t>(id)] - max) / p.temperature));
+  };
+  if (p.top_p < 1.0f) {
+    double total = 0.0;
+    for (const Token id : order) total += weight(id);
+    double sum = 0.0;
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      sum += weight(order[i]);
+      if (sum >= p.top_p * total) {
+        order.resize(i + 1);
+        break;
+      }
+    }
+  }
+  std::map<Token, double> out;
+  for (const Token id : order) out[id] = weight(id);
+  return out;
+}
+
+void expect_reference_distribution(const std::vector<float>& logits, const SamplingParams& p, const std::string& what) {
+  Sampler sampler(p);
+  const TokenDistribution d = sampler.distribution(logits);
+  const std::map<Token, double> want = reference_distribution(logits, p);
+  ASSERT_EQ(d.tokens.size(), want.size()) << what;
+  double total = 0.0;
+  for (std::size_t i = 0; i < d.tokens.size(); ++i) {
+    if (i > 0) {
+      ASSERT_LT(d.tokens[i - 1], d.tokens[i]) << what << ": the tokens are listed in id order";
+    }
+    const auto it = want.find(d.tokens[i]);
+    ASSERT_NE(it, want.end()) << what << ": token " << d.tokens[i] << " kept, which the reference leaves out";
+    ASSERT_EQ(d.weights[i], it->second) << what << ": token " << d.tokens[i];
+    total += d.weights[i];
+  }
+  EXPECT_NEAR(d.total, total, 1e-12 * total) << what;
+}
+
+// The kept tokens and their weights are the plain sort's, over rows of a real vocabulary's size,
+// small rows, and rows full of equal logits (where the lower id goes first at a cut).
+TEST(Sampler, TheDistributionIsThatOfSortingTheLogits) {
+  std::mt19937 rng(17);
+  std::vector<std::vector<float>> rows;
+  for (const int n : {1, 2, 7, 300, 49152}) rows.push_back(random_logits(rng, n));
+  std::vector<float> wide = random_logits(rng, 5000);
+  for (float& x : wide) x *= 4.0f;  // a spread wider than 30 nats: some tokens drop out
+  rows.push_back(wide);
+  std::uniform_int_distribution<int> level(0, 3);
+  std::vector<float> ties(2000);
+  for (float& x : ties) x = static_cast<float>(level(rng));
+  rows.push_back(ties);
+  rows.push_back({0.0f, -0.0f, 0.0f, -0.0f, -1.0f});  // -0 and +0 are equal logits
+  rows.push_back(std::vector<float>(64, 1.5f));       // all equal
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    for (const float t : {0.3f, 1.0f, 2.5f})
+      for (const float top_p : {1.0f, 0.99f, 0.9f, 0.5f, 0.01f})
+        for (const int top_k : {0, 2, 40, 1999}) {
+          const SamplingParams p{.temperature = t, .top_p = top_p, .top_k = top_k, .seed = 1};
+          expect_reference_distribution(rows[r], p,
+                                        "row " + std::to_string(r) + " t " + std::to_string(t) + " top_p " +
+                                            std::to_string(top_p) + " top_k " + std::to_string(top_k));
+          if (HasFatalFailure()) return;
+        }
+  }
+}
+
+TEST(Sampler, EqualLogitsAtACutKeepTheLowerIds) {
+  const std::vector<float> logits = {1.0f, 2.0f, 2.0f, 0.0f, 2.0f, 2.0f};
+  Sampler top_two(SamplingParams{.temperature = 1.0f, .top_k = 2});
+  EXPECT_EQ(top_two.distribution(logits).tokens, (std::vector<Token>{1, 2}));
+  // Four equal best tokens hold 0.8 of the probability: 0.5 needs three of them.
+  Sampler half(SamplingParams{.temperature = 1.0f, .top_p = 0.5f});
+  EXPECT_EQ(half.distribution(logits).tokens, (std::vector<Token>{1, 2, 4}));
+}
+
+// A row with an infinity or a NaN (which the engine fails the request for before sampling) still
+// gives a token of the row, with every setting, rather than reading outside it.
+TEST(Sampler, BrokenRowsStillGiveATokenOfTheRow) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (const std::vector<float>& logits : {std::vector<float>{0.0f, inf, 1.0f}, std::vector<float>{nan, 2.0f, -inf},
+                                            std::vector<float>{nan, nan, nan}}) {
+    for (const SamplingParams& p : {SamplingParams{.temperature = 1.0f}, SamplingParams{.temperature = 1.0f, .top_p = 0.5f},
+                                    SamplingParams{.temperature = 1.0f, .top_k = 2}}) {
+      Sampler s(p);
+      const Token t = s.sample(logits);
+      EXPECT_TRUE(t >= 0 && t < 3) << t;
+    }
+  }
+}
+
+// sample() draws what distribution() describes: the same token as distribution().draw() with
+// the generator in the same state, draw after draw.
+TEST(Sampler, SampleDrawsFromTheDistribution) {
+  std::mt19937 rng(23);
+  const std::vector<float> logits = random_logits(rng, 49152);
+  for (const SamplingParams& p : {SamplingParams{.temperature = 1.0f, .seed = 3},
+                                 SamplingParams{.temperature = 0.7f, .top_p = 0.9f, .seed = 4},
+                                 SamplingParams{.temperature = 1.2f, .top_k = 50, .seed = 5}}) {
+    Sampler a(p), b(p);
+    for (int i = 0; i < 200; ++i) {
+      const TokenDistribution d = b.distribution(logits);
+      ASSERT_EQ(a.sample(logits), d.draw(b.uniform())) << "draw " << i;
+    }
+  }
 }
 
 // ---- StopMatcher -----------------------------------------------------------------------------

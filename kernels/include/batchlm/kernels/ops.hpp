@@ -186,4 +186,7 @@ void transpose_key_blocks(const std::uint16_t* rows, std::int64_t n_blocks, std:
 // Index of the largest value (the first one on ties).
 std::int64_t argmax(const float* x, std::int64_t n);
 
+// out[i] = std::exp(x[i]) bit for bit, at vector speed. out may be x.
+void exp_f32(const float* x, float* out, std::int64_t n);
+
 }  // namespace batchlm::kernels
