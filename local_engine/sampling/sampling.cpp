@@ -101,7 +101,7 @@ PositionLogprobs position_logprobs(std::span<const float> logits, Token token, i
   PositionLogprobs out;
   out.token = token;
   if (logits.empty()) return out;
-  const float max = *std::max_element(logits.begin(), logits.end());
+  const float max = logits[static_cast<std::size_t>(kernels::argmax(logits.data(), static_cast<std::int64_t>(logits.size())))];
   // Terms more than 80 nats below the largest (which contributes 1) are below a double's
   // resolution of the sum even all together, so they are skipped rather than exponentiated.
   double sum = 0.0;
