@@ -120,6 +120,7 @@ bool boolean(const Body& v, const std::string& param) {
 std::string content_text(const Body& v, const std::string& param) {
   if (v.is_string()) return v.get<std::string>();
   if (!v.is_array()) invalid(param, "'" + param + "' must be a string or an array of text parts, not " + type_name(v));
+  if (v.empty()) invalid(param, "'" + param + "' must not be an empty array: give at least one text part, or a string");
   std::string text;
   for (std::size_t i = 0; i < v.size(); ++i) {
     const std::string part = param + "[" + std::to_string(i) + "]";

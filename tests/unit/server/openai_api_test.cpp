@@ -140,9 +140,7 @@ TEST(ParseRequest, ContentAsArrayOfTextPartsIsConcatenated) {
                                                 {{"type", "text"}, {"text", "world"}}});
   ApiRequest r = parse_request(Endpoint::kChat, body, kModel);
   EXPECT_EQ(r.request.messages[0].content, "Hello, world");
-
-  body["messages"][0]["content"] = json::array();
-  EXPECT_EQ(parse_request(Endpoint::kChat, body, kModel).request.messages[0].content, "");
+  // An empty array is refused, as the OpenAI API does (ContentMustBeAStringOrTextParts).
 }
 
 TEST(ParseRequest, AssistantMessageMayOmitContent) {
@@ -301,6 +299,10 @@ TEST(ParseRequest, ContentMustBeAStringOrTextParts) {
   body["messages"][0]["content"] = 5;
   expect_invalid(chat_error(body), "messages[0].content",
                  "'messages[0].content' must be a string or an array of text parts, not an integer");
+
+  body["messages"][0]["content"] = json::array();
+  expect_invalid(chat_error(body), "messages[0].content",
+                 "'messages[0].content' must not be an empty array: give at least one text part, or a string");
 
   body["messages"][0]["content"] = json::array({"plain"});
   expect_invalid(chat_error(body), "messages[0].content[0]",
