@@ -1271,6 +1271,13 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   if (Reader::has(root["input"])) read_input(r, root["input"], job.input);
   if (has_synth) read_synth(r, root["synth"], job.synth);
   if (job.input.path.empty()) {
+    if (job.kind == JobKind::Eval && root["input"].IsDefined()) {
+      // "input:" with nothing after it: named at the key (an empty value's mark is where the
+      // next thing starts, often the line after).
+      for (auto it = root.begin(); it != root.end(); ++it)
+        if (it->first.IsScalar() && it->first.Scalar() == "input")
+          r.fail(it->first, "input", "is empty: give a JSONL file, or {path, format}");
+    }
     if (job.kind == JobKind::Eval)
       r.fail(root, "input", "required (a JSONL file, or {path, format})");
     if (job.synth.count == 0)

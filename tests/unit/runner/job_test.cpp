@@ -809,6 +809,14 @@ TEST_F(JobFile, InputIsRequiredForAnEvalJob) {
   EXPECT_EQ(e.field(), "input");
   EXPECT_EQ(e.message(), "required (a JSONL file, or {path, format})");
   EXPECT_EQ(error_of("").field(), "input");
+  // Written with nothing after it: named at its own line, not the file's first.
+  for (const std::string text : {"name: x\ninput:\nrequest: {messages: [{role: user, content: hi}]}\n",
+                                 "name: x\ninput: ~\n"}) {
+    const ConfigError empty = error_of(text);
+    EXPECT_EQ(empty.field(), "input");
+    EXPECT_EQ(empty.line(), 2) << text;
+    EXPECT_EQ(empty.message(), "is empty: give a JSONL file, or {path, format}");
+  }
 }
 
 TEST_F(JobFile, SynthJobWithCountNeedsNoInput) {
