@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
       {"greedy", make(0.0f, 1.0f, 0)},         {"t=1", make(1.0f, 1.0f, 0)},
       {"t=0.7", make(0.7f, 1.0f, 0)},          {"t=1 top_p=0.95", make(1.0f, 0.95f, 0)},
       {"t=0.7 top_p=0.9", make(0.7f, 0.9f, 0)}, {"t=0.8 top_k=40", make(0.8f, 1.0f, 40)},
+      {"t=0.2", make(0.2f, 1.0f, 0)},          {"t=0.2 top_p=0.95", make(0.2f, 0.95f, 0)},
   };
   std::printf("%zu rows of %zu logits, %d draws each (best per row, median over rows)\n", logit_rows.size(), n_vocab,
               reps);

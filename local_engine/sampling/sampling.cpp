@@ -35,9 +35,9 @@ double Sampler::uniform() {
 }
 
 double TokenDistribution::probability(Token token) const {
-  for (std::size_t i = 0; i < tokens.size(); ++i)
-    if (tokens[i] == token) return weights[i] / total;
-  return 0.0;
+  const auto it = std::lower_bound(tokens.begin(), tokens.end(), token);
+  if (it == tokens.end() || *it != token) return 0.0;
+  return weights[static_cast<std::size_t>(it - tokens.begin())] / total;
 }
 
 bool broken_logits(std::span<const float> logits) {
@@ -130,114 +130,79 @@ PositionLogprobs position_logprobs(std::span<const float> logits, Token token, i
   return out;
 }
 
-TokenDistribution Sampler::distribution(std::span<const float> raw) {
-  const std::span<const float> logits = adjust(raw);
-  if (logits.empty()) return TokenDistribution{};
-  if (greedy())
-    return TokenDistribution::point(static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(logits.size()))));
-  prepare(logits);
-  return dist_;
-}
-
-Token Sampler::sample(std::span<const float> raw) {
-  const std::span<const float> logits = adjust(raw);
-  if (logits.empty()) return 0;
-  if (greedy()) return static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(logits.size())));
-  prepare(logits);
-  return dist_.draw(uniform());
-}
-
 namespace {
+
+// What choosing a token works in: every token's logit after temperature and its weight, by id;
+// the rank keys of one bucket's tokens; the distribution being built. One per thread, reused
+// from token to token (a vocabulary's worth of floats, which a sampler per sequence would hold
+// for as long as its request lives).
+struct Scratch {
+  std::vector<float> scaled;
+  std::vector<float> weights;
+  std::vector<std::uint64_t> ranks;
+  TokenDistribution dist;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
 
 // The bucket of a candidate's logit after temperature (x = (logit - max) / t, in (-30, 0]):
 // eighths of a nat below the best, 0 to 239. A larger logit never falls in a later bucket.
 std::size_t nat_bucket(float x) { return static_cast<std::size_t>(-x * 8.0f); }
 constexpr std::size_t kNatBuckets = 256;
 
-}  // namespace
-
-void Sampler::prepare(std::span<const float> logits) {
-  const std::size_t n = logits.size();
-  const float t = params_.temperature;
-  const float max = logits[static_cast<std::size_t>(kernels::argmax(logits.data(), static_cast<std::int64_t>(n)))];
-  // Every token's logit after temperature relative to the best, x <= 0, and its weight exp(x).
-  scaled_.resize(n);
-  weights_.resize(n);
-  for (std::size_t i = 0; i < n; ++i) scaled_[i] = (logits[i] - max) / t;
-  kernels::exp_f32(scaled_.data(), weights_.data(), static_cast<std::int64_t>(n));
-  // The candidates, in id order: tokens more than 30 nats below the best (after temperature)
-  // have less than 1e-13 of its probability and cannot matter. Taken without a branch (each
-  // id is written, and counted only when kept).
-  std::vector<Token>& kept = dist_.tokens;
-  kept.resize(n);
-  std::size_t count = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    kept[count] = static_cast<Token>(i);
-    count += scaled_[i] > -30.0f ? 1 : 0;
-  }
-  kept.resize(count);
-  if (count == 0) {
-    // Only a row with a NaN or an infinity leaves no candidate (broken_logits tells such rows
-    // apart before sampling): the largest number, as greedy decoding takes it.
-    dist_ = TokenDistribution::point(static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(n))));
-    return;
-  }
-  if (params_.top_k > 0 && static_cast<std::size_t>(params_.top_k) < kept.size())
-    keep_best(logits, static_cast<std::size_t>(params_.top_k));
-  if (params_.top_p < 1.0f) keep_nucleus(logits);
-  dist_.weights.resize(kept.size());
-  double total = 0.0;
-  for (std::size_t i = 0; i < kept.size(); ++i) total += dist_.weights[i] = weights_[static_cast<std::size_t>(kept[i])];
-  dist_.total = total;
-}
-
 // The candidates are ranked by logit, the lower id first on equal logits. Top-k and top-p each
 // keep a run of the best: the buckets before the one where the run ends, whole, and of that
 // bucket the tokens up to the last one in the run, found by ranking only that bucket's tokens.
-void Sampler::keep_ranked(std::span<const float> logits, std::size_t bucket, std::uint64_t last) {
-  std::vector<Token>& kept = dist_.tokens;
+void keep_ranked(Scratch& w, std::span<const float> logits, std::size_t bucket, std::uint64_t last) {
+  std::vector<Token>& kept = w.dist.tokens;
   std::size_t count = 0;
   for (const Token id : kept) {
     const auto i = static_cast<std::size_t>(id);
-    const std::size_t b = nat_bucket(scaled_[i]);
+    const std::size_t b = nat_bucket(w.scaled[i]);
     kept[count] = id;
     count += b < bucket || (b == bucket && rank_key(logits[i], id) <= last) ? 1 : 0;
   }
   kept.resize(count);
 }
 
-void Sampler::collect_bucket(std::span<const float> logits, std::size_t bucket) {
-  ranks_.clear();
-  for (const Token id : dist_.tokens) {
+// w.ranks = the rank keys of the kept tokens in `bucket`.
+void collect_bucket(Scratch& w, std::span<const float> logits, std::size_t bucket) {
+  w.ranks.clear();
+  for (const Token id : w.dist.tokens) {
     const auto i = static_cast<std::size_t>(id);
-    if (nat_bucket(scaled_[i]) == bucket) ranks_.push_back(rank_key(logits[i], id));
+    if (nat_bucket(w.scaled[i]) == bucket) w.ranks.push_back(rank_key(logits[i], id));
   }
 }
 
-void Sampler::keep_best(std::span<const float> logits, std::size_t k) {
+// Keeps the k best.
+void keep_best(Scratch& w, std::span<const float> logits, std::size_t k) {
   // Counted in four interleaved tallies, so that a run of tokens in one bucket does not make
   // each count wait for the one before.
   std::array<std::array<std::uint32_t, kNatBuckets>, 4> tally{};
-  const std::vector<Token>& kept = dist_.tokens;
-  for (std::size_t j = 0; j < kept.size(); ++j) ++tally[j & 3][nat_bucket(scaled_[static_cast<std::size_t>(kept[j])])];
+  const std::vector<Token>& kept = w.dist.tokens;
+  for (std::size_t j = 0; j < kept.size(); ++j) ++tally[j & 3][nat_bucket(w.scaled[static_cast<std::size_t>(kept[j])])];
   std::size_t before = 0, bucket = 0;
   for (;; ++bucket) {
     const std::size_t here = tally[0][bucket] + tally[1][bucket] + tally[2][bucket] + tally[3][bucket];
     if (before + here >= k) break;
     before += here;
   }
-  collect_bucket(logits, bucket);
-  const auto last = ranks_.begin() + static_cast<std::ptrdiff_t>(k - before - 1);
-  std::nth_element(ranks_.begin(), last, ranks_.end());
-  keep_ranked(logits, bucket, *last);
+  collect_bucket(w, logits, bucket);
+  const auto last = w.ranks.begin() + static_cast<std::ptrdiff_t>(k - before - 1);
+  std::nth_element(w.ranks.begin(), last, w.ranks.end());
+  keep_ranked(w, logits, bucket, *last);
 }
 
-void Sampler::keep_nucleus(std::span<const float> logits) {
+// Keeps the shortest run of the best whose weight reaches top_p of the kept tokens' total.
+void keep_nucleus(Scratch& w, std::span<const float> logits, float top_p) {
   std::array<std::array<double, kNatBuckets>, 4> tally{};
-  const std::vector<Token>& kept = dist_.tokens;
+  const std::vector<Token>& kept = w.dist.tokens;
   for (std::size_t j = 0; j < kept.size(); ++j) {
     const auto i = static_cast<std::size_t>(kept[j]);
-    tally[j & 3][nat_bucket(scaled_[i])] += weights_[i];
+    tally[j & 3][nat_bucket(w.scaled[i])] += w.weights[i];
   }
   std::array<double, kNatBuckets> mass{};
   double total = 0.0;
@@ -245,24 +210,88 @@ void Sampler::keep_nucleus(std::span<const float> logits) {
     mass[b] = (tally[0][b] + tally[1][b]) + (tally[2][b] + tally[3][b]);
     total += mass[b];
   }
-  const double target = static_cast<double>(params_.top_p) * total;
+  const double target = static_cast<double>(top_p) * total;
   double before = 0.0;
   std::size_t bucket = 0;
   while (bucket < kNatBuckets && before + mass[bucket] < target) before += mass[bucket++];
   // Rounding can leave the sum of every bucket a hair short of the target: all are kept.
   if (bucket == kNatBuckets) return;
-  collect_bucket(logits, bucket);
-  std::sort(ranks_.begin(), ranks_.end());
-  std::uint64_t last = ranks_.back();
+  collect_bucket(w, logits, bucket);
+  std::sort(w.ranks.begin(), w.ranks.end());
+  std::uint64_t last = w.ranks.back();
   double sum = before;
-  for (const std::uint64_t key : ranks_) {
-    sum += weights_[static_cast<std::uint32_t>(key)];
+  for (const std::uint64_t key : w.ranks) {
+    sum += w.weights[static_cast<std::uint32_t>(key)];
     if (sum >= target) {
       last = key;
       break;
     }
   }
-  keep_ranked(logits, bucket, last);
+  keep_ranked(w, logits, bucket, last);
+}
+
+// Fills w.dist with the distribution to draw from (logits adjusted, not empty, not greedy): the
+// candidates in id order with their weights.
+void prepare(Scratch& w, std::span<const float> logits, const SamplingParams& params) {
+  const std::size_t n = logits.size();
+  const float t = params.temperature;
+  const float max = logits[static_cast<std::size_t>(kernels::argmax(logits.data(), static_cast<std::int64_t>(n)))];
+  // Every token's logit after temperature relative to the best, x <= 0, and its weight exp(x).
+  // Below -64 it is only ever left out (the candidates are above -30): held there, the vector
+  // exponential does not meet the arguments it hands to the scalar one (|x| >= 88), which low
+  // temperatures give most tokens. NaN stays NaN.
+  w.scaled.resize(n);
+  w.weights.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = (logits[i] - max) / t;
+    w.scaled[i] = x < -64.0f ? -64.0f : x;
+  }
+  kernels::exp_f32(w.scaled.data(), w.weights.data(), static_cast<std::int64_t>(n));
+  // The candidates, in id order: tokens more than 30 nats below the best (after temperature)
+  // have less than 1e-13 of its probability and cannot matter. Taken without a branch (each
+  // id is written, and counted only when kept).
+  std::vector<Token>& kept = w.dist.tokens;
+  kept.resize(n);
+  std::size_t count = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    kept[count] = static_cast<Token>(i);
+    count += w.scaled[i] > -30.0f ? 1 : 0;
+  }
+  kept.resize(count);
+  if (count == 0) {
+    // Only a row with a NaN or an infinity leaves no candidate (broken_logits tells such rows
+    // apart before sampling): the largest number, as greedy decoding takes it.
+    w.dist = TokenDistribution::point(static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(n))));
+    return;
+  }
+  if (params.top_k > 0 && static_cast<std::size_t>(params.top_k) < kept.size())
+    keep_best(w, logits, static_cast<std::size_t>(params.top_k));
+  if (params.top_p < 1.0f) keep_nucleus(w, logits, params.top_p);
+  w.dist.weights.resize(kept.size());
+  double total = 0.0;
+  for (std::size_t i = 0; i < kept.size(); ++i) total += w.dist.weights[i] = w.weights[static_cast<std::size_t>(kept[i])];
+  w.dist.total = total;
+}
+
+}  // namespace
+
+TokenDistribution Sampler::distribution(std::span<const float> raw) {
+  const std::span<const float> logits = adjust(raw);
+  if (logits.empty()) return TokenDistribution{};
+  if (greedy())
+    return TokenDistribution::point(static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(logits.size()))));
+  Scratch& w = scratch();
+  prepare(w, logits, params_);
+  return w.dist;
+}
+
+Token Sampler::sample(std::span<const float> raw) {
+  const std::span<const float> logits = adjust(raw);
+  if (logits.empty()) return 0;
+  if (greedy()) return static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(logits.size())));
+  Scratch& w = scratch();
+  prepare(w, logits, params_);
+  return w.dist.draw(uniform());
 }
 
 StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {

@@ -563,8 +563,8 @@ TEST(Sampler, TheDistributionIsThatOfSortingTheLogits) {
   rows.push_back({0.0f, -0.0f, 0.0f, -0.0f, -1.0f});  // -0 and +0 are equal logits
   rows.push_back(std::vector<float>(64, 1.5f));       // all equal
   for (std::size_t r = 0; r < rows.size(); ++r) {
-    for (const float t : {0.3f, 1.0f, 2.5f})
-      for (const float top_p : {1.0f, 0.99f, 0.9f, 0.5f, 0.01f})
+    for (const float t : {0.01f, 0.3f, 1.0f, 2.5f, 100.0f})
+      for (const float top_p : {1.0f, 0.99f, 0.9f, 0.5f, 0.01f, 0.0f})
         for (const int top_k : {0, 2, 40, 1999}) {
           const SamplingParams p{.temperature = t, .top_p = top_p, .top_k = top_k, .seed = 1};
           expect_reference_distribution(rows[r], p,
@@ -582,19 +582,26 @@ TEST(Sampler, EqualLogitsAtACutKeepTheLowerIds) {
   // Four equal best tokens hold 0.8 of the probability: 0.5 needs three of them.
   Sampler half(SamplingParams{.temperature = 1.0f, .top_p = 0.5f});
   EXPECT_EQ(half.distribution(logits).tokens, (std::vector<Token>{1, 2, 4}));
+  // Ranked by the logits themselves: 1.0000001 is above 1, though 10 less either is -9 in F32.
+  const std::vector<float> close = {10.0f, 1.0f, 1.0000001f};
+  Sampler two(SamplingParams{.temperature = 1.0f, .top_k = 2});
+  EXPECT_EQ(two.distribution(close).tokens, (std::vector<Token>{0, 2}));
 }
 
 // A row with an infinity or a NaN (which the engine fails the request for before sampling) still
 // gives a token of the row, with every setting, rather than reading outside it.
 TEST(Sampler, BrokenRowsStillGiveATokenOfTheRow) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> long_row(100, 1.0f);  // past the vector argmax's short-row loop
+  long_row[40] = inf;
+  long_row[70] = nan;
   for (const std::vector<float>& logits : {std::vector<float>{0.0f, inf, 1.0f}, std::vector<float>{nan, 2.0f, -inf},
-                                            std::vector<float>{nan, nan, nan}}) {
+                                            std::vector<float>{nan, nan, nan}, long_row}) {
     for (const SamplingParams& p : {SamplingParams{.temperature = 1.0f}, SamplingParams{.temperature = 1.0f, .top_p = 0.5f},
                                     SamplingParams{.temperature = 1.0f, .top_k = 2}}) {
       Sampler s(p);
       const Token t = s.sample(logits);
-      EXPECT_TRUE(t >= 0 && t < 3) << t;
+      EXPECT_TRUE(t >= 0 && static_cast<std::size_t>(t) < logits.size()) << t;
     }
   }
 }

@@ -42,15 +42,15 @@ struct PositionLogprobs {
 };
 PositionLogprobs position_logprobs(std::span<const float> logits, Token token, int top);
 
-// The distribution a Sampler draws from: tokens with unnormalised weights, in id order; every
-// token not listed has probability 0.
+// The distribution a Sampler draws from: tokens with unnormalised weights, in id order (which
+// probability() relies on); every token not listed has probability 0.
 struct TokenDistribution {
   std::vector<Token> tokens;
   std::vector<double> weights;
   double total = 0.0;
 
   bool empty() const { return tokens.empty(); }
-  // The probability of `token` (0 when not listed). O(size).
+  // The probability of `token` (0 when not listed), by binary search of the ids.
   double probability(Token token) const;
   // Draws with u uniform in [0, 1).
   Token draw(double u) const;
@@ -87,22 +87,6 @@ class Sampler {
 
   SamplingParams params_;
   std::mt19937_64 rng_;
-  // Fills dist_ with the distribution to draw from (logits adjusted, not empty, not greedy).
-  void prepare(std::span<const float> logits);
-  // Of dist_'s tokens, keep the k best; the shortest run of the best reaching top_p.
-  void keep_best(std::span<const float> logits, std::size_t k);
-  void keep_nucleus(std::span<const float> logits);
-  // Keeps the tokens of buckets before `bucket`, and of `bucket` those ranked at most `last`.
-  void keep_ranked(std::span<const float> logits, std::size_t bucket, std::uint64_t last);
-  // ranks_ = the rank keys of dist_'s tokens in `bucket`.
-  void collect_bucket(std::span<const float> logits, std::size_t bucket);
-
-  // Working space: every token's logit after temperature and its weight, by id; rank keys of
-  // one bucket's tokens; the distribution being built.
-  std::vector<float> scaled_;
-  std::vector<float> weights_;
-  std::vector<std::uint64_t> ranks_;
-  TokenDistribution dist_;
   std::vector<std::pair<Token, std::int32_t>> counts_;  // generated tokens and their counts
   std::vector<float> adjusted_;
 };
