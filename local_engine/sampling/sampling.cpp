@@ -132,13 +132,14 @@ PositionLogprobs position_logprobs(std::span<const float> logits, Token token, i
 
 namespace {
 
-// What choosing a token works in: every token's logit after temperature and its weight, by id;
-// the rank keys of one bucket's tokens; the distribution being built. One per thread, reused
-// from token to token (a vocabulary's worth of floats, which a sampler per sequence would hold
-// for as long as its request lives).
+// What choosing a token works in, by token id: the logit after temperature, its weight, its
+// bucket; the rank keys of one bucket's tokens; the distribution being built. One per thread,
+// reused from token to token (a vocabulary's worth of each, which a sampler per sequence would
+// hold for as long as its request lives).
 struct Scratch {
   std::vector<float> scaled;
   std::vector<float> weights;
+  std::vector<std::uint8_t> buckets;
   std::vector<std::uint64_t> ranks;
   TokenDistribution dist;
 };
@@ -148,75 +149,85 @@ Scratch& scratch() {
   return s;
 }
 
-// The bucket of a candidate's logit after temperature (x = (logit - max) / t, in (-30, 0]):
-// eighths of a nat below the best, 0 to 239. A larger logit never falls in a later bucket.
-std::size_t nat_bucket(float x) { return static_cast<std::size_t>(-x * 8.0f); }
-constexpr std::size_t kNatBuckets = 256;
-
-// The candidates are ranked by logit, the lower id first on equal logits. Top-k and top-p each
-// keep a run of the best: the buckets before the one where the run ends, whole, and of that
-// bucket the tokens up to the last one in the run, found by ranking only that bucket's tokens.
-void keep_ranked(Scratch& w, std::span<const float> logits, std::size_t bucket, std::uint64_t last) {
-  std::vector<Token>& kept = w.dist.tokens;
-  std::size_t count = 0;
-  for (const Token id : kept) {
-    const auto i = static_cast<std::size_t>(id);
-    const std::size_t b = nat_bucket(w.scaled[i]);
-    kept[count] = id;
-    count += b < bucket || (b == bucket && rank_key(logits[i], id) <= last) ? 1 : 0;
-  }
-  kept.resize(count);
+// A token's bucket: eighths of a nat below the best after temperature (x = (logit - max) / t,
+// at least -64), 0 to 255 (NaN: 255). The candidates, x > -30, are exactly the buckets below
+// kOut. A larger logit never falls in a later bucket. (A minimum and a conversion, no branch:
+// half the tokens may be candidates, in no pattern, and the loop runs on vectors.)
+constexpr std::size_t kOut = 240;
+constexpr std::size_t kBuckets = 256;
+std::uint8_t bucket_of(float x) {
+  const float b = -x * 8.0f;
+  return static_cast<std::uint8_t>(static_cast<int>(b < 255.0f ? b : 255.0f));
 }
+
+// The tokens kept so far: the candidates, then those within a cut. Top-k and top-p each keep a
+// run of the best by rank (logit descending, the lower id first): every token of the buckets
+// before the one where the run ends, and of that bucket those ranked at most `last` (found by
+// ranking only that bucket's tokens).
+struct Cut {
+  std::size_t bucket = kOut;  // every candidate
+  std::uint64_t last = ~std::uint64_t{0};
+  bool keeps(const Scratch& w, std::span<const float> logits, std::size_t i) const {
+    const std::size_t b = w.buckets[i];
+    return b < bucket || (b == bucket && b < kOut && rank_key(logits[i], static_cast<Token>(i)) <= last);
+  }
+};
 
 // w.ranks = the rank keys of the kept tokens in `bucket`.
-void collect_bucket(Scratch& w, std::span<const float> logits, std::size_t bucket) {
+void collect_bucket(Scratch& w, std::span<const float> logits, const Cut& cut, std::size_t bucket) {
   w.ranks.clear();
-  for (const Token id : w.dist.tokens) {
-    const auto i = static_cast<std::size_t>(id);
-    if (nat_bucket(w.scaled[i]) == bucket) w.ranks.push_back(rank_key(logits[i], id));
-  }
+  const std::uint8_t* buckets = w.buckets.data();
+  for (std::size_t i = 0; i < w.buckets.size(); ++i)
+    if (buckets[i] == bucket && cut.keeps(w, logits, i)) w.ranks.push_back(rank_key(logits[i], static_cast<Token>(i)));
 }
 
-// Keeps the k best.
-void keep_best(Scratch& w, std::span<const float> logits, std::size_t k) {
+// The k best of the candidates (k fewer than them).
+Cut best(Scratch& w, std::span<const float> logits, std::size_t k) {
   // Counted in four interleaved tallies, so that a run of tokens in one bucket does not make
   // each count wait for the one before.
-  std::array<std::array<std::uint32_t, kNatBuckets>, 4> tally{};
-  const std::vector<Token>& kept = w.dist.tokens;
-  for (std::size_t j = 0; j < kept.size(); ++j) ++tally[j & 3][nat_bucket(w.scaled[static_cast<std::size_t>(kept[j])])];
+  std::array<std::array<std::uint32_t, kBuckets>, 4> tally{};
+  const std::uint8_t* buckets = w.buckets.data();
+  for (std::size_t i = 0; i < w.buckets.size(); ++i) ++tally[i & 3][buckets[i]];
   std::size_t before = 0, bucket = 0;
   for (;; ++bucket) {
     const std::size_t here = tally[0][bucket] + tally[1][bucket] + tally[2][bucket] + tally[3][bucket];
     if (before + here >= k) break;
     before += here;
   }
-  collect_bucket(w, logits, bucket);
+  collect_bucket(w, logits, Cut{}, bucket);
   const auto last = w.ranks.begin() + static_cast<std::ptrdiff_t>(k - before - 1);
   std::nth_element(w.ranks.begin(), last, w.ranks.end());
-  keep_ranked(w, logits, bucket, *last);
+  return Cut{bucket, *last};
 }
 
-// Keeps the shortest run of the best whose weight reaches top_p of the kept tokens' total.
-void keep_nucleus(Scratch& w, std::span<const float> logits, float top_p) {
-  std::array<std::array<double, kNatBuckets>, 4> tally{};
-  const std::vector<Token>& kept = w.dist.tokens;
-  for (std::size_t j = 0; j < kept.size(); ++j) {
-    const auto i = static_cast<std::size_t>(kept[j]);
-    tally[j & 3][nat_bucket(w.scaled[i])] += w.weights[i];
+// Of the tokens `within` keeps, the shortest run of the best whose weight reaches top_p of
+// theirs.
+Cut nucleus(Scratch& w, std::span<const float> logits, const Cut& within, float top_p) {
+  std::array<std::array<double, kBuckets>, 4> tally{};
+  const std::uint8_t* buckets = w.buckets.data();
+  const float* weights = w.weights.data();
+  if (within.bucket == kOut) {
+    // Every candidate: the others are tallied in the buckets from kOut on, which are not counted.
+    for (std::size_t i = 0; i < w.buckets.size(); ++i) tally[i & 3][buckets[i]] += weights[i];
+  } else {
+    for (std::size_t i = 0; i < w.buckets.size(); ++i) {
+      const std::size_t b = buckets[i];
+      if (b < within.bucket || (b == within.bucket && within.keeps(w, logits, i))) tally[i & 3][b] += weights[i];
+    }
   }
-  std::array<double, kNatBuckets> mass{};
+  std::array<double, kBuckets> mass{};
   double total = 0.0;
-  for (std::size_t b = 0; b < kNatBuckets; ++b) {
+  for (std::size_t b = 0; b < kOut; ++b) {
     mass[b] = (tally[0][b] + tally[1][b]) + (tally[2][b] + tally[3][b]);
     total += mass[b];
   }
   const double target = static_cast<double>(top_p) * total;
   double before = 0.0;
   std::size_t bucket = 0;
-  while (bucket < kNatBuckets && before + mass[bucket] < target) before += mass[bucket++];
+  while (bucket < kOut && before + mass[bucket] < target) before += mass[bucket++];
   // Rounding can leave the sum of every bucket a hair short of the target: all are kept.
-  if (bucket == kNatBuckets) return;
-  collect_bucket(w, logits, bucket);
+  if (bucket == kOut) return within;
+  collect_bucket(w, logits, within, bucket);
   std::sort(w.ranks.begin(), w.ranks.end());
   std::uint64_t last = w.ranks.back();
   double sum = before;
@@ -227,49 +238,69 @@ void keep_nucleus(Scratch& w, std::span<const float> logits, float top_p) {
       break;
     }
   }
-  keep_ranked(w, logits, bucket, last);
+  return Cut{bucket, last};
 }
 
 // Fills w.dist with the distribution to draw from (logits adjusted, not empty, not greedy): the
-// candidates in id order with their weights.
+// kept tokens in id order with their weights.
 void prepare(Scratch& w, std::span<const float> logits, const SamplingParams& params) {
   const std::size_t n = logits.size();
   const float t = params.temperature;
   const float max = logits[static_cast<std::size_t>(kernels::argmax(logits.data(), static_cast<std::int64_t>(n)))];
-  // Every token's logit after temperature relative to the best, x <= 0, and its weight exp(x).
-  // Below -64 it is only ever left out (the candidates are above -30): held there, the vector
-  // exponential does not meet the arguments it hands to the scalar one (|x| >= 88), which low
-  // temperatures give most tokens. NaN stays NaN.
+  // Every token's logit after temperature relative to the best, x <= 0, its weight exp(x), and
+  // its bucket. Tokens more than 30 nats below the best (after temperature) have less than
+  // 1e-13 of its probability and are not candidates. Below -64 x is held there: such a token is
+  // only ever left out, and the vector exponential then does not meet the arguments it hands
+  // to the scalar one (|x| >= 88), which low temperatures give most tokens. NaN stays NaN.
   w.scaled.resize(n);
   w.weights.resize(n);
+  w.buckets.resize(n);
+  float* scaled = w.scaled.data();
+  std::uint8_t* buckets = w.buckets.data();
+  const float* row = logits.data();
   for (std::size_t i = 0; i < n; ++i) {
-    const float x = (logits[i] - max) / t;
-    w.scaled[i] = x < -64.0f ? -64.0f : x;
+    const float x = (row[i] - max) / t;
+    scaled[i] = x < -64.0f ? -64.0f : x;
   }
-  kernels::exp_f32(w.scaled.data(), w.weights.data(), static_cast<std::int64_t>(n));
-  // The candidates, in id order: tokens more than 30 nats below the best (after temperature)
-  // have less than 1e-13 of its probability and cannot matter. Taken without a branch (each
-  // id is written, and counted only when kept).
-  std::vector<Token>& kept = w.dist.tokens;
-  kept.resize(n);
-  std::size_t count = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    kept[count] = static_cast<Token>(i);
-    count += w.scaled[i] > -30.0f ? 1 : 0;
-  }
-  kept.resize(count);
-  if (count == 0) {
+  kernels::exp_f32(scaled, w.weights.data(), static_cast<std::int64_t>(n));
+  for (std::size_t i = 0; i < n; ++i) buckets[i] = bucket_of(scaled[i]);
+  std::size_t candidates = 0;
+  for (std::size_t i = 0; i < n; ++i) candidates += buckets[i] < kOut ? 1 : 0;
+  if (candidates == 0) {
     // Only a row with a NaN or an infinity leaves no candidate (broken_logits tells such rows
     // apart before sampling): the largest number, as greedy decoding takes it.
     w.dist = TokenDistribution::point(static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(n))));
     return;
   }
-  if (params.top_k > 0 && static_cast<std::size_t>(params.top_k) < kept.size())
-    keep_best(w, logits, static_cast<std::size_t>(params.top_k));
-  if (params.top_p < 1.0f) keep_nucleus(w, logits, params.top_p);
-  w.dist.weights.resize(kept.size());
+  Cut cut;
+  if (params.top_k > 0 && static_cast<std::size_t>(params.top_k) < candidates)
+    cut = best(w, logits, static_cast<std::size_t>(params.top_k));
+  if (params.top_p < 1.0f) cut = nucleus(w, logits, cut, params.top_p);
+  // The kept tokens in id order: each id is written, and counted only when kept (without a
+  // branch on what may be every other token; the cut's own bucket is a few tokens).
+  std::vector<Token>& kept_ids = w.dist.tokens;
+  kept_ids.resize(n);
+  Token* kept = kept_ids.data();
+  std::size_t count = 0;
+  if (cut.bucket == kOut) {
+    for (std::size_t i = 0; i < n; ++i) {
+      kept[count] = static_cast<Token>(i);
+      count += buckets[i] < kOut ? 1 : 0;
+    }
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      kept[count] = static_cast<Token>(i);
+      const std::size_t b = buckets[i];
+      bool in = b < cut.bucket;
+      if (b == cut.bucket) in = cut.keeps(w, logits, i);
+      count += in ? 1 : 0;
+    }
+  }
+  kept_ids.resize(count);
+  w.dist.weights.resize(count);
   double total = 0.0;
-  for (std::size_t i = 0; i < kept.size(); ++i) total += w.dist.weights[i] = w.weights[static_cast<std::size_t>(kept[i])];
+  const float* weights = w.weights.data();
+  for (std::size_t j = 0; j < count; ++j) total += w.dist.weights[j] = weights[static_cast<std::size_t>(kept_ids[j])];
   w.dist.total = total;
 }
 
