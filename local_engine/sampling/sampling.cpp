@@ -102,11 +102,25 @@ PositionLogprobs position_logprobs(std::span<const float> logits, Token token, i
   out.token = token;
   if (logits.empty()) return out;
   const float max = logits[static_cast<std::size_t>(kernels::argmax(logits.data(), static_cast<std::int64_t>(logits.size())))];
-  // Terms more than 80 nats below the largest (which contributes 1) are below a double's
-  // resolution of the sum even all together, so they are skipped rather than exponentiated.
-  double sum = 0.0;
-  for (const float l : logits)
-    if (l - max > -80.0f) sum += std::exp(static_cast<double>(l - max));
+  // The sum of exp(logit - max): F32 exponentials on vectors (each within 6e-8 of the exact
+  // term, far below what a float logprob shows), added in F64 in four running sums. Terms more
+  // than 80 nats below the largest (which contributes 1) are below the sum's resolution even
+  // all together: held at -87 they add nothing, and do not reach the scalar exponential that
+  // the vector one hands arguments beyond 88 to. A NaN is held there too.
+  const std::size_t n = logits.size();
+  thread_local std::vector<float> terms;
+  terms.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = logits[i] - max;
+    terms[i] = x > -80.0f ? x : -87.0f;
+  }
+  kernels::exp_f32(terms.data(), terms.data(), static_cast<std::int64_t>(n));
+  double part[4] = {0.0, 0.0, 0.0, 0.0};
+  std::size_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (std::size_t j = 0; j < 4; ++j) part[j] += terms[i + j];
+  for (; i < n; ++i) part[0] += terms[i];
+  const double sum = (part[0] + part[1]) + (part[2] + part[3]);
   const double log_total = static_cast<double>(max) + std::log(sum);
   const auto logprob = [&](Token t) { return static_cast<float>(static_cast<double>(logits[static_cast<std::size_t>(t)]) - log_total); };
   if (token >= 0 && static_cast<std::size_t>(token) < logits.size()) out.logprob = logprob(token);
