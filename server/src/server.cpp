@@ -647,12 +647,13 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
 
   // --- routing -----------------------------------------------------------------------------
 
+  // The paths the server answers on.
+  static bool endpoint(std::string_view path) {
+    return path == "/health" || path == "/metrics" || path == "/v1/chat/completions" || path == "/v1/completions" ||
+           path == "/v1/models" || path.starts_with("/v1/models/");
+  }
+
   asio::awaitable<bool> handle(Connection& c, const HttpRequest& req) {
-    if (req.method() == http::verb::options && req.count(http::field::origin) > 0 &&
-        req.count(http::field::access_control_request_method) > 0 && !options.allowed_origins.empty()) {
-      co_await preflight(c, req);
-      co_return true;
-    }
     const std::optional<std::string> decoded = path_of(req);
     if (!decoded) {
       co_await send_error(c, req,
@@ -662,6 +663,24 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       co_return true;
     }
     const std::string_view path = *decoded;
+    if (req.method() == http::verb::unknown) {
+      // A method HTTP does not define (RFC 9110 9.1: 501); a defined one that the endpoint does
+      // not serve is a 405 below.
+      co_await send_error(c, req,
+                          ApiError(501, "invalid_request_error", "",
+                                   "the method '" + utf8_excerpt(req.method_string(), 40) +
+                                       "' is not one this server implements (GET, HEAD, POST, OPTIONS)"));
+      co_return true;
+    }
+    if (req.method() == http::verb::options && req.count(http::field::origin) > 0 &&
+        req.count(http::field::access_control_request_method) > 0 && !options.allowed_origins.empty()) {
+      if (endpoint(path)) {
+        co_await preflight(c, req);
+      } else {
+        co_await send_error(c, req, ApiError(404, "invalid_request_error", "", "no such endpoint: " + std::string(path)));
+      }
+      co_return true;
+    }
     // HEAD is GET without the body (send_text leaves it out).
     const bool get = req.method() == http::verb::get || req.method() == http::verb::head;
 

@@ -1341,6 +1341,12 @@ TEST_F(Serve, WrongMethodIs405WithAllow) {
   HttpResponse models = request({.method = "DELETE", .url = s->url("/v1/models/tiny")});
   expect_error(models, 405, "invalid_request_error", nullptr, nullptr);
   EXPECT_EQ(models.header("allow"), "GET, HEAD");
+  // A method HTTP does not define is not implemented (501), on any path.
+  for (const std::string path : {"/v1/chat/completions", "/health", "/nowhere"}) {
+    HttpResponse brew = request({.method = "BREW", .url = s->url(path)});
+    expect_error(brew, 501, "invalid_request_error", nullptr, nullptr);
+    EXPECT_TRUE(contains(brew.body, "the method 'BREW' is not one this server implements")) << brew.body;
+  }
 }
 
 TEST_F(Serve, OversizedBodyIs413) {
@@ -1470,6 +1476,9 @@ TEST_F(Serve, AnyOriginMayCallByDefault) {
   EXPECT_EQ(get(*s, "/health").header("access-control-allow-origin"), "");
   // An OPTIONS that is no preflight is a method the endpoints do not serve.
   EXPECT_EQ(request({.method = "OPTIONS", .url = s->url("/health")}).status, 405);
+  // A preflight for a path that is no endpoint: there is nothing to allow.
+  HttpResponse nowhere = request(preflight(*s, "/v1/nowhere", "http://localhost:3000"));
+  expect_error(nowhere, 404, "invalid_request_error", nullptr, nullptr);
 }
 
 TEST_F(Serve, AllowedOriginsAreEchoedAndOthersRefused) {
