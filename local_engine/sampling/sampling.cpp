@@ -9,6 +9,10 @@
 
 #include "batchlm/kernels/ops.hpp"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace batchlm::local_engine {
 
 namespace {
@@ -165,13 +169,40 @@ Scratch& scratch() {
 
 // A token's bucket: eighths of a nat below the best after temperature (x = (logit - max) / t,
 // at least -64), 0 to 255 (NaN: 255). The candidates, x > -30, are exactly the buckets below
-// kOut. A larger logit never falls in a later bucket. (A minimum and a conversion, no branch:
-// half the tokens may be candidates, in no pattern, and the loop runs on vectors.)
+// kOut. A larger logit never falls in a later bucket.
 constexpr std::size_t kOut = 240;
 constexpr std::size_t kBuckets = 256;
 std::uint8_t bucket_of(float x) {
   const float b = -x * 8.0f;
   return static_cast<std::uint8_t>(static_cast<int>(b < 255.0f ? b : 255.0f));
+}
+
+// x[i] = (row[i] - max) / t held at -64 or above, and each one's bucket. Half the tokens may
+// fall either side of -64 or of a bucket edge in no pattern, and a compiler may turn the
+// scalar selections into branches (GCC at -O2 does), so the SSE2 path, where there is one,
+// makes them minimum and maximum instructions: the same values (MINPS and MAXPS give their
+// second operand for a NaN, so a NaN is held at -64, which is no candidate either).
+void scale_and_bucket(const float* row, std::size_t n, float max, float t, float* x, std::uint8_t* buckets) {
+  std::size_t i = 0;
+#if defined(__SSE2__)
+  const __m128 vmax = _mm_set1_ps(max), vt = _mm_set1_ps(t), floor = _mm_set1_ps(-64.0f);
+  const __m128 eighths = _mm_set1_ps(-8.0f), top = _mm_set1_ps(255.0f);
+  for (; i + 16 <= n; i += 16) {
+    __m128i q[4];
+    for (std::size_t j = 0; j < 4; ++j) {
+      const __m128 v = _mm_max_ps(_mm_div_ps(_mm_sub_ps(_mm_loadu_ps(row + i + 4 * j), vmax), vt), floor);
+      _mm_storeu_ps(x + i + 4 * j, v);
+      q[j] = _mm_cvttps_epi32(_mm_min_ps(_mm_mul_ps(v, eighths), top));
+    }
+    const __m128i packed = _mm_packus_epi16(_mm_packs_epi32(q[0], q[1]), _mm_packs_epi32(q[2], q[3]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(buckets + i), packed);
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = (row[i] - max) / t;
+    x[i] = v < -64.0f ? -64.0f : v;
+    buckets[i] = bucket_of(x[i]);
+  }
 }
 
 // The tokens kept so far: the candidates, then those within a cut. Top-k and top-p each keep a
@@ -220,21 +251,21 @@ Cut nucleus(Scratch& w, std::span<const float> logits, const Cut& within, float 
   std::array<std::array<double, kBuckets>, 4> tally{};
   const std::uint8_t* buckets = w.buckets.data();
   const float* weights = w.weights.data();
-  if (within.bucket == kOut) {
-    // Every candidate: the others are tallied in the buckets from kOut on, which are not counted.
-    for (std::size_t i = 0; i < w.buckets.size(); ++i) tally[i & 3][buckets[i]] += weights[i];
-  } else {
-    for (std::size_t i = 0; i < w.buckets.size(); ++i) {
-      const std::size_t b = buckets[i];
-      if (b < within.bucket || (b == within.bucket && within.keeps(w, logits, i))) tally[i & 3][b] += weights[i];
-    }
-  }
+  // Every token, without a branch: the buckets from kOut on (not candidates) are not counted.
+  for (std::size_t i = 0; i < w.buckets.size(); ++i) tally[i & 3][buckets[i]] += weights[i];
   std::array<double, kBuckets> mass{};
-  double total = 0.0;
-  for (std::size_t b = 0; b < kOut; ++b) {
-    mass[b] = (tally[0][b] + tally[1][b]) + (tally[2][b] + tally[3][b]);
-    total += mass[b];
+  for (std::size_t b = 0; b < kOut; ++b) mass[b] = (tally[0][b] + tally[1][b]) + (tally[2][b] + tally[3][b]);
+  if (within.bucket < kOut) {
+    // Within a top-k cut: the buckets after its own count nothing, and its own only the tokens
+    // it keeps (a few, found by a branch that is rarely taken).
+    for (std::size_t b = within.bucket + 1; b < kOut; ++b) mass[b] = 0.0;
+    double own = 0.0;
+    for (std::size_t i = 0; i < w.buckets.size(); ++i)
+      if (buckets[i] == within.bucket && within.keeps(w, logits, i)) own += weights[i];
+    mass[within.bucket] = own;
   }
+  double total = 0.0;
+  for (std::size_t b = 0; b < kOut; ++b) total += mass[b];
   const double target = static_cast<double>(top_p) * total;
   double before = 0.0;
   std::size_t bucket = 0;
@@ -265,19 +296,15 @@ void prepare(Scratch& w, std::span<const float> logits, const SamplingParams& pa
   // its bucket. Tokens more than 30 nats below the best (after temperature) have less than
   // 1e-13 of its probability and are not candidates. Below -64 x is held there: such a token is
   // only ever left out, and the vector exponential then does not meet the arguments it hands
-  // to the scalar one (|x| >= 88), which low temperatures give most tokens. NaN stays NaN.
+  // to the scalar one (|x| >= 88), which low temperatures give most tokens. A NaN is no
+  // candidate either.
   w.scaled.resize(n);
   w.weights.resize(n);
   w.buckets.resize(n);
   float* scaled = w.scaled.data();
   std::uint8_t* buckets = w.buckets.data();
-  const float* row = logits.data();
-  for (std::size_t i = 0; i < n; ++i) {
-    const float x = (row[i] - max) / t;
-    scaled[i] = x < -64.0f ? -64.0f : x;
-  }
+  scale_and_bucket(logits.data(), n, max, t, scaled, buckets);
   kernels::exp_f32(scaled, w.weights.data(), static_cast<std::int64_t>(n));
-  for (std::size_t i = 0; i < n; ++i) buckets[i] = bucket_of(scaled[i]);
   std::size_t candidates = 0;
   for (std::size_t i = 0; i < n; ++i) candidates += buckets[i] < kOut ? 1 : 0;
   if (candidates == 0) {
