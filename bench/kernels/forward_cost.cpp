@@ -15,17 +15,14 @@
 #include <CLI/CLI.hpp>
 
 #include "batchlm/kernels/ops.hpp"
+#include "best_time.hpp"
 #include "batchlm/local_engine/model.hpp"
 
 namespace {
 
 using namespace batchlm::local_engine;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t h = v.size() / 2;
-  return v.size() % 2 ? v[h] : (v[h - 1] + v[h]) / 2;
-}
+using batchlm::bench::median;
 
 }  // namespace
 
