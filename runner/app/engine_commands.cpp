@@ -339,7 +339,10 @@ void add_engine_commands(CLI::App& app) {
       ->capture_default_str()->check(app::at_least(0));
   generate_cmd->add_option("--context", g.context, "Context size in tokens; 0: min(model's, 4096)")
       ->check(app::at_least(0));
-  generate_cmd->add_option("--stop", g.stop, "Stop before this text (repeatable)");
+  generate_cmd->add_option("--stop", g.stop, "Stop before this text (repeatable)")
+      ->check(CLI::Validator(
+          [](std::string& text) { return text.empty() ? std::string("an empty string stops nothing: leave it out") : std::string(); },
+          ""));
   generate_cmd->add_flag("--ignore-eos", g.ignore_eos, "Keep generating past end-of-turn tokens");
   generate_cmd->add_flag("--timings", g.timings,
                          "Print prompt and generation speed as one JSON line on stderr");

@@ -887,6 +887,8 @@ void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& requ
   if (Reader::has(node["top_p"])) request.top_p = r.number(node["top_p"], "request.top_p", 0, 1);
   if (Reader::has(node["stop"])) {
     request.stop = r.string_list(node["stop"], "request.stop");
+    for (const std::string& stop : request.stop)
+      if (stop.empty()) r.fail(node["stop"], "request.stop", "an empty string stops nothing: leave it out");
     warn_placeholders(r, node["stop"], "request.stop", nlohmann::json(request.stop));
   }
   if (Reader::has(node["seed"]))

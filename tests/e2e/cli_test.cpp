@@ -717,6 +717,7 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
       // As a request's temperature.
       {{"generate", "-p", "x", "--temperature", "3"}, "batchlm: error: --temperature: must be between 0 and 2, got 3\n"},
       {{"generate", "-p", "x", "--system", "Be brief."}, "batchlm: error: --system needs --chat"},
+      {{"generate", "-p", "x", "--stop", ""}, "batchlm: error: --stop: an empty string stops nothing: leave it out\n"},
       // A flag's value that the job refuses is blamed on the flag, not on --set.
       {{"synth", "--count", "3", "--set", "input=" + gsm8k_test_file(), "--set", "request={max_tokens: 5}"},
        "batchlm: error: --count: synth.count: not used by a job with an input"},

@@ -305,6 +305,14 @@ TEST_F(JobFile, StopAcceptsASingleString) {
   EXPECT_EQ(load(with_input("request: {stop: END}\n")).request.stop, std::vector<std::string>{"END"});
 }
 
+TEST_F(JobFile, AnEmptyStopStringIsRefused) {
+  for (const std::string stop : {"''", "[END, '']"}) {
+    const ConfigError e = error_of(with_input("request: {stop: " + stop + "}\n"));
+    EXPECT_EQ(e.field(), "request.stop") << stop;
+    EXPECT_EQ(e.message(), "an empty string stops nothing: leave it out") << stop;
+  }
+}
+
 TEST_F(JobFile, DurationsAcceptUnitsAndBareSeconds) {
   auto grace = [&](const std::string& value) {
     return load(with_input("grace_period: " + value + "\n")).grace_period;
