@@ -15,16 +15,11 @@
 #include <CLI/CLI.hpp>
 
 #include "batchlm/kernels/ops.hpp"
-#include "best_time.hpp"
 #include "batchlm/local_engine/model.hpp"
-
-namespace {
+#include "best_time.hpp"
 
 using namespace batchlm::local_engine;
-
 using batchlm::bench::median;
-
-}  // namespace
 
 int main(int argc, char** argv) {
   std::string model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -150,12 +150,11 @@ PositionLogprobs position_logprobs(std::span<const float> logits, Token token, i
 
 namespace {
 
-// What choosing a token works in, by token id: the logit after temperature, its weight, its
-// bucket; the rank keys of one bucket's tokens; the distribution being built. One per thread,
+// What choosing a token works in, by token id: its weight and its bucket; the rank keys of one
+// bucket's tokens; the distribution being built. One per thread,
 // reused from token to token (a vocabulary's worth of each, which a sampler per sequence would
 // hold for as long as its request lives).
 struct Scratch {
-  std::vector<float> scaled;
   std::vector<float> weights;
   std::vector<std::uint8_t> buckets;
   std::vector<std::uint64_t> ranks;
@@ -297,14 +296,12 @@ void prepare(Scratch& w, std::span<const float> logits, const SamplingParams& pa
   // 1e-13 of its probability and are not candidates. Below -64 x is held there: such a token is
   // only ever left out, and the vector exponential then does not meet the arguments it hands
   // to the scalar one (|x| >= 88), which low temperatures give most tokens. A NaN is no
-  // candidate either.
-  w.scaled.resize(n);
+  // candidate either. Each x is written where its weight then replaces it.
   w.weights.resize(n);
   w.buckets.resize(n);
-  float* scaled = w.scaled.data();
   std::uint8_t* buckets = w.buckets.data();
-  scale_and_bucket(logits.data(), n, max, t, scaled, buckets);
-  kernels::exp_f32(scaled, w.weights.data(), static_cast<std::int64_t>(n));
+  scale_and_bucket(logits.data(), n, max, t, w.weights.data(), buckets);
+  kernels::exp_f32(w.weights.data(), w.weights.data(), static_cast<std::int64_t>(n));
   std::size_t candidates = 0;
   for (std::size_t i = 0; i < n; ++i) candidates += buckets[i] < kOut ? 1 : 0;
   if (candidates == 0) {
