@@ -442,6 +442,8 @@ Item batch_item(const JobSpec& job, ordered line_value, std::int64_t line,
       } else if (!value.is_null()) {
         throw wrong(key, "a string or a list of strings");
       }
+      for (const std::string& s : request.stop)
+        if (s.empty()) throw ConfigError(file, line_int, 0, "body.stop", "an empty string stops nothing: leave it out");
     } else if (key == "seed") {
       if (!value.is_number_integer()) throw wrong(key, "an integer");
       request.seed = value.get<std::int64_t>();

@@ -375,6 +375,18 @@ TEST_F(SourceTest, BatchMaxTokensBeyondAnIntIsAnError) {
   }
 }
 
+TEST_F(SourceTest, BatchLineWithAnEmptyStopStringIsAnError) {
+  // An empty stop string stops nothing; an API may refuse it, and the engine would ignore it.
+  for (const char* value : {R"("")", R"(["END", ""])"}) {
+    std::string in = write("batch.jsonl", std::string("{\"custom_id\": \"a\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}}\n") +
+                                              R"({"custom_id": "b", "body": {"messages": [{"role": "user", "content": "Hi"}], "stop": )" + value + "}}\n");
+    ConfigError e = open_error(job("input: " + in + "\n"));
+    EXPECT_EQ(e.line(), 2) << value;
+    EXPECT_EQ(e.field(), "body.stop") << value;
+    EXPECT_EQ(e.message(), "an empty string stops nothing: leave it out") << value;
+  }
+}
+
 TEST_F(SourceTest, BatchFormatIsDetectedAndMapped) {
   std::string in = write("batch.jsonl", R"({"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 20, "temperature": 0.2, "top_p": 0.9, "stop": "END", "seed": 5, "response_format": {"type": "json_object"}, "stream": true}}
 {"custom_id": "req-2", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]}]}}
