@@ -138,7 +138,7 @@ struct Transfer {
   Clock::time_point started_at;
   std::optional<Clock::time_point> sent_at;       // the request body fully handed to curl
   std::optional<Clock::time_point> last_body_at;  // the latest body chunk
-  bool answered = false;                          // request.answered() said yes
+  std::optional<Clock::time_point> answered_at;   // when request.answered() first said yes
 
   // The awaiting coroutine sleeps on this timer until the next stage deadline; completion
   // cancels it early. A timer doubles as the wake-up signal because its wait also carries
@@ -155,9 +155,12 @@ struct Transfer {
       if (from + limit < best.first) best = {from + limit, std::move(message)};
     };
     consider(t.total, started_at, "transfer exceeded " + ms_text(t.total) + " (total timeout)");
-    if (last_body_at && answered) {
-      consider(std::min(t.idle, t.after_answer), *last_body_at,
-               "no data for " + ms_text(std::min(t.idle, t.after_answer)) + " after the answer (idle timeout)");
+    if (answered_at) {
+      // The rest of the stream (its usage, [DONE]) has after_answer from the answer on, however
+      // its bytes are spaced: a server that keeps the stream open with comments or empty
+      // chunks after the finish reason does not hold a finished answer for the total timeout.
+      consider(t.after_answer, *answered_at, "the stream went on for " + ms_text(t.after_answer) + " after the answer");
+      consider(t.idle, *last_body_at, "no data for " + ms_text(t.idle) + " after the answer (idle timeout)");
     } else if (last_body_at) {
       consider(t.idle, *last_body_at, "no data for " + ms_text(t.idle) + " (idle timeout)");
     } else {
@@ -409,9 +412,9 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
           t.local_error = make_error(ErrorKind::Internal, "transfer aborted by the body handler");
           return 0;
         }
-        if (!t.answered && t.request.answered && t.request.answered()) {
+        if (!t.answered_at && t.request.answered && t.request.answered()) {
           // The deadline comes sooner now: wake the coroutine to re-arm.
-          t.answered = true;
+          t.answered_at = Clock::now();
           t.rearm = true;
           t.wakeup.cancel();
         }
@@ -469,6 +472,10 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     if (!options.ca_info.empty()) curl_easy_setopt(e, CURLOPT_CAINFO, options.ca_info.c_str());
     curl_easy_setopt(e, CURLOPT_USERAGENT, options.user_agent.c_str());
     curl_easy_setopt(e, CURLOPT_TCP_KEEPALIVE, 1L);
+    // Asks for no compression (a compressing proxy may hold back a stream's events), but
+    // decodes a body a server or proxy compressed anyway (gzip, deflate, and whatever else
+    // this libcurl was built with): without this, curl hands the compressed bytes over.
+    curl_easy_setopt(e, CURLOPT_ACCEPT_ENCODING, "identity");
     if (options.http2) {
       curl_easy_setopt(e, CURLOPT_HTTP_VERSION, long{CURL_HTTP_VERSION_2TLS});
       // Waiting for the first TLS connection to show whether it multiplexes keeps a burst of

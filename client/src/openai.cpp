@@ -719,7 +719,10 @@ void StreamedAnswer::on_event(const SseEvent& event) {
       }
     }
   }
-  if (first != nullptr) {
+  // Once choice 0 has its finish reason, the answer is whole: what a server sends for that
+  // choice afterwards (more text, a second finish reason) is not part of it. A usage chunk
+  // still counts.
+  if (first != nullptr && finish_reason_.empty()) {
     const nlohmann::json& choice = *first;
     choice_seen_ = true;
     // Chat chunks carry delta.content, text-completion chunks carry text. Null is no text (the

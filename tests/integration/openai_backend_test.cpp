@@ -335,6 +335,38 @@ TEST_F(OpenAIBackendTest, SilenceAfterTheFinishReasonIsWaitedForBriefly) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);  // not the 5 s stall, nor the 30 s idle
 }
 
+// A server that keeps the stream open after the answer with comments (or empty chunks) is
+// waited for timeouts.after_answer from the answer on: the bytes do not extend it.
+TEST_F(OpenAIBackendTest, KeepAlivesAfterTheFinishReasonDoNotHoldTheAnswer) {
+  auto options = backend_options(server_, "pings=60;ping_ms=100");  // six seconds of `: ping`
+  options.timeouts.idle = 30s;
+  options.timeouts.after_answer = 300ms;
+  const auto start = std::chrono::steady_clock::now();
+  auto result = complete(options, chat_request("item"));
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(result.outcome.completion->finish_reason, "stop");
+  EXPECT_EQ(result.outcome.completion->usage.completion_tokens, kTokens);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);  // not the six seconds of pings
+}
+
+// Text a server sends for choice 0 after its finish reason is not part of the answer.
+TEST_F(OpenAIBackendTest, TextAfterTheFinishReasonIsNotPartOfTheAnswer) {
+  auto result = complete_with_fault("late_text=LATE");
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(result.outcome.completion->finish_reason, "stop");
+  EXPECT_TRUE(result.outcome.completion->usage.reported);
+}
+
+// A body compressed though the request did not ask for it (as some proxies do) is decoded.
+TEST_F(OpenAIBackendTest, AnUnaskedForGzipBodyIsDecoded) {
+  auto result = complete_with_fault("gzip", false);
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
+  EXPECT_EQ(result.outcome.completion->finish_reason, "stop");
+}
+
 TEST_F(OpenAIBackendTest, StreamEndingWithoutDoneOrFinishReasonIsTruncated) {
   const auto e = error_of(complete_with_fault("truncate;after=3"));
   EXPECT_EQ(e.kind, ErrorKind::Truncated) << e.message;

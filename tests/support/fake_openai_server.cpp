@@ -403,6 +403,17 @@ FaultSpec FaultSpec::parse(std::string_view spec) {
       f.slow_first_byte_ms = parse_int(key, value);
     } else if (key == "at_end") {
       f.at_end = true;
+    } else if (key == "pings") {
+      need_value();
+      f.pings = parse_int(key, value);
+    } else if (key == "ping_ms") {
+      need_value();
+      f.ping_ms = parse_int(key, value);
+    } else if (key == "late_text") {
+      need_value();
+      f.late_text = std::string(value);
+    } else if (key == "gzip") {
+      f.gzip = true;
     } else if (key == "html") {
       f.html = true;
     } else if (key == "redirect") {
@@ -476,6 +487,36 @@ void reset_connection(tcp::socket& socket) {
   boost::system::error_code ec;
   socket.set_option(asio::socket_base::linger(true, 0), ec);
   socket.close(ec);
+}
+
+// `data` in the gzip format (RFC 1952) without compression: its deflate stream is stored blocks
+// (RFC 1951 3.2.4), which any gzip decoder reads.
+std::string gzip_stored(std::string_view data) {
+  std::uint32_t crc = 0xFFFFFFFFu;
+  for (const char c : data) {
+    crc ^= static_cast<unsigned char>(c);
+    for (int k = 0; k < 8; ++k) crc = (crc >> 1) ^ (0xEDB88320u & (0u - (crc & 1u)));
+  }
+  crc ^= 0xFFFFFFFFu;
+  const auto le32 = [](std::string& out, std::uint32_t v) {
+    for (int k = 0; k < 4; ++k) out += static_cast<char>((v >> (8 * k)) & 0xFF);
+  };
+  std::string out("\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff", 10);
+  std::size_t at = 0;
+  do {
+    const std::size_t n = std::min<std::size_t>(data.size() - at, 65535);
+    const bool last = at + n == data.size();
+    out += static_cast<char>(last ? 1 : 0);
+    out += static_cast<char>(n & 0xFF);
+    out += static_cast<char>(n >> 8);
+    out += static_cast<char>(~n & 0xFF);
+    out += static_cast<char>((~n >> 8) & 0xFF);
+    out.append(data.substr(at, n));
+    at += n;
+  } while (at < data.size());
+  le32(out, crc);
+  le32(out, static_cast<std::uint32_t>(data.size()));
+  return out;
 }
 
 std::string simple_response(int status, std::string_view content_type, std::string_view body,
@@ -860,7 +901,9 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
                                             {"finish_reason", finish_reason}}})},
                   {"usage", usage}};
     if (f.no_usage) reply.erase("usage");
-    std::string response = simple_response(200, "application/json", reply.dump(), keep_alive);
+    std::string response = f.gzip ? simple_response(200, "application/json", gzip_stored(reply.dump()), keep_alive,
+                                                    "Content-Encoding: gzip\r\n")
+                                  : simple_response(200, "application/json", reply.dump(), keep_alive);
     if (f.truncate) {
       // Fewer bytes than Content-Length promised, then the connection closes.
       co_await write_all(socket, std::string_view(response).substr(0, response.size() - reply.dump().size() / 2));
@@ -956,6 +999,10 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     if (co_await events.data(other_end)) co_return false;
   }
   if (co_await events.data(chunk_json(json::object(), finish_reason))) co_return false;
+  if (f.late_text) {
+    const std::string late = chunk_json({{"content", *f.late_text}}, nullptr);
+    if (co_await events.data(late)) co_return false;
+  }
   if (include_usage && !f.no_usage) {
     json usage_chunk = {{"id", id},
                         {"object", "chat.completion.chunk"},
@@ -964,6 +1011,13 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
                         {"choices", json::array()},
                         {"usage", usage}};
     if (co_await events.data(usage_chunk.dump())) co_return false;
+  }
+  for (int i = 0; i < f.pings; ++i) {
+    co_await sleep_ms(f.ping_ms);
+    std::string comment = ": ping";
+    comment += events.eol();
+    comment += events.eol();
+    if (co_await events.chunk(comment)) co_return false;
   }
   if (f.at_end) {
     if (f.reset_after) {

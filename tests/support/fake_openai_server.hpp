@@ -43,6 +43,12 @@
 //   slow_first_byte=MS     wait MS before sending anything, headers included
 //   at_end                 reset_after, stall_ms and truncate fire after the last chunk (the
 //                          finish reason, then the usage when asked for) instead of [DONE]
+//   pings=N                after the last chunk (the finish reason, then the usage), N SSE
+//                          comments (`: ping`), ping_ms apart, before [DONE]
+//   ping_ms=MS             the spacing of `pings` (default 100)
+//   late_text=TEXT         after the finish reason, one more content delta of TEXT
+//   gzip                   a non-streaming answer's body gzipped (Content-Encoding: gzip),
+//                          though the request did not ask for it
 //   html                   answer 200 with an HTML page (Content-Type text/html)
 //   redirect=CODE          answer with this 3xx status and a Location (an empty body)
 //   location=URL           the redirect's Location (default /v1/chat/completions)
@@ -89,6 +95,10 @@ struct FaultSpec {
   std::optional<std::size_t> oversize_bytes;
   int slow_first_byte_ms = 0;
   bool at_end = false;
+  int pings = 0;
+  int ping_ms = 100;
+  std::optional<std::string> late_text;
+  bool gzip = false;
   bool html = false;
   int redirect = 0;  // 0: no redirect
   std::string location = "/v1/chat/completions";

@@ -29,8 +29,9 @@ struct HttpTimeouts {
   std::chrono::milliseconds first_byte{120'000}; // request sent -> first response body byte
   std::chrono::milliseconds idle{60'000};        // between two received chunks
   std::chrono::milliseconds total{900'000};      // the whole transfer
-  // Once the body handler says the answer is whole (HttpRequest::answered): how long more data
-  // (a usage chunk, [DONE]) is waited for before the transfer ends with an idle timeout.
+  // Once the body handler says the answer is whole (HttpRequest::answered): how long the rest
+  // of the stream (a usage chunk, [DONE]) is waited for, counted from the answer, before the
+  // transfer ends with a timeout (which the answer survives).
   std::chrono::milliseconds after_answer{5'000};
 };
 
