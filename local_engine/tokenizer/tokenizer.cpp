@@ -22,10 +22,12 @@
 // Because every merge joins two tokens into a token, the BPE works on token ids throughout
 // and never builds strings; the pair -> merge table is keyed by the two ids.
 //
-// For valid UTF-8 the ids are meant to be identical to llama.cpp's. Where llama.cpp replaces
-// invalid UTF-8 bytes by U+FFFD before tokenizing, this tokenizer keeps the bytes (they still
-// split the text as U+FFFD would), so decode(encode(x)) == x for every byte string, given a
-// vocabulary with all 256 byte tokens.
+// The ids are meant to be identical to llama.cpp's. Text that is not valid UTF-8 is first read
+// as llama.cpp reads it (as_llama_reads below): each byte its decoder does not take becomes
+// U+FFFD, and the forms it takes that the standard does not (overlong, surrogates) become the
+// code point's own bytes. So decode(encode(x)) == x for valid UTF-8 only. (A vocabulary may
+// lack the byte tokens of bytes that valid UTF-8 never holds, 0xF5-0xFF among them: kept as
+// bytes, they would have no token at all.)
 //
 // SentencePiece's BPE, as llama.cpp runs it for `tokenizer.ggml.model = "llama"` vocabularies
 // (Llama 2, Mistral 7B, Phi-3, ...). There are no merge rules; each token has a score
@@ -898,7 +900,60 @@ std::vector<Token> Tokenizer::encode(std::string_view text, bool parse_special) 
   return out;
 }
 
+namespace {
+
+// `text` (not valid UTF-8) as llama.cpp reads it into code points before a byte-level BPE: a
+// lead byte 110xxxxx, 1110xxxx or 11110xxx with as many continuation bytes (10xxxxxx) after it
+// is one code point, whether or not the form is well-formed; any other byte is U+FFFD. Each
+// code point is then written back as UTF-8, so an overlong form becomes its short one and a
+// surrogate keeps its three bytes. A 4-byte form past U+10FFFF, which llama.cpp cannot write
+// back (its tokenizer throws), is U+FFFD for each of its bytes here.
+std::string as_llama_reads(std::string_view text) {
+  std::string out;
+  out.reserve(text.size() + 16);
+  const auto byte = [&](std::size_t i) { return static_cast<unsigned char>(text[i]); };
+  const auto continuation = [&](std::size_t i) { return i < text.size() && (byte(i) & 0xC0) == 0x80; };
+  for (std::size_t i = 0; i < text.size();) {
+    const unsigned char lead = byte(i);
+    std::size_t length = 0;
+    char32_t cp = 0;
+    if (lead < 0x80) {
+      length = 1, cp = lead;
+    } else if ((lead & 0xE0) == 0xC0) {
+      length = 2, cp = lead & 0x1F;
+    } else if ((lead & 0xF0) == 0xE0) {
+      length = 3, cp = lead & 0x0F;
+    } else if ((lead & 0xF8) == 0xF0) {
+      length = 4, cp = lead & 0x07;
+    }
+    bool taken = length > 0;
+    for (std::size_t k = 1; taken && k < length; ++k) {
+      taken = continuation(i + k);
+      if (taken) cp = (cp << 6) | (byte(i + k) & 0x3F);
+    }
+    if (!taken || cp > 0x10FFFF) {
+      out.append(kReplacementCharacter);
+      i += 1;
+      continue;
+    }
+    if (cp >= 0xD800 && cp <= 0xDFFF) {
+      out.append(text.substr(i, length));  // written back as the same three bytes
+    } else {
+      utf8::append(out, cp);
+    }
+    i += length;
+  }
+  return out;
+}
+
+}  // namespace
+
 void Tokenizer::Impl::encode_text(std::string_view text, Workspace& work, std::vector<Token>& out) const {
+  std::string read;
+  if (utf8::first_invalid(text) != std::string_view::npos) {
+    read = as_llama_reads(text);
+    text = read;
+  }
   work.pieces.clear();
   pre_tokenizer->split(text, work.pieces, work.split_scratch);
   for (const Range piece : work.pieces) encode_piece(text.substr(piece.begin, piece.end - piece.begin), work, out);

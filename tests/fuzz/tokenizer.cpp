@@ -5,17 +5,20 @@
 // tree; without it the replay test is skipped (exit 77).
 //
 // What the tokenizer promises (tokenizer.cpp's header and tests/unit/local_engine/
-// tokenizer_test.cpp): decode(encode(x)) == x for every byte string given a vocabulary with
-// all 256 byte tokens; a byte without a token of its own is dropped (SmolLM2 has none for
-// 0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, 0xF5..0xFF); with parse_special
-// the text of control tokens becomes those tokens, which decode renders only when asked. So:
+// tokenizer_test.cpp): text is first read as llama.cpp reads it (each byte its decoder does not
+// take becomes U+FFFD; a lead byte with its continuation bytes is one code point, written back
+// as UTF-8, or U+FFFD per byte past U+10FFFF); then decode(encode(x)) == that reading, but
+// that a byte without a token of its own is dropped (SmolLM2 has none for 0x04, 0x06, 0x13,
+// 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, 0xF5..0xFF); with parse_special the text of
+// control tokens becomes those tokens, which decode renders only when asked. So:
 //
 //   - encode never crashes, and every id is inside the vocabulary;
 //   - for valid UTF-8 made only of bytes the vocabulary has tokens for,
 //       decode(encode(x, false)) == x and decode(encode(x, true), render_special) == x,
 //     and the StreamDecoder, fed the tokens one at a time, gives x;
-//   - for any bytes, both round trips give x without the bytes the vocabulary lacks, and the
-//     StreamDecoder gives that text with each invalid UTF-8 sequence replaced by U+FFFD.
+//   - for any bytes, both round trips give the reading of x without the bytes the vocabulary
+//     lacks, and the StreamDecoder gives that text with each invalid UTF-8 sequence (a
+//     surrogate, which the reading keeps) replaced by U+FFFD.
 
 #include <array>
 #include <cstdint>
@@ -114,6 +117,51 @@ std::string show(std::string_view s) {
   return out;
 }
 
+// The text as llama.cpp's decoder reads it into code points, written back as UTF-8: decoded to
+// code points first (U+FFFD where a byte is not taken, or past U+10FFFF, one per byte), then
+// encoded.
+std::string llama_reading(std::string_view s) {
+  std::vector<std::uint32_t> cps;
+  std::vector<std::size_t> widths;
+  for (std::size_t i = 0; i < s.size();) {
+    const auto lead = static_cast<unsigned char>(s[i]);
+    const std::size_t width = lead < 0x80 ? 1 : lead < 0xC0 ? 0 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : lead < 0xF8 ? 4 : 0;
+    std::uint32_t cp = width == 1 ? lead : width == 2 ? (lead & 0x1Fu) : width == 3 ? (lead & 0x0Fu) : (lead & 0x07u);
+    bool ok = width > 0 && i + width <= s.size();
+    for (std::size_t k = 1; ok && k < width; ++k) {
+      const auto c = static_cast<unsigned char>(s[i + k]);
+      ok = (c >> 6) == 2;
+      cp = (cp << 6) | (c & 0x3Fu);
+    }
+    if (!ok || cp > 0x10FFFF) {
+      cps.push_back(0xFFFD);
+      ++i;
+    } else {
+      cps.push_back(cp);
+      i += width;
+    }
+  }
+  std::string out;
+  for (const std::uint32_t cp : cps) {
+    if (cp < 0x80) {
+      out += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      out += static_cast<char>(0xC0 | (cp >> 6));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += static_cast<char>(0xE0 | (cp >> 12));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      out += static_cast<char>(0xF0 | (cp >> 18));
+      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -134,10 +182,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::abort();
   }
   const std::string_view text(reinterpret_cast<const char*>(data), size);
+  const bool valid = fuzz::valid_utf8(text);
   std::string representable;
-  for (const char c : text)
+  for (const char c : valid ? std::string(text) : llama_reading(text))
     if (has_byte_token[static_cast<unsigned char>(c)]) representable += c;
-  const bool exact = representable.size() == text.size() && fuzz::valid_utf8(text);
+  const bool exact = valid && representable.size() == text.size();
 
   for (const bool parse_special : {false, true}) {
     const std::vector<Token> tokens = tokenizer->encode(text, parse_special);
