@@ -354,6 +354,26 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
       unsupported("response_format", "response_format '" + excerpt(type->get<std::string>()) + "'");
     }
   }
+  // vLLM's and llama.cpp's extensions: ignore_eos is honoured; the sampling controls the
+  // engine does not have are refused, not silently ignored, unless set to what does nothing.
+  if (const Body* v = field(body, "ignore_eos"); v && boolean(*v, "ignore_eos")) r.extra["ignore_eos"] = true;
+  const auto neutral = [&](const char* key, double none) {
+    if (const Body* v = field(body, key); v && !(v->is_number() && v->get<double>() == none))
+      unsupported(key, std::string("'") + key + "'");
+  };
+  neutral("min_p", 0.0);
+  neutral("repetition_penalty", 1.0);
+  neutral("min_tokens", 0.0);
+  neutral("typical_p", 1.0);
+  neutral("tfs_z", 1.0);
+  neutral("mirostat", 0.0);
+  neutral("dry_multiplier", 0.0);
+  neutral("xtc_probability", 0.0);
+  neutral("length_penalty", 1.0);
+  for (const char* key : {"stop_token_ids", "bad_words"})
+    if (const Body* v = field(body, key); v && !(v->is_array() && v->empty())) unsupported(key, std::string("'") + key + "'");
+  if (const Body* v = field(body, "use_beam_search"); v && boolean(*v, "use_beam_search"))
+    unsupported("use_beam_search", "beam search");
   if (!chat) {
     if (const Body* v = field(body, "echo"); v && boolean(*v, "echo")) unsupported("echo", "'echo'");
     if (const Body* v = field(body, "suffix"); v && !(v->is_string() && v->get<std::string>().empty()))

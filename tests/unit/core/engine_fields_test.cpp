@@ -104,6 +104,9 @@ TEST(EngineFields, FieldsThatWouldChangeTheOutputAreRefusedWithTheReason) {
   EXPECT_EQ(problem("tools", json::array({{{"type", "function"}}})), "tools[0].function: required: {name, description, parameters}");
   EXPECT_TRUE(problem("modalities", json::array({"text", "audio"})).starts_with("the embedded engine generates text only"));
   EXPECT_EQ(problem("n", 2), "several answers per item are not supported (one request, one answer)");
+  EXPECT_TRUE(ok("ignore_eos", true));
+  EXPECT_TRUE(ok("ignore_eos", false));
+  EXPECT_EQ(problem("ignore_eos", 1), "expected true (generate past the end-of-turn token, to max_tokens) or false, not 1");
 }
 
 TEST(EngineFields, RequestFieldsBelongOutsideTheExtraOnes) {
@@ -116,7 +119,7 @@ TEST(EngineFields, RequestFieldsBelongOutsideTheExtraOnes) {
 TEST(EngineFields, UnknownFieldsAreNamed) {
   EXPECT_EQ(problem("min_p", 0.05),
             "the embedded engine does not use 'min_p' (of the extra fields it takes top_k, presence_penalty, "
-            "frequency_penalty, logit_bias, logprobs, top_logprobs and response_format); remove it, or run the job against an API that "
+            "frequency_penalty, logit_bias, logprobs, top_logprobs, response_format and ignore_eos); remove it, or run the job against an API that "
             "does (--base-url)");
 }
 

@@ -914,6 +914,32 @@ TEST(LocalBackend, PenaltiesFromTheExtraFieldsReachTheSampler) {
   EXPECT_NE(call.outcome->completion->text, engine.generate(engine.chat_prompt(messages), p, nullptr).text);
 }
 
+// ignore_eos (vLLM's and llama.cpp's extension, in a job's extra fields or a serve request)
+// generates past the end-of-turn token: biased to come first, it ends the answer at once
+// without it and not at all with it.
+TEST(LocalBackend, IgnoreEosFromTheExtraFieldsGoesPastTheEndOfTurn) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  const Token end = engine.model().tokenizer().find("<|im_end|>");
+  ASSERT_GE(end, 0);
+  const nlohmann::ordered_json bias = {{std::to_string(end), 100}};
+  Request ends = hello_request(12), goes_on = hello_request(12);
+  ends.temperature = goes_on.temperature = 0;
+  ends.extra = {{"logit_bias", bias}};
+  goes_on.extra = {{"logit_bias", bias}, {"ignore_eos", true}};
+  Call stopped, past;
+  asio::co_spawn(io, call_complete(backend, ends, stopped), asio::detached);
+  asio::co_spawn(io, call_complete(backend, goes_on, past), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&stopped, &past}));
+  ASSERT_TRUE(stopped.outcome && stopped.outcome->ok()) << stopped.outcome->error->message;
+  ASSERT_TRUE(past.outcome && past.outcome->ok()) << past.outcome->error->message;
+  EXPECT_EQ(stopped.outcome->completion->finish_reason, "stop");
+  EXPECT_EQ(stopped.outcome->completion->usage.completion_tokens, 1);
+  EXPECT_EQ(past.outcome->completion->finish_reason, "length");
+  EXPECT_EQ(past.outcome->completion->usage.completion_tokens, 12);
+}
+
 TEST(LocalBackend, DescribeNamesTheModelFile) {
   asio::io_context io;
   LocalBackend backend(io.get_executor(), tiny_options());

@@ -630,6 +630,28 @@ TEST(ParseRequest, PenaltiesGoToTheEngine) {
                  "'frequency_penalty' must be a number, not a string");
 }
 
+// vLLM's and llama.cpp's sampling extensions: ignore_eos reaches the engine; those it does not
+// have are refused unless they are set to do nothing.
+TEST(ParseRequest, SamplingExtensionsAreTakenOrRefused) {
+  EXPECT_EQ(chat({{"ignore_eos", true}}).request.extra, json({{"ignore_eos", true}}));
+  EXPECT_TRUE(chat({{"ignore_eos", false}}).request.extra.is_null());
+  EXPECT_EQ(completion({{"ignore_eos", true}}).request.extra["ignore_eos"], true);
+  expect_invalid(chat_error(chat_body({{"ignore_eos", 1}})), "ignore_eos", "'ignore_eos' must be a boolean, not an integer");
+  EXPECT_EQ(chat({{"min_p", 0}, {"repetition_penalty", 1}, {"min_tokens", 0}, {"typical_p", 1.0},
+                  {"stop_token_ids", json::array()}, {"use_beam_search", false}})
+                .request.messages.size(),
+            1u);
+  expect_unsupported(chat_error(chat_body({{"min_p", 0.05}})), "min_p", "'min_p' is not supported by this server");
+  expect_unsupported(chat_error(chat_body({{"repetition_penalty", 1.1}})), "repetition_penalty",
+                     "'repetition_penalty' is not supported by this server");
+  expect_unsupported(completion_error(completion_body_json({{"min_tokens", 20}})), "min_tokens",
+                     "'min_tokens' is not supported by this server");
+  expect_unsupported(chat_error(chat_body({{"stop_token_ids", {2}}})), "stop_token_ids",
+                     "'stop_token_ids' is not supported by this server");
+  expect_unsupported(chat_error(chat_body({{"use_beam_search", true}})), "use_beam_search",
+                     "beam search is not supported by this server");
+}
+
 TEST(ParseRequest, LogitBiasIsPassedToTheEngine) {
   ApiRequest r = chat({{"logit_bias", {{"50256", -100}, {"7", 2.5}}}});
   EXPECT_EQ(r.request.extra, json({{"logit_bias", {{"50256", -100}, {"7", 2.5}}}}));
