@@ -424,44 +424,63 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     s.wake.cancel();
   }
 
+  // A stream's status line and headers go out with its first event, or once kStreamStart has
+  // passed without one (a long prompt, requests queued ahead): a client or proxy then sees the
+  // answer begun rather than a silent connection for as long as the first token takes. An error
+  // the engine gives before then is still a plain error response, with its status. While no
+  // event comes, a comment every kKeepAlive keeps proxies from closing an idle stream.
+  static constexpr std::chrono::milliseconds kStreamStart{1000};
+  static constexpr std::chrono::seconds kKeepAlive{15};
+
+  // Writes `out` to the stream, the status and headers first if they have not gone.
+  asio::awaitable<void> write_events(Connection& c, const HttpRequest& req, Stream& s, std::string out) {
+    boost::system::error_code ec;
+    // HTTP/1.1: chunked, the connection stays open; HTTP/1.0: the events as they are, and the
+    // end of the connection ends the stream.
+    const bool chunked = req.version() >= 11;
+    if (!s.started) {
+      s.started = true;
+      http::response<http::empty_body> res{http::status::ok, req.version()};
+      res.set(http::field::server, "batchlm");
+      res.set(http::field::content_type, "text/event-stream");
+      res.set(http::field::cache_control, "no-cache");
+      allow_origin(req, res);
+      res.keep_alive(chunked && req.keep_alive() && !draining);
+      res.chunked(chunked);
+      metrics.response(path_of(req).value_or(""), 200);
+      http::response_serializer<http::empty_body> sr{res};
+      c.stream.expires_after(options.write_timeout);
+      std::tie(ec, std::ignore) = co_await http::async_write_header(c.stream, sr, use_tuple);
+    }
+    if (!ec && !out.empty() && chunked) {
+      ec = co_await write_all(c, http::make_chunk(asio::buffer(out)));
+    } else if (!ec && !out.empty()) {
+      ec = co_await write_all(c, asio::buffer(out));
+    }
+    if (ec) {
+      // The client went away: closing ends watch_peer, which cancels the request.
+      c.stream.socket().close(ec);
+      throw boost::system::system_error(asio::error::connection_aborted);
+    }
+  }
+
   asio::awaitable<void> write_stream(Connection& c, const HttpRequest& req, Stream& s) {
     for (;;) {
       if (!s.pending.empty()) {
         std::string out;
         out.swap(s.pending);
-        boost::system::error_code ec;
-        // HTTP/1.1: chunked, the connection stays open; HTTP/1.0: the events as they are, and
-        // the end of the connection ends the stream.
-        const bool chunked = req.version() >= 11;
-        if (!s.started) {
-          s.started = true;
-          http::response<http::empty_body> res{http::status::ok, req.version()};
-          res.set(http::field::server, "batchlm");
-          res.set(http::field::content_type, "text/event-stream");
-          res.set(http::field::cache_control, "no-cache");
-          allow_origin(req, res);
-          res.keep_alive(chunked && req.keep_alive() && !draining);
-          res.chunked(chunked);
-          metrics.response(path_of(req).value_or(""), 200);
-          http::response_serializer<http::empty_body> sr{res};
-          c.stream.expires_after(options.write_timeout);
-          std::tie(ec, std::ignore) = co_await http::async_write_header(c.stream, sr, use_tuple);
-        }
-        if (!ec && chunked) {
-          ec = co_await write_all(c, http::make_chunk(asio::buffer(out)));
-        } else if (!ec) {
-          ec = co_await write_all(c, asio::buffer(out));
-        }
-        if (ec) {
-          // The client went away: closing ends watch_peer, which cancels the request.
-          c.stream.socket().close(ec);
-          throw boost::system::system_error(asio::error::connection_aborted);
-        }
+        co_await write_events(c, req, s, std::move(out));
         continue;
       }
       if (s.done) break;
-      s.wake.expires_at(asio::steady_timer::time_point::max());
-      co_await s.wake.async_wait(use_tuple);  // woken by cancel(); a real cancellation throws
+      // Woken early by cancel() when there is more; a real cancellation throws.
+      if (s.started) {
+        s.wake.expires_after(kKeepAlive);
+      } else {
+        s.wake.expires_after(kStreamStart);
+      }
+      const auto [ec] = co_await s.wake.async_wait(use_tuple);
+      if (!ec && s.pending.empty() && !s.done) co_await write_events(c, req, s, s.started ? ": keep-alive\n\n" : "");
     }
     if (s.started && req.version() >= 11) {
       if (const auto ec = co_await write_all(c, http::make_chunk_last())) throw boost::system::system_error(ec);

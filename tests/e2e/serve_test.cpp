@@ -1905,6 +1905,27 @@ TEST_F(Serve, ClientHangingUpWhileQueuedLeavesTheQueue) {
   }
 }
 
+// A stream whose first token is slow to come (here: queued behind another request) gets its
+// status and headers after about a second, not only with that token, so that clients and
+// proxies waiting for a response see one; the events follow when the engine gets to it.
+TEST_F(Serve, AStreamWaitingForItsFirstTokenGetsItsHeadersFirst) {
+  write_long_model();
+  auto s = serve({"--max-sequences", "1"}, {}, "long.gguf");
+  RawConnection running(s->port());
+  running.send_post("/v1/chat/completions", long_chat(true));
+  ASSERT_TRUE(running.read_until("data: ", 20s)) << running.received();
+  RawConnection queued(s->port());
+  queued.send_post("/v1/chat/completions", long_chat(true));
+  ASSERT_TRUE(queued.read_until("\r\n\r\n", 10s)) << queued.received();
+  EXPECT_TRUE(queued.received().starts_with("HTTP/1.1 200 OK\r\n")) << queued.received();
+  EXPECT_TRUE(contains(queued.received(), "text/event-stream")) << queued.received();
+  const json h = health(*s);
+  EXPECT_EQ(h["engine"]["waiting"], 1) << h.dump();  // still queued: no event yet
+  EXPECT_FALSE(contains(queued.received(), "data: ")) << queued.received();
+  running.close();  // the queued request runs next, and streams its events
+  EXPECT_TRUE(queued.read_until("data: ", 20s)) << queued.received();
+}
+
 // The same for whole answers: a client that pipelines requests and reads none of the answers
 // is cut once they fill the socket buffers, rather than holding the connection for ever.
 TEST_F(Serve, PipeliningClientThatNeverReadsIsCutAfterTheWriteTimeout) {
