@@ -1010,9 +1010,11 @@ void Server::shutdown(std::function<void()> done) {
   s.on_drained = done ? std::move(done) : [] {};
   boost::system::error_code ignored;
   s.acceptor.close(ignored);
-  // Idle keep-alive connections close now; busy ones after their response.
+  // Idle keep-alive connections close now; busy ones after their response. One partway through
+  // sending a request (its first bytes came before the signal) may finish sending it, within
+  // the request timeout, and is answered as the others are; the grace period bounds it too.
   for (auto* c : s.connections) {
-    if (!c->busy) c->stream.socket().close(ignored);
+    if (!c->busy && !c->receiving) c->stream.socket().close(ignored);
   }
   s.grace.expires_after(s.options.shutdown_grace);
   s.grace.async_wait([impl = impl_](boost::system::error_code ec) {

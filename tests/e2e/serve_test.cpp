@@ -1800,6 +1800,25 @@ TEST_F(Serve, SigtermFinishesRequestsInFlightThenExits) {
   EXPECT_TRUE(contains(err, "batchlm serve: stopped")) << err;
 }
 
+// A request whose first bytes came before SIGTERM is received whole and answered (with
+// Connection: close), not dropped with the idle connections.
+TEST_F(Serve, SigtermLetsARequestBeingSentArriveAndAnswersIt) {
+  auto s = serve({"--shutdown-grace", "30"});
+  const std::string body = chat_request("Hi", {{"max_tokens", 4}, {"temperature", 0}});
+  RawConnection c(s->port());
+  c.send_raw("POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body.substr(0, 10));
+  std::this_thread::sleep_for(300ms);  // the server has the first bytes
+  s->signal(SIGTERM);
+  std::this_thread::sleep_for(300ms);
+  c.send_raw(body.substr(10));
+  ASSERT_TRUE(c.read_to_end(20s)) << c.received();
+  EXPECT_TRUE(c.received().starts_with("HTTP/1.1 200 OK\r\n")) << c.received();
+  EXPECT_TRUE(contains(c.received(), "Connection: close")) << c.received();
+  EXPECT_TRUE(contains(c.received(), "\"finish_reason\"")) << c.received();
+  EXPECT_EQ(s->wait(10s), 0) << s->stderr_text();
+}
+
 TEST_F(Serve, SigtermWhenIdleExitsAtOnce) {
   auto s = serve();
   EXPECT_EQ(get(*s, "/health").status, 200);
