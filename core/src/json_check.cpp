@@ -75,7 +75,12 @@ class OrderedBuilder : public nlohmann::json_sax<nlohmann::ordered_json> {
   bool boolean(bool v) override { return add(ojson(v)); }
   bool number_integer(number_integer_t v) override { return add(ojson(v)); }
   bool number_unsigned(number_unsigned_t v) override { return add(ojson(v)); }
-  bool number_float(number_float_t v, const string_t&) override { return add(ojson(v)); }
+  bool number_float(number_float_t v, const string_t& text) override {
+    add(ojson(v));
+    // Without a fraction or an exponent it was an integer, past 64 bits.
+    if (!wide && text.find_first_of(".eE") == string_t::npos) wide = WideInteger{path(), text};
+    return true;
+  }
   bool string(string_t& v) override { return add(ojson(std::move(v))); }
   bool binary(binary_t& v) override { return add(ojson::binary(std::move(v))); }
   bool start_object(std::size_t) override { return open(ojson::object()); }
@@ -98,6 +103,7 @@ class OrderedBuilder : public nlohmann::json_sax<nlohmann::ordered_json> {
 
   ojson root;
   std::optional<std::string> duplicate;
+  std::optional<WideInteger> wide;
 
  private:
   static constexpr std::size_t kScanned = 16;  // keys looked through before an object is indexed
@@ -173,10 +179,12 @@ class OrderedBuilder : public nlohmann::json_sax<nlohmann::ordered_json> {
 
 }  // namespace
 
-nlohmann::ordered_json parse_ordered_json(std::string_view text, std::optional<std::string>* duplicate) {
+nlohmann::ordered_json parse_ordered_json(std::string_view text, std::optional<std::string>* duplicate,
+                                          std::optional<WideInteger>* wide) {
   OrderedBuilder builder;
   nlohmann::ordered_json::sax_parse(text, &builder);
   if (duplicate != nullptr) *duplicate = std::move(builder.duplicate);
+  if (wide != nullptr) *wide = std::move(builder.wide);
   return std::move(builder.root);
 }
 

@@ -180,8 +180,15 @@ ordered parse_object(const std::string& line, const std::string& file, std::int6
   // A key given twice in one object: a reader keeps one of the values (nlohmann the last, others
   // the first), so which was meant is unknown. Refused, as in job files.
   std::optional<std::string> duplicate;
-  ordered value = parse_ordered_json(line, &duplicate);
+  std::optional<WideInteger> wide;
+  ordered value = parse_ordered_json(line, &duplicate, &wide);
   if (duplicate) throw ConfigError(file, static_cast<int>(line_number), 0, *duplicate, "duplicate key");
+  // Held as the nearest double, such a number would reach prompts, references and the output as
+  // other digits than the input's (an exact-match score then fails on a right answer).
+  if (wide)
+    throw ConfigError(file, static_cast<int>(line_number), 0, wide->path,
+                      "the integer " + (wide->digits.size() > 40 ? wide->digits.substr(0, 40) + "..." : wide->digits) +
+                          " does not fit in 64 bits, and would not keep its digits; write it as a string");
   if (!value.is_object())
     throw ConfigError(file, static_cast<int>(line_number), 0, "",
                       std::string("expected a JSON object, got ") + value.type_name());

@@ -492,6 +492,32 @@ TEST_F(SourceTest, BatchCustomIdAndBodyErrorsSayWhatIsWrong) {
   }
 }
 
+// An integer past 64 bits would be held as the nearest double, and reach prompts, references
+// and the output as other digits: the line is refused, naming the field; within 64 bits, and
+// floats of any size, pass as written.
+TEST_F(SourceTest, IntegersPast64BitsAreAnErrorNamingTheField) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"question": "a", "id": 12345678901234567890123})", "id"},
+      {R"({"question": "a", "x": [1, {"n": -9223372036854775809}]})", "x[1].n"},
+      {R"({"question": "a", "ref": 18446744073709551616})", "ref"},
+  };
+  for (const auto& [text, field] : cases) {
+    std::string in = write("in.jsonl", "{\"question\": \"a\"}\n" + text + "\n");
+    ConfigError e = open_error(job("input: " + in + kQuestionTemplate));
+    EXPECT_EQ(e.line(), 2) << text;
+    EXPECT_EQ(e.field(), field) << text;
+    EXPECT_TRUE(e.message().starts_with("the integer ")) << e.message();
+    EXPECT_TRUE(e.message().ends_with(" does not fit in 64 bits, and would not keep its digits; write it as a string"))
+        << e.message();
+  }
+  std::string in = write("in.jsonl", R"({"question": "a", "big": 18446744073709551615, "low": -9223372036854775808, )"
+                                     R"("f": 1.5e300, "g": 12345678901234567890123.0})" "\n");
+  const std::vector<Item> items = drain(*open_source(job("input: " + in + kQuestionTemplate)));
+  ASSERT_EQ(items.size(), 1u);
+  EXPECT_EQ(items[0].input["big"].dump(), "18446744073709551615");
+  EXPECT_EQ(items[0].input["low"].dump(), "-9223372036854775808");
+}
+
 // A key given twice in one line is refused, as in a job file: which value was meant?
 TEST_F(SourceTest, DuplicateKeysInALineAreAnError) {
   const std::vector<std::pair<std::string, std::string>> cases = {

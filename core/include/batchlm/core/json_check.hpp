@@ -41,6 +41,13 @@ std::optional<JsonProblem> check_json(std::string_view text, std::size_t max_dep
 // key, so one object of 100,000 keys (a megabyte) takes many seconds. A key given twice keeps
 // its first place and its last value, as nlohmann's parse does; `duplicate`, when given, is set
 // to the first such key's path ("a.b[2].c").
-nlohmann::ordered_json parse_ordered_json(std::string_view text, std::optional<std::string>* duplicate = nullptr);
+// `wide`, when given, is set to the first integer written past 64 bits (which the value holds
+// as the nearest double): its path and its digits as written.
+struct WideInteger {
+  std::string path;
+  std::string digits;
+};
+nlohmann::ordered_json parse_ordered_json(std::string_view text, std::optional<std::string>* duplicate = nullptr,
+                                          std::optional<WideInteger>* wide = nullptr);
 
 }  // namespace batchlm
