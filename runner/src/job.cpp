@@ -1345,6 +1345,13 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   };
   if (job.backend.type == "local") {
     if (job.backend.model.empty()) job.backend.model = from_env("BATCHLM_MODEL", std::string(kDefaultLocalModel), true);
+    // The engine runs one model, backend.model: a name per request would be shown by a dry run
+    // and then go unused.
+    if (!job.request.model.empty())
+      r.fail(root["request"]["model"], "request.model",
+             "the embedded engine runs backend.model (" + job.backend.model +
+                 "), one model for every item; a model named per request is for an API (--base-url): leave "
+                 "request.model out");
     // Extra body fields the embedded engine would ignore are refused, not silently dropped.
     if (job.request.extra.is_object()) {
       for (const auto& [key, value] : job.request.extra.items())

@@ -345,6 +345,20 @@ TEST_F(JobFile, DurationBeyondAYearIsAnError) {
   EXPECT_EQ(load(with_input("backend: {timeouts: {total: 8760h}}\n")).backend.timeouts.total, 8760h);
 }
 
+// The embedded engine runs backend.model for every item: a model named per request would go
+// unused (a dry run would still show it). An API takes it.
+TEST_F(JobFile, RequestModelIsAnErrorForTheEmbeddedEngine) {
+  ConfigError e = error_of(with_input("backend: {type: local, model: m.gguf}\nrequest:\n  model: gpt-4o\n"));
+  EXPECT_EQ(e.line(), 4);
+  EXPECT_EQ(e.field(), "request.model");
+  EXPECT_EQ(e.message(),
+            "the embedded engine runs backend.model (m.gguf), one model for every item; a model named per request is "
+            "for an API (--base-url): leave request.model out");
+  EXPECT_EQ(error_of(with_input(""), {parse_override("request.model=x")}).field(), "request.model");
+  EXPECT_EQ(load(with_input("backend: {base_url: http://127.0.0.1:1/v1}\nrequest: {model: gpt-4o}\n")).request.model,
+            "gpt-4o");
+}
+
 TEST_F(JobFile, ExtraFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
   // Sent to an API they would change the output; the embedded engine would have dropped them.
   ConfigError e = error_of(with_input(
