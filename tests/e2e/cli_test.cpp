@@ -522,6 +522,35 @@ TEST(BatchlmRun, InterruptedRunCountsTheRequestsOfItemsItDidNotFinish) {
   EXPECT_EQ(summary["counts"]["not_run"], 5) << summary.dump(2);
 }
 
+// A stop signal while the job and its input are still being read (before the run takes signals
+// itself) ends the process at once, as a stopped run: exit 130 and a line saying nothing was
+// sent, not the signal's own death (143) and silence.
+TEST(BatchlmRun, SigtermWhileTheInputIsReadExits130) {
+  TempDir dir;
+  {
+    std::ofstream in(dir.path / "in.jsonl");
+    for (int i = 0; i < 1'500'000; ++i) in << "{\"question\": \"q " << i << "\"}\n";
+  }
+  write_file(dir.path / "job.yaml",
+             "input: in.jsonl\nrequest:\n  max_tokens: 2\n  messages: [{role: user, content: \"{{question}}\"}]\n"
+             "backend: {base_url: \"http://127.0.0.1:1/v1\"}\noutput: {path: out/o.jsonl}\n");
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"OPENAI_API_KEY", "sk-test"}}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  // Until SIGTERM is caught (its bit in the mask of caught signals), it would kill as before.
+  const auto caught = [&] {
+    std::ifstream status("/proc/" + std::to_string(p.pid()) + "/status");
+    for (std::string line; std::getline(status, line);)
+      if (line.starts_with("SigCgt:")) return (std::stoull(line.substr(7), nullptr, 16) >> (SIGTERM - 1)) & 1;
+    return 0ull;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (std::chrono::steady_clock::now() < deadline && !caught()) std::this_thread::sleep_for(2ms);
+  p.signal(SIGTERM);
+  ASSERT_EQ(p.wait(20s), 130) << read_file(dir.path / "run.err");
+  EXPECT_EQ(read_file(dir.path / "run.err"), "\nbatchlm: interrupted before the run began: nothing was sent\n");
+  EXPECT_FALSE(fs::exists(dir.path / "out/o.jsonl"));
+}
+
 TEST(BatchlmRun, SigintFinishesInFlightItemsAndExits130) {
   TempDir dir;
   FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "10"});
