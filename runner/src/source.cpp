@@ -236,8 +236,10 @@ std::vector<ChatMessage> parse_messages(const json& value, const std::string& fi
       message.content = content.get<std::string>();
     } else if (content.is_array()) {
       // Content parts: only text reaches a chat backend; anything else would be dropped
-      // silently, so it is refused.
+      // silently, so it is refused. The parts are joined with a line break between them, as
+      // vLLM and llama.cpp's server join them.
       for (const json& part : content) {
+        if (&part != &content.front()) message.content += '\n';
         if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
             !part["text"].is_string())
           throw ConfigError(file, line_int, 0, here + ".content",

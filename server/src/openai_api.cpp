@@ -116,7 +116,8 @@ bool boolean(const Body& v, const std::string& param) {
   return v.get<bool>();
 }
 
-// Chat message content: a string, or an array of text parts {"type": "text", "text": ...}.
+// Chat message content: a string, or an array of text parts {"type": "text", "text": ...},
+// joined with a line break between them, as vLLM and llama.cpp's server join them.
 std::string content_text(const Body& v, const std::string& param) {
   if (v.is_string()) return v.get<std::string>();
   if (!v.is_array()) invalid(param, "'" + param + "' must be a string or an array of text parts, not " + type_name(v));
@@ -131,6 +132,7 @@ std::string content_text(const Body& v, const std::string& param) {
     if (type->get<std::string>() != "text") unsupported(part + ".type", "content of type '" + excerpt(type->get<std::string>()) + "'");
     const Body* t = field(p, "text");
     if (!t || !t->is_string()) invalid(part + ".text", "'" + part + ".text' must be a string");
+    if (i > 0) text += '\n';
     text += t->get<std::string>();
   }
   return text;

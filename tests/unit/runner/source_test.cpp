@@ -410,7 +410,7 @@ TEST_F(SourceTest, BatchFormatIsDetectedAndMapped) {
   // What the body leaves out comes from the job.
   EXPECT_EQ(items[1].request.model, "fallback");
   EXPECT_EQ(items[1].request.max_tokens, 64);
-  EXPECT_EQ(items[1].request.messages[0].content, "Hello");
+  EXPECT_EQ(items[1].request.messages[0].content, "Hel\nlo");  // parts joined by a line break
 }
 
 TEST_F(SourceTest, BodyFieldsKeepTheirKeysInTheOrderWritten) {

@@ -134,12 +134,17 @@ TEST(ParseRequest, DeveloperRoleBecomesSystem) {
   EXPECT_EQ(r.request.messages[0].content, "Be brief.");
 }
 
-TEST(ParseRequest, ContentAsArrayOfTextPartsIsConcatenated) {
+// Text parts are joined with a line break between them, as vLLM and llama.cpp's server join them
+// ("Describe:" and "the cat" do not run together).
+TEST(ParseRequest, ContentAsArrayOfTextPartsIsJoinedByLines) {
   json body = chat_body();
-  body["messages"][0]["content"] = json::array({{{"type", "text"}, {"text", "Hello, "}},
-                                                {{"type", "text"}, {"text", "world"}}});
+  body["messages"][0]["content"] = json::array({{{"type", "text"}, {"text", "Describe:"}},
+                                                {{"type", "text"}, {"text", "the cat"}},
+                                                {{"type", "text"}, {"text", ""}}});
   ApiRequest r = parse_request(Endpoint::kChat, body, kModel);
-  EXPECT_EQ(r.request.messages[0].content, "Hello, world");
+  EXPECT_EQ(r.request.messages[0].content, "Describe:\nthe cat\n");
+  body["messages"][0]["content"] = json::array({{{"type", "text"}, {"text", "one"}}});
+  EXPECT_EQ(parse_request(Endpoint::kChat, body, kModel).request.messages[0].content, "one");
   // An empty array is refused, as the OpenAI API does (ContentMustBeAStringOrTextParts).
 }
 
