@@ -510,7 +510,13 @@ class Dispatcher {
       for (;;) {
         const std::optional<std::chrono::milliseconds> backoff = co_await attempt(item, *live, run);
         if (!backoff) break;
-        // The backoff is waited out without a concurrency slot.
+        // The backoff is waited out without a concurrency slot; the progress counts the items
+        // doing so, which no rate or ETA shows.
+        ++counters_.backing_off;
+        struct BackingOff {
+          std::int64_t& count;
+          ~BackingOff() { --count; }
+        } backing_off{counters_.backing_off};
         asio::steady_timer timer(io_);
         timer.expires_after(*backoff);
         co_await timer.async_wait(asio::use_awaitable);

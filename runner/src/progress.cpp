@@ -42,6 +42,7 @@ struct Figures {
   std::string tokens_rate;   // "812 tok/s"
   std::string eta;           // "eta 1m24s", "eta --" before anything finished
   std::string in_flight, retries, failed;
+  std::string backing_off;   // "backoff 96" while items wait to retry, else empty
   std::string engine;        // "engine 12 run 20 wait cache 87% kv 41%", empty for remote APIs
   bool known_total = false;
 };
@@ -66,9 +67,12 @@ Figures figures(const ProgressCounters& c, double elapsed) {
   f.requests_rate = format("%.1f req/s", answers_per_second);
   f.tokens_rate = format("%.0f tok/s", tokens_per_second);
   const std::int64_t remaining = c.total - finished;
+  // Where all that is left waits to be retried (or is in flight), the pace so far says nothing
+  // of when: the retries go at the backoff's and the retry budget's pace.
+  const bool waiting_on_retries = c.backing_off > 0 && remaining <= c.backing_off + c.in_flight;
   if (c.stopping) {
     f.eta = "stopping";  // nothing new starts: the rest waits for the next run
-  } else if (!f.known_total || requests_per_second <= 0) {
+  } else if (!f.known_total || requests_per_second <= 0 || waiting_on_retries) {
     f.eta = remaining <= 0 && f.known_total ? "eta 0s" : "eta --";
   } else {
     f.eta = "eta " + format_duration(static_cast<double>(std::max<std::int64_t>(0, remaining)) / requests_per_second);
@@ -76,6 +80,7 @@ Figures figures(const ProgressCounters& c, double elapsed) {
   f.in_flight = format("in-flight %lld", static_cast<long long>(c.in_flight));
   f.retries = format("retries %lld", static_cast<long long>(c.retries));
   f.failed = format("failed %lld", static_cast<long long>(c.failed));
+  if (c.backing_off > 0) f.backing_off = format("backoff %lld", static_cast<long long>(c.backing_off));
   if (!c.engine.empty()) f.engine = "engine " + c.engine;
   return f;
 }
@@ -161,7 +166,7 @@ std::string Progress::render_bar(const ProgressCounters& c, double elapsed_secon
       {"", 70},          {f.requests_rate, 65},
       {f.tokens_rate, 60}, {f.eta, 90},
       {f.in_flight, 50}, {f.retries, c.retries > 0 ? 80 : 40},
-      {f.failed, c.failed > 0 ? 85 : 45}, {f.engine, 55}};
+      {f.failed, c.failed > 0 ? 85 : 45}, {f.backing_off, 75}, {f.engine, 55}};
   if (!f.known_total) fields[1].present = fields[2].present = false;
   for (auto& field : fields) {
     if (!field.text.empty() || &field == &fields[2]) continue;
@@ -221,6 +226,7 @@ std::string Progress::render_plain(const ProgressCounters& c, double elapsed_sec
   if (f.known_total) line += " (" + f.percent + ")";
   line += " " + f.requests_rate + " " + f.tokens_rate + " " + f.eta + " " + f.in_flight + " " +
           f.retries + " " + f.failed;
+  if (!f.backing_off.empty()) line += " " + f.backing_off;
   if (!f.engine.empty()) line += " " + f.engine;
   return line;
 }

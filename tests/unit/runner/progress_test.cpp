@@ -171,6 +171,29 @@ TEST(ProgressBar, AStoppingRunShowsNoEta) {
   EXPECT_NE(line.find("stopping"), std::string::npos) << line;
 }
 
+// Items waiting out a backoff or the retry budget are counted; once all that is left waits to be
+// retried (or is in flight), the pace so far gives no ETA.
+TEST(ProgressBar, ItemsWaitingToRetryAreCountedAndLeaveNoEta) {
+  ProgressCounters c = counters();
+  Progress progress(nullptr, true, seconds{5}, 160);
+  EXPECT_EQ(progress.render_bar(c, 10.0).find("backoff"), std::string::npos);
+  c.backing_off = 40;  // of 1199 left: the others still go at the pace so far
+  std::string line = progress.render_bar(c, 10.0);
+  EXPECT_NE(line.find("backoff 40"), std::string::npos) << line;
+  EXPECT_NE(line.find("eta 2m00s"), std::string::npos) << line;
+  c.done = 1319 - 20 - 96;  // 96 left: 90 backing off, 6 in flight
+  c.backing_off = 90;
+  c.in_flight = 6;
+  line = progress.render_bar(c, 10.0);
+  EXPECT_NE(line.find("backoff 90"), std::string::npos) << line;
+  EXPECT_NE(line.find("eta --"), std::string::npos) << line;
+  EXPECT_NE(progress.render_plain(c, 10.0).find(" failed 2 backoff 90"), std::string::npos) << progress.render_plain(c, 10.0);
+  // At 80 columns it outranks the rates.
+  Progress narrow(nullptr, true, seconds{5}, 80);
+  line = narrow.render_bar(c, 10.0);
+  EXPECT_NE(line.find("backoff 90"), std::string::npos) << line;
+}
+
 // A terminal that reports no size: $COLUMNS, else 80.
 TEST(ProgressBar, ColumnsFromTheEnvironmentWhereTheTerminalSaysNone) {
   ::setenv("COLUMNS", "50", 1);

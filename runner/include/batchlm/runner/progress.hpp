@@ -21,6 +21,7 @@ struct ProgressCounters {
   std::int64_t failed = 0;       // finished in this run with an error
   std::int64_t in_flight = 0;
   std::int64_t retries = 0;      // retry attempts started
+  std::int64_t backing_off = 0;  // between attempts: waiting out a backoff or the retry budget
   std::int64_t output_tokens = 0;  // streamed so far (deltas until usage corrects them)
   std::string engine;              // the embedded engine's state (EngineStats::brief), or ""
   bool stopping = false;           // no new items (a signal, a refusal): no ETA to give
