@@ -405,7 +405,13 @@ void check_override_path(const std::vector<std::string>& segments, const std::st
   std::string section;
   for (const std::string& segment : segments) {
     if (kFreeMaps.count(section)) return;
-    if (is_unsigned_index(segment) && section == "request.messages") continue;
+    if (section == "request.messages") {
+      if (is_unsigned_index(segment)) continue;
+      // Indices count from 0: a signed one (-1) would otherwise read as an unknown key.
+      if (segment.find_first_not_of("+-0123456789") == std::string::npos)
+        throw ConfigError("--set", 0, 0, full,
+                          "'request.messages' is a list: its entries are 0, 1, 2, ... ('" + segment + "' is no index)");
+    }
     auto known = sections().find(section);
     if (known == sections().end())
       throw ConfigError("--set", 0, 0, full,

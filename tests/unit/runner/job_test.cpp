@@ -438,6 +438,13 @@ TEST_F(JobFile, OverrideIndexBeyondAnyListNamesTheList) {
   e = error_of(with_input("request:\n  messages: [{role: user, content: hi}, {role: user, content: ho}]\n"),
                {parse_override("request.messages.5.content=x")});
   EXPECT_EQ(e.message(), "'request.messages' has 2 entries (0 to 1): there is no entry 5");
+  // An index it cannot be is named as such, not as an unknown key of a message.
+  for (const char* index : {"-1", "-0", "+0"}) {
+    e = error_of(with_input("request:\n  messages: [{role: user, content: hi}]\n"),
+                 {parse_override(std::string("request.messages.") + index + ".content=x")});
+    EXPECT_EQ(e.message(), std::string("'request.messages' is a list: its entries are 0, 1, 2, ... ('") + index +
+                               "' is no index)");
+  }
 }
 
 TEST_F(JobFile, UnknownKeyNamesLineFieldAndNearestKey) {
