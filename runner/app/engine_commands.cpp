@@ -125,6 +125,9 @@ int run_generate() {
                  static_cast<long long>(g.context), static_cast<long long>(engine.context()));
   std::vector<Token> prompt;
   if (g.chat) {
+    // The template still makes a prompt of it, as `run` does of an empty user turn, which it
+    // warns about too.
+    if (text.empty()) std::fprintf(stderr, "batchlm: warning: the prompt is empty: the user turn says nothing\n");
     std::vector<ChatMessage> messages;
     if (!g.system.empty()) messages.push_back({"system", g.system});
     messages.push_back({"user", text});

@@ -185,6 +185,8 @@ TEST_F(EngineCli, GenerateWithoutAPromptIsAUsageError) {
   EXPECT_TRUE(contains(r.err, "the prompt is empty")) << r.err;
   r = generate({"-n", "2", "-p", "", "--chat", "--temperature", "0"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.err, "batchlm: warning: the prompt is empty: the user turn says nothing")) << r.err;
+  EXPECT_FALSE(contains(generate({"-n", "2", "-p", "hi", "--chat", "--temperature", "0"}).err, "warning")) << r.err;
   // A seed is a 64-bit unsigned integer: -1 wrapped around, 2^64 saturated.
   for (const char* seed : {"-1", "18446744073709551616", "1e3"}) {
     r = generate({"-n", "2", "-p", "hi", "--seed", seed});
