@@ -73,12 +73,22 @@ bool JsonState::after_value(unsigned char c) {
   return false;
 }
 
+bool JsonState::space(unsigned char c) {
+  if (spaces_ == 0) {
+    spaces_ = c == ' ' ? kOneSpace : 1;
+    return c == ' ' || c == '\n';
+  }
+  if (spaces_ == kOneSpace || c == '\n' || c == '\r' || spaces_ > kMaxIndent) return false;
+  ++spaces_;  // a space or a tab of the indent
+  return true;
+}
+
 bool JsonState::feed(unsigned char c) {
-  // Whitespace between tokens, in a run of bounded length.
+  // Whitespace between tokens, in the forms space() takes.
   switch (mode_) {
     case Mode::kStart: case Mode::kValue: case Mode::kArrayFirst: case Mode::kObjectFirstKey:
     case Mode::kObjectKey: case Mode::kColon: case Mode::kAfterValue: case Mode::kDone:
-      if (is_space(c)) return ++spaces_ <= kMaxSpaces;
+      if (is_space(c)) return space(c);
       spaces_ = 0;
       break;
     default: break;

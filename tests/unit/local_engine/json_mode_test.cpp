@@ -33,9 +33,35 @@ bool complete(std::string_view text) {
 }
 // What the oracle says: a whole JSON object; nullopt when it cannot tell (a number past a
 // double's range, which RFC 8259 allows and this parser refuses to hold).
+// Whether every run of whitespace outside strings is one JsonState takes: none, one space, or a
+// line break and up to kMaxIndent spaces or tabs.
+bool spaced_as_taken(std::string_view text) {
+  bool in_string = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    if (c != ' ' && c != '\t' && c != '\n' && c != '\r') continue;
+    std::size_t end = i;
+    while (end < text.size() && std::string_view(" \t\n\r").find(text[end]) != std::string_view::npos) ++end;
+    const std::string_view run = text.substr(i, end - i);
+    const bool taken = run == " " || (run[0] == '\n' && run.size() <= 1 + JsonState::kMaxIndent &&
+                                      run.substr(1).find_first_not_of(" \t") == std::string_view::npos);
+    if (!taken) return false;
+    i = end - 1;
+  }
+  return true;
+}
+
+// What JsonState should say of `text`: an object, spaced as it takes (none when the text is
+// beyond what the parser reads).
 std::optional<bool> oracle(std::string_view text) {
   try {
-    return json::parse(text).is_object();
+    return json::parse(text).is_object() && spaced_as_taken(text);
   } catch (const json::out_of_range&) {
     return std::nullopt;
   } catch (const json::exception&) {
@@ -102,9 +128,15 @@ TEST(JsonState, BoundsDepthWhitespaceAndNumbers) {
   EXPECT_TRUE(accepts(deep));
   EXPECT_FALSE(accepts(deep + "["));
   // (append, not "..." + std::string(...): GCC 12 warns falsely of overlapping copies at -O3)
-  EXPECT_TRUE(accepts(std::string("{").append(JsonState::kMaxSpaces, ' ')));
-  EXPECT_FALSE(accepts(std::string("{").append(JsonState::kMaxSpaces + 1, ' ')));
-  EXPECT_TRUE(accepts(std::string("{ \"a\" :").append(JsonState::kMaxSpaces, '\n')));
+  // Whitespace: none, one space, or a line break and an indent of up to kMaxIndent.
+  EXPECT_TRUE(complete("{\"a\":1,\"b\":[true,null]}"));
+  EXPECT_TRUE(complete("{ \"a\" : 1 , \"b\" : [ true ] }"));
+  EXPECT_TRUE(complete("{\n  \"a\": 1,\n  \"b\": [\n\t\ttrue\n  ]\n}"));
+  EXPECT_TRUE(accepts(std::string("{\n").append(JsonState::kMaxIndent, ' ')));
+  EXPECT_FALSE(accepts(std::string("{\n").append(JsonState::kMaxIndent + 1, ' ')));
+  for (const char* run : {"  ", "\n\n", " \n", "\t", "\r\n", "\n \n"})
+    EXPECT_FALSE(accepts(std::string("{\"a\":") + run)) << ::testing::PrintToString(run);
+  EXPECT_FALSE(accepts("\n\r\n {"));
   EXPECT_TRUE(accepts(std::string("{\"a\":").append(JsonState::kMaxNumber, '1').append("}")));
   EXPECT_FALSE(accepts(std::string("{\"a\":").append(JsonState::kMaxNumber + 1, '1')));
   // A point, an exponent mark or a sign is taken only where the digit it needs still fits, so
@@ -118,7 +150,7 @@ TEST(JsonState, BoundsDepthWhitespaceAndNumbers) {
   EXPECT_TRUE(complete(std::string("{\"a\":").append(JsonState::kMaxNumber - 3, '1').append("e-5}")));
   EXPECT_TRUE(complete(std::string("{\"a\":-").append(JsonState::kMaxNumber - 1, '1').append("}")));
   // After the object, whitespace only.
-  EXPECT_TRUE(complete("{}  \n"));
+  EXPECT_TRUE(complete("{}\n  "));
   EXPECT_FALSE(accepts("{} ,"));
 }
 

@@ -16,11 +16,14 @@ namespace batchlm::local_engine {
 
 class JsonState {
  public:
-  // Containers deeper than this, and runs of whitespace longer than kMaxSpaces or numbers
-  // longer than kMaxNumber bytes, are refused: nothing needs them, and a model that starts
-  // repeating one of them would otherwise never finish.
+  // Containers deeper than this and numbers longer than kMaxNumber bytes are refused: nothing
+  // needs them, and a model that starts repeating one of them would otherwise never finish.
+  // Whitespace between tokens is none, one space, or a line break and up to kMaxIndent spaces
+  // or tabs (the form llama.cpp's JSON grammars allow): JSON on one line or pretty-printed
+  // fits, and blank lines or long runs, which a small model may repeat until its max_tokens,
+  // do not.
   static constexpr int kMaxDepth = 64;
-  static constexpr int kMaxSpaces = 64;
+  static constexpr int kMaxIndent = 20;
   static constexpr int kMaxNumber = 64;
 
   // Takes one byte; false (the state then unspecified) when it cannot continue the text.
@@ -49,6 +52,7 @@ class JsonState {
   enum class Num : std::uint8_t { kSign, kZero, kInt, kDot, kFrac, kExp, kExpSign, kExpDigits };
   bool value(unsigned char c);
   bool after_value(unsigned char c);
+  bool space(unsigned char c);
   bool push(bool object);
   void pop();
   bool top_is_object() const { return (objects_ >> (depth_ - 1)) & 1u; }
@@ -63,7 +67,10 @@ class JsonState {
   std::uint8_t utf8_lo_ = 0x80, utf8_hi_ = 0xBF;  // the range of the next one
   std::uint8_t hex_left_ = 0;
   std::uint16_t hex_ = 0;
-  std::uint8_t spaces_ = 0;   // whitespace run
+  // The whitespace run since the last token: 0 none, kOneSpace a space, else 1 + the spaces
+  // and tabs after a line break.
+  static constexpr std::uint8_t kOneSpace = 0xFF;
+  std::uint8_t spaces_ = 0;
   std::uint8_t length_ = 0;   // bytes of the number being read
   std::uint8_t literal_ = 0;  // which of true, false, null
   std::uint8_t at_ = 0;       // bytes of it read
