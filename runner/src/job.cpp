@@ -1443,9 +1443,12 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
                  "'); writing the results there would destroy it");
   if (Reader::has(root["scoring"])) {
     read_scoring(r, root["scoring"], job.scoring);
-    if (job.scoring.kind != ScoringKind::None && job.input.path.empty())
+    // Regex scoring reads the output alone; the others compare it with each item's reference.
+    if ((job.scoring.kind == ScoringKind::Gsm8k || job.scoring.kind == ScoringKind::ExactMatch) &&
+        job.input.path.empty())
       r.fail(root["scoring"], "scoring",
-             "needs reference answers from an input file; a synth job without input has none");
+             "needs reference answers from an input file; a synth job without input has none (regex scoring "
+             "needs none)");
     if (!job.scoring.pattern.empty() && job.scoring.kind != ScoringKind::Regex)
       r.fail(root["scoring"]["pattern"], "scoring.pattern", "only used by regex scoring (scoring.type: regex)");
   }

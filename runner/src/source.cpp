@@ -530,8 +530,8 @@ class FileSource : public Source {
                        : jsonl_item(job_, std::move(value), line, few_shot_);
     // A scored job needs each item's reference answer; without it every score would be
     // silently empty.
-    if (job_.scoring.kind != ScoringKind::None && item.input.is_object() &&
-        !item.input.contains(job_.scoring.reference_field))
+    if ((job_.scoring.kind == ScoringKind::Gsm8k || job_.scoring.kind == ScoringKind::ExactMatch) &&
+        item.input.is_object() && !item.input.contains(job_.scoring.reference_field))
       throw ConfigError(job_.input.path, static_cast<int>(line), 0, job_.scoring.reference_field,
                         "missing field (the reference answer scoring reads; set "
                         "scoring.reference_field to the field that holds it)");

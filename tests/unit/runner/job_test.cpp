@@ -732,6 +732,15 @@ scoring: gsm8k
 )");
   EXPECT_EQ(e.field(), "scoring");
   EXPECT_EQ(e.line(), 3);
+  EXPECT_EQ(e.message(),
+            "needs reference answers from an input file; a synth job without input has none (regex scoring needs "
+            "none)");
+  // Regex scoring reads the output alone: a synth job may check its outputs' form.
+  EXPECT_EQ(load(R"(synth: {count: 3, variables: {a: [x]}}
+request: {messages: [{role: user, content: "{{a}}"}]}
+scoring: {type: regex, pattern: "^Once"}
+)").scoring.kind,
+            ScoringKind::Regex);
   e = error_of(with_input("scoring: {type: gsm8k, pattern: x}\n"));
   EXPECT_EQ(e.field(), "scoring.pattern");
   EXPECT_EQ(e.message(), "only used by regex scoring (scoring.type: regex)");

@@ -202,8 +202,10 @@ TEST_F(SourceTest, ScoredJobNeedsTheReferenceFieldOnEveryLine) {
   e = open_error(job("input: " + in + "\nscoring: {type: exact_match, reference_field: nope}" + kQuestionTemplate));
   EXPECT_EQ(e.line(), 1);
   EXPECT_EQ(e.field(), "nope");
-  // Unscored, the same input is fine; a null reference is an item without one, left unscored.
+  // Unscored, or scored by a pattern (which reads the output alone), the same input is fine; a
+  // null reference is an item without one, left unscored.
   EXPECT_NO_THROW(open_source(job("input: " + in + kQuestionTemplate)));
+  EXPECT_EQ(drain(*open_source(job("input: " + in + "\nscoring: {type: regex, pattern: x}" + kQuestionTemplate))).size(), 2u);
   std::string nulls = write("nulls.jsonl", "{\"question\": \"a\", \"answer\": null}\n");
   EXPECT_NO_THROW(open_source(job("input: " + nulls + "\nscoring: gsm8k" + kQuestionTemplate)));
 }
