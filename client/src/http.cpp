@@ -132,6 +132,7 @@ struct Transfer {
   bool done = false;
   bool rearm = false;  // the wake-up was cancelled because the next deadline moved earlier
   bool redirect_refused = false;  // stopped at a redirect that would turn the request into a GET
+  bool decode = true;             // undo a Content-Encoding the server applied (gzip, deflate, ...)
   CURLcode result = CURLE_OK;
   std::optional<Error> local_error;  // set by a callback that aborts the transfer
 
@@ -474,8 +475,10 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     curl_easy_setopt(e, CURLOPT_TCP_KEEPALIVE, 1L);
     // Asks for no compression (a compressing proxy may hold back a stream's events), but
     // decodes a body a server or proxy compressed anyway (gzip, deflate, and whatever else
-    // this libcurl was built with): without this, curl hands the compressed bytes over.
-    curl_easy_setopt(e, CURLOPT_ACCEPT_ENCODING, "identity");
+    // this libcurl was built with): without this, curl hands the compressed bytes over. A
+    // Content-Encoding curl does not know (a misconfigured "UTF-8") is then an error, on
+    // which perform() sends the request again without decoding.
+    if (t.decode) curl_easy_setopt(e, CURLOPT_ACCEPT_ENCODING, "identity");
     if (options.http2) {
       curl_easy_setopt(e, CURLOPT_HTTP_VERSION, long{CURL_HTTP_VERSION_2TLS});
       // Waiting for the first TLS connection to show whether it multiplexes keeps a burst of
@@ -581,6 +584,11 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
                                                                        "well-formed HTTP (" + detail + ")");
         response.error->code = "not_http";
         break;
+      case CURLE_BAD_CONTENT_ENCODING:
+        response.error = make_error(ErrorKind::Connection, detail);
+        // Before any of the body reached the caller: perform() may send it again undecoded.
+        if (t.body_bytes == 0 && t.decode) response.error->code = kUndecodable;
+        break;
       case CURLE_URL_MALFORMAT:
       case CURLE_BAD_FUNCTION_ARGUMENT:
       case CURLE_OUT_OF_MEMORY:
@@ -603,7 +611,9 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
 
   // One transfer, start to finish, in the awaiting coroutine.
   static asio::awaitable<HttpResponse> run(std::shared_ptr<Impl> impl, HttpRequest request,
-                                           BodyHandler on_body);
+                                           BodyHandler on_body, bool decode);
+  // The error code of a response whose Content-Encoding curl could not undo, before any body.
+  static constexpr const char* kUndecodable = "undecodable_content_encoding";
 
   asio::any_io_executor executor;
   HttpClientOptions options;
@@ -624,9 +634,10 @@ bool cancellation_requested(const asio::cancellation_state& state) {
 }  // namespace
 
 asio::awaitable<HttpResponse> HttpClient::Impl::run(std::shared_ptr<Impl> impl, HttpRequest request,
-                                                    BodyHandler on_body) {
+                                                    BodyHandler on_body, bool decode) {
   auto transfer = std::make_shared<Transfer>(impl->executor);
   Transfer& t = *transfer;
+  t.decode = decode;
   t.request = std::move(request);
   t.on_body = std::move(on_body);
   t.started_at = Clock::now();
@@ -697,7 +708,13 @@ asio::awaitable<HttpResponse> HttpClient::perform(HttpRequest request, BodyHandl
   // restored on the way out so that this function only changes how it waits itself.
   const bool caller_throws = co_await asio::this_coro::throw_if_cancelled();
   co_await asio::this_coro::throw_if_cancelled(false);
-  HttpResponse response = co_await Impl::run(impl_, std::move(request), std::move(on_body));
+  HttpResponse response = co_await Impl::run(impl_, request, on_body, true);
+  if (response.error && response.error->code == Impl::kUndecodable) {
+    // A Content-Encoding curl does not know, which a misconfigured server sends for a body it
+    // did not encode (as other HTTP clients, which skip encodings they do not know, read it):
+    // once more, the body taken as it comes.
+    response = co_await Impl::run(impl_, std::move(request), std::move(on_body), false);
+  }
   co_await asio::this_coro::throw_if_cancelled(caller_throws);
   co_return response;
 }

@@ -16,13 +16,24 @@ namespace {
 
 bool is_digit(char c) { return c >= '0' && c <= '9'; }
 
+// U+2212 MINUS SIGN, which typeset text (and a model imitating it) writes for '-'.
+constexpr std::string_view kMinusSign = "\xE2\x88\x92";
+
+// The length of the sign at `i` ('-', '+' or U+2212), or 0.
+std::size_t sign_at(std::string_view text, std::size_t i) {
+  if (i < text.size() && (text[i] == '-' || text[i] == '+')) return 1;
+  return text.substr(i, kMinusSign.size()) == kMinusSign ? kMinusSign.size() : 0;
+}
+
 // A number starting at `at`: [sign][$]digits[,ddd...][.digits]. Returns its end, or `at` when
 // there is none. Commas count only between groups of three digits, so "3,4" is two numbers.
 std::size_t scan_number(std::string_view text, std::size_t at) {
   std::size_t i = at;
-  if (i < text.size() && (text[i] == '-' || text[i] == '+')) ++i;
-  if (i < text.size() && text[i] == '$') ++i;
-  if (i < text.size() && (text[i] == '-' || text[i] == '+') && i > at && text[i - 1] == '$') ++i;
+  i += sign_at(text, i);
+  if (i < text.size() && text[i] == '$') {
+    ++i;
+    i += sign_at(text, i);  // "$-5"
+  }
   std::size_t digits = i;
   while (i < text.size() && is_digit(text[i])) ++i;
   if (i == digits) {
@@ -62,8 +73,7 @@ std::vector<Found> numbers(std::string_view text) {
   std::size_t i = 0;
   while (i < text.size()) {
     char c = text[i];
-    bool could_start = is_digit(c) || c == '$' || c == '.' ||
-                       ((c == '-' || c == '+') && sign_allowed(text, i));
+    bool could_start = is_digit(c) || c == '$' || c == '.' || (sign_at(text, i) > 0 && sign_allowed(text, i));
     // A digit inside a word ("x2", "COVID19") is not an answer.
     bool glued = i > 0 && is_digit(c) && std::isalpha(static_cast<unsigned char>(text[i - 1]));
     if (glued) {
@@ -153,8 +163,15 @@ class RegexScorer : public Scorer {
 
 std::string normalize_number(std::string_view number) {
   std::string s;
-  for (char c : trim(number))
-    if (c != ',' && c != '$' && c != ' ') s += c;
+  const std::string text = trim(number);
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text.compare(i, kMinusSign.size(), kMinusSign) == 0) {
+      s += '-';
+      i += kMinusSign.size() - 1;
+    } else if (text[i] != ',' && text[i] != '$' && text[i] != ' ') {
+      s += text[i];
+    }
+  }
   while (!s.empty() && s.back() == '.') s.pop_back();
   bool negative = false;
   if (!s.empty() && (s.front() == '+' || s.front() == '-')) {
@@ -200,8 +217,9 @@ std::optional<std::string> gsm8k_extract_flexible(std::string_view output) {
 
 std::optional<std::string> gsm8k_gold(std::string_view reference) {
   if (auto gold = gsm8k_extract_strict(reference)) return gold;
-  // A bare number ("42", " $1,000 ") is its own gold.
+  // A bare number ("42", " $1,000 ", "5.") is its own gold.
   std::string text = trim(reference);
+  if (text.size() > 1 && text.back() == '.') text.pop_back();
   if (!text.empty() && scan_number(text, 0) == text.size()) return normalize_number(text);
   return std::nullopt;
 }

@@ -367,6 +367,16 @@ TEST_F(OpenAIBackendTest, AnUnaskedForGzipBodyIsDecoded) {
   EXPECT_EQ(result.outcome.completion->finish_reason, "stop");
 }
 
+// A Content-Encoding that is no encoding (a misconfigured server's "UTF-8") is read as other
+// clients read it: the body as it comes, not an error.
+TEST_F(OpenAIBackendTest, AContentEncodingThatIsNoEncodingLeavesTheBodyAsItIs) {
+  for (const char* encoding : {"UTF-8", "identity"}) {
+    auto result = complete_with_fault(std::string("content_encoding=") + encoding, false);
+    ASSERT_TRUE(result.outcome.ok()) << encoding << ": " << result.outcome.error->message;
+    EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens)) << encoding;
+  }
+}
+
 TEST_F(OpenAIBackendTest, StreamEndingWithoutDoneOrFinishReasonIsTruncated) {
   const auto e = error_of(complete_with_fault("truncate;after=3"));
   EXPECT_EQ(e.kind, ErrorKind::Truncated) << e.message;

@@ -414,6 +414,9 @@ FaultSpec FaultSpec::parse(std::string_view spec) {
       f.late_text = std::string(value);
     } else if (key == "gzip") {
       f.gzip = true;
+    } else if (key == "content_encoding") {
+      need_value();
+      f.content_encoding = std::string(value);
     } else if (key == "html") {
       f.html = true;
     } else if (key == "redirect") {
@@ -901,9 +904,11 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
                                             {"finish_reason", finish_reason}}})},
                   {"usage", usage}};
     if (f.no_usage) reply.erase("usage");
-    std::string response = f.gzip ? simple_response(200, "application/json", gzip_stored(reply.dump()), keep_alive,
-                                                    "Content-Encoding: gzip\r\n")
-                                  : simple_response(200, "application/json", reply.dump(), keep_alive);
+    std::string response =
+        f.gzip ? simple_response(200, "application/json", gzip_stored(reply.dump()), keep_alive, "Content-Encoding: gzip\r\n")
+        : f.content_encoding
+            ? simple_response(200, "application/json", reply.dump(), keep_alive, "Content-Encoding: " + *f.content_encoding + "\r\n")
+            : simple_response(200, "application/json", reply.dump(), keep_alive);
     if (f.truncate) {
       // Fewer bytes than Content-Length promised, then the connection closes.
       co_await write_all(socket, std::string_view(response).substr(0, response.size() - reply.dump().size() / 2));

@@ -49,6 +49,7 @@
 //   late_text=TEXT         after the finish reason, one more content delta of TEXT
 //   gzip                   a non-streaming answer's body gzipped (Content-Encoding: gzip),
 //                          though the request did not ask for it
+//   content_encoding=TEXT  a non-streaming answer says `Content-Encoding: TEXT`, its body as it is
 //   html                   answer 200 with an HTML page (Content-Type text/html)
 //   redirect=CODE          answer with this 3xx status and a Location (an empty body)
 //   location=URL           the redirect's Location (default /v1/chat/completions)
@@ -99,6 +100,7 @@ struct FaultSpec {
   int ping_ms = 100;
   std::optional<std::string> late_text;
   bool gzip = false;
+  std::optional<std::string> content_encoding;
   bool html = false;
   int redirect = 0;  // 0: no redirect
   std::string location = "/v1/chat/completions";
