@@ -15,6 +15,21 @@ bool retryable_status(int status, const std::string& code) {
   return false;  // every other status: the request itself is wrong, resending changes nothing
 }
 
+// An error event inside a stream whose code says the request itself is wrong (a server may find
+// that out after the answer began: the prompt past the context, a parameter it refuses): the
+// same request would meet it again. Codes as OpenAI, vLLM and batchlm serve write them, or an
+// HTTP status given as the code.
+bool request_at_fault(const std::string& code) {
+  for (const char* c : {"context_length_exceeded", "invalid_request_error", "invalid_request", "unsupported_parameter",
+                        "invalid_value", "model_not_found", "insufficient_quota", "invalid_api_key", "BadRequestError"})
+    if (code == c) return true;
+  if (code.size() == 3 && std::all_of(code.begin(), code.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    const int status = std::stoi(code);
+    return status >= 400 && status <= 499 && !retryable_status(status, "");
+  }
+  return false;
+}
+
 }  // namespace
 
 bool RetryPolicy::retryable(const Error& error) const {
@@ -22,10 +37,11 @@ bool RetryPolicy::retryable(const Error& error) const {
   switch (error.kind) {
     case ErrorKind::Http:
       return retryable_status(error.http_status, error.code);
+    case ErrorKind::StreamError:
+      return !request_at_fault(error.code);
     case ErrorKind::Timeout:
     case ErrorKind::Connection:
     case ErrorKind::Truncated:
-    case ErrorKind::StreamError:
     case ErrorKind::Protocol:
       return true;
     case ErrorKind::TooLarge:   // the same request produces the same oversized answer

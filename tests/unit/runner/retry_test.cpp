@@ -35,6 +35,24 @@ RetrySpec spec(milliseconds base, milliseconds cap, milliseconds max_retry_after
   return s;
 }
 
+// An error event in a stream is retried, unless its code says the request itself is wrong
+// (found after the answer began): the same request would meet it again.
+TEST(RetryPolicy, StreamErrorsThatBlameTheRequestAreNotRetried) {
+  RetryPolicy policy{RetrySpec{}};
+  Error e = of_kind(ErrorKind::StreamError);
+  for (const char* code : {"", "server_error", "overloaded", "500", "503", "429", "408"}) {
+    e.code = code;
+    EXPECT_TRUE(policy.retryable(e)) << code;
+  }
+  for (const char* code : {"context_length_exceeded", "invalid_request_error", "unsupported_parameter", "400", "422",
+                           "BadRequestError"}) {
+    e.code = code;
+    EXPECT_FALSE(policy.retryable(e)) << code;
+  }
+  e.should_retry = true;  // the server's x-should-retry still wins
+  EXPECT_TRUE(policy.retryable(e));
+}
+
 TEST(RetryPolicy, RetriesTransientHttpStatuses) {
   RetryPolicy policy{RetrySpec{}};
   for (int status : {408, 409, 429, 500, 501, 502, 503, 504, 529, 599}) {
