@@ -906,7 +906,7 @@ namespace {
 // lead byte 110xxxxx, 1110xxxx or 11110xxx with as many continuation bytes (10xxxxxx) after it
 // is one code point, whether or not the form is well-formed; any other byte is U+FFFD. Each
 // code point is then written back as UTF-8, so an overlong form becomes its short one and a
-// surrogate keeps its three bytes. A 4-byte form past U+10FFFF, which llama.cpp cannot write
+// surrogate is written in three bytes. A 4-byte form past U+10FFFF, which llama.cpp cannot write
 // back (its tokenizer throws), is U+FFFD for each of its bytes here.
 std::string as_llama_reads(std::string_view text) {
   std::string out;
@@ -936,11 +936,7 @@ std::string as_llama_reads(std::string_view text) {
       i += 1;
       continue;
     }
-    if (cp >= 0xD800 && cp <= 0xDFFF) {
-      out.append(text.substr(i, length));  // written back as the same three bytes
-    } else {
-      utf8::append(out, cp);
-    }
+    utf8::append(out, cp);  // a surrogate too, as three bytes (whether it came in three or four)
     i += length;
   }
   return out;

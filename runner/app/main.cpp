@@ -2,7 +2,6 @@
 // APIs or the embedded engine.
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -29,7 +28,6 @@
 #include "batchlm/local_engine/gguf.hpp"
 #include "batchlm/local_engine/local_backend.hpp"
 #include "batchlm/runner/dispatcher.hpp"
-#include "batchlm/runner/ignored_signal.hpp"
 #include "batchlm/runner/job.hpp"
 #include "batchlm/runner/source.hpp"
 #include "batchlm/runner/writer.hpp"
@@ -360,29 +358,12 @@ void fit_concurrency_to_open_files(JobSpec& job) {
   job.concurrency = static_cast<int>(room);
 }
 
-// Until the run takes stop signals itself (once its output is open and its items are about to
-// go), Ctrl-C, SIGTERM or SIGHUP while the job, its input or the model is read ends the process
-// at once, as a run stopped before it sent anything: exit 130 with a line saying so, rather
-// than the signal's own death (143 for SIGTERM) and nothing. A signal ignored from the start
-// (nohup, a background job) stays ignored.
-extern "C" void stop_before_the_run(int) {
-  static constexpr char kLine[] = "\nbatchlm: interrupted before the run began: nothing was sent\n";
-  [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, kLine, sizeof kLine - 1);
-  std::_Exit(kExitInterrupted);
-}
-
-void stop_at_once_until_the_run() {
-  for (const int signo : {SIGINT, SIGTERM, SIGHUP}) {
-    if (ignored_at_start(signo)) continue;
-    struct sigaction stop {};
-    stop.sa_handler = stop_before_the_run;
-    sigemptyset(&stop.sa_mask);
-    ::sigaction(signo, &stop, nullptr);
-  }
-}
-
 int run_command(const JobOptions& o, bool synth) {
-  stop_at_once_until_the_run();
+  // Until the run takes stop signals itself (once its output is open and its items are about
+  // to go), Ctrl-C, SIGTERM or SIGHUP while the job, its input or the model is read ends the
+  // process at once, as a run stopped before it sent anything: exit 130 with a line saying so,
+  // rather than the signal's own death (143 for SIGTERM) and nothing.
+  exit_on_stop_signals("\nbatchlm: interrupted before the run began: nothing was sent\n");
   const EnvLookup env = process_env();
   const std::vector<Override> overrides = collect_overrides(o);
   JobSpec job = o.job_file.empty()

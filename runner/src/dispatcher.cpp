@@ -1,6 +1,7 @@
 #include "batchlm/runner/dispatcher.hpp"
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
@@ -84,6 +85,14 @@ ItemResult item_result_from_record(const json& record) {
 // The writer a second SIGINT flushes before exiting.
 OutputWriter* g_writer_for_hard_exit = nullptr;
 
+// What exit_on_stop_signals' handler writes (only async-signal-safe calls in it).
+const char* g_stop_line = "";
+std::size_t g_stop_line_size = 0;
+extern "C" void exit_on_stop_signal(int) {
+  [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, g_stop_line, g_stop_line_size);
+  std::_Exit(kExitInterrupted);
+}
+
 std::string brief(const json& value) {
   const std::string text = value.is_null() ? "unset" : value.dump();
   return text.size() > 40 ? text.substr(0, 37) + "..." : text;
@@ -139,6 +148,18 @@ ConfigError other_settings_error(const std::string& output, const json& settings
 }
 
 }  // namespace
+
+void exit_on_stop_signals(const char* line) {
+  g_stop_line = line;
+  g_stop_line_size = std::strlen(line);
+  for (const int signo : {SIGINT, SIGTERM, SIGHUP}) {
+    if (ignored_at_start(signo)) continue;
+    struct sigaction stop {};
+    stop.sa_handler = exit_on_stop_signal;
+    sigemptyset(&stop.sa_mask);
+    ::sigaction(signo, &stop, nullptr);
+  }
+}
 
 class Dispatcher {
  public:
@@ -239,7 +260,10 @@ class Dispatcher {
     // Counting the earlier records past a stop may read the rest of the input, with no loop
     // left to take a signal: one now ends the process at once, as before the run began (every
     // record is written by now; the summary was removed at the start).
-    if (signals) signals->clear();
+    if (signals) {
+      signals->clear();
+      exit_on_stop_signals("\nbatchlm: interrupted, exiting now (finished items are saved)\n");
+    }
     take_earlier_records_past_the_stop();
 
     if (auto stats = backend_.engine_stats()) counters_.engine = stats->brief();

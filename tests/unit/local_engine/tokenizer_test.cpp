@@ -226,8 +226,10 @@ TEST_F(ToyTokenizer, InvalidUtf8IsReadAsLlamaCppReadsIt) {
   same("\xF0\x80\x80\xA9", ")");                   // overlong, four bytes
   same("\xF4\x90\x80\x80!", fffd + fffd + fffd + fffd + "!");  // past U+10FFFF
   same("\xF7\xBF\xBF\xBF", fffd + fffd + fffd + fffd);
-  // A surrogate keeps its bytes: decoding gives them back.
+  // A surrogate keeps its bytes: decoding gives them back; written overlong in four bytes, it is
+  // written back in three.
   EXPECT_EQ(tokenizer.decode(tokenizer.encode("\xED\xA0\x80 s", false)), "\xED\xA0\x80 s");
+  same("\xF0\x8D\xA0\x80", "\xED\xA0\x80");
   EXPECT_EQ(tokenizer.decode(tokenizer.encode("a\xFF", false)), "a" + fffd);
 }
 

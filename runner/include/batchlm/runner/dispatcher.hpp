@@ -25,6 +25,11 @@ enum ExitCode : int {
   kExitInterrupted = 130,
 };
 
+// From now on SIGINT, SIGTERM and SIGHUP (those not ignored from the start) end the process at
+// once with kExitInterrupted, after writing `line` (a string literal) to stderr: for the
+// stretches where no run takes them (reading the job, its input and the model; after the run).
+void exit_on_stop_signals(const char* line);
+
 struct RunOptions {
   bool fresh = false;                   // ignore and replace earlier results
   std::FILE* progress_out = stderr;     // bar, plain lines and the summary
