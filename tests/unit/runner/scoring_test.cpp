@@ -100,6 +100,28 @@ TEST(Gsm8kScorer, NegativeGoldMatchesNegativeAnswerOnly) {
   EXPECT_EQ(scorer->score(input, "#### 8"), (json{{"strict", false}, {"flexible", false}}));
 }
 
+// U+2212, the minus sign of typeset text, is a minus: a wrong sign is not a right answer.
+TEST(Gsm8kScorer, TheUnicodeMinusSignIsAMinus) {
+  auto scorer = make_scorer({ScoringKind::Gsm8k, "answer", ""});
+  const std::string minus = "\xE2\x88\x92";
+  EXPECT_EQ(scorer->score({{"answer", "#### 5"}}, "#### " + minus + "5"), (json{{"strict", false}, {"flexible", false}}));
+  EXPECT_EQ(scorer->score({{"answer", "#### -5"}}, "The answer is " + minus + "5."),
+            (json{{"strict", false}, {"flexible", true}}));
+  EXPECT_EQ(scorer->score({{"answer", "#### -5"}}, "#### " + minus + "5"), (json{{"strict", true}, {"flexible", true}}));
+  EXPECT_EQ(normalize_number(minus + "1,234.50"), "-1234.5");
+  EXPECT_EQ(gsm8k_gold(minus + "7"), "-7");
+  // Still an operator between numbers: "5−3" is 5 and 3.
+  EXPECT_EQ(gsm8k_extract_flexible("5" + minus + "3"), "3");
+}
+
+// A reference written as a sentence's last word ("5.") is a bare number, as an answer is.
+TEST(Gsm8kGold, ABareNumberMayEndInAPeriod) {
+  EXPECT_EQ(gsm8k_gold("5."), "5");
+  EXPECT_EQ(gsm8k_gold(" $1,200. "), "1200");
+  EXPECT_EQ(gsm8k_gold("."), std::nullopt);
+  EXPECT_EQ(gsm8k_gold("5.."), std::nullopt);
+}
+
 TEST(Gsm8kScorer, ItemWithoutReferenceGetsNullScore) {
   auto scorer = make_scorer({ScoringKind::Gsm8k, "answer", ""});
   EXPECT_TRUE(scorer->score(json{{"question", "?"}}, "#### 1").is_null());
