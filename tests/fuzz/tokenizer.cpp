@@ -142,22 +142,13 @@ std::string llama_reading(std::string_view s) {
     }
   }
   std::string out;
-  for (const std::uint32_t cp : cps) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
+  for (std::uint32_t cp : cps) {
+    // n bytes: the lead's n high bits set, then continuation bytes of six bits each.
+    const std::size_t n = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+    std::string bytes(n, '\0');
+    for (std::size_t k = n - 1; k > 0; --k, cp >>= 6) bytes[k] = static_cast<char>(0x80 | (cp & 0x3F));
+    bytes[0] = static_cast<char>(n == 1 ? cp : ((0xFF00u >> n) & 0xFFu) | cp);
+    out += bytes;
   }
   return out;
 }
