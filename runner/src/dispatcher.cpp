@@ -255,7 +255,10 @@ class Dispatcher {
     if (counters_.total > 0) asio::co_spawn(io_, tick(), asio::detached);
     io_.run();
     g_writer_for_hard_exit = nullptr;
-    if (producer_error_) std::rethrow_exception(producer_error_);
+    if (producer_error_) {
+      flush_output(false);  // the items that finished keep their records
+      std::rethrow_exception(producer_error_);
+    }
     flush_output(false);
     // Counting the earlier records past a stop may read the rest of the input, with no loop
     // left to take a signal: one now ends the process at once, as before the run began (every
@@ -352,11 +355,21 @@ class Dispatcher {
   }
 
   asio::awaitable<void> produce() {
+    std::exception_ptr failed;
     try {
       co_await asio::co_spawn(io_, produce_items(),
                               asio::bind_cancellation_slot(producer_cancel_.slot(), asio::use_awaitable));
     } catch (const boost::system::system_error& e) {
-      if (e.code() != asio::error::operation_aborted) throw;
+      if (e.code() != asio::error::operation_aborted) failed = std::current_exception();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    if (failed) {
+      // The input cannot be read on (it changed while the job ran): no new items, and those
+      // under way end as in a stop, their records written, before the error is reported.
+      // Stopping the loop at once would leave them suspended, holding what the run owns.
+      producer_error_ = failed;
+      begin_stop("the input cannot be read on", false, false);
     }
     // Wait for the live items to finish.
     while (!items_.empty()) {

@@ -522,6 +522,38 @@ TEST(BatchlmRun, InterruptedRunCountsTheRequestsOfItemsItDidNotFinish) {
   EXPECT_EQ(summary["counts"]["not_run"], 5) << summary.dump(2);
 }
 
+// An input cut short while the job runs (fewer lines than were validated) stops the run as a
+// signal would: the items under way finish and keep their records, the error names the input,
+// and a rerun on the whole input again finishes the rest, each item once.
+TEST(BatchlmRun, AnInputCutShortWhileTheJobRunsEndsItWithItsRecordsKept) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "16", "--token-delay-ms", "20"});
+  const std::string whole = read_file(gsm8k_test_file());
+  write_file(dir.path / "in.jsonl", whole);
+  std::string job = gsm8k_job({.base_url = server.base_url(), .limit = 300, .concurrency = 2});
+  job.replace(job.find(gsm8k_test_file()), gsm8k_test_file().size(), "in.jsonl");
+  write_file(dir.path / "job.yaml", job);
+  const fs::path out = dir.path / "out/e2e.jsonl";
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (std::chrono::steady_clock::now() < deadline && (!fs::exists(out) || count_lines(out) < 4))
+    std::this_thread::sleep_for(5ms);
+  { std::ofstream cut(dir.path / "in.jsonl", std::ios::trunc); }  // the same file, now empty
+  ASSERT_EQ(p.wait(60s), 2) << read_file(dir.path / "run.err");
+  const std::string err = read_file(dir.path / "run.err");
+  EXPECT_NE(err.find("the input cannot be read on: no new items"), std::string::npos) << err;
+  // Where the reading stopped: the end of the file, or a line cut in the middle.
+  EXPECT_NE(err.find("batchlm: error: in.jsonl:"), std::string::npos) << err;
+  const std::vector<json> first = read_jsonl(out);
+  EXPECT_GE(first.size(), 4u);
+  EXPECT_LT(first.size(), 300u);
+  write_file(dir.path / "in.jsonl", whole);
+  RunResult again = run_batchlm(dir.path, {"run", "job.yaml", "--concurrency", "64"});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  expect_each_id_once(read_jsonl(out), 300);
+}
+
 // A stop signal while the job and its input are still being read (before the run takes signals
 // itself) ends the process at once, as a stopped run: exit 130 and a line saying nothing was
 // sent, not the signal's own death (143) and silence.
