@@ -90,6 +90,10 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
       return std::nullopt;
     return "expected a number from -2 to 2, not " + value.dump();
   }
+  if (key == "min_p") {
+    if (value.is_number() && value.get<double>() >= 0.0 && value.get<double>() <= 1.0) return std::nullopt;
+    return "expected a number from 0 (no limit) to 1, not " + value.dump();
+  }
   if (key == "ignore_eos") {
     if (value.is_boolean()) return std::nullopt;
     return "expected true (generate past the end-of-turn token, to max_tokens) or false, not " + value.dump();
@@ -191,7 +195,7 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return "set it as request." + std::string(key == "max_completion_tokens" ? "max_tokens" : key) +
            " (the embedded engine does not read it from the extra fields)";
   return "the embedded engine does not use '" + std::string(key) +
-         "' (of the extra fields it takes top_k, presence_penalty, frequency_penalty, logit_bias, logprobs, "
+         "' (of the extra fields it takes top_k, min_p, presence_penalty, frequency_penalty, logit_bias, logprobs, "
          "top_logprobs, response_format and ignore_eos)" +
          kElsewhere;
 }

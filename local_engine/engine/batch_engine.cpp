@@ -213,6 +213,7 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
   if (executor_->samples_on_device()) {
     const char* what =
         params.sampling.penalized()           ? "'presence_penalty', 'frequency_penalty': penalties are applied"
+        : params.sampling.min_p > 0.0f        ? "'min_p': min-p is applied"
         : !params.sampling.logit_bias.empty() ? "'logit_bias': biases are applied"
         : params.logprobs >= 0                ? "'logprobs': log-probabilities are computed"
         : params.json_object                  ? "'response_format': JSON mode is applied"

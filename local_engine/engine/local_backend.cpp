@@ -319,6 +319,8 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       p.sampling.frequency_penalty = v->get<float>();
     if (const auto v = request.extra.find("ignore_eos"); v != request.extra.end() && v->is_boolean())
       p.ignore_eos = v->get<bool>();
+    if (const auto v = request.extra.find("min_p"); v != request.extra.end() && v->is_number())
+      p.sampling.min_p = v->get<float>();  // checked to be from 0 to 1 above
     const std::int64_t n_vocab = vocab_size();
     for (const auto& [token, bias] : requested_logit_bias(request.extra)) {
       if (token >= n_vocab)

@@ -310,9 +310,19 @@ void prepare(Scratch& w, std::span<const float> logits, const SamplingParams& pa
     w.dist = TokenDistribution::point(static_cast<Token>(kernels::argmax(logits.data(), static_cast<std::int64_t>(n))));
     return;
   }
+  // min_p and top_k each keep a run of the best: the shorter one is the cut.
+  std::size_t keep = candidates;
+  if (params.top_k > 0) keep = std::min(keep, static_cast<std::size_t>(params.top_k));
+  if (params.min_p > 0.0f) {
+    // The tokens whose weight (their probability relative to the best's, whose weight is 1)
+    // is at least min_p; the best is always one of them.
+    const float* weights = w.weights.data();
+    std::size_t above = 0;
+    for (std::size_t i = 0; i < n; ++i) above += buckets[i] < kOut && weights[i] >= params.min_p ? 1 : 0;
+    keep = std::min(keep, std::max<std::size_t>(above, 1));
+  }
   Cut cut;
-  if (params.top_k > 0 && static_cast<std::size_t>(params.top_k) < candidates)
-    cut = best(w, logits, static_cast<std::size_t>(params.top_k));
+  if (keep < candidates) cut = best(w, logits, keep);
   if (params.top_p < 1.0f) cut = nucleus(w, logits, cut, params.top_p);
   // The kept tokens in id order: each id is written, and counted only when kept (without a
   // branch on what may be every other token; the cut's own bucket is a few tokens).

@@ -104,6 +104,9 @@ TEST(EngineFields, FieldsThatWouldChangeTheOutputAreRefusedWithTheReason) {
   EXPECT_EQ(problem("tools", json::array({{{"type", "function"}}})), "tools[0].function: required: {name, description, parameters}");
   EXPECT_TRUE(problem("modalities", json::array({"text", "audio"})).starts_with("the embedded engine generates text only"));
   EXPECT_EQ(problem("n", 2), "several answers per item are not supported (one request, one answer)");
+  EXPECT_TRUE(ok("min_p", 0.05));
+  EXPECT_TRUE(ok("min_p", 0));
+  EXPECT_EQ(problem("min_p", 2), "expected a number from 0 (no limit) to 1, not 2");
   EXPECT_TRUE(ok("ignore_eos", true));
   EXPECT_TRUE(ok("ignore_eos", false));
   EXPECT_EQ(problem("ignore_eos", 1), "expected true (generate past the end-of-turn token, to max_tokens) or false, not 1");
@@ -117,8 +120,8 @@ TEST(EngineFields, RequestFieldsBelongOutsideTheExtraOnes) {
 }
 
 TEST(EngineFields, UnknownFieldsAreNamed) {
-  EXPECT_EQ(problem("min_p", 0.05),
-            "the embedded engine does not use 'min_p' (of the extra fields it takes top_k, presence_penalty, "
+  EXPECT_EQ(problem("typical_p", 0.5),
+            "the embedded engine does not use 'typical_p' (of the extra fields it takes top_k, min_p, presence_penalty, "
             "frequency_penalty, logit_bias, logprobs, top_logprobs, response_format and ignore_eos); remove it, or run the job against an API that "
             "does (--base-url)");
 }

@@ -512,6 +512,14 @@ std::map<Token, double> reference_distribution(const std::vector<float>& logits,
   const auto weight = [&](Token id) {
     return static_cast<double>(std::exp((logits[static_cast<std::size_t>(id)] - max) / p.temperature));
   };
+  if (p.min_p > 0.0f) {
+    // Those whose weight (relative to the best's 1) is at least min_p.
+    std::vector<Token> kept;
+    for (const Token id : order)
+      if (static_cast<float>(weight(id)) >= p.min_p) kept.push_back(id);
+    if (kept.empty()) kept.push_back(order.front());
+    order = kept;
+  }
   if (p.top_p < 1.0f) {
     double total = 0.0;
     for (const Token id : order) total += weight(id);
@@ -573,6 +581,36 @@ TEST(Sampler, TheDistributionIsThatOfSortingTheLogits) {
           if (HasFatalFailure()) return;
         }
   }
+}
+
+// min_p keeps the tokens whose probability is at least min_p times the best's, with top_k (both
+// runs of the best) and before top_p.
+TEST(Sampler, MinPKeepsTheTokensNearTheBest) {
+  std::mt19937 rng(29);
+  std::vector<std::vector<float>> rows = {random_logits(rng, 49152), random_logits(rng, 300)};
+  std::uniform_int_distribution<int> level(0, 3);
+  std::vector<float> ties(2000);
+  for (float& x : ties) x = static_cast<float>(level(rng));
+  rows.push_back(ties);
+  for (std::size_t r = 0; r < rows.size(); ++r)
+    for (const float t : {0.3f, 1.0f, 2.5f})
+      for (const float min_p : {1e-6f, 0.05f, 0.3f, 1.0f})
+        for (const float top_p : {1.0f, 0.9f})
+          for (const int top_k : {0, 40}) {
+            const SamplingParams p{.temperature = t, .top_p = top_p, .top_k = top_k, .min_p = min_p, .seed = 1};
+            expect_reference_distribution(rows[r], p,
+                                          "row " + std::to_string(r) + " t " + std::to_string(t) + " min_p " +
+                                              std::to_string(min_p) + " top_p " + std::to_string(top_p) +
+                                              " top_k " + std::to_string(top_k));
+            if (HasFatalFailure()) return;
+          }
+  // 1 keeps the best alone (all of them, where they tie).
+  Sampler best_only(SamplingParams{.temperature = 1.0f, .min_p = 1.0f});
+  EXPECT_EQ(best_only.distribution(std::vector<float>{1.0f, 3.0f, 2.0f, 3.0f}).tokens, (std::vector<Token>{1, 3}));
+  // exp(-1) = 0.37 of the best: kept at 0.3, not at 0.4.
+  Sampler wide(SamplingParams{.temperature = 1.0f, .min_p = 0.3f}), narrow(SamplingParams{.temperature = 1.0f, .min_p = 0.4f});
+  EXPECT_EQ(wide.distribution(std::vector<float>{1.0f, 2.0f, 0.0f}).tokens, (std::vector<Token>{0, 1}));
+  EXPECT_EQ(narrow.distribution(std::vector<float>{1.0f, 2.0f, 0.0f}).tokens, (std::vector<Token>{1}));
 }
 
 TEST(Sampler, EqualLogitsAtACutKeepTheLowerIds) {
@@ -938,6 +976,24 @@ TEST(LocalBackend, IgnoreEosFromTheExtraFieldsGoesPastTheEndOfTurn) {
   EXPECT_EQ(stopped.outcome->completion->usage.completion_tokens, 1);
   EXPECT_EQ(past.outcome->completion->finish_reason, "length");
   EXPECT_EQ(past.outcome->completion->usage.completion_tokens, 12);
+}
+
+// min_p from the extra fields reaches the sampler: at 1 only the best token is left, so even a
+// high temperature gives the greedy answer.
+TEST(LocalBackend, MinPFromTheExtraFieldsReachesTheSampler) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  Request greedy = hello_request(16), hot = hello_request(16);
+  greedy.temperature = 0;
+  hot.temperature = 1.8;
+  hot.seed = 7;
+  hot.extra = {{"min_p", 1.0}};
+  Call a, b;
+  asio::co_spawn(io, call_complete(backend, greedy, a), asio::detached);
+  asio::co_spawn(io, call_complete(backend, hot, b), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&a, &b}));
+  ASSERT_TRUE(a.outcome && a.outcome->ok() && b.outcome && b.outcome->ok());
+  EXPECT_EQ(b.outcome->completion->text, a.outcome->completion->text);
 }
 
 TEST(LocalBackend, DescribeNamesTheModelFile) {

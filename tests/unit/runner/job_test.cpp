@@ -379,7 +379,9 @@ TEST_F(JobFile, ExtraFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
             "json_schema");
   EXPECT_EQ(error_of(with_input("request: {extra: {frequency_penalty: 3}}\n")).message(),
             "expected a number from -2 to 2, not 3 (the backend is the embedded engine)");
-  EXPECT_EQ(error_of(with_input("request: {extra: {min_p: 0.1}}\n")).field(), "request.extra.min_p");
+  EXPECT_EQ(error_of(with_input("request: {extra: {typical_p: 0.1}}\n")).field(), "request.extra.typical_p");
+  EXPECT_EQ(error_of(with_input("request: {extra: {min_p: 2}}\n")).field(), "request.extra.min_p");
+  EXPECT_EQ(load(with_input("request: {extra: {min_p: 0.1}}\n")).request.extra["min_p"], 0.1);
   EXPECT_EQ(error_of(with_input("backend: {type: local}\nrequest: {extra: {logprobs: 50}}\n")).field(),
             "request.extra.logprobs");
   ConfigError top = error_of(with_input("backend: {type: local}\nrequest: {extra: {top_logprobs: 3}}\n"));

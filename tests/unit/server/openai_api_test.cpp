@@ -642,11 +642,14 @@ TEST(ParseRequest, SamplingExtensionsAreTakenOrRefused) {
   EXPECT_TRUE(chat({{"ignore_eos", false}}).request.extra.is_null());
   EXPECT_EQ(completion({{"ignore_eos", true}}).request.extra["ignore_eos"], true);
   expect_invalid(chat_error(chat_body({{"ignore_eos", 1}})), "ignore_eos", "'ignore_eos' must be a boolean, not an integer");
+  EXPECT_EQ(chat({{"min_p", 0.05}}).request.extra, json({{"min_p", 0.05}}));
+  EXPECT_TRUE(chat({{"min_p", 0}}).request.extra.is_null());
+  expect_invalid(chat_error(chat_body({{"min_p", 1.5}})), "min_p", "'min_p' must be between 0.0 and 1.0, not 1.5");
   EXPECT_EQ(chat({{"min_p", 0}, {"repetition_penalty", 1}, {"min_tokens", 0}, {"typical_p", 1.0},
                   {"stop_token_ids", json::array()}, {"use_beam_search", false}})
                 .request.messages.size(),
             1u);
-  expect_unsupported(chat_error(chat_body({{"min_p", 0.05}})), "min_p", "'min_p' is not supported by this server");
+  expect_unsupported(chat_error(chat_body({{"typical_p", 0.9}})), "typical_p", "'typical_p' is not supported by this server");
   expect_unsupported(chat_error(chat_body({{"repetition_penalty", 1.1}})), "repetition_penalty",
                      "'repetition_penalty' is not supported by this server");
   expect_unsupported(completion_error(completion_body_json({{"min_tokens", 20}})), "min_tokens",

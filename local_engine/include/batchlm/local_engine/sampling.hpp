@@ -18,6 +18,9 @@ struct SamplingParams {
   float temperature = 0.8f;  // <= 0: greedy
   float top_p = 1.0f;        // nucleus: the smallest set of tokens with this much probability
   int top_k = 0;             // 0: no limit
+  // min-p: only tokens whose probability is at least min_p times the best's (0: no limit).
+  // Like top_k it keeps a run of the best; top_p then cuts what both leave.
+  float min_p = 0.0f;
   std::uint64_t seed = 0;
   // OpenAI's penalties over the tokens generated so far: each token's logit less
   // frequency_penalty times its count, and presence_penalty once it has appeared at all.
