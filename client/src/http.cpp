@@ -609,9 +609,10 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     return response;
   }
 
-  // One transfer, start to finish, in the awaiting coroutine.
-  static asio::awaitable<HttpResponse> run(std::shared_ptr<Impl> impl, HttpRequest request,
-                                           BodyHandler on_body, bool decode);
+  // One transfer, start to finish, in the awaiting coroutine. `request` and `on_body` are lent to
+  // it and given back when it ends, so that the caller can send the request again.
+  static asio::awaitable<HttpResponse> run(std::shared_ptr<Impl> impl, HttpRequest& request,
+                                           BodyHandler& on_body, bool decode);
   // The error code of a response whose Content-Encoding curl could not undo, before any body.
   static constexpr const char* kUndecodable = "undecodable_content_encoding";
 
@@ -633,13 +634,22 @@ bool cancellation_requested(const asio::cancellation_state& state) {
 
 }  // namespace
 
-asio::awaitable<HttpResponse> HttpClient::Impl::run(std::shared_ptr<Impl> impl, HttpRequest request,
-                                                    BodyHandler on_body, bool decode) {
+asio::awaitable<HttpResponse> HttpClient::Impl::run(std::shared_ptr<Impl> impl, HttpRequest& request,
+                                                    BodyHandler& on_body, bool decode) {
   auto transfer = std::make_shared<Transfer>(impl->executor);
   Transfer& t = *transfer;
   t.decode = decode;
   t.request = std::move(request);
   t.on_body = std::move(on_body);
+  struct GiveBack {
+    Transfer& t;
+    HttpRequest& request;
+    BodyHandler& on_body;
+    ~GiveBack() {
+      request = std::move(t.request);
+      on_body = std::move(t.on_body);
+    }
+  } give_back{t, request, on_body};
   t.started_at = Clock::now();
 
   if (impl->shut_down) {
@@ -713,7 +723,7 @@ asio::awaitable<HttpResponse> HttpClient::perform(HttpRequest request, BodyHandl
     // A Content-Encoding curl does not know, which a misconfigured server sends for a body it
     // did not encode (as other HTTP clients, which skip encodings they do not know, read it):
     // once more, the body taken as it comes.
-    response = co_await Impl::run(impl_, std::move(request), std::move(on_body), false);
+    response = co_await Impl::run(impl_, request, on_body, false);
   }
   co_await asio::this_coro::throw_if_cancelled(caller_throws);
   co_return response;

@@ -344,7 +344,7 @@ void add_engine_commands(CLI::App& app) {
       ->check(app::at_least(0));
   generate_cmd->add_option("--stop", g.stop, "Stop before this text (repeatable)")
       ->check(CLI::Validator(
-          [](std::string& text) { return text.empty() ? std::string("an empty string stops nothing: leave it out") : std::string(); },
+          [](std::string& text) { return text.empty() ? std::string(runner::kEmptyStopString) : std::string(); },
           ""));
   generate_cmd->add_flag("--ignore-eos", g.ignore_eos, "Keep generating past end-of-turn tokens");
   generate_cmd->add_flag("--timings", g.timings,

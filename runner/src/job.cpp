@@ -894,7 +894,7 @@ void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& requ
   if (Reader::has(node["stop"])) {
     request.stop = r.string_list(node["stop"], "request.stop");
     for (const std::string& stop : request.stop)
-      if (stop.empty()) r.fail(node["stop"], "request.stop", "an empty string stops nothing: leave it out");
+      if (stop.empty()) r.fail(node["stop"], "request.stop", kEmptyStopString);
     warn_placeholders(r, node["stop"], "request.stop", nlohmann::json(request.stop));
   }
   if (Reader::has(node["seed"]))
@@ -1444,8 +1444,7 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
   if (Reader::has(root["scoring"])) {
     read_scoring(r, root["scoring"], job.scoring);
     // Regex scoring reads the output alone; the others compare it with each item's reference.
-    if ((job.scoring.kind == ScoringKind::Gsm8k || job.scoring.kind == ScoringKind::ExactMatch) &&
-        job.input.path.empty())
+    if (job.scoring.reads_references() && job.input.path.empty())
       r.fail(root["scoring"], "scoring",
              "needs reference answers from an input file; a synth job without input has none (regex scoring "
              "needs none)");

@@ -452,7 +452,7 @@ Item batch_item(const JobSpec& job, ordered line_value, std::int64_t line,
         throw wrong(key, "a string or a list of strings");
       }
       for (const std::string& s : request.stop)
-        if (s.empty()) throw ConfigError(file, line_int, 0, "body.stop", "an empty string stops nothing: leave it out");
+        if (s.empty()) throw ConfigError(file, line_int, 0, "body.stop", kEmptyStopString);
     } else if (key == "seed") {
       if (!value.is_number_integer()) throw wrong(key, "an integer");
       request.seed = value.get<std::int64_t>();
@@ -530,8 +530,8 @@ class FileSource : public Source {
                        : jsonl_item(job_, std::move(value), line, few_shot_);
     // A scored job needs each item's reference answer; without it every score would be
     // silently empty.
-    if ((job_.scoring.kind == ScoringKind::Gsm8k || job_.scoring.kind == ScoringKind::ExactMatch) &&
-        item.input.is_object() && !item.input.contains(job_.scoring.reference_field))
+    if (job_.scoring.reads_references() && item.input.is_object() &&
+        !item.input.contains(job_.scoring.reference_field))
       throw ConfigError(job_.input.path, static_cast<int>(line), 0, job_.scoring.reference_field,
                         "missing field (the reference answer scoring reads; set "
                         "scoring.reference_field to the field that holds it)");

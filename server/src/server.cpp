@@ -666,6 +666,10 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
 
   // --- routing -----------------------------------------------------------------------------
 
+  static ApiError no_such_endpoint(std::string_view path) {
+    return ApiError(404, "invalid_request_error", "", "no such endpoint: " + std::string(path));
+  }
+
   // The paths the server answers on.
   static bool endpoint(std::string_view path) {
     return path == "/health" || path == "/metrics" || path == "/v1/chat/completions" || path == "/v1/completions" ||
@@ -696,7 +700,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       if (endpoint(path)) {
         co_await preflight(c, req);
       } else {
-        co_await send_error(c, req, ApiError(404, "invalid_request_error", "", "no such endpoint: " + std::string(path)));
+        co_await send_error(c, req, no_such_endpoint(path));
       }
       co_return true;
     }
@@ -727,7 +731,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       co_return true;
     }
     if (!path.starts_with("/v1/")) {
-      co_await send_error(c, req, ApiError(404, "invalid_request_error", "", "no such endpoint: " + std::string(path)));
+      co_await send_error(c, req, no_such_endpoint(path));
       co_return true;
     }
     if (!options.api_key.empty()) {
@@ -773,7 +777,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       }
       co_return true;
     }
-    co_await send_error(c, req, ApiError(404, "invalid_request_error", "", "no such endpoint: " + std::string(path)));
+    co_await send_error(c, req, no_such_endpoint(path));
     co_return true;
   }
 

@@ -149,7 +149,12 @@ struct ScoringSpec {
   ScoringKind kind = ScoringKind::None;
   std::string reference_field = "answer";  // input field holding the expected answer
   std::string pattern;                     // Regex: the pattern the output must match
+  // Compares the output with each item's reference (regex scoring reads the output alone).
+  bool reads_references() const { return kind == ScoringKind::Gsm8k || kind == ScoringKind::ExactMatch; }
 };
+
+// Why an empty stop string is refused wherever one is written (a job, a Batch-API body, --stop).
+inline constexpr const char* kEmptyStopString = "an empty string stops nothing: leave it out";
 
 // Where a value was written: file (or the flag that set it), line and column (0: unknown).
 struct SourceMark {
