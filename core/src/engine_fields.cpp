@@ -196,7 +196,8 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
            " (the embedded engine does not read it from the extra fields)";
   return "the embedded engine does not use '" + std::string(key) +
          "' (of the extra fields it takes top_k, min_p, presence_penalty, frequency_penalty, logit_bias, logprobs, "
-         "top_logprobs, response_format and ignore_eos)" +
+         "top_logprobs, response_format, ignore_eos, tools, tool_choice, parallel_tool_calls and "
+         "chat_template_kwargs)" +
          kElsewhere;
 }
 

@@ -13,9 +13,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -212,10 +214,36 @@ int run_inspect() {
   }
   std::printf("parameters    %.1f M in %zu tensors\n", static_cast<double>(params) / 1e6, file.tensors().size());
   std::printf("tensor types ");
+  if (by_type.empty()) std::printf(" none");
   for (const auto& [type, e] : by_type)
     std::printf(" %s x%llu (%s)", type.c_str(), static_cast<unsigned long long>(e.first),
                 gguf::human_bytes(static_cast<double>(e.second)).c_str());
   std::printf("\n");
+
+  // The tokenizer's lines: its kind, special tokens and chat template.
+  const auto show_tokenizer = [](const Tokenizer& tok, const std::function<const ChatTemplate&()>& chat) {
+    const Vocab& v = tok.vocab();
+    std::printf("tokenizer     %s (pre-tokenizer %s), %zu tokens, %zu merges\n", terminal_safe(v.model).c_str(),
+                terminal_safe(v.pre).c_str(), tok.size(), v.merges.size());
+    std::printf("special       bos %s, eos %s, eot %s%s\n", token_text(tok, v.bos).c_str(),
+                token_text(tok, v.eos).c_str(), token_text(tok, v.eot).c_str(),
+                v.add_bos ? ", BOS added" : "");
+    try {
+      const ChatTemplate& ct = chat();
+      const char* tools = ct.call_format() == CallFormat::kTagged ? ", tools called in <tool_call> blocks"
+                          : ct.call_format() == CallFormat::kJson ? ", tools called as JSON answers"
+                                                                   : "";
+      std::printf("chat template %s%s%s%s%s%s%s\n", terminal_safe(ct.name()).c_str(),
+                  ct.default_system().empty() ? "" : (", default system: " +
+                  quoted(ct.default_system())).c_str(),
+                  ct.date().empty() ? "" : (", system turn dated " + terminal_safe(ct.date())).c_str(),
+                  ct.reasoning_turns() ? ", <think> reasoning kept after the last user turn only" : "",
+                  ct.opens_reasoning() ? ", the answer opens with <think>" : "",
+                  ct.thinking_off().empty() ? "" : ", thinking switched off by enable_thinking: false", tools);
+    } catch (const std::exception& e) {
+      std::printf("chat template unsupported (%s)\n", terminal_safe(e.what()).c_str());
+    }
+  };
 
   try {
     std::shared_ptr<const Model> model = Model::load(in.model);
@@ -265,31 +293,32 @@ int run_inspect() {
                   static_cast<double>(c.q_scale), c.post_norms ? ", post-norms" : "", caps);
     }
     std::printf("output head   %s\n", c.tied_embeddings ? "tied to the embeddings" : "separate");
-    const Tokenizer& tok = model->tokenizer();
-    const Vocab& v = tok.vocab();
-    std::printf("tokenizer     %s (pre-tokenizer %s), %zu tokens, %zu merges\n", terminal_safe(v.model).c_str(),
-                terminal_safe(v.pre).c_str(), tok.size(), v.merges.size());
-    std::printf("special       bos %s, eos %s, eot %s%s\n", token_text(tok, v.bos).c_str(),
-                token_text(tok, v.eos).c_str(), token_text(tok, v.eot).c_str(),
-                v.add_bos ? ", BOS added" : "");
-    try {
-      const ChatTemplate& ct = model->chat_template();
-      const char* tools = ct.call_format() == CallFormat::kTagged ? ", tools called in <tool_call> blocks"
-                          : ct.call_format() == CallFormat::kJson ? ", tools called as JSON answers"
-                                                                   : "";
-      std::printf("chat template %s%s%s%s%s%s%s\n", terminal_safe(ct.name()).c_str(),
-                  ct.default_system().empty() ? "" : (", default system: " +
-                  quoted(ct.default_system())).c_str(),
-                  ct.date().empty() ? "" : (", system turn dated " + terminal_safe(ct.date())).c_str(),
-                  ct.reasoning_turns() ? ", <think> reasoning kept after the last user turn only" : "",
-                  ct.opens_reasoning() ? ", the answer opens with <think>" : "",
-                  ct.thinking_off().empty() ? "" : ", thinking switched off by enable_thinking: false", tools);
-    } catch (const std::exception& e) {
-      std::printf("chat template unsupported (%s)\n", terminal_safe(e.what()).c_str());
-    }
+    show_tokenizer(model->tokenizer(), [&]() -> const ChatTemplate& { return model->chat_template(); });
     std::printf("runs          yes (CPU kernels: %s)\n", kernels::cpu_simd_name());
   } catch (const std::exception& e) {
-    std::printf("runs          no: %s\n", terminal_safe(e.what()).c_str());
+    // A file that holds a tokenizer and no network (a vocabulary-only GGUF) still shows it.
+    if (file.tensors().empty() && file.find_string("tokenizer.ggml.model")) {
+      try {
+        const Tokenizer tok(Vocab::from_gguf(file));
+        std::optional<ChatTemplate> chat_template;
+        std::string chat_problem;
+        try {
+          chat_template.emplace(ChatTemplate::from_vocab(tok.vocab()));
+        } catch (const std::invalid_argument& why) {
+          chat_problem = why.what();
+        }
+        show_tokenizer(tok, [&]() -> const ChatTemplate& {
+          if (!chat_template) throw std::invalid_argument(chat_problem);
+          return *chat_template;
+        });
+      } catch (const std::exception& why) {
+        std::printf("tokenizer     unsupported (%s)\n", terminal_safe(why.what()).c_str());
+      }
+    }
+    if (file.tensors().empty())
+      std::printf("runs          no: the file holds no tensors (a vocabulary only)\n");
+    else
+      std::printf("runs          no: %s\n", terminal_safe(e.what()).c_str());
   }
   if (in.tensors) {
     for (const auto& t : file.tensors()) {

@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -499,6 +500,7 @@ int main(int argc, char** argv) {
   raise_open_file_limit();
   CLI::App app{"batchlm — run large batches of LLM calls: evals and data synthesis,\n"
                "against OpenAI-compatible APIs or the embedded engine."};
+  app.name("batchlm");  // the usage line names the program even before argv is parsed
   app.footer(kExamples);
   app.set_version_flag("--version,-V", std::string("batchlm ") + BATCHLM_VERSION);
   app.require_subcommand(1);
@@ -524,6 +526,25 @@ int main(int argc, char** argv) {
   if (argc <= 1) {
     std::fputs(app.help().c_str(), stderr);
     return kExitUsage;
+  }
+  // `batchlm help` and `batchlm help COMMAND`, as other tools take them: read as --help.
+  std::vector<char*> help_args;
+  char help_flag[] = "--help";
+  if (std::string_view(argv[1]) == "help" && argc <= 3) {
+    help_args = {argv[0]};
+    if (argc == 3) {
+      const auto subs = app.get_subcommands({});
+      if (std::none_of(subs.begin(), subs.end(), [&](const CLI::App* sub) { return sub->get_name() == argv[2]; })) {
+        std::string commands;
+        for (const CLI::App* sub : subs) commands += (commands.empty() ? "" : ", ") + sub->get_name();
+        std::fprintf(stderr, "batchlm: error: unknown command '%s' (commands: %s)\n", argv[2], commands.c_str());
+        return kExitUsage;
+      }
+      help_args.push_back(argv[2]);
+    }
+    help_args.push_back(help_flag);
+    argc = static_cast<int>(help_args.size());
+    argv = help_args.data();
   }
   try {
     app.parse(argc, argv);

@@ -225,7 +225,7 @@ class Dispatcher {
         more += ", " + std::to_string(resume.dropped_duplicates) + " later records of ids already done dropped";
       if (resume.dropped_torn_line) more += ", a torn last line dropped";
       std::fprintf(options_.progress_out, "batchlm: resuming %s: %lld done, %lld failed to retry%s\n",
-                   job_.output.path.c_str(), static_cast<long long>(resume.kept),
+                   terminal_safe(job_.output.path).c_str(), static_cast<long long>(resume.kept),
                    static_cast<long long>(resume.dropped_failed), more.c_str());
     }
 
@@ -300,7 +300,7 @@ class Dispatcher {
       if (signo == SIGHUP) {
         begin_stop("hangup (the terminal closed)", true, false);
       } else {
-        begin_stop(signo == SIGINT ? "interrupted" : "terminated");
+        begin_stop(signo == SIGINT ? "interrupted" : "terminated", true, true, signo == SIGINT ? " again" : "");
       }
       wait_for_signal(signals);
     });
@@ -321,13 +321,15 @@ class Dispatcher {
 
   // `interrupted`: by a signal (exit 130), not by the run itself; `ctrl_c_hint`: say that a
   // Ctrl-C exits at once (pointless when the terminal is gone).
-  void begin_stop(const char* why, bool interrupted = true, bool ctrl_c_hint = true) {
+  // `again`: " again" where the stop came from a Ctrl-C.
+  void begin_stop(const char* why, bool interrupted = true, bool ctrl_c_hint = true, const char* again = " again") {
+    const std::string hint = std::string(" (Ctrl-C") + again + " to exit now)";
     if (stopping_) {
       // The run was already stopping by itself (the API refused it, the output failed): this
       // signal is the first, so it does not exit yet; say so, or the keypress looks ignored.
       if (interrupted && ctrl_c_hint)
         progress_.message("batchlm: " + std::string(why) + ": already stopping; waiting for " +
-                          std::to_string(counters_.in_flight) + " in flight (Ctrl-C again to exit now)");
+                          std::to_string(counters_.in_flight) + " in flight" + hint);
       return;
     }
     stopping_ = true;
@@ -342,7 +344,7 @@ class Dispatcher {
     progress_.message("batchlm: " + std::string(why) + ": no new items; " +
                       (attempts == 0 ? std::string("none in flight")
                                      : "waiting up to " + std::string(grace) + " for " + std::to_string(attempts) +
-                                           " in flight" + (interrupted && ctrl_c_hint ? " (Ctrl-C again to exit now)" : "")));
+                                           " in flight" + (interrupted && ctrl_c_hint ? hint : "")));
     // Items not inside an attempt (waiting for a slot, a rate limit or a backoff) stop now.
     for (auto& item : items_)
       if (!item.in_attempt) item.cancel.emit(asio::cancellation_type::terminal);
@@ -953,11 +955,11 @@ class Dispatcher {
                      engine->tokens_per_pass(), 100.0 * engine->draft_time_share());
       }
     }
-    std::fprintf(options_.progress_out, "output: %s\n", job_.output.path.c_str());
+    std::fprintf(options_.progress_out, "output: %s\n", terminal_safe(job_.output.path).c_str());
     if (summary_error) {
       std::fprintf(stderr, "batchlm: summary not written: %s\n", summary_error->c_str());
     } else {
-      std::fprintf(options_.progress_out, "summary: %s\n", r.summary_path.c_str());
+      std::fprintf(options_.progress_out, "summary: %s\n", terminal_safe(r.summary_path).c_str());
     }
     if (interrupted_ && r.unfinished == 0 && !output_error_) {
       // Stopped while the last items were in flight, and they finished: nothing to resume.
@@ -966,8 +968,8 @@ class Dispatcher {
     } else if (interrupted_) {
       r.exit_code = kExitInterrupted;
       std::fprintf(options_.progress_out,
-                   "interrupted: %lld items not finished; run the same command again to resume\n",
-                   static_cast<long long>(r.unfinished));
+                   "interrupted: %lld item%s not finished; run the same command again to resume\n",
+                   static_cast<long long>(r.unfinished), r.unfinished == 1 ? "" : "s");
     } else if (output_error_) {
       r.exit_code = kExitSomeFailed;
       const std::string not_saved =
@@ -1192,7 +1194,7 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, const DryRunOpt
                  "the run would fail %s; raise backend.context or shorten the prompts\n",
                  static_cast<long long>(past_context), past_context == 1 ? "s" : "",
                  static_cast<long long>(options.context), first_past.c_str(), past_context == 1 ? "it" : "them");
-  std::fprintf(out, "output: %s\nnothing was sent.\n", job.output.path.c_str());
+  std::fprintf(out, "output: %s\nnothing was sent.\n", terminal_safe(job.output.path).c_str());
 }
 
 }  // namespace batchlm::runner

@@ -527,12 +527,28 @@ class Reader {
   // overrode it.
   SourceMark mark(const YAML::Node& at, const std::string& field) const {
     if (std::optional<std::string> flag = overriding_flag(overrides_, field)) return SourceMark{std::move(*flag), 0, 0};
+    // A map no line of the file wrote was made by a --set of a field inside it
+    // (backend.timeouts for --set backend.timeouts.connect=1s): that flag is where it came from.
+    if (at.IsDefined() && at.Mark().is_null()) {
+      for (std::string outer = field; !outer.empty();) {
+        if (std::optional<std::string> flag = inner_override(outer)) return SourceMark{std::move(*flag), 0, 0};
+        const std::size_t dot = outer.find_last_of(".[");
+        outer.resize(dot == std::string::npos ? 0 : dot);
+      }
+    }
     SourceMark m{file_, 0, 0};
     if (at.IsDefined() && !at.Mark().is_null()) {
       m.line = at.Mark().line + 1;
       m.column = at.Mark().column + 1;
     }
     return m;
+  }
+
+  // The flag of the last override of a field inside `outer`.
+  std::optional<std::string> inner_override(const std::string& outer) const {
+    for (auto it = overrides_.rbegin(); it != overrides_.rend(); ++it)
+      if (it->path.starts_with(outer + ".")) return it->flag.empty() ? std::string("--set") : it->flag;
+    return std::nullopt;
   }
 
   // A setting that is valid but has no effect: the run goes on, the warning is printed first.
@@ -1413,6 +1429,8 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
                    (names.empty() ? "none" : names) + ")");
   }
   if (job.output.path.empty()) job.output.path = "out/" + job.name + ".jsonl";
+  if (Reader::has(root["output"]) && root["output"].IsMap() && Reader::has(root["output"]["input_fields"]))
+    job.marks.emplace("output.input_fields", r.mark(root["output"]["input_fields"], "output.input_fields"));
   // The output is checked once the job has loaded (whether it can be written there); this says
   // where its path was given.
   if (Reader::has(root["output"]))
@@ -1662,6 +1680,9 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
         const std::size_t indent_end = text.find_first_not_of(" \t");
         tab = text.substr(0, indent_end).find('\t') != std::string_view::npos;
         if (tab) message += " (this line is indented with a tab; YAML indents with spaces)";
+        // `{path: ${DIR:-data}/x.jsonl}`: the variable's braces end the flow map.
+        if (!tab && text.find("${") != std::string_view::npos && e.msg.find("flow") != std::string::npos)
+          message += " (a ${...} inside {...} or [...] must be quoted: \"${...}\")";
       }
     }
     // Else the parser may fail lines after a quote left open: the quote is what to fix.

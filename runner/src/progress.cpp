@@ -182,6 +182,7 @@ std::string Progress::render_bar(const ProgressCounters& c, double elapsed_secon
     }
     return total + std::max(0, count - 1);  // one space between fields
   };
+  std::vector<std::ptrdiff_t> dropped;
   while (length(kMinBar) > avail) {
     auto lowest = fields.end();
     for (auto it = fields.begin(); it != fields.end(); ++it) {
@@ -191,6 +192,15 @@ std::string Progress::render_bar(const ProgressCounters& c, double elapsed_secon
     }
     if (lowest == fields.end()) break;  // only the count is left; cut below
     lowest->present = false;
+    dropped.push_back(lowest - fields.begin());
+  }
+  // A long field dropped late (the engine's) may leave room for shorter ones dropped before
+  // it: they come back, the most important first, rather than the room going to the bar.
+  std::stable_sort(dropped.begin(), dropped.end(),
+                   [&](std::ptrdiff_t a, std::ptrdiff_t b) { return fields[a].priority > fields[b].priority; });
+  for (const std::ptrdiff_t i : dropped) {
+    fields[i].present = true;
+    if (length(kMinBar) > avail) fields[i].present = false;
   }
   // The bar keeps its length as the figures beside it grow, rather than shifting every field
   // after it at each redraw: laid out with room for the count at its final width, the percent
@@ -239,6 +249,20 @@ bool Progress::in_background() const {
   return foreground != -1 && foreground != ::getpgrp();
 }
 
+std::string Progress::back_to_bar() const {
+  // "\r" returns to the start of the line, ESC[K (after it) clears what a longer earlier line left.
+  std::string back = "\r";
+  const int width = columns();
+  if (rewraps_ && bar_length_ > static_cast<std::size_t>(width)) {
+    // The terminal got narrower than the last bar and wrapped it into rows of the new width,
+    // the cursor at its end: up to the first of those rows, and clear down from there.
+    const std::size_t rows_above = (bar_length_ - 1) / static_cast<std::size_t>(width);
+    if (rows_above > 0) back += format("\x1b[%zuA", rows_above);
+    back += "\x1b[J";
+  }
+  return back;
+}
+
 void Progress::draw(const ProgressCounters& c, std::chrono::steady_clock::time_point now, bool final) {
   const double elapsed = std::chrono::duration<double>(now - start_).count();
   if (tty_ && in_background()) {
@@ -247,18 +271,8 @@ void Progress::draw(const ProgressCounters& c, std::chrono::steady_clock::time_p
     if (final) std::fprintf(out_, "\n%s\n", render_bar(c, elapsed).c_str());
     bar_length_ = 0;
   } else if (tty_) {
-    // "\r" returns to the start of the line, ESC[K clears what a longer earlier line left.
-    std::string back = "\r";
-    const int width = columns();
-    if (rewraps_ && bar_length_ > static_cast<std::size_t>(width)) {
-      // The terminal got narrower than the last bar and wrapped it into rows of the new width,
-      // the cursor at its end: up to the first of those rows, and clear down from there.
-      const std::size_t rows_above = (bar_length_ - 1) / static_cast<std::size_t>(width);
-      if (rows_above > 0) back += format("\x1b[%zuA", rows_above);
-      back += "\x1b[J";
-    }
     const std::string line = render_bar(c, elapsed);
-    std::fprintf(out_, "%s%s\x1b[K%s", back.c_str(), line.c_str(), final ? "\n" : "");
+    std::fprintf(out_, "%s%s\x1b[K%s", back_to_bar().c_str(), line.c_str(), final ? "\n" : "");
     bar_length_ = final ? 0 : line.size();
   } else {
     std::fprintf(out_, "%s\n", render_plain(c, elapsed).c_str());
@@ -282,8 +296,11 @@ void Progress::finish(const ProgressCounters& c, std::chrono::steady_clock::time
 }
 
 void Progress::message(const std::string& line) {
-  // Messages may quote a server (why the run stops): one line of text, whatever it sent.
-  std::fprintf(out_, "%s%s\n", bar_length_ > 0 ? "\n" : "", terminal_safe(line).c_str());
+  // Messages may quote a server (why the run stops): one line of text, whatever it sent. It
+  // takes the bar's place (a bar left above it would show figures already stale); the next
+  // draw puts the bar back below it.
+  const std::string erase = tty_ && bar_length_ > 0 ? back_to_bar() + "\x1b[K" : "";
+  std::fprintf(out_, "%s%s\n", erase.c_str(), terminal_safe(line).c_str());
   std::fflush(out_);
   bar_length_ = 0;
 }

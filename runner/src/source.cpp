@@ -489,11 +489,18 @@ class FileSource : public Source {
     std::string line;
     batch_ = job.input.format == InputFormat::Batch;
     std::set<std::string> wanted(job.output.input_fields.begin(), job.output.input_fields.end());
+    // A model given on the command line, which Batch-API bodies naming their own leave unused.
+    const std::string job_model = job.request.model.empty() ? job.backend.model : job.request.model;
+    std::int64_t bodies_with_a_model = 0;
+    std::pair<std::string, std::int64_t> first_body_model;
     while (total_ < limit && reader.next(line)) {
       ordered value = parse_object(line, job.input.path, reader.line_number());
       if (total_ == 0 && job.input.format == InputFormat::Auto) batch_ = looks_like_batch(value);
       for (auto it = wanted.begin(); it != wanted.end();) it = value.contains(*it) ? wanted.erase(it) : std::next(it);
       Item item = build(std::move(value), reader.line_number());
+      if (batch_ && item.request.model != job_model && !item.request.model.empty()) {
+        if (bodies_with_a_model++ == 0) first_body_model = {item.request.model, reader.line_number()};
+      }
       if (batch_) {
         auto [it, fresh] = custom_ids.emplace(item.id_key, reader.line_number());
         if (!fresh)
@@ -504,9 +511,25 @@ class FileSource : public Source {
       ++total_;
     }
     reader_.emplace(job.input.path);
+    if (bodies_with_a_model > 0 && job.backend.type != "local") {
+      for (const char* field : {"request.model", "backend.model"}) {
+        const auto flag = job.marks.find(field);
+        if (flag == job.marks.end() || flag->second.file == job.file) continue;
+        warnings_.push_back(flag->second.file + ": " + field + ": '" + job_model + "' is not sent for the " +
+                            std::to_string(bodies_with_a_model) + " Batch-API line" +
+                            (bodies_with_a_model == 1 ? "" : "s") + " whose body names its own model ('" +
+                            first_body_model.first + "' on line " + std::to_string(first_body_model.second) +
+                            "): a body's model wins; take the model out of the bodies to use this one");
+        break;
+      }
+    }
+    const auto at = job.marks.find("output.input_fields");
+    const SourceMark m = at != job.marks.end() ? at->second : SourceMark{job.file, 0, 0};
     for (const std::string& field : wanted)
-      warnings_.push_back(job.file + ": output.input_fields: no item of " + job.input.path + " has the field '" +
-                          field + "'; records will not have it");
+      warnings_.push_back(ConfigError(m.file, m.line, m.column, "output.input_fields",
+                                      "no item of " + job.input.path + " has the field '" + field +
+                                          "'; records will not have it")
+                              .what());
   }
 
   std::vector<std::string> warnings() const override { return warnings_; }

@@ -748,6 +748,18 @@ TEST(BatchlmCli, HelpVersionAndUsageErrors) {
   EXPECT_EQ(bare.exit_code, 2);
   EXPECT_NE(bare.err.find("Usage:"), std::string::npos) << bare.err;
   EXPECT_NE(bare.err.find("Subcommands:"), std::string::npos) << bare.err;
+  EXPECT_EQ(bare.err.find("Usage: [OPTIONS]"), std::string::npos) << bare.err;  // the program is named
+  EXPECT_NE(bare.err.find("Usage: batchlm "), std::string::npos) << bare.err;
+  // `help` and `help COMMAND` are the helps --help gives.
+  RunResult help_word = run_batchlm(dir.path, {"help"});
+  EXPECT_EQ(help_word.exit_code, 0);
+  EXPECT_EQ(help_word.out, help.out);
+  RunResult help_serve = run_batchlm(dir.path, {"help", "serve"});
+  EXPECT_EQ(help_serve.exit_code, 0);
+  EXPECT_NE(help_serve.out.find("--no-kv-commit "), std::string::npos) << help_serve.out;
+  RunResult help_bad = run_batchlm(dir.path, {"help", "frobnicate"});
+  EXPECT_EQ(help_bad.exit_code, 2);
+  EXPECT_EQ(help_bad.err.rfind("batchlm: error: unknown command 'frobnicate'", 0), 0u) << help_bad.err;
   // Each engine command's help is its own: not run's exit codes and resume text.
   for (const char* command : {"generate", "inspect"}) {
     RunResult h = run_batchlm(dir.path, {command, "--help"});

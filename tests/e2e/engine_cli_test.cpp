@@ -252,6 +252,20 @@ TEST_F(EngineCli, InspectDescribesTheModel) {
   EXPECT_TRUE(contains(tensors.out, "output.weight")) << tensors.out;
 }
 
+// A vocabulary-only GGUF (llama.cpp's tokenizer tests ship them) has no network to run, but its
+// tokenizer is what it is for: inspect shows it.
+TEST_F(EngineCli, InspectShowsTheTokenizerOfAVocabularyOnlyFile) {
+  const fs::path vocab = fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/ggml-vocab-qwen2.gguf";
+  ASSERT_TRUE(fs::exists(vocab));  // scripts/fetch-vocabs.sh fetches it
+  RunResult r = run_batchlm(dir(), {"inspect", vocab.string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "tensor types  none\n")) << r.out;
+  EXPECT_TRUE(contains(r.out, "tokenizer     gpt2 (pre-tokenizer qwen2), 151936 tokens")) << r.out;
+  EXPECT_TRUE(contains(r.out, "eot 151645 \"<|im_end|>\"")) << r.out;
+  EXPECT_TRUE(contains(r.out, "chat template chatml")) << r.out;
+  EXPECT_TRUE(contains(r.out, "runs          no: the file holds no tensors (a vocabulary only)\n")) << r.out;
+}
+
 TEST_F(EngineCli, InspectQuantizedTiedModel) {
   batchlm::testing::TinyLlamaOptions options;
   options.weight_dtype = kernels::DType::Q4_1;

@@ -122,7 +122,8 @@ TEST(EngineFields, RequestFieldsBelongOutsideTheExtraOnes) {
 TEST(EngineFields, UnknownFieldsAreNamed) {
   EXPECT_EQ(problem("typical_p", 0.5),
             "the embedded engine does not use 'typical_p' (of the extra fields it takes top_k, min_p, presence_penalty, "
-            "frequency_penalty, logit_bias, logprobs, top_logprobs, response_format and ignore_eos); remove it, or run the job against an API that "
+            "frequency_penalty, logit_bias, logprobs, top_logprobs, response_format, ignore_eos, tools, tool_choice, "
+            "parallel_tool_calls and chat_template_kwargs); remove it, or run the job against an API that "
             "does (--base-url)");
 }
 

@@ -718,6 +718,21 @@ TEST_F(JobFile, SettingsForTheOtherKindOfBackend) {
   EXPECT_TRUE(load(with_input("backend: {threads: 2}\n")).warnings.empty());
 }
 
+TEST_F(JobFile, AMapMadeByASetIsBlamedOnTheSet) {
+  // --set backend.timeouts.connect=1s makes backend.timeouts; no line of the file wrote it.
+  JobSpec job = load(with_input(""), {Override{"backend.timeouts.connect", "1s"}});
+  ASSERT_EQ(job.warnings.size(), 1u);
+  EXPECT_EQ(job.warnings[0], "--set: backend.timeouts: has no effect on the embedded engine (backend.type is local)");
+  // A field missing from a map a --set made: the --set, not the file.
+  ConfigError e = error_of(with_input(""), {Override{"backend.speculative.method", "draft"}});
+  EXPECT_EQ(e.field(), "backend.speculative.model");
+  EXPECT_EQ(e.file(), "--set");
+  // The same map written in the file is the file's.
+  e = error_of(with_input("backend: {speculative: {k_max: 4}}\n"), {Override{"backend.speculative.method", "draft"}});
+  EXPECT_EQ(e.file(), "jobs/t.yaml");
+  EXPECT_EQ(e.line(), 2);
+}
+
 TEST_F(JobFile, OutputThatNamesADirectoryIsAnError) {
   ConfigError e = error_of(with_input("output: out/x.jsonl/\n"));
   EXPECT_EQ(e.field(), "output.path");
@@ -895,6 +910,10 @@ TEST_F(JobFile, InvalidYamlReportsTheParserPosition) {
   EXPECT_GT(e.line(), 1);
   EXPECT_GT(e.column(), 0);
   EXPECT_EQ(e.message().rfind("invalid YAML: ", 0), 0u) << e.what();
+  // An unquoted ${...} in a flow map ends it early: the message says to quote it.
+  e = error_of("input: in.jsonl\nfew_shot: {path: ${BATCHLM_DATA:-data}/train.jsonl, count: 8}\n");
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_NE(e.message().find("must be quoted"), std::string::npos) << e.what();
 }
 
 TEST_F(JobFile, RootThatIsNotAMapIsAnError) {

@@ -73,6 +73,20 @@ TEST(ProgressBar, EngineStatsShowWhenThereIsRoom) {
   EXPECT_EQ(plain.render_plain(counters(), 10.0).find("engine"), std::string::npos);
 }
 
+// The engine's field, too long for 80 columns, goes; the shorter fields dropped before it come
+// back rather than its room going to the bar.
+TEST(ProgressBar, RoomALongFieldLeavesGoesBackToShorterOnes) {
+  ProgressCounters c = counters();
+  c.engine = "12 run 20 wait cache 87% kv 41%";
+  c.retries = c.failed = 0;  // the in-flight count then goes before the engine's field
+  Progress progress(nullptr, true, seconds{5}, 80);
+  const std::string line = progress.render_bar(c, 10.0);
+  EXPECT_EQ(line.find("engine"), std::string::npos) << line;
+  for (const char* field : {"120/1319", "eta 2m00s", "in-flight 32"})
+    EXPECT_NE(line.find(field), std::string::npos) << field << " missing in: " << line;
+  EXPECT_LE(line.size(), 77u);
+}
+
 TEST(ProgressBar, BarFillMatchesTheFractionDone) {
   Progress progress(nullptr, true, seconds{5}, 200);
   ProgressCounters c = counters();
@@ -339,9 +353,9 @@ TEST(Progress, ShrunkTerminalThatCutsLinesIsRedrawnInPlace) {
   std::fclose(file);
 }
 
-// A message while the bar shows ends the bar's line first; the bar then starts anew below it
-// (and a resize does not send it up over the message).
-TEST(Progress, MessageEndsTheBarLineFirst) {
+// A message while the bar shows takes the bar's place (no stale bar is left above it); the bar
+// then starts anew below it (and a resize does not send it up over the message).
+TEST(Progress, MessageTakesTheBarsPlace) {
   std::FILE* file = std::tmpfile();
   ASSERT_NE(file, nullptr);
   const auto start = std::chrono::steady_clock::now();
@@ -349,7 +363,7 @@ TEST(Progress, MessageEndsTheBarLineFirst) {
   progress.update(counters(), start);
   progress.message("batchlm: interrupted");
   const std::size_t before = contents(file).size();
-  EXPECT_EQ(contents(file).substr(contents(file).size() - 22), "\nbatchlm: interrupted\n");
+  EXPECT_EQ(contents(file).substr(contents(file).size() - 25), "\r\x1b[Kbatchlm: interrupted\n");
   progress.resize(40);
   progress.update(counters(), start + milliseconds{200});
   EXPECT_EQ(contents(file).substr(before).rfind("\r120/1319", 0), 0u);

@@ -267,6 +267,23 @@ TEST_F(SourceTest, BatchLineWithAnEmptyModelIsRefused) {
   EXPECT_EQ(e.message(), "empty; name a model, or leave the key out for the job's");
 }
 
+// -m with a Batch-API file whose bodies name their model: the bodies win, and the run says so.
+TEST_F(SourceTest, AModelFlagThatBatchBodiesOverrideIsWarnedAbout) {
+  std::string in = write("batch.jsonl",
+                         R"({"custom_id": "a", "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}})"
+                         "\n"
+                         R"({"custom_id": "b", "body": {"messages": [{"role": "user", "content": "hi"}]}})"
+                         "\n");
+  const std::string yaml = "input: " + in + "\nbackend: {base_url: http://h/v1}\n";
+  auto flagged = open_source(load_job_text(yaml, "jobs/t.yaml", {Override{"backend.model", "foo", true, "-m"}}, no_env()));
+  ASSERT_EQ(flagged->warnings().size(), 1u);
+  EXPECT_EQ(flagged->warnings()[0],
+            "-m: backend.model: 'foo' is not sent for the 1 Batch-API line whose body names its own model "
+            "('gpt-4o-mini' on line 1): a body's model wins; take the model out of the bodies to use this one");
+  // The file's own model is the default the bodies were written against: nothing to say.
+  EXPECT_TRUE(open_source(job(yaml))->warnings().empty());
+}
+
 TEST_F(SourceTest, PromptThatIsNotAStringNamesItsType) {
   std::string in = write("in.jsonl", "{\"prompt\": \"hi\"}\n{\"prompt\": 5}\n");
   ConfigError e = open_error(job("input: " + in + "\n"));
@@ -295,8 +312,13 @@ TEST_F(SourceTest, InputFieldsNoItemHasAreWarnedAbout) {
   std::string in = write("in.jsonl", "{\"question\": \"a\", \"id\": 1}\n{\"question\": \"b\", \"level\": 2}\n");
   auto source = open_source(job("input: " + in + "\noutput: {input_fields: [questoin, level, id]}\n" + kQuestionTemplate));
   ASSERT_EQ(source->warnings().size(), 1u);
-  EXPECT_EQ(source->warnings()[0], "jobs/t.yaml: output.input_fields: no item of " + in +
+  EXPECT_EQ(source->warnings()[0], "jobs/t.yaml:2:24: output.input_fields: no item of " + in +
                                        " has the field 'questoin'; records will not have it");
+  // Given by --set, the --set is named.
+  auto set = open_source(load_job_text("input: " + in + kQuestionTemplate, "jobs/t.yaml",
+                                       {Override{"output.input_fields", "[foo]"}}, no_env()));
+  ASSERT_EQ(set->warnings().size(), 1u);
+  EXPECT_EQ(set->warnings()[0].rfind("--set: output.input_fields: no item of ", 0), 0u) << set->warnings()[0];
   EXPECT_TRUE(open_source(job("input: " + in + "\noutput: {input_fields: [question]}\n" + kQuestionTemplate))
                   ->warnings()
                   .empty());

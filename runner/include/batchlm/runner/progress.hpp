@@ -61,6 +61,9 @@ class Progress {
 
  private:
   void draw(const ProgressCounters& c, std::chrono::steady_clock::time_point now, bool final);
+  // The bytes that take the cursor back to the start of the bar on screen (up the rows a
+  // narrowed terminal wrapped it into, clearing them).
+  std::string back_to_bar() const;
   int columns() const;
   bool in_background() const;  // of the terminal: another process group has it
 
