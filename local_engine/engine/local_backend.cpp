@@ -154,7 +154,11 @@ struct LocalBackend::State {
       if (job->cancelled.load()) continue;
       try {
         const Model& model = engine->model();
-        job->prompt = request_prompt_tokens(model.tokenizer(), model.chat_template(), job->request);
+        // A text completion needs no chat template: a model whose template this build does not
+        // support still completes prompts.
+        job->prompt = job->request.prompt
+                          ? text_prompt_tokens(model.tokenizer(), *job->request.prompt)
+                          : request_prompt_tokens(model.tokenizer(), model.chat_template(), job->request);
       } catch (const std::exception& e) {
         fail(*job, ErrorKind::Http, 400, "invalid_request", e.what());
         continue;
@@ -240,7 +244,11 @@ std::int64_t LocalBackend::context() const { return state_->engine->context(); }
 std::int64_t LocalBackend::vocab_size() const { return state_->engine->model().config().n_vocab; }
 
 std::optional<std::string> LocalBackend::tools_problem() const {
-  return local_engine::tools_problem(state_->engine->model().chat_template());
+  try {
+    return local_engine::tools_problem(state_->engine->model().chat_template());
+  } catch (const std::exception& e) {
+    return std::string(e.what());  // no template this build supports: none to show tools in
+  }
 }
 
 std::int64_t LocalBackend::pool_bytes() const { return state_->engine->pool_bytes(); }
@@ -301,9 +309,21 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   // A forced tool_choice holds the answer to one call in the template's form: Qwen's opens it
   // with "<tool_call>\n" in the prompt and the model writes the call's JSON; Llama's answer is
   // the call's JSON alone. Either way it is read as the JSON of one call.
-  const ChatTemplate& chat = state_->engine->model().chat_template();
+  // A chat needs the model's template; a text completion does not, and runs whatever it is.
+  const ChatTemplate* chat = nullptr;
+  if (!request.prompt) {
+    std::string unsupported;
+    try {
+      chat = &state_->engine->model().chat_template();
+    } catch (const std::exception& e) {
+      unsupported = e.what();
+    }
+    if (chat == nullptr)
+      co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request", unsupported, std::nullopt, false});
+  }
   const std::optional<nlohmann::json> forced =
-      tools && chat.calls_tools() ? forced_call_schema(request.extra, call_arguments_key(chat.call_format())) : std::nullopt;
+      tools && chat->calls_tools() ? forced_call_schema(request.extra, call_arguments_key(chat->call_format()))
+                                   : std::nullopt;
   job->request = request;  // its prompt is made on the preparing thread
   GenerateParams& p = job->params;
   p.max_tokens = request.max_tokens.value_or(0);
@@ -365,10 +385,10 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   // the options keep it in the text; a constrained answer (JSON, a forced call) has none.
   std::optional<ReasoningSplit> split;
   if (state_->split_reasoning && !request.prompt && !p.json_object && !p.json_schema)
-    split.emplace(chat.opens_reasoning());
+    split.emplace(chat->opens_reasoning());
   // With tools, the sink gets the content up to where a call may begin: once a <tool_call> has
   // begun, the rest is held until the answer is whole (calls, or text after all).
-  ToolCallStream calls(forced ? CallFormat::kJson : chat.call_format());
+  ToolCallStream calls(forced ? CallFormat::kJson : chat != nullptr ? chat->call_format() : CallFormat::kNone);
   const auto send = [&](std::string_view piece, TextPart part) {
     if (sink) sink(piece, pending, part);
     pending.clear();

@@ -77,6 +77,13 @@ constexpr std::uint32_t kMaxDims = 4;
 // Arrays of arrays are legal; a corrupt file could nest them millions deep (12 bytes a level)
 // and overflow the stack of the recursive parser. Real files nest at most one level.
 constexpr int kMaxArrayDepth = 8;
+// Bounds far past any model (the largest vocabularies have a few hundred thousand tokens and
+// merges; the largest models some tens of thousands of tensors), so that a corrupt or hostile
+// file is refused before its counts cost memory: every array item is held as a Value of some
+// 50 bytes, whatever its encoded size.
+constexpr std::uint64_t kMaxArrayItems = std::uint64_t{1} << 24;  // in all the metadata's arrays
+constexpr std::uint64_t kMaxKeys = std::uint64_t{1} << 20;
+constexpr std::uint64_t kMaxTensors = std::uint64_t{1} << 20;
 // The GGUF spec limits keys to 65535 bytes.
 constexpr std::uint64_t kMaxKeyLength = 65535;
 
@@ -116,27 +123,6 @@ bool is_signed(ValueType t) {
   return t == ValueType::I8 || t == ValueType::I16 || t == ValueType::I32 || t == ValueType::I64;
 }
 
-// A name read from the file, quoted for a message: bytes outside printable ASCII (a corrupt
-// file is full of them; GGUF keys and tensor names are ASCII) become \xNN, and a very long
-// name is cut short.
-std::string quote_name(std::string_view s) {
-  constexpr std::size_t kMaxShown = 96;
-  std::string out = "'";
-  for (std::size_t i = 0; i < s.size() && i < kMaxShown; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c < 0x20 || c >= 0x7f) {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 0xf];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  if (s.size() > kMaxShown) out += "...";
-  out += "'";
-  return out;
-}
 
 constexpr TensorType kTensorTypes[] = {
     {0, "F32", 1, 4},          {1, "F16", 1, 2},          {2, "Q4_0", 32, 18},
@@ -231,6 +217,14 @@ class Reader {
     }
   }
 
+  // Counts `count` more array items against kMaxArrayItems.
+  void take_items(std::uint64_t count) {
+    items_ += count;
+    if (count > kMaxArrayItems || items_ > kMaxArrayItems)
+      fail(context() + ": the metadata's arrays hold more than " + std::to_string(kMaxArrayItems) +
+           " items (no model's vocabulary comes near): the file is corrupt or not a model");
+  }
+
  private:
   void need(std::uint64_t n) const {
     if (n > remaining()) truncated(std::to_string(n) + " bytes needed at byte " + std::to_string(pos_));
@@ -248,6 +242,7 @@ class Reader {
   std::uint64_t size_;
   std::uint64_t pos_ = 0;
   std::string context_ = "the header";
+  std::uint64_t items_ = 0;  // array items read so far, all arrays together
 };
 
 Value read_value(Reader& reader, ValueType type, int depth) {
@@ -287,6 +282,7 @@ Value read_value(Reader& reader, ValueType type, int depth) {
       }
       const auto count = reader.read<std::uint64_t>();
       reader.check_count(count, min_encoded_size(*element_type), "array items");
+      reader.take_items(count);
       Array array;
       array.element_type = *element_type;
       array.items.reserve(static_cast<std::size_t>(count));
@@ -308,6 +304,28 @@ std::optional<std::uint64_t> checked_mul(std::uint64_t a, std::uint64_t b) {
 }
 
 }  // namespace
+
+// A name read from the file, quoted for a message: bytes outside printable ASCII (a corrupt
+// file is full of them; GGUF keys and tensor names are ASCII) become \xNN, and a very long
+// name is cut short.
+std::string quote_name(std::string_view s) {
+  constexpr std::size_t kMaxShown = 96;
+  std::string out = "'";
+  for (std::size_t i = 0; i < s.size() && i < kMaxShown; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x20 || c >= 0x7f) {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xf];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (s.size() > kMaxShown) out += "...";
+  out += "'";
+  return out;
+}
 
 const TensorType* tensor_type(std::uint32_t id) {
   for (const TensorType& t : kTensorTypes)
@@ -450,6 +468,12 @@ File File::open(const std::filesystem::path& path) {
     const auto kv_count = reader.read<std::uint64_t>();
     reader.check_count(kv_count, kMinKvBytes, "metadata keys");
     reader.check_count(tensor_count, kMinTensorInfoBytes, "tensors");
+    if (kv_count > kMaxKeys)
+      file.fail("the header counts " + std::to_string(kv_count) + " metadata keys, more than the " +
+                std::to_string(kMaxKeys) + " allowed: the file is corrupt or not a model");
+    if (tensor_count > kMaxTensors)
+      file.fail("the header counts " + std::to_string(tensor_count) + " tensors, more than the " +
+                std::to_string(kMaxTensors) + " allowed: the file is corrupt or not a model");
 
     // Metadata.
     std::unordered_set<std::string> keys;
@@ -579,10 +603,28 @@ File File::open(const std::filesystem::path& path) {
       const TensorInfo& previous = *by_offset[i - 1];
       const TensorInfo& next = *by_offset[i];
       if (previous.offset + previous.n_bytes > next.offset) {
-        file.fail("tensor " + quote_name(previous.name) + " (bytes " + std::to_string(previous.offset) +
-                  " to " + std::to_string(previous.offset + previous.n_bytes) +
-                  " of the data section) overlaps tensor " + quote_name(next.name) + " (from byte " +
-                  std::to_string(next.offset) + ")");
+        file.fail("tensor " + quote_name(previous.name) + " (bytes " + std::to_string(previous.offset) + " to " +
+                  std::to_string(previous.offset + previous.n_bytes) + " of the data section) overlaps tensor " +
+                  quote_name(next.name) + " (from byte " + std::to_string(next.offset) + ")");
+      }
+    }
+    // Nor leave bytes between them: the data is packed, each tensor padded to the alignment (as
+    // llama.cpp's reader requires). A gap means a tensor's type or shape says fewer bytes than
+    // its data has: read as it says, the weights would be garbage.
+    if (!by_offset.empty() && by_offset.front()->offset != 0)
+      file.fail("the data section begins with " + std::to_string(by_offset.front()->offset) +
+                " bytes no tensor holds (the first, " + quote_name(by_offset.front()->name) + ")");
+    for (std::size_t i = 1; i < by_offset.size(); ++i) {
+      const TensorInfo& previous = *by_offset[i - 1];
+      const TensorInfo& next = *by_offset[i];
+      const std::uint64_t end = previous.offset + previous.n_bytes;
+      const std::uint64_t padded = (end + file.alignment_ - 1) / file.alignment_ * file.alignment_;
+      if (next.offset > padded) {
+        file.fail("tensor " + quote_name(previous.name) + " (" + std::string(previous.type_name()) + ", " +
+                  std::to_string(previous.n_bytes) + " bytes at offset " + std::to_string(previous.offset) +
+                  " of the data section) is followed by " + std::to_string(next.offset - end) +
+                  " bytes no tensor holds before tensor " + quote_name(next.name) +
+                  ": a type or shape in the table does not match the data");
       }
     }
   } catch (const std::bad_alloc&) {

@@ -104,8 +104,8 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     c.post_norms = c.architecture != "gemma";
     c.qk_norm = c.architecture == "gemma3";
   } else if (c.architecture != "llama") {
-    f.fail("architecture '" + c.architecture +
-           "' is not supported (this build runs the 'llama', 'qwen2', 'qwen3', 'phi3', 'gemma', 'gemma2' and "
+    f.fail("architecture " + gguf::quote_name(c.architecture) +
+           " is not supported (this build runs the 'llama', 'qwen2', 'qwen3', 'phi3', 'gemma', 'gemma2' and "
            "'gemma3' architectures)");
   }
   const bool gemma = c.gelu;
@@ -157,9 +157,10 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   if (!(rope_base > 1.0 && rope_base < 1e30))
     f.fail("metadata '" + a + "rope.freq_base' = " + number(rope_base) + " is out of range (above 1)");
   const double rms_eps = f.find_f64(a + "attention.layer_norm_rms_epsilon").value_or(1e-5);
-  if (!(rms_eps > 0.0 && rms_eps < 1.0))
+  // Bounds that hold in the float the kernels use: 5e-324 would be 0 there.
+  if (!(rms_eps >= 1e-30 && rms_eps < 1.0))
     f.fail("metadata '" + a + "attention.layer_norm_rms_epsilon' = " + number(rms_eps) +
-           " is out of range (between 0 and 1)");
+           " is out of range (1e-30 to 1)");
   c.rope_base = static_cast<float>(rope_base);
   c.rms_eps = static_cast<float>(rms_eps);
   const std::optional<std::string> scaling = f.find_string(a + "rope.scaling.type");
@@ -171,13 +172,13 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
   if (const auto factor = f.find_f64(factor_key); factor && *factor != 0.0 && *factor != 1.0 && scaling != "none") {
     if (scaling == "longrope")
       f.fail("metadata '" + factor_key + "' = " + number(*factor) + " with longrope scaling is not supported");
-    if (!(*factor > 0.0 && *factor < 1e6))
-      f.fail("metadata '" + factor_key + "' = " + number(*factor) + " is out of range (above 0)");
+    if (!(*factor >= 1e-6 && *factor < 1e6))
+      f.fail("metadata '" + factor_key + "' = " + number(*factor) + " is out of range (1e-06 to 1e+06)");
     c.rope_freq_scale = static_cast<float>(1.0 / *factor);
   }
   if (const auto attn = f.find_f64(a + "rope.scaling.attn_factor")) {
-    if (!(*attn > 0.0 && *attn < 100.0))
-      f.fail("metadata '" + a + "rope.scaling.attn_factor' = " + number(*attn) + " is out of range (between 0 and 100)");
+    if (!(*attn >= 1e-6 && *attn < 100.0))
+      f.fail("metadata '" + a + "rope.scaling.attn_factor' = " + number(*attn) + " is out of range (1e-06 to 100)");
     c.rope_attn_factor = static_cast<float>(*attn);
   }
   if (f.find(a + "rope.scaling.original_context_length"))

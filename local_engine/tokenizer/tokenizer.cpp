@@ -556,7 +556,24 @@ const gguf::Array& require_array(const gguf::File& file, const std::string& key,
 
 }  // namespace
 
+namespace {
+Vocab read_vocab(const gguf::File& file);
+}  // namespace
+
 Vocab Vocab::from_gguf(const gguf::File& file) {
+  try {
+    return read_vocab(file);
+  } catch (const gguf::Error& e) {
+    // A value's own accessors (as_string, as_i64) do not know the file: its path goes first.
+    const std::string path = file.path().string();
+    if (std::string_view(e.what()).starts_with(path)) throw;
+    file.fail(e.what());
+  }
+}
+
+namespace {
+
+Vocab read_vocab(const gguf::File& file) {
   Vocab vocab;
   vocab.model = file.get_string("tokenizer.ggml.model");
   vocab.pre = file.find_string("tokenizer.ggml.pre").value_or("default");
@@ -659,6 +676,8 @@ Vocab Vocab::from_gguf(const gguf::File& file) {
   return vocab;
 }
 
+}  // namespace
+
 // --- Tokenizer --------------------------------------------------------------------------------
 
 struct Tokenizer::Impl {
@@ -691,8 +710,8 @@ struct Tokenizer::Impl {
 
 Tokenizer::Tokenizer(Vocab vocab) {
   if (vocab.model != "gpt2" && vocab.model != "llama") {
-    throw std::invalid_argument("tokenizer: unsupported tokenizer model '" + vocab.model +
-                                "' (byte-level BPE, \"gpt2\", and SentencePiece, \"llama\", are supported)");
+    throw std::invalid_argument("unsupported tokenizer model " + gguf::quote_name(vocab.model) +
+                                " (byte-level BPE, \"gpt2\", and SentencePiece, \"llama\", are supported)");
   }
   impl_ = std::make_unique<Impl>(std::move(vocab));
   Impl& impl = *impl_;

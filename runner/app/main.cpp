@@ -584,6 +584,12 @@ int main(int argc, char** argv) {
                  "again\n",
                  e.what());
     return kExitSomeFailed;
+  } catch (const std::bad_alloc&) {
+    // generate and serve (run says which setting): the model, or its KV memory at this context.
+    std::fprintf(stderr,
+                 "batchlm: error: out of memory loading the model and its KV cache; a shorter context (--context) "
+                 "or a smaller KV pool (--kv-memory, --max-sequences) needs less\n");
+    return kExitUsage;
   } catch (const std::exception& e) {
     // ConfigError (file:line:field), OutputLockedError (the holder's pid), I/O errors naming
     // the path: the message says it all.

@@ -377,7 +377,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
                                           const ResponseContext& ctx, int index) {
     bool first = true;
     std::int64_t text_offset = ctx.prompt_chars;
-    Outcome o = co_await backend.complete(request, [&](std::string_view delta, std::span<const TokenLogprob> logprobs,
+    Outcome o = co_await complete_one(request, [&](std::string_view delta, std::span<const TokenLogprob> logprobs,
                                                        TextPart part) {
       json lp = api.logprobs ? choice_logprobs(ctx.endpoint, logprobs, text_offset) : json(nullptr);
       s.pending += sse(text_chunk(ctx, delta, first, api.include_usage, index, std::move(lp), part));
@@ -487,16 +487,27 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     }
   }
 
+  // One choice, as the backend gives it. What it throws comes back as an error Outcome: the
+  // awaitable operators the handlers wait with (||: the first to succeed) would otherwise wait
+  // on past a thrown error, for the client to give up.
+  asio::awaitable<Outcome> complete_one(const Request& request, TokenSink sink) {
+    try {
+      co_return co_await backend.complete(request, std::move(sink));
+    } catch (const std::exception& e) {
+      co_return Outcome::failure(Error{ErrorKind::Internal, 0, "", e.what()});
+    }
+  }
+
   // Every choice of a request that is not streamed.
   asio::awaitable<std::vector<Outcome>> complete_whole(const ApiRequest& api) {
     const std::vector<Request> requests = choice_requests(api);
     std::vector<Outcome> outcomes;
     if (requests.size() == 1) {
-      outcomes.push_back(co_await backend.complete(requests.front(), {}));
+      outcomes.push_back(co_await complete_one(requests.front(), {}));
       co_return outcomes;
     }
     std::vector<asio::awaitable<Outcome>> choices;
-    for (const Request& r : requests) choices.push_back(backend.complete(r, {}));
+    for (const Request& r : requests) choices.push_back(complete_one(r, {}));
     co_return co_await all_of(std::move(choices));
   }
 
@@ -783,6 +794,14 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
 
   static constexpr std::uint32_t kHeaderLimit = 64 * 1024;  // bytes of request line and header fields
 
+  static void skip_empty_lines(beast::flat_buffer& buffer) {
+    const auto data = buffer.data();
+    const auto* bytes = static_cast<const char*>(data.data());
+    std::size_t n = 0;
+    while (n < data.size() && (bytes[n] == '\r' || bytes[n] == '\n')) ++n;
+    buffer.consume(n);
+  }
+
   asio::awaitable<void> session(tcp::socket socket) {
     auto self = shared_from_this();
     Connection c(std::move(socket));
@@ -795,12 +814,17 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         http::request_parser<http::string_body> parser;
         parser.body_limit(options.max_body_bytes);
         parser.header_limit(kHeaderLimit);
+        // Empty lines before a request line are skipped (RFC 9112 2.2): some clients send a
+        // CRLF after a body, which would otherwise read as a malformed next request.
+        skip_empty_lines(c.buffer);
         if (c.buffer.size() == 0) {
           // Idle until the next request's first byte, for up to keep_alive.
           c.stream.expires_after(options.keep_alive);
           auto [idle_ec, first] = co_await c.stream.async_read_some(c.buffer.prepare(4096), use_tuple);
           if (idle_ec) break;
           c.buffer.commit(first);
+          skip_empty_lines(c.buffer);
+          if (c.buffer.size() == 0) continue;
         }
         // From its first byte the whole request (line, fields, body) has request_timeout, however
         // the bytes are spaced: a client trickling them one at a time cannot hold the connection.
@@ -824,10 +848,29 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
                                        "Content-Length, or chunked"));
           break;
         }
+        if (!ec && (parser.get().version() < 11 ? parser.get().count(http::field::transfer_encoding) > 0
+                                                  : parser.get().count(http::field::host) != 1)) {
+          // HTTP/1.0 has no transfer codings: a body framed by one is faulty framing (RFC 9112
+          // 6.1), which a proxy in front may have read otherwise. HTTP/1.1 requires exactly one
+          // Host field (RFC 9112 3.2).
+          HttpRequest head = parser.release();
+          const bool framing = head.version() < 11;
+          head.keep_alive(false);
+          unread_body = true;
+          c.refusing = true;
+          co_await send_error(c, head,
+                              ApiError(400, "invalid_request_error", "",
+                                       framing ? "an HTTP/1.0 request may not use Transfer-Encoding: send the body "
+                                                 "with a Content-Length"
+                                               : "an HTTP/1.1 request needs one Host header field"));
+          break;
+        }
         if (!ec && !parser.is_done()) {
-          // A client that waits for "100 Continue" before sending the body gets it at once.
+          // A client that waits for "100 Continue" before sending the body gets it at once
+          // (an HTTP/1.1 client only: RFC 9110 10.1.1).
           const auto expect = parser.get().find(http::field::expect);
-          if (expect != parser.get().end() && beast::iequals(expect->value(), "100-continue")) {
+          if (parser.get().version() >= 11 && expect != parser.get().end() &&
+              beast::iequals(expect->value(), "100-continue")) {
             http::response<http::empty_body> go_on{http::status::continue_, 11};
             std::tie(ec, n) = co_await http::async_write(c.stream, go_on, use_tuple);
           }

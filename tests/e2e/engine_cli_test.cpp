@@ -224,6 +224,26 @@ TEST_F(EngineCli, GenerateNotAModelNamesTheFile) {
   EXPECT_TRUE(contains(r.err, "magic")) << r.err;
 }
 
+// A KV cache the memory cannot hold (a long context set on the command line) is said to be one,
+// with what to change, not reported as "std::bad_alloc".
+TEST_F(EngineCli, OutOfMemoryForTheKvCacheSaysWhatToChange) {
+  batchlm::testing::TinyLlamaOptions o;
+  o.context_length = std::int64_t{1} << 24;
+  batchlm::testing::write_tiny_llama(dir() / "long.gguf", o);
+  // 2 layers x 2 KV heads x 16 x (key, value) x 2 bytes x 2^24 positions: 4 GiB, past a 2 GiB
+  // address-space limit that the program itself fits in.
+  const std::string command = "ulimit -v 2000000 && exec '" + binary("batchlm") +
+                              "' generate -m long.gguf -p hi -n 1 -t 1 --context 16777216";
+  Process p({.args = {"/bin/sh", "-c", command}, .env = {{"BATCHLM_MODEL", ""}}, .cwd = dir(),
+             .out_file = dir() / "stdout.txt", .err_file = dir() / "stderr.txt"});
+  EXPECT_EQ(p.wait(std::chrono::seconds(120)), 2);
+  const std::string err = read_file(dir() / "stderr.txt");
+  EXPECT_TRUE(contains(err, "batchlm: error: out of memory loading the model and its KV cache; a shorter context "
+                            "(--context)"))
+      << err;
+  EXPECT_FALSE(contains(err, "bad_alloc")) << err;
+}
+
 // ---- inspect -----------------------------------------------------------------------------------
 
 TEST_F(EngineCli, InspectDescribesTheModel) {

@@ -1150,6 +1150,34 @@ TEST_F(Serve, TextCompletion) {
 
 // ---- several choices (n) ---------------------------------------------------------------------
 
+// A chat template this build does not support: text completions run as on any model, and a
+// chat is refused at once (it used to wait, unanswered, for the client to give up).
+TEST_F(Serve, AModelWithAnUnsupportedChatTemplateCompletesTextAndRefusesChats) {
+  batchlm::testing::TinyLlamaOptions o;
+  o.chat_template = "{# a template of its own, never closed";
+  batchlm::testing::write_tiny_llama(dir() / "odd.gguf", o);
+  auto s = serve({}, {}, "odd.gguf");
+  const std::string text = R"({"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0})";
+  HttpResponse t = post(*s, "/v1/completions", text);
+  ASSERT_EQ(t.status, 200) << t.body << t.error;
+  EXPECT_EQ(t.json_body()["usage"]["completion_tokens"], 3) << t.body;
+  HttpResponse ts = post(*s, "/v1/completions", R"({"prompt": "Once", "max_tokens": 2, "stream": true})");
+  ASSERT_EQ(ts.status, 200) << ts.body << ts.error;
+  EXPECT_TRUE(contains(ts.body, "data: [DONE]")) << ts.body;
+  const std::string chat = chat_request("Hi", {{"max_tokens", 3}});
+  for (const bool stream : {false, true}) {
+    json body = json::parse(chat);
+    body["stream"] = stream;
+    HttpResponse c = post(*s, "/v1/chat/completions", body.dump());
+    expect_error(c, 400, "invalid_request_error", "messages", nullptr);
+    EXPECT_TRUE(contains(c.body, "chat template is not one this build supports")) << c.body;
+  }
+  json tools = json::parse(chat);
+  tools["tools"] = json::parse(R"([{"type": "function", "function": {"name": "f"}}])");
+  expect_error(post(*s, "/v1/chat/completions", tools.dump()), 400, "invalid_request_error", "messages", nullptr);
+  EXPECT_EQ(health(*s)["status"], "ok");
+}
+
 TEST_F(Serve, SeveralChoicesPerRequest) {
   auto s = serve();
   auto choices_of = [](const HttpResponse& r) {
@@ -2077,6 +2105,12 @@ TEST_F(Serve, MakingRoomSparesAConnectionSendingItsRequest) {
 
 // Requests that are unusual but valid get their answers; malformed ones a 4xx; none hangs the
 // connection or the server.
+std::string hex_size(std::size_t n) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%zx", n);
+  return buf;
+}
+
 TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
   auto s = serve();
   const std::string completion = R"({"prompt": "Hi", "max_tokens": 2, "temperature": 0})";
@@ -2100,6 +2134,32 @@ TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
     EXPECT_EQ(count(r, "HTTP/1.1 200 OK\r\n"), 3u) << r;
     const std::size_t whole = r.find("\"total_tokens\""), stream = r.find("data: [DONE]"), ok = r.find("\"status\":\"ok\"");
     EXPECT_TRUE(whole < stream && stream < ok) << r;
+  }
+  {
+    SCOPED_TRACE("a CRLF after a body (older clients send one) is skipped, not read as a request");
+    RawConnection c(s->port());
+    c.send_raw(post_text(completion) + "\r\n\r\n" + "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(20s)) << c.received();
+    EXPECT_EQ(count(c.received(), "HTTP/1.1 200 OK\r\n"), 2u) << c.received();
+    EXPECT_EQ(c.received().find(" 400 "), std::string::npos) << c.received();
+  }
+  {
+    SCOPED_TRACE("HTTP/1.1 needs one Host field; HTTP/1.0 takes no Transfer-Encoding and no 100 Continue");
+    RawConnection no_host(s->port());
+    no_host.send_raw("GET /health HTTP/1.1\r\n\r\n");
+    ASSERT_TRUE(no_host.read_to_end(10s)) << no_host.received();
+    EXPECT_TRUE(no_host.received().starts_with("HTTP/1.1 400 Bad Request\r\n")) << no_host.received();
+    EXPECT_NE(no_host.received().find("needs one Host header field"), std::string::npos) << no_host.received();
+    RawConnection chunked(s->port());
+    chunked.send_raw("POST /v1/completions HTTP/1.0\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n" +
+                     hex_size(completion.size()) + "\r\n" + completion + "\r\n0\r\n\r\n");
+    ASSERT_TRUE(chunked.read_to_end(10s)) << chunked.received();
+    EXPECT_TRUE(chunked.received().starts_with("HTTP/1.0 400 Bad Request\r\n")) << chunked.received();
+    RawConnection expect(s->port());
+    expect.send_raw("POST /v1/completions HTTP/1.0\r\nExpect: 100-continue\r\nContent-Type: application/json\r\n"
+                    "Content-Length: " + std::to_string(completion.size()) + "\r\n\r\n" + completion);
+    ASSERT_TRUE(expect.read_to_end(20s)) << expect.received();
+    EXPECT_TRUE(expect.received().starts_with("HTTP/1.0 200 OK\r\n")) << expect.received();
   }
   {
     SCOPED_TRACE("HTTP/1.0 without keep-alive: the answer, then the connection closes");

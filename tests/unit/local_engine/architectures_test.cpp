@@ -429,7 +429,12 @@ TEST_F(TinyVariants, ARopeScalingFactorScalesLinearlyUnlessTheTypeIsNone) {
   const std::string e = load_error(with("yarn.gguf", "yarn", 4.0f));
   EXPECT_NE(e.find("rope scaling 'yarn' is not supported"), std::string::npos) << e;
   const std::string negative = load_error(with("negative.gguf", "linear", -2.0f));
-  EXPECT_NE(negative.find("metadata 'llama.rope.scaling.factor' = -2 is out of range (above 0)"), std::string::npos) << negative;
+  EXPECT_NE(negative.find("metadata 'llama.rope.scaling.factor' = -2 is out of range (1e-06 to 1e+06)"), std::string::npos)
+      << negative;
+  // So small that 1 / factor is no float: refused, not met as NaN at the first token.
+  const std::string tiny = load_error(with("tiny.gguf", "linear", 1e-40f));
+  EXPECT_NE(tiny.find("metadata 'llama.rope.scaling.factor' = "), std::string::npos) << tiny;
+  EXPECT_NE(tiny.find(" is out of range (1e-06 to 1e+06)"), std::string::npos) << tiny;
 }
 
 // Gemma's windows as llama.cpp reads them: Gemma 2's default to 4,096 positions in every other

@@ -550,6 +550,22 @@ TEST_F(GgufTest, RejectsCountsAndLengthsLargerThanTheFile) {
                {"a string of 18446744073709551615 bytes"});
 }
 
+// Each array item is held as a Value of some 50 bytes: a 17 MB array of bytes would take 800 MB.
+// The metadata's arrays may hold 2^24 items in all, far past any vocabulary.
+TEST_F(GgufTest, LimitsTheItemsOfTheMetadatasArrays) {
+  const auto u8_array = [](std::uint64_t count) {
+    std::vector<std::byte> raw{std::byte{0}, std::byte{0}, std::byte{0}, std::byte{0}};  // of U8
+    const auto n = bytes_of({count});
+    raw.insert(raw.end(), n.begin(), n.end());
+    raw.resize(raw.size() + count, std::byte{7});
+    return GgufValue::raw(9, raw);
+  };
+  const std::uint64_t half = std::uint64_t{1} << 23;
+  EXPECT_NO_THROW(write_and_open(small_model().add("a", u8_array(half - 4096)).add("b", u8_array(half))));
+  expect_error(small_model().add("a", u8_array(half)).add("b", u8_array(half + 1)),
+               {"metadata key 'b'", "more than 16777216 items", "corrupt or not a model"});
+}
+
 TEST_F(GgufTest, LimitsArrayNesting) {
   const auto nest = [](int levels) {
     GgufValue value = GgufValue::array(GgufType::U8, {GgufValue::u8(1)});
@@ -632,6 +648,11 @@ TEST_F(GgufTest, RejectsMisplacedTensorData) {
                {"tensor 'b'", "overlaps tensor 'c'"});
   expect_error(small_model().override_tensor("a", Override{.offset = offsets[1] + 32}),
                {"tensor 'b'", "overlaps tensor 'a'"});
+  // A type in the table that takes fewer bytes than the data has (Q8_0 read as Q4_0): the gap
+  // it leaves before the next tensor is refused, not read as weights.
+  expect_error(small_model().override_tensor("b", Override{.type_id = 2}),
+               {"tensor 'b' (Q4_0, 36 bytes at offset 32 of the data section) is followed by ",
+                " bytes no tensor holds before tensor 'c': a type or shape in the table does not match the data"});
 }
 
 TEST_F(GgufTest, EveryTruncationOfAValidFileIsAnError) {

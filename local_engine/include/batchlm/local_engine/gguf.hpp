@@ -33,6 +33,10 @@ enum class ValueType : std::uint32_t {
 };
 std::string_view to_string(ValueType t);
 
+// A name or value read from a file, quoted for a message: bytes outside printable ASCII become
+// \xNN, and past 96 bytes it is cut short.
+std::string quote_name(std::string_view s);
+
 // A size for people: bytes below a KiB, else KiB, MiB or GiB to a tenth ("2.8 GiB").
 std::string human_bytes(double bytes);
 

@@ -3,7 +3,8 @@
 // embedded engine in practice. Every request becomes one Backend::complete() call, so the
 // engine's continuous batching serves concurrent clients together.
 //
-//   GET  /health                 200 {"status": "ok", ...}; 503 while shutting down
+//   GET  /health                 200 {"status": "ok", ...}; shutting down, the server accepts no
+//                                connection and keeps none idle, so a probe sees it gone
 //   GET  /metrics                counters, gauges and latency histograms, Prometheus text format
 //   GET  /v1/models[/ID]         the served model
 //   POST /v1/chat/completions    chat, streaming (SSE) or not
