@@ -312,14 +312,17 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   // A chat needs the model's template; a text completion does not, and runs whatever it is.
   const ChatTemplate* chat = nullptr;
   if (!request.prompt) {
-    std::string unsupported;
     try {
       chat = &state_->engine->model().chat_template();
-    } catch (const std::exception& e) {
-      unsupported = e.what();
+    } catch (const std::exception&) {
+      // Said without the model's path, which a client of `serve` has no use for.
     }
     if (chat == nullptr)
-      co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request", unsupported, std::nullopt, false});
+      co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request",
+                                       std::string("the model's chat template is not one this build supports "
+                                                   "(supported: ") + kSupportedChatTemplates +
+                                           "): send a text completion (a prompt) instead",
+                                       std::nullopt, false});
   }
   const std::optional<nlohmann::json> forced =
       tools && chat->calls_tools() ? forced_call_schema(request.extra, call_arguments_key(chat->call_format()))

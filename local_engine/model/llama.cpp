@@ -392,7 +392,7 @@ const ChatTemplate& Model::chat_template() const {
   if (!chat_template_) {
     throw std::runtime_error(file_.path().string() +
                              ": the model's chat template is not one this build supports "
-                             "(supported: ChatML, Llama 3, DeepSeek-R1, Phi-3, Mistral, Llama 2 and Gemma)");
+                             "(supported: " + kSupportedChatTemplates + ")");
   }
   return *chat_template_;
 }

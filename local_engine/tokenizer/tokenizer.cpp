@@ -566,7 +566,7 @@ Vocab Vocab::from_gguf(const gguf::File& file) {
   } catch (const gguf::Error& e) {
     // A value's own accessors (as_string, as_i64) do not know the file: its path goes first.
     const std::string path = file.path().string();
-    if (std::string_view(e.what()).starts_with(path)) throw;
+    if (std::string_view(e.what()).starts_with(path + ": ")) throw;
     file.fail(e.what());
   }
 }

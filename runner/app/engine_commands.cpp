@@ -297,7 +297,8 @@ int run_inspect() {
     std::printf("runs          yes (CPU kernels: %s)\n", kernels::cpu_simd_name());
   } catch (const std::exception& e) {
     // A file that holds a tokenizer and no network (a vocabulary-only GGUF) still shows it.
-    if (file.tensors().empty() && file.find_string("tokenizer.ggml.model")) {
+    const bool vocabulary_only = file.tensors().empty() && file.find("tokenizer.ggml.model") != nullptr;
+    if (vocabulary_only) {
       try {
         const Tokenizer tok(Vocab::from_gguf(file));
         std::optional<ChatTemplate> chat_template;
@@ -315,7 +316,7 @@ int run_inspect() {
         std::printf("tokenizer     unsupported (%s)\n", terminal_safe(why.what()).c_str());
       }
     }
-    if (file.tensors().empty())
+    if (vocabulary_only)
       std::printf("runs          no: the file holds no tensors (a vocabulary only)\n");
     else
       std::printf("runs          no: %s\n", terminal_safe(e.what()).c_str());

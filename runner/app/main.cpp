@@ -585,10 +585,14 @@ int main(int argc, char** argv) {
                  e.what());
     return kExitSomeFailed;
   } catch (const std::bad_alloc&) {
-    // generate and serve (run says which setting): the model, or its KV memory at this context.
-    std::fprintf(stderr,
-                 "batchlm: error: out of memory loading the model and its KV cache; a shorter context (--context) "
-                 "or a smaller KV pool (--kv-memory, --max-sequences) needs less\n");
+    // Where the engine is made, its memory is what runs out: the weights, or the KV memory at
+    // the context asked for (run and synth say which setting themselves).
+    const char* less = app.got_subcommand("serve")      ? "; a shorter --context or a smaller --kv-memory or --max-sequences needs less"
+                       : app.got_subcommand("generate") ? "; a shorter --context needs less"
+                                                        : "";
+    std::fprintf(stderr, "batchlm: error: out of memory%s%s\n",
+                 app.got_subcommand("serve") || app.got_subcommand("generate") ? " for the model and its KV cache" : "",
+                 less);
     return kExitUsage;
   } catch (const std::exception& e) {
     // ConfigError (file:line:field), OutputLockedError (the holder's pid), I/O errors naming

@@ -428,7 +428,10 @@ void check_override_path(const std::vector<std::string>& segments, const std::st
   }
 }
 
-void apply_override(YAML::Node& root, const Override& override_value, const EnvLookup& env) {
+// `made`: the paths of the maps the override made where the file had none (the flag it came
+// from, for errors about them); a one-value section turned into a map keeps its value's place.
+void apply_override(YAML::Node& root, const Override& override_value, const EnvLookup& env,
+                    std::map<std::string, std::string>& made) {
   std::vector<std::string> segments;
   std::stringstream stream(override_value.path);
   for (std::string segment; std::getline(stream, segment, '.');) segments.push_back(segment);
@@ -487,13 +490,15 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
     YAML::Node next = node[segment];
     if (next.IsScalar() && kShorthand.count(here)) {
       // Turn `input: x.jsonl` into {path: x.jsonl} so `input.format=batch` can sit beside it.
+      // The value itself moves, with its place in the file.
       YAML::Node expanded(YAML::NodeType::Map);
-      expanded[kShorthand.at(here)] = next.Scalar();
+      expanded[kShorthand.at(here)] = next;
       node[segment] = expanded;
       next.reset(node[segment]);
     } else if (!next.IsMap() && !next.IsSequence()) {
       node[segment] = YAML::Node(YAML::NodeType::Map);
       next.reset(node[segment]);
+      made.emplace(here, override_value.flag.empty() ? std::string("--set") : override_value.flag);
     }
     node.reset(next);
     walked = here;
@@ -512,8 +517,9 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
 class Reader {
  public:
   // overrides: as they were applied, each with the flag it came from ("--set", "--count").
-  Reader(std::string file, std::vector<Override> overrides)
-      : file_(std::move(file)), overrides_(std::move(overrides)) {}
+  // made: the maps the overrides made, by path, each with its flag.
+  Reader(std::string file, std::vector<Override> overrides, std::map<std::string, std::string> made = {})
+      : file_(std::move(file)), overrides_(std::move(overrides)), made_(std::move(made)) {}
 
   const std::string& file() const { return file_; }
 
@@ -531,7 +537,7 @@ class Reader {
     // (backend.timeouts for --set backend.timeouts.connect=1s): that flag is where it came from.
     if (at.IsDefined() && at.Mark().is_null()) {
       for (std::string outer = field; !outer.empty();) {
-        if (std::optional<std::string> flag = inner_override(outer)) return SourceMark{std::move(*flag), 0, 0};
+        if (const auto made = made_.find(outer); made != made_.end()) return SourceMark{made->second, 0, 0};
         const std::size_t dot = outer.find_last_of(".[");
         outer.resize(dot == std::string::npos ? 0 : dot);
       }
@@ -542,13 +548,6 @@ class Reader {
       m.column = at.Mark().column + 1;
     }
     return m;
-  }
-
-  // The flag of the last override of a field inside `outer`.
-  std::optional<std::string> inner_override(const std::string& outer) const {
-    for (auto it = overrides_.rbegin(); it != overrides_.rend(); ++it)
-      if (it->path.starts_with(outer + ".")) return it->flag.empty() ? std::string("--set") : it->flag;
-    return std::nullopt;
   }
 
   // A setting that is valid but has no effect: the run goes on, the warning is printed first.
@@ -745,6 +744,7 @@ class Reader {
 
   std::string file_;
   std::vector<Override> overrides_;
+  std::map<std::string, std::string> made_;  // maps the overrides made, by path: the flag
   mutable std::vector<std::string> warnings_;
 };
 
@@ -1703,10 +1703,11 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
   // not replaced by one made of the flags.
   if (root.IsDefined() && !root.IsNull() && !root.IsMap())
     throw error_at(file_label, root.Mark(), "", "expected a map of job settings, got " + describe(root));
+  std::map<std::string, std::string> made;
   for (const Override& o : overrides) {
-    apply_override(root, o, env);
+    apply_override(root, o, env, made);
   }
-  Reader reader(file_label, overrides);
+  Reader reader(file_label, overrides, std::move(made));
   return validate(root, reader, env);
 }
 

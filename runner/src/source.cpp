@@ -512,16 +512,14 @@ class FileSource : public Source {
     }
     reader_.emplace(job.input.path);
     if (bodies_with_a_model > 0 && job.backend.type != "local") {
-      for (const char* field : {"request.model", "backend.model"}) {
-        const auto flag = job.marks.find(field);
-        if (flag == job.marks.end() || flag->second.file == job.file) continue;
+      // The model sent is request.model's when the job sets one, else backend.model's.
+      const std::string field = job.request.model.empty() ? "backend.model" : "request.model";
+      if (const auto flag = job.marks.find(field); flag != job.marks.end() && flag->second.file != job.file)
         warnings_.push_back(flag->second.file + ": " + field + ": '" + job_model + "' is not sent for the " +
                             std::to_string(bodies_with_a_model) + " Batch-API line" +
                             (bodies_with_a_model == 1 ? "" : "s") + " whose body names its own model ('" +
                             first_body_model.first + "' on line " + std::to_string(first_body_model.second) +
                             "): a body's model wins; take the model out of the bodies to use this one");
-        break;
-      }
     }
     const auto at = job.marks.find("output.input_fields");
     const SourceMark m = at != job.marks.end() ? at->second : SourceMark{job.file, 0, 0};

@@ -493,6 +493,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   asio::awaitable<Outcome> complete_one(const Request& request, TokenSink sink) {
     try {
       co_return co_await backend.complete(request, std::move(sink));
+    } catch (const boost::system::system_error& e) {
+      co_return Outcome::failure(
+          Error{e.code() == asio::error::operation_aborted ? ErrorKind::Cancelled : ErrorKind::Internal, 0, "", e.what()});
     } catch (const std::exception& e) {
       co_return Outcome::failure(Error{ErrorKind::Internal, 0, "", e.what()});
     }
@@ -818,13 +821,17 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         // CRLF after a body, which would otherwise read as a malformed next request.
         skip_empty_lines(c.buffer);
         if (c.buffer.size() == 0) {
-          // Idle until the next request's first byte, for up to keep_alive.
+          // Idle until the next request's first byte, for up to keep_alive in all: empty lines
+          // do not start the time again.
           c.stream.expires_after(options.keep_alive);
-          auto [idle_ec, first] = co_await c.stream.async_read_some(c.buffer.prepare(4096), use_tuple);
+          boost::system::error_code idle_ec;
+          while (!idle_ec && c.buffer.size() == 0) {
+            std::size_t first = 0;
+            std::tie(idle_ec, first) = co_await c.stream.async_read_some(c.buffer.prepare(4096), use_tuple);
+            c.buffer.commit(first);
+            skip_empty_lines(c.buffer);
+          }
           if (idle_ec) break;
-          c.buffer.commit(first);
-          skip_empty_lines(c.buffer);
-          if (c.buffer.size() == 0) continue;
         }
         // From its first byte the whole request (line, fields, body) has request_timeout, however
         // the bytes are spaced: a client trickling them one at a time cannot hold the connection.

@@ -560,10 +560,10 @@ TEST_F(GgufTest, LimitsTheItemsOfTheMetadatasArrays) {
     raw.resize(raw.size() + count, std::byte{7});
     return GgufValue::raw(9, raw);
   };
-  const std::uint64_t half = std::uint64_t{1} << 23;
-  EXPECT_NO_THROW(write_and_open(small_model().add("a", u8_array(half - 4096)).add("b", u8_array(half))));
-  expect_error(small_model().add("a", u8_array(half)).add("b", u8_array(half + 1)),
+  // Refused when counted, before any item is read: the test holds only the file's bytes.
+  expect_error(small_model().add("a", u8_array(8)).add("b", u8_array(std::uint64_t{1} << 24)),
                {"metadata key 'b'", "more than 16777216 items", "corrupt or not a model"});
+  EXPECT_NO_THROW(write_and_open(small_model().add("a", u8_array(8)).add("b", u8_array(4096))));
 }
 
 TEST_F(GgufTest, LimitsArrayNesting) {

@@ -731,6 +731,13 @@ TEST_F(JobFile, AMapMadeByASetIsBlamedOnTheSet) {
   e = error_of(with_input("backend: {speculative: {k_max: 4}}\n"), {Override{"backend.speculative.method", "draft"}});
   EXPECT_EQ(e.file(), "jobs/t.yaml");
   EXPECT_EQ(e.line(), 2);
+  // A one-value section a --set turns into a map keeps its value's place: the file's path is
+  // the file's to fix, whatever else a flag set beside it.
+  e = error_of("name: t\ninput: missing.jsonl\nrequest: {messages: [{role: user, content: \"{{q}}\"}]}\n",
+               {Override{"input.format", "jsonl"}});
+  EXPECT_EQ(e.field(), "input.path");
+  EXPECT_EQ(e.file(), "jobs/t.yaml");
+  EXPECT_EQ(e.line(), 2);
 }
 
 TEST_F(JobFile, OutputThatNamesADirectoryIsAnError) {

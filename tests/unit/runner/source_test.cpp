@@ -282,6 +282,14 @@ TEST_F(SourceTest, AModelFlagThatBatchBodiesOverrideIsWarnedAbout) {
             "('gpt-4o-mini' on line 1): a body's model wins; take the model out of the bodies to use this one");
   // The file's own model is the default the bodies were written against: nothing to say.
   EXPECT_TRUE(open_source(job(yaml))->warnings().empty());
+  // With request.model set, that is the job's model; a -m (backend.model) is not what the
+  // bodies override, and the file's model is not quoted as the flag's.
+  const std::string with_request_model =
+      yaml + "request: {model: file-model, messages: [{role: user, content: hi}]}\n";
+  EXPECT_TRUE(open_source(load_job_text(with_request_model, "jobs/t.yaml", {Override{"backend.model", "foo", true, "-m"}},
+                                        no_env()))
+                  ->warnings()
+                  .empty());
 }
 
 TEST_F(SourceTest, PromptThatIsNotAStringNamesItsType) {

@@ -161,6 +161,9 @@ class StreamDecoder {
 //            formatting does. Roles alternate as for Mistral. BOS as for Llama 3.
 enum class CallFormat { kNone, kTagged, kJson };
 
+// The chat template families ChatTemplate::from_vocab recognises, for messages.
+inline constexpr const char* kSupportedChatTemplates = "ChatML, Llama 3, DeepSeek-R1, Phi-3, Mistral, Llama 2 and Gemma";
+
 class ChatTemplate {
  public:
   // Throws std::invalid_argument when the template is not one this build supports.
