@@ -2,8 +2,9 @@
 
 
 #include <algorithm>
-#include <cstdio>
 #include <cctype>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -461,16 +462,18 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     curl_easy_setopt(e, CURLOPT_ERRORBUFFER, t.error_buffer);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     // Redirects are followed (a gateway moving its API to https or to another path), a POST
-    // with its body on 307 and 308 only (on_header stops at the others). curl sends the
-    // Authorization header, ours included, to the original host only: a redirect to another
-    // host, port or scheme goes there without the API key. Other headers go along, so a
-    // request that carries its own (same_origin_redirects) stops at such a redirect.
+    // with its body on 307 and 308 only (on_header stops at the others). A request with
+    // credentials (same_origin_redirects: an API key, headers of the caller's own) follows
+    // only those to its own host, the same port or an upgrade to https, and carries its
+    // Authorization there: curl would drop it on the upgrade, which the server then answers
+    // with a 401 for a key that is right. Without credentials there is nothing to keep.
     curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 1L);
     curl_easy_setopt(e, CURLOPT_MAXREDIRS, kMaxRedirects);
-    curl_easy_setopt(e, CURLOPT_UNRESTRICTED_AUTH, 0L);
+    curl_easy_setopt(e, CURLOPT_UNRESTRICTED_AUTH, r.same_origin_redirects ? 1L : 0L);
     curl_easy_setopt(e, CURLOPT_SSL_VERIFYPEER, options.verify_tls ? 1L : 0L);
     curl_easy_setopt(e, CURLOPT_SSL_VERIFYHOST, options.verify_tls ? 2L : 0L);
     if (!options.ca_info.empty()) curl_easy_setopt(e, CURLOPT_CAINFO, options.ca_info.c_str());
+    if (!options.ca_path.empty()) curl_easy_setopt(e, CURLOPT_CAPATH, options.ca_path.c_str());
     curl_easy_setopt(e, CURLOPT_USERAGENT, options.user_agent.c_str());
     curl_easy_setopt(e, CURLOPT_TCP_KEEPALIVE, 1L);
     // Asks for no compression (a compressing proxy may hold back a stream's events), but
@@ -494,7 +497,9 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
     curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, &Impl::on_body_bytes);
     curl_easy_setopt(e, CURLOPT_WRITEDATA, &t);
 
-    for (const auto& [name, value] : r.headers) append_header(t.header_list, name + ": " + value);
+    // "Name:" alone would tell curl to send no such header: an empty value is written "Name;".
+    for (const auto& [name, value] : r.headers)
+      append_header(t.header_list, trim(value).empty() ? name + ";" : name + ": " + value);
     // An empty Expect header stops curl from waiting on `100 Continue` for larger bodies.
     append_header(t.header_list, "Expect:");
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, t.header_list.get());
@@ -594,6 +599,23 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
       case CURLE_OUT_OF_MEMORY:
         response.error = make_error(ErrorKind::Internal, detail);
         break;
+      case CURLE_PEER_FAILED_VERIFICATION:
+      case CURLE_SSL_CONNECT_ERROR:
+      case CURLE_SSL_CERTPROBLEM:
+      case CURLE_SSL_CACERT_BADFILE:
+      case CURLE_SSL_ISSUER_ERROR:
+      case CURLE_SSL_PINNEDPUBKEYNOTMATCH:
+        // No TLS connection could be made: every request to this server meets it alike.
+        response.error = make_error(
+            ErrorKind::Connection,
+            detail + (t.result == CURLE_PEER_FAILED_VERIFICATION
+                          ? " (a server whose certificate a private CA signed is trusted with SSL_CERT_FILE or "
+                            "CURL_CA_BUNDLE set to that CA's certificate file)"
+                      : t.result == CURLE_SSL_CONNECT_ERROR
+                          ? " (if the server speaks plain HTTP, the base URL starts with http://)"
+                          : ""));
+        response.error->code = "tls_failed";
+        break;
       case CURLE_COULDNT_RESOLVE_PROXY:
       case CURLE_COULDNT_RESOLVE_HOST:
       case CURLE_COULDNT_CONNECT:
@@ -691,8 +713,25 @@ asio::awaitable<HttpResponse> HttpClient::Impl::run(std::shared_ptr<Impl> impl, 
   co_return impl->result_of(t);
 }
 
+namespace {
+
+// The CA certificates the environment names, as the curl and OpenSSL command-line tools read
+// them (libcurl itself reads none): a private or corporate CA is trusted without root.
+HttpClientOptions with_ca_from_environment(HttpClientOptions options) {
+  const auto env = [](const char* name) {
+    const char* value = std::getenv(name);
+    return value != nullptr && *value != '\0' ? std::string(value) : std::string();
+  };
+  if (options.ca_info.empty()) options.ca_info = env("CURL_CA_BUNDLE");
+  if (options.ca_info.empty()) options.ca_info = env("SSL_CERT_FILE");
+  if (options.ca_path.empty()) options.ca_path = env("SSL_CERT_DIR");
+  return options;
+}
+
+}  // namespace
+
 HttpClient::HttpClient(asio::any_io_executor executor, HttpClientOptions options)
-    : impl_(std::make_shared<Impl>(executor, std::move(options))) {
+    : impl_(std::make_shared<Impl>(executor, with_ca_from_environment(std::move(options)))) {
   if (!impl_->start()) impl_->shut_down = true;
 }
 

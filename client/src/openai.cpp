@@ -505,8 +505,8 @@ Error http_error(const HttpResponse& response) {
     error.message = "HTTP " + std::to_string(response.status) + " redirect to " + truncated(*location) + ", not followed";
     // 307 and 308 are followed but to another origin with headers of the caller's own.
     if (response.status == 307 || response.status == 308)
-      error.message += ": it leads to another host, port or scheme, and the backend's own headers go to the base "
-                       "URL's only (set base_url to where it leads)";
+      error.message += ": it leads to another host or port, and the API key and the backend's own headers go to "
+                       "the base URL's only (set base_url to where it leads)";
   } else if (error.message.empty()) {
     error.message = response.body.empty() ? "HTTP " + std::to_string(response.status)
                                           : truncated(response.body);
@@ -534,7 +534,7 @@ OpenAIBackend::OpenAIBackend(boost::asio::any_io_executor executor, OpenAIOption
 
 OpenAIBackend::~OpenAIBackend() = default;
 
-std::string OpenAIBackend::describe() const { return "openai " + options_.base_url; }
+std::string OpenAIBackend::describe() const { return "openai " + without_password(options_.base_url); }
 
 std::optional<std::vector<TokenLogprob>> parse_logprobs(const nlohmann::json& value) {
   if (!value.is_object()) return std::nullopt;
@@ -909,12 +909,21 @@ boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, 
   http_request.url = endpoint_url(options_.base_url, request.prompt.has_value());
   http_request.timeouts = options_.timeouts;
   http_request.max_response_bytes = options_.max_response_bytes;
-  http_request.headers.emplace_back("Content-Type", "application/json");
-  http_request.headers.emplace_back("Accept", request.stream ? "text/event-stream" : "application/json");
-  if (!options_.api_key.empty())
+  // A header the job gives itself replaces ours of that name (an Authorization of its own in
+  // place of the key's): sent twice, a server takes the first, or refuses both.
+  const auto given = [&](std::string_view name) {
+    return std::any_of(options_.extra_headers.begin(), options_.extra_headers.end(), [&](const auto& header) {
+      return std::equal(header.first.begin(), header.first.end(), name.begin(), name.end(), [](char a, char b) {
+        return std::tolower(static_cast<unsigned char>(a)) == std::tolower(static_cast<unsigned char>(b));
+      });
+    });
+  };
+  if (!given("Content-Type")) http_request.headers.emplace_back("Content-Type", "application/json");
+  if (!given("Accept")) http_request.headers.emplace_back("Accept", request.stream ? "text/event-stream" : "application/json");
+  if (!options_.api_key.empty() && !given("Authorization"))
     http_request.headers.emplace_back("Authorization", "Bearer " + options_.api_key);
   for (const auto& header : options_.extra_headers) http_request.headers.push_back(header);
-  http_request.same_origin_redirects = !options_.extra_headers.empty();
+  http_request.same_origin_redirects = !options_.extra_headers.empty() || !options_.api_key.empty();
   try {
     // Invalid UTF-8 in a prompt makes dump() throw; replacing it keeps the request sendable.
     http_request.body = to_openai_body(request).dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);

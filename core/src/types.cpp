@@ -84,6 +84,18 @@ std::string utf8_excerpt(std::string_view text, std::size_t max) {
   return std::string(text.substr(0, end)) + "...";
 }
 
+std::string without_password(std::string_view url) {
+  const std::size_t scheme = url.find("://");
+  const std::size_t start = scheme == std::string_view::npos ? 0 : scheme + 3;
+  // The authority ends at the first '/', '?' or '#'; its user information at its last '@'.
+  const std::size_t end = std::min(url.find_first_of("/?#", start), url.size());
+  const std::size_t at = url.substr(0, end).rfind('@');
+  if (at == std::string_view::npos || at < start) return std::string(url);
+  const std::size_t colon = url.substr(0, at).find(':', start);
+  if (colon == std::string_view::npos) return std::string(url);
+  return std::string(url.substr(0, colon + 1)) + "***" + std::string(url.substr(at));
+}
+
 std::string terminal_safe(std::string_view text) {
   std::string out;
   out.reserve(text.size());

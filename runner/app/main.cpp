@@ -184,6 +184,14 @@ std::string api_key(const JobSpec& job, const EnvLookup& env) {
                             (*control == '\r' ? "a carriage return" : *control == '\n' ? "a line break" : "a control character") +
                             " at character " + std::to_string(control - key->begin() + 1) + " of " +
                             std::to_string(key->size()) + "; an API key is one line of printable characters");
+    // Spaces around it or quotes kept from a .env file go out as part of the key: a 401 for a
+    // key that is right.
+    if (key->front() == ' ' || key->back() == ' ' || key->front() == '"' || key->front() == '\'')
+      throw ConfigError(job.file, 0, 0, "backend.api_key_env",
+                        "$" + job.backend.api_key_env + " " +
+                            (key->front() == ' ' || key->back() == ' ' ? "has spaces around the key"
+                                                                         : "holds the key in quotes") +
+                            ", which would be sent as part of it; export the key alone");
     return *key;
   }
   if (is_openai_host(job.backend.base_url))

@@ -3,11 +3,14 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -770,6 +773,22 @@ class Dispatcher {
   // nearly every item start and back off before ten had spent all their attempts. Failures to
   // connect must also have lasted kUnreachableFor: a server started beside the run
   // (`server & batchlm run`) gets that long to come up.
+  // The proxy libcurl takes for `url` from the environment, as "NAME=URL" with any password
+  // left out; empty when none applies (NO_PROXY is not weighed: this only adds to a message).
+  static std::string proxy_for(const std::string& url) {
+    const bool https = url.size() >= 8 && std::equal(url.begin(), url.begin() + 8, "https://",
+                                                      [](char a, char b) { return std::tolower(static_cast<unsigned char>(a)) == b; });
+    // libcurl reads http_proxy in lower case only; the others in either case.
+    const std::vector<const char*> names = https ? std::vector<const char*>{"https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"}
+                                                 : std::vector<const char*>{"http_proxy", "all_proxy", "ALL_PROXY"};
+    for (const char* name : names) {
+      const char* value = std::getenv(name);
+      if (value == nullptr || *value == '\0') continue;
+      return std::string(name) + "=" + without_password(value);
+    }
+    return {};
+  }
+
   static constexpr int kRefusalsToStop = 10;
   static constexpr std::chrono::seconds kUnreachableFor{5};
   void watch_refusals(const Outcome& outcome, const Item& item) {
@@ -787,19 +806,28 @@ class Dispatcher {
     const bool unreachable = ((e.kind == ErrorKind::Connection && e.code == "connect_failed") ||
                               (e.kind == ErrorKind::Timeout && e.code == "connect_timeout")) &&
                              !any_success_;
+    // No TLS connection (a certificate not trusted, expired or for another name; https to a
+    // plain HTTP port): the same for every item, and no retry changes it.
+    const bool no_tls = e.kind == ErrorKind::Connection && e.code == "tls_failed" && !any_success_;
     // A server that answers in something other than HTTP (an SSH port, a database's): the base
     // URL leads to the wrong service, and every item meets it alike.
     const bool not_http = e.kind == ErrorKind::Protocol && e.code == "not_http" && !any_success_;
-    if (!denied && !missing && !unreachable && !not_http) return;
+    if (!denied && !missing && !unreachable && !not_http && !no_tls) return;
     const auto now = Clock::now();
     if (refusals_in_a_row_++ == 0) refusals_since_ = now;
     if (refusals_in_a_row_ < kRefusalsToStop || stopping_) return;
     if (unreachable && now - refusals_since_ < kUnreachableFor) return;
-    const std::string& url = job_.backend.base_url;
+    const std::string url = without_password(job_.backend.base_url);
     // Cut between characters; shown through terminal_safe, as the server's text it is.
     const std::string said = utf8_excerpt(e.message, 200);
     if (unreachable) {
-      refused_ = Refusal{"cannot reach " + url + " (" + said + ")", "Start the server or fix the base URL"};
+      const std::string proxy = proxy_for(url);
+      refused_ = Refusal{"cannot reach " + url + (proxy.empty() ? "" : " through the proxy " + proxy) + " (" + said + ")",
+                         proxy.empty() ? "Start the server or fix the base URL"
+                                       : "Start the server, fix the base URL, or fix or unset the proxy variable"};
+    } else if (no_tls) {
+      refused_ = Refusal{"cannot make a TLS connection to " + url + " (" + said + ")",
+                         "Fix the base URL, or have the server's certificate trusted"};
     } else if (not_http) {
       refused_ = Refusal{url + " does not answer in HTTP (the last " + std::to_string(kRefusalsToStop) +
                              " requests had no HTTP reply)",
@@ -1098,7 +1126,7 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, const DryRunOpt
   constexpr std::int64_t kItemsCounted = 20'000;
   std::int64_t counted = 0, counted_estimate = 0, uncounted_estimate = 0;
   const bool local = job.backend.type == "local";
-  const std::string target = local ? job.backend.model : job.backend.base_url;
+  const std::string target = local ? job.backend.model : without_password(job.backend.base_url);
   // A synth job of billions of items is estimated from its first million (items differ only in
   // their drawn variables) rather than drawn whole.
   constexpr std::int64_t kItemsLooked = 1'000'000;

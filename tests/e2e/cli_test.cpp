@@ -376,6 +376,40 @@ TEST(BatchlmRun, StopsOnEveryRequestNotFoundAndSuggestsV1) {
   EXPECT_NE(r.err.find("set the base URL to " + url + "/v1?api-version=1, then run"), std::string::npos) << r.err;
 }
 
+// No TLS connection can be made (here https:// to a plain HTTP server; an untrusted, expired or
+// misnamed certificate alike): every item meets it, so the run stops after ten attempts, says
+// what failed and what to do, rather than spending every item's attempts on it.
+TEST(BatchlmRun, StopsWhenNoTlsConnectionCanBeMade) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  std::string url = server.base_url();
+  url.replace(0, 4, "https");
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = url, .limit = 100, .concurrency = 8}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("stopped: cannot make a TLS connection to " + url + " ("), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("if the server speaks plain HTTP, the base URL starts with http://"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("Fix the base URL, or have the server's certificate trusted"), std::string::npos) << r.err;
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_GE(summary["counts"]["not_run"].get<long long>(), 80) << summary.dump(2);
+}
+
+// A password in the base URL is not shown: the stop message writes it as ***.
+TEST(BatchlmRun, APasswordInTheBaseUrlIsNotShown) {
+  TempDir dir;
+  write_file(dir.path / "job.yaml",
+             gsm8k_job({.base_url = "http://user:s3cret@127.0.0.1:1/v1", .limit = 20, .concurrency = 8}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("stopped: cannot reach http://user:***@127.0.0.1:1/v1 ("), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("s3cret"), std::string::npos) << r.err;
+  const std::string summary = read_file(dir.path / "out/e2e.jsonl.summary.json");
+  EXPECT_EQ(summary.find("s3cret"), std::string::npos) << summary;
+  RunResult dry = run_batchlm(dir.path, {"run", "job.yaml", "--dry-run"});
+  EXPECT_EQ(dry.out.find("s3cret"), std::string::npos) << dry.out;
+  EXPECT_EQ(dry.err.find("s3cret"), std::string::npos) << dry.err;
+}
+
 // Nothing listens at the base URL: once attempts have failed to connect ten times in a row and
 // for 5 s, with no success before, the run stops sending, names the address and the error, and
 // the rest waits for the next run. Attempts count, not items: items back off and retry, and
@@ -929,6 +963,14 @@ TEST(BatchlmRun, ApiKeyWithALineBreakIsRefused) {
   RunResult r = run_batchlm(dir.path, {"run", "job.yaml"}, {{"OPENAI_API_KEY", "sk-abc\nX-Evil: 1"}});
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("holds a line break at character 7 of 16"), std::string::npos) << r.err;
+  // Spaces or quotes around the key would go out as part of it: refused the same way.
+  r = run_batchlm(dir.path, {"run", "job.yaml"}, {{"OPENAI_API_KEY", " sk-abc"}});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("$OPENAI_API_KEY has spaces around the key, which would be sent as part of it"), std::string::npos)
+      << r.err;
+  r = run_batchlm(dir.path, {"run", "job.yaml"}, {{"OPENAI_API_KEY", "\"sk-abc\""}});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("$OPENAI_API_KEY holds the key in quotes"), std::string::npos) << r.err;
   EXPECT_EQ(server.stats()["requests"].get<long long>(), 0);
 }
 

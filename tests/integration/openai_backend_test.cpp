@@ -468,18 +468,43 @@ TEST_F(OpenAIBackendTest, TemporaryAndPermanentRedirectsAreFollowedWithTheBody) 
   }
 }
 
-TEST_F(OpenAIBackendTest, RedirectToAnotherHostGoesThereWithoutTheApiKey) {
+// With an API key, a redirect to another host is the answer, naming where it leads: followed,
+// the key would either go along or be dropped there (a 401 for a key that is right). Without
+// one there is nothing to keep, and it is followed.
+TEST_F(OpenAIBackendTest, RedirectToAnotherHostIsNotFollowedWithAnApiKey) {
   FakeOpenAIServer other(small_answers());
-  server_.set_rules({FaultRule{{FaultSpec::parse("redirect=307;location=" + other.base_url() + "/chat/completions")},
-                               1.0, 0, 0}});
+  const std::string elsewhere = other.base_url() + "/chat/completions";
+  server_.set_rules({FaultRule{{FaultSpec::parse("redirect=307;location=" + elsewhere)}, 1.0, 0, 0}});
   auto result = complete(backend_options(server_), chat_request("item"));
-  // The other server answers, though it never saw the key.
+  ASSERT_FALSE(result.outcome.ok());
+  EXPECT_EQ(result.outcome.error->http_status, 307);
+  EXPECT_EQ(result.outcome.error->message,
+            "HTTP 307 redirect to " + elsewhere +
+                ", not followed: it leads to another host or port, and the API key and the backend's own headers go to "
+                "the base URL's only (set base_url to where it leads)");
+  EXPECT_EQ(other.requests(), 0u);
+  OpenAIOptions keyless = backend_options(server_);
+  keyless.api_key.clear();
+  result = complete(keyless, chat_request("keyless"));
   ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
   EXPECT_EQ(result.outcome.completion->text, FakeOpenAIServer::generated_text(kTokens));
-  EXPECT_EQ(server_.requests(), 1u);
-  EXPECT_EQ(server_.stats().authorized, 1u);
-  EXPECT_EQ(other.requests_for("item"), 1u);
-  EXPECT_EQ(other.stats().authorized, 0u);
+  EXPECT_EQ(other.requests_for("keyless"), 1u);
+}
+
+// A header the job gives replaces the client's own of that name: an Authorization of its own in
+// place of the key's, a Content-Type; sent twice, a server takes the first or refuses both.
+TEST_F(OpenAIBackendTest, TheBackendsOwnHeadersReplaceTheClientsOfTheSameName) {
+  OpenAIOptions options = backend_options(server_);
+  options.extra_headers.emplace_back("authorization", "Bearer from-the-job");
+  options.extra_headers.emplace_back("Content-Type", "application/json; charset=utf-8");
+  auto result = complete(options, chat_request("item"));
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(server_.stats().last_authorization, "Bearer from-the-job\n");
+  EXPECT_EQ(server_.stats().last_content_type, "application/json; charset=utf-8\n");
+  result = complete(backend_options(server_), chat_request("plain"));
+  ASSERT_TRUE(result.outcome.ok()) << result.outcome.error->message;
+  EXPECT_EQ(server_.stats().last_authorization, "Bearer test-key\n");
+  EXPECT_EQ(server_.stats().last_content_type, "application/json\n");
 }
 
 // curl would send headers of the backend's own (Azure's `api-key`, say) to the other host:
@@ -497,8 +522,8 @@ TEST_F(OpenAIBackendTest, RedirectToAnotherHostIsNotFollowedWithTheBackendsOwnHe
   EXPECT_EQ(result.outcome.error->http_status, 308);
   EXPECT_EQ(result.outcome.error->message,
             "HTTP 308 redirect to " + elsewhere +
-                ", not followed: it leads to another host, port or scheme, and the backend's own headers go to the "
-                "base URL's only (set base_url to where it leads)");
+                ", not followed: it leads to another host or port, and the API key and the backend's own headers go to "
+                "the base URL's only (set base_url to where it leads)");
   EXPECT_EQ(other.requests(), 0u);
   // The same host over https is followed (this plain server then fails the TLS handshake).
   std::string secure = server_.base_url();
@@ -507,6 +532,10 @@ TEST_F(OpenAIBackendTest, RedirectToAnotherHostIsNotFollowedWithTheBackendsOwnHe
   result = complete(options, chat_request("upgrade"));
   ASSERT_FALSE(result.outcome.ok());
   EXPECT_NE(result.outcome.error->kind, ErrorKind::Http) << result.outcome.error->message;
+  // ... where no TLS connection can be made: said as such, with what to do.
+  EXPECT_EQ(result.outcome.error->code, "tls_failed") << result.outcome.error->message;
+  EXPECT_NE(result.outcome.error->message.find("if the server speaks plain HTTP, the base URL starts with http://"), std::string::npos)
+      << result.outcome.error->message;
   // But https on another port of that host may be another service: not followed.
   server_.set_rules({FaultRule{{FaultSpec::parse("redirect=308;location=https://127.0.0.1:1/v1/chat/completions")},
                                1.0, 0, 0}});

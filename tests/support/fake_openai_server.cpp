@@ -767,6 +767,14 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     ++stats.requests;
     stats.arrival_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
     if (request.find(http::field::authorization) != request.end()) ++stats.authorized;
+    const auto values = [&](http::field name) {
+      std::string all;
+      const auto [first, last] = request.equal_range(name);
+      for (auto it = first; it != last; ++it) all += std::string(it->value()) + "\n";
+      return all;
+    };
+    stats.last_authorization = values(http::field::authorization);
+    stats.last_content_type = values(http::field::content_type);
     attempt = ++stats.per_item[item];
     opts = options;
     script = gsm8k;

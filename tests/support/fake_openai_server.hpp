@@ -132,6 +132,9 @@ struct FakeOpenAIStats {
   std::uint64_t requests = 0;     // chat-completion requests
   std::uint64_t connections = 0;  // accepted TCP connections
   std::uint64_t authorized = 0;   // chat-completion requests with an Authorization header
+  // The last chat-completion request's Authorization and Content-Type fields, each value on a
+  // line of its own (a field sent twice shows twice).
+  std::string last_authorization, last_content_type;
   std::map<std::string, std::uint64_t> per_item;  // by last user message
   // When each chat-completion request arrived, in ms since the server started (or was reset).
   std::vector<double> arrival_ms;

@@ -264,5 +264,15 @@ TEST(EngineFields, AForcedToolChoiceNeedsItsToolAndAParametersSchemaTheEngineFol
   EXPECT_NO_THROW((void)compile_json_schema(*forced_call_schema(many, "arguments")));
 }
 
+// A base URL's password is left out of what is shown and recorded.
+TEST(WithoutPassword, WritesTheUserInformationsPasswordAsStars) {
+  EXPECT_EQ(without_password("http://user:s3cret@host:8000/v1"), "http://user:***@host:8000/v1");
+  EXPECT_EQ(without_password("https://u:p@h/v1?x=a@b"), "https://u:***@h/v1?x=a@b");
+  EXPECT_EQ(without_password("https://u:p:q@h"), "https://u:***@h");
+  // No password, or an @ outside the authority: as it is.
+  for (const char* url : {"http://user@host/v1", "http://host/v1?to=a@b:c", "http://host:8000/v1", "host/x"})
+    EXPECT_EQ(without_password(url), url);
+}
+
 }  // namespace
 }  // namespace batchlm

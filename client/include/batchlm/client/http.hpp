@@ -45,8 +45,9 @@ struct HttpRequest {
   // Asked after each body chunk: whether what came is a whole answer already, so that a server
   // that then falls silent is waited for timeouts.after_answer, not timeouts.idle.
   std::function<bool()> answered;
-  // A 307/308 to another scheme, host or port is not followed (the redirect is the response):
-  // set when `headers` carry credentials of the caller's own, which curl would send there.
+  // Set when `headers` carry credentials (an API key, headers of the caller's own): a 307/308
+  // to another host or port is not followed (the redirect is the response), since they would
+  // go there; one to the same host (an upgrade to https included) is, with them.
   bool same_origin_redirects = false;
 };
 
@@ -74,7 +75,10 @@ struct HttpClientOptions {
   long max_cached_connections = 8192; // idle connections kept open for reuse
   bool http2 = true;                 // offer h2 via ALPN (TLS) — plain http stays HTTP/1.1
   std::string user_agent = "batchlm";
-  std::string ca_info;               // extra CA bundle path; empty: the system's
+  // CA certificates to trust instead of the system's: a bundle file, a hashed directory (as
+  // SSL_CERT_FILE / CURL_CA_BUNDLE and SSL_CERT_DIR name them); empty: the system's.
+  std::string ca_info;
+  std::string ca_path;
 };
 
 class HttpClient {

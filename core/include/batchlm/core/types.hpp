@@ -144,6 +144,9 @@ std::string logprob_token_text(std::string_view bytes);
 // Text from a file (a model's metadata) made safe for a terminal and for a C string: control
 // characters (C0, DEL, C1, NUL included) and bytes outside valid UTF-8 written as \xNN.
 std::string terminal_safe(std::string_view text);
+// A URL with the password of its user information ("https://user:secret@host/...") written as
+// "***", for messages and records; any other URL as it is.
+std::string without_password(std::string_view url);
 // Log-probabilities in the chat-completions form: [{"token", "logprob", "bytes",
 // "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...].
 nlohmann::json logprobs_json(std::span<const TokenLogprob> logprobs);
