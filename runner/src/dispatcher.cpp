@@ -774,10 +774,35 @@ class Dispatcher {
   // connect must also have lasted kUnreachableFor: a server started beside the run
   // (`server & batchlm run`) gets that long to come up.
   // The proxy libcurl takes for `url` from the environment, as "NAME=URL" with any password
-  // left out; empty when none applies (NO_PROXY is not weighed: this only adds to a message).
+  // left out; empty when none applies (no_proxy read as curl reads it: "*", or host names
+  // that match the URL's host or end it after a dot).
   static std::string proxy_for(const std::string& url) {
     const bool https = url.size() >= 8 && std::equal(url.begin(), url.begin() + 8, "https://",
                                                       [](char a, char b) { return std::tolower(static_cast<unsigned char>(a)) == b; });
+    const std::size_t scheme = url.find("://");
+    std::string host = url.substr(scheme == std::string::npos ? 0 : scheme + 3);
+    host = host.substr(0, host.find_first_of("/?#"));
+    if (const std::size_t at = host.rfind('@'); at != std::string::npos) host = host.substr(at + 1);
+    if (host.starts_with('[')) host = host.substr(1, host.find(']') - 1);
+    else host = host.substr(0, host.find(':'));
+    std::transform(host.begin(), host.end(), host.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    for (const char* name : {"no_proxy", "NO_PROXY"}) {
+      const char* value = std::getenv(name);
+      if (value == nullptr) continue;
+      std::string list(value);
+      std::transform(list.begin(), list.end(), list.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+      std::size_t start = 0;
+      while (start <= list.size()) {
+        const std::size_t comma = std::min(list.find(',', start), list.size());
+        std::string entry = list.substr(start, comma - start);
+        entry.erase(0, entry.find_first_not_of(" \t"));
+        entry.erase(entry.find_last_not_of(" \t") + 1);
+        if (entry.starts_with('.')) entry.erase(0, 1);
+        if (entry == "*" || (!entry.empty() && (host == entry || host.ends_with("." + entry)))) return {};
+        start = comma + 1;
+      }
+      break;  // curl reads the lower-case one first
+    }
     // libcurl reads http_proxy in lower case only; the others in either case.
     const std::vector<const char*> names = https ? std::vector<const char*>{"https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"}
                                                  : std::vector<const char*>{"http_proxy", "all_proxy", "ALL_PROXY"};

@@ -394,6 +394,25 @@ TEST(BatchlmRun, StopsWhenNoTlsConnectionCanBeMade) {
   EXPECT_GE(summary["counts"]["not_run"].get<long long>(), 80) << summary.dump(2);
 }
 
+// Through a proxy that cannot be reached, the stop names the proxy and the variable it came from
+// (password left out); a host no_proxy exempts is reached directly, and said so.
+TEST(BatchlmRun, AServerUnreachableThroughAProxyNamesTheProxy) {
+  TempDir dir;
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = "http://127.0.0.1:1/v1", .limit = 20, .concurrency = 8}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"}, {{"http_proxy", "http://u:pw@127.0.0.1:2"}, {"no_proxy", ""}});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("stopped: cannot reach http://127.0.0.1:1/v1 through the proxy http_proxy=http://u:***@127.0.0.1:2 ("),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("fix or unset the proxy variable"), std::string::npos) << r.err;
+  r = run_batchlm(dir.path, {"run", "job.yaml", "--fresh"},
+                  {{"http_proxy", "http://127.0.0.1:2"}, {"no_proxy", "example.com, 127.0.0.1"}});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("stopped: cannot reach http://127.0.0.1:1/v1 (Failed to connect to 127.0.0.1 port 1"),
+            std::string::npos)
+      << r.err;
+}
+
 // A password in the base URL is not shown: the stop message writes it as ***.
 TEST(BatchlmRun, APasswordInTheBaseUrlIsNotShown) {
   TempDir dir;
