@@ -730,6 +730,38 @@ HttpClientOptions with_ca_from_environment(HttpClientOptions options) {
 
 }  // namespace
 
+std::string proxy_for(const std::string& url) {
+  const std::optional<Origin> origin = origin_of(url);
+  if (!origin) return {};
+  const auto lower = [](std::string text) {
+    std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    return text;
+  };
+  std::string host = origin->host;  // lower-cased; an IPv6 address in brackets
+  if (host.starts_with('[') && host.ends_with(']')) host = host.substr(1, host.size() - 2);
+  // curl reads the lower-case no_proxy first, the upper-case one when it is unset.
+  const char* exempt = std::getenv("no_proxy");
+  if (exempt == nullptr) exempt = std::getenv("NO_PROXY");
+  if (exempt != nullptr) {
+    const std::string list = lower(exempt);
+    for (std::size_t start = 0; start <= list.size();) {
+      const std::size_t comma = std::min(list.find(',', start), list.size());
+      std::string_view entry = trim(std::string_view(list).substr(start, comma - start));
+      if (entry.starts_with('.')) entry.remove_prefix(1);
+      if (entry == "*" || (!entry.empty() && (host == entry || host.ends_with("." + std::string(entry))))) return {};
+      start = comma + 1;
+    }
+  }
+  // libcurl reads http_proxy in lower case only; the others in either case.
+  const std::vector<const char*> names = origin->scheme == "https"
+                                             ? std::vector<const char*>{"https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"}
+                                             : std::vector<const char*>{"http_proxy", "all_proxy", "ALL_PROXY"};
+  for (const char* name : names)
+    if (const char* value = std::getenv(name); value != nullptr && *value != '\0')
+      return std::string(name) + "=" + without_password(value);
+  return {};
+}
+
 HttpClient::HttpClient(asio::any_io_executor executor, HttpClientOptions options)
     : impl_(std::make_shared<Impl>(executor, with_ca_from_environment(std::move(options)))) {
   if (!impl_->start()) impl_->shut_down = true;

@@ -912,11 +912,8 @@ boost::asio::awaitable<Outcome> OpenAIBackend::complete(const Request& request, 
   // A header the job gives itself replaces ours of that name (an Authorization of its own in
   // place of the key's): sent twice, a server takes the first, or refuses both.
   const auto given = [&](std::string_view name) {
-    return std::any_of(options_.extra_headers.begin(), options_.extra_headers.end(), [&](const auto& header) {
-      return std::equal(header.first.begin(), header.first.end(), name.begin(), name.end(), [](char a, char b) {
-        return std::tolower(static_cast<unsigned char>(a)) == std::tolower(static_cast<unsigned char>(b));
-      });
-    });
+    return std::any_of(options_.extra_headers.begin(), options_.extra_headers.end(),
+                       [&](const auto& header) { return iequals(header.first, name); });
   };
   if (!given("Content-Type")) http_request.headers.emplace_back("Content-Type", "application/json");
   if (!given("Accept")) http_request.headers.emplace_back("Accept", request.stream ? "text/event-stream" : "application/json");

@@ -599,25 +599,18 @@ File File::open(const std::filesystem::path& path) {
     for (const TensorInfo& info : file.tensors_) by_offset.push_back(&info);
     std::stable_sort(by_offset.begin(), by_offset.end(),
               [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
-    for (std::size_t i = 1; i < by_offset.size(); ++i) {
-      const TensorInfo& previous = *by_offset[i - 1];
-      const TensorInfo& next = *by_offset[i];
-      if (previous.offset + previous.n_bytes > next.offset) {
-        file.fail("tensor " + quote_name(previous.name) + " (bytes " + std::to_string(previous.offset) + " to " +
-                  std::to_string(previous.offset + previous.n_bytes) + " of the data section) overlaps tensor " +
-                  quote_name(next.name) + " (from byte " + std::to_string(next.offset) + ")");
-      }
-    }
     // Nor leave bytes between them: the data is packed, each tensor padded to the alignment (as
     // llama.cpp's reader requires). A gap means a tensor's type or shape says fewer bytes than
     // its data has: read as it says, the weights would be garbage.
-    if (!by_offset.empty() && by_offset.front()->offset != 0)
-      file.fail("the data section begins with " + std::to_string(by_offset.front()->offset) +
-                " bytes no tensor holds (the first, " + quote_name(by_offset.front()->name) + ")");
     for (std::size_t i = 1; i < by_offset.size(); ++i) {
       const TensorInfo& previous = *by_offset[i - 1];
       const TensorInfo& next = *by_offset[i];
       const std::uint64_t end = previous.offset + previous.n_bytes;
+      if (end > next.offset) {
+        file.fail("tensor " + quote_name(previous.name) + " (bytes " + std::to_string(previous.offset) + " to " +
+                  std::to_string(end) + " of the data section) overlaps tensor " + quote_name(next.name) +
+                  " (from byte " + std::to_string(next.offset) + ")");
+      }
       const std::uint64_t padded = (end + file.alignment_ - 1) / file.alignment_ * file.alignment_;
       if (next.offset > padded) {
         file.fail("tensor " + quote_name(previous.name) + " (" + std::string(previous.type_name()) + ", " +
@@ -627,6 +620,9 @@ File File::open(const std::filesystem::path& path) {
                   ": a type or shape in the table does not match the data");
       }
     }
+    if (!by_offset.empty() && by_offset.front()->offset != 0)
+      file.fail("the data section begins with " + std::to_string(by_offset.front()->offset) +
+                " bytes no tensor holds (the first, " + quote_name(by_offset.front()->name) + ")");
   } catch (const std::bad_alloc&) {
     // The count checks bound every allocation by the file's size, but a large corrupt file
     // can still ask for more memory than there is.

@@ -301,25 +301,15 @@ int run_inspect() {
     if (vocabulary_only) {
       try {
         const Tokenizer tok(Vocab::from_gguf(file));
-        std::optional<ChatTemplate> chat_template;
-        std::string chat_problem;
-        try {
-          chat_template.emplace(ChatTemplate::from_vocab(tok.vocab()));
-        } catch (const std::invalid_argument& why) {
-          chat_problem = why.what();
-        }
-        show_tokenizer(tok, [&]() -> const ChatTemplate& {
-          if (!chat_template) throw std::invalid_argument(chat_problem);
-          return *chat_template;
-        });
+        std::optional<ChatTemplate> chat_template;  // made when asked; show_tokenizer says why not
+        show_tokenizer(tok, [&]() -> const ChatTemplate& { return chat_template.emplace(ChatTemplate::from_vocab(tok.vocab())); });
       } catch (const std::exception& why) {
         std::printf("tokenizer     unsupported (%s)\n", terminal_safe(why.what()).c_str());
       }
-    }
-    if (vocabulary_only)
       std::printf("runs          no: the file holds no tensors (a vocabulary only)\n");
-    else
+    } else {
       std::printf("runs          no: %s\n", terminal_safe(e.what()).c_str());
+    }
   }
   if (in.tensors) {
     for (const auto& t : file.tensors()) {

@@ -595,12 +595,11 @@ int main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     // Where the engine is made, its memory is what runs out: the weights, or the KV memory at
     // the context asked for (run and synth say which setting themselves).
-    const char* less = app.got_subcommand("serve")      ? "; a shorter --context or a smaller --kv-memory or --max-sequences needs less"
-                       : app.got_subcommand("generate") ? "; a shorter --context needs less"
-                                                        : "";
-    std::fprintf(stderr, "batchlm: error: out of memory%s%s\n",
-                 app.got_subcommand("serve") || app.got_subcommand("generate") ? " for the model and its KV cache" : "",
-                 less);
+    const bool serve = app.got_subcommand("serve"), generate = app.got_subcommand("generate");
+    std::fprintf(stderr, "batchlm: error: out of memory%s%s\n", serve || generate ? " for the model and its KV cache" : "",
+                 serve      ? "; a shorter --context or a smaller --kv-memory or --max-sequences needs less"
+                 : generate ? "; a shorter --context needs less"
+                            : "");
     return kExitUsage;
   } catch (const std::exception& e) {
     // ConfigError (file:line:field), OutputLockedError (the holder's pid), I/O errors naming

@@ -3,14 +3,11 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -301,9 +298,10 @@ class Dispatcher {
       if (again && signo == SIGINT) hard_exit("interrupted twice");
       if (again && signo == SIGTERM) hard_exit("terminated twice");
       if (signo == SIGHUP) {
-        begin_stop("hangup (the terminal closed)", true, false);
+        begin_stop("hangup (the terminal closed)", true, nullptr);
       } else {
-        begin_stop(signo == SIGINT ? "interrupted" : "terminated", true, true, signo == SIGINT ? " again" : "");
+        begin_stop(signo == SIGINT ? "interrupted" : "terminated", true,
+                   signo == SIGINT ? " (Ctrl-C again to exit now)" : " (Ctrl-C to exit now)");
       }
       wait_for_signal(signals);
     });
@@ -322,15 +320,14 @@ class Dispatcher {
     std::_Exit(kExitInterrupted);
   }
 
-  // `interrupted`: by a signal (exit 130), not by the run itself; `ctrl_c_hint`: say that a
-  // Ctrl-C exits at once (pointless when the terminal is gone).
-  // `again`: " again" where the stop came from a Ctrl-C.
-  void begin_stop(const char* why, bool interrupted = true, bool ctrl_c_hint = true, const char* again = " again") {
-    const std::string hint = std::string(" (Ctrl-C") + again + " to exit now)";
+  // `interrupted`: by a signal (exit 130), not by the run itself; `exit_now`: how to exit at
+  // once, said after the signal's message (none where the terminal is gone).
+  void begin_stop(const char* why, bool interrupted, const char* exit_now = nullptr) {
+    const std::string hint = exit_now != nullptr ? exit_now : "";
     if (stopping_) {
       // The run was already stopping by itself (the API refused it, the output failed): this
       // signal is the first, so it does not exit yet; say so, or the keypress looks ignored.
-      if (interrupted && ctrl_c_hint)
+      if (interrupted && !hint.empty())
         progress_.message("batchlm: " + std::string(why) + ": already stopping; waiting for " +
                           std::to_string(counters_.in_flight) + " in flight" + hint);
       return;
@@ -347,7 +344,7 @@ class Dispatcher {
     progress_.message("batchlm: " + std::string(why) + ": no new items; " +
                       (attempts == 0 ? std::string("none in flight")
                                      : "waiting up to " + std::string(grace) + " for " + std::to_string(attempts) +
-                                           " in flight" + (interrupted && ctrl_c_hint ? hint : "")));
+                                           " in flight" + (interrupted ? hint : "")));
     // Items not inside an attempt (waiting for a slot, a rate limit or a backoff) stop now.
     for (auto& item : items_)
       if (!item.in_attempt) item.cancel.emit(asio::cancellation_type::terminal);
@@ -374,7 +371,7 @@ class Dispatcher {
       // under way end as in a stop, their records written, before the error is reported.
       // Stopping the loop at once would leave them suspended, holding what the run owns.
       producer_error_ = failed;
-      begin_stop("the input cannot be read on", false, false);
+      begin_stop("the input cannot be read on", false);
     }
     // Wait for the live items to finish.
     while (!items_.empty()) {
@@ -773,47 +770,6 @@ class Dispatcher {
   // nearly every item start and back off before ten had spent all their attempts. Failures to
   // connect must also have lasted kUnreachableFor: a server started beside the run
   // (`server & batchlm run`) gets that long to come up.
-  // The proxy libcurl takes for `url` from the environment, as "NAME=URL" with any password
-  // left out; empty when none applies (no_proxy read as curl reads it: "*", or host names
-  // that match the URL's host or end it after a dot).
-  static std::string proxy_for(const std::string& url) {
-    const bool https = url.size() >= 8 && std::equal(url.begin(), url.begin() + 8, "https://",
-                                                      [](char a, char b) { return std::tolower(static_cast<unsigned char>(a)) == b; });
-    const std::size_t scheme = url.find("://");
-    std::string host = url.substr(scheme == std::string::npos ? 0 : scheme + 3);
-    host = host.substr(0, host.find_first_of("/?#"));
-    if (const std::size_t at = host.rfind('@'); at != std::string::npos) host = host.substr(at + 1);
-    if (host.starts_with('[')) host = host.substr(1, host.find(']') - 1);
-    else host = host.substr(0, host.find(':'));
-    std::transform(host.begin(), host.end(), host.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-    for (const char* name : {"no_proxy", "NO_PROXY"}) {
-      const char* value = std::getenv(name);
-      if (value == nullptr) continue;
-      std::string list(value);
-      std::transform(list.begin(), list.end(), list.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-      std::size_t start = 0;
-      while (start <= list.size()) {
-        const std::size_t comma = std::min(list.find(',', start), list.size());
-        std::string entry = list.substr(start, comma - start);
-        entry.erase(0, entry.find_first_not_of(" \t"));
-        entry.erase(entry.find_last_not_of(" \t") + 1);
-        if (entry.starts_with('.')) entry.erase(0, 1);
-        if (entry == "*" || (!entry.empty() && (host == entry || host.ends_with("." + entry)))) return {};
-        start = comma + 1;
-      }
-      break;  // curl reads the lower-case one first
-    }
-    // libcurl reads http_proxy in lower case only; the others in either case.
-    const std::vector<const char*> names = https ? std::vector<const char*>{"https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"}
-                                                 : std::vector<const char*>{"http_proxy", "all_proxy", "ALL_PROXY"};
-    for (const char* name : names) {
-      const char* value = std::getenv(name);
-      if (value == nullptr || *value == '\0') continue;
-      return std::string(name) + "=" + without_password(value);
-    }
-    return {};
-  }
-
   static constexpr int kRefusalsToStop = 10;
   static constexpr std::chrono::seconds kUnreachableFor{5};
   void watch_refusals(const Outcome& outcome, const Item& item) {
@@ -846,7 +802,7 @@ class Dispatcher {
     // Cut between characters; shown through terminal_safe, as the server's text it is.
     const std::string said = utf8_excerpt(e.message, 200);
     if (unreachable) {
-      const std::string proxy = proxy_for(url);
+      const std::string proxy = client::proxy_for(job_.backend.base_url);
       refused_ = Refusal{"cannot reach " + url + (proxy.empty() ? "" : " through the proxy " + proxy) + " (" + said + ")",
                          proxy.empty() ? "Start the server or fix the base URL"
                                        : "Start the server, fix the base URL, or fix or unset the proxy variable"};

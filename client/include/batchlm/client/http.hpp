@@ -81,6 +81,11 @@ struct HttpClientOptions {
   std::string ca_path;
 };
 
+// The proxy libcurl takes for `url` from the environment, as "NAME=URL" with any password
+// left out; empty when none applies (no_proxy read as curl reads it: "*", or host names that
+// match the URL's host or end it after a dot). For messages: curl finds its proxy itself.
+std::string proxy_for(const std::string& url);
+
 class HttpClient {
  public:
   // All transfers run on `executor`, which must be single-threaded (one io_context thread or a
