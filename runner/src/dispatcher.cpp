@@ -224,8 +224,14 @@ class Dispatcher {
       if (resume.dropped_duplicates > 0)
         more += ", " + std::to_string(resume.dropped_duplicates) + " later records of ids already done dropped";
       if (resume.dropped_torn_line) more += ", a torn last line dropped";
-      std::fprintf(options_.progress_out, "batchlm: resuming %s: %lld done, %lld failed to retry%s\n",
-                   terminal_safe(job_.output.path).c_str(), static_cast<long long>(resume.kept),
+      // Done among this run's items; records of others (a lower --limit, a changed input) stay.
+      const std::int64_t own = source_.count_own(resume.done_ids);
+      const std::string others =
+          own < resume.kept ? " (and " + std::to_string(resume.kept - own) + " record" +
+                                  (resume.kept - own == 1 ? "" : "s") + " of items outside this run, kept)"
+                            : std::string();
+      std::fprintf(options_.progress_out, "batchlm: resuming %s: %lld done%s, %lld failed to retry%s\n",
+                   terminal_safe(job_.output.path).c_str(), static_cast<long long>(own), others.c_str(),
                    static_cast<long long>(resume.dropped_failed), more.c_str());
     }
 

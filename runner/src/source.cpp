@@ -501,6 +501,7 @@ class FileSource : public Source {
       if (batch_ && item.request.model != job_model && !item.request.model.empty()) {
         if (bodies_with_a_model++ == 0) first_body_model = {item.request.model, reader.line_number()};
       }
+      id_hashes_.push_back(std::hash<std::string>{}(item.id_key));
       if (batch_) {
         auto [it, fresh] = custom_ids.emplace(item.id_key, reader.line_number());
         if (!fresh)
@@ -511,6 +512,7 @@ class FileSource : public Source {
       ++total_;
     }
     reader_.emplace(job.input.path);
+    std::sort(id_hashes_.begin(), id_hashes_.end());
     if (bodies_with_a_model > 0 && job.backend.type != "local") {
       // The model sent is request.model's when the job sets one, else backend.model's.
       const std::string field = job.request.model.empty() ? "backend.model" : "request.model";
@@ -545,6 +547,15 @@ class FileSource : public Source {
 
   std::int64_t total() const override { return total_; }
 
+  // By the ids' hashes (8 bytes an item, where the ids themselves can be long): a count shown
+  // to the user, which a collision of two 64-bit hashes would be the only way to miscount.
+  std::int64_t count_own(const std::unordered_set<std::string>& ids) const override {
+    std::int64_t n = 0;
+    for (const std::string& id : ids)
+      n += std::binary_search(id_hashes_.begin(), id_hashes_.end(), std::hash<std::string>{}(id)) ? 1 : 0;
+    return n;
+  }
+
  private:
   Item build(ordered value, std::int64_t line) const {
     Item item = batch_ ? batch_item(job_, std::move(value), line, few_shot_)
@@ -578,6 +589,7 @@ class FileSource : public Source {
   std::int64_t total_ = 0;
   std::int64_t yielded_ = 0;
   std::optional<LineReader> reader_;
+  std::vector<std::size_t> id_hashes_;  // sorted
 };
 
 class SynthSource : public Source {
@@ -612,6 +624,20 @@ class SynthSource : public Source {
   }
 
   std::int64_t total() const override { return total_; }
+
+  // Items are numbered 1..total: an id is one of them when it reads back as such a number.
+  std::int64_t count_own(const std::unordered_set<std::string>& ids) const override {
+    std::int64_t n = 0;
+    for (const std::string& id : ids) {
+      std::int64_t index = 0;
+      const auto [end, ec] = std::from_chars(id.data(), id.data() + id.size(), index);
+      n += ec == std::errc() && end == id.data() + id.size() && index >= 1 && index <= total_ &&
+                   json(index).dump() == id
+               ? 1
+               : 0;
+    }
+    return n;
+  }
 
  private:
   // Item `index` (1-based) depends only on (seed, index), so a resumed run regenerates exactly

@@ -217,6 +217,20 @@ void check_can_be_output(const std::string& path) {
   throw std::runtime_error("output " + path + " is " + kind + ", not a file" + kGive);
 }
 
+// 0 when a file can be made in directory `dir`, else why not (an errno). access() alone
+// answers for the permission bits: root passes it on /proc, /sys or a directory whose file
+// system refuses new names, and an ACL or a network file system can answer otherwise. So a
+// file is made there and removed again.
+int refuses_new_files(const std::string& dir) {
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) return errno;
+  std::string name = (std::filesystem::path(dir) / ".batchlm-check-XXXXXX").string();
+  const int fd = ::mkstemp(name.data());
+  if (fd < 0) return errno;
+  ::close(fd);
+  ::unlink(name.c_str());
+  return 0;
+}
+
 // The directories `path`'s parent needs made, outermost first (none when it is there). Throws,
 // naming the output, where one on the way is not a directory or cannot be looked into.
 std::vector<std::string> missing_directories(const std::string& path) {
@@ -370,17 +384,17 @@ void check_output(const std::string& given, bool read_records, bool fresh) {
       if (::access(lock_path.c_str(), R_OK | W_OK) != 0)
         throw std::runtime_error("cannot open the lock file " + lock_path + " of output " + path + ": " +
                                  std::strerror(errno));
-    } else if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    } else if (const int err = refuses_new_files(dir); err != 0) {
       throw std::runtime_error("cannot create the lock file " + lock_path + " of output " + path + ": " + dir +
-                               ": " + std::strerror(errno));
+                               ": " + std::strerror(err));
     }
     // The summary is made beside the output as given (a link's directory, not its target's)
     // and renamed into place, the earlier one removed at the start: in a directory that takes
     // no new entries, the run would send everything, then leave the earlier run's summary
     // describing a file it no longer does.
-    if (const std::string beside = parent_directory(given); ::access(beside.c_str(), W_OK | X_OK) != 0)
+    if (const std::string beside = parent_directory(given); const int err = refuses_new_files(beside))
       throw std::runtime_error("cannot write the summary of output " + given + " beside it: " + beside + ": " +
-                               std::strerror(errno));
+                               std::strerror(err));
     if (read_records) {
       check_records(path);
       if (!fresh && would_rewrite(path)) check_rewrite_file(path);
@@ -388,8 +402,8 @@ void check_output(const std::string& given, bool read_records, bool fresh) {
     return;
   }
   // Absent: made in the nearest directory there, which must take new entries.
-  if (::access(there.c_str(), W_OK | X_OK) != 0)
-    throw std::runtime_error("cannot create output " + path + ": " + there + ": " + std::strerror(errno));
+  if (const int err = refuses_new_files(there); err != 0)
+    throw std::runtime_error("cannot create output " + path + ": " + there + ": " + std::strerror(err));
 }
 
 OutputWriter::OutputWriter(Options options, const std::function<void(const nlohmann::json&)>& on_kept)

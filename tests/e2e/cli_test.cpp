@@ -255,6 +255,7 @@ TEST(BatchlmRun, AResumeThatStopsEarlyCountsEveryEarlierRecord) {
   EXPECT_EQ(summary["counts"]["failed"].get<long long>() + summary["counts"]["not_run"].get<long long>(), 20)
       << summary.dump(2);
   EXPECT_NE(r.err.find("60 items: 40 succeeded (40 resumed)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("resuming out/e2e.jsonl: 40 done, 0 failed to retry\n"), std::string::npos) << r.err;
   // Their scores count, as the records hold them.
   EXPECT_EQ(summary["accuracy"]["strict"]["scored"], 40) << summary.dump(2);
   EXPECT_EQ(summary["accuracy"]["strict"]["correct"], 40) << summary.dump(2);
@@ -268,6 +269,10 @@ TEST(BatchlmRun, AResumeThatStopsEarlyCountsEveryEarlierRecord) {
   r = run_batchlm(dir.path, {"run", "job.yaml"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("note: 30 earlier records in the output are not among this run's 30 items"), std::string::npos)
+      << r.err;
+  // The resume line counts as done only this run's items (ids 21 to 30), as the summary does.
+  EXPECT_NE(r.err.find("resuming out/e2e.jsonl: 10 done (and 30 records of items outside this run, kept), "),
+            std::string::npos)
       << r.err;
   EXPECT_EQ(json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"))["earlier_records_outside_the_job"], 30);
 }

@@ -730,3 +730,20 @@ TEST(ShippedJobSources, StoriesPromptsNameTheirWords) {
   EXPECT_NE(prompt.find("'" + item.input["noun"].get<std::string>() + "'"), std::string::npos);
   EXPECT_EQ(prompt.find("{{"), std::string::npos);
 }
+
+// A resumed output's records are counted as done only where their ids are this run's items.
+TEST_F(SourceTest, CountsWhichIdsAreItsOwnItems) {
+  std::string in = write("in.jsonl", "{\"question\": \"a\"}\n\n{\"question\": \"b\"}\n{\"question\": \"c\"}\n");
+  auto lines = open_source(job("input: " + in + kQuestionTemplate + "limit: 2\n"));  // ids 1 and 3
+  EXPECT_EQ(lines->count_own({"1", "3", "4", "2", "\"1\"", "x"}), 2);
+  EXPECT_EQ(lines->count_own({}), 0);
+  std::string batch = write("batch.jsonl",
+                            R"({"custom_id": "r-1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}})"
+                            "\n"
+                            R"({"custom_id": "r-2", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "ho"}]}})"
+                            "\n");
+  EXPECT_EQ(open_source(job("input: " + batch + "\n"))->count_own({"\"r-1\"", "\"r-2\"", "\"r-3\"", "r-1"}), 2);
+  // A synth job's items are 1..count (after its limit), written as JSON numbers.
+  auto synth = open_source(job(std::string(kSynthJob) + "limit: 10\n"));
+  EXPECT_EQ(synth->count_own({"1", "10", "11", "0", "-1", "01", "5.0", "1e1", "\"3\""}), 2);
+}

@@ -809,6 +809,16 @@ TEST_F(OutputWriterTest, CheckOutputRefusesWhatTheWriterWouldAndMakesNothing) {
     EXPECT_THROW(OutputWriter writer([&] { auto o = options(); o.path = inside; return o; }()), std::runtime_error);
     fs::permissions(dir_ / "ro", fs::perms::owner_all);
   }
+  // A directory whose file system takes no new files, whatever the permission bits say (root
+  // passes access() there): the check makes one to see, and leaves nothing.
+  if (fs::is_directory("/proc/self")) {  // procfs there
+    EXPECT_NE(message_of("/proc/batchlm-x.jsonl").find("cannot create output /proc/batchlm-x.jsonl: /proc: "),
+              std::string::npos)
+        << message_of("/proc/batchlm-x.jsonl");
+  }
+  EXPECT_EQ(message_of((dir_ / "new.jsonl").string()), "");
+  for (const auto& entry : fs::directory_iterator(dir_))
+    EXPECT_EQ(entry.path().filename().string().find(".batchlm-check-"), std::string::npos) << entry.path();
 }
 
 // "-" usually means stdout; a file named "-" appearing instead would surprise: refused.

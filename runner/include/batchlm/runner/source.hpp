@@ -5,6 +5,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -29,6 +30,9 @@ class Source {
   virtual std::int64_t total() const = 0;
   // What validating the input found that is allowed but probably a mistake (printed first).
   virtual std::vector<std::string> warnings() const { return {}; }
+  // How many of `ids` (Item::id_key) are ids of items this source yields: an output resumed
+  // under a lower limit, or after the input changed, holds records of other items too.
+  virtual std::int64_t count_own(const std::unordered_set<std::string>& ids) const = 0;
 };
 
 // Opens the job's source. Validates the whole input first (every line parses, every

@@ -47,10 +47,11 @@ struct ResumeInfo {
   std::int64_t redone = 0;           // successful records removed to be made again (Options::redo)
 };
 
-// What OutputWriter checks of its output before it takes it, checked without creating or
-// changing anything (for a dry run, and before a run loads its model): the path can be an output
-// (not "-", a directory, a pipe or a device), the directories it needs can be made, an existing
-// file and its lock file can be written, or the directory a new one goes in takes new entries;
+// What OutputWriter checks of its output before it takes it, checked without changing anything
+// (for a dry run, and before a run loads its model): the path can be an output (not "-", a
+// directory, a pipe or a device), the directories it needs can be made, an existing file and its
+// lock file can be written, or the directory a new one goes in takes new entries (a file is made
+// there and removed: /proc passes access() as root);
 // with read_records, an existing file is read through as a resume would (NotAnOutputError
 // where it is not a batchlm output); and no other run holds its lock (OutputLockedError, read
 // from the kernel's lock table, not by trying the lock). Throws std::runtime_error naming the
