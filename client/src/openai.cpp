@@ -861,8 +861,15 @@ Outcome StreamedAnswer::finish(const HttpResponse& response, Clock::time_point s
   // proxy at the base URL): what came says more than whatever reading it as a stream gave. A
   // whole answer under another label (a server that says text/plain) is still an answer.
   if (success && !cancelled && finish_reason_.empty() && type != nullptr && !is_event_stream_type(*type) &&
-      !is_json_type(*type))
+      !is_json_type(*type)) {
+    // Nor is a whole JSON answer under another label (a proxy that says text/plain of a server
+    // that ignored "stream"): an object with choices, read as a JSON answer would be.
+    if (!saw_event_ && !response.error && !error_) {
+      const auto body = parse_answer_json(raw_);
+      if (body.is_object() && body.contains("choices")) return answer_from_body(response.status, raw_, timings, sink_);
+    }
     return Outcome::failure(unexpected_content(response.status, "text/event-stream", *type, head_), timings);
+  }
   // The handler's own error explains an aborted transfer better than the transport does.
   if (error_) {
     Error error = std::move(*error_);

@@ -832,9 +832,16 @@ class Dispatcher {
         if (trimmed.ends_with('/')) trimmed.pop_back();
         const std::size_t scheme = trimmed.find("://");
         const bool bare = trimmed.find('/', scheme == std::string::npos ? 0 : scheme + 3) == std::string::npos;
+        // An endpoint's URL given as the base: the client adds the endpoint to it again.
+        std::string endpoint;
+        for (const char* path : {"/chat/completions", "/completions", "/responses", "/embeddings"})
+          if (endpoint.empty() && trimmed.ends_with(path)) endpoint = path;
         r.advice = bare ? "OpenAI-compatible APIs are served under /v1: set the base URL to " + trimmed + "/v1" + query
-                        : "Check the base URL, and that the server has the model '" +
-                              model_label(job_, item.request.model) + "'";
+                   : !endpoint.empty()
+                       ? "The base URL is the API's root, which the client adds " + endpoint + " to: set it to " +
+                             trimmed.substr(0, trimmed.size() - endpoint.size()) + query
+                       : "Check the base URL, and that the server has the model '" +
+                             model_label(job_, item.request.model) + "'";
       }
       refused_ = std::move(r);
     }

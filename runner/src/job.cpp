@@ -961,14 +961,25 @@ void read_few_shot(const Reader& r, const YAML::Node& node, FewShotSpec& few_sho
   r.require_file(path, "few_shot.path", few_shot.path, "few-shot file");
 }
 
+// The URL with its scheme in lower case (a scheme is case-insensitive: HTTPS:// is https://), as
+// the rest of the program compares it.
+std::string with_lowercase_scheme(std::string url) {
+  const std::size_t end = url.find("://");
+  if (end != std::string::npos)
+    std::transform(url.begin(), url.begin() + static_cast<std::ptrdiff_t>(end), url.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return url;
+}
+
 // What is wrong with an API's base URL, or "" when nothing is: the same checks for
 // backend.base_url, --base-url and $OPENAI_BASE_URL, so that none of them reaches the client
 // (which would retry a URL it cannot use until the run gives up).
 std::string url_problem(std::string_view url) {
   if (url.empty()) return "empty; give the API's URL, e.g. http://127.0.0.1:8000/v1";
   std::string_view rest;
+  const std::string lowered = with_lowercase_scheme(std::string(url.substr(0, url.find("://") + 3)));
   for (std::string_view scheme : {"http://", "https://"})
-    if (url.starts_with(scheme)) rest = url.substr(scheme.size());
+    if (lowered == scheme) rest = url.substr(scheme.size());
   if (rest.data() == nullptr)
     return "expected an http:// or https:// URL, got '" + std::string(url) + "'";
   if (const auto bad = std::find_if(url.begin(), url.end(),
@@ -1013,6 +1024,7 @@ void read_backend(const Reader& r, const YAML::Node& node, BackendSpec& backend)
     backend.base_url = r.string(node["base_url"], "backend.base_url");
     if (const std::string problem = url_problem(backend.base_url); !problem.empty())
       r.fail(node["base_url"], "backend.base_url", problem);
+    backend.base_url = with_lowercase_scheme(std::move(backend.base_url));
   }
   if (Reader::has(node["model"])) {
     backend.model = r.string(node["model"], "backend.model");
@@ -1390,7 +1402,7 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
     if (job.backend.base_url.empty()) {
       constexpr const char* kOpenAI = "https://api.openai.com/v1";
       const std::optional<std::string> from_variable = env("OPENAI_BASE_URL");
-      job.backend.base_url = from_variable.value_or(kOpenAI);
+      job.backend.base_url = with_lowercase_scheme(from_variable.value_or(kOpenAI));
       // Checked as backend.base_url is: the variable is where the requests would go.
       if (from_variable) {
         const std::string problem =

@@ -379,6 +379,28 @@ TEST(BatchlmRun, StopsOnEveryRequestNotFoundAndSuggestsV1) {
   r = run_batchlm(dir.path, {"run", "job.yaml", "--fresh"});
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("set the base URL to " + url + "/v1?api-version=1, then run"), std::string::npos) << r.err;
+  // An endpoint's URL given as the base URL: the advice takes the endpoint off.
+  write_file(dir.path / "job.yaml",
+             gsm8k_job({.base_url = server.base_url() + "/chat/completions", .limit = 100, .concurrency = 2}));
+  r = run_batchlm(dir.path, {"run", "job.yaml", "--fresh"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("The base URL is the API's root, which the client adds /chat/completions to: set it to " +
+                       server.base_url() + ", then run"),
+            std::string::npos)
+      << r.err;
+}
+
+// A URL's scheme is case-insensitive: HTTP:// is http://.
+TEST(BatchlmRun, TakesAnUpperCaseScheme) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+  std::string url = server.base_url();
+  url.replace(0, 4, "HTTP");
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = url, .limit = 3}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), 3u);
+  EXPECT_EQ(server.stats()["requests"].get<long long>(), 3);
 }
 
 // No TLS connection can be made (here https:// to a plain HTTP server; an untrusted, expired or

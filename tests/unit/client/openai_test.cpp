@@ -437,6 +437,16 @@ TEST(StreamedAnswer, BodyThatIsNoStreamNamesItsTypeAndStart) {
   o = streamed("", with_headers({{"content-type", "text/plain"}}, 200));
   ASSERT_FALSE(o.ok());
   EXPECT_EQ(o.error->message, "expected text/event-stream, got text/plain with an empty body");
+  // A whole JSON answer (a server that ignored "stream") under another label is an answer too;
+  // other JSON under it is not.
+  o = streamed(R"({"choices": [{"message": {"content": "whole"}, "finish_reason": "stop"}]})",
+               with_headers({{"content-type", "text/plain; charset=utf-8"}}, 200));
+  ASSERT_TRUE(o.ok()) << o.error->message;
+  EXPECT_EQ(o.completion->text, "whole");
+  EXPECT_EQ(o.completion->finish_reason, "stop");
+  o = streamed(R"({"status": "ok"})", with_headers({{"content-type", "text/plain"}}, 200));
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.error->message, R"(expected text/event-stream, got text/plain: {"status": "ok"})");
 
   // The stream's own type, with parameters or in capitals, is a stream.
   o = streamed("data: {\"choices\": [{\"delta\": {\"content\": \"x\"}, \"finish_reason\": \"stop\"}]}\n\n",

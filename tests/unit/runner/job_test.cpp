@@ -1036,6 +1036,12 @@ TEST_F(JobFile, BaseUrlFromTheEnvironmentIsCheckedToo) {
   EXPECT_EQ(load(with_input("backend: {base_url: http://h/v1}\n"), {}, {{"OPENAI_BASE_URL", "notaurl"}}).backend.base_url,
             "http://h/v1");
   EXPECT_EQ(load(with_input(""), {}, {{"OPENAI_BASE_URL", "notaurl"}}).backend.type, "local");
+  // A scheme in capitals is the same scheme, kept in lower case; the rest as given.
+  EXPECT_EQ(load(job, {}, {{"OPENAI_BASE_URL", "HTTPS://Api.Example.com/V1"}}).backend.base_url,
+            "https://Api.Example.com/V1");
+  EXPECT_EQ(load(with_input("backend: {base_url: Http://h/v1}\n")).backend.base_url, "http://h/v1");
+  EXPECT_EQ(error_of(with_input("backend: {base_url: \"HTTPX://h/v1\"}\n")).message(),
+            "expected an http:// or https:// URL, got 'HTTPX://h/v1'");
 }
 
 TEST_F(JobFile, ExpandsEnvironmentInEveryStringScalar) {
