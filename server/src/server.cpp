@@ -855,13 +855,14 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
                                        "Content-Length, or chunked"));
           break;
         }
-        if (!ec && (parser.get().version() < 11 ? parser.get().count(http::field::transfer_encoding) > 0
-                                                  : parser.get().count(http::field::host) != 1)) {
+        const std::size_t hosts = ec ? 0 : parser.get().count(http::field::host);
+        if (!ec && (parser.get().version() < 11 ? parser.get().count(http::field::transfer_encoding) > 0 || hosts > 1
+                                                  : hosts != 1)) {
           // HTTP/1.0 has no transfer codings: a body framed by one is faulty framing (RFC 9112
           // 6.1), which a proxy in front may have read otherwise. HTTP/1.1 requires exactly one
-          // Host field (RFC 9112 3.2).
+          // Host field, and no request may have two (RFC 9112 3.2).
           HttpRequest head = parser.release();
-          const bool framing = head.version() < 11;
+          const bool framing = head.version() < 11 && hosts <= 1;
           head.keep_alive(false);
           unread_body = true;
           c.refusing = true;
@@ -869,7 +870,8 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
                               ApiError(400, "invalid_request_error", "",
                                        framing ? "an HTTP/1.0 request may not use Transfer-Encoding: send the body "
                                                  "with a Content-Length"
-                                               : "an HTTP/1.1 request needs one Host header field"));
+                                               : hosts > 1 ? "a request may have only one Host header field"
+                                                           : "an HTTP/1.1 request needs one Host header field"));
           break;
         }
         if (!ec && !parser.is_done()) {

@@ -2144,12 +2144,20 @@ TEST_F(Serve, UnusualAndMalformedRequestsGetClearAnswers) {
     EXPECT_EQ(c.received().find(" 400 "), std::string::npos) << c.received();
   }
   {
-    SCOPED_TRACE("HTTP/1.1 needs one Host field; HTTP/1.0 takes no Transfer-Encoding and no 100 Continue");
+    SCOPED_TRACE("HTTP/1.1 needs one Host field, none two; HTTP/1.0 takes no Transfer-Encoding and no 100 Continue");
     RawConnection no_host(s->port());
     no_host.send_raw("GET /health HTTP/1.1\r\n\r\n");
     ASSERT_TRUE(no_host.read_to_end(10s)) << no_host.received();
     EXPECT_TRUE(no_host.received().starts_with("HTTP/1.1 400 Bad Request\r\n")) << no_host.received();
     EXPECT_NE(no_host.received().find("needs one Host header field"), std::string::npos) << no_host.received();
+    for (const char* version : {"1.0", "1.1"}) {
+      RawConnection two_hosts(s->port());
+      two_hosts.send_raw(std::string("GET /health HTTP/") + version + "\r\nHost: a\r\nHost: b\r\n\r\n");
+      ASSERT_TRUE(two_hosts.read_to_end(10s)) << two_hosts.received();
+      EXPECT_TRUE(two_hosts.received().starts_with(std::string("HTTP/") + version + " 400 Bad Request\r\n"))
+          << two_hosts.received();
+      EXPECT_NE(two_hosts.received().find("only one Host header field"), std::string::npos) << two_hosts.received();
+    }
     RawConnection chunked(s->port());
     chunked.send_raw("POST /v1/completions HTTP/1.0\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n" +
                      hex_size(completion.size()) + "\r\n" + completion + "\r\n0\r\n\r\n");
