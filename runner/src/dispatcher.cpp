@@ -54,9 +54,20 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
+// The most output tokens a request asks for: max_tokens, or an API's max_completion_tokens
+// passed through as written.
+std::optional<std::int64_t> output_cap(const Request& request) {
+  if (request.max_tokens) return *request.max_tokens;
+  if (request.extra.is_object())
+    if (const auto cap = request.extra.find("max_completion_tokens");
+        cap != request.extra.end() && cap->is_number_integer())
+      return cap->get<std::int64_t>();
+  return std::nullopt;
+}
+
 // Tokens an attempt may use, for the tokens/min bucket before the usage is known.
 std::int64_t estimate_tokens(const Item& item) {
-  return item.estimated_prompt_tokens + item.request.max_tokens.value_or(256);
+  return item.estimated_prompt_tokens + output_cap(item.request).value_or(256);
 }
 
 json select_input(const json& input, const std::vector<std::string>& fields) {
@@ -1155,8 +1166,8 @@ void dry_run(const JobSpec& job, Source& source, std::FILE* out, const DryRunOpt
     } else {
       uncounted_estimate += item->estimated_prompt_tokens;
     }
-    if (item->request.max_tokens) {
-      max_output_tokens += *item->request.max_tokens;
+    if (const auto cap = output_cap(item->request)) {
+      max_output_tokens += *cap;
     } else {
       ++unbounded;
     }

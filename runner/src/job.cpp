@@ -1261,6 +1261,11 @@ void read_scoring(const Reader& r, const YAML::Node& node, ScoringSpec& scoring)
     } catch (const std::invalid_argument& e) {
       r.fail(node["pattern"], "scoring.pattern", std::string("not a valid regex: ") + e.what());
     }
+    // A YAML block (`pattern: |`) keeps its last line break, which the output must then hold.
+    if (scoring.pattern.ends_with('\n'))
+      r.warn(node["pattern"], "scoring.pattern",
+             "ends with a line break, which an output must hold to match (a YAML '|' block keeps it: write '|-', or "
+             "quote the pattern)");
   }
 }
 

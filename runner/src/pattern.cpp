@@ -81,7 +81,7 @@ Pattern::Pattern(std::string_view pattern) : compiled_(std::make_unique<Compiled
   int error = 0;
   PCRE2_SIZE offset = 0;
   compiled_->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                                  PCRE2_UTF | PCRE2_MATCH_INVALID_UTF | PCRE2_AUTO_CALLOUT, &error, &offset, nullptr);
+                                  PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF | PCRE2_AUTO_CALLOUT, &error, &offset, nullptr);
   if (compiled_->code == nullptr) {
     if (offset >= pattern.size()) throw std::invalid_argument(message(error) + " at the end");
     // PCRE2 counts bytes; people count characters (UTF-8 lead bytes).

@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <stdexcept>
 
 #include "batchlm/runner/pattern.hpp"
@@ -127,13 +130,62 @@ class Gsm8kScorer : public Scorer {
   std::string field_;
 };
 
+// The text without the white space around it: ASCII's, and the no-break, narrow, figure,
+// ideographic and zero-width spaces and the byte-order mark that copied text carries.
+std::string_view trim_spaces(std::string_view text) {
+  static constexpr std::string_view kWide[] = {"\xC2\xA0", "\xE2\x80\xAF", "\xE2\x80\x87", "\xE3\x80\x80",
+                                               "\xE2\x80\x8B", "\xEF\xBB\xBF"};
+  for (bool cut = true; cut && !text.empty();) {
+    cut = false;
+    if (std::isspace(static_cast<unsigned char>(text.front()))) {
+      text.remove_prefix(1);
+      cut = true;
+    }
+    if (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) {
+      text.remove_suffix(1);
+      cut = true;
+    }
+    for (std::string_view space : kWide) {
+      if (text.starts_with(space)) text.remove_prefix(space.size()), cut = true;
+      if (text.ends_with(space)) text.remove_suffix(space.size()), cut = true;
+    }
+  }
+  return text;
+}
+
+// `text`, all of it, as a number ("1.10", "-0", "1e2"; no commas, no sign but '-'), or nullopt.
+std::optional<double> whole_number(std::string_view text) {
+  double value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(value)) return std::nullopt;
+  return value;
+}
+
+// The trimmed output equals the reference. A reference the input gives as a JSON number is
+// compared as one: the file's "1.10" reaches the scorer as 1.1, so the output "1.10" (or "1.1")
+// is its number, where a comparison of text would refuse the file's own spelling.
 class ExactMatchScorer : public Scorer {
  public:
   explicit ExactMatchScorer(std::string field) : field_(std::move(field)) {}
   nlohmann::json score(const nlohmann::json& input, std::string_view output) const override {
     std::optional<std::string> reference = reference_text(input, field_);
     if (!reference) return nullptr;
-    return {{"exact", trim(output) == trim(*reference)}};
+    const std::string_view said = trim_spaces(output);
+    if (said == trim_spaces(*reference)) return {{"exact", true}};
+    const nlohmann::json& value = input[field_];
+    if (value.is_number()) {
+      const std::optional<double> number = whole_number(said);
+      // Integers compared as integers: past 2^53 two doubles can be equal for different numbers.
+      if (number && value.is_number_integer() && said.find_first_of(".eE") == std::string_view::npos) {
+        const auto same_as = [&](auto whole) {
+          const auto [end, ec] = std::from_chars(said.data(), said.data() + said.size(), whole);
+          return ec == std::errc() && end == said.data() + said.size() && whole == value.get<decltype(whole)>();
+        };
+        return {{"exact", value.is_number_unsigned() ? same_as(std::uint64_t{0}) : same_as(std::int64_t{0})}};
+      }
+      return {{"exact", number.has_value() && *number == value.get<double>()}};
+    }
+    return {{"exact", false}};
   }
   std::vector<std::string> metrics() const override { return {"exact"}; }
 

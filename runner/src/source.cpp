@@ -114,6 +114,8 @@ class LineReader {
     while (read_line(line)) {
       ++line_number_;
       if (!line.empty() && line.back() == '\r') line.pop_back();
+      // A byte-order mark (a Windows editor's) opens the file, not its first item.
+      if (line_number_ == 1 && line.starts_with("\xEF\xBB\xBF")) line.erase(0, 3);
       if (!is_blank(line)) return true;
     }
     if (in_.bad()) throw ConfigError(path_, line_number_, 0, "", "read error");
@@ -435,7 +437,16 @@ Item batch_item(const JobSpec& job, ordered line_value, std::int64_t line,
       if (!value.is_number_integer() || (value.is_number_unsigned() && value.get<std::uint64_t>() > INT_MAX) ||
           value.get<std::int64_t>() < 1 || value.get<std::int64_t>() > INT_MAX)
         throw wrong(key, "an integer from 1 to 2147483647");
+      if (body.contains("max_tokens") && body.contains("max_completion_tokens"))
+        throw ConfigError(file, line_int, 0, "body.max_completion_tokens",
+                          "given with max_tokens: the two are one limit; keep one of them");
       request.max_tokens = value.get<int>();
+      // An API gets the key as written: reasoning models refuse max_tokens, and the job's own
+      // max_tokens must not go out beside it.
+      if (key == "max_completion_tokens" && job.backend.type != "local") {
+        request.max_tokens.reset();
+        request.extra[key] = value;
+      }
     } else if (key == "temperature" || key == "top_p") {
       if (!value.is_number()) throw wrong(key, "a number");
       (key == "temperature" ? request.temperature : request.top_p) = value.get<double>();

@@ -933,6 +933,12 @@ TEST_F(JobFile, RegexScoringNeedsAValidPattern) {
   EXPECT_EQ(e.field(), "scoring.pattern");
   EXPECT_EQ(e.message().rfind("not a valid regex", 0), 0u);
   EXPECT_EQ(load(with_input("scoring: {type: regex, pattern: '^yes'}\n")).scoring.pattern, "^yes");
+  // A YAML block keeps its last line break, which the output would then have to hold: warned.
+  const JobSpec block = load(with_input("scoring:\n  type: regex\n  pattern: |\n    ^42$\n"));
+  EXPECT_EQ(block.scoring.pattern, "^42$\n");
+  ASSERT_EQ(block.warnings.size(), 1u);
+  EXPECT_NE(block.warnings[0].find("scoring.pattern: ends with a line break"), std::string::npos) << block.warnings[0];
+  EXPECT_TRUE(load(with_input("scoring:\n  type: regex\n  pattern: |-\n    ^42$\n")).warnings.empty());
 }
 
 // Found by fuzzing (tests/fuzz/corpus/job): std::regex read the back-reference \777...7 into a

@@ -141,6 +141,33 @@ TEST(ExactMatchScorer, ComparesTrimmedText) {
   EXPECT_EQ(scorer->score(json{{"answer", 4}}, "4"), (json{{"exact", true}}));
   EXPECT_TRUE(scorer->score(json{{"q", "x"}}, "Paris").is_null());
   EXPECT_EQ(scorer->metrics(), std::vector<std::string>{"exact"});
+  // Copied text's no-break and zero-width spaces, and a byte-order mark, are white space too.
+  EXPECT_EQ(scorer->score(json{{"answer", "Paris"}}, "\xC2\xA0Paris\xE2\x80\x8B\n"), (json{{"exact", true}}));
+  EXPECT_EQ(scorer->score(json{{"answer", "\xEF\xBB\xBFParis "}}, "Paris"), (json{{"exact", true}}));
+  EXPECT_EQ(scorer->score(json{{"answer", "Par is"}}, "Par\xC2\xA0is"), (json{{"exact", false}}));
+}
+
+// A reference the input gives as a JSON number is compared as a number: the file's 1.10 is read
+// as 1.1, and its own spelling must still match.
+TEST(ExactMatchScorer, ANumericReferenceIsComparedAsANumber) {
+  auto scorer = make_scorer({ScoringKind::ExactMatch, "answer", ""});
+  const json decimal = json::parse(R"({"answer": 1.10})");
+  EXPECT_EQ(scorer->score(decimal, "1.10"), (json{{"exact", true}}));
+  EXPECT_EQ(scorer->score(decimal, "1.1"), (json{{"exact", true}}));
+  EXPECT_EQ(scorer->score(decimal, "1.11"), (json{{"exact", false}}));
+  EXPECT_EQ(scorer->score(decimal, "about 1.10"), (json{{"exact", false}}));
+  EXPECT_EQ(scorer->score(json::parse(R"({"answer": 1e2})"), "100"), (json{{"exact", true}}));
+  EXPECT_EQ(scorer->score(json::parse(R"({"answer": -0})"), "-0"), (json{{"exact", true}}));
+  EXPECT_EQ(scorer->score(json{{"answer", 42}}, " 42.0\n"), (json{{"exact", true}}));
+  EXPECT_EQ(scorer->score(json{{"answer", 42}}, "+42"), (json{{"exact", false}}));
+  EXPECT_EQ(scorer->score(json{{"answer", 42}}, "4,2"), (json{{"exact", false}}));
+  // Integers as integers: 2^53 + 1 is not 2^53, though both are the same double.
+  EXPECT_EQ(scorer->score(json{{"answer", 9007199254740993}}, "9007199254740992"), (json{{"exact", false}}));
+  EXPECT_EQ(scorer->score(json{{"answer", 9007199254740993}}, "9007199254740993"), (json{{"exact", true}}));
+  EXPECT_EQ(scorer->score(json{{"answer", std::uint64_t{18446744073709551615u}}}, "18446744073709551615"),
+            (json{{"exact", true}}));
+  // A reference written as text is compared as text.
+  EXPECT_EQ(scorer->score(json{{"answer", "1.10"}}, "1.1"), (json{{"exact", false}}));
 }
 
 TEST(RegexScorer, SearchesTheOutput) {
@@ -159,6 +186,13 @@ TEST(RegexScorer, PerlSyntaxOverUtf8) {
   EXPECT_EQ(make_scorer({ScoringKind::Regex, "answer", "42"})->score(json::object(), "\xff\xfe 42"),
             (json{{"match", true}}));
   EXPECT_EQ(scorer->score(json::object(), ""), (json{{"match", false}}));
+  // \b, \w, \d and \s are Unicode's, as in Python 3's re.
+  EXPECT_EQ(make_scorer({ScoringKind::Regex, "answer", "\\bcaf\xC3\xA9\\b"})->score(json::object(), "caf\xC3\xA9 au lait"),
+            (json{{"match", true}}));
+  EXPECT_EQ(make_scorer({ScoringKind::Regex, "answer", "^\\d+$"})->score(json::object(), "\xD9\xA4\xD9\xA2"),
+            (json{{"match", true}}));
+  EXPECT_EQ(make_scorer({ScoringKind::Regex, "answer", "x\\s42"})->score(json::object(), "x\xC2\xA0" "42"),
+            (json{{"match", true}}));
 }
 
 // std::regex recursed once per character a repeated group consumed: 20,000 characters against

@@ -113,6 +113,17 @@ TEST_F(SourceTest, JsonlItemsAreNumberedByLineSkippingBlankLines) {
   EXPECT_EQ(items[1].request.model, "");  // the dispatcher fills the backend's
 }
 
+// A byte-order mark opens the file: before the first item, or before a blank first line.
+TEST_F(SourceTest, AByteOrderMarkIsNotAnItem) {
+  for (const std::string& start : {std::string("\xEF\xBB\xBF"), std::string("\xEF\xBB\xBF\r\n"), std::string("\xEF\xBB\xBF  \n")}) {
+    std::string in = write("bom.jsonl", start + "{\"question\": \"a\"}\n");
+    std::vector<Item> items = drain(*open_source(job("input: " + in + kQuestionTemplate)));
+    ASSERT_EQ(items.size(), 1u);
+    EXPECT_EQ(items[0].input["question"], "a");
+    EXPECT_EQ(items[0].id, json(start.size() == 3 ? 1 : 2));  // line numbers as an editor shows them
+  }
+}
+
 TEST_F(SourceTest, JsonlRequestCarriesTemplateParameters) {
   std::string in = write("in.jsonl", "{\"question\": \"a\", \"m\": \"small\"}\n");
   auto source = open_source(job("input: " + in + R"(
@@ -432,17 +443,33 @@ TEST_F(SourceTest, BatchFormatIsDetectedAndMapped) {
   EXPECT_EQ(items[0].id_key, "\"req-1\"");
   EXPECT_EQ(items[0].input["custom_id"], "req-1");  // the whole line
   EXPECT_EQ(items[0].request.model, "gpt-x");
-  EXPECT_EQ(items[0].request.max_tokens, 20);
+  // max_completion_tokens goes to an API as written (reasoning models refuse max_tokens), and
+  // the job's max_tokens not beside it.
+  EXPECT_EQ(items[0].request.max_tokens, std::nullopt);
   EXPECT_EQ(items[0].request.temperature, 0.2);
   EXPECT_EQ(items[0].request.top_p, 0.9);
   EXPECT_EQ(items[0].request.stop, std::vector<std::string>{"END"});
   EXPECT_EQ(items[0].request.seed, 5);
-  EXPECT_EQ(items[0].request.extra, (json{{"response_format", {{"type", "json_object"}}}}));
+  EXPECT_EQ(items[0].request.extra,
+            (json{{"max_completion_tokens", 20}, {"response_format", {{"type", "json_object"}}}}));
   EXPECT_EQ(items[0].request.messages[0].content, "Hi");
   // What the body leaves out comes from the job.
   EXPECT_EQ(items[1].request.model, "fallback");
   EXPECT_EQ(items[1].request.max_tokens, 64);
   EXPECT_EQ(items[1].request.messages[0].content, "Hel\nlo");  // parts joined by a line break
+  // The embedded engine takes it as its max_tokens; a body with both keys is refused.
+  std::string local = write("local.jsonl", R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 20}})"
+                                           "\n");
+  const std::vector<Item> on_engine = drain(*open_source(job("input: " + local + "\nrequest: {max_tokens: 64}\n")));
+  ASSERT_EQ(on_engine.size(), 1u);
+  EXPECT_EQ(on_engine[0].request.max_tokens, 20);
+  EXPECT_FALSE(on_engine[0].request.extra.contains("max_completion_tokens"));
+  std::string both = write("both.jsonl", R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7, "max_completion_tokens": 20}})"
+                                         "\n");
+  const ConfigError e = open_error(job("input: " + both + "\nbackend: {base_url: http://127.0.0.1:1/v1}\n"));
+  EXPECT_EQ(e.line(), 1);
+  EXPECT_EQ(e.field(), "body.max_completion_tokens");
+  EXPECT_EQ(e.message(), "given with max_tokens: the two are one limit; keep one of them");
 }
 
 TEST_F(SourceTest, BodyFieldsKeepTheirKeysInTheOrderWritten) {
