@@ -333,6 +333,8 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
   p.refuse_past_context = request.max_tokens_exact;  // without max_tokens there is nothing to refuse
   p.sampling.temperature = static_cast<float>(request.temperature.value_or(1.0));
   p.sampling.top_p = static_cast<float>(request.top_p.value_or(1.0));
+  // top_p 0 keeps only the likeliest token, as OpenAI reads it: greedy.
+  if (p.sampling.top_p <= 0.0f) p.sampling.temperature = 0.0f;
   if (request.extra.is_object()) {
     if (const auto k = request.extra.find("top_k"); k != request.extra.end() && k->is_number())
       p.sampling.top_k = static_cast<int>(k->get<double>());  // checked to be whole above

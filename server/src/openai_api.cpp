@@ -100,14 +100,11 @@ std::int64_t integer(const Body& v, const std::string& param, std::int64_t min, 
   return value;
 }
 
-double number(const Body& v, const std::string& param, double min, double max, bool min_open = false) {
+double number(const Body& v, const std::string& param, double min, double max) {
   if (!v.is_number()) invalid(param, "'" + param + "' must be a number, not " + type_name(v));
   const double x = v.get<double>();
-  if (!(min_open ? x > min : x >= min) || !(x <= max)) {
-    invalid(param, "'" + param + "' must be " + (min_open ? "greater than " : "between ") +
-                       Body(min).dump() + (min_open ? " and at most " : " and ") + Body(max).dump() +
-                       ", not " + v.dump());
-  }
+  if (!(x >= min) || !(x <= max))
+    invalid(param, "'" + param + "' must be between " + Body(min).dump() + " and " + Body(max).dump() + ", not " + v.dump());
   return x;
 }
 
@@ -183,8 +180,12 @@ std::string read_prompt(const Body& body) {
   if (!prompt) invalid("prompt", "'prompt' is required");
   if (prompt->is_string()) return prompt->get<std::string>();
   if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string()) return (*prompt)[0].get<std::string>();
-  if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number()) unsupported("prompt", "a prompt of token ids");
+  if (prompt->is_array() && !prompt->empty() && ((*prompt)[0].is_number() || (*prompt)[0].is_array()))
+    unsupported("prompt", (*prompt)[0].is_number() ? "a prompt of token ids" : "a list of prompts of token ids");
   if (prompt->is_array() && prompt->size() > 1) unsupported("prompt", "more than one prompt per request");
+  if (prompt->is_array() && prompt->empty()) invalid("prompt", "'prompt' is an empty array: give a string");
+  if (prompt->is_array())
+    invalid("prompt", "'prompt[0]' must be a string, not " + type_name((*prompt)[0]));
   invalid("prompt", "'prompt' must be a string, not " + type_name(*prompt));
 }
 
@@ -244,7 +245,7 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
     r.max_tokens = 16;  // the completions API's default
   }
   if (const Body* t = field(body, "temperature")) r.temperature = number(*t, "temperature", 0.0, 2.0);
-  if (const Body* p = field(body, "top_p")) r.top_p = number(*p, "top_p", 0.0, 1.0, true);
+  if (const Body* p = field(body, "top_p")) r.top_p = number(*p, "top_p", 0.0, 1.0);
   if (const Body* k = field(body, "top_k")) {
     r.extra = Body::object();
     r.extra["top_k"] = integer(*k, "top_k", -1, std::numeric_limits<int>::max());

@@ -90,7 +90,9 @@ std::optional<std::string> path_of(const HttpRequest& req) {
     }
     const int high = i + 2 < target.size() ? hex_digit(target[i + 1]) : -1;
     const int low = high >= 0 ? hex_digit(target[i + 2]) : -1;
-    if (low < 0 || (high << 4 | low) == '/') return std::nullopt;
+    // An encoded '/' is refused where it would change which endpoint is meant, and taken in a
+    // model's id: a client sends "org/name" as org%2Fname there.
+    if (low < 0 || ((high << 4 | low) == '/' && !path.starts_with("/v1/models/"))) return std::nullopt;
     path.push_back(static_cast<char>(high << 4 | low));
     i += 2;
   }
@@ -417,7 +419,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       if (!s.started && s.pending.empty()) {
         s.error = std::move(e);
       } else {
+        // As at shutdown: the error event, then [DONE], which a reader of the raw events waits for.
         s.pending += sse(e.body());
+        s.pending += "data: [DONE]\n\n";
       }
     }
     s.done = true;

@@ -6,7 +6,7 @@
 // Promised: a body is accepted or refused with ApiError (400, or 404 for another model),
 // whose JSON error body can be sent; nothing else escapes, nothing crashes. Checked on an
 // accepted body: the Request is within the ranges the engine is promised (max_tokens >= 1,
-// temperature in [0, 2], top_p in (0, 1], at most 16 non-empty stops, messages with a known
+// temperature in [0, 2], top_p in [0, 1], at most 16 non-empty stops, messages with a known
 // role for chat, a prompt for completions).
 
 #include <cstdint>
@@ -32,7 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     FUZZ_CHECK(!parsed.include_usage || parsed.stream, "include_usage without stream");
     FUZZ_CHECK(!r.max_tokens || *r.max_tokens >= 1, "max_tokens " + std::to_string(*r.max_tokens));
     FUZZ_CHECK(!r.temperature || (*r.temperature >= 0 && *r.temperature <= 2), "temperature");
-    FUZZ_CHECK(!r.top_p || (*r.top_p > 0 && *r.top_p <= 1), "top_p");
+    FUZZ_CHECK(!r.top_p || (*r.top_p >= 0 && *r.top_p <= 1), "top_p");
     FUZZ_CHECK(r.stop.size() <= 16, "more than 16 stops");
     for (const std::string& s : r.stop) FUZZ_CHECK(!s.empty(), "an empty stop string");
     FUZZ_CHECK(r.model.empty() || r.model == "smollm", "another model accepted: " + r.model);

@@ -355,7 +355,11 @@ TEST(ParseRequest, CompletionPromptErrors) {
   expect_invalid(completion_error(completion_body_json({{"prompt", 12}})), "prompt",
                  "'prompt' must be a string, not an integer");
   expect_invalid(completion_error(completion_body_json({{"prompt", json::array()}})), "prompt",
-                 "'prompt' must be a string, not an array");
+                 "'prompt' is an empty array: give a string");
+  expect_unsupported(completion_error(completion_body_json({{"prompt", json::array({json::array({504, 3575})})}})),
+                     "prompt", "a list of prompts of token ids is not supported by this server");
+  expect_invalid(completion_error(completion_body_json({{"prompt", json::array({nullptr})}})), "prompt",
+                 "'prompt[0]' must be a string, not null");
 }
 
 TEST(ParseRequest, ChatIgnoresPromptAndCompletionsIgnoresMessages) {
@@ -435,13 +439,13 @@ TEST(ParseRequest, TemperatureRange) {
                  "'temperature' must be between 0.0 and 2.0, not 3");
 }
 
-TEST(ParseRequest, TopPRangeExcludesZero) {
+// 0 is taken, as OpenAI takes it: only the likeliest token (LocalBackend makes it greedy).
+TEST(ParseRequest, TopPRangeIsZeroToOne) {
   EXPECT_EQ(chat({{"top_p", 1}}).request.top_p, 1.0);
   EXPECT_EQ(chat({{"top_p", 0.01}}).request.top_p, 0.01);
-  expect_invalid(chat_error(chat_body({{"top_p", 0}})), "top_p",
-                 "'top_p' must be greater than 0.0 and at most 1.0, not 0");
-  expect_invalid(chat_error(chat_body({{"top_p", 1.5}})), "top_p",
-                 "'top_p' must be greater than 0.0 and at most 1.0, not 1.5");
+  EXPECT_EQ(chat({{"top_p", 0}}).request.top_p, 0.0);
+  expect_invalid(chat_error(chat_body({{"top_p", -0.1}})), "top_p", "'top_p' must be between 0.0 and 1.0, not -0.1");
+  expect_invalid(chat_error(chat_body({{"top_p", 1.5}})), "top_p", "'top_p' must be between 0.0 and 1.0, not 1.5");
   expect_invalid(chat_error(chat_body({{"top_p", nullptr}, {"temperature", json::array()}})), "temperature",
                  "'temperature' must be a number, not an array");
 }
