@@ -898,26 +898,15 @@ class Dispatcher {
   // The summary beside the output, whole or not at all (a temporary file renamed over it); the
   // reason when it could not be written.
   std::optional<std::string> write_summary(const json& summary) const {
-    const std::string path = summary_path(), tmp = path + ".tmp";
+    const std::string path = summary_path();
     std::error_code ec;
     if (std::filesystem::is_directory(path, ec)) return path + " is a directory";
-    {
-      std::ofstream f(tmp, std::ios::trunc);
-      if (!f) return std::string("cannot open ") + tmp + ": " + std::strerror(errno);
+    try {
       // A server's error message may hold bytes that are no UTF-8 (a raw body): replaced, as in
       // the records, rather than failing the summary.
-      f << summary.dump(2, ' ', false, json::error_handler_t::replace) << '\n';
-      f.flush();
-      if (!f) {
-        const std::string reason = std::string("cannot write ") + tmp + ": " + std::strerror(errno);
-        std::filesystem::remove(tmp, ec);  // no half summary left behind
-        return reason;
-      }
-    }
-    std::filesystem::rename(tmp, path, ec);
-    if (ec) {
-      std::filesystem::remove(tmp, ec);
-      return "cannot replace " + path + ": " + ec.message();
+      replace_file(path, summary.dump(2, ' ', false, json::error_handler_t::replace) + "\n");
+    } catch (const std::exception& e) {
+      return std::string(e.what());
     }
     return std::nullopt;
   }

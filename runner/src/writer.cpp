@@ -310,14 +310,53 @@ std::optional<long> flock_holder(const std::string& path) {
 
 namespace {
 
+// Whether `file` is itself an output of some run, which made a lock file beside it: one output's
+// companion (its lock, summary or rewrite file) must never be another's records.
+bool is_an_output(const std::string& file) {
+  struct stat info {};
+  return ::lstat((file + ".lock").c_str(), &info) == 0;
+}
+
+// The output's lock file and its summary (beside the output as given) are its own: an output
+// another job wrote under such a name (out.jsonl.lock, out.jsonl.summary.json) would be
+// overwritten, and something else there is not the run's to replace.
+void check_companions(const std::string& given, const std::string& path) {
+  const auto refuse = [&](const std::string& file, const std::string& role, const std::string& what) {
+    throw std::runtime_error(file + " is " + what + ", where output " + given + " keeps its " + role +
+                             "; batchlm never deletes what it did not write: give this job another output path, "
+                             "or move that file away");
+  };
+  struct stat info {};
+  const std::string lock_path = path + ".lock";
+  if (::lstat(lock_path.c_str(), &info) == 0) {
+    if (is_an_output(lock_path)) refuse(lock_path, "lock", "another job's output (it has a lock file of its own)");
+    // A lock file holds the pid of the run that last held it on its first line, then settings.
+    if (S_ISREG(info.st_mode) && info.st_size > 0) {
+      std::ifstream in(lock_path);
+      std::string first;
+      std::getline(in, first);
+      if (in && (first.empty() || first.find_first_not_of("0123456789") != std::string::npos))
+        refuse(lock_path, "lock", "not a batchlm lock file");
+    }
+  }
+  const std::string summary = given + ".summary.json";
+  if (::lstat(summary.c_str(), &info) == 0 && S_ISREG(info.st_mode)) {
+    if (is_an_output(summary)) refuse(summary, "summary", "another job's output (it has a lock file of its own)");
+    std::ifstream in(summary);
+    const nlohmann::json earlier = nlohmann::json::parse(in, nullptr, false);
+    if (!earlier.is_object() || !earlier.contains("counts")) refuse(summary, "summary", "not a batchlm summary");
+  }
+}
+
 // A resume's rewrite goes to PATH.tmp, made anew: what is there must be a rewrite a killed run
-// left (records, or nothing yet), never a file of the user's.
+// left (records, or nothing yet), never a file of the user's, nor another job's output.
 void check_rewrite_file(const std::string& path) {
   const std::string tmp_path = path + ".tmp";
   struct stat info {};
   if (::lstat(tmp_path.c_str(), &info) != 0) return;
   const std::string reason = "it is where a resume rewrites the output, and batchlm never deletes what it did not "
                              "write: move it away, then run again";
+  if (is_an_output(tmp_path)) throw std::runtime_error(tmp_path + " is another job's output (it has a lock file of its own); " + reason);
   if (!S_ISREG(info.st_mode)) throw std::runtime_error(tmp_path + " exists and is not a file; " + reason);
   if (::access(tmp_path.c_str(), R_OK) != 0)
     throw std::runtime_error(tmp_path + " exists and cannot be read (" + std::strerror(errno) + "); " + reason);
@@ -375,6 +414,7 @@ void check_output(const std::string& given, bool read_records, bool fresh) {
                                    : std::string("."));
   check_name_length(given, there);
   check_name_length(path, there);
+  check_companions(given, path);
   struct stat info {};
   if (::stat(path.c_str(), &info) == 0) {
     if (::access(path.c_str(), R_OK | W_OK) != 0)
@@ -406,15 +446,32 @@ void check_output(const std::string& given, bool read_records, bool fresh) {
     throw std::runtime_error("cannot create output " + path + ": " + there + ": " + std::strerror(err));
 }
 
+void replace_file(const std::string& path, std::string_view content) {
+  const std::string tmp_path = path + ".tmp";
+  try {
+    ScopedFd tmp(open_or_throw(tmp_path, O_WRONLY | O_CREAT | O_TRUNC));
+    write_all(tmp.get(), content, tmp_path);
+    fsync_or_throw(tmp.get(), tmp_path);
+    if (::close(tmp.release()) != 0) throw_write_error("cannot close", tmp_path, errno);
+    if (::rename(tmp_path.c_str(), path.c_str()) != 0) throw_write_error("cannot rename " + tmp_path + " to", path, errno);
+  } catch (...) {
+    ::unlink(tmp_path.c_str());  // no half file left behind
+    throw;
+  }
+  fsync_directory(path);
+}
+
 OutputWriter::OutputWriter(Options options, const std::function<void(const nlohmann::json&)>& on_kept)
     : options_(std::move(options)), last_flush_(std::chrono::steady_clock::now()) {
   if (options_.path.empty()) throw std::runtime_error("output path is empty");
   // As given: stat follows every link, /dev/stdout's to a pipe included, which resolve_links
   // cannot name.
   check_can_be_output(options_.path);
+  const std::string given = options_.path;
   options_.path = resolve_links(options_.path);
   const std::string& path = options_.path;
   const std::string lock_path = path + ".lock";
+  check_companions(given, path);
   // What this constructor made, removed again when it throws: a refused run leaves nothing behind.
   std::vector<std::string> made_directories;
   bool made_lock = false, made_output = false;
@@ -598,6 +655,13 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   const std::string tmp_path = path + ".tmp";
   ScopedFd tmp(open_or_throw(tmp_path, O_WRONLY | O_CREAT | O_TRUNC));
   try {
+    // The rewrite takes the output's place with its permissions and, where this process may
+    // give them, its owner and group: a private file stays private.
+    if (struct stat original {}; ::fstat(file.get(), &original) == 0) {
+      if (::fchown(tmp.get(), original.st_uid, original.st_gid) != 0 && errno != EPERM)
+        throw_write_error("cannot set the owner of", tmp_path, errno);
+      if (::fchmod(tmp.get(), original.st_mode & 07777) != 0) throw_write_error("cannot set the mode of", tmp_path, errno);
+    }
     std::string out;
     auto next_drop = dropped.begin();
     for_each_line(file.get(), path, [&](std::string_view line, std::int64_t offset, bool complete) {

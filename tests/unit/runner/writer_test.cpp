@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <vector>
 
@@ -832,6 +833,90 @@ TEST_F(OutputWriterTest, DashIsRefusedAsAnOutput) {
   }
   EXPECT_FALSE(fs::exists("-"));
   EXPECT_FALSE(fs::exists("-.lock"));
+}
+
+// An output's companions (its lock, its summary, a resume's rewrite file) are named by suffixes,
+// so another job's output can sit where one goes (-o out.jsonl.tmp beside -o out.jsonl): it is
+// refused, by the run and by its dry run's check, and left as it is.
+TEST_F(OutputWriterTest, AnotherOutputWhereACompanionGoesIsRefusedAndKept) {
+  const auto other_output = [&](const std::string& at) {
+    const std::string saved = path_;
+    path_ = at;
+    {
+      OutputWriter other(options(1));
+      for (int id = 1; id <= 3; ++id) other.append(ok(id));
+      other.flush();
+    }
+    path_ = saved;
+    return read_file(at);
+  };
+  const auto message_of = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const std::runtime_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  // A resume that would rewrite the output (a failed record before a kept one).
+  write_raw(line(failed(1)) + line(ok(2)));
+  const std::string tmp = path_ + ".tmp", tmp_records = other_output(tmp);
+  std::string m = message_of([&] { OutputWriter writer(options()); });
+  EXPECT_EQ(m, tmp + " is another job's output (it has a lock file of its own); it is where a resume rewrites the "
+                     "output, and batchlm never deletes what it did not write: move it away, then run again");
+  EXPECT_EQ(message_of([&] { check_output(path_); }), m);
+  EXPECT_EQ(read_file(tmp), tmp_records);
+  EXPECT_EQ(read_raw(), line(failed(1)) + line(ok(2)));
+  fs::remove(tmp);
+  fs::remove(tmp + ".lock");
+  // Its summary's name, and its lock's.
+  for (const std::string suffix : {".summary.json", ".lock"}) {
+    fs::remove(path_ + ".lock");
+    const std::string at = path_ + suffix, records = other_output(at);
+    m = message_of([&] { OutputWriter writer(options()); });
+    EXPECT_EQ(m, at + " is another job's output (it has a lock file of its own), where output " + path_ + " keeps its " +
+                     (suffix == ".lock" ? "lock" : "summary") +
+                     "; batchlm never deletes what it did not write: give this job another output path, or move that "
+                     "file away");
+    EXPECT_EQ(message_of([&] { check_output(path_); }), m);
+    EXPECT_EQ(read_file(at), records);
+    fs::remove(at);
+    fs::remove(at + ".lock");
+  }
+  // Something else at the summary's name or the lock's.
+  std::ofstream(path_ + ".summary.json") << "{\"notes\": true}\n";
+  EXPECT_NE(message_of([&] { check_output(path_); }).find("is not a batchlm summary"), std::string::npos);
+  std::ofstream(path_ + ".summary.json") << "{\"counts\": {\"total\": 0}}\n";
+  EXPECT_EQ(message_of([&] { check_output(path_); }), "");
+  std::ofstream(path_ + ".lock") << "my notes\n";
+  EXPECT_NE(message_of([&] { OutputWriter writer(options()); }).find("is not a batchlm lock file"), std::string::npos);
+  EXPECT_EQ(read_file(path_ + ".lock"), "my notes\n");
+}
+
+// A resume that rewrites the output keeps its permissions: a private file stays private.
+TEST_F(OutputWriterTest, ARewriteKeepsTheOutputsMode) {
+  write_raw(line(failed(1)) + line(ok(2)));
+  ASSERT_EQ(::chmod(path_.c_str(), 0600), 0);
+  {
+    OutputWriter writer(options());
+  }
+  EXPECT_EQ(read_records().size(), 1u);  // rewritten: the failed record dropped
+  struct stat info {};
+  ASSERT_EQ(::stat(path_.c_str(), &info), 0);
+  EXPECT_EQ(info.st_mode & 07777, 0600u);
+}
+
+// The summary's way to disk: whole or not at all, nothing left beside it.
+TEST_F(OutputWriterTest, ReplaceFileWritesWholeAndLeavesNoTemporaryFile) {
+  const std::string at = (dir_ / "summary.json").string();
+  replace_file(at, "first\n");
+  replace_file(at, "second\n");
+  EXPECT_EQ(read_file(at), "second\n");
+  EXPECT_FALSE(fs::exists(at + ".tmp"));
+  fs::create_directory(dir_ / "d");
+  EXPECT_THROW(replace_file((dir_ / "d").string(), "x"), std::runtime_error);  // a directory is not replaced
+  EXPECT_FALSE(fs::exists(dir_ / "d.tmp"));
+  EXPECT_TRUE(fs::is_directory(dir_ / "d"));
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <unordered_set>
 
 #include <nlohmann/json.hpp>
@@ -58,6 +59,11 @@ struct ResumeInfo {
 // output's path. Unless `fresh`, a resume's rewrite file (PATH.tmp) that is not batchlm's is
 // refused where the resume would rewrite.
 void check_output(const std::string& path, bool read_records = true, bool fresh = false);
+
+// Replaces `path` with `content` whole or not at all, durably: written to PATH.tmp, fsynced,
+// renamed over `path`, and the directory fsynced (a crash leaves the old file or the new one,
+// never an empty one). Throws std::runtime_error naming the file; PATH.tmp is then removed.
+void replace_file(const std::string& path, std::string_view content);
 
 class OutputWriter {
  public:
