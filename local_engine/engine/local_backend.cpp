@@ -370,8 +370,9 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
           Error{ErrorKind::Http, 400, "invalid_request", std::string("'tools': ") + e.what(), std::nullopt, false});
     }
   }
-  p.sampling.seed = request.seed ? static_cast<std::uint64_t>(*request.seed)
-                                 : std::random_device{}() * 0x9e3779b97f4a7c15ull;
+  // -1 asks for a random seed, as in llama.cpp.
+  p.sampling.seed = request.seed && *request.seed != -1 ? static_cast<std::uint64_t>(*request.seed)
+                                                        : std::random_device{}() * 0x9e3779b97f4a7c15ull;
   if (!forced) p.stop = request.stop;  // stop strings are for text; they would cut a forced call's JSON
   {
     std::lock_guard lock(state_->mutex);

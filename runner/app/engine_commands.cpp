@@ -159,6 +159,13 @@ int run_generate() {
   if (!ignored) ::sigaction(SIGINT, &previous, nullptr);
   if (!r.text.empty() && r.text.back() != '\n') std::fputc('\n', stdout);
   std::fflush(stdout);
+  // The context, not --max-tokens, ended the answer: said, as `run` records it (cut_at_context).
+  const auto generated = static_cast<long long>(r.tokens.size());
+  if (r.finish_reason == "length" && generated < g.max_tokens)
+    std::fprintf(stderr,
+                 "batchlm: note: the context (%lld tokens) ended the answer after %lld of %lld tokens (the prompt "
+                 "has %zu); give a larger --context, or a shorter prompt\n",
+                 static_cast<long long>(engine.context()), generated, g.max_tokens, prompt.size());
   if (g.timings) {
     const GenerateStats& s = r.stats;
     nlohmann::json j = {

@@ -65,9 +65,10 @@ std::optional<std::int64_t> output_cap(const Request& request) {
   return std::nullopt;
 }
 
-// Tokens an attempt may use, for the tokens/min bucket before the usage is known.
-std::int64_t estimate_tokens(const Item& item) {
-  return item.estimated_prompt_tokens + output_cap(item.request).value_or(256);
+// Tokens an attempt may use, for the tokens/min bucket before the usage is known: its prompt's
+// estimate and its output cap, or `uncapped` for a request without one.
+std::int64_t estimate_tokens(const Item& item, std::int64_t uncapped = 256) {
+  return item.estimated_prompt_tokens + output_cap(item.request).value_or(uncapped);
 }
 
 json select_input(const json& input, const std::vector<std::string>& fields) {
@@ -619,7 +620,13 @@ class Dispatcher {
       AsyncSemaphore& slots;
       ~SlotGuard() { slots.release(); }
     } guard{slots_};
-    const std::int64_t estimate = estimate_tokens(item);
+    // Without an output cap, an answer is first taken as 256 tokens, then as long as the
+    // answers reported so far are on average.
+    const std::int64_t uncapped =
+        answers_reported_ > 0 ? std::max<std::int64_t>(1, (answer_tokens_reported_ + answers_reported_ - 1) / answers_reported_)
+                              : 256;
+    const std::int64_t estimate = estimate_tokens(item, uncapped);
+    const std::int64_t output_estimate = estimate - item.estimated_prompt_tokens;
     // Tokens first: requests waiting for tokens/min must not hold requests/min permits, or a
     // large give-back of tokens would send them all at once, past the requests/min rate.
     co_await tokens_.acquire(static_cast<double>(estimate));
@@ -638,12 +645,22 @@ class Dispatcher {
     live.in_attempt = true;
     ++counters_.in_flight;
     run.streamed = 0;
+    // Output streamed past the estimate is taken from the tokens/min bucket as it comes, not
+    // when the answer ends: long answers (no max_tokens) put the bucket in debt while they run,
+    // so the requests after them wait then, rather than all going out on the estimate first.
+    std::int64_t charged_past_estimate = 0;
     // Reasoning pieces are output tokens as well.
-    run.outcome = co_await backend_.complete(item.request, [this, &run](std::string_view text, std::span<const TokenLogprob>, TextPart) {
-      if (text.empty()) return;
-      ++run.streamed;
-      ++counters_.output_tokens;
-    });
+    run.outcome = co_await backend_.complete(
+        item.request, [this, &run, &charged_past_estimate, output_estimate](std::string_view text,
+                                                                             std::span<const TokenLogprob>, TextPart) {
+          if (text.empty()) return;
+          ++run.streamed;
+          ++counters_.output_tokens;
+          if (run.streamed > output_estimate && !tokens_.unlimited()) {
+            tokens_.adjust(1.0);
+            ++charged_past_estimate;
+          }
+        });
     --counters_.in_flight;
     live.in_attempt = false;
     watch_refusals(run.outcome, item);
@@ -652,8 +669,13 @@ class Dispatcher {
       const Usage& usage = run.outcome.completion->usage;
       if (usage.reported) {
         // The estimate taken from the bucket is replaced by what the server counted.
-        tokens_.adjust(static_cast<double>(usage.prompt_tokens + usage.completion_tokens - estimate));
+        tokens_.adjust(static_cast<double>(usage.prompt_tokens + usage.completion_tokens - estimate -
+                                           charged_past_estimate));
         counters_.output_tokens += usage.completion_tokens - run.streamed;
+        if (!output_cap(item.request)) {
+          answer_tokens_reported_ += usage.completion_tokens;
+          ++answers_reported_;
+        }
       }
       co_return std::nullopt;
     }
@@ -1044,6 +1066,8 @@ class Dispatcher {
   std::int64_t changed_inputs_ = 0;  // kept records whose input is not the item's now
   std::string first_changed_id_;
   std::int64_t resumed_in_scope_ = 0;
+  // Completion tokens the server reported for answers without an output cap, and how many.
+  std::int64_t answer_tokens_reported_ = 0, answers_reported_ = 0;
   std::list<LiveItem> items_;
   asio::cancellation_signal producer_cancel_;
   asio::steady_timer all_done_, grace_timer_;

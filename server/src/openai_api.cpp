@@ -253,6 +253,7 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
   }
   if (const Body* seed = field(body, "seed")) {
     r.seed = integer(*seed, "seed", std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max());
+    if (*r.seed == -1) r.seed.reset();  // llama.cpp's server reads -1 as "a random seed"; so does this one
   }
   if (const Body* stop = field(body, "stop")) r.stop = read_stop(*stop);
   if (const Body* n = field(body, "n")) out.n = static_cast<int>(integer(*n, "n", 1, kMaxChoices));

@@ -1428,6 +1428,37 @@ TEST(BatchlmRun, RequestsPerMinuteHoldsWhenTokensPerMinuteReleasesACrowd) {
   }
 }
 
+// Without max_tokens an answer is estimated at 256 tokens; what streams past that is taken from
+// the tokens/min bucket as it comes, not when the answer ends. Answers of 2,000 tokens over 4 s:
+// the first burst goes out, then the streams' debt holds every other request back, where before
+// requests went on leaving at the estimate's pace until the first answer ended (about 9 more
+// in the window below), three times over the limit in the first minute.
+TEST(BatchlmRun, TokensPerMinuteCountsOutputAsItStreams) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--tokens", "2000", "--token-delay-ms", "2"});
+  std::string lines;
+  for (int i = 0; i < 60; ++i) lines += json{{"q", "say " + std::to_string(i)}}.dump() + "\n";
+  write_file(dir.path / "in.jsonl", lines);
+  write_file(dir.path / "job.yaml", "name: tpm\ninput: in.jsonl\nbackend: {type: openai, base_url: \"" +
+                                        server.base_url() + "\", model: fake-model}\nconcurrency: 64\n"
+                                        "request: {messages: [{role: user, content: \"{{q}}\"}]}\n"
+                                        "rate_limit: {tokens_per_minute: 60000}\ngrace_period: 1s\n"
+                                        "output: {path: out/tpm.jsonl}\n");
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {}, .cwd = dir.path,
+             .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  ASSERT_TRUE(wait_until([&] { return requests_seen(server) >= 1; }));
+  std::this_thread::sleep_for(3500ms);
+  p.signal(SIGTERM);
+  p.wait(30s);
+  auto at = server.stats()["arrival_ms"].get<std::vector<double>>();
+  ASSERT_GE(at.size(), 10u) << read_file(dir.path / "run.err");
+  std::sort(at.begin(), at.end());
+  // 5 s of tokens at once (5,000: about 19 requests of ~262), then one a quarter second until
+  // the streams pass their estimate (0.5 s); none from 1 s on.
+  const auto late = std::count_if(at.begin(), at.end(), [&](double t) { return t - at.front() >= 1000; });
+  EXPECT_LE(late, 1) << "requests started 1 s or more after the first: " << late;
+}
+
 // The retry budget spreads the retries of a crowd that failed at once: with 5 a second
 // allowed, one every 200 ms, in the order they queued, and every item still done.
 TEST(BatchlmRun, RetriesOfACrowdAreSpreadByTheBudget) {

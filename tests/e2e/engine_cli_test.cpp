@@ -167,6 +167,18 @@ TEST_F(EngineCli, GenerateStopsBeforeAStopString) {
   EXPECT_EQ((*last_json_line(stopped.err))["finish_reason"], "stop");
 }
 
+// The context, not --max-tokens, ended the answer: a note says so, where before only the finish
+// reason of --timings did.
+TEST_F(EngineCli, GenerateCutByTheContextSaysSo) {
+  RunResult r = generate({"-p", "the cat the cat", "--context", "32", "-n", "64", "--temperature", "0", "--ignore-eos"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.err, "batchlm: note: the context (32 tokens) ended the answer after ")) << r.err;
+  EXPECT_TRUE(contains(r.err, " of 64 tokens (the prompt has ")) << r.err;
+  RunResult within = generate({"-p", "the cat the cat", "--context", "32", "-n", "8", "--temperature", "0", "--ignore-eos"});
+  ASSERT_EQ(within.exit_code, 0) << within.err;
+  EXPECT_FALSE(contains(within.err, "ended the answer")) << within.err;
+}
+
 TEST_F(EngineCli, GeneratePromptLongerThanTheContextIsAUsageError) {
   std::string words;
   for (int i = 0; i < 40; ++i) words += " the cat";

@@ -106,6 +106,9 @@ TEST(ParseRequest, ChatCarriesEverySamplingField) {
   EXPECT_TRUE(r.stream);
   EXPECT_TRUE(r.request.stream);
   EXPECT_TRUE(r.include_usage);
+  // -1 is llama.cpp's "a random seed": no seed.
+  EXPECT_FALSE(chat({{"seed", -1}}).request.seed.has_value());
+  EXPECT_EQ(chat({{"seed", -2}}).request.seed, -2);
 }
 
 TEST(ParseRequest, MessagesKeepTheirOrderAndRoles) {
