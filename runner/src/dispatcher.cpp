@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <chrono>
 #include <csignal>
@@ -60,7 +61,9 @@ std::optional<std::int64_t> output_cap(const Request& request) {
   if (request.max_tokens) return *request.max_tokens;
   if (request.extra.is_object())
     if (const auto cap = request.extra.find("max_completion_tokens");
-        cap != request.extra.end() && cap->is_number_integer())
+        cap != request.extra.end() && cap->is_number_integer() &&
+        (cap->is_number_unsigned() ? cap->get<std::uint64_t>() <= INT_MAX
+                                   : cap->get<std::int64_t>() >= 1 && cap->get<std::int64_t>() <= INT_MAX))
       return cap->get<std::int64_t>();
   return std::nullopt;
 }
@@ -237,14 +240,16 @@ class Dispatcher {
         more += ", " + std::to_string(resume.dropped_duplicates) + " later records of ids already done dropped";
       if (resume.dropped_torn_line) more += ", a torn last line dropped";
       // Done among this run's items; records of others (a lower --limit, a changed input) stay.
+      // Failures are retried only where their item is this run's.
       const std::int64_t own = source_.count_own(resume.done_ids);
+      const std::int64_t own_failed = source_.count_own(resume.failed_ids);
       const std::string others =
           own < resume.kept ? " (and " + std::to_string(resume.kept - own) + " record" +
                                   (resume.kept - own == 1 ? "" : "s") + " of items outside this run, kept)"
                             : std::string();
       std::fprintf(options_.progress_out, "batchlm: resuming %s: %lld done%s, %lld failed to retry%s\n",
                    terminal_safe(job_.output.path).c_str(), static_cast<long long>(own), others.c_str(),
-                   static_cast<long long>(resume.dropped_failed), more.c_str());
+                   static_cast<long long>(own_failed), more.c_str());
     }
 
     std::optional<asio::signal_set> signals;
@@ -865,14 +870,19 @@ class Dispatcher {
         if (trimmed.ends_with('/')) trimmed.pop_back();
         const std::size_t scheme = trimmed.find("://");
         const bool bare = trimmed.find('/', scheme == std::string::npos ? 0 : scheme + 3) == std::string::npos;
-        // An endpoint's URL given as the base: the client adds the endpoint to it again.
+        // An endpoint's URL given as the base: the client adds the endpoint to it again. Without
+        // a path left, the root is under /v1.
+        const auto api_root = [](const std::string& base) {
+          const std::size_t at = base.find("://");
+          return base.find('/', at == std::string::npos ? 0 : at + 3) == std::string::npos ? base + "/v1" : base;
+        };
         std::string endpoint;
         for (const char* path : {"/chat/completions", "/completions", "/responses", "/embeddings"})
           if (endpoint.empty() && trimmed.ends_with(path)) endpoint = path;
         r.advice = bare ? "OpenAI-compatible APIs are served under /v1: set the base URL to " + trimmed + "/v1" + query
                    : !endpoint.empty()
                        ? "The base URL is the API's root, which the client adds " + endpoint + " to: set it to " +
-                             trimmed.substr(0, trimmed.size() - endpoint.size()) + query
+                             api_root(trimmed.substr(0, trimmed.size() - endpoint.size())) + query
                        : "Check the base URL, and that the server has the model '" +
                              model_label(job_, item.request.model) + "'";
       }

@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cerrno>
 #include <charconv>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -934,6 +935,16 @@ void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& requ
       r.fail(extra["prompt"], "request.extra.prompt", "a job sends chats: write the text as a user message in request.messages");
     if (request.extra.contains("stream"))
       r.fail(extra["stream"], "request.extra.stream", "set it as backend.stream");
+    // A limit the rate limiter counts with, so checked as request.max_tokens is.
+    if (const auto cap = request.extra.find("max_completion_tokens"); cap != request.extra.end()) {
+      if (!cap->is_number_integer() || (cap->is_number_unsigned() && cap->get<std::uint64_t>() > INT_MAX) ||
+          cap->get<std::int64_t>() < 1 || cap->get<std::int64_t>() > INT_MAX)
+        r.fail(extra["max_completion_tokens"], "request.extra.max_completion_tokens",
+               "expected an integer from 1 to 2147483647");
+      if (request.max_tokens && Reader::has(node["max_tokens"]))
+        r.fail(extra["max_completion_tokens"], "request.extra.max_completion_tokens",
+               "given with request.max_tokens: the two are one limit; keep one of them (request.max_tokens: null)");
+    }
   }
 }
 

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <sstream>
 #include <string_view>
@@ -329,6 +330,8 @@ void check_companions(const std::string& given, const std::string& path) {
   struct stat info {};
   const std::string lock_path = path + ".lock";
   if (::lstat(lock_path.c_str(), &info) == 0) {
+    // A link would be followed, and what it leads to written over.
+    if (S_ISLNK(info.st_mode)) refuse(lock_path, "lock", "a symbolic link");
     if (is_an_output(lock_path)) refuse(lock_path, "lock", "another job's output (it has a lock file of its own)");
     // A lock file holds the pid of the run that last held it on its first line, then settings.
     if (S_ISREG(info.st_mode) && info.st_size > 0) {
@@ -340,11 +343,21 @@ void check_companions(const std::string& given, const std::string& path) {
     }
   }
   const std::string summary = given + ".summary.json";
-  if (::lstat(summary.c_str(), &info) == 0 && S_ISREG(info.st_mode)) {
-    if (is_an_output(summary)) refuse(summary, "summary", "another job's output (it has a lock file of its own)");
-    std::ifstream in(summary);
-    const nlohmann::json earlier = nlohmann::json::parse(in, nullptr, false);
-    if (!earlier.is_object() || !earlier.contains("counts")) refuse(summary, "summary", "not a batchlm summary");
+  for (const std::string& file : {summary, summary + ".tmp"})
+    if (is_an_output(file)) refuse(file, "summary", "another job's output (it has a lock file of its own)");
+  if (::lstat(summary.c_str(), &info) == 0 && S_ISREG(info.st_mode) && info.st_size > 0) {
+    std::ifstream in(summary, std::ios::binary);
+    if (!in) refuse(summary, "summary", std::string("a file that cannot be read (") + std::strerror(errno) + ")");
+    const std::string text((std::istreambuf_iterator<char>(in)), {});
+    const nlohmann::json earlier = nlohmann::json::parse(text, nullptr, false);
+    // A summary an older version cut short (it wrote in place) is still one; records are not.
+    const std::string first_line = text.substr(0, text.find('\n'));
+    const nlohmann::json first = nlohmann::json::parse(first_line, nullptr, false);
+    const bool summary_like = earlier.is_object() ? earlier.contains("counts")
+                                                  : earlier.is_discarded() && text.find_first_not_of(" \t\r\n") != std::string::npos &&
+                                                        text[text.find_first_not_of(" \t\r\n")] == '{' &&
+                                                        !(first.is_object() && first.contains("id"));
+    if (!summary_like) refuse(summary, "summary", "not a batchlm summary");
   }
 }
 
@@ -449,7 +462,8 @@ void check_output(const std::string& given, bool read_records, bool fresh) {
 void replace_file(const std::string& path, std::string_view content) {
   const std::string tmp_path = path + ".tmp";
   try {
-    ScopedFd tmp(open_or_throw(tmp_path, O_WRONLY | O_CREAT | O_TRUNC));
+    // Not through a link: what one leads to is not this file to empty.
+    ScopedFd tmp(open_or_throw(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW));
     write_all(tmp.get(), content, tmp_path);
     fsync_or_throw(tmp.get(), tmp_path);
     if (::close(tmp.release()) != 0) throw_write_error("cannot close", tmp_path, errno);
@@ -458,7 +472,11 @@ void replace_file(const std::string& path, std::string_view content) {
     ::unlink(tmp_path.c_str());  // no half file left behind
     throw;
   }
-  fsync_directory(path);
+  // The file is in place: a directory that cannot be opened or synced leaves it so.
+  try {
+    fsync_directory(path);
+  } catch (const std::exception&) {
+  }
 }
 
 OutputWriter::OutputWriter(Options options, const std::function<void(const nlohmann::json&)>& on_kept)
@@ -634,7 +652,10 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
     if (on_kept) on_kept(record);
   });
   for (const std::string& id : failed_ids)
-    resume_.dropped_failed += resume_.done_ids.contains(id) || redone_ids.contains(id) ? 0 : 1;
+    if (!resume_.done_ids.contains(id) && !redone_ids.contains(id)) {
+      ++resume_.dropped_failed;
+      resume_.failed_ids.insert(id);
+    }
   // Each id once, and not where a later record of it is kept.
   for (const std::string& id : redone_ids) resume_.redone += resume_.done_ids.contains(id) ? 0 : 1;
   if (options_.before_changes) options_.before_changes(earlier_settings_);
@@ -657,10 +678,11 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   try {
     // The rewrite takes the output's place with its permissions and, where this process may
     // give them, its owner and group: a private file stays private.
+    // Best effort: a file system without owners or modes (vfat, some network mounts) refuses
+    // them, and the rewrite is still wanted.
     if (struct stat original {}; ::fstat(file.get(), &original) == 0) {
-      if (::fchown(tmp.get(), original.st_uid, original.st_gid) != 0 && errno != EPERM)
-        throw_write_error("cannot set the owner of", tmp_path, errno);
-      if (::fchmod(tmp.get(), original.st_mode & 07777) != 0) throw_write_error("cannot set the mode of", tmp_path, errno);
+      [[maybe_unused]] const int owned = ::fchown(tmp.get(), original.st_uid, original.st_gid);
+      [[maybe_unused]] const int moded = ::fchmod(tmp.get(), original.st_mode & 07777);
     }
     std::string out;
     auto next_drop = dropped.begin();

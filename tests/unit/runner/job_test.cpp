@@ -1016,6 +1016,14 @@ TEST_F(JobFile, ExtraFieldsMayNotStandForTheRequestsOwn) {
   const JobSpec job = load(with_input(api + "request:\n  max_tokens: null\n  extra: {max_completion_tokens: 500, "
                                             "stream_options: {continuous_usage_stats: true}}\n"));
   EXPECT_EQ(job.request.extra["max_completion_tokens"], 500);
+  // Checked as request.max_tokens is (the rate limiter counts with it), and not given beside it.
+  for (const char* bad : {"0", "-3", "2147483648", "1.5", "\"9\""}) {
+    const ConfigError e = error_of(with_input(api + "request:\n  extra: {max_completion_tokens: " + bad + "}\n"));
+    EXPECT_EQ(e.field(), "request.extra.max_completion_tokens") << bad;
+    EXPECT_EQ(e.message(), "expected an integer from 1 to 2147483647") << bad;
+  }
+  EXPECT_EQ(error_of(with_input(api + "request:\n  max_tokens: 10\n  extra: {max_completion_tokens: 500}\n")).message(),
+            "given with request.max_tokens: the two are one limit; keep one of them (request.max_tokens: null)");
 }
 
 TEST_F(JobFile, EmptyApiKeyVariableIsRefused) {

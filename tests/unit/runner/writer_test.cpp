@@ -888,22 +888,39 @@ TEST_F(OutputWriterTest, AnotherOutputWhereACompanionGoesIsRefusedAndKept) {
   EXPECT_NE(message_of([&] { check_output(path_); }).find("is not a batchlm summary"), std::string::npos);
   std::ofstream(path_ + ".summary.json") << "{\"counts\": {\"total\": 0}}\n";
   EXPECT_EQ(message_of([&] { check_output(path_); }), "");
+  // A summary an older version cut short, or an empty one, is still the output's.
+  std::ofstream(path_ + ".summary.json", std::ios::trunc) << "{\n  \"counts\": {\"tot";
+  EXPECT_EQ(message_of([&] { check_output(path_); }), "");
+  std::ofstream(path_ + ".summary.json", std::ios::trunc).flush();
+  EXPECT_EQ(message_of([&] { check_output(path_); }), "");
+  // Records there are not (another output whose lock is gone).
+  std::ofstream(path_ + ".summary.json", std::ios::trunc) << line(ok(1)) << line(ok(2));
+  EXPECT_NE(message_of([&] { check_output(path_); }).find("is not a batchlm summary"), std::string::npos);
+  fs::remove(path_ + ".summary.json");
   std::ofstream(path_ + ".lock") << "my notes\n";
   EXPECT_NE(message_of([&] { OutputWriter writer(options()); }).find("is not a batchlm lock file"), std::string::npos);
   EXPECT_EQ(read_file(path_ + ".lock"), "my notes\n");
+  // A lock that is a link would be written through: refused, and what it leads to kept.
+  fs::remove(path_ + ".lock");
+  const std::string elsewhere = (dir_ / "elsewhere.jsonl").string();
+  std::ofstream(elsewhere) << line(ok(9));
+  fs::create_symlink(elsewhere, path_ + ".lock");
+  EXPECT_NE(message_of([&] { OutputWriter writer(options()); }).find(".lock is a symbolic link, where output"),
+            std::string::npos);
+  EXPECT_EQ(read_file(elsewhere), line(ok(9)));
 }
 
 // A resume that rewrites the output keeps its permissions: a private file stays private.
 TEST_F(OutputWriterTest, ARewriteKeepsTheOutputsMode) {
   write_raw(line(failed(1)) + line(ok(2)));
-  ASSERT_EQ(::chmod(path_.c_str(), 0600), 0);
+  ASSERT_EQ(::chmod(path_.c_str(), 0640), 0);  // not what a umask gives a new file
   {
     OutputWriter writer(options());
   }
   EXPECT_EQ(read_records().size(), 1u);  // rewritten: the failed record dropped
   struct stat info {};
   ASSERT_EQ(::stat(path_.c_str(), &info), 0);
-  EXPECT_EQ(info.st_mode & 07777, 0600u);
+  EXPECT_EQ(info.st_mode & 07777, 0640u);
 }
 
 // The summary's way to disk: whole or not at all, nothing left beside it.

@@ -43,6 +43,7 @@ struct ResumeInfo {
   std::unordered_set<std::string> done_ids;  // record["id"].dump() of every kept record
   std::int64_t kept = 0;             // successful records kept
   std::int64_t dropped_failed = 0;   // ids whose failed records were removed and that have no success (to retry)
+  std::unordered_set<std::string> failed_ids;  // those ids, as done_ids holds them
   bool dropped_torn_line = false;    // a partial last line was cut off
   std::int64_t dropped_duplicates = 0;  // later records for an id already kept
   std::int64_t redone = 0;           // successful records removed to be made again (Options::redo)
