@@ -625,6 +625,12 @@ class Dispatcher {
       AsyncSemaphore& slots;
       ~SlotGuard() { slots.release(); }
     } guard{slots_};
+    // The API said when to come back (below): no attempt of any item goes out before then.
+    while (Clock::now() < come_back_at_ && !stopping_) {
+      asio::steady_timer timer(io_);
+      timer.expires_at(come_back_at_);
+      co_await timer.async_wait(asio::use_awaitable);
+    }
     // Without an output cap, an answer is first taken as 256 tokens, then as long as the
     // answers reported so far are on average.
     const std::int64_t uncapped =
@@ -689,6 +695,13 @@ class Dispatcher {
     if (error.kind == ErrorKind::Cancelled) {
       run.cancelled = true;
       co_return std::nullopt;
+    }
+    // A rate limit (429) or an overloaded server (503) that says when to come back says it to
+    // the client, not to one request: every item waits until then (up to retry.max_retry_after),
+    // rather than the next ones meeting it too, a storm of refusals against an API's quota.
+    if (error.retry_after && (error.http_status == 429 || error.http_status == 503)) {
+      const auto wait = std::clamp(*error.retry_after, std::chrono::milliseconds{0}, job_.retry.max_retry_after);
+      come_back_at_ = std::max(come_back_at_, Clock::now() + wait);
     }
     if (!retry_.retryable(error) || run.attempts >= retry_.max_attempts()) co_return std::nullopt;
     if (stopping_) {
@@ -1076,6 +1089,7 @@ class Dispatcher {
   std::int64_t changed_inputs_ = 0;  // kept records whose input is not the item's now
   std::string first_changed_id_;
   std::int64_t resumed_in_scope_ = 0;
+  Clock::time_point come_back_at_{};  // the latest time a 429 or 503 said to come back at
   // Completion tokens the server reported for answers without an output cap, and how many.
   std::int64_t answer_tokens_reported_ = 0, answers_reported_ = 0;
   std::list<LiveItem> items_;

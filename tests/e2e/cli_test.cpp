@@ -590,6 +590,24 @@ TEST(BatchlmRun, BaseUrlFlagSelectsTheApiOverTheFilesLocalType) {
       << r.err;
 }
 
+// A 429 that says when to come back holds every item, not just the one it answered: with the
+// first attempt of each item refused (Retry-After: 2), the attempts in flight meet it, and no
+// other goes out before the two seconds are up, where each item used to try once first.
+TEST(BatchlmRun, ARetryAfterHoldsEveryItem) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--faults", "status=429;retry_after=2",
+                               "--fault-first-attempts", "1"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 12, .concurrency = 4}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 12);
+  auto at = server.stats()["arrival_ms"].get<std::vector<double>>();
+  std::sort(at.begin(), at.end());
+  ASSERT_EQ(at.size(), 24u);
+  const auto early = std::count_if(at.begin(), at.end(), [&](double t) { return t - at.front() < 1900; });
+  EXPECT_LE(early, 4) << "attempts within the first Retry-After";
+}
+
 // Items stopped while they wait out a Retry-After have sent requests: the summary counts them.
 TEST(BatchlmRun, InterruptedRunCountsTheRequestsOfItemsItDidNotFinish) {
   TempDir dir;
