@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <climits>
 #include <cmath>
 #include <chrono>
 #include <csignal>
@@ -56,14 +55,11 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 }
 
 // The most output tokens a request asks for: max_tokens, or an API's max_completion_tokens
-// passed through as written.
+// passed through as written (a token limit, checked where the job or the line was read).
 std::optional<std::int64_t> output_cap(const Request& request) {
   if (request.max_tokens) return *request.max_tokens;
   if (request.extra.is_object())
-    if (const auto cap = request.extra.find("max_completion_tokens");
-        cap != request.extra.end() && cap->is_number_integer() &&
-        (cap->is_number_unsigned() ? cap->get<std::uint64_t>() <= INT_MAX
-                                   : cap->get<std::int64_t>() >= 1 && cap->get<std::int64_t>() <= INT_MAX))
+    if (const auto cap = request.extra.find("max_completion_tokens"); cap != request.extra.end() && is_token_limit(*cap))
       return cap->get<std::int64_t>();
   return std::nullopt;
 }
@@ -230,7 +226,7 @@ class Dispatcher {
       std::error_code ec;
       std::filesystem::remove(summary_path(), ec);
     }
-    if (resume.kept > 0 || resume.dropped_failed > 0 || resume.dropped_torn_line || resume.dropped_duplicates > 0 ||
+    if (resume.kept > 0 || !resume.failed_ids.empty() || resume.dropped_torn_line || resume.dropped_duplicates > 0 ||
         resume.redone > 0) {
       std::string more;
       if (resume.redone > 0)
@@ -881,14 +877,14 @@ class Dispatcher {
         std::string trimmed = url.substr(0, q);
         const std::string query = q == std::string::npos ? std::string() : url.substr(q);
         if (trimmed.ends_with('/')) trimmed.pop_back();
-        const std::size_t scheme = trimmed.find("://");
-        const bool bare = trimmed.find('/', scheme == std::string::npos ? 0 : scheme + 3) == std::string::npos;
+        const auto has_path = [](const std::string& base) {
+          const std::size_t scheme = base.find("://");
+          return base.find('/', scheme == std::string::npos ? 0 : scheme + 3) != std::string::npos;
+        };
+        const bool bare = !has_path(trimmed);
         // An endpoint's URL given as the base: the client adds the endpoint to it again. Without
         // a path left, the root is under /v1.
-        const auto api_root = [](const std::string& base) {
-          const std::size_t at = base.find("://");
-          return base.find('/', at == std::string::npos ? 0 : at + 3) == std::string::npos ? base + "/v1" : base;
-        };
+        const auto api_root = [&](const std::string& base) { return has_path(base) ? base : base + "/v1"; };
         std::string endpoint;
         for (const char* path : {"/chat/completions", "/completions", "/responses", "/embeddings"})
           if (endpoint.empty() && trimmed.ends_with(path)) endpoint = path;

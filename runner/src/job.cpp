@@ -802,6 +802,12 @@ const char* const kOneAnswerPerItem =
     "batchlm keeps one answer per item, so n must be 1 (more would pay for answers it drops; for "
     "several samples, run the items again with other seeds)";
 
+bool is_token_limit(const nlohmann::ordered_json& value) {
+  if (!value.is_number_integer()) return false;
+  if (value.is_number_unsigned()) return value.get<std::uint64_t>() >= 1 && value.get<std::uint64_t>() <= INT_MAX;
+  return value.get<std::int64_t>() >= 1 && value.get<std::int64_t>() <= INT_MAX;
+}
+
 namespace {
 
 // A template's placeholders are {{field}}: an unclosed or empty one is a typo, not text to
@@ -937,8 +943,7 @@ void read_request(const Reader& r, const YAML::Node& node, RequestTemplate& requ
       r.fail(extra["stream"], "request.extra.stream", "set it as backend.stream");
     // A limit the rate limiter counts with, so checked as request.max_tokens is.
     if (const auto cap = request.extra.find("max_completion_tokens"); cap != request.extra.end()) {
-      if (!cap->is_number_integer() || (cap->is_number_unsigned() && cap->get<std::uint64_t>() > INT_MAX) ||
-          cap->get<std::int64_t>() < 1 || cap->get<std::int64_t>() > INT_MAX)
+      if (!is_token_limit(*cap))
         r.fail(extra["max_completion_tokens"], "request.extra.max_completion_tokens",
                "expected an integer from 1 to 2147483647");
       if (request.max_tokens && Reader::has(node["max_tokens"]))

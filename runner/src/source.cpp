@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <charconv>
-#include <climits>
 #include <cstdio>
 #include <fstream>
 #include <set>
@@ -433,10 +432,7 @@ Item batch_item(const JobSpec& job, ordered line_value, std::int64_t line,
         throw ConfigError(file, line_int, 0, "body.model", "empty; name a model, or leave the key out for the job's");
       request.model = value.get<std::string>();
     } else if (key == "max_tokens" || key == "max_completion_tokens") {
-      // Checked as unsigned first: a value past INT64_MAX must not wrap around to a small one.
-      if (!value.is_number_integer() || (value.is_number_unsigned() && value.get<std::uint64_t>() > INT_MAX) ||
-          value.get<std::int64_t>() < 1 || value.get<std::int64_t>() > INT_MAX)
-        throw wrong(key, "an integer from 1 to 2147483647");
+      if (!is_token_limit(value)) throw wrong(key, "an integer from 1 to 2147483647");
       if (body.contains("max_tokens") && body.contains("max_completion_tokens"))
         throw ConfigError(file, line_int, 0, "body.max_completion_tokens",
                           "given with max_tokens: the two are one limit; keep one of them");
@@ -642,8 +638,8 @@ class SynthSource : public Source {
     for (const std::string& id : ids) {
       std::int64_t index = 0;
       const auto [end, ec] = std::from_chars(id.data(), id.data() + id.size(), index);
-      n += ec == std::errc() && end == id.data() + id.size() && index >= 1 && index <= total_ &&
-                   json(index).dump() == id
+      // Written as a JSON number writes it: "01" is no item's id.
+      n += ec == std::errc() && end == id.data() + id.size() && index >= 1 && index <= total_ && std::to_string(index) == id
                ? 1
                : 0;
     }

@@ -350,14 +350,14 @@ void check_companions(const std::string& given, const std::string& path) {
     if (!in) refuse(summary, "summary", std::string("a file that cannot be read (") + std::strerror(errno) + ")");
     const std::string text((std::istreambuf_iterator<char>(in)), {});
     const nlohmann::json earlier = nlohmann::json::parse(text, nullptr, false);
-    // A summary an older version cut short (it wrote in place) is still one; records are not.
-    const std::string first_line = text.substr(0, text.find('\n'));
-    const nlohmann::json first = nlohmann::json::parse(first_line, nullptr, false);
-    const bool summary_like = earlier.is_object() ? earlier.contains("counts")
-                                                  : earlier.is_discarded() && text.find_first_not_of(" \t\r\n") != std::string::npos &&
-                                                        text[text.find_first_not_of(" \t\r\n")] == '{' &&
-                                                        !(first.is_object() && first.contains("id"));
-    if (!summary_like) refuse(summary, "summary", "not a batchlm summary");
+    // A summary an older version cut short (it wrote in place) is still one: an object's start
+    // that does not parse; records, an object on each line, are not.
+    const std::size_t start = text.find_first_not_of(" \t\r\n");
+    const nlohmann::json first_line = nlohmann::json::parse(text.substr(0, text.find('\n')), nullptr, false);
+    const bool cut_short = earlier.is_discarded() && start != std::string::npos && text[start] == '{' &&
+                           !(first_line.is_object() && first_line.contains("id"));
+    if (earlier.is_object() ? !earlier.contains("counts") : !cut_short)
+      refuse(summary, "summary", "not a batchlm summary");
   }
 }
 
@@ -652,10 +652,7 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
     if (on_kept) on_kept(record);
   });
   for (const std::string& id : failed_ids)
-    if (!resume_.done_ids.contains(id) && !redone_ids.contains(id)) {
-      ++resume_.dropped_failed;
-      resume_.failed_ids.insert(id);
-    }
+    if (!resume_.done_ids.contains(id) && !redone_ids.contains(id)) resume_.failed_ids.insert(id);
   // Each id once, and not where a later record of it is kept.
   for (const std::string& id : redone_ids) resume_.redone += resume_.done_ids.contains(id) ? 0 : 1;
   if (options_.before_changes) options_.before_changes(earlier_settings_);
@@ -676,10 +673,9 @@ bool OutputWriter::resume(const std::function<void(const nlohmann::json&)>& on_k
   const std::string tmp_path = path + ".tmp";
   ScopedFd tmp(open_or_throw(tmp_path, O_WRONLY | O_CREAT | O_TRUNC));
   try {
-    // The rewrite takes the output's place with its permissions and, where this process may
-    // give them, its owner and group: a private file stays private.
-    // Best effort: a file system without owners or modes (vfat, some network mounts) refuses
-    // them, and the rewrite is still wanted.
+    // The rewrite takes the output's place with its owner, group and permissions, so a private
+    // file stays private; best effort, since a file system without them (vfat, some network
+    // mounts) refuses them and the rewrite is still wanted.
     if (struct stat original {}; ::fstat(file.get(), &original) == 0) {
       [[maybe_unused]] const int owned = ::fchown(tmp.get(), original.st_uid, original.st_gid);
       [[maybe_unused]] const int moded = ::fchmod(tmp.get(), original.st_mode & 07777);

@@ -468,6 +468,13 @@ TEST_F(OpenAIBackendTest, TemporaryAndPermanentRedirectsAreFollowedWithTheBody) 
   }
 }
 
+// The error of a 307/308 to another origin that carries credentials: the redirect is the answer.
+std::string not_followed(int status, const std::string& location) {
+  return "HTTP " + std::to_string(status) + " redirect to " + location +
+         ", not followed: it leads to another host or port, and the API key and the backend's own headers go to "
+         "the base URL's only (set base_url to where it leads)";
+}
+
 // With an API key, a redirect to another host is the answer, naming where it leads: followed,
 // the key would either go along or be dropped there (a 401 for a key that is right). Without
 // one there is nothing to keep, and it is followed.
@@ -478,10 +485,7 @@ TEST_F(OpenAIBackendTest, RedirectToAnotherHostIsNotFollowedWithAnApiKey) {
   auto result = complete(backend_options(server_), chat_request("item"));
   ASSERT_FALSE(result.outcome.ok());
   EXPECT_EQ(result.outcome.error->http_status, 307);
-  EXPECT_EQ(result.outcome.error->message,
-            "HTTP 307 redirect to " + elsewhere +
-                ", not followed: it leads to another host or port, and the API key and the backend's own headers go to "
-                "the base URL's only (set base_url to where it leads)");
+  EXPECT_EQ(result.outcome.error->message, not_followed(307, elsewhere));
   EXPECT_EQ(other.requests(), 0u);
   OpenAIOptions keyless = backend_options(server_);
   keyless.api_key.clear();
@@ -520,10 +524,7 @@ TEST_F(OpenAIBackendTest, RedirectToAnotherHostIsNotFollowedWithTheBackendsOwnHe
   ASSERT_FALSE(result.outcome.ok());
   EXPECT_EQ(result.outcome.error->kind, ErrorKind::Http);
   EXPECT_EQ(result.outcome.error->http_status, 308);
-  EXPECT_EQ(result.outcome.error->message,
-            "HTTP 308 redirect to " + elsewhere +
-                ", not followed: it leads to another host or port, and the API key and the backend's own headers go to "
-                "the base URL's only (set base_url to where it leads)");
+  EXPECT_EQ(result.outcome.error->message, not_followed(308, elsewhere));
   EXPECT_EQ(other.requests(), 0u);
   // The same host over https is followed (this plain server then fails the TLS handshake).
   std::string secure = server_.base_url();

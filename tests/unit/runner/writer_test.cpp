@@ -120,7 +120,7 @@ TEST_F(OutputWriterTest, ResumeReportsDoneIdsAndAppendsAfterThem) {
     EXPECT_EQ(info.kept, 3);
     EXPECT_EQ(info.done_ids, (std::unordered_set<std::string>{"1", "2", "\"x-7\""}));
     EXPECT_FALSE(info.dropped_torn_line);
-    EXPECT_EQ(info.dropped_failed, 0);
+    EXPECT_EQ(info.dropped_failed(), 0);
     writer.append(ok(3));
   }
   ASSERT_EQ(seen.size(), 3u);
@@ -267,7 +267,7 @@ TEST_F(OutputWriterTest, RecordsToRedoAreDroppedAndCounted) {
   OutputWriter writer(o, [&](const json& record) { kept.push_back(record); });
   EXPECT_EQ(writer.resume_info().kept, 3);
   EXPECT_EQ(writer.resume_info().redone, 2);
-  EXPECT_EQ(writer.resume_info().dropped_failed, 1);  // id 4
+  EXPECT_EQ(writer.resume_info().dropped_failed(), 1);  // id 4
   EXPECT_FALSE(writer.resume_info().done_ids.contains("3"));
   EXPECT_EQ(kept, (std::vector<json>{ok(1), ok(2), ok(6)}));
   EXPECT_EQ(read_raw(), line(ok(1)) + line(ok(2)) + line(ok(6)));
@@ -358,7 +358,7 @@ TEST_F(OutputWriterTest, FailedRecordsAreDroppedSoTheyRunAgain) {
   std::vector<json> seen;
   {
     OutputWriter writer(options(), [&](const json& r) { seen.push_back(r); });
-    EXPECT_EQ(writer.resume_info().dropped_failed, 2);
+    EXPECT_EQ(writer.resume_info().dropped_failed(), 2);
     EXPECT_EQ(writer.resume_info().kept, 2);
     EXPECT_EQ(writer.resume_info().done_ids, (std::unordered_set<std::string>{"1", "3"}));
   }
@@ -381,13 +381,13 @@ TEST_F(OutputWriterTest, SuccessAfterAFailureForTheSameIdIsKept) {
   EXPECT_EQ(writer.resume_info().done_ids, (std::unordered_set<std::string>{"5"}));
   EXPECT_EQ(read_raw(), line(ok(5)));
   // Nothing to retry: "1 failed to retry" was said, and nothing was sent.
-  EXPECT_EQ(writer.resume_info().dropped_failed, 0);
+  EXPECT_EQ(writer.resume_info().dropped_failed(), 0);
 }
 
 TEST_F(OutputWriterTest, FailuresToRetryCountIdsWithoutASuccess) {
   write_raw(line(ok(1)) + line(failed(1)) + line(failed(2)) + line(failed(2)) + line(failed(3)));
   OutputWriter writer(options());
-  EXPECT_EQ(writer.resume_info().dropped_failed, 2);  // ids 2 and 3, each once
+  EXPECT_EQ(writer.resume_info().dropped_failed(), 2);  // ids 2 and 3, each once
   EXPECT_EQ(writer.resume_info().kept, 1);
   EXPECT_EQ(read_raw(), line(ok(1)));
 }
@@ -533,7 +533,7 @@ TEST_F(OutputWriterTest, KilledRunResumesWithNothingLostAndNothingTwice) {
     OutputWriter writer(options());
     done = writer.resume_info().done_ids;
     EXPECT_TRUE(writer.resume_info().dropped_torn_line);
-    EXPECT_EQ(writer.resume_info().dropped_failed, 1);
+    EXPECT_EQ(writer.resume_info().dropped_failed(), 1);
     for (int i = 0; i < 6; ++i) {
       if (!done.count(std::to_string(i))) writer.append(ok(i));
     }
@@ -568,7 +568,7 @@ TEST_F(OutputWriterTest, LongRecordsSpanningReadBlocksResume) {
   write_raw(text + line(failed(5)) + line(ok(6)));
   OutputWriter writer(options());
   EXPECT_EQ(writer.resume_info().kept, 6);
-  EXPECT_EQ(writer.resume_info().dropped_failed, 1);
+  EXPECT_EQ(writer.resume_info().dropped_failed(), 1);
   const auto records = read_records();
   ASSERT_EQ(records.size(), 6u);
   EXPECT_EQ(records[3], ok(3, std::string(700'000, 'd')));
@@ -668,7 +668,7 @@ TEST_F(OutputWriterTest, HardLinkToARewrittenOutputIsRefusedWhileTheRunLasts) {
   }
   path_ = hardlink;
   OutputWriter later(options());
-  EXPECT_EQ(later.resume_info().dropped_failed, 1);
+  EXPECT_EQ(later.resume_info().dropped_failed(), 1);
 }
 
 // Without another name, the file a rewrite replaced is closed: held open, it would keep the

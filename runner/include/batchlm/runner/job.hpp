@@ -231,6 +231,11 @@ std::string model_label(const JobSpec& job, const std::string& request_model);
 // Why a request's "n" must be 1 (job files and Batch-API lines).
 extern const char* const kOneAnswerPerItem;
 
+// Whether `value` is a request's output limit (max_tokens, max_completion_tokens): an integer
+// from 1 to 2147483647, checked as unsigned first so a value past INT64_MAX does not wrap to a
+// small one (job files and Batch-API lines).
+bool is_token_limit(const nlohmann::ordered_json& value);
+
 // The built-in short-story recipe (`batchlm synth` with no job file; same as jobs/stories.yaml).
 std::string_view builtin_stories_yaml();
 

@@ -42,8 +42,9 @@ class OutputWriteError : public std::runtime_error {
 struct ResumeInfo {
   std::unordered_set<std::string> done_ids;  // record["id"].dump() of every kept record
   std::int64_t kept = 0;             // successful records kept
-  std::int64_t dropped_failed = 0;   // ids whose failed records were removed and that have no success (to retry)
-  std::unordered_set<std::string> failed_ids;  // those ids, as done_ids holds them
+  // Ids whose failed records were removed and that have no success (to retry), as done_ids holds them.
+  std::unordered_set<std::string> failed_ids;
+  std::int64_t dropped_failed() const { return static_cast<std::int64_t>(failed_ids.size()); }
   bool dropped_torn_line = false;    // a partial last line was cut off
   std::int64_t dropped_duplicates = 0;  // later records for an id already kept
   std::int64_t redone = 0;           // successful records removed to be made again (Options::redo)
