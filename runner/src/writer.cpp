@@ -773,11 +773,24 @@ void OutputWriter::flush() {
       write_all(fd_, buffer_, options_.path, done);
     } catch (...) {
       // A partial write (the disk filled up, the file size limit) left the records before its
-      // last newline whole in the file; the rest stay buffered, the first of them torn there.
-      const auto whole = std::count(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(done), '\n');
+      // last newline whole in the file; the rest stay buffered. The bytes of the first of them
+      // that did go in are cut back off, so that the file holds whole lines only, to readers
+      // meanwhile and if the run ends before there is room. Where that fails too, they stay, and
+      // the next flush continues the record at the byte it stopped at.
+      const std::string_view in_file(buffer_.data(), done);
+      const std::size_t last_newline = in_file.rfind('\n');
+      const std::size_t whole_bytes = last_newline == std::string_view::npos ? 0 : last_newline + 1;
+      const auto whole = std::count(in_file.begin(), in_file.end(), '\n');
       written_ += whole;
       buffered_records_ -= whole;
-      buffer_.erase(0, done);
+      std::size_t kept = done;
+      if (done > whole_bytes) {
+        struct stat st {};
+        const auto torn = static_cast<off_t>(done - whole_bytes);
+        if (::fstat(fd_, &st) == 0 && st.st_size >= torn && ::ftruncate(fd_, st.st_size - torn) == 0)
+          kept = whole_bytes;
+      }
+      buffer_.erase(0, kept);
       throw;
     }
     // In the file now, whatever the fsync says.
