@@ -19,13 +19,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <new>
 #include <string>
 #include <unordered_set>
@@ -391,6 +395,95 @@ std::int64_t TensorInfo::rows() const {
   return rows;
 }
 
+// ---- Mapped files and SIGBUS ---------------------------------------------------------------
+//
+// A model is read in place from its mapping. When the file is cut short while it is mapped (a
+// download written over it in place, `cp` or `curl -o` onto its name), the next read of a page
+// past its new end raises SIGBUS, which kills the process with a bare "Bus error". The handler
+// below says which file it was and how to replace a model safely, then lets the signal kill the
+// process as before (the exit status stays the signal's). A fault anywhere else goes on to the
+// handler that was there before, or to the default action.
+namespace {
+
+struct MappedRange {
+  std::atomic<const std::byte*> begin{nullptr};  // null: the slot is free
+  std::size_t size = 0;
+  char message[1536] = {};
+};
+
+constexpr std::size_t kMappedSlots = 32;  // models open at once (a draft and a target: two)
+MappedRange g_mapped[kMappedSlots];
+std::mutex g_mapped_mutex;  // guards claiming and freeing slots; the handler only reads
+struct sigaction g_previous_sigbus {};
+
+void write_stderr(const char* text, std::size_t n) {
+  while (n > 0) {
+    const ssize_t written = ::write(STDERR_FILENO, text, n);
+    if (written < 0 && errno == EINTR) continue;
+    if (written <= 0) return;
+    text += written;
+    n -= static_cast<std::size_t>(written);
+  }
+}
+
+void on_sigbus(int signo, siginfo_t* info, void* context) {
+  const auto* at = static_cast<const std::byte*>(info != nullptr ? info->si_addr : nullptr);
+  for (const MappedRange& range : g_mapped) {
+    const std::byte* begin = range.begin.load(std::memory_order_acquire);
+    if (begin == nullptr || at < begin || at >= begin + range.size) continue;
+    write_stderr(range.message, std::strlen(range.message));
+    ::signal(SIGBUS, SIG_DFL);  // the read runs again on return, and the signal kills
+    return;
+  }
+  if ((g_previous_sigbus.sa_flags & SA_SIGINFO) != 0 && g_previous_sigbus.sa_sigaction != nullptr) {
+    g_previous_sigbus.sa_sigaction(signo, info, context);
+  } else if (g_previous_sigbus.sa_handler != SIG_DFL && g_previous_sigbus.sa_handler != SIG_IGN &&
+             g_previous_sigbus.sa_handler != nullptr) {
+    g_previous_sigbus.sa_handler(signo);
+  } else {
+    ::signal(SIGBUS, SIG_DFL);
+  }
+}
+
+void register_mapping(const void* map, std::size_t size, const std::filesystem::path& path) {
+  static std::once_flag installed;
+  std::call_once(installed, [] {
+    struct sigaction action {};
+    action.sa_sigaction = on_sigbus;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    ::sigaction(SIGBUS, &action, &g_previous_sigbus);
+  });
+  const std::lock_guard lock(g_mapped_mutex);
+  for (MappedRange& range : g_mapped) {
+    if (range.begin.load(std::memory_order_relaxed) != nullptr) continue;
+    range.size = size;
+    std::snprintf(range.message, sizeof range.message,
+                  "\nbatchlm: error: the model file %s was cut short while in use (written over in place, "
+                  "or truncated), and the weights past its new end are gone. Start again once the file is "
+                  "whole; to replace a model that a process is using, write the new one under another name "
+                  "and rename it over the old.\n",
+                  terminal_safe(path.string()).c_str());
+    range.begin.store(static_cast<const std::byte*>(map), std::memory_order_release);
+    return;
+  }
+  // More models than slots: this one is read without the message.
+}
+
+void unregister_mapping(const void* map) {
+  const std::lock_guard lock(g_mapped_mutex);
+  for (MappedRange& range : g_mapped) {
+    if (range.begin.load(std::memory_order_relaxed) == map) range.begin.store(nullptr, std::memory_order_release);
+  }
+}
+
+void unmap(void* map, std::size_t size) {
+  unregister_mapping(map);
+  ::munmap(map, size);
+}
+
+}  // namespace
+
 // ---- File ----------------------------------------------------------------------------------
 
 File::File(File&& other) noexcept
@@ -404,7 +497,7 @@ File::File(File&& other) noexcept
 
 File& File::operator=(File&& other) noexcept {
   if (this != &other) {
-    if (map_ != nullptr) ::munmap(map_, size_);
+    if (map_ != nullptr) unmap(map_, size_);
     path_ = std::move(other.path_);
     map_ = std::exchange(other.map_, nullptr);
     size_ = std::exchange(other.size_, 0);
@@ -417,7 +510,7 @@ File& File::operator=(File&& other) noexcept {
 }
 
 File::~File() {
-  if (map_ != nullptr) ::munmap(map_, size_);
+  if (map_ != nullptr) unmap(map_, size_);
 }
 
 Error::Error(const std::string& what) : std::runtime_error(terminal_safe(what)) {}
@@ -441,6 +534,7 @@ File File::open(const std::filesystem::path& path) {
     void* map = ::mmap(nullptr, file.size_, PROT_READ, MAP_PRIVATE, fd.get(), 0);
     if (map == MAP_FAILED) file.fail(std::string("cannot map: ") + std::strerror(errno));
     file.map_ = map;  // from here on ~File unmaps it, on success or failure
+    register_mapping(map, file.size_, file.path_);
   }
   const auto* base = static_cast<const std::byte*>(file.map_);
   Reader reader(file.path_, base, file.size_);

@@ -159,6 +159,11 @@ int run_generate() {
   if (!ignored) ::sigaction(SIGINT, &previous, nullptr);
   if (!r.text.empty() && r.text.back() != '\n') std::fputc('\n', stdout);
   std::fflush(stdout);
+  // Nothing written and no error: an empty line alone would look like a failure to load or run.
+  if (r.text.empty() && r.finish_reason == "stop" && g_interrupted == 0)
+    std::fprintf(stderr, "batchlm: note: the model ended the text before writing anything (an end token%s came first)%s\n",
+                 g.stop.empty() ? "" : " or a stop string",
+                 g.chat ? "" : "; an instruction-tuned model answers a request with --chat");
   // The context, not --max-tokens, ended the answer: said, as `run` records it (cut_at_context).
   const auto generated = static_cast<long long>(r.tokens.size());
   if (r.finish_reason == "length" && generated < g.max_tokens)
@@ -335,14 +340,14 @@ void add_engine_commands(CLI::App& app) {
   generate_cmd = app.add_subcommand("generate", "Stream a completion from a local GGUF model");
   generate_cmd->footer(
       "Examples:\n"
-      "  batchlm generate -p \"Once upon a time\" --max-tokens 64\n"
+      "  batchlm generate \"Once upon a time\" --max-tokens 64\n"
       "  batchlm generate --chat -p \"What is 17 * 3?\" --temperature 0\n"
       "  echo \"Summarize: ...\" | batchlm generate --chat -f -\n\n"
       "Exit status: 0 done, 2 bad usage or a model that cannot be loaded, 130 interrupted (Ctrl-C).");
   g.model = default_model();
   generate_cmd->add_option("--model,-m", g.model, "GGUF model file (default: $BATCHLM_MODEL or the default model)")
       ->capture_default_str();
-  g.prompt_option = generate_cmd->add_option("--prompt,-p", g.prompt, "Prompt text");
+  g.prompt_option = generate_cmd->add_option("prompt,--prompt,-p", g.prompt, "Prompt text (or give it as the one argument)");
   generate_cmd->add_option("--file,-f", g.file, "Read the prompt from a file (- for stdin)");
   generate_cmd->add_flag("--chat", g.chat, "Apply the model's chat template (the prompt is the user turn)");
   generate_cmd->add_option("--system", g.system, "System message (with --chat)");

@@ -167,6 +167,26 @@ TEST_F(EngineCli, GenerateStopsBeforeAStopString) {
   EXPECT_EQ((*last_json_line(stopped.err))["finish_reason"], "stop");
 }
 
+// An answer that ends before any text (here a stop string its first byte matches) says so on
+// stderr: an empty line alone reads as a failure. The prompt may be the one argument.
+TEST_F(EngineCli, GenerateThatWritesNothingSaysWhy) {
+  RunResult free_run = generate({"Hello", "-n", "8", "--temperature", "0", "--ignore-eos"});
+  ASSERT_EQ(free_run.exit_code, 0) << free_run.err;
+  ASSERT_GE(free_run.out.size(), 2u);
+  EXPECT_FALSE(contains(free_run.err, "before writing anything")) << free_run.err;
+  EXPECT_EQ(generate({"-p", "Hello", "-n", "8", "--temperature", "0", "--ignore-eos"}).out, free_run.out);
+  RunResult empty = generate({"Hello", "-n", "8", "--temperature", "0", "--ignore-eos", "--stop",
+                              free_run.out.substr(0, 1)});
+  ASSERT_EQ(empty.exit_code, 0) << empty.err;
+  EXPECT_EQ(empty.out, "");
+  EXPECT_TRUE(contains(empty.err, "batchlm: note: the model ended the text before writing anything (an end token "
+                                  "or a stop string came first); an instruction-tuned model answers a request with "
+                                  "--chat"))
+      << empty.err;
+  // Both ways at once is one prompt too many.
+  EXPECT_EQ(generate({"Hello", "-p", "Hi", "-n", "2"}).exit_code, 2);
+}
+
 // The context, not --max-tokens, ended the answer: a note says so, where before only the finish
 // reason of --timings did.
 TEST_F(EngineCli, GenerateCutByTheContextSaysSo) {

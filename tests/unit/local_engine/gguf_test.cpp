@@ -1,11 +1,13 @@
 #include "batchlm/local_engine/gguf.hpp"
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -429,6 +431,37 @@ TEST_F(GgufTest, MovedFileKeepsItsMappingAndPointers) {
   EXPECT_EQ(other.tensor("b").data, data);
   EXPECT_EQ(other.path(), path());
   EXPECT_EQ(std::memcmp(data, other.tensor("b").data, other.tensor("b").n_bytes), 0);
+}
+
+// A model cut short while it is mapped (written over in place) faults on the next read of its
+// lost pages. The process still dies of SIGBUS, but says first which file it was and how to
+// replace a model in use.
+TEST_F(GgufTest, AModelCutShortWhileMappedIsNamedWhenItsPagesAreRead) {
+  int err[2];
+  ASSERT_EQ(::pipe(err), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::dup2(err[1], STDERR_FILENO);
+    ::close(err[0]);
+    File file = write_and_open(small_model());
+    const std::byte* data = file.tensor("b").data;
+    if (::truncate(path().c_str(), 0) != 0) ::_exit(3);
+    volatile std::byte read = data[0];  // the page is gone: SIGBUS
+    (void)read;
+    ::_exit(4);
+  }
+  ::close(err[1]);
+  std::string said;
+  char buf[512];
+  for (ssize_t n; (n = ::read(err[0], buf, sizeof buf)) > 0;) said.append(buf, static_cast<std::size_t>(n));
+  ::close(err[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "exit status " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  EXPECT_EQ(WTERMSIG(status), SIGBUS);
+  EXPECT_NE(said.find(path().string() + " was cut short while in use"), std::string::npos) << said;
+  EXPECT_NE(said.find("rename it over the old"), std::string::npos) << said;
 }
 
 TEST_F(GgufTest, TensorLookupNamesTheMissingTensorOrTheShapes) {
