@@ -438,6 +438,10 @@ nlohmann::ordered_json to_openai_body(const Request& request) {
       if (!m.tool_call_id.empty()) message["tool_call_id"] = m.tool_call_id;
       if (!m.name.empty()) message["name"] = m.name;
       if (m.reasoning) message["reasoning_content"] = *m.reasoning;
+      if (m.parts.is_array() && !m.parts.empty()) message["content"] = m.parts;
+      if (m.fields.is_object())
+        for (const auto& [key, value] : m.fields.items())
+          if (!message.contains(key)) message[key] = value;
       messages.push_back(std::move(message));
     }
     body["messages"] = std::move(messages);

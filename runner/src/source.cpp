@@ -207,23 +207,35 @@ std::string render_or_throw(std::string_view tmpl, const json& fields, const std
   }
 }
 
+// A part of a message's content that is not text (an image, audio, a file) costs tokens its
+// JSON's length says nothing of (a data URL's base64 would count thousands): counted as a
+// 1024x1024 image in high detail costs on OpenAI's API.
+constexpr std::int64_t kTokensPerMediaPart = 765;
+
 std::int64_t estimate_tokens(const std::vector<ChatMessage>& messages) {
   // About four bytes per token for English text, plus the few tokens each message's framing
   // costs; only rate limits and dry runs rely on it.
-  std::int64_t bytes = 0;
-  for (const auto& m : messages) bytes += static_cast<std::int64_t>(m.text_bytes());
-  return bytes / 4 + 4 * static_cast<std::int64_t>(messages.size());
+  std::int64_t bytes = 0, media = 0;
+  for (const auto& m : messages) {
+    bytes += static_cast<std::int64_t>(m.text_bytes());
+    if (m.parts.is_array())
+      for (const auto& part : m.parts)
+        if (part.value("type", "") != "text") ++media;
+  }
+  return bytes / 4 + 4 * static_cast<std::int64_t>(messages.size()) + media * kTokensPerMediaPart;
 }
 
-// A chat message list from JSON (a Batch body, or an input line's own "messages").
-std::vector<ChatMessage> parse_messages(const json& value, const std::string& file,
-                                        std::int64_t line, const std::string& field) {
+// A chat message list from JSON (a Batch body, or an input line's own "messages"). `api`: the
+// job's backend is an API, which gets content parts and message keys this reader does not know
+// as given; the embedded engine reads the text alone and refuses what is not text.
+std::vector<ChatMessage> parse_messages(const ordered& value, const std::string& file,
+                                        std::int64_t line, const std::string& field, bool api) {
   int line_int = static_cast<int>(line);
   if (!value.is_array() || value.empty())
     throw ConfigError(file, line_int, 0, field, "expected a non-empty list of {role, content}");
   std::vector<ChatMessage> out;
   for (std::size_t i = 0; i < value.size(); ++i) {
-    const json& m = value[i];
+    const ordered& m = value[i];
     std::string here = field + "[" + std::to_string(i) + "]";
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
       throw ConfigError(file, line_int, 0, here, "expected {role, content} with a string role");
@@ -232,28 +244,53 @@ std::vector<ChatMessage> parse_messages(const json& value, const std::string& fi
     if (!kRoles.count(message.role))
       throw ConfigError(file, line_int, 0, here + ".role",
                         "bad value '" + message.role + "' (expected one of: system, developer, user, assistant, tool)");
-    const json content = m.value("content", json());
+    const ordered content = m.value("content", ordered());
     if (content.is_string()) {
       message.content = content.get<std::string>();
     } else if (content.is_array()) {
-      // Content parts: only text reaches a chat backend; anything else would be dropped
-      // silently, so it is refused. The parts are joined with a line break between them, as
-      // vLLM and llama.cpp's server join them.
-      for (const json& part : content) {
-        if (&part != &content.front()) message.content += '\n';
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-            !part["text"].is_string())
-          throw ConfigError(file, line_int, 0, here + ".content",
-                            "only text content parts are supported");
+      // Content parts. Their text is joined with a line break between parts, as vLLM and
+      // llama.cpp's server join them. An API gets the parts as given where any is more than
+      // plain text; the embedded engine reads text only, so anything else is refused rather
+      // than dropped (a text part's other keys, such as cache_control, are hints it can leave).
+      bool plain = true, first_text = true;
+      for (std::size_t k = 0; k < content.size(); ++k) {
+        const ordered& part = content[k];
+        const std::string at = here + ".content[" + std::to_string(k) + "]";
+        if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+          throw ConfigError(file, line_int, 0, at, "expected a content part: {type: text, text: ...}" +
+                                                        std::string(api ? " or another type the API takes" : ""));
+        const std::string& type = part["type"].get_ref<const std::string&>();
+        if (type != "text") {
+          if (!api)
+            throw ConfigError(file, line_int, 0, at + ".type",
+                              "'" + type + "' parts need an API backend (backend.base_url): the embedded engine "
+                              "reads text only");
+          plain = false;
+          continue;
+        }
+        if (!part.contains("text") || !part["text"].is_string())
+          throw ConfigError(file, line_int, 0, at + ".text", "expected a string");
+        if (part.size() != 2) plain = false;
+        if (!first_text) message.content += '\n';
+        first_text = false;
         message.content += part["text"].get<std::string>();
       }
+      if (content.empty()) throw ConfigError(file, line_int, 0, here + ".content", "an empty list of parts");
+      if (api && !plain) message.parts = content;
     } else if (!content.is_null()) {
-      throw ConfigError(file, line_int, 0, here + ".content", "expected a string or text parts");
+      throw ConfigError(file, line_int, 0, here + ".content", "expected a string or a list of content parts");
     }
-    if (auto problem = read_tool_fields(m, message)) throw ConfigError(file, line_int, 0, here + problem->first, problem->second);
+    if (auto problem = read_tool_fields(json(m), message))
+      throw ConfigError(file, line_int, 0, here + problem->first, problem->second);
     // As in a job file: only an assistant message that calls tools may leave its content out.
     if (content.is_null() && !message.calls_tools())
-      throw ConfigError(file, line_int, 0, here + ".content", "required (a string or text parts)");
+      throw ConfigError(file, line_int, 0, here + ".content", "required (a string or a list of content parts)");
+    if (api) {
+      static const std::set<std::string> kRead = {"role", "content", "tool_calls", "tool_call_id", "name",
+                                                  "reasoning_content", "function_call"};
+      for (const auto& [key, v] : m.items())
+        if (!kRead.count(key)) message.fields[key] = v;
+    }
     out.push_back(std::move(message));
   }
   if (auto problem = unanswered_tool_message(out))
@@ -354,7 +391,7 @@ Item jsonl_item(const JobSpec& job, json fields, std::int64_t line,
   if (job.request.messages.empty()) {
     // No template: the line carries its own conversation, or a bare prompt.
     if (fields.contains("messages")) {
-      request.messages = parse_messages(fields["messages"], file, line, "messages");
+      request.messages = parse_messages(ordered(fields["messages"]), file, line, "messages", job.backend.type != "local");
     } else if (fields.contains("prompt")) {
       if (!fields["prompt"].is_string())
         throw ConfigError(file, static_cast<int>(line), 0, "prompt",
@@ -424,7 +461,7 @@ Item batch_item(const JobSpec& job, ordered line_value, std::int64_t line,
     throw ConfigError(file, line_int, 0, "body.messages", "missing (only chat completions are supported)");
   for (const auto& [key, value] : body.items()) {
     if (key == "messages") {
-      request.messages = parse_messages(value, file, line, "body.messages");
+      request.messages = parse_messages(value, file, line, "body.messages", job.backend.type != "local");
     } else if (key == "model") {
       if (!value.is_string()) throw wrong(key, "a string");
       // Empty would fall back to the job's model, one this line never named.

@@ -88,6 +88,28 @@ TEST(BatchlmRun, UsageTheServerDoesNotReportIsEstimatedFromTheAnswer) {
   }
 }
 
+// A Batch-API line with an image reaches the API as written, over HTTP: its content parts and
+// its message's other keys; the record keeps the answer under the line's custom_id.
+TEST(BatchlmRun, ABatchLineWithAnImageReachesTheApiAsWritten) {
+  TempDir dir;
+  FakeServer server(dir.path);
+  const std::string message =
+      R"({"role":"user","content":[{"type":"text","text":"What is in the picture?","cache_control":{"type":"ephemeral"}},)"
+      R"({"type":"image_url","image_url":{"url":"data:image/png;base64,iVBORw0KGgoAAAANSUhEUg==","detail":"low"}}],"prefix":false})";
+  write_file(dir.path / "in.jsonl",
+             R"({"custom_id":"pic-1","method":"POST","url":"/v1/chat/completions","body":{"messages":[)" + message + "]}}\n");
+  write_file(dir.path / "job.yaml", "input: in.jsonl\nbackend: {base_url: \"" + server.base_url() +
+                                        "\", model: fake-model}\noutput: out.jsonl\n");
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json sent = json::parse(server.stats()["last_body"].get<std::string>());
+  EXPECT_EQ(sent["messages"][0], json::parse(message)) << sent.dump();
+  const auto records = read_jsonl(dir.path / "out.jsonl");
+  ASSERT_EQ(records.size(), 1u);
+  EXPECT_EQ(records[0]["id"], "pic-1");
+  EXPECT_TRUE(records[0]["error"].is_null()) << records[0].dump();
+}
+
 TEST(BatchlmRun, Gsm8kSliceScoresEveryItemOnce) {
   TempDir dir;
   FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--wrong-every", "5"});

@@ -449,6 +449,7 @@ struct FakeOpenAIServer::Impl {
     stats.authorized = 0;
     stats.per_item.clear();
     stats.arrival_ms.clear();
+    stats.last_body.clear();
     started = std::chrono::steady_clock::now();
   }
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
@@ -698,7 +699,8 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::handle(tcp::socket& socket,
              {"connections", stats.connections},
              {"authorized", stats.authorized},
              {"per_item", stats.per_item},
-             {"arrival_ms", stats.arrival_ms}};
+             {"arrival_ms", stats.arrival_ms},
+             {"last_body", stats.last_body}};
     }
     reply = simple_response(200, "application/json", out.dump(), keep_alive);
   } else if (target == "/_reset" && method == http::verb::post) {
@@ -775,6 +777,7 @@ asio::awaitable<bool> FakeOpenAIServer::Impl::chat(tcp::socket& socket,
     };
     stats.last_authorization = values(http::field::authorization);
     stats.last_content_type = values(http::field::content_type);
+    stats.last_body = request.body();
     attempt = ++stats.per_item[item];
     opts = options;
     script = gsm8k;

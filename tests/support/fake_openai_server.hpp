@@ -7,7 +7,8 @@
 //   POST /v1/chat/completions  streaming when the body says "stream": true
 //   GET  /v1/models
 //   GET  /_stats   {"requests": N, "connections": C, "authorized": A,
-//                   "per_item": {"<last user message>": n}}
+//                   "per_item": {"<last user message>": n}, "arrival_ms": [...],
+//                   "last_body": "<the last chat request's body>"}
 //   POST /_reset   clears the stats (and with them the per-item attempt counts)
 //
 // Tools: a request with `tools` is answered by calling each function tool (only the first with
@@ -135,6 +136,7 @@ struct FakeOpenAIStats {
   // The last chat-completion request's Authorization and Content-Type fields, each value on a
   // line of its own (a field sent twice shows twice).
   std::string last_authorization, last_content_type;
+  std::string last_body;  // the last chat-completion request's body, as sent
   std::map<std::string, std::uint64_t> per_item;  // by last user message
   // When each chat-completion request arrived, in ms since the server started (or was reset).
   std::vector<double> arrival_ms;

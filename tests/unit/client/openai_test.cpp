@@ -43,6 +43,22 @@ TEST(ToOpenAIBody, MapsModelMessagesAndStreamingOptions) {
   EXPECT_EQ(body["stream_options"]["include_usage"], true);
 }
 
+// A message's parts (an image beside its text) go in place of its content, and its other keys
+// beside the fields this client writes, which they do not replace.
+TEST(ToOpenAIBody, SendsContentPartsAndOtherMessageKeysAsGiven) {
+  Request request = chat_request();
+  ChatMessage& user = request.messages[1];
+  user.content = "What is in it?";
+  user.parts = nlohmann::ordered_json::parse(
+      R"([{"type": "text", "text": "What is in it?"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}])");
+  user.fields = nlohmann::ordered_json::parse(R"({"cache_control": {"type": "ephemeral"}, "role": "system"})");
+  const auto body = to_openai_body(request);
+  EXPECT_EQ(body["messages"][1].dump(),
+            R"({"role":"user","content":[{"type":"text","text":"What is in it?"},{"type":"image_url","image_url":)"
+            R"({"url":"https://x/y.png"}}],"cache_control":{"type":"ephemeral"}})");
+  EXPECT_EQ(body["messages"][0].dump(), R"({"role":"system","content":"Be brief."})");
+}
+
 TEST(ToOpenAIBody, LeavesUnsetFieldsOut) {
   const auto body = to_openai_body(chat_request());
   for (const char* key : {"max_tokens", "temperature", "top_p", "stop", "seed"})

@@ -256,7 +256,7 @@ TEST_F(SourceTest, LineMessageWithoutContentIsRefused) {
   ConfigError e = open_error(job("input: " + in + "\n"));
   EXPECT_EQ(e.line(), 2);
   EXPECT_EQ(e.field(), "messages[0].content");
-  EXPECT_EQ(e.message(), "required (a string or text parts)");
+  EXPECT_EQ(e.message(), "required (a string or a list of content parts)");
   in = write("batch.jsonl",
              R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": null}]}})"
              "\n");
@@ -266,6 +266,55 @@ TEST_F(SourceTest, LineMessageWithoutContentIsRefused) {
              R"({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "1"}]})"
              "\n");
   EXPECT_NO_THROW(open_source(job("input: " + in + "\n")));
+}
+
+// Content parts beyond plain text (an image, a text part with cache_control) and message keys
+// the reader does not know go to an API as given, their text joined into content for estimates;
+// the embedded engine reads the text alone and refuses a part that is not text, naming it.
+TEST_F(SourceTest, ContentPartsBeyondTextGoToAnApiAsGiven) {
+  const std::string image = R"({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo=", "detail": "low"}})";
+  const std::string cached = R"({"type": "text", "text": "Describe it.", "cache_control": {"type": "ephemeral"}})";
+  std::string in = write("batch.jsonl",
+                         R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": [)" + cached + ", " + image +
+                             R"(], "prefix": false}]}})" "\n"
+                             R"({"custom_id": "b", "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]}})" "\n");
+  std::vector<Item> items = drain(*open_source(job("input: " + in + "\nbackend: {base_url: http://h/v1}\n")));
+  ASSERT_EQ(items.size(), 2u);
+  const batchlm::ChatMessage& m = items[0].request.messages.at(0);
+  EXPECT_EQ(m.content, "Describe it.");
+  EXPECT_EQ(m.parts, nlohmann::ordered_json::parse("[" + cached + ", " + image + "]"));
+  EXPECT_EQ(m.fields, nlohmann::ordered_json::parse(R"({"prefix": false})"));
+  // The image is counted as an image, not as its base64's length.
+  EXPECT_GT(items[0].estimated_prompt_tokens, 700);
+  // Plain text parts are joined as before, and nothing is kept beside them.
+  const batchlm::ChatMessage& plain = items[1].request.messages.at(0);
+  EXPECT_EQ(plain.content, "one\ntwo");
+  EXPECT_TRUE(plain.parts.is_null());
+  EXPECT_TRUE(plain.fields.is_null());
+
+  // The embedded engine: the image is refused where it is, the text part's hint is left.
+  ConfigError e = open_error(job("input: " + in + "\n"));
+  EXPECT_EQ(e.line(), 1);
+  EXPECT_EQ(e.field(), "body.messages[0].content[1].type");
+  EXPECT_EQ(e.message(), "'image_url' parts need an API backend (backend.base_url): the embedded engine reads text only");
+  std::string text_only = write("text.jsonl", R"({"messages": [{"role": "user", "content": [)" + cached + R"(]}]})" "\n");
+  items = drain(*open_source(job("input: " + text_only + "\n")));
+  ASSERT_EQ(items.size(), 1u);
+  EXPECT_EQ(items[0].request.messages.at(0).content, "Describe it.");
+  EXPECT_TRUE(items[0].request.messages.at(0).parts.is_null());
+
+  // Parts that are not parts, a text part without text, and an empty list are said so.
+  const std::pair<std::string, std::string> bad[] = {
+      {R"([{"text": "x"}])", "body.messages[0].content[0]"},
+      {R"(["x"])", "body.messages[0].content[0]"},
+      {R"([{"type": "text", "text": 5}])", "body.messages[0].content[0].text"},
+      {R"([])", "body.messages[0].content"},
+  };
+  for (const auto& [content, field] : bad) {
+    std::string f = write("bad.jsonl", R"({"custom_id": "a", "body": {"messages": [{"role": "user", "content": )" + content + "}]}}\n");
+    e = open_error(job("input: " + f + "\nbackend: {base_url: http://h/v1}\n"));
+    EXPECT_EQ(e.field(), field) << content;
+  }
 }
 
 // A Batch-API line's empty model would go out as the job's, which the line never named.

@@ -32,6 +32,12 @@ struct ChatMessage {
   // template that keeps reasoning (Qwen 3's) then writes it in place of a <think> block found
   // in the content.
   std::optional<std::string> reasoning;
+  // For an API backend, where a Batch-API body or an input line's `messages` gives them: the
+  // content parts as given, where some part is more than {type: text, text} (an image, audio, a
+  // text part with cache_control), sent in place of `content`, which then holds the text parts
+  // joined; and the message's other keys, sent beside the ones above. Null where there are none.
+  nlohmann::ordered_json parts;
+  nlohmann::ordered_json fields;
 
   bool calls_tools() const { return tool_calls.is_array() && !tool_calls.empty(); }
   // Bytes of the message's text: its content, its reasoning and its calls as JSON.
