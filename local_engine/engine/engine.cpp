@@ -54,6 +54,11 @@ Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params)
       schema_(params.json_schema),
       json_mask_(tokenizer) {
   if (schema_) schema_state_.emplace(*schema_);
+  for (const std::string& stop : params.stop) {
+    if (stop.empty()) continue;
+    const Token t = tokenizer.find(stop);
+    if (t >= 0 && tokenizer.token_view(t).empty() && tokenizer.token_bytes(t, true) == stop) stop_tokens_.push_back(t);
+  }
 }
 
 std::span<const float> Generation::constrain(std::span<const float> logits) {
@@ -104,6 +109,10 @@ bool Generation::accept(Token token, std::string& text, const PositionLogprobs* 
   text.clear();
   if (!ignore_eos_ && tokenizer_->is_end_of_generation(token)) {
     reason_ = "stop";  // what the stop matcher holds comes out in flush()
+    return true;
+  }
+  if (std::find(stop_tokens_.begin(), stop_tokens_.end(), token) != stop_tokens_.end()) {
+    reason_ = "stop";  // as at the end of the turn: the token is not part of the output
     return true;
   }
   // JSON mode and schemas: the object closed with this token ends the output (a token they

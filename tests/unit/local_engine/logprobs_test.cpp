@@ -144,6 +144,29 @@ Fed feed(const Tokenizer& tokenizer, const std::vector<Token>& tokens, std::vect
   return out;
 }
 
+// A stop string that is a control token's text ("<|im_start|>", which a model may write after
+// its turn instead of ending it) stops where that token is generated: the token is never
+// written as text, so the string alone would never be seen. Its log-probability is not an
+// entry, as the end of the turn's is not.
+TEST(GenerationStops, AtAControlTokenWhoseTextIsAStopString) {
+  REQUIRE_DEFAULT_MODEL();
+  const Tokenizer& tok = default_model()->tokenizer();
+  const Token start = tok.find("<|im_start|>");
+  ASSERT_GE(start, 0);
+  std::vector<Token> tokens = tok.encode("Hello there", false);
+  const std::size_t before = tokens.size();
+  tokens.push_back(start);
+  for (Token t : tok.encode("user more", false)) tokens.push_back(t);
+  const Fed stopped = feed(tok, tokens, {"<|im_start|>"});
+  EXPECT_EQ(stopped.text, "Hello there");
+  EXPECT_EQ(stopped.reason, "stop");
+  EXPECT_EQ(stopped.logprobs.size(), before);
+  // Without it the token passes unwritten; text that merely reads like it is not a control token.
+  const Fed on = feed(tok, tokens, {});
+  EXPECT_EQ(on.text, "Hello thereuser more");
+  EXPECT_EQ(feed(tok, tokens, {"<|im_start"}).text, "Hello thereuser more");
+}
+
 TEST(GenerationLogprobs, OneEntryPerTokenOfTheText) {
   REQUIRE_DEFAULT_MODEL();
   const Tokenizer& tok = default_model()->tokenizer();

@@ -116,6 +116,9 @@ class Generation {
   Sampler sampler_;
   StreamDecoder decoder_;
   StopMatcher stops_;
+  // Control tokens whose text is a stop string ("<|im_start|>"): such a token is never written
+  // as text, so the matcher alone would never see it; generating one stops as the string would.
+  std::vector<Token> stop_tokens_;
   std::string reason_;
   std::int64_t generated_ = 0;
   // Log-probabilities of tokens whose text is not yet final, with where their text starts and
