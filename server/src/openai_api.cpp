@@ -185,7 +185,7 @@ std::string read_prompt(const Body& body) {
   if (prompt->is_array() && prompt->size() > 1) unsupported("prompt", "more than one prompt per request");
   if (prompt->is_array() && prompt->empty()) invalid("prompt", "'prompt' is an empty array: give a string");
   if (prompt->is_array())
-    invalid("prompt", "'prompt[0]' must be a string, not " + type_name((*prompt)[0]));
+    invalid("prompt[0]", "'prompt[0]' must be a string, not " + type_name((*prompt)[0]));
   invalid("prompt", "'prompt' must be a string, not " + type_name(*prompt));
 }
 
@@ -199,7 +199,8 @@ std::vector<std::string> read_stop(const Body& v) {
   if (v.size() > kMaxStops) invalid("stop", "'stop' has " + std::to_string(v.size()) + " strings; at most 16 are allowed");
   std::vector<std::string> out;
   for (std::size_t i = 0; i < v.size(); ++i) {
-    if (!v[i].is_string()) invalid("stop", "'stop[" + std::to_string(i) + "]' must be a string, not " + type_name(v[i]));
+    const std::string param = "stop[" + std::to_string(i) + "]";
+    if (!v[i].is_string()) invalid(param, "'" + param + "' must be a string, not " + type_name(v[i]));
     if (!v[i].get<std::string>().empty()) out.push_back(v[i].get<std::string>());
   }
   return out;

@@ -361,7 +361,7 @@ TEST(ParseRequest, CompletionPromptErrors) {
                  "'prompt' is an empty array: give a string");
   expect_unsupported(completion_error(completion_body_json({{"prompt", json::array({json::array({504, 3575})})}})),
                      "prompt", "a list of prompts of token ids is not supported by this server");
-  expect_invalid(completion_error(completion_body_json({{"prompt", json::array({nullptr})}})), "prompt",
+  expect_invalid(completion_error(completion_body_json({{"prompt", json::array({nullptr})}})), "prompt[0]",
                  "'prompt[0]' must be a string, not null");
 }
 
@@ -475,7 +475,8 @@ TEST(ParseRequest, StopStringsAndList) {
   EXPECT_EQ(chat({{"stop", json::array({"", "a"})}}).request.stop, std::vector<std::string>{"a"});
   expect_invalid(chat_error(chat_body({{"stop", 1}})), "stop",
                  "'stop' must be a string or an array of strings, not an integer");
-  expect_invalid(chat_error(chat_body({{"stop", json::array({"a", 2})}})), "stop",
+  // `param` names the item, as it does for messages.
+  expect_invalid(chat_error(chat_body({{"stop", json::array({"a", 2})}})), "stop[1]",
                  "'stop[1]' must be a string, not an integer");
   json many = json::array();
   for (int i = 0; i < 17; ++i) many.push_back(std::string("s") + std::to_string(i));
