@@ -47,6 +47,7 @@ struct ServeOptions {
   bool kv_recycle = false;
   bool kv_commit = true;
   std::string kv_memory;
+  std::string body_memory;
   std::string step_log;
   std::string reasoning = "separate";
   int max_queue = 256;
@@ -130,6 +131,9 @@ void add_serve_command(CLI::App& app) {
   serve_cmd->add_option("--kv-tokens", s.kv_tokens, "KV pool size in tokens (default: from free memory)")
       ->check(app::at_least(0));
   serve_cmd->add_option("--kv-memory", s.kv_memory, "KV pool size in bytes, e.g. 2GiB (default: from free memory)");
+  serve_cmd->add_option("--max-body-memory", s.body_memory,
+                        "Request bodies held at once over all clients, e.g. 256MiB (the default); a request whose body "
+                        "would go past it gets 503 with Retry-After. One body is at most 8 MiB");
   serve_cmd->add_flag("--kv-recycle", s.kv_recycle,
                       "Reuse the KV blocks of finished requests that nothing shared before taking pool memory "
                       "never used (the prefix cache then forgets unshared prompts sooner)");
@@ -186,7 +190,8 @@ int run_serve_command() {
                                     {"--host", &s.host},
                                     {"--draft-model", &s.spec.model},
                                     {"--step-log", &s.step_log},
-                                    {"--kv-memory", &s.kv_memory}}) {
+                                    {"--kv-memory", &s.kv_memory},
+                                    {"--max-body-memory", &s.body_memory}}) {
     if (serve_cmd->count(flag) > 0 && value->empty())
       throw std::runtime_error(std::string(flag) + ": empty; give a value, or leave the option out for its default");
   }
@@ -214,6 +219,15 @@ int run_serve_command() {
     const auto bytes = runner::parse_byte_size(s.kv_memory);
     if (!bytes) throw std::runtime_error("--kv-memory: expected a size such as 2GiB or 512MiB, got '" + s.kv_memory + "'");
     engine.kv_bytes = *bytes;
+  }
+  std::optional<std::size_t> body_memory;
+  if (!s.body_memory.empty()) {
+    body_memory = runner::parse_byte_size(s.body_memory);
+    if (!body_memory)
+      throw std::runtime_error("--max-body-memory: expected a size such as 256MiB or 1GiB, got '" + s.body_memory + "'");
+    // Below one body's limit, the largest requests would be refused however long they waited.
+    if (*body_memory < server::ServerOptions{}.max_body_bytes)
+      throw std::runtime_error("--max-body-memory: " + s.body_memory + " is less than one request body may be (8MiB)");
   }
   try {
     engine.speculative = speculative_options(s.spec);
@@ -249,6 +263,7 @@ int run_serve_command() {
   options.shutdown_grace = std::chrono::milliseconds(static_cast<long long>(s.shutdown_grace * 1000));
   options.write_timeout = std::chrono::milliseconds(static_cast<long long>(s.write_timeout * 1000));
   options.request_timeout = std::chrono::milliseconds(static_cast<long long>(s.request_timeout * 1000));
+  if (body_memory) options.max_held_body_bytes = *body_memory;
   server::Server http(io, *backend, options);
   http.start();
 

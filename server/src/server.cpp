@@ -136,6 +136,17 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     bool aborted = false;
   };
   std::int64_t aborted_requests = 0;
+  std::size_t held_body_bytes = 0;  // bodies received or being received, all connections
+  // A request's share of held_body_bytes, given back when it is done with.
+  struct HeldBody {
+    std::size_t& total;
+    std::size_t bytes = 0;
+    void grow_to(std::size_t n) {
+      total += n - bytes;
+      bytes = n;
+    }
+    ~HeldBody() { total -= bytes; }
+  };
   std::list<Connection*> connections;
   Metrics metrics;
   // Large bodies are read into requests here, off the thread that serves every connection: the
@@ -841,6 +852,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         // the bytes are spaced: a client trickling them one at a time cannot hold the connection.
         c.stream.expires_after(options.request_timeout);
         c.receiving = true;
+        HeldBody held{held_body_bytes};
         auto [ec, n] = co_await http::async_read_header(c.stream, c.buffer, parser, use_tuple);
         const auto coding = parser.get().find(http::field::transfer_encoding);
         if (!ec && coding != parser.get().end() &&
@@ -887,12 +899,29 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
             http::response<http::empty_body> go_on{http::status::continue_, 11};
             std::tie(ec, n) = co_await http::async_write(c.stream, go_on, use_tuple);
           }
-          if (!ec) std::tie(ec, n) = co_await http::async_read(c.stream, c.buffer, parser, use_tuple);
+          // The body in pieces, each counted against what all connections hold at once.
+          while (!ec && !parser.is_done()) {
+            std::tie(ec, n) = co_await http::async_read_some(c.stream, c.buffer, parser, use_tuple);
+            held.grow_to(parser.get().body().size());
+            if (!ec && held_body_bytes > options.max_held_body_bytes) ec = asio::error::no_buffer_space;
+          }
         }
         c.receiving = false;
         if (ec) {
           c.refusing = true;
-          if (ec == http::error::body_limit) {
+          if (ec == asio::error::no_buffer_space) {
+            HttpRequest head = parser.release();
+            head.keep_alive(false);
+            unread_body = true;
+            const std::size_t others = held_body_bytes - held.bytes;
+            held.grow_to(0);
+            co_await send_error(c, head,
+                                ApiError(503, "server_error", "",
+                                         "the server holds " + std::to_string(others >> 20) +
+                                             " MiB of other requests' bodies, its limit; retry after 1 s",
+                                         "server_overloaded"),
+                                std::pair(http::field::retry_after, std::string("1")));
+          } else if (ec == http::error::body_limit) {
             HttpRequest head = parser.release();
             head.keep_alive(false);
             unread_body = true;

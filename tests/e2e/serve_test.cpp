@@ -1403,6 +1403,41 @@ TEST_F(Serve, OversizedBodyIs413) {
   EXPECT_EQ(post(*s, "/v1/completions", R"({"prompt": "x", "max_tokens": 1})").status, 200);
 }
 
+// Bodies held at once over all connections are bounded (--max-body-memory): a request whose
+// body would go past it while another client is still uploading gets 503 with Retry-After, and
+// the room comes back when that upload ends.
+TEST_F(Serve, BodiesHeldAtOnceAreBounded) {
+  auto s = serve({"--max-body-memory", "8MiB"});
+  auto head = [](std::size_t length) {
+    return "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
+           std::to_string(length) + "\r\n\r\n";
+  };
+  auto uploading = std::make_unique<RawConnection>(s->port());
+  uploading->send_raw(head(6u << 20) + std::string(5u << 20, 'x'));  // 5 of its 6 MiB
+  std::this_thread::sleep_for(500ms);  // the server reads what was sent
+  RawConnection second(s->port());
+  second.send_raw(head(4u << 20));
+  second.send_until_stalled(4u << 20, 2s);
+  ASSERT_TRUE(second.read_until("\r\n\r\n{", 10s)) << second.received().substr(0, 400);
+  EXPECT_TRUE(second.received().starts_with("HTTP/1.1 503")) << second.received().substr(0, 400);
+  EXPECT_TRUE(contains(second.received(), "Retry-After: 1")) << second.received().substr(0, 400);
+  EXPECT_TRUE(contains(second.received(), "its limit; retry after 1 s")) << second.received().substr(0, 600);
+  // The first upload goes away: the same request is read whole now (and refused for its JSON).
+  uploading.reset();
+  std::this_thread::sleep_for(200ms);
+  RawConnection third(s->port());
+  third.send_raw(head(4u << 20) + std::string(4u << 20, 'x'));
+  ASSERT_TRUE(third.read_until("\r\n\r\n", 10s)) << third.received().substr(0, 400);
+  EXPECT_TRUE(third.received().starts_with("HTTP/1.1 400")) << third.received().substr(0, 400);
+  EXPECT_EQ(post(*s, "/v1/completions", R"({"prompt": "x", "max_tokens": 1})").status, 200);
+}
+
+TEST_F(Serve, MaxBodyMemoryBelowOneBodyIsAUsageError) {
+  RunResult r = run_batchlm(dir(), {"serve", "--model", "tiny.gguf", "--max-body-memory", "1MiB"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "--max-body-memory: 1MiB is less than one request body may be (8MiB)")) << r.err;
+}
+
 // HTTP/1.0 has no chunked transfer coding (RFC 9112 6.1: a server must not send
 // Transfer-Encoding to a 1.0 client): a stream to a 1.0 client is the raw events, ended by
 // closing the connection. Disabled: the server answers chunked today (server.cpp, write_stream).

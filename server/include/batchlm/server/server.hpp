@@ -49,6 +49,10 @@ struct ServerOptions {
   std::vector<std::string> allowed_origins = {"*"};
   int max_in_flight = 256;         // choices served at once (running and queued); then 429
   std::size_t max_body_bytes = 8u << 20;
+  // Request bodies held at once, over every connection: those being received and those of
+  // requests being served. A request whose body would go past it is refused with 503 and
+  // Retry-After, so that many large uploads at once cannot exhaust the memory.
+  std::size_t max_held_body_bytes = 256u << 20;
   std::chrono::milliseconds keep_alive{std::chrono::seconds(60)};  // idle connection timeout
   // From a request's first byte, the time to receive all of it; then the connection closes.
   std::chrono::milliseconds request_timeout{std::chrono::seconds(60)};
