@@ -1500,9 +1500,11 @@ TEST(BatchlmRun, TokensPerMinuteCountsOutputAsItStreams) {
   ASSERT_GE(at.size(), 10u) << read_file(dir.path / "run.err");
   std::sort(at.begin(), at.end());
   // 5 s of tokens at once (5,000: about 19 requests of ~262), then one a quarter second until
-  // the streams pass their estimate (0.5 s, later on a busy machine); none from 2 s on.
-  const auto late = std::count_if(at.begin(), at.end(), [&](double t) { return t - at.front() >= 2000; });
-  EXPECT_EQ(late, 0) << "requests started 2 s or more after the first";
+  // the streams pass their estimate (0.5 s; later on a busy machine, where the server streams
+  // slower); then none. Without the streamed output counted, one goes every quarter second
+  // throughout: six or more from 2.5 s to the stop at 4 s.
+  const auto late = std::count_if(at.begin(), at.end(), [&](double t) { return t - at.front() >= 2500; });
+  EXPECT_LE(late, 2) << "requests started 2.5 s or more after the first";
 }
 
 // The retry budget spreads the retries of a crowd that failed at once: with 5 a second
