@@ -232,6 +232,15 @@ int refuses_new_files(const std::string& dir) {
   return 0;
 }
 
+// Why directory `dir` takes no new file, for a message: "DIR: ERROR", but where the directory is
+// there and the file system answered "no such file" (/proc, /sys), that it takes none.
+std::string no_new_files(const std::string& dir, int err) {
+  struct stat info {};
+  if (err == ENOENT && ::stat(dir.c_str(), &info) == 0 && S_ISDIR(info.st_mode))
+    return dir + " takes no new files (its file system refused one: " + std::strerror(err) + ")";
+  return dir + ": " + std::strerror(err);
+}
+
 // The directories `path`'s parent needs made, outermost first (none when it is there). Throws,
 // naming the output, where one on the way is not a directory or cannot be looked into.
 std::vector<std::string> missing_directories(const std::string& path) {
@@ -345,6 +354,10 @@ void check_companions(const std::string& given, const std::string& path) {
   const std::string summary = given + ".summary.json";
   for (const std::string& file : {summary, summary + ".tmp"})
     if (is_an_output(file)) refuse(file, "summary", "another job's output (it has a lock file of its own)");
+  // A directory there (empty, it would be removed to make room; else the summary would fail
+  // after every request), or a FIFO or device, is not the run's to replace.
+  if (::lstat(summary.c_str(), &info) == 0 && !S_ISREG(info.st_mode) && !S_ISLNK(info.st_mode))
+    refuse(summary, "summary", S_ISDIR(info.st_mode) ? "a directory" : "not a file");
   if (::lstat(summary.c_str(), &info) == 0 && S_ISREG(info.st_mode) && info.st_size > 0) {
     std::ifstream in(summary, std::ios::binary);
     if (!in) refuse(summary, "summary", std::string("a file that cannot be read (") + std::strerror(errno) + ")");
@@ -438,16 +451,15 @@ void check_output(const std::string& given, bool read_records, bool fresh) {
         throw std::runtime_error("cannot open the lock file " + lock_path + " of output " + path + ": " +
                                  std::strerror(errno));
     } else if (const int err = refuses_new_files(dir); err != 0) {
-      throw std::runtime_error("cannot create the lock file " + lock_path + " of output " + path + ": " + dir +
-                               ": " + std::strerror(err));
+      throw std::runtime_error("cannot create the lock file " + lock_path + " of output " + path + ": " +
+                               no_new_files(dir, err));
     }
     // The summary is made beside the output as given (a link's directory, not its target's)
     // and renamed into place, the earlier one removed at the start: in a directory that takes
     // no new entries, the run would send everything, then leave the earlier run's summary
     // describing a file it no longer does.
     if (const std::string beside = parent_directory(given); const int err = refuses_new_files(beside))
-      throw std::runtime_error("cannot write the summary of output " + given + " beside it: " + beside + ": " +
-                               std::strerror(err));
+      throw std::runtime_error("cannot write the summary of output " + given + " beside it: " + no_new_files(beside, err));
     if (read_records) {
       check_records(path);
       if (!fresh && would_rewrite(path)) check_rewrite_file(path);
@@ -456,7 +468,7 @@ void check_output(const std::string& given, bool read_records, bool fresh) {
   }
   // Absent: made in the nearest directory there, which must take new entries.
   if (const int err = refuses_new_files(there); err != 0)
-    throw std::runtime_error("cannot create output " + path + ": " + there + ": " + std::strerror(err));
+    throw std::runtime_error("cannot create output " + path + ": " + no_new_files(there, err));
 }
 
 void replace_file(const std::string& path, std::string_view content) {

@@ -814,9 +814,13 @@ TEST_F(OutputWriterTest, CheckOutputRefusesWhatTheWriterWouldAndMakesNothing) {
   // A directory whose file system takes no new files, whatever the permission bits say (root
   // passes access() there): the check makes one to see, and leaves nothing.
   if (fs::is_directory("/proc/self")) {  // procfs there
-    EXPECT_NE(message_of("/proc/batchlm-x.jsonl").find("cannot create output /proc/batchlm-x.jsonl: /proc: "),
-              std::string::npos)
-        << message_of("/proc/batchlm-x.jsonl");
+    // As root the file system's "no such file" answers; said as what it means, since /proc is there.
+    const std::string said = message_of("/proc/batchlm-x.jsonl");
+    EXPECT_EQ(said.find(::geteuid() == 0 ? "cannot create output /proc/batchlm-x.jsonl: /proc takes no new files (its file "
+                                           "system refused one: No such file or directory)"
+                                         : "cannot create output /proc/batchlm-x.jsonl: /proc: "),
+              0u)
+        << said;
   }
   EXPECT_EQ(message_of((dir_ / "new.jsonl").string()), "");
   for (const auto& entry : fs::directory_iterator(dir_))
@@ -894,6 +898,15 @@ TEST_F(OutputWriterTest, AnotherOutputWhereACompanionGoesIsRefusedAndKept) {
   EXPECT_EQ(message_of([&] { check_output(path_); }), "");
   std::ofstream(path_ + ".summary.json", std::ios::trunc).flush();
   EXPECT_EQ(message_of([&] { check_output(path_); }), "");
+  // A directory there, empty (it would be removed to make room) or not, is refused and kept.
+  fs::remove(path_ + ".summary.json");
+  fs::create_directory(path_ + ".summary.json");
+  EXPECT_EQ(message_of([&] { check_output(path_); }),
+            path_ + ".summary.json is a directory, where output " + path_ +
+                " keeps its summary; batchlm never deletes what it did not write: give this job another output path, "
+                "or move that file away");
+  EXPECT_TRUE(fs::is_directory(path_ + ".summary.json"));
+  fs::remove(path_ + ".summary.json");
   // Records there are not (another output whose lock is gone).
   std::ofstream(path_ + ".summary.json", std::ios::trunc) << line(ok(1)) << line(ok(2));
   EXPECT_NE(message_of([&] { check_output(path_); }).find("is not a batchlm summary"), std::string::npos);
