@@ -245,7 +245,9 @@ int run_inspect() {
       const char* tools = ct.call_format() == CallFormat::kTagged ? ", tools called in <tool_call> blocks"
                           : ct.call_format() == CallFormat::kJson ? ", tools called as JSON answers"
                                                                    : "";
-      std::printf("chat template %s%s%s%s%s%s%s\n", terminal_safe(ct.name()).c_str(),
+      // No template in the file: chat prompts are still made, in ChatML, which is said.
+      std::printf("chat template %s%s%s%s%s%s%s%s\n", terminal_safe(ct.name()).c_str(),
+                  v.chat_template.empty() ? " (the file has none; chat prompts are written in ChatML)" : "",
                   ct.default_system().empty() ? "" : (", default system: " +
                   quoted(ct.default_system())).c_str(),
                   ct.date().empty() ? "" : (", system turn dated " + terminal_safe(ct.date())).c_str(),

@@ -301,7 +301,7 @@ TEST_F(EngineCli, InspectDescribesTheModel) {
                                   std::to_string(info_.merges.size()) + " merges"))
       << r.out;
   EXPECT_TRUE(contains(r.out, "eos 2 \"<|im_end|>\"")) << r.out;
-  EXPECT_TRUE(contains(r.out, "chat template chatml")) << r.out;
+  EXPECT_TRUE(contains(r.out, "chat template chatml\n")) << r.out;
   EXPECT_TRUE(contains(r.out, "runs          yes")) << r.out;
   EXPECT_FALSE(contains(r.out, "blk.0.attn_q.weight")) << r.out;  // only with --tensors
 
@@ -321,8 +321,13 @@ TEST_F(EngineCli, InspectShowsTheTokenizerOfAVocabularyOnlyFile) {
   EXPECT_TRUE(contains(r.out, "tensor types  none\n")) << r.out;
   EXPECT_TRUE(contains(r.out, "tokenizer     gpt2 (pre-tokenizer qwen2), 151936 tokens")) << r.out;
   EXPECT_TRUE(contains(r.out, "eot 151645 \"<|im_end|>\"")) << r.out;
-  EXPECT_TRUE(contains(r.out, "chat template chatml")) << r.out;
+  EXPECT_TRUE(contains(r.out, "chat template chatml, default system: \"You are a helpful assistant\"\n")) << r.out;
   EXPECT_TRUE(contains(r.out, "runs          no: the file holds no tensors (a vocabulary only)\n")) << r.out;
+  // GPT-2's file has no template: ChatML is what chat prompts get, said as such.
+  const fs::path gpt2 = fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/ggml-vocab-gpt-2.gguf";
+  if (!fs::exists(gpt2)) return;
+  r = run_batchlm(dir(), {"inspect", gpt2.string()});
+  EXPECT_TRUE(contains(r.out, "chat template chatml (the file has none; chat prompts are written in ChatML)\n")) << r.out;
 }
 
 TEST_F(EngineCli, InspectQuantizedTiedModel) {
