@@ -83,19 +83,13 @@ bool BatchEngine::ForwardCost::fitted(double& fixed, double& per_token) const {
   return fixed + per_token > 0;
 }
 
-BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options,
-                         const ExecutorWrapper& wrap_executor)
-    : model_(std::move(model)), speculative_(options.speculative), created_(Clock::now()) {
+namespace {
+
+// The options checked alike by the engine and by check(): returns the token budget.
+std::int64_t checked_budget(const LocalBackendOptions& options) {
   if (options.max_sequences < 1) throw std::invalid_argument("max_sequences must be >= 1");
   if (options.block_size < 1 || options.block_size > 256)
     throw std::invalid_argument("block_size must be in 1..256, not " + std::to_string(options.block_size));
-  // Opened before the pool is allocated and written, so a bad path fails at once.
-  if (!options.step_log.empty()) {
-    step_log_.reset(std::fopen(options.step_log.c_str(), "a"));
-    if (!step_log_)
-      throw StepLogUnwritable("cannot open '" + options.step_log.string() + "' for writing: " +
-                              std::strerror(errno));
-  }
   const std::int64_t budget = options.token_budget > 0 ? options.token_budget : Model::kMaxBatch;
   if (budget > Model::kMaxBatch)
     throw std::invalid_argument("token_budget must be at most " + std::to_string(Model::kMaxBatch));
@@ -103,6 +97,96 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
     throw std::invalid_argument("token_budget " + std::to_string(budget) +
                                 " is less than max_sequences " + std::to_string(options.max_sequences) +
                                 ": every running sequence needs a token each step");
+  }
+  return budget;
+}
+
+// The drafting model and the layers it drafts with (none for kNone and kNgram). Throws
+// std::invalid_argument for self-drafting layers the model lacks, DraftModelUnusable for a draft
+// model that cannot be loaded or does not share the vocabulary.
+std::pair<std::shared_ptr<const Model>, std::int64_t> drafter_for(const std::shared_ptr<const Model>& model,
+                                                                  const SpeculativeOptions& speculative,
+                                                                  bool check_only) {
+  const ModelConfig& c = model->config();
+  switch (speculative.method) {
+    case SpecMethod::kNone:
+    case SpecMethod::kNgram: return {nullptr, 0};
+    case SpecMethod::kSelf: {
+      const std::int64_t layers =
+          speculative.layers > 0 ? speculative.layers : std::max<std::int64_t>(1, c.n_layers / 4);
+      if (layers >= c.n_layers)
+        throw std::invalid_argument("speculative.layers must be less than the model's " +
+                                    std::to_string(c.n_layers) + " layers, not " + std::to_string(layers));
+      return {model, layers};
+    }
+    case SpecMethod::kDraft: {
+      try {
+        std::shared_ptr<const Model> drafter = Model::load(speculative.model, check_only);
+        check_same_vocabulary(*model, *drafter);
+        return {drafter, drafter->config().n_layers};
+      } catch (const gguf::Error& e) {
+        throw DraftModelUnusable(e.what());
+      } catch (const std::invalid_argument& e) {
+        throw DraftModelUnusable(e.what());
+      }
+    }
+  }
+  return {nullptr, 0};
+}
+
+// KV bytes per token: the model's K and V in F16, and the drafter's layers beside them.
+std::int64_t kv_bytes_per_token(const ModelConfig& c, const Model* drafter, std::int64_t draft_layers) {
+  std::int64_t bytes = 2 * c.n_layers * c.kv_width() * 2;
+  if (drafter != nullptr) bytes += 2 * draft_layers * drafter->config().kv_width() * 2;
+  return bytes;
+}
+
+// A CPU pool set larger than the memory available: refused where it is written at start (it
+// would exhaust the memory before the first request); else the memory there is (the run warns).
+std::int64_t cpu_pool_past_memory(const LocalBackendOptions& options, std::int64_t pool_bytes) {
+  if (options.kv_tokens <= 0 && options.kv_bytes <= 0) return 0;
+  const std::int64_t available = available_memory_bytes();
+  if (available <= 0 || pool_bytes <= available) return 0;
+  if (options.kv_commit)
+    throw std::invalid_argument((options.kv_tokens > 0 ? "kv_tokens " + std::to_string(options.kv_tokens)
+                                                       : "kv_bytes " + std::to_string(options.kv_bytes)) +
+                                " is a KV pool of " + gguf::human_bytes(static_cast<double>(pool_bytes)) +
+                                ", more than the memory available now (" +
+                                gguf::human_bytes(static_cast<double>(available)) +
+                                "), and it is written at start: give a smaller one");
+  return available;
+}
+
+}  // namespace
+
+void BatchEngine::check(const std::shared_ptr<const Model>& model, const LocalBackendOptions& options) {
+  checked_budget(options);
+  SpeculativeOptions speculative = options.speculative;
+  if (speculative.method != SpecMethod::kNone) validate(speculative);
+  const ModelConfig& c = model->config();
+  const std::int64_t context = choose_context(c, options.context);
+  const std::optional<std::string> no_gpu = gpu_refusal(*model, options.device);
+  if (options.device == Device::kCuda && no_gpu)
+    throw DeviceUnavailable("device 'cuda' was asked for, but " + *no_gpu);
+  const auto [drafter, draft_layers] = drafter_for(model, speculative, /*check_only=*/true);
+  // The pool as the CPU would take it; a GPU's memory is known once it holds the weights.
+  if (options.device != Device::kCpu && !no_gpu) return;
+  const std::int64_t bytes_per_token = kv_bytes_per_token(c, drafter.get(), draft_layers);
+  const std::int64_t pool_tokens = kv_pool_tokens(options, context, bytes_per_token, available_memory_bytes(), false);
+  const std::int64_t block = options.block_size;
+  cpu_pool_past_memory(options, (pool_tokens + block - 1) / block * block * bytes_per_token);
+}
+
+BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options,
+                         const ExecutorWrapper& wrap_executor)
+    : model_(std::move(model)), speculative_(options.speculative), created_(Clock::now()) {
+  const std::int64_t budget = checked_budget(options);
+  // Opened before the pool is allocated and written, so a bad path fails at once.
+  if (!options.step_log.empty()) {
+    step_log_.reset(std::fopen(options.step_log.c_str(), "a"));
+    if (!step_log_)
+      throw StepLogUnwritable("cannot open '" + options.step_log.string() + "' for writing: " +
+                              std::strerror(errno));
   }
   if (speculative_.method != SpecMethod::kNone) validate(speculative_);
   const ModelConfig& c = model_->config();
@@ -118,35 +202,8 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
   if (wrap_executor) executor_ = wrap_executor(std::move(executor_));
   device.device = executor_->device();  // a drafting model runs where the target does
 
-  std::shared_ptr<const Model> drafter;
+  const auto [drafter, draft_layers] = drafter_for(model_, speculative_, /*check_only=*/false);
   std::unique_ptr<Executor> draft_executor;
-  std::int64_t draft_layers = 0;
-  switch (speculative_.method) {
-    case SpecMethod::kNone:
-    case SpecMethod::kNgram: break;
-    case SpecMethod::kSelf: {
-      draft_layers =
-          speculative_.layers > 0 ? speculative_.layers : std::max<std::int64_t>(1, c.n_layers / 4);
-      if (draft_layers >= c.n_layers)
-        throw std::invalid_argument("speculative.layers must be less than the model's " +
-                                    std::to_string(c.n_layers) + " layers, not " +
-                                    std::to_string(draft_layers));
-      drafter = model_;
-      break;
-    }
-    case SpecMethod::kDraft: {
-      try {
-        drafter = Model::load(speculative_.model);
-        check_same_vocabulary(*model_, *drafter);
-      } catch (const gguf::Error& e) {
-        throw DraftModelUnusable(e.what());
-      } catch (const std::invalid_argument& e) {
-        throw DraftModelUnusable(e.what());
-      }
-      draft_layers = drafter->config().n_layers;
-      break;
-    }
-  }
   if (drafter) {
     ExecutorOptions d = device;
     d.layers = draft_layers;
@@ -156,28 +213,14 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
   // On the CPU pages of the pool are touched only as blocks are first used, unless kv_commit
   // writes them all now.
   const std::int64_t block = options.block_size;
-  std::int64_t bytes_per_token = 2 * c.n_layers * c.kv_width() * 2;  // K and V, F16
-  if (drafter) bytes_per_token += 2 * draft_layers * drafter->config().kv_width() * 2;
+  const std::int64_t bytes_per_token = kv_bytes_per_token(c, drafter.get(), draft_layers);
   const std::int64_t pool_tokens =
       kv_pool_tokens(options, context_, bytes_per_token, executor_->pool_memory_available(),
                      executor_->device() != Device::kCpu);
   const std::int64_t n_blocks = (pool_tokens + block - 1) / block;
   // A pool set larger than the memory available is taken (the system promises pages it may not
   // have) and said so; written at start, it would exhaust the memory before the first request.
-  if (executor_->device() == Device::kCpu && (options.kv_tokens > 0 || options.kv_bytes > 0)) {
-    const std::int64_t available = available_memory_bytes();
-    const std::int64_t bytes = n_blocks * block * bytes_per_token;
-    if (available > 0 && bytes > available) {
-      if (options.kv_commit)
-        throw std::invalid_argument((options.kv_tokens > 0 ? "kv_tokens " + std::to_string(options.kv_tokens)
-                                                           : "kv_bytes " + std::to_string(options.kv_bytes)) +
-                                    " is a KV pool of " + gguf::human_bytes(static_cast<double>(bytes)) +
-                                    ", more than the memory available now (" +
-                                    gguf::human_bytes(static_cast<double>(available)) +
-                                    "), and it is written at start: give a smaller one");
-      pool_past_memory_ = available;
-    }
-  }
+  if (executor_->device() == Device::kCpu) pool_past_memory_ = cpu_pool_past_memory(options, n_blocks * block * bytes_per_token);
   executor_->allocate_pool(block, n_blocks);
   kv_bytes_per_token_ = bytes_per_token;
   if (options.kv_commit) executor_->commit_pool();

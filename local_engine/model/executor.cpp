@@ -118,9 +118,23 @@ bool gpu_runs_network(const ModelConfig& c, std::string& why_not) {
   return false;
 }
 
+std::optional<std::string> gpu_refusal(const Model& model, Device device) {
+  if (device == Device::kCpu) return std::nullopt;
+  std::string why_not;
+#ifdef BATCHLM_HAVE_CUDA
+  if (gpu_runs_network(model.config(), why_not) && cuda_takes_model(model, why_not) && cuda_device_usable(why_not))
+    return std::nullopt;
+#else
+  if (gpu_runs_network(model.config(), why_not))
+    why_not = "this build has no CUDA support (nvcc was not found when it was built)";
+#endif
+  return why_not;
+}
+
 std::unique_ptr<Executor> make_executor(std::shared_ptr<const Model> model,
                                         const ExecutorOptions& options, std::string* why) {
   if (options.layers < 0) throw std::invalid_argument("executor: layers must be >= 0");
+  if (model->check_only()) throw std::logic_error("make_executor: the model was loaded to be checked only");
   if (why != nullptr) why->clear();
   if (options.device != Device::kCpu) {
     std::string why_not;

@@ -82,8 +82,9 @@ void KvCache::resize(std::int64_t n) {
 
 Model::Model(gguf::File file) : file_(std::move(file)) {}
 
-std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
+std::shared_ptr<Model> Model::load(const std::filesystem::path& path, bool check_only) {
   std::shared_ptr<Model> m(new Model(gguf::File::open(path)));
+  m->check_only_ = check_only;
   const gguf::File& f = m->file_;
   ModelConfig& c = m->config_;
 
@@ -286,7 +287,7 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path) {
     std::int64_t first = 0;
     for (const std::int64_t r : rows) {
       kops::Matrix w{*t.type, t.data + static_cast<std::size_t>(first) * row_bytes, r, cols};
-      w.packed = m->packed_.emplace_back(kops::pack_weights(w)).data();
+      if (!check_only) w.packed = m->packed_.emplace_back(kops::pack_weights(w)).data();
       out.push_back(w);
       first += r;
     }

@@ -13,6 +13,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -25,6 +26,7 @@
 
 #include "batchlm/client/openai.hpp"
 #include "batchlm/core/engine_fields.hpp"
+#include "batchlm/local_engine/batch_engine.hpp"
 #include "batchlm/local_engine/engine.hpp"
 #include "batchlm/local_engine/gguf.hpp"
 #include "batchlm/local_engine/local_backend.hpp"
@@ -250,53 +252,65 @@ void refuse_tools_without_template(const JobSpec& job, const std::vector<Overrid
   }
 }
 
+// The embedded engine's options from the job's backend settings.
+local_engine::LocalBackendOptions local_options(const JobSpec& job, const std::vector<Override>& overrides) {
+  local_engine::LocalBackendOptions options;
+  options.model = job.backend.model;
+  options.threads = app::usable_threads(job.backend.threads);
+  options.device = local_engine::parse_device(job.backend.device).value_or(local_engine::Device::kAuto);
+  options.context = job.backend.context;
+  options.max_sequences = job.backend.max_sequences;
+  options.token_budget = job.backend.token_budget;
+  options.block_size = job.backend.block_size;
+  options.kv_tokens = job.backend.kv_tokens;
+  options.kv_bytes = job.backend.kv_bytes;
+  options.kv_recycle = job.backend.kv_recycle;
+  options.step_log = job.backend.step_log;
+  options.split_reasoning = job.backend.reasoning == "separate";
+  try {
+    options.speculative = app::speculative_options(job.backend.speculative);
+  } catch (const std::runtime_error& e) {
+    throw field_error(job, overrides, "backend.speculative.model", e.what());
+  }
+  return options;
+}
+
+// Runs `make` (the engine made, or its options checked), blaming what it refuses on the job
+// field that set it: the run and its dry run say the same.
+void engine_errors(const JobSpec& job, const std::vector<Override>& overrides, const std::function<void()>& make) {
+  try {
+    make();
+  } catch (const local_engine::DeviceUnavailable& e) {
+    throw field_error(job, overrides, "backend.device", e.what());
+  } catch (const local_engine::StepLogUnwritable& e) {
+    throw field_error(job, overrides, "backend.step_log", e.detail);
+  } catch (const local_engine::DraftModelUnusable& e) {
+    throw field_error(job, overrides, "backend.speculative.model", e.what());
+  } catch (const local_engine::gguf::Error& e) {
+    throw field_error(job, overrides, "backend.model", e.what());
+  } catch (const std::invalid_argument& e) {
+    throw engine_option_error(job, overrides, e.what());
+  } catch (const std::bad_alloc&) {
+    // The weights and the KV pool are taken whole at start: a pool set larger than the memory
+    // fails here, before any item.
+    const std::string field = job.backend.kv_bytes > 0    ? "backend.kv_memory"
+                              : job.backend.kv_tokens > 0 ? "backend.kv_tokens"
+                                                          : "backend.model";
+    throw field_error(job, overrides, field,
+                      field == "backend.model"
+                          ? "not enough memory for the model and its KV pool (give a smaller backend.kv_memory, or "
+                            "backend.context)"
+                          : "not enough memory for a KV pool this large (with the model's weights); give a smaller one");
+  }
+}
+
 std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Override>& overrides,
                                       boost::asio::io_context& io, const EnvLookup& env) {
   if (job.backend.type == "local") {
     require_model_file(job, overrides);
-    local_engine::LocalBackendOptions options;
-    options.model = job.backend.model;
-    options.threads = app::usable_threads(job.backend.threads);
-    options.device = local_engine::parse_device(job.backend.device).value_or(local_engine::Device::kAuto);
-    options.context = job.backend.context;
-    options.max_sequences = job.backend.max_sequences;
-    options.token_budget = job.backend.token_budget;
-    options.block_size = job.backend.block_size;
-    options.kv_tokens = job.backend.kv_tokens;
-    options.kv_bytes = job.backend.kv_bytes;
-    options.kv_recycle = job.backend.kv_recycle;
-    options.step_log = job.backend.step_log;
-    options.split_reasoning = job.backend.reasoning == "separate";
-    try {
-      options.speculative = app::speculative_options(job.backend.speculative);
-    } catch (const std::runtime_error& e) {
-      throw field_error(job, overrides, "backend.speculative.model", e.what());
-    }
+    const local_engine::LocalBackendOptions options = local_options(job, overrides);
     std::unique_ptr<local_engine::LocalBackend> backend;
-    try {
-      backend = std::make_unique<local_engine::LocalBackend>(io.get_executor(), options);
-    } catch (const local_engine::DeviceUnavailable& e) {
-      throw field_error(job, overrides, "backend.device", e.what());
-    } catch (const local_engine::StepLogUnwritable& e) {
-      throw field_error(job, overrides, "backend.step_log", e.detail);
-    } catch (const local_engine::DraftModelUnusable& e) {
-      throw field_error(job, overrides, "backend.speculative.model", e.what());
-    } catch (const local_engine::gguf::Error& e) {
-      throw field_error(job, overrides, "backend.model", e.what());
-    } catch (const std::invalid_argument& e) {
-      throw engine_option_error(job, overrides, e.what());
-    } catch (const std::bad_alloc&) {
-      // The weights and the KV pool are taken whole at start: a pool set larger than the memory
-      // fails here, before any item.
-      const std::string field = job.backend.kv_bytes > 0    ? "backend.kv_memory"
-                                : job.backend.kv_tokens > 0 ? "backend.kv_tokens"
-                                                            : "backend.model";
-      throw field_error(job, overrides, field,
-                        field == "backend.model"
-                            ? "not enough memory for the model and its KV pool (give a smaller backend.kv_memory, or "
-                              "backend.context)"
-                            : "not enough memory for a KV pool this large (with the model's weights); give a smaller one");
-    }
+    engine_errors(job, overrides, [&] { backend = std::make_unique<local_engine::LocalBackend>(io.get_executor(), options); });
     if (job.backend.context > backend->context())
       std::fprintf(stderr, "batchlm: note: backend.context %lld is beyond the longest context this model runs at; using %lld\n",
                    static_cast<long long>(job.backend.context), static_cast<long long>(backend->context()));
@@ -394,27 +408,25 @@ int run_command(const JobOptions& o, bool synth) {
     std::int64_t context = 0;
     if (job.backend.type == "local") {
       require_model_file(job, overrides);
-      std::optional<local_engine::gguf::File> file;
+      // The model's whole tensor table and metadata, checked as the run loads them (the weights
+      // are not read), and every engine setting the run would refuse for it.
+      std::shared_ptr<const local_engine::Model> model;
+      engine_errors(job, overrides, [&] {
+        model = local_engine::Model::load(job.backend.model, /*check_only=*/true);
+        local_engine::BatchEngine::check(model, local_options(job, overrides));
+      });
+      context = dry_run_context(job, model->file());
+      std::optional<std::int64_t> n_vocab = static_cast<std::int64_t>(model->tokenizer().size());
       try {
-        file.emplace(local_engine::gguf::File::open(job.backend.model));
-      } catch (const std::exception& e) {
-        throw field_error(job, overrides, "backend.model", e.what());
-      }
-      context = dry_run_context(job, *file);
-      std::optional<std::int64_t> n_vocab;
-      try {
-        local_engine::Vocab vocab = local_engine::Vocab::from_gguf(*file);
-        n_vocab = static_cast<std::int64_t>(vocab.tokens.size());
-        auto chat = std::make_shared<const local_engine::ChatTemplate>(local_engine::ChatTemplate::from_vocab(vocab));
-        auto tokenizer = std::make_shared<const local_engine::Tokenizer>(std::move(vocab));
-        count_prompt_tokens = [tokenizer, chat](const Request& request) {
-          return static_cast<std::int64_t>(local_engine::request_prompt_tokens(*tokenizer, *chat, request).size());
+        const local_engine::ChatTemplate* chat = &model->chat_template();  // the model's, kept alive below
+        count_prompt_tokens = [model, chat](const Request& request) {
+          return static_cast<std::int64_t>(local_engine::request_prompt_tokens(model->tokenizer(), *chat, request).size());
         };
         refuse_tools_without_template(job, overrides, local_engine::tools_problem(*chat));
       } catch (const ConfigError&) {
         throw;
       } catch (const std::exception&) {
-        // No usable vocabulary or chat template: the run would say so; the dry run estimates.
+        // No chat template this build supports: the run would say so; the dry run estimates.
       }
       if (n_vocab) refuse_biases_outside(job, overrides, *n_vocab, std::filesystem::path(job.backend.model).stem().string());
       // And that the step log could be opened for appending, without creating it.

@@ -782,6 +782,39 @@ TEST_F(EngineCli, RunALocalJobWithEngineSettingsItCannotTakeNamesTheField) {
   EXPECT_FALSE(fs::exists(dir() / "out/local.jsonl"));
 }
 
+// The dry run refuses what the run would, with the same message naming the same field: engine
+// settings the model cannot take, a file without weights, a GPU a machine without one cannot
+// give. Each is checked against the run's own words.
+TEST_F(EngineCli, DryRunRefusesTheEngineSettingsTheRunRefuses) {
+  write_file(dir() / "job.yaml", local_job("tiny.gguf", 2));
+  std::vector<std::vector<std::string>> cases = {
+      {"--set", "backend.kv_tokens=10"},
+      {"--set", "backend.kv_memory=1KiB"},
+      {"--set", "backend.max_sequences=64", "--set", "backend.token_budget=8"},
+      {"--set", "backend.speculative.method=self", "--set", "backend.speculative.layers=9"},
+      {"--set", "backend.speculative.method=draft", "--set", "backend.speculative.model=nope.gguf"},
+      {"--set", "backend.speculative.method=draft", "--set", "backend.speculative.model=job.yaml"},
+      {"--set", "backend.device=cuda", "--set", "backend.threads=1"},
+  };
+  // A vocabulary without weights.
+  const fs::path vocab = fs::path(BATCHLM_SOURCE_DIR) / "models/vocab/ggml-vocab-gpt-2.gguf";
+  if (fs::exists(vocab)) cases.push_back({"-m", vocab.string()});
+  for (const auto& extra : cases) {
+    std::vector<std::string> run = {"run", "job.yaml"};
+    run.insert(run.end(), extra.begin(), extra.end());
+    std::vector<std::string> dry = run;
+    dry.push_back("--dry-run");
+    const RunResult refused = run_batchlm(dir(), run);
+    if (extra.back() == "backend.threads=1" && refused.exit_code == 0) continue;  // a machine with a GPU
+    ASSERT_EQ(refused.exit_code, 2) << extra[1] << "\n" << refused.err;
+    const RunResult checked = run_batchlm(dir(), dry);
+    EXPECT_EQ(checked.exit_code, 2) << extra[1] << "\n" << checked.out;
+    const std::string said = refused.err.substr(0, refused.err.find('\n'));
+    EXPECT_TRUE(contains(checked.err, said)) << "run: " << said << "\ndry run: " << checked.err;
+  }
+  EXPECT_FALSE(fs::exists(dir() / "out/local.jsonl"));
+}
+
 // A bias on a token the model does not have is refused once, before any item, not item by item.
 TEST_F(EngineCli, RunALocalJobBiasingATokenOutsideTheVocabularyIsAUsageError) {
   write_file(dir() / "job.yaml", local_job("tiny.gguf", 2));

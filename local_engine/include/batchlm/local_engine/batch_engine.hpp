@@ -114,6 +114,12 @@ class BatchEngine {
   // cannot be used.
   BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options,
               const ExecutorWrapper& wrap_executor = {});
+  // What the constructor would refuse of `options` for `model` (which may be loaded check-only),
+  // without allocating or uploading anything: the limits, the speculative settings and draft
+  // model, a GPU asked for that cannot run it, a KV pool too small for one context or one
+  // written at start larger than the memory. The step log is not opened. Throws as it does
+  // (DeviceUnavailable too).
+  static void check(const std::shared_ptr<const Model>& model, const LocalBackendOptions& options);
   ~BatchEngine();
   BatchEngine(const BatchEngine&) = delete;
   BatchEngine& operator=(const BatchEngine&) = delete;

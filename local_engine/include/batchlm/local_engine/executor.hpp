@@ -104,6 +104,11 @@ std::unique_ptr<Executor> make_executor(std::shared_ptr<const Model> model,
 // Whether this build contains the CUDA executor.
 bool built_with_cuda();
 
+// Why `device` cannot run `model` on a GPU (kCuda: make_executor would throw this reason; kAuto:
+// the model would run on the CPU), or nullopt where it can; always nullopt for kCpu. Asks the
+// network, the matrix types and the GPU, without uploading anything.
+std::optional<std::string> gpu_refusal(const Model& model, Device device);
+
 // Whether the GPU forward pass runs this network (every architecture the loader takes, with
 // heads of a multiple of 8 up to 256 values). Where it does not, why_not names what it lacks.
 // Decided in every build (the executor kAuto picks asks it before looking for a GPU); the

@@ -165,8 +165,10 @@ class KvCache {
 class Model {
  public:
   // Maps the file and checks every tensor the architecture needs against the metadata.
-  // Throws gguf::Error naming the file and the problem.
-  static std::shared_ptr<Model> load(const std::filesystem::path& path);
+  // Throws gguf::Error naming the file and the problem. `check_only`: the same checks, without
+  // the kernels' packed copies of the weights (a dry run's), for a model that is never run.
+  static std::shared_ptr<Model> load(const std::filesystem::path& path, bool check_only = false);
+  bool check_only() const { return check_only_; }
 
   const ModelConfig& config() const { return config_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -208,6 +210,7 @@ class Model {
   ModelConfig config_;
   kernels::Matrix token_embd_, output_;
   std::vector<kernels::PackedWeights> packed_;  // the matrices' packed copies (Matrix::packed)
+  bool check_only_ = false;
   const float* output_norm_ = nullptr;
   const float* rope_freqs_ = nullptr;
   std::vector<LayerWeights> layers_;
