@@ -356,8 +356,9 @@ void check_companions(const std::string& given, const std::string& path) {
     if (is_an_output(file)) refuse(file, "summary", "another job's output (it has a lock file of its own)");
   // A directory there (empty, it would be removed to make room; else the summary would fail
   // after every request), or a FIFO or device, is not the run's to replace.
-  if (::lstat(summary.c_str(), &info) == 0 && !S_ISREG(info.st_mode) && !S_ISLNK(info.st_mode))
-    refuse(summary, "summary", S_ISDIR(info.st_mode) ? "a directory" : "not a file");
+  for (const std::string& file : {summary, summary + ".tmp"})
+    if (::lstat(file.c_str(), &info) == 0 && !S_ISREG(info.st_mode) && !S_ISLNK(info.st_mode))
+      refuse(file, "summary", S_ISDIR(info.st_mode) ? "a directory" : "not a file");
   if (::lstat(summary.c_str(), &info) == 0 && S_ISREG(info.st_mode) && info.st_size > 0) {
     std::ifstream in(summary, std::ios::binary);
     if (!in) refuse(summary, "summary", std::string("a file that cannot be read (") + std::strerror(errno) + ")");
@@ -592,10 +593,13 @@ namespace {
 nlohmann::json parse_record(std::string_view line, const std::string& path, std::int64_t line_number,
                             bool records_before) {
   auto record = nlohmann::json::parse(line, nullptr, false);
-  if (record.is_discarded() || !record.is_object() || !record.contains("id")) {
-    const std::string what = record.is_discarded() ? "not a JSON line"
-                             : record.is_object()  ? "a JSON object without an \"id\""
-                                                   : "not a JSON object";
+  // Every record has an id and an error (null where it succeeded): a dataset's lines with ids of
+  // their own are not records, and such a file is never resumed into, nor emptied by --fresh.
+  if (record.is_discarded() || !record.is_object() || !record.contains("id") || !record.contains("error")) {
+    const std::string what = record.is_discarded()     ? "not a JSON line"
+                             : !record.is_object()     ? "not a JSON object"
+                             : !record.contains("id")  ? "a JSON object without an \"id\""
+                                                       : "a JSON object without an \"error\" (every record has one)";
     const std::string where = path + ":" + std::to_string(line_number) + ": ";
     if (records_before)
       throw NotAnOutputError(where + what + ", between records: the file was left as it is; repair or delete "

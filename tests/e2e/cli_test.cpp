@@ -1724,17 +1724,22 @@ TEST(BatchlmRun, SummaryThatCannotBeWrittenLeavesNoPartialFile) {
 
 // Every item succeeded and is saved, but the summary could not be written (a directory holds its
 // name): the run says so and exits 1, so that a script does not go looking for it.
-TEST(BatchlmRun, SummaryThatCannotBeWrittenFailsTheRun) {
-  TempDir dir;
-  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
-  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 3}));
-  fs::create_directories(dir.path / "out/e2e.jsonl.summary.json");
-  write_file(dir.path / "out/e2e.jsonl.summary.json/keep", "");
-  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
-  EXPECT_EQ(r.exit_code, 1) << r.err;
-  EXPECT_NE(r.err.find("batchlm: summary not written: out/e2e.jsonl.summary.json is a directory"), std::string::npos)
-      << r.err;
-  EXPECT_EQ(read_jsonl(dir.path / "out/e2e.jsonl").size(), 3u);
+// A directory where the summary (or its temporary file) goes would fail the summary after
+// every request was sent: the run refuses it first, sends nothing, and keeps the directory.
+TEST(BatchlmRun, ASummaryThatCouldNotBeWrittenIsRefusedBeforeTheRun) {
+  for (const std::string name : {"out/e2e.jsonl.summary.json", "out/e2e.jsonl.summary.json.tmp"}) {
+    TempDir dir;
+    FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file()});
+    write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 3}));
+    fs::create_directories(dir.path / name);
+    write_file(dir.path / name / "keep", "");
+    RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find(name + " is a directory, where output out/e2e.jsonl keeps its summary"), std::string::npos)
+        << r.err;
+    EXPECT_EQ(server.stats()["requests"], 0);
+    EXPECT_TRUE(fs::exists(dir.path / name / "keep"));
+  }
 }
 
 }  // namespace

@@ -112,7 +112,7 @@ TEST_F(OutputWriterTest, FreshFileStartsEmptyAndCreatesParentDirectories) {
 }
 
 TEST_F(OutputWriterTest, ResumeReportsDoneIdsAndAppendsAfterThem) {
-  write_raw(line(ok(1)) + line(ok(2)) + line(json{{"id", "x-7"}, {"output", "o"}}));
+  write_raw(line(ok(1)) + line(ok(2)) + line(json{{"id", "x-7"}, {"output", "o"}, {"error", nullptr}}));
   std::vector<json> seen;
   {
     OutputWriter writer(options(), [&](const json& r) { seen.push_back(r); });
@@ -128,6 +128,29 @@ TEST_F(OutputWriterTest, ResumeReportsDoneIdsAndAppendsAfterThem) {
   const auto records = read_records();
   ASSERT_EQ(records.size(), 4u);
   EXPECT_EQ(records[3], ok(3));
+}
+
+// A dataset whose lines have ids of their own is no output: neither resumed into (its items
+// taken as done) nor emptied by a fresh run; the file is left as it is.
+TEST_F(OutputWriterTest, ADatasetWithIdsIsNotTakenForAnOutput) {
+  const std::string data = "{\"id\": 1, \"question\": \"keep me\"}\n{\"id\": 2, \"question\": \"me too\"}\n";
+  write_raw(data);
+  for (const bool fresh : {false, true}) {
+    try {
+      OutputWriter writer([&] {
+        auto o = options();
+        o.fresh = fresh;
+        return o;
+      }());
+      ADD_FAILURE() << "the dataset was taken as an output (fresh " << fresh << ")";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(":1: a JSON object without an \"error\" (every record has one), so this "
+                                           "is not a batchlm output file; it was left as it is"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(read_raw(), data);
+  }
 }
 
 TEST_F(OutputWriterTest, UntouchedFileIsNotRewritten) {
