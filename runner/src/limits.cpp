@@ -130,7 +130,10 @@ Clock::duration TokenBucket::wait_time(double tokens, Clock::time_point now) {
   refill(now);
   const double missing = std::min(tokens, burst_) - level_;
   if (missing <= 1e-9) return Clock::duration::zero();  // same slack as try_acquire
-  return std::chrono::ceil<Clock::duration>(std::chrono::duration<double>(missing / rate_));
+  // At most a day at a time (the waiter looks again then): years of waiting, at a rate the job
+  // file allows, would overflow the clock's nanoseconds and wake it at once, over and over.
+  constexpr double kLongestWait = 86400.0;
+  return std::chrono::ceil<Clock::duration>(std::chrono::duration<double>(std::min(missing / rate_, kLongestWait)));
 }
 
 void TokenBucket::adjust(double delta) {

@@ -237,6 +237,16 @@ TEST(TokenBucket, StartsFullAndRefillsByElapsedTime) {
   EXPECT_NEAR(bucket.level(t0 + milliseconds{350}), 2.5, 1e-9);
 }
 
+// A rate so small that the wait is centuries (tokens_per_minute: 1e-12) waits a day at a time:
+// the wait does not overflow the clock and come out as no wait at all, every time.
+TEST(TokenBucket, AnAbsurdlyLongWaitIsADayAtATime) {
+  asio::io_context io;
+  TokenBucket bucket(io.get_executor(), 1e-14, 1e-13);
+  const auto t0 = Clock::now() + std::chrono::hours{1};
+  EXPECT_TRUE(bucket.try_acquire(100, t0));  // the first goes, and runs the level far below zero
+  EXPECT_EQ(bucket.wait_time(1, t0), std::chrono::hours{24});
+}
+
 TEST(TokenBucket, NeverHoldsMoreThanTheBurst) {
   asio::io_context io;
   TokenBucket bucket(io.get_executor(), 10, 5);
