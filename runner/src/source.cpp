@@ -362,6 +362,11 @@ Request render_request(const JobSpec& job, const json& fields, const std::string
     request.messages.push_back(std::move(message));
   }
   request.model = render_or_throw(t.model, fields, file, line, "request.model");
+  // A placeholder that fills in nothing would send the backend's model in place of the line's.
+  if (!t.model.empty() && request.model.find_first_not_of(" \t\r\n") == std::string::npos)
+    throw ConfigError(file, static_cast<int>(line), 0, "request.model",
+                      "'" + t.model + "' gives this line an empty model; give each line one, or leave request.model "
+                      "out for the backend's");
   request.max_tokens = t.max_tokens;
   request.temperature = t.temperature;
   request.top_p = t.top_p;

@@ -317,6 +317,17 @@ TEST_F(SourceTest, ContentPartsBeyondTextGoToAnApiAsGiven) {
   }
 }
 
+// A model placeholder that a line fills with nothing would send the backend's model for it.
+TEST_F(SourceTest, AModelPlaceholderALineLeavesEmptyIsRefused) {
+  std::string in = write("in.jsonl", "{\"q\": \"a\", \"m\": \"gpt-4o\"}\n{\"q\": \"b\", \"m\": \" \"}\n");
+  ConfigError e = open_error(job("input: " + in + "\nbackend: {base_url: http://h/v1}\n"
+                                 "request: {model: \"{{m}}\", messages: [{role: user, content: \"{{q}}\"}]}\n"));
+  EXPECT_EQ(e.line(), 2);
+  EXPECT_EQ(e.field(), "request.model");
+  EXPECT_EQ(e.message(), "'{{m}}' gives this line an empty model; give each line one, or leave request.model out for "
+                         "the backend's");
+}
+
 // A Batch-API line's empty model would go out as the job's, which the line never named.
 TEST_F(SourceTest, BatchLineWithAnEmptyModelIsRefused) {
   std::string in = write("batch.jsonl", R"({"custom_id": "a", "body": {"model": "", "messages": [{"role": "user", "content": "hi"}]}})"
