@@ -429,6 +429,11 @@ void check_override_path(const std::vector<std::string>& segments, const std::st
   }
 }
 
+// Where a second YAML document with content begins in `yaml` (after '---', or text after a
+// closed quote: 'Don't' reads as 'Don' and a document of its own), or nullopt. Throws
+// ConfigError (file `label`) where the parser finds documents without end.
+std::optional<YAML::Mark> second_document(std::string_view yaml, const std::string& label);
+
 // `made`: the paths of the maps the override made where the file had none (the flag it came
 // from, for errors about them); a one-value section turned into a map keeps its value's place.
 void apply_override(YAML::Node& root, const Override& override_value, const EnvLookup& env,
@@ -454,6 +459,17 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
     expand_tree(value, override_value.path, "--set", env);
   } else {
     try {
+      // yaml-cpp's Load reads the first document and drops the rest: a value that is more than
+      // one would lose its tail without a word.
+      if (const std::optional<YAML::Mark> second = second_document(override_value.value, "--set")) {
+        const std::string rest = override_value.value.substr(static_cast<std::size_t>(std::max(second->pos, 0)));
+        const bool separated = override_value.value.find("---") != std::string::npos ||
+                               override_value.value.find("...") != std::string::npos;
+        throw ConfigError("--set", 0, 0, override_value.path,
+                          separated ? "value holds a second YAML document (after '---'); give one value"
+                                    : "value ends before '" + (rest.size() > 40 ? rest.substr(0, 40) + "..." : rest) + "'" +
+                                          ", which is left over (a quote inside '...' is written '', inside \"...\" \\\")");
+      }
       value = YAML::Load(override_value.value);
     } catch (const YAML::DeepRecursion&) {
       throw ConfigError("--set", 0, 0, override_value.path,
@@ -510,6 +526,9 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
     if (!index) throw ConfigError("--set", 0, 0, override_value.path, bad_index(last, node.size()));
     node[*index] = value;
   } else {
+    // Assigned in place, a value the file gave an anchor would change at every alias of it
+    // too (`max_tokens: &n 5` ... `concurrency: *n`): the key is made anew instead.
+    if (node[last].IsDefined()) node.remove(last);
     node[last] = value;
   }
 }
@@ -1631,6 +1650,29 @@ struct DocumentScan : YAML::EventHandler {
   void OnMapEnd() override {}
 };
 
+std::optional<YAML::Mark> second_document(std::string_view yaml, const std::string& label) {
+  // The documents are counted by their events: YAML::LoadAll builds every one, and some text
+  // (a lone ',') makes yaml-cpp find documents without end, each where the last began, until
+  // memory runs out.
+  std::istringstream stream{std::string(yaml)};
+  YAML::Parser parser(stream);
+  DocumentScan scan;
+  int previous_start = -1;
+  for (int document = 0; parser.HandleNextDocument(scan); ++document) {
+    if (scan.start == previous_start || document > 100'000) {
+      const auto at = std::min(static_cast<std::size_t>(std::max(scan.start, 0)), yaml.size());
+      const int line = 1 + static_cast<int>(std::count(yaml.begin(), yaml.begin() + static_cast<std::ptrdiff_t>(at), '\n'));
+      throw ConfigError(label, line, 0, "",
+                        "the YAML parser reads document after document here (a stray ',' outside brackets?); "
+                        "a job file holds one job");
+    }
+    previous_start = scan.start;
+    if (document == 0 || !scan.content) continue;  // '---' or '...' with nothing after it
+    return scan.first;
+  }
+  return std::nullopt;
+}
+
 // A quoted string that a missing closing quote let run on parses as valid YAML, with the
 // settings it took in gone. Refused where the scan finds one and the tree confirms it: a
 // quoted scalar (tag "!") opens at that line and column.
@@ -1675,22 +1717,8 @@ JobSpec load_job_text(std::string_view yaml, const std::string& file_label,
     // The documents are counted by their events: YAML::LoadAll builds every one, and some text
     // (a lone ',') makes yaml-cpp find documents without end, each where the last began, until
     // memory runs out.
-    std::istringstream stream{std::string(yaml)};
-    YAML::Parser parser(stream);
-    DocumentScan scan;
-    int previous_start = -1;
-    for (int document = 0; parser.HandleNextDocument(scan); ++document) {
-      if (scan.start == previous_start || document > 100'000) {
-        const auto at = std::min(static_cast<std::size_t>(std::max(scan.start, 0)), yaml.size());
-        const int line = 1 + static_cast<int>(std::count(yaml.begin(), yaml.begin() + static_cast<std::ptrdiff_t>(at), '\n'));
-        throw ConfigError(file_label, line, 0, "",
-                          "the YAML parser reads document after document here (a stray ',' outside brackets?); "
-                          "a job file holds one job");
-      }
-      previous_start = scan.start;
-      if (document == 0 || !scan.content) continue;  // '---' or '...' with nothing after it
-      throw error_at(file_label, scan.first, "", "a second YAML document (after '---'); a job file holds one job");
-    }
+    if (const std::optional<YAML::Mark> second = second_document(yaml, file_label))
+      throw error_at(file_label, *second, "", "a second YAML document (after '---'); a job file holds one job");
     root = YAML::Load(std::string(yaml));
   } catch (const YAML::DeepRecursion& e) {
     // The parser's own bound (some thousand levels) comes with the words "bad file"; past it the

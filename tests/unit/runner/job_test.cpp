@@ -1111,6 +1111,25 @@ TEST_F(JobFile, OverridesApplyTypedValuesBeforeValidation) {
   EXPECT_EQ(job.scoring.kind, ScoringKind::Gsm8k);
 }
 
+// A value is one YAML value: what a closed quote or bracket leaves over, or a second document,
+// is refused, not dropped. And it changes only the field it names, not the aliases of an anchor
+// the file set there.
+TEST_F(JobFile, AnOverrideIsOneValueForOneField) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"request.stop='Don't stop'", "--set: request.stop: value ends before 't stop'', which is left over (a quote "
+                                    "inside '...' is written '', inside \"...\" \\\")"},
+      {"request.stop=[a, b] c", "--set: request.stop: value ends before 'c', which is left over (a quote inside '...' "
+                                "is written '', inside \"...\" \\\")"},
+      {"request.stop=a\n---\nb", "--set: request.stop: value holds a second YAML document (after '---'); give one value"},
+  };
+  for (const auto& [set, said] : cases) EXPECT_STREQ(error_of(with_input(""), {parse_override(set)}).what(), said.c_str());
+  EXPECT_EQ(load(with_input(""), {parse_override("request.stop='it''s'")}).request.stop, std::vector<std::string>{"it's"});
+  JobSpec job = load(with_input("request: {max_tokens: &n 5, messages: [{role: user, content: a}]}\nconcurrency: *n\n"),
+                     {parse_override("request.max_tokens=7")});
+  EXPECT_EQ(job.request.max_tokens, 7);
+  EXPECT_EQ(job.concurrency, 5);
+}
+
 TEST_F(JobFile, OverrideExtendsAShorthandScalar) {
   JobSpec job = load(with_input(""), {parse_override("input.format=batch")});
   EXPECT_EQ(job.input.path, input_);
