@@ -363,8 +363,14 @@ void check_tree_size(const YAML::Node& root, const std::string& file, const std:
 }
 
 // Every map, at any depth (messages, request.extra, headers, schemas): a key given twice is an
-// error at the second, whichever of the two a reader would have kept.
+// error at the second, whichever of the two a reader would have kept; so is a key that is a
+// list, a map or null, which JSON has no name for (each would be sent as ""). And every node:
+// a tag other than YAML's own (`!include file`) would be read as the bare text after it.
 void check_duplicate_keys(const YAML::Node& node, const std::string& path, const std::string& file) {
+  if (const std::string& tag = node.Tag(); !tag.empty() && tag != "?" && tag != "!" && !tag.starts_with("tag:yaml.org,2002:"))
+    throw error_at(file, node.Mark(), path,
+                   "the YAML tag '" + tag + "' is not one batchlm reads (it would take the text after it as is); "
+                   "remove it, or quote the value");
   if (node.IsSequence()) {
     for (std::size_t i = 0; i < node.size(); ++i) check_duplicate_keys(node[i], index_path(path, i), file);
   } else if (node.IsMap()) {
@@ -372,6 +378,12 @@ void check_duplicate_keys(const YAML::Node& node, const std::string& path, const
     for (auto it = node.begin(); it != node.end(); ++it) {
       const std::string name = it->first.IsScalar() ? it->first.Scalar() : describe(it->first);
       const std::string field = child_path(path, name);
+      const bool null_key = it->first.IsNull() || (it->first.IsScalar() && it->first.Tag() == "?" &&
+                                                   (name == "~" || name == "null" || name == "Null" || name == "NULL"));
+      if (!it->first.IsScalar() || null_key)
+        throw error_at(file, it->first.Mark(), path,
+                       null_key ? "a null key; quote it ('~') if that is the name"
+                                : "a key that is " + describe(it->first) + "; keys are names");
       if (!seen.insert(name).second) {
         throw error_at(file, it->first.Mark(), field, "duplicate key");
       }

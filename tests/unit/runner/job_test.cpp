@@ -1130,6 +1130,26 @@ TEST_F(JobFile, AnOverrideIsOneValueForOneField) {
   EXPECT_EQ(job.concurrency, 5);
 }
 
+// A key JSON has no name for (a list, a map, null) would be sent as "", colliding with the
+// others; a tag batchlm does not read would leave its bare text in place. Both are refused
+// where they are, in the file or in a --set.
+TEST_F(JobFile, KeysAreNamesAndTagsAreYamlsOwn) {
+  ConfigError e = error_of(with_input("request:\n  messages: [{role: user, content: a}]\n  extra: {metadata: {? [a, b] : c}}\n"));
+  EXPECT_EQ(e.line(), 4);
+  EXPECT_EQ(e.field(), "request.extra.metadata");
+  EXPECT_EQ(e.message(), "a key that is a list; keys are names");
+  EXPECT_EQ(error_of(with_input(""), {parse_override("request.extra={~: c}")}).message(),
+            "a null key; quote it ('~') if that is the name");
+  e = error_of(with_input("request:\n  messages: [{role: user, content: !include prompt.txt}]\n"));
+  EXPECT_EQ(e.line(), 3);
+  EXPECT_EQ(e.message(), "the YAML tag '!include' is not one batchlm reads (it would take the text after it as is); "
+                         "remove it, or quote the value");
+  // YAML's own tags, and a quoted '~' key, are taken.
+  JobSpec job = load(with_input("request:\n  messages: [{role: user, content: !!str a}]\n  extra: {metadata: {\"~\": 1}}\n"));
+  EXPECT_EQ(job.request.messages[0].content, "a");
+  EXPECT_EQ(job.request.extra["metadata"]["~"], 1);
+}
+
 TEST_F(JobFile, OverrideExtendsAShorthandScalar) {
   JobSpec job = load(with_input(""), {parse_override("input.format=batch")});
   EXPECT_EQ(job.input.path, input_);
