@@ -681,8 +681,16 @@ class Reader {
     double value = 0;
     const char* begin = text.data() + (text.starts_with('+') ? 1 : 0);
     auto [end, error] = std::from_chars(begin, text.data() + text.size(), value);
-    if (error != std::errc() || end != text.data() + text.size() || !std::isfinite(value))
+    // A number past a double's range (1e400) is one, too large or too small, as integers say.
+    if (error == std::errc::result_out_of_range && end == text.data() + text.size()) {
+      const bool negative = text.starts_with('-');
+      const bool tiny = text.find_first_of("eE") != std::string::npos &&
+                        text.find('-', text.find_first_of("eE")) != std::string::npos;
+      if (!tiny) fail(node, field, range_message(text, min, max, negative ? -1 : 1));
+      value = 0;
+    } else if (error != std::errc() || end != text.data() + text.size() || !std::isfinite(value)) {
       fail(node, field, "expected a number, got '" + text + "'");
+    }
     if (value < min || value > max) fail(node, field, range_message(text, min, max, value < min ? -1 : 1));
     return value;
   }

@@ -1176,6 +1176,9 @@ TEST_F(JobFile, OverrideWithUnknownPathNamesSetAndSuggests) {
 TEST_F(JobFile, OverrideWithBadValueIsBlamedOnSet) {
   ConfigError e = error_of(with_input(""), {parse_override("concurrency=0")});
   EXPECT_STREQ(e.what(), "--set: concurrency: must be between 1 and 100000, got 0");
+  // A number past a double's range is a number out of this field's, not "not a number".
+  EXPECT_STREQ(error_of(with_input(""), {parse_override("request.temperature=1e400")}).what(),
+               "--set: request.temperature: must be between 0 and 2, got 1e400");
 }
 
 TEST(ParseOverride, SplitsAtTheFirstEquals) {
