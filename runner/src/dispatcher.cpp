@@ -386,11 +386,12 @@ class Dispatcher {
       failed = std::current_exception();
     }
     if (failed) {
-      // The input cannot be read on (it changed while the job ran): no new items, and those
-      // under way end as in a stop, their records written, before the error is reported.
-      // Stopping the loop at once would leave them suspended, holding what the run owns.
+      // Anything else that ends the making of items (memory): no new items, and those under
+      // way end as in a stop, their records written, before the error is reported. Stopping the
+      // loop at once would leave them suspended, holding what the run owns. (An input that
+      // changed under the run is a stop of its own, in produce_items.)
       producer_error_ = failed;
-      begin_stop("the input cannot be read on", false);
+      begin_stop("no more items can be made", false);
     }
     // Wait for the live items to finish.
     while (!items_.empty()) {
@@ -404,7 +405,20 @@ class Dispatcher {
 
   asio::awaitable<void> produce_items() {
     while (!stopping_) {
-      std::optional<Item> item = source_.next();
+      std::optional<Item> item;
+      try {
+        item = source_.next();
+      } catch (const std::exception& e) {
+        // The input was cut short or broken after it was checked (rewritten while the job ran):
+        // the items sent so far finish and are saved, nothing more is sent, and the same
+        // command resumes once the input is whole.
+        if (!refused_) {
+          refused_ = Refusal{e.what(), "Put the input back as it was checked (or wait for what writes it), or start "
+                                       "a new output for the new input"};
+          begin_stop(refused_->what.c_str(), false);
+        }
+        break;
+      }
       if (!item) break;
       if (take_earlier_record(*item)) continue;
       co_await live_.acquire();

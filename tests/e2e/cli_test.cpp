@@ -648,9 +648,10 @@ TEST(BatchlmRun, InterruptedRunCountsTheRequestsOfItemsItDidNotFinish) {
   EXPECT_EQ(summary["counts"]["not_run"], 5) << summary.dump(2);
 }
 
-// An input cut short while the job runs (fewer lines than were validated) stops the run as a
-// signal would: the items under way finish and keep their records, the error names the input,
-// and a rerun on the whole input again finishes the rest, each item once.
+// An input cut short while the job runs (fewer lines than were validated) stops the sending as
+// an API that refuses every request does: the items under way finish and keep their records,
+// the run says where the input failed and what to do, exits 1 (sent, not finished) with its
+// summary, and a rerun on the whole input again finishes the rest, each item once.
 TEST(BatchlmRun, AnInputCutShortWhileTheJobRunsEndsItWithItsRecordsKept) {
   TempDir dir;
   FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "16", "--token-delay-ms", "20"});
@@ -666,11 +667,12 @@ TEST(BatchlmRun, AnInputCutShortWhileTheJobRunsEndsItWithItsRecordsKept) {
   while (std::chrono::steady_clock::now() < deadline && (!fs::exists(out) || count_lines(out) < 4))
     std::this_thread::sleep_for(5ms);
   { std::ofstream cut(dir.path / "in.jsonl", std::ios::trunc); }  // the same file, now empty
-  ASSERT_EQ(p.wait(60s), 2) << read_file(dir.path / "run.err");
-  const std::string err = read_file(dir.path / "run.err");
-  EXPECT_NE(err.find("the input cannot be read on: no new items"), std::string::npos) << err;
+  ASSERT_EQ(p.wait(60s), 1) << read_file(dir.path / "run.err");
+  const std::string err = read_file(dir.path / "run.out") + read_file(dir.path / "run.err");
   // Where the reading stopped: the end of the file, or a line cut in the middle.
-  EXPECT_NE(err.find("batchlm: error: in.jsonl:"), std::string::npos) << err;
+  EXPECT_NE(err.find("stopped: in.jsonl:"), std::string::npos) << err;
+  EXPECT_NE(err.find("Put the input back as it was checked"), std::string::npos) << err;
+  EXPECT_TRUE(fs::exists(dir.path / "out/e2e.jsonl.summary.json"));
   const std::vector<json> first = read_jsonl(out);
   EXPECT_GE(first.size(), 4u);
   EXPECT_LT(first.size(), 300u);
