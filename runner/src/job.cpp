@@ -495,23 +495,106 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
   }
 
   if (!root.IsMap()) root = YAML::Node(YAML::NodeType::Map);
-  YAML::Node node = root;
-  std::string walked;
   // A list met on the path, given a segment that is not one of its indices.
-  const auto bad_index = [&](const std::string& segment, std::size_t size) {
+  const auto bad_index = [&](const std::string& walked, const std::string& segment, std::size_t size) {
     const std::string entries = std::to_string(size) + (size == 1 ? " entry" : " entries");
+    std::string said;
     if (!segment.empty() && segment.find_first_not_of("0123456789") == std::string::npos)
-      return size == 0 ? "'" + walked + "' is an empty list: there is no entry " + segment
+      said = size == 0 ? "'" + walked + "' is an empty list: there is no entry " + segment
                        : "'" + walked + "' has " + entries + " (0 to " + std::to_string(size - 1) +
                              "): there is no entry " + segment;
-    return "'" + walked + "' is a list of " + entries + "; index it, e.g. " + walked + ".0";
+    else
+      said = "'" + walked + "' is a list of " + entries + "; index it, e.g. " + walked + ".0";
+    return ConfigError("--set", 0, 0, override_value.path, said);
   };
+  // The tree with the value at segments[i..] below `node` set: every map and list on the path is
+  // made anew, in its order, and holds the same nodes as before but the one on the path. Set in
+  // place, a node the file gave an anchor would change at every alias of it too (`max_tokens:
+  // &n 5` ... `concurrency: *n`, a message repeated as `*m`); the nodes beside the path keep
+  // their places in the file.
+  const auto replaced = [&](const auto& self, const YAML::Node& node, std::size_t i,
+                            const std::string& walked) -> YAML::Node {
+    if (i == segments.size()) return value;
+    const std::string& segment = segments[i];
+    const std::string here = child_path(walked, segment);
+    if (node.IsSequence()) {
+      const std::optional<std::size_t> index = list_index(segment, node.size());
+      if (!index) throw bad_index(walked, segment, node.size());
+      YAML::Node out(YAML::NodeType::Sequence);
+      for (std::size_t k = 0; k < node.size(); ++k) out.push_back(k == *index ? self(self, node[k], i + 1, here) : node[k]);
+      return out;
+    }
+    // Below the value: the next level's node as the path finds it.
+    const auto below = [&](const YAML::Node& next) -> YAML::Node {
+      if (i + 1 == segments.size()) return value;
+      if (next.IsScalar() && kShorthand.count(here)) {
+        // Turn `input: x.jsonl` into {path: x.jsonl} so `input.format=batch` can sit beside it.
+        // The value itself moves, with its place in the file.
+        YAML::Node expanded(YAML::NodeType::Map);
+        expanded.force_insert(kShorthand.at(here), next);
+        return self(self, expanded, i + 1, here);
+      }
+      if (!next.IsMap() && !next.IsSequence()) {
+        made.emplace(here, override_value.flag.empty() ? std::string("--set") : override_value.flag);
+        return self(self, YAML::Node(YAML::NodeType::Map), i + 1, here);
+      }
+      return self(self, next, i + 1, here);
+    };
+    YAML::Node out(YAML::NodeType::Map);
+    bool found = false;
+    if (node.IsMap()) {
+      for (auto it = node.begin(); it != node.end(); ++it) {
+        if (!found && it->first.IsScalar() && it->first.Scalar() == segment) {
+          out.force_insert(it->first, below(it->second));
+          found = true;
+        } else {
+          out.force_insert(it->first, it->second);
+        }
+      }
+    }
+    if (!found) out.force_insert(segment, below(YAML::Node()));
+    return out;
+  };
+  // Which nodes the tree holds in more than one place (an anchor and its aliases), by where the
+  // file wrote them; the nodes an override makes have no place and are never shared.
+  std::map<std::pair<int, int>, int> uses;
+  const auto count_uses = [&](const auto& self, const YAML::Node& node) -> void {
+    if (!node.Mark().is_null() && ++uses[{node.Mark().pos, static_cast<int>(node.Type())}] > 1) return;
+    if (node.IsSequence())
+      for (const YAML::Node& child : node) self(self, child);
+    else if (node.IsMap())
+      for (auto it = node.begin(); it != node.end(); ++it) self(self, it->second);
+  };
+  count_uses(count_uses, root);
+  const auto shared = [&](const YAML::Node& node) {
+    if (!node.IsDefined() || node.Mark().is_null()) return false;
+    const auto at = uses.find({node.Mark().pos, static_cast<int>(node.Type())});
+    return at != uses.end() && at->second > 1;
+  };
+  bool on_shared = false;
+  YAML::Node look = root;
+  for (const std::string& segment : segments) {
+    std::optional<std::size_t> index;
+    if (look.IsSequence()) index = list_index(segment, look.size());
+    const YAML::Node next = look.IsSequence() ? (index ? look[*index] : YAML::Node()) : look.IsMap() ? look[segment] : YAML::Node();
+    if (!next.IsDefined()) break;
+    if (shared(next)) on_shared = true;
+    look.reset(next);
+  }
+  if (on_shared) {
+    root = replaced(replaced, root, 0, "");
+    return;
+  }
+  // Nothing on the path is held twice: set in place, where every map and list keeps its place
+  // in the file for the messages about it.
+  YAML::Node node = root;
+  std::string walked;
   for (std::size_t i = 0; i + 1 < segments.size(); ++i) {
     const std::string& segment = segments[i];
     std::string here = child_path(walked, segment);
     if (node.IsSequence()) {
       const std::optional<std::size_t> index = list_index(segment, node.size());
-      if (!index) throw ConfigError("--set", 0, 0, override_value.path, bad_index(segment, node.size()));
+      if (!index) throw bad_index(walked, segment, node.size());
       node.reset(node[*index]);
       walked = here;
       continue;
@@ -535,12 +618,9 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
   const std::string& last = segments.back();
   if (node.IsSequence()) {
     const std::optional<std::size_t> index = list_index(last, node.size());
-    if (!index) throw ConfigError("--set", 0, 0, override_value.path, bad_index(last, node.size()));
+    if (!index) throw bad_index(walked, last, node.size());
     node[*index] = value;
   } else {
-    // Assigned in place, a value the file gave an anchor would change at every alias of it
-    // too (`max_tokens: &n 5` ... `concurrency: *n`): the key is made anew instead.
-    if (node[last].IsDefined()) node.remove(last);
     node[last] = value;
   }
 }

@@ -1128,6 +1128,18 @@ TEST_F(JobFile, AnOverrideIsOneValueForOneField) {
                      {parse_override("request.max_tokens=7")});
   EXPECT_EQ(job.request.max_tokens, 7);
   EXPECT_EQ(job.concurrency, 5);
+  // A message repeated by an alias: only the one named changes.
+  job = load(with_input("request:\n  messages: [&m {role: user, content: a}, {role: assistant, content: ok}, *m]\n"),
+             {parse_override("request.messages.0.content=b")});
+  EXPECT_EQ(job.request.messages[0].content, "b");
+  EXPECT_EQ(job.request.messages[2].content, "a");
+  // A key set keeps its place among the others: request.extra goes out in the order given.
+  job = load(with_input("request:\n  messages: [{role: user, content: a}]\n  extra: {metadata: {a: 1, b: 2, c: 3}}\n"),
+             {parse_override("request.extra.metadata.a=9")});
+  EXPECT_EQ(job.request.extra["metadata"].dump(), R"({"a":9,"b":2,"c":3})");
+  job = load(with_input("request:\n  messages: [{role: user, content: a}]\n  extra: {metadata: {a: &x 1, b: 2, c: *x}}\n"),
+             {parse_override("request.extra.metadata.a=9")});
+  EXPECT_EQ(job.request.extra["metadata"].dump(), R"({"a":9,"b":2,"c":1})");
 }
 
 // A key JSON has no name for (a list, a map, null) would be sent as "", colliding with the
