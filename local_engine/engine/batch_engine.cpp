@@ -169,12 +169,18 @@ void BatchEngine::check(const std::shared_ptr<const Model>& model, const LocalBa
   if (options.device == Device::kCuda && no_gpu)
     throw DeviceUnavailable("device 'cuda' was asked for, but " + *no_gpu);
   const auto [drafter, draft_layers] = drafter_for(model, speculative, /*check_only=*/true);
-  // The pool as the CPU would take it; a GPU's memory is known once it holds the weights.
-  if (options.device != Device::kCpu && !no_gpu) return;
+  const bool gpu = options.device != Device::kCpu && !no_gpu;
+  // A drafting model runs where the target does.
+  if (gpu && drafter && drafter != model)
+    if (const std::optional<std::string> why = gpu_refusal(*drafter, Device::kCuda))
+      throw DeviceUnavailable("device 'cuda' was asked for, but " + *why);
   const std::int64_t bytes_per_token = kv_bytes_per_token(c, drafter.get(), draft_layers);
-  const std::int64_t pool_tokens = kv_pool_tokens(options, context, bytes_per_token, available_memory_bytes(), false);
+  // A pool set in tokens or bytes is checked against one context anywhere; the memory only on
+  // the CPU (a GPU's is known once it holds the weights).
+  const std::int64_t pool_tokens =
+      kv_pool_tokens(options, context, bytes_per_token, gpu ? 0 : available_memory_bytes(), gpu);
   const std::int64_t block = options.block_size;
-  cpu_pool_past_memory(options, (pool_tokens + block - 1) / block * block * bytes_per_token);
+  if (!gpu) cpu_pool_past_memory(options, (pool_tokens + block - 1) / block * block * bytes_per_token);
 }
 
 BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options,

@@ -427,8 +427,12 @@ void write_stderr(const char* text, std::size_t n) {
 }
 
 void on_sigbus(int signo, siginfo_t* info, void* context) {
-  const auto* at = static_cast<const std::byte*>(info != nullptr ? info->si_addr : nullptr);
+  // A read past the end of a mapped file is BUS_ADRERR at the address read; a signal sent with
+  // kill() has no address, and a memory error (BUS_MCEERR_*) is not this.
+  const bool past_end = info != nullptr && info->si_code == BUS_ADRERR;
+  const auto* at = static_cast<const std::byte*>(past_end ? info->si_addr : nullptr);
   for (const MappedRange& range : g_mapped) {
+    if (at == nullptr) break;
     const std::byte* begin = range.begin.load(std::memory_order_acquire);
     if (begin == nullptr || at < begin || at >= begin + range.size) continue;
     write_stderr(range.message, std::strlen(range.message));
@@ -440,8 +444,11 @@ void on_sigbus(int signo, siginfo_t* info, void* context) {
   } else if (g_previous_sigbus.sa_handler != SIG_DFL && g_previous_sigbus.sa_handler != SIG_IGN &&
              g_previous_sigbus.sa_handler != nullptr) {
     g_previous_sigbus.sa_handler(signo);
-  } else {
+  } else if (g_previous_sigbus.sa_handler != SIG_IGN) {
+    // As if this handler had not been there: a fault runs again and kills; a signal sent by
+    // another process (no fault to repeat) is raised again, to the default action.
     ::signal(SIGBUS, SIG_DFL);
+    if (info == nullptr || info->si_code <= 0) ::raise(SIGBUS);
   }
 }
 

@@ -408,6 +408,8 @@ class Dispatcher {
       std::optional<Item> item;
       try {
         item = source_.next();
+      } catch (const std::bad_alloc&) {
+        throw;  // not the input's doing: produce() stops the run with it
       } catch (const std::exception& e) {
         // The input was cut short or broken after it was checked (rewritten while the job ran):
         // the items sent so far finish and are saved, nothing more is sent, and the same

@@ -890,6 +890,13 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
                                                            : "an HTTP/1.1 request needs one Host header field"));
           break;
         }
+        // A body's declared length is held from the start (the parser reserves it at its first
+        // byte); a chunked one as it grows. Past the cap, the request is refused before its body
+        // is read, so a client waiting for "100 Continue" sends none.
+        const std::size_t declared =
+            !ec && parser.content_length() ? static_cast<std::size_t>(std::min<std::uint64_t>(*parser.content_length(), options.max_body_bytes)) : 0;
+        held.grow_to(declared);
+        if (!ec && held_body_bytes > options.max_held_body_bytes) ec = asio::error::no_buffer_space;
         if (!ec && !parser.is_done()) {
           // A client that waits for "100 Continue" before sending the body gets it at once
           // (an HTTP/1.1 client only: RFC 9110 10.1.1).
@@ -902,7 +909,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
           // The body in pieces, each counted against what all connections hold at once.
           while (!ec && !parser.is_done()) {
             std::tie(ec, n) = co_await http::async_read_some(c.stream, c.buffer, parser, use_tuple);
-            held.grow_to(parser.get().body().size());
+            held.grow_to(std::max(declared, parser.get().body().size()));
             if (!ec && held_body_bytes > options.max_held_body_bytes) ec = asio::error::no_buffer_space;
           }
         }

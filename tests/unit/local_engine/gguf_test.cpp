@@ -464,6 +464,22 @@ TEST_F(GgufTest, AModelCutShortWhileMappedIsNamedWhenItsPagesAreRead) {
   EXPECT_NE(said.find("rename it over the old"), std::string::npos) << said;
 }
 
+// A SIGBUS another process sends (no fault) still ends the process, unremarked, as without the
+// handler a mapped model installs.
+TEST_F(GgufTest, ASentSigbusStillEndsTheProcess) {
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    File file = write_and_open(small_model());
+    ::kill(::getpid(), SIGBUS);
+    ::_exit(4);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "exit status " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  EXPECT_EQ(WTERMSIG(status), SIGBUS);
+}
+
 TEST_F(GgufTest, TensorLookupNamesTheMissingTensorOrTheShapes) {
   const File file = write_and_open(small_model());
   EXPECT_EQ(file.find_tensor("missing"), nullptr);

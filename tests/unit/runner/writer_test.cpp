@@ -930,6 +930,11 @@ TEST_F(OutputWriterTest, AnotherOutputWhereACompanionGoesIsRefusedAndKept) {
                 "or move that file away");
   EXPECT_TRUE(fs::is_directory(path_ + ".summary.json"));
   fs::remove(path_ + ".summary.json");
+  // A link at the summary's temporary name, which is opened without following one.
+  fs::create_symlink(dir_, path_ + ".summary.json.tmp");
+  EXPECT_NE(message_of([&] { check_output(path_); }).find(".summary.json.tmp is a symbolic link, where output "),
+            std::string::npos);
+  fs::remove(path_ + ".summary.json.tmp");
   // Records there are not (another output whose lock is gone).
   std::ofstream(path_ + ".summary.json", std::ios::trunc) << line(ok(1)) << line(ok(2));
   EXPECT_NE(message_of([&] { check_output(path_); }).find("is not a batchlm summary"), std::string::npos);
