@@ -13,6 +13,7 @@
 #include <fstream>
 #include <unordered_set>
 #include <list>
+#include <new>
 #include <optional>
 #include <random>
 #include <set>
