@@ -1,8 +1,11 @@
 #include "batchlm/local_engine/batch_engine.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -161,6 +164,19 @@ std::int64_t cpu_pool_past_memory(const LocalBackendOptions& options, std::int64
 
 void BatchEngine::check(const std::shared_ptr<const Model>& model, const LocalBackendOptions& options) {
   checked_budget(options);
+  // Where the constructor opens the step log: that it could be opened for appending, without
+  // creating it.
+  if (!options.step_log.empty()) {
+    const std::filesystem::path& log = options.step_log;
+    const std::filesystem::path parent = log.has_parent_path() ? log.parent_path() : ".";
+    std::error_code ec;
+    const bool exists = std::filesystem::exists(log, ec);
+    const int err = std::filesystem::is_directory(log, ec)                              ? EISDIR
+                    : ::access(exists ? log.c_str() : parent.c_str(), W_OK) != 0 ? errno
+                                                                                    : 0;
+    if (err != 0)
+      throw StepLogUnwritable("cannot open '" + options.step_log.string() + "' for writing: " + std::strerror(err));
+  }
   SpeculativeOptions speculative = options.speculative;
   if (speculative.method != SpecMethod::kNone) validate(speculative);
   const ModelConfig& c = model->config();

@@ -429,19 +429,6 @@ int run_command(const JobOptions& o, bool synth) {
         // No chat template this build supports: the run would say so; the dry run estimates.
       }
       if (n_vocab) refuse_biases_outside(job, overrides, *n_vocab, std::filesystem::path(job.backend.model).stem().string());
-      // And that the step log could be opened for appending, without creating it.
-      if (!job.backend.step_log.empty()) {
-        const std::filesystem::path log(job.backend.step_log);
-        const std::filesystem::path parent = log.has_parent_path() ? log.parent_path() : ".";
-        std::error_code ec;
-        const bool exists = std::filesystem::exists(log, ec);
-        const int err = std::filesystem::is_directory(log, ec)                           ? EISDIR
-                        : ::access(exists ? log.c_str() : parent.c_str(), W_OK) != 0 ? errno
-                                                                                     : 0;
-        if (err != 0)
-          throw field_error(job, overrides, "backend.step_log",
-                            "cannot open '" + job.backend.step_log + "' for writing: " + std::strerror(err));
-      }
     }
     DryRunOptions dry{.show = 3, .count_prompt_tokens = count_prompt_tokens, .context = context, .fresh = o.fresh};
     dry_run(job, *source, stdout, dry);

@@ -551,6 +551,7 @@ class FileSource : public Source {
         if (bodies_with_a_model++ == 0) first_body_model = {item.request.model, reader.line_number()};
       }
       id_hashes_.push_back(std::hash<std::string>{}(item.id_key));
+      line_hashes_.push_back(std::hash<std::string>{}(line));
       if (batch_) {
         auto [it, fresh] = custom_ids.emplace(item.id_key, reader.line_number());
         if (!fresh)
@@ -589,6 +590,11 @@ class FileSource : public Source {
     if (!reader_->next(line))
       throw ConfigError(job_.input.path, static_cast<int>(reader_->line_number()), 0, "",
                         "input changed while the job ran (fewer lines than validated)");
+    // A line rewritten since it was checked would mix the old input's items with the new one's
+    // in one output, unsaid.
+    if (std::hash<std::string>{}(line) != line_hashes_[static_cast<std::size_t>(yielded_)])
+      throw ConfigError(job_.input.path, static_cast<int>(reader_->line_number()), 0, "",
+                        "input changed while the job ran (this line is not the one checked at the start)");
     ++yielded_;
     return build(parse_object(line, job_.input.path, reader_->line_number()),
                  reader_->line_number());
@@ -639,6 +645,7 @@ class FileSource : public Source {
   std::int64_t yielded_ = 0;
   std::optional<LineReader> reader_;
   std::vector<std::size_t> id_hashes_;  // sorted
+  std::vector<std::size_t> line_hashes_;  // each item's line as checked, in order
 };
 
 class SynthSource : public Source {

@@ -794,6 +794,10 @@ TEST_F(EngineCli, DryRunRefusesTheEngineSettingsTheRunRefuses) {
       {"--set", "backend.speculative.method=self", "--set", "backend.speculative.layers=9"},
       {"--set", "backend.speculative.method=draft", "--set", "backend.speculative.model=nope.gguf"},
       {"--set", "backend.speculative.method=draft", "--set", "backend.speculative.model=job.yaml"},
+      {"--set", "backend.step_log=no-such-dir/steps.jsonl"},
+      // Two at once: the same one first.
+      {"--set", "backend.step_log=no-such-dir/steps.jsonl", "--set", "backend.speculative.method=self", "--set",
+       "backend.speculative.layers=9"},
       {"--set", "backend.device=cuda", "--set", "backend.threads=1"},
   };
   // A vocabulary without weights.

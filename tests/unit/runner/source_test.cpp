@@ -248,6 +248,29 @@ TEST_F(SourceTest, Gsm8kReferenceWithoutAFinalAnswerIsRefused) {
   EXPECT_NO_THROW(open_source(job("input: " + unlabeled + "\nscoring: gsm8k" + kQuestionTemplate)));
 }
 
+// An input rewritten while the job runs, with as many lines, is not read on as if it were the
+// one checked: the first changed line stops it, named.
+TEST_F(SourceTest, ALineRewrittenWhileTheJobRunsIsNotReadOn) {
+  // Lines longer than the reader's buffer, each ending in what differs: the second line's end is
+  // read from the file after the rewrite.
+  const auto text = [](const std::string& second) {
+    const std::string pad = std::string(20000, 'x');
+    return "{\"pad\": \"" + pad + "\", \"q\": \"a\"}\n{\"pad\": \"" + pad + "\", \"q\": \"" + second +
+           "\"}\n{\"pad\": \"" + pad + "\", \"q\": \"c\"}\n";
+  };
+  std::string in = write("in.jsonl", text("b"));
+  auto source = open_source(job("input: " + in + "\nrequest: {messages: [{role: user, content: \"{{q}}\"}]}\n"));
+  ASSERT_TRUE(source->next());
+  write("in.jsonl", text("B"));
+  try {
+    source->next();
+    ADD_FAILURE() << "the rewritten line was read on";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.line(), 2);
+    EXPECT_EQ(e.message(), "input changed while the job ran (this line is not the one checked at the start)");
+  }
+}
+
 // An input line's message without content is refused, as in a job file; an assistant message
 // that calls tools may leave it out.
 TEST_F(SourceTest, LineMessageWithoutContentIsRefused) {
