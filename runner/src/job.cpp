@@ -420,8 +420,11 @@ void check_override_path(const std::vector<std::string>& segments, const std::st
     if (kFreeMaps.count(section)) return;
     if (section == "request.messages") {
       if (is_unsigned_index(segment)) continue;
-      // Indices count from 0: a signed one (-1) would otherwise read as an unknown key.
-      if (segment.find_first_not_of("+-0123456789") == std::string::npos)
+      // Indices count from 0: a signed one (-1), or one that starts like a number (0x0, 1e2),
+      // would otherwise read as an unknown key.
+      if (segment.find_first_not_of("+-0123456789") == std::string::npos ||
+          (!segment.empty() && (std::isdigit(static_cast<unsigned char>(segment[0])) != 0 || segment[0] == '-' ||
+                                segment[0] == '+')))
         throw ConfigError("--set", 0, 0, full,
                           "'request.messages' is a list: its entries are 0, 1, 2, ... ('" + segment + "' is no index)");
     }
@@ -1088,7 +1091,9 @@ void read_few_shot(const Reader& r, const YAML::Node& node, FewShotSpec& few_sho
     check_template(r, node["assistant"], "few_shot.assistant", few_shot.assistant);
   }
   if (few_shot.path.empty()) {
-    if (few_shot.count > 0) r.fail(node, "few_shot.path", "required when few_shot.count is set");
+    if (few_shot.count > 0)
+      r.fail(Reader::has(path) ? path : node, "few_shot.path",
+             Reader::has(path) ? "empty; give the examples' file" : "required when few_shot.count is set");
     return;
   }
   if (!Reader::has(node["count"]))
@@ -1581,6 +1586,9 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
                    (names.empty() ? "none" : names) + ")");
   }
   if (job.output.path.empty()) job.output.path = "out/" + job.name + ".jsonl";
+  // Where the synth variables were given (a flag that replaced them is named in errors about them).
+  if (Reader::has(root["synth"]) && root["synth"].IsMap() && root["synth"]["variables"].IsDefined())
+    job.marks.emplace("synth.variables", r.mark(root["synth"]["variables"], "synth.variables"));
   if (Reader::has(root["output"]) && root["output"].IsMap() && Reader::has(root["output"]["input_fields"]))
     job.marks.emplace("output.input_fields", r.mark(root["output"]["input_fields"], "output.input_fields"));
   // The output is checked once the job has loaded (whether it can be written there); this says

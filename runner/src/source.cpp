@@ -663,9 +663,14 @@ class SynthSource : public Source {
       } catch (const MissingField& e) {
         const auto at = job.marks.find(used_by);
         const SourceMark m = at != job.marks.end() ? at->second : SourceMark{job.file, 0, 0};
+        // Variables a flag replaced are the flag's doing, not the template's.
+        const auto vars = job.marks.find("synth.variables");
+        const std::string by = vars != job.marks.end() && vars->second.file.starts_with("-")
+                                   ? "; synth.variables was set by " + vars->second.file
+                                   : std::string();
         throw ConfigError(m.file, m.line, m.column, used_by,
                           "{{" + e.field() + "}} is not a synth variable (variables: " +
-                              (names.empty() ? "none" : names) + ")");
+                              (names.empty() ? "none" : names) + ")" + by);
       }
     };
     for (std::size_t i = 0; i < job.request.messages.size(); ++i)

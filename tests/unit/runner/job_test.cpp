@@ -1191,6 +1191,12 @@ TEST_F(JobFile, OverrideWithBadValueIsBlamedOnSet) {
   // A number past a double's range is a number out of this field's, not "not a number".
   EXPECT_STREQ(error_of(with_input(""), {parse_override("request.temperature=1e400")}).what(),
                "--set: request.temperature: must be between 0 and 2, got 1e400");
+  // What starts like a number is a bad index, not an unknown key.
+  EXPECT_EQ(error_of(with_input(""), {parse_override("request.messages.0x0.content=x")}).message(),
+            "'request.messages' is a list: its entries are 0, 1, 2, ... ('0x0' is no index)");
+  // A path given empty is said to be empty, not missing.
+  EXPECT_EQ(error_of(with_input(""), {parse_override("few_shot={path: '', count: 2}")}).message(),
+            "empty; give the examples' file");
 }
 
 TEST(ParseOverride, SplitsAtTheFirstEquals) {

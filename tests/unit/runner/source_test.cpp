@@ -708,6 +708,22 @@ request:
 )";
 }
 
+// Variables a --set replaced, which the template no longer finds: the message says the flag
+// did it, where the template's line alone would blame the template.
+TEST_F(SourceTest, SynthVariablesAFlagReplacedAreBlamedOnIt) {
+  try {
+    open_source(load_job_text(kSynthJob, "jobs/t.yaml", {parse_override("synth.variables={x: [a]}")}, no_env()));
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.message(), "{{color}} is not a synth variable (variables: x); synth.variables was set by --set");
+  }
+  try {
+    open_source(job(std::string(kSynthJob) + "  messages: [{role: user, content: \"{{size}}\"}]\n"));
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.message().find("set by"), std::string::npos) << e.message();
+  }
+}
+
 TEST_F(SourceTest, SynthDrawsVariablesFromTheirChoices) {
   auto source = open_source(job(kSynthJob));
   EXPECT_EQ(source->total(), 50);
