@@ -260,7 +260,7 @@ int run_inspect() {
   };
 
   try {
-    std::shared_ptr<const Model> model = Model::load(in.model);
+    std::shared_ptr<const Model> model = Model::load(in.model, /*check_only=*/true);  // the checks, not the packed weights
     const ModelConfig& c = model->config();
     std::printf("layers        %lld\n", static_cast<long long>(c.n_layers));
     std::printf("embedding     %lld, feed-forward %lld\n", static_cast<long long>(c.n_embd),
