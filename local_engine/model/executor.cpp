@@ -137,9 +137,9 @@ std::unique_ptr<Executor> make_executor(std::shared_ptr<const Model> model,
   if (model->check_only()) throw std::logic_error("make_executor: the model was loaded to be checked only");
   if (why != nullptr) why->clear();
   if (options.device != Device::kCpu) {
-    std::string why_not;
+    std::optional<std::string> why_not = gpu_refusal(*model, options.device);
 #ifdef BATCHLM_HAVE_CUDA
-    if (gpu_runs_network(model->config(), why_not) && cuda_takes_model(*model, why_not) && cuda_device_usable(why_not)) {
+    if (!why_not) {
       // What the upload finds wrong (a value past F16's range, memory the card lacks) leaves
       // `auto` on the CPU, with the reason.
       try {
@@ -148,13 +148,10 @@ std::unique_ptr<Executor> make_executor(std::shared_ptr<const Model> model,
         why_not = std::string("the GPU could not take the model: ") + e.what();
       }
     }
-#else
-    if (gpu_runs_network(model->config(), why_not))
-      why_not = "this build has no CUDA support (nvcc was not found when it was built)";
 #endif
     if (options.device == Device::kCuda)
-      throw DeviceUnavailable("device 'cuda' was asked for, but " + why_not);
-    if (why != nullptr) *why = why_not;
+      throw DeviceUnavailable("device 'cuda' was asked for, but " + *why_not);
+    if (why != nullptr) *why = *why_not;
   }
   return std::make_unique<CpuExecutor>(std::move(model), options);
 }

@@ -422,9 +422,8 @@ void check_override_path(const std::vector<std::string>& segments, const std::st
       if (is_unsigned_index(segment)) continue;
       // Indices count from 0: a signed one (-1), or one that starts like a number (0x0, 1e2),
       // would otherwise read as an unknown key.
-      if (segment.find_first_not_of("+-0123456789") == std::string::npos ||
-          (!segment.empty() && (std::isdigit(static_cast<unsigned char>(segment[0])) != 0 || segment[0] == '-' ||
-                                segment[0] == '+')))
+      if (segment.empty() || std::isdigit(static_cast<unsigned char>(segment[0])) != 0 || segment[0] == '-' ||
+          segment[0] == '+')
         throw ConfigError("--set", 0, 0, full,
                           "'request.messages' is a list: its entries are 0, 1, 2, ... ('" + segment + "' is no index)");
     }
@@ -510,54 +509,6 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
       said = "'" + walked + "' is a list of " + entries + "; index it, e.g. " + walked + ".0";
     return ConfigError("--set", 0, 0, override_value.path, said);
   };
-  // The tree with the value at segments[i..] below `node` set: every map and list on the path is
-  // made anew, in its order, and holds the same nodes as before but the one on the path. Set in
-  // place, a node the file gave an anchor would change at every alias of it too (`max_tokens:
-  // &n 5` ... `concurrency: *n`, a message repeated as `*m`); the nodes beside the path keep
-  // their places in the file.
-  const auto replaced = [&](const auto& self, const YAML::Node& node, std::size_t i,
-                            const std::string& walked) -> YAML::Node {
-    if (i == segments.size()) return value;
-    const std::string& segment = segments[i];
-    const std::string here = child_path(walked, segment);
-    if (node.IsSequence()) {
-      const std::optional<std::size_t> index = list_index(segment, node.size());
-      if (!index) throw bad_index(walked, segment, node.size());
-      YAML::Node out(YAML::NodeType::Sequence);
-      for (std::size_t k = 0; k < node.size(); ++k) out.push_back(k == *index ? self(self, node[k], i + 1, here) : node[k]);
-      return out;
-    }
-    // Below the value: the next level's node as the path finds it.
-    const auto below = [&](const YAML::Node& next) -> YAML::Node {
-      if (i + 1 == segments.size()) return value;
-      if (next.IsScalar() && kShorthand.count(here)) {
-        // Turn `input: x.jsonl` into {path: x.jsonl} so `input.format=batch` can sit beside it.
-        // The value itself moves, with its place in the file.
-        YAML::Node expanded(YAML::NodeType::Map);
-        expanded.force_insert(kShorthand.at(here), next);
-        return self(self, expanded, i + 1, here);
-      }
-      if (!next.IsMap() && !next.IsSequence()) {
-        made.emplace(here, override_value.flag.empty() ? std::string("--set") : override_value.flag);
-        return self(self, YAML::Node(YAML::NodeType::Map), i + 1, here);
-      }
-      return self(self, next, i + 1, here);
-    };
-    YAML::Node out(YAML::NodeType::Map);
-    bool found = false;
-    if (node.IsMap()) {
-      for (auto it = node.begin(); it != node.end(); ++it) {
-        if (!found && it->first.IsScalar() && it->first.Scalar() == segment) {
-          out.force_insert(it->first, below(it->second));
-          found = true;
-        } else {
-          out.force_insert(it->first, it->second);
-        }
-      }
-    }
-    if (!found) out.force_insert(segment, below(YAML::Node()));
-    return out;
-  };
   // Which nodes the tree holds in more than one place (an anchor and its aliases), by where the
   // file wrote them; the nodes an override makes have no place and are never shared.
   std::map<std::pair<int, int>, int> uses;
@@ -574,58 +525,75 @@ void apply_override(YAML::Node& root, const Override& override_value, const EnvL
     const auto at = uses.find({node.Mark().pos, static_cast<int>(node.Type())});
     return at != uses.end() && at->second > 1;
   };
-  bool on_shared = false;
+  // Set in place, a node the file gave an anchor would change at every alias of it too
+  // (`max_tokens: &n 5` ... `concurrency: *n`, a message repeated as `*m`). Where the path
+  // passes one, every map and list on it is made anew instead, in its order, holding the same
+  // nodes as before but the one on the path; elsewhere the value is set in place, where every
+  // map and list keeps its place in the file for the messages about it.
+  bool copy = false;
   YAML::Node look = root;
   for (const std::string& segment : segments) {
     std::optional<std::size_t> index;
     if (look.IsSequence()) index = list_index(segment, look.size());
     const YAML::Node next = look.IsSequence() ? (index ? look[*index] : YAML::Node()) : look.IsMap() ? look[segment] : YAML::Node();
     if (!next.IsDefined()) break;
-    if (shared(next)) on_shared = true;
+    if (shared(next)) copy = true;
     look.reset(next);
   }
-  if (on_shared) {
-    root = replaced(replaced, root, 0, "");
-    return;
-  }
-  // Nothing on the path is held twice: set in place, where every map and list keeps its place
-  // in the file for the messages about it.
-  YAML::Node node = root;
-  std::string walked;
-  for (std::size_t i = 0; i + 1 < segments.size(); ++i) {
+  // `node` with the value at segments[i..] below it set.
+  const auto set = [&](const auto& self, YAML::Node node, std::size_t i, const std::string& walked) -> YAML::Node {
+    if (i == segments.size()) return value;
     const std::string& segment = segments[i];
-    std::string here = child_path(walked, segment);
+    const std::string here = child_path(walked, segment);
     if (node.IsSequence()) {
       const std::optional<std::size_t> index = list_index(segment, node.size());
       if (!index) throw bad_index(walked, segment, node.size());
-      node.reset(node[*index]);
-      walked = here;
-      continue;
+      const YAML::Node child = self(self, node[*index], i + 1, here);
+      if (!copy) {
+        node[*index] = child;
+        return node;
+      }
+      YAML::Node out(YAML::NodeType::Sequence);
+      for (std::size_t k = 0; k < node.size(); ++k) out.push_back(k == *index ? child : node[k]);
+      return out;
     }
-    YAML::Node next = node[segment];
-    if (next.IsScalar() && kShorthand.count(here)) {
-      // Turn `input: x.jsonl` into {path: x.jsonl} so `input.format=batch` can sit beside it.
-      // The value itself moves, with its place in the file.
-      YAML::Node expanded(YAML::NodeType::Map);
-      expanded[kShorthand.at(here)] = next;
-      node[segment] = expanded;
-      next.reset(node[segment]);
-    } else if (!next.IsMap() && !next.IsSequence()) {
-      node[segment] = YAML::Node(YAML::NodeType::Map);
-      next.reset(node[segment]);
-      made.emplace(here, override_value.flag.empty() ? std::string("--set") : override_value.flag);
+    // The next level's node as the path finds it, with the value set below it.
+    const auto below = [&](const YAML::Node& next) -> YAML::Node {
+      if (i + 1 == segments.size()) return value;
+      if (next.IsScalar() && kShorthand.count(here)) {
+        // Turn `input: x.jsonl` into {path: x.jsonl} so `input.format=batch` can sit beside it.
+        // The value itself moves, with its place in the file.
+        YAML::Node expanded(YAML::NodeType::Map);
+        expanded[kShorthand.at(here)] = next;
+        return self(self, expanded, i + 1, here);
+      }
+      if (!next.IsMap() && !next.IsSequence()) {
+        made.emplace(here, override_value.flag.empty() ? std::string("--set") : override_value.flag);
+        return self(self, YAML::Node(YAML::NodeType::Map), i + 1, here);
+      }
+      return self(self, next, i + 1, here);
+    };
+    if (!copy) {
+      node[segment] = below(node[segment]);
+      return node;
     }
-    node.reset(next);
-    walked = here;
-  }
-  const std::string& last = segments.back();
-  if (node.IsSequence()) {
-    const std::optional<std::size_t> index = list_index(last, node.size());
-    if (!index) throw bad_index(walked, last, node.size());
-    node[*index] = value;
-  } else {
-    node[last] = value;
-  }
+    YAML::Node out(YAML::NodeType::Map);
+    bool found = false;
+    if (node.IsMap()) {
+      for (auto it = node.begin(); it != node.end(); ++it) {
+        if (!found && it->first.IsScalar() && it->first.Scalar() == segment) {
+          out.force_insert(it->first, below(it->second));
+          found = true;
+        } else {
+          out.force_insert(it->first, it->second);
+        }
+      }
+    }
+    if (!found) out.force_insert(segment, below(YAML::Node()));
+    return out;
+  };
+  const YAML::Node result = set(set, root, 0, "");
+  if (copy) root = result;
 }
 
 // Reads typed values out of the tree; every failure names file, line, column and field.

@@ -252,6 +252,7 @@ std::vector<ChatMessage> parse_messages(const ordered& value, const std::string&
       // llama.cpp's server join them. An API gets the parts as given where any is more than
       // plain text; the embedded engine reads text only, so anything else is refused rather
       // than dropped (a text part's other keys, such as cache_control, are hints it can leave).
+      if (content.empty()) throw ConfigError(file, line_int, 0, here + ".content", "an empty list of parts");
       bool plain = true, first_text = true;
       for (std::size_t k = 0; k < content.size(); ++k) {
         const ordered& part = content[k];
@@ -275,7 +276,6 @@ std::vector<ChatMessage> parse_messages(const ordered& value, const std::string&
         first_text = false;
         message.content += part["text"].get<std::string>();
       }
-      if (content.empty()) throw ConfigError(file, line_int, 0, here + ".content", "an empty list of parts");
       if (api && !plain) message.parts = content;
     } else if (!content.is_null()) {
       throw ConfigError(file, line_int, 0, here + ".content", "expected a string or a list of content parts");

@@ -352,16 +352,16 @@ void check_companions(const std::string& given, const std::string& path) {
     }
   }
   const std::string summary = given + ".summary.json";
-  for (const std::string& file : {summary, summary + ".tmp"})
-    if (is_an_output(file)) refuse(file, "summary", "another job's output (it has a lock file of its own)");
-  // A directory there (empty, it would be removed to make room; else the summary would fail
-  // after every request), or a FIFO or device, is not the run's to replace.
-  // The summary's own name may be a link (the rename replaces the link); its temporary file is
+  // Another output there, a directory (empty, it would be removed to make room; else the summary
+  // would fail after every request), a FIFO or a device is not the run's to replace. The
+  // summary's own name may be a link (the rename replaces the link); its temporary file is
   // opened without following one.
-  for (const std::string& file : {summary, summary + ".tmp"})
+  for (const std::string& file : {summary, summary + ".tmp"}) {
+    if (is_an_output(file)) refuse(file, "summary", "another job's output (it has a lock file of its own)");
     if (::lstat(file.c_str(), &info) == 0 && !S_ISREG(info.st_mode) && (!S_ISLNK(info.st_mode) || file != summary))
       refuse(file, "summary",
              S_ISDIR(info.st_mode) ? "a directory" : S_ISLNK(info.st_mode) ? "a symbolic link" : "not a file");
+  }
   if (::lstat(summary.c_str(), &info) == 0 && S_ISREG(info.st_mode) && info.st_size > 0) {
     std::ifstream in(summary, std::ios::binary);
     if (!in) refuse(summary, "summary", std::string("a file that cannot be read (") + std::strerror(errno) + ")");
