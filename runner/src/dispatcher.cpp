@@ -576,6 +576,9 @@ class Dispatcher {
     Outcome outcome;
     std::int64_t streamed = 0;  // deltas of the last attempt
     bool cancelled = false;
+    // The last attempt could not connect to a server that had answered before: the next one
+    // waits for it (reconnect), not for the retry budget.
+    bool waits_for_server = false;
   };
 
   asio::awaitable<void> serve_item(Item item, std::list<LiveItem>::iterator live) {
@@ -597,8 +600,10 @@ class Dispatcher {
         co_await timer.async_wait(asio::use_awaitable);
         // A failing server gets retries at the budget's pace, not at the items' pace. One item
         // at a time watches the budget, first come first served; the others queue behind it
-        // (all of them waking at each retry cost a thread's worth at 100,000 waiting).
-        {
+        // (all of them waking at each retry cost a thread's worth at 100,000 waiting). A server
+        // that cannot be connected to sees none of these attempts: they go at the reconnect's
+        // pace instead.
+        if (!run.waits_for_server) {
           co_await budget_turn_.acquire();
           struct TurnGuard {
             AsyncSemaphore& turn;
@@ -688,6 +693,17 @@ class Dispatcher {
     --counters_.in_flight;
     live.in_attempt = false;
     watch_refusals(run.outcome, item);
+    run.waits_for_server = false;
+    if (const std::optional<std::chrono::milliseconds> wait = watch_connection(run.outcome)) {
+      // Not an attempt the server saw: the item's attempts are not spent on the outage.
+      --run.attempts;
+      if (stopping_) {
+        run.cancelled = true;  // sent on the next run
+        co_return std::nullopt;
+      }
+      run.waits_for_server = true;
+      co_return *wait;
+    }
 
     if (run.outcome.ok()) {
       const Usage& usage = run.outcome.completion->usage;
@@ -852,11 +868,8 @@ class Dispatcher {
     const bool denied = (e.kind == ErrorKind::Http && (e.http_status == 401 || e.http_status == 403)) ||
                         e.code == "insufficient_quota" || e.code == "invalid_api_key";
     const bool missing = e.kind == ErrorKind::Http && e.http_status == 404;
-    // Refused connections, unknown hosts, and connect timeouts (a host that drops packets); not
-    // a connection that broke once made, which a flaky server gives.
-    const bool unreachable = ((e.kind == ErrorKind::Connection && e.code == "connect_failed") ||
-                              (e.kind == ErrorKind::Timeout && e.code == "connect_timeout")) &&
-                             !any_success_;
+    // Only before any success: a server lost after it is waited for (watch_connection).
+    const bool unreachable = never_connected(e) && !any_success_;
     // No TLS connection (a certificate not trusted, expired or for another name; https to a
     // plain HTTP port): the same for every item, and no retry changes it.
     const bool no_tls = e.kind == ErrorKind::Connection && e.code == "tls_failed" && !any_success_;
@@ -915,6 +928,67 @@ class Dispatcher {
       refused_ = std::move(r);
     }
     begin_stop(refused_->what.c_str(), false);
+  }
+
+  // A connection that could not be made: refused (the server is down or restarting), no host,
+  // or a connect timeout (a host that drops packets). Not a connection that broke once made.
+  static bool never_connected(const Error& e) {
+    return (e.kind == ErrorKind::Connection && e.code == "connect_failed") ||
+           (e.kind == ErrorKind::Timeout && e.code == "connect_timeout");
+  }
+
+  // A server that answered before and now cannot be connected to is restarting, or its host
+  // is: the items wait for it, up to retry.reconnect_for, rather than each spending its attempts
+  // in a few seconds and failing. The server never saw these attempts, so nothing is sent
+  // twice. Returns how long the item waits before trying again, or nothing where the outcome is
+  // not such a failure (or reconnect_for is 0). Past reconnect_for the run stops: what was not
+  // sent runs on the next run.
+  std::optional<std::chrono::milliseconds> watch_connection(const Outcome& outcome) {
+    const bool lost = !outcome.ok() && never_connected(*outcome.error);
+    if (!lost) {
+      // Any answer, even an error, is a connection made. A cancelled attempt says nothing.
+      if (no_connection_since_ && (outcome.ok() || outcome.error->kind != ErrorKind::Cancelled)) {
+        const double s = std::chrono::duration<double>(Clock::now() - *no_connection_since_).count();
+        if (no_connection_said_)
+          progress_.message("batchlm: connected to " + without_password(job_.backend.base_url) + " again after " +
+                            format_duration(s) + "; the items that waited go on");
+        no_connection_since_.reset();
+        no_connection_said_ = false;
+        counters_.no_connection = false;
+      }
+      return std::nullopt;
+    }
+    if (!any_success_ || job_.retry.reconnect_for.count() <= 0) return std::nullopt;
+    const auto now = Clock::now();
+    const std::string url = without_password(job_.backend.base_url);
+    const std::string said = utf8_excerpt(outcome.error->message, 200);
+    if (!no_connection_since_) {
+      no_connection_since_ = now;
+      counters_.no_connection = true;
+    }
+    // Said once it has lasted a little: a connection refused now and then (a port running
+    // short, a load balancer's blip) is not news.
+    if (!no_connection_said_ && now - *no_connection_since_ >= std::chrono::seconds(2)) {
+      no_connection_said_ = true;
+      progress_.message("batchlm: cannot connect to " + url + " (" + said + "); the items wait for it up to " +
+                        format_duration(std::chrono::duration<double>(job_.retry.reconnect_for).count()) +
+                        " (retry.reconnect_for), without spending their attempts");
+    }
+    if (now - *no_connection_since_ >= job_.retry.reconnect_for) {
+      if (!stopping_) {
+        refused_ = Refusal{"could not connect to " + url + " for " +
+                               format_duration(std::chrono::duration<double>(now - *no_connection_since_).count()) +
+                               " (" + said + ")",
+                           "Start the server again (or raise retry.reconnect_for)"};
+        begin_stop(refused_->what.c_str(), false);
+      }
+      return std::chrono::milliseconds{0};
+    }
+    // One round of attempts a second at most (retry.cap if less): each is a connection refused
+    // at once, so the items' own backoffs would make them a storm.
+    const auto round = std::clamp(job_.retry.cap, std::chrono::milliseconds{1}, std::chrono::milliseconds{1000});
+    if (come_back_at_ <= now) come_back_at_ = now + round;
+    return std::chrono::duration_cast<std::chrono::milliseconds>(come_back_at_ - now);
   }
 
   asio::awaitable<void> tick() {
@@ -1113,6 +1187,9 @@ class Dispatcher {
   bool stopping_ = false, interrupted_ = false;
   int refusals_in_a_row_ = 0;
   bool any_success_ = false;  // an item of this run has succeeded
+  // Since when the server, which answered before, cannot be connected to (watch_connection).
+  std::optional<Clock::time_point> no_connection_since_;
+  bool no_connection_said_ = false;  // the wait was announced
   struct Refusal {
     std::string what, advice;  // may quote the server: printed through terminal_safe
   };

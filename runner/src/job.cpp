@@ -237,7 +237,7 @@ const std::map<std::string, Keys>& sections() {
       {"backend.timeouts", {"connect", "first_byte", "idle", "total"}},
       {"rate_limit", {"requests_per_minute", "tokens_per_minute"}},
       {"retry",
-       {"max_attempts", "base", "cap", "max_retry_after", "budget_ratio", "budget_min_per_second"}},
+       {"max_attempts", "base", "cap", "max_retry_after", "reconnect_for", "budget_ratio", "budget_min_per_second"}},
       {"output", {"path", "flush_every", "flush_interval", "input_fields"}},
       {"scoring", {"type", "reference_field", "pattern"}},
   };
@@ -1304,6 +1304,8 @@ void read_retry(const Reader& r, const YAML::Node& node, RetrySpec& retry) {
   if (Reader::has(node["cap"])) retry.cap = r.duration(node["cap"], "retry.cap");
   if (Reader::has(node["max_retry_after"]))
     retry.max_retry_after = r.duration(node["max_retry_after"], "retry.max_retry_after");
+  if (Reader::has(node["reconnect_for"]))
+    retry.reconnect_for = r.duration(node["reconnect_for"], "retry.reconnect_for");
   if (Reader::has(node["budget_ratio"]))
     retry.budget_ratio = r.number(node["budget_ratio"], "retry.budget_ratio", 0, 1e9);
   if (Reader::has(node["budget_min_per_second"])) {
@@ -1427,8 +1429,19 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
         if (it->first.IsScalar() && it->first.Scalar() == "input")
           r.fail(it->first, "input", "is empty: give a JSONL file, or {path, format}");
     }
-    if (job.kind == JobKind::Eval)
+    if (job.kind == JobKind::Eval) {
+      // A synth section with kind: eval (often a --set kind=eval on a synth job): say which
+      // setting made this an eval job, since the file alone reads as a synth job.
+      if (has_synth && Reader::has(root["kind"])) {
+        const SourceMark k = r.mark(root["kind"], "kind");
+        const std::string where = k.line > 0 ? "line " + std::to_string(k.line) : k.file;
+        r.fail(root, "input",
+               "required: kind is eval (" + where +
+                   "), and an eval job reads its items from an input (a JSONL file, or {path, format}); "
+                   "for a synth job, leave kind out or set it to synth");
+      }
       r.fail(root, "input", "required (a JSONL file, or {path, format})");
+    }
     if (job.synth.count == 0)
       r.fail(has_synth ? root["synth"] : root, "synth.count",
              "required for a synth job without an input (how many items to generate)");

@@ -25,13 +25,16 @@ std::string format(const char* fmt, ...) {
   return std::string(text, static_cast<std::size_t>(std::clamp(n, 0, static_cast<int>(sizeof text) - 1)));
 }
 
-// "42s", "1m24s", "2h05m": precise enough for an estimate, short enough for a status line.
+}  // namespace
+
 std::string format_duration(double seconds) {
   const auto s = static_cast<std::int64_t>(std::llround(std::max(0.0, seconds)));
   if (s < 60) return format("%llds", static_cast<long long>(s));
   if (s < 3600) return format("%lldm%02llds", static_cast<long long>(s / 60), static_cast<long long>(s % 60));
   return format("%lldh%02lldm", static_cast<long long>(s / 3600), static_cast<long long>(s % 3600 / 60));
 }
+
+namespace {
 
 // What both the bar and the plain line show, computed once.
 struct Figures {
@@ -72,7 +75,7 @@ Figures figures(const ProgressCounters& c, double elapsed) {
   const bool waiting_on_retries = c.backing_off > 0 && remaining <= c.backing_off + c.in_flight;
   if (c.stopping) {
     f.eta = "stopping";  // nothing new starts: the rest waits for the next run
-  } else if (!f.known_total || requests_per_second <= 0 || waiting_on_retries) {
+  } else if (!f.known_total || requests_per_second <= 0 || waiting_on_retries || c.no_connection) {
     f.eta = remaining <= 0 && f.known_total ? "eta 0s" : "eta --";
   } else {
     f.eta = "eta " + format_duration(static_cast<double>(std::max<std::int64_t>(0, remaining)) / requests_per_second);
@@ -81,6 +84,9 @@ Figures figures(const ProgressCounters& c, double elapsed) {
   f.retries = format("retries %lld", static_cast<long long>(c.retries));
   f.failed = format("failed %lld", static_cast<long long>(c.failed));
   if (c.backing_off > 0) f.backing_off = format("backoff %lld", static_cast<long long>(c.backing_off));
+  // Items wait for the server to come back (their attempts not spent): said first, as the
+  // reason nothing moves.
+  if (c.no_connection) f.backing_off = "no connection" + (f.backing_off.empty() ? "" : ": " + f.backing_off);
   if (!c.engine.empty()) f.engine = "engine " + c.engine;
   return f;
 }

@@ -90,6 +90,14 @@ std::int64_t integer(const Body& v, const std::string& param, std::int64_t min, 
   } else if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() &&
              std::abs(v.get<double>()) < 9e15) {
     value = static_cast<std::int64_t>(v.get<double>());
+  } else if (v.is_number_float() && std::isfinite(v.get<double>()) && std::floor(v.get<double>()) == v.get<double>()) {
+    // A whole number too large to be taken exactly from its double (1e20, or 2^64 written out).
+    const double d = v.get<double>();
+    if (d < static_cast<double>(min) || d > static_cast<double>(max))
+      invalid(param, "'" + param + "' must be between " + std::to_string(min) + " and " + std::to_string(max) +
+                         ", not " + v.dump());
+    invalid(param, "'" + param + "' must be written as an integer (digits only) when it is this large, not " +
+                       v.dump());
   } else {
     invalid(param, "'" + param + "' must be an integer, not " + described(v));
   }

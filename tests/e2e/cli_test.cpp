@@ -449,6 +449,73 @@ TEST(BatchlmRun, StopsWhenNoTlsConnectionCanBeMade) {
   EXPECT_GE(summary["counts"]["not_run"].get<long long>(), 80) << summary.dump(2);
 }
 
+// The server dies (kill -9) in the middle of a run and comes back 3 s later on its port: the
+// items wait for it without spending their attempts (max_attempts 4, 10-100 ms backoffs, which
+// would fail them within half a second), and the run ends with every item answered once.
+TEST(BatchlmRun, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
+  TempDir dir;
+  const std::vector<std::string> args = {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "5"};
+  auto server = std::make_unique<FakeServer>(dir.path, args);
+  const int port = server->port();
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server->base_url(), .limit = 60, .concurrency = 4}));
+  const fs::path out = dir.path / "out/e2e.jsonl";
+  Process run({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"OPENAI_API_KEY", ""}, {"BATCHLM_MODEL", ""}}, .cwd = dir.path,
+               .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  ASSERT_TRUE(wait_until([&] { return fs::exists(out) && count_lines(out) >= 8; }, 60s));
+  server->kill();
+  std::this_thread::sleep_for(3s);
+  std::vector<std::string> again = args;
+  again.insert(again.end(), {"--port", std::to_string(port)});
+  server = std::make_unique<FakeServer>(dir.path, again);
+  const std::optional<int> code = run.wait(120s);
+  const std::string err = read_file(dir.path / "run.err");
+  ASSERT_EQ(code, 0) << err;
+  EXPECT_NE(err.find("batchlm: cannot connect to " + server->base_url() + " ("), std::string::npos) << err;
+  EXPECT_NE(err.find("the items wait for it up to 5m00s (retry.reconnect_for), without spending their attempts"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("batchlm: connected to " + server->base_url() + " again after "), std::string::npos) << err;
+  const auto records = read_jsonl(out);
+  expect_each_id_once(records, 60);
+  // The attempts that found no server are not counted: those cut by the kill were retried once.
+  for (const auto& r : records) EXPECT_LE(r["attempts"].get<int>(), 2) << r.dump();
+}
+
+// A server that does not come back within retry.reconnect_for: the run stops, keeps what was
+// answered, records no failure for what the outage held, and says why; the rerun finishes.
+TEST(BatchlmRun, StopsWhenAServerLostMidRunStaysAwayPastReconnectFor) {
+  TempDir dir;
+  const std::vector<std::string> args = {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "5"};
+  auto server = std::make_unique<FakeServer>(dir.path, args);
+  const int port = server->port();
+  const std::string url = server->base_url();
+  write_file(dir.path / "job.yaml",
+             gsm8k_job({.base_url = url, .limit = 60, .concurrency = 4, .extra = "grace_period: 1s\n"}));
+  const fs::path out = dir.path / "out/e2e.jsonl";
+  Process run({.args = {binary("batchlm"), "run", "job.yaml", "--set", "retry.reconnect_for=2s"},
+               .env = {{"OPENAI_API_KEY", ""}, {"BATCHLM_MODEL", ""}}, .cwd = dir.path, .out_file = dir.path / "run.out",
+               .err_file = dir.path / "run.err"});
+  ASSERT_TRUE(wait_until([&] { return fs::exists(out) && count_lines(out) >= 8; }, 60s));
+  server->kill();
+  const auto lost = std::chrono::steady_clock::now();
+  const std::optional<int> code = run.wait(60s);
+  const auto took = std::chrono::steady_clock::now() - lost;
+  const std::string err = read_file(dir.path / "run.err");
+  ASSERT_EQ(code, 1) << err;
+  EXPECT_GE(took, 2s);
+  EXPECT_NE(err.find("stopped: could not connect to " + url + " for 2s ("), std::string::npos) << err;
+  EXPECT_NE(err.find("Start the server again (or raise retry.reconnect_for)"), std::string::npos) << err;
+  const auto first = read_jsonl(out);
+  ASSERT_LT(first.size(), 60u);
+  for (const auto& r : first) EXPECT_TRUE(r["error"].is_null()) << r.dump();
+  std::vector<std::string> again = args;
+  again.insert(again.end(), {"--port", std::to_string(port)});
+  server = std::make_unique<FakeServer>(dir.path, again);
+  RunResult rerun = run_batchlm(dir.path, {"run", "job.yaml"});
+  ASSERT_EQ(rerun.exit_code, 0) << rerun.err;
+  expect_each_id_once(read_jsonl(out), 60);
+}
+
 // Through a proxy that cannot be reached, the stop names the proxy and the variable it came from
 // (password left out); a host no_proxy exempts is reached directly, and said so.
 TEST(BatchlmRun, AServerUnreachableThroughAProxyNamesTheProxy) {
@@ -978,7 +1045,7 @@ TEST(BatchlmProgress, DrawsABarOnATerminalAndPrintsTheSummary) {
   FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--wrong-every", "5", "--tokens", "20",
                                "--token-delay-ms", "10"});
   write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 30, .concurrency = 3}));
-  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"OPENAI_API_KEY", ""}},
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"OPENAI_API_KEY", ""}, {"BATCHLM_MODEL", ""}},
              .cwd = dir.path, .out_file = {}, .err_file = {}, .use_pty = true, .pty_columns = 120});
   ASSERT_EQ(p.wait(120s), 0);
   const std::string& screen = p.pty_output();

@@ -237,6 +237,9 @@ class FakeServer {
   }
 
   std::string base_url() const { return "http://127.0.0.1:" + std::to_string(port_) + "/v1"; }
+  int port() const { return port_; }
+  // Kills the server (SIGKILL): its port refuses connections until another server takes it.
+  void kill() { process_.reset(); }
 
   json stats() const {
     std::string body;

@@ -837,6 +837,20 @@ TEST_F(JobFile, OutOfRangeValuesAreRejectedWithBounds) {
   }
 }
 
+TEST_F(JobFile, ASynthJobMadeAnEvalSaysWhatMadeIt) {
+  const std::string synth = "synth: {count: 3}\nrequest:\n  messages: [{role: user, content: hi}]\n";
+  ConfigError flag = error_of(synth, {parse_override("kind=eval")});
+  EXPECT_EQ(flag.field(), "input");
+  EXPECT_EQ(flag.message(),
+            "required: kind is eval (--set), and an eval job reads its items from an input (a JSONL file, or "
+            "{path, format}); for a synth job, leave kind out or set it to synth");
+  ConfigError file = error_of(synth + "kind: eval\n");
+  EXPECT_NE(file.message().find("required: kind is eval (line 4)"), std::string::npos) << file.message();
+  // Without a synth section the job is plainly an eval job.
+  EXPECT_EQ(error_of("request:\n  messages: [{role: user, content: hi}]\n").message(),
+            "required (a JSONL file, or {path, format})");
+}
+
 TEST_F(JobFile, BadEnumValueListsTheValidOnes) {
   EXPECT_EQ(error_of(with_input("kind: evaluate\n")).message(),
             "bad value 'evaluate' (expected one of: eval, synth)");

@@ -207,6 +207,20 @@ TEST(ProgressBar, ItemsWaitingToRetryAreCountedAndLeaveNoEta) {
   EXPECT_NE(line.find("backoff 90"), std::string::npos) << line;
 }
 
+// While the API server cannot be connected to, the bar says so first and gives no ETA.
+TEST(ProgressBar, NoConnectionIsShownAndLeavesNoEta) {
+  ProgressCounters c = counters();
+  c.backing_off = 8;
+  c.no_connection = true;
+  Progress progress(nullptr, true, seconds{5}, 160);
+  const std::string line = progress.render_bar(c, 10.0);
+  EXPECT_NE(line.find("no connection: backoff 8"), std::string::npos) << line;
+  EXPECT_NE(line.find("eta --"), std::string::npos) << line;
+  EXPECT_NE(progress.render_plain(c, 10.0).find(" no connection: backoff 8"), std::string::npos);
+  c.backing_off = 0;
+  EXPECT_NE(progress.render_bar(c, 10.0).find(" no connection"), std::string::npos);
+}
+
 // A terminal that reports no size: $COLUMNS, else 80.
 TEST(ProgressBar, ColumnsFromTheEnvironmentWhereTheTerminalSaysNone) {
   ::setenv("COLUMNS", "50", 1);

@@ -467,6 +467,13 @@ TEST(ParseRequest, SeedIsAnyInteger) {
             std::numeric_limits<std::int64_t>::min());
   EXPECT_EQ(chat({{"seed", 0}}).request.seed, 0);
   expect_invalid(chat_error(chat_body({{"seed", 0.5}})), "seed", "'seed' must be an integer, not a number (0.5)");
+  // Whole numbers past what a double holds exactly: out of range, or to be written in digits.
+  expect_invalid(chat_error(chat_body({{"seed", 1.8446744073709552e19}})), "seed",
+                 "'seed' must be between -9223372036854775808 and 9223372036854775807, not 1.8446744073709552e+19");
+  expect_invalid(chat_error(chat_body({{"max_tokens", 1e20}})), "max_tokens",
+                 "'max_tokens' must be between 1 and 2147483647, not 1e+20");
+  expect_invalid(chat_error(chat_body({{"seed", 1e17}})), "seed",
+                 "'seed' must be written as an integer (digits only) when it is this large, not 1e+17");
 }
 
 TEST(ParseRequest, StopStringsAndList) {

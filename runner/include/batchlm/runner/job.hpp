@@ -134,6 +134,9 @@ struct RetrySpec {
   milliseconds base{500};
   milliseconds cap{30'000};
   milliseconds max_retry_after{120'000};  // server hints honoured up to this
+  // After a success, a server that can no longer be connected to (restarting, its host
+  // rebooting) is waited for this long without spending the items' attempts; 0: not waited for.
+  milliseconds reconnect_for{300'000};
   double budget_ratio = 0.2;          // retries in a 10 s window: this fraction of first attempts...
   double budget_min_per_second = 10;  // ...plus this many per second; beyond it retries wait
 };

@@ -25,7 +25,11 @@ struct ProgressCounters {
   std::int64_t output_tokens = 0;  // streamed so far (deltas until usage corrects them)
   std::string engine;              // the embedded engine's state (EngineStats::brief), or ""
   bool stopping = false;           // no new items (a signal, a refusal): no ETA to give
+  bool no_connection = false;      // the API server could not be connected to: items wait for it
 };
+
+// "42s", "1m24s", "2h05m": precise enough for an estimate, short enough for a status line.
+std::string format_duration(double seconds);
 
 // Whether `out` is a terminal a bar can be redrawn on in place: a TTY whose $TERM is not
 // "dumb". Elsewhere the progress is plain periodic lines.
