@@ -938,54 +938,70 @@ class Dispatcher {
   }
 
   // A server that answered before and now cannot be connected to is restarting, or its host
-  // is: the items wait for it, up to retry.reconnect_for, rather than each spending its attempts
-  // in a few seconds and failing. The server never saw these attempts, so nothing is sent
-  // twice. Returns how long the item waits before trying again, or nothing where the outcome is
-  // not such a failure (or reconnect_for is 0). Past reconnect_for the run stops: what was not
-  // sent runs on the next run.
+  // is; a gateway that answers 502, 503 or 504 to every request, whatever the item, has no
+  // server behind it (one restarting, or not up yet). Either way the items wait for it, up to
+  // retry.reconnect_for, rather than each spending its attempts in a few seconds and failing.
+  // Returns how long the item waits before trying again (its attempt not counted), or nothing
+  // where the outcome is not such a failure (or reconnect_for is 0). Past reconnect_for the run
+  // stops: what was not sent runs on the next run.
   std::optional<std::chrono::milliseconds> watch_connection(const Outcome& outcome) {
-    const bool lost = !outcome.ok() && never_connected(*outcome.error);
-    if (!lost) {
-      // Any answer, even an error, is a connection made. A cancelled attempt says nothing.
-      if (no_connection_since_ && (outcome.ok() || outcome.error->kind != ErrorKind::Cancelled)) {
-        const double s = std::chrono::duration<double>(Clock::now() - *no_connection_since_).count();
-        if (no_connection_said_)
-          progress_.message("batchlm: connected to " + without_password(job_.backend.base_url) + " again after " +
-                            format_duration(s) + "; the items that waited go on");
-        no_connection_since_.reset();
-        no_connection_said_ = false;
+    const Error* e = outcome.ok() ? nullptr : &*outcome.error;
+    if (e != nullptr && e->kind == ErrorKind::Cancelled) return std::nullopt;  // says nothing of the server
+    const bool gateway = e != nullptr && e->kind == ErrorKind::Http &&
+                         (e->http_status == 502 || e->http_status == 503 || e->http_status == 504);
+    gateway_errors_in_a_row_ = gateway ? gateway_errors_in_a_row_ + 1 : 0;
+    // Connections refused after a success (before one, the run stops sooner: watch_refusals);
+    // gateway errors once ten in a row, any item's, say it is not one item's request.
+    const bool unconnected = e != nullptr && never_connected(*e) && any_success_;
+    const bool down = unconnected || (gateway && gateway_errors_in_a_row_ >= kRefusalsToStop);
+    const std::string url = without_password(job_.backend.base_url);
+    if (!down) {
+      // Any other answer, even an error, is the server back (a connection refused is not).
+      if (server_down_since_ && !(e != nullptr && never_connected(*e))) {
+        const double s = std::chrono::duration<double>(Clock::now() - *server_down_since_).count();
+        if (server_down_said_)
+          progress_.message("batchlm: " + url + " answers again after " + format_duration(s) +
+                            "; the items that waited go on");
+        server_down_since_.reset();
+        server_down_said_ = false;
         counters_.no_connection = false;
       }
       return std::nullopt;
     }
-    if (!any_success_ || job_.retry.reconnect_for.count() <= 0) return std::nullopt;
+    if (job_.retry.reconnect_for.count() <= 0) return std::nullopt;
     const auto now = Clock::now();
-    const std::string url = without_password(job_.backend.base_url);
-    const std::string said = utf8_excerpt(outcome.error->message, 200);
-    if (!no_connection_since_) {
-      no_connection_since_ = now;
+    const std::string said = utf8_excerpt(e->message, 200);
+    const std::string status = "HTTP " + std::to_string(e->http_status);
+    if (!server_down_since_) {
+      server_down_since_ = now;
       counters_.no_connection = true;
     }
     // Said once it has lasted a little: a connection refused now and then (a port running
     // short, a load balancer's blip) is not news.
-    if (!no_connection_said_ && now - *no_connection_since_ >= std::chrono::seconds(2)) {
-      no_connection_said_ = true;
-      progress_.message("batchlm: cannot connect to " + url + " (" + said + "); the items wait for it up to " +
+    if (!server_down_said_ && now - *server_down_since_ >= std::chrono::seconds(2)) {
+      server_down_said_ = true;
+      progress_.message("batchlm: " + (unconnected ? "cannot connect to " + url : url + " answers " + status + " to every request") +
+                        " (" + said + "); the items wait for it up to " +
                         format_duration(std::chrono::duration<double>(job_.retry.reconnect_for).count()) +
                         " (retry.reconnect_for), without spending their attempts");
     }
-    if (now - *no_connection_since_ >= job_.retry.reconnect_for) {
+    if (now - *server_down_since_ >= job_.retry.reconnect_for) {
       if (!stopping_) {
-        refused_ = Refusal{"could not connect to " + url + " for " +
-                               format_duration(std::chrono::duration<double>(now - *no_connection_since_).count()) +
-                               " (" + said + ")",
-                           "Start the server again (or raise retry.reconnect_for)"};
+        const std::string lasted = format_duration(std::chrono::duration<double>(now - *server_down_since_).count());
+        refused_ = unconnected
+                       ? Refusal{"could not connect to " + url + " for " + lasted + " (" + said + ")",
+                                 "Start the server again (or raise retry.reconnect_for)"}
+                       : Refusal{url + " answered " + status + " to every request for " + lasted + " (" + said + ")",
+                                 "Check the server behind it (or raise retry.reconnect_for)"};
         begin_stop(refused_->what.c_str(), false);
       }
       return std::chrono::milliseconds{0};
     }
-    // One round of attempts a second at most (retry.cap if less): each is a connection refused
-    // at once, so the items' own backoffs would make them a storm.
+    // One round of attempts a second at most (retry.cap if less), or as the server's Retry-After
+    // says: each fails at once, so the items' own backoffs would make them a storm.
+    if (e->retry_after)
+      come_back_at_ = std::max(come_back_at_, now + std::clamp(*e->retry_after, std::chrono::milliseconds{0},
+                                                                job_.retry.max_retry_after));
     const auto round = std::clamp(job_.retry.cap, std::chrono::milliseconds{1}, std::chrono::milliseconds{1000});
     if (come_back_at_ <= now) come_back_at_ = now + round;
     return std::chrono::duration_cast<std::chrono::milliseconds>(come_back_at_ - now);
@@ -1187,9 +1203,11 @@ class Dispatcher {
   bool stopping_ = false, interrupted_ = false;
   int refusals_in_a_row_ = 0;
   bool any_success_ = false;  // an item of this run has succeeded
-  // Since when the server, which answered before, cannot be connected to (watch_connection).
-  std::optional<Clock::time_point> no_connection_since_;
-  bool no_connection_said_ = false;  // the wait was announced
+  // Since when the server cannot be connected to, or its gateway answers that it is not there
+  // (watch_connection); whether the wait was announced; gateway errors in a row, any item's.
+  std::optional<Clock::time_point> server_down_since_;
+  bool server_down_said_ = false;
+  int gateway_errors_in_a_row_ = 0;
   struct Refusal {
     std::string what, advice;  // may quote the server: printed through terminal_safe
   };
