@@ -96,6 +96,25 @@ std::string without_password(std::string_view url) {
   return std::string(url.substr(0, colon + 1)) + "***" + std::string(url.substr(at));
 }
 
+namespace {
+
+// The code point of one whole UTF-8 character of two to four bytes.
+char32_t utf8_code_point(std::string_view c) {
+  const auto b = [&](std::size_t k) { return static_cast<char32_t>(static_cast<unsigned char>(c[k])); };
+  if (c.size() == 2) return ((b(0) & 0x1f) << 6) | (b(1) & 0x3f);
+  if (c.size() == 3) return ((b(0) & 0x0f) << 12) | ((b(1) & 0x3f) << 6) | (b(2) & 0x3f);
+  return ((b(0) & 0x07) << 18) | ((b(1) & 0x3f) << 12) | ((b(2) & 0x3f) << 6) | (b(3) & 0x3f);
+}
+
+// Unicode's explicit direction marks, embeddings, overrides and isolates, and its line and
+// paragraph separators.
+bool is_direction_control(char32_t cp) {
+  return cp == 0x061c || cp == 0x200e || cp == 0x200f || (cp >= 0x2028 && cp <= 0x202e) ||
+         (cp >= 0x2066 && cp <= 0x2069);
+}
+
+}  // namespace
+
 std::string terminal_safe(std::string_view text) {
   std::string out;
   out.reserve(text.size());
@@ -114,6 +133,13 @@ std::string terminal_safe(std::string_view text) {
       escape(byte);
       escape(static_cast<unsigned char>(text[i + 1]));
       i += 2;
+    } else if (const char32_t cp = n >= 2 ? utf8_code_point(text.substr(i, n)) : 0; is_direction_control(cp)) {
+      // Characters that reorder or break the text around them where a terminal applies the
+      // bidirectional algorithm: a server's message must not reverse the line it is quoted in.
+      char code[12];
+      std::snprintf(code, sizeof code, "\\u%04x", static_cast<unsigned>(cp));
+      out += code;
+      i += n;
     } else {
       out.append(text.substr(i, n));
       i += n;

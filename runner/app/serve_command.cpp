@@ -160,7 +160,7 @@ void add_serve_command(CLI::App& app) {
       ->check(app::between(0.001, 86400, false))->capture_default_str();
   serve_cmd->add_option("--request-timeout", s.request_timeout,
                         "Seconds a client has to send a whole request from its first byte (a client trickling "
-                        "it byte by byte is cut off then)")
+                        "it byte by byte is answered 408 then, and the connection closed)")
       ->check(app::between(0.001, 86400, false))->capture_default_str();
   serve_cmd->add_option("--speculative", s.spec.method,
                         "Speculative decoding: none, ngram (look up the prompt and output), self "

@@ -321,7 +321,7 @@ class Dispatcher {
         begin_stop("hangup (the terminal closed)", true, nullptr);
       } else {
         begin_stop(signo == SIGINT ? "interrupted" : "terminated", true,
-                   signo == SIGINT ? " (Ctrl-C again to exit now)" : " (Ctrl-C to exit now)");
+                   signo == SIGINT ? " (Ctrl-C again to exit now)" : " (a second SIGTERM, or Ctrl-C, exits now)");
       }
       wait_for_signal(signals);
     });
@@ -665,12 +665,13 @@ class Dispatcher {
       co_return std::nullopt;
     }
     ++run.attempts;
+    const auto sent_at = Clock::now();
     if (!run.first_attempt_at) {
-      run.first_attempt_at = Clock::now();
+      run.first_attempt_at = sent_at;
       budget_.on_first_attempt();
-    } else {
-      ++counters_.retries;
     }
+    // As the records count them: an attempt the server never saw (watch_connection) is none.
+    if (run.attempts > 1) ++counters_.retries;
     live.in_attempt = true;
     ++counters_.in_flight;
     run.streamed = 0;
@@ -680,9 +681,11 @@ class Dispatcher {
     std::int64_t charged_past_estimate = 0;
     // Reasoning pieces are output tokens as well.
     run.outcome = co_await backend_.complete(
-        item.request, [this, &run, &charged_past_estimate, output_estimate](std::string_view text,
-                                                                             std::span<const TokenLogprob>, TextPart) {
+        item.request, [this, &run, &charged_past_estimate, output_estimate, sent_at](
+                          std::string_view text, std::span<const TokenLogprob>, TextPart) {
           if (text.empty()) return;
+          // The first text of a stream is the server back, though its answer has yet to end.
+          if (run.streamed == 0) server_back(sent_at);
           ++run.streamed;
           ++counters_.output_tokens;
           if (run.streamed > output_estimate && !tokens_.unlimited()) {
@@ -694,8 +697,9 @@ class Dispatcher {
     live.in_attempt = false;
     watch_refusals(run.outcome, item);
     run.waits_for_server = false;
-    if (const std::optional<std::chrono::milliseconds> wait = watch_connection(run.outcome)) {
+    if (const std::optional<std::chrono::milliseconds> wait = watch_connection(run.outcome, sent_at)) {
       // Not an attempt the server saw: the item's attempts are not spent on the outage.
+      if (run.attempts > 1) --counters_.retries;
       --run.attempts;
       if (stopping_) {
         run.cancelled = true;  // sent on the next run
@@ -944,7 +948,21 @@ class Dispatcher {
   // Returns how long the item waits before trying again (its attempt not counted), or nothing
   // where the outcome is not such a failure (or reconnect_for is 0). Past reconnect_for the run
   // stops: what was not sent runs on the next run.
-  std::optional<std::chrono::milliseconds> watch_connection(const Outcome& outcome) {
+  // An attempt sent at `sent_at` was answered (an answer begun, or an error other than the
+  // server's absence): where that was after the server was found gone, it is back, and the wait
+  // ends. Answers to attempts sent before then (a request cut by the server's end) say nothing.
+  void server_back(Clock::time_point sent_at) {
+    if (!server_down_since_ || sent_at < *server_down_since_) return;
+    if (server_down_said_)
+      progress_.message("batchlm: " + without_password(job_.backend.base_url) + " answers again after " +
+                        format_duration(std::chrono::duration<double>(sent_at - *server_down_since_).count()) +
+                        "; the items that waited go on");
+    server_down_since_.reset();
+    server_down_said_ = false;
+    counters_.no_connection = false;
+  }
+
+  std::optional<std::chrono::milliseconds> watch_connection(const Outcome& outcome, Clock::time_point sent_at) {
     const Error* e = outcome.ok() ? nullptr : &*outcome.error;
     if (e != nullptr && e->kind == ErrorKind::Cancelled) return std::nullopt;  // says nothing of the server
     const bool gateway = e != nullptr && e->kind == ErrorKind::Http &&
@@ -957,15 +975,7 @@ class Dispatcher {
     const std::string url = without_password(job_.backend.base_url);
     if (!down) {
       // Any other answer, even an error, is the server back (a connection refused is not).
-      if (server_down_since_ && !(e != nullptr && never_connected(*e))) {
-        const double s = std::chrono::duration<double>(Clock::now() - *server_down_since_).count();
-        if (server_down_said_)
-          progress_.message("batchlm: " + url + " answers again after " + format_duration(s) +
-                            "; the items that waited go on");
-        server_down_since_.reset();
-        server_down_said_ = false;
-        counters_.no_connection = false;
-      }
+      if (!(e != nullptr && never_connected(*e))) server_back(sent_at);
       return std::nullopt;
     }
     if (job_.retry.reconnect_for.count() <= 0) return std::nullopt;

@@ -820,6 +820,40 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     buffer.consume(n);
   }
 
+  // A request's time to arrive: at its end the socket's reads are cancelled (not the socket
+  // closed, as the stream's own expiry does), so the session can still answer 408. The handler
+  // touches the socket only while the clock runs, which is inside the session that owns it.
+  class RequestClock {
+   public:
+    RequestClock(tcp::socket& socket, std::chrono::milliseconds limit)
+        : state_(std::make_shared<State>(State{&socket})), timer_(socket.get_executor()) {
+      timer_.expires_after(limit);
+      timer_.async_wait([state = state_](boost::system::error_code ec) {
+        if (ec || !state->running) return;
+        state->expired = true;
+        boost::system::error_code ignored;
+        state->socket->cancel(ignored);
+      });
+    }
+    RequestClock(const RequestClock&) = delete;
+    RequestClock& operator=(const RequestClock&) = delete;
+    ~RequestClock() { stop(); }
+    void stop() {
+      state_->running = false;
+      timer_.cancel();
+    }
+    bool expired() const { return state_->expired; }
+
+   private:
+    struct State {
+      tcp::socket* socket;
+      bool running = true;
+      bool expired = false;
+    };
+    std::shared_ptr<State> state_;
+    asio::steady_timer timer_;
+  };
+
   asio::awaitable<void> session(tcp::socket socket) {
     auto self = shared_from_this();
     Connection c(std::move(socket));
@@ -850,7 +884,10 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         }
         // From its first byte the whole request (line, fields, body) has request_timeout, however
         // the bytes are spaced: a client trickling them one at a time cannot hold the connection.
-        c.stream.expires_after(options.request_timeout);
+        // Then the reads are cancelled rather than the connection closed, so that the client is
+        // told why (408); the stream's own expiry, a little later, closes it if even that stalls.
+        c.stream.expires_after(options.request_timeout + std::chrono::seconds(5));
+        RequestClock clock(c.stream.socket(), options.request_timeout);
         c.receiving = true;
         HeldBody held{held_body_bytes};
         auto [ec, n] = co_await http::async_read_header(c.stream, c.buffer, parser, use_tuple);
@@ -914,9 +951,20 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
           }
         }
         c.receiving = false;
+        clock.stop();
         if (ec) {
           c.refusing = true;
-          if (ec == asio::error::no_buffer_space) {
+          if (clock.expired()) {
+            HttpRequest head{http::verb::unknown, "", 11};
+            head.keep_alive(false);
+            unread_body = true;  // the client may still be sending: drain before closing
+            char limit[32];
+            std::snprintf(limit, sizeof limit, "%g", std::chrono::duration<double>(options.request_timeout).count());
+            co_await send_error(c, head,
+                                ApiError(408, "invalid_request_error", "",
+                                         std::string("the request did not arrive whole within ") + limit +
+                                             " s (the server's --request-timeout)"));
+          } else if (ec == asio::error::no_buffer_space) {
             HttpRequest head = parser.release();
             head.keep_alive(false);
             unread_body = true;

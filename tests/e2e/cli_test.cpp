@@ -479,6 +479,14 @@ TEST(BatchlmRun, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
   expect_each_id_once(records, 60);
   // The attempts that found no server are not counted: those cut by the kill were retried once.
   for (const auto& r : records) EXPECT_LE(r["attempts"].get<int>(), 2) << r.dump();
+  // Nor does the progress count them as retries: its last line agrees with the summary.
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  const std::size_t last = err.rfind("[batchlm] 60/60");
+  ASSERT_NE(last, std::string::npos) << err;
+  const std::string line = err.substr(last, err.find('\n', last) - last);
+  EXPECT_NE(line.find(" retries " + std::to_string(summary["attempts"]["retries"].get<long long>()) + " "),
+            std::string::npos)
+      << line << "\n" << summary["attempts"].dump();
 }
 
 // A gateway whose server is away answers 502 to everything: once ten requests in a row have

@@ -2082,7 +2082,19 @@ TEST_F(Serve, ARequestTrickledByteByByteIsCutAtTheRequestTimeout) {
   EXPECT_TRUE(closed) << "still open after " << sent << " bytes";
   EXPECT_GT(took, 900ms);
   EXPECT_LT(took, 20s);
-  EXPECT_EQ(trickle.received(), "");
+  // Told why before the close.
+  EXPECT_TRUE(trickle.received().starts_with("HTTP/1.1 408 Request Timeout\r\n")) << trickle.received();
+  EXPECT_TRUE(contains(trickle.received(), "Connection: close\r\n")) << trickle.received();
+  EXPECT_TRUE(contains(trickle.received(), "the request did not arrive whole within 1 s (the server's --request-timeout)"))
+      << trickle.received();
+
+  // A body announced and never sent: the same.
+  RawConnection stalled(s->port());
+  stalled.send_raw("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                   "Content-Length: 100\r\n\r\n{\"prompt\":");
+  EXPECT_TRUE(stalled.read_to_end(10s));
+  EXPECT_TRUE(stalled.received().starts_with("HTTP/1.1 408 Request Timeout\r\n")) << stalled.received();
+  EXPECT_EQ(health(*s)["status"], "ok");
 
   RawConnection idle(s->port());
   std::this_thread::sleep_for(1500ms);

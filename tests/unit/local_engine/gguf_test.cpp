@@ -878,6 +878,11 @@ TEST(TerminalSafe, ControlCharactersAndBytesOutsideUtf8AreWrittenAsHex) {
   EXPECT_EQ(terminal_safe("\x1b[31mRED\x1b[0m\r\n"), "\\x1b[31mRED\\x1b[0m\\x0d\\x0a");
   EXPECT_EQ(terminal_safe(std::string("ll\0ma", 5)), "ll\\x00ma");
   EXPECT_EQ(terminal_safe("\x7f\xc2\x9b\xff\xfe"), "\\x7f\\xc2\\x9b\\xff\\xfe");  // DEL, C1 CSI, not UTF-8
+  // A right-to-left override (U+202E) and an isolate (U+2067) would reverse the rest of the line
+  // on a terminal that applies bidi; Arabic letters and a zero-width joiner in an emoji stay.
+  EXPECT_EQ(terminal_safe("a\xe2\x80\xae" "b\xe2\x81\xa7" "c\xe2\x80\xa8" "d"), "a\\u202eb\\u2067c\\u2028d");
+  EXPECT_EQ(terminal_safe("\xd8\xb3\xd9\x84\xd8\xa7\xd9\x85 \xf0\x9f\x91\xa9\xe2\x80\x8d\xf0\x9f\x91\xa7"),
+            "\xd8\xb3\xd9\x84\xd8\xa7\xd9\x85 \xf0\x9f\x91\xa9\xe2\x80\x8d\xf0\x9f\x91\xa7");
   const Error e(std::string("model.gguf: architecture 'll") + '\0' + "ma\x1b[2J' is not supported");
   EXPECT_STREQ(e.what(), "model.gguf: architecture 'll\\x00ma\\x1b[2J' is not supported");
 }

@@ -148,7 +148,8 @@ std::string replace_invalid_utf8(std::string_view s, std::string (*replacement)(
 // character written as the four characters \xNN (the `bytes` field keeps the exact bytes).
 std::string logprob_token_text(std::string_view bytes);
 // Text from a file (a model's metadata) made safe for a terminal and for a C string: control
-// characters (C0, DEL, C1, NUL included) and bytes outside valid UTF-8 written as \xNN.
+// characters (C0, DEL, C1, NUL included) and bytes outside valid UTF-8 written as \xNN; the
+// bidirectional controls and the line and paragraph separators as \uNNNN.
 std::string terminal_safe(std::string_view text);
 // A URL with the password of its user information ("https://user:secret@host/...") written as
 // "***", for messages and records; any other URL as it is.
