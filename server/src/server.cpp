@@ -790,7 +790,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
                             std::pair(http::field::allow, std::string("GET, HEAD")));
         co_return true;
       }
-      if (path == "/v1/models") {
+      if (path == "/v1/models" || path == "/v1/models/") {  // a trailing slash names no model
         json list = json::object();
         list["object"] = "list";
         list["data"] = json::array();

@@ -587,6 +587,10 @@ TEST_F(Serve, HealthAndModels) {
   HttpResponse one = get(*s, "/v1/models/tiny-served");
   ASSERT_EQ(one.status, 200) << one.body;
   EXPECT_EQ(one.json_body(), model);
+  // With a trailing slash the path names no model: the list.
+  HttpResponse slash = get(*s, "/v1/models/");
+  ASSERT_EQ(slash.status, 200) << slash.body;
+  EXPECT_EQ(slash.json_body(), models);
 
   expect_error(get(*s, "/v1/models/gpt-4o"), 404, "invalid_request_error", "model", "model_not_found");
   EXPECT_EQ(get(*s, "/health?verbose=1").status, 200);
