@@ -96,7 +96,9 @@ constexpr const char* kServeExamples = R"(Examples:
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
 GET /v1/models, GET /health, GET /metrics (Prometheus). SIGINT/SIGTERM/SIGHUP: stop accepting, finish requests in flight
-(up to --shutdown-grace seconds), exit 0; a second SIGINT or SIGTERM cancels what is left.
+(up to --shutdown-grace seconds), exit 0; a second SIGINT or SIGTERM cancels what is left. A signal ignored when
+the server started stays ignored, as nohup wants (a script's `batchlm serve &` starts with SIGINT ignored: stop it
+with SIGTERM).
 )";
 
 }  // namespace
