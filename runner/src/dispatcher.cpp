@@ -579,6 +579,8 @@ class Dispatcher {
     // The last attempt could not connect to a server that had answered before: the next one
     // waits for it (reconnect), not for the retry budget.
     bool waits_for_server = false;
+    // Since when its attempts have found no server, without an answer between.
+    std::optional<Clock::time_point> unconnected_since;
   };
 
   asio::awaitable<void> serve_item(Item item, std::list<LiveItem>::iterator live) {
@@ -697,7 +699,7 @@ class Dispatcher {
     live.in_attempt = false;
     watch_refusals(run.outcome, item);
     run.waits_for_server = false;
-    if (const std::optional<std::chrono::milliseconds> wait = watch_connection(run.outcome, sent_at)) {
+    if (const std::optional<std::chrono::milliseconds> wait = watch_connection(run.outcome, sent_at, run)) {
       // Not an attempt the server saw: the item's attempts are not spent on the outage.
       if (run.attempts > 1) --counters_.retries;
       --run.attempts;
@@ -941,13 +943,6 @@ class Dispatcher {
            (e.kind == ErrorKind::Timeout && e.code == "connect_timeout");
   }
 
-  // A server that answered before and now cannot be connected to is restarting, or its host
-  // is; a gateway that answers 502, 503 or 504 to every request, whatever the item, has no
-  // server behind it (one restarting, or not up yet). Either way the items wait for it, up to
-  // retry.reconnect_for, rather than each spending its attempts in a few seconds and failing.
-  // Returns how long the item waits before trying again (its attempt not counted), or nothing
-  // where the outcome is not such a failure (or reconnect_for is 0). Past reconnect_for the run
-  // stops: what was not sent runs on the next run.
   // An attempt sent at `sent_at` was answered (an answer begun, or an error other than the
   // server's absence): where that was after the server was found gone, it is back, and the wait
   // ends. Answers to attempts sent before then (a request cut by the server's end) say nothing.
@@ -962,57 +957,59 @@ class Dispatcher {
     counters_.no_connection = false;
   }
 
-  std::optional<std::chrono::milliseconds> watch_connection(const Outcome& outcome, Clock::time_point sent_at) {
+  // A server that answered before and now cannot be connected to is restarting, or its host
+  // is: the items wait for it, up to retry.reconnect_for, rather than each spending its attempts
+  // in a few seconds and failing. Such an attempt never reached a server, so it is not counted
+  // and nothing is sent twice. Returns how long the item waits before trying again, or nothing
+  // where the outcome is not such a failure (or reconnect_for is 0, or this item has waited that
+  // long already: its attempts count again, so no item retries unbounded while others get
+  // through). Once the failures have lasted 2 s, the wait is said and every item holds, one round
+  // of attempts a second (retry.cap if less); past reconnect_for the run stops, and what was not
+  // sent runs on the next run.
+  std::optional<std::chrono::milliseconds> watch_connection(const Outcome& outcome, Clock::time_point sent_at,
+                                                            ItemRun& run) {
     const Error* e = outcome.ok() ? nullptr : &*outcome.error;
-    if (e != nullptr && e->kind == ErrorKind::Cancelled) return std::nullopt;  // says nothing of the server
-    const bool gateway = e != nullptr && e->kind == ErrorKind::Http &&
-                         (e->http_status == 502 || e->http_status == 503 || e->http_status == 504);
-    gateway_errors_in_a_row_ = gateway ? gateway_errors_in_a_row_ + 1 : 0;
-    // Connections refused after a success (before one, the run stops sooner: watch_refusals);
-    // gateway errors once ten in a row, any item's, say it is not one item's request.
-    const bool unconnected = e != nullptr && never_connected(*e) && any_success_;
-    const bool down = unconnected || (gateway && gateway_errors_in_a_row_ >= kRefusalsToStop);
-    const std::string url = without_password(job_.backend.base_url);
-    if (!down) {
-      // Any other answer, even an error, is the server back (a connection refused is not).
-      if (!(e != nullptr && never_connected(*e))) server_back(sent_at);
+    if (e == nullptr || !never_connected(*e)) {
+      // An answer, even an error one, is the server back; a connection that broke before any
+      // answer (a proxy's port open while what is behind it restarts) is not, nor a cancel.
+      if (e == nullptr || (e->kind != ErrorKind::Connection && e->kind != ErrorKind::Timeout &&
+                           e->kind != ErrorKind::Cancelled && e->kind != ErrorKind::Internal)) {
+        run.unconnected_since.reset();
+        server_back(sent_at);
+      }
       return std::nullopt;
     }
-    if (job_.retry.reconnect_for.count() <= 0) return std::nullopt;
+    if (!any_success_ || job_.retry.reconnect_for.count() <= 0) return std::nullopt;
     const auto now = Clock::now();
-    const std::string said = utf8_excerpt(e->message, 200);
-    const std::string status = "HTTP " + std::to_string(e->http_status);
+    if (!run.unconnected_since) run.unconnected_since = now;
+    if (now - *run.unconnected_since >= job_.retry.reconnect_for && !server_down_since_) return std::nullopt;
     if (!server_down_since_) {
       server_down_since_ = now;
       counters_.no_connection = true;
     }
-    // Said once it has lasted a little: a connection refused now and then (a port running
-    // short, a load balancer's blip) is not news.
-    if (!server_down_said_ && now - *server_down_since_ >= std::chrono::seconds(2)) {
+    const std::string url = without_password(job_.backend.base_url);
+    const std::string said = utf8_excerpt(e->message, 200);
+    // Said, and every item held, once it has lasted a little: a connection refused now and then
+    // (a port running short, a full accept queue) is not news, and holds only its own item.
+    const bool lasting = now - *server_down_since_ >= std::chrono::seconds(2);
+    if (lasting && !server_down_said_) {
       server_down_said_ = true;
-      progress_.message("batchlm: " + (unconnected ? "cannot connect to " + url : url + " answers " + status + " to every request") +
-                        " (" + said + "); the items wait for it up to " +
+      progress_.message("batchlm: cannot connect to " + url + " (" + said + "); the items wait for it up to " +
                         format_duration(std::chrono::duration<double>(job_.retry.reconnect_for).count()) +
                         " (retry.reconnect_for), without spending their attempts");
     }
     if (now - *server_down_since_ >= job_.retry.reconnect_for) {
       if (!stopping_) {
-        const std::string lasted = format_duration(std::chrono::duration<double>(now - *server_down_since_).count());
-        refused_ = unconnected
-                       ? Refusal{"could not connect to " + url + " for " + lasted + " (" + said + ")",
-                                 "Start the server again (or raise retry.reconnect_for)"}
-                       : Refusal{url + " answered " + status + " to every request for " + lasted + " (" + said + ")",
-                                 "Check the server behind it (or raise retry.reconnect_for)"};
+        refused_ = Refusal{"could not connect to " + url + " for " +
+                               format_duration(std::chrono::duration<double>(now - *server_down_since_).count()) +
+                               " (" + said + ")",
+                           "Start the server again (or raise retry.reconnect_for)"};
         begin_stop(refused_->what.c_str(), false);
       }
       return std::chrono::milliseconds{0};
     }
-    // One round of attempts a second at most (retry.cap if less), or as the server's Retry-After
-    // says: each fails at once, so the items' own backoffs would make them a storm.
-    if (e->retry_after)
-      come_back_at_ = std::max(come_back_at_, now + std::clamp(*e->retry_after, std::chrono::milliseconds{0},
-                                                                job_.retry.max_retry_after));
     const auto round = std::clamp(job_.retry.cap, std::chrono::milliseconds{1}, std::chrono::milliseconds{1000});
+    if (!lasting) return round;
     if (come_back_at_ <= now) come_back_at_ = now + round;
     return std::chrono::duration_cast<std::chrono::milliseconds>(come_back_at_ - now);
   }
@@ -1213,11 +1210,10 @@ class Dispatcher {
   bool stopping_ = false, interrupted_ = false;
   int refusals_in_a_row_ = 0;
   bool any_success_ = false;  // an item of this run has succeeded
-  // Since when the server cannot be connected to, or its gateway answers that it is not there
-  // (watch_connection); whether the wait was announced; gateway errors in a row, any item's.
+  // Since when the server, which answered before, cannot be connected to (watch_connection), and
+  // whether the wait was said.
   std::optional<Clock::time_point> server_down_since_;
   bool server_down_said_ = false;
-  int gateway_errors_in_a_row_ = 0;
   struct Refusal {
     std::string what, advice;  // may quote the server: printed through terminal_safe
   };

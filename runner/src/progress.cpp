@@ -414,7 +414,8 @@ nlohmann::json Summary::to_json(double wall_seconds, std::int64_t total_items) c
       // Answers, not attempts: a run whose every item failed at once did no work a second.
       {"requests_per_second", seconds > 0 ? static_cast<double>(succeeded_ - resumed_) / seconds : 0.0},
       {"output_tokens_per_second", seconds > 0 ? static_cast<double>(completion_tokens_) / seconds : 0.0}};
-  // Every request this run sent, those of items it did not finish included.
+  // Every request this run sent, those of items it did not finish included (not the attempts
+  // that found no server to connect to while the run waited for it: those sent nothing).
   const std::int64_t attempts = attempts_ + unfinished_attempts_;
   j["attempts"] = {{"total", attempts},
                    {"retries", std::max<std::int64_t>(0, attempts - this_run - unfinished_items_)}};

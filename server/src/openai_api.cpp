@@ -93,7 +93,8 @@ std::int64_t integer(const Body& v, const std::string& param, std::int64_t min, 
   } else if (v.is_number_float() && std::isfinite(v.get<double>()) && std::floor(v.get<double>()) == v.get<double>()) {
     // A whole number too large to be taken exactly from its double (1e20, or 2^64 written out).
     const double d = v.get<double>();
-    if (d < static_cast<double>(min) || d > static_cast<double>(max))
+    // (2^63 itself is out of range, though it is what INT64_MAX becomes as a double.)
+    if (d < static_cast<double>(min) || d > static_cast<double>(max) || d >= 0x1p63)
       invalid(param, "'" + param + "' must be between " + std::to_string(min) + " and " + std::to_string(max) +
                          ", not " + v.dump());
     invalid(param, "'" + param + "' must be written as an integer (digits only) when it is this large, not " +

@@ -890,7 +890,14 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         RequestClock clock(c.stream.socket(), options.request_timeout);
         c.receiving = true;
         HeldBody held{held_body_bytes};
-        auto [ec, n] = co_await http::async_read_header(c.stream, c.buffer, parser, use_tuple);
+        // The header in pieces, as the body below: the clock's cancel reaches only a read that
+        // is waiting, so each piece checks it (one that had just completed would read on).
+        boost::system::error_code ec;
+        std::size_t n = 0;
+        while (!ec && !parser.is_header_done()) {
+          std::tie(ec, n) = co_await http::async_read_some(c.stream, c.buffer, parser, use_tuple);
+          if (!ec && clock.expired()) ec = beast::error::timeout;
+        }
         const auto coding = parser.get().find(http::field::transfer_encoding);
         if (!ec && coding != parser.get().end() &&
             (parser.get().count(http::field::transfer_encoding) > 1 || !beast::iequals(coding->value(), "chunked"))) {
@@ -946,6 +953,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
           // The body in pieces, each counted against what all connections hold at once.
           while (!ec && !parser.is_done()) {
             std::tie(ec, n) = co_await http::async_read_some(c.stream, c.buffer, parser, use_tuple);
+            if (!ec && !parser.is_done() && clock.expired()) ec = beast::error::timeout;
             held.grow_to(std::max(declared, parser.get().body().size()));
             if (!ec && held_body_bytes > options.max_held_body_bytes) ec = asio::error::no_buffer_space;
           }

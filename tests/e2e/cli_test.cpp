@@ -489,30 +489,6 @@ TEST(BatchlmRun, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
       << line << "\n" << summary["attempts"].dump();
 }
 
-// A gateway whose server is away answers 502 to everything: once ten requests in a row have
-// met that, the items wait for the server as for one that refuses connections, and go on when
-// it is back, every item answered once and none failed.
-TEST(BatchlmRun, WaitsOutAGatewayAnswering502ToEveryRequest) {
-  TempDir dir;
-  auto server = std::make_unique<FakeServer>(dir.path, std::vector<std::string>{"--fault-rate", "1", "--faults", "status=502"});
-  const int port = server->port();
-  const std::string url = server->base_url();
-  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = url, .limit = 30, .concurrency = 4, .max_attempts = 6}));
-  Process run({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"OPENAI_API_KEY", ""}, {"BATCHLM_MODEL", ""}},
-               .cwd = dir.path, .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
-  ASSERT_TRUE(wait_until([&] { return read_file(dir.path / "run.err").find("to every request") != std::string::npos; }, 30s))
-      << read_file(dir.path / "run.err");
-  server.reset();
-  server = std::make_unique<FakeServer>(
-      dir.path, std::vector<std::string>{"--gsm8k", gsm8k_test_file(), "--port", std::to_string(port)});
-  const std::optional<int> code = run.wait(60s);
-  const std::string err = read_file(dir.path / "run.err");
-  ASSERT_EQ(code, 0) << err;
-  EXPECT_NE(err.find("batchlm: " + url + " answers HTTP 502 to every request ("), std::string::npos) << err;
-  EXPECT_NE(err.find("batchlm: " + url + " answers again after "), std::string::npos) << err;
-  expect_each_id_once(read_jsonl(dir.path / "out/e2e.jsonl"), 30);
-}
-
 // A server that does not come back within retry.reconnect_for: the run stops, keeps what was
 // answered, records no failure for what the outage held, and says why; the rerun finishes.
 TEST(BatchlmRun, StopsWhenAServerLostMidRunStaysAwayPastReconnectFor) {

@@ -472,6 +472,8 @@ TEST(ParseRequest, SeedIsAnyInteger) {
                  "'seed' must be between -9223372036854775808 and 9223372036854775807, not 1.8446744073709552e+19");
   expect_invalid(chat_error(chat_body({{"max_tokens", 1e20}})), "max_tokens",
                  "'max_tokens' must be between 1 and 2147483647, not 1e+20");
+  expect_invalid(chat_error(chat_body({{"seed", 0x1p63}})), "seed",
+                 "'seed' must be between -9223372036854775808 and 9223372036854775807, not 9.223372036854776e+18");
   expect_invalid(chat_error(chat_body({{"seed", 1e17}})), "seed",
                  "'seed' must be written as an integer (digits only) when it is this large, not 1e+17");
 }
