@@ -983,10 +983,7 @@ class Dispatcher {
     const auto now = Clock::now();
     if (!run.unconnected_since) run.unconnected_since = now;
     if (now - *run.unconnected_since >= job_.retry.reconnect_for && !server_down_since_) return std::nullopt;
-    if (!server_down_since_) {
-      server_down_since_ = now;
-      counters_.no_connection = true;
-    }
+    if (!server_down_since_) server_down_since_ = now;
     const std::string url = without_password(job_.backend.base_url);
     const std::string said = utf8_excerpt(e->message, 200);
     // Said, and every item held, once it has lasted a little: a connection refused now and then
@@ -994,6 +991,7 @@ class Dispatcher {
     const bool lasting = now - *server_down_since_ >= std::chrono::seconds(2);
     if (lasting && !server_down_said_) {
       server_down_said_ = true;
+      counters_.no_connection = true;
       progress_.message("batchlm: cannot connect to " + url + " (" + said + "); the items wait for it up to " +
                         format_duration(std::chrono::duration<double>(job_.retry.reconnect_for).count()) +
                         " (retry.reconnect_for), without spending their attempts");
