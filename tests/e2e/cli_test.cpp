@@ -454,7 +454,7 @@ TEST(BatchlmRun, StopsWhenNoTlsConnectionCanBeMade) {
 // would fail them within half a second), and the run ends with every item answered once.
 TEST(BatchlmRun, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
   TempDir dir;
-  const std::vector<std::string> args = {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "5"};
+  const std::vector<std::string> args = {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "12"};
   auto server = std::make_unique<FakeServer>(dir.path, args);
   const int port = server->port();
   write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server->base_url(), .limit = 60, .concurrency = 4}));
@@ -493,7 +493,7 @@ TEST(BatchlmRun, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
 // answered, records no failure for what the outage held, and says why; the rerun finishes.
 TEST(BatchlmRun, StopsWhenAServerLostMidRunStaysAwayPastReconnectFor) {
   TempDir dir;
-  const std::vector<std::string> args = {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "5"};
+  const std::vector<std::string> args = {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "12"};
   auto server = std::make_unique<FakeServer>(dir.path, args);
   const int port = server->port();
   const std::string url = server->base_url();
