@@ -936,6 +936,8 @@ class Dispatcher {
     begin_stop(refused_->what.c_str(), false);
   }
 
+  static std::string lasted(Clock::duration d) { return format_duration(std::chrono::duration<double>(d).count()); }
+
   // A connection that could not be made: refused (the server is down or restarting), no host,
   // or a connect timeout (a host that drops packets). Not a connection that broke once made.
   static bool never_connected(const Error& e) {
@@ -948,12 +950,10 @@ class Dispatcher {
   // ends. Answers to attempts sent before then (a request cut by the server's end) say nothing.
   void server_back(Clock::time_point sent_at) {
     if (!server_down_since_ || sent_at < *server_down_since_) return;
-    if (server_down_said_)
+    if (counters_.no_connection)  // the wait was said
       progress_.message("batchlm: " + without_password(job_.backend.base_url) + " answers again after " +
-                        format_duration(std::chrono::duration<double>(sent_at - *server_down_since_).count()) +
-                        "; the items that waited go on");
+                        lasted(sent_at - *server_down_since_) + "; the items that waited go on");
     server_down_since_.reset();
-    server_down_said_ = false;
     counters_.no_connection = false;
   }
 
@@ -989,18 +989,15 @@ class Dispatcher {
     // Said, and every item held, once it has lasted a little: a connection refused now and then
     // (a port running short, a full accept queue) is not news, and holds only its own item.
     const bool lasting = now - *server_down_since_ >= std::chrono::seconds(2);
-    if (lasting && !server_down_said_) {
-      server_down_said_ = true;
+    if (lasting && !counters_.no_connection) {
       counters_.no_connection = true;
       progress_.message("batchlm: cannot connect to " + url + " (" + said + "); the items wait for it up to " +
-                        format_duration(std::chrono::duration<double>(job_.retry.reconnect_for).count()) +
+                        lasted(job_.retry.reconnect_for) +
                         " (retry.reconnect_for), without spending their attempts");
     }
     if (now - *server_down_since_ >= job_.retry.reconnect_for) {
       if (!stopping_) {
-        refused_ = Refusal{"could not connect to " + url + " for " +
-                               format_duration(std::chrono::duration<double>(now - *server_down_since_).count()) +
-                               " (" + said + ")",
+        refused_ = Refusal{"could not connect to " + url + " for " + lasted(now - *server_down_since_) + " (" + said + ")",
                            "Start the server again (or raise retry.reconnect_for)"};
         begin_stop(refused_->what.c_str(), false);
       }
@@ -1208,10 +1205,9 @@ class Dispatcher {
   bool stopping_ = false, interrupted_ = false;
   int refusals_in_a_row_ = 0;
   bool any_success_ = false;  // an item of this run has succeeded
-  // Since when the server, which answered before, cannot be connected to (watch_connection), and
-  // whether the wait was said.
+  // Since when the server, which answered before, cannot be connected to (watch_connection);
+  // counters_.no_connection says whether the wait was said.
   std::optional<Clock::time_point> server_down_since_;
-  bool server_down_said_ = false;
   struct Refusal {
     std::string what, advice;  // may quote the server: printed through terminal_safe
   };
