@@ -20,7 +20,7 @@
 # decide between the devices), kernels (gpu_kernels_bench --check alone), k-engine (the
 # 1B-class engine in Q4_1 and Q4_K_M-like types), benchmarks, model-test (the
 # default model against its exact reference), model-benchmarks (engine, GSM8K, the peer),
-# engine (its first part alone), profile (per-kernel GPU time of a decode step, with ncu), ab
+# engine (its first part alone), cli (the dry run, refusals and generate on the GPU), profile (per-kernel GPU time of a decode step, with ncu), ab
 # (engine_bench of a base build against this one, alternating); 'checks' is tests and benchmarks, 'model' is model-test and
 # model-benchmarks.
 #
@@ -52,7 +52,9 @@ pack() {
   cp -r "${BATCHLM_DATA:-../shared/data}/gsm8k" .gpu/data/
   # transformers reads GGUF through the gguf package, which the GPU machine's image lacks.
   python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/whl gguf
-  tar -C .gpu -cf - bin lib data whl | xz -T2 -6 >.gpu-a/bundle.tar.xz
+  # One xz stream with a 64 MiB dictionary: the binaries share their CUDA code, which it then
+  # stores once (24 MiB at -6 with two threads, 12 MiB so).
+  tar -C .gpu -cf - bin lib data whl | xz -T1 -9 >.gpu-a/bundle.tar.xz
   rm -rf .gpu
   [ -f "$MODEL" ] || scripts/fetch-model.sh
   # The model goes in parts: what fits beside the tree and the bundle, then the rest in .gpu-b
@@ -69,7 +71,7 @@ pack() {
     mkdir -p .gpu-c
     tail -c +$(((first_kib + part_kib) * 1024 + 1)) "$MODEL" >.gpu-c/model.3
   fi
-  du -sh .gpu-a .gpu-b .gpu-c 2>/dev/null
+  du -sh .gpu-a .gpu-b $([ -d .gpu-c ] && echo .gpu-c)
   for d in .gpu-a .gpu-b .gpu-c; do
     [ -d $d ] || continue
     if (($(du -sk $d | cut -f1) + tree_kib > LIMIT_MIB * 1024)); then
@@ -193,6 +195,33 @@ model_benchmarks() {
     env PYTHONPATH=/tmp/site python3 bench/gpu/peer_transformers.py --model "$MODEL" --sequences 1,8,64,256 --tokens 128
 }
 
+# What the command line does with the GPU: the dry run's checks there (BatchEngine::check), a
+# pool under one context refused before anything is loaded, and a request the GPU's sampler
+# cannot take (min_p) refused, named. The refusals must exit non-zero and name the field.
+refused() {
+  local want=$1 out rc
+  shift
+  out=$("$@" 2>&1)
+  rc=$?
+  echo "$out" | tail -8
+  ((rc != 0)) && grep -q -- "$want" <<<"$out"
+}
+export -f refused
+
+cli() {
+  assemble_model
+  local b=.gpu/bin/batchlm
+  step "CLI: dry run on the GPU" 60 $b run jobs/gsm8k.yaml --dry-run --limit 3 --set backend.device=cuda
+  step "CLI: dry run refuses a pool under one context" 60 \
+    bash -c 'refused "$@"' _ kv_tokens $b run jobs/gsm8k.yaml --dry-run --limit 3 --set backend.device=cuda \
+    --set backend.kv_tokens=64
+  step "CLI: min_p refused where the GPU samples" 60 \
+    bash -c 'refused "$@"' _ min_p $b run jobs/gsm8k.yaml --limit 2 --fresh --output "$OUT/min_p.jsonl" \
+    --set backend.device=cuda --set request.extra.min_p=0.1
+  step "CLI: generate on the GPU" 60 $b generate --chat -p "What is 17 * 3?" --temperature 0 \
+    --max-tokens 24 --timings
+}
+
 # Where a decode step's GPU time goes: Nsight Compute's duration of each kernel over about one
 # step (after the warm-up and prefill), graphs off so that each kernel is its own launch.
 profile() {
@@ -246,6 +275,7 @@ device() {
         profile) profile ;;
         engine) model_engine ;;
         ab) ab ;;
+        cli) cli ;;
         checks) gpu_tests; benchmarks ;;
         model) model_test; model_benchmarks ;;
         all) gpu_tests; benchmarks; model_test; model_benchmarks ;;

@@ -418,6 +418,15 @@ TEST_F(GpuEngine, PenaltiesAreRefusedWhereTheDeviceSamples) {
   GenerateParams with_logprobs = params;
   with_logprobs.logprobs = 2;
   EXPECT_TRUE(refused(with_logprobs));
+  GenerateParams min_p = params;
+  min_p.sampling.min_p = 0.1f;
+  try {
+    engine.add(prompt, min_p, nullptr);
+    ADD_FAILURE() << "min_p was accepted on the GPU";
+  } catch (const RequestRejected& e) {
+    EXPECT_EQ(e.code, "unsupported_parameter");
+    EXPECT_NE(std::string(e.what()).find("'min_p': min-p is applied on the CPU only"), std::string::npos) << e.what();
+  }
   GenerateParams json_mode = params;
   json_mode.json_object = true;
   EXPECT_TRUE(refused(json_mode));
@@ -425,6 +434,92 @@ TEST_F(GpuEngine, PenaltiesAreRefusedWhereTheDeviceSamples) {
   schema.json_schema = std::make_shared<const JsonSchema>(compile_json_schema({{"type", "object"}}));
   EXPECT_TRUE(refused(schema));
   EXPECT_NO_THROW(engine.add(prompt, params, nullptr));
+}
+
+// The dry run's check on a GPU machine says what the constructor would: a model the GPU runs
+// passes under `cuda`; one it cannot (rows of 200 values) is refused there, in the
+// constructor's words, and passes under `auto`, where it runs on the CPU; a pool smaller than
+// one context is refused on the GPU too.
+TEST_F(GpuEngine, TheDryRunsCheckAgreesWithTheConstructorOnTheGpu) {
+  LocalBackendOptions o;
+  o.device = Device::kCuda;
+  o.threads = 1;
+  o.context = 128;
+  o.kv_tokens = 2048;
+  const auto good = Model::load(path(kernels::DType::Q4_1));
+  EXPECT_NO_THROW(BatchEngine::check(good, o));
+  EXPECT_NO_THROW(BatchEngine(good, o));
+  batchlm::testing::TinyLlamaOptions w = tiny(kernels::DType::F32, kernels::DType::F32);
+  w.n_heads = 5;
+  w.n_kv_heads = 1;
+  w.head_dim = 40;
+  write_tiny_llama(*dir_ / "w200.gguf", w);
+  const auto odd = Model::load(*dir_ / "w200.gguf");
+  std::string checked, built;
+  try {
+    BatchEngine::check(odd, o);
+    ADD_FAILURE() << "the check passed a model the GPU cannot run";
+  } catch (const DeviceUnavailable& e) {
+    checked = e.what();
+  }
+  try {
+    BatchEngine engine(odd, o);
+    ADD_FAILURE() << "the engine took a model the GPU cannot run";
+  } catch (const DeviceUnavailable& e) {
+    built = e.what();
+  }
+  EXPECT_EQ(checked, built);
+  EXPECT_NE(checked.find("attn_output rows hold 200"), std::string::npos) << checked;
+  LocalBackendOptions a = o;
+  a.device = Device::kAuto;
+  EXPECT_NO_THROW(BatchEngine::check(odd, a));
+  LocalBackendOptions small = o;
+  small.kv_tokens = 64;  // under one context of 128
+  EXPECT_THROW(BatchEngine::check(good, small), std::invalid_argument);
+  EXPECT_THROW(BatchEngine(good, small), std::invalid_argument);
+}
+
+// A Gemma model on a GPU machine: `auto` runs it on the CPU, saying why, with the CPU's own
+// greedy tokens; `cuda` is refused, by the check and the constructor alike.
+TEST_F(GpuEngine, GemmaRunsOnTheCpuOfAGpuMachine) {
+  batchlm::testing::TinyLlamaOptions g = tiny(kernels::DType::Q8_0, kernels::DType::Q8_0);
+  g.architecture = "gemma3";
+  g.sliding_window = 8;
+  g.sliding_window_pattern = 2;
+  g.rope_freq_base_swa = 10000.0f;
+  write_tiny_llama(*dir_ / "gemma3.gguf", g);
+  const auto model = Model::load(*dir_ / "gemma3.gguf");
+  GenerateParams params;
+  params.max_tokens = 12;
+  params.ignore_eos = true;
+  const std::vector<Token> prompt = {1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41};
+  auto run = [&](Device device) {
+    LocalBackendOptions o;
+    o.device = device;
+    o.threads = 2;
+    o.context = 128;
+    o.kv_tokens = 1024;
+    BatchEngine engine(model, o);
+    const SequenceId id = engine.add(prompt, params, nullptr);
+    std::vector<Token> out;
+    while (!engine.idle()) {
+      engine.step();
+      for (auto& [done, result] : engine.take_finished())
+        if (done == id) out = result.tokens;
+    }
+    return std::make_pair(engine.device(), out);
+  };
+  const auto [where, tokens] = run(Device::kAuto);
+  EXPECT_NE(where.find("no GPU: the GPU forward pass does not run the 'gemma3' architecture"), std::string::npos)
+      << where;
+  EXPECT_EQ(tokens.size(), 12u);
+  EXPECT_EQ(tokens, run(Device::kCpu).second);
+  LocalBackendOptions o;
+  o.device = Device::kCuda;
+  o.context = 128;
+  o.kv_tokens = 1024;
+  EXPECT_THROW(BatchEngine::check(model, o), DeviceUnavailable);
+  EXPECT_THROW(BatchEngine(model, o), DeviceUnavailable);
 }
 
 // The default model against its exact reference (tests/support/exact_reference.hpp), teacher-

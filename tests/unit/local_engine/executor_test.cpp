@@ -23,6 +23,7 @@
 #include "batchlm/local_engine/gguf.hpp"
 #include "batchlm/local_engine/model.hpp"
 #include "gguf_writer.hpp"
+#include "requantize.hpp"
 
 namespace batchlm::local_engine {
 namespace {
@@ -139,6 +140,51 @@ TEST_F(ExecutorTest, RowsTheGpuCannotReadStayOnTheCpu) {
     return;
   }
   EXPECT_EQ(why, "the GPU kernels take rows of a multiple of 32 values, and this model's attn_output rows hold 200");
+  try {
+    make_executor(m, {.device = Device::kCuda, .threads = 1});
+    FAIL() << "no error";
+  } catch (const DeviceUnavailable& e) {
+    EXPECT_NE(std::string(e.what()).find("device 'cuda' was asked for, but " + why), std::string::npos) << e.what();
+  }
+}
+
+// The GPU holds Q6_K matrices in F16: a value past its range (here 1e6 in attn_v) is found by
+// the upload, which leaves `auto` on the CPU with that reason; `cuda` refuses with it. Without
+// a GPU, the reason is that there is none, found first.
+TEST_F(ExecutorTest, AQ6KValuePastF16sRangeStaysOnTheCpu) {
+  batchlm::testing::TinyLlamaOptions o;
+  o.n_layers = 1;
+  o.n_embd = 256;
+  o.n_ff = 256;
+  o.context_length = 128;
+  o.v_up_dtype = kernels::DType::Q6_K;
+  batchlm::testing::write_tiny_llama(*dir_ / "q6.gguf", o);
+  const std::string name = "blk.0.attn_v.weight";
+  {
+    const auto f = gguf::File::open(*dir_ / "q6.gguf");
+    const std::vector<std::int64_t> shape = f.tensor(name).shape;
+    std::vector<float> values(f.tensor(name).n_elements, 0.01f);
+    values[7] = 1e6f;
+    batchlm::testing::write_file(
+        *dir_ / "q6-big.gguf",
+        batchlm::testing::edit(f, {.drop = [&](const std::string& n) { return n == name; },
+                                   .add = [&](batchlm::testing::GgufWriter& w) {
+                                     w.add_tensor(name, kernels::DType::Q6_K, shape, values);
+                                   }}));
+  }
+  const auto m = Model::load(*dir_ / "q6-big.gguf");
+  ASSERT_EQ(m->config().n_embd, 256);
+  std::string why;
+  auto ex = make_executor(m, {.device = Device::kAuto, .threads = 1}, &why);
+  EXPECT_EQ(ex->device(), Device::kCpu);
+  EXPECT_FALSE(why.empty());
+  if (!gpu_here()) {
+    EXPECT_EQ(why.find("F16"), std::string::npos) << why;
+    return;
+  }
+  EXPECT_NE(why.find("the GPU could not take the model: "), std::string::npos) << why;
+  EXPECT_NE(why.find("a Q6_K value ("), std::string::npos) << why;
+  EXPECT_NE(why.find("is past F16's range"), std::string::npos) << why;
   try {
     make_executor(m, {.device = Device::kCuda, .threads = 1});
     FAIL() << "no error";
