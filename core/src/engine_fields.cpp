@@ -380,4 +380,27 @@ std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const ojson& e
   return out;
 }
 
+std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const ojson& extra) {
+  if (!extra.is_object()) return std::nullopt;
+  const auto nonzero = [&](const char* key) {
+    const auto it = extra.find(key);
+    return it != extra.end() && it->is_number() && it->get<double>() != 0.0;
+  };
+  // In the order the engine checks a request's parameters.
+  for (const char* key : {"presence_penalty", "frequency_penalty"})
+    if (nonzero(key)) return std::pair<std::string, std::string>(key, "penalties are applied");
+  if (nonzero("min_p")) return std::pair<std::string, std::string>("min_p", "min-p is applied");
+  if (!requested_logit_bias(extra).empty())
+    return std::pair<std::string, std::string>("logit_bias", "biases are applied");
+  if (requested_logprobs(extra) >= 0)
+    return std::pair<std::string, std::string>("logprobs", "log-probabilities are computed");
+  if (requested_json_object(extra))
+    return std::pair<std::string, std::string>("response_format", "JSON mode is applied");
+  if (requested_tools(extra) && forces_call(extra))
+    return std::pair<std::string, std::string>("tool_choice", "forced calls are held to their tool's schema");
+  if (requested_json_schema(extra) != nullptr)
+    return std::pair<std::string, std::string>("response_format", "JSON schemas are followed");
+  return std::nullopt;
+}
+
 }  // namespace batchlm

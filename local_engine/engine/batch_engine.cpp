@@ -162,7 +162,7 @@ std::int64_t cpu_pool_past_memory(const LocalBackendOptions& options, std::int64
 
 }  // namespace
 
-void BatchEngine::check(const std::shared_ptr<const Model>& model, const LocalBackendOptions& options) {
+Device BatchEngine::check(const std::shared_ptr<const Model>& model, const LocalBackendOptions& options) {
   checked_budget(options);
   // Where the constructor opens the step log: that it could be opened for appending, without
   // creating it.
@@ -197,6 +197,7 @@ void BatchEngine::check(const std::shared_ptr<const Model>& model, const LocalBa
       kv_pool_tokens(options, context, bytes_per_token, gpu ? 0 : available_memory_bytes(), gpu);
   const std::int64_t block = options.block_size;
   if (!gpu) cpu_pool_past_memory(options, (pool_tokens + block - 1) / block * block * bytes_per_token);
+  return gpu ? Device::kCuda : Device::kCpu;
 }
 
 BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendOptions& options,
@@ -262,6 +263,8 @@ BatchEngine::~BatchEngine() = default;
 int BatchEngine::threads() const { return threads_->size(); }
 
 std::int64_t BatchEngine::pool_tokens() const { return blocks_->n_blocks() * blocks_->block_size(); }
+
+bool BatchEngine::samples_on_device() const { return executor_->samples_on_device(); }
 
 std::string BatchEngine::device() const {
   std::string d = executor_->describe();

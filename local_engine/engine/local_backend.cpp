@@ -251,6 +251,8 @@ std::optional<std::string> LocalBackend::tools_problem() const {
   }
 }
 
+bool LocalBackend::samples_on_device() const { return state_->engine->samples_on_device(); }
+
 std::int64_t LocalBackend::pool_bytes() const { return state_->engine->pool_bytes(); }
 
 std::int64_t LocalBackend::pool_past_memory() const { return state_->engine->pool_past_memory(); }

@@ -252,6 +252,15 @@ void refuse_tools_without_template(const JobSpec& job, const std::vector<Overrid
   }
 }
 
+// An engine that samples on a GPU refuses what only its CPU sampler applies: a job asking for
+// it in request.extra would fail every item, so it is refused before anything is sent.
+void refuse_cpu_sampling_on_gpu(const JobSpec& job, const std::vector<Override>& overrides) {
+  if (const auto field = cpu_sampling_field(job.request.extra))
+    throw field_error(job, overrides, "request.extra." + field->first,
+                      field->second + " on the CPU only, and the engine samples on the GPU here; set "
+                                      "backend.device: cpu to run it");
+}
+
 // The embedded engine's options from the job's backend settings.
 local_engine::LocalBackendOptions local_options(const JobSpec& job, const std::vector<Override>& overrides) {
   local_engine::LocalBackendOptions options;
@@ -316,6 +325,7 @@ std::unique_ptr<Backend> make_backend(const JobSpec& job, const std::vector<Over
                    static_cast<long long>(job.backend.context), static_cast<long long>(backend->context()));
     refuse_biases_outside(job, overrides, backend->vocab_size(), backend->model_name());
     refuse_tools_without_template(job, overrides, backend->tools_problem());
+    if (backend->samples_on_device()) refuse_cpu_sampling_on_gpu(job, overrides);
     // A pool set larger than the memory: the system may end the run when the pool fills.
     if (const std::int64_t available = backend->pool_past_memory(); available > 0) {
       const std::string field = job.backend.kv_tokens > 0 ? "backend.kv_tokens" : "backend.kv_memory";  // tokens win
@@ -411,10 +421,12 @@ int run_command(const JobOptions& o, bool synth) {
       // The model's whole tensor table and metadata, checked as the run loads them (the weights
       // are not read), and every engine setting the run would refuse for it.
       std::shared_ptr<const local_engine::Model> model;
+      local_engine::Device device = local_engine::Device::kCpu;
       engine_errors(job, overrides, [&] {
         model = local_engine::Model::load(job.backend.model, /*check_only=*/true);
-        local_engine::BatchEngine::check(model, local_options(job, overrides));
+        device = local_engine::BatchEngine::check(model, local_options(job, overrides));
       });
+      if (device == local_engine::Device::kCuda) refuse_cpu_sampling_on_gpu(job, overrides);
       context = dry_run_context(job, model->file());
       std::optional<std::int64_t> n_vocab = static_cast<std::int64_t>(model->tokenizer().size());
       try {

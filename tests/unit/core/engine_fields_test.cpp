@@ -264,6 +264,40 @@ TEST(EngineFields, AForcedToolChoiceNeedsItsToolAndAParametersSchemaTheEngineFol
   EXPECT_NO_THROW((void)compile_json_schema(*forced_call_schema(many, "arguments")));
 }
 
+// What only the CPU's sampler applies, field by field; values that change nothing are not it.
+TEST(EngineFields, CpuSamplingFieldsAreNamedInTheEnginesOrder) {
+  using ojson = nlohmann::ordered_json;
+  const auto field = [](const ojson& extra) {
+    const auto f = cpu_sampling_field(extra);
+    return f ? f->first + ": " + f->second : std::string("<none>");
+  };
+  EXPECT_EQ(field(ojson()), "<none>");
+  EXPECT_EQ(field(ojson::object()), "<none>");
+  EXPECT_EQ(field({{"top_k", 40}, {"ignore_eos", true}, {"user", "u"}}), "<none>");
+  EXPECT_EQ(field({{"presence_penalty", 0}, {"frequency_penalty", 0.0}, {"min_p", 0}}), "<none>");
+  EXPECT_EQ(field({{"logprobs", false}, {"response_format", {{"type", "text"}}}}), "<none>");
+  EXPECT_EQ(field({{"presence_penalty", 0.5}}), "presence_penalty: penalties are applied");
+  EXPECT_EQ(field({{"frequency_penalty", -1}}), "frequency_penalty: penalties are applied");
+  EXPECT_EQ(field({{"min_p", 0.05}}), "min_p: min-p is applied");
+  EXPECT_EQ(field({{"logit_bias", {{"42", 0}}}}), "logit_bias: biases are applied");
+  EXPECT_EQ(field({{"logit_bias", ojson::object()}}), "<none>");
+  EXPECT_EQ(field({{"logprobs", true}}), "logprobs: log-probabilities are computed");
+  EXPECT_EQ(field({{"logprobs", 0}}), "logprobs: log-probabilities are computed");
+  EXPECT_EQ(field({{"response_format", {{"type", "json_object"}}}}), "response_format: JSON mode is applied");
+  const ojson schema = {{"type", "json_schema"},
+                        {"json_schema", {{"name", "n"}, {"schema", {{"type", "object"}}}}}};
+  EXPECT_EQ(field({{"response_format", schema}}), "response_format: JSON schemas are followed");
+  const ojson tool = {{"type", "function"},
+                      {"function", {{"name", "f"}, {"parameters", {{"type", "object"}}}}}};
+  EXPECT_EQ(field({{"tools", {tool}}}), "<none>");  // the model decides: nothing is forced
+  EXPECT_EQ(field({{"tools", {tool}}, {"tool_choice", "required"}}),
+            "tool_choice: forced calls are held to their tool's schema");
+  EXPECT_EQ(field({{"tools", {tool}}, {"tool_choice", "none"}}), "<none>");
+  // The first in the engine's order is named.
+  EXPECT_EQ(field({{"response_format", {{"type", "json_object"}}}, {"min_p", 0.1}, {"frequency_penalty", 1}}),
+            "frequency_penalty: penalties are applied");
+}
+
 // A base URL's password is left out of what is shown and recorded.
 TEST(WithoutPassword, WritesTheUserInformationsPasswordAsStars) {
   EXPECT_EQ(without_password("http://user:s3cret@host:8000/v1"), "http://user:***@host:8000/v1");

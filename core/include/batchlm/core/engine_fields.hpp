@@ -66,6 +66,13 @@ const nlohmann::ordered_json* requested_json_schema(const nlohmann::ordered_json
 // `logit_bias` as (token id, bias) pairs; empty without it. For fields that passed the checks.
 std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const nlohmann::ordered_json& extra);
 
+// The field among the extra ones that only the engine's sampler on the CPU applies, as (the
+// field, what is done: "min-p is applied"), or nullopt: a penalty, min_p, logit_bias,
+// log-probabilities, JSON mode, a forced call, a JSON schema (in that order). An engine that
+// samples on a GPU refuses requests with one; the runner refuses such a job before it starts.
+// For fields that passed the checks above.
+std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const nlohmann::ordered_json& extra);
+
 // The most tokens a logit_bias may name (OpenAI's limit is 300; this one only bounds the work).
 inline constexpr std::size_t kMaxLogitBias = 1024;
 // The most alternatives per position a request may ask for (OpenAI's limit).

@@ -118,8 +118,8 @@ class BatchEngine {
   // without allocating or uploading anything: the limits, the speculative settings and draft
   // model, a GPU asked for that cannot run it, a KV pool too small for one context or one
   // written at start larger than the memory. The step log is not opened. Throws as it does
-  // (DeviceUnavailable too).
-  static void check(const std::shared_ptr<const Model>& model, const LocalBackendOptions& options);
+  // (DeviceUnavailable too). Returns where the forward passes would run (kCuda or kCpu).
+  static Device check(const std::shared_ptr<const Model>& model, const LocalBackendOptions& options);
   ~BatchEngine();
   BatchEngine(const BatchEngine&) = delete;
   BatchEngine& operator=(const BatchEngine&) = delete;
@@ -147,6 +147,9 @@ class BatchEngine {
   int threads() const;
   // Where the forward passes run, for the log (and why not on a GPU, when auto fell back).
   std::string device() const;
+  // Whether tokens are sampled on the device (a GPU's): requests with what only the CPU's
+  // sampler applies (cpu_sampling_field) are then refused.
+  bool samples_on_device() const;
 
  private:
   // A request in the scheduler.

@@ -37,6 +37,8 @@ class LocalBackend final : public Backend {
   // Why this model cannot take tools or a conversation's calls and results (its chat template
   // does not list tools), or nullopt when it can.
   std::optional<std::string> tools_problem() const;
+  // Whether the engine samples on a GPU (BatchEngine::samples_on_device).
+  bool samples_on_device() const;
   // The KV pool's bytes, and the memory available at start where the pool was set larger than
   // it (on the CPU), else 0.
   std::int64_t pool_bytes() const;
