@@ -215,11 +215,18 @@ cli() {
   step "CLI: dry run refuses a pool under one context" 60 \
     bash -c 'refused "$@"' _ kv_tokens $b run jobs/gsm8k.yaml --dry-run --limit 3 --set backend.device=cuda \
     --set backend.kv_tokens=64
-  step "CLI: min_p refused where the GPU samples" 60 \
-    bash -c 'refused "$@"' _ min_p $b run jobs/gsm8k.yaml --limit 2 --fresh --output "$OUT/min_p.jsonl" \
-    --set backend.device=cuda --set request.extra.min_p=0.1
+  step "CLI: min_p refused before the run where the GPU samples" 60 \
+    bash -c 'refused "$@"' _ "request.extra.min_p: min-p is applied on the CPU only" $b run jobs/gsm8k.yaml \
+    --limit 2 --fresh --output "$OUT/min_p.jsonl" --set request.extra.min_p=0.1
+  step "CLI: and by the dry run" 60 \
+    bash -c 'refused "$@"' _ "request.extra.logprobs: log-probabilities are computed" $b run jobs/gsm8k.yaml \
+    --dry-run --limit 2 --set request.extra.logprobs=true
+  step "CLI: min_p runs with --set backend.device=cpu" 120 $b run jobs/gsm8k.yaml --limit 2 --fresh \
+    --output "$OUT/min_p_cpu.jsonl" --set request.extra.min_p=0.1 --set backend.device=cpu
   step "CLI: generate on the GPU" 60 $b generate --chat -p "What is 17 * 3?" --temperature 0 \
-    --max-tokens 24 --timings
+    --max-tokens 24 --timings --device cuda
+  step "CLI: generate on the CPU" 60 $b generate --chat -p "What is 17 * 3?" --temperature 0 \
+    --max-tokens 24 --timings --device cpu
 }
 
 # Where a decode step's GPU time goes: Nsight Compute's duration of each kernel over about one

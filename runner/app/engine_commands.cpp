@@ -18,7 +18,9 @@
 #include <iterator>
 #include <map>
 #include <optional>
+#include <memory>
 #include <random>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -26,7 +28,9 @@
 #include <nlohmann/json.hpp>
 
 #include "batchlm/kernels/ops.hpp"
+#include "batchlm/local_engine/batch_engine.hpp"
 #include "batchlm/local_engine/engine.hpp"
+#include "batchlm/local_engine/executor.hpp"
 #include "batchlm/local_engine/model.hpp"
 #include "batchlm/runner/ignored_signal.hpp"
 #include "batchlm/runner/job.hpp"
@@ -80,6 +84,7 @@ struct GenerateOptions {
   std::vector<std::string> stop;
   bool ignore_eos = false;
   bool timings = false;
+  std::string device = "auto";
 };
 
 struct InspectOptions {
@@ -121,7 +126,22 @@ int run_generate() {
   if (const std::string problem = model_file_problem(g.model, "pass --model"); !problem.empty())
     throw std::runtime_error(problem);
   std::shared_ptr<const Model> model = Model::load(g.model);
-  Engine engine(model, EngineOptions{app::usable_threads(g.threads), g.context});
+  // The engine of run and serve, with one sequence and a pool of one context (on a GPU, the
+  // default pool would take all of its memory).
+  LocalBackendOptions options;
+  options.threads = app::usable_threads(g.threads);
+  options.context = g.context;
+  options.device = parse_device(g.device).value_or(Device::kAuto);
+  options.max_sequences = 1;
+  options.kv_tokens = choose_context(model->config(), g.context);
+  options.split_reasoning = false;
+  std::unique_ptr<BatchEngine> made;
+  try {
+    made = std::make_unique<BatchEngine>(model, options);
+  } catch (const DeviceUnavailable& e) {
+    throw std::runtime_error(std::string("--device: ") + e.what());
+  }
+  BatchEngine& engine = *made;
   if (g.context > engine.context())
     std::fprintf(stderr, "batchlm: note: --context %lld is beyond the longest context this model runs at; using %lld\n",
                  static_cast<long long>(g.context), static_cast<long long>(engine.context()));
@@ -133,9 +153,9 @@ int run_generate() {
     std::vector<ChatMessage> messages;
     if (!g.system.empty()) messages.push_back({"system", g.system});
     messages.push_back({"user", text});
-    prompt = engine.chat_prompt(messages);
+    prompt = chat_prompt_tokens(*model, messages);
   } else {
-    prompt = engine.text_prompt(text);
+    prompt = text_prompt_tokens(*model, text);
   }
   GenerateParams params;
   params.max_tokens = g.max_tokens;
@@ -151,12 +171,21 @@ int run_generate() {
   ::sigemptyset(&stop.sa_mask);
   const bool ignored = runner::ignored_at_start(SIGINT);
   if (!ignored) ::sigaction(SIGINT, &stop, &previous);
-  GenerateResult r = engine.generate(prompt, params, [](std::string_view piece) {
+  const SequenceId id = engine.add(prompt, params, [](std::string_view piece, std::span<const TokenLogprob>) {
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
     return g_interrupted == 0;
   });
+  GenerateResult r;
+  while (!engine.idle()) {
+    engine.step();
+    for (auto& [done, result] : engine.take_finished())
+      if (done == id) r = std::move(result);
+  }
   if (!ignored) ::sigaction(SIGINT, &previous, nullptr);
+  // One token comes with the prompt's pass; each later one takes a decode step.
+  r.stats.decode_steps = std::max<std::int64_t>(0, static_cast<std::int64_t>(r.tokens.size()) - 1);
+  r.stats.cached_prompt_tokens = engine.stats().prompt_tokens_cached;
   if (!r.text.empty() && r.text.back() != '\n') std::fputc('\n', stdout);
   std::fflush(stdout);
   // Nothing written and no error: an empty line alone would look like a failure to load or run.
@@ -187,6 +216,7 @@ int run_generate() {
         {"finish_reason", r.finish_reason},
         {"threads", engine.threads()},
         {"simd", kernels::cpu_simd_name()},
+        {"device", engine.device()},
     };
     std::fprintf(stderr, "%s\n", j.dump().c_str());
   }
@@ -376,6 +406,8 @@ void add_engine_commands(CLI::App& app) {
       ->capture_default_str()->check(app::at_least(0));
   generate_cmd->add_option("--context", g.context, "Context size in tokens; 0: min(model's, 4096)")
       ->check(app::at_least(0));
+  generate_cmd->add_option("--device", g.device, "Where the model runs: auto (CUDA when a GPU is present), cuda or cpu")
+      ->check(CLI::IsMember({"auto", "cuda", "cpu"}))->capture_default_str();
   generate_cmd->add_option("--stop", g.stop, "Stop before this text (repeatable)")
       ->check(CLI::Validator(
           [](std::string& text) { return text.empty() ? std::string(runner::kEmptyStopString) : std::string(); },

@@ -61,6 +61,35 @@ class EngineCli : public ::testing::Test {
 
 // ---- generate ----------------------------------------------------------------------------------
 
+// --device as backend.device: cpu runs there, with the text auto gives on a machine without a
+// GPU; cuda runs on a GPU or is refused naming the flag and the reason; the timings say where.
+TEST_F(EngineCli, GenerateRunsWhereDeviceSays) {
+  RunResult cpu = generate({"-p", "Hello", "-n", "8", "--temperature", "0", "--ignore-eos", "--device", "cpu",
+                            "--timings"});
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
+  const std::optional<json> timings = last_json_line(cpu.err);
+  ASSERT_TRUE(timings) << cpu.err;
+  EXPECT_EQ((*timings)["device"].get<std::string>().rfind("cpu (", 0), 0u) << timings->dump();
+  RunResult automatic = generate({"-p", "Hello", "-n", "8", "--temperature", "0", "--ignore-eos", "--timings"});
+  ASSERT_EQ(automatic.exit_code, 0) << automatic.err;
+  const std::optional<json> where = last_json_line(automatic.err);
+  ASSERT_TRUE(where) << automatic.err;
+  if ((*where)["device"].get<std::string>().rfind("cpu (", 0) == 0) {
+    EXPECT_EQ(automatic.out, cpu.out);
+  }
+  RunResult cuda = generate({"-p", "Hello", "-n", "2", "--device", "cuda", "--timings"});
+  if (cuda.exit_code == 0) {
+    EXPECT_EQ(last_json_line(cuda.err).value_or(json())["device"].get<std::string>().rfind("cuda: ", 0), 0u) << cuda.err;
+  } else {
+    EXPECT_EQ(cuda.exit_code, 2);
+    EXPECT_EQ(cuda.err.rfind("batchlm: error: --device: device 'cuda' was asked for, but ", 0), 0u) << cuda.err;
+    EXPECT_TRUE(cuda.out.empty()) << cuda.out;
+  }
+  RunResult bad = generate({"-p", "Hello", "--device", "gpu"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("--device"), std::string::npos) << bad.err;
+}
+
 TEST_F(EngineCli, GenerateGreedyPrintsTextAndTimings) {
   RunResult r = generate({"-p", "Hello", "-n", "8", "--temperature", "0", "--ignore-eos", "--timings"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
