@@ -169,8 +169,16 @@ class OrderedBuilder : public nlohmann::json_sax<nlohmann::ordered_json> {
 
   std::string path() const {
     std::string out;
-    for (const Frame& f : frames_)
-      out += f.value->is_object() ? (out.empty() ? "" : ".") + f.key : "[" + std::to_string(f.count - 1) + "]";
+    for (const Frame& f : frames_) {
+      if (f.value->is_object()) {
+        if (!out.empty()) out += '.';
+        out += f.key;
+      } else {
+        out += '[';
+        out += std::to_string(f.count - 1);
+        out += ']';
+      }
+    }
     return out;
   }
 

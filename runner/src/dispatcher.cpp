@@ -321,7 +321,8 @@ class Dispatcher {
         begin_stop("hangup (the terminal closed)", true, nullptr);
       } else {
         begin_stop(signo == SIGINT ? "interrupted" : "terminated", true,
-                   signo == SIGINT ? " (Ctrl-C again to exit now)" : " (a second SIGTERM, or Ctrl-C, exits now)");
+                   signo == SIGINT ? " (Ctrl-C again to exit now)" : " (a second SIGTERM, or Ctrl-C, exits now)",
+                   /*keypress=*/signo == SIGINT);
       }
       wait_for_signal(signals);
     });
@@ -341,15 +342,17 @@ class Dispatcher {
   }
 
   // `interrupted`: by a signal (exit 130), not by the run itself; `exit_now`: how to exit at
-  // once, said after the signal's message (none where the terminal is gone).
-  void begin_stop(const char* why, bool interrupted, const char* exit_now = nullptr) {
+  // once, said after the signal's message (none where the terminal is gone); `keypress`: the
+  // signal came from the terminal's Ctrl-C, whose echo the message must not run into.
+  void begin_stop(const char* why, bool interrupted, const char* exit_now = nullptr, bool keypress = false) {
     const std::string hint = exit_now != nullptr ? exit_now : "";
     if (stopping_) {
       // The run was already stopping by itself (the API refused it, the output failed): this
       // signal is the first, so it does not exit yet; say so, or the keypress looks ignored.
       if (interrupted && !hint.empty())
         progress_.message("batchlm: " + std::string(why) + ": already stopping; waiting for " +
-                          std::to_string(counters_.in_flight) + " in flight" + hint);
+                              std::to_string(counters_.in_flight) + " in flight" + hint,
+                          keypress);
       return;
     }
     stopping_ = true;
@@ -364,7 +367,8 @@ class Dispatcher {
     progress_.message("batchlm: " + std::string(why) + ": no new items; " +
                       (attempts == 0 ? std::string("none in flight")
                                      : "waiting up to " + std::string(grace) + " for " + std::to_string(attempts) +
-                                           " in flight" + (interrupted ? hint : "")));
+                                           " in flight" + (interrupted ? hint : "")),
+                      keypress);
     // Items not inside an attempt (waiting for a slot, a rate limit or a backoff) stop now.
     for (auto& item : items_)
       if (!item.in_attempt) item.cancel.emit(asio::cancellation_type::terminal);

@@ -301,11 +301,17 @@ void Progress::finish(const ProgressCounters& c, std::chrono::steady_clock::time
   draw(c, now, true);
 }
 
-void Progress::message(const std::string& line) {
+void Progress::message(const std::string& line, bool after_keypress) {
   // Messages may quote a server (why the run stops): one line of text, whatever it sent. It
   // takes the bar's place (a bar left above it would show figures already stale); the next
   // draw puts the bar back below it.
-  const std::string erase = tty_ && bar_length_ > 0 ? back_to_bar() + "\x1b[K" : "";
+  std::string erase;
+  if (tty_ && bar_length_ > 0)
+    erase = back_to_bar() + "\x1b[K";
+  else if (tty_ && after_keypress)
+    erase = "\r\x1b[K";
+  else if (after_keypress && out_ != nullptr && ::isatty(::fileno(out_)) != 0)
+    erase = "\n";  // a dumb terminal: the echo stays where it is
   std::fprintf(out_, "%s%s\n", erase.c_str(), terminal_safe(line).c_str());
   std::fflush(out_);
   bar_length_ = 0;

@@ -1727,6 +1727,27 @@ TEST(BatchlmProgress, DumbTerminalGetsPlainLines) {
   EXPECT_NE(screen.find("5 items: 5 succeeded"), std::string::npos) << screen;
 }
 
+// Ctrl-C on a dumb terminal: its echo ("^C") cannot be erased, so the message starts on the
+// next line rather than running on from it.
+TEST(BatchlmProgress, CtrlCOnADumbTerminalStartsItsMessageOnALineOfItsOwn) {
+  TempDir dir;
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "10"});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 400, .concurrency = 2}));
+  Process p({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"TERM", "dumb"}}, .cwd = dir.path,
+             .out_file = {}, .err_file = {}, .use_pty = true, .pty_columns = 100});
+  // The first plain line comes once the run is under way.
+  ASSERT_TRUE(wait_until([&] { return p.pty_output().find("[batchlm] ") != std::string::npos; })) << p.pty_output();
+  p.pty_send("\x03");
+  ASSERT_EQ(p.wait(30s), 130) << p.pty_output();
+  const std::string& screen = p.pty_output();
+  EXPECT_EQ(screen.find('\x1b'), std::string::npos) << screen;
+  const std::size_t echo = screen.find("^C");
+  ASSERT_NE(echo, std::string::npos) << "the terminal did not echo: " << screen;
+  const std::size_t message = screen.find("batchlm: interrupted: no new items");
+  ASSERT_NE(message, std::string::npos) << screen;
+  EXPECT_EQ(screen.substr(echo, message - echo), "^C\r\n") << screen;
+}
+
 }  // namespace
 }  // namespace batchlm::e2e
 

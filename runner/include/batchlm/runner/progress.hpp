@@ -55,7 +55,9 @@ class Progress {
               std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now());
   // A line of text while the bar may be showing: the bar's line is ended first, and the bar is
   // drawn anew below the text. Control characters in `line` are shown as \xNN (terminal_safe).
-  void message(const std::string& line);
+  // `after_keypress`: the line answers a key the terminal may have echoed (Ctrl-C's "^C"), which
+  // it erases or, on a terminal that cannot, leaves on a line of its own.
+  void message(const std::string& line, bool after_keypress = false);
   // As if the terminal were now `width` columns wide (tests; a real one is asked at each draw).
   void resize(int width) { width_ = width; }
   // The bar line for counters (without "\r"), for tests.
