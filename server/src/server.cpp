@@ -290,6 +290,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
 
   // Why abort_all cancelled a request: the grace period ended, or a second signal came.
   std::string abort_reason = "its grace period for requests in flight ended";
+  // What a request cancelled by the shutdown is told: to try again in a second, when a
+  // restarted server (or another behind the same address) may take it.
+  static inline const Header kRetrySoon = std::pair(http::field::retry_after, std::string("1"));
   ApiError shutting_down() const {
     return ApiError(503, "server_error", "",
                     "the server is shutting down and " + abort_reason +
@@ -630,7 +633,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       auto result = co_await (complete_whole(*parsed) || watch_peer(c) || wait_abort(c));
       if (result.index() == 2) {
         metrics.completion(label(endpoint), "shutdown");
-        co_await send_error(c, req, shutting_down());
+        co_await send_error(c, req, shutting_down(), kRetrySoon);
         co_return false;
       }
       if (result.index() != 0) {  // the client went away; the request is cancelled
@@ -660,7 +663,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
         metrics.completion(label(endpoint), "shutdown");
         counted = true;
         if (!s.started) {
-          co_await send_error(c, req, shutting_down());
+          co_await send_error(c, req, shutting_down(), kRetrySoon);
           co_return false;
         }
         // Mid-stream: what the engine gave, then the error as an event and the end of the stream.
@@ -706,6 +709,25 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   }
 
   asio::awaitable<bool> handle(Connection& c, const HttpRequest& req) {
+    // Requests about the server rather than a path (RFC 9110 9.3.6, 9.3.7): OPTIONS * lists
+    // the methods; CONNECT asks for a tunnel, which a server that is no proxy does not make.
+    static constexpr const char* kMethods = "GET, HEAD, POST, OPTIONS";
+    if (req.method() == http::verb::connect) {
+      co_await send_error(c, req,
+                          ApiError(405, "invalid_request_error", "", "this server is not a proxy: it makes no tunnels"),
+                          std::pair(http::field::allow, std::string(kMethods)));
+      co_return true;
+    }
+    if (req.target() == "*") {
+      if (req.method() == http::verb::options) {
+        co_await send_text(c, req, http::status::ok, "", "text/plain; charset=utf-8",
+                           std::pair(http::field::allow, std::string(kMethods)));
+      } else {
+        co_await send_error(c, req,
+                            ApiError(400, "invalid_request_error", "", "the request target '*' is for OPTIONS only"));
+      }
+      co_return true;
+    }
     const std::optional<std::string> decoded = path_of(req);
     if (!decoded) {
       co_await send_error(c, req,

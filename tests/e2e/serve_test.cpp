@@ -650,6 +650,34 @@ TEST_F(Serve, HeadIsAnsweredLikeGetWithoutTheBody) {
   EXPECT_GT(content_length(c.received()), 0) << c.received();
 }
 
+// Requests about the server rather than a path: OPTIONS * names the methods, CONNECT is no
+// tunnel (a server that is no proxy), and '*' with another method is a bad target.
+TEST_F(Serve, OptionsStarListsTheMethodsAndConnectIsRefused) {
+  auto s = serve({"--api-key", "k"});
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"OPTIONS * HTTP/1.1", "HTTP/1.1 200 OK\r\n"},
+      {"CONNECT 127.0.0.1:443 HTTP/1.1", "HTTP/1.1 405 Method Not Allowed\r\n"},
+      {"GET * HTTP/1.1", "HTTP/1.1 400 Bad Request\r\n"},
+  };
+  for (const auto& [line, status] : cases) {
+    SCOPED_TRACE(line);
+    RawConnection c(s->port());
+    c.send_raw(line + "\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+    EXPECT_TRUE(c.received().starts_with(status)) << c.received();
+    if (!line.starts_with("GET")) {
+      EXPECT_TRUE(contains(c.received(), "\r\nAllow: GET, HEAD, POST, OPTIONS\r\n")) << c.received();
+    }
+  }
+  // The connection goes on after OPTIONS *, as after any request.
+  RawConnection c(s->port());
+  c.send_raw("OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+             "Connection: close\r\n\r\n");
+  ASSERT_TRUE(c.read_to_end(10s)) << c.received();
+  EXPECT_TRUE(contains(c.received(), "HTTP/1.1 200 OK\r\nServer: batchlm\r\nContent-Type: application/json"))
+      << c.received();
+}
+
 TEST_F(Serve, MetricsCountResponsesCompletionsAndTheEngine) {
   auto s = serve({"--api-key", "k"});
   // Like /health, /metrics needs no key.
@@ -1948,6 +1976,7 @@ TEST_F(Serve, ShutdownGraceCutsLongRequests) {
   EXPECT_TRUE(contains(c.received(), "data: [DONE]")) << c.received();
   whole.read_until("server_shutting_down", 2s);
   EXPECT_TRUE(contains(whole.received(), "HTTP/1.1 503")) << whole.received();
+  EXPECT_TRUE(contains(whole.received(), "\r\nRetry-After: 1\r\n")) << whole.received();
   EXPECT_TRUE(contains(whole.received(), "\"type\":\"server_error\"")) << whole.received();
   EXPECT_TRUE(contains(s->stderr_text(), "2 requests still running were cancelled")) << s->stderr_text();
 }

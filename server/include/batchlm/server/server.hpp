@@ -10,7 +10,8 @@
 //   POST /v1/chat/completions    chat, streaming (SSE) or not
 //   POST /v1/completions         raw text completion, streaming or not
 //
-// HEAD on the GET endpoints answers as GET without the body. A browser's CORS preflight (OPTIONS)
+// HEAD on the GET endpoints answers as GET without the body; OPTIONS * lists the methods and
+// CONNECT gets 405 (no proxy). A browser's CORS preflight (OPTIONS)
 // is answered for the allowed origins without the API key, and every response to such an origin
 // says it may read it.
 // A request may ask for n choices, each its own engine sequence.
