@@ -384,7 +384,7 @@ std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const ojso
   if (!extra.is_object()) return std::nullopt;
   const auto nonzero = [&](const char* key) {
     const auto it = extra.find(key);
-    return it != extra.end() && it->is_number() && it->get<double>() != 0.0;
+    return it != extra.end() && it->is_number() && it->get<float>() != 0.0f;  // as the engine reads it
   };
   // In the order the engine checks a request's parameters.
   for (const char* key : {"presence_penalty", "frequency_penalty"})

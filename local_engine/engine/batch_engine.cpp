@@ -291,7 +291,7 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
     if (what)
       throw RequestRejected("unsupported_parameter", std::string(what) +
                                                          " on the CPU only, and this engine samples on the GPU "
-                                                         "(--device cpu runs them)");
+                                                         "(serve --device cpu, or a job's backend.device: cpu, runs them)");
   }
   if (params.logprobs > kMaxLogprobs)
     throw RequestRejected("invalid_request", "'top_logprobs': at most " + std::to_string(kMaxLogprobs) +

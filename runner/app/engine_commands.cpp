@@ -188,6 +188,9 @@ int run_generate() {
   r.stats.cached_prompt_tokens = engine.stats().prompt_tokens_cached;
   if (!r.text.empty() && r.text.back() != '\n') std::fputc('\n', stdout);
   std::fflush(stdout);
+  // A forward pass that gave no numbers (NaN or infinite logits) ends the answer as an error:
+  // the text written so far stays, and the error is said.
+  if (r.finish_reason == "error") throw std::runtime_error(r.error.empty() ? "the answer ended in an error" : r.error);
   // Nothing written and no error: an empty line alone would look like a failure to load or run.
   if (r.text.empty() && r.finish_reason == "stop" && g_interrupted == 0)
     std::fprintf(stderr, "batchlm: note: the model ended the text before writing anything (an end token%s came first)%s\n",
@@ -406,7 +409,7 @@ void add_engine_commands(CLI::App& app) {
       ->capture_default_str()->check(app::at_least(0));
   generate_cmd->add_option("--context", g.context, "Context size in tokens; 0: min(model's, 4096)")
       ->check(app::at_least(0));
-  generate_cmd->add_option("--device", g.device, "Where the model runs: auto (CUDA when a GPU is present), cuda or cpu")
+  generate_cmd->add_option("--device", g.device, "Where the model runs: auto (CUDA when a GPU can run the model), cuda or cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}))->capture_default_str();
   generate_cmd->add_option("--stop", g.stop, "Stop before this text (repeatable)")
       ->check(CLI::Validator(

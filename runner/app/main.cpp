@@ -426,9 +426,11 @@ int run_command(const JobOptions& o, bool synth) {
         model = local_engine::Model::load(job.backend.model, /*check_only=*/true);
         device = local_engine::BatchEngine::check(model, local_options(job, overrides));
       });
-      if (device == local_engine::Device::kCuda) refuse_cpu_sampling_on_gpu(job, overrides);
       context = dry_run_context(job, model->file());
-      std::optional<std::int64_t> n_vocab = static_cast<std::int64_t>(model->tokenizer().size());
+      // In the run's order: biases outside the vocabulary, tools the template cannot show, then
+      // what the GPU's sampler cannot apply.
+      refuse_biases_outside(job, overrides, static_cast<std::int64_t>(model->tokenizer().size()),
+                            std::filesystem::path(job.backend.model).stem().string());
       try {
         const local_engine::ChatTemplate* chat = &model->chat_template();  // the model's, kept alive below
         count_prompt_tokens = [model, chat](const Request& request) {
@@ -440,7 +442,7 @@ int run_command(const JobOptions& o, bool synth) {
       } catch (const std::exception&) {
         // No chat template this build supports: the run would say so; the dry run estimates.
       }
-      if (n_vocab) refuse_biases_outside(job, overrides, *n_vocab, std::filesystem::path(job.backend.model).stem().string());
+      if (device == local_engine::Device::kCuda) refuse_cpu_sampling_on_gpu(job, overrides);
     }
     DryRunOptions dry{.show = 3, .count_prompt_tokens = count_prompt_tokens, .context = context, .fresh = o.fresh};
     dry_run(job, *source, stdout, dry);

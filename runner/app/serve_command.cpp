@@ -119,7 +119,7 @@ void add_serve_command(CLI::App& app) {
   serve_cmd->add_option("--threads,-t", s.threads, "Compute threads (0: one per hardware thread)")
       ->check(app::between(0, 1024));
   serve_cmd->add_option("--device", s.device,
-                        "Where the model runs: auto (CUDA when a GPU is present), cuda or cpu")
+                        "Where the model runs: auto (CUDA when a GPU can run the model), cuda or cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}))->capture_default_str();
   serve_cmd->add_option("--context", s.context, "Tokens per sequence (0: min(model's, 4096))")
       ->check(app::at_least(0));

@@ -308,8 +308,8 @@ void Progress::message(const std::string& line, bool after_keypress) {
   std::string erase;
   if (tty_ && bar_length_ > 0)
     erase = back_to_bar() + "\x1b[K";
-  else if (tty_ && after_keypress)
-    erase = "\r\x1b[K";
+  else if (tty_ && after_keypress && !in_background())
+    erase = "\r\x1b[K";  // the echo, where no bar is showing (in the background: the shell's line)
   else if (after_keypress && out_ != nullptr && ::isatty(::fileno(out_)) != 0)
     erase = "\n";  // a dumb terminal: the echo stays where it is
   std::fprintf(out_, "%s%s\n", erase.c_str(), terminal_safe(line).c_str());

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
+#include <limits>
 #include <set>
 
 #include "gguf_writer.hpp"
@@ -88,6 +90,23 @@ TEST_F(EngineCli, GenerateRunsWhereDeviceSays) {
   RunResult bad = generate({"-p", "Hello", "--device", "gpu"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("--device"), std::string::npos) << bad.err;
+}
+
+// A forward pass that gives no numbers (here the file's last quarter of weights is NaN) is an
+// error, said, with exit 2: not an answer cut short that exits 0.
+TEST_F(EngineCli, GenerateSaysWhenTheModelsOutputIsNotANumber) {
+  std::string bytes = read_file(dir() / "tiny.gguf");
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // The data section ends the file, 4-byte aligned floats to its end.
+  for (std::size_t at = bytes.size() - bytes.size() / 16 * 4; at + sizeof nan <= bytes.size(); at += sizeof nan)
+    std::memcpy(bytes.data() + at, &nan, sizeof nan);
+  write_file(dir() / "nan.gguf", bytes);
+  RunResult r = run_batchlm(dir(), {"generate", "-m", "nan.gguf", "-p", "Hello", "-n", "8", "--temperature", "0",
+                                    "--device", "cpu"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err.rfind("batchlm: error: the model's output is not a number (NaN or infinity) at generated token 1", 0),
+            0u)
+      << r.err;
 }
 
 TEST_F(EngineCli, GenerateGreedyPrintsTextAndTimings) {

@@ -118,7 +118,9 @@ class BatchEngine {
   // without allocating or uploading anything: the limits, the speculative settings and draft
   // model, a GPU asked for that cannot run it, a KV pool too small for one context or one
   // written at start larger than the memory. The step log is not opened. Throws as it does
-  // (DeviceUnavailable too). Returns where the forward passes would run (kCuda or kCpu).
+  // (DeviceUnavailable too). Returns where the forward passes would run (kCuda or kCpu) as far
+  // as can be told without the weights: under kAuto, what the upload refuses (a value past
+  // F16's range, memory the card lacks) still leaves the run on the CPU.
   static Device check(const std::shared_ptr<const Model>& model, const LocalBackendOptions& options);
   ~BatchEngine();
   BatchEngine(const BatchEngine&) = delete;
