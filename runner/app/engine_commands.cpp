@@ -378,7 +378,8 @@ void add_engine_commands(CLI::App& app) {
       "  batchlm generate \"Once upon a time\" --max-tokens 64\n"
       "  batchlm generate --chat -p \"What is 17 * 3?\" --temperature 0\n"
       "  echo \"Summarize: ...\" | batchlm generate --chat -f -\n\n"
-      "Exit status: 0 done, 2 bad usage or a model that cannot be loaded, 130 interrupted (Ctrl-C).");
+      "Exit status: 0 done, 130 interrupted (Ctrl-C), 2 bad usage, a model that cannot be loaded, or one\n"
+      "whose output is not a number.");
   g.model = default_model();
   generate_cmd->add_option("--model,-m", g.model, "GGUF model file (default: $BATCHLM_MODEL or the default model)")
       ->capture_default_str();
