@@ -380,27 +380,33 @@ std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const ojson& e
   return out;
 }
 
+std::optional<std::pair<std::string, std::string>> cpu_only_sampling(const CpuSampling& asked) {
+  using Found = std::pair<std::string, std::string>;
+  if (!asked.penalty.empty()) return Found(asked.penalty, "penalties are applied");
+  if (asked.min_p) return Found("min_p", "min-p is applied");
+  if (asked.logit_bias) return Found("logit_bias", "biases are applied");
+  if (asked.logprobs) return Found("logprobs", "log-probabilities are computed");
+  if (asked.json_object) return Found("response_format", "JSON mode is applied");
+  if (asked.forced_call) return Found("tool_choice", "forced calls are held to their tool's schema");
+  if (asked.json_schema) return Found("response_format", "JSON schemas are followed");
+  return std::nullopt;
+}
+
 std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const ojson& extra) {
   if (!extra.is_object()) return std::nullopt;
   const auto nonzero = [&](const char* key) {
     const auto it = extra.find(key);
     return it != extra.end() && it->is_number() && it->get<float>() != 0.0f;  // as the engine reads it
   };
-  // In the order the engine checks a request's parameters.
-  for (const char* key : {"presence_penalty", "frequency_penalty"})
-    if (nonzero(key)) return std::pair<std::string, std::string>(key, "penalties are applied");
-  if (nonzero("min_p")) return std::pair<std::string, std::string>("min_p", "min-p is applied");
-  if (!requested_logit_bias(extra).empty())
-    return std::pair<std::string, std::string>("logit_bias", "biases are applied");
-  if (requested_logprobs(extra) >= 0)
-    return std::pair<std::string, std::string>("logprobs", "log-probabilities are computed");
-  if (requested_json_object(extra))
-    return std::pair<std::string, std::string>("response_format", "JSON mode is applied");
-  if (requested_tools(extra) && forces_call(extra))
-    return std::pair<std::string, std::string>("tool_choice", "forced calls are held to their tool's schema");
-  if (requested_json_schema(extra) != nullptr)
-    return std::pair<std::string, std::string>("response_format", "JSON schemas are followed");
-  return std::nullopt;
+  return cpu_only_sampling({.penalty = nonzero("presence_penalty")    ? "presence_penalty"
+                                       : nonzero("frequency_penalty") ? "frequency_penalty"
+                                                                      : "",
+                            .min_p = nonzero("min_p"),
+                            .logit_bias = !requested_logit_bias(extra).empty(),
+                            .logprobs = requested_logprobs(extra) >= 0,
+                            .json_object = requested_json_object(extra),
+                            .forced_call = requested_tools(extra) && forces_call(extra),
+                            .json_schema = requested_json_schema(extra) != nullptr});
 }
 
 }  // namespace batchlm

@@ -1,5 +1,7 @@
 #include "batchlm/local_engine/batch_engine.hpp"
 
+#include "batchlm/core/engine_fields.hpp"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -279,17 +281,15 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
   // On a device that samples, such rows would send the whole step's sampling to the host, whose
   // generator differs from the device's: other requests' seeded draws would change.
   if (executor_->samples_on_device()) {
-    const char* what =
-        params.sampling.penalized()           ? "'presence_penalty', 'frequency_penalty': penalties are applied"
-        : params.sampling.min_p > 0.0f        ? "'min_p': min-p is applied"
-        : !params.sampling.logit_bias.empty() ? "'logit_bias': biases are applied"
-        : params.logprobs >= 0                ? "'logprobs': log-probabilities are computed"
-        : params.json_object                  ? "'response_format': JSON mode is applied"
-        : params.forced_call                  ? "'tool_choice': forced calls are held to their tool's schema"
-        : params.json_schema                  ? "'response_format': JSON schemas are followed"
-                                              : nullptr;
-    if (what)
-      throw RequestRejected("unsupported_parameter", std::string(what) +
+    const auto asked = cpu_only_sampling({.penalty = params.sampling.penalized() ? "presence_penalty', 'frequency_penalty" : "",
+                                          .min_p = params.sampling.min_p > 0.0f,
+                                          .logit_bias = !params.sampling.logit_bias.empty(),
+                                          .logprobs = params.logprobs >= 0,
+                                          .json_object = params.json_object,
+                                          .forced_call = params.forced_call,
+                                          .json_schema = params.json_schema != nullptr});
+    if (asked)
+      throw RequestRejected("unsupported_parameter", "'" + asked->first + "': " + asked->second +
                                                          " on the CPU only, and this engine samples on the GPU "
                                                          "(serve --device cpu, or a job's backend.device: cpu, runs them)");
   }

@@ -227,7 +227,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
     http::response<http::empty_body> res{http::status::no_content, req.version()};
     res.set(http::field::server, "batchlm");
     allow_origin(req, res);
-    res.set(http::field::access_control_allow_methods, "GET, HEAD, POST, OPTIONS");
+    res.set(http::field::access_control_allow_methods, kMethods);
     std::string headers = "Authorization, Content-Type";
     if (const auto asked = req.find(http::field::access_control_request_headers); asked != req.end())
       headers += ", " + std::string(asked->value());
@@ -287,6 +287,9 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   static asio::awaitable<void> wait_abort(Connection& c) {
     if (!c.aborted) co_await c.abort.async_wait(use_tuple);
   }
+
+  // The methods the server answers (Allow, CORS, the 501's message).
+  static constexpr const char* kMethods = "GET, HEAD, POST, OPTIONS";
 
   // Why abort_all cancelled a request: the grace period ended, or a second signal came.
   std::string abort_reason = "its grace period for requests in flight ended";
@@ -711,7 +714,6 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
   asio::awaitable<bool> handle(Connection& c, const HttpRequest& req) {
     // Requests about the server rather than a path (RFC 9110 9.3.6, 9.3.7): OPTIONS * lists
     // the methods; CONNECT asks for a tunnel, which a server that is no proxy does not make.
-    static constexpr const char* kMethods = "GET, HEAD, POST, OPTIONS";
     if (req.method() == http::verb::connect) {
       co_await send_error(c, req,
                           ApiError(405, "invalid_request_error", "", "this server is not a proxy: it makes no tunnels"),
@@ -743,7 +745,7 @@ struct Server::Impl : std::enable_shared_from_this<Impl> {
       co_await send_error(c, req,
                           ApiError(501, "invalid_request_error", "",
                                    "the method '" + utf8_excerpt(req.method_string(), 40) +
-                                       "' is not one this server implements (GET, HEAD, POST, OPTIONS)"));
+                                       "' is not one this server implements (" + kMethods + ")"));
       co_return true;
     }
     if (req.method() == http::verb::options && req.count(http::field::origin) > 0 &&

@@ -66,11 +66,19 @@ const nlohmann::ordered_json* requested_json_schema(const nlohmann::ordered_json
 // `logit_bias` as (token id, bias) pairs; empty without it. For fields that passed the checks.
 std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const nlohmann::ordered_json& extra);
 
-// The field among the extra ones that only the engine's sampler on the CPU applies, as (the
-// field, what is done: "min-p is applied"), or nullopt: a penalty, min_p, logit_bias,
-// log-probabilities, JSON mode, a forced call, a JSON schema (in that order). An engine that
-// samples on a GPU refuses requests with one; the runner refuses such a job before it starts.
-// For fields that passed the checks above.
+// What a request asks of the sampler that only the engine's sampler on the CPU applies.
+// `penalty`: the penalty field(s) to name where a penalty is applied, else empty.
+struct CpuSampling {
+  std::string penalty;
+  bool min_p = false, logit_bias = false, logprobs = false, json_object = false, forced_call = false,
+       json_schema = false;
+};
+// The first of them in the order the engine checks (a penalty, min_p, logit_bias,
+// log-probabilities, JSON mode, a forced call, a JSON schema) as (the field, what is done:
+// "min-p is applied"), or nullopt. An engine that samples on a GPU refuses requests with one.
+std::optional<std::pair<std::string, std::string>> cpu_only_sampling(const CpuSampling& asked);
+// The same of a request's extra fields, naming the one set: the runner refuses such a job
+// before it starts. For fields that passed the checks above.
 std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const nlohmann::ordered_json& extra);
 
 // The most tokens a logit_bias may name (OpenAI's limit is 300; this one only bounds the work).
