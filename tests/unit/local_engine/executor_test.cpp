@@ -487,6 +487,45 @@ TEST_F(ExecutorTest, NotANumberInTheOutputFailsThatRequestAlone) {
   EXPECT_FALSE(broken_logits(std::vector<float>{0.0f, -3.4e38f, 3.4e38f, 1e-45f}));
 }
 
+// Where the device samples, what only the CPU's sampler applies is refused by name, first in
+// the engine's order, and the rest is taken (the GPU's own test covers a real device).
+TEST_F(ExecutorTest, WhereTheDeviceSamplesCpuSamplingIsRefusedByName) {
+  const auto m = model();
+  LocalBackendOptions o;
+  o.device = Device::kCpu;
+  o.threads = 1;
+  o.context = 128;
+  BatchEngine engine(m, o, [&](std::unique_ptr<Executor> inner) -> std::unique_ptr<Executor> {
+    return std::make_unique<SamplesOnDevice>(std::move(inner), m->config().n_vocab);
+  });
+  ASSERT_TRUE(engine.samples_on_device());
+  const std::string where = " on the CPU only, and this engine samples on the GPU (serve --device cpu, or a job's "
+                            "backend.device: cpu, runs them)";
+  const auto refusal = [&](const GenerateParams& p) {
+    try {
+      engine.add({1, 2, 3}, p, nullptr);
+    } catch (const RequestRejected& e) {
+      return e.code + ": " + e.what();
+    }
+    return std::string("<taken>");
+  };
+  GenerateParams plain;
+  plain.max_tokens = 2;
+  GenerateParams penalized = plain;
+  penalized.sampling.frequency_penalty = 0.5f;
+  penalized.sampling.min_p = 0.1f;
+  EXPECT_EQ(refusal(penalized),
+            "unsupported_parameter: 'presence_penalty', 'frequency_penalty': penalties are applied" + where);
+  GenerateParams min_p = plain;
+  min_p.sampling.min_p = 0.1f;
+  min_p.json_object = true;
+  EXPECT_EQ(refusal(min_p), "unsupported_parameter: 'min_p': min-p is applied" + where);
+  GenerateParams json_mode = plain;
+  json_mode.json_object = true;
+  EXPECT_EQ(refusal(json_mode), "unsupported_parameter: 'response_format': JSON mode is applied" + where);
+  EXPECT_EQ(refusal(plain), "<taken>");
+}
+
 // A max_tokens the context has no room for is shortened to the room, or, asked to be taken as
 // a limit to honour (a client's, in serve), refused when the request is added.
 TEST_F(ExecutorTest, MaxTokensPastTheContextIsShortenedOrRefused) {
