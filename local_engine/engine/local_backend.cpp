@@ -190,8 +190,10 @@ struct LocalBackend::State {
           if (job->cancelled.load()) gone.push_back(id);
         for (SequenceId id : gone) engine->cancel(id);
         engine->step();
-        deliver_finished();
+        // Stats first: a caller that has its last answer reads stats that count the step
+        // which gave it (the run's summary against its step log).
         publish_stats();
+        deliver_finished();
       } catch (const std::exception& e) {
         // A bug, not a request's fault: fail every request in flight rather than hang them.
         for (auto& [id, job] : jobs) {
