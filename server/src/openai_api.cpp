@@ -240,7 +240,12 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
     r.prompt = read_prompt(body);
   }
 
-  // Chat: max_completion_tokens is the current name, max_tokens the older one.
+  // Chat: max_completion_tokens is the current name, max_tokens the older one. The completions
+  // API has only max_tokens; a limit under the chat name is refused there rather than passed
+  // over for the default of 16.
+  if (!chat && field(body, "max_completion_tokens"))
+    invalid("max_completion_tokens",
+            "'max_completion_tokens' is a chat completions field; the completions API's limit is 'max_tokens'");
   const Body* max_tokens = chat ? field(body, "max_completion_tokens") : nullptr;
   std::string max_param = "max_completion_tokens";
   if (!max_tokens) {

@@ -386,8 +386,14 @@ TEST(ParseRequest, MaxCompletionTokensWinsOverMaxTokens) {
 }
 
 TEST(ParseRequest, MaxCompletionTokensIsAChatField) {
-  // The completions endpoint has only max_tokens: it keeps its default of 16.
-  EXPECT_EQ(completion({{"max_completion_tokens", 5}}).request.max_tokens, 16);
+  // The completions endpoint has only max_tokens: a limit under the chat name is refused, not
+  // passed over for the default of 16 (null, as everywhere, is as if it were not there).
+  for (const json& body : {completion_body_json({{"max_completion_tokens", 5}}),
+                           completion_body_json({{"max_completion_tokens", 5}, {"max_tokens", 5}})})
+    expect_invalid(completion_error(body), "max_completion_tokens",
+                   "'max_completion_tokens' is a chat completions field; the completions API's limit is 'max_tokens'");
+  EXPECT_EQ(completion({{"max_completion_tokens", nullptr}}).request.max_tokens, 16);
+  EXPECT_EQ(completion({{"max_tokens", 5}}).request.max_tokens, 5);
 }
 
 TEST(ParseRequest, MaxTokensRange) {
