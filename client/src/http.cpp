@@ -624,6 +624,14 @@ struct HttpClient::Impl : std::enable_shared_from_this<HttpClient::Impl> {
         response.error = make_error(ErrorKind::Connection, detail);
         response.error->code = "connect_failed";
         break;
+      case CURLE_GOT_NOTHING:
+      case CURLE_RECV_ERROR:
+      case CURLE_SEND_ERROR:
+        response.error = make_error(ErrorKind::Connection, detail);
+        // Taken and closed without a status line: told apart, since a port published for a
+        // server that is gone (a container restarting behind it) does just that.
+        if (response.status == 0 && connected(t)) response.error->code = "no_reply";
+        break;
       default:
         response.error = make_error(ErrorKind::Connection, detail);
         break;

@@ -490,6 +490,30 @@ std::optional<bool> parse_should_retry(const HttpResponse& response) {
   return std::nullopt;
 }
 
+// The title of an HTML page (a proxy's or a load balancer's error page: "502 Bad Gateway"),
+// its white space collapsed; nothing where the body is no HTML page or has no title.
+std::optional<std::string> html_title(std::string_view body) {
+  body = trim(body);
+  if (!body.starts_with('<')) return std::nullopt;
+  std::string lower(body.substr(0, 4096));
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const std::size_t open = lower.find("<title>");
+  if (open == std::string::npos) return std::nullopt;
+  const std::size_t close = lower.find("</title>", open);
+  if (close == std::string::npos) return std::nullopt;
+  std::string title;
+  for (const char c : body.substr(open + 7, close - open - 7)) {
+    if (std::isspace(static_cast<unsigned char>(c))) {
+      if (!title.empty() && title.back() != ' ') title += ' ';
+    } else {
+      title += c;
+    }
+  }
+  if (!title.empty() && title.back() == ' ') title.pop_back();
+  if (title.empty()) return std::nullopt;
+  return utf8_excerpt(title, kBodyStartInMessage);
+}
+
 Error http_error(const HttpResponse& response) {
   Error error;
   error.kind = ErrorKind::Http;
@@ -512,8 +536,12 @@ Error http_error(const HttpResponse& response) {
       error.message += ": it leads to another host or port, and the API key and the backend's own headers go to "
                        "the base URL's only (set base_url to where it leads)";
   } else if (error.message.empty()) {
-    error.message = response.body.empty() ? "HTTP " + std::to_string(response.status)
-                                          : truncated(response.body);
+    // An HTML page is said by its title (what a gateway in front of the server has to say),
+    // not its markup.
+    if (const std::optional<std::string> title = html_title(response.body))
+      error.message = "HTTP " + std::to_string(response.status) + ": " + *title + " (an HTML page)";
+    else
+      error.message = response.body.empty() ? "HTTP " + std::to_string(response.status) : truncated(response.body);
   }
   return error;
 }

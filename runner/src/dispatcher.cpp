@@ -585,11 +585,13 @@ class Dispatcher {
     bool waits_for_server = false;
     // Since when its attempts have found no server, without an answer between.
     std::optional<Clock::time_point> unconnected_since;
+    std::uint64_t serial = 0;  // this item's number in the run, for the outage's count of items
   };
 
   asio::awaitable<void> serve_item(Item item, std::list<LiveItem>::iterator live) {
     const auto spawned = Clock::now();
     ItemRun run;
+    run.serial = ++items_started_;
     try {
       for (;;) {
         const std::optional<std::chrono::milliseconds> backoff = co_await attempt(item, *live, run);
@@ -949,6 +951,17 @@ class Dispatcher {
            (e.kind == ErrorKind::Timeout && e.code == "connect_timeout");
   }
 
+  // What stands in front of a server that is gone says so: a gateway's 502 or 504, or a port
+  // that takes the connection and closes it without a word (a container's published port while
+  // the container restarts). The server itself may be the cause for one request (a proxy's
+  // timeout on a long answer, a request that crashes it), so this counts as the server gone only
+  // once two items met it with no answer between (watch_connection). A 503 is left out: servers
+  // answer it themselves when overloaded, to some requests and not others.
+  static bool no_server_behind(const Error& e) {
+    if (e.kind == ErrorKind::Connection) return e.code == "no_reply";
+    return e.kind == ErrorKind::Http && (e.http_status == 502 || e.http_status == 504);
+  }
+
   // An attempt sent at `sent_at` was answered (an answer begun, or an error other than the
   // server's absence): where that was after the server was found gone, it is back, and the wait
   // ends. Answers to attempts sent before then (a request cut by the server's end) say nothing.
@@ -958,6 +971,7 @@ class Dispatcher {
       progress_.message("batchlm: " + without_password(job_.backend.base_url) + " answers again after " +
                         lasted(sent_at - *server_down_since_) + "; the items that waited go on");
     server_down_since_.reset();
+    items_without_server_.clear();
     counters_.no_connection = false;
   }
 
@@ -969,11 +983,15 @@ class Dispatcher {
   // long already: its attempts count again, so no item retries unbounded while others get
   // through). Once the failures have lasted 2 s, the wait is said and every item holds, one round
   // of attempts a second (retry.cap if less); past reconnect_for the run stops, and what was not
-  // sent runs on the next run.
+  // sent runs on the next run. What a gateway or a published port says for a server gone behind
+  // it (no_server_behind) is waited for alike once a second item has met it with no answer
+  // between; until then it is a failure as any other, counted and retried.
   std::optional<std::chrono::milliseconds> watch_connection(const Outcome& outcome, Clock::time_point sent_at,
                                                             ItemRun& run) {
     const Error* e = outcome.ok() ? nullptr : &*outcome.error;
-    if (e == nullptr || !never_connected(*e)) {
+    const bool refused = e != nullptr && never_connected(*e);
+    const bool behind = e != nullptr && !refused && no_server_behind(*e);
+    if (!refused && !behind) {
       // An answer, even an error one, is the server back; a connection that broke before any
       // answer (a proxy's port open while what is behind it restarts) is not, nor a cancel.
       if (e == nullptr || (e->kind != ErrorKind::Connection && e->kind != ErrorKind::Timeout &&
@@ -985,23 +1003,33 @@ class Dispatcher {
     }
     if (!any_success_ || job_.retry.reconnect_for.count() <= 0) return std::nullopt;
     const auto now = Clock::now();
+    if (run.unconnected_since && now - *run.unconnected_since >= job_.retry.reconnect_for && !server_down_since_)
+      return std::nullopt;
+    if (behind) {
+      // Counted from the first such answer to an attempt sent since the last answer.
+      if (server_down_since_ && sent_at < *server_down_since_) return std::nullopt;
+      if (!server_down_since_) server_down_since_ = now;
+      items_without_server_.insert(run.serial);
+      if (items_without_server_.size() < 2) return std::nullopt;
+    }
     if (!run.unconnected_since) run.unconnected_since = now;
-    if (now - *run.unconnected_since >= job_.retry.reconnect_for && !server_down_since_) return std::nullopt;
     if (!server_down_since_) server_down_since_ = now;
+    items_without_server_.insert(run.serial);
     const std::string url = without_password(job_.backend.base_url);
     const std::string said = utf8_excerpt(e->message, 200);
+    const std::string what = behind ? "no server answers behind " + url : "cannot connect to " + url;
     // Said, and every item held, once it has lasted a little: a connection refused now and then
     // (a port running short, a full accept queue) is not news, and holds only its own item.
     const bool lasting = now - *server_down_since_ >= std::chrono::seconds(2);
     if (lasting && !counters_.no_connection) {
       counters_.no_connection = true;
-      progress_.message("batchlm: cannot connect to " + url + " (" + said + "); the items wait for it up to " +
-                        lasted(job_.retry.reconnect_for) +
-                        " (retry.reconnect_for), without spending their attempts");
+      progress_.message("batchlm: " + what + " (" + said + "); the items wait for it up to " +
+                        lasted(job_.retry.reconnect_for) + " (retry.reconnect_for), without spending their attempts");
     }
     if (now - *server_down_since_ >= job_.retry.reconnect_for) {
       if (!stopping_) {
-        refused_ = Refusal{"could not connect to " + url + " for " + lasted(now - *server_down_since_) + " (" + said + ")",
+        refused_ = Refusal{(behind ? "no server answered behind " + url : "could not connect to " + url) + " for " +
+                               lasted(now - *server_down_since_) + " (" + said + ")",
                            "Start the server again (or raise retry.reconnect_for)"};
         begin_stop(refused_->what.c_str(), false);
       }
@@ -1212,6 +1240,9 @@ class Dispatcher {
   // Since when the server, which answered before, cannot be connected to (watch_connection);
   // counters_.no_connection says whether the wait was said.
   std::optional<Clock::time_point> server_down_since_;
+  // The items whose attempts met the outage since then (no_server_behind counts from two).
+  std::set<std::uint64_t> items_without_server_;
+  std::uint64_t items_started_ = 0;
   struct Refusal {
     std::string what, advice;  // may quote the server: printed through terminal_safe
   };

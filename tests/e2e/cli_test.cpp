@@ -489,6 +489,83 @@ TEST(BatchlmRun, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
       << line << "\n" << summary["attempts"].dump();
 }
 
+// The same behind a gateway (tests/e2e/gateway.py), which the run reaches all along: while the
+// server is gone it answers 502, as a reverse proxy does, or takes each connection and closes it
+// without a word, as a container's published port does. The items wait for the server as for a
+// refused connection (max_attempts 4 with 10-100 ms backoffs would fail them within half a
+// second); only the attempts met before two items had seen it are counted.
+class BehindAGateway : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BehindAGateway, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
+  TempDir dir;
+  const std::vector<std::string> args = {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "12"};
+  auto server = std::make_unique<FakeServer>(dir.path, args);
+  const int port = server->port();
+  const fs::path port_file = dir.path / "gateway.port";
+  Process gateway({.args = {"/usr/bin/python3", (fs::path(BATCHLM_SOURCE_DIR) / "tests/e2e/gateway.py").string(),
+                            "--upstream-port", std::to_string(port), "--mode", GetParam(), "--port-file",
+                            port_file.string()},
+                   .env = {}, .cwd = dir.path, .out_file = dir.path / "gateway.out",
+                   .err_file = dir.path / "gateway.err"});
+  ASSERT_TRUE(wait_until([&] { return fs::exists(port_file); }, 20s)) << read_file(dir.path / "gateway.err");
+  const std::string url = "http://127.0.0.1:" + std::to_string(std::stoi(read_file(port_file))) + "/v1";
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = url, .limit = 60, .concurrency = 4}));
+  const fs::path out = dir.path / "out/e2e.jsonl";
+  Process run({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"OPENAI_API_KEY", ""}, {"BATCHLM_MODEL", ""}},
+               .cwd = dir.path, .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
+  ASSERT_TRUE(wait_until([&] { return fs::exists(out) && count_lines(out) >= 8; }, 60s));
+  server->kill();
+  std::this_thread::sleep_for(3s);
+  std::vector<std::string> again = args;
+  again.insert(again.end(), {"--port", std::to_string(port)});
+  server = std::make_unique<FakeServer>(dir.path, again);
+  const std::optional<int> code = run.wait(120s);
+  const std::string err = read_file(dir.path / "run.err");
+  ASSERT_EQ(code, 0) << err;
+  EXPECT_NE(err.find("batchlm: no server answers behind " + url + " ("), std::string::npos) << err;
+  if (GetParam() == "502") {
+    EXPECT_NE(err.find("(HTTP 502: 502 Bad Gateway (an HTML page))"), std::string::npos) << err;
+  }
+  EXPECT_NE(err.find("the items wait for it up to 5m00s (retry.reconnect_for), without spending their attempts"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("batchlm: " + url + " answers again after "), std::string::npos) << err;
+  const auto records = read_jsonl(out);
+  expect_each_id_once(records, 60);
+  // An attempt cut by the kill, one met before the wait began, the answer.
+  for (const auto& r : records) EXPECT_LE(r["attempts"].get<int>(), 3) << r.dump();
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, BehindAGateway, ::testing::Values("502", "drop"));
+
+// One item that meets a 502 on every attempt while the others are answered (a request the
+// server behind the gateway fails on) is a failure as any other: it spends its attempts and
+// fails, and the run does not wait on it.
+TEST(BatchlmRun, A502ForOneItemWhileOthersAreAnsweredSpendsItsAttempts) {
+  TempDir dir;
+  std::ifstream input(gsm8k_test_file());
+  std::string line;
+  for (int i = 0; i < 5; ++i) std::getline(input, line);
+  const std::string question = json::parse(line)["question"].get<std::string>().substr(0, 40);
+  FakeServer server(dir.path, {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "5",
+                               "--fault-rate", "1", "--faults", "status=502", "--fault-item", question});
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 30, .concurrency = 4}));
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  const auto records = read_jsonl(dir.path / "out/e2e.jsonl");
+  ASSERT_EQ(records.size(), 30u) << r.err;
+  EXPECT_EQ(r.err.find("no server answers behind"), std::string::npos) << r.err;
+  int failed = 0;
+  for (const auto& rec : records) {
+    if (rec["error"].is_null()) continue;
+    ++failed;
+    EXPECT_EQ(rec["id"], 5) << rec.dump();
+    EXPECT_EQ(rec["attempts"], 4) << rec.dump();
+    EXPECT_EQ(rec["error"]["status"], 502) << rec.dump();
+  }
+  EXPECT_EQ(failed, 1) << r.err;
+}
+
 // A server that does not come back within retry.reconnect_for: the run stops, keeps what was
 // answered, records no failure for what the outage held, and says why; the rerun finishes.
 TEST(BatchlmRun, StopsWhenAServerLostMidRunStaysAwayPastReconnectFor) {

@@ -721,6 +721,7 @@ std::optional<FaultSpec> FakeOpenAIServer::Impl::draw_fault(const std::string& i
   for (std::size_t i = 0; i < rules.size(); ++i) {
     const FaultRule& rule = rules[i];
     if (rule.faults.empty()) continue;
+    if (!rule.only_item.empty() && item.find(rule.only_item) == std::string::npos) continue;
     if (rule.first_attempts_only > 0 &&
         attempt > static_cast<std::uint64_t>(rule.first_attempts_only)) {
       continue;

@@ -119,6 +119,7 @@ struct FaultRule {
   double probability = 1.0;
   int first_attempts_only = 0;
   std::uint64_t seed = 0;
+  std::string only_item;  // non-empty: only items whose last user message contains this
 };
 
 struct FakeOpenAIOptions {

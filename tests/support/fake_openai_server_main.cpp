@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
   double fault_rate = 1.0;
   std::string faults;
   int fault_first_attempts = 0;
+  std::string fault_item;
   std::uint64_t seed = 0;
 
   app.add_option("--host", host, "Address to listen on")->capture_default_str();
@@ -74,6 +75,7 @@ int main(int argc, char** argv) {
   app.add_option("--fault-first-attempts", fault_first_attempts,
                  "Fault only the first K requests of each item (0: all)")
       ->capture_default_str();
+  app.add_option("--fault-item", fault_item, "Fault only items whose last user message contains this text");
   app.add_option("--seed", seed, "Seed of the fault draws")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
@@ -86,6 +88,7 @@ int main(int argc, char** argv) {
       }
       rule.probability = fault_rate;
       rule.first_attempts_only = fault_first_attempts;
+      rule.only_item = fault_item;
       rule.seed = seed;
       rules.push_back(std::move(rule));
     }

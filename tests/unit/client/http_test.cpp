@@ -28,7 +28,9 @@ namespace asio = boost::asio;
 // (as an SSH server sends its banner), then waits for the client to go.
 class GreetingServer {
  public:
-  explicit GreetingServer(std::string greeting) : greeting_(std::move(greeting)) {
+  // `hang_up`: close the connection right after the greeting, the request unread.
+  explicit GreetingServer(std::string greeting, bool hang_up = false)
+      : greeting_(std::move(greeting)), hang_up_(hang_up) {
     listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in address{};
     address.sin_family = AF_INET;
@@ -53,7 +55,11 @@ class GreetingServer {
     if (::poll(&p, 1, 10'000) <= 0) return;
     const int fd = ::accept(listener_, nullptr, nullptr);
     if (fd < 0) return;
-    (void)!::send(fd, greeting_.data(), greeting_.size(), MSG_NOSIGNAL);
+    if (!greeting_.empty()) (void)!::send(fd, greeting_.data(), greeting_.size(), MSG_NOSIGNAL);
+    if (hang_up_) {
+      ::close(fd);
+      return;
+    }
     // Read until the client closes (or 10 s): closing with its request unread would reset the
     // connection, and the client would see that instead of the greeting.
     char buffer[4096];
@@ -65,6 +71,7 @@ class GreetingServer {
   }
 
   std::string greeting_;
+  bool hang_up_ = false;
   int listener_ = -1;
   int port_ = 0;
   std::thread thread_;
@@ -108,6 +115,26 @@ TEST(HttpClient, AReplyThatIsNotWellFormedHttpIsAProtocolErrorNamingTheUrl) {
   EXPECT_EQ(response.error->code, "not_http");
   EXPECT_TRUE(response.error->message.starts_with(url + " does not answer in HTTP: its reply is not well-formed HTTP ("))
       << response.error->message;
+}
+
+// A port that takes the connection and closes it without a word (a container's published port
+// while the container is down) is told apart from one that refuses it and from a reply cut
+// after its status line.
+TEST(HttpClient, AConnectionClosedBeforeAnyReplyIsNoReply) {
+  {
+    GreetingServer server("", true);
+    const HttpResponse response = post(server.url("/v1/chat/completions"));
+    ASSERT_TRUE(response.error.has_value());
+    EXPECT_EQ(response.error->kind, ErrorKind::Connection) << response.error->message;
+    EXPECT_EQ(response.error->code, "no_reply") << response.error->message;
+  }
+  {
+    GreetingServer server("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\"", true);
+    const HttpResponse response = post(server.url("/v1/chat/completions"));
+    ASSERT_TRUE(response.error.has_value());
+    EXPECT_EQ(response.error->kind, ErrorKind::Connection) << response.error->message;
+    EXPECT_EQ(response.error->code, "") << response.error->message;
+  }
 }
 
 // A redirect to a scheme curl lacks fails after a connection, with the code of an HTTP/0.9

@@ -205,6 +205,21 @@ TEST(HttpError, UsesRawBodyWhenNotJson) {
   EXPECT_TRUE(error.code.empty());
 }
 
+// A gateway's error page is said by its title, not its markup.
+TEST(HttpError, AnHtmlPageIsSaidByItsTitle) {
+  const std::string nginx =
+      "<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway</h1></center>"
+      "\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n";
+  Error error = http_error(with_headers({}, 502, nginx));
+  EXPECT_EQ(error.http_status, 502);
+  EXPECT_EQ(error.message, "HTTP 502: 502 Bad Gateway (an HTML page)");
+  error = http_error(with_headers({}, 504, "\n<!DOCTYPE html><HTML><HEAD><TITLE>\n  Gateway\n\tTime-out </TITLE>"));
+  EXPECT_EQ(error.message, "HTTP 504: Gateway Time-out (an HTML page)");
+  // No title, or an empty one: the body as it is.
+  error = http_error(with_headers({}, 503, "<html><title> </title>down</html>"));
+  EXPECT_EQ(error.message, "<html><title> </title>down</html>");
+}
+
 TEST(HttpError, TruncatesLongRawBody) {
   const Error error = http_error(with_headers({}, 500, std::string(10'000, 'x')));
   EXPECT_LT(error.message.size(), 600u);
