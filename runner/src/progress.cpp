@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdarg>
 #include <cstdlib>
@@ -124,9 +125,16 @@ bool terminal_rewraps() {
   if (!env("TMUX").empty()) return true;
   if (!env("STY").empty()) return false;
   if (!env("VTE_VERSION").empty() || !env("KITTY_WINDOW_ID").empty() || !env("WT_SESSION").empty()) return true;
+  // Konsole re-wraps since 21.04 (KONSOLE_VERSION 210400).
+  if (const std::string_view konsole = env("KONSOLE_VERSION"); !konsole.empty()) {
+    long version = 0;
+    const auto [end, ec] = std::from_chars(konsole.data(), konsole.data() + konsole.size(), version);
+    return ec == std::errc() && end == konsole.data() + konsole.size() && version >= 210400;
+  }
   const std::string_view program = env("TERM_PROGRAM"), term = env("TERM");
   return program == "iTerm.app" || program == "Apple_Terminal" || program == "WezTerm" || program == "vscode" ||
-         term == "alacritty" || term == "xterm-kitty" || term == "foot";
+         program == "ghostty" || program == "Hyper" || term == "alacritty" || term == "xterm-kitty" ||
+         term == "xterm-ghostty" || term == "foot";
 }
 
 Progress::Progress(std::FILE* out, bool tty, std::chrono::milliseconds plain_interval, int width,

@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <utility>
+#include <vector>
 #include <string>
 
 namespace batchlm::runner {
@@ -350,6 +354,42 @@ TEST(Progress, ShrunkTerminalThatRewrapsLosesTheWholeOldBar) {
   progress.update(counters(), start + milliseconds{400});
   EXPECT_EQ(contents(file).substr(second).rfind("\r120/1319", 0), 0u);
   std::fclose(file);
+}
+
+// Which terminals are taken to re-wrap, read from what they put in the environment; the
+// innermost multiplexer decides. Anything not known to re-wrap is taken to cut lines, where a
+// redraw in place at worst leaves pieces of the old bar (going up would erase output).
+TEST(Progress, TerminalsThatRewrapAreKnownByTheirEnvironment) {
+  const char* names[] = {"TMUX", "STY", "VTE_VERSION", "KITTY_WINDOW_ID", "WT_SESSION", "KONSOLE_VERSION",
+                         "TERM_PROGRAM", "TERM"};
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+  for (const char* name : names) {
+    const char* value = std::getenv(name);
+    saved.emplace_back(name, value ? std::optional<std::string>(value) : std::nullopt);
+  }
+  auto with = [&](std::vector<std::pair<const char*, const char*>> env) {
+    for (const char* name : names) ::unsetenv(name);
+    for (const auto& [name, value] : env) ::setenv(name, value, 1);
+    return terminal_rewraps();
+  };
+  EXPECT_FALSE(with({}));
+  EXPECT_FALSE(with({{"TERM", "xterm-256color"}}));  // xterm, or a terminal behind ssh
+  EXPECT_TRUE(with({{"TERM", "xterm-256color"}, {"VTE_VERSION", "7600"}}));
+  EXPECT_TRUE(with({{"TERM", "tmux-256color"}, {"TMUX", "/tmp/tmux-1000/default,1,0"}}));
+  EXPECT_FALSE(with({{"TERM", "screen"}, {"STY", "1234.pts-0.host"}, {"VTE_VERSION", "7600"}}));
+  EXPECT_TRUE(with({{"TERM", "xterm-ghostty"}}));
+  EXPECT_TRUE(with({{"TERM", "xterm-256color"}, {"TERM_PROGRAM", "ghostty"}}));
+  EXPECT_TRUE(with({{"TERM", "xterm-256color"}, {"TERM_PROGRAM", "Hyper"}}));
+  EXPECT_TRUE(with({{"TERM", "xterm-256color"}, {"KONSOLE_VERSION", "230804"}}));
+  EXPECT_TRUE(with({{"TERM", "xterm-256color"}, {"KONSOLE_VERSION", "210400"}}));
+  EXPECT_FALSE(with({{"TERM", "xterm-256color"}, {"KONSOLE_VERSION", "201203"}}));  // before re-wrapping
+  EXPECT_FALSE(with({{"TERM", "xterm-256color"}, {"KONSOLE_VERSION", "22x"}}));
+  for (const auto& [name, value] : saved) {
+    if (value)
+      ::setenv(name.c_str(), value->c_str(), 1);
+    else
+      ::unsetenv(name.c_str());
+  }
 }
 
 // Elsewhere (xterm cuts lines instead) going up would erase the user's own lines: in place.
