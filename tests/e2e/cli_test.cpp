@@ -449,6 +449,31 @@ TEST(BatchlmRun, StopsWhenNoTlsConnectionCanBeMade) {
   EXPECT_GE(summary["counts"]["not_run"].get<long long>(), 80) << summary.dump(2);
 }
 
+// A run of 60 questions (concurrency 4) at `url`, during which the server is killed (kill -9)
+// once 8 records are written and started again on its port 3 s later; `server` is the new one
+// then. The run's exit status (none if it did not end within 2 minutes) and its stderr.
+struct RunAcrossARestart {
+  std::optional<int> code;
+  std::string err;
+};
+RunAcrossARestart run_across_a_restart(const fs::path& dir, std::unique_ptr<FakeServer>& server,
+                                       const std::vector<std::string>& args, const std::string& url) {
+  const int port = server->port();
+  write_file(dir / "job.yaml", gsm8k_job({.base_url = url, .limit = 60, .concurrency = 4}));
+  const fs::path out = dir / "out/e2e.jsonl";
+  Process run({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"OPENAI_API_KEY", ""}, {"BATCHLM_MODEL", ""}},
+               .cwd = dir, .out_file = dir / "run.out", .err_file = dir / "run.err"});
+  if (!wait_until([&] { return fs::exists(out) && count_lines(out) >= 8; }, 60s))
+    return {std::nullopt, "fewer than 8 records after 60 s\n" + read_file(dir / "run.err")};
+  server->kill();
+  std::this_thread::sleep_for(3s);
+  std::vector<std::string> again = args;
+  again.insert(again.end(), {"--port", std::to_string(port)});
+  server = std::make_unique<FakeServer>(dir, again);
+  const std::optional<int> code = run.wait(120s);
+  return {code, read_file(dir / "run.err")};
+}
+
 // The server dies (kill -9) in the middle of a run and comes back 3 s later on its port: the
 // items wait for it without spending their attempts (max_attempts 4, 10-100 ms backoffs, which
 // would fail them within half a second), and the run ends with every item answered once.
@@ -456,19 +481,8 @@ TEST(BatchlmRun, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
   TempDir dir;
   const std::vector<std::string> args = {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "12"};
   auto server = std::make_unique<FakeServer>(dir.path, args);
-  const int port = server->port();
-  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server->base_url(), .limit = 60, .concurrency = 4}));
   const fs::path out = dir.path / "out/e2e.jsonl";
-  Process run({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"OPENAI_API_KEY", ""}, {"BATCHLM_MODEL", ""}}, .cwd = dir.path,
-               .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
-  ASSERT_TRUE(wait_until([&] { return fs::exists(out) && count_lines(out) >= 8; }, 60s));
-  server->kill();
-  std::this_thread::sleep_for(3s);
-  std::vector<std::string> again = args;
-  again.insert(again.end(), {"--port", std::to_string(port)});
-  server = std::make_unique<FakeServer>(dir.path, again);
-  const std::optional<int> code = run.wait(120s);
-  const std::string err = read_file(dir.path / "run.err");
+  const auto [code, err] = run_across_a_restart(dir.path, server, args, server->base_url());
   ASSERT_EQ(code, 0) << err;
   EXPECT_NE(err.find("batchlm: cannot connect to " + server->base_url() + " ("), std::string::npos) << err;
   EXPECT_NE(err.find("the items wait for it up to 5m00s (retry.reconnect_for), without spending their attempts"),
@@ -509,18 +523,8 @@ TEST_P(BehindAGateway, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
                    .err_file = dir.path / "gateway.err"});
   ASSERT_TRUE(wait_until([&] { return fs::exists(port_file); }, 20s)) << read_file(dir.path / "gateway.err");
   const std::string url = "http://127.0.0.1:" + std::to_string(std::stoi(read_file(port_file))) + "/v1";
-  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = url, .limit = 60, .concurrency = 4}));
   const fs::path out = dir.path / "out/e2e.jsonl";
-  Process run({.args = {binary("batchlm"), "run", "job.yaml"}, .env = {{"OPENAI_API_KEY", ""}, {"BATCHLM_MODEL", ""}},
-               .cwd = dir.path, .out_file = dir.path / "run.out", .err_file = dir.path / "run.err"});
-  ASSERT_TRUE(wait_until([&] { return fs::exists(out) && count_lines(out) >= 8; }, 60s));
-  server->kill();
-  std::this_thread::sleep_for(3s);
-  std::vector<std::string> again = args;
-  again.insert(again.end(), {"--port", std::to_string(port)});
-  server = std::make_unique<FakeServer>(dir.path, again);
-  const std::optional<int> code = run.wait(120s);
-  const std::string err = read_file(dir.path / "run.err");
+  const auto [code, err] = run_across_a_restart(dir.path, server, args, url);
   ASSERT_EQ(code, 0) << err;
   EXPECT_NE(err.find("batchlm: no server answers behind " + url + " ("), std::string::npos) << err;
   if (GetParam() == "502") {
