@@ -880,8 +880,10 @@ class Dispatcher {
     const bool denied = (e.kind == ErrorKind::Http && (e.http_status == 401 || e.http_status == 403)) ||
                         e.code == "insufficient_quota" || e.code == "invalid_api_key";
     const bool missing = e.kind == ErrorKind::Http && e.http_status == 404;
-    // Only before any success: a server lost after it is waited for (watch_connection).
-    const bool unreachable = never_connected(e) && !any_success_;
+    // Only before any success: a server lost after it is waited for (watch_connection). Behind
+    // a gateway, the gateway's word for it (no_server_behind).
+    const bool behind = no_server_behind(e) && !any_success_;
+    const bool unreachable = (never_connected(e) || behind) && !any_success_;
     // No TLS connection (a certificate not trusted, expired or for another name; https to a
     // plain HTTP port): the same for every item, and no retry changes it.
     const bool no_tls = e.kind == ErrorKind::Connection && e.code == "tls_failed" && !any_success_;
@@ -896,7 +898,10 @@ class Dispatcher {
     const std::string url = without_password(job_.backend.base_url);
     // Cut between characters; shown through terminal_safe, as the server's text it is.
     const std::string said = utf8_excerpt(e.message, 200);
-    if (unreachable) {
+    if (behind) {
+      refused_ = Refusal{"no server answers behind " + url + " (" + said + ")",
+                         "Start the server behind it, or fix the base URL"};
+    } else if (unreachable) {
       const std::string proxy = client::proxy_for(job_.backend.base_url);
       refused_ = Refusal{"cannot reach " + url + (proxy.empty() ? "" : " through the proxy " + proxy) + " (" + said + ")",
                          proxy.empty() ? "Start the server or fix the base URL"

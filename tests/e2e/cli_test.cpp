@@ -510,19 +510,31 @@ TEST(BatchlmRun, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
 // second); only the attempts met before two items had seen it are counted.
 class BehindAGateway : public ::testing::TestWithParam<std::string> {};
 
+// tests/e2e/gateway.py in front of the server on `upstream_port`, in `mode` (502 or drop).
+class Gateway {
+ public:
+  Gateway(const fs::path& dir, int upstream_port, const std::string& mode)
+      : process_({.args = {"/usr/bin/python3", (fs::path(BATCHLM_SOURCE_DIR) / "tests/e2e/gateway.py").string(),
+                           "--upstream-port", std::to_string(upstream_port), "--mode", mode, "--port-file",
+                           (dir / "gateway.port").string()},
+                  .env = {}, .cwd = dir, .out_file = dir / "gateway.out", .err_file = dir / "gateway.err"}) {
+    if (!wait_until([&] { return fs::exists(dir / "gateway.port"); }, 20s))
+      throw std::runtime_error("gateway.py did not start: " + read_file(dir / "gateway.err"));
+    port_ = std::stoi(read_file(dir / "gateway.port"));
+  }
+  std::string base_url() const { return "http://127.0.0.1:" + std::to_string(port_) + "/v1"; }
+
+ private:
+  Process process_;
+  int port_ = 0;
+};
+
 TEST_P(BehindAGateway, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
   TempDir dir;
   const std::vector<std::string> args = {"--gsm8k", gsm8k_test_file(), "--tokens", "20", "--token-delay-ms", "12"};
   auto server = std::make_unique<FakeServer>(dir.path, args);
-  const int port = server->port();
-  const fs::path port_file = dir.path / "gateway.port";
-  Process gateway({.args = {"/usr/bin/python3", (fs::path(BATCHLM_SOURCE_DIR) / "tests/e2e/gateway.py").string(),
-                            "--upstream-port", std::to_string(port), "--mode", GetParam(), "--port-file",
-                            port_file.string()},
-                   .env = {}, .cwd = dir.path, .out_file = dir.path / "gateway.out",
-                   .err_file = dir.path / "gateway.err"});
-  ASSERT_TRUE(wait_until([&] { return fs::exists(port_file); }, 20s)) << read_file(dir.path / "gateway.err");
-  const std::string url = "http://127.0.0.1:" + std::to_string(std::stoi(read_file(port_file))) + "/v1";
+  const Gateway gateway(dir.path, server->port(), GetParam());
+  const std::string url = gateway.base_url();
   const fs::path out = dir.path / "out/e2e.jsonl";
   const auto [code, err] = run_across_a_restart(dir.path, server, args, url);
   ASSERT_EQ(code, 0) << err;
@@ -538,6 +550,30 @@ TEST_P(BehindAGateway, WaitsForAServerThatRestartsWithoutSpendingAttempts) {
   expect_each_id_once(records, 60);
   // An attempt cut by the kill, one met before the wait began, the answer.
   for (const auto& r : records) EXPECT_LE(r["attempts"].get<int>(), 3) << r.dump();
+}
+
+// No server behind the gateway from the start: as for a server that cannot be reached, once ten
+// attempts in a row over 5 s met the gateway's word for it, with no success before, the run stops
+// sending and says so.
+TEST_P(BehindAGateway, StopsWhenNoServerAnswersBehindItFromTheStart) {
+  TempDir dir;
+  int port = 0;
+  {  // a port nothing listens on, for now
+    FakeServer gone(dir.path);
+    port = gone.port();
+  }
+  const Gateway gateway(dir.path, port, GetParam());
+  write_file(dir.path / "job.yaml", gsm8k_job({.base_url = gateway.base_url(), .limit = 100, .concurrency = 8}));
+  const auto start = std::chrono::steady_clock::now();
+  RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("stopped: no server answers behind " + gateway.base_url() + " ("), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("Start the server behind it, or fix the base URL"), std::string::npos) << r.err;
+  EXPECT_GE(took, 5s);
+  const json summary = json::parse(read_file(dir.path / "out/e2e.jsonl.summary.json"));
+  EXPECT_EQ(summary["counts"]["succeeded"], 0) << summary.dump(2);
+  EXPECT_GE(summary["counts"]["not_run"].get<long long>(), 50) << summary.dump(2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, BehindAGateway, ::testing::Values("502", "drop"));
