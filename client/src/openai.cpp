@@ -539,7 +539,7 @@ Error http_error(const HttpResponse& response) {
     // An HTML page is said by its title (what a gateway in front of the server has to say),
     // not its markup.
     if (const std::optional<std::string> title = html_title(response.body))
-      error.message = "HTTP " + std::to_string(response.status) + ": " + *title + " (an HTML page)";
+      error.message = *title + " (an HTML page)";
     else
       error.message = response.body.empty() ? "HTTP " + std::to_string(response.status) : truncated(response.body);
   }

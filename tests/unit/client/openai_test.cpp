@@ -212,9 +212,9 @@ TEST(HttpError, AnHtmlPageIsSaidByItsTitle) {
       "\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n";
   Error error = http_error(with_headers({}, 502, nginx));
   EXPECT_EQ(error.http_status, 502);
-  EXPECT_EQ(error.message, "HTTP 502: 502 Bad Gateway (an HTML page)");
+  EXPECT_EQ(error.message, "502 Bad Gateway (an HTML page)");
   error = http_error(with_headers({}, 504, "\n<!DOCTYPE html><HTML><HEAD><TITLE>\n  Gateway\n\tTime-out </TITLE>"));
-  EXPECT_EQ(error.message, "HTTP 504: Gateway Time-out (an HTML page)");
+  EXPECT_EQ(error.message, "Gateway Time-out (an HTML page)");
   // No title, or an empty one: the body as it is.
   error = http_error(with_headers({}, 503, "<html><title> </title>down</html>"));
   EXPECT_EQ(error.message, "<html><title> </title>down</html>");
