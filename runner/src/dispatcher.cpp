@@ -956,15 +956,17 @@ class Dispatcher {
            (e.kind == ErrorKind::Timeout && e.code == "connect_timeout");
   }
 
-  // What stands in front of a server that is gone says so: a gateway's 502 or 504, or a port
-  // that takes the connection and closes it without a word (a container's published port while
-  // the container restarts). The server itself may be the cause for one request (a proxy's
-  // timeout on a long answer, a request that crashes it), so this counts as the server gone only
-  // once two items met it with no answer between (watch_connection). A 503 is left out: servers
+  // What stands in front of a server that is gone says so: a gateway's 502 or 504 (and a CDN's
+  // 520 to 524, Cloudflare's for an origin that is down, unreachable or silent), or a port that
+  // takes the connection and closes it without a word (a container's published port while the
+  // container restarts). The server itself may be the cause for one request (a proxy's timeout
+  // on a long answer, a request that crashes it), so this counts as the server gone only once
+  // two items met it with no answer between (watch_connection). A 503 is left out: servers
   // answer it themselves when overloaded, to some requests and not others.
   static bool no_server_behind(const Error& e) {
     if (e.kind == ErrorKind::Connection) return e.code == "no_reply";
-    return e.kind == ErrorKind::Http && (e.http_status == 502 || e.http_status == 504);
+    return e.kind == ErrorKind::Http &&
+           (e.http_status == 502 || e.http_status == 504 || (e.http_status >= 520 && e.http_status <= 524));
   }
 
   // An attempt sent at `sent_at` was answered (an answer begun, or an error other than the

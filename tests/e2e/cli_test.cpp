@@ -578,6 +578,31 @@ TEST_P(BehindAGateway, StopsWhenNoServerAnswersBehindItFromTheStart) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, BehindAGateway, ::testing::Values("502", "drop"));
 
+// A CDN's word for an origin that is down or silent (Cloudflare's 520 to 524) is a gateway's:
+// from the start, the run stops and says so. A 503 is not: a server sends it itself when
+// overloaded, so its items spend their attempts.
+TEST(BatchlmRun, ACdnsWordForAnOriginGoneStopsTheRunAsAGatewaysDoes) {
+  TempDir dir;
+  {
+    FakeServer server(dir.path, {"--fault-rate", "1", "--faults", "status=520,status=521,status=522,status=523,status=524"});
+    write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 40, .concurrency = 4}));
+    RunResult r = run_batchlm(dir.path, {"run", "job.yaml"});
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_NE(r.err.find("stopped: no server answers behind " + server.base_url() + " ("), std::string::npos) << r.err;
+  }
+  {
+    FakeServer server(dir.path, {"--fault-rate", "1", "--faults", "status=503"});
+    write_file(dir.path / "job.yaml", gsm8k_job({.base_url = server.base_url(), .limit = 6, .concurrency = 2,
+                                                 .max_attempts = 2}));
+    RunResult r = run_batchlm(dir.path, {"run", "job.yaml", "-o", "out/503.jsonl"});
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_EQ(r.err.find("no server answers behind"), std::string::npos) << r.err;
+    const auto records = read_jsonl(dir.path / "out/503.jsonl");
+    ASSERT_EQ(records.size(), 6u) << r.err;
+    for (const auto& rec : records) EXPECT_EQ(rec["error"]["status"], 503) << rec.dump();
+  }
+}
+
 // One item that meets a 502 on every attempt while the others are answered (a request the
 // server behind the gateway fails on) is a failure as any other: it spends its attempts and
 // fails, and the run does not wait on it.
