@@ -28,7 +28,9 @@ namespace asio = boost::asio;
 // (as an SSH server sends its banner), then waits for the client to go.
 class GreetingServer {
  public:
-  // `hang_up`: close the connection right after the greeting, the request unread.
+  // `hang_up`: close the connection after the greeting: at once, the request unread, where the
+  // greeting is empty; else once the whole request (post()'s, whose body is "{}") has come, so
+  // that the client is reading the greeting when the connection closes, not still sending.
   explicit GreetingServer(std::string greeting, bool hang_up = false)
       : greeting_(std::move(greeting)), hang_up_(hang_up) {
     listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -55,6 +57,17 @@ class GreetingServer {
     if (::poll(&p, 1, 10'000) <= 0) return;
     const int fd = ::accept(listener_, nullptr, nullptr);
     if (fd < 0) return;
+    if (hang_up_ && !greeting_.empty()) {
+      std::string request;
+      char part[4096];
+      while (request.find("\r\n\r\n{}") == std::string::npos) {
+        pollfd q{fd, POLLIN, 0};
+        if (::poll(&q, 1, 10'000) <= 0) break;
+        const ssize_t n = ::recv(fd, part, sizeof part, 0);
+        if (n <= 0) break;
+        request.append(part, static_cast<std::size_t>(n));
+      }
+    }
     if (!greeting_.empty()) (void)!::send(fd, greeting_.data(), greeting_.size(), MSG_NOSIGNAL);
     if (hang_up_) {
       ::close(fd);
