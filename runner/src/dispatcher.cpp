@@ -883,7 +883,7 @@ class Dispatcher {
     // Only before any success: a server lost after it is waited for (watch_connection). Behind
     // a gateway, the gateway's word for it (no_server_behind).
     const bool behind = no_server_behind(e) && !any_success_;
-    const bool unreachable = (never_connected(e) || behind) && !any_success_;
+    const bool unreachable = behind || (never_connected(e) && !any_success_);
     // No TLS connection (a certificate not trusted, expired or for another name; https to a
     // plain HTTP port): the same for every item, and no retry changes it.
     const bool no_tls = e.kind == ErrorKind::Connection && e.code == "tls_failed" && !any_success_;
