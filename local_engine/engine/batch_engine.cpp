@@ -111,7 +111,7 @@ std::int64_t checked_budget(const LocalBackendOptions& options) {
 // model that cannot be loaded or does not share the vocabulary.
 std::pair<std::shared_ptr<const Model>, std::int64_t> drafter_for(const std::shared_ptr<const Model>& model,
                                                                   const SpeculativeOptions& speculative,
-                                                                  bool check_only) {
+                                                                  bool check_only, std::int64_t context) {
   const ModelConfig& c = model->config();
   switch (speculative.method) {
     case SpecMethod::kNone:
@@ -126,7 +126,7 @@ std::pair<std::shared_ptr<const Model>, std::int64_t> drafter_for(const std::sha
     }
     case SpecMethod::kDraft: {
       try {
-        std::shared_ptr<const Model> drafter = Model::load(speculative.model, check_only);
+        std::shared_ptr<const Model> drafter = Model::load(speculative.model, check_only, context);
         check_same_vocabulary(*model, *drafter);
         return {drafter, drafter->config().n_layers};
       } catch (const gguf::Error& e) {
@@ -183,10 +183,11 @@ Device BatchEngine::check(const std::shared_ptr<const Model>& model, const Local
   if (speculative.method != SpecMethod::kNone) validate(speculative);
   const ModelConfig& c = model->config();
   const std::int64_t context = choose_context(c, options.context);
+  check_loaded_for(c, context);
   const std::optional<std::string> no_gpu = gpu_refusal(*model, options.device);
   if (options.device == Device::kCuda && no_gpu)
     throw DeviceUnavailable("device 'cuda' was asked for, but " + *no_gpu);
-  const auto [drafter, draft_layers] = drafter_for(model, speculative, /*check_only=*/true);
+  const auto [drafter, draft_layers] = drafter_for(model, speculative, /*check_only=*/true, options.context);
   const bool gpu = options.device != Device::kCpu && !no_gpu;
   // A drafting model runs where the target does.
   if (gpu && drafter && drafter != model)
@@ -216,6 +217,7 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
   if (speculative_.method != SpecMethod::kNone) validate(speculative_);
   const ModelConfig& c = model_->config();
   context_ = choose_context(c, options.context);
+  check_loaded_for(c, context_);
   // The device: the target's weights go there first, then a drafting model's, and the KV
   // pools share what memory is left.
   threads_ = std::make_unique<kernels::ThreadPool>(options.threads);
@@ -227,7 +229,7 @@ BatchEngine::BatchEngine(std::shared_ptr<const Model> model, const LocalBackendO
   if (wrap_executor) executor_ = wrap_executor(std::move(executor_));
   device.device = executor_->device();  // a drafting model runs where the target does
 
-  const auto [drafter, draft_layers] = drafter_for(model_, speculative_, /*check_only=*/false);
+  const auto [drafter, draft_layers] = drafter_for(model_, speculative_, /*check_only=*/false, options.context);
   std::unique_ptr<Executor> draft_executor;
   if (drafter) {
     ExecutorOptions d = device;

@@ -26,11 +26,18 @@ std::string prompt_past_context(const ModelConfig& c, std::int64_t n_prompt, std
          (n_prompt == context ? ", which leaves no room to generate" : "");
 }
 
+void check_loaded_for(const ModelConfig& c, std::int64_t context) {
+  if (c.rope_long_factors && c.n_ctx_orig > 0 && c.long_context != (context > c.n_ctx_orig))
+    throw std::invalid_argument("the model was loaded for a context " + std::string(c.long_context ? "past" : "within") +
+                                " its original " + std::to_string(c.n_ctx_orig) + " (its rotary factors), and is run at " +
+                                std::to_string(context) + ": load it with the context it runs at");
+}
+
 std::string context_holds(const ModelConfig& c, std::int64_t context) {
   std::string text = "the context holds " + std::to_string(context) + " tokens";
   if (c.n_ctx_usable() < c.n_ctx_train && context == c.n_ctx_usable())
-    text += " (the model's own holds " + std::to_string(c.n_ctx_train) + " with its long-context rotary factors, "
-            "which this build does not run)";
+    text += " (the model's own holds " + std::to_string(c.n_ctx_train) + "; a longer context, asked for, runs its "
+            "long-context rotary factors)";
   else if (context < c.n_ctx_train)
     text += " (the model's own holds " + std::to_string(c.n_ctx_train) + ")";
   return text;
@@ -41,7 +48,9 @@ Engine::Engine(std::shared_ptr<const Model> model, const EngineOptions& options)
       context_(choose_context(model_->config(), options.context)),
       pool_(options.threads),
       cache_(model_->config(), context_),
-      logits_(static_cast<std::size_t>(model_->config().n_vocab)) {}
+      logits_(static_cast<std::size_t>(model_->config().n_vocab)) {
+  check_loaded_for(model_->config(), context_);
+}
 
 Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params)
     : tokenizer_(&tokenizer),

@@ -212,7 +212,7 @@ LocalBackend::LocalBackend(asio::any_io_executor executor, const LocalBackendOpt
   State& s = *state_;
   s.path = options.model;
   s.split_reasoning = options.split_reasoning;
-  s.engine = std::make_unique<BatchEngine>(Model::load(options.model), options);
+  s.engine = std::make_unique<BatchEngine>(Model::load(options.model, /*check_only=*/false, options.context), options);
   for (const std::string& t : s.engine->model().tokenizer().vocab().tokens)
     s.max_token_bytes = std::max(s.max_token_bytes, t.size());
   s.publish_stats();

@@ -82,7 +82,7 @@ void KvCache::resize(std::int64_t n) {
 
 Model::Model(gguf::File file) : file_(std::move(file)) {}
 
-std::shared_ptr<Model> Model::load(const std::filesystem::path& path, bool check_only) {
+std::shared_ptr<Model> Model::load(const std::filesystem::path& path, bool check_only, std::int64_t context) {
   std::shared_ptr<Model> m(new Model(gguf::File::open(path)));
   m->check_only_ = check_only;
   const gguf::File& f = m->file_;
@@ -327,14 +327,16 @@ std::shared_ptr<Model> Model::load(const std::filesystem::path& path, bool check
     m->rope_freqs_ = factors("rope_freqs.weight");
     c.rope_freq_factors = true;
   }
-  // Phi-3's long-context models: llama.cpp runs the short factors while the context is at most
-  // the original one, and the long ones past it; this build runs the short ones and stops the
-  // context there (ModelConfig::n_ctx_usable).
+  // Phi-3's long-context models: as llama.cpp chooses them, the short factors where the context
+  // is at most the original one, the long ones past it (the magnitude factor either way). The
+  // context is the one asked for, which the engine takes as it is up to the training context.
   if (c.architecture == "phi3" && (f.find_tensor("rope_factors_short.weight") || f.find_tensor("rope_factors_long.weight"))) {
-    m->rope_freqs_ = factors("rope_factors_short.weight");
-    factors("rope_factors_long.weight");
+    const float* short_factors = factors("rope_factors_short.weight");
+    const float* long_factors = factors("rope_factors_long.weight");
     c.rope_freq_factors = true;
     c.rope_long_factors = true;
+    c.long_context = c.n_ctx_orig > 0 && c.n_ctx_train > c.n_ctx_orig && context > c.n_ctx_orig;
+    m->rope_freqs_ = c.long_context ? long_factors : short_factors;
   }
   // Biases on the query, key and value products where the first layer has them (Qwen2 does;
   // llama.cpp reads them in any of these architectures), and then in every layer.

@@ -125,7 +125,7 @@ int run_generate() {
   const std::string text = read_prompt();
   if (const std::string problem = model_file_problem(g.model, "pass --model"); !problem.empty())
     throw std::runtime_error(problem);
-  std::shared_ptr<const Model> model = Model::load(g.model);
+  std::shared_ptr<const Model> model = Model::load(g.model, /*check_only=*/false, g.context);
   // The engine of run and serve, with one sequence and a pool of one context (on a GPU, the
   // default pool would take all of its memory).
   LocalBackendOptions options;
@@ -302,10 +302,8 @@ int run_inspect() {
                 static_cast<long long>(c.n_heads), static_cast<long long>(c.n_kv_heads),
                 static_cast<long long>(c.head_dim));
     if (c.n_ctx_usable() < c.n_ctx_train)
-      std::printf("context       %lld (training %lld; past its original %lld only with the long rotary factors, "
-                  "which this build does not run)\n",
-                  static_cast<long long>(c.n_ctx_usable()), static_cast<long long>(c.n_ctx_train),
-                  static_cast<long long>(c.n_ctx_orig));
+      std::printf("context       %lld (training; past its original %lld with the long rotary factors)\n",
+                  static_cast<long long>(c.n_ctx_train), static_cast<long long>(c.n_ctx_orig));
     else
       std::printf("context       %lld (training)\n", static_cast<long long>(c.n_ctx_train));
     char magnitude[48] = "";
@@ -315,7 +313,7 @@ int run_inspect() {
                 static_cast<long long>(c.rope_dim),
                 c.rope_style == batchlm::kernels::RopeStyle::kHalves ? "pairs in halves" : "adjacent pairs",
                 !c.rope_freq_factors    ? ""
-                : c.rope_long_factors   ? ", frequency factors (rope_factors_short)"
+                : c.rope_long_factors   ? ", frequency factors (rope_factors_short, rope_factors_long)"
                                         : ", frequency factors (rope_freqs)",
                 magnitude, static_cast<double>(c.rms_eps));
     if (c.rope_freq_scale != 1.0f)

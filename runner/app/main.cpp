@@ -423,8 +423,9 @@ int run_command(const JobOptions& o, bool synth) {
       std::shared_ptr<const local_engine::Model> model;
       local_engine::Device device = local_engine::Device::kCpu;
       engine_errors(job, overrides, [&] {
-        model = local_engine::Model::load(job.backend.model, /*check_only=*/true);
-        device = local_engine::BatchEngine::check(model, local_options(job, overrides));
+        const local_engine::LocalBackendOptions options = local_options(job, overrides);
+        model = local_engine::Model::load(job.backend.model, /*check_only=*/true, options.context);
+        device = local_engine::BatchEngine::check(model, options);
       });
       context = dry_run_context(job, model->file());
       // In the run's order: biases outside the vocabulary, tools the template cannot show, then

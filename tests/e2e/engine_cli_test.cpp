@@ -446,10 +446,21 @@ TEST_F(EngineCli, InspectDescribesQwenAndPhi3Models) {
   r = run_batchlm(dir(), {"inspect", "phi3.gguf"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(contains(r.out, "architecture  phi3")) << r.out;
-  EXPECT_TRUE(contains(r.out, "context       1024 (training 8192; past its original 1024 only with the long rotary factors")) << r.out;
-  EXPECT_TRUE(contains(r.out, "pairs in halves, frequency factors (rope_factors_short), magnitude 1.5;")) << r.out;
+  EXPECT_TRUE(contains(r.out, "context       8192 (training; past its original 1024 with the long rotary factors)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "pairs in halves, frequency factors (rope_factors_short, rope_factors_long), magnitude 1.5;"))
+      << r.out;
   g = run_batchlm(dir(), {"generate", "-m", "phi3.gguf", "-p", "Hello world", "-n", "5", "--temperature", "0"});
   EXPECT_EQ(g.exit_code, 0) << g.err;
+  // Past the original context the long factors run: another network, so other greedy tokens.
+  const auto greedy = [&](const char* context) {
+    return run_batchlm(dir(), {"generate", "-m", "phi3.gguf", "-p", "Hello world, and more", "-n", "24", "--temperature", "0",
+                               "--ignore-eos", "--context", context});
+  };
+  const RunResult within = greedy("1024"), past = greedy("4096");
+  EXPECT_EQ(within.exit_code, 0) << within.err;
+  EXPECT_EQ(past.exit_code, 0) << past.err;
+  EXPECT_EQ(greedy("512").out, within.out);
+  EXPECT_NE(past.out, within.out);
 }
 
 // A model with a type the engine does not run (Q3_K) is listed in full, and "runs" says why not.

@@ -15,7 +15,7 @@ The default model as the qwen2 architecture and with rope_freqs (README.md) like
     .venv/bin/python tests/reference/make_goldens.py --model models/SmolLM2-135M-Instruct.qwen2.gguf \
         --out tests/reference/smollm2-135m-instruct-qwen2
 
-The same for the phi3, gemma2 and gemma3 copies (--as phi3|gemma2|gemma3, README.md).
+The same for the phi3, phi3long, gemma2 and gemma3 copies (--as phi3|phi3long|gemma2|gemma3, README.md).
 
 Writes, into tests/reference/<model-dir>/ (default: smollm2-135m-instruct-q4_1):
   tokenize.json  -- token ids of many texts, from Llama.tokenize(text, add_bos=False,

@@ -229,7 +229,8 @@ std::vector<std::byte> as_qwen2(const gguf::File& in, float bias_scale) {
   return out.encode().bytes;
 }
 
-std::vector<std::byte> as_phi3(const gguf::File& in, float short_max, float attn_factor, std::int64_t original_context) {
+std::vector<std::byte> as_phi3(const gguf::File& in, float short_max, float attn_factor, std::int64_t original_context,
+                               float long_scale) {
   require_llama(in, "as_phi3");
   GgufWriter out;
   copy_metadata_as(in, out, "phi3");
@@ -240,7 +241,7 @@ std::vector<std::byte> as_phi3(const gguf::File& in, float short_max, float attn
   for (std::size_t i = 0; i < short_factors.size(); ++i) {
     const float f = short_factors.size() > 1 ? static_cast<float>(i) / static_cast<float>(short_factors.size() - 1) : 0.0f;
     short_factors[i] = 1.0f + (short_max - 1.0f) * f * f;
-    long_factors[i] = 10.0f * short_factors[i];
+    long_factors[i] = long_scale * short_factors[i];
   }
   out.add_tensor("rope_factors_long.weight", DType::F32, {dim / 2}, long_factors);
   out.add_tensor("rope_factors_short.weight", DType::F32, {dim / 2}, short_factors);

@@ -66,16 +66,22 @@ std::vector<std::byte> with_rope_freqs(const local_engine::gguf::File& in, float
 // attn_k and attn_v as one attn_qkv (their rows one after the other; attn_q and attn_k rows in the
 // checkpoint's order, as for qwen2, since phi3 pairs the halves) and ffn_gate and ffn_up as one
 // ffn_up (the gate's rows first); rope_factors_short.weight (factor i = 1 + (short_max - 1) *
-// (i / (n - 1))^2) and rope_factors_long.weight (ten times those), phi3.rope.scaling.attn_factor
-// and phi3.rope.scaling.original_context_length. Below the original context the short factors
+// (i / (n - 1))^2) and rope_factors_long.weight (long_scale times those), phi3.rope.scaling.attn_factor
+// and phi3.rope.scaling.original_context_length. Up to the original context the short factors
 // run, so the network is the input's with its angles divided by them and every cosine and sine
-// times attn_factor. The matrices stacked must share a type.
+// times attn_factor; past it, the long ones. The matrices stacked must share a type.
 std::vector<std::byte> as_phi3(const local_engine::gguf::File& in, float short_max, float attn_factor,
-                               std::int64_t original_context);
+                               std::int64_t original_context, float long_scale = 10.0f);
 inline constexpr float kSmolLM2Phi3ShortMax = 4.0f;
 inline constexpr float kSmolLM2Phi3AttnFactor = 1.03f;
 inline constexpr std::int64_t kSmolLM2Phi3OriginalContext = 4096;
 inline constexpr const char* kSmolLM2Phi3File = "SmolLM2-135M-Instruct.phi3.gguf";
+// The same with an original context of 1,024 and long factors twice the short ones, so that
+// the goldens' context of 2,048 runs the long factors.
+inline constexpr std::int64_t kSmolLM2Phi3LongOriginalContext = 1024;
+inline constexpr float kSmolLM2Phi3LongScale = 2.0f;
+inline constexpr std::int64_t kSmolLM2Phi3LongContext = 2048;
+inline constexpr const char* kSmolLM2Phi3LongFile = "SmolLM2-135M-Instruct.phi3long.gguf";
 
 // A llama-architecture file stored as Gemma 2 or 3 ('gemma2', 'gemma3'): general.architecture
 // and every "llama." key renamed; attention.sliding_window = window (Gemma 3: five layers in six

@@ -3,11 +3,12 @@
 // checkpoint's order, so the rotary pairs are halves of each head, and small biases on the query,
 // key and value products), the default model with a rope_freqs tensor (with_rope_freqs), and the
 // default model as a long-context 'phi3' (as_phi3: Q, K and V stacked in attn_qkv, gate and up in
-// ffn_up, short and long rotary factors and a magnitude factor), and the default model as
+// ffn_up, short and long rotary factors and a magnitude factor; and again with an original
+// context of 1,024, loaded for the goldens' 2,048, so the long factors run), and the default model as
 // 'gemma3' (as_gemma3: per-head and post-block norms, GELU, scaled embeddings and queries,
 // sliding windows of 64 in 25 of its 30 layers with their own rotary base, linear rotary scaling
 // in the others), each with llama.cpp's goldens for that file
-// (tests/reference/smollm2-135m-instruct-qwen2/, -ropefreqs/, -phi3/ and -gemma3/). The test makes each file again, checks that it is the one the goldens come from,
+// (tests/reference/smollm2-135m-instruct-qwen2/, -ropefreqs/, -phi3/, -phi3long/, -gemma2/ and -gemma3/). The test makes each file again, checks that it is the one the goldens come from,
 // and compares the top logits after each prompt and the greedy continuations with the
 // tolerances of reference_test (tests/support/llama_goldens.hpp). Also: the qwen2 layout with
 // zero biases is the default model's network, and the loader's refusals. The tests on the
@@ -50,6 +51,7 @@ struct Variant {
   std::string name;  // the goldens' folder is smollm2-135m-instruct-<name>
   const char* file;
   std::function<std::vector<std::byte>(const gguf::File&)> make;
+  std::int64_t context = 0;  // the context the model is loaded for (the goldens' where it matters)
 };
 
 const std::vector<Variant>& variants() {
@@ -61,6 +63,12 @@ const std::vector<Variant>& variants() {
        [](const gguf::File& f) {
          return bt::as_phi3(f, bt::kSmolLM2Phi3ShortMax, bt::kSmolLM2Phi3AttnFactor, bt::kSmolLM2Phi3OriginalContext);
        }},
+      {"phi3long", bt::kSmolLM2Phi3LongFile,
+       [](const gguf::File& f) {
+         return bt::as_phi3(f, bt::kSmolLM2Phi3ShortMax, bt::kSmolLM2Phi3AttnFactor, bt::kSmolLM2Phi3LongOriginalContext,
+                            bt::kSmolLM2Phi3LongScale);
+       },
+       bt::kSmolLM2Phi3LongContext},
       {"gemma3", bt::kSmolLM2Gemma3File, [](const gguf::File& f) { return bt::as_gemma(f, bt::smollm2_gemma3()); }},
       {"gemma2", bt::kSmolLM2Gemma2File, [](const gguf::File& f) { return bt::as_gemma(f, bt::smollm2_gemma2()); }},
   };
@@ -78,7 +86,7 @@ class Variants : public ::testing::TestWithParam<std::size_t> {
       const std::vector<std::byte> bytes = v.make(source);
       sha256_.push_back(bt::sha256_hex(bytes));
       bt::write_file(dir_ / v.file, bytes);
-      models_.push_back(Model::load(dir_ / v.file));
+      models_.push_back(Model::load(dir_ / v.file, /*check_only=*/false, v.context));
     }
   }
   static void TearDownTestSuite() {
@@ -124,6 +132,15 @@ TEST_P(Variants, AreTheArchitectureTheyClaim) {
     EXPECT_EQ(l.attn_k.data, static_cast<const std::byte*>(l.attn_q.data) +
                                  batchlm::kernels::row_bytes(l.attn_q.type, l.attn_q.cols) * static_cast<std::size_t>(l.attn_q.rows));
     EXPECT_EQ(l.ffn_up.rows, c.n_ff);
+  } else if (variants()[GetParam()].name == "phi3long") {
+    // Loaded for the goldens' context, past the original one: the long factors run.
+    EXPECT_EQ(c.architecture, "phi3");
+    EXPECT_TRUE(c.rope_long_factors && c.long_context);
+    EXPECT_EQ(c.n_ctx_orig, bt::kSmolLM2Phi3LongOriginalContext);
+    EXPECT_EQ(choose_context(c, bt::kSmolLM2Phi3LongContext), bt::kSmolLM2Phi3LongContext);
+    ASSERT_NE(model().rope_freqs(), nullptr);
+    EXPECT_EQ(model().rope_freqs()[0], bt::kSmolLM2Phi3LongScale);
+    EXPECT_EQ(model().rope_freqs()[c.rope_dim / 2 - 1], bt::kSmolLM2Phi3LongScale * bt::kSmolLM2Phi3ShortMax);
   } else if (variants()[GetParam()].name == "gemma3") {
     EXPECT_EQ(c.architecture, "gemma3");
     EXPECT_EQ(c.rope_style, batchlm::kernels::RopeStyle::kHalves);
@@ -183,7 +200,7 @@ TEST_P(Variants, GreedyContinuationsMatchLlamaCpp) {
               goldens_["cases"].size());
 }
 
-INSTANTIATE_TEST_SUITE_P(DefaultModel, Variants, ::testing::Range<std::size_t>(0, 5),
+INSTANTIATE_TEST_SUITE_P(DefaultModel, Variants, ::testing::Range<std::size_t>(0, 6),
                          [](const auto& info) { return variants()[info.param].name; });
 
 // With zero biases the qwen2 copy is the default model's network in the other layout: each
@@ -378,9 +395,10 @@ TEST_F(TinyVariants, RopeFreqsMustBePositiveAndOfTheRotaryDimension) {
   EXPECT_NE(e.find("expected [8]"), std::string::npos) << e;
 }
 
-// Phi-3's long-context models: the short rotary factors run, so the context stops at the
-// original one, by default and when asked for more, and the message says why.
-TEST_F(TinyVariants, Phi3LongContextStopsAtTheOriginalContext) {
+// Phi-3's long-context models: as llama.cpp chooses them, the short rotary factors run where
+// the context asked for is at most the original one (so it stops there), the long ones past it,
+// and the model runs at the context it was loaded for.
+TEST_F(TinyVariants, Phi3LongContextRunsItsLongFactorsPastTheOriginalContext) {
   bt::TinyLlamaOptions o;
   o.architecture = "phi3";
   o.context_length = 8192;
@@ -388,17 +406,57 @@ TEST_F(TinyVariants, Phi3LongContextStopsAtTheOriginalContext) {
   o.rope_factors_short.assign(8, 1.5f);  // head_dim 16
   o.rope_factors_long.assign(8, 30.0f);
   o.rope_attn_factor = 1.2f;
-  const auto m = Model::load(write("phi3-long.gguf", o));
-  const ModelConfig& c = m->config();
-  EXPECT_TRUE(c.rope_long_factors);
-  EXPECT_EQ(c.n_ctx_usable(), 1024);
-  EXPECT_EQ(choose_context(c, 0), 1024);
-  EXPECT_EQ(choose_context(c, 100000), 1024);
-  EXPECT_EQ(choose_context(c, 512), 512);
-  EXPECT_NE(context_holds(c, 1024).find("the model's own holds 8192 with its long-context rotary factors, which this build does "
-                                        "not run"),
+  const fs::path path = write("phi3-long.gguf", o);
+  for (const std::int64_t asked : {0, 512, 1024}) {
+    const auto m = Model::load(path, /*check_only=*/false, asked);
+    const ModelConfig& c = m->config();
+    EXPECT_TRUE(c.rope_long_factors);
+    EXPECT_FALSE(c.long_context) << asked;
+    EXPECT_EQ(m->rope_freqs()[0], 1.5f) << asked;
+    EXPECT_EQ(c.n_ctx_usable(), 1024);
+    EXPECT_EQ(choose_context(c, asked), asked == 0 ? 1024 : asked);
+    EXPECT_NO_THROW(check_loaded_for(c, choose_context(c, asked)));
+    EXPECT_THROW(check_loaded_for(c, 1025), std::invalid_argument);
+  }
+  for (const std::int64_t asked : {1025, 4096, 100000}) {
+    const auto m = Model::load(path, /*check_only=*/false, asked);
+    const ModelConfig& c = m->config();
+    EXPECT_TRUE(c.long_context) << asked;
+    EXPECT_EQ(m->rope_freqs()[0], 30.0f) << asked;
+    EXPECT_EQ(c.n_ctx_usable(), 8192);
+    EXPECT_EQ(choose_context(c, asked), std::min<std::int64_t>(asked, 8192));
+    EXPECT_NO_THROW(check_loaded_for(c, choose_context(c, asked)));
+    EXPECT_THROW(check_loaded_for(c, 1024), std::invalid_argument);
+  }
+  // An engine runs a model at the context it was loaded for: one loaded within the original
+  // context stops there.
+  const std::shared_ptr<const Model> within = Model::load(path);
+  EXPECT_EQ(Engine(within, {.threads = 1, .context = 2048}).context(), 1024);
+  const std::shared_ptr<const Model> past = Model::load(path, false, 2048);
+  EXPECT_NO_THROW(Engine(past, {.threads = 1, .context = 2048}));
+  EXPECT_THROW(Engine(past, {.threads = 1, .context = 1024}), std::invalid_argument);
+  EXPECT_NE(context_holds(within->config(), 1024).find("the model's own holds 8192; a longer context, asked for, runs its "
+                                                       "long-context rotary factors"),
             std::string::npos)
-      << context_holds(c, 1024);
+      << context_holds(within->config(), 1024);
+
+  // Past the original context the network is the one whose short factors are the long ones:
+  // the same logits, bit for bit, and not those of the short factors.
+  bt::TinyLlamaOptions swapped = o;
+  swapped.rope_factors_short = o.rope_factors_long;
+  const auto as_short = Model::load(write("phi3-swapped.gguf", swapped));
+  ASSERT_FALSE(as_short->config().long_context);
+  const auto logits = [](const Model& m) {
+    batchlm::kernels::ThreadPool pool(1);
+    KvCache cache(m.config(), 64);
+    const std::vector<Token> prompt = {1, 5, 9, 14, 3, 27, 8, 40, 2, 11, 6, 19};
+    std::vector<float> out(static_cast<std::size_t>(m.config().n_vocab) * prompt.size());
+    m.forward(prompt, cache, out, /*all_logits=*/true, pool);
+    return out;
+  };
+  EXPECT_EQ(logits(*past), logits(*as_short));
+  EXPECT_NE(logits(*past), logits(*within));
+
   // Without the factors the training context is the limit.
   bt::TinyLlamaOptions plain;
   plain.architecture = "phi3";

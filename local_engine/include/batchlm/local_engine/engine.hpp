@@ -29,6 +29,9 @@ struct EngineOptions {
 // The tokens a sequence may hold: `requested` capped at the model's training context, or when
 // 0, the training context up to 4,096.
 std::int64_t choose_context(const ModelConfig& c, std::int64_t requested);
+// Throws std::invalid_argument where the model's rotary factors are not the ones for `context`
+// (a Phi-3 long-context model loaded for another context than the one it is run at).
+void check_loaded_for(const ModelConfig& c, std::int64_t context);
 // "the context holds N tokens", with the model's own where N is less (a setting can raise it).
 std::string context_holds(const ModelConfig& c, std::int64_t context);
 // Why a prompt of n_prompt >= context tokens is refused.

@@ -43,10 +43,12 @@ struct ModelConfig {
   float rope_base = 10000.0f;
   kernels::RopeStyle rope_style = kernels::RopeStyle::kAdjacent;
   bool rope_freq_factors = false;   // factors divide the angles: Llama 3.1's rope_freqs, Phi-3's short ones
-  // Phi-3's long-context models: rope_factors_short is what runs (llama.cpp's choice up to the
-  // original context); rope_factors_long, for longer contexts, is not run, so the context stops
-  // at n_ctx_orig.
+  // Phi-3's long-context models have two sets: rope_factors_short runs where the context the
+  // model runs at (Model::load's) is at most the original one, rope_factors_long past it, as
+  // llama.cpp chooses them; long_context says which. A model loaded for the short ones stops its
+  // context at n_ctx_orig (n_ctx_usable).
   bool rope_long_factors = false;
+  bool long_context = false;
   std::int64_t n_ctx_orig = 0;      // rope.scaling.original_context_length (0: none given)
   float rope_attn_factor = 1.0f;    // rope.scaling.attn_factor: multiplies each cosine and sine
   float rope_freq_scale = 1.0f;     // linear rotary scaling: 1 / rope.scaling.factor
@@ -71,10 +73,10 @@ struct ModelConfig {
   bool tied_embeddings = false;
 
   std::int64_t kv_width() const { return n_kv_heads * head_dim; }
-  // The longest context this build runs the model at: the training context, or the original
-  // one where only the short rotary factors run.
+  // The longest context the model runs at as loaded: the training context, or the original one
+  // where the short rotary factors run.
   std::int64_t n_ctx_usable() const {
-    return rope_long_factors && n_ctx_orig > 0 ? std::min(n_ctx_train, n_ctx_orig) : n_ctx_train;
+    return rope_long_factors && !long_context && n_ctx_orig > 0 ? std::min(n_ctx_train, n_ctx_orig) : n_ctx_train;
   }
   std::int64_t q_width() const { return n_heads * head_dim; }  // n_embd but where heads are wider
 };
@@ -167,7 +169,11 @@ class Model {
   // Maps the file and checks every tensor the architecture needs against the metadata.
   // Throws gguf::Error naming the file and the problem. `check_only`: the same checks, without
   // the kernels' packed copies of the weights (a dry run's), for a model that is never run.
-  static std::shared_ptr<Model> load(const std::filesystem::path& path, bool check_only = false);
+  // `context`: the context asked for (0: the default), which decides the rotary factors of
+  // Phi-3's long-context models (ModelConfig::long_context): an engine runs the model at the
+  // context it was loaded for.
+  static std::shared_ptr<Model> load(const std::filesystem::path& path, bool check_only = false,
+                                     std::int64_t context = 0);
   bool check_only() const { return check_only_; }
 
   const ModelConfig& config() const { return config_; }
@@ -199,7 +205,8 @@ class Model {
   const kernels::Matrix& output() const { return output_; }
   const float* output_norm() const { return output_norm_; }
   std::span<const LayerWeights> layers() const { return layers_; }
-  // rope_dim / 2 factors where ModelConfig::rope_freq_factors, else nullptr.
+  // rope_dim / 2 factors where ModelConfig::rope_freq_factors, else nullptr: for Phi-3's
+  // long-context models, the set that runs (ModelConfig::long_context).
   const float* rope_freqs() const { return rope_freqs_; }
 
  private:
