@@ -99,8 +99,9 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return "expected true (generate past the end-of-turn token, to max_tokens) or false, not " + value.dump();
   }
   if (key == "repetition_penalty") {
-    if (value.is_null() || (value.is_number() && value.get<double>() == 1.0)) return std::nullopt;
-    return std::string("the embedded engine does not apply repetition penalties") + kElsewhere;
+    if (value.is_null() || (value.is_number() && value.get<double>() > 0.0 && value.get<double>() <= 100.0))
+      return std::nullopt;
+    return "expected a number above 0 and at most 100 (1: none), not " + value.dump();
   }
   if (key == "logit_bias") {
     if (!value.is_object()) return "expected an object of token ids and biases, not " + value.dump();
@@ -195,7 +196,7 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return "set it as request." + std::string(key == "max_completion_tokens" ? "max_tokens" : key) +
            " (the embedded engine does not read it from the extra fields)";
   return "the embedded engine does not use '" + std::string(key) +
-         "' (of the extra fields it takes top_k, min_p, presence_penalty, frequency_penalty, logit_bias, logprobs, "
+         "' (of the extra fields it takes top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, logprobs, "
          "top_logprobs, response_format, ignore_eos, tools, tool_choice, parallel_tool_calls and "
          "chat_template_kwargs)" +
          kElsewhere;
@@ -398,8 +399,13 @@ std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const ojso
     const auto it = extra.find(key);
     return it != extra.end() && it->is_number() && it->get<float>() != 0.0f;  // as the engine reads it
   };
+  const auto repeats = [&] {
+    const auto it = extra.find("repetition_penalty");
+    return it != extra.end() && it->is_number() && it->get<float>() != 1.0f;  // as the engine reads it
+  };
   return cpu_only_sampling({.penalty = nonzero("presence_penalty")    ? "presence_penalty"
                                        : nonzero("frequency_penalty") ? "frequency_penalty"
+                                       : repeats()                    ? "repetition_penalty"
                                                                       : "",
                             .min_p = nonzero("min_p"),
                             .logit_bias = !requested_logit_bias(extra).empty(),

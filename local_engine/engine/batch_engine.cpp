@@ -283,7 +283,11 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
   // On a device that samples, such rows would send the whole step's sampling to the host, whose
   // generator differs from the device's: other requests' seeded draws would change.
   if (executor_->samples_on_device()) {
-    const auto asked = cpu_only_sampling({.penalty = params.sampling.penalized() ? "presence_penalty', 'frequency_penalty" : "",
+    const SamplingParams& sp = params.sampling;
+    const auto asked = cpu_only_sampling({.penalty = sp.presence_penalty != 0.0f || sp.frequency_penalty != 0.0f
+                                                         ? "presence_penalty', 'frequency_penalty"
+                                                     : sp.repetition_penalty != 1.0f ? "repetition_penalty"
+                                                                                     : "",
                                           .min_p = params.sampling.min_p > 0.0f,
                                           .logit_bias = !params.sampling.logit_bias.empty(),
                                           .logprobs = params.logprobs >= 0,
@@ -323,6 +327,8 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
                               std::to_string(n_prompt) + ", which leaves room for " + std::to_string(room) +
                               " more, not " + std::to_string(params.max_tokens));
   const std::int64_t max_new = params.max_tokens > 0 ? std::min(params.max_tokens, room) : room;
+  Generation gen(model_->tokenizer(), params);
+  gen.sampler().observe_prompt(prompt);
   SequenceId id = 0;
   try {
     id = scheduler_->add(std::move(prompt), max_new);
@@ -330,7 +336,7 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
     throw RequestRejected("context_length_exceeded", e.what());
   }
   Active a{std::move(on_text),
-           Generation(model_->tokenizer(), params),
+           std::move(gen),
            params.sampling,
            {},
            {},

@@ -247,6 +247,7 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
   }
 
   Generation gen(tok, params);
+  gen.sampler().observe_prompt(prompt);
   auto emit = [&](const std::string& text) {
     for (TokenLogprob& lp : gen.take_logprobs()) result.logprobs.push_back(std::move(lp));
     if (text.empty()) return true;

@@ -346,6 +346,8 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       p.sampling.presence_penalty = v->get<float>();
     if (const auto v = request.extra.find("frequency_penalty"); v != request.extra.end() && v->is_number())
       p.sampling.frequency_penalty = v->get<float>();
+    if (const auto v = request.extra.find("repetition_penalty"); v != request.extra.end() && v->is_number())
+      p.sampling.repetition_penalty = v->get<float>();  // checked to be above 0 above
     if (const auto v = request.extra.find("ignore_eos"); v != request.extra.end() && v->is_boolean())
       p.ignore_eos = v->get<bool>();
     if (const auto v = request.extra.find("min_p"); v != request.extra.end() && v->is_number())

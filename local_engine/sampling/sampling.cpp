@@ -77,7 +77,11 @@ TokenDistribution TokenDistribution::point(Token token) {
 }
 
 void Sampler::observe(Token token) {
-  if (!params_.penalized()) return;
+  if (params_.repetition_penalty != 1.0f) {
+    const auto it = std::lower_bound(seen_.begin(), seen_.end(), token);
+    if (it == seen_.end() || *it != token) seen_.insert(it, token);
+  }
+  if (params_.presence_penalty == 0.0f && params_.frequency_penalty == 0.0f) return;
   for (auto& [t, n] : counts_)
     if (t == token) {
       ++n;
@@ -86,9 +90,21 @@ void Sampler::observe(Token token) {
   counts_.emplace_back(token, 1);
 }
 
+void Sampler::observe_prompt(std::span<const Token> prompt) {
+  if (params_.repetition_penalty == 1.0f) return;
+  seen_.insert(seen_.end(), prompt.begin(), prompt.end());
+  std::sort(seen_.begin(), seen_.end());
+  seen_.erase(std::unique(seen_.begin(), seen_.end()), seen_.end());
+}
+
 std::span<const float> Sampler::adjust(std::span<const float> logits) {
-  if (counts_.empty() && params_.logit_bias.empty()) return logits;
+  if (counts_.empty() && seen_.empty() && params_.logit_bias.empty()) return logits;
   adjusted_.assign(logits.begin(), logits.end());
+  for (const Token token : seen_) {
+    if (token < 0 || static_cast<std::size_t>(token) >= adjusted_.size()) continue;
+    float& x = adjusted_[static_cast<std::size_t>(token)];
+    x = x > 0.0f ? x / params_.repetition_penalty : x * params_.repetition_penalty;
+  }
   for (const auto& [token, n] : counts_) {
     if (token < 0 || static_cast<std::size_t>(token) >= adjusted_.size()) continue;
     adjusted_[static_cast<std::size_t>(token)] -=

@@ -373,17 +373,21 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
       unsupported("response_format", "response_format '" + excerpt(type->get<std::string>()) + "'");
     }
   }
-  // vLLM's and llama.cpp's extensions: ignore_eos and min_p are honoured; the sampling controls
+  // vLLM's and llama.cpp's extensions: ignore_eos, min_p and repetition_penalty are honoured; the sampling controls
   // the engine does not have are refused, not silently ignored, unless set to what does nothing.
   if (const Body* v = field(body, "ignore_eos"); v && boolean(*v, "ignore_eos")) r.extra["ignore_eos"] = true;
   if (const Body* v = field(body, "min_p")) {
     if (const double min_p = number(*v, "min_p", 0.0, 1.0); min_p > 0.0) r.extra["min_p"] = min_p;
   }
+  if (const Body* v = field(body, "repetition_penalty")) {
+    const double penalty = number(*v, "repetition_penalty", 0.0, 100.0);
+    if (penalty == 0.0) invalid("repetition_penalty", "'repetition_penalty' must be above 0 (1: none), not 0");
+    if (penalty != 1.0) r.extra["repetition_penalty"] = penalty;
+  }
   const auto neutral = [&](const char* key, double none) {
     if (const Body* v = field(body, key); v && !(v->is_number() && v->get<double>() == none))
       unsupported(key, std::string("'") + key + "'");
   };
-  neutral("repetition_penalty", 1.0);
   neutral("min_tokens", 0.0);
   neutral("typical_p", 1.0);
   neutral("tfs_z", 1.0);

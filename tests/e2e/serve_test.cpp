@@ -794,6 +794,12 @@ TEST_F(Serve, PenaltiesChangeTheGreedyAnswer) {
   EXPECT_NE(penalized, plain);
   EXPECT_EQ(answer({{"frequency_penalty", 2.0}, {"presence_penalty", 1.0}}), penalized);
   EXPECT_EQ(answer({{"frequency_penalty", 0}}), plain);
+  // vLLM's repetition_penalty too.
+  const std::string repeats = answer({{"repetition_penalty", 1.8}});
+  EXPECT_NE(repeats, plain);
+  EXPECT_NE(repeats, penalized);
+  EXPECT_EQ(answer({{"repetition_penalty", 1.8}}), repeats);
+  EXPECT_EQ(answer({{"repetition_penalty", 1}}), plain);
 }
 
 TEST_F(Serve, ModelNameDefaultsToTheFileName) {

@@ -392,6 +392,43 @@ TEST(Sampler, PenaltiesLowerTheLogitsOfGeneratedTokens) {
   EXPECT_EQ(plain.sample(logits), 0);
 }
 
+// The repetition penalty (vLLM's and Hugging Face's): every token of the prompt or generated so
+// far has its logit divided by it where positive and multiplied by it where not, once however
+// often it came, before the other penalties.
+TEST(Sampler, TheRepetitionPenaltyScalesTheLogitsOfThePromptsAndGeneratedTokens) {
+  const std::vector<float> logits = {2.0f, 1.5f, -1.0f, -1.2f, 0.0f};
+  Sampler s(SamplingParams{.temperature = 1.0f, .repetition_penalty = 1.5f});
+  const std::vector<Token> prompt = {2, 0, 2, 77};  // repeated, and outside the row: ignored
+  s.observe_prompt(prompt);
+  TokenDistribution d = s.distribution(logits);
+  // 0: 2.0 / 1.5; 1: untouched; 2: -1.0 * 1.5; 3: untouched.
+  EXPECT_NEAR(std::log(d.probability(0) / d.probability(1)), 2.0 / 1.5 - 1.5, 1e-6);
+  EXPECT_NEAR(std::log(d.probability(2) / d.probability(3)), -1.5 + 1.2, 1e-6);
+  s.observe(1);
+  s.observe(1);
+  d = s.distribution(logits);
+  EXPECT_NEAR(std::log(d.probability(1) / d.probability(4)), 1.5 / 1.5, 1e-6);  // once, however often
+  EXPECT_NEAR(std::log(d.probability(0) / d.probability(1)), 2.0 / 1.5 - 1.0, 1e-6);
+
+  // Greedy: the prompt's best token gives way to the next.
+  Sampler greedy(SamplingParams{.temperature = 0.0f, .repetition_penalty = 1.5f});
+  EXPECT_EQ(greedy.sample(logits), 0);
+  greedy.observe_prompt(std::vector<Token>{0});
+  EXPECT_EQ(greedy.sample(logits), 1);  // 1.33 < 1.5
+  // Below 1 it favours what came before; with presence_penalty after it.
+  Sampler favour(SamplingParams{.temperature = 0.0f, .presence_penalty = 0.2f, .repetition_penalty = 0.5f});
+  favour.observe_prompt(std::vector<Token>{1});
+  EXPECT_EQ(favour.sample(logits), 1);  // 1.5 / 0.5 = 3 > 2
+  favour.observe(1);
+  EXPECT_EQ(favour.sample(logits), 1);  // 3 - 0.2 > 2
+  // At 1 the prompt is not kept, and nothing changes.
+  Sampler none(SamplingParams{.temperature = 0.0f, .repetition_penalty = 1.0f});
+  none.observe_prompt(std::vector<Token>{0});
+  EXPECT_EQ(none.sample(logits), 0);
+  EXPECT_FALSE(none.params().penalized());
+  EXPECT_TRUE(greedy.params().penalized() && greedy.params().adjusted());
+}
+
 TEST(Sampler, GreedyTiesGoToTheFirst) {
   const std::vector<float> logits = {0.0f, 2.0f, 1.0f, 2.0f};
   Sampler s(SamplingParams{.temperature = 0.0f});
@@ -950,6 +987,31 @@ TEST(LocalBackend, PenaltiesFromTheExtraFieldsReachTheSampler) {
   EXPECT_EQ(call.outcome->completion->text, engine.generate(engine.chat_prompt(messages), p, nullptr).text);
   p.sampling.frequency_penalty = p.sampling.presence_penalty = 0.0f;
   EXPECT_NE(call.outcome->completion->text, engine.generate(engine.chat_prompt(messages), p, nullptr).text);
+}
+
+// repetition_penalty reaches the sampler: the batched engine and the single-sequence one give
+// the same greedy text with it, and another without it.
+TEST(LocalBackend, TheRepetitionPenaltyFromTheExtraFieldsReachesTheSampler) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  Request penalized = hello_request(24);
+  penalized.temperature = 0;
+  penalized.extra = {{"repetition_penalty", 1.8}};
+  Call call;
+  asio::co_spawn(io, call_complete(backend, penalized, call), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&call}));
+  ASSERT_TRUE(call.outcome && call.outcome->ok()) << call.outcome->error->message;
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  GenerateParams p;
+  p.max_tokens = 24;
+  p.sampling.temperature = 0;
+  p.sampling.repetition_penalty = 1.8f;
+  const std::vector<ChatMessage> messages = {{"user", "Hello world"}};
+  const std::vector<Token> prompt = engine.chat_prompt(messages);
+  EXPECT_EQ(call.outcome->completion->text, engine.generate(prompt, p, nullptr).text);
+  p.sampling.repetition_penalty = 1.0f;
+  const std::string plain = engine.generate(prompt, p, nullptr).text;
+  EXPECT_NE(call.outcome->completion->text, plain);
 }
 
 // ignore_eos (vLLM's and llama.cpp's extension, in a job's extra fields or a serve request)

@@ -516,6 +516,10 @@ TEST_F(ExecutorTest, WhereTheDeviceSamplesCpuSamplingIsRefusedByName) {
   penalized.sampling.min_p = 0.1f;
   EXPECT_EQ(refusal(penalized),
             "unsupported_parameter: 'presence_penalty', 'frequency_penalty': penalties are applied" + where);
+  GenerateParams repeats = plain;
+  repeats.sampling.repetition_penalty = 1.2f;
+  repeats.sampling.min_p = 0.1f;
+  EXPECT_EQ(refusal(repeats), "unsupported_parameter: 'repetition_penalty': penalties are applied" + where);
   GenerateParams min_p = plain;
   min_p.sampling.min_p = 0.1f;
   min_p.json_object = true;

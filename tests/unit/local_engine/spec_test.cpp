@@ -532,26 +532,34 @@ TEST_F(TinyModels, GreedyOutputIsIdenticalWithEveryProposerAloneAndBatched) {
   }
 }
 
+// OpenAI's penalties, and vLLM's repetition penalty (which counts the prompt's tokens too).
 TEST_F(TinyModels, PenaltiesApplyAloneAndBatchedAndTurnDraftingOff) {
-  GenerateParams params = greedy(40);
   const auto many = prompts(6);
-  const std::vector<std::string> plain = run(options(SpecMethod::kNone), many, params);
-  params.sampling.frequency_penalty = 1.5f;
-  params.sampling.presence_penalty = 0.5f;
-  const std::vector<std::string> penalized = run(options(SpecMethod::kNone), many, params);
-  EXPECT_NE(penalized, plain);
-  // Each prompt alone gives what it gave in the batch, and so does the single-sequence engine.
+  const std::vector<std::string> plain = run(options(SpecMethod::kNone), many, greedy(40));
   Engine single(Model::load(path("target.gguf")), EngineOptions{1, 256});
-  for (std::size_t i = 0; i < many.size(); ++i) {
-    EXPECT_EQ(run(options(SpecMethod::kNone), {many[i]}, params)[0], penalized[i]) << i;
-    EXPECT_EQ(summary(single.generate(many[i], params, nullptr)), penalized[i]) << i;
-  }
-  // A proposer drafts nothing for a request with penalties, so its output is unchanged.
-  for (SpecMethod m : {SpecMethod::kNgram, SpecMethod::kSelf, SpecMethod::kDraft}) {
-    SCOPED_TRACE(std::string(to_string(m)));
-    EngineStats stats;
-    EXPECT_EQ(run(options(m), many, params, &stats), penalized);
-    EXPECT_EQ(stats.drafted_tokens, 0);
+  for (const bool repetition : {false, true}) {
+    SCOPED_TRACE(repetition ? "repetition_penalty" : "frequency and presence penalties");
+    GenerateParams params = greedy(40);
+    if (repetition) {
+      params.sampling.repetition_penalty = 1.6f;
+    } else {
+      params.sampling.frequency_penalty = 1.5f;
+      params.sampling.presence_penalty = 0.5f;
+    }
+    const std::vector<std::string> penalized = run(options(SpecMethod::kNone), many, params);
+    EXPECT_NE(penalized, plain);
+    // Each prompt alone gives what it gave in the batch, and so does the single-sequence engine.
+    for (std::size_t i = 0; i < many.size(); ++i) {
+      EXPECT_EQ(run(options(SpecMethod::kNone), {many[i]}, params)[0], penalized[i]) << i;
+      EXPECT_EQ(summary(single.generate(many[i], params, nullptr)), penalized[i]) << i;
+    }
+    // A proposer drafts nothing for a request with penalties, so its output is unchanged.
+    for (SpecMethod m : {SpecMethod::kNgram, SpecMethod::kSelf, SpecMethod::kDraft}) {
+      SCOPED_TRACE(std::string(to_string(m)));
+      EngineStats stats;
+      EXPECT_EQ(run(options(m), many, params, &stats), penalized);
+      EXPECT_EQ(stats.drafted_tokens, 0);
+    }
   }
 }
 

@@ -658,8 +658,8 @@ TEST(ParseRequest, PenaltiesGoToTheEngine) {
                  "'frequency_penalty' must be a number, not a string");
 }
 
-// vLLM's and llama.cpp's sampling extensions: ignore_eos reaches the engine; those it does not
-// have are refused unless they are set to do nothing.
+// vLLM's and llama.cpp's sampling extensions: ignore_eos, min_p and repetition_penalty reach the
+// engine; those it does not have are refused unless they are set to do nothing.
 TEST(ParseRequest, SamplingExtensionsAreTakenOrRefused) {
   EXPECT_EQ(chat({{"ignore_eos", true}}).request.extra, json({{"ignore_eos", true}}));
   EXPECT_TRUE(chat({{"ignore_eos", false}}).request.extra.is_null());
@@ -673,8 +673,12 @@ TEST(ParseRequest, SamplingExtensionsAreTakenOrRefused) {
                 .request.messages.size(),
             1u);
   expect_unsupported(chat_error(chat_body({{"typical_p", 0.9}})), "typical_p", "'typical_p' is not supported by this server");
-  expect_unsupported(chat_error(chat_body({{"repetition_penalty", 1.1}})), "repetition_penalty",
-                     "'repetition_penalty' is not supported by this server");
+  EXPECT_EQ(chat({{"repetition_penalty", 1.1}}).request.extra, json({{"repetition_penalty", 1.1}}));
+  EXPECT_EQ(completion({{"repetition_penalty", 0.9}}).request.extra["repetition_penalty"], 0.9);
+  expect_invalid(chat_error(chat_body({{"repetition_penalty", 0}})), "repetition_penalty",
+                 "'repetition_penalty' must be above 0 (1: none), not 0");
+  expect_invalid(chat_error(chat_body({{"repetition_penalty", 101}})), "repetition_penalty",
+                 "'repetition_penalty' must be between 0.0 and 100.0, not 101");
   expect_unsupported(completion_error(completion_body_json({{"min_tokens", 20}})), "min_tokens",
                      "'min_tokens' is not supported by this server");
   expect_unsupported(chat_error(chat_body({{"stop_token_ids", {2}}})), "stop_token_ids",

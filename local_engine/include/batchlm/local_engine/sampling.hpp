@@ -26,10 +26,14 @@ struct SamplingParams {
   // frequency_penalty times its count, and presence_penalty once it has appeared at all.
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
+  // vLLM's and Hugging Face's repetition_penalty (> 0; 1: none): the logit of every token in the
+  // prompt or generated so far divided by it where positive, multiplied by it where not, before
+  // the other penalties and the biases.
+  float repetition_penalty = 1.0f;
   // OpenAI's logit_bias: added to these tokens' logits before sampling (-100 bans a token in
   // practice, 100 forces it).
   std::vector<std::pair<Token, float>> logit_bias;
-  bool penalized() const { return presence_penalty != 0.0f || frequency_penalty != 0.0f; }
+  bool penalized() const { return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f; }
   // Logits changed before sampling (penalties or biases): sampled on the CPU only, and not
   // drafted for (a verifier sees the model's own logits).
   bool adjusted() const { return penalized() || !logit_bias.empty(); }
@@ -82,6 +86,8 @@ class Sampler {
   const SamplingParams& params() const { return params_; }
   // A token generated for this request, counted for the penalties.
   void observe(Token token);
+  // The request's prompt, which the repetition penalty counts as well.
+  void observe_prompt(std::span<const Token> prompt);
 
  private:
   // The logits with the penalties and biases applied (a copy), or the logits themselves
@@ -91,6 +97,7 @@ class Sampler {
   SamplingParams params_;
   std::mt19937_64 rng_;
   std::vector<std::pair<Token, std::int32_t>> counts_;  // generated tokens and their counts
+  std::vector<Token> seen_;  // for the repetition penalty: the prompt's and generated tokens, sorted, once each
   std::vector<float> adjusted_;
 };
 
