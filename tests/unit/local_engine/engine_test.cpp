@@ -966,52 +966,39 @@ TEST(LocalBackend, ExtraFieldsItWouldIgnoreFailTheRequest) {
   ASSERT_TRUE(good.outcome && good.outcome->ok()) << good.outcome->error->message;
 }
 
+// OpenAI's penalties and vLLM's repetition_penalty reach the sampler: the batched engine and the
+// single-sequence one give the same greedy text with them, and another without.
 TEST(LocalBackend, PenaltiesFromTheExtraFieldsReachTheSampler) {
-  asio::io_context io;
-  LocalBackend backend(io.get_executor(), tiny_options());
-  Request penalized = hello_request(24);
-  penalized.temperature = 0;
-  penalized.extra = {{"frequency_penalty", 2.0}, {"presence_penalty", 1.0}};
-  Call call;
-  asio::co_spawn(io, call_complete(backend, penalized, call), asio::detached);
-  ASSERT_TRUE(run_until_done(io, {&call}));
-  ASSERT_TRUE(call.outcome && call.outcome->ok()) << call.outcome->error->message;
-  // The single-sequence engine with the same penalties gives the same text.
+  struct Case {
+    nlohmann::ordered_json extra;
+    SamplingParams sampling;
+  };
+  const std::vector<Case> cases = {
+      {{{"frequency_penalty", 2.0}, {"presence_penalty", 1.0}},
+       {.temperature = 0.0f, .presence_penalty = 1.0f, .frequency_penalty = 2.0f}},
+      {{{"repetition_penalty", 1.8}}, {.temperature = 0.0f, .repetition_penalty = 1.8f}},
+  };
   Engine engine(tiny_model(), EngineOptions{1, 0});
+  const std::vector<ChatMessage> messages = {{"user", "Hello world"}};
   GenerateParams p;
   p.max_tokens = 24;
   p.sampling.temperature = 0;
-  p.sampling.frequency_penalty = 2.0f;
-  p.sampling.presence_penalty = 1.0f;
-  const std::vector<ChatMessage> messages = {{"user", "Hello world"}};
-  EXPECT_EQ(call.outcome->completion->text, engine.generate(engine.chat_prompt(messages), p, nullptr).text);
-  p.sampling.frequency_penalty = p.sampling.presence_penalty = 0.0f;
-  EXPECT_NE(call.outcome->completion->text, engine.generate(engine.chat_prompt(messages), p, nullptr).text);
-}
-
-// repetition_penalty reaches the sampler: the batched engine and the single-sequence one give
-// the same greedy text with it, and another without it.
-TEST(LocalBackend, TheRepetitionPenaltyFromTheExtraFieldsReachesTheSampler) {
-  asio::io_context io;
-  LocalBackend backend(io.get_executor(), tiny_options());
-  Request penalized = hello_request(24);
-  penalized.temperature = 0;
-  penalized.extra = {{"repetition_penalty", 1.8}};
-  Call call;
-  asio::co_spawn(io, call_complete(backend, penalized, call), asio::detached);
-  ASSERT_TRUE(run_until_done(io, {&call}));
-  ASSERT_TRUE(call.outcome && call.outcome->ok()) << call.outcome->error->message;
-  Engine engine(tiny_model(), EngineOptions{1, 0});
-  GenerateParams p;
-  p.max_tokens = 24;
-  p.sampling.temperature = 0;
-  p.sampling.repetition_penalty = 1.8f;
-  const std::vector<ChatMessage> messages = {{"user", "Hello world"}};
-  const std::vector<Token> prompt = engine.chat_prompt(messages);
-  EXPECT_EQ(call.outcome->completion->text, engine.generate(prompt, p, nullptr).text);
-  p.sampling.repetition_penalty = 1.0f;
-  const std::string plain = engine.generate(prompt, p, nullptr).text;
-  EXPECT_NE(call.outcome->completion->text, plain);
+  const std::string plain = engine.generate(engine.chat_prompt(messages), p, nullptr).text;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.extra.dump());
+    asio::io_context io;
+    LocalBackend backend(io.get_executor(), tiny_options());
+    Request penalized = hello_request(24);
+    penalized.temperature = 0;
+    penalized.extra = c.extra;
+    Call call;
+    asio::co_spawn(io, call_complete(backend, penalized, call), asio::detached);
+    ASSERT_TRUE(run_until_done(io, {&call}));
+    ASSERT_TRUE(call.outcome && call.outcome->ok()) << call.outcome->error->message;
+    p.sampling = c.sampling;
+    EXPECT_EQ(call.outcome->completion->text, engine.generate(engine.chat_prompt(messages), p, nullptr).text);
+    EXPECT_NE(call.outcome->completion->text, plain);
+  }
 }
 
 // ignore_eos (vLLM's and llama.cpp's extension, in a job's extra fields or a serve request)
