@@ -99,7 +99,7 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return "expected true (generate past the end-of-turn token, to max_tokens) or false, not " + value.dump();
   }
   if (key == "repetition_penalty") {
-    if (value.is_null() || (value.is_number() && value.get<double>() > 0.0 && value.get<double>() <= 100.0))
+    if (value.is_null() || (value.is_number() && value.get<double>() > 0.0 && value.get<double>() <= kMaxRepetitionPenalty))
       return std::nullopt;
     return "expected a number above 0 and at most 100 (1: none), not " + value.dump();
   }
@@ -395,19 +395,16 @@ std::optional<std::pair<std::string, std::string>> cpu_only_sampling(const CpuSa
 
 std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const ojson& extra) {
   if (!extra.is_object()) return std::nullopt;
-  const auto nonzero = [&](const char* key) {
+  // Set to other than what changes nothing (`none`), as the engine reads it.
+  const auto set = [&](const char* key, float none = 0.0f) {
     const auto it = extra.find(key);
-    return it != extra.end() && it->is_number() && it->get<float>() != 0.0f;  // as the engine reads it
+    return it != extra.end() && it->is_number() && it->get<float>() != none;
   };
-  const auto repeats = [&] {
-    const auto it = extra.find("repetition_penalty");
-    return it != extra.end() && it->is_number() && it->get<float>() != 1.0f;  // as the engine reads it
-  };
-  return cpu_only_sampling({.penalty = nonzero("presence_penalty")    ? "presence_penalty"
-                                       : nonzero("frequency_penalty") ? "frequency_penalty"
-                                       : repeats()                    ? "repetition_penalty"
-                                                                      : "",
-                            .min_p = nonzero("min_p"),
+  return cpu_only_sampling({.penalty = set("presence_penalty")          ? "presence_penalty"
+                                       : set("frequency_penalty")       ? "frequency_penalty"
+                                       : set("repetition_penalty", 1.0f) ? "repetition_penalty"
+                                                                         : "",
+                            .min_p = set("min_p"),
                             .logit_bias = !requested_logit_bias(extra).empty(),
                             .logprobs = requested_logprobs(extra) >= 0,
                             .json_object = requested_json_object(extra),

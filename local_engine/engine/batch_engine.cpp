@@ -327,8 +327,7 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
                               std::to_string(n_prompt) + ", which leaves room for " + std::to_string(room) +
                               " more, not " + std::to_string(params.max_tokens));
   const std::int64_t max_new = params.max_tokens > 0 ? std::min(params.max_tokens, room) : room;
-  Generation gen(model_->tokenizer(), params);
-  gen.sampler().observe_prompt(prompt);
+  Generation gen(model_->tokenizer(), params, prompt);
   SequenceId id = 0;
   try {
     id = scheduler_->add(std::move(prompt), max_new);

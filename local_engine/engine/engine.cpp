@@ -52,7 +52,7 @@ Engine::Engine(std::shared_ptr<const Model> model, const EngineOptions& options)
   check_loaded_for(model_->config(), context_);
 }
 
-Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params)
+Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params, std::span<const Token> prompt)
     : tokenizer_(&tokenizer),
       ignore_eos_(params.ignore_eos),
       sampler_(params.sampling),
@@ -63,6 +63,7 @@ Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params)
       schema_(params.json_schema),
       json_mask_(tokenizer) {
   if (schema_) schema_state_.emplace(*schema_);
+  sampler_.observe_prompt(prompt);
   for (const std::string& stop : params.stop) {
     if (stop.empty()) continue;
     const Token t = tokenizer.find(stop);
@@ -246,8 +247,7 @@ GenerateResult Engine::generate(std::span<const Token> prompt, const GeneratePar
     cached_.insert(cached_.end(), prompt.begin() + i, prompt.begin() + i + n);
   }
 
-  Generation gen(tok, params);
-  gen.sampler().observe_prompt(prompt);
+  Generation gen(tok, params, prompt);
   auto emit = [&](const std::string& text) {
     for (TokenLogprob& lp : gen.take_logprobs()) result.logprobs.push_back(std::move(lp));
     if (text.empty()) return true;

@@ -380,7 +380,7 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
     if (const double min_p = number(*v, "min_p", 0.0, 1.0); min_p > 0.0) r.extra["min_p"] = min_p;
   }
   if (const Body* v = field(body, "repetition_penalty")) {
-    const double penalty = number(*v, "repetition_penalty", 0.0, 100.0);
+    const double penalty = number(*v, "repetition_penalty", 0.0, kMaxRepetitionPenalty);
     if (penalty == 0.0) invalid("repetition_penalty", "'repetition_penalty' must be above 0 (1: none), not 0");
     if (penalty != 1.0) r.extra["repetition_penalty"] = penalty;
   }

@@ -125,7 +125,7 @@ Fed feed(const Tokenizer& tokenizer, const std::vector<Token>& tokens, std::vect
   GenerateParams params;
   params.stop = std::move(stop);
   params.logprobs = 1;
-  Generation gen(tokenizer, params);
+  Generation gen(tokenizer, params, {});
   Fed out;
   auto take = [&] {
     for (TokenLogprob& t : gen.take_logprobs()) out.logprobs.push_back(std::move(t));

@@ -81,6 +81,9 @@ std::optional<std::pair<std::string, std::string>> cpu_only_sampling(const CpuSa
 // before it starts. For fields that passed the checks above.
 std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const nlohmann::ordered_json& extra);
 
+// The largest repetition_penalty taken (vLLM takes any above 0; past this it is no longer a
+// penalty anyone means).
+inline constexpr double kMaxRepetitionPenalty = 100.0;
 // The most tokens a logit_bias may name (OpenAI's limit is 300; this one only bounds the work).
 inline constexpr std::size_t kMaxLogitBias = 1024;
 // The most alternatives per position a request may ask for (OpenAI's limit).

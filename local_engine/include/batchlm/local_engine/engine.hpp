@@ -86,7 +86,8 @@ struct GenerateResult {
 // the start of a stop string. Engine::generate and LocalBackend's batching loop both use it.
 class Generation {
  public:
-  Generation(const Tokenizer& tokenizer, const GenerateParams& params);
+  // `prompt`: the request's, which the repetition penalty counts (Sampler::observe_prompt).
+  Generation(const Tokenizer& tokenizer, const GenerateParams& params, std::span<const Token> prompt);
   // Samples the next token from `logits` and sets `text` to the text that became final (maybe
   // empty). True when generation is over for a reason of its own (finish_reason() says which).
   // With log-probabilities asked for, takes the token's from `logits`.
