@@ -103,6 +103,21 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
       return std::nullopt;
     return "expected a number above 0 and at most 100 (1: none), not " + value.dump();
   }
+  if (key == "min_tokens") {
+    if (whole_in(value, 0, kMaxMinTokens)) return std::nullopt;
+    return "expected a whole number of tokens from 0 to " + std::to_string(static_cast<std::int64_t>(kMaxMinTokens)) +
+           ", not " + value.dump();
+  }
+  if (key == "stop_token_ids") {
+    if (!value.is_array()) return "expected a list of token ids, not " + value.dump();
+    if (value.size() > kMaxStopTokenIds)
+      return "names " + std::to_string(value.size()) + " tokens; at most " + std::to_string(kMaxStopTokenIds) +
+             " are allowed";
+    for (std::size_t i = 0; i < value.size(); ++i)
+      if (!whole_in(value[i], 0, std::numeric_limits<std::int32_t>::max()))
+        return "[" + std::to_string(i) + "] is not a token id (a whole number from 0): " + value[i].dump();
+    return std::nullopt;
+  }
   if (key == "logit_bias") {
     if (!value.is_object()) return "expected an object of token ids and biases, not " + value.dump();
     if (value.size() > kMaxLogitBias)
@@ -196,9 +211,9 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
     return "set it as request." + std::string(key == "max_completion_tokens" ? "max_tokens" : key) +
            " (the embedded engine does not read it from the extra fields)";
   return "the embedded engine does not use '" + std::string(key) +
-         "' (of the extra fields it takes top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, logprobs, "
-         "top_logprobs, response_format, ignore_eos, tools, tool_choice, parallel_tool_calls and "
-         "chat_template_kwargs)" +
+         "' (of the extra fields it takes top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, "
+         "min_tokens, stop_token_ids, logprobs, top_logprobs, response_format, ignore_eos, tools, tool_choice, "
+         "parallel_tool_calls and chat_template_kwargs)" +
          kElsewhere;
 }
 
@@ -381,10 +396,34 @@ std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const ojson& e
   return out;
 }
 
+std::int64_t requested_min_tokens(const ojson& extra) {
+  if (!extra.is_object()) return 0;
+  const auto it = extra.find("min_tokens");
+  return it != extra.end() && it->is_number() ? static_cast<std::int64_t>(it->get<double>()) : 0;
+}
+
+std::vector<std::int64_t> requested_stop_token_ids(const ojson& extra) {
+  std::vector<std::int64_t> out;
+  if (!extra.is_object()) return out;
+  const auto it = extra.find("stop_token_ids");
+  if (it == extra.end() || !it->is_array()) return out;
+  for (const ojson& id : *it)
+    if (id.is_number()) out.push_back(static_cast<std::int64_t>(id.get<double>()));
+  return out;
+}
+
+std::optional<std::string> min_tokens_problem(const ojson& extra, std::optional<std::int64_t> max_tokens) {
+  const std::int64_t least = requested_min_tokens(extra);
+  if (!max_tokens || least <= *max_tokens) return std::nullopt;
+  return "asks for at least " + std::to_string(least) + " tokens, more than max_tokens (" + std::to_string(*max_tokens) +
+         ") lets out";
+}
+
 std::optional<std::pair<std::string, std::string>> cpu_only_sampling(const CpuSampling& asked) {
   using Found = std::pair<std::string, std::string>;
   if (!asked.penalty.empty()) return Found(asked.penalty, "penalties are applied");
   if (asked.min_p) return Found("min_p", "min-p is applied");
+  if (asked.min_tokens) return Found("min_tokens", "the end of the turn is held back");
   if (asked.logit_bias) return Found("logit_bias", "biases are applied");
   if (asked.logprobs) return Found("logprobs", "log-probabilities are computed");
   if (asked.json_object) return Found("response_format", "JSON mode is applied");
@@ -405,6 +444,7 @@ std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const ojso
                                        : set("repetition_penalty", 1.0f) ? "repetition_penalty"
                                                                          : "",
                             .min_p = set("min_p"),
+                            .min_tokens = requested_min_tokens(extra) > 0,
                             .logit_bias = !requested_logit_bias(extra).empty(),
                             .logprobs = requested_logprobs(extra) >= 0,
                             .json_object = requested_json_object(extra),

@@ -289,6 +289,7 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
                                                      : sp.repetition_penalty != 1.0f ? "repetition_penalty"
                                                                                      : "",
                                           .min_p = params.sampling.min_p > 0.0f,
+                                          .min_tokens = params.sampling.min_tokens > 0,
                                           .logit_bias = !params.sampling.logit_bias.empty(),
                                           .logprobs = params.logprobs >= 0,
                                           .json_object = params.json_object,

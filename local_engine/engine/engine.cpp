@@ -69,6 +69,15 @@ Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params,
     const Token t = tokenizer.find(stop);
     if (t >= 0 && tokenizer.token_view(t).empty() && tokenizer.token_bytes(t, true) == stop) stop_tokens_.push_back(t);
   }
+  stop_ids_ = params.stop_token_ids;
+  min_tokens_ = params.sampling.min_tokens;
+  if (min_tokens_ > 0) {
+    // Every token that would end the output is held back until min_tokens are out.
+    std::vector<Token> ends = ignore_eos_ ? std::vector<Token>{} : tokenizer.end_of_generation_tokens();
+    ends.insert(ends.end(), stop_tokens_.begin(), stop_tokens_.end());
+    ends.insert(ends.end(), stop_ids_.begin(), stop_ids_.end());
+    sampler_.hold_back(std::move(ends));
+  }
 }
 
 std::span<const float> Generation::constrain(std::span<const float> logits) {
@@ -125,6 +134,12 @@ bool Generation::accept(Token token, std::string& text, const PositionLogprobs* 
     reason_ = "stop";  // as at the end of the turn: the token is not part of the output
     return true;
   }
+  // A stop token id ends the output after its text (a control token's is none).
+  const bool stop_id = std::find(stop_ids_.begin(), stop_ids_.end(), token) != stop_ids_.end();
+  if (stop_id && tokenizer_->token_view(token).empty()) {
+    reason_ = "stop";
+    return true;
+  }
   // JSON mode and schemas: the object closed with this token ends the output (a token they
   // refuse, which the mask lets through only when none fits, ends the constraint).
   bool closed = false;
@@ -140,18 +155,18 @@ bool Generation::accept(Token token, std::string& text, const PositionLogprobs* 
   const std::int64_t before = decoded_;
   decoded_ += static_cast<std::int64_t>(decoded.size());
   if (logprobs_ >= 0 && logprobs) pending_.push_back({describe(*logprobs), before, -1});
-  text = stops_.feed(decoded);
+  text = stops_.feed(decoded, /*armed=*/generated_ > min_tokens_);
   released_ += static_cast<std::int64_t>(text.size());
-  if (stops_.stopped() || closed) reason_ = "stop";
+  if (stops_.stopped() || closed || stop_id) reason_ = "stop";
   if (logprobs_ >= 0) settle(before, decoded);
-  return stops_.stopped() || closed;
+  return stops_.stopped() || closed || stop_id;
 }
 
 std::string Generation::flush() {
   if (stops_.stopped()) return {};
   const std::string decoded = decoder_.finish();
   decoded_ += static_cast<std::int64_t>(decoded.size());
-  std::string text = stops_.feed(decoded);
+  std::string text = stops_.feed(decoded, /*armed=*/generated_ > min_tokens_);  // the last token's
   text += stops_.finish();
   released_ += static_cast<std::int64_t>(text.size());
   // Everything is out now (what the decoder held as replacement characters if incomplete).

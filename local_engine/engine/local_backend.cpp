@@ -306,6 +306,9 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
     if (const auto problem = tool_choice_problem(request.extra))
       co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request",
                                        "'" + problem->first + "': " + problem->second, std::nullopt, false});
+    if (const auto problem = min_tokens_problem(request.extra, request.max_tokens))
+      co_return Outcome::failure(
+          Error{ErrorKind::Http, 400, "invalid_request", "'min_tokens': " + *problem, std::nullopt, false});
   }
   // Tools are shown to the model (and its calls read back) unless tool_choice is "none"; a
   // template that does not list them refuses them when the prompt is made.
@@ -361,6 +364,15 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
                                          std::nullopt, false});
       p.sampling.logit_bias.emplace_back(static_cast<Token>(token), static_cast<float>(bias));
     }
+    for (const std::int64_t token : requested_stop_token_ids(request.extra)) {
+      if (token >= n_vocab)
+        co_return Outcome::failure(Error{ErrorKind::Http, 400, "invalid_request",
+                                         "'stop_token_ids': token " + std::to_string(token) +
+                                             " is outside the vocabulary of " + std::to_string(n_vocab),
+                                         std::nullopt, false});
+      p.stop_token_ids.push_back(static_cast<Token>(token));
+    }
+    p.sampling.min_tokens = requested_min_tokens(request.extra);
     p.logprobs = requested_logprobs(request.extra);
     p.json_object = requested_json_object(request.extra);
     if (const nlohmann::ordered_json* schema = requested_json_schema(request.extra))

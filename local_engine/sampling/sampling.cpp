@@ -77,6 +77,7 @@ TokenDistribution TokenDistribution::point(Token token) {
 }
 
 void Sampler::observe(Token token) {
+  ++observed_;
   if (params_.repetition_penalty != 1.0f) {
     const auto it = std::lower_bound(seen_.begin(), seen_.end(), token);
     if (it == seen_.end() || *it != token) seen_.insert(it, token);
@@ -97,8 +98,11 @@ void Sampler::observe_prompt(std::span<const Token> prompt) {
   seen_.erase(std::unique(seen_.begin(), seen_.end()), seen_.end());
 }
 
+void Sampler::hold_back(std::vector<Token> ends) { ends_ = std::move(ends); }
+
 std::span<const float> Sampler::adjust(std::span<const float> logits) {
-  if (counts_.empty() && seen_.empty() && params_.logit_bias.empty()) return logits;
+  const bool holding = observed_ < params_.min_tokens && !ends_.empty();
+  if (counts_.empty() && seen_.empty() && params_.logit_bias.empty() && !holding) return logits;
   adjusted_.assign(logits.begin(), logits.end());
   for (const Token token : seen_) {
     if (token < 0 || static_cast<std::size_t>(token) >= adjusted_.size()) continue;
@@ -114,6 +118,10 @@ std::span<const float> Sampler::adjust(std::span<const float> logits) {
     if (token < 0 || static_cast<std::size_t>(token) >= adjusted_.size()) continue;
     adjusted_[static_cast<std::size_t>(token)] += bias;
   }
+  if (holding)
+    for (const Token token : ends_)
+      if (token >= 0 && static_cast<std::size_t>(token) < adjusted_.size())
+        adjusted_[static_cast<std::size_t>(token)] = -std::numeric_limits<float>::infinity();
   return adjusted_;
 }
 
@@ -394,13 +402,18 @@ StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stop
   for (const auto& s : stops_) longest_ = std::max(longest_, s.size());
 }
 
-std::string StopMatcher::feed(std::string_view text) {
+std::string StopMatcher::feed(std::string_view text, bool armed) {
   if (stopped_) return {};
   pending_.append(text);
   if (stops_.empty()) return std::exchange(pending_, {});
-  // The earliest stop string in the pending text ends generation there.
+  // The earliest stop string in the pending text that ends in armed text ends generation there.
   std::size_t first = std::string::npos;
-  for (const auto& s : stops_) first = std::min(first, pending_.find(s));
+  if (armed) {
+    for (const auto& s : stops_)
+      first = std::min(first, pending_.find(s, unarmed_ >= s.size() ? unarmed_ - s.size() + 1 : 0));
+  } else {
+    unarmed_ = pending_.size();
+  }
   if (first != std::string::npos) {
     stopped_ = true;
     std::string out = pending_.substr(0, first);
@@ -419,11 +432,13 @@ std::string StopMatcher::feed(std::string_view text) {
   }
   std::string out = pending_.substr(0, pending_.size() - hold);
   pending_.erase(0, pending_.size() - hold);
+  unarmed_ -= std::min(unarmed_, out.size());
   return out;
 }
 
 std::string StopMatcher::finish() {
   if (stopped_) return {};
+  unarmed_ = 0;
   return std::exchange(pending_, {});
 }
 

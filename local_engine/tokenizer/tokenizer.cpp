@@ -1157,6 +1157,13 @@ bool Tokenizer::is_end_of_generation(Token t) const {
          impl_->end_of_generation[static_cast<std::size_t>(t)];
 }
 
+std::vector<Token> Tokenizer::end_of_generation_tokens() const {
+  std::vector<Token> out;
+  for (std::size_t id = 0; id < impl_->end_of_generation.size(); ++id)
+    if (impl_->end_of_generation[id]) out.push_back(static_cast<Token>(id));
+  return out;
+}
+
 Token Tokenizer::find(std::string_view text) const {
   const auto it = impl_->ids.find(text);
   return it == impl_->ids.end() ? -1 : it->second;

@@ -373,8 +373,9 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
       unsupported("response_format", "response_format '" + excerpt(type->get<std::string>()) + "'");
     }
   }
-  // vLLM's and llama.cpp's extensions: ignore_eos, min_p and repetition_penalty are honoured; the sampling controls
-  // the engine does not have are refused, not silently ignored, unless set to what does nothing.
+  // vLLM's and llama.cpp's extensions: ignore_eos, min_p, repetition_penalty, min_tokens and stop_token_ids are
+  // honoured; the sampling controls the engine does not have are refused, not silently ignored, unless set to what
+  // does nothing.
   if (const Body* v = field(body, "ignore_eos"); v && boolean(*v, "ignore_eos")) r.extra["ignore_eos"] = true;
   if (const Body* v = field(body, "min_p")) {
     if (const double min_p = number(*v, "min_p", 0.0, 1.0); min_p > 0.0) r.extra["min_p"] = min_p;
@@ -384,19 +385,27 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
     if (penalty == 0.0) invalid("repetition_penalty", "'repetition_penalty' must be above 0 (1: none), not 0");
     if (penalty != 1.0) r.extra["repetition_penalty"] = penalty;
   }
+  if (const Body* v = field(body, "min_tokens")) {
+    if (const std::int64_t least = integer(*v, "min_tokens", 0, static_cast<std::int64_t>(kMaxMinTokens)); least > 0)
+      r.extra["min_tokens"] = least;
+  }
+  if (const Body* v = field(body, "stop_token_ids")) {
+    if (!v->is_array()) invalid("stop_token_ids", "'stop_token_ids' must be an array of token ids, not " + type_name(*v));
+    if (const auto problem = engine_field_problem("stop_token_ids", *v))
+      invalid("stop_token_ids", "'stop_token_ids' " + *problem);
+    if (!v->empty()) r.extra["stop_token_ids"] = *v;
+  }
   const auto neutral = [&](const char* key, double none) {
     if (const Body* v = field(body, key); v && !(v->is_number() && v->get<double>() == none))
       unsupported(key, std::string("'") + key + "'");
   };
-  neutral("min_tokens", 0.0);
   neutral("typical_p", 1.0);
   neutral("tfs_z", 1.0);
   neutral("mirostat", 0.0);
   neutral("dry_multiplier", 0.0);
   neutral("xtc_probability", 0.0);
   neutral("length_penalty", 1.0);
-  for (const char* key : {"stop_token_ids", "bad_words"})
-    if (const Body* v = field(body, key); v && !(v->is_array() && v->empty())) unsupported(key, std::string("'") + key + "'");
+  if (const Body* v = field(body, "bad_words"); v && !(v->is_array() && v->empty())) unsupported("bad_words", "'bad_words'");
   if (const Body* v = field(body, "use_beam_search"); v && boolean(*v, "use_beam_search"))
     unsupported("use_beam_search", "beam search");
   if (!chat) {

@@ -802,6 +802,42 @@ TEST_F(Serve, PenaltiesChangeTheGreedyAnswer) {
   EXPECT_EQ(answer({{"repetition_penalty", 1}}), plain);
 }
 
+// vLLM's stop_token_ids and min_tokens over HTTP: a token forced by its bias ends the answer
+// at once as a stop token id (its text the answer), after min_tokens others when they are asked
+// for; a stop string from the answer's start is held off by min_tokens.
+TEST_F(Serve, StopTokenIdsAndMinTokensEndTheAnswer) {
+  auto s = serve();
+  auto ask = [&](json extra) {
+    extra["max_tokens"] = 24;
+    extra["temperature"] = 0;
+    HttpResponse r = post(*s, "/v1/chat/completions", chat_request("Hello world", extra));
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.json_body();
+  };
+  const json forced = ask({{"logit_bias", {{"100", 100}}}});
+  EXPECT_EQ(forced["choices"][0]["finish_reason"], "length");
+  const std::string all = forced["choices"][0]["message"]["content"].get<std::string>();
+  const json stopped = ask({{"logit_bias", {{"100", 100}}}, {"stop_token_ids", {100}}});
+  EXPECT_EQ(stopped["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(stopped["usage"]["completion_tokens"], 1);
+  const std::string one = stopped["choices"][0]["message"]["content"].get<std::string>();
+  EXPECT_FALSE(one.empty());
+  EXPECT_EQ(all.substr(0, one.size()), one);
+  const json held = ask({{"logit_bias", {{"100", 100}}}, {"stop_token_ids", {100}}, {"min_tokens", 5}});
+  EXPECT_EQ(held["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(held["usage"]["completion_tokens"], 6);
+  EXPECT_TRUE(held["choices"][0]["message"]["content"].get<std::string>().ends_with(one)) << held.dump();
+
+  const json plain_answer = ask(json::object());
+  ASSERT_EQ(plain_answer["choices"][0]["finish_reason"], "length") << plain_answer.dump();
+  const std::string plain = plain_answer["choices"][0]["message"]["content"].get<std::string>();
+  ASSERT_GE(plain.size(), 3u);
+  EXPECT_EQ(ask({{"stop", {plain.substr(0, 3)}}})["choices"][0]["message"]["content"], "");
+  EXPECT_EQ(ask({{"stop", {plain.substr(0, 3)}}, {"min_tokens", 24}})["choices"][0]["message"]["content"], plain);
+  HttpResponse over = post(*s, "/v1/chat/completions", chat_request("Hi", {{"max_tokens", 4}, {"min_tokens", 8}}));
+  expect_error(over, 400, "invalid_request_error", "min_tokens", nullptr);
+}
+
 TEST_F(Serve, ModelNameDefaultsToTheFileName) {
   auto s = serve();
   EXPECT_EQ(s->model(), "tiny");

@@ -127,9 +127,35 @@ TEST(EngineFields, RequestFieldsBelongOutsideTheExtraOnes) {
 TEST(EngineFields, UnknownFieldsAreNamed) {
   EXPECT_EQ(problem("typical_p", 0.5),
             "the embedded engine does not use 'typical_p' (of the extra fields it takes top_k, min_p, presence_penalty, "
-            "frequency_penalty, repetition_penalty, logit_bias, logprobs, top_logprobs, response_format, ignore_eos, tools, tool_choice, "
-            "parallel_tool_calls and chat_template_kwargs); remove it, or run the job against an API that "
-            "does (--base-url)");
+            "frequency_penalty, repetition_penalty, logit_bias, min_tokens, stop_token_ids, logprobs, top_logprobs, "
+            "response_format, ignore_eos, tools, tool_choice, parallel_tool_calls and chat_template_kwargs); remove it, "
+            "or run the job against an API that does (--base-url)");
+}
+
+// vLLM's min_tokens and stop_token_ids: a whole number of tokens, and a list of token ids; a
+// min_tokens above the request's max_tokens is named.
+TEST(EngineFields, MinTokensAndStopTokenIdsAreTaken) {
+  using ojson = nlohmann::ordered_json;
+  EXPECT_TRUE(ok("min_tokens", 0));
+  EXPECT_TRUE(ok("min_tokens", 64.0));
+  EXPECT_EQ(problem("min_tokens", -1), "expected a whole number of tokens from 0 to 16777216, not -1");
+  EXPECT_EQ(problem("min_tokens", 1.5), "expected a whole number of tokens from 0 to 16777216, not 1.5");
+  EXPECT_EQ(problem("min_tokens", "8"), "expected a whole number of tokens from 0 to 16777216, not \"8\"");
+  EXPECT_TRUE(ok("stop_token_ids", json::array()));
+  EXPECT_TRUE(ok("stop_token_ids", {0, 2, 151645}));
+  EXPECT_EQ(problem("stop_token_ids", 2), "expected a list of token ids, not 2");
+  EXPECT_EQ(problem("stop_token_ids", {1, "2"}), "[1] is not a token id (a whole number from 0): \"2\"");
+  EXPECT_EQ(problem("stop_token_ids", {-1}), "[0] is not a token id (a whole number from 0): -1");
+  EXPECT_EQ(problem("stop_token_ids", json(std::vector<int>(1025, 1))), "names 1025 tokens; at most 1024 are allowed");
+  EXPECT_EQ(requested_min_tokens(ojson{{"min_tokens", 12}}), 12);
+  EXPECT_EQ(requested_min_tokens(ojson::object()), 0);
+  EXPECT_EQ(requested_stop_token_ids(ojson{{"stop_token_ids", {5, 9}}}), (std::vector<std::int64_t>{5, 9}));
+  EXPECT_TRUE(requested_stop_token_ids(ojson()).empty());
+  EXPECT_EQ(min_tokens_problem(ojson{{"min_tokens", 12}}, 8),
+            "asks for at least 12 tokens, more than max_tokens (8) lets out");
+  EXPECT_EQ(min_tokens_problem(ojson{{"min_tokens", 8}}, 8), std::nullopt);
+  EXPECT_EQ(min_tokens_problem(ojson{{"min_tokens", 8}}, std::nullopt), std::nullopt);
+  EXPECT_EQ(min_tokens_problem(ojson::object(), 0), std::nullopt);
 }
 
 TEST(EngineFields, LogitBiasIsTokenIdsAndBiasesWithinRange) {
@@ -286,6 +312,8 @@ TEST(EngineFields, CpuSamplingFieldsAreNamedInTheEnginesOrder) {
   EXPECT_EQ(field({{"repetition_penalty", 1.1}}), "repetition_penalty: penalties are applied");
   EXPECT_EQ(field({{"repetition_penalty", 1}}), "<none>");
   EXPECT_EQ(field({{"min_p", 0.05}}), "min_p: min-p is applied");
+  EXPECT_EQ(field({{"min_tokens", 4}}), "min_tokens: the end of the turn is held back");
+  EXPECT_EQ(field({{"min_tokens", 0}, {"stop_token_ids", {2}}}), "<none>");  // a stop token is checked anywhere
   EXPECT_EQ(field({{"logit_bias", {{"42", 0}}}}), "logit_bias: biases are applied");
   EXPECT_EQ(field({{"logit_bias", ojson::object()}}), "<none>");
   EXPECT_EQ(field({{"logprobs", true}}), "logprobs: log-probabilities are computed");

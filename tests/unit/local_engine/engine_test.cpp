@@ -318,6 +318,85 @@ TEST(Engine, EndOfTurnTokenStopsUnlessIgnored) {
   EXPECT_GT(past.text.size(), ended->text.size());
 }
 
+// vLLM's stop_token_ids: the output ends with the token, its text included; a control token
+// shows none, as the end of the turn does not.
+TEST(Engine, AStopTokenIdEndsTheOutputAfterItsText) {
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  const GenerateResult free_run = generate(engine, "Hello world", greedy(30));
+  ASSERT_EQ(free_run.tokens.size(), 30u);
+  // The first token that does not occur before it, at least three in.
+  std::size_t k = 3;
+  while (k < free_run.tokens.size() &&
+         std::find(free_run.tokens.begin(), free_run.tokens.begin() + static_cast<std::ptrdiff_t>(k), free_run.tokens[k]) !=
+             free_run.tokens.begin() + static_cast<std::ptrdiff_t>(k))
+    ++k;
+  ASSERT_LT(k, free_run.tokens.size());
+  GenerateParams p = greedy(30);
+  p.stop_token_ids = {free_run.tokens[k]};
+  Streamed streamed;
+  const GenerateResult r = generate(engine, "Hello world", p, &streamed);
+  EXPECT_EQ(r.finish_reason, "stop");
+  EXPECT_EQ(r.stats.generated_tokens, static_cast<std::int64_t>(k) + 1);
+  const std::vector<Token> through(free_run.tokens.begin(), free_run.tokens.begin() + static_cast<std::ptrdiff_t>(k) + 1);
+  EXPECT_EQ(r.tokens, through);
+  // The text of the run cut there by max_tokens (a character the last token leaves incomplete
+  // comes out as U+FFFD either way).
+  EXPECT_EQ(r.text, generate(engine, "Hello world", greedy(static_cast<std::int64_t>(k) + 1)).text);
+  EXPECT_EQ(streamed.joined(), r.text);
+
+  // A control token, forced first: nothing is written.
+  const Token start = engine.model().tokenizer().find("<|im_start|>");
+  ASSERT_GE(start, 0);
+  GenerateParams control = greedy(30);
+  control.sampling.logit_bias = {{start, 100.0f}};
+  control.stop_token_ids = {start};
+  const GenerateResult c = generate(engine, "Hello world", control);
+  EXPECT_EQ(c.finish_reason, "stop");
+  EXPECT_EQ(c.text, "");
+  EXPECT_EQ(c.stats.generated_tokens, 1);
+}
+
+// min_tokens: the end of the turn, stop token ids and stop strings cannot end the output within
+// the first min_tokens tokens.
+TEST(Engine, MinTokensHoldsOffEveryWayOfStopping) {
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  const Token end = engine.model().tokenizer().find("<|im_end|>");
+  ASSERT_GE(end, 0);
+  GenerateParams p;
+  p.max_tokens = 30;
+  p.sampling.temperature = 0.0f;
+  p.sampling.logit_bias = {{end, 100.0f}};  // the end of the turn first, were it not held back
+  EXPECT_EQ(generate(engine, "Hello world", p).stats.generated_tokens, 1);
+  p.sampling.min_tokens = 5;
+  GenerateResult r = generate(engine, "Hello world", p);
+  EXPECT_EQ(r.finish_reason, "stop");
+  EXPECT_EQ(r.stats.generated_tokens, 6);
+  ASSERT_EQ(r.tokens.size(), 6u);
+  EXPECT_EQ(r.tokens.back(), end);
+  for (std::size_t i = 0; i < 5; ++i) EXPECT_NE(r.tokens[i], end);
+
+  // A stop token id, as the end of the turn.
+  const GenerateResult free_run = generate(engine, "Hello world", greedy(30));
+  GenerateParams ids = greedy(30);
+  ids.stop_token_ids = {free_run.tokens[0]};
+  EXPECT_EQ(generate(engine, "Hello world", ids).stats.generated_tokens, 1);
+  ids.sampling.min_tokens = 4;
+  const GenerateResult held = generate(engine, "Hello world", ids);
+  EXPECT_GE(held.stats.generated_tokens, 5);
+  for (std::size_t i = 0; i < 4 && i < held.tokens.size(); ++i) EXPECT_NE(held.tokens[i], free_run.tokens[0]);
+
+  // A stop string in the free run's first bytes stops at once without; with every token held,
+  // the run is the free one.
+  ASSERT_GE(free_run.text.size(), 3u);
+  GenerateParams strings = greedy(30);
+  strings.stop = {free_run.text.substr(0, 3)};
+  EXPECT_EQ(generate(engine, "Hello world", strings).text, "");
+  strings.sampling.min_tokens = 30;
+  const GenerateResult whole = generate(engine, "Hello world", strings);
+  EXPECT_EQ(whole.text, free_run.text);
+  EXPECT_EQ(whole.finish_reason, "length");
+}
+
 TEST(Engine, OnTextReturningFalseCancels) {
   Engine engine(tiny_model(), EngineOptions{1, 0});
   std::vector<std::string> pieces;
@@ -427,6 +506,31 @@ TEST(Sampler, TheRepetitionPenaltyScalesTheLogitsOfThePromptsAndGeneratedTokens)
   EXPECT_EQ(none.sample(logits), 0);
   EXPECT_FALSE(none.params().penalized());
   EXPECT_TRUE(greedy.params().penalized() && greedy.params().adjusted());
+}
+
+// min_tokens: the tokens held back cannot be sampled, whatever their logit or bias, until that
+// many tokens have been observed; then they are as before.
+TEST(Sampler, MinTokensHoldsBackTheEndsUntilEnoughAreGenerated) {
+  const std::vector<float> logits = {0.5f, 3.0f, 1.0f, 2.0f};
+  Sampler s(SamplingParams{.temperature = 0.0f, .logit_bias = {{3, 5.0f}}, .min_tokens = 2});
+  s.hold_back({1, 3, 99});  // 99: outside the row, ignored
+  EXPECT_TRUE(s.params().adjusted());
+  EXPECT_EQ(s.sample(logits), 2);
+  s.observe(2);
+  EXPECT_EQ(s.sample(logits), 2);
+  s.observe(2);
+  EXPECT_EQ(s.sample(logits), 3);  // 2 + 5
+  // Sampled, a held-back token has no probability at all.
+  Sampler hot(SamplingParams{.temperature = 1.5f, .min_tokens = 1});
+  hot.hold_back({1});
+  const TokenDistribution d = hot.distribution(logits);
+  EXPECT_EQ(d.probability(1), 0.0);
+  EXPECT_NEAR(d.probability(0) + d.probability(2) + d.probability(3), 1.0, 1e-12);
+  hot.observe(0);
+  EXPECT_GT(hot.distribution(logits).probability(1), 0.3);
+  // Nothing held back: nothing changes.
+  Sampler none(SamplingParams{.temperature = 0.0f, .min_tokens = 3});
+  EXPECT_EQ(none.sample(logits), 1);
 }
 
 TEST(Sampler, GreedyTiesGoToTheFirst) {
@@ -761,6 +865,30 @@ TEST(StopMatcher, FinishFlushesTheHeldTail) {
   EXPECT_EQ(n.finish(), "<|");
 }
 
+// Text fed unarmed (the first min_tokens tokens') cannot stop: a stop string counts where it ends
+// in armed text, even when it starts in the text before.
+TEST(StopMatcher, OnlyAStopEndingInArmedTextStops) {
+  StopMatcher m({"END"});
+  EXPECT_EQ(m.feed("abEND", false), "abEND");
+  EXPECT_FALSE(m.stopped());
+  EXPECT_EQ(m.feed("xEN", false), "x");  // "EN" may still become a stop that ends armed
+  EXPECT_EQ(m.feed("D!", true), "");
+  EXPECT_TRUE(m.stopped());
+  StopMatcher n({"END"});
+  EXPECT_EQ(n.feed("EN", false), "");
+  EXPECT_EQ(n.feed("D", false), "END");  // completed unarmed: text
+  EXPECT_EQ(n.feed("END", true), "");
+  EXPECT_TRUE(n.stopped());
+  // A stop string's start taken from an unarmed match's end: "aXa" + "Xa" holds a second "aXa".
+  StopMatcher o({"aXa"});
+  EXPECT_EQ(o.feed("aXa", false), "aX");
+  EXPECT_EQ(o.feed("Xa", true), "");
+  EXPECT_TRUE(o.stopped());
+  StopMatcher q({"END"});
+  EXPECT_EQ(q.feed("xEN", false), "x");
+  EXPECT_EQ(q.finish(), "EN");
+}
+
 // Random texts, stop strings and chunkings against a plain model of the rule: generation stops
 // at the first chunk after which the text so far contains a stop string, and the text shown is
 // everything before the earliest stop string in it. (So when one stop string completes inside a
@@ -1025,6 +1153,62 @@ TEST(LocalBackend, IgnoreEosFromTheExtraFieldsGoesPastTheEndOfTurn) {
   EXPECT_EQ(stopped.outcome->completion->usage.completion_tokens, 1);
   EXPECT_EQ(past.outcome->completion->finish_reason, "length");
   EXPECT_EQ(past.outcome->completion->usage.completion_tokens, 12);
+}
+
+// min_tokens and stop_token_ids from the extra fields: the end of the turn, biased to come
+// first, is held off for min_tokens; a stop token id ends the answer where it is generated; an id
+// outside the vocabulary and a min_tokens above max_tokens are 400s naming the field.
+TEST(LocalBackend, MinTokensAndStopTokenIdsFromTheExtraFieldsReachTheEngine) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  const Token end = engine.model().tokenizer().find("<|im_end|>");
+  ASSERT_GE(end, 0);
+  const nlohmann::ordered_json bias = {{std::to_string(end), 100}};
+  Request held = hello_request(12), plain = hello_request(12);
+  held.extra = {{"logit_bias", bias}, {"min_tokens", 4}};
+  Call a, b;
+  asio::co_spawn(io, call_complete(backend, held, a), asio::detached);
+  asio::co_spawn(io, call_complete(backend, plain, b), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&a, &b}));
+  ASSERT_TRUE(a.outcome && a.outcome->ok()) << a.outcome->error->message;
+  ASSERT_TRUE(b.outcome && b.outcome->ok()) << b.outcome->error->message;
+  EXPECT_EQ(a.outcome->completion->finish_reason, "stop");
+  EXPECT_EQ(a.outcome->completion->usage.completion_tokens, 5);
+
+  // The plain answer's third token, as a stop token id: the answer ends with it (the first
+  // token found in the vocabulary whose text is the plain answer's text so far).
+  const std::string text = b.outcome->completion->text;
+  ASSERT_EQ(b.outcome->completion->usage.completion_tokens, 12);
+  const std::vector<Token> prompt = chat_prompt_tokens(engine.model(), held.messages);
+  GenerateParams greedy_params = greedy(12);
+  greedy_params.ignore_eos = false;
+  const GenerateResult direct = engine.generate(prompt, greedy_params, [](std::string_view) { return true; });
+  ASSERT_EQ(direct.text, text);
+  Request stopping = hello_request(12);
+  stopping.extra = {{"stop_token_ids", {direct.tokens[2]}}};
+  Call c;
+  asio::co_spawn(io, call_complete(backend, stopping, c), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&c}));
+  ASSERT_TRUE(c.outcome && c.outcome->ok()) << c.outcome->error->message;
+  const std::int64_t first = std::find(direct.tokens.begin(), direct.tokens.end(), direct.tokens[2]) - direct.tokens.begin();
+  EXPECT_EQ(c.outcome->completion->finish_reason, "stop");
+  EXPECT_EQ(c.outcome->completion->usage.completion_tokens, first + 1);
+  EXPECT_EQ(text.substr(0, c.outcome->completion->text.size()), c.outcome->completion->text);
+
+  Request outside = hello_request(12), over = hello_request(3);
+  outside.extra = {{"stop_token_ids", {2, 1 << 30}}};
+  over.extra = {{"min_tokens", 4}};
+  Call d, e;
+  asio::co_spawn(io, call_complete(backend, outside, d), asio::detached);
+  asio::co_spawn(io, call_complete(backend, over, e), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&d, &e}));
+  ASSERT_TRUE(d.outcome && !d.outcome->ok() && e.outcome && !e.outcome->ok());
+  EXPECT_EQ(d.outcome->error->http_status, 400);
+  EXPECT_TRUE(d.outcome->error->message.starts_with("'stop_token_ids': token 1073741824 is outside the vocabulary"))
+      << d.outcome->error->message;
+  EXPECT_EQ(e.outcome->error->http_status, 400);
+  EXPECT_EQ(e.outcome->error->message, "'min_tokens': asks for at least 4 tokens, more than max_tokens (3) lets out");
 }
 
 // min_p from the extra fields reaches the sampler: at 1 only the best token is left, so even a

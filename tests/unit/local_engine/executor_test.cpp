@@ -524,6 +524,13 @@ TEST_F(ExecutorTest, WhereTheDeviceSamplesCpuSamplingIsRefusedByName) {
   min_p.sampling.min_p = 0.1f;
   min_p.json_object = true;
   EXPECT_EQ(refusal(min_p), "unsupported_parameter: 'min_p': min-p is applied" + where);
+  GenerateParams least = plain;
+  least.sampling.min_tokens = 2;
+  least.logprobs = 1;
+  EXPECT_EQ(refusal(least), "unsupported_parameter: 'min_tokens': the end of the turn is held back" + where);
+  GenerateParams stop_ids = plain;
+  stop_ids.stop_token_ids = {7};  // checked on the host as tokens come: taken
+  EXPECT_EQ(refusal(stop_ids), "<taken>");
   GenerateParams json_mode = plain;
   json_mode.json_object = true;
   EXPECT_EQ(refusal(json_mode), "unsupported_parameter: 'response_format': JSON mode is applied" + where);

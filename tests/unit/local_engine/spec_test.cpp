@@ -563,6 +563,39 @@ TEST_F(TinyModels, PenaltiesApplyAloneAndBatchedAndTurnDraftingOff) {
   }
 }
 
+// vLLM's stop_token_ids end each output where the token comes, inside accepted drafts as
+// without them; min_tokens holds them off, alone and batched as in the single-sequence engine,
+// and turns drafting off.
+TEST_F(TinyModels, StopTokenIdsAndMinTokensApplyAloneAndBatched) {
+  const auto many = prompts(6);
+  Engine single(Model::load(path("target.gguf")), EngineOptions{1, 256});
+  const GenerateResult free_run = single.generate(many[0], greedy(40), nullptr);
+  ASSERT_EQ(free_run.tokens.size(), 40u);
+  GenerateParams params = greedy(40);
+  params.stop_token_ids = {free_run.tokens[12]};
+  const std::vector<std::string> stopped = run(options(SpecMethod::kNone), many, params);
+  EXPECT_NE(stopped[0], summary(free_run));
+  EXPECT_EQ(stopped[0].substr(stopped[0].find('|')), "|stop|" + std::to_string(
+      std::find(free_run.tokens.begin(), free_run.tokens.end(), free_run.tokens[12]) - free_run.tokens.begin() + 1));
+  for (SpecMethod m : {SpecMethod::kNgram, SpecMethod::kDraft}) {
+    SCOPED_TRACE(std::string(to_string(m)));
+    EXPECT_EQ(run(options(m), many, params), stopped);
+  }
+  params.sampling.min_tokens = 20;
+  const std::vector<std::string> held = run(options(SpecMethod::kNone), many, params);
+  EXPECT_NE(held, stopped);
+  for (std::size_t i = 0; i < many.size(); ++i) {
+    EXPECT_EQ(run(options(SpecMethod::kNone), {many[i]}, params)[0], held[i]) << i;
+    EXPECT_EQ(summary(single.generate(many[i], params, nullptr)), held[i]) << i;
+  }
+  for (SpecMethod m : {SpecMethod::kNgram, SpecMethod::kSelf}) {
+    SCOPED_TRACE(std::string(to_string(m)));
+    EngineStats stats;
+    EXPECT_EQ(run(options(m), many, params, &stats), held);
+    EXPECT_EQ(stats.drafted_tokens, 0);
+  }
+}
+
 TEST_F(TinyModels, GreedyOutputIsIdenticalUnderPreemption) {
   const GenerateParams params = greedy(60);
   const auto many = prompts(6);

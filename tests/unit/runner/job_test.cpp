@@ -382,6 +382,14 @@ TEST_F(JobFile, ExtraFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
   EXPECT_EQ(error_of(with_input("request: {extra: {typical_p: 0.1}}\n")).field(), "request.extra.typical_p");
   EXPECT_EQ(error_of(with_input("request: {extra: {min_p: 2}}\n")).field(), "request.extra.min_p");
   EXPECT_EQ(load(with_input("request: {extra: {min_p: 0.1}}\n")).request.extra["min_p"], 0.1);
+  ConfigError least = error_of(with_input("request:\n  max_tokens: 8\n  extra: {min_tokens: 16, stop_token_ids: [2]}\n"));
+  EXPECT_EQ(least.field(), "request.extra.min_tokens");
+  EXPECT_EQ(least.message(), "asks for at least 16 tokens, more than max_tokens (8) lets out");
+  EXPECT_GT(least.line(), 0);
+  EXPECT_EQ(error_of(with_input("request: {extra: {stop_token_ids: [x]}}\n")).field(), "request.extra.stop_token_ids");
+  EXPECT_EQ(load(with_input("request: {max_tokens: 8, extra: {min_tokens: 8, stop_token_ids: [2, 5]}}\n"))
+                .request.extra["stop_token_ids"],
+            nlohmann::json({2, 5}));
   EXPECT_EQ(error_of(with_input("backend: {type: local}\nrequest: {extra: {logprobs: 50}}\n")).field(),
             "request.extra.logprobs");
   ConfigError top = error_of(with_input("backend: {type: local}\nrequest: {extra: {top_logprobs: 3}}\n"));

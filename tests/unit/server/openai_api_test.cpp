@@ -658,8 +658,9 @@ TEST(ParseRequest, PenaltiesGoToTheEngine) {
                  "'frequency_penalty' must be a number, not a string");
 }
 
-// vLLM's and llama.cpp's sampling extensions: ignore_eos, min_p and repetition_penalty reach the
-// engine; those it does not have are refused unless they are set to do nothing.
+// vLLM's and llama.cpp's sampling extensions: ignore_eos, min_p, repetition_penalty, min_tokens and
+// stop_token_ids reach the engine; those it does not have are refused unless they are set to do
+// nothing.
 TEST(ParseRequest, SamplingExtensionsAreTakenOrRefused) {
   EXPECT_EQ(chat({{"ignore_eos", true}}).request.extra, json({{"ignore_eos", true}}));
   EXPECT_TRUE(chat({{"ignore_eos", false}}).request.extra.is_null());
@@ -679,10 +680,18 @@ TEST(ParseRequest, SamplingExtensionsAreTakenOrRefused) {
                  "'repetition_penalty' must be above 0 (1: none), not 0");
   expect_invalid(chat_error(chat_body({{"repetition_penalty", 101}})), "repetition_penalty",
                  "'repetition_penalty' must be between 0.0 and 100.0, not 101");
-  expect_unsupported(completion_error(completion_body_json({{"min_tokens", 20}})), "min_tokens",
-                     "'min_tokens' is not supported by this server");
-  expect_unsupported(chat_error(chat_body({{"stop_token_ids", {2}}})), "stop_token_ids",
-                     "'stop_token_ids' is not supported by this server");
+  EXPECT_EQ(completion({{"min_tokens", 20}}).request.extra, json({{"min_tokens", 20}}));
+  EXPECT_EQ(chat({{"min_tokens", 3.0}}).request.extra["min_tokens"], 3);
+  expect_invalid(chat_error(chat_body({{"min_tokens", -1}})), "min_tokens",
+                 "'min_tokens' must be between 0 and 16777216, not -1");
+  expect_invalid(chat_error(chat_body({{"min_tokens", 2.5}})), "min_tokens", "'min_tokens' must be an integer, not a number (2.5)");
+  EXPECT_EQ(chat({{"stop_token_ids", {2, 7}}}).request.extra, json({{"stop_token_ids", {2, 7}}}));
+  EXPECT_EQ(completion({{"stop_token_ids", {0}}}).request.extra["stop_token_ids"], json({0}));
+  expect_invalid(chat_error(chat_body({{"stop_token_ids", 2}})), "stop_token_ids",
+                 "'stop_token_ids' must be an array of token ids, not an integer");
+  expect_invalid(chat_error(chat_body({{"stop_token_ids", {3, -2}}})), "stop_token_ids",
+                 "'stop_token_ids' [1] is not a token id (a whole number from 0): -2");
+  expect_unsupported(chat_error(chat_body({{"bad_words", {"no"}}})), "bad_words", "'bad_words' is not supported by this server");
   expect_unsupported(chat_error(chat_body({{"use_beam_search", true}})), "use_beam_search",
                      "beam search is not supported by this server");
 }

@@ -1,8 +1,9 @@
 #pragma once
 // Which body fields beyond a Request's own the embedded engine honours. A job's `request.extra`
 // and the body of an OpenAI Batch-API line pass fields through to an API as they are; the
-// embedded engine reads `top_k`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
-// `logprobs`, `top_logprobs` and `response_format` (text, JSON mode, or a JSON schema it can
+// embedded engine reads `top_k`, `min_p`, `presence_penalty`, `frequency_penalty`,
+// `repetition_penalty`, `logit_bias`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `logprobs`,
+// `top_logprobs` and `response_format` (text, JSON mode, or a JSON schema it can
 // follow: json_schema.hpp) and `tools` with `tool_choice` among them, so any other field that would
 // change the output is refused rather than silently ignored. Fields that change nothing (`user`, `metadata`, a zero penalty, `n: 1`, ...)
 // pass. The runner checks jobs with it before a run starts; LocalBackend checks each request.
@@ -66,14 +67,21 @@ const nlohmann::ordered_json* requested_json_schema(const nlohmann::ordered_json
 // `logit_bias` as (token id, bias) pairs; empty without it. For fields that passed the checks.
 std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const nlohmann::ordered_json& extra);
 
+// vLLM's `min_tokens` (0 without it) and `stop_token_ids` (empty without them), for fields that
+// passed the checks above. Whether each id is in the model's vocabulary is the engine's to check.
+std::int64_t requested_min_tokens(const nlohmann::ordered_json& extra);
+std::vector<std::int64_t> requested_stop_token_ids(const nlohmann::ordered_json& extra);
+// A min_tokens above the request's max_tokens (nullopt when there is none, or they agree).
+std::optional<std::string> min_tokens_problem(const nlohmann::ordered_json& extra, std::optional<std::int64_t> max_tokens);
+
 // What a request asks of the sampler that only the engine's sampler on the CPU applies.
 // `penalty`: the penalty field(s) to name where a penalty is applied, else empty.
 struct CpuSampling {
   std::string penalty;
-  bool min_p = false, logit_bias = false, logprobs = false, json_object = false, forced_call = false,
+  bool min_p = false, min_tokens = false, logit_bias = false, logprobs = false, json_object = false, forced_call = false,
        json_schema = false;
 };
-// The first of them in the order the engine checks (a penalty, min_p, logit_bias,
+// The first of them in the order the engine checks (a penalty, min_p, min_tokens, logit_bias,
 // log-probabilities, JSON mode, a forced call, a JSON schema) as (the field, what is done:
 // "min-p is applied"), or nullopt. An engine that samples on a GPU refuses requests with one.
 std::optional<std::pair<std::string, std::string>> cpu_only_sampling(const CpuSampling& asked);
@@ -84,6 +92,10 @@ std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const nloh
 // The largest repetition_penalty taken (vLLM takes any above 0; past this it is no longer a
 // penalty anyone means).
 inline constexpr double kMaxRepetitionPenalty = 100.0;
+// The largest min_tokens taken (no context holds more).
+inline constexpr double kMaxMinTokens = 1 << 24;
+// The most tokens stop_token_ids may name.
+inline constexpr std::size_t kMaxStopTokenIds = 1024;
 // The most tokens a logit_bias may name (OpenAI's limit is 300; this one only bounds the work).
 inline constexpr std::size_t kMaxLogitBias = 1024;
 // The most alternatives per position a request may ask for (OpenAI's limit).

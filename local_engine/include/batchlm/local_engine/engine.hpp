@@ -47,6 +47,10 @@ struct GenerateParams {
   bool refuse_past_context = false;
   SamplingParams sampling;
   std::vector<std::string> stop;
+  // vLLM's stop_token_ids: generating one of these ends the output ("stop"). Its text is part of
+  // the output, unless it is a control token (which, like the end of the turn, shows none).
+  // sampling.min_tokens holds them back with the end of the turn.
+  std::vector<Token> stop_token_ids;
   bool ignore_eos = false;      // keep going past end-of-generation tokens (benchmarks)
   // Log-probabilities of the generated tokens (position_logprobs): -1 none, else with this
   // many of the most likely tokens at each position (0-20).
@@ -123,6 +127,8 @@ class Generation {
   // Control tokens whose text is a stop string ("<|im_start|>"): such a token is never written
   // as text, so the matcher alone would never see it; generating one stops as the string would.
   std::vector<Token> stop_tokens_;
+  std::vector<Token> stop_ids_;  // GenerateParams::stop_token_ids
+  std::int64_t min_tokens_ = 0;  // the first this many tokens cannot end the output
   std::string reason_;
   std::int64_t generated_ = 0;
   // Log-probabilities of tokens whose text is not yet final, with where their text starts and

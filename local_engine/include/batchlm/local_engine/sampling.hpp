@@ -33,10 +33,13 @@ struct SamplingParams {
   // OpenAI's logit_bias: added to these tokens' logits before sampling (-100 bans a token in
   // practice, 100 forces it).
   std::vector<std::pair<Token, float>> logit_bias;
+  // vLLM's min_tokens: the tokens that would end the generation (Sampler::hold_back) cannot be
+  // sampled until this many have been generated.
+  std::int64_t min_tokens = 0;
   bool penalized() const { return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f; }
   // Logits changed before sampling (penalties or biases): sampled on the CPU only, and not
   // drafted for (a verifier sees the model's own logits).
-  bool adjusted() const { return penalized() || !logit_bias.empty(); }
+  bool adjusted() const { return penalized() || !logit_bias.empty() || min_tokens > 0; }
 };
 
 // The model's log-probabilities at one position, a log-softmax of its logits as they are
@@ -88,6 +91,10 @@ class Sampler {
   void observe(Token token);
   // The request's prompt, which the repetition penalty counts as well.
   void observe_prompt(std::span<const Token> prompt);
+  // The tokens that end the generation (the end of the turn, stop tokens): their logits are
+  // -infinity, after the penalties and biases, while fewer than min_tokens tokens have been
+  // observed.
+  void hold_back(std::vector<Token> ends);
 
  private:
   // The logits with the penalties and biases applied (a copy), or the logits themselves
@@ -98,16 +105,20 @@ class Sampler {
   std::mt19937_64 rng_;
   std::vector<std::pair<Token, std::int32_t>> counts_;  // generated tokens and their counts
   std::vector<Token> seen_;  // for the repetition penalty: the prompt's and generated tokens, sorted, once each
+  std::vector<Token> ends_;  // held back until min_tokens
+  std::int64_t observed_ = 0;  // tokens generated
   std::vector<float> adjusted_;
 };
 
 // Watches text as it is generated for any of the stop strings. feed() returns the part of the
 // text that is safe to show: everything except a tail that could still become a stop string.
 // Once a stop string is seen, stopped() is true and the text before it has been returned.
+// Text fed with `armed` false (the first min_tokens tokens') cannot stop the generation: a
+// stop string counts only where it ends in text fed armed.
 class StopMatcher {
  public:
   explicit StopMatcher(std::vector<std::string> stops);
-  std::string feed(std::string_view text);
+  std::string feed(std::string_view text, bool armed = true);
   std::string finish();  // the held-back tail, when generation ends for another reason
   bool stopped() const { return stopped_; }
 
@@ -115,6 +126,7 @@ class StopMatcher {
   std::vector<std::string> stops_;
   std::size_t longest_ = 0;
   std::string pending_;
+  std::size_t unarmed_ = 0;  // how much of pending_ was fed unarmed (its start)
   bool stopped_ = false;
 };
 

@@ -87,6 +87,8 @@ class Tokenizer {
   bool add_bos() const;
   // End of generation: eos, eot (<|im_end|> for ChatML models), eom.
   bool is_end_of_generation(Token t) const;
+  // All of them, by id.
+  std::vector<Token> end_of_generation_tokens() const;
   // The id of a token given by its exact text, or -1.
   Token find(std::string_view text) const;
 
