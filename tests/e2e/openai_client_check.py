@@ -3,7 +3,7 @@
 Usage: openai_client_check.py --base-url http://127.0.0.1:PORT/v1 --api-key KEY --model NAME
 
 Makes the calls a client makes (models.list, chat.completions.create whole and streamed with
-usage, completions.create, log-probabilities and logit_bias, JSON mode, structured outputs
+usage, completions.create, log-probabilities and logit_bias, vLLM's stop_token_ids and min_tokens, JSON mode, structured outputs
 through chat.completions.parse with a pydantic model, and requests the server must refuse) and prints one JSON object
 with what came back; the C++ test asserts on it. Exits non-zero when a call fails in a way the
 test did not expect.
@@ -150,6 +150,20 @@ def main() -> int:
     out["logit_bias"] = {
         "distinct_tokens": [list(b) for b in sorted({bytes(t.bytes) for t in forced.choices[0].logprobs.content})],
         "completion_tokens": forced.usage.completion_tokens,
+    }
+    # vLLM's extensions, as its users send them (extra_body): the forced token as a stop token
+    # id ends the answer with it, after min_tokens others.
+    stopping = client.chat.completions.create(
+        model=args.model,
+        messages=messages,
+        temperature=0,
+        max_tokens=12,
+        logit_bias={"28": 100},
+        extra_body={"stop_token_ids": [28], "min_tokens": 3},
+    )
+    out["stop_token_ids"] = {
+        "finish_reason": stopping.choices[0].finish_reason,
+        "completion_tokens": stopping.usage.completion_tokens,
     }
     # JSON mode: the content is a JSON object, or its beginning when max_tokens cut it.
     asked = [{"role": "user", "content": 'Reply with a JSON object {"answer": <the number>}. What is 2 + 2?'}]

@@ -525,6 +525,15 @@ class Serve : public ::testing::Test {
     EXPECT_EQ(r.status, 200) << r.body << r.error;
     return r.body;
   }
+  // The body of a greedy chat answer to "Hello world" of at most 24 tokens, with `extra`'s
+  // fields in the request.
+  json greedy_answer(const ServeProcess& s, json extra) {
+    extra["max_tokens"] = 24;
+    extra["temperature"] = 0;
+    HttpResponse r = post(s, "/v1/chat/completions", chat_request("Hello world", extra));
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.json_body();
+  }
 
   TempDir dir_;
 };
@@ -783,11 +792,7 @@ TEST_F(Serve, MetricsCountResponsesCompletionsAndTheEngine) {
 TEST_F(Serve, PenaltiesChangeTheGreedyAnswer) {
   auto s = serve();
   auto answer = [&](json extra) {
-    extra["max_tokens"] = 24;
-    extra["temperature"] = 0;
-    HttpResponse r = post(*s, "/v1/chat/completions", chat_request("Hello world", extra));
-    EXPECT_EQ(r.status, 200) << r.body;
-    return r.json_body()["choices"][0]["message"]["content"].get<std::string>();
+    return greedy_answer(*s, std::move(extra))["choices"][0]["message"]["content"].get<std::string>();
   };
   const std::string plain = answer(json::object());
   const std::string penalized = answer({{"frequency_penalty", 2.0}, {"presence_penalty", 1.0}});
@@ -807,13 +812,7 @@ TEST_F(Serve, PenaltiesChangeTheGreedyAnswer) {
 // for; a stop string from the answer's start is held off by min_tokens.
 TEST_F(Serve, StopTokenIdsAndMinTokensEndTheAnswer) {
   auto s = serve();
-  auto ask = [&](json extra) {
-    extra["max_tokens"] = 24;
-    extra["temperature"] = 0;
-    HttpResponse r = post(*s, "/v1/chat/completions", chat_request("Hello world", extra));
-    EXPECT_EQ(r.status, 200) << r.body;
-    return r.json_body();
-  };
+  auto ask = [&](json extra) { return greedy_answer(*s, std::move(extra)); };
   const json forced = ask({{"logit_bias", {{"100", 100}}}});
   EXPECT_EQ(forced["choices"][0]["finish_reason"], "length");
   const std::string all = forced["choices"][0]["message"]["content"].get<std::string>();
@@ -2523,6 +2522,7 @@ TEST_F(ServeRealModel, OfficialOpenAIPythonClient) {
   EXPECT_EQ(clp["top_sizes"], json::array({2})) << out;
   EXPECT_EQ(r["logit_bias"]["distinct_tokens"].size(), 1u) << out;
   EXPECT_EQ(r["logit_bias"]["completion_tokens"], 5) << out;
+  EXPECT_EQ(r["stop_token_ids"], json({{"finish_reason", "stop"}, {"completion_tokens", 4}})) << out;
   EXPECT_EQ(r["json_mode"]["starts"], "{") << out;
   if (r["json_mode"]["finish_reason"] == "stop") {
     EXPECT_EQ(r["json_mode"]["parsed"], "dict") << out;
