@@ -118,6 +118,20 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
         return "[" + std::to_string(i) + "] is not a token id (a whole number from 0): " + value[i].dump();
     return std::nullopt;
   }
+  if (key == "bad_words") {
+    if (!value.is_array()) return "expected a list of words, not " + value.dump().substr(0, 80);
+    if (value.size() > kMaxBadWords)
+      return "names " + std::to_string(value.size()) + " words; at most " + std::to_string(kMaxBadWords) + " are allowed";
+    for (std::size_t i = 0; i < value.size(); ++i) {
+      const json& word = value[i];
+      if (!word.is_string() || word.get_ref<const std::string&>().find_first_not_of(" \t\n\r\f\v") == std::string::npos)
+        return "[" + std::to_string(i) + "] is not a word (a string with more than whitespace): " + word.dump().substr(0, 80);
+      if (word.get_ref<const std::string&>().size() > kMaxBadWordBytes)
+        return "[" + std::to_string(i) + "] is " + std::to_string(word.get_ref<const std::string&>().size()) +
+               " bytes long; at most " + std::to_string(kMaxBadWordBytes) + " are allowed";
+    }
+    return std::nullopt;
+  }
   if (key == "logit_bias") {
     if (!value.is_object()) return "expected an object of token ids and biases, not " + value.dump();
     if (value.size() > kMaxLogitBias)
@@ -212,7 +226,7 @@ std::optional<std::string> engine_field_problem(std::string_view key, const json
            " (the embedded engine does not read it from the extra fields)";
   return "the embedded engine does not use '" + std::string(key) +
          "' (of the extra fields it takes top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, "
-         "min_tokens, stop_token_ids, logprobs, top_logprobs, response_format, ignore_eos, tools, tool_choice, "
+         "min_tokens, stop_token_ids, bad_words, logprobs, top_logprobs, response_format, ignore_eos, tools, tool_choice, "
          "parallel_tool_calls and chat_template_kwargs)" +
          kElsewhere;
 }
@@ -412,6 +426,16 @@ std::vector<std::int64_t> requested_stop_token_ids(const ojson& extra) {
   return out;
 }
 
+std::vector<std::string> requested_bad_words(const ojson& extra) {
+  std::vector<std::string> out;
+  if (!extra.is_object()) return out;
+  const auto it = extra.find("bad_words");
+  if (it == extra.end() || !it->is_array()) return out;
+  for (const ojson& word : *it)
+    if (word.is_string()) out.push_back(word.get<std::string>());
+  return out;
+}
+
 std::optional<std::string> min_tokens_problem(const ojson& extra, std::optional<std::int64_t> max_tokens) {
   const std::int64_t least = requested_min_tokens(extra);
   if (!max_tokens || least <= *max_tokens) return std::nullopt;
@@ -424,6 +448,7 @@ std::optional<std::pair<std::string, std::string>> cpu_only_sampling(const CpuSa
   if (!asked.penalty.empty()) return Found(asked.penalty, "penalties are applied");
   if (asked.min_p) return Found("min_p", "min-p is applied");
   if (asked.min_tokens) return Found("min_tokens", "the end of the turn is held back");
+  if (asked.bad_words) return Found("bad_words", "bad words are held back");
   if (asked.logit_bias) return Found("logit_bias", "biases are applied");
   if (asked.logprobs) return Found("logprobs", "log-probabilities are computed");
   if (asked.json_object) return Found("response_format", "JSON mode is applied");
@@ -445,6 +470,7 @@ std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const ojso
                                                                          : "",
                             .min_p = set("min_p"),
                             .min_tokens = requested_min_tokens(extra) > 0,
+                            .bad_words = !requested_bad_words(extra).empty(),
                             .logit_bias = !requested_logit_bias(extra).empty(),
                             .logprobs = requested_logprobs(extra) >= 0,
                             .json_object = requested_json_object(extra),

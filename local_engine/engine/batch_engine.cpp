@@ -290,6 +290,7 @@ SequenceId BatchEngine::add(std::vector<Token> prompt, const GenerateParams& par
                                                                                      : "",
                                           .min_p = params.sampling.min_p > 0.0f,
                                           .min_tokens = params.sampling.min_tokens > 0,
+                                          .bad_words = !params.sampling.bad_words.empty(),
                                           .logit_bias = !params.sampling.logit_bias.empty(),
                                           .logprobs = params.logprobs >= 0,
                                           .json_object = params.json_object,

@@ -217,6 +217,22 @@ std::vector<Token> request_prompt_tokens(const Tokenizer& tok, const ChatTemplat
                             answer_prefix(chat_template, request.extra));
 }
 
+std::vector<std::vector<Token>> bad_word_sequences(const Tokenizer& tokenizer, std::span<const std::string> words) {
+  std::vector<std::vector<Token>> out;
+  for (const std::string& word : words) {
+    const std::size_t start = word.find_first_not_of(" \t\n\r\f\v");
+    if (start == std::string::npos) continue;
+    const std::string_view bare = std::string_view(word).substr(start);
+    std::vector<Token> alone = tokenizer.encode(bare, /*parse_special=*/false);
+    std::vector<Token> spaced = tokenizer.encode(" " + std::string(bare), /*parse_special=*/false);
+    if (alone.empty()) continue;
+    const bool other = !spaced.empty() && spaced.size() == alone.size() && spaced.front() != alone.front();
+    out.push_back(std::move(alone));
+    if (other) out.push_back(std::move(spaced));
+  }
+  return out;
+}
+
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text) {
   return text_prompt_tokens(model.tokenizer(), text);
 }

@@ -373,6 +373,8 @@ asio::awaitable<Outcome> LocalBackend::complete(const Request& request, TokenSin
       p.stop_token_ids.push_back(static_cast<Token>(token));
     }
     p.sampling.min_tokens = requested_min_tokens(request.extra);
+    if (const std::vector<std::string> words = requested_bad_words(request.extra); !words.empty())
+      p.sampling.bad_words = bad_word_sequences(state_->engine->model().tokenizer(), words);
     p.logprobs = requested_logprobs(request.extra);
     p.json_object = requested_json_object(request.extra);
     if (const nlohmann::ordered_json* schema = requested_json_schema(request.extra))

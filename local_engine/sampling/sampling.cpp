@@ -31,7 +31,10 @@ std::uint64_t rank_key(float logit, Token id) {
 
 }  // namespace
 
-Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {}
+Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {
+  for (const std::vector<Token>& word : params_.bad_words)
+    if (!word.empty()) recent_limit_ = std::max(recent_limit_, word.size() - 1);
+}
 
 double Sampler::uniform() {
   // 53 random bits: the same sequence on every platform for a given seed.
@@ -78,6 +81,10 @@ TokenDistribution TokenDistribution::point(Token token) {
 
 void Sampler::observe(Token token) {
   ++observed_;
+  if (recent_limit_ > 0) {
+    if (recent_.size() == recent_limit_) recent_.erase(recent_.begin());
+    recent_.push_back(token);
+  }
   if (params_.repetition_penalty != 1.0f) {
     const auto it = std::lower_bound(seen_.begin(), seen_.end(), token);
     if (it == seen_.end() || *it != token) seen_.insert(it, token);
@@ -102,7 +109,8 @@ void Sampler::hold_back(std::vector<Token> ends) { ends_ = std::move(ends); }
 
 std::span<const float> Sampler::adjust(std::span<const float> logits) {
   const bool holding = observed_ < params_.min_tokens && !ends_.empty();
-  if (counts_.empty() && seen_.empty() && params_.logit_bias.empty() && !holding) return logits;
+  if (counts_.empty() && seen_.empty() && params_.logit_bias.empty() && !holding && params_.bad_words.empty())
+    return logits;
   adjusted_.assign(logits.begin(), logits.end());
   for (const Token token : seen_) {
     if (token < 0 || static_cast<std::size_t>(token) >= adjusted_.size()) continue;
@@ -118,10 +126,17 @@ std::span<const float> Sampler::adjust(std::span<const float> logits) {
     if (token < 0 || static_cast<std::size_t>(token) >= adjusted_.size()) continue;
     adjusted_[static_cast<std::size_t>(token)] += bias;
   }
+  const auto ban = [&](Token token) {
+    if (token >= 0 && static_cast<std::size_t>(token) < adjusted_.size())
+      adjusted_[static_cast<std::size_t>(token)] = -std::numeric_limits<float>::infinity();
+  };
   if (holding)
-    for (const Token token : ends_)
-      if (token >= 0 && static_cast<std::size_t>(token) < adjusted_.size())
-        adjusted_[static_cast<std::size_t>(token)] = -std::numeric_limits<float>::infinity();
+    for (const Token token : ends_) ban(token);
+  for (const std::vector<Token>& word : params_.bad_words) {
+    if (word.empty() || recent_.size() < word.size() - 1) continue;
+    const std::size_t before = word.size() - 1;  // the tokens that must have come last
+    if (std::equal(word.begin(), word.end() - 1, recent_.end() - static_cast<std::ptrdiff_t>(before))) ban(word.back());
+  }
   return adjusted_;
 }
 

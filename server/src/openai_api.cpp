@@ -373,8 +373,8 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
       unsupported("response_format", "response_format '" + excerpt(type->get<std::string>()) + "'");
     }
   }
-  // vLLM's and llama.cpp's extensions: ignore_eos, min_p, repetition_penalty, min_tokens and stop_token_ids are
-  // honoured; the sampling controls the engine does not have are refused, not silently ignored, unless set to what
+  // vLLM's and llama.cpp's extensions: ignore_eos, min_p, repetition_penalty, min_tokens, stop_token_ids and
+  // bad_words are honoured; the sampling controls the engine does not have are refused, not silently ignored, unless set to what
   // does nothing.
   if (const Body* v = field(body, "ignore_eos"); v && boolean(*v, "ignore_eos")) r.extra["ignore_eos"] = true;
   if (const Body* v = field(body, "min_p")) {
@@ -405,7 +405,11 @@ ApiRequest parse_request(Endpoint endpoint, const Body& body, std::string_view s
   neutral("dry_multiplier", 0.0);
   neutral("xtc_probability", 0.0);
   neutral("length_penalty", 1.0);
-  if (const Body* v = field(body, "bad_words"); v && !(v->is_array() && v->empty())) unsupported("bad_words", "'bad_words'");
+  if (const Body* v = field(body, "bad_words")) {
+    if (!v->is_array()) invalid("bad_words", "'bad_words' must be an array of strings, not " + type_name(*v));
+    if (const auto problem = engine_field_problem("bad_words", *v)) invalid("bad_words", "'bad_words' " + *problem);
+    if (!v->empty()) r.extra["bad_words"] = *v;
+  }
   if (const Body* v = field(body, "use_beam_search"); v && boolean(*v, "use_beam_search"))
     unsupported("use_beam_search", "beam search");
   if (!chat) {

@@ -127,13 +127,13 @@ TEST(EngineFields, RequestFieldsBelongOutsideTheExtraOnes) {
 TEST(EngineFields, UnknownFieldsAreNamed) {
   EXPECT_EQ(problem("typical_p", 0.5),
             "the embedded engine does not use 'typical_p' (of the extra fields it takes top_k, min_p, presence_penalty, "
-            "frequency_penalty, repetition_penalty, logit_bias, min_tokens, stop_token_ids, logprobs, top_logprobs, "
-            "response_format, ignore_eos, tools, tool_choice, parallel_tool_calls and chat_template_kwargs); remove it, "
-            "or run the job against an API that does (--base-url)");
+            "frequency_penalty, repetition_penalty, logit_bias, min_tokens, stop_token_ids, bad_words, logprobs, "
+            "top_logprobs, response_format, ignore_eos, tools, tool_choice, parallel_tool_calls and chat_template_kwargs); "
+            "remove it, or run the job against an API that does (--base-url)");
 }
 
-// vLLM's min_tokens and stop_token_ids: a whole number of tokens, and a list of token ids; a
-// min_tokens above the request's max_tokens is named.
+// vLLM's min_tokens, stop_token_ids and bad_words: a whole number of tokens, a list of token
+// ids, a list of words; a min_tokens above the request's max_tokens is named.
 TEST(EngineFields, MinTokensAndStopTokenIdsAreTaken) {
   using ojson = nlohmann::ordered_json;
   EXPECT_TRUE(ok("min_tokens", 0));
@@ -147,6 +147,12 @@ TEST(EngineFields, MinTokensAndStopTokenIdsAreTaken) {
   EXPECT_EQ(problem("stop_token_ids", {1, "2"}), "[1] is not a token id (a whole number from 0): \"2\"");
   EXPECT_EQ(problem("stop_token_ids", {-1}), "[0] is not a token id (a whole number from 0): -1");
   EXPECT_EQ(problem("stop_token_ids", json(std::vector<int>(1025, 1))), "names 1025 tokens; at most 1024 are allowed");
+  EXPECT_TRUE(ok("bad_words", {"darn", " heck it"}));
+  EXPECT_EQ(problem("bad_words", "darn"), "expected a list of words, not \"darn\"");
+  EXPECT_EQ(problem("bad_words", {"ok", "  "}), "[1] is not a word (a string with more than whitespace): \"  \"");
+  EXPECT_EQ(problem("bad_words", {3}), "[0] is not a word (a string with more than whitespace): 3");
+  EXPECT_EQ(problem("bad_words", {std::string(300, 'a')}), "[0] is 300 bytes long; at most 256 are allowed");
+  EXPECT_EQ(requested_bad_words(ojson{{"bad_words", {"a", "b"}}}), (std::vector<std::string>{"a", "b"}));
   EXPECT_EQ(requested_min_tokens(ojson{{"min_tokens", 12}}), 12);
   EXPECT_EQ(requested_min_tokens(ojson::object()), 0);
   EXPECT_EQ(requested_stop_token_ids(ojson{{"stop_token_ids", {5, 9}}}), (std::vector<std::int64_t>{5, 9}));
@@ -313,7 +319,8 @@ TEST(EngineFields, CpuSamplingFieldsAreNamedInTheEnginesOrder) {
   EXPECT_EQ(field({{"repetition_penalty", 1}}), "<none>");
   EXPECT_EQ(field({{"min_p", 0.05}}), "min_p: min-p is applied");
   EXPECT_EQ(field({{"min_tokens", 4}}), "min_tokens: the end of the turn is held back");
-  EXPECT_EQ(field({{"min_tokens", 0}, {"stop_token_ids", {2}}}), "<none>");  // a stop token is checked anywhere
+  EXPECT_EQ(field({{"min_tokens", 0}, {"stop_token_ids", {2}}, {"bad_words", json::array()}}), "<none>");
+  EXPECT_EQ(field({{"bad_words", {"no"}}}), "bad_words: bad words are held back");  // a stop token is checked anywhere
   EXPECT_EQ(field({{"logit_bias", {{"42", 0}}}}), "logit_bias: biases are applied");
   EXPECT_EQ(field({{"logit_bias", ojson::object()}}), "<none>");
   EXPECT_EQ(field({{"logprobs", true}}), "logprobs: log-probabilities are computed");

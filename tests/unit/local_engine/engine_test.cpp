@@ -397,6 +397,48 @@ TEST(Engine, MinTokensHoldsOffEveryWayOfStopping) {
   EXPECT_EQ(whole.finish_reason, "length");
 }
 
+// bad_words: the free run's own tokens, held back where they would complete a word.
+TEST(Engine, BadWordsChangeTheRunWhereTheyWouldBeCompleted) {
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  const GenerateResult free_run = generate(engine, "Hello world", greedy(20));
+  ASSERT_EQ(free_run.tokens.size(), 20u);
+  // The first pair of tokens, from the fourth on, that the run has not made before.
+  const auto& t = free_run.tokens;
+  std::size_t k = 3;
+  const auto seen_before = [&](std::size_t k) {
+    for (std::size_t i = 1; i < k; ++i)
+      if (t[i - 1] == t[k - 1] && t[i] == t[k]) return true;
+    return false;
+  };
+  while (k < t.size() && seen_before(k)) ++k;
+  ASSERT_LT(k, t.size());
+  GenerateParams p = greedy(20);
+  p.sampling.bad_words = {{t[k - 1], t[k]}};
+  const GenerateResult r = generate(engine, "Hello world", p);
+  ASSERT_EQ(r.tokens.size(), 20u);
+  EXPECT_TRUE(std::equal(r.tokens.begin(), r.tokens.begin() + static_cast<std::ptrdiff_t>(k), t.begin()));
+  EXPECT_NE(r.tokens[k], t[k]);
+  for (std::size_t i = 1; i < r.tokens.size(); ++i) EXPECT_FALSE(r.tokens[i - 1] == t[k - 1] && r.tokens[i] == t[k]) << i;
+  p.sampling.bad_words = {{free_run.tokens[0]}};
+  const GenerateResult never = generate(engine, "Hello world", p);
+  for (const Token t : never.tokens) EXPECT_NE(t, free_run.tokens[0]);
+}
+
+// A word as it is tokenized alone, and after a space where that gives as many tokens, another
+// first; whitespace before it is dropped, and a word of whitespace alone is none.
+TEST(Engine, BadWordSequencesAreTheWordAloneAndAfterASpace) {
+  const Tokenizer& tok = tiny_model()->tokenizer();
+  for (const std::string word : {"Hello", "world", "ab", "Hello world"}) {
+    SCOPED_TRACE(word);
+    const std::vector<Token> alone = tok.encode(word, false), spaced = tok.encode(" " + word, false);
+    std::vector<std::vector<Token>> expected = {alone};
+    if (spaced.size() == alone.size() && spaced.front() != alone.front()) expected.push_back(spaced);
+    EXPECT_EQ(bad_word_sequences(tok, std::vector<std::string>{word}), expected);
+    EXPECT_EQ(bad_word_sequences(tok, std::vector<std::string>{" \t" + word}), expected);
+  }
+  EXPECT_TRUE(bad_word_sequences(tok, std::vector<std::string>{" ", ""}).empty());
+}
+
 TEST(Engine, OnTextReturningFalseCancels) {
   Engine engine(tiny_model(), EngineOptions{1, 0});
   std::vector<std::string> pieces;
@@ -531,6 +573,29 @@ TEST(Sampler, MinTokensHoldsBackTheEndsUntilEnoughAreGenerated) {
   // Nothing held back: nothing changes.
   Sampler none(SamplingParams{.temperature = 0.0f, .min_tokens = 3});
   EXPECT_EQ(none.sample(logits), 1);
+}
+
+// bad_words: a sequence's last token is held back where the tokens generated last are the rest
+// of it; a one-token sequence always.
+TEST(Sampler, BadWordsHoldBackTheTokenThatWouldCompleteOne) {
+  const std::vector<float> logits = {0.5f, 3.0f, 1.0f, 2.0f, 1.5f};
+  Sampler s(SamplingParams{.temperature = 0.0f, .bad_words = {{4, 2, 1}, {0}, {3, 3}}});
+  EXPECT_TRUE(s.params().adjusted());
+  EXPECT_EQ(s.sample(logits), 1);
+  s.observe(4);
+  EXPECT_EQ(s.sample(logits), 1);
+  s.observe(2);
+  EXPECT_EQ(s.sample(logits), 3);  // 4, 2 then 1 would complete the first
+  s.observe(3);
+  EXPECT_EQ(s.sample(logits), 1);
+  s.observe(1);
+  s.observe(3);
+  EXPECT_EQ(s.sample(logits), 1);
+  // 0 never, and 3 not after a 3: the best two held back.
+  const std::vector<float> narrow = {9.0f, -1.0f, -5.0f, 8.0f, -9.0f};
+  EXPECT_EQ(s.sample(narrow), 1);
+  s.observe(1);
+  EXPECT_EQ(s.sample(narrow), 3);
 }
 
 TEST(Sampler, GreedyTiesGoToTheFirst) {
@@ -1201,6 +1266,36 @@ TEST(LocalBackend, StopTokenIdsFromTheExtraFieldsEndTheAnswer) {
       << d.outcome->error->message;
   EXPECT_EQ(e.outcome->error->http_status, 400);
   EXPECT_EQ(e.outcome->error->message, "'min_tokens': asks for at least 4 tokens, more than max_tokens (3) lets out");
+}
+
+// bad_words from the extra fields reach the sampler: the text of the plain answer's first token,
+// as a word, makes another answer.
+TEST(LocalBackend, BadWordsFromTheExtraFieldsReachTheSampler) {
+  asio::io_context io;
+  LocalBackend backend(io.get_executor(), tiny_options());
+  Engine engine(tiny_model(), EngineOptions{1, 0});
+  Request plain = hello_request(8);
+  const std::vector<Token> prompt = chat_prompt_tokens(engine.model(), plain.messages);
+  GenerateParams params = greedy(8);
+  params.ignore_eos = false;
+  const GenerateResult direct = engine.generate(prompt, params, [](std::string_view) { return true; });
+  ASSERT_FALSE(direct.tokens.empty());
+  const std::string word = engine.model().tokenizer().token_bytes(direct.tokens[0]);
+  const auto sequences = bad_word_sequences(engine.model().tokenizer(), std::vector<std::string>{word});
+  ASSERT_FALSE(sequences.empty()) << word;
+  Request banned = hello_request(8);
+  banned.extra = {{"bad_words", {word}}};
+  Call a, b;
+  asio::co_spawn(io, call_complete(backend, plain, a), asio::detached);
+  asio::co_spawn(io, call_complete(backend, banned, b), asio::detached);
+  ASSERT_TRUE(run_until_done(io, {&a, &b}));
+  ASSERT_TRUE(a.outcome && a.outcome->ok() && b.outcome && b.outcome->ok());
+  EXPECT_EQ(a.outcome->completion->text, direct.text);
+  params.sampling.bad_words = sequences;
+  EXPECT_EQ(b.outcome->completion->text, engine.generate(prompt, params, [](std::string_view) { return true; }).text);
+  if (sequences[0] == std::vector<Token>{direct.tokens[0]}) {
+    EXPECT_NE(b.outcome->completion->text, direct.text);
+  }
 }
 
 // min_p from the extra fields reaches the sampler: at 1 only the best token is left, so even a

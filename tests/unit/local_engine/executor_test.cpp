@@ -528,6 +528,9 @@ TEST_F(ExecutorTest, WhereTheDeviceSamplesCpuSamplingIsRefusedByName) {
   least.sampling.min_tokens = 2;
   least.logprobs = 1;
   EXPECT_EQ(refusal(least), "unsupported_parameter: 'min_tokens': the end of the turn is held back" + where);
+  GenerateParams bad = plain;
+  bad.sampling.bad_words = {{5, 6}};
+  EXPECT_EQ(refusal(bad), "unsupported_parameter: 'bad_words': bad words are held back" + where);
   GenerateParams stop_ids = plain;
   stop_ids.stop_token_ids = {7};  // checked on the host as tokens come: taken
   EXPECT_EQ(refusal(stop_ids), "<taken>");

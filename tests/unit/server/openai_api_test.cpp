@@ -659,7 +659,7 @@ TEST(ParseRequest, PenaltiesGoToTheEngine) {
 }
 
 // vLLM's and llama.cpp's sampling extensions: ignore_eos, min_p, repetition_penalty, min_tokens and
-// stop_token_ids reach the engine; those it does not have are refused unless they are set to do
+// stop_token_ids (and bad_words) reach the engine; those it does not have are refused unless they are set to do
 // nothing.
 TEST(ParseRequest, SamplingExtensionsAreTakenOrRefused) {
   EXPECT_EQ(chat({{"ignore_eos", true}}).request.extra, json({{"ignore_eos", true}}));
@@ -691,7 +691,12 @@ TEST(ParseRequest, SamplingExtensionsAreTakenOrRefused) {
                  "'stop_token_ids' must be an array of token ids, not an integer");
   expect_invalid(chat_error(chat_body({{"stop_token_ids", {3, -2}}})), "stop_token_ids",
                  "'stop_token_ids' [1] is not a token id (a whole number from 0): -2");
-  expect_unsupported(chat_error(chat_body({{"bad_words", {"no"}}})), "bad_words", "'bad_words' is not supported by this server");
+  EXPECT_EQ(chat({{"bad_words", {"darn"}}}).request.extra, json({{"bad_words", {"darn"}}}));
+  EXPECT_TRUE(chat({{"bad_words", json::array()}}).request.extra.is_null());
+  expect_invalid(chat_error(chat_body({{"bad_words", "darn"}})), "bad_words",
+                 "'bad_words' must be an array of strings, not a string");
+  expect_invalid(chat_error(chat_body({{"bad_words", {""}}})), "bad_words",
+                 "'bad_words' [0] is not a word (a string with more than whitespace): \"\"");
   expect_unsupported(chat_error(chat_body({{"use_beam_search", true}})), "use_beam_search",
                      "beam search is not supported by this server");
 }

@@ -2,7 +2,7 @@
 // Which body fields beyond a Request's own the embedded engine honours. A job's `request.extra`
 // and the body of an OpenAI Batch-API line pass fields through to an API as they are; the
 // embedded engine reads `top_k`, `min_p`, `presence_penalty`, `frequency_penalty`,
-// `repetition_penalty`, `logit_bias`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `logprobs`,
+// `repetition_penalty`, `logit_bias`, `min_tokens`, `stop_token_ids`, `bad_words`, `ignore_eos`, `logprobs`,
 // `top_logprobs` and `response_format` (text, JSON mode, or a JSON schema it can
 // follow: json_schema.hpp) and `tools` with `tool_choice` among them, so any other field that would
 // change the output is refused rather than silently ignored. Fields that change nothing (`user`, `metadata`, a zero penalty, `n: 1`, ...)
@@ -71,6 +71,8 @@ std::vector<std::pair<std::int64_t, double>> requested_logit_bias(const nlohmann
 // passed the checks above. Whether each id is in the model's vocabulary is the engine's to check.
 std::int64_t requested_min_tokens(const nlohmann::ordered_json& extra);
 std::vector<std::int64_t> requested_stop_token_ids(const nlohmann::ordered_json& extra);
+// vLLM's `bad_words` (empty without them), for fields that passed the checks above.
+std::vector<std::string> requested_bad_words(const nlohmann::ordered_json& extra);
 // A min_tokens above the request's max_tokens (nullopt when there is none, or they agree).
 std::optional<std::string> min_tokens_problem(const nlohmann::ordered_json& extra, std::optional<std::int64_t> max_tokens);
 
@@ -78,10 +80,10 @@ std::optional<std::string> min_tokens_problem(const nlohmann::ordered_json& extr
 // `penalty`: the penalty field(s) to name where a penalty is applied, else empty.
 struct CpuSampling {
   std::string penalty;
-  bool min_p = false, min_tokens = false, logit_bias = false, logprobs = false, json_object = false, forced_call = false,
+  bool min_p = false, min_tokens = false, bad_words = false, logit_bias = false, logprobs = false, json_object = false, forced_call = false,
        json_schema = false;
 };
-// The first of them in the order the engine checks (a penalty, min_p, min_tokens, logit_bias,
+// The first of them in the order the engine checks (a penalty, min_p, min_tokens, bad_words, logit_bias,
 // log-probabilities, JSON mode, a forced call, a JSON schema) as (the field, what is done:
 // "min-p is applied"), or nullopt. An engine that samples on a GPU refuses requests with one.
 std::optional<std::pair<std::string, std::string>> cpu_only_sampling(const CpuSampling& asked);
@@ -94,6 +96,9 @@ std::optional<std::pair<std::string, std::string>> cpu_sampling_field(const nloh
 inline constexpr double kMaxRepetitionPenalty = 100.0;
 // The largest min_tokens taken (no context holds more).
 inline constexpr double kMaxMinTokens = 1 << 24;
+// The most words bad_words may name, and the longest of them in bytes.
+inline constexpr std::size_t kMaxBadWords = 256;
+inline constexpr std::size_t kMaxBadWordBytes = 256;
 // The most tokens stop_token_ids may name.
 inline constexpr std::size_t kMaxStopTokenIds = 1024;
 // The most tokens a logit_bias may name (OpenAI's limit is 300; this one only bounds the work).

@@ -160,6 +160,10 @@ class Generation {
 // std::invalid_argument naming the message. `answer_prefix` is written after the generation
 // prompt, as the opening of the answer (a forced call's "<tool_call>\n").
 std::vector<Token> text_prompt_tokens(const Model& model, std::string_view text);
+// vLLM's bad_words as the token sequences SamplingParams::bad_words holds: each word, its leading
+// whitespace dropped, as it is tokenized alone, and as it is after a space where that gives as
+// many tokens starting with another one (a word inside a line is tokenized with its space).
+std::vector<std::vector<Token>> bad_word_sequences(const Tokenizer& tokenizer, std::span<const std::string> words);
 std::vector<Token> chat_prompt_tokens(const Model& model, std::span<const ChatMessage> messages,
                                       const nlohmann::ordered_json& tools = nullptr, std::string_view answer_prefix = {});
 // The same from a tokenizer and a template alone (a model file's vocabulary, without weights).

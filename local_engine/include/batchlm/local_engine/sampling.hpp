@@ -36,10 +36,13 @@ struct SamplingParams {
   // vLLM's min_tokens: the tokens that would end the generation (Sampler::hold_back) cannot be
   // sampled until this many have been generated.
   std::int64_t min_tokens = 0;
+  // vLLM's bad_words as token sequences (bad_word_sequences): a sequence's last token cannot be
+  // sampled where the tokens generated last are the rest of it (a one-token sequence: never).
+  std::vector<std::vector<Token>> bad_words;
   bool penalized() const { return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f; }
   // Logits changed before sampling (penalties or biases): sampled on the CPU only, and not
   // drafted for (a verifier sees the model's own logits).
-  bool adjusted() const { return penalized() || !logit_bias.empty() || min_tokens > 0; }
+  bool adjusted() const { return penalized() || !logit_bias.empty() || min_tokens > 0 || !bad_words.empty(); }
 };
 
 // The model's log-probabilities at one position, a log-softmax of its logits as they are
@@ -107,6 +110,8 @@ class Sampler {
   std::vector<Token> seen_;  // for the repetition penalty: the prompt's and generated tokens, sorted, once each
   std::vector<Token> ends_;  // held back until min_tokens
   std::int64_t observed_ = 0;  // tokens generated
+  std::vector<Token> recent_;  // for bad_words: the tokens generated last, as many as the longest less one
+  std::size_t recent_limit_ = 0;
   std::vector<float> adjusted_;
 };
 
