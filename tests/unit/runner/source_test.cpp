@@ -593,6 +593,14 @@ TEST_F(SourceTest, BatchFieldsTheEmbeddedEngineWouldIgnoreAreErrors) {
   EXPECT_EQ(e.field(), "body.response_format");
   EXPECT_TRUE(e.message().starts_with("json_schema.schema at /properties/n/minimum: 'minimum' is not supported"))
       << e.message();
+  // A min_tokens past the line's own max_tokens.
+  std::string least = write("least.jsonl", line1 + "\n" +
+                                               R"({"custom_id": "c", "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 9}})"
+                                               "\n");
+  ConfigError over = open_error(job("input: " + least + "\n"));
+  EXPECT_EQ(over.line(), 2);
+  EXPECT_EQ(over.field(), "body.min_tokens");
+  EXPECT_EQ(over.message(), "asks for at least 9 tokens, more than max_tokens (4) lets out");
   // The first line alone runs on the engine; through an API the second passes through.
   std::string first = write("first.jsonl", line1 + "\n");
   EXPECT_EQ(drain(*open_source(job("input: " + first + "\n")))[0].request.extra["top_k"], 5);
