@@ -416,27 +416,33 @@ std::int64_t requested_min_tokens(const ojson& extra) {
   return it != extra.end() && it->is_number() ? static_cast<std::int64_t>(it->get<double>()) : 0;
 }
 
+namespace {
+
+// The extra field `key` where it is a list, else an empty one.
+const ojson& list_field(const ojson& extra, const char* key) {
+  static const ojson kNone = ojson::array();
+  if (!extra.is_object()) return kNone;
+  const auto it = extra.find(key);
+  return it != extra.end() && it->is_array() ? *it : kNone;
+}
+
+}  // namespace
+
 std::vector<std::int64_t> requested_stop_token_ids(const ojson& extra) {
   std::vector<std::int64_t> out;
-  if (!extra.is_object()) return out;
-  const auto it = extra.find("stop_token_ids");
-  if (it == extra.end() || !it->is_array()) return out;
-  for (const ojson& id : *it)
+  for (const ojson& id : list_field(extra, "stop_token_ids"))
     if (id.is_number()) out.push_back(static_cast<std::int64_t>(id.get<double>()));
   return out;
 }
 
 std::vector<std::string> requested_bad_words(const ojson& extra) {
   std::vector<std::string> out;
-  if (!extra.is_object()) return out;
-  const auto it = extra.find("bad_words");
-  if (it == extra.end() || !it->is_array()) return out;
-  for (const ojson& word : *it)
+  for (const ojson& word : list_field(extra, "bad_words"))
     if (word.is_string()) out.push_back(word.get<std::string>());
   return out;
 }
 
-std::optional<std::string> min_tokens_problem(const ojson& extra, std::optional<std::int64_t> max_tokens) {
+std::optional<std::string> min_tokens_problem(const ojson& extra, std::optional<int> max_tokens) {
   const std::int64_t least = requested_min_tokens(extra);
   if (!max_tokens || least <= *max_tokens) return std::nullopt;
   return "asks for at least " + std::to_string(least) + " tokens, more than max_tokens (" + std::to_string(*max_tokens) +

@@ -70,8 +70,7 @@ Generation::Generation(const Tokenizer& tokenizer, const GenerateParams& params,
     if (t >= 0 && tokenizer.token_view(t).empty() && tokenizer.token_bytes(t, true) == stop) stop_tokens_.push_back(t);
   }
   stop_ids_ = params.stop_token_ids;
-  min_tokens_ = params.sampling.min_tokens;
-  if (min_tokens_ > 0) {
+  if (params.sampling.min_tokens > 0) {
     // Every token that would end the output is held back until min_tokens are out.
     std::vector<Token> ends = ignore_eos_ ? std::vector<Token>{} : tokenizer.end_of_generation_tokens();
     ends.insert(ends.end(), stop_tokens_.begin(), stop_tokens_.end());
@@ -155,7 +154,7 @@ bool Generation::accept(Token token, std::string& text, const PositionLogprobs* 
   const std::int64_t before = decoded_;
   decoded_ += static_cast<std::int64_t>(decoded.size());
   if (logprobs_ >= 0 && logprobs) pending_.push_back({describe(*logprobs), before, -1});
-  text = stops_.feed(decoded, /*armed=*/generated_ > min_tokens_);
+  text = stops_.feed(decoded, armed());
   released_ += static_cast<std::int64_t>(text.size());
   if (stops_.stopped() || closed || stop_id) reason_ = "stop";
   if (logprobs_ >= 0) settle(before, decoded);
@@ -166,7 +165,7 @@ std::string Generation::flush() {
   if (stops_.stopped()) return {};
   const std::string decoded = decoder_.finish();
   decoded_ += static_cast<std::int64_t>(decoded.size());
-  std::string text = stops_.feed(decoded, /*armed=*/generated_ > min_tokens_);  // the last token's
+  std::string text = stops_.feed(decoded, armed());  // the last token's
   text += stops_.finish();
   released_ += static_cast<std::int64_t>(text.size());
   // Everything is out now (what the decoder held as replacement characters if incomplete).

@@ -108,9 +108,16 @@ void Sampler::observe_prompt(std::span<const Token> prompt) {
 void Sampler::hold_back(std::vector<Token> ends) { ends_ = std::move(ends); }
 
 std::span<const float> Sampler::adjust(std::span<const float> logits) {
-  const bool holding = observed_ < params_.min_tokens && !ends_.empty();
-  if (counts_.empty() && seen_.empty() && params_.logit_bias.empty() && !holding && params_.bad_words.empty())
-    return logits;
+  // The tokens banned here: those that would end the output before min_tokens, and the last
+  // token of each bad word whose other tokens came last (a one-token word always).
+  banned_.clear();
+  if (observed_ < params_.min_tokens) banned_ = ends_;
+  for (const std::vector<Token>& word : params_.bad_words) {
+    if (word.empty() || recent_.size() < word.size() - 1) continue;
+    if (std::equal(word.begin(), word.end() - 1, recent_.end() - static_cast<std::ptrdiff_t>(word.size() - 1)))
+      banned_.push_back(word.back());
+  }
+  if (counts_.empty() && seen_.empty() && params_.logit_bias.empty() && banned_.empty()) return logits;
   adjusted_.assign(logits.begin(), logits.end());
   for (const Token token : seen_) {
     if (token < 0 || static_cast<std::size_t>(token) >= adjusted_.size()) continue;
@@ -126,17 +133,9 @@ std::span<const float> Sampler::adjust(std::span<const float> logits) {
     if (token < 0 || static_cast<std::size_t>(token) >= adjusted_.size()) continue;
     adjusted_[static_cast<std::size_t>(token)] += bias;
   }
-  const auto ban = [&](Token token) {
+  for (const Token token : banned_)
     if (token >= 0 && static_cast<std::size_t>(token) < adjusted_.size())
       adjusted_[static_cast<std::size_t>(token)] = -std::numeric_limits<float>::infinity();
-  };
-  if (holding)
-    for (const Token token : ends_) ban(token);
-  for (const std::vector<Token>& word : params_.bad_words) {
-    if (word.empty() || recent_.size() < word.size() - 1) continue;
-    const std::size_t before = word.size() - 1;  // the tokens that must have come last
-    if (std::equal(word.begin(), word.end() - 1, recent_.end() - static_cast<std::ptrdiff_t>(before))) ban(word.back());
-  }
   return adjusted_;
 }
 

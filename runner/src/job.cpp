@@ -1523,8 +1523,7 @@ JobSpec validate(const YAML::Node& root, const Reader& r, const EnvLookup& env) 
       if (const auto problem = tool_choice_problem(job.request.extra))
         r.fail(root["request"]["extra"][problem->first], "request.extra." + problem->first,
                problem->second + " (the backend is the embedded engine)");
-      if (const auto problem = min_tokens_problem(
-              job.request.extra, job.request.max_tokens ? std::optional<std::int64_t>(*job.request.max_tokens) : std::nullopt))
+      if (const auto problem = min_tokens_problem(job.request.extra, job.request.max_tokens))
         r.fail(root["request"]["extra"]["min_tokens"], "request.extra.min_tokens", *problem);
     }
   } else {

@@ -520,8 +520,7 @@ Item batch_item(const JobSpec& job, ordered line_value, std::int64_t line,
       throw ConfigError(file, line_int, 0, "body.top_logprobs", *problem + " (the backend is the embedded engine)");
     if (const auto problem = tool_choice_problem(request.extra))
       throw ConfigError(file, line_int, 0, "body." + problem->first, problem->second + " (the backend is the embedded engine)");
-    if (const auto problem = min_tokens_problem(
-            request.extra, request.max_tokens ? std::optional<std::int64_t>(*request.max_tokens) : std::nullopt))
+    if (const auto problem = min_tokens_problem(request.extra, request.max_tokens))
       throw ConfigError(file, line_int, 0, "body.min_tokens", *problem);
   }
   json id = line_value["custom_id"];

@@ -511,6 +511,25 @@ class TinyModels : public ::testing::Test {
     return out;
   }
 
+  // For a request whose logits the sampler changes: each prompt alone gives what it gave in the
+  // batch (`batched`), and so does the single-sequence engine; a proposer drafts nothing for it,
+  // so with each of `methods` the output is unchanged.
+  static void expect_alone_as_batched_and_undrafted(const std::vector<std::vector<Token>>& prompts,
+                                                    const GenerateParams& params, const std::vector<std::string>& batched,
+                                                    std::initializer_list<SpecMethod> methods) {
+    Engine single(Model::load(path("target.gguf")), EngineOptions{1, 256});
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_EQ(run(options(SpecMethod::kNone), {prompts[i]}, params)[0], batched[i]) << i;
+      EXPECT_EQ(summary(single.generate(prompts[i], params, nullptr)), batched[i]) << i;
+    }
+    for (SpecMethod m : methods) {
+      SCOPED_TRACE(std::string(to_string(m)));
+      EngineStats stats;
+      EXPECT_EQ(run(options(m), prompts, params, &stats), batched);
+      EXPECT_EQ(stats.drafted_tokens, 0);
+    }
+  }
+
   static inline fs::path* dir_ = nullptr;
 };
 
@@ -536,7 +555,6 @@ TEST_F(TinyModels, GreedyOutputIsIdenticalWithEveryProposerAloneAndBatched) {
 TEST_F(TinyModels, PenaltiesApplyAloneAndBatchedAndTurnDraftingOff) {
   const auto many = prompts(6);
   const std::vector<std::string> plain = run(options(SpecMethod::kNone), many, greedy(40));
-  Engine single(Model::load(path("target.gguf")), EngineOptions{1, 256});
   for (const bool repetition : {false, true}) {
     SCOPED_TRACE(repetition ? "repetition_penalty" : "frequency and presence penalties");
     GenerateParams params = greedy(40);
@@ -548,18 +566,7 @@ TEST_F(TinyModels, PenaltiesApplyAloneAndBatchedAndTurnDraftingOff) {
     }
     const std::vector<std::string> penalized = run(options(SpecMethod::kNone), many, params);
     EXPECT_NE(penalized, plain);
-    // Each prompt alone gives what it gave in the batch, and so does the single-sequence engine.
-    for (std::size_t i = 0; i < many.size(); ++i) {
-      EXPECT_EQ(run(options(SpecMethod::kNone), {many[i]}, params)[0], penalized[i]) << i;
-      EXPECT_EQ(summary(single.generate(many[i], params, nullptr)), penalized[i]) << i;
-    }
-    // A proposer drafts nothing for a request with penalties, so its output is unchanged.
-    for (SpecMethod m : {SpecMethod::kNgram, SpecMethod::kSelf, SpecMethod::kDraft}) {
-      SCOPED_TRACE(std::string(to_string(m)));
-      EngineStats stats;
-      EXPECT_EQ(run(options(m), many, params, &stats), penalized);
-      EXPECT_EQ(stats.drafted_tokens, 0);
-    }
+    expect_alone_as_batched_and_undrafted(many, params, penalized, {SpecMethod::kNgram, SpecMethod::kSelf, SpecMethod::kDraft});
   }
 }
 
@@ -584,16 +591,7 @@ TEST_F(TinyModels, StopTokenIdsAndMinTokensApplyAloneAndBatched) {
   params.sampling.min_tokens = 20;
   const std::vector<std::string> held = run(options(SpecMethod::kNone), many, params);
   EXPECT_NE(held, stopped);
-  for (std::size_t i = 0; i < many.size(); ++i) {
-    EXPECT_EQ(run(options(SpecMethod::kNone), {many[i]}, params)[0], held[i]) << i;
-    EXPECT_EQ(summary(single.generate(many[i], params, nullptr)), held[i]) << i;
-  }
-  for (SpecMethod m : {SpecMethod::kNgram, SpecMethod::kSelf}) {
-    SCOPED_TRACE(std::string(to_string(m)));
-    EngineStats stats;
-    EXPECT_EQ(run(options(m), many, params, &stats), held);
-    EXPECT_EQ(stats.drafted_tokens, 0);
-  }
+  expect_alone_as_batched_and_undrafted(many, params, held, {SpecMethod::kNgram, SpecMethod::kSelf});
 }
 
 TEST_F(TinyModels, GreedyOutputIsIdenticalUnderPreemption) {

@@ -74,7 +74,7 @@ std::vector<std::int64_t> requested_stop_token_ids(const nlohmann::ordered_json&
 // vLLM's `bad_words` (empty without them), for fields that passed the checks above.
 std::vector<std::string> requested_bad_words(const nlohmann::ordered_json& extra);
 // A min_tokens above the request's max_tokens (nullopt when there is none, or they agree).
-std::optional<std::string> min_tokens_problem(const nlohmann::ordered_json& extra, std::optional<std::int64_t> max_tokens);
+std::optional<std::string> min_tokens_problem(const nlohmann::ordered_json& extra, std::optional<int> max_tokens);
 
 // What a request asks of the sampler that only the engine's sampler on the CPU applies.
 // `penalty`: the penalty field(s) to name where a penalty is applied, else empty.

@@ -128,7 +128,9 @@ class Generation {
   // as text, so the matcher alone would never see it; generating one stops as the string would.
   std::vector<Token> stop_tokens_;
   std::vector<Token> stop_ids_;  // GenerateParams::stop_token_ids
-  std::int64_t min_tokens_ = 0;  // the first this many tokens cannot end the output
+  // Whether the text of the token generated last may end the output with a stop string (it is
+  // past the first min_tokens).
+  bool armed() const { return generated_ > sampler_.params().min_tokens; }
   std::string reason_;
   std::int64_t generated_ = 0;
   // Log-probabilities of tokens whose text is not yet final, with where their text starts and

@@ -112,6 +112,7 @@ class Sampler {
   std::int64_t observed_ = 0;  // tokens generated
   std::vector<Token> recent_;  // for bad_words: the tokens generated last, as many as the longest less one
   std::size_t recent_limit_ = 0;
+  std::vector<Token> banned_;  // adjust()'s: the tokens it sets to -infinity
   std::vector<float> adjusted_;
 };
 
